@@ -1,0 +1,37 @@
+/* core.c - allocation wrappers, panic and clocks. */
+#include "core.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+void td__panic(const char *file, int line, const char *fmt, ...) {
+  va_list ap;
+  fprintf(stderr, "tdist: fatal internal error at %s:%d: ", file, line);
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fputc('\n', stderr);
+  abort();
+}
+
+void *td__malloc(size_t n) { return malloc(n ? n : 1); }
+void *td__calloc(size_t count, size_t size) { return calloc(count ? count : 1, size ? size : 1); }
+void *td__realloc(void *p, size_t n) { return realloc(p, n ? n : 1); }
+void td__free(void *p) { free(p); }
+
+char *td__strdup(const char *s) {
+  if (!s) return NULL;
+  size_t n = strlen(s) + 1;
+  char *d = malloc(n);
+  if (d) memcpy(d, s, n);
+  return d;
+}
+
+uint64_t td__now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}

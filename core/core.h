@@ -1,0 +1,50 @@
+/* core.h - internal helpers shared by every tdist source file: checked allocation, abort on a
+ * broken invariant, argument checks that set the thread-local error, clocks.
+ */
+#ifndef TD_CORE_CORE_H
+#define TD_CORE_CORE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tdist/status.h"
+
+/* td__panic aborts the process with file, line and message: only for broken internal
+ * invariants, never for caller mistakes. */
+#ifdef __cplusplus /* C++ (the CUDA files under tensor/cuda/) has no _Noreturn keyword */
+#define TD_NORETURN [[noreturn]]
+#else
+#define TD_NORETURN _Noreturn
+#endif
+TD_NORETURN void td__panic(const char *file, int line, const char *fmt, ...) TD_PRINTF(3, 4);
+#define TD_PANIC(...) td__panic(__FILE__, __LINE__, __VA_ARGS__)
+#define TD_ASSERT(cond)                                        \
+  do {                                                         \
+    if (!(cond)) TD_PANIC("assertion failed: %s", #cond);      \
+  } while (0)
+
+/* TD_CHECK_ARG returns TD_ERR_INVALID with a message from the enclosing function when cond fails. */
+#define TD_CHECK_ARG(cond, ...)                                \
+  do {                                                         \
+    if (!(cond)) return td_set_error(TD_ERR_INVALID, __VA_ARGS__); \
+  } while (0)
+
+/* TD_TRY evaluates a td_status expression and returns it from the enclosing function on failure. */
+#define TD_TRY(expr)                        \
+  do {                                      \
+    td_status td__s_ = (expr);              \
+    if (td__s_ != TD_OK) return td__s_;     \
+  } while (0)
+
+/* Allocation helpers: NULL on failure (callers turn it into TD_ERR_NOMEM). */
+void *td__malloc(size_t n);
+void *td__calloc(size_t count, size_t size);
+void *td__realloc(void *p, size_t n);
+char *td__strdup(const char *s);
+void td__free(void *p);
+
+/* Monotonic clock in nanoseconds. */
+uint64_t td__now_ns(void);
+
+#endif

@@ -1,0 +1,143 @@
+/* threadpool.c - fixed worker pool over a linked FIFO guarded by one mutex.
+ *
+ * Invariants: `queued` counts tasks in the list, `running` tasks being executed; shutdown waits
+ * for both to reach zero. Lock order: p->mu only (tasks run with no lock held).
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "threadpool.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "core.h"
+
+typedef struct task {
+  struct task *next;
+  td__task_fn fn;
+  void *arg;
+} task;
+
+struct td__threadpool {
+  pthread_mutex_t mu;
+  pthread_cond_t cv_work;
+  pthread_cond_t cv_idle;
+  task *head, *tail;
+  size_t queued, running;
+  bool stopping, joined;
+  int nthreads;
+  pthread_t *threads;
+};
+
+static _Thread_local td__threadpool *current_pool;
+
+static void *worker_main(void *arg) {
+  td__threadpool *p = arg;
+  current_pool = p;
+  pthread_mutex_lock(&p->mu);
+  for (;;) {
+    while (!p->head && !p->stopping) pthread_cond_wait(&p->cv_work, &p->mu);
+    if (!p->head && p->stopping) break;
+    task *t = p->head;
+    p->head = t->next;
+    if (!p->head) p->tail = NULL;
+    p->queued--;
+    p->running++;
+    pthread_mutex_unlock(&p->mu);
+    t->fn(t->arg);
+    td__free(t);
+    pthread_mutex_lock(&p->mu);
+    p->running--;
+    if (p->queued == 0 && p->running == 0) pthread_cond_broadcast(&p->cv_idle);
+  }
+  pthread_mutex_unlock(&p->mu);
+  return NULL;
+}
+
+td_status td__threadpool_create(int nthreads, const char *name, td__threadpool **out) {
+  TD_CHECK_ARG(out && nthreads >= 1, "threadpool_create: need out and nthreads >= 1 (got %d)",
+               nthreads);
+  td__threadpool *p = td__calloc(1, sizeof *p);
+  if (!p) return td_set_error(TD_ERR_NOMEM, "threadpool_create: out of memory");
+  pthread_mutex_init(&p->mu, NULL);
+  pthread_cond_init(&p->cv_work, NULL);
+  pthread_cond_init(&p->cv_idle, NULL);
+  p->threads = td__calloc((size_t)nthreads, sizeof(pthread_t));
+  if (!p->threads) goto nomem;
+  for (int i = 0; i < nthreads; i++) {
+    if (pthread_create(&p->threads[i], NULL, worker_main, p) != 0) {
+      pthread_mutex_lock(&p->mu);
+      p->stopping = true;
+      pthread_cond_broadcast(&p->cv_work);
+      pthread_mutex_unlock(&p->mu);
+      for (int j = 0; j < i; j++) pthread_join(p->threads[j], NULL);
+      td__free(p->threads);
+      td__free(p);
+      return td_set_error(TD_ERR_NOMEM, "threadpool_create: pthread_create failed");
+    }
+    char tn[32];
+    snprintf(tn, sizeof tn, "%.10s-%d", name ? name : "td", i % 10000);
+    tn[15] = 0;
+    pthread_setname_np(p->threads[i], tn);
+    p->nthreads = i + 1;
+  }
+  *out = p;
+  return TD_OK;
+nomem:
+  td__free(p);
+  return td_set_error(TD_ERR_NOMEM, "threadpool_create: out of memory");
+}
+
+td_status td__threadpool_submit(td__threadpool *p, td__task_fn fn, void *arg) {
+  TD_CHECK_ARG(p && fn, "threadpool_submit: NULL pool or function");
+  task *t = td__malloc(sizeof *t);
+  if (!t) return td_set_error(TD_ERR_NOMEM, "threadpool_submit: out of memory");
+  t->next = NULL;
+  t->fn = fn;
+  t->arg = arg;
+  pthread_mutex_lock(&p->mu);
+  if (p->stopping) {
+    pthread_mutex_unlock(&p->mu);
+    td__free(t);
+    return td_set_error(TD_ERR_STATE, "threadpool_submit: pool is shutting down");
+  }
+  if (p->tail) p->tail->next = t;
+  else p->head = t;
+  p->tail = t;
+  p->queued++;
+  pthread_cond_signal(&p->cv_work);
+  pthread_mutex_unlock(&p->mu);
+  return TD_OK;
+}
+
+size_t td__threadpool_pending(td__threadpool *p) {
+  pthread_mutex_lock(&p->mu);
+  size_t n = p->queued + p->running;
+  pthread_mutex_unlock(&p->mu);
+  return n;
+}
+
+int td__threadpool_is_worker(td__threadpool *p) { return p && current_pool == p; }
+
+void td__threadpool_shutdown(td__threadpool *p) {
+  if (!p) return;
+  pthread_mutex_lock(&p->mu);
+  p->stopping = true;
+  pthread_cond_broadcast(&p->cv_work);
+  while (p->queued || p->running) pthread_cond_wait(&p->cv_idle, &p->mu);
+  pthread_mutex_unlock(&p->mu);
+}
+
+void td__threadpool_destroy(td__threadpool *p) {
+  if (!p) return;
+  td__threadpool_shutdown(p);
+  for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
+  pthread_mutex_destroy(&p->mu);
+  pthread_cond_destroy(&p->cv_work);
+  pthread_cond_destroy(&p->cv_idle);
+  td__free(p->threads);
+  td__free(p);
+}

@@ -1,0 +1,535 @@
+/* cpu_backend.c - CPU kernels for memory, copies, elementwise ops, reductions and GEMM, and the
+ * CPU backend table.
+ *
+ * Elementwise kernels walk any strided geometry: dims are first coalesced (adjacent dims that are
+ * contiguous in every operand merge), then the innermost dim runs as a tight loop and the outer
+ * dims as an odometer. Float32 sums accumulate in double. GEMM goes to OpenBLAS.
+ */
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+#include "tensor_impl.h"
+
+/* ---- memory ---- */
+
+static td_status cpu_alloc(int dev, size_t nbytes, void **out) {
+  void *p = NULL;
+  size_t align = 64;
+  size_t sz = (nbytes + align - 1) / align * align;
+  if (posix_memalign(&p, align, sz ? sz : align) != 0)
+    return td_set_error(TD_ERR_NOMEM, "cpu: cannot allocate %zu bytes", nbytes);
+  *out = p;
+  return TD_OK;
+}
+
+static void cpu_free(int dev, void *p) { free(p); }
+
+static td_status cpu_memcpy(int dev, void *dst, const void *src, size_t n) {
+  if (n) memcpy(dst, src, n);
+  return TD_OK;
+}
+
+/* ---- strided iteration ---- */
+
+typedef struct {
+  int ndim;
+  int64_t shape[TD_MAX_DIMS];
+  int64_t st[3][TD_MAX_DIMS]; /* strides of up to three operands */
+} geom;
+
+/* Builds a coalesced geometry for n operands of the same shape. */
+static void geom_make(geom *g, const td_tensor *const *ops, int n) {
+  const td_tensor *t0 = ops[0];
+  int nd = 0;
+  for (int d = 0; d < t0->ndim; d++) {
+    if (t0->shape[d] == 1) continue;
+    g->shape[nd] = t0->shape[d];
+    for (int k = 0; k < n; k++) g->st[k][nd] = ops[k]->strides[d];
+    nd++;
+  }
+  if (nd == 0) {
+    g->shape[0] = 1;
+    for (int k = 0; k < n; k++) g->st[k][0] = 1;
+    nd = 1;
+  }
+  /* merge dim d into d+1 (inner) when stride[d] == stride[d+1] * shape[d+1] for all operands */
+  int out = nd - 1;
+  int64_t shp[TD_MAX_DIMS], str[3][TD_MAX_DIMS];
+  shp[out] = g->shape[nd - 1];
+  for (int k = 0; k < n; k++) str[k][out] = g->st[k][nd - 1];
+  for (int d = nd - 2; d >= 0; d--) {
+    bool ok = true;
+    for (int k = 0; k < n; k++) ok = ok && g->st[k][d] == str[k][out] * shp[out];
+    if (ok) {
+      shp[out] *= g->shape[d];
+    } else {
+      out--;
+      shp[out] = g->shape[d];
+      for (int k = 0; k < n; k++) str[k][out] = g->st[k][d];
+    }
+  }
+  g->ndim = nd - out;
+  for (int d = 0; d < g->ndim; d++) {
+    g->shape[d] = shp[out + d];
+    for (int k = 0; k < n; k++) g->st[k][d] = str[k][out + d];
+  }
+}
+
+/* Iterates the outer dims; for each inner row calls body with element offsets. */
+#define GEOM_LOOP(g, nops, BODY)                                                 \
+  do {                                                                           \
+    int64_t idx_[TD_MAX_DIMS] = {0};                                             \
+    int64_t off_[3] = {0, 0, 0};                                                 \
+    int nd_ = (g)->ndim;                                                         \
+    int64_t n_ = (g)->shape[nd_ - 1];                                            \
+    int64_t s0_ = (g)->st[0][nd_ - 1], s1_ = (g)->st[1][nd_ - 1],               \
+            s2_ = (g)->st[2][nd_ - 1];                                           \
+    (void)s1_;                                                                   \
+    (void)s2_;                                                                   \
+    for (;;) {                                                                   \
+      BODY;                                                                      \
+      int d_ = nd_ - 2;                                                          \
+      for (; d_ >= 0; d_--) {                                                    \
+        idx_[d_]++;                                                              \
+        for (int k_ = 0; k_ < (nops); k_++) off_[k_] += (g)->st[k_][d_];         \
+        if (idx_[d_] < (g)->shape[d_]) break;                                    \
+        for (int k_ = 0; k_ < (nops); k_++)                                      \
+          off_[k_] -= (g)->st[k_][d_] * (g)->shape[d_];                          \
+        idx_[d_] = 0;                                                            \
+      }                                                                          \
+      if (d_ < 0) break;                                                         \
+    }                                                                            \
+  } while (0)
+
+static inline char *elem_ptr(const td_tensor *t) { return (char *)td_tensor_data(t); }
+
+/* ---- copy and fill ---- */
+
+#define COPY_ROW(TD, TS)                                                        \
+  static void copy_row_##TD##_##TS(TD *d, int64_t sd, const TS *s, int64_t ss, \
+                                   int64_t n) {                                 \
+    for (int64_t i = 0; i < n; i++) d[i * sd] = (TD)s[i * ss];                 \
+  }
+COPY_ROW(float, float)
+COPY_ROW(float, double)
+COPY_ROW(float, int64_t)
+COPY_ROW(double, float)
+COPY_ROW(double, double)
+COPY_ROW(double, int64_t)
+COPY_ROW(int64_t, float)
+COPY_ROW(int64_t, double)
+COPY_ROW(int64_t, int64_t)
+
+static td_status cpu_copy(td_tensor *dst, const td_tensor *src) {
+  if (td_tensor_numel(dst) == 0) return TD_OK;
+  if (dst->dtype == src->dtype && td_tensor_is_contiguous(dst) && td_tensor_is_contiguous(src)) {
+    memmove(td_tensor_data(dst), td_tensor_data(src), td_tensor_nbytes(dst));
+    return TD_OK;
+  }
+  const td_tensor *ops[2] = {dst, src};
+  geom g;
+  geom_make(&g, ops, 2);
+  char *db = elem_ptr(dst);
+  const char *sb = elem_ptr(src);
+#define COPY_CASE(TD, TS)                                                                \
+  GEOM_LOOP(&g, 2, copy_row_##TD##_##TS((TD *)db + off_[0], s0_, (const TS *)sb + off_[1], \
+                                        s1_, n_))
+  int key = (int)dst->dtype * 3 + (int)src->dtype;
+  switch (key) {
+    case 0: COPY_CASE(float, float); break;
+    case 1: COPY_CASE(float, double); break;
+    case 2: COPY_CASE(float, int64_t); break;
+    case 3: COPY_CASE(double, float); break;
+    case 4: COPY_CASE(double, double); break;
+    case 5: COPY_CASE(double, int64_t); break;
+    case 6: COPY_CASE(int64_t, float); break;
+    case 7: COPY_CASE(int64_t, double); break;
+    case 8: COPY_CASE(int64_t, int64_t); break;
+  }
+#undef COPY_CASE
+  return TD_OK;
+}
+
+static td_status cpu_fill(td_tensor *t, double v) {
+  if (td_tensor_numel(t) == 0) return TD_OK;
+  const td_tensor *ops[1] = {t};
+  geom g;
+  geom_make(&g, ops, 1);
+  char *b = elem_ptr(t);
+  switch (t->dtype) {
+    case TD_DTYPE_F32: {
+      float fv = (float)v;
+      GEOM_LOOP(&g, 1, {
+        float *p = (float *)b + off_[0];
+        for (int64_t i = 0; i < n_; i++) p[i * s0_] = fv;
+      });
+      break;
+    }
+    case TD_DTYPE_F64:
+      GEOM_LOOP(&g, 1, {
+        double *p = (double *)b + off_[0];
+        for (int64_t i = 0; i < n_; i++) p[i * s0_] = v;
+      });
+      break;
+    case TD_DTYPE_I64: {
+      int64_t iv = (int64_t)v;
+      GEOM_LOOP(&g, 1, {
+        int64_t *p = (int64_t *)b + off_[0];
+        for (int64_t i = 0; i < n_; i++) p[i * s0_] = iv;
+      });
+      break;
+    }
+  }
+  return TD_OK;
+}
+
+/* ---- binary ---- */
+
+#define BIN_ROW(T, NAME, EXPR)                                                              \
+  static void NAME##_##T(T *o, int64_t so, const T *a, int64_t sa, const T *b, int64_t sb, \
+                         int64_t n) {                                                       \
+    if (so == 1 && sa == 1 && sb == 1) {                                                    \
+      for (int64_t i = 0; i < n; i++) {                                                     \
+        T x = a[i], y = b[i];                                                               \
+        o[i] = (EXPR);                                                                      \
+      }                                                                                     \
+    } else if (so == 1 && sa == 1 && sb == 0) {                                             \
+      T y = b[0];                                                                           \
+      for (int64_t i = 0; i < n; i++) {                                                     \
+        T x = a[i];                                                                         \
+        o[i] = (EXPR);                                                                      \
+      }                                                                                     \
+    } else {                                                                                \
+      for (int64_t i = 0; i < n; i++) {                                                     \
+        T x = a[i * sa], y = b[i * sb];                                                     \
+        o[i * so] = (EXPR);                                                                 \
+      }                                                                                     \
+    }                                                                                       \
+  }
+
+#define BIN_ALL(T)                                  \
+  BIN_ROW(T, b_add, x + y)                          \
+  BIN_ROW(T, b_sub, x - y)                          \
+  BIN_ROW(T, b_mul, x * y)                          \
+  BIN_ROW(T, b_div, x / y)                          \
+  BIN_ROW(T, b_max, (x > y || x != x) ? x : y)      \
+  BIN_ROW(T, b_min, (x < y || x != x) ? x : y)      \
+  BIN_ROW(T, b_eq, (T)(x == y))                     \
+  BIN_ROW(T, b_gt, (T)(x > y))
+BIN_ALL(float)
+BIN_ALL(double)
+BIN_ALL(int64_t)
+
+typedef void (*bin_row_f)(void *, int64_t, const void *, int64_t, const void *, int64_t, int64_t);
+
+#define BIN_TABLE(T)                                                                    \
+  {(bin_row_f)b_add_##T, (bin_row_f)b_sub_##T, (bin_row_f)b_mul_##T, (bin_row_f)b_div_##T, \
+   (bin_row_f)b_max_##T, (bin_row_f)b_min_##T, (bin_row_f)b_eq_##T, (bin_row_f)b_gt_##T}
+static const bin_row_f bin_rows[3][8] = {BIN_TABLE(float), BIN_TABLE(double), BIN_TABLE(int64_t)};
+
+static td_status cpu_binary(td__binary_op op, const td_tensor *a, const td_tensor *b,
+                            td_tensor *out) {
+  if (td_tensor_numel(out) == 0) return TD_OK;
+  if (out->dtype == TD_DTYPE_I64 && op == TD__BIN_DIV) {
+    /* integer division by zero is undefined behaviour in C: reject it up front */
+    const td_tensor *ops2[1] = {b};
+    geom gb;
+    geom_make(&gb, ops2, 1);
+    const int64_t *bb = (const int64_t *)elem_ptr(b);
+    bool zero = false;
+    GEOM_LOOP(&gb, 1, {
+      for (int64_t i = 0; i < n_; i++) zero = zero || bb[off_[0] + i * s0_] == 0;
+    });
+    if (zero) return td_set_error(TD_ERR_INVALID, "div: integer division by zero");
+  }
+  const td_tensor *ops[3] = {out, a, b};
+  geom g;
+  geom_make(&g, ops, 3);
+  bin_row_f f = bin_rows[out->dtype][op];
+  size_t es = td_dtype_size(out->dtype);
+  char *ob = elem_ptr(out);
+  const char *ab = elem_ptr(a), *bb = elem_ptr(b);
+  GEOM_LOOP(&g, 3, f(ob + off_[0] * (int64_t)es, s0_, ab + off_[1] * (int64_t)es, s1_,
+                     bb + off_[2] * (int64_t)es, s2_, n_));
+  return TD_OK;
+}
+
+/* ---- unary ---- */
+
+static inline double gelu_d(double x) { return 0.5 * x * (1.0 + erf(x * M_SQRT1_2)); }
+static inline double sigmoid_d(double x) {
+  return x >= 0 ? 1.0 / (1.0 + exp(-x)) : exp(x) / (1.0 + exp(x));
+}
+
+#define UN_ROW(T)                                                                            \
+  static void un_row_##T(td__unary_op op, T *o, int64_t so, const T *x, int64_t sx, int64_t n, \
+                         double p0, double p1) {                                              \
+    switch (op) {                                                                            \
+      case TD__UN_AFFINE: {                                                                  \
+        T a = (T)p0, b = (T)p1;                                                              \
+        for (int64_t i = 0; i < n; i++) o[i * so] = a * x[i * sx] + b;                       \
+        break;                                                                               \
+      }                                                                                      \
+      case TD__UN_POW:                                                                       \
+        if (p0 == 2.0)                                                                       \
+          for (int64_t i = 0; i < n; i++) o[i * so] = x[i * sx] * x[i * sx];                 \
+        else                                                                                 \
+          for (int64_t i = 0; i < n; i++) o[i * so] = (T)pow((double)x[i * sx], p0);         \
+        break;                                                                               \
+      case TD__UN_EXP:                                                                       \
+        for (int64_t i = 0; i < n; i++) o[i * so] = (T)exp((double)x[i * sx]);               \
+        break;                                                                               \
+      case TD__UN_LOG:                                                                       \
+        for (int64_t i = 0; i < n; i++) o[i * so] = (T)log((double)x[i * sx]);               \
+        break;                                                                               \
+      case TD__UN_SQRT:                                                                      \
+        for (int64_t i = 0; i < n; i++) o[i * so] = (T)sqrt((double)x[i * sx]);              \
+        break;                                                                               \
+      case TD__UN_TANH:                                                                      \
+        for (int64_t i = 0; i < n; i++) o[i * so] = (T)tanh((double)x[i * sx]);              \
+        break;                                                                               \
+      case TD__UN_SIGMOID:                                                                   \
+        for (int64_t i = 0; i < n; i++) o[i * so] = (T)sigmoid_d((double)x[i * sx]);         \
+        break;                                                                               \
+      case TD__UN_RELU:                                                                      \
+        for (int64_t i = 0; i < n; i++) o[i * so] = x[i * sx] > 0 ? x[i * sx] : (T)0;        \
+        break;                                                                               \
+      case TD__UN_GELU:                                                                      \
+        for (int64_t i = 0; i < n; i++) o[i * so] = (T)gelu_d((double)x[i * sx]);            \
+        break;                                                                               \
+      case TD__UN_ABS:                                                                       \
+        for (int64_t i = 0; i < n; i++) o[i * so] = x[i * sx] < 0 ? -x[i * sx] : x[i * sx];  \
+        break;                                                                               \
+    }                                                                                        \
+  }
+UN_ROW(float)
+UN_ROW(double)
+
+static td_status cpu_unary(td__unary_op op, const td_tensor *x, td_tensor *out, double p0,
+                           double p1) {
+  if (td_tensor_numel(out) == 0) return TD_OK;
+  const td_tensor *ops[2] = {out, x};
+  geom g;
+  geom_make(&g, ops, 2);
+  char *ob = elem_ptr(out);
+  const char *xb = elem_ptr(x);
+  switch (out->dtype) {
+    case TD_DTYPE_F32:
+      GEOM_LOOP(&g, 2, un_row_float(op, (float *)ob + off_[0], s0_, (const float *)xb + off_[1],
+                                    s1_, n_, p0, p1));
+      break;
+    case TD_DTYPE_F64:
+      GEOM_LOOP(&g, 2, un_row_double(op, (double *)ob + off_[0], s0_,
+                                     (const double *)xb + off_[1], s1_, n_, p0, p1));
+      break;
+    case TD_DTYPE_I64:
+      if (op == TD__UN_AFFINE && p0 == (double)(int64_t)p0 && p1 == (double)(int64_t)p1) {
+        int64_t a = (int64_t)p0, b = (int64_t)p1;
+        GEOM_LOOP(&g, 2, {
+          int64_t *o = (int64_t *)ob + off_[0];
+          const int64_t *xi = (const int64_t *)xb + off_[1];
+          for (int64_t i = 0; i < n_; i++) o[i * s0_] = a * xi[i * s1_] + b;
+        });
+        break;
+      }
+      return td_set_error(TD_ERR_DTYPE, "unary op on int64 tensors is not supported");
+  }
+  return TD_OK;
+}
+
+#define UNB(T)                                                                                 \
+  static void unb_##T(td__unary_op op, const T *x, const T *y, const T *gy, T *gx, int64_t n,  \
+                      double p0) {                                                             \
+    switch (op) {                                                                              \
+      case TD__UN_AFFINE:                                                                      \
+        for (int64_t i = 0; i < n; i++) gx[i] = gy[i] * (T)p0;                                 \
+        break;                                                                                 \
+      case TD__UN_POW:                                                                         \
+        for (int64_t i = 0; i < n; i++)                                                        \
+          gx[i] = (T)((double)gy[i] * p0 *                                                     \
+                      (p0 == 2.0 ? (double)x[i] : pow((double)x[i], p0 - 1.0)));               \
+        break;                                                                                 \
+      case TD__UN_EXP:                                                                         \
+        for (int64_t i = 0; i < n; i++) gx[i] = gy[i] * y[i];                                  \
+        break;                                                                                 \
+      case TD__UN_LOG:                                                                         \
+        for (int64_t i = 0; i < n; i++) gx[i] = gy[i] / x[i];                                  \
+        break;                                                                                 \
+      case TD__UN_SQRT:                                                                        \
+        for (int64_t i = 0; i < n; i++) gx[i] = gy[i] * (T)0.5 / y[i];                         \
+        break;                                                                                 \
+      case TD__UN_TANH:                                                                        \
+        for (int64_t i = 0; i < n; i++) gx[i] = gy[i] * ((T)1 - y[i] * y[i]);                  \
+        break;                                                                                 \
+      case TD__UN_SIGMOID:                                                                     \
+        for (int64_t i = 0; i < n; i++) gx[i] = gy[i] * y[i] * ((T)1 - y[i]);                  \
+        break;                                                                                 \
+      case TD__UN_RELU:                                                                        \
+        for (int64_t i = 0; i < n; i++) gx[i] = x[i] > 0 ? gy[i] : (T)0;                       \
+        break;                                                                                 \
+      case TD__UN_GELU:                                                                        \
+        for (int64_t i = 0; i < n; i++) {                                                      \
+          double xv = x[i];                                                                    \
+          double cdf = 0.5 * (1.0 + erf(xv * M_SQRT1_2));                                      \
+          double pdf = exp(-0.5 * xv * xv) * 0.3989422804014327;                               \
+          gx[i] = (T)((double)gy[i] * (cdf + xv * pdf));                                       \
+        }                                                                                      \
+        break;                                                                                 \
+      case TD__UN_ABS:                                                                         \
+        for (int64_t i = 0; i < n; i++)                                                        \
+          gx[i] = x[i] > 0 ? gy[i] : (x[i] < 0 ? -gy[i] : (T)0);                               \
+        break;                                                                                 \
+    }                                                                                          \
+  }
+UNB(float)
+UNB(double)
+
+static td_status cpu_unary_backward(td__unary_op op, const td_tensor *x, const td_tensor *y,
+                                    const td_tensor *gy, td_tensor *gx, double p0, double p1) {
+  int64_t n = td_tensor_numel(gx);
+  const void *xp = x ? td_tensor_data(x) : NULL, *yp = y ? td_tensor_data(y) : NULL;
+  if (gx->dtype == TD_DTYPE_F32)
+    unb_float(op, xp, yp, td_tensor_data(gy), td_tensor_data(gx), n, p0);
+  else if (gx->dtype == TD_DTYPE_F64)
+    unb_double(op, xp, yp, td_tensor_data(gy), td_tensor_data(gx), n, p0);
+  else
+    return td_set_error(TD_ERR_DTYPE, "unary backward on int64");
+  return TD_OK;
+}
+
+/* ---- reductions ---- */
+
+#define RSUM(T)                                                                               \
+  static void rsum_##T(const T *x, int64_t outer, int64_t r, int64_t inner, T *out,          \
+                       double *acc) {                                                         \
+    for (int64_t o = 0; o < outer; o++) {                                                     \
+      const T *xo = x + o * r * inner;                                                        \
+      if (inner == 1) {                                                                       \
+        double s = 0;                                                                         \
+        for (int64_t k = 0; k < r; k++) s += xo[k];                                           \
+        out[o] = (T)s;                                                                        \
+        continue;                                                                             \
+      }                                                                                       \
+      for (int64_t i = 0; i < inner; i++) acc[i] = 0;                                         \
+      for (int64_t k = 0; k < r; k++) {                                                       \
+        const T *row = xo + k * inner;                                                        \
+        for (int64_t i = 0; i < inner; i++) acc[i] += row[i];                                 \
+      }                                                                                       \
+      for (int64_t i = 0; i < inner; i++) out[o * inner + i] = (T)acc[i];                     \
+    }                                                                                         \
+  }
+RSUM(float)
+RSUM(double)
+
+static td_status cpu_reduce_sum(const td_tensor *x, int64_t outer, int64_t r, int64_t inner,
+                                td_tensor *out) {
+  if (x->dtype == TD_DTYPE_I64) {
+    const int64_t *xp = td_tensor_data(x);
+    int64_t *op = td_tensor_data(out);
+    for (int64_t o = 0; o < outer; o++)
+      for (int64_t i = 0; i < inner; i++) {
+        int64_t s = 0;
+        for (int64_t k = 0; k < r; k++) s += xp[(o * r + k) * inner + i];
+        op[o * inner + i] = s;
+      }
+    return TD_OK;
+  }
+  double *acc = td__malloc((size_t)(inner > 0 ? inner : 1) * sizeof(double));
+  if (!acc) return td_set_error(TD_ERR_NOMEM, "sum: out of memory");
+  if (x->dtype == TD_DTYPE_F32)
+    rsum_float(td_tensor_data(x), outer, r, inner, td_tensor_data(out), acc);
+  else
+    rsum_double(td_tensor_data(x), outer, r, inner, td_tensor_data(out), acc);
+  td__free(acc);
+  return TD_OK;
+}
+
+static td_status cpu_reduce_max(const td_tensor *x, int64_t outer, int64_t r, int64_t inner,
+                                td_tensor *out, td_tensor *idx) {
+  const void *xp = td_tensor_data(x);
+  void *op = td_tensor_data(out);
+  int64_t *ip = idx ? td_tensor_data(idx) : NULL;
+  td_dtype dt = x->dtype;
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t i = 0; i < inner; i++) {
+      int64_t base = o * r * inner + i;
+      double best = td__load(xp, dt, base);
+      int64_t bi = 0;
+      for (int64_t k = 1; k < r; k++) {
+        double v = td__load(xp, dt, base + k * inner);
+        if (v > best || (v != v && best == best)) {
+          best = v;
+          bi = k;
+        }
+      }
+      td__store(op, dt, o * inner + i, best);
+      if (ip) ip[o * inner + i] = bi;
+    }
+  return TD_OK;
+}
+
+/* ---- GEMM ---- */
+
+static td_status cpu_gemm(td_dtype dt, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+                          double alpha, const void *a, int64_t sa, const void *b, int64_t sb,
+                          double beta, void *c, int64_t sc, int64_t batch) {
+  if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX)
+    return td_set_error(TD_ERR_INVALID, "matmul: dimension too large for BLAS");
+  int lda = (int)(ta ? m : k), ldb = (int)(tb ? k : n), ldc = (int)n;
+  if (m == 0 || n == 0) return TD_OK;
+  for (int64_t i = 0; i < batch; i++) {
+    if (dt == TD_DTYPE_F32) {
+      if (k == 0) {
+        float *cp = (float *)c + i * sc;
+        for (int64_t j = 0; j < m * n; j++) cp[j] = beta == 0 ? 0.f : (float)beta * cp[j];
+        continue;
+      }
+      cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                  (int)m, (int)n, (int)k, (float)alpha, (const float *)a + i * sa, lda,
+                  (const float *)b + i * sb, ldb, (float)beta, (float *)c + i * sc, ldc);
+    } else if (dt == TD_DTYPE_F64) {
+      if (k == 0) {
+        double *cp = (double *)c + i * sc;
+        for (int64_t j = 0; j < m * n; j++) cp[j] = beta == 0 ? 0. : beta * cp[j];
+        continue;
+      }
+      cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                  (int)m, (int)n, (int)k, alpha, (const double *)a + i * sa, lda,
+                  (const double *)b + i * sb, ldb, beta, (double *)c + i * sc, ldc);
+    } else {
+      return td_set_error(TD_ERR_DTYPE, "matmul: int64 is not supported");
+    }
+  }
+  return TD_OK;
+}
+
+const td__backend td__cpu_backend = {
+    .name = "cpu",
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .copy_h2d = cpu_memcpy,
+    .copy_d2h = cpu_memcpy,
+    .copy = cpu_copy,
+    .fill = cpu_fill,
+    .binary = cpu_binary,
+    .unary = cpu_unary,
+    .unary_backward = cpu_unary_backward,
+    .reduce_sum = cpu_reduce_sum,
+    .reduce_max = cpu_reduce_max,
+    .gemm = cpu_gemm,
+    .softmax = td__cpu_softmax,
+    .softmax_backward = td__cpu_softmax_backward,
+    .nll = td__cpu_nll,
+    .nll_backward = td__cpu_nll_backward,
+    .im2col = td__cpu_im2col,
+    .col2im = td__cpu_col2im,
+    .max_pool2d = td__cpu_max_pool2d,
+    .max_pool2d_backward = td__cpu_max_pool2d_backward,
+    .index_select = td__cpu_index_select,
+    .index_add = td__cpu_index_add,
+    .layer_norm = td__cpu_layer_norm,
+    .layer_norm_backward = td__cpu_layer_norm_backward,
+};

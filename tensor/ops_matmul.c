@@ -1,0 +1,167 @@
+/* ops_matmul.c - torch.matmul semantics on top of one differentiable batched GEMM (bmm).
+ *
+ * bmm: a [B, M, K] @ b [B, K, N] -> [B, M, N] on contiguous operands, with a backward made of two
+ * more GEMMs (ga = g @ b^T, gb = a^T @ g). Everything else - 1-d promotion, flattening the
+ * leading dims of `x @ W` into one GEMM, broadcasting batch dims - is composed from views that
+ * carry their own backward, so matmul's gradient needs no extra code.
+ */
+#include <string.h>
+
+#include "tensor_impl.h"
+
+typedef struct {
+  td_node base;
+  td_tensor *a, *b; /* contiguous [B, M, K], [B, K, N] */
+} bmm_node;
+
+static void bmm_release(td_node *self) {
+  bmm_node *n = (bmm_node *)self;
+  td_tensor_unref(n->a);
+  td_tensor_unref(n->b);
+  n->a = n->b = NULL;
+}
+
+static td_status bmm_backward(td_node *self, td_tensor *const *gout, td_tensor **gin) {
+  bmm_node *n = (bmm_node *)self;
+  td_tensor *g = NULL;
+  TD_TRY(td_tensor_contiguous(gout[0], &g));
+  int64_t B = n->a->shape[0], M = n->a->shape[1], K = n->a->shape[2], N = n->b->shape[2];
+  const td__backend *be = td__backend_of(g);
+  td_status st = TD_OK;
+  if (td__node_needs_grad(self, 0)) {
+    st = td__tensor_new_like(n->a, &gin[0]);
+    if (st == TD_OK)
+      st = be->gemm(g->dtype, false, true, M, K, N, 1.0, td_tensor_data(g), M * N,
+                    td_tensor_data(n->b), K * N, 0.0, td_tensor_data(gin[0]), M * K, B);
+  }
+  if (st == TD_OK && td__node_needs_grad(self, 1)) {
+    st = td__tensor_new_like(n->b, &gin[1]);
+    if (st == TD_OK)
+      st = be->gemm(g->dtype, true, false, K, N, M, 1.0, td_tensor_data(n->a), M * K,
+                    td_tensor_data(g), M * N, 0.0, td_tensor_data(gin[1]), K * N, B);
+  }
+  td_tensor_unref(g);
+  return st;
+}
+static const td__node_ops bmm_ops = {"BmmBackward", bmm_backward, bmm_release, NULL};
+
+/* a [B, M, K], b [B, K, N], any strides. */
+static td_status bmm(const td_tensor *a, const td_tensor *b, td_tensor **out) {
+  td_tensor *ac = NULL, *bc = NULL, *r = NULL;
+  bool prev = td_autograd_set_enabled(false);
+  td_status st = td_tensor_contiguous(a, &ac);
+  if (st == TD_OK) st = td_tensor_contiguous(b, &bc);
+  td_autograd_set_enabled(prev);
+  int64_t B = a->shape[0], M = a->shape[1], K = a->shape[2], N = b->shape[2];
+  int64_t shape[3] = {B, M, N};
+  if (st == TD_OK) st = td__tensor_new(shape, 3, a->dtype, a->storage->device, &r);
+  if (st == TD_OK)
+    st = td__backend_of(a)->gemm(a->dtype, false, false, M, N, K, 1.0, td_tensor_data(ac), M * K,
+                                 td_tensor_data(bc), K * N, 0.0, td_tensor_data(r), M * N, B);
+  if (st == TD_OK && td__needs_grad2(a, b)) {
+    const td_tensor *ins[2] = {a, b};
+    bmm_node *n = (bmm_node *)td__record(r, sizeof(bmm_node), &bmm_ops, ins, 2, &st);
+    if (n) {
+      st = td_tensor_detach(ac, &n->a);
+      if (st == TD_OK) st = td_tensor_detach(bc, &n->b);
+    }
+  }
+  td_tensor_unref(ac);
+  td_tensor_unref(bc);
+  if (st != TD_OK) {
+    td_tensor_unref(r);
+    return st;
+  }
+  *out = r;
+  return TD_OK;
+}
+
+/* Reshape helper that releases its input on the way (for chains of views). */
+static td_status reshape_owned(td_tensor *t, const int64_t *shape, int nd, td_tensor **out) {
+  td_status st = td_tensor_reshape(t, shape, nd, out);
+  td_tensor_unref(t);
+  return st;
+}
+
+td_status td_tensor_matmul(const td_tensor *a, const td_tensor *b, td_tensor **out) {
+  TD_CHECK_ARG(a && b && out, "matmul: NULL argument");
+  TD_TRY(td__check_same_device("matmul", a, b));
+  TD_TRY(td__check_same_dtype("matmul", a, b));
+  TD_TRY(td__check_float("matmul", a));
+  if (a->ndim == 0 || b->ndim == 0)
+    return td_set_error(TD_ERR_SHAPE, "matmul: both arguments need at least 1 dimension");
+  int64_t K = a->shape[a->ndim - 1];
+  int64_t Kb = b->ndim == 1 ? b->shape[0] : b->shape[b->ndim - 2];
+  if (K != Kb) {
+    char sa[128], sb[128];
+    return td_set_error(TD_ERR_SHAPE, "matmul: %s @ %s: inner dimensions %lld and %lld differ",
+                        td_tensor_shape_str(a, sa, sizeof sa), td_tensor_shape_str(b, sb, sizeof sb),
+                        (long long)K, (long long)Kb);
+  }
+  td_tensor *a3 = NULL, *b3 = NULL, *r = NULL;
+  td_status st = TD_OK;
+  int64_t oshape[TD_MAX_DIMS];
+  int on = 0;
+
+  if (b->ndim <= 2) {
+    /* a [..., M, K] (or [K]) @ b [K, N] (or [K]): one GEMM over the flattened leading dims. */
+    int64_t N = b->ndim == 1 ? 1 : b->shape[1];
+    int64_t rows = a->ndim == 1 ? 1 : td_tensor_numel(a) / (K ? K : 1);
+    if (K == 0) rows = td__shape_numel(a->shape, a->ndim - 1);
+    int64_t s3a[3] = {1, rows, K}, s3b[3] = {1, K, N};
+    st = td_tensor_reshape(a, s3a, 3, &a3);
+    if (st == TD_OK) st = td_tensor_reshape(b, s3b, 3, &b3);
+    for (int i = 0; i < a->ndim - 1; i++) oshape[on++] = a->shape[i];
+    if (b->ndim == 2) oshape[on++] = N;
+  } else {
+    /* batched: broadcast the batch dims, then [B, M, K] @ [B, K, N] */
+    int an = a->ndim == 1 ? 2 : a->ndim;
+    int64_t ash[TD_MAX_DIMS], bsh[TD_MAX_DIMS];
+    if (a->ndim == 1) {
+      ash[0] = 1;
+      ash[1] = K;
+    } else {
+      memcpy(ash, a->shape, (size_t)a->ndim * sizeof(int64_t));
+    }
+    memcpy(bsh, b->shape, (size_t)b->ndim * sizeof(int64_t));
+    int64_t M = ash[an - 2], N = bsh[b->ndim - 1];
+    int64_t batch[TD_MAX_DIMS];
+    int bn;
+    st = td__broadcast_shape("matmul", ash, an - 2, bsh, b->ndim - 2, batch, &bn);
+    if (st != TD_OK) return st;
+    if (bn + 2 > TD_MAX_DIMS) return td_set_error(TD_ERR_SHAPE, "matmul: too many dims");
+    int64_t B = td__shape_numel(batch, bn);
+    int64_t ea[TD_MAX_DIMS], eb[TD_MAX_DIMS];
+    memcpy(ea, batch, (size_t)bn * sizeof(int64_t));
+    memcpy(eb, batch, (size_t)bn * sizeof(int64_t));
+    ea[bn] = M;
+    ea[bn + 1] = K;
+    eb[bn] = K;
+    eb[bn + 1] = N;
+    td_tensor *av = NULL, *ae = NULL, *be = NULL;
+    int64_t s3a[3] = {B, M, K}, s3b[3] = {B, K, N};
+    st = td_tensor_reshape(a, ash, an, &av);
+    if (st == TD_OK) st = td_tensor_expand(av, ea, bn + 2, &ae);
+    if (st == TD_OK) st = td_tensor_expand(b, eb, bn + 2, &be);
+    td_tensor_unref(av);
+    if (st == TD_OK) {
+      st = reshape_owned(ae, s3a, 3, &a3);
+      ae = NULL;
+    }
+    if (st == TD_OK) {
+      st = reshape_owned(be, s3b, 3, &b3);
+      be = NULL;
+    }
+    td_tensor_unref(ae);
+    td_tensor_unref(be);
+    memcpy(oshape, batch, (size_t)bn * sizeof(int64_t));
+    on = bn;
+    if (a->ndim > 1) oshape[on++] = M;
+    oshape[on++] = N;
+  }
+  if (st == TD_OK) st = bmm(a3, b3, &r);
+  td_tensor_unref(a3);
+  td_tensor_unref(b3);
+  if (st != TD_OK) return st;
+  return reshape_owned(r, oshape, on, out);
+}

@@ -1,0 +1,66 @@
+/* test_util.h - helpers shared by the cmocka test programs.
+ *
+ * Include after <setjmp.h>, <stdarg.h>, <stddef.h> and <cmocka.h> (test_util.h includes them).
+ */
+#ifndef TD_TEST_UTIL_H
+#define TD_TEST_UTIL_H
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include "tdist/autograd.h"
+#include "tdist/status.h"
+#include "tdist/tensor.h"
+
+/* TD_ASSERT_OK fails the test with the status name and td_last_error() unless expr is TD_OK. */
+#define TD_ASSERT_OK(expr)                                                                     \
+  do {                                                                                         \
+    td_status td_s__ = (expr);                                                                 \
+    if (td_s__ != TD_OK)                                                                       \
+      fail_msg("%s returned %s: %s", #expr, td_status_name(td_s__), td_last_error());          \
+  } while (0)
+
+/* TD_ASSERT_STATUS fails unless expr returns the status want. */
+#define TD_ASSERT_STATUS(expr, want)                                                           \
+  do {                                                                                         \
+    td_status td_s__ = (expr);                                                                 \
+    if (td_s__ != (want))                                                                      \
+      fail_msg("%s returned %s, expected %s (%s)", #expr, td_status_name(td_s__),              \
+               td_status_name(want), td_last_error());                                         \
+  } while (0)
+
+/* td_test_fn builds an output tensor from inputs (any shape). Must return a new reference. */
+typedef td_status (*td_test_fn)(void *ctx, td_tensor *const *inputs, int n, td_tensor **out);
+
+/* td_test_gradcheck compares the analytic gradient of sum(fn(inputs) * W) (W a fixed random
+ * weighting) with central finite differences, for every input that requires grad. Inputs should
+ * be float64. Fails the test with the worst element on mismatch: |analytic - numeric| <= atol +
+ * rtol * |numeric|. */
+void td_test_gradcheck(td_test_fn fn, void *ctx, td_tensor *const *inputs, int n, double eps,
+                       double atol, double rtol);
+
+/* td_test_randn returns a new tensor of N(0,1) values from seed. */
+td_tensor *td_test_randn(const int64_t *shape, int ndim, td_dtype dt, uint64_t seed,
+                         bool requires_grad);
+/* td_test_rand returns a new tensor of U[lo,hi) values from seed. */
+td_tensor *td_test_rand(const int64_t *shape, int ndim, td_dtype dt, double lo, double hi,
+                        uint64_t seed, bool requires_grad);
+/* td_test_tensor returns a new CPU tensor holding the given doubles converted to dt. */
+td_tensor *td_test_tensor(const double *values, const int64_t *shape, int ndim, td_dtype dt,
+                          bool requires_grad);
+
+/* td_test_assert_close fails with the worst element unless a and b have the same shape and
+ * |a - b| <= atol + rtol * |b| everywhere. what names the comparison in the message. */
+void td_test_assert_close(const char *what, const td_tensor *a, const td_tensor *b, double rtol,
+                          double atol);
+
+/* td_test_source_path writes TD_SOURCE_DIR/rel into buf and returns buf. */
+const char *td_test_source_path(const char *rel, char *buf, size_t n);
+
+/* td_test_timeout_scale returns TD_TEST_TIMEOUT_SCALE from the environment (default 1). */
+double td_test_timeout_scale(void);
+
+#endif
