@@ -99,7 +99,8 @@ td_status td__threadpool_submit(td__threadpool *p, td__task_fn fn, void *arg) {
   t->fn = fn;
   t->arg = arg;
   pthread_mutex_lock(&p->mu);
-  if (p->stopping) {
+  /* During shutdown, tasks may still queue follow-up work (it is part of the drain). */
+  if (p->stopping && current_pool != p) {
     pthread_mutex_unlock(&p->mu);
     td__free(t);
     return td_set_error(TD_ERR_STATE, "threadpool_submit: pool is shutting down");

@@ -18,7 +18,8 @@ typedef void (*td__task_fn)(void *arg);
 /* Creates a pool of nthreads (>= 1) threads named "<name>-<i>". */
 td_status td__threadpool_create(int nthreads, const char *name, td__threadpool **out);
 
-/* Queues fn(arg). Returns TD_ERR_STATE after shutdown began (fn is then never called). */
+/* Queues fn(arg). After shutdown began, only the pool's own tasks may still queue work (it is
+ * part of the drain); other threads get TD_ERR_STATE and fn is never called. */
 td_status td__threadpool_submit(td__threadpool *p, td__task_fn fn, void *arg);
 
 /* Returns the number of tasks queued or running. */

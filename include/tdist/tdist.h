@@ -1,0 +1,12 @@
+/* tdist.h - umbrella header: includes every public tdist header. */
+#ifndef TDIST_TDIST_H
+#define TDIST_TDIST_H
+
+#include "tdist/status.h"
+#include "tdist/tensor.h"
+#include "tdist/autograd.h"
+#include "tdist/nn.h"
+#include "tdist/optim.h"
+#include "tdist/data.h"
+
+#endif /* TDIST_TDIST_H */

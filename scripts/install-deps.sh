@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# install-deps.sh - installs every Debian package tdist needs, idempotently.
+#   scripts/install-deps.sh            build + test dependencies and the Fashion-MNIST data set
+#   scripts/install-deps.sh --torch    also python3-torch (PyTorch peers of the benchmarks and the
+#                                      fixture generator; the library never uses it)
+set -euo pipefail
+
+pkgs=(build-essential g++ cmake pkg-config zlib1g-dev libopenblas-dev libcmocka-dev
+      libgrpc-dev libprotobuf-c-dev protobuf-c-compiler dataset-fashion-mnist python3)
+for arg in "$@"; do
+  case "$arg" in
+    --torch) pkgs+=(python3-torch) ;;
+    *) echo "install-deps.sh: unknown option $arg" >&2; exit 2 ;;
+  esac
+done
+
+missing=()
+for p in "${pkgs[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all packages present"
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
