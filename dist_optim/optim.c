@@ -1,0 +1,457 @@
+/* optim.c - functional optimizers with torch.optim 1.13 semantics.
+ *
+ * Each parameter has a slot with its step count and up to three state tensors whose meaning
+ * depends on the kind:
+ *            buf[0]            buf[1]            buf[2]
+ *   SGD      momentum_buffer   -                 -
+ *   Adam(W)  exp_avg           exp_avg_sq        max_exp_avg_sq (amsgrad)
+ *   Adagrad  sum               -                 -
+ *   RMSprop  square_avg        momentum_buffer   grad_avg (centered)
+ * State tensors are created next to their parameter (same device and dtype), lazily on the first
+ * update as PyTorch does, except Adagrad's sum which exists from the start
+ * (initial_accumulator_value).
+ *
+ * The update of one parameter follows PyTorch's _single_tensor_<kind> function line by line, with
+ * the in-place ops of tensor.h; the comments quote the PyTorch lines. All of it runs with grad
+ * mode off. A step first validates every (parameter, gradient) pair and only then updates, so a
+ * bad gradient leaves every parameter untouched.
+ *
+ * Locking: one mutex per optimizer (mu) held for a whole step, set_lr and the accessors. No other
+ * library lock is taken while it is held except the tensor layer's internal ones.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <string.h>
+
+#include "../core/core.h"
+#include "tdist/optim.h"
+
+typedef struct slot {
+  td_tensor *param;
+  td_tensor *buf[3];
+  int64_t step;
+} slot;
+
+struct td_optim {
+  pthread_mutex_t mu;
+  td_optim_options o;
+  size_t n;
+  slot *slots;
+};
+
+#define CK(expr)               \
+  do {                         \
+    st = (expr);               \
+    if (st != TD_OK) goto out; \
+  } while (0)
+
+/* ---- options ---- */
+
+const char *td_optim_kind_name(td_optim_kind kind) {
+  switch (kind) {
+    case TD_OPTIM_SGD: return "SGD";
+    case TD_OPTIM_ADAM: return "Adam";
+    case TD_OPTIM_ADAMW: return "AdamW";
+    case TD_OPTIM_ADAGRAD: return "Adagrad";
+    case TD_OPTIM_RMSPROP: return "RMSprop";
+  }
+  return "unknown";
+}
+
+void td_optim_options_init(td_optim_options *o, td_optim_kind kind) {
+  if (!o) return;
+  memset(o, 0, sizeof *o);
+  o->kind = kind;
+  o->beta1 = 0.9;
+  o->beta2 = 0.999;
+  o->eps = 1e-8;
+  o->alpha = 0.99;
+  switch (kind) {
+    case TD_OPTIM_SGD: o->lr = NAN; break;
+    case TD_OPTIM_ADAM: o->lr = 1e-3; break;
+    case TD_OPTIM_ADAMW:
+      o->lr = 1e-3;
+      o->weight_decay = 1e-2;
+      break;
+    case TD_OPTIM_ADAGRAD:
+      o->lr = 1e-2;
+      o->eps = 1e-10;
+      break;
+    case TD_OPTIM_RMSPROP: o->lr = 1e-2; break;
+  }
+}
+
+/* validate mirrors the ValueError checks of the torch.optim constructors. */
+static td_status validate(const td_optim_options *o) {
+  const char *k = td_optim_kind_name(o->kind);
+  switch (o->kind) {
+    case TD_OPTIM_SGD:
+    case TD_OPTIM_ADAM:
+    case TD_OPTIM_ADAMW:
+    case TD_OPTIM_ADAGRAD:
+    case TD_OPTIM_RMSPROP: break;
+    default: return td_set_error(TD_ERR_INVALID, "optimizer: unknown kind %d", (int)o->kind);
+  }
+  if (isnan(o->lr) && o->kind == TD_OPTIM_SGD)
+    return td_set_error(TD_ERR_INVALID, "SGD: lr is required (set opts.lr)");
+  TD_CHECK_ARG(o->lr >= 0, "%s: invalid learning rate: %g", k, o->lr);
+  TD_CHECK_ARG(o->weight_decay >= 0, "%s: invalid weight_decay value: %g", k, o->weight_decay);
+  switch (o->kind) {
+    case TD_OPTIM_SGD:
+      TD_CHECK_ARG(o->momentum >= 0, "SGD: invalid momentum value: %g", o->momentum);
+      TD_CHECK_ARG(!o->nesterov || (o->momentum > 0 && o->dampening == 0),
+                   "SGD: Nesterov momentum requires a momentum and zero dampening");
+      break;
+    case TD_OPTIM_ADAM:
+    case TD_OPTIM_ADAMW:
+      TD_CHECK_ARG(o->eps >= 0, "%s: invalid epsilon value: %g", k, o->eps);
+      TD_CHECK_ARG(o->beta1 >= 0 && o->beta1 < 1, "%s: invalid beta parameter at index 0: %g", k,
+                   o->beta1);
+      TD_CHECK_ARG(o->beta2 >= 0 && o->beta2 < 1, "%s: invalid beta parameter at index 1: %g", k,
+                   o->beta2);
+      break;
+    case TD_OPTIM_ADAGRAD:
+      TD_CHECK_ARG(o->lr_decay >= 0, "Adagrad: invalid lr_decay value: %g", o->lr_decay);
+      TD_CHECK_ARG(o->initial_accumulator_value >= 0,
+                   "Adagrad: invalid initial_accumulator_value value: %g",
+                   o->initial_accumulator_value);
+      TD_CHECK_ARG(o->eps >= 0, "Adagrad: invalid epsilon value: %g", o->eps);
+      break;
+    case TD_OPTIM_RMSPROP:
+      TD_CHECK_ARG(o->eps >= 0, "RMSprop: invalid epsilon value: %g", o->eps);
+      TD_CHECK_ARG(o->momentum >= 0, "RMSprop: invalid momentum value: %g", o->momentum);
+      TD_CHECK_ARG(o->alpha >= 0, "RMSprop: invalid alpha value: %g", o->alpha);
+      break;
+  }
+  return TD_OK;
+}
+
+/* ---- lifecycle ---- */
+
+static td_status full_like(const td_tensor *t, double v, td_tensor **out) {
+  return td_tensor_full(td_tensor_shape(t), td_tensor_ndim(t), v, td_tensor_dtype(t),
+                        td_tensor_device(t), out);
+}
+
+td_status td_optim_create(const td_optim_options *opts, td_tensor *const *params, size_t n,
+                          td_optim **out) {
+  TD_CHECK_ARG(opts && out, "td_optim_create: NULL options or out");
+  TD_CHECK_ARG(params || n == 0, "td_optim_create: NULL params array");
+  TD_TRY(validate(opts));
+  const char *k = td_optim_kind_name(opts->kind);
+  for (size_t i = 0; i < n; i++) {
+    TD_CHECK_ARG(params[i], "%s: parameter %zu is NULL", k, i);
+    td_dtype dt = td_tensor_dtype(params[i]);
+    if (dt != TD_DTYPE_F32 && dt != TD_DTYPE_F64)
+      return td_set_error(TD_ERR_DTYPE, "%s: parameter %zu is %s; optimizers need float "
+                          "parameters", k, i, td_dtype_name(dt));
+    for (size_t j = 0; j < i; j++)
+      TD_CHECK_ARG(params[j] != params[i], "%s: parameter %zu is the same tensor as parameter %zu",
+                   k, i, j);
+  }
+  td_optim *o = td__calloc(1, sizeof *o);
+  slot *slots = td__calloc(n ? n : 1, sizeof *slots);
+  if (!o || !slots) {
+    td__free(o);
+    td__free(slots);
+    return td_set_error(TD_ERR_NOMEM, "td_optim_create: out of memory");
+  }
+  o->o = *opts;
+  o->n = n;
+  o->slots = slots;
+  pthread_mutex_init(&o->mu, NULL);
+  for (size_t i = 0; i < n; i++) slots[i].param = td_tensor_ref(params[i]);
+  if (opts->kind == TD_OPTIM_ADAGRAD) {
+    for (size_t i = 0; i < n; i++) {
+      td_status st = full_like(params[i], opts->initial_accumulator_value, &slots[i].buf[0]);
+      if (st != TD_OK) {
+        td_optim_destroy(o);
+        return st;
+      }
+    }
+  }
+  *out = o;
+  return TD_OK;
+}
+
+void td_optim_destroy(td_optim *o) {
+  if (!o) return;
+  for (size_t i = 0; i < o->n; i++) {
+    td_tensor_unref(o->slots[i].param);
+    for (int b = 0; b < 3; b++) td_tensor_unref(o->slots[i].buf[b]);
+  }
+  td__free(o->slots);
+  pthread_mutex_destroy(&o->mu);
+  td__free(o);
+}
+
+/* ---- updates ---- */
+
+static td_status ensure_zeros(slot *s, int b) {
+  if (s->buf[b]) return TD_OK;
+  return full_like(s->param, 0.0, &s->buf[b]);
+}
+
+/* effective_grad: grad = grad if not maximize else -grad; if weight_decay != 0:
+ * grad = grad.add(param, alpha=weight_decay). Never modifies g; new reference in *out. */
+static td_status effective_grad(const td_optim_options *o, td_tensor *p, const td_tensor *g,
+                                double wd, td_tensor **out) {
+  td_tensor *d = NULL;
+  td_status st = TD_OK;
+  if (o->maximize) CK(td_tensor_neg(g, &d));
+  else if (wd != 0) CK(td_tensor_clone(g, &d));
+  else d = td_tensor_ref((td_tensor *)g);
+  if (wd != 0) CK(td_tensor_add_(d, p, wd));
+  *out = d;
+  d = NULL;
+out:
+  td_tensor_unref(d);
+  return st;
+}
+
+static td_status sgd_update(const td_optim_options *o, slot *s, const td_tensor *g) {
+  td_status st = TD_OK;
+  td_tensor *d = NULL, *step_dir = NULL;
+  CK(effective_grad(o, s->param, g, o->weight_decay, &d));
+  s->step++;
+  if (o->momentum != 0) {
+    if (!s->buf[0]) { /* buf = torch.clone(d_p).detach() */
+      CK(td_tensor_clone(d, &s->buf[0]));
+    } else { /* buf.mul_(momentum).add_(d_p, alpha=1 - dampening) */
+      CK(td_tensor_mul_scalar_(s->buf[0], o->momentum));
+      CK(td_tensor_add_(s->buf[0], d, 1 - o->dampening));
+    }
+    if (o->nesterov) { /* d_p = d_p.add(buf, alpha=momentum) */
+      CK(td_tensor_clone(d, &step_dir));
+      CK(td_tensor_add_(step_dir, s->buf[0], o->momentum));
+    } else { /* d_p = buf */
+      step_dir = td_tensor_ref(s->buf[0]);
+    }
+  } else {
+    step_dir = td_tensor_ref(d);
+  }
+  CK(td_tensor_add_(s->param, step_dir, -o->lr)); /* param.add_(d_p, alpha=-lr) */
+out:
+  td_tensor_unref(d);
+  td_tensor_unref(step_dir);
+  return st;
+}
+
+static td_status adam_update(const td_optim_options *o, slot *s, const td_tensor *g) {
+  td_status st = TD_OK;
+  bool decoupled = o->kind == TD_OPTIM_ADAMW;
+  td_tensor *d = NULL, *root = NULL, *denom = NULL;
+  CK(ensure_zeros(s, 0));
+  CK(ensure_zeros(s, 1));
+  if (o->amsgrad) CK(ensure_zeros(s, 2));
+  CK(effective_grad(o, s->param, g, decoupled ? 0.0 : o->weight_decay, &d));
+  s->step++;
+  if (decoupled) CK(td_tensor_mul_scalar_(s->param, 1 - o->lr * o->weight_decay));
+  /* exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1) */
+  CK(td_tensor_mul_scalar_(s->buf[0], o->beta1));
+  CK(td_tensor_add_(s->buf[0], d, 1 - o->beta1));
+  /* exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2) */
+  CK(td_tensor_mul_scalar_(s->buf[1], o->beta2));
+  CK(td_tensor_addcmul_(s->buf[1], d, d, 1 - o->beta2));
+  double step = (double)s->step;
+  double bias_correction1 = 1 - pow(o->beta1, step);
+  double bias_correction2 = 1 - pow(o->beta2, step);
+  double step_size = o->lr / bias_correction1;
+  double bias_correction2_sqrt = sqrt(bias_correction2);
+  td_tensor *second = s->buf[1];
+  if (o->amsgrad) { /* torch.maximum(max_exp_avg_sqs[i], exp_avg_sq, out=max_exp_avg_sqs[i]) */
+    CK(td_tensor_maximum_(s->buf[2], s->buf[1]));
+    second = s->buf[2];
+  }
+  /* denom = (second.sqrt() / bias_correction2_sqrt).add_(eps) */
+  CK(td_tensor_sqrt(second, &root));
+  CK(td_tensor_mul_scalar_(root, 1.0 / bias_correction2_sqrt));
+  CK(td_tensor_add_scalar(root, o->eps, &denom));
+  /* param.addcdiv_(exp_avg, denom, value=-step_size) */
+  CK(td_tensor_addcdiv_(s->param, s->buf[0], denom, -step_size));
+out:
+  td_tensor_unref(d);
+  td_tensor_unref(root);
+  td_tensor_unref(denom);
+  return st;
+}
+
+static td_status adagrad_update(const td_optim_options *o, slot *s, const td_tensor *g) {
+  td_status st = TD_OK;
+  td_tensor *d = NULL, *root = NULL, *std = NULL;
+  s->step++;
+  double step = (double)s->step;
+  CK(effective_grad(o, s->param, g, o->weight_decay, &d));
+  double clr = o->lr / (1 + (step - 1) * o->lr_decay);
+  CK(td_tensor_addcmul_(s->buf[0], d, d, 1.0)); /* state_sum.addcmul_(grad, grad, value=1) */
+  CK(td_tensor_sqrt(s->buf[0], &root));         /* std = state_sum.sqrt().add_(eps) */
+  CK(td_tensor_add_scalar(root, o->eps, &std));
+  CK(td_tensor_addcdiv_(s->param, d, std, -clr)); /* param.addcdiv_(grad, std, value=-clr) */
+out:
+  td_tensor_unref(d);
+  td_tensor_unref(root);
+  td_tensor_unref(std);
+  return st;
+}
+
+static td_status rmsprop_update(const td_optim_options *o, slot *s, const td_tensor *g) {
+  td_status st = TD_OK;
+  td_tensor *d = NULL, *var = NULL, *root = NULL, *avg = NULL;
+  CK(ensure_zeros(s, 0));
+  if (o->momentum > 0) CK(ensure_zeros(s, 1));
+  if (o->centered) CK(ensure_zeros(s, 2));
+  s->step++;
+  CK(effective_grad(o, s->param, g, o->weight_decay, &d));
+  /* square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha) */
+  CK(td_tensor_mul_scalar_(s->buf[0], o->alpha));
+  CK(td_tensor_addcmul_(s->buf[0], d, d, 1 - o->alpha));
+  if (o->centered) {
+    /* grad_avg.mul_(alpha).add_(grad, alpha=1 - alpha) */
+    CK(td_tensor_mul_scalar_(s->buf[2], o->alpha));
+    CK(td_tensor_add_(s->buf[2], d, 1 - o->alpha));
+    /* avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_() */
+    CK(td_tensor_clone(s->buf[0], &var));
+    CK(td_tensor_addcmul_(var, s->buf[2], s->buf[2], -1.0));
+    CK(td_tensor_sqrt(var, &root));
+  } else {
+    CK(td_tensor_sqrt(s->buf[0], &root)); /* avg = square_avg.sqrt() */
+  }
+  CK(td_tensor_add_scalar(root, o->eps, &avg)); /* avg = avg.add_(eps) */
+  if (o->momentum > 0) {
+    /* buf.mul_(momentum).addcdiv_(grad, avg); param.add_(buf, alpha=-lr) */
+    CK(td_tensor_mul_scalar_(s->buf[1], o->momentum));
+    CK(td_tensor_addcdiv_(s->buf[1], d, avg, 1.0));
+    CK(td_tensor_add_(s->param, s->buf[1], -o->lr));
+  } else {
+    CK(td_tensor_addcdiv_(s->param, d, avg, -o->lr)); /* param.addcdiv_(grad, avg, value=-lr) */
+  }
+out:
+  td_tensor_unref(d);
+  td_tensor_unref(var);
+  td_tensor_unref(root);
+  td_tensor_unref(avg);
+  return st;
+}
+
+static td_status update(const td_optim_options *o, slot *s, const td_tensor *g) {
+  switch (o->kind) {
+    case TD_OPTIM_SGD: return sgd_update(o, s, g);
+    case TD_OPTIM_ADAM:
+    case TD_OPTIM_ADAMW: return adam_update(o, s, g);
+    case TD_OPTIM_ADAGRAD: return adagrad_update(o, s, g);
+    case TD_OPTIM_RMSPROP: return rmsprop_update(o, s, g);
+  }
+  return td_set_error(TD_ERR_INTERNAL, "optimizer: unknown kind %d", (int)o->kind);
+}
+
+/* check_grad validates gradient g of parameter i. */
+static td_status check_grad(const td_optim *o, size_t i, const td_tensor *g) {
+  const td_tensor *p = o->slots[i].param;
+  const char *k = td_optim_kind_name(o->o.kind);
+  char a[96], b[96];
+  if (!td_tensor_same_shape(p, g))
+    return td_set_error(TD_ERR_SHAPE, "%s.step: gradient %zu has shape %s but its parameter %s",
+                        k, i, td_tensor_shape_str(g, a, sizeof a),
+                        td_tensor_shape_str(p, b, sizeof b));
+  if (td_tensor_dtype(p) != td_tensor_dtype(g))
+    return td_set_error(TD_ERR_DTYPE, "%s.step: gradient %zu is %s but its parameter %s", k, i,
+                        td_dtype_name(td_tensor_dtype(g)), td_dtype_name(td_tensor_dtype(p)));
+  if (!td_device_equal(td_tensor_device(p), td_tensor_device(g)))
+    return td_set_error(TD_ERR_DEVICE, "%s.step: gradient %zu is on %s but its parameter on %s",
+                        k, i, td_device_str(td_tensor_device(g), a, sizeof a),
+                        td_device_str(td_tensor_device(p), b, sizeof b));
+  return TD_OK;
+}
+
+/* step_locked runs one step with grads[0..o->n) (NULL entries skipped); o->mu held. */
+static td_status step_locked(td_optim *o, td_tensor *const *grads) {
+  for (size_t i = 0; i < o->n; i++)
+    if (grads[i]) TD_TRY(check_grad(o, i, grads[i]));
+  bool prev = td_autograd_set_enabled(false);
+  td_status st = TD_OK;
+  for (size_t i = 0; i < o->n && st == TD_OK; i++)
+    if (grads[i]) st = update(&o->o, &o->slots[i], grads[i]);
+  td_autograd_set_enabled(prev);
+  return st;
+}
+
+td_status td_optim_step_grads(td_optim *o, td_tensor *const *grads, size_t n) {
+  TD_CHECK_ARG(o, "td_optim_step_grads: NULL optimizer");
+  TD_CHECK_ARG(grads || n == 0, "td_optim_step_grads: NULL grads array");
+  TD_CHECK_ARG(n == o->n, "%s.step: %zu gradients for %zu parameters",
+               td_optim_kind_name(o->o.kind), n, o->n);
+  pthread_mutex_lock(&o->mu);
+  td_status st = step_locked(o, grads);
+  pthread_mutex_unlock(&o->mu);
+  return st;
+}
+
+/* step_fetched runs a step with gradients fetched by get (new references or NULL). */
+static td_status step_fetched(td_optim *o, td_tensor *(*get)(void *ctx, const td_tensor *p),
+                              void *ctx) {
+  td_tensor **grads = td__calloc(o->n ? o->n : 1, sizeof *grads);
+  if (!grads) return td_set_error(TD_ERR_NOMEM, "optimizer step: out of memory");
+  pthread_mutex_lock(&o->mu);
+  for (size_t i = 0; i < o->n; i++) grads[i] = get(ctx, o->slots[i].param);
+  td_status st = step_locked(o, grads);
+  pthread_mutex_unlock(&o->mu);
+  for (size_t i = 0; i < o->n; i++) td_tensor_unref(grads[i]);
+  td__free(grads);
+  return st;
+}
+
+static td_tensor *get_dot_grad(void *ctx, const td_tensor *p) {
+  (void)ctx;
+  return td_tensor_grad(p);
+}
+
+static td_tensor *get_map_grad(void *ctx, const td_tensor *p) {
+  return td_grad_map_get((td_grad_map *)ctx, p);
+}
+
+td_status td_optim_step(td_optim *o) {
+  TD_CHECK_ARG(o, "td_optim_step: NULL optimizer");
+  return step_fetched(o, get_dot_grad, NULL);
+}
+
+td_status td_optim_step_grad_map(td_optim *o, td_grad_map *grads) {
+  TD_CHECK_ARG(o && grads, "td_optim_step_grad_map: NULL optimizer or map");
+  return step_fetched(o, get_map_grad, grads);
+}
+
+void td_optim_zero_grad(td_optim *o) {
+  if (!o) return;
+  for (size_t i = 0; i < o->n; i++) td_tensor_set_grad(o->slots[i].param, NULL);
+}
+
+/* ---- accessors ---- */
+
+size_t td_optim_num_params(const td_optim *o) { return o ? o->n : 0; }
+
+td_tensor *td_optim_param(const td_optim *o, size_t i) {
+  return (o && i < o->n) ? o->slots[i].param : NULL;
+}
+
+void td_optim_options_get(td_optim *o, td_optim_options *out) {
+  if (!o || !out) return;
+  pthread_mutex_lock(&o->mu);
+  *out = o->o;
+  pthread_mutex_unlock(&o->mu);
+}
+
+td_status td_optim_set_lr(td_optim *o, double lr) {
+  TD_CHECK_ARG(o, "td_optim_set_lr: NULL optimizer");
+  TD_CHECK_ARG(lr >= 0, "%s: invalid learning rate: %g", td_optim_kind_name(o->o.kind), lr);
+  pthread_mutex_lock(&o->mu);
+  o->o.lr = lr;
+  pthread_mutex_unlock(&o->mu);
+  return TD_OK;
+}
+
+int64_t td_optim_step_count(td_optim *o, size_t i) {
+  if (!o || i >= o->n) return 0;
+  pthread_mutex_lock(&o->mu);
+  int64_t n = o->slots[i].step;
+  pthread_mutex_unlock(&o->mu);
+  return n;
+}

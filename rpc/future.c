@@ -1,0 +1,484 @@
+/* future.c - td_future: a reference-counted, write-once outcome (value, or status + message) with
+ * callbacks, chaining (td_future_then) and waits with deadlines.
+ *
+ * Design:
+ * - Each future has a mutex, a condition variable on CLOCK_MONOTONIC (for td_future_wait), a FIFO
+ *   of callbacks and a list of watchers (td_future_wait_all's waiters, unlinked when it returns,
+ *   so repeated polling never grows any list).
+ * - Completion (finish) publishes the outcome under the lock, wakes waiters and watchers, then
+ *   runs the callbacks one by one with the lock released, in registration order, on the completing
+ *   thread. While it does so the future is "draining": a callback registered meanwhile (from any
+ *   thread, including from inside a callback) is queued behind the others and run by the draining
+ *   thread, so registration order holds for every callback. Once drained, td_future_on_done runs
+ *   the callback at once on the caller's thread.
+ * - A pending future whose last reference is dropped while callbacks are registered is failed with
+ *   TD_ERR_CANCELLED first, so every accepted callback runs exactly once and chained futures never
+ *   hang.
+ * - td_future_then registers a callback that runs fn and completes the chained future; when fn
+ *   returns a next future, a second callback forwards next's outcome (flattening).
+ *
+ * Invariants: done never goes back to false; status, message and value never change after done;
+ * callbacks and watchers are only touched under mu; cb nodes are owned by the list until popped.
+ * Lock order: future->mu, then waiter->mu (td_future_wait_all). No lock is held while a callback
+ * runs or while td_set_error/td_log run.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../core/refcount.h"
+#include "future_impl.h"
+
+typedef struct cb_node {
+  td_future_cb cb;
+  void *ctx;
+  struct cb_node *next;
+} cb_node;
+
+/* A td_future_wait_all call: woken by any watched future's completion. */
+typedef struct waiter {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  bool signaled; /* a watched future completed since the last check */
+} waiter;
+
+typedef struct watch_node {
+  waiter *w;
+  bool linked;
+  struct watch_node *prev, *next;
+} watch_node;
+
+struct td_future {
+  td__refcnt rc;
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* CLOCK_MONOTONIC; broadcast when done */
+  bool done;         /* outcome published */
+  bool draining;     /* the completing thread is still running callbacks */
+  bool had_callbacks;
+  td_status status;
+  char *message;   /* heap, or NULL for "" */
+  td_value *value; /* owned; td_value_none() when completed with NULL */
+  cb_node *cb_head, *cb_tail;
+  watch_node *watchers;
+};
+
+/* ---- clocks ---- */
+
+static int cond_init_monotonic(pthread_cond_t *cv) {
+  pthread_condattr_t a;
+  int rc = pthread_condattr_init(&a);
+  if (rc) return rc;
+  rc = pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+  if (!rc) rc = pthread_cond_init(cv, &a);
+  pthread_condattr_destroy(&a);
+  return rc;
+}
+
+/* deadline_after returns now + ms on CLOCK_MONOTONIC (ms >= 0). */
+static struct timespec deadline_after(int64_t ms) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  int64_t max_ms = (int64_t)1 << 50; /* ~35,000 years: no overflow below */
+  if (ms > max_ms) ms = max_ms;
+  ts.tv_sec += (time_t)(ms / 1000);
+  ts.tv_nsec += (long)(ms % 1000) * 1000000L;
+  if (ts.tv_nsec >= 1000000000L) {
+    ts.tv_sec += 1;
+    ts.tv_nsec -= 1000000000L;
+  }
+  return ts;
+}
+
+/* ---- lifecycle ---- */
+
+td_future *td_future_create(void) {
+  td_future *f = td__calloc(1, sizeof *f);
+  if (!f) return NULL;
+  if (pthread_mutex_init(&f->mu, NULL)) goto fail_free;
+  if (cond_init_monotonic(&f->cv)) goto fail_mu;
+  td__ref_init(&f->rc);
+  f->status = TD_ERR_STATE;
+  return f;
+fail_mu:
+  pthread_mutex_destroy(&f->mu);
+fail_free:
+  td__free(f);
+  return NULL;
+}
+
+td_future *td_future_ref(td_future *f) {
+  if (f) td__ref_inc(&f->rc);
+  return f;
+}
+
+static td_status finish(td_future *f, td_value *value, td_status st, char *msg);
+
+void td_future_unref(td_future *f) {
+  if (!f || !td__ref_dec(&f->rc)) return;
+  pthread_mutex_lock(&f->mu);
+  bool abandoned = !f->done && f->cb_head;
+  pthread_mutex_unlock(&f->mu);
+  if (abandoned) {
+    /* Nobody can complete it any more: fail it so its callbacks still run exactly once. The
+     * callbacks may take references; the future then lives on, done. */
+    td__ref_init(&f->rc);
+    finish(f, NULL, TD_ERR_CANCELLED,
+           td__strdup("future abandoned: last reference dropped while pending"));
+    td_future_unref(f);
+    return;
+  }
+  TD_ASSERT(!f->watchers && !f->cb_head);
+  td_value_unref(f->value);
+  td__free(f->message);
+  pthread_cond_destroy(&f->cv);
+  pthread_mutex_destroy(&f->mu);
+  td__free(f);
+}
+
+/* ---- completion ---- */
+
+/* drain runs the queued callbacks in order. Called with f->mu held and f->draining set; returns
+ * with f->mu released and f->draining cleared. */
+static void drain(td_future *f) {
+  while (f->cb_head) {
+    cb_node *n = f->cb_head;
+    f->cb_head = n->next;
+    if (!f->cb_head) f->cb_tail = NULL;
+    pthread_mutex_unlock(&f->mu);
+    n->cb(f, n->ctx);
+    td__free(n);
+    pthread_mutex_lock(&f->mu);
+  }
+  f->draining = false;
+  pthread_mutex_unlock(&f->mu);
+}
+
+/* finish publishes an outcome exactly once, wakes waiters, then runs the callbacks. Takes
+ * ownership of value and msg in every case. */
+static td_status finish(td_future *f, td_value *value, td_status st, char *msg) {
+  td_future_ref(f); /* keep f alive while callbacks run, whatever they release */
+  pthread_mutex_lock(&f->mu);
+  if (f->done) {
+    pthread_mutex_unlock(&f->mu);
+    td_value_unref(value);
+    td__free(msg);
+    td_future_unref(f);
+    return td_set_error(TD_ERR_STATE, "future: already completed");
+  }
+  f->done = true;
+  f->status = st;
+  f->message = msg;
+  f->value = st == TD_OK ? (value ? value : td_value_none()) : NULL;
+  if (st != TD_OK) td_value_unref(value);
+  f->draining = true;
+  pthread_cond_broadcast(&f->cv);
+  for (watch_node *n = f->watchers; n; n = n->next) {
+    pthread_mutex_lock(&n->w->mu);
+    n->w->signaled = true;
+    pthread_cond_signal(&n->w->cv);
+    pthread_mutex_unlock(&n->w->mu);
+  }
+  drain(f);
+  td_future_unref(f);
+  return TD_OK;
+}
+
+td_status td_future_complete(td_future *f, td_value *value) {
+  if (!f) {
+    td_value_unref(value);
+    return td_set_error(TD_ERR_INVALID, "future_complete: NULL future");
+  }
+  return finish(f, value, TD_OK, NULL);
+}
+
+td_status td__future_fail_msg(td_future *f, td_status st, const char *msg) {
+  TD_CHECK_ARG(f, "future_fail: NULL future");
+  TD_CHECK_ARG(st != TD_OK, "future_fail: status must be an error, not TD_OK");
+  char *copy = msg && *msg ? td__strdup(msg) : NULL; /* out of memory: fail without text */
+  return finish(f, NULL, st, copy);
+}
+
+td_status td_future_fail(td_future *f, td_status st, const char *fmt, ...) {
+  TD_CHECK_ARG(f, "future_fail: NULL future");
+  TD_CHECK_ARG(st != TD_OK, "future_fail: status must be an error, not TD_OK");
+  char *msg = NULL;
+  if (fmt) {
+    va_list ap, ap2;
+    va_start(ap, fmt);
+    va_copy(ap2, ap);
+    int k = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (k > 0 && (msg = td__malloc((size_t)k + 1)) != NULL) vsnprintf(msg, (size_t)k + 1, fmt, ap2);
+    va_end(ap2);
+  }
+  return finish(f, NULL, st, msg);
+}
+
+/* ---- queries ---- */
+
+bool td_future_done(const td_future *cf) {
+  if (!cf) return false;
+  td_future *f = (td_future *)cf;
+  pthread_mutex_lock(&f->mu);
+  bool d = f->done;
+  pthread_mutex_unlock(&f->mu);
+  return d;
+}
+
+td_status td_future_status(const td_future *cf) {
+  if (!cf) return TD_ERR_INVALID;
+  td_future *f = (td_future *)cf;
+  pthread_mutex_lock(&f->mu);
+  td_status st = f->done ? f->status : TD_ERR_STATE;
+  pthread_mutex_unlock(&f->mu);
+  return st;
+}
+
+const char *td_future_message(const td_future *cf) {
+  if (!cf) return "";
+  td_future *f = (td_future *)cf;
+  pthread_mutex_lock(&f->mu);
+  const char *m = f->done && f->message ? f->message : "";
+  pthread_mutex_unlock(&f->mu);
+  return m;
+}
+
+td_value *td_future_value(const td_future *cf) {
+  if (!cf) return NULL;
+  td_future *f = (td_future *)cf;
+  pthread_mutex_lock(&f->mu);
+  td_value *v = f->done ? f->value : NULL;
+  pthread_mutex_unlock(&f->mu);
+  return v;
+}
+
+bool td__future_has_callbacks(td_future *f) {
+  if (!f) return false;
+  pthread_mutex_lock(&f->mu);
+  bool h = f->had_callbacks;
+  pthread_mutex_unlock(&f->mu);
+  return h;
+}
+
+/* failure_error copies a done, failed future's outcome into this thread's error text. */
+static td_status failure_error(td_future *f) {
+  const char *m = f->message ? f->message : td_status_str(f->status);
+  return td_set_error(f->status, "%s", m);
+}
+
+td_status td_future_wait(td_future *f, int64_t timeout_ms) {
+  TD_CHECK_ARG(f, "future_wait: NULL future");
+  struct timespec deadline;
+  if (timeout_ms > 0) deadline = deadline_after(timeout_ms);
+  pthread_mutex_lock(&f->mu);
+  while (!f->done && timeout_ms != 0) {
+    if (timeout_ms < 0) {
+      pthread_cond_wait(&f->cv, &f->mu);
+    } else if (pthread_cond_timedwait(&f->cv, &f->mu, &deadline) == ETIMEDOUT) {
+      break;
+    }
+  }
+  bool done = f->done;
+  pthread_mutex_unlock(&f->mu);
+  if (!done)
+    return td_set_error(TD_ERR_TIMEOUT, "future_wait: not done after %lld ms",
+                        (long long)timeout_ms);
+  /* Outcome fields are immutable once done; the caller's reference keeps them alive. */
+  return f->status == TD_OK ? TD_OK : failure_error(f);
+}
+
+/* ---- callbacks ---- */
+
+td_status td_future_on_done(td_future *f, td_future_cb cb, void *ctx) {
+  TD_CHECK_ARG(f && cb, "future_on_done: NULL %s", f ? "callback" : "future");
+  cb_node *n = td__malloc(sizeof *n);
+  if (!n) return td_set_error(TD_ERR_NOMEM, "future_on_done: out of memory");
+  n->cb = cb;
+  n->ctx = ctx;
+  n->next = NULL;
+  pthread_mutex_lock(&f->mu);
+  f->had_callbacks = true;
+  if (!f->done || f->draining) {
+    if (f->cb_tail) f->cb_tail->next = n;
+    else f->cb_head = n;
+    f->cb_tail = n;
+    pthread_mutex_unlock(&f->mu);
+    return TD_OK;
+  }
+  pthread_mutex_unlock(&f->mu);
+  td__free(n);
+  cb(f, ctx);
+  return TD_OK;
+}
+
+/* ---- chaining ---- */
+
+typedef struct then_ctx {
+  td_future *out; /* the chained future (one reference) */
+  td_future_then_fn fn;
+  void *ctx;
+} then_ctx;
+
+/* forward_cb copies the outcome of the future fn returned (src) into the chained future. */
+static void forward_cb(td_future *src, void *p) {
+  td_future *out = p;
+  td_status st = td_future_status(src);
+  if (st == TD_OK) td_future_complete(out, td_value_ref(td_future_value(src)));
+  else td__future_fail_msg(out, st, td_future_message(src));
+  td_future_unref(out);
+}
+
+static void then_cb(td_future *src, void *p) {
+  then_ctx *t = p;
+  td_value *result = NULL;
+  td_future *next = NULL;
+  td_clear_error();
+  td_status st = t->fn(t->ctx, src, &result, &next);
+  if (st != TD_OK) {
+    td_value_unref(result);
+    td_future_unref(next);
+    const char *m = td_last_error();
+    td__future_fail_msg(t->out, st, m[0] ? m : td_status_str(st));
+  } else if (next && result) {
+    td_value_unref(result);
+    td_future_unref(next);
+    td__future_fail_msg(t->out, TD_ERR_INVALID,
+                        "future_then: the callback set both a result and a next future");
+  } else if (next) {
+    td_future *out = td_future_ref(t->out);
+    if (td_future_on_done(next, forward_cb, out) != TD_OK) {
+      td__future_fail_msg(out, TD_ERR_NOMEM, "future_then: out of memory following the next future");
+      td_future_unref(out);
+    }
+    /* Dropping our reference is safe: if it was the last one, next is abandoned and forward_cb
+     * sees TD_ERR_CANCELLED. */
+    td_future_unref(next);
+  } else {
+    td_future_complete(t->out, result);
+  }
+  td_future_unref(t->out);
+  td__free(t);
+}
+
+td_status td_future_then(td_future *f, td_future_then_fn fn, void *ctx, td_future **out) {
+  TD_CHECK_ARG(f && fn && out, "future_then: NULL argument");
+  td_future *g = td_future_create();
+  then_ctx *t = td__malloc(sizeof *t);
+  if (!g || !t) {
+    td_future_unref(g);
+    td__free(t);
+    return td_set_error(TD_ERR_NOMEM, "future_then: out of memory");
+  }
+  t->out = td_future_ref(g);
+  t->fn = fn;
+  t->ctx = ctx;
+  td_status st = td_future_on_done(f, then_cb, t);
+  if (st != TD_OK) {
+    td_future_unref(g);
+    td_future_unref(g);
+    td__free(t);
+    return st;
+  }
+  *out = g;
+  return TD_OK;
+}
+
+/* ---- waiting for many ---- */
+
+/* scan returns 1 when every future succeeded, -1 when one failed (its index in *failed, the
+ * lowest such), 0 otherwise. */
+static int scan(td_future *const *fs, int n, int *failed) {
+  bool all = true;
+  for (int i = 0; i < n; i++) {
+    td_future *f = fs[i];
+    pthread_mutex_lock(&f->mu);
+    bool done = f->done;
+    td_status st = f->status;
+    pthread_mutex_unlock(&f->mu);
+    if (!done) {
+      all = false;
+    } else if (st != TD_OK) {
+      *failed = i;
+      return -1;
+    }
+  }
+  return all ? 1 : 0;
+}
+
+static td_status scan_result(td_future *const *fs, int r, int failed) {
+  if (r > 0) return TD_OK;
+  td_future *f = fs[failed];
+  const char *m = td_future_message(f);
+  td_status st = td_future_status(f);
+  return td_set_error(st, "future %d of the set failed: %s", failed, m[0] ? m : td_status_str(st));
+}
+
+td_status td_future_wait_all(td_future *const *fs, int n, int64_t timeout_ms) {
+  TD_CHECK_ARG(n >= 0 && (fs || n == 0), "future_wait_all: bad array (n = %d)", n);
+  for (int i = 0; i < n; i++) TD_CHECK_ARG(fs[i], "future_wait_all: future %d is NULL", i);
+  int failed = -1;
+  int r = scan(fs, n, &failed);
+  if (r != 0) return scan_result(fs, r, failed);
+  if (timeout_ms == 0)
+    return td_set_error(TD_ERR_TIMEOUT, "future_wait_all: not done after 0 ms");
+
+  struct timespec deadline;
+  if (timeout_ms > 0) deadline = deadline_after(timeout_ms);
+  waiter w = {.signaled = false};
+  watch_node *nodes = td__calloc((size_t)n, sizeof *nodes);
+  if (!nodes) return td_set_error(TD_ERR_NOMEM, "future_wait_all: out of memory");
+  if (pthread_mutex_init(&w.mu, NULL)) {
+    td__free(nodes);
+    return td_set_error(TD_ERR_NOMEM, "future_wait_all: cannot create a mutex");
+  }
+  if (cond_init_monotonic(&w.cv)) {
+    pthread_mutex_destroy(&w.mu);
+    td__free(nodes);
+    return td_set_error(TD_ERR_NOMEM, "future_wait_all: cannot create a condition variable");
+  }
+  for (int i = 0; i < n; i++) {
+    td_future *f = fs[i];
+    pthread_mutex_lock(&f->mu);
+    if (!f->done) {
+      nodes[i].w = &w;
+      nodes[i].linked = true;
+      nodes[i].next = f->watchers;
+      if (f->watchers) f->watchers->prev = &nodes[i];
+      f->watchers = &nodes[i];
+    }
+    pthread_mutex_unlock(&f->mu);
+  }
+
+  bool timed_out = false;
+  for (;;) {
+    r = scan(fs, n, &failed);
+    if (r != 0 || timed_out) break;
+    pthread_mutex_lock(&w.mu);
+    while (!w.signaled && !timed_out) {
+      if (timeout_ms < 0) pthread_cond_wait(&w.cv, &w.mu);
+      else if (pthread_cond_timedwait(&w.cv, &w.mu, &deadline) == ETIMEDOUT) timed_out = true;
+    }
+    w.signaled = false;
+    pthread_mutex_unlock(&w.mu);
+  }
+
+  for (int i = 0; i < n; i++) {
+    if (!nodes[i].linked) continue;
+    td_future *f = fs[i];
+    pthread_mutex_lock(&f->mu);
+    if (nodes[i].prev) nodes[i].prev->next = nodes[i].next;
+    else f->watchers = nodes[i].next;
+    if (nodes[i].next) nodes[i].next->prev = nodes[i].prev;
+    pthread_mutex_unlock(&f->mu);
+  }
+  pthread_cond_destroy(&w.cv);
+  pthread_mutex_destroy(&w.mu);
+  td__free(nodes);
+  if (r != 0) return scan_result(fs, r, failed);
+  return td_set_error(TD_ERR_TIMEOUT, "future_wait_all: not all done after %lld ms",
+                      (long long)timeout_ms);
+}

@@ -1,0 +1,21 @@
+/* future_impl.h - internals of td_future used by the rpc agent (never installed). */
+#ifndef TD_RPC_FUTURE_IMPL_H
+#define TD_RPC_FUTURE_IMPL_H
+
+#include <stdbool.h>
+
+#include "../core/core.h"
+#include "tdist/rpc.h"
+
+/* td__future_has_callbacks returns true when at least one callback (td_future_on_done or
+ * td_future_then) has ever been registered on f, whether it has already run or not. The agent
+ * uses it to log failures of fire-and-forget futures that nobody observes. THREAD SAFETY: any
+ * thread; the answer may change as soon as it is returned. */
+bool td__future_has_callbacks(td_future *f);
+
+/* td__future_fail_msg fails f with status st (not TD_OK) and the message msg, copied verbatim
+ * (no printf formatting; NULL means ""). Same contract as td_future_fail: TD_ERR_STATE when f is
+ * already done, TD_ERR_INVALID for a NULL f or st == TD_OK. Callbacks run on this thread. */
+td_status td__future_fail_msg(td_future *f, td_status st, const char *msg);
+
+#endif

@@ -1,0 +1,46 @@
+/* store.h - the rendezvous key-value store (like PyTorch's TCPStore), served by rank 0 through
+ * the transport's unary method /tdist.Store/Op, and its client operations.
+ *
+ * Keys are strings, values are bytes; `add` treats a value as a decimal int64 counter. Clients
+ * wait by polling with exponential backoff (1 ms doubling to 50 ms), which keeps the server free
+ * of parked calls. Used for worker discovery, barriers and graceful shutdown.
+ */
+#ifndef TD_RPC_STORE_H
+#define TD_RPC_STORE_H
+
+#include "transport.h"
+
+#define TD__STORE_METHOD "/tdist.Store/Op"
+
+typedef struct td__store td__store;
+
+td_status td__store_create(td__store **out);
+void td__store_destroy(td__store *s);
+/* Serves one serialized StoreRequest (thread-safe). */
+td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t **reply,
+                           size_t *reply_len);
+
+/* Sets key directly in the server's map (rank 0's own setup). */
+td_status td__store_local_set(td__store *s, const char *key, const void *v, size_t n);
+
+typedef struct td__store_client {
+  td__transport *tr;
+  char address[300]; /* host:port of rank 0 */
+  int64_t call_timeout_ms;
+} td__store_client;
+
+td_status td__store_set(const td__store_client *c, const char *key, const void *v, size_t n);
+/* *v is malloc'd (NUL-terminated for convenience) when *found. */
+td_status td__store_get(const td__store_client *c, const char *key, uint8_t **v, size_t *n,
+                        bool *found);
+td_status td__store_add(const td__store_client *c, const char *key, int64_t delta, int64_t *out);
+/* td__store_wait_ge waits until the counter at key is >= target or deadline_ns (monotonic)
+ * passes (TD_ERR_TIMEOUT). When abort_key is not NULL and becomes set, returns TD_ERR_REMOTE
+ * with its value as the message. */
+td_status td__store_wait_ge(const td__store_client *c, const char *key, int64_t target,
+                            uint64_t deadline_ns, const char *abort_key);
+/* td__store_wait_key waits until key exists; *v as for get. */
+td_status td__store_wait_key(const td__store_client *c, const char *key, uint64_t deadline_ns,
+                             const char *abort_key, uint8_t **v, size_t *n);
+
+#endif

@@ -1,0 +1,84 @@
+/* transport.h - byte transport between workers (implemented over gRPC C core in
+ * transport_grpc.c, the only file that includes gRPC headers).
+ *
+ * A td__conn is one long-lived bidirectional stream: either one this process opened to a peer's
+ * server (client side) or one a peer opened to ours (server side). Frames (wire.h) go out through
+ * td__conn_send, which queues them and coalesces queued frames into gRPC messages of up to a few
+ * MiB (small frames share a message; big tensors are split across messages without copying); the
+ * receive side feeds each message's slices into the conn's decoder. Everything completes on one
+ * poller thread; td__conn_send may be called from any thread.
+ *
+ * The transport also carries unary byte calls (the rendezvous store's operations): any process can
+ * call a method on any address, and the process that serves the store answers through on_unary.
+ */
+#ifndef TD_RPC_TRANSPORT_H
+#define TD_RPC_TRANSPORT_H
+
+#include <stdint.h>
+
+#include "wire.h"
+
+typedef struct td__transport td__transport;
+typedef struct td__conn td__conn;
+
+typedef struct td__transport_cbs {
+  void *ud;
+  /* A complete message arrived on c (poller thread). Takes ownership of m's contents. */
+  void (*on_msg)(void *ud, td__conn *c, td__msg *m);
+  /* A frame on c was skipped (malformed or oversized); the peer waits for an answer to id. */
+  void (*on_bad)(void *ud, td__conn *c, uint64_t id, td_status st, const char *why);
+  /* c closed (peer gone, stream failed, or transport shutting down). Called once per conn. */
+  void (*on_closed)(void *ud, td__conn *c, td_status st, const char *why);
+  /* A unary call arrived (poller thread): fill *reply (malloc'd, freed by the transport) and
+   * return TD_OK, or return an error to answer with a failed status. */
+  td_status (*on_unary)(void *ud, const char *method, const uint8_t *req, size_t len,
+                        uint8_t **reply, size_t *reply_len);
+  /* Called about every tick_ms on the poller thread. */
+  void (*on_tick)(void *ud);
+} td__transport_cbs;
+
+typedef struct td__transport_opts {
+  const char *host;         /* listen address */
+  int port;                 /* 0 = any free port */
+  int64_t keepalive_ms;     /* ping interval for client channels */
+  uint64_t max_message;     /* decoder limit, 0 = unlimited */
+  int self_rank;
+  void *agent;              /* given to the decoders' wire ctx */
+  int tick_ms;              /* on_tick period, default 10 */
+} td__transport_opts;
+
+/* Starts the server and the poller thread; *bound_port gets the port actually bound. */
+td_status td__transport_create(const td__transport_opts *o, const td__transport_cbs *cbs,
+                               td__transport **out, int *bound_port);
+/* Stops everything: closes every conn (on_closed runs for each), stops the server, joins the
+ * poller. Blocks until gRPC has returned every tag. Safe to call twice. */
+void td__transport_shutdown(td__transport *t);
+void td__transport_destroy(td__transport *t);
+
+/* Opens a stream to the server at address ("host:port") for peer_rank. Returns a new
+ * reference. The stream connects lazily; failures surface through on_closed. */
+td_status td__transport_connect(td__transport *t, int peer_rank, const char *address,
+                                td__conn **out);
+
+td__conn *td__conn_ref(td__conn *c);
+void td__conn_unref(td__conn *c);
+/* The peer rank: known for client conns; for server conns, the rank seen in its first message
+ * (-1 before). */
+int td__conn_peer(const td__conn *c);
+void td__conn_set_peer(td__conn *c, int rank);
+bool td__conn_is_client(const td__conn *c);
+bool td__conn_closed(const td__conn *c);
+/* Queues f for sending (takes ownership of f's contents on TD_OK and on failure alike).
+ * TD_ERR_UNAVAILABLE when the conn is closed. THREAD SAFETY: any thread. */
+td_status td__conn_send(td__conn *c, td__frame *f);
+/* Closes the conn from this side (queued frames are dropped). */
+void td__conn_close(td__conn *c, const char *why);
+
+/* Makes a unary call to method at address and waits for the reply (malloc'd into *reply).
+ * wait_for_ready: keep trying to connect until the deadline (rendezvous with a server that is
+ * still starting). THREAD SAFETY: any thread. */
+td_status td__transport_unary(td__transport *t, const char *address, const char *method,
+                              const uint8_t *req, size_t len, int64_t timeout_ms,
+                              bool wait_for_ready, uint8_t **reply, size_t *reply_len);
+
+#endif

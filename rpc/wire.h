@@ -1,0 +1,76 @@
+/* wire.h - tdist's frame format: encoding messages into frames and an incremental decoder.
+ *
+ * Frame = 24-byte prefix (magic "TDF1", header_len u32, payload_len u64, id u64; little endian)
+ *       + header (protobuf Envelope, see tdist.proto) + payload (raw tensor bytes, in the order the
+ *       tensors appear in the pre-order walk of the value trees).
+ * The decoder is a byte-stream state machine: feed it whatever chunks the transport delivers; it
+ * copies payload bytes straight into freshly allocated tensors. Because id and lengths sit in the
+ * fixed prefix, a frame whose header is malformed or too big is skipped and reported by id (the
+ * stream stays usable); only a bad magic number corrupts the stream.
+ */
+#ifndef TD_RPC_WIRE_H
+#define TD_RPC_WIRE_H
+
+#include <stdint.h>
+
+#include "value_impl.h"
+
+#define TD__FRAME_MAGIC 0x31464454u /* "TDF1" */
+#define TD__FRAME_PREFIX 24
+#define TD__MAX_HEADER (64u << 20) /* envelopes above 64 MiB are refused */
+#define TD__MAX_DEPTH 512          /* deepest value tree accepted */
+
+enum { TD__MSG_REQUEST = 1, TD__MSG_RESPONSE = 2, TD__MSG_ERROR = 3 };
+
+typedef struct td__msg {
+  uint64_t id;
+  int kind;
+  char *fn; /* owned */
+  int from_rank;
+  td_value **values; /* owned references: request args, or the response's result */
+  int nvalues;
+  td_status status; /* errors */
+  char *message;    /* owned */
+  int64_t timeout_ms;
+  uint64_t ctx_id, autograd_msg_id;
+} td__msg;
+
+/* td__msg_clear releases what m owns and zeroes it. */
+void td__msg_clear(td__msg *m);
+
+struct td__wire_ctx {
+  void *agent;   /* the agent encoding or decoding (for extension types) */
+  int peer_rank; /* the other end */
+  int self_rank;
+};
+
+/* An encoded frame: prefix + header bytes, then the bytes of each tensor. */
+typedef struct td__frame {
+  uint8_t *head; /* owned */
+  size_t head_len;
+  td_tensor **tensors; /* owned references, contiguous CPU tensors */
+  int ntensors;
+  uint64_t payload_len;
+} td__frame;
+
+/* td__wire_encode encodes m (values are walked, extension values converted with to_wire). */
+td_status td__wire_encode(const td__msg *m, td__wire_ctx *ctx, td__frame *out);
+void td__frame_clear(td__frame *f);
+
+typedef struct td__decoder td__decoder;
+/* Called for every complete frame; takes ownership of m's contents. */
+typedef void (*td__on_msg_fn)(void *ud, td__msg *m);
+/* Called for a skipped frame (malformed or oversized) with its id and why. */
+typedef void (*td__on_bad_fn)(void *ud, uint64_t id, td_status st, const char *why);
+
+td_status td__decoder_create(const td__wire_ctx *ctx, uint64_t max_message_bytes,
+                             td__on_msg_fn on_msg, td__on_bad_fn on_bad, void *ud,
+                             td__decoder **out);
+/* td__decoder_feed consumes n bytes. Returns TD_ERR_FORMAT (with td_last_error) when the stream
+ * is corrupt and must be closed; frames before the corruption were delivered. */
+td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n);
+/* td__decoder_idle returns true between frames. */
+bool td__decoder_idle(const td__decoder *d);
+void td__decoder_destroy(td__decoder *d);
+
+#endif

@@ -1,0 +1,418 @@
+/* cuda_backend.cu - the CUDA kernel table: errors, device guard, caching allocator, host<->device
+ * copies, cuBLAS GEMM and registration (td__cuda_backend, td__cuda_device_count).
+ *
+ * Caching allocator. cudaMalloc/cudaFree synchronise the device and cost tens of microseconds, so
+ * freed blocks are kept in per-device free lists and handed out again. A request is rounded up
+ * to a size class: powers of two from 512 B to 1 MiB, then four classes per octave (steps of a
+ * quarter power of two, so at most 25% waste). Each class of each device has a LIFO free list.
+ * A map from block address to (device, class) lets free() find the list, since the backend's
+ * free() is not told the size. When cudaMalloc fails, the device's cached blocks are released
+ * and the allocation is tried once more. Blocks are reused without synchronisation: all work is
+ * issued on the device's legacy default stream, so a kernel that still uses a freed block runs
+ * before any kernel of its next owner.
+ * The allocator state is allocated once and never destroyed, so that tensors freed during process
+ * exit (after static destructors) still find it.
+ *
+ * cuBLAS: one handle per device, created on first use under the allocator-independent handle lock
+ * and never changed afterwards (default stream, host pointer mode, default math, i.e. no TF32), so
+ * threads share it without further locking, as the cuBLAS documentation allows.
+ *
+ * Lock order: alloc_mu and blas_mu are leaves (never held together, never held while calling out
+ * of this file).
+ */
+#include "cuda_impl.h"
+
+#include <cublas_v2.h>
+#include <limits.h>
+#include <string.h>
+
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+/* ---- errors and device selection ---- */
+
+td_status td__cu_error(cudaError_t e, const char *op) {
+  (void)cudaGetLastError(); /* clear the (non-sticky) last-error slot */
+  td_status s = TD_ERR_INTERNAL;
+  if (e == cudaErrorMemoryAllocation) {
+    s = TD_ERR_NOMEM;
+  } else if (e == cudaErrorInvalidDevice || e == cudaErrorNoDevice ||
+             e == cudaErrorInsufficientDriver || e == cudaErrorDevicesUnavailable) {
+    s = TD_ERR_DEVICE;
+  }
+  return td_set_error(s, "cuda %s: %s (%s)", op, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+td_status td__cu_check_launch(const char *op) {
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? TD_OK : td__cu_error(e, op);
+}
+
+td_status td__cu_set_device(int index, const char *op) {
+  int cur = -1;
+  if (cudaGetDevice(&cur) == cudaSuccess && cur == index) return TD_OK;
+  cudaError_t e = cudaSetDevice(index);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return td_set_error(TD_ERR_DEVICE, "cuda %s: cannot select device cuda:%d: %s", op, index,
+                        cudaGetErrorString(e));
+  }
+  return TD_OK;
+}
+
+td_status td__cu_device_of(const void *p, const char *op, int *index) {
+  cudaPointerAttributes attr;
+  cudaError_t e = cudaPointerGetAttributes(&attr, p);
+  if (e != cudaSuccess) return td__cu_error(e, op);
+  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+    return td_set_error(TD_ERR_DEVICE, "cuda %s: %p is not device memory", op, p);
+  *index = attr.device;
+  return TD_OK;
+}
+
+td_status td__cu_enter(const char *op, const td_tensor *t) {
+  if (t->storage->device.type != TD_DEVICE_CUDA)
+    return td_set_error(TD_ERR_DEVICE, "cuda %s: tensor is not on a CUDA device", op);
+  return td__cu_set_device(td__cu_dev(t), op);
+}
+
+td_status td__cu_same_device(const char *op, const td_tensor *ref, const td_tensor *t) {
+  if (!t) return TD_OK;
+  if (t->storage->device.type != TD_DEVICE_CUDA || td__cu_dev(t) != td__cu_dev(ref))
+    return td_set_error(TD_ERR_DEVICE, "cuda %s: operands on different devices (cuda:%d and %s%d)",
+                        op, td__cu_dev(ref),
+                        t->storage->device.type == TD_DEVICE_CUDA ? "cuda:" : "cpu ",
+                        td__cu_dev(t));
+  return TD_OK;
+}
+
+td_status td__cu_need_contig(const char *op, const td_tensor *t) {
+  if (!t) return TD_OK;
+  int64_t expect = 1;
+  for (int d = t->ndim - 1; d >= 0; d--) {
+    if (t->shape[d] != 1 && t->strides[d] != expect)
+      return td_set_error(TD_ERR_INTERNAL, "cuda %s: operand must be contiguous", op);
+    expect *= t->shape[d];
+  }
+  return TD_OK;
+}
+
+td_status td__cu_vector(const char *op, const td_tensor *t, int64_t *n, int64_t *stride) {
+  *n = td__cu_numel(t);
+  if (t->ndim == 1) {
+    *stride = t->strides[0];
+    return TD_OK;
+  }
+  *stride = 1;
+  return td__cu_need_contig(op, t);
+}
+
+/* ---- device count ---- */
+
+extern "C" int td__cuda_device_count(void) {
+  static std::once_flag once;
+  static int count = 0;
+  std::call_once(once, [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      (void)cudaGetLastError();
+      n = 0;
+    }
+    count = n;
+  });
+  return count;
+}
+
+/* ---- caching allocator ---- */
+
+namespace {
+
+constexpr int kClasses = 128;
+constexpr size_t kSmallMax = (size_t)1 << 20; /* powers of two up to here */
+
+struct DeviceCache {
+  std::vector<void *> free_list[kClasses];
+  size_t cached_bytes = 0; /* bytes in free lists */
+  size_t used_bytes = 0;   /* bytes handed out */
+};
+
+struct Allocator {
+  std::mutex mu;
+  std::vector<DeviceCache *> devs; /* index = device ordinal */
+  std::unordered_map<void *, uint32_t> live; /* address -> device << 8 | class */
+};
+
+Allocator &allocator() {
+  static Allocator *a = new Allocator; /* intentionally never destroyed, see the file comment */
+  return *a;
+}
+
+int floor_log2(size_t n) { return 63 - __builtin_clzll((unsigned long long)n); }
+
+/* size_class rounds n up to its class size (*rounded) and returns the class, or -1 when n is too
+ * large for any class. */
+int size_class(size_t n, size_t *rounded) {
+  if (n <= 512) {
+    *rounded = 512;
+    return 0;
+  }
+  if (n <= kSmallMax) {
+    int o = floor_log2(n - 1) + 1; /* 2^(o-1) < n <= 2^o */
+    *rounded = (size_t)1 << o;
+    return o - 9; /* 1 .. 11 */
+  }
+  int o = floor_log2(n - 1); /* 2^o < n <= 2^(o+1), o >= 20 */
+  if (o > 47) return -1;
+  size_t step = (size_t)1 << (o - 2);
+  size_t k = (n + step - 1) / step; /* 5 .. 8 */
+  *rounded = k * step;
+  return 12 + (o - 20) * 4 + (int)(k - 5);
+}
+
+/* device_cache returns the cache of a device, creating it on first use; NULL when out of host
+ * memory (no C++ exception may escape into the C callers). */
+DeviceCache *device_cache(Allocator &a, int device) {
+  try {
+    if ((size_t)device >= a.devs.size()) a.devs.resize((size_t)device + 1, nullptr);
+    if (!a.devs[(size_t)device]) a.devs[(size_t)device] = new DeviceCache;
+  } catch (...) {
+    return nullptr;
+  }
+  return a.devs[(size_t)device];
+}
+
+size_t class_size(int cls) {
+  if (cls == 0) return 512;
+  if (cls <= 11) return (size_t)1 << (cls + 9);
+  int o = 20 + (cls - 12) / 4;
+  size_t k = 5 + (size_t)((cls - 12) % 4);
+  return k * ((size_t)1 << (o - 2));
+}
+
+/* release_cached frees every cached block of a device (the device is current). Called with the
+ * lock held. */
+void release_cached(DeviceCache *dc) {
+  for (int c = 0; c < kClasses; c++) {
+    for (void *p : dc->free_list[c]) (void)cudaFree(p);
+    dc->cached_bytes -= dc->free_list[c].size() * class_size(c);
+    dc->free_list[c].clear();
+  }
+}
+
+td_status cu_alloc(int device, size_t nbytes, void **out) {
+  const char *op = "alloc";
+  if (device < 0) return td_set_error(TD_ERR_DEVICE, "cuda alloc: bad device index %d", device);
+  size_t rounded = 0;
+  int cls = size_class(nbytes, &rounded);
+  if (cls < 0)
+    return td_set_error(TD_ERR_NOMEM, "cuda alloc: %zu bytes is too large a request", nbytes);
+  TD_TRY(td__cu_set_device(device, op));
+  Allocator &a = allocator();
+  std::lock_guard<std::mutex> lock(a.mu);
+  DeviceCache *dc = device_cache(a, device);
+  if (!dc) return td_set_error(TD_ERR_NOMEM, "cuda alloc: out of host memory");
+  void *p = nullptr;
+  std::vector<void *> &fl = dc->free_list[cls];
+  if (!fl.empty()) {
+    p = fl.back();
+    fl.pop_back();
+    dc->cached_bytes -= rounded;
+  } else {
+    cudaError_t e = cudaMalloc(&p, rounded);
+    if (e == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      release_cached(dc);
+      e = cudaMalloc(&p, rounded);
+    }
+    if (e != cudaSuccess) {
+      td_status s = td__cu_error(e, op);
+      return td_set_error(s, "cuda alloc: cannot allocate %zu bytes on cuda:%d (%zu in use): %s",
+                          rounded, device, dc->used_bytes, cudaGetErrorString(e));
+    }
+  }
+  try {
+    a.live.emplace(p, ((uint32_t)device << 8) | (uint32_t)cls);
+  } catch (...) {
+    (void)cudaFree(p); /* cannot track it: give it back */
+    return td_set_error(TD_ERR_NOMEM, "cuda alloc: out of host memory");
+  }
+  dc->used_bytes += rounded;
+  *out = p;
+  return TD_OK;
+}
+
+void cu_free(int device, void *p) {
+  if (!p) return;
+  Allocator &a = allocator();
+  std::lock_guard<std::mutex> lock(a.mu);
+  auto it = a.live.find(p);
+  if (it == a.live.end()) TD_PANIC("cuda free: %p (cuda:%d) was not allocated here", p, device);
+  int dev = (int)(it->second >> 8), cls = (int)(it->second & 0xff);
+  a.live.erase(it);
+  DeviceCache *dc = a.devs[(size_t)dev]; /* exists: the block was allocated through it */
+  size_t sz = class_size(cls);
+  dc->used_bytes -= sz;
+  try {
+    dc->free_list[cls].push_back(p);
+    dc->cached_bytes += sz;
+  } catch (...) {
+    /* No host memory to cache the block: give it back to the driver instead. */
+    int cur = -1;
+    (void)cudaGetDevice(&cur);
+    if (cudaSetDevice(dev) == cudaSuccess) (void)cudaFree(p);
+    if (cur >= 0) (void)cudaSetDevice(cur);
+    (void)cudaGetLastError();
+  }
+}
+
+/* ---- host <-> device copies ---- */
+
+td_status cu_copy_h2d(int device, void *dst, const void *src, size_t nbytes) {
+  if (nbytes == 0) return TD_OK;
+  TD_TRY(td__cu_set_device(device, "copy_h2d"));
+  cudaError_t e = cudaMemcpy(dst, src, nbytes, cudaMemcpyHostToDevice);
+  return e == cudaSuccess ? TD_OK : td__cu_error(e, "copy_h2d");
+}
+
+td_status cu_copy_d2h(int device, void *dst, const void *src, size_t nbytes) {
+  if (nbytes == 0) return TD_OK;
+  TD_TRY(td__cu_set_device(device, "copy_d2h"));
+  cudaError_t e = cudaMemcpy(dst, src, nbytes, cudaMemcpyDeviceToHost);
+  return e == cudaSuccess ? TD_OK : td__cu_error(e, "copy_d2h");
+}
+
+/* ---- cuBLAS GEMM ---- */
+
+std::mutex blas_mu;
+std::vector<cublasHandle_t> *blas_handles; /* index = device; never destroyed */
+
+td_status blas_handle(int device, cublasHandle_t *out) {
+  std::lock_guard<std::mutex> lock(blas_mu);
+  try {
+    if (!blas_handles) blas_handles = new std::vector<cublasHandle_t>();
+    if ((size_t)device >= blas_handles->size()) blas_handles->resize((size_t)device + 1, nullptr);
+  } catch (...) {
+    return td_set_error(TD_ERR_NOMEM, "cuda gemm: out of host memory");
+  }
+  cublasHandle_t &h = (*blas_handles)[(size_t)device];
+  if (!h) {
+    cublasStatus_t s = cublasCreate(&h); /* binds the handle to the current device */
+    if (s != CUBLAS_STATUS_SUCCESS) {
+      h = nullptr;
+      return td_set_error(s == CUBLAS_STATUS_ALLOC_FAILED ? TD_ERR_NOMEM : TD_ERR_INTERNAL,
+                          "cuda gemm: cublasCreate on cuda:%d failed: %s", device,
+                          cublasGetStatusString(s));
+    }
+  }
+  *out = h;
+  return TD_OK;
+}
+
+/* scale_kernel sets each [m*n] matrix of c to beta * c (0 when beta == 0, ignoring NaN in c):
+ * the K == 0 product, which is left out of the cuBLAS call. */
+template <typename T>
+__global__ void scale_kernel(T *c, int64_t mn, int64_t stride_c, int64_t batch, T beta) {
+  TD_CU_LOOP(e, mn * batch) {
+    int64_t b = e / mn;
+    T *p = c + b * stride_c + (e - b * mn);
+    *p = beta == (T)0 ? (T)0 : beta * *p;
+  }
+}
+
+td_status cu_gemm(td_dtype dt, bool transa, bool transb, int64_t m, int64_t n, int64_t k,
+                  double alpha, const void *a, int64_t stride_a, const void *b, int64_t stride_b,
+                  double beta, void *c, int64_t stride_c, int64_t batch) {
+  const char *op = "gemm";
+  if (dt == TD_DTYPE_I64)
+    return td_set_error(TD_ERR_DTYPE, "cuda gemm: int64 matrices are not supported");
+  if (m <= 0 || n <= 0 || batch <= 0) return TD_OK;
+  if (m > INT_MAX || n > INT_MAX || k > INT_MAX || batch > INT_MAX)
+    return td_set_error(TD_ERR_INVALID,
+                        "cuda gemm: dimensions m=%lld n=%lld k=%lld batch=%lld exceed cuBLAS's "
+                        "32-bit limits",
+                        (long long)m, (long long)n, (long long)k, (long long)batch);
+  int device = 0;
+  TD_TRY(td__cu_device_of(c, op, &device));
+  TD_TRY(td__cu_set_device(device, op));
+  if (k == 0) {
+    unsigned grid = td__cu_grid(m * n * batch, TD_CU_THREADS);
+    if (dt == TD_DTYPE_F32)
+      scale_kernel<float><<<grid, TD_CU_THREADS>>>((float *)c, m * n, stride_c, batch, (float)beta);
+    else
+      scale_kernel<double><<<grid, TD_CU_THREADS>>>((double *)c, m * n, stride_c, batch, beta);
+    return td__cu_check_launch(op);
+  }
+  cublasHandle_t h;
+  TD_TRY(blas_handle(device, &h));
+  /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: a row-major [r, s] matrix is
+   * the column-major [s, r] matrix with leading dimension s. So cuBLAS computes the [n, m]
+   * column-major result from B (first) and A (second) with the same transpose flags. */
+  cublasOperation_t ob = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasOperation_t oa = transa ? CUBLAS_OP_T : CUBLAS_OP_N;
+  int ldb = (int)(transb ? k : n);
+  int lda = (int)(transa ? m : k);
+  int ldc = (int)n;
+  cublasStatus_t s;
+  if (dt == TD_DTYPE_F32) {
+    float fa = (float)alpha, fb = (float)beta;
+    s = cublasSgemmStridedBatched(h, ob, oa, (int)n, (int)m, (int)k, &fa, (const float *)b, ldb,
+                                  stride_b, (const float *)a, lda, stride_a, &fb, (float *)c, ldc,
+                                  stride_c, (int)batch);
+  } else {
+    s = cublasDgemmStridedBatched(h, ob, oa, (int)n, (int)m, (int)k, &alpha, (const double *)b,
+                                  ldb, stride_b, (const double *)a, lda, stride_a, &beta,
+                                  (double *)c, ldc, stride_c, (int)batch);
+  }
+  if (s != CUBLAS_STATUS_SUCCESS)
+    return td_set_error(s == CUBLAS_STATUS_ALLOC_FAILED ? TD_ERR_NOMEM : TD_ERR_INTERNAL,
+                        "cuda gemm: cuBLAS failed (m=%lld n=%lld k=%lld batch=%lld): %s",
+                        (long long)m, (long long)n, (long long)k, (long long)batch,
+                        cublasGetStatusString(s));
+  return TD_OK;
+}
+
+td__backend make_backend() {
+  td__backend b;
+  memset(&b, 0, sizeof b);
+  b.name = "cuda";
+  b.alloc = cu_alloc;
+  b.free = cu_free;
+  b.copy_h2d = cu_copy_h2d;
+  b.copy_d2h = cu_copy_d2h;
+  b.copy = td__cu_copy;
+  b.fill = td__cu_fill;
+  b.binary = td__cu_binary;
+  b.unary = td__cu_unary;
+  b.unary_backward = td__cu_unary_backward;
+  b.reduce_sum = td__cu_reduce_sum;
+  b.reduce_max = td__cu_reduce_max;
+  b.gemm = cu_gemm;
+  b.softmax = td__cu_softmax;
+  b.softmax_backward = td__cu_softmax_backward;
+  b.nll = td__cu_nll;
+  b.nll_backward = td__cu_nll_backward;
+  b.im2col = td__cu_im2col;
+  b.col2im = td__cu_col2im;
+  b.max_pool2d = td__cu_max_pool2d;
+  b.max_pool2d_backward = td__cu_max_pool2d_backward;
+  b.index_select = td__cu_index_select;
+  b.index_add = td__cu_index_add;
+  b.layer_norm = td__cu_layer_norm;
+  b.layer_norm_backward = td__cu_layer_norm_backward;
+  return b;
+}
+
+const td__backend cuda_backend = make_backend();
+
+} /* namespace */
+
+td_status td__cu_scratch_alloc(int index, size_t nbytes, void **out) {
+  return cu_alloc(index, nbytes, out);
+}
+
+void td__cu_scratch_free(int index, void *p) { cu_free(index, p); }
+
+/* The table tensor.c dispatches to for TD_DEVICE_CUDA tensors (declared in tensor_impl.h with C
+ * linkage). */
+const td__backend *td__cuda_backend = &cuda_backend;

@@ -1,0 +1,542 @@
+/* cuda_elementwise.cu - strided elementwise kernels of the CUDA backend: copy (with dtype
+ * conversion), fill, binary, unary and unary backward, plus the gather/scatter pair
+ * index_select / index_add.
+ *
+ * Strided operands: the host folds the common shape and each operand's strides into a Geom (by
+ * value, a few hundred bytes of kernel parameters). Size-1 dims are dropped and neighbouring dims
+ * that are contiguous in every operand are merged, so the common contiguous case becomes one dim
+ * and costs one multiply per element. Each thread turns a row-major linear index into one offset
+ * per operand.
+ *
+ * dtypes follow the CPU backend: copy and fill take float32, float64 and int64 in any
+ * combination; binary takes all three (an int64 division by zero is TD_ERR_INVALID, found with one
+ * extra synchronisation); unary takes floats, and int64 only for affine maps with integral
+ * coefficients; unary_backward is float only; index_select and index_add take all three. MAX and
+ * MIN propagate NaN; float32 unary ops compute in float32 (the CPU computes in double and rounds,
+ * so results may differ in the last bit).
+ * Index kernels skip (index_add) or zero (index_select) out-of-range indices instead of faulting;
+ * the op layer has already rejected them with a message.
+ */
+#include "cuda_impl.h"
+
+#include <string.h>
+
+#include <type_traits>
+
+namespace {
+
+template <int N> struct Geom {
+  int ndim;
+  int64_t shape[TD_MAX_DIMS];
+  int64_t st[N][TD_MAX_DIMS];
+};
+
+/* make_geom folds shape and the N operands' strides (see the file comment). */
+template <int N>
+Geom<N> make_geom(const int64_t *shape, int ndim, const int64_t *const *strides) {
+  int64_t sh[TD_MAX_DIMS], st[N][TD_MAX_DIMS];
+  int m = 0;
+  for (int d = ndim - 1; d >= 0; d--) {
+    if (shape[d] == 1) continue;
+    if (m > 0) {
+      bool merge = true;
+      for (int k = 0; k < N; k++)
+        if (strides[k][d] != st[k][m - 1] * sh[m - 1]) merge = false;
+      if (merge) {
+        sh[m - 1] *= shape[d];
+        continue;
+      }
+    }
+    sh[m] = shape[d];
+    for (int k = 0; k < N; k++) st[k][m] = strides[k][d];
+    m++;
+  }
+  Geom<N> g;
+  memset(&g, 0, sizeof g);
+  g.ndim = m;
+  for (int j = 0; j < m; j++) {
+    g.shape[j] = sh[m - 1 - j];
+    for (int k = 0; k < N; k++) g.st[k][j] = st[k][m - 1 - j];
+  }
+  return g;
+}
+
+template <int N> bool geom_contiguous(const Geom<N> &g) {
+  if (g.ndim == 0) return true;
+  if (g.ndim > 1) return false;
+  for (int k = 0; k < N; k++)
+    if (g.st[k][0] != 1) return false;
+  return true;
+}
+
+template <int N>
+__device__ __forceinline__ void geom_offsets(const Geom<N> &g, int64_t i, int64_t *off) {
+  if (g.ndim == 1) {
+#pragma unroll
+    for (int k = 0; k < N; k++) off[k] = i * g.st[k][0];
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < N; k++) off[k] = 0;
+  for (int d = g.ndim - 1; d >= 0; d--) {
+    int64_t s = g.shape[d], q = i / s, r = i - q * s;
+    i = q;
+#pragma unroll
+    for (int k = 0; k < N; k++) off[k] += r * g.st[k][d];
+  }
+}
+
+/* ---- copy ---- */
+
+template <typename Td, typename Ts>
+__global__ void copy_kernel(Geom<2> g, int64_t n, Td *dst, const Ts *src) {
+  TD_CU_LOOP(i, n) {
+    int64_t o[2];
+    geom_offsets(g, i, o);
+    dst[o[0]] = (Td)src[o[1]];
+  }
+}
+
+template <typename Td>
+void launch_copy(td_dtype sdt, const Geom<2> &g, int64_t n, Td *dst, const void *src) {
+  unsigned grid = td__cu_grid(n, TD_CU_THREADS);
+  switch (sdt) {
+    case TD_DTYPE_F32:
+      copy_kernel<<<grid, TD_CU_THREADS>>>(g, n, dst, (const float *)src);
+      break;
+    case TD_DTYPE_F64:
+      copy_kernel<<<grid, TD_CU_THREADS>>>(g, n, dst, (const double *)src);
+      break;
+    case TD_DTYPE_I64:
+      copy_kernel<<<grid, TD_CU_THREADS>>>(g, n, dst, (const int64_t *)src);
+      break;
+  }
+}
+
+/* ---- fill ---- */
+
+template <typename T> __global__ void fill_kernel(Geom<1> g, int64_t n, T *p, T v) {
+  TD_CU_LOOP(i, n) {
+    int64_t o[1];
+    geom_offsets(g, i, o);
+    p[o[0]] = v;
+  }
+}
+
+/* ---- binary ---- */
+
+template <typename T, int OP> __device__ __forceinline__ T binop(T a, T b) {
+  if constexpr (OP == TD__BIN_ADD) return a + b;
+  if constexpr (OP == TD__BIN_SUB) return a - b;
+  if constexpr (OP == TD__BIN_MUL) return a * b;
+  if constexpr (OP == TD__BIN_DIV) {
+    if constexpr (std::is_integral<T>::value) return b == 0 ? (T)0 : a / b;
+    return a / b;
+  }
+  if constexpr (OP == TD__BIN_MAX) return (a > b || td__cu_isnan(a)) ? a : b;
+  if constexpr (OP == TD__BIN_MIN) return (a < b || td__cu_isnan(a)) ? a : b;
+  if constexpr (OP == TD__BIN_EQ) return a == b ? (T)1 : (T)0;
+  if constexpr (OP == TD__BIN_GT) return a > b ? (T)1 : (T)0;
+  return (T)0;
+}
+
+/* any_zero sets *flag when some element of b is 0 (int64 division check). */
+__global__ void any_zero_kernel(Geom<1> g, int64_t n, const int64_t *b, int *flag) {
+  TD_CU_LOOP(i, n) {
+    int64_t o[1];
+    geom_offsets(g, i, o);
+    if (b[o[0]] == 0) *flag = 1;
+  }
+}
+
+/* check_int_divisor returns TD_ERR_INVALID when int64 tensor b holds a zero, like the CPU backend
+ * (this costs one synchronisation). */
+td_status check_int_divisor(int dev, const td_tensor *b) {
+  const char *op = "binary";
+  int64_t n = td__cu_numel(b);
+  const int64_t *strides[1] = {b->strides};
+  Geom<1> g = make_geom<1>(b->shape, b->ndim, strides);
+  void *scratch = nullptr;
+  TD_TRY(td__cu_scratch_alloc(dev, sizeof(int), &scratch));
+  int flag = 0;
+  td_status st = TD_OK;
+  cudaError_t e = cudaMemsetAsync(scratch, 0, sizeof(int), 0);
+  if (e == cudaSuccess) {
+    any_zero_kernel<<<td__cu_grid(n, TD_CU_THREADS), TD_CU_THREADS>>>(
+        g, n, (const int64_t *)td__cu_ptr(b), (int *)scratch);
+    e = cudaGetLastError();
+  }
+  if (e == cudaSuccess) e = cudaMemcpy(&flag, scratch, sizeof flag, cudaMemcpyDeviceToHost);
+  if (e != cudaSuccess) st = td__cu_error(e, op);
+  else if (flag) st = td_set_error(TD_ERR_INVALID, "div: integer division by zero");
+  td__cu_scratch_free(dev, scratch);
+  return st;
+}
+
+template <typename T, int OP>
+__global__ void binary_kernel(Geom<3> g, int64_t n, const T *a, const T *b, T *out) {
+  TD_CU_LOOP(i, n) {
+    int64_t o[3];
+    geom_offsets(g, i, o);
+    out[o[2]] = binop<T, OP>(a[o[0]], b[o[1]]);
+  }
+}
+
+template <typename T>
+bool launch_binary(td__binary_op op, const Geom<3> &g, int64_t n, const void *a, const void *b,
+                   void *out) {
+  unsigned grid = td__cu_grid(n, TD_CU_THREADS);
+  const T *pa = (const T *)a, *pb = (const T *)b;
+  T *po = (T *)out;
+#define TD_CU_BIN_CASE(OPC)                                                                   \
+  case OPC: binary_kernel<T, OPC><<<grid, TD_CU_THREADS>>>(g, n, pa, pb, po); return true;
+  switch (op) {
+    TD_CU_BIN_CASE(TD__BIN_ADD)
+    TD_CU_BIN_CASE(TD__BIN_SUB)
+    TD_CU_BIN_CASE(TD__BIN_MUL)
+    TD_CU_BIN_CASE(TD__BIN_DIV)
+    TD_CU_BIN_CASE(TD__BIN_MAX)
+    TD_CU_BIN_CASE(TD__BIN_MIN)
+    TD_CU_BIN_CASE(TD__BIN_EQ)
+    TD_CU_BIN_CASE(TD__BIN_GT)
+  }
+#undef TD_CU_BIN_CASE
+  return false;
+}
+
+/* ---- unary ---- */
+
+template <typename C> __device__ __forceinline__ C sigmoid(C x) {
+  if (x >= (C)0) return (C)1 / ((C)1 + exp(-x));
+  C e = exp(x);
+  return e / ((C)1 + e);
+}
+
+template <typename C> __device__ __forceinline__ C gelu_cdf(C x) {
+  return (C)0.5 * ((C)1 + erf(x * (C)0.70710678118654752440));
+}
+
+template <typename C> __device__ __forceinline__ C unary_fwd(int op, C x, C p0, C p1) {
+  switch (op) {
+    case TD__UN_AFFINE: return p0 * x + p1;
+    case TD__UN_POW: return p0 == (C)2 ? x * x : pow(x, p0);
+    case TD__UN_EXP: return exp(x);
+    case TD__UN_LOG: return log(x);
+    case TD__UN_SQRT: return sqrt(x);
+    case TD__UN_TANH: return tanh(x);
+    case TD__UN_SIGMOID: return sigmoid(x);
+    case TD__UN_RELU: return x > (C)0 ? x : (C)0;
+    case TD__UN_GELU: return x * gelu_cdf(x);
+    case TD__UN_ABS: return fabs(x);
+  }
+  return x;
+}
+
+template <typename T>
+__global__ void unary_kernel(Geom<2> g, int64_t n, int op, const T *x, T *out, T p0, T p1) {
+  TD_CU_LOOP(i, n) {
+    int64_t o[2];
+    geom_offsets(g, i, o);
+    out[o[1]] = unary_fwd<T>(op, x[o[0]], p0, p1);
+  }
+}
+
+/* int64 tensors only take the affine map with integral coefficients (as on the CPU). */
+__global__ void affine_i64_kernel(Geom<2> g, int64_t n, const int64_t *x, int64_t *out, int64_t a,
+                                  int64_t b) {
+  TD_CU_LOOP(i, n) {
+    int64_t o[2];
+    geom_offsets(g, i, o);
+    out[o[1]] = a * x[o[0]] + b;
+  }
+}
+
+/* x or y may be NULL when the op's derivative does not use it (the op layer saves only what it
+ * needs); then the other one stands in. */
+template <typename C>
+__device__ __forceinline__ C unary_bwd(int op, C x, const C *y, C gy, C p0) {
+  switch (op) {
+    case TD__UN_AFFINE: return gy * p0;
+    case TD__UN_POW: return p0 == (C)2 ? gy * (C)2 * x : gy * p0 * pow(x, p0 - (C)1);
+    case TD__UN_EXP: return gy * (y ? *y : exp(x));
+    case TD__UN_LOG: return gy / x;
+    case TD__UN_SQRT: return gy / ((C)2 * (y ? *y : sqrt(x)));
+    case TD__UN_TANH: {
+      C t = y ? *y : tanh(x);
+      return gy * ((C)1 - t * t);
+    }
+    case TD__UN_SIGMOID: {
+      C s = y ? *y : sigmoid(x);
+      return gy * s * ((C)1 - s);
+    }
+    case TD__UN_RELU: return x > (C)0 ? gy : (C)0;
+    case TD__UN_GELU: {
+      C pdf = exp((C)-0.5 * x * x) * (C)0.39894228040143267794; /* 1/sqrt(2 pi) */
+      return gy * (gelu_cdf(x) + x * pdf);
+    }
+    case TD__UN_ABS: return x > (C)0 ? gy : (x < (C)0 ? -gy : (C)0);
+  }
+  return gy;
+}
+
+template <typename T>
+__global__ void unary_backward_kernel(int64_t n, int op, const T *x, const T *y, const T *gy,
+                                      T *gx, T p0) {
+  TD_CU_LOOP(i, n) gx[i] = unary_bwd<T>(op, x ? x[i] : (T)0, y ? y + i : nullptr, gy[i], p0);
+}
+
+/* ---- index_select / index_add ---- */
+
+template <typename T>
+__global__ void index_select_kernel(int64_t total, int64_t r, int64_t m, int64_t inner,
+                                    const T *x, const int64_t *index, int64_t index_stride,
+                                    T *out) {
+  TD_CU_LOOP(e, total) {
+    int64_t i = e % inner, t = e / inner, j = t % m, o = t / m;
+    int64_t k = index[j * index_stride];
+    out[e] = (k >= 0 && k < r) ? x[(o * r + k) * inner + i] : (T)0; /* range checked by caller */
+  }
+}
+
+template <typename T>
+__global__ void index_add_kernel(int64_t total, int64_t r, int64_t m, int64_t inner, T *gx,
+                                 const int64_t *index, int64_t index_stride, const T *g) {
+  TD_CU_LOOP(e, total) {
+    int64_t i = e % inner, t = e / inner, j = t % m, o = t / m;
+    int64_t k = index[j * index_stride];
+    if (k >= 0 && k < r) td__cu_atomic_add(&gx[(o * r + k) * inner + i], g[e]);
+  }
+}
+
+/* index_geometry checks an int64 index vector and returns its length and stride. */
+td_status index_geometry(const char *op, const td_tensor *ref, const td_tensor *index, int64_t *m,
+                         int64_t *stride) {
+  TD_TRY(td__cu_same_device(op, ref, index));
+  if (index->dtype != TD_DTYPE_I64)
+    return td_set_error(TD_ERR_DTYPE, "cuda %s: index must be int64, got %s", op,
+                        td_dtype_name(index->dtype));
+  return td__cu_vector(op, index, m, stride);
+}
+
+} /* namespace */
+
+/* ---- entries ---- */
+
+td_status td__cu_copy(td_tensor *dst, const td_tensor *src) {
+  const char *op = "copy";
+  TD_TRY(td__cu_enter(op, dst));
+  bool same_shape = dst->ndim == src->ndim;
+  for (int d = 0; same_shape && d < dst->ndim; d++) same_shape = dst->shape[d] == src->shape[d];
+  if (!same_shape) return td_set_error(TD_ERR_SHAPE, "cuda copy: shapes differ");
+  int64_t n = td__cu_numel(dst);
+  if (n == 0) return TD_OK;
+  const int64_t *strides[2] = {dst->strides, src->strides};
+  Geom<2> g = make_geom<2>(dst->shape, dst->ndim, strides);
+  bool same_dev = src->storage->device.type == TD_DEVICE_CUDA && td__cu_dev(src) == td__cu_dev(dst);
+  if (dst->dtype == src->dtype && geom_contiguous(g)) {
+    size_t bytes = (size_t)n * td__cu_esize(dst->dtype);
+    cudaError_t e;
+    if (same_dev) {
+      e = cudaMemcpyAsync(td__cu_ptr(dst), td__cu_ptr(src), bytes, cudaMemcpyDeviceToDevice, 0);
+    } else if (src->storage->device.type == TD_DEVICE_CUDA) {
+      e = cudaMemcpyPeer(td__cu_ptr(dst), td__cu_dev(dst), td__cu_ptr(src), td__cu_dev(src), bytes);
+    } else {
+      return td__cu_same_device(op, dst, src);
+    }
+    return e == cudaSuccess ? TD_OK : td__cu_error(e, op);
+  }
+  if (!same_dev) return td__cu_same_device(op, dst, src);
+  void *d = td__cu_ptr(dst);
+  const void *s = td__cu_ptr(src);
+  switch (dst->dtype) {
+    case TD_DTYPE_F32: launch_copy(src->dtype, g, n, (float *)d, s); break;
+    case TD_DTYPE_F64: launch_copy(src->dtype, g, n, (double *)d, s); break;
+    case TD_DTYPE_I64: launch_copy(src->dtype, g, n, (int64_t *)d, s); break;
+  }
+  return td__cu_check_launch(op);
+}
+
+td_status td__cu_fill(td_tensor *t, double value) {
+  const char *op = "fill";
+  TD_TRY(td__cu_enter(op, t));
+  int64_t n = td__cu_numel(t);
+  if (n == 0) return TD_OK;
+  const int64_t *strides[1] = {t->strides};
+  Geom<1> g = make_geom<1>(t->shape, t->ndim, strides);
+  void *p = td__cu_ptr(t);
+  if (value == 0.0 && geom_contiguous(g)) {
+    cudaError_t e = cudaMemsetAsync(p, 0, (size_t)n * td__cu_esize(t->dtype), 0);
+    return e == cudaSuccess ? TD_OK : td__cu_error(e, op);
+  }
+  unsigned grid = td__cu_grid(n, TD_CU_THREADS);
+  switch (t->dtype) {
+    case TD_DTYPE_F32: fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (float *)p, (float)value); break;
+    case TD_DTYPE_F64: fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (double *)p, value); break;
+    case TD_DTYPE_I64:
+      fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (int64_t *)p, (int64_t)value);
+      break;
+  }
+  return td__cu_check_launch(op);
+}
+
+td_status td__cu_binary(td__binary_op op, const td_tensor *a, const td_tensor *b, td_tensor *out) {
+  const char *name = "binary";
+  TD_TRY(td__cu_enter(name, out));
+  TD_TRY(td__cu_same_device(name, out, a));
+  TD_TRY(td__cu_same_device(name, out, b));
+  if (a->dtype != out->dtype || b->dtype != out->dtype)
+    return td_set_error(TD_ERR_DTYPE, "cuda binary: operand dtypes differ");
+  if (a->ndim != out->ndim || b->ndim != out->ndim)
+    return td_set_error(TD_ERR_SHAPE, "cuda binary: operand ranks differ");
+  int64_t n = td__cu_numel(out);
+  if (n == 0) return TD_OK;
+  if (out->dtype == TD_DTYPE_I64 && op == TD__BIN_DIV) TD_TRY(check_int_divisor(td__cu_dev(out), b));
+  const int64_t *strides[3] = {a->strides, b->strides, out->strides};
+  Geom<3> g = make_geom<3>(out->shape, out->ndim, strides);
+  bool ok = false;
+  switch (out->dtype) {
+    case TD_DTYPE_F32:
+      ok = launch_binary<float>(op, g, n, td__cu_ptr(a), td__cu_ptr(b), td__cu_ptr(out));
+      break;
+    case TD_DTYPE_F64:
+      ok = launch_binary<double>(op, g, n, td__cu_ptr(a), td__cu_ptr(b), td__cu_ptr(out));
+      break;
+    case TD_DTYPE_I64:
+      ok = launch_binary<int64_t>(op, g, n, td__cu_ptr(a), td__cu_ptr(b), td__cu_ptr(out));
+      break;
+  }
+  if (!ok) return td_set_error(TD_ERR_INVALID, "cuda binary: unknown op %d", (int)op);
+  return td__cu_check_launch(name);
+}
+
+td_status td__cu_unary(td__unary_op op, const td_tensor *x, td_tensor *out, double p0, double p1) {
+  const char *name = "unary";
+  TD_TRY(td__cu_enter(name, out));
+  TD_TRY(td__cu_same_device(name, out, x));
+  if (x->dtype != out->dtype) return td_set_error(TD_ERR_DTYPE, "cuda unary: dtypes differ");
+  if (x->ndim != out->ndim) return td_set_error(TD_ERR_SHAPE, "cuda unary: ranks differ");
+  int64_t n = td__cu_numel(out);
+  if (n == 0) return TD_OK;
+  const int64_t *strides[2] = {x->strides, out->strides};
+  Geom<2> g = make_geom<2>(out->shape, out->ndim, strides);
+  unsigned grid = td__cu_grid(n, TD_CU_THREADS);
+  const void *px = td__cu_ptr(x);
+  void *po = td__cu_ptr(out);
+  switch (out->dtype) {
+    case TD_DTYPE_F32:
+      unary_kernel<float><<<grid, TD_CU_THREADS>>>(g, n, (int)op, (const float *)px,
+                                                   (float *)po, (float)p0, (float)p1);
+      break;
+    case TD_DTYPE_F64:
+      unary_kernel<double><<<grid, TD_CU_THREADS>>>(g, n, (int)op, (const double *)px,
+                                                    (double *)po, p0, p1);
+      break;
+    case TD_DTYPE_I64:
+      if (op != TD__UN_AFFINE || p0 != (double)(int64_t)p0 || p1 != (double)(int64_t)p1)
+        return td_set_error(TD_ERR_DTYPE, "cuda unary: int64 tensors only take integral "
+                            "affine maps");
+      affine_i64_kernel<<<grid, TD_CU_THREADS>>>(g, n, (const int64_t *)px, (int64_t *)po,
+                                                 (int64_t)p0, (int64_t)p1);
+      break;
+  }
+  return td__cu_check_launch(name);
+}
+
+td_status td__cu_unary_backward(td__unary_op op, const td_tensor *x, const td_tensor *y,
+                                const td_tensor *gy, td_tensor *gx, double p0, double p1) {
+  const char *name = "unary_backward";
+  (void)p1;
+  TD_TRY(td__cu_enter(name, gx));
+  TD_TRY(td__cu_same_device(name, gx, x));
+  TD_TRY(td__cu_same_device(name, gx, y));
+  TD_TRY(td__cu_same_device(name, gx, gy));
+  TD_TRY(td__cu_need_contig(name, x));
+  TD_TRY(td__cu_need_contig(name, y));
+  TD_TRY(td__cu_need_contig(name, gy));
+  TD_TRY(td__cu_need_contig(name, gx));
+  if (!x && !y && op != TD__UN_AFFINE)
+    return td_set_error(TD_ERR_INVALID, "cuda unary_backward: op %d needs x or y", (int)op);
+  if (gx->dtype == TD_DTYPE_I64 || (x && x->dtype != gx->dtype) || gy->dtype != gx->dtype ||
+      (y && y->dtype != gx->dtype))
+    return td_set_error(TD_ERR_DTYPE, "cuda unary_backward: needs one float dtype");
+  int64_t n = td__cu_numel(gx);
+  if (n == 0) return TD_OK;
+  unsigned grid = td__cu_grid(n, TD_CU_THREADS);
+  const void *py = y ? td__cu_ptr(y) : nullptr, *pxx = x ? td__cu_ptr(x) : nullptr;
+  if (gx->dtype == TD_DTYPE_F32) {
+    unary_backward_kernel<float><<<grid, TD_CU_THREADS>>>(
+        n, (int)op, (const float *)pxx, (const float *)py,
+        (const float *)td__cu_ptr(gy), (float *)td__cu_ptr(gx), (float)p0);
+  } else {
+    unary_backward_kernel<double><<<grid, TD_CU_THREADS>>>(
+        n, (int)op, (const double *)pxx, (const double *)py,
+        (const double *)td__cu_ptr(gy), (double *)td__cu_ptr(gx), p0);
+  }
+  return td__cu_check_launch(name);
+}
+
+td_status td__cu_index_select(const td_tensor *x, int64_t outer, int64_t r, int64_t inner,
+                              const td_tensor *index, td_tensor *out) {
+  const char *op = "index_select";
+  TD_TRY(td__cu_enter(op, out));
+  TD_TRY(td__cu_same_device(op, out, x));
+  TD_TRY(td__cu_need_contig(op, x));
+  TD_TRY(td__cu_need_contig(op, out));
+  if (x->dtype != out->dtype) return td_set_error(TD_ERR_DTYPE, "cuda index_select: dtypes differ");
+  int64_t m = 0, istride = 0;
+  TD_TRY(index_geometry(op, out, index, &m, &istride));
+  int64_t total = outer * m * inner;
+  if (total == 0) return TD_OK;
+  unsigned grid = td__cu_grid(total, TD_CU_THREADS);
+  const int64_t *pi = (const int64_t *)td__cu_ptr(index);
+  const void *px = td__cu_ptr(x);
+  void *po = td__cu_ptr(out);
+  switch (out->dtype) {
+    case TD_DTYPE_F32:
+      index_select_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (const float *)px, pi,
+                                                   istride, (float *)po);
+      break;
+    case TD_DTYPE_F64:
+      index_select_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (const double *)px, pi,
+                                                   istride, (double *)po);
+      break;
+    case TD_DTYPE_I64:
+      index_select_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (const int64_t *)px, pi,
+                                                   istride, (int64_t *)po);
+      break;
+  }
+  return td__cu_check_launch(op);
+}
+
+td_status td__cu_index_add(td_tensor *gx, int64_t outer, int64_t r, int64_t inner,
+                           const td_tensor *index, const td_tensor *g) {
+  const char *op = "index_add";
+  TD_TRY(td__cu_enter(op, gx));
+  TD_TRY(td__cu_same_device(op, gx, g));
+  TD_TRY(td__cu_need_contig(op, gx));
+  TD_TRY(td__cu_need_contig(op, g));
+  if (g->dtype != gx->dtype) return td_set_error(TD_ERR_DTYPE, "cuda index_add: dtypes differ");
+  int64_t m = 0, istride = 0;
+  TD_TRY(index_geometry(op, gx, index, &m, &istride));
+  int64_t total = outer * m * inner;
+  if (total == 0) return TD_OK;
+  unsigned grid = td__cu_grid(total, TD_CU_THREADS);
+  const int64_t *pi = (const int64_t *)td__cu_ptr(index);
+  const void *pg = td__cu_ptr(g);
+  void *px = td__cu_ptr(gx);
+  switch (gx->dtype) {
+    case TD_DTYPE_F32:
+      index_add_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (float *)px, pi, istride,
+                                                (const float *)pg);
+      break;
+    case TD_DTYPE_F64:
+      index_add_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (double *)px, pi, istride,
+                                                (const double *)pg);
+      break;
+    case TD_DTYPE_I64:
+      index_add_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (int64_t *)px, pi, istride,
+                                                (const int64_t *)pg);
+      break;
+  }
+  return td__cu_check_launch(op);
+}

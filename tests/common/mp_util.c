@@ -1,0 +1,95 @@
+/* mp_util.c - forked multi-process test runner. */
+#include "mp_util.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+
+int td_mp_free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  struct sockaddr_in sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sa.sin_port = 0;
+  socklen_t len = sizeof sa;
+  int port = -1;
+  if (bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+      getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
+    port = ntohs(sa.sin_port);
+  close(fd);
+  return port;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int td_mp_run(int world, td_mp_fn fn, void *arg, double timeout_s, int *codes) {
+  const char *sc = getenv("TD_TEST_TIMEOUT_SCALE");
+  double scale = sc ? atof(sc) : 1.0;
+  if (scale <= 0) scale = 1.0;
+  int port = td_mp_free_port();
+  char method[64];
+  snprintf(method, sizeof method, "tcp://127.0.0.1:%d", port);
+  pid_t *pids = calloc((size_t)world, sizeof *pids);
+  int *done = calloc((size_t)world, sizeof *done);
+  int failures = 0;
+  fflush(stdout);
+  fflush(stderr);
+  for (int r = 0; r < world; r++) {
+    pid_t p = fork();
+    if (p == 0) {
+      int rc = fn(r, world, method, arg);
+      fflush(stdout);
+      fflush(stderr);
+      _exit(rc);
+    }
+    pids[r] = p;
+    if (p < 0) {
+      done[r] = 1;
+      failures++;
+      if (codes) codes[r] = -1;
+    }
+  }
+  double deadline = now_s() + timeout_s * scale;
+  int left = world - failures;
+  while (left > 0) {
+    int status;
+    pid_t p = waitpid(-1, &status, WNOHANG);
+    if (p > 0) {
+      for (int r = 0; r < world; r++) {
+        if (pids[r] != p || done[r]) continue;
+        done[r] = 1;
+        left--;
+        int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        if (codes) codes[r] = code;
+        if (code != 0) failures++;
+      }
+      continue;
+    }
+    if (now_s() > deadline) break;
+    struct timespec ts = {0, 2000000};
+    nanosleep(&ts, NULL);
+  }
+  for (int r = 0; r < world; r++) {
+    if (done[r] || pids[r] <= 0) continue;
+    fprintf(stderr, "td_mp_run: rank %d (pid %d) still running after %.1f s: killing it\n", r,
+            (int)pids[r], timeout_s * scale);
+    kill(pids[r], SIGKILL);
+    waitpid(pids[r], NULL, 0);
+    if (codes) codes[r] = 124;
+    failures++;
+  }
+  free(pids);
+  free(done);
+  return failures;
+}

@@ -1,0 +1,163 @@
+/* test_rpc_calls.c - multi-process tests of calls: sync/async, values and tensors, self and
+ * nested calls, remote errors, unknown functions, timeouts, 1000 concurrent calls, a 20-hop chain
+ * of async handlers on 4-thread pools. */
+#include <math.h>
+
+#include "rpc_test_fns.h"
+#include "test_util.h"
+
+static int64_t as_int(td_value *v) {
+  int64_t x = -999;
+  MP_CHECK_OK(td_value_as_int(v, &x));
+  return x;
+}
+
+static int worker_calls(int rank, int world, const char *method, void *arg) {
+  register_test_fns();
+  td_rpc_options o = test_opts(method, 4);
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  if (rank == 0) {
+    /* worker infos */
+    td_worker_info wi;
+    MP_CHECK_OK(td_rpc_get_worker_info(a, "worker2", &wi));
+    MP_CHECK(wi.id == 2);
+    MP_CHECK_OK(td_rpc_get_worker_info_by_rank(a, 1, &wi));
+    MP_CHECK(strcmp(wi.name, "worker1") == 0);
+    MP_CHECK_OK(td_rpc_self(a, &wi));
+    MP_CHECK(wi.id == 0 && strcmp(wi.name, "worker0") == 0);
+    MP_CHECK(td_rpc_get_worker_info(a, "nobody", &wi) == TD_ERR_NOT_FOUND);
+
+    /* a nested value with tensors round-trips */
+    td_value *d = td_value_dict(), *l = td_value_list();
+    int64_t shape[2] = {3, 4};
+    td_tensor *t, *e;
+    MP_CHECK_OK(td_tensor_full(shape, 2, 1.5, TD_DTYPE_F32, td_device_cpu(), &t));
+    MP_CHECK_OK(td_tensor_zeros(NULL, 0, TD_DTYPE_I64, td_device_cpu(), &e));
+    MP_CHECK_OK(td_value_list_append(l, td_value_tensor(t)));
+    MP_CHECK_OK(td_value_list_append(l, td_value_string("hello")));
+    MP_CHECK_OK(td_value_list_append(l, td_value_bytes("\0\1\2", 3)));
+    MP_CHECK_OK(td_value_list_append(l, td_value_tensor(e)));
+    MP_CHECK_OK(td_value_dict_set(d, "list", l));
+    MP_CHECK_OK(td_value_dict_set(d, "pi", td_value_double(3.25)));
+    MP_CHECK_OK(td_value_dict_set(d, "none", td_value_none()));
+    MP_CHECK_OK(td_value_dict_set(d, "yes", td_value_bool(true)));
+    td_value *r = NULL;
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "echo", &d, 1, NULL, &r));
+    MP_CHECK(td_value_equal(r, d));
+    td_value_unref(r);
+    /* self call */
+    MP_CHECK_OK(td_rpc_sync(a, "worker0", "echo", &d, 1, NULL, &r));
+    MP_CHECK(td_value_equal(r, d));
+    td_value_unref(r);
+    td_value_unref(d);
+    td_tensor_unref(t);
+    td_tensor_unref(e);
+
+    /* arithmetic, caller identity */
+    td_value *two[2] = {td_value_int(2), td_value_int(3)};
+    MP_CHECK_OK(td_rpc_sync(a, "worker2", "add", two, 2, NULL, &r));
+    MP_CHECK(as_int(r) == 5);
+    td_value_unref(r);
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "whoami", NULL, 0, NULL, &r));
+    const char *who;
+    MP_CHECK_OK(td_value_as_string(r, &who, NULL));
+    MP_CHECK(strcmp(who, "worker0") == 0);
+    td_value_unref(r);
+
+    /* remote error: status and message carry the remote worker and the handler's text */
+    MP_CHECK(td_rpc_sync(a, "worker1", "fail", NULL, 0, NULL, &r) == TD_ERR_INVALID);
+    MP_CHECK(strncmp(td_last_error(), "worker1 (rank 1): ", 18) == 0);
+    MP_CHECK(strstr(td_last_error(), "boom 42") != NULL);
+    /* wrong argument types fail remotely, not locally */
+    td_value *bad[2] = {td_value_string("x"), td_value_int(1)};
+    MP_CHECK(td_rpc_sync(a, "worker1", "add", bad, 2, NULL, &r) == TD_ERR_INVALID);
+    MP_CHECK(strstr(td_last_error(), "worker1 (rank 1)") != NULL);
+    td_value_unref(bad[0]);
+    td_value_unref(bad[1]);
+    /* unknown function and unknown worker */
+    MP_CHECK(td_rpc_sync(a, "worker1", "nope", NULL, 0, NULL, &r) == TD_ERR_NOT_FOUND);
+    MP_CHECK(strstr(td_last_error(), "nope") && strstr(td_last_error(), "worker1") &&
+             strstr(td_last_error(), "worker0"));
+    MP_CHECK(td_rpc_sync(a, "worker9", "echo", NULL, 0, NULL, &r) == TD_ERR_NOT_FOUND);
+
+    /* nested synchronous call inside a handler */
+    td_value *to = td_value_string("worker2");
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "nested", &to, 1, NULL, &r));
+    MP_CHECK(as_int(r) == 4);
+    td_value_unref(r);
+    td_value_unref(to);
+
+    /* per-call timeout; the late reply is dropped and the agent keeps working */
+    td_value *ms = td_value_int(400);
+    td_rpc_call_opts co = {.timeout_ms = 50};
+    uint64_t t0 = (uint64_t)clock();
+    (void)t0;
+    struct timespec s0, s1;
+    clock_gettime(CLOCK_MONOTONIC, &s0);
+    MP_CHECK(td_rpc_sync(a, "worker1", "slow", &ms, 1, &co, &r) == TD_ERR_TIMEOUT);
+    clock_gettime(CLOCK_MONOTONIC, &s1);
+    double el = (double)(s1.tv_sec - s0.tv_sec) + (double)(s1.tv_nsec - s0.tv_nsec) * 1e-9;
+    MP_CHECK(el >= 0.045 && el < 0.35);
+    MP_CHECK(strstr(td_last_error(), "timed out") && strstr(td_last_error(), "worker1"));
+    /* default timeout: applies to calls made after the change only */
+    td_future *inflight;
+    td_value *ms150 = td_value_int(150);
+    MP_CHECK_OK(td_rpc_async(a, "worker2", "slow", &ms150, 1, NULL, &inflight));
+    td_rpc_set_default_timeout(a, 30);
+    MP_CHECK(td_rpc_get_default_timeout(a) == 30);
+    MP_CHECK(td_rpc_sync(a, "worker1", "slow", &ms150, 1, NULL, &r) == TD_ERR_TIMEOUT);
+    MP_CHECK_OK(td_future_wait(inflight, 5000));
+    td_future_unref(inflight);
+    td_rpc_set_default_timeout(a, 0);
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "slow", &ms150, 1, NULL, &r));
+    td_value_unref(r);
+    td_value_unref(ms150);
+    td_value_unref(ms);
+    test_sleep_ms(400); /* the dropped reply arrives meanwhile */
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "add", two, 2, NULL, &r));
+    MP_CHECK(as_int(r) == 5);
+    td_value_unref(r);
+    td_value_unref(two[0]);
+    td_value_unref(two[1]);
+
+    /* 1000 concurrent async calls */
+    enum { N = 1000 };
+    td_future **fs = calloc(N, sizeof *fs);
+    for (int i = 0; i < N; i++) {
+      td_value *args[2] = {td_value_int(i), td_value_int(1000)};
+      MP_CHECK_OK(td_rpc_async(a, i % 2 ? "worker1" : "worker2", "add", args, 2, NULL, &fs[i]));
+      td_value_unref(args[0]);
+      td_value_unref(args[1]);
+    }
+    MP_CHECK_OK(td_future_wait_all(fs, N, 30000));
+    for (int i = 0; i < N; i++) {
+      MP_CHECK(as_int(td_future_value(fs[i])) == i + 1000);
+      td_future_unref(fs[i]);
+    }
+    free(fs);
+
+    /* a 20-hop chain of async handlers around the ring; every pool has 4 threads */
+    td_value *hops = td_value_int(20);
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "chain", &hops, 1, NULL, &r));
+    MP_CHECK(as_int(r) == 20);
+    td_value_unref(r);
+    td_value_unref(hops);
+  }
+  MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rpc_calls(void **state) {
+  int codes[3];
+  int fails = td_mp_run(3, worker_calls, NULL, 90, codes);
+  if (fails) fail_msg("%d workers failed (codes %d %d %d)", fails, codes[0], codes[1], codes[2]);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_rpc_calls),
+  };
+  return cmocka_run_group_tests_name("rpc_calls", tests, NULL, NULL);
+}
