@@ -971,8 +971,12 @@ static td_status rendezvous(td_rpc_agent *a) {
   }
   /* everybody has read everything before anybody proceeds (rank 0 may be asked right away) */
   TD_TRY(st_add(a, "ready", 1, NULL));
-  st = td__store_wait_ge(&a->sc, "ready", a->world, deadline, "abort");
-  return st;
+  TD_TRY(td__store_wait_ge(&a->sc, "ready", a->world, deadline, "abort"));
+  /* rank 0 returns only when everybody is past the barrier, so it cannot take the store away
+   * (by shutting down right after init) while someone still polls it */
+  TD_TRY(st_add(a, "passed", 1, NULL));
+  if (a->rank == 0) TD_TRY(td__store_wait_ge(&a->sc, "passed", a->world, deadline, "abort"));
+  return TD_OK;
 }
 
 static void agent_free(td_rpc_agent *a) {
@@ -1104,12 +1108,26 @@ td_status td_rpc_init(const char *name, int rank, int world_size, const td_rpc_o
   }
   a->sc.tr = a->tr;
   a->sc.call_timeout_ms = o.init_timeout_ms;
+  a->sc.wait_for_ready = true;
   v6 = strchr(a->listen_addr, ':') != NULL;
   snprintf(a->peers[rank].info.address, sizeof a->peers[rank].info.address,
            v6 ? "[%s]:%d" : "%s:%d", a->listen_addr, port);
   st = rendezvous(a);
-  if (st != TD_OK) goto fail;
+  if (st != TD_OK) {
+    /* let the others read why before rank 0 takes the store away (bounded) */
+    char why[1024];
+    snprintf(why, sizeof why, "%s", td_last_error());
+    a->sc.call_timeout_ms = 1000;
+    if (st != TD_ERR_TIMEOUT) set_abort(a, why);
+    int64_t acks = 0, joined = 0;
+    st_add(a, "failed", 1, &acks);
+    if (rank == 0 && st_add(a, "joined", 0, &joined) == TD_OK)
+      td__store_wait_ge(&a->sc, "failed", joined, td__now_ns() + 2000000000ull, NULL);
+    td_set_error(st, "%s", why);
+    goto fail;
+  }
   a->sc.call_timeout_ms = 10000;
+  a->sc.wait_for_ready = false; /* from now on a missing rank 0 is a failure, not a late start */
   pthread_mutex_lock(&hooks_mu);
   int nh = nhooks;
   td__agent_hooks hs[8];
@@ -1294,14 +1312,20 @@ static td_status barrier(td_rpc_agent *a, uint64_t deadline) {
   if (st == TD_ERR_TIMEOUT) {
     char missing[900] = "";
     size_t used = 0;
+    int arrived = 0;
     for (int r = 0; r < a->world; r++) {
       bool found = true;
       snprintf(key, sizeof key, "sd/arrived/%d", r);
-      if (st_get(a, key, NULL, NULL, &found) != TD_OK) found = false;
+      if (st_get(a, key, NULL, NULL, &found) != TD_OK) continue; /* store gone: unknown */
+      arrived += found;
       if (!found && used < sizeof missing - 1)
         used += (size_t)snprintf(missing + used, sizeof missing - used, "%s%s (rank %d)",
                                  used ? ", " : "", peer_name(a, r), r);
     }
+    /* rank 0 keeps the store up (briefly) until the others have read the same */
+    st_add(a, "sd/timedout", 1, NULL);
+    if (a->rank == 0)
+      td__store_wait_ge(&a->sc, "sd/timedout", arrived, td__now_ns() + 1000000000ull, NULL);
     return td_set_error(TD_ERR_TIMEOUT, "rpc shutdown: graceful shutdown timed out; %s%s",
                         used ? "workers that never called shutdown: " :
                                "every worker arrived but work was still outstanding",

@@ -351,7 +351,7 @@ static void then_cb(td_future *src, void *p) {
   } else if (next) {
     td_future *out = td_future_ref(t->out);
     if (td_future_on_done(next, forward_cb, out) != TD_OK) {
-      td__future_fail_msg(out, TD_ERR_NOMEM, "future_then: out of memory following the next future");
+      td__future_fail_msg(out, TD_ERR_NOMEM, "future_then: out of memory following next future");
       td_future_unref(out);
     }
     /* Dropping our reference is safe: if it was the last one, next is abandoned and forward_cb

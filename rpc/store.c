@@ -201,7 +201,7 @@ static td_status call(const td__store_client *c, Tdist__StoreRequest *r, Tdist__
   uint8_t *rep = NULL;
   size_t rl = 0;
   td_status st = td__transport_unary(c->tr, c->address, TD__STORE_METHOD, buf, n,
-                                     c->call_timeout_ms, true, &rep, &rl);
+                                     c->call_timeout_ms, c->wait_for_ready, &rep, &rl);
   td__free(buf);
   if (st != TD_OK) return st;
   *out = tdist__store_reply__unpack(NULL, rl, rep);

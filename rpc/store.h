@@ -27,6 +27,7 @@ typedef struct td__store_client {
   td__transport *tr;
   char address[300]; /* host:port of rank 0 */
   int64_t call_timeout_ms;
+  bool wait_for_ready; /* keep trying to reach a server that is not up yet (rendezvous) */
 } td__store_client;
 
 td_status td__store_set(const td__store_client *c, const char *key, const void *v, size_t n);

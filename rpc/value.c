@@ -117,7 +117,9 @@ static td_value *value_buf(td_value_kind kind, const void *data, size_t n) {
   return v;
 }
 
-td_value *td_value_string(const char *s) { return s ? value_buf(TD_VALUE_STRING, s, strlen(s)) : NULL; }
+td_value *td_value_string(const char *s) {
+  return s ? value_buf(TD_VALUE_STRING, s, strlen(s)) : NULL;
+}
 
 td_value *td_value_string_n(const char *s, size_t n) { return value_buf(TD_VALUE_STRING, s, n); }
 
@@ -393,8 +395,7 @@ td_value *td_value_dict_get(const td_value *dict, const char *key) {
 td_status td_value_dict_set(td_value *dict, const char *key, td_value *item) {
   if (!dict || dict->kind != TD_VALUE_DICT) return mismatch("dict", dict);
   TD_CHECK_ARG(key, "value_dict_set: NULL key");
-  TD_CHECK_ARG(item, "value_dict_set: NULL item for key '%s' (did a constructor run out of memory?)",
-               key);
+  TD_CHECK_ARG(item, "value_dict_set: NULL item for key '%s' (constructor out of memory?)", key);
   TD_CHECK_ARG(item != dict && (!is_adopted(dict) || !reaches(item, dict)),
                "value_dict_set: the item for key '%s' contains the dict (cycle)", key);
   ptrdiff_t found = dict_find(dict, key);

@@ -26,7 +26,9 @@ static int64_t scaled(int64_t ms) { return (int64_t)(ms * td_test_timeout_scale(
 
 /* A counted extension value: tells whether a value handed to a future was released. */
 static int tracked_destroyed;
-static void tracked_destroy(void *obj) { __atomic_add_fetch(&tracked_destroyed, 1, __ATOMIC_RELAXED); }
+static void tracked_destroy(void *obj) {
+  __atomic_add_fetch(&tracked_destroyed, 1, __ATOMIC_RELAXED);
+}
 static const td__value_ext_type tracked_type = {.name = "test.Tracked", .destroy = tracked_destroy};
 
 static int64_t int_of(const td_value *v) {

@@ -567,7 +567,8 @@ static td_status visit(void *ctx, td_tensor *t) {
 
 static void test_value_walk_tensors(void **state) {
   td_tensor *ts[4];
-  for (int i = 0; i < 4; i++) TD_ASSERT_OK(td_tensor_scalar(i, TD_DTYPE_F32, td_device_cpu(), &ts[i]));
+  for (int i = 0; i < 4; i++)
+    TD_ASSERT_OK(td_tensor_scalar(i, TD_DTYPE_F32, td_device_cpu(), &ts[i]));
   /* [t0, {'z': t1, 'a': [t2, 5]}, 'x', t3] */
   td_value *l = td_value_list();
   TD_ASSERT_OK(td_value_list_append(l, td_value_tensor(ts[0])));

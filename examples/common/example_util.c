@@ -1,0 +1,448 @@
+/* example_util.c - argument parsing, progress bar, JSON output, clocks (see example_util.h). */
+#define _GNU_SOURCE
+#include "example_util.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+/* OpenBLAS thread control (cblas.h declares these; the library links OpenBLAS). */
+void openblas_set_num_threads(int num_threads);
+int openblas_get_num_threads(void);
+
+static const char *g_prog = "example";
+
+/* ---- errors ---- */
+
+void ex_check(td_status s, const char *what, const char *file, int line) {
+  if (s == TD_OK) return;
+  fprintf(stderr, "%s: %s:%d: %s failed: %s: %s\n", g_prog, file, line, what, td_status_name(s),
+          td_last_error());
+  exit(1);
+}
+
+_Noreturn void ex_die(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "%s: ", g_prog);
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
+  va_end(ap);
+  exit(1);
+}
+
+/* ---- command-line arguments ---- */
+
+void ex_args_init(ex_args *a) {
+  memset(a, 0, sizeof *a);
+  a->epochs = 1;
+  a->batch_size = 64;
+  a->lr = 0.1;
+  a->model = "mlp";
+  a->device = "cpu";
+}
+
+static const char *type_meta(ex_opt_type t) {
+  switch (t) {
+  case EX_OPT_INT:
+  case EX_OPT_I64:
+  case EX_OPT_U64: return "N";
+  case EX_OPT_DOUBLE: return "X";
+  case EX_OPT_STRING: return "TEXT";
+  case EX_OPT_FLAG: return "";
+  }
+  return "";
+}
+
+static void usage(const char *about, const ex_opt *opts, int n, const ex_opt *extra, int n_extra,
+                  FILE *f) {
+  fprintf(f, "%s\nusage: %s [options]\n", about ? about : "", g_prog);
+  for (int k = 0; k < 2; k++) {
+    const ex_opt *o = k ? extra : opts;
+    int m = k ? n_extra : n;
+    for (int i = 0; i < m; i++) {
+      char left[64];
+      snprintf(left, sizeof left, "--%s %s", o[i].name, type_meta(o[i].type));
+      fprintf(f, "  %-24s %s\n", left, o[i].help ? o[i].help : "");
+    }
+  }
+  fprintf(f, "  %-24s %s\n", "--help", "print this help");
+}
+
+/* set_value converts text for option o; false on a bad value. */
+static bool set_value(const ex_opt *o, const char *text) {
+  char *end = NULL;
+  errno = 0;
+  switch (o->type) {
+  case EX_OPT_INT: {
+    long v = strtol(text, &end, 0);
+    if (errno || *end || end == text || v < -2147483647L || v > 2147483647L) return false;
+    *(int *)o->dst = (int)v;
+    return true;
+  }
+  case EX_OPT_I64: {
+    long long v = strtoll(text, &end, 0);
+    if (errno || *end || end == text) return false;
+    *(int64_t *)o->dst = v;
+    return true;
+  }
+  case EX_OPT_U64: {
+    if (text[0] == '-') return false;
+    unsigned long long v = strtoull(text, &end, 0);
+    if (errno || *end || end == text) return false;
+    *(uint64_t *)o->dst = v;
+    return true;
+  }
+  case EX_OPT_DOUBLE: {
+    double v = strtod(text, &end);
+    if (errno || *end || end == text) return false;
+    *(double *)o->dst = v;
+    return true;
+  }
+  case EX_OPT_STRING: *(const char **)o->dst = text; return true;
+  case EX_OPT_FLAG: *(bool *)o->dst = true; return true;
+  }
+  return false;
+}
+
+void ex_args_parse(int argc, char **argv, ex_args *a, const ex_opt *extra, int n_extra,
+                   const char *about) {
+  if (argc > 0 && argv[0]) {
+    const char *slash = strrchr(argv[0], '/');
+    g_prog = slash ? slash + 1 : argv[0];
+  }
+  const ex_opt common[] = {
+      {"epochs", EX_OPT_INT, &a->epochs, "passes over the training data (default 1)"},
+      {"max-batches", EX_OPT_I64, &a->max_batches, "stop each epoch after N batches (0: all)"},
+      {"batch-size", EX_OPT_I64, &a->batch_size, "samples per batch (default 64)"},
+      {"lr", EX_OPT_DOUBLE, &a->lr, "learning rate"},
+      {"seed", EX_OPT_U64, &a->seed, "initialisation and shuffling seed (default 0)"},
+      {"model", EX_OPT_STRING, &a->model, "model: mlp or cnn (default mlp)"},
+      {"data-dir", EX_OPT_STRING, &a->data_dir,
+       "data directory (default $TD_DATA_DIR, else /usr/share/datasets/fashion-mnist)"},
+      {"threads", EX_OPT_INT, &a->threads, "BLAS threads (0: library default)"},
+      {"device", EX_OPT_STRING, &a->device, "cpu, cuda or cuda:N (default cpu)"},
+  };
+  const int n_common = (int)(sizeof common / sizeof common[0]);
+  for (int i = 1; i < argc; i++) {
+    const char *arg = argv[i];
+    if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
+      usage(about, common, n_common, extra, n_extra, stdout);
+      exit(0);
+    }
+    if (strncmp(arg, "--", 2) != 0) {
+      fprintf(stderr, "%s: unexpected argument '%s' (try --help)\n", g_prog, arg);
+      exit(2);
+    }
+    const char *name = arg + 2;
+    const char *eq = strchr(name, '=');
+    size_t len = eq ? (size_t)(eq - name) : strlen(name);
+    const ex_opt *o = NULL;
+    for (int k = 0; k < 2 && !o; k++) {
+      const ex_opt *tab = k ? extra : common;
+      int m = k ? n_extra : n_common;
+      for (int j = 0; j < m; j++)
+        if (strlen(tab[j].name) == len && !strncmp(tab[j].name, name, len)) {
+          o = &tab[j];
+          break;
+        }
+    }
+    if (!o) {
+      fprintf(stderr, "%s: unknown option '%s' (try --help)\n", g_prog, arg);
+      exit(2);
+    }
+    const char *value;
+    if (o->type == EX_OPT_FLAG) {
+      if (eq) {
+        fprintf(stderr, "%s: option --%s takes no value\n", g_prog, o->name);
+        exit(2);
+      }
+      value = "";
+    } else if (eq) {
+      value = eq + 1;
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      fprintf(stderr, "%s: option --%s needs a value\n", g_prog, o->name);
+      exit(2);
+    }
+    if (!set_value(o, value)) {
+      fprintf(stderr, "%s: bad value '%s' for --%s\n", g_prog, value, o->name);
+      exit(2);
+    }
+  }
+  if (a->epochs < 0 || a->batch_size <= 0 || a->max_batches < 0 || a->threads < 0) {
+    fprintf(stderr, "%s: --epochs, --max-batches and --threads must be >= 0, --batch-size > 0\n",
+            g_prog);
+    exit(2);
+  }
+  if (a->threads > 0) openblas_set_num_threads(a->threads);
+}
+
+int ex_blas_threads(void) { return openblas_get_num_threads(); }
+
+/* ---- progress bar ---- */
+
+#define BAR_WIDTH 30
+
+void ex_progress_start(ex_progress *p, const char *label, int64_t total) {
+  memset(p, 0, sizeof *p);
+  snprintf(p->label, sizeof p->label, "%s", label ? label : "");
+  p->total = total > 0 ? total : 0;
+  p->tty = isatty(STDERR_FILENO) == 1;
+  p->last_decile = 0;
+  p->t0 = ex_now_s();
+  p->last_draw = -1;
+}
+
+static void draw(ex_progress *p, const char *suffix, bool final) {
+  double el = ex_now_s() - p->t0;
+  double rate = el > 0 ? (double)p->done / el : 0;
+  char line[512];
+  int n;
+  if (p->total > 0) {
+    double frac = (double)p->done / (double)p->total;
+    if (frac > 1) frac = 1;
+    int fill = (int)(frac * BAR_WIDTH + 0.5);
+    char bar[BAR_WIDTH + 1];
+    for (int i = 0; i < BAR_WIDTH; i++) bar[i] = i < fill ? '#' : '.';
+    bar[BAR_WIDTH] = 0;
+    char eta[32] = "";
+    if (!final && rate > 0) snprintf(eta, sizeof eta, " eta %.0fs", (double)(p->total - p->done) / rate);
+    n = snprintf(line, sizeof line, "%s [%s] %3d%% %lld/%lld %.1fs%s %.1f it/s%s%s", p->label,
+                 bar, (int)(frac * 100), (long long)p->done, (long long)p->total, el, eta, rate,
+                 suffix && *suffix ? " " : "", suffix ? suffix : "");
+  } else {
+    n = snprintf(line, sizeof line, "%s %lld %.1fs %.1f it/s%s%s", p->label, (long long)p->done,
+                 el, rate, suffix && *suffix ? " " : "", suffix ? suffix : "");
+  }
+  if (n < 0) return;
+  if (n >= (int)sizeof line) n = (int)sizeof line - 1;
+  if (p->tty) {
+    int pad = p->drawn_width > n ? p->drawn_width - n : 0;
+    fprintf(stderr, "\r%s%*s%s", line, pad, "", final ? "\n" : "");
+    p->drawn_width = final ? 0 : n;
+  } else {
+    fprintf(stderr, "%s\n", line);
+  }
+  fflush(stderr);
+}
+
+void ex_progress_update(ex_progress *p, int64_t done, const char *fmt, ...) {
+  p->done = done;
+  bool due;
+  if (p->tty) {
+    double now = ex_now_s();
+    due = p->last_draw < 0 || now - p->last_draw >= 0.1;
+    if (due) p->last_draw = now;
+  } else {
+    int decile = p->total > 0 ? (int)(10 * done / p->total) : 0;
+    due = decile > p->last_decile && decile < 10; /* 100% is left to finish */
+    if (due) p->last_decile = decile;
+  }
+  if (!due) return;
+  char suffix[256] = "";
+  if (fmt) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(suffix, sizeof suffix, fmt, ap);
+    va_end(ap);
+  }
+  draw(p, suffix, false);
+}
+
+void ex_progress_finish(ex_progress *p, const char *fmt, ...) {
+  char suffix[256] = "";
+  if (fmt) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(suffix, sizeof suffix, fmt, ap);
+    va_end(ap);
+  }
+  draw(p, suffix, true);
+}
+
+/* ---- JSON ---- */
+
+static char *xstrdup(const char *s) {
+  char *d = strdup(s);
+  if (!d) ex_die("out of memory");
+  return d;
+}
+
+void ex_json_object(ex_json *j) {
+  memset(j, 0, sizeof *j);
+  j->is_array = false;
+}
+
+void ex_json_array(ex_json *j) {
+  memset(j, 0, sizeof *j);
+  j->is_array = true;
+}
+
+void ex_json_fini(ex_json *j) {
+  if (!j) return;
+  for (int i = 0; i < j->n; i++) {
+    free(j->keys[i]);
+    free(j->values[i]);
+  }
+  free(j->keys);
+  free(j->values);
+  memset(j, 0, sizeof *j);
+}
+
+/* quote returns s as a JSON string literal in a malloc'd buffer. */
+static char *quote(const char *s) {
+  size_t n = strlen(s), cap = 2 * n + 3 + 6 * 8, len = 0;
+  char *out = malloc(cap);
+  if (!out) ex_die("out of memory");
+  out[len++] = '"';
+  for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
+    if (len + 8 >= cap) {
+      cap *= 2;
+      out = realloc(out, cap);
+      if (!out) ex_die("out of memory");
+    }
+    switch (*c) {
+    case '"': len += (size_t)sprintf(out + len, "\\\""); break;
+    case '\\': len += (size_t)sprintf(out + len, "\\\\"); break;
+    case '\n': len += (size_t)sprintf(out + len, "\\n"); break;
+    case '\t': len += (size_t)sprintf(out + len, "\\t"); break;
+    case '\r': len += (size_t)sprintf(out + len, "\\r"); break;
+    default:
+      if (*c < 0x20) len += (size_t)sprintf(out + len, "\\u%04x", *c);
+      else out[len++] = (char)*c;
+    }
+  }
+  out[len++] = '"';
+  out[len] = 0;
+  return out;
+}
+
+/* put stores value (taking ownership) under key, replacing an existing member of an object. */
+static void put(ex_json *j, const char *key, char *value) {
+  if (!j->is_array) {
+    if (!key) ex_die("ex_json: object member without a key");
+    for (int i = 0; i < j->n; i++)
+      if (!strcmp(j->keys[i], key)) {
+        free(j->values[i]);
+        j->values[i] = value;
+        return;
+      }
+  }
+  if (j->n == j->cap) {
+    int cap = j->cap ? 2 * j->cap : 8;
+    char **k = realloc(j->keys, (size_t)cap * sizeof *k);
+    if (!k) ex_die("out of memory");
+    j->keys = k;
+    char **v = realloc(j->values, (size_t)cap * sizeof *v);
+    if (!v) ex_die("out of memory");
+    j->values = v;
+    j->cap = cap;
+  }
+  j->keys[j->n] = j->is_array ? NULL : xstrdup(key);
+  j->values[j->n] = value;
+  j->n++;
+}
+
+void ex_json_int(ex_json *j, const char *key, int64_t v) {
+  char buf[32];
+  snprintf(buf, sizeof buf, "%lld", (long long)v);
+  put(j, key, xstrdup(buf));
+}
+
+void ex_json_num(ex_json *j, const char *key, double v) {
+  char buf[64];
+  if (!isfinite(v)) snprintf(buf, sizeof buf, "null");
+  else if (v == floor(v) && fabs(v) < 1e15) snprintf(buf, sizeof buf, "%.1f", v);
+  else snprintf(buf, sizeof buf, "%.6g", v);
+  put(j, key, xstrdup(buf));
+}
+
+void ex_json_str(ex_json *j, const char *key, const char *v) {
+  put(j, key, v ? quote(v) : xstrdup("null"));
+}
+
+void ex_json_bool(ex_json *j, const char *key, bool v) {
+  put(j, key, xstrdup(v ? "true" : "false"));
+}
+
+void ex_json_child(ex_json *j, const char *key, const ex_json *child) {
+  put(j, key, ex_json_dump(child));
+}
+
+void ex_json_raw(ex_json *j, const char *key, const char *json) { put(j, key, xstrdup(json)); }
+
+const char *ex_json_get(const ex_json *j, const char *key) {
+  if (j->is_array || !key) return NULL;
+  for (int i = 0; i < j->n; i++)
+    if (!strcmp(j->keys[i], key)) return j->values[i];
+  return NULL;
+}
+
+char *ex_json_dump(const ex_json *j) {
+  size_t cap = 64, len = 0;
+  char *out = malloc(cap);
+  if (!out) ex_die("out of memory");
+  out[len++] = j->is_array ? '[' : '{';
+  for (int i = 0; i < j->n; i++) {
+    char *k = j->is_array ? NULL : quote(j->keys[i]);
+    size_t need = (k ? strlen(k) + 2 : 0) + strlen(j->values[i]) + 4;
+    if (len + need + 2 > cap) {
+      while (len + need + 2 > cap) cap *= 2;
+      out = realloc(out, cap);
+      if (!out) ex_die("out of memory");
+    }
+    if (i) {
+      out[len++] = ',';
+      out[len++] = ' ';
+    }
+    if (k) len += (size_t)sprintf(out + len, "%s: ", k);
+    len += (size_t)sprintf(out + len, "%s", j->values[i]);
+    free(k);
+  }
+  out[len++] = j->is_array ? ']' : '}';
+  out[len] = 0;
+  return out;
+}
+
+void ex_json_print_result(const char *bench, const ex_json *config, const ex_json *results,
+                          const char *const *promote) {
+  ex_json top;
+  ex_json_object(&top);
+  ex_json_str(&top, "bench", bench);
+  if (config) ex_json_child(&top, "config", config);
+  else ex_json_raw(&top, "config", "{}");
+  if (results) ex_json_child(&top, "results", results);
+  else ex_json_raw(&top, "results", "{}");
+  for (int i = 0; promote && promote[i]; i++) {
+    const char *v = results ? ex_json_get(results, promote[i]) : NULL;
+    if (v) ex_json_raw(&top, promote[i], v);
+  }
+  char *line = ex_json_dump(&top);
+  fflush(stderr);
+  printf("%s\n", line);
+  fflush(stdout);
+  free(line);
+  ex_json_fini(&top);
+}
+
+/* ---- clocks and memory ---- */
+
+double ex_now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+double ex_peak_rss_mb(void) {
+  struct rusage ru;
+  if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
+  return (double)ru.ru_maxrss / 1024.0; /* Linux reports KiB */
+}

@@ -1,0 +1,146 @@
+/* example_util.h - small helpers shared by the example programs (not part of the library).
+ *
+ *   ex_args / ex_args_parse  the common command-line options (--epochs, --max-batches,
+ *                            --batch-size, --lr, --seed, --model, --data-dir, --threads,
+ *                            --device) plus an example's own options from a table.
+ *   ex_progress              a progress bar on standard error: redrawn in place when standard
+ *                            error is a terminal, otherwise one line about every 10%.
+ *   ex_json                  a tiny JSON builder for the final output line (shared/BENCH.md:
+ *                            {"bench": name, "config": {...}, "results": {...}}).
+ *   ex_now_s, ex_peak_rss_mb a monotonic wall clock and the peak resident set size.
+ *
+ * Everything here is for single-threaded use by an example's main thread.
+ */
+#ifndef TD_EXAMPLE_UTIL_H
+#define TD_EXAMPLE_UTIL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tdist/status.h"
+
+/* ---- errors ---- */
+
+/* EX_CHECK exits the program with the status name and td_last_error() unless expr is TD_OK. */
+#define EX_CHECK(expr) ex_check((expr), #expr, __FILE__, __LINE__)
+void ex_check(td_status s, const char *what, const char *file, int line);
+
+/* ex_die prints "name: message" to standard error and exits with status 1. */
+_Noreturn void ex_die(const char *fmt, ...) TD_PRINTF(1, 2);
+
+/* ---- command-line arguments ---- */
+
+typedef enum ex_opt_type {
+  EX_OPT_INT,    /* int */
+  EX_OPT_I64,    /* int64_t */
+  EX_OPT_U64,    /* uint64_t */
+  EX_OPT_DOUBLE, /* double */
+  EX_OPT_STRING, /* const char * (points into argv) */
+  EX_OPT_FLAG,   /* bool, set to true by its presence; takes no value */
+} ex_opt_type;
+
+/* One option of an example: "--name VALUE" or "--name=VALUE" stores VALUE in *dst. */
+typedef struct ex_opt {
+  const char *name; /* without the leading dashes, e.g. "world-size" */
+  ex_opt_type type;
+  void *dst;        /* where the value goes; must point to the type above */
+  const char *help; /* one line for --help */
+} ex_opt;
+
+/* The options every example understands. */
+typedef struct ex_args {
+  int epochs;           /* --epochs N: passes over the training set. Default 1. */
+  int64_t max_batches;  /* --max-batches N: stop each epoch after N batches; 0 = all. Default 0. */
+  int64_t batch_size;   /* --batch-size N. Default 64. */
+  double lr;            /* --lr X: learning rate. Default 0.1. */
+  uint64_t seed;        /* --seed N: initialisation and shuffling seed. Default 0. */
+  const char *model;    /* --model NAME: "mlp" or "cnn" (the example decides). Default "mlp". */
+  const char *data_dir; /* --data-dir DIR: data set directory; NULL = $TD_DATA_DIR or the
+                           default. Default NULL. */
+  int threads;          /* --threads N: BLAS threads; 0 keeps the BLAS default. Default 0. */
+  const char *device;   /* --device cpu|cuda|cuda:N. Default "cpu". */
+} ex_args;
+
+/* ex_args_init fills *a with the defaults above. */
+void ex_args_init(ex_args *a);
+
+/* ex_args_parse parses argv into *a (which should hold defaults, see ex_args_init) and the
+ * example's own options extra[0..n_extra). --help prints the usage, with `about` as the first
+ * line, and exits 0; an unknown option or a bad value prints a message and exits 2. When
+ * threads > 0, also sets the BLAS thread count. */
+void ex_args_parse(int argc, char **argv, ex_args *a, const ex_opt *extra, int n_extra,
+                   const char *about);
+
+/* ex_blas_threads returns the thread count BLAS is using (from OpenBLAS), or 0 when unknown. */
+int ex_blas_threads(void);
+
+/* ---- progress bar ---- */
+
+typedef struct ex_progress {
+  char label[64];
+  int64_t total;    /* steps in this run; 0 when unknown */
+  int64_t done;     /* steps completed */
+  bool tty;         /* standard error is a terminal */
+  int last_decile;  /* non-terminal mode: last 10% mark printed */
+  double t0;        /* start time (ex_now_s) */
+  double last_draw; /* terminal mode: time of the last redraw */
+  int drawn_width;  /* terminal mode: characters on the current line */
+} ex_progress;
+
+/* ex_progress_start begins a bar named label for total steps. */
+void ex_progress_start(ex_progress *p, const char *label, int64_t total);
+/* ex_progress_update records that done steps are complete; fmt (may be NULL) gives a suffix
+ * such as "loss 0.4321". Cheap when nothing is drawn. */
+void ex_progress_update(ex_progress *p, int64_t done, const char *fmt, ...) TD_PRINTF(3, 4);
+/* ex_progress_finish draws the final state with the suffix fmt (may be NULL) and ends the line. */
+void ex_progress_finish(ex_progress *p, const char *fmt, ...) TD_PRINTF(2, 3);
+
+/* ---- JSON ---- */
+
+/* An object or array under construction: a list of members whose values are already-serialised
+ * JSON text. */
+typedef struct ex_json {
+  bool is_array;
+  int n, cap;
+  char **keys;   /* n entries (NULL in arrays) */
+  char **values; /* n serialised values */
+} ex_json;
+
+/* ex_json_object / ex_json_array initialise an empty object / array. Release with
+ * ex_json_fini(). */
+void ex_json_object(ex_json *j);
+void ex_json_array(ex_json *j);
+void ex_json_fini(ex_json *j);
+
+/* Setters add a member (objects: key; arrays: key is ignored and may be NULL). Setting a key that
+ * exists replaces its value. Non-finite doubles become null. */
+void ex_json_int(ex_json *j, const char *key, int64_t v);
+void ex_json_num(ex_json *j, const char *key, double v);
+void ex_json_str(ex_json *j, const char *key, const char *v); /* NULL gives null */
+void ex_json_bool(ex_json *j, const char *key, bool v);
+/* ex_json_child adds child (an object or array) serialised as it is now; child is not consumed. */
+void ex_json_child(ex_json *j, const char *key, const ex_json *child);
+/* ex_json_raw adds already-serialised JSON text. */
+void ex_json_raw(ex_json *j, const char *key, const char *json);
+/* ex_json_get returns the serialised value of key, or NULL. Borrowed; valid until j changes. */
+const char *ex_json_get(const ex_json *j, const char *key);
+
+/* ex_json_dump returns j as one line of JSON text. Release with free(). */
+char *ex_json_dump(const ex_json *j);
+
+/* ex_json_print_result prints the final line of a benchmark or example to standard output and
+ * flushes it: {"bench": bench, "config": config, "results": results, ...} followed by each key of
+ * results named in promote (a NULL-terminated list, may be NULL) copied to the top level, for
+ * readers that look there. */
+void ex_json_print_result(const char *bench, const ex_json *config, const ex_json *results,
+                          const char *const *promote);
+
+/* ---- clocks and memory ---- */
+
+/* ex_now_s returns a monotonic clock in seconds. */
+double ex_now_s(void);
+/* ex_peak_rss_mb returns the peak resident set size of this process in MiB (getrusage). */
+double ex_peak_rss_mb(void);
+
+#endif

@@ -1,0 +1,275 @@
+/* test_rpc_lifecycle.c - multi-process tests of init and shutdown: init errors (duplicate names,
+ * world-size mismatch, invalid names, timeouts), init from the environment, init after shutdown,
+ * graceful shutdown waiting for fire-and-forget chains, shutdown deadlines naming the workers
+ * that never arrived, non-graceful shutdown. */
+#include <signal.h>
+#include <sys/stat.h>
+
+#include "rpc_test_fns.h"
+#include "test_util.h"
+
+/* ---- fire-and-forget chains ---- */
+
+static char marker_dir[256];
+
+/* relay(k): fire-and-forget relay(k-1) to the next rank, then return at once; at 0 write a file */
+static td_status fn_relay(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                          td_future **fut) {
+  int64_t k;
+  td_status st = td_value_as_int(args[0], &k);
+  if (st != TD_OK) return st;
+  td_rpc_agent *a = td_rpc_ctx_agent(c);
+  if (k == 0) {
+    test_sleep_ms(300); /* the last hop is slow: shutdown must wait for it */
+    char path[300];
+    snprintf(path, sizeof path, "%s/done-%d", marker_dir, td_rpc_rank(a));
+    FILE *f = fopen(path, "w");
+    if (f) fclose(f);
+    *res = td_value_none();
+    return TD_OK;
+  }
+  td_worker_info next;
+  st = td_rpc_get_worker_info_by_rank(a, (td_rpc_rank(a) + 1) % td_rpc_world_size(a), &next);
+  if (st != TD_OK) return st;
+  td_value *arg = td_value_int(k - 1);
+  td_future *f = NULL;
+  st = td_rpc_async(a, next.name, "relay", &arg, 1, NULL, &f);
+  td_value_unref(arg);
+  td_future_unref(f); /* nobody waits */
+  *res = td_value_none();
+  return st;
+}
+
+static int worker_fire_and_forget(int rank, int world, const char *method, void *arg) {
+  register_test_fns();
+  MP_CHECK_OK(td_rpc_register("relay", fn_relay, NULL));
+  td_rpc_options o = test_opts(method, 4);
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  if (rank == 0) {
+    td_value *k = td_value_int(4); /* worker1(4) -> 2(3) -> 0(2) -> 1(1) -> 2(0) writes */
+    td_future *f;
+    MP_CHECK_OK(td_rpc_async(a, "worker1", "relay", &k, 1, NULL, &f));
+    td_value_unref(k);
+    td_future_unref(f);
+  }
+  MP_CHECK_OK(td_rpc_shutdown(a, true, 20000));
+  /* graceful shutdown returned: the whole chain must have finished everywhere */
+  if (rank == 0) {
+    char path[300];
+    snprintf(path, sizeof path, "%s/done-2", marker_dir);
+    struct stat sb;
+    MP_CHECK(stat(path, &sb) == 0);
+  }
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rpc_shutdown_waits_for_chains(void **state) {
+  snprintf(marker_dir, sizeof marker_dir, "/tmp/tdist-ff-%d", (int)getpid());
+  mkdir(marker_dir, 0700);
+  int codes[3];
+  int fails = td_mp_run(3, worker_fire_and_forget, NULL, 60, codes);
+  char path[300];
+  snprintf(path, sizeof path, "%s/done-2", marker_dir);
+  unlink(path);
+  rmdir(marker_dir);
+  if (fails) fail_msg("%d workers failed (%d %d %d)", fails, codes[0], codes[1], codes[2]);
+}
+
+/* ---- shutdown deadline naming the missing worker ---- */
+
+static int worker_missing(int rank, int world, const char *method, void *arg) {
+  register_test_fns();
+  td_rpc_options o = test_opts(method, 2);
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  if (rank == 2) {
+    /* never calls shutdown; it is killed when the others are done */
+    test_sleep_ms(3000);
+    td_rpc_destroy(a);
+    return 0;
+  }
+  struct timespec s0, s1;
+  clock_gettime(CLOCK_MONOTONIC, &s0);
+  td_status st = td_rpc_shutdown(a, true, 800);
+  clock_gettime(CLOCK_MONOTONIC, &s1);
+  double el = (double)(s1.tv_sec - s0.tv_sec) + (double)(s1.tv_nsec - s0.tv_nsec) * 1e-9;
+  MP_CHECK(st == TD_ERR_TIMEOUT);
+  MP_CHECK(strstr(td_last_error(), "worker2 (rank 2)") != NULL);
+  MP_CHECK(strstr(td_last_error(), "worker1") == NULL);
+  MP_CHECK(el < 3.0);
+  MP_CHECK(td_rpc_shutdown(a, true, 100) == TD_OK); /* second call is a no-op */
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rpc_shutdown_deadline_names_missing(void **state) {
+  int codes[3];
+  int fails = td_mp_run(3, worker_missing, NULL, 60, codes);
+  if (fails) fail_msg("%d workers failed (%d %d %d)", fails, codes[0], codes[1], codes[2]);
+}
+
+/* ---- non-graceful shutdown returns at once and fails calls in flight ---- */
+
+static int worker_abort(int rank, int world, const char *method, void *arg) {
+  register_test_fns();
+  td_rpc_options o = test_opts(method, 2);
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  if (rank == 0) {
+    td_value *ms = td_value_int(2000);
+    td_future *f;
+    MP_CHECK_OK(td_rpc_async(a, "worker1", "slow", &ms, 1, NULL, &f));
+    td_value_unref(ms);
+    struct timespec s0, s1;
+    clock_gettime(CLOCK_MONOTONIC, &s0);
+    MP_CHECK_OK(td_rpc_shutdown(a, false, 0));
+    clock_gettime(CLOCK_MONOTONIC, &s1);
+    double el = (double)(s1.tv_sec - s0.tv_sec) + (double)(s1.tv_nsec - s0.tv_nsec) * 1e-9;
+    MP_CHECK(el < 1.0);
+    MP_CHECK(td_future_done(f));
+    MP_CHECK(td_future_status(f) == TD_ERR_CANCELLED);
+    td_future_unref(f);
+    td_value *r;
+    MP_CHECK(td_rpc_sync(a, "worker1", "echo", NULL, 0, NULL, &r) == TD_ERR_STATE);
+  } else {
+    test_sleep_ms(2500);
+    td_rpc_shutdown(a, false, 0);
+  }
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rpc_shutdown_nongraceful(void **state) {
+  int codes[2];
+  int fails = td_mp_run(2, worker_abort, NULL, 30, codes);
+  if (fails) fail_msg("%d workers failed (%d %d)", fails, codes[0], codes[1]);
+}
+
+/* ---- init after shutdown, and init from the environment ---- */
+
+static int worker_reinit(int rank, int world, const char *method, void *arg) {
+  register_test_fns();
+  const char *port = strrchr(method, ':') + 1;
+  setenv("RANK", rank == 0 ? "0" : "1", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", port, 1);
+  for (int round = 0; round < 2; round++) {
+    td_rpc_options o = test_opts(NULL, 2);
+    td_rpc_agent *a;
+    char nm[16];
+    snprintf(nm, sizeof nm, "again%d", rank);
+    MP_CHECK_OK(td_rpc_init_from_env(round ? nm : NULL, &o, &a));
+    td_worker_info me;
+    MP_CHECK_OK(td_rpc_self(a, &me));
+    MP_CHECK(me.id == rank);
+    const char *peer = round ? NULL : (rank ? "worker0" : "worker1");
+    if (!round) {
+      td_value *two[2] = {td_value_int(1), td_value_int(rank)}, *r;
+      MP_CHECK_OK(td_rpc_sync(a, peer, "add", two, 2, NULL, &r));
+      td_value_unref(r);
+      td_value_unref(two[0]);
+      td_value_unref(two[1]);
+    }
+    MP_CHECK_OK(td_rpc_shutdown(a, true, 20000));
+    td_rpc_destroy(a);
+    if (round == 0) test_sleep_ms(200); /* rank 0's port must be free again */
+  }
+  return 0;
+}
+
+static void test_rpc_init_after_shutdown_from_env(void **state) {
+  int codes[2];
+  int fails = td_mp_run(2, worker_reinit, NULL, 60, codes);
+  if (fails) fail_msg("%d workers failed (%d %d)", fails, codes[0], codes[1]);
+}
+
+/* ---- init errors ---- */
+
+static int worker_dup_names(int rank, int world, const char *method, void *arg) {
+  td_rpc_options o = test_opts(method, 2);
+  o.init_timeout_ms = 10000;
+  td_rpc_agent *a;
+  td_status st = td_rpc_init(rank == 2 ? "trainer" : (rank == 1 ? "trainer" : "ps"), rank, world,
+                             &o, &a);
+  MP_CHECK(st == TD_ERR_EXISTS || st == TD_ERR_REMOTE);
+  MP_CHECK(strstr(td_last_error(), "trainer") != NULL);
+  return 0;
+}
+
+static void test_rpc_init_duplicate_names(void **state) {
+  int codes[3];
+  int fails = td_mp_run(3, worker_dup_names, NULL, 30, codes);
+  if (fails) fail_msg("%d workers failed (%d %d %d)", fails, codes[0], codes[1], codes[2]);
+}
+
+static int worker_bad_world(int rank, int world, const char *method, void *arg) {
+  td_rpc_options o = test_opts(method, 2);
+  o.init_timeout_ms = 10000;
+  td_rpc_agent *a;
+  td_status st = td_rpc_init(NULL, rank, rank == 1 ? 3 : 2, &o, &a);
+  MP_CHECK(st != TD_OK);
+  MP_CHECK(strstr(td_last_error(), "world size") != NULL);
+  return 0;
+}
+
+static void test_rpc_init_world_size_mismatch(void **state) {
+  int codes[2];
+  int fails = td_mp_run(2, worker_bad_world, NULL, 30, codes);
+  if (fails) fail_msg("%d workers failed (%d %d)", fails, codes[0], codes[1]);
+}
+
+static void test_rpc_init_errors_local(void **state) {
+  td_rpc_options o;
+  td_rpc_options_init(&o);
+  o.init_method = "tcp://127.0.0.1:1";
+  td_rpc_agent *a = NULL;
+  TD_ASSERT_STATUS(td_rpc_init("bad name!", 0, 1, &o, &a), TD_ERR_INVALID);
+  TD_ASSERT_STATUS(td_rpc_init(NULL, 2, 2, &o, &a), TD_ERR_INVALID);
+  TD_ASSERT_STATUS(td_rpc_init(NULL, 0, 0, &o, &a), TD_ERR_INVALID);
+  o.init_method = "udp://x";
+  TD_ASSERT_STATUS(td_rpc_init(NULL, 0, 1, &o, &a), TD_ERR_INVALID);
+  assert_null(a);
+  TD_ASSERT_STATUS(td_rpc_register("__mine", fn_echo, NULL), TD_ERR_INVALID);
+  TD_ASSERT_OK(td_rpc_register("twice", fn_echo, NULL));
+  TD_ASSERT_STATUS(td_rpc_register("twice", fn_echo, NULL), TD_ERR_EXISTS);
+  TD_ASSERT_OK(td_rpc_unregister("twice"));
+  TD_ASSERT_STATUS(td_rpc_unregister("twice"), TD_ERR_NOT_FOUND);
+}
+
+static int worker_alone(int rank, int world, const char *method, void *arg) {
+  /* world size 2 but only rank 1 starts: rank 0's store never appears */
+  td_rpc_options o = test_opts(method, 2);
+  o.init_timeout_ms = 700;
+  td_rpc_agent *a;
+  struct timespec s0, s1;
+  clock_gettime(CLOCK_MONOTONIC, &s0);
+  td_status st = td_rpc_init(NULL, 1, 2, &o, &a);
+  clock_gettime(CLOCK_MONOTONIC, &s1);
+  double el = (double)(s1.tv_sec - s0.tv_sec) + (double)(s1.tv_nsec - s0.tv_nsec) * 1e-9;
+  MP_CHECK(st != TD_OK);
+  MP_CHECK(el < 5.0);
+  return 0;
+}
+
+static void test_rpc_init_deadline(void **state) {
+  int codes[1];
+  int fails = td_mp_run(1, worker_alone, NULL, 30, codes);
+  if (fails) fail_msg("worker failed (%d)", codes[0]);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_rpc_init_errors_local),
+      cmocka_unit_test(test_rpc_shutdown_waits_for_chains),
+      cmocka_unit_test(test_rpc_shutdown_deadline_names_missing),
+      cmocka_unit_test(test_rpc_shutdown_nongraceful),
+      cmocka_unit_test(test_rpc_init_after_shutdown_from_env),
+      cmocka_unit_test(test_rpc_init_duplicate_names),
+      cmocka_unit_test(test_rpc_init_world_size_mismatch),
+      cmocka_unit_test(test_rpc_init_deadline),
+  };
+  return cmocka_run_group_tests_name("rpc_lifecycle", tests, NULL, NULL);
+}

@@ -1,0 +1,728 @@
+/* tdistrun.c - tdist's process launcher (the counterpart of PyTorch's torchrun).
+ *
+ *   tdistrun [options] PROGRAM [ARGS...]
+ *
+ * starts --nproc-per-node copies of PROGRAM on this node with the rendezvous variables (RANK,
+ * LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+ * TD_RESTART_COUNT) in their environment, prefixes every line they print with "[rank]: ", and
+ * supervises them: when one fails the whole group is stopped and, while restarts remain, started
+ * again. See usage() for the options.
+ *
+ * Design. One thread, one poll() loop per attempt. Each worker's stdout and stderr are pipes
+ * (created O_CLOEXEC, so workers never inherit each other's ends); the loop reads them, splits on
+ * '\n' and writes whole prefixed lines to our own stdout/stderr with one write per batch, so lines
+ * of different workers never interleave. Partial lines wait in a per-stream buffer and are
+ * flushed (with a '\n' added) at EOF; a line longer than MAX_LINE (1 MiB) is cut into pieces of
+ * about that size. Signal handlers only record the signal and write a byte to a self-pipe that
+ * is part of the poll set (SIGCHLD too), so the loop wakes at once; --monitor-interval is only
+ * the fallback polling period.
+ * Workers are started with posix_spawnp(), which resets their signal mask and the dispositions
+ * we change (SIGPIPE is ignored here, default there).
+ *
+ * Process groups. Workers stay in tdistrun's process group and are always signalled one by one,
+ * by pid. Staying in the group means a terminal's Ctrl-C (or a job-control stop) reaches workers
+ * directly, as it does for any pipeline, and that a kill of the launcher's group by a batch
+ * system reaches them even when tdistrun itself is SIGKILLed. Because such a terminal SIGINT
+ * already went to every worker, a SIGINT/SIGTERM/SIGHUP that the kernel generated (si_code
+ * SI_KERNEL, i.e. from the tty) is not forwarded a second time; one sent with kill() is
+ * forwarded. Either way the stop timer runs and stragglers get SIGKILL; a second signal sends
+ * SIGKILL at once. (A group per worker would shield workers from the terminal but leave them
+ * running when tdistrun is SIGKILLed.)
+ *
+ * Output ordering: writes to our stdout/stderr block, so a reader that stops reading stalls the
+ * supervisor too (as with torchrun). A worker's stdin is tdistrun's stdin. After the last worker
+ * exits, its pipes are drained for at most DRAIN_MS in case a grandchild still holds them.
+ *
+ * Invariants. tdistrun signals only pids it spawned and only while they are unreaped, so a pid
+ * cannot have been recycled by then. Every spawned worker is reaped (waitpid by pid) before an
+ * attempt ends; nothing else is ever forked. The first failure seen (in rank order within one
+ * sweep) is the one reported.
+ *
+ * Exit status: 0 when every worker of an attempt exited 0; 1 when a worker failed and no restarts
+ * were left; 128+N when stopped by signal N; 2 for usage errors; 126/127 when PROGRAM cannot be
+ * executed / found.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+extern char **environ;
+
+#define EXIT_USAGE 2
+#define MAX_NPROC 4096     /* workers per node */
+#define MAX_LINE (1 << 20) /* bytes; longer lines are cut */
+#define READ_CHUNK 65536   /* bytes per read() */
+#define DRAIN_MS 1000      /* after the last worker exits, how long to wait for pipe EOF */
+
+/* ---- options ---- */
+
+typedef struct options {
+  int nproc;             /* workers on this node; default 1 */
+  int nnodes;            /* default 1 */
+  int node_rank;         /* default 0 */
+  const char *master_addr; /* default "127.0.0.1" */
+  int master_port;       /* 1..65535; -1 = unset (29500, or a free port with --standalone) */
+  bool standalone;
+  int max_restarts;      /* default 0 */
+  int monitor_ms;        /* fallback polling period, ms; default 100 */
+  double stop_timeout_s; /* SIGTERM -> SIGKILL grace, seconds; default 5 */
+  bool prefix;           /* default true; --no-prefix clears it */
+  char **argv;           /* PROGRAM ARGS..., NULL-terminated */
+} options;
+
+static void usage(FILE *f) {
+  fprintf(f,
+    "usage: tdistrun [options] PROGRAM [ARGS...]\n"
+    "\n"
+    "Starts --nproc-per-node copies of PROGRAM on this node and supervises them.\n"
+    "Each worker gets in its environment:\n"
+    "  RANK=node_rank*nproc+local_rank  LOCAL_RANK  WORLD_SIZE=nnodes*nproc  LOCAL_WORLD_SIZE\n"
+    "  NODE_RANK  MASTER_ADDR  MASTER_PORT  TD_RESTART_COUNT (attempt number, from 0)\n"
+    "\n"
+    "options (also accepted as --opt=VALUE and with '_' for '-'):\n"
+    "  --nproc-per-node N    workers on this node (default 1)\n"
+    "  --nnodes N            nodes in the job (default 1)\n"
+    "  --node-rank R         this node's index, 0 <= R < nnodes (default 0)\n"
+    "  --master-addr A       rendezvous host (default 127.0.0.1)\n"
+    "  --master-port P       rendezvous port, 1..65535 (default 29500)\n"
+    "  --standalone          single node; MASTER_PORT is a free port on 127.0.0.1, picked\n"
+    "                        again for every restart, unless --master-port is given\n"
+    "  --max-restarts K      restart the whole group up to K times after a failure (default 0)\n"
+    "  --monitor-interval MS fallback period for checking workers, in ms (default 100)\n"
+    "  --stop-timeout S      seconds between SIGTERM and SIGKILL when stopping (default 5)\n"
+    "  --no-prefix           pass worker output through without the \"[rank]: \" prefix\n"
+    "  -h, --help            show this text\n"
+    "  --                    end of options\n"
+    "\n"
+    "Output: every line a worker writes is printed as \"[RANK]: line\", stdout to stdout and\n"
+    "stderr to stderr. Workers whose stdout is a pipe may buffer it; flush or use line\n"
+    "buffering in the worker to see lines as they happen.\n"
+    "\n"
+    "Failures: when a worker exits non-zero or is killed by a signal, the others get SIGTERM,\n"
+    "then SIGKILL after --stop-timeout; the group restarts while restarts remain.\n"
+    "SIGINT/SIGTERM/SIGHUP are forwarded to the workers (no restart); a second one kills\n"
+    "them.\n"
+    "\n"
+    "Exit status: 0 all workers succeeded, 1 a worker failed, 128+N stopped by signal N,\n"
+    "2 usage error, 126/127 PROGRAM could not be executed/found.\n");
+}
+
+static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+static int usage_error(const char *fmt, ...) {
+  va_list ap;
+  fputs("tdistrun: ", stderr);
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fputs("\ntry 'tdistrun --help' for more information\n", stderr);
+  return EXIT_USAGE;
+}
+
+/* parse_int parses a whole decimal string into [lo, hi]; false otherwise. */
+static bool parse_int(const char *s, long lo, long hi, int *out) {
+  char *end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (*s == '\0' || *end != '\0' || errno == ERANGE || v < lo || v > hi) return false;
+  *out = (int)v;
+  return true;
+}
+
+static bool parse_seconds(const char *s, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (*s == '\0' || *end != '\0' || errno == ERANGE || !(v >= 0) || v > 86400.0) return false;
+  *out = v;
+  return true;
+}
+
+/* parse_args fills o from argv. Returns -1 to go on, or an exit status (0 after --help). */
+static int parse_args(int argc, char **argv, options *o) {
+  *o = (options){.nproc = 1, .nnodes = 1, .node_rank = 0, .master_addr = NULL,
+                 .master_port = -1, .max_restarts = 0, .monitor_ms = 100,
+                 .stop_timeout_s = 5.0, .prefix = true};
+  int i = 1;
+  bool node_rank_given = false, nnodes_given = false;
+  for (; i < argc; i++) {
+    const char *a = argv[i];
+    if (strcmp(a, "--") == 0) {
+      i++;
+      break;
+    }
+    if (a[0] != '-' || a[1] == '\0') break; /* PROGRAM */
+    if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+      usage(stdout);
+      return 0;
+    }
+    if (a[1] != '-') return usage_error("unknown option '%s'", a);
+    /* Normalize: name without "--", '_' -> '-', split "=value". */
+    char name[64];
+    const char *eq = strchr(a + 2, '=');
+    size_t n = eq ? (size_t)(eq - (a + 2)) : strlen(a + 2);
+    if (n == 0 || n >= sizeof name) return usage_error("unknown option '%s'", a);
+    for (size_t k = 0; k < n; k++) name[k] = a[2 + k] == '_' ? '-' : a[2 + k];
+    name[n] = '\0';
+
+    bool is_flag = strcmp(name, "standalone") == 0 || strcmp(name, "no-prefix") == 0;
+    if (is_flag) {
+      if (eq) return usage_error("option '--%s' takes no value", name);
+      if (name[0] == 's') o->standalone = true;
+      else o->prefix = false;
+      continue;
+    }
+    const char *val = eq ? eq + 1 : NULL;
+    if (!val) {
+      if (i + 1 >= argc) return usage_error("option '--%s' needs a value", name);
+      val = argv[++i];
+    }
+    if (strcmp(name, "nproc-per-node") == 0) {
+      if (!parse_int(val, 1, MAX_NPROC, &o->nproc))
+        return usage_error("--nproc-per-node must be an integer in 1..%d, got '%s'", MAX_NPROC,
+                           val);
+    } else if (strcmp(name, "nnodes") == 0) {
+      if (!parse_int(val, 1, INT_MAX / MAX_NPROC, &o->nnodes))
+        return usage_error("--nnodes must be an integer >= 1, got '%s'", val);
+      nnodes_given = true;
+    } else if (strcmp(name, "node-rank") == 0) {
+      if (!parse_int(val, 0, INT_MAX, &o->node_rank))
+        return usage_error("--node-rank must be an integer >= 0, got '%s'", val);
+      node_rank_given = true;
+    } else if (strcmp(name, "master-addr") == 0) {
+      if (val[0] == '\0') return usage_error("--master-addr must not be empty");
+      o->master_addr = val;
+    } else if (strcmp(name, "master-port") == 0) {
+      if (!parse_int(val, 1, 65535, &o->master_port))
+        return usage_error("--master-port must be an integer in 1..65535, got '%s'", val);
+    } else if (strcmp(name, "max-restarts") == 0) {
+      if (!parse_int(val, 0, 1000000, &o->max_restarts))
+        return usage_error("--max-restarts must be an integer >= 0, got '%s'", val);
+    } else if (strcmp(name, "monitor-interval") == 0) {
+      if (!parse_int(val, 1, 60000, &o->monitor_ms))
+        return usage_error("--monitor-interval must be an integer in 1..60000 (ms), got '%s'",
+                           val);
+    } else if (strcmp(name, "stop-timeout") == 0) {
+      if (!parse_seconds(val, &o->stop_timeout_s))
+        return usage_error("--stop-timeout must be a number of seconds in 0..86400, got '%s'",
+                           val);
+    } else {
+      return usage_error("unknown option '--%s'", name);
+    }
+  }
+  if (i >= argc) return usage_error("missing PROGRAM");
+  if (o->standalone) {
+    if ((nnodes_given && o->nnodes != 1) || (node_rank_given && o->node_rank != 0))
+      return usage_error("--standalone runs a single node (--nnodes 1, --node-rank 0)");
+    if (o->master_addr && strcmp(o->master_addr, "127.0.0.1") != 0)
+      return usage_error("--standalone uses MASTER_ADDR 127.0.0.1; drop --master-addr");
+  }
+  if (o->node_rank >= o->nnodes)
+    return usage_error("--node-rank %d is out of range for --nnodes %d (must be < nnodes)",
+                       o->node_rank, o->nnodes);
+  if (!o->master_addr) o->master_addr = "127.0.0.1";
+  o->argv = argv + i;
+  return -1;
+}
+
+/* ---- clocks, signals ---- */
+
+static int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int g_wake[2] = {-1, -1};            /* self-pipe: read end polled, write end in handlers */
+static volatile sig_atomic_t g_sig_count;   /* SIGINT/SIGTERM/SIGHUP received so far */
+static volatile sig_atomic_t g_first_sig;   /* the first of them */
+static volatile sig_atomic_t g_first_from_tty; /* 1 when the kernel (tty) sent the first one */
+
+static void wake(void) {
+  int saved = errno;
+  char c = 0;
+  ssize_t r = write(g_wake[1], &c, 1); /* EAGAIN when full: a wake-up is pending anyway */
+  (void)r;
+  errno = saved;
+}
+
+static void on_stop_signal(int sig, siginfo_t *si, void *uc) {
+  (void)uc;
+  if (g_sig_count == 0) {
+    g_first_sig = sig;
+    g_first_from_tty = si && si->si_code == SI_KERNEL;
+  }
+  g_sig_count = g_sig_count + 1;
+  wake();
+}
+
+static void on_sigchld(int sig) {
+  (void)sig;
+  wake();
+}
+
+static int install_signals(void) {
+  if (pipe2(g_wake, O_CLOEXEC | O_NONBLOCK) != 0) return -1;
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART | SA_SIGINFO;
+  sa.sa_sigaction = on_stop_signal;
+  if (sigaction(SIGINT, &sa, NULL) != 0 || sigaction(SIGTERM, &sa, NULL) != 0 ||
+      sigaction(SIGHUP, &sa, NULL) != 0)
+    return -1;
+  memset(&sa, 0, sizeof sa);
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+  sa.sa_handler = on_sigchld;
+  if (sigaction(SIGCHLD, &sa, NULL) != 0) return -1;
+  signal(SIGPIPE, SIG_IGN); /* a closed stdout must not kill the supervisor */
+  return 0;
+}
+
+static void drain_wake(void) {
+  char buf[256];
+  while (read(g_wake[0], buf, sizeof buf) > 0) {
+  }
+}
+
+/* ---- output ---- */
+
+typedef struct stream {
+  int fd;             /* read end of the worker's pipe; -1 when closed or unused */
+  int dest;           /* STDOUT_FILENO or STDERR_FILENO */
+  const char *prefix; /* "[rank]: ", owned by the worker */
+  char *buf;          /* bytes read and not yet written: at most one partial line after emit */
+  size_t len, cap;
+} stream;
+
+/* write_all writes n bytes to fd; output errors (EPIPE: nobody reads) drop the data. */
+static void write_all(int fd, const char *p, size_t n) {
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) { /* a non-blocking stdout we share with someone: wait */
+        struct pollfd pfd = {.fd = fd, .events = POLLOUT};
+        poll(&pfd, 1, 100);
+        continue;
+      }
+      return;
+    }
+    p += w;
+    n -= (size_t)w;
+  }
+}
+
+/* emit writes the complete lines pending in s, each prefixed, with one write, and keeps the
+ * rest. At EOF (final), or when the pending partial line reaches MAX_LINE, the rest goes out too,
+ * with a '\n' added. */
+static void emit(stream *s, bool final) {
+  size_t plen = strlen(s->prefix), start = 0, outlen = 0, nlines = 0;
+  for (size_t k = 0; k < s->len; k++)
+    if (s->buf[k] == '\n') nlines++;
+  char *out = malloc(s->len + (nlines + 1) * plen + 1);
+  if (!out) { /* no memory: pass the bytes through unprefixed rather than lose them */
+    write_all(s->dest, s->buf, s->len);
+    s->len = 0;
+    return;
+  }
+  for (size_t k = 0; k < s->len; k++) {
+    if (s->buf[k] != '\n') continue;
+    memcpy(out + outlen, s->prefix, plen);
+    memcpy(out + outlen + plen, s->buf + start, k + 1 - start);
+    outlen += plen + k + 1 - start;
+    start = k + 1;
+  }
+  size_t rest = s->len - start;
+  if (rest > 0 && (final || rest >= MAX_LINE)) {
+    memcpy(out + outlen, s->prefix, plen);
+    memcpy(out + outlen + plen, s->buf + start, rest);
+    outlen += plen + rest;
+    out[outlen++] = '\n';
+    start = s->len;
+  }
+  if (outlen) write_all(s->dest, out, outlen);
+  free(out);
+  memmove(s->buf, s->buf + start, s->len - start);
+  s->len -= start;
+}
+
+/* stream_read reads what is available; at EOF or error it flushes the tail and closes fd. */
+static void stream_read(stream *s) {
+  if (s->cap - s->len < READ_CHUNK) {
+    size_t cap = s->cap ? s->cap : READ_CHUNK;
+    while (cap - s->len < READ_CHUNK) cap *= 2;
+    char *nb = realloc(s->buf, cap);
+    if (!nb) {
+      emit(s, true); /* makes room by flushing everything */
+      if (s->cap - s->len < READ_CHUNK) return;
+    } else {
+      s->buf = nb;
+      s->cap = cap;
+    }
+  }
+  ssize_t r = read(s->fd, s->buf + s->len, READ_CHUNK);
+  if (r < 0 && (errno == EINTR || errno == EAGAIN)) return;
+  if (r <= 0) {
+    emit(s, true);
+    close(s->fd);
+    s->fd = -1;
+    return;
+  }
+  s->len += (size_t)r;
+  emit(s, false);
+}
+
+/* ---- workers ---- */
+
+typedef struct worker {
+  int local_rank, rank;
+  pid_t pid;      /* valid while running */
+  bool running;   /* spawned and not yet reaped */
+  int wstatus;    /* wait status once reaped */
+  char prefix[24];
+  stream out, err;
+} worker;
+
+typedef struct attempt_result {
+  enum { ATTEMPT_OK, ATTEMPT_FAILED, ATTEMPT_SIGNALLED, ATTEMPT_SPAWN_ERROR, ATTEMPT_ERROR } kind;
+  int failed;  /* index of the failed worker (ATTEMPT_FAILED) */
+  int wstatus; /* its wait status */
+  int spawn_errno;
+} attempt_result;
+
+static const char *const k_env_names[] = {"RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                          "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+                                          "MASTER_PORT", "TD_RESTART_COUNT"};
+#define N_ENV (sizeof k_env_names / sizeof k_env_names[0])
+
+/* build_env returns a malloc'ed NULL-terminated copy of environ without our variables, plus
+ * ours for worker w, formatted into the caller's vals. Free only the array. NULL on no memory. */
+static char **build_env(const options *o, const worker *w, int attempt, int port,
+                        char vals[N_ENV][320]) {
+  size_t n = 0;
+  for (char **e = environ; *e; e++) n++;
+  char **env = malloc((n + N_ENV + 1) * sizeof *env);
+  if (!env) return NULL;
+  size_t k = 0;
+  for (char **e = environ; *e; e++) {
+    bool ours = false;
+    for (size_t j = 0; j < N_ENV && !ours; j++) {
+      size_t l = strlen(k_env_names[j]);
+      ours = strncmp(*e, k_env_names[j], l) == 0 && (*e)[l] == '=';
+    }
+    if (!ours) env[k++] = *e;
+  }
+  long long values[] = {w->rank, w->local_rank, (long long)o->nnodes * o->nproc, o->nproc,
+                        o->node_rank, 0, port, attempt};
+  for (size_t j = 0; j < N_ENV; j++) {
+    if (strcmp(k_env_names[j], "MASTER_ADDR") == 0)
+      snprintf(vals[j], 320, "MASTER_ADDR=%.256s", o->master_addr);
+    else
+      snprintf(vals[j], 320, "%s=%lld", k_env_names[j], values[j]);
+    env[k++] = vals[j];
+  }
+  env[k] = NULL;
+  return env;
+}
+
+/* spawn_worker starts w. Returns 0 or an errno value. */
+static int spawn_worker(const options *o, worker *w, int attempt, int port) {
+  int pout[2] = {-1, -1}, perr[2] = {-1, -1}, rc = 0;
+  char vals[N_ENV][320];
+  char **env = NULL;
+  posix_spawn_file_actions_t fa;
+  posix_spawnattr_t at;
+  bool fa_ok = false, at_ok = false;
+
+  if (o->prefix && (pipe2(pout, O_CLOEXEC) != 0 || pipe2(perr, O_CLOEXEC) != 0)) {
+    rc = errno;
+    goto out;
+  }
+  env = build_env(o, w, attempt, port, vals);
+  if (!env) {
+    rc = ENOMEM;
+    goto out;
+  }
+  if ((rc = posix_spawn_file_actions_init(&fa)) != 0) goto out;
+  fa_ok = true;
+  if (o->prefix) {
+    /* dup2 onto 1/2 clears O_CLOEXEC there; every other pipe end stays close-on-exec. */
+    if ((rc = posix_spawn_file_actions_adddup2(&fa, pout[1], STDOUT_FILENO)) != 0 ||
+        (rc = posix_spawn_file_actions_adddup2(&fa, perr[1], STDERR_FILENO)) != 0)
+      goto out;
+  }
+  if ((rc = posix_spawnattr_init(&at)) != 0) goto out;
+  at_ok = true;
+  sigset_t empty, def;
+  sigemptyset(&empty);
+  sigemptyset(&def);
+  sigaddset(&def, SIGPIPE);
+  sigaddset(&def, SIGINT);
+  sigaddset(&def, SIGTERM);
+  sigaddset(&def, SIGHUP);
+  sigaddset(&def, SIGCHLD);
+  if ((rc = posix_spawnattr_setsigmask(&at, &empty)) != 0 ||
+      (rc = posix_spawnattr_setsigdefault(&at, &def)) != 0 ||
+      (rc = posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF)) != 0)
+    goto out;
+  rc = posix_spawnp(&w->pid, o->argv[0], &fa, &at, o->argv, env);
+  if (rc != 0) goto out;
+  w->running = true;
+  if (o->prefix) {
+    w->out = (stream){.fd = pout[0], .dest = STDOUT_FILENO, .prefix = w->prefix};
+    w->err = (stream){.fd = perr[0], .dest = STDERR_FILENO, .prefix = w->prefix};
+    pout[0] = perr[0] = -1;
+  }
+out:
+  if (fa_ok) posix_spawn_file_actions_destroy(&fa);
+  if (at_ok) posix_spawnattr_destroy(&at);
+  free(env);
+  for (int k = 0; k < 2; k++) {
+    if (pout[k] >= 0) close(pout[k]);
+    if (perr[k] >= 0) close(perr[k]);
+  }
+  return rc;
+}
+
+static void signal_running(worker *ws, int n, int sig) {
+  for (int i = 0; i < n; i++)
+    if (ws[i].running) kill(ws[i].pid, sig);
+}
+
+static bool failed_status(int st) {
+  return WIFSIGNALED(st) || (WIFEXITED(st) && WEXITSTATUS(st) != 0);
+}
+
+static void describe_status(int st, char *buf, size_t n) {
+  if (WIFSIGNALED(st))
+    snprintf(buf, n, "signal %d (%s)", WTERMSIG(st), strsignal(WTERMSIG(st)));
+  else
+    snprintf(buf, n, "exit code %d", WEXITSTATUS(st));
+}
+
+/* free_port asks the kernel for a free TCP port on 127.0.0.1. Returns it, or -1. */
+static int free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = 0};
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  int port = -1;
+  if (bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+      getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
+    port = ntohs(sa.sin_port);
+  close(fd);
+  return port;
+}
+
+/* run_attempt starts the group, supervises it until every worker is reaped and its output
+ * drained, and says how it ended. */
+static attempt_result run_attempt(const options *o, int attempt, int port) {
+  attempt_result res = {.kind = ATTEMPT_OK, .failed = -1};
+  int n = o->nproc;
+  worker *ws = calloc((size_t)n, sizeof *ws);
+  struct pollfd *pfds = calloc((size_t)(2 * n + 1), sizeof *pfds);
+  stream **pstreams = calloc((size_t)(2 * n + 1), sizeof *pstreams);
+  if (!ws || !pfds || !pstreams) {
+    fprintf(stderr, "tdistrun: out of memory\n");
+    exit(1);
+  }
+  int running = 0;
+  bool stopping = false, killed = false;
+  int64_t kill_at = 0, drain_until = -1;
+  int sigs_seen = 0;
+  bool sweep = true;     /* reap on this pass: set by SIGCHLD wake-ups and every monitor_ms */
+  int64_t next_sweep = 0; /* when the fallback sweep is due */
+
+  for (int i = 0; i < n; i++) {
+    worker *w = &ws[i];
+    w->local_rank = i;
+    w->rank = o->node_rank * o->nproc + i;
+    w->out.fd = w->err.fd = -1;
+    snprintf(w->prefix, sizeof w->prefix, "[%d]: ", w->rank);
+  }
+  for (int i = 0; i < n; i++) {
+    worker *w = &ws[i];
+    if (g_sig_count > 0) break; /* a stop signal during start-up: start no more */
+    int rc = spawn_worker(o, w, attempt, port);
+    if (rc != 0) {
+      fprintf(stderr, "tdistrun: cannot start worker rank %d: %s: %s\n", w->rank, o->argv[0],
+              strerror(rc));
+      res.kind = ATTEMPT_SPAWN_ERROR;
+      res.spawn_errno = rc;
+      stopping = true;
+      kill_at = now_ms() + (int64_t)(o->stop_timeout_s * 1000);
+      signal_running(ws, n, SIGTERM);
+      break;
+    }
+    running++;
+  }
+
+  for (;;) {
+    /* 1. Stop signals (the loop wakes through the self-pipe). */
+    int sc = g_sig_count;
+    if (sc > sigs_seen) {
+      if (res.kind != ATTEMPT_SPAWN_ERROR) res.kind = ATTEMPT_SIGNALLED;
+      if (sc >= 2 && !killed) {
+        signal_running(ws, n, SIGKILL);
+        killed = true;
+      } else if (sigs_seen == 0) {
+        if (!g_first_from_tty) signal_running(ws, n, g_first_sig);
+        if (!stopping) kill_at = now_ms() + (int64_t)(o->stop_timeout_s * 1000);
+        stopping = true;
+      }
+      sigs_seen = sc;
+    }
+    /* 2. Reap, in rank order, after SIGCHLD or each --monitor-interval; the first failure stops
+     *    the group. */
+    if (now_ms() >= next_sweep) sweep = true;
+    if (sweep) next_sweep = now_ms() + o->monitor_ms;
+    for (int i = 0; sweep && i < n; i++) {
+      worker *w = &ws[i];
+      if (!w->running) continue;
+      int st;
+      pid_t r = waitpid(w->pid, &st, WNOHANG);
+      if (r == 0 || (r < 0 && errno == EINTR)) continue;
+      w->running = false; /* reaped (or ECHILD, which cannot happen: we never reap others) */
+      w->wstatus = r < 0 ? 0 : st;
+      running--;
+      if (r > 0 && failed_status(st) && !stopping) {
+        res.kind = ATTEMPT_FAILED;
+        res.failed = i;
+        res.wstatus = st;
+        stopping = true;
+        kill_at = now_ms() + (int64_t)(o->stop_timeout_s * 1000);
+        signal_running(ws, n, SIGTERM);
+      }
+    }
+    sweep = false;
+    /* 3. Escalate after the grace period. */
+    int64_t t = now_ms();
+    if (stopping && !killed && running > 0 && t >= kill_at) {
+      signal_running(ws, n, SIGKILL);
+      killed = true;
+    }
+    /* 4. Done when all are reaped and their pipes drained (bounded: a grandchild may hold a
+     *    pipe open). */
+    int np = 0;
+    pfds[np++] = (struct pollfd){.fd = g_wake[0], .events = POLLIN};
+    for (int i = 0; i < n; i++) {
+      stream *ss[2] = {&ws[i].out, &ws[i].err};
+      for (int k = 0; k < 2; k++) {
+        if (ss[k]->fd < 0) continue;
+        pstreams[np] = ss[k];
+        pfds[np++] = (struct pollfd){.fd = ss[k]->fd, .events = POLLIN};
+      }
+    }
+    if (running == 0) {
+      if (drain_until < 0) drain_until = t + DRAIN_MS;
+      if (np == 1 || t >= drain_until) break;
+    }
+    int timeout = o->monitor_ms;
+    if (stopping && !killed && running > 0 && kill_at - t < timeout)
+      timeout = (int)(kill_at - t > 0 ? kill_at - t : 0);
+    if (running == 0 && drain_until - t < timeout) timeout = (int)(drain_until - t);
+    int pr = poll(pfds, (nfds_t)np, timeout);
+    if (pr < 0 && errno != EINTR) { /* cannot supervise any more: end the attempt hard */
+      perror("tdistrun: poll");
+      if (!killed) signal_running(ws, n, SIGKILL);
+      killed = stopping = true;
+      res.kind = ATTEMPT_ERROR;
+      struct timespec ts = {0, 10 * 1000 * 1000};
+      nanosleep(&ts, NULL);
+      continue;
+    }
+    if (pr <= 0) continue;
+    if (pfds[0].revents) {
+      drain_wake();
+      sweep = true;
+    }
+    for (int k = 1; k < np; k++)
+      if (pfds[k].revents) stream_read(pstreams[k]);
+  }
+
+  for (int i = 0; i < n; i++) {
+    stream *ss[2] = {&ws[i].out, &ws[i].err};
+    for (int k = 0; k < 2; k++) {
+      if (ss[k]->fd >= 0) {
+        emit(ss[k], true);
+        close(ss[k]->fd);
+      }
+      free(ss[k]->buf);
+    }
+  }
+  free(ws);
+  free(pfds);
+  free(pstreams);
+  return res;
+}
+
+int main(int argc, char **argv) {
+  options o;
+  int rc = parse_args(argc, argv, &o);
+  if (rc >= 0) return rc;
+  if (install_signals() != 0) {
+    perror("tdistrun: signal setup");
+    return 1;
+  }
+  for (int attempt = 0;; attempt++) {
+    if (g_sig_count > 0) {
+      fprintf(stderr, "tdistrun: stopped by signal %d (%s)\n", (int)g_first_sig,
+              strsignal(g_first_sig));
+      return 128 + g_first_sig;
+    }
+    int port = o.master_port > 0 ? o.master_port : 29500;
+    if (o.standalone && o.master_port < 0) {
+      port = free_port();
+      if (port < 0) {
+        perror("tdistrun: cannot find a free port on 127.0.0.1");
+        return 1;
+      }
+    }
+    attempt_result r = run_attempt(&o, attempt, port);
+    if (r.kind == ATTEMPT_SPAWN_ERROR) return r.spawn_errno == ENOENT ? 127 : 126;
+    if (r.kind == ATTEMPT_ERROR) return 1;
+    if (r.kind == ATTEMPT_SIGNALLED) {
+      int sig = g_first_sig ? g_first_sig : SIGKILL;
+      fprintf(stderr, "tdistrun: stopped by signal %d (%s)\n", sig, strsignal(sig));
+      return 128 + sig;
+    }
+    if (r.kind == ATTEMPT_OK) return 0;
+    char what[96];
+    describe_status(r.wstatus, what, sizeof what);
+    int rank = o.node_rank * o.nproc + r.failed;
+    if (attempt < o.max_restarts) {
+      fprintf(stderr,
+              "tdistrun: worker rank %d (local %d) failed with %s; restarting the group "
+              "(restart %d of %d)\n",
+              rank, r.failed, what, attempt + 1, o.max_restarts);
+      continue;
+    }
+    fprintf(stderr, "tdistrun: worker rank %d (local %d) failed with %s; no restarts left "
+                    "(%d used)\n",
+            rank, r.failed, what, attempt);
+    return 1;
+  }
+}
