@@ -6,6 +6,7 @@
  * dims as an odometer. Float32 sums accumulate in double. GEMM goes to OpenBLAS.
  */
 #include <cblas.h>
+#include <pthread.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,19 +14,95 @@
 #include "cpu_kernels.h"
 #include "tensor_impl.h"
 
-/* ---- memory ---- */
+/* ---- memory ----
+ * Blocks carry a 64-byte header holding their size. Freed blocks of at least CACHE_MIN bytes go
+ * to per-size free lists (up to CACHE_BINS sizes and TD_CPU_CACHE_MB, default 256 MiB, in all),
+ * so a training loop that allocates the same shapes every step reuses warm pages instead of
+ * faulting in freshly mapped memory each time. Smaller blocks go straight back to malloc. */
+
+#define HDR 64
+#define CACHE_MIN (64u << 10)
+#define CACHE_BINS 64
+
+/* The header of a block: its size, and the free-list link while cached. */
+typedef struct blk {
+  size_t size;
+  struct blk *next;
+} blk;
+
+static struct {
+  pthread_mutex_t mu;
+  size_t sizes[CACHE_BINS];
+  blk *heads[CACHE_BINS];
+  int counts[CACHE_BINS];
+  size_t total, cap;
+  bool inited;
+} cache = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static void cache_init_locked(void) {
+  if (cache.inited) return;
+  const char *e = getenv("TD_CPU_CACHE_MB");
+  long mb = e ? strtol(e, NULL, 10) : 256;
+  cache.cap = mb > 0 ? (size_t)mb << 20 : 0;
+  cache.inited = true;
+}
 
 static td_status cpu_alloc(int dev, size_t nbytes, void **out) {
+  size_t sz = (nbytes + 4095) / 4096 * 4096;
+  if (sz >= CACHE_MIN) {
+    pthread_mutex_lock(&cache.mu);
+    for (int i = 0; i < CACHE_BINS; i++) {
+      if (cache.sizes[i] == sz && cache.heads[i]) {
+        blk *b = cache.heads[i];
+        cache.heads[i] = b->next;
+        cache.counts[i]--;
+        cache.total -= sz;
+        pthread_mutex_unlock(&cache.mu);
+        *out = (char *)b + HDR;
+        return TD_OK;
+      }
+    }
+    pthread_mutex_unlock(&cache.mu);
+  }
   void *p = NULL;
-  size_t align = 64;
-  size_t sz = (nbytes + align - 1) / align * align;
-  if (posix_memalign(&p, align, sz ? sz : align) != 0)
+  if (posix_memalign(&p, HDR, sz + HDR) != 0)
     return td_set_error(TD_ERR_NOMEM, "cpu: cannot allocate %zu bytes", nbytes);
-  *out = p;
+  ((blk *)p)->size = sz;
+  *out = (char *)p + HDR;
   return TD_OK;
 }
 
-static void cpu_free(int dev, void *p) { free(p); }
+static void cpu_free(int dev, void *ptr) {
+  if (!ptr) return;
+  char *p = (char *)ptr - HDR;
+  size_t sz = ((blk *)p)->size;
+  if (sz >= CACHE_MIN) {
+    pthread_mutex_lock(&cache.mu);
+    cache_init_locked();
+    if (cache.total + sz <= cache.cap) {
+      int slot = -1;
+      for (int i = 0; i < CACHE_BINS; i++) {
+        if (cache.sizes[i] == sz) {
+          slot = i;
+          break;
+        }
+        if (slot < 0 && cache.counts[i] == 0) slot = i;
+      }
+      if (slot >= 0) {
+        blk *b = (blk *)p;
+        cache.sizes[slot] = sz;
+        b->next = cache.heads[slot];
+        cache.heads[slot] = b;
+        cache.counts[slot]++;
+        cache.total += sz;
+        pthread_mutex_unlock(&cache.mu);
+        return;
+      }
+    }
+    pthread_mutex_unlock(&cache.mu);
+  }
+  free(p);
+}
 
 static td_status cpu_memcpy(int dev, void *dst, const void *src, size_t n) {
   if (n) memcpy(dst, src, n);

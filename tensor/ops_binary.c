@@ -171,7 +171,7 @@ static const td__node_ops max_ops = {"MaximumBackward", binary_backward, binary_
 static td_status binary_op(td__binary_op op, const td__node_ops *ops, const td_tensor *a,
                            const td_tensor *b, td_tensor **out) {
   TD_CHECK_ARG(out, "%s: NULL out", bin_name(op));
-  td_tensor *r;
+  td_tensor *r = NULL;
   TD_TRY(binary_raw(op, a, b, &r));
   if (td__needs_grad2(a, b)) {
     if (a->dtype == TD_DTYPE_I64) {

@@ -76,6 +76,130 @@ static td_status bmm(const td_tensor *a, const td_tensor *b, td_tensor **out) {
   return TD_OK;
 }
 
+/* ---- mm: 2-D GEMM that reads row-major or transposed (column-major) operands in place ---- */
+
+/* How GEMM can read a 2-D view t: row-major contiguous (trans false) or the transpose of a
+ * row-major contiguous matrix (trans true). Returns false for other layouts. */
+static bool gemm_layout(const td_tensor *t, bool *trans) {
+  if (t->ndim != 2) return false;
+  int64_t r = t->shape[0], c = t->shape[1];
+  if ((c == 1 || t->strides[1] == 1) && (r == 1 || t->strides[0] == c)) {
+    *trans = false;
+    return true;
+  }
+  if ((r == 1 || t->strides[0] == 1) && (c == 1 || t->strides[1] == r)) {
+    *trans = true;
+    return true;
+  }
+  return false;
+}
+
+typedef struct {
+  td_node base;
+  td_tensor *a, *b; /* detached views as given to forward */
+  bool ta, tb;      /* their layouts */
+} mm_node;
+
+static void mm_release(td_node *self) {
+  mm_node *n = (mm_node *)self;
+  td_tensor_unref(n->a);
+  td_tensor_unref(n->b);
+  n->a = n->b = NULL;
+}
+
+/* A [r, c] result computed in transposed layout: returns the [c, r]-shaped... view helper. */
+static td_status transposed_view(td_tensor *t, td_tensor **out) {
+  int64_t shape[2] = {t->shape[1], t->shape[0]}, strides[2] = {1, t->shape[1]};
+  return td__tensor_view(t, shape, strides, 2, t->offset, out);
+}
+
+static td_status mm_backward(td_node *self, td_tensor *const *gout, td_tensor **gin) {
+  mm_node *n = (mm_node *)self;
+  td_tensor *g = NULL;
+  TD_TRY(td_tensor_contiguous(gout[0], &g));
+  int64_t M = n->a->shape[0], K = n->a->shape[1], N = n->b->shape[1];
+  const td__backend *be = td__backend_of(g);
+  td_dtype dt = g->dtype;
+  const void *ad = td_tensor_data(n->a), *bd = td_tensor_data(n->b), *gd = td_tensor_data(g);
+  td_status st = TD_OK;
+  td_tensor *tmp = NULL;
+  if (td__node_needs_grad(self, 0)) {
+    if (!n->ta) { /* ga [M,K] = g @ b^T */
+      int64_t sh[2] = {M, K};
+      st = td__tensor_new(sh, 2, dt, g->storage->device, &gin[0]);
+      if (st == TD_OK)
+        st = be->gemm(dt, false, !n->tb, M, K, N, 1.0, gd, 0, bd, 0, 0.0, td_tensor_data(gin[0]),
+                      0, 1);
+    } else { /* a is stored transposed: ga^T [K,M] = b @ g^T, returned as a transposed view */
+      int64_t sh[2] = {K, M};
+      st = td__tensor_new(sh, 2, dt, g->storage->device, &tmp);
+      if (st == TD_OK)
+        st = be->gemm(dt, n->tb, true, K, M, N, 1.0, bd, 0, gd, 0, 0.0, td_tensor_data(tmp), 0, 1);
+      if (st == TD_OK) st = transposed_view(tmp, &gin[0]);
+      td_tensor_unref(tmp);
+      tmp = NULL;
+    }
+  }
+  if (st == TD_OK && td__node_needs_grad(self, 1)) {
+    if (!n->tb) { /* gb [K,N] = a^T @ g */
+      int64_t sh[2] = {K, N};
+      st = td__tensor_new(sh, 2, dt, g->storage->device, &gin[1]);
+      if (st == TD_OK)
+        st = be->gemm(dt, !n->ta, false, K, N, M, 1.0, ad, 0, gd, 0, 0.0, td_tensor_data(gin[1]),
+                      0, 1);
+    } else { /* b is stored transposed (x @ W^T): gb^T [N,K] = g^T @ a, in W's own layout */
+      int64_t sh[2] = {N, K};
+      st = td__tensor_new(sh, 2, dt, g->storage->device, &tmp);
+      if (st == TD_OK)
+        st = be->gemm(dt, true, n->ta, N, K, M, 1.0, gd, 0, ad, 0, 0.0, td_tensor_data(tmp), 0, 1);
+      if (st == TD_OK) st = transposed_view(tmp, &gin[1]);
+      td_tensor_unref(tmp);
+    }
+  }
+  td_tensor_unref(g);
+  return st;
+}
+static const td__node_ops mm_ops = {"MmBackward", mm_backward, mm_release, NULL};
+
+/* a [M, K] @ b [K, N], both 2-D. */
+static td_status mm(const td_tensor *a, const td_tensor *b, td_tensor **out) {
+  td_tensor *ac = NULL, *bc = NULL, *r = NULL;
+  bool ta = false, tb = false;
+  td_status st = TD_OK;
+  bool prev = td_autograd_set_enabled(false);
+  if (gemm_layout(a, &ta)) st = td__tensor_view(a, a->shape, a->strides, 2, a->offset, &ac);
+  else st = td_tensor_contiguous(a, &ac);
+  if (st == TD_OK) {
+    if (gemm_layout(b, &tb)) st = td__tensor_view(b, b->shape, b->strides, 2, b->offset, &bc);
+    else st = td_tensor_contiguous(b, &bc);
+  }
+  td_autograd_set_enabled(prev);
+  int64_t M = a->shape[0], K = a->shape[1], N = b->shape[1];
+  int64_t shape[2] = {M, N};
+  if (st == TD_OK) st = td__tensor_new(shape, 2, a->dtype, a->storage->device, &r);
+  if (st == TD_OK)
+    st = td__backend_of(a)->gemm(a->dtype, ta, tb, M, N, K, 1.0, td_tensor_data(ac), 0,
+                                 td_tensor_data(bc), 0, 0.0, td_tensor_data(r), 0, 1);
+  if (st == TD_OK && td__needs_grad2(a, b)) {
+    const td_tensor *ins[2] = {a, b};
+    mm_node *n = (mm_node *)td__record(r, sizeof(mm_node), &mm_ops, ins, 2, &st);
+    if (n) {
+      n->a = td_tensor_ref(ac);
+      n->b = td_tensor_ref(bc);
+      n->ta = ta;
+      n->tb = tb;
+    }
+  }
+  td_tensor_unref(ac);
+  td_tensor_unref(bc);
+  if (st != TD_OK) {
+    td_tensor_unref(r);
+    return st;
+  }
+  *out = r;
+  return TD_OK;
+}
+
 /* Reshape helper that releases its input on the way (for chains of views). */
 static td_status reshape_owned(td_tensor *t, const int64_t *shape, int nd, td_tensor **out) {
   td_status st = td_tensor_reshape(t, shape, nd, out);
@@ -104,15 +228,28 @@ td_status td_tensor_matmul(const td_tensor *a, const td_tensor *b, td_tensor **o
   int on = 0;
 
   if (b->ndim <= 2) {
-    /* a [..., M, K] (or [K]) @ b [K, N] (or [K]): one GEMM over the flattened leading dims. */
+    /* a [..., M, K] (or [K]) @ b [K, N] (or [K]): one GEMM over the flattened leading dims, reading
+     * a transposed b (x @ W^T) in place. */
     int64_t N = b->ndim == 1 ? 1 : b->shape[1];
-    int64_t rows = a->ndim == 1 ? 1 : td_tensor_numel(a) / (K ? K : 1);
-    if (K == 0) rows = td__shape_numel(a->shape, a->ndim - 1);
-    int64_t s3a[3] = {1, rows, K}, s3b[3] = {1, K, N};
-    st = td_tensor_reshape(a, s3a, 3, &a3);
-    if (st == TD_OK) st = td_tensor_reshape(b, s3b, 3, &b3);
+    int64_t rows = a->ndim == 1 ? 1 : td__shape_numel(a->shape, a->ndim - 1);
+    int64_t s2a[2] = {rows, K}, s2b[2] = {K, N};
+    if (a->ndim == 2) a3 = td_tensor_ref((td_tensor *)a);
+    else st = td_tensor_reshape(a, s2a, 2, &a3);
+    if (st == TD_OK) {
+      if (b->ndim == 2) b3 = td_tensor_ref((td_tensor *)b);
+      else st = td_tensor_reshape(b, s2b, 2, &b3);
+    }
     for (int i = 0; i < a->ndim - 1; i++) oshape[on++] = a->shape[i];
     if (b->ndim == 2) oshape[on++] = N;
+    if (st == TD_OK) st = mm(a3, b3, &r);
+    td_tensor_unref(a3);
+    td_tensor_unref(b3);
+    if (st != TD_OK) return st;
+    if (on == 2 && a->ndim == 2) {
+      *out = r;
+      return TD_OK;
+    }
+    return reshape_owned(r, oshape, on, out);
   } else {
     /* batched: broadcast the batch dims, then [B, M, K] @ [B, K, N] */
     int an = a->ndim == 1 ? 2 : a->ndim;

@@ -252,7 +252,7 @@ static const td__node_ops nll_ops = {
 td_status td_tensor_nll_loss(const td_tensor *logp, const td_tensor *target, td_reduction red,
                              int64_t ignore_index, td_tensor **out) {
   if (!out) return td_set_error(TD_ERR_INVALID, "nll_loss: NULL out");
-  int64_t n, c;
+  int64_t n = 0, c = 0;
   TD_TRY(nll_check("nll_loss", logp, target, red, &n, &c));
   const td__backend *be = td__backend_of(logp);
   NEED_KERNEL(be, nll, "nll_loss");
@@ -309,7 +309,7 @@ out:
 td_status td_tensor_cross_entropy(const td_tensor *logits, const td_tensor *target,
                                   td_reduction red, int64_t ignore_index, td_tensor **out) {
   if (!out) return td_set_error(TD_ERR_INVALID, "cross_entropy: NULL out");
-  int64_t n, c;
+  int64_t n = 0, c = 0;
   TD_TRY(nll_check("cross_entropy", logits, target, red, &n, &c));
   td_tensor *lp;
   TD_TRY(td_tensor_log_softmax(logits, logits->ndim == 1 ? 0 : 1, &lp));

@@ -419,7 +419,7 @@ td_status td_tensor_scalar(double value, td_dtype dt, td_device dev, td_tensor *
 /* Builds a CPU tensor with fill(i) for each element, then moves it to dev. */
 static td_status host_fill_to(const int64_t *shape, int ndim, td_dtype dt, td_device dev,
                               double (*fn)(void *ctx, int64_t i), void *ctx, td_tensor **out) {
-  td_tensor *h;
+  td_tensor *h = NULL;
   TD_TRY(td__tensor_new(shape, ndim, dt, td_device_cpu(), &h));
   int64_t n = td_tensor_numel(h);
   void *d = td_tensor_data(h);

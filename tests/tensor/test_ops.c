@@ -11,7 +11,7 @@ typedef enum {
   OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_MAXIMUM, OP_EXP, OP_LOG, OP_SQRT, OP_TANH, OP_SIGMOID,
   OP_RELU, OP_GELU, OP_POW3, OP_ADDS, OP_MULS, OP_NEG, OP_SUM01, OP_SUMK, OP_MEAN1, OP_MEANALL,
   OP_MAX1, OP_MATMUL, OP_RESHAPE, OP_TRANSPOSE, OP_NARROW, OP_PERMUTE, OP_EXPAND, OP_UNSQ,
-  OP_CLONE, OP_SQUEEZE, OP_FLATTEN, OP_TODTYPE,
+  OP_CLONE, OP_SQUEEZE, OP_FLATTEN, OP_TODTYPE, OP_MATMUL_TT,
 } op_id;
 
 static td_status run_op(void *ctx, td_tensor *const *in, int n, td_tensor **out) {
@@ -48,6 +48,15 @@ static td_status run_op(void *ctx, td_tensor *const *in, int n, td_tensor **out)
     case OP_MEANALL: return td_tensor_mean_all(in[0], out);
     case OP_MAX1: return td_tensor_max(in[0], 1, false, out, NULL);
     case OP_MATMUL: return td_tensor_matmul(in[0], in[1], out);
+    case OP_MATMUL_TT: { /* both operands are transposed views: GEMM reads them in place */
+      td_tensor *at, *bt;
+      TD_ASSERT_OK(td_tensor_transpose(in[0], 0, 1, &at));
+      TD_ASSERT_OK(td_tensor_transpose(in[1], 0, 1, &bt));
+      td_status st = td_tensor_matmul(at, bt, out);
+      td_tensor_unref(at);
+      td_tensor_unref(bt);
+      return st;
+    }
     case OP_RESHAPE: {
       int64_t s[2] = {-1, 2};
       return td_tensor_reshape(in[0], s, 2, out);
@@ -158,6 +167,29 @@ static void test_ops_matmul_grad(void **state) {
   check2(OP_MATMUL, a3, 3, b3, 3, -1, 1);
   check2(OP_MATMUL, a4, 4, b31, 3, -1, 1);
   check2(OP_MATMUL, v4, 1, b3, 3, -1, 1);
+  int64_t ka[2] = {4, 3}, nb[2] = {5, 4};
+  check2(OP_MATMUL_TT, ka, 2, nb, 2, -1, 1); /* [3,4] @ [4,5] from transposed storage */
+}
+
+/* x @ W^T (the Linear layout) must match a contiguous computation and give W a contiguous
+ * gradient in W's own layout. */
+static void test_ops_matmul_transposed_weight(void **state) {
+  int64_t xs[2] = {6, 4}, ws[2] = {3, 4};
+  td_tensor *x = td_test_randn(xs, 2, F64, 1, true), *w = td_test_randn(ws, 2, F64, 2, true);
+  td_tensor *wt, *y, *s, *wtc, *y2;
+  TD_ASSERT_OK(td_tensor_transpose(w, 0, 1, &wt));
+  TD_ASSERT_OK(td_tensor_matmul(x, wt, &y));
+  bool prev = td_autograd_set_enabled(false);
+  TD_ASSERT_OK(td_tensor_contiguous(wt, &wtc));
+  TD_ASSERT_OK(td_tensor_matmul(x, wtc, &y2));
+  td_autograd_set_enabled(prev);
+  td_test_assert_close("x @ W^T", y, y2, 1e-12, 1e-12);
+  TD_ASSERT_OK(td_tensor_sum_all(y, &s));
+  TD_ASSERT_OK(td_tensor_backward(s));
+  td_tensor *gw = td_tensor_grad(w);
+  assert_true(td_tensor_is_contiguous(gw));
+  td_tensor *ts[] = {x, w, wt, y, s, wtc, y2, gw};
+  for (size_t i = 0; i < sizeof ts / sizeof *ts; i++) td_tensor_unref(ts[i]);
 }
 
 static void test_ops_view_grad(void **state) {
@@ -287,6 +319,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_ops_binary_grad),  cmocka_unit_test(test_ops_unary_grad),
       cmocka_unit_test(test_ops_reduce_grad),  cmocka_unit_test(test_ops_matmul_grad),
+      cmocka_unit_test(test_ops_matmul_transposed_weight),
       cmocka_unit_test(test_ops_view_grad),    cmocka_unit_test(test_ops_forward_values),
       cmocka_unit_test(test_ops_inplace),      cmocka_unit_test(test_ops_misuse),
   };
