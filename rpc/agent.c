@@ -1011,7 +1011,8 @@ static td_status parse_master(const char *init_method, char *host, size_t hn, in
     return td_set_error(TD_ERR_INVALID, "rpc init: init_method '%s' has no port", init_method);
   char *end;
   long p = strtol(colon + 1, &end, 10);
-  if (*end || p <= 0 || p > 65535)
+  /* port 0 lets a single-worker group (world size 1) pick any free port */
+  if (*end || p < 0 || p > 65535)
     return td_set_error(TD_ERR_INVALID, "rpc init: bad port in init_method '%s'", init_method);
   size_t l = (size_t)(colon - s);
   if (s[0] == '[' && l >= 2 && s[l - 1] == ']') {
@@ -1051,6 +1052,9 @@ td_status td_rpc_init(const char *name, int rank, int world_size, const td_rpc_o
   if (!o.init_method)
     return td_set_error(TD_ERR_INVALID, "rpc_init: no init_method (tcp://host:port) given");
   TD_TRY(parse_master(o.init_method, mhost, sizeof mhost, &mport));
+  if (mport == 0 && world_size > 1)
+    return td_set_error(TD_ERR_INVALID, "rpc_init: port 0 in init_method works only for a world "
+                        "of one worker (the others could not find rank 0)");
 
   td_rpc_agent *a = td__calloc(1, sizeof *a);
   if (!a) return td_set_error(TD_ERR_NOMEM, "rpc_init: out of memory");

@@ -8,5 +8,6 @@
 #include "tdist/nn.h"
 #include "tdist/optim.h"
 #include "tdist/data.h"
+#include "tdist/rpc.h"
 
 #endif /* TDIST_TDIST_H */
