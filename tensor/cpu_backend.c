@@ -342,7 +342,8 @@ static inline double sigmoid_d(double x) {
 }
 
 #define UN_ROW(T)                                                                            \
-  static void un_row_##T(td__unary_op op, T *o, int64_t so, const T *x, int64_t sx, int64_t n, \
+  static inline __attribute__((always_inline)) void un_row_##T(                               \
+      td__unary_op op, T *o, int64_t so, const T *x, int64_t sx, int64_t n,                   \
                          double p0, double p1) {                                              \
     switch (op) {                                                                            \
       case TD__UN_AFFINE: {                                                                  \
@@ -385,6 +386,18 @@ static inline double sigmoid_d(double x) {
 UN_ROW(float)
 UN_ROW(double)
 
+/* Contiguous rows get their own instantiation so the loops vectorize. */
+static void un_row_float_any(td__unary_op op, float *o, int64_t so, const float *x, int64_t sx,
+                             int64_t n, double p0, double p1) {
+  if (so == 1 && sx == 1) un_row_float(op, o, 1, x, 1, n, p0, p1);
+  else un_row_float(op, o, so, x, sx, n, p0, p1);
+}
+static void un_row_double_any(td__unary_op op, double *o, int64_t so, const double *x,
+                              int64_t sx, int64_t n, double p0, double p1) {
+  if (so == 1 && sx == 1) un_row_double(op, o, 1, x, 1, n, p0, p1);
+  else un_row_double(op, o, so, x, sx, n, p0, p1);
+}
+
 static td_status cpu_unary(td__unary_op op, const td_tensor *x, td_tensor *out, double p0,
                            double p1) {
   if (td_tensor_numel(out) == 0) return TD_OK;
@@ -395,12 +408,12 @@ static td_status cpu_unary(td__unary_op op, const td_tensor *x, td_tensor *out, 
   const char *xb = elem_ptr(x);
   switch (out->dtype) {
     case TD_DTYPE_F32:
-      GEOM_LOOP(&g, 2, un_row_float(op, (float *)ob + off_[0], s0_, (const float *)xb + off_[1],
-                                    s1_, n_, p0, p1));
+      GEOM_LOOP(&g, 2, un_row_float_any(op, (float *)ob + off_[0], s0_,
+                                        (const float *)xb + off_[1], s1_, n_, p0, p1));
       break;
     case TD_DTYPE_F64:
-      GEOM_LOOP(&g, 2, un_row_double(op, (double *)ob + off_[0], s0_,
-                                     (const double *)xb + off_[1], s1_, n_, p0, p1));
+      GEOM_LOOP(&g, 2, un_row_double_any(op, (double *)ob + off_[0], s0_,
+                                         (const double *)xb + off_[1], s1_, n_, p0, p1));
       break;
     case TD_DTYPE_I64:
       if (op == TD__UN_AFFINE && p0 == (double)(int64_t)p0 && p1 == (double)(int64_t)p1) {

@@ -18,45 +18,6 @@
 /* Largest col buffer, in elements, before images are processed in smaller chunks. */
 #define COL_BUDGET ((int64_t)1 << 22)
 
-#define NEED_KERNEL(be, entry, op)                                                           \
-  do {                                                                                       \
-    if (!(be)->entry)                                                                        \
-      return td_set_error(TD_ERR_UNSUPPORTED, "%s: backend %s has no %s kernel", op,        \
-                          (be)->name, #entry);                                               \
-  } while (0)
-
-static td_status contig(const td_tensor *t, td_tensor **out) {
-  if (td_tensor_is_contiguous(t)) {
-    *out = td_tensor_ref((td_tensor *)t);
-    return TD_OK;
-  }
-  td_tensor *c;
-  TD_TRY(td__tensor_new_like(t, &c));
-  td_status st = td__backend_of(t)->copy(c, t);
-  if (st != TD_OK) {
-    td_tensor_unref(c);
-    return st;
-  }
-  *out = c;
-  return TD_OK;
-}
-
-static td_status grad_prep(const td_tensor *g, td_dtype dt, td_tensor **out) {
-  if (g->dtype == dt) return contig(g, out);
-  td_tensor *c;
-  TD_TRY(td_tensor_to_dtype(g, dt, &c));
-  td_status st = contig(c, out);
-  td_tensor_unref(c);
-  return st;
-}
-
-/* plain_view returns a history-free contiguous view of t's storage with the given shape. */
-static td_status plain_view(const td_tensor *t, const int64_t *shape, int ndim, td_tensor **out) {
-  int64_t strides[TD_MAX_DIMS];
-  td__contiguous_strides(shape, ndim, strides);
-  return td__tensor_view(t, shape, strides, ndim, t->offset, out);
-}
-
 static char *elem_ptr(const td_tensor *t, int64_t i) {
   return (char *)td_tensor_data(t) + (size_t)i * td_dtype_size(t->dtype);
 }
@@ -174,11 +135,11 @@ static td_status conv_backward(td_node *self, td_tensor *const *grad_out, td_ten
   const td__backend *be = td__backend_of(n->x);
   td_tensor *gy = NULL, *gx = NULL, *gw = NULL, *gb = NULL;
   int64_t xshape[4] = {g->n, g->c, g->h, g->w};
-  td_status st = grad_prep(grad_out[0], n->x->dtype, &gy);
+  td_status st = td__grad_prep(grad_out[0], n->x->dtype, &gy);
   if (st == TD_OK && td__node_needs_grad(self, 0)) {
     st = td__tensor_new(xshape, 4, gy->dtype, td_tensor_device(gy), &gx);
     if (st == TD_OK) st = conv_grad_input(be, g, n->w, gy, gx);
-    if (st == TD_OK) st = plain_view(gx, n->batched ? xshape : xshape + 1, n->batched ? 4 : 3,
+    if (st == TD_OK) st = td__plain_view(gx, n->batched ? xshape : xshape + 1, n->batched ? 4 : 3,
                                      &grad_in[0]);
   }
   if (st == TD_OK && td__node_needs_grad(self, 1)) {
@@ -277,14 +238,14 @@ td_status td_tensor_conv2d(const td_tensor *x, const td_tensor *w, const td_tens
   conv_geom g;
   TD_TRY(conv_check(x, w, bias, stride_h, stride_w, pad_h, pad_w, &g));
   const td__backend *be = td__backend_of(x);
-  NEED_KERNEL(be, im2col, "conv2d");
-  NEED_KERNEL(be, col2im, "conv2d");
-  NEED_KERNEL(be, gemm, "conv2d");
+  TD__NEED_KERNEL(be, im2col, "conv2d");
+  TD__NEED_KERNEL(be, col2im, "conv2d");
+  TD__NEED_KERNEL(be, gemm, "conv2d");
   td_tensor *xc = NULL, *x4 = NULL, *wc = NULL, *y = NULL, *res = NULL, *bx = NULL;
   int64_t xshape[4] = {g.n, g.c, g.h, g.w}, yshape[4] = {g.n, g.o, g.oh, g.ow};
-  td_status st = contig(x, &xc);
-  if (st == TD_OK) st = plain_view(xc, xshape, 4, &x4);
-  if (st == TD_OK) st = contig(w, &wc);
+  td_status st = td__contig(x, &xc);
+  if (st == TD_OK) st = td__plain_view(xc, xshape, 4, &x4);
+  if (st == TD_OK) st = td__contig(w, &wc);
   if (st == TD_OK) st = td__tensor_new(yshape, 4, x->dtype, td_tensor_device(x), &y);
   if (st == TD_OK) st = conv_forward(be, &g, x4, wc, y);
   if (st == TD_OK && bias && g.n > 0) {
@@ -297,7 +258,7 @@ td_status td_tensor_conv2d(const td_tensor *x, const td_tensor *w, const td_tens
     res = y;
     y = NULL;
   } else {
-    st = plain_view(y, yshape + 1, 3, &res);
+    st = td__plain_view(y, yshape + 1, 3, &res);
     if (st != TD_OK) goto out;
   }
   const td_tensor *in[3] = {x, w, bias};
@@ -308,7 +269,7 @@ td_status td_tensor_conv2d(const td_tensor *x, const td_tensor *w, const td_tens
     n->batched = x->ndim == 4;
     n->bias_edge = bias ? 2 : -1;
     n->x = td_tensor_ref(x4);
-    st = plain_view(wc, wc->shape, 4, &n->w);
+    st = td__plain_view(wc, wc->shape, 4, &n->w);
     if (st != TD_OK) goto out;
   }
   *out = res;
@@ -336,16 +297,16 @@ static td_status pool_backward(td_node *self, td_tensor *const *grad_out, td_ten
   pool_node *n = (pool_node *)self;
   if (!n->idx) return td_set_error(TD_ERR_STATE, "max_pool2d backward: saved tensors released");
   const td__backend *be = td__backend_of(n->idx);
-  NEED_KERNEL(be, max_pool2d_backward, "max_pool2d backward");
+  TD__NEED_KERNEL(be, max_pool2d_backward, "max_pool2d backward");
   td_tensor *gy = NULL, *gy4 = NULL, *gx = NULL;
   td_dtype dt = grad_out[0]->dtype;
-  td_status st = grad_prep(grad_out[0], dt, &gy);
-  if (st == TD_OK) st = plain_view(gy, n->idx->shape, 4, &gy4);
+  td_status st = td__grad_prep(grad_out[0], dt, &gy);
+  if (st == TD_OK) st = td__plain_view(gy, n->idx->shape, 4, &gy4);
   if (st == TD_OK) st = td__tensor_new(n->xshape, 4, dt, td_tensor_device(gy), &gx);
   if (st == TD_OK) st = be->fill(gx, 0.0);
   if (st == TD_OK && td_tensor_numel(gy4) > 0) st = be->max_pool2d_backward(gy4, n->idx, gx);
   if (st == TD_OK)
-    st = plain_view(gx, n->batched ? n->xshape : n->xshape + 1, n->batched ? 4 : 3, &grad_in[0]);
+    st = td__plain_view(gx, n->batched ? n->xshape : n->xshape + 1, n->batched ? 4 : 3, &grad_in[0]);
   td_tensor_unref(gy);
   td_tensor_unref(gy4);
   td_tensor_unref(gx);
@@ -383,12 +344,12 @@ td_status td_tensor_max_pool2d(const td_tensor *x, int kh, int kw, int stride_h,
     return td_set_error(TD_ERR_SHAPE, "max_pool2d: kernel %dx%d is larger than input %s", kh, kw,
                         xs);
   const td__backend *be = td__backend_of(x);
-  NEED_KERNEL(be, max_pool2d, "max_pool2d");
+  TD__NEED_KERNEL(be, max_pool2d, "max_pool2d");
   int64_t yshape[4] = {xshape[0], xshape[1], (xshape[2] - kh) / stride_h + 1,
                        (xshape[3] - kw) / stride_w + 1};
   td_tensor *xc = NULL, *x4 = NULL, *y = NULL, *idx = NULL, *res = NULL;
-  td_status st = contig(x, &xc);
-  if (st == TD_OK) st = plain_view(xc, xshape, 4, &x4);
+  td_status st = td__contig(x, &xc);
+  if (st == TD_OK) st = td__plain_view(xc, xshape, 4, &x4);
   if (st == TD_OK) st = td__tensor_new(yshape, 4, x->dtype, td_tensor_device(x), &y);
   if (st == TD_OK) st = td__tensor_new(yshape, 4, TD_DTYPE_I64, td_tensor_device(x), &idx);
   if (st == TD_OK && td_tensor_numel(y) > 0)
@@ -398,7 +359,7 @@ td_status td_tensor_max_pool2d(const td_tensor *x, int kh, int kw, int stride_h,
     res = y;
     y = NULL;
   } else {
-    st = plain_view(y, yshape + 1, 3, &res);
+    st = td__plain_view(y, yshape + 1, 3, &res);
     if (st != TD_OK) goto out;
   }
   const td_tensor *in[1] = {x};

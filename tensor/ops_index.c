@@ -12,44 +12,6 @@
  */
 #include "tensor_impl.h"
 
-#define NEED_KERNEL(be, entry, op)                                                           \
-  do {                                                                                       \
-    if (!(be)->entry)                                                                        \
-      return td_set_error(TD_ERR_UNSUPPORTED, "%s: backend %s has no %s kernel", op,        \
-                          (be)->name, #entry);                                               \
-  } while (0)
-
-static td_status contig(const td_tensor *t, td_tensor **out) {
-  if (td_tensor_is_contiguous(t)) {
-    *out = td_tensor_ref((td_tensor *)t);
-    return TD_OK;
-  }
-  td_tensor *c;
-  TD_TRY(td__tensor_new_like(t, &c));
-  td_status st = td__backend_of(t)->copy(c, t);
-  if (st != TD_OK) {
-    td_tensor_unref(c);
-    return st;
-  }
-  *out = c;
-  return TD_OK;
-}
-
-static td_status grad_prep(const td_tensor *g, td_dtype dt, td_tensor **out) {
-  if (g->dtype == dt) return contig(g, out);
-  td_tensor *c;
-  TD_TRY(td_tensor_to_dtype(g, dt, &c));
-  td_status st = contig(c, out);
-  td_tensor_unref(c);
-  return st;
-}
-
-static td_status plain_view(const td_tensor *t, const int64_t *shape, int ndim, td_tensor **out) {
-  int64_t strides[TD_MAX_DIMS];
-  td__contiguous_strides(shape, ndim, strides);
-  return td__tensor_view(t, shape, strides, ndim, t->offset, out);
-}
-
 /* check_indices verifies that every element of the contiguous int64 tensor idx lies in
  * [0, limit); otherwise returns TD_ERR_INVALID with a message naming op, the value, its position
  * and `what` (the indexed tensor's shape). */
@@ -101,9 +63,9 @@ static td_status isel_backward(td_node *self, td_tensor *const *grad_out, td_ten
   if (!n->index)
     return td_set_error(TD_ERR_STATE, "index_select backward: saved tensors were released");
   const td__backend *be = td__backend_of(n->index);
-  NEED_KERNEL(be, index_add, "index_select backward");
+  TD__NEED_KERNEL(be, index_add, "index_select backward");
   td_tensor *gy = NULL, *gx = NULL;
-  td_status st = grad_prep(grad_out[0], n->dtype, &gy);
+  td_status st = td__grad_prep(grad_out[0], n->dtype, &gy);
   if (st == TD_OK) st = td__tensor_new(n->shape, n->ndim, n->dtype, td_tensor_device(gy), &gx);
   if (st == TD_OK) st = be->fill(gx, 0.0);
   if (st == TD_OK && td_tensor_numel(gy) > 0)
@@ -159,12 +121,12 @@ td_status td_tensor_index_select(const td_tensor *t, int dim, const td_tensor *i
   }
   if (nd > 0) r = t->shape[d];
   const td__backend *be = td__backend_of(t);
-  NEED_KERNEL(be, index_select, "index_select");
+  TD__NEED_KERNEL(be, index_select, "index_select");
   td_tensor *ic = NULL, *i1 = NULL, *tc = NULL, *res = NULL;
-  td_status st = contig(index, &ic);
-  if (st == TD_OK) st = plain_view(ic, &m, 1, &i1);
+  td_status st = td__contig(index, &ic);
+  if (st == TD_OK) st = td__plain_view(ic, &m, 1, &i1);
   if (st == TD_OK) st = check_indices("index_select", i1, r, ts);
-  if (st == TD_OK) st = contig(t, &tc);
+  if (st == TD_OK) st = td__contig(t, &tc);
   if (st == TD_OK) st = td__tensor_new(oshape, nd, t->dtype, td_tensor_device(t), &res);
   if (st == TD_OK && outer * m * inner > 0)
     st = be->index_select(tc, outer, r, inner, i1, res);
@@ -213,8 +175,8 @@ td_status td_tensor_embedding(const td_tensor *weight, const td_tensor *indices,
   for (int i = 0; i < indices->ndim; i++) oshape[i] = indices->shape[i];
   oshape[indices->ndim] = weight->shape[1];
   td_tensor *ic = NULL, *flat = NULL, *sel = NULL;
-  td_status st = contig(indices, &ic);
-  if (st == TD_OK) st = plain_view(ic, &m, 1, &flat);
+  td_status st = td__contig(indices, &ic);
+  if (st == TD_OK) st = td__plain_view(ic, &m, 1, &flat);
   if (st == TD_OK) st = check_indices("embedding", flat, weight->shape[0], ws);
   if (st == TD_OK) st = td_tensor_index_select(weight, 0, flat, &sel);
   if (st == TD_OK) st = td_tensor_reshape(sel, oshape, indices->ndim + 1, out);
@@ -246,7 +208,7 @@ static td_status cat_backward(td_node *self, td_tensor *const *grad_out, td_tens
       td_tensor *v = NULL;
       shape[d] = c->sizes[i];
       st = td__tensor_view(g, shape, g->strides, g->ndim, g->offset + off * g->strides[d], &v);
-      if (st == TD_OK) st = contig(v, &grad_in[i]);
+      if (st == TD_OK) st = td__contig(v, &grad_in[i]);
       td_tensor_unref(v);
     }
     off += c->sizes[i];

@@ -13,50 +13,12 @@
 
 #include "tensor_impl.h"
 
-#define NEED_KERNEL(be, entry, op)                                                           \
-  do {                                                                                       \
-    if (!(be)->entry)                                                                        \
-      return td_set_error(TD_ERR_UNSUPPORTED, "%s: backend %s has no %s kernel", op,        \
-                          (be)->name, #entry);                                               \
-  } while (0)
-
-static td_status contig(const td_tensor *t, td_tensor **out) {
-  if (td_tensor_is_contiguous(t)) {
-    *out = td_tensor_ref((td_tensor *)t);
-    return TD_OK;
-  }
-  td_tensor *c;
-  TD_TRY(td__tensor_new_like(t, &c));
-  td_status st = td__backend_of(t)->copy(c, t);
-  if (st != TD_OK) {
-    td_tensor_unref(c);
-    return st;
-  }
-  *out = c;
-  return TD_OK;
-}
-
-static td_status grad_prep(const td_tensor *g, td_dtype dt, td_tensor **out) {
-  if (g->dtype == dt) return contig(g, out);
-  td_tensor *c;
-  TD_TRY(td_tensor_to_dtype(g, dt, &c));
-  td_status st = contig(c, out);
-  td_tensor_unref(c);
-  return st;
-}
-
-static td_status plain_view(const td_tensor *t, const int64_t *shape, int ndim, td_tensor **out) {
-  int64_t strides[TD_MAX_DIMS];
-  td__contiguous_strides(shape, ndim, strides);
-  return td__tensor_view(t, shape, strides, ndim, t->offset, out);
-}
-
 /* flat_contig returns a contiguous history-free view of t with shape [n] (or [m, n]). */
 static td_status flat_contig(const td_tensor *t, const int64_t *shape, int ndim,
                              td_tensor **out) {
   td_tensor *c;
-  TD_TRY(contig(t, &c));
-  td_status st = plain_view(c, shape, ndim, out);
+  TD_TRY(td__contig(t, &c));
+  td_status st = td__plain_view(c, shape, ndim, out);
   td_tensor_unref(c);
   return st;
 }
@@ -80,7 +42,7 @@ static td_status ln_backward(td_node *self, td_tensor *const *grad_out, td_tenso
   ln_node *n = (ln_node *)self;
   if (!n->x) return td_set_error(TD_ERR_STATE, "layer_norm backward: saved tensors released");
   const td__backend *be = td__backend_of(n->x);
-  NEED_KERNEL(be, layer_norm_backward, "layer_norm backward");
+  TD__NEED_KERNEL(be, layer_norm_backward, "layer_norm backward");
   int64_t xshape[2] = {n->m, n->n};
   const int64_t *pshape = n->shape + n->ndim - n->pnd;
   bool need_x = td__node_needs_grad(self, 0);
@@ -89,16 +51,16 @@ static td_status ln_backward(td_node *self, td_tensor *const *grad_out, td_tenso
   td_tensor *g = NULL, *gy = NULL, *gx = NULL, *gw = NULL, *gb = NULL;
   td_device dev = td_tensor_device(n->x);
   td_dtype dt = n->x->dtype;
-  td_status st = grad_prep(grad_out[0], dt, &g);
-  if (st == TD_OK) st = plain_view(g, xshape, 2, &gy);
+  td_status st = td__grad_prep(grad_out[0], dt, &g);
+  if (st == TD_OK) st = td__plain_view(g, xshape, 2, &gy);
   if (st == TD_OK && need_x) st = td__tensor_new(xshape, 2, dt, dev, &gx);
   if (st == TD_OK && need_w) st = td__tensor_new(&n->n, 1, dt, dev, &gw);
   if (st == TD_OK && need_b) st = td__tensor_new(&n->n, 1, dt, dev, &gb);
   if (st == TD_OK && (gx || gw || gb))
     st = be->layer_norm_backward(gy, n->x, n->w, n->mean, n->rstd, gx, gw, gb);
-  if (st == TD_OK && need_x) st = plain_view(gx, n->shape, n->ndim, &grad_in[0]);
-  if (st == TD_OK && need_w) st = plain_view(gw, pshape, n->pnd, &grad_in[n->w_edge]);
-  if (st == TD_OK && need_b) st = plain_view(gb, pshape, n->pnd, &grad_in[n->b_edge]);
+  if (st == TD_OK && need_x) st = td__plain_view(gx, n->shape, n->ndim, &grad_in[0]);
+  if (st == TD_OK && need_w) st = td__plain_view(gw, pshape, n->pnd, &grad_in[n->w_edge]);
+  if (st == TD_OK && need_b) st = td__plain_view(gb, pshape, n->pnd, &grad_in[n->b_edge]);
   td_tensor_unref(g);
   td_tensor_unref(gy);
   td_tensor_unref(gx);
@@ -152,7 +114,7 @@ td_status td_tensor_layer_norm(const td_tensor *x, int normalized_ndim, const td
   if (weight) TD_TRY(ln_check_param("weight", x, pnd, weight));
   if (bias) TD_TRY(ln_check_param("bias", x, pnd, bias));
   const td__backend *be = td__backend_of(x);
-  NEED_KERNEL(be, layer_norm, "layer_norm");
+  TD__NEED_KERNEL(be, layer_norm, "layer_norm");
   int64_t m = 1, n = 1;
   for (int i = 0; i < x->ndim; i++) *(i < x->ndim - pnd ? &m : &n) *= x->shape[i];
   int64_t xshape[2] = {m, n};
@@ -173,7 +135,7 @@ td_status td_tensor_layer_norm(const td_tensor *x, int normalized_ndim, const td
       if (st == TD_OK) st = be->fill(rstd, 1.0 / sqrt(eps));
     }
   }
-  if (st == TD_OK) st = plain_view(y, x->shape, x->ndim, &res);
+  if (st == TD_OK) st = td__plain_view(y, x->shape, x->ndim, &res);
   if (st != TD_OK) goto out;
   const td_tensor *in[3];
   int nin = 0, w_edge = -1, b_edge = -1;

@@ -16,48 +16,6 @@
 
 #include "tensor_impl.h"
 
-#define NEED_KERNEL(be, entry, op)                                                           \
-  do {                                                                                       \
-    if (!(be)->entry)                                                                        \
-      return td_set_error(TD_ERR_UNSUPPORTED, "%s: backend %s has no %s kernel", op,        \
-                          (be)->name, #entry);                                               \
-  } while (0)
-
-/* contig returns a new reference to t when it is contiguous, else a contiguous copy made through
- * the backend (no autograd history). */
-static td_status contig(const td_tensor *t, td_tensor **out) {
-  if (td_tensor_is_contiguous(t)) {
-    *out = td_tensor_ref((td_tensor *)t);
-    return TD_OK;
-  }
-  td_tensor *c;
-  TD_TRY(td__tensor_new_like(t, &c));
-  td_status st = td__backend_of(t)->copy(c, t);
-  if (st != TD_OK) {
-    td_tensor_unref(c);
-    return st;
-  }
-  *out = c;
-  return TD_OK;
-}
-
-/* grad_prep returns g as a contiguous tensor of dtype dt (backward runs with grad mode off). */
-static td_status grad_prep(const td_tensor *g, td_dtype dt, td_tensor **out) {
-  if (g->dtype == dt) return contig(g, out);
-  td_tensor *c;
-  TD_TRY(td_tensor_to_dtype(g, dt, &c));
-  td_status st = contig(c, out);
-  td_tensor_unref(c);
-  return st;
-}
-
-/* plain_view returns a history-free view of t's storage with a contiguous layout of shape. */
-static td_status plain_view(const td_tensor *t, const int64_t *shape, int ndim, td_tensor **out) {
-  int64_t strides[TD_MAX_DIMS];
-  td__contiguous_strides(shape, ndim, strides);
-  return td__tensor_view(t, shape, strides, ndim, t->offset, out);
-}
-
 /* ---- softmax / log_softmax ---- */
 
 typedef struct softmax_node {
@@ -72,9 +30,9 @@ static td_status softmax_backward(td_node *self, td_tensor *const *grad_out, td_
   const char *op = n->log ? "log_softmax backward" : "softmax backward";
   if (!n->y) return td_set_error(TD_ERR_STATE, "%s: saved tensors were released", op);
   const td__backend *be = td__backend_of(n->y);
-  NEED_KERNEL(be, softmax_backward, op);
+  TD__NEED_KERNEL(be, softmax_backward, op);
   td_tensor *gy = NULL, *gx = NULL;
-  td_status st = grad_prep(grad_out[0], n->y->dtype, &gy);
+  td_status st = td__grad_prep(grad_out[0], n->y->dtype, &gy);
   if (st != TD_OK) goto out;
   st = td__tensor_new_like(n->y, &gx);
   if (st != TD_OK) goto out;
@@ -124,9 +82,9 @@ static td_status softmax_impl(const char *op, const td_tensor *t, int dim, bool 
     for (int i = d + 1; i < nd; i++) inner *= t->shape[i];
   }
   const td__backend *be = td__backend_of(t);
-  NEED_KERNEL(be, softmax, op);
+  TD__NEED_KERNEL(be, softmax, op);
   td_tensor *xc = NULL, *y = NULL;
-  td_status st = contig(t, &xc);
+  td_status st = td__contig(t, &xc);
   if (st != TD_OK) goto out;
   st = td__tensor_new(t->shape, nd, t->dtype, td_tensor_device(t), &y);
   if (st != TD_OK) goto out;
@@ -202,14 +160,14 @@ static td_status nll_backward(td_node *self, td_tensor *const *grad_out, td_tens
   nll_node *n = (nll_node *)self;
   if (!n->target) return td_set_error(TD_ERR_STATE, "nll_loss backward: saved tensors released");
   const td__backend *be = td__backend_of(n->target);
-  NEED_KERNEL(be, nll_backward, "nll_loss backward");
+  TD__NEED_KERNEL(be, nll_backward, "nll_loss backward");
   td_tensor *g = NULL, *gl = NULL, *ex = NULL, *gx = NULL;
   int64_t nshape[1] = {n->n};
   int64_t xshape[2] = {n->n, n->c};
-  td_status st = grad_prep(grad_out[0], n->dtype, &g);
+  td_status st = td__grad_prep(grad_out[0], n->dtype, &g);
   if (st != TD_OK) goto out;
   if (n->red == TD_REDUCTION_NONE) {
-    st = plain_view(g, nshape, 1, &gl);
+    st = td__plain_view(g, nshape, 1, &gl);
   } else {
     /* A scalar upstream gradient, spread over the N samples (scaled by 1/count for mean). */
     st = td__tensor_new(nshape, 1, n->dtype, td_tensor_device(g), &gl);
@@ -224,7 +182,7 @@ static td_status nll_backward(td_node *self, td_tensor *const *grad_out, td_tens
   if (st == TD_OK && n->n > 0) st = be->nll_backward(n->target, gl, n->ignore_index, gx);
   if (st != TD_OK) goto out;
   if (n->in_ndim == 1) {
-    st = plain_view(gx, &n->c, 1, &grad_in[0]);
+    st = td__plain_view(gx, &n->c, 1, &grad_in[0]);
   } else {
     grad_in[0] = gx;
     gx = NULL;
@@ -255,19 +213,19 @@ td_status td_tensor_nll_loss(const td_tensor *logp, const td_tensor *target, td_
   int64_t n = 0, c = 0;
   TD_TRY(nll_check("nll_loss", logp, target, red, &n, &c));
   const td__backend *be = td__backend_of(logp);
-  NEED_KERNEL(be, nll, "nll_loss");
+  TD__NEED_KERNEL(be, nll, "nll_loss");
   td_tensor *lpc = NULL, *lp2 = NULL, *tgc = NULL, *tg1 = NULL, *losses = NULL, *res = NULL;
   int64_t xshape[2] = {n, c}, nshape[1] = {n}, count = 0;
-  td_status st = contig(logp, &lpc);
-  if (st == TD_OK) st = plain_view(lpc, xshape, 2, &lp2);
-  if (st == TD_OK) st = contig(target, &tgc);
-  if (st == TD_OK) st = plain_view(tgc, nshape, 1, &tg1);
+  td_status st = td__contig(logp, &lpc);
+  if (st == TD_OK) st = td__plain_view(lpc, xshape, 2, &lp2);
+  if (st == TD_OK) st = td__contig(target, &tgc);
+  if (st == TD_OK) st = td__plain_view(tgc, nshape, 1, &tg1);
   if (st == TD_OK) st = td__tensor_new(nshape, 1, logp->dtype, td_tensor_device(logp), &losses);
   if (st == TD_OK && n > 0) st = be->nll(lp2, tg1, ignore_index, losses, &count);
   if (st != TD_OK) goto out;
   if (red == TD_REDUCTION_NONE) {
     if (logp->ndim == 1) {
-      st = plain_view(losses, nshape, 0, &res);
+      st = td__plain_view(losses, nshape, 0, &res);
     } else {
       res = losses;
       losses = NULL;

@@ -161,6 +161,22 @@ void td__tensor_set_history(td_tensor *out, td_node *node, int output_nr);
 td_node *td__record(td_tensor *out, size_t size, const td__node_ops *ops,
                     const td_tensor *const *inputs, int n_inputs, td_status *st);
 
+/* td__contig returns a new reference to t when it is contiguous, else a contiguous copy made
+ * through the backend (no autograd history). */
+td_status td__contig(const td_tensor *t, td_tensor **out);
+/* td__grad_prep returns g as a contiguous tensor of dtype dt (for backward functions). */
+td_status td__grad_prep(const td_tensor *g, td_dtype dt, td_tensor **out);
+/* td__plain_view returns a history-free view of t's storage with a contiguous layout of shape. */
+td_status td__plain_view(const td_tensor *t, const int64_t *shape, int ndim, td_tensor **out);
+/* TD__NEED_KERNEL returns TD_ERR_UNSUPPORTED from the enclosing op when the device's backend lacks
+ * a kernel. */
+#define TD__NEED_KERNEL(be, entry, op)                                                       \
+  do {                                                                                       \
+    if (!(be)->entry)                                                                        \
+      return td_set_error(TD_ERR_UNSUPPORTED, "%s: backend %s has no %s kernel", op,        \
+                          (be)->name, #entry);                                               \
+  } while (0)
+
 /* td__binary_raw computes op(a, b) (a td__binary_op) with broadcasting, without autograd. */
 td_status td__binary_raw(int op, const td_tensor *a, const td_tensor *b, td_tensor **out);
 

@@ -323,3 +323,36 @@ td_status td_tensor_detach(const td_tensor *t, td_tensor **out) {
   TD_CHECK_ARG(t && out, "tensor_detach: NULL argument");
   return td__tensor_view(t, t->shape, t->strides, t->ndim, t->offset, out);
 }
+
+/* ---- history-free helpers for op implementations ---- */
+
+td_status td__contig(const td_tensor *t, td_tensor **out) {
+  if (td_tensor_is_contiguous(t)) {
+    *out = td_tensor_ref((td_tensor *)t);
+    return TD_OK;
+  }
+  td_tensor *c = NULL;
+  TD_TRY(td__tensor_new_like(t, &c));
+  td_status st = td__backend_of(t)->copy(c, t);
+  if (st != TD_OK) {
+    td_tensor_unref(c);
+    return st;
+  }
+  *out = c;
+  return TD_OK;
+}
+
+td_status td__grad_prep(const td_tensor *g, td_dtype dt, td_tensor **out) {
+  if (g->dtype == dt) return td__contig(g, out);
+  td_tensor *c = NULL;
+  TD_TRY(td_tensor_to_dtype(g, dt, &c));
+  td_status st = td__contig(c, out);
+  td_tensor_unref(c);
+  return st;
+}
+
+td_status td__plain_view(const td_tensor *t, const int64_t *shape, int ndim, td_tensor **out) {
+  int64_t strides[TD_MAX_DIMS];
+  td__contiguous_strides(shape, ndim, strides);
+  return td__tensor_view(t, shape, strides, ndim, t->offset, out);
+}
