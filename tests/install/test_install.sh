@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# test_install.sh BUILD_DIR CONSUMER_SRC SCRATCH: installs tdist from BUILD_DIR into SCRATCH/prefix
-# and builds + runs the consumer with CMake's find_package and with pkg-config.
+# test_install.sh BUILD_DIR CONSUMER_SRC SCRATCH [SANITIZERS]: installs tdist from BUILD_DIR into
+# SCRATCH/prefix and builds + runs the consumer with CMake's find_package and with pkg-config.
 set -euo pipefail
-build=$1 src=$2 scratch=$3
+build=$1 src=$2 scratch=$3 sanitize=${4:-}
+san_flags=""
+if [ -n "$sanitize" ]; then san_flags="-fsanitize=$sanitize"; fi
 rm -rf "$scratch"
 mkdir -p "$scratch"
 cmake --install "$build" --prefix "$scratch/prefix" > "$scratch/install.log"
@@ -11,13 +13,13 @@ pc=$(find "$scratch/prefix" -name tdist.pc | head -n1)
 test -n "$pc"
 # 1. CMake package
 cmake -S "$src" -B "$scratch/cmake-build" -DCMAKE_PREFIX_PATH="$scratch/prefix" \
-  -DCMAKE_BUILD_TYPE=Release > "$scratch/cmake.log"
+  -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS="$san_flags" > "$scratch/cmake.log"
 cmake --build "$scratch/cmake-build" > "$scratch/cmake-build.log"
 LD_LIBRARY_PATH="$scratch/prefix/lib:$scratch/prefix/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}" \
   "$scratch/cmake-build/consumer" | grep -q "consumer ok"
 # 2. pkg-config
 export PKG_CONFIG_PATH="$(dirname "$pc")"
-cc -std=c11 "$src/main.c" -o "$scratch/consumer-pc" $(pkg-config --cflags --libs tdist)
+cc -std=c11 $san_flags "$src/main.c" -o "$scratch/consumer-pc" $(pkg-config --cflags --libs tdist)
 LD_LIBRARY_PATH="$(pkg-config --variable=libdir tdist):${LD_LIBRARY_PATH:-}" \
   "$scratch/consumer-pc" | grep -q "consumer ok"
 echo "install test passed"
