@@ -12,16 +12,20 @@
 #
 # Prints every run's JSON line as it comes, then one summary JSON line:
 #   {"bench": "compare", "config": {"name", "runs", "key", ...},
-#    "results": {"ours_median", "peer_median", "ratio", "ours", "peer", "higher_is_better"}}
-# where ratio = ours_median / peer_median of the benchmark's main key (table below). Exit status
-# 1 when a run fails or prints no JSON line. The script measures; it never asserts a speed.
+#    "results": {"ours_median", "peer_median", "ratio", "ours", "peer", "higher_is_better",
+#                "target", "meets_target", "extra": {KEY: {"ours_median", ...}}}}
+# where ratio = ours_median / peer_median of the benchmark's main key (table below), target the
+# ratio the project aims at (null when none) and extra the same figures for secondary keys. Keys
+# are dotted paths into "results"; a list element is chosen by a field, as in
+# echo[bytes=67108864].GBps_both_dirs. Exit status 1 when a run fails or prints no JSON line.
+# The script measures; it never asserts a speed (meets_target is informational).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
 
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-  sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
   [[ $# -lt 1 ]] && exit 2 || exit 0
 fi
 name="$1"
@@ -34,25 +38,39 @@ fi
 [[ $# -gt 0 && "$1" == "--" ]] && shift
 args=("$@")
 
-# Main key of each benchmark (a dotted path into "results") and whether higher is better.
-# Add a line per new benchmark.
+# Main key of each benchmark (a dotted path into "results"), whether higher is better, and the
+# target ratio ours/peer ("-" for none; the ratio should be >= it when higher is better, <= it
+# otherwise). Add a line per new benchmark.
 main_key() {
   case "$1" in
-    train_step) echo "steps_per_s higher" ;;
-    rpc_latency) echo "p50_us lower" ;;
-    rpc_throughput) echo "calls_per_s higher" ;;
-    rpc_bandwidth) echo "memcpy_GBps higher" ;;
-    rref_ops) echo "remote_to_here.ops_per_s higher" ;;
-    dist_autograd_mlp) echo "steps_per_s higher" ;;
+    train_step) echo "steps_per_s higher -" ;;
+    rpc_latency) echo "p50_us lower 0.3333" ;;
+    rpc_throughput) echo "calls_per_s higher 3" ;;
+    rpc_bandwidth) echo "echo[bytes=67108864].GBps_both_dirs higher 1" ;;
+    rref_ops) echo "remote_to_here.ops_per_s higher 3" ;;
+    dist_autograd_mlp) echo "steps_per_s higher -" ;;
     *) return 1 ;;
+  esac
+}
+# Secondary keys reported beside the main one: "key:direction" words (may be empty).
+extra_keys() {
+  case "$1" in
+    rpc_latency) echo "calls_per_s:higher p90_us:lower p99_us:lower" ;;
+    rpc_throughput) echo "us_per_call:lower" ;;
+    rref_ops) echo "proxy_rpc_sync.ops_per_s:higher remote_to_here.us_per_op:lower" ;;
+    rpc_bandwidth)
+      local k out=""
+      for k in 1024 65536 1048576 16777216; do out+="echo[bytes=$k].GBps_both_dirs:higher "; done
+      echo "${out}memcpy_GBps:higher" ;;
+    *) echo "" ;;
   esac
 }
 if ! spec="$(main_key "$name")"; then
   echo "compare.sh: no main key known for benchmark '$name' (add it to main_key)" >&2
   exit 2
 fi
-key="${spec% *}"
-direction="${spec#* }"
+read -r key direction target <<<"$spec"
+extras="$(extra_keys "$name")"
 
 build="${TD_BUILD_DIR:-$root/build}"
 ours="$build/bench/$name"
@@ -89,29 +107,49 @@ for ((i = 0; i < runs; i++)); do
   run_one peer "$tmp/peer.jsonl" "$py" "$peer" ${args[@]+"${args[@]}"}
 done
 
-python3 - "$name" "$key" "$direction" "$runs" "$tmp/ours.jsonl" "$tmp/peer.jsonl" "$OPENBLAS_NUM_THREADS" <<'EOF'
-import json, statistics, sys
-name, key, direction, runs, ours_f, peer_f, blas = sys.argv[1:8]
+python3 - "$name" "$key" "$direction" "$runs" "$tmp/ours.jsonl" "$tmp/peer.jsonl" \
+  "$OPENBLAS_NUM_THREADS" "$target" "$extras" <<'EOF'
+import json, re, statistics, sys
+name, key, direction, runs, ours_f, peer_f, blas, target, extras = sys.argv[1:10]
 
-def values(path):
-    out = []
-    for line in open(path):
-        v = json.loads(line)["results"]
-        for part in key.split("."):
+def lookup(results, path):
+    """Follows a dotted path; 'list[field=value]' picks the list element whose field matches."""
+    v = results
+    for part in path.split("."):
+        m = re.fullmatch(r"([^\[]+)\[([^=\]]+)=([^\]]+)\]", part)
+        if not m:
             v = v[part]
-        out.append(float(v))
-    return out
+            continue
+        field, want = m.group(2), m.group(3)
+        v = next(e for e in v[m.group(1)] if str(e[field]) == want)
+    return float(v)
 
-ours, peer = values(ours_f), values(peer_f)
-mo, mp = statistics.median(ours), statistics.median(peer)
+def values(path, k):
+    return [lookup(json.loads(line)["results"], k) for line in open(path)]
+
+def summary(k, higher):
+    ours, peer = values(ours_f, k), values(peer_f, k)
+    mo, mp = statistics.median(ours), statistics.median(peer)
+    return {"ours_median": mo, "peer_median": mp, "ratio": mo / mp if mp else None,
+            "higher_is_better": higher, "ours": ours, "peer": peer}
+
+res = summary(key, direction == "higher")
+if target == "-":
+    res["target"], res["meets_target"] = None, None
+else:
+    t, r = float(target), res["ratio"]
+    res["target"] = {("ratio_min" if res["higher_is_better"] else "ratio_max"): t}
+    res["meets_target"] = None if r is None else (r >= t if res["higher_is_better"] else r <= t)
+extra = {}
+for word in extras.split():
+    k, d = word.rsplit(":", 1)
+    e = summary(k, d == "higher")
+    extra[k] = e
+if extra:
+    res["extra"] = extra
 print(json.dumps({
     "bench": "compare",
     "config": {"name": name, "runs": int(runs), "key": key, "openblas_num_threads": blas},
-    "results": {
-        "ours_median": mo, "peer_median": mp,
-        "ratio": mo / mp if mp else None,
-        "higher_is_better": direction == "higher",
-        "ours": ours, "peer": peer,
-    },
+    "results": res,
 }), flush=True)
 EOF

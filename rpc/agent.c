@@ -14,6 +14,9 @@
  * Graceful shutdown (PyTorch semantics): every worker announces arrival in the store, then keeps
  * publishing (idle, requests sent, requests served); rank 0 declares the group done once every
  * worker has arrived, all are idle, the totals balance, and two consecutive snapshots agree.
+ * The totals count frames the transport accepted (plus calls to self); when a stream closes, the
+ * frames that went out on it are taken back out (requests on client streams, replies on server
+ * streams), so a request lost with a dead stream cannot unbalance the totals forever.
  *
  * Lock order: a->mu, then the transport's locks (through td__conn_send). Futures are completed
  * with no agent lock held.
@@ -106,6 +109,10 @@ static bool reg_find(const char *name, td__reg *out) {
   }
   pthread_rwlock_unlock(&reg_lock);
   return false;
+}
+
+td_status td__rpc_lookup(const char *name, td__reg *out) {
+  return reg_find(name, out) ? TD_OK : TD_ERR_NOT_FOUND;
 }
 
 static int cmp_str(const void *a, const void *b) {
@@ -419,7 +426,8 @@ typedef struct request {
 static void deliver_response(td_rpc_agent *a, uint64_t id, int kind, td_value *value,
                              td_status st, const char *message);
 
-static void send_frame_or_log(td_rpc_agent *a, td__conn *c, td__msg *m) {
+/* Returns TD_OK when the transport accepted the frame. */
+static td_status send_frame_or_log(td_rpc_agent *a, td__conn *c, td__msg *m) {
   td__wire_ctx wctx = {a, td__conn_peer(c), a->rank};
   td__frame f = {0};
   td_status st = td__wire_encode(m, &wctx, &f);
@@ -436,11 +444,13 @@ static void send_frame_or_log(td_rpc_agent *a, td__conn *c, td__msg *m) {
   if (st != TD_OK)
     td_log(TD_LOG_DEBUG, "rpc: %s: reply to rank %d not sent: %s", a->name, td__conn_peer(c),
            td_last_error());
+  return st;
 }
 
 /* Sends the outcome of a request and retires it. value: owned reference. */
 static void reply(request *r, int kind, td_value *value, td_status st, const char *message) {
   td_rpc_agent *a = r->a;
+  bool sent = true;
   if (!r->conn) {
     deliver_response(a, r->msg.id, kind, value, st, message);
   } else {
@@ -457,10 +467,10 @@ static void reply(request *r, int kind, td_value *value, td_status st, const cha
       m.status = st;
       m.message = (char *)message;
     }
-    send_frame_or_log(a, r->conn, &m);
+    sent = send_frame_or_log(a, r->conn, &m) == TD_OK;
     td_value_unref(value);
   }
-  __atomic_add_fetch(&a->served_total, 1, __ATOMIC_ACQ_REL);
+  if (sent) __atomic_add_fetch(&a->served_total, 1, __ATOMIC_ACQ_REL);
   __atomic_sub_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
   td__conn_unref(r->conn);
   td__msg_clear(&r->msg);
@@ -585,12 +595,20 @@ static void on_bad(void *ud, td__conn *c, uint64_t id, td_status st, const char 
   snprintf(msg, sizeof msg, "%s (rank %d): request rejected: %s", a->name, a->rank, why);
   td__msg em = {.id = id, .kind = TD__MSG_ERROR, .from_rank = a->rank, .status = st,
                 .message = msg};
-  send_frame_or_log(a, c, &em);
+  /* answered: the caller counted it as sent, so the shutdown barrier must see it served */
+  if (send_frame_or_log(a, c, &em) == TD_OK)
+    __atomic_add_fetch(&a->served_total, 1, __ATOMIC_ACQ_REL);
 }
 
 static void on_closed(void *ud, td__conn *c, td_status st, const char *why) {
   td_rpc_agent *a = ud;
-  if (!td__conn_is_client(c)) return;
+  /* shutdown accounting: the other end takes this stream's frames back out as well (or is gone) */
+  int64_t frames = (int64_t)td__conn_frames_sent(c);
+  if (!td__conn_is_client(c)) {
+    __atomic_sub_fetch(&a->served_total, frames, __ATOMIC_ACQ_REL);
+    return;
+  }
+  __atomic_sub_fetch(&a->sent_total, frames, __ATOMIC_ACQ_REL);
   int peer = td__conn_peer(c);
   /* collect the calls that went out on this stream */
   pending **failed = NULL;
@@ -750,14 +768,20 @@ td_status td_rpc_async(td_rpc_agent *a, const char *to, const char *fn, td_value
   __atomic_add_fetch(&a->pending_out, 1, __ATOMIC_ACQ_REL);
   __atomic_add_fetch(&a->sent_total, 1, __ATOMIC_ACQ_REL);
   pthread_mutex_lock(&a->mu);
-  bool ok = ptab_put(a, p);
+  bool in_tab = ptab_put(a, p);
+  bool ok = in_tab;
   if (ok && timeout > 0) ok = heap_push(a, td__now_ns() + (uint64_t)timeout * 1000000ull, p->id);
   pthread_mutex_unlock(&a->mu);
   if (!ok) {
-    /* out of memory: fail the future rather than lose track of it */
-    pthread_mutex_lock(&a->mu);
-    pending *q = ptab_take(a, p->id);
-    pthread_mutex_unlock(&a->mu);
+    /* out of memory: fail the future rather than lose track of it (p is ours unless it made it
+     * into the table, where a closing stream may have taken it meanwhile) */
+    pending *q = p;
+    if (in_tab) {
+      pthread_mutex_lock(&a->mu);
+      q = ptab_take(a, p->id);
+      pthread_mutex_unlock(&a->mu);
+    }
+    __atomic_sub_fetch(&a->sent_total, 1, __ATOMIC_ACQ_REL);
     td__frame_clear(&frame);
     if (q) finish_call(a, q, TD__MSG_ERROR, NULL, TD_ERR_NOMEM, "rpc: out of memory");
     *out = f;
@@ -785,6 +809,8 @@ td_status td_rpc_async(td_rpc_agent *a, const char *to, const char *fn, td_value
   } else {
     st = td__conn_send(p->conn, &frame);
     if (st != TD_OK) {
+      /* nothing left this process: the peer will never serve it */
+      __atomic_sub_fetch(&a->sent_total, 1, __ATOMIC_ACQ_REL);
       char msg[600];
       snprintf(msg, sizeof msg, "rpc: cannot send '%s' to %s (rank %d): %s", fn, to, peer,
                td_last_error());
@@ -1363,8 +1389,16 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms) {
   td__agent_hooks hs[8];
   memcpy(hs, hooks, sizeof hs);
   pthread_mutex_unlock(&hooks_mu);
-  for (int i = 0; i < nh; i++)
-    if (hs[i].on_shutdown) hs[i].on_shutdown(a);
+  td_status hook_st = TD_OK;
+  char hook_msg[1024] = "";
+  for (int i = 0; i < nh; i++) {
+    if (!hs[i].on_shutdown) continue;
+    td_status s = hs[i].on_shutdown(a, graceful && st == TD_OK);
+    if (s != TD_OK && hook_st == TD_OK) {
+      hook_st = s;
+      snprintf(hook_msg, sizeof hook_msg, "%s", td_last_error());
+    }
+  }
   __atomic_store_n(&a->closing, true, __ATOMIC_RELEASE);
   fail_all(a, TD_ERR_CANCELLED, graceful && st == TD_OK
                                     ? "rpc: the agent shut down"
@@ -1382,6 +1416,7 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms) {
   td__threadpool_shutdown(a->pool);
   fail_all(a, TD_ERR_CANCELLED, "rpc: the agent shut down");
   if (st != TD_OK) return td_set_error(st, "%s", msg);
+  if (hook_st != TD_OK) return td_set_error(hook_st, "%s", hook_msg);
   return TD_OK;
 }
 

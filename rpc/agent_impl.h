@@ -25,11 +25,16 @@ struct td_rpc_ctx {
 
 /* td__rpc_register_internal registers a reserved "__name" function (idempotent for the same fn). */
 td_status td__rpc_register_internal(const char *name, td_rpc_fn fn, void *user_data);
+/* td__rpc_lookup copies the registration of name into *out (TD_ERR_NOT_FOUND when absent; no
+ * message set). Used by upper layers that run registered functions themselves (RRef proxies). */
+td_status td__rpc_lookup(const char *name, td__reg *out);
 
 /* Process-wide hooks that upper layers install (called with the agent at init and shutdown). */
 typedef struct td__agent_hooks {
   void (*on_init)(td_rpc_agent *a);
-  void (*on_shutdown)(td_rpc_agent *a); /* before the transport stops, after the barrier */
+  /* Before the transport stops, after the barrier; graceful is true when the barrier passed. An
+   * error (with td_set_error) becomes td_rpc_shutdown's result when nothing else failed. */
+  td_status (*on_shutdown)(td_rpc_agent *a, bool graceful);
 } td__agent_hooks;
 td_status td__agent_add_hooks(const td__agent_hooks *h);
 

@@ -71,6 +71,8 @@ bool td__conn_closed(const td__conn *c);
 /* Queues f for sending (takes ownership of f's contents on TD_OK and on failure alike).
  * TD_ERR_UNAVAILABLE when the conn is closed. THREAD SAFETY: any thread. */
 td_status td__conn_send(td__conn *c, td__frame *f);
+/* The number of frames td__conn_send accepted on c (final once c is closed: sends fail then). */
+uint64_t td__conn_frames_sent(const td__conn *c);
 /* Closes the conn from this side (queued frames are dropped). */
 void td__conn_close(td__conn *c, const char *why);
 

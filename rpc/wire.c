@@ -8,6 +8,7 @@
  */
 #include "wire.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -140,11 +141,22 @@ static td_status enc_value(enc *e, const td_value *root, td__wire_ctx *ctx) {
         break;
       }
       case TD_VALUE_INT: td_value_as_int(v, &node->i); break;
-      case TD_VALUE_DOUBLE: td_value_as_double(v, &node->d); break;
+      case TD_VALUE_DOUBLE:
+        td_value_as_double(v, &node->d);
+        /* proto3 omits a zero double, sign included: b marks -0.0 */
+        node->b = node->d == 0 && signbit(node->d);
+        break;
       case TD_VALUE_STRING: {
         const char *s = NULL;
-        td_value_as_string(v, &s, NULL);
-        node->s = (char *)s;
+        size_t len = 0;
+        td_value_as_string(v, &s, &len);
+        /* protobuf strings stop at a NUL: a string holding one travels in the bytes field */
+        if (memchr(s, '\0', len)) {
+          node->by.data = (uint8_t *)s;
+          node->by.len = len;
+        } else {
+          node->s = (char *)s;
+        }
         break;
       }
       case TD_VALUE_BYTES: {
@@ -382,8 +394,8 @@ static const char *parse_header(td__decoder *d) {
     if (n->kind != TD_VALUE_TENSOR) continue;
     size_t nb;
     if (check_tensor_node(n, &nb) != TD_OK) return "invalid tensor metadata";
+    if (nb > d->payload_len - total) return "tensor sizes exceed the frame's payload";
     total += nb;
-    if (total > d->payload_len) return "tensor sizes exceed the frame's payload";
     td_tensor *t;
     if (td_tensor_empty(n->shape, (int)n->n_shape, (td_dtype)n->dtype, td_device_cpu(), &t) !=
         TD_OK)
@@ -465,8 +477,11 @@ static td_status build_values(td__decoder *d, td__msg *m) {
       case TD_VALUE_NONE: v = td_value_none(); break;
       case TD_VALUE_BOOL: v = td_value_bool(n->b); break;
       case TD_VALUE_INT: v = td_value_int(n->i); break;
-      case TD_VALUE_DOUBLE: v = td_value_double(n->d); break;
-      case TD_VALUE_STRING: v = td_value_string(n->s ? n->s : ""); break;
+      case TD_VALUE_DOUBLE: v = td_value_double(n->d == 0 && n->b ? -0.0 : n->d); break;
+      case TD_VALUE_STRING:
+        if (n->by.len) v = td_value_string_n((const char *)n->by.data, n->by.len);
+        else v = td_value_string(n->s ? n->s : "");
+        break;
       case TD_VALUE_BYTES: v = td_value_bytes(n->by.data, n->by.len); break;
       case TD_VALUE_TENSOR:
         if (tcur >= d->ntensors) {
@@ -556,7 +571,9 @@ static void settle_payload(td__decoder *d) {
 }
 
 td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n) {
-  while (n > 0 || (d->state == ST_PAYLOAD && d->cur >= d->ntensors)) {
+  /* Besides consuming bytes, finish what needs none: an empty header, a complete payload. */
+  while (n > 0 || (d->state == ST_HEADER && d->have == d->header_len) ||
+         (d->state == ST_PAYLOAD && d->cur >= d->ntensors)) {
     switch (d->state) {
       case ST_PREFIX: {
         size_t take = TD__FRAME_PREFIX - d->have;
@@ -573,7 +590,10 @@ td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n) {
         d->payload_len = get_u64(d->prefix + 8);
         d->id = get_u64(d->prefix + 16);
         d->have = 0;
-        uint64_t total = (uint64_t)d->header_len + d->payload_len;
+        /* saturated: a payload_len near 2^64 must not wrap past max_msg */
+        uint64_t total = d->payload_len > UINT64_MAX - d->header_len
+                             ? UINT64_MAX
+                             : (uint64_t)d->header_len + d->payload_len;
         if (d->header_len > TD__MAX_HEADER) {
           uint64_t id = d->id;
           reset_frame(d);

@@ -3,6 +3,8 @@
 #   scripts/install-deps.sh            build + test dependencies and the Fashion-MNIST data set
 #   scripts/install-deps.sh --torch    also python3-torch (PyTorch peers of the benchmarks and the
 #                                      fixture generator; the library never uses it)
+#   scripts/install-deps.sh --fuzz     also clang and libFuzzer (libclang-rt-dev), for
+#                                      scripts/fuzz.sh
 set -euo pipefail
 
 pkgs=(build-essential g++ cmake pkg-config zlib1g-dev libopenblas-dev libcmocka-dev
@@ -10,6 +12,7 @@ pkgs=(build-essential g++ cmake pkg-config zlib1g-dev libopenblas-dev libcmocka-
 for arg in "$@"; do
   case "$arg" in
     --torch) pkgs+=(python3-torch) ;;
+    --fuzz) pkgs+=(clang libclang-rt-dev) ;;
     *) echo "install-deps.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done

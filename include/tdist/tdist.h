@@ -9,5 +9,6 @@
 #include "tdist/optim.h"
 #include "tdist/data.h"
 #include "tdist/rpc.h"
+#include "tdist/rref.h"
 
 #endif /* TDIST_TDIST_H */

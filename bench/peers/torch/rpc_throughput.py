@@ -1,0 +1,107 @@
+#!/usr/bin/python3
+"""rpc_throughput.py - PyTorch peer of bench/rpc_throughput.c.
+
+Asynchronous torch.distributed.rpc.rpc_async echoes of a Python int between two workers on
+127.0.0.1 (TensorPipe) with a fixed number of calls in flight: each reply's future callback
+(Future.add_done_callback) issues the next call, until `calls` replies have come back. Warm-up calls
+(same scheme) first. Prints one JSON line with the same keys as the C benchmark:
+{"bench": "rpc_throughput", "config": {...}, "results": {"calls_per_s": x, ...}}
+
+Run with /usr/bin/python3 (the interpreter that has torch).
+"""
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rpc_common  # noqa: E402
+
+if __name__ == "__main__":
+    rpc_common.pin_environment()
+
+
+class Round:
+    """`total` calls with at most `inflight` outstanding."""
+
+    def __init__(self, total):
+        self.total = total
+        self.lock = threading.Lock()
+        self.issued = 0
+        self.replied = 0
+        self.error = None
+        self.done = threading.Event()
+
+    def issue(self):
+        import torch.distributed.rpc as rpc
+
+        with self.lock:
+            if self.issued >= self.total:
+                return
+            self.issued += 1
+        fut = rpc.rpc_async("worker1", rpc_common.echo, args=(7,))
+        fut.add_done_callback(self.on_reply)
+
+    def on_reply(self, fut):
+        try:
+            ok = fut.value() == 7
+            err = None if ok else "wrong answer"
+        except Exception as e:  # the call failed
+            ok, err = False, str(e)
+        if ok:
+            self.issue()  # keep the window full
+        with self.lock:
+            self.replied += 1
+            if err and self.error is None:
+                self.error = err
+            finished = self.replied == self.total or err is not None
+        if finished:
+            self.done.set()
+
+
+def run_round(total, inflight):
+    r = Round(total)
+    t0 = time.perf_counter()
+    for _ in range(min(inflight, total)):
+        r.issue()
+    r.done.wait()
+    wall = time.perf_counter() - t0
+    if r.error:
+        raise SystemExit("rpc_throughput.py: a call failed: %s" % r.error)
+    return wall
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--warmup", type=int, default=2000)
+    ap.add_argument("--inflight", type=int, default=64)
+    rpc_common.add_common_args(ap)
+    args = ap.parse_args()
+
+    pair = rpc_common.Pair(args.threads, args.transports)
+    if args.warmup > 0:
+        run_round(args.warmup, args.inflight)
+    wall = run_round(args.calls, args.inflight)
+    config = pair.config()
+    rc = pair.finish()
+
+    config.update({"warmup_calls": args.warmup, "calls": args.calls, "inflight": args.inflight,
+                   "payload": "int64"})
+    out = {
+        "bench": "rpc_throughput",
+        "config": config,
+        "results": {
+            "calls_per_s": args.calls / wall,
+            "us_per_call": wall / args.calls * 1e6,
+            "wall_s": wall,
+        },
+    }
+    print(json.dumps(out), flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

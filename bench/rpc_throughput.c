@@ -1,0 +1,170 @@
+/* rpc_throughput.c - asynchronous RPC throughput between two workers with a fixed number of calls
+ * in flight.
+ *
+ * Rank 0 (this process) issues td_rpc_async echoes of one int64 to rank 1 (a forked process) and
+ * keeps `inflight` of them outstanding: each reply's future callback issues the next call, until
+ * `calls` replies have come back. Warm-up calls (same scheme) first. Both workers run on
+ * 127.0.0.1. Peer: bench/peers/torch/rpc_throughput.py; compare with
+ * bench/compare.sh rpc_throughput.
+ *
+ * Output (shared/BENCH.md): one JSON line
+ *   {"bench": "rpc_throughput", "config": {...}, "results": {"calls_per_s", ...}}
+ * Options: --calls N (20000), --warmup N (2000), --inflight N (64), --threads N (agent worker
+ * threads, 16).
+ */
+#include <pthread.h>
+
+#include "rpc_bench_util.h"
+
+static td_status fn_echo(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                         td_future **fut) {
+  (void)c;
+  (void)fut;
+  *res = n ? td_value_ref(args[0]) : td_value_none();
+  return TD_OK;
+}
+
+/* One round (warm-up or timed): `total` calls with at most `inflight` outstanding. */
+typedef struct tp_round {
+  td_rpc_agent *a;
+  td_value *arg;
+  long long total;
+  long long issued;  /* atomic: calls started (or claimed) */
+  long long replied; /* atomic: callbacks run */
+  long long failed;  /* atomic */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  bool finished; /* under mu */
+  char err[512]; /* first failure, under mu */
+} tp_round;
+
+static void issue(tp_round *r);
+
+/* issue_next starts one more call. A callback that runs at once inside td_future_on_done (the
+ * reply beat the registration) would otherwise recurse into issue; it leaves a debt that the
+ * outer issue_next on the same thread pays in its loop. */
+static _Thread_local int tl_active, tl_owed;
+static void issue_next(tp_round *r) {
+  tl_owed++;
+  if (tl_active) return;
+  tl_active = 1;
+  while (tl_owed > 0) {
+    tl_owed--;
+    issue(r);
+  }
+  tl_active = 0;
+}
+
+static void on_reply(td_future *f, void *ctx) {
+  tp_round *r = ctx;
+  td_status st = td_future_status(f);
+  int64_t got = -1;
+  if (st == TD_OK) st = td_value_as_int(td_future_value(f), &got);
+  if (st == TD_OK && got != 7) st = TD_ERR_INTERNAL;
+  if (st != TD_OK) {
+    pthread_mutex_lock(&r->mu);
+    if (!r->err[0])
+      snprintf(r->err, sizeof r->err, "%s: %s", td_status_name(st),
+               td_future_status(f) != TD_OK ? td_future_message(f) : "wrong answer");
+    pthread_mutex_unlock(&r->mu);
+    __atomic_add_fetch(&r->failed, 1, __ATOMIC_RELAXED);
+  }
+  /* keep the window full: a call finished, start the next one */
+  if (st == TD_OK) issue_next(r);
+  long long done = __atomic_add_fetch(&r->replied, 1, __ATOMIC_ACQ_REL);
+  if (done == r->total || st != TD_OK) {
+    pthread_mutex_lock(&r->mu);
+    r->finished = true;
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+  }
+}
+
+/* issue starts one more call unless `total` have been started. */
+static void issue(tp_round *r) {
+  if (__atomic_add_fetch(&r->issued, 1, __ATOMIC_ACQ_REL) > r->total) return;
+  td_future *f = NULL;
+  td_status st = td_rpc_async(r->a, "worker1", "bench_echo", &r->arg, 1, NULL, &f);
+  if (st == TD_OK) st = td_future_on_done(f, on_reply, r);
+  if (st != TD_OK) {
+    pthread_mutex_lock(&r->mu);
+    if (!r->err[0]) snprintf(r->err, sizeof r->err, "%s: %s", td_status_name(st), td_last_error());
+    r->finished = true;
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    __atomic_add_fetch(&r->failed, 1, __ATOMIC_RELAXED);
+  }
+  /* the agent keeps its own reference until the callbacks have run */
+  td_future_unref(f);
+}
+
+/* run_round makes `total` calls with `inflight` outstanding; returns the wall time in s. */
+static double run_round(rb_pair *p, td_value *arg, long long total, long long inflight) {
+  tp_round r;
+  memset(&r, 0, sizeof r);
+  r.a = p->agent;
+  r.arg = arg;
+  r.total = total;
+  pthread_mutex_init(&r.mu, NULL);
+  pthread_cond_init(&r.cv, NULL);
+  uint64_t t0 = rb_now_ns();
+  for (long long i = 0; i < inflight && i < total; i++) issue_next(&r);
+  pthread_mutex_lock(&r.mu);
+  while (!r.finished) pthread_cond_wait(&r.cv, &r.mu);
+  pthread_mutex_unlock(&r.mu);
+  double wall = (double)(rb_now_ns() - t0) * 1e-9;
+  if (__atomic_load_n(&r.failed, __ATOMIC_ACQUIRE)) {
+    pthread_mutex_lock(&r.mu);
+    fprintf(stderr, "rpc_throughput: a call failed: %s\n", r.err);
+    pthread_mutex_unlock(&r.mu);
+    rb_abort(p);
+  }
+  /* The callback that counted the last reply set `finished` under mu; every other callback had
+   * finished with r before counting its reply, so r is no longer in use. */
+  pthread_cond_destroy(&r.cv);
+  pthread_mutex_destroy(&r.mu);
+  return wall;
+}
+
+int main(int argc, char **argv) {
+  rb_prog = "rpc_throughput";
+  long long calls = 20000, warmup = 2000, inflight = 64, threads = 16;
+  for (int i = 1; i < argc; i++) {
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (strcmp(argv[i], "--calls") == 0) calls = rb_arg_int(argv[i], v), i++;
+    else if (strcmp(argv[i], "--warmup") == 0) warmup = rb_arg_int(argv[i], v), i++;
+    else if (strcmp(argv[i], "--inflight") == 0) inflight = rb_arg_int(argv[i], v), i++;
+    else if (strcmp(argv[i], "--threads") == 0) threads = rb_arg_int(argv[i], v), i++;
+    else {
+      fprintf(stderr, "usage: rpc_throughput [--calls N] [--warmup N] [--inflight N] "
+                      "[--threads N]\n");
+      return 2;
+    }
+  }
+  if (calls < 1 || inflight < 1 || threads < 1) {
+    fprintf(stderr, "rpc_throughput: --calls, --inflight and --threads must be >= 1\n");
+    return 2;
+  }
+  RB_CHECK(td_rpc_register("bench_echo", fn_echo, NULL));
+  td_value *arg = td_value_int(7);
+  if (!arg) return 1;
+
+  rb_pair p;
+  rb_start(&p, (int)threads);
+  if (warmup > 0) run_round(&p, arg, warmup, inflight);
+  double wall = run_round(&p, arg, calls, inflight);
+  int rc = rb_finish(&p);
+
+  char blas[32];
+  printf("{\"bench\": \"rpc_throughput\", \"config\": {\"impl\": \"tdist\", \"transport\": "
+         "\"grpc\", \"world_size\": 2, \"threads\": %lld, \"warmup_calls\": %lld, "
+         "\"calls\": %lld, \"inflight\": %lld, \"payload\": \"int64\", "
+         "\"openblas_num_threads\": %s}, "
+         "\"results\": {\"calls_per_s\": %.1f, \"us_per_call\": %.3f, \"wall_s\": %.4f}}\n",
+         threads, warmup, calls, inflight, rb_blas_threads(blas, sizeof blas),
+         (double)calls / wall, wall / (double)calls * 1e6, wall);
+  fflush(stdout);
+  td_value_unref(arg);
+  td_rpc_unregister("bench_echo");
+  return rc;
+}

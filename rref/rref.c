@@ -1,0 +1,809 @@
+/* rref.c - remote references: per-agent contexts, RRef handles, RRefs as values (forks), and the
+ * user-side API (td_remote, to_here, proxies).
+ *
+ * PROTOCOL (the owner is the worker holding the value; every other holder is a user)
+ * - Ids: (rank << 48) | counter from the worker that makes them; one counter per agent serves RRef
+ *   ids and fork ids, so a fork id is unique in the whole group. A user RRef is one fork; the
+ *   creator's fork id is the RRef id. The owner's own handles (td_rref objects on the owner) are
+ *   counted separately and carry fork 0.
+ * - Owner table: rref id -> entry {state pending/ready/failed, value, error, forks (accepted user
+ *   forks), tombstones (forks deleted before their fork message arrived), handles}. An entry
+ *   whose creation is done and that has no fork, no tombstone and no handle is removed and its
+ *   value released at once (the destructor of an opaque object runs then, on the owner).
+ * - Creation: td_remote allocates the id and sends __rref_remote {id, creator fork, target, fn,
+ *   args} to the owner; the creator holds its RRef until the owner replies, and the reply comes
+ *   once the value exists (or failed). A remote to self makes the entry locally first and runs the
+ *   creation through the pool like any self-call. td_rref_remote is the same with a target RRef
+ *   whose value is passed first.
+ * - Forks: encoding an RRef for peer P makes a new fork F. An owner handle adds F to its entry
+ *   directly (the child is confirmed at once). A user sends __rref_fork {id, F, P} to the owner
+ *   before the message carrying the RRef leaves and holds its own RRef (a reference) until the
+ *   owner acknowledged F, so the owner can never see its fork count drop to zero while F is in
+ *   flight: by induction every live user's fork is either accepted or protected by a parent that
+ *   is. The owner then sends __rref_confirm to P. P decoding F: on the owner it becomes a handle
+ *   and F is released at once; elsewhere it is a user RRef with fork F.
+ * - Release: a user RRef's last unref sends __rref_delete {id, F}. A delete of a fork the owner has
+ *   not seen yet leaves a tombstone that cancels the later fork message (the parent still holds,
+ *   so the value stays alive meanwhile).
+ * - Idempotence: the owner remembers the last 8192 forks that ended; a fork or delete message for
+ *   one of them, a second fork for an accepted fork, a second delete for a tombstone, and a second
+ *   creation request are ignored; a fetch or proxy call through a fork that already ended never
+ *   recreates a freed entry. Control messages failing with TD_ERR_UNAVAILABLE (the stream
+ *   broke, they may or may not have arrived) are retried 3 times with backoff (util.c).
+ * - Waiting: __rref_fetch and __rref_call on a pending entry do not block a pool thread: they
+ *   return a future chained on the entry's ready future; __rref_call then runs the method on the
+ *   pool. Results travel as outcomes [0, value] or [status, message] so that errors keep the
+ *   owner's words ("RRef creation failed: worker1 (rank 1): 'fn' failed: ...").
+ * - Shutdown: the graceful barrier already waits for every in-flight message (deletes included);
+ *   the agent's shutdown hook then closes the context, releases what is left and reports leaks,
+ *   an error in strict mode (td_rref_set_strict or TD_RREF_STRICT=1).
+ * Known limits: a message whose encoding or sending fails after an RRef inside it was forked
+ * leaves that fork on the owner until shutdown (reported as a leak); duplicates older than the
+ * last 8192 finished forks are not recognised.
+ *
+ * Lock order: ctx_list_mu, then ctx->mu; ctx->mu is a leaf (see rref_impl.h).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rref_impl.h"
+
+/* ---- per-agent contexts ---- */
+
+#define MAX_CTX 32
+static pthread_mutex_t ctx_list_mu = PTHREAD_MUTEX_INITIALIZER;
+static td__rref_ctx *ctx_list[MAX_CTX];
+static int nctx;
+
+typedef struct early_confirm {
+  td_status st;
+  char *msg;
+} early_confirm;
+
+static void ctx_free(td__rref_ctx *c) {
+  for (size_t i = 0; i < c->early.cap; i++) {
+    early_confirm *e = c->early.keys[i] ? c->early.vals[i] : NULL;
+    if (e) {
+      td__free(e->msg);
+      td__free(e);
+    }
+  }
+  td__u64map_fini(&c->early);
+  td__u64map_fini(&c->owned);
+  td__u64map_fini(&c->users);
+  td__u64map_fini(&c->done.set);
+  td__free(c->names);
+  pthread_mutex_destroy(&c->mu);
+  pthread_cond_destroy(&c->cv);
+  td__free(c);
+}
+
+void td__rref_ctx_unref(td__rref_ctx *c) {
+  if (c && td__ref_dec(&c->rc)) ctx_free(c);
+}
+
+static td__rref_ctx *ctx_new(td_rpc_agent *a) {
+  td__rref_ctx *c = td__calloc(1, sizeof *c);
+  int world = td_rpc_world_size(a);
+  if (!c) return NULL;
+  c->names = td__calloc((size_t)world, sizeof *c->names);
+  if (!c->names) {
+    td__free(c);
+    return NULL;
+  }
+  td__ref_init(&c->rc);
+  c->agent = a;
+  c->rank = td_rpc_rank(a);
+  c->world = world;
+  for (int r = 0; r < world; r++) {
+    td_worker_info wi;
+    if (td_rpc_get_worker_info_by_rank(a, r, &wi) == TD_OK)
+      snprintf(c->names[r], sizeof c->names[r], "%s", wi.name);
+    else
+      snprintf(c->names[r], sizeof c->names[r], "worker%d", r);
+  }
+  pthread_mutex_init(&c->mu, NULL);
+  pthread_cond_init(&c->cv, NULL);
+  return c;
+}
+
+/* Finds a's context (ctx_list_mu held). */
+static int ctx_find(td_rpc_agent *a) {
+  for (int i = 0; i < nctx; i++)
+    if (ctx_list[i]->agent == a) return i;
+  return -1;
+}
+
+/* Adds c to the list, evicting a closed context when full (ctx_list_mu held). */
+static bool ctx_insert(td__rref_ctx *c) {
+  if (nctx == MAX_CTX) {
+    for (int i = 0; i < nctx; i++) {
+      if (ctx_list[i]->closed) {
+        td__rref_ctx_unref(ctx_list[i]);
+        ctx_list[i] = ctx_list[--nctx];
+        break;
+      }
+    }
+  }
+  if (nctx == MAX_CTX) return false;
+  ctx_list[nctx++] = c;
+  return true;
+}
+
+td_status td__rref_ctx_get(td_rpc_agent *a, bool create, td__rref_ctx **out) {
+  TD_CHECK_ARG(a, "rref: NULL agent");
+  pthread_mutex_lock(&ctx_list_mu);
+  int i = ctx_find(a);
+  td__rref_ctx *c = i >= 0 ? ctx_list[i] : NULL;
+  td_status st = TD_OK;
+  if (c && c->closed) {
+    st = td_set_error(TD_ERR_STATE, "rref: the agent has shut down");
+  } else if (!c && !create) {
+    st = td_set_error(TD_ERR_NOT_FOUND, "rref: this agent has no RRef state");
+  } else if (!c) {
+    c = ctx_new(a);
+    if (!c || !ctx_insert(c)) {
+      if (c) ctx_free(c);
+      st = td_set_error(TD_ERR_NOMEM, "rref: out of memory (or too many agents)");
+    }
+  }
+  if (st == TD_OK) {
+    td__ref_inc(&c->rc);
+    *out = c;
+  }
+  pthread_mutex_unlock(&ctx_list_mu);
+  return st;
+}
+
+uint64_t td__rref_next_id(td__rref_ctx *c) {
+  uint64_t n = __atomic_add_fetch(&c->counter, 1, __ATOMIC_RELAXED);
+  return ((uint64_t)c->rank << 48) | (n & ((1ull << 48) - 1));
+}
+
+const char *td__rref_name(const td__rref_ctx *c, int rank) {
+  return rank >= 0 && rank < c->world ? c->names[rank] : "?";
+}
+
+td_status td__rref_call(td__rref_ctx *c, int to, const char *fn, td_value *const *args, int nargs,
+                        int64_t timeout_ms, td_future **out) {
+  pthread_mutex_lock(&c->mu);
+  if (c->closed) {
+    pthread_mutex_unlock(&c->mu);
+    return td_set_error(TD_ERR_STATE, "rref: the agent %s has shut down", c->names[c->rank]);
+  }
+  c->senders++;
+  pthread_mutex_unlock(&c->mu);
+  td_rpc_call_opts o = {timeout_ms};
+  td_status st = td_rpc_async(c->agent, td__rref_name(c, to), fn, args, nargs, &o, out);
+  pthread_mutex_lock(&c->mu);
+  if (--c->senders == 0 && c->closed) pthread_cond_broadcast(&c->cv);
+  pthread_mutex_unlock(&c->mu);
+  return st;
+}
+
+/* Agent hooks: a fresh context per agent; a closed one left by a destroyed agent at the same
+ * address is replaced. */
+static void hook_init(td_rpc_agent *a) {
+  pthread_mutex_lock(&ctx_list_mu);
+  int i = ctx_find(a);
+  if (i >= 0 && ctx_list[i]->closed) {
+    td__rref_ctx_unref(ctx_list[i]);
+    ctx_list[i] = ctx_list[--nctx];
+    i = -1;
+  }
+  if (i < 0) {
+    td__rref_ctx *c = ctx_new(a);
+    if (c && !ctx_insert(c)) {
+      ctx_free(c);
+      c = NULL;
+    }
+    if (!c) td_log(TD_LOG_WARN, "rref: out of memory setting up RRefs for an agent");
+  }
+  pthread_mutex_unlock(&ctx_list_mu);
+}
+
+static bool strict_mode;
+
+void td_rref_set_strict(bool on) { __atomic_store_n(&strict_mode, on, __ATOMIC_RELEASE); }
+
+static bool strict_now(void) {
+  const char *e = getenv("TD_RREF_STRICT");
+  return __atomic_load_n(&strict_mode, __ATOMIC_ACQUIRE) || (e && strcmp(e, "1") == 0);
+}
+
+static td_status hook_shutdown(td_rpc_agent *a, bool graceful) {
+  pthread_mutex_lock(&ctx_list_mu);
+  int i = ctx_find(a);
+  td__rref_ctx *c = i >= 0 && !ctx_list[i]->closed ? ctx_list[i] : NULL;
+  if (c) td__ref_inc(&c->rc);
+  pthread_mutex_unlock(&ctx_list_mu);
+  if (!c) return TD_OK;
+  char report[1024];
+  int leaks = td__rref_ctx_close(c, graceful, report, sizeof report);
+  td_status st = TD_OK;
+  if (leaks) {
+    td_log(TD_LOG_WARN, "rref: %s: %d RRef%s leaked at shutdown: %s", c->names[c->rank], leaks,
+           leaks == 1 ? "" : "s", report);
+    if (strict_now())
+      st = td_set_error(TD_ERR_STATE, "rref: %s: %d RRef%s leaked at shutdown (strict mode): %s",
+                        c->names[c->rank], leaks, leaks == 1 ? "" : "s", report);
+  }
+  td__rref_ctx_unref(c);
+  return st;
+}
+
+static td_value *int_list(const int64_t *xs, int n);
+
+/* ---- RRef objects ---- */
+
+static td_rref *rref_alloc(td__rref_ctx *c, uint64_t id, uint64_t fork, int owner) {
+  td_rref *r = td__calloc(1, sizeof *r);
+  if (!r) return NULL;
+  td__ref_init(&r->rc);
+  td__ref_inc(&c->rc);
+  r->ctx = c;
+  r->id = id;
+  r->fork = fork;
+  r->owner = owner;
+  return r;
+}
+
+/* A new user RRef registered in c->users; early confirmations are applied. */
+static td_status user_new(td__rref_ctx *c, uint64_t id, uint64_t fork, int owner, bool confirmed,
+                          td_rref **out) {
+  td_rref *r = rref_alloc(c, id, fork, owner);
+  td_future *f = td_future_create();
+  if (!r || !f) {
+    if (r) td__rref_ctx_unref(c);
+    td__free(r);
+    td_future_unref(f);
+    return td_set_error(TD_ERR_NOMEM, "rref: out of memory");
+  }
+  r->created = f;
+  early_confirm *ec = NULL;
+  pthread_mutex_lock(&c->mu);
+  bool ok = td__u64map_put(&c->users, fork, r);
+  if (!confirmed) ec = td__u64map_del(&c->early, fork);
+  if (ec || confirmed) r->confirmed = 1;
+  pthread_mutex_unlock(&c->mu);
+  if (!ok) td_log(TD_LOG_WARN, "rref: out of memory tracking a user RRef (debug table only)");
+  if (confirmed) td_future_complete(f, NULL);
+  if (ec) {
+    if (ec->st == TD_OK) td_future_complete(f, NULL);
+    else td__future_fail_msg(f, ec->st, ec->msg);
+    td__free(ec->msg);
+    td__free(ec);
+  }
+  *out = r;
+  return TD_OK;
+}
+
+static void rref_destroy(td_rref *r) {
+  td__rref_ctx *c = r->ctx;
+  if (r->entry) {
+    td__rref_handle_release(c, r->entry);
+  } else if (r->fork) {
+    bool closed;
+    pthread_mutex_lock(&c->mu);
+    if (td__u64map_get(&c->users, r->fork) == r) td__u64map_del(&c->users, r->fork);
+    if (!__atomic_load_n(&r->confirmed, __ATOMIC_ACQUIRE)) td__fork_ring_push(&c->done, r->fork);
+    closed = c->closed;
+    pthread_mutex_unlock(&c->mu);
+    if (!closed) {
+      int64_t h[2] = {(int64_t)r->id, (int64_t)r->fork};
+      td_value *hdr = int_list(h, 2);
+      if (hdr) td__rref_control(c, r->owner, "__rref_delete", hdr, NULL);
+      else td_log(TD_LOG_WARN, "rref: out of memory releasing an RRef (the owner keeps it)");
+    }
+  }
+  td_future_unref(r->created);
+  td__rref_ctx_unref(c);
+  td__free(r);
+}
+
+td_rref *td_rref_ref(td_rref *r) {
+  if (r) td__ref_inc(&r->rc);
+  return r;
+}
+
+void td_rref_unref(td_rref *r) {
+  if (r && td__ref_dec(&r->rc)) rref_destroy(r);
+}
+
+int td_rref_owner(const td_rref *r) { return r ? r->owner : -1; }
+const char *td_rref_owner_name(const td_rref *r) { return r ? td__rref_name(r->ctx, r->owner) : "?"; }
+bool td_rref_is_owner(const td_rref *r) { return r && r->entry; }
+bool td_rref_confirmed_by_owner(const td_rref *r) {
+  return r && (r->entry || __atomic_load_n(&r->confirmed, __ATOMIC_ACQUIRE));
+}
+td_rref_id td_rref_get_id(const td_rref *r) { return (td_rref_id){r ? r->id : 0}; }
+td_rref_fork_id td_rref_get_fork_id(const td_rref *r) { return (td_rref_fork_id){r ? r->fork : 0}; }
+
+td_status td_rref_creation_future(td_rref *r, td_future **out) {
+  TD_CHECK_ARG(r && out, "rref_creation_future: NULL argument");
+  *out = td_future_ref(r->created);
+  return TD_OK;
+}
+
+const char *td_rref_to_string(const td_rref *r, char *buf, size_t n) {
+  if (!buf || !n) return buf;
+  if (!r) {
+    snprintf(buf, n, "RRef(null)");
+    return buf;
+  }
+  char a[48], b[48];
+  td__rref_id_str(r->id, a, sizeof a);
+  if (r->entry) snprintf(buf, n, "RRef(owner=%s, id=%s, local)", td_rref_owner_name(r), a);
+  else
+    snprintf(buf, n, "RRef(owner=%s, id=%s, fork=%s)", td_rref_owner_name(r), a,
+             td__rref_id_str(r->fork, b, sizeof b));
+  return buf;
+}
+
+/* The stored creation failure, if the creation future failed. */
+static td_status creation_error(td_rref *r) {
+  if (!td_future_done(r->created)) return TD_OK;
+  td_status st = td_future_status(r->created);
+  if (st == TD_OK) return TD_OK;
+  return td_set_error(st, "%s", td_future_message(r->created));
+}
+
+/* ---- RRefs as values ---- */
+
+static void ext_destroy(void *obj) { td_rref_unref(obj); }
+
+static td_value *int_list(const int64_t *xs, int n) {
+  td_value *l = td_value_list();
+  for (int i = 0; l && i < n; i++) {
+    td_value *x = td_value_int(xs[i]);
+    if (!x || td_value_list_append(l, x) != TD_OK) {
+      td_value_unref(x);
+      td_value_unref(l);
+      return NULL;
+    }
+  }
+  return l;
+}
+
+static bool int_list_get(const td_value *l, int64_t *xs, int n) {
+  if (td_value_kind_of(l) != TD_VALUE_LIST || (int)td_value_list_len(l) < n) return false;
+  for (int i = 0; i < n; i++)
+    if (td_value_as_int(td_value_list_get(l, (size_t)i), &xs[i]) != TD_OK) return false;
+  return true;
+}
+
+static td_status ext_to_wire(void *obj, td__wire_ctx *w, td_value **out) {
+  td_rref *r = obj;
+  td__rref_ctx *c = r->ctx;
+  char s[160];
+  if (w->agent != (void *)c->agent)
+    return td_set_error(TD_ERR_INVALID, "rref: %s belongs to another agent",
+                        td_rref_to_string(r, s, sizeof s));
+  TD_TRY(creation_error(r));
+  uint64_t f = td__rref_next_id(c);
+  bool confirmed = r->entry != NULL;
+  if (r->entry) {
+    TD_TRY(td__rref_owner_add_fork(c, r->entry, f));
+  } else {
+    int64_t h[4] = {(int64_t)r->id, (int64_t)f, w->peer_rank, c->rank};
+    td_value *hdr = int_list(h, 4);
+    if (!hdr) return td_set_error(TD_ERR_NOMEM, "rref: out of memory");
+    __atomic_add_fetch(&r->children, 1, __ATOMIC_ACQ_REL);
+    td_status st = td__rref_control(c, r->owner, "__rref_fork", hdr, td_rref_ref(r));
+    if (st != TD_OK) {
+      char why[600];
+      snprintf(why, sizeof why, "%s", td_last_error());
+      return td_set_error(st, "rref: cannot fork %s: %s", td_rref_to_string(r, s, sizeof s), why);
+    }
+  }
+  int64_t v[5] = {(int64_t)r->id, (int64_t)f, r->owner, c->rank, confirmed};
+  *out = int_list(v, 5);
+  return *out ? TD_OK : td_set_error(TD_ERR_NOMEM, "rref: out of memory");
+}
+
+static td_status ext_from_wire(const td_value *repr, td__wire_ctx *w, void **obj) {
+  int64_t v[5];
+  if (!int_list_get(repr, v, 5) || v[0] == 0 || v[1] == 0)
+    return td_set_error(TD_ERR_FORMAT, "rref: malformed RRef on the wire");
+  td__rref_ctx *c;
+  TD_TRY(td__rref_ctx_get(w->agent, true, &c));
+  td_status st;
+  td_rref *r = NULL;
+  if (v[2] < 0 || v[2] >= c->world) {
+    st = td_set_error(TD_ERR_FORMAT, "rref: RRef owner rank %lld out of range", (long long)v[2]);
+  } else if (v[2] == c->rank) {
+    st = td__rref_owner_handle(c, (uint64_t)v[0], (uint64_t)v[1], &r);
+  } else {
+    st = user_new(c, (uint64_t)v[0], (uint64_t)v[1], (int)v[2], v[4] != 0, &r);
+  }
+  td__rref_ctx_unref(c);
+  if (st == TD_OK) *obj = r;
+  return st;
+}
+
+static bool ext_equal(const void *a, const void *b) {
+  const td_rref *x = a, *y = b;
+  return x->ctx == y->ctx && x->id == y->id && x->fork == y->fork;
+}
+
+static void ext_describe(const void *obj, char *buf, size_t n) { td_rref_to_string(obj, buf, n); }
+
+static const td__value_ext_type rref_type = {.name = "rref",
+                                             .destroy = ext_destroy,
+                                             .to_wire = ext_to_wire,
+                                             .from_wire = ext_from_wire,
+                                             .equal = ext_equal,
+                                             .describe = ext_describe};
+
+td_value *td_value_rref(td_rref *r) {
+  if (!r) return NULL;
+  return td__value_ext(&rref_type, td_rref_ref(r));
+}
+
+td_status td_value_as_rref(const td_value *v, td_rref **out) {
+  TD_CHECK_ARG(out, "value_as_rref: NULL out");
+  if (td__value_ext_type_of(v) != &rref_type)
+    return td_set_error(TD_ERR_INVALID, "value: expected rref, got %s", td_value_kind_name(v));
+  *out = td__value_ext_obj(v);
+  return TD_OK;
+}
+
+/* ---- creation ---- */
+
+typedef struct creation {
+  td_rref *r;      /* the new RRef (held until the reply) */
+  td_rref *target; /* td_rref_remote: the RRef whose value is the first argument (held) */
+} creation;
+
+static void creation_done(td_future *f, void *arg) {
+  creation *cr = arg;
+  td_rref *r = cr->r;
+  td_status st = td_future_status(f);
+  if (r->entry) {
+    /* a self-remote: the handler settles the entry; only a failed call is left to report */
+    if (st != TD_OK) {
+      char msg[1200];
+      snprintf(msg, sizeof msg, "RRef creation failed: %s", td_future_message(f));
+      td__rref_fail_entry(r->ctx, r->entry, st, msg);
+    }
+  } else if (st != TD_OK) {
+    td_future_fail(r->created, st, "RRef creation failed: %s", td_future_message(f));
+  } else {
+    td_value *v = NULL;
+    st = td__rref_outcome_take(td_future_value(f), &v);
+    __atomic_store_n(&r->confirmed, 1, __ATOMIC_RELEASE);
+    if (st == TD_OK) td_future_complete(r->created, v);
+    else td__future_fail_msg(r->created, st, td_last_error());
+  }
+  td_rref_unref(cr->target);
+  td_rref_unref(r);
+  td__free(cr);
+}
+
+/* Builds [hdr, fn, args...] (new references in argv[0..nargs+2)). */
+static td_status build_argv(td_value *hdr, const char *fn, td_value *const *args, int nargs,
+                            td_value ***out) {
+  td_value **argv = td__calloc((size_t)nargs + 2, sizeof *argv);
+  td_value *fv = td_value_string(fn);
+  if (!argv || !fv || !hdr) {
+    td__free(argv);
+    td_value_unref(fv);
+    td_value_unref(hdr);
+    return td_set_error(TD_ERR_NOMEM, "rref: out of memory");
+  }
+  argv[0] = hdr;
+  argv[1] = fv;
+  for (int i = 0; i < nargs; i++) argv[i + 2] = td_value_ref(args[i]);
+  *out = argv;
+  return TD_OK;
+}
+
+static void free_argv(td_value **argv, int n) {
+  for (int i = 0; i < n; i++) td_value_unref(argv[i]);
+  td__free(argv);
+}
+
+static td_status remote_start(td__rref_ctx *c, int owner, td_rref *target, const char *fn,
+                              td_value *const *args, int nargs, const td_rpc_call_opts *opts,
+                              td_rref **out) {
+  for (int i = 0; i < nargs; i++) TD_CHECK_ARG(args[i], "remote: argument %d is NULL", i);
+  uint64_t id = td__rref_next_id(c);
+  bool self = owner == c->rank;
+  td_rref *r = NULL;
+  td_status st;
+  if (self) {
+    td__rref_entry *e;
+    TD_TRY(td__rref_entry_new_local(c, id, NULL, &e));
+    r = rref_alloc(c, id, 0, owner);
+    if (!r) {
+      td__rref_fail_entry(c, e, TD_ERR_NOMEM, "RRef creation failed: out of memory");
+      td__rref_handle_release(c, e);
+      return td_set_error(TD_ERR_NOMEM, "remote: out of memory");
+    }
+    r->entry = e;
+    r->created = td_future_ref(e->ready);
+    r->confirmed = 1;
+  } else {
+    TD_TRY(user_new(c, id, id, owner, false, &r));
+  }
+  int64_t h[3] = {(int64_t)id, self ? 0 : (int64_t)id, target ? (int64_t)target->id : 0};
+  td_value **argv = NULL;
+  st = build_argv(int_list(h, 3), fn, args, nargs, &argv);
+  creation *cr = st == TD_OK ? td__calloc(1, sizeof *cr) : NULL;
+  td_future *f = NULL;
+  if (cr) {
+    int64_t to = opts && opts->timeout_ms >= 0 ? opts->timeout_ms : -1;
+    st = td__rref_call(c, owner, "__rref_remote", argv, nargs + 2, to, &f);
+  } else if (st == TD_OK) {
+    st = td_set_error(TD_ERR_NOMEM, "remote: out of memory");
+  }
+  if (argv) free_argv(argv, nargs + 2);
+  if (st != TD_OK) {
+    char why[800];
+    snprintf(why, sizeof why, "%s", td_last_error());
+    td__free(cr);
+    if (self) {
+      td__rref_fail_entry(c, r->entry, st, "RRef creation failed: the request was not sent");
+    } else {
+      /* never reached the owner: nothing to delete there */
+      pthread_mutex_lock(&c->mu);
+      td__u64map_del(&c->users, r->fork);
+      pthread_mutex_unlock(&c->mu);
+      r->fork = 0;
+    }
+    td_rref_unref(r);
+    return td_set_error(st, "%s", why);
+  }
+  cr->r = td_rref_ref(r);
+  cr->target = td_rref_ref(target);
+  if (td_future_on_done(f, creation_done, cr) != TD_OK) {
+    td_rref_unref(cr->r);
+    td_rref_unref(cr->target);
+    td__free(cr);
+  }
+  td_future_unref(f);
+  *out = r;
+  return TD_OK;
+}
+
+td_status td_remote(td_rpc_agent *a, const char *to, const char *fn, td_value *const *args,
+                    int nargs, const td_rpc_call_opts *opts, td_rref **out) {
+  TD_CHECK_ARG(a && to && fn && out && nargs >= 0 && (args || nargs == 0),
+               "remote: invalid argument");
+  td_worker_info wi;
+  TD_TRY(td_rpc_get_worker_info(a, to, &wi));
+  td__rref_ctx *c;
+  TD_TRY(td__rref_ctx_get(a, true, &c));
+  td_status st = remote_start(c, wi.id, NULL, fn, args, nargs, opts, out);
+  td__rref_ctx_unref(c);
+  return st;
+}
+
+td_status td_rref_remote(td_rref *r, const char *fn, td_value *const *args, int nargs,
+                         const td_rpc_call_opts *opts, td_rref **out) {
+  TD_CHECK_ARG(r && fn && out && nargs >= 0 && (args || nargs == 0),
+               "rref_remote: invalid argument");
+  TD_TRY(creation_error(r));
+  return remote_start(r->ctx, r->owner, r, fn, args, nargs, opts, out);
+}
+
+td_status td_rref_create_local(td_rpc_agent *a, td_value *value, td_rref **out) {
+  TD_CHECK_ARG(a && value && out, "rref_create_local: NULL argument");
+  td__rref_ctx *c;
+  TD_TRY(td__rref_ctx_get(a, true, &c));
+  td__rref_entry *e;
+  td_status st = td__rref_entry_new_local(c, td__rref_next_id(c), value, &e);
+  td_rref *r = st == TD_OK ? rref_alloc(c, e->id, 0, c->rank) : NULL;
+  if (st == TD_OK && !r) {
+    td__rref_handle_release(c, e);
+    st = td_set_error(TD_ERR_NOMEM, "rref_create_local: out of memory");
+  }
+  if (r) {
+    r->entry = e;
+    r->created = td_future_ref(e->ready);
+    r->confirmed = 1;
+    *out = r;
+  }
+  td__rref_ctx_unref(c);
+  return st;
+}
+
+/* ---- using RRefs ---- */
+
+static int64_t default_timeout(td__rref_ctx *c) {
+  pthread_mutex_lock(&c->mu);
+  int64_t t = c->closed ? 0 : td_rpc_get_default_timeout(c->agent);
+  pthread_mutex_unlock(&c->mu);
+  return t;
+}
+
+td_status td_rref_to_here(td_rref *r, int64_t timeout_ms, td_value **out) {
+  TD_CHECK_ARG(r && out, "rref_to_here: NULL argument");
+  TD_TRY(creation_error(r));
+  td__rref_ctx *c = r->ctx;
+  char s[160];
+  if (r->entry) {
+    if (timeout_ms < 0) timeout_ms = default_timeout(c);
+    td_status st = td_future_wait(r->entry->ready, timeout_ms == 0 ? -1 : timeout_ms);
+    if (st == TD_ERR_TIMEOUT)
+      return td_set_error(st, "rref to_here: %s: the value was not created within %lld ms",
+                          td_rref_to_string(r, s, sizeof s), (long long)timeout_ms);
+    return td__rref_entry_read(c, r->entry, out);
+  }
+  int64_t h[2] = {(int64_t)r->id, (int64_t)r->fork};
+  td_value *hdr = int_list(h, 2);
+  if (!hdr) return td_set_error(TD_ERR_NOMEM, "rref to_here: out of memory");
+  td_future *f = NULL;
+  td_status st = td__rref_call(c, r->owner, "__rref_fetch", &hdr, 1, timeout_ms, &f);
+  td_value_unref(hdr);
+  TD_TRY(st);
+  if (r->fork == r->id && !td_future_done(r->created)) {
+    /* the creator: a creation that fails or times out meanwhile is the answer (the fetch would
+     * only see the owner's side of it); both futures complete on their own */
+    td_future *both[2] = {r->created, f};
+    td_future_wait_all(both, 2, -1);
+    if (creation_error(r) != TD_OK) {
+      td_future_unref(f);
+      return td_future_status(r->created);
+    }
+  }
+  st = td_future_wait(f, -1);
+  if (st != TD_OK) {
+    st = td_set_error(st, "rref to_here: %s: %s", td_rref_to_string(r, s, sizeof s),
+                      td_future_message(f));
+  } else {
+    st = td__rref_outcome_take(td_future_value(f), out);
+  }
+  td_future_unref(f);
+  return st;
+}
+
+static td_status here_then(void *arg, td_future *src, td_value **result, td_future **next) {
+  td_rref *r = arg;
+  char s[160];
+  td_status st = creation_error(r);
+  if (st == TD_OK && r->entry) {
+    st = td__rref_entry_read(r->ctx, r->entry, result);
+  } else if (st == TD_OK && td_future_status(src) != TD_OK) {
+    st = td_set_error(td_future_status(src), "rref to_here: %s: %s",
+                      td_rref_to_string(r, s, sizeof s), td_future_message(src));
+  } else if (st == TD_OK) {
+    st = td__rref_outcome_take(td_future_value(src), result);
+  }
+  td_rref_unref(r);
+  return st;
+}
+
+td_status td_rref_to_here_async(td_rref *r, int64_t timeout_ms, td_future **out) {
+  TD_CHECK_ARG(r && out, "rref_to_here_async: NULL argument");
+  TD_TRY(creation_error(r));
+  td_future *f = NULL;
+  if (r->entry) {
+    f = td_future_ref(r->entry->ready);
+  } else {
+    int64_t h[2] = {(int64_t)r->id, (int64_t)r->fork};
+    td_value *hdr = int_list(h, 2);
+    if (!hdr) return td_set_error(TD_ERR_NOMEM, "rref to_here: out of memory");
+    td_status st = td__rref_call(r->ctx, r->owner, "__rref_fetch", &hdr, 1, timeout_ms, &f);
+    td_value_unref(hdr);
+    TD_TRY(st);
+  }
+  td_rref_ref(r);
+  td_status st = td_future_then(f, here_then, r, out);
+  if (st != TD_OK) td_rref_unref(r);
+  td_future_unref(f);
+  return st;
+}
+
+td_status td_rref_local_value(td_rref *r, td_value **out) {
+  TD_CHECK_ARG(r && out, "rref_local_value: NULL argument");
+  char s[160];
+  if (!r->entry)
+    return td_set_error(TD_ERR_STATE, "rref local_value: %s is owned by %s (rank %d), not by "
+                        "this worker; use td_rref_to_here", td_rref_to_string(r, s, sizeof s),
+                        td_rref_owner_name(r), r->owner);
+  return td__rref_entry_read(r->ctx, r->entry, out);
+}
+
+static td_status proxy_then(void *arg, td_future *src, td_value **result, td_future **next) {
+  td_rref *r = arg;
+  td_status st = td_future_status(src);
+  if (st != TD_OK) st = td_set_error(st, "%s", td_future_message(src));
+  else st = td__rref_outcome_take(td_future_value(src), result);
+  td_rref_unref(r);
+  return st;
+}
+
+td_status td_rref_rpc_async(td_rref *r, const char *fn, td_value *const *args, int nargs,
+                            const td_rpc_call_opts *opts, td_future **out) {
+  TD_CHECK_ARG(r && fn && out && nargs >= 0 && (args || nargs == 0),
+               "rref_rpc_async: invalid argument");
+  for (int i = 0; i < nargs; i++) TD_CHECK_ARG(args[i], "rref_rpc_async: argument %d is NULL", i);
+  TD_TRY(creation_error(r));
+  int64_t h[2] = {(int64_t)r->id, (int64_t)r->fork};
+  td_value **argv;
+  TD_TRY(build_argv(int_list(h, 2), fn, args, nargs, &argv));
+  td_future *f = NULL;
+  int64_t to = opts && opts->timeout_ms >= 0 ? opts->timeout_ms : -1;
+  td_status st = td__rref_call(r->ctx, r->owner, "__rref_call", argv, nargs + 2, to, &f);
+  free_argv(argv, nargs + 2);
+  TD_TRY(st);
+  td_rref_ref(r);
+  st = td_future_then(f, proxy_then, r, out);
+  if (st != TD_OK) td_rref_unref(r);
+  td_future_unref(f);
+  return st;
+}
+
+td_status td_rref_rpc_sync(td_rref *r, const char *fn, td_value *const *args, int nargs,
+                           const td_rpc_call_opts *opts, td_value **result) {
+  TD_CHECK_ARG(result, "rref_rpc_sync: NULL result");
+  td_future *f;
+  TD_TRY(td_rref_rpc_async(r, fn, args, nargs, opts, &f));
+  td_status st = td_future_wait(f, -1);
+  if (st == TD_OK) {
+    td_value *v = td_future_value(f);
+    *result = v ? td_value_ref(v) : td_value_none();
+  } else {
+    td_set_error(st, "%s", td_future_message(f));
+  }
+  td_future_unref(f);
+  return st;
+}
+
+/* ---- __rref_confirm [[id, fork, status], message] (on a user): the owner accepted fork F ---- */
+
+static td_status h_confirm(td_rpc_ctx *x, td_value *const *args, int n, td_value **res,
+                           td_future **fut) {
+  int64_t h[3];
+  const char *msg = "";
+  if (n != 1 || td_value_list_len(args[0]) != 2 || !int_list_get(td_value_list_get(args[0], 0), h, 3) ||
+      td_value_as_string(td_value_list_get(args[0], 1), &msg, NULL) != TD_OK)
+    return td_set_error(TD_ERR_FORMAT, "__rref_confirm: malformed request");
+  td__rref_ctx *c;
+  TD_TRY(td__rref_ctx_get(td_rpc_ctx_agent(x), true, &c));
+  uint64_t fork = (uint64_t)h[1];
+  td_status st = (td_status)h[2];
+  td_future *f = NULL;
+  early_confirm *ec = NULL;
+  pthread_mutex_lock(&c->mu);
+  td_rref *r = td__u64map_get(&c->users, fork);
+  if (r) {
+    if (!__atomic_exchange_n(&r->confirmed, 1, __ATOMIC_ACQ_REL)) f = td_future_ref(r->created);
+  } else if (!td__fork_ring_has(&c->done, fork) && !td__u64map_get(&c->early, fork)) {
+    ec = td__calloc(1, sizeof *ec);
+    if (ec) {
+      ec->st = st;
+      ec->msg = td__strdup(msg);
+      if (!ec->msg || !td__u64map_put(&c->early, fork, ec)) {
+        td__free(ec->msg);
+        td__free(ec);
+      }
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (f) {
+    if (st == TD_OK) td_future_complete(f, NULL);
+    else td__future_fail_msg(f, st, msg);
+    td_future_unref(f);
+  }
+  td__rref_ctx_unref(c);
+  *res = td_value_none();
+  return TD_OK;
+}
+
+void td__rref_user_register(void) {
+  td__rpc_register_internal("__rref_confirm", h_confirm, NULL);
+}
+
+/* ---- registration with the agent (library load) ---- */
+
+__attribute__((constructor)) static void rref_module_init(void) {
+  td__value_ext_register(&rref_type);
+  td__rref_objects_init();
+  td__rref_owner_register();
+  td__rref_user_register();
+  td__agent_hooks h = {hook_init, hook_shutdown};
+  td__agent_add_hooks(&h);
+}

@@ -1,0 +1,609 @@
+/* test_rref.c - multi-process tests of remote references: remote + to_here, creation errors and
+ * timeouts, proxies on remote objects with counted destructors, forks in the orderings the
+ * protocol must survive (fork before the owner confirmed creation, a parent releasing before its
+ * child's fork is accepted, an RRef sent to its own owner, a chain A -> B -> C -> owner), 1000
+ * RRefs created, forked and released concurrently by 3 workers, and strict-mode leak reports.
+ * Every worker runs in strict mode: a graceful shutdown with a leak would fail the test. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "rref_test_fns.h"
+#include "test_util.h"
+
+/* Under AddressSanitizer, checks a worker for leaks before it leaves with _exit (which skips
+ * LeakSanitizer's exit-time check). */
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/lsan_interface.h>
+#define CHECK_NO_LEAKS() MP_CHECK(__lsan_do_recoverable_leak_check() == 0)
+#else
+#define CHECK_NO_LEAKS() ((void)0)
+#endif
+
+#define RUN(world, fn, secs)                                                                  \
+  do {                                                                                        \
+    int codes_[8] = {0};                                                                      \
+    int fails_ = td_mp_run(world, fn, NULL, secs, codes_);                                    \
+    if (fails_)                                                                               \
+      fail_msg("%d workers failed (%d %d %d %d)", fails_, codes_[0], codes_[1], codes_[2],    \
+               codes_[3]);                                                                    \
+  } while (0)
+
+static td_rpc_agent *start(int rank, int world, const char *method, int threads) {
+  rt_register_all();
+  td_rref_set_strict(true);
+  td_rpc_options o = rt_opts(method, threads);
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  return a;
+}
+
+static void finish(td_rpc_agent *a) {
+  MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
+  td_rpc_destroy(a);
+  CHECK_NO_LEAKS();
+}
+
+static int64_t as_int(td_value *v) {
+  int64_t x = -1;
+  MP_CHECK_OK(td_value_as_int(v, &x));
+  return x;
+}
+
+/* ---- remote + to_here, owner queries, self remote, local RRefs ---- */
+
+static int worker_basics(int rank, int world, const char *method, void *arg) {
+  td_rpc_agent *a = start(rank, world, method, 4);
+  if (rank == 0) {
+    td_value *args[2] = {td_value_int(40), td_value_int(2)};
+    td_rref *r;
+    MP_CHECK_OK(td_remote(a, "worker1", "add", args, 2, NULL, &r));
+    MP_CHECK(!td_rref_is_owner(r));
+    MP_CHECK(td_rref_owner(r) == 1);
+    MP_CHECK(strcmp(td_rref_owner_name(r), "worker1") == 0);
+    MP_CHECK(td_rref_get_id(r).v >> 48 == 0);
+    MP_CHECK(td_rref_get_fork_id(r).v == td_rref_get_id(r).v); /* the creator's fork */
+    td_future *cf;
+    MP_CHECK_OK(td_rref_creation_future(r, &cf));
+    MP_CHECK_OK(td_future_wait(cf, 10000));
+    td_future_unref(cf);
+    MP_CHECK(td_rref_confirmed_by_owner(r));
+    td_value *v;
+    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK(as_int(v) == 42);
+    td_value_unref(v);
+    /* twice: the value stays on the owner */
+    MP_CHECK_OK(td_rref_to_here(r, -1, &v));
+    MP_CHECK(as_int(v) == 42);
+    td_value_unref(v);
+    MP_CHECK(td_rref_local_value(r, &v) == TD_ERR_STATE);
+    MP_CHECK(strstr(td_last_error(), "worker1 (rank 1)") != NULL);
+    char s[160];
+    td_rref_to_string(r, s, sizeof s);
+    MP_CHECK(strstr(s, "RRef(owner=worker1, id=0:") == s);
+    td_value *rv = td_value_rref(r);
+    td_value_to_string(rv, s, sizeof s);
+    MP_CHECK(strstr(s, "RRef(owner=worker1") != NULL);
+    td_rref *back;
+    MP_CHECK_OK(td_value_as_rref(rv, &back));
+    MP_CHECK(back == r);
+    MP_CHECK(td_value_as_rref(args[0], &back) == TD_ERR_INVALID);
+    td_value_unref(rv);
+    td_rref_unref(r);
+
+    /* a tensor value */
+    td_tensor *t;
+    float data[6] = {1, 2, 3, 4, 5, 6};
+    int64_t shape[2] = {2, 3};
+    MP_CHECK_OK(td_tensor_from_buffer(data, shape, 2, TD_DTYPE_F32, &t));
+    td_value *tv = td_value_tensor(t);
+    MP_CHECK_OK(td_remote(a, "worker1", "echo", &tv, 1, NULL, &r));
+    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK(td_value_equal(v, tv));
+    td_value_unref(v);
+    td_rref_unref(r);
+    td_value_unref(tv);
+    td_tensor_unref(t);
+
+    /* remote to self: an owner handle; the function runs on the pool */
+    MP_CHECK_OK(td_remote(a, "worker0", "add", args, 2, NULL, &r));
+    MP_CHECK(td_rref_is_owner(r));
+    MP_CHECK(td_rref_confirmed_by_owner(r));
+    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK(as_int(v) == 42);
+    td_value_unref(v);
+    MP_CHECK_OK(td_rref_local_value(r, &v));
+    MP_CHECK(as_int(v) == 42);
+    td_value_unref(v);
+    td_rref_to_string(r, s, sizeof s);
+    MP_CHECK(strstr(s, "local") != NULL);
+    td_rref_unref(r);
+
+    /* a local RRef sent to a user and fetched back through it */
+    MP_CHECK_OK(td_rref_create_local(a, args[0], &r));
+    MP_CHECK_OK(td_rref_local_value(r, &v));
+    MP_CHECK(v == args[0]);
+    td_value_unref(v);
+    rv = td_value_rref(r);
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "here", &rv, 1, NULL, &v));
+    MP_CHECK(as_int(v) == 40);
+    td_value_unref(v);
+    td_value_unref(rv);
+    td_rref_unref(r);
+    td_value_unref(args[0]);
+    td_value_unref(args[1]);
+    size_t o, u;
+    rt_table_sizes(a, &o, &u);
+    MP_CHECK(u == 0);
+  }
+  rt_barrier(a, 1);
+  rt_wait_empty(a);
+  finish(a);
+  return 0;
+}
+
+static void test_rref_remote_to_here(void **state) { RUN(2, worker_basics, 90); }
+
+/* ---- creation errors and timeouts ---- */
+
+static int worker_errors(int rank, int world, const char *method, void *arg) {
+  td_rpc_agent *a = start(rank, world, method, 4);
+  if (rank == 0) {
+    td_rref *r;
+    td_value *v = NULL;
+    MP_CHECK_OK(td_remote(a, "worker1", "fail", NULL, 0, NULL, &r));
+    td_future *cf;
+    MP_CHECK_OK(td_rref_creation_future(r, &cf));
+    MP_CHECK(td_future_wait(cf, 10000) == TD_ERR_INVALID);
+    MP_CHECK(strstr(td_future_message(cf), "RRef creation failed: worker1 (rank 1): 'fail' failed: "
+                                           "boom 42") == td_future_message(cf));
+    td_future_unref(cf);
+    MP_CHECK(td_rref_to_here(r, 10000, &v) == TD_ERR_INVALID);
+    MP_CHECK(strstr(td_last_error(), "RRef creation failed: worker1 (rank 1): 'fail' failed: "
+                                     "boom 42") != NULL);
+    /* proxies and forks report it too */
+    MP_CHECK(td_rref_rpc_sync(r, "echo", NULL, 0, NULL, &v) == TD_ERR_INVALID);
+    MP_CHECK(strstr(td_last_error(), "RRef creation failed") != NULL);
+    td_value *rv = td_value_rref(r);
+    MP_CHECK(td_rpc_sync(a, "worker1", "keep", &rv, 1, NULL, &v) == TD_ERR_INVALID);
+    MP_CHECK(strstr(td_last_error(), "RRef creation failed") != NULL);
+    td_value_unref(rv);
+    td_rref_unref(r);
+
+    /* unknown function */
+    MP_CHECK_OK(td_remote(a, "worker1", "no_such_fn", NULL, 0, NULL, &r));
+    MP_CHECK(td_rref_to_here(r, 10000, &v) == TD_ERR_NOT_FOUND);
+    MP_CHECK(strstr(td_last_error(), "no function 'no_such_fn'") != NULL);
+    td_rref_unref(r);
+
+    /* a failure seen through a fork made while the creation was still running: the owner
+     * reports it (here the fork went back to the owner, whose to_here waits and fails) */
+    td_value *ms = td_value_int(300), *zero = td_value_int(0);
+    td_rref *k;
+    MP_CHECK_OK(td_remote(a, "worker1", "make_counter", (td_value *[]){zero, ms}, 2, NULL, &k));
+    MP_CHECK_OK(td_rref_remote(k, "fail", NULL, 0, NULL, &r));
+    rv = td_value_rref(r);
+    MP_CHECK(td_rpc_sync(a, "worker1", "here", &rv, 1, NULL, &v) == TD_ERR_INVALID);
+    MP_CHECK(strstr(td_last_error(), "RRef creation failed: worker1 (rank 1): 'fail' failed: "
+                                     "boom 42") != NULL);
+    MP_CHECK(td_rref_rpc_sync(r, "echo", NULL, 0, NULL, &v) == TD_ERR_INVALID);
+    MP_CHECK(strstr(td_last_error(), "RRef creation failed: worker1 (rank 1): 'fail'") != NULL);
+    td_value_unref(rv);
+    td_rref_unref(r);
+    td_rref_unref(k);
+    td_value_unref(ms);
+    td_value_unref(zero);
+
+    /* creation timeout: stored on the RRef */
+    td_value *slow = td_value_int(1500);
+    td_rpc_call_opts opts = {200};
+    MP_CHECK_OK(td_remote(a, "worker1", "slow", &slow, 1, &opts, &r));
+    MP_CHECK(td_rref_to_here(r, 10000, &v) == TD_ERR_TIMEOUT);
+    MP_CHECK(strstr(td_last_error(), "RRef creation failed") != NULL);
+    MP_CHECK(strstr(td_last_error(), "timed out") != NULL);
+    td_rref_unref(r);
+
+    /* to_here timeout on a slow (but fine) creation; a later to_here gets the value */
+    MP_CHECK_OK(td_remote(a, "worker1", "slow", &slow, 1, NULL, &r));
+    MP_CHECK(td_rref_to_here(r, 200, &v) == TD_ERR_TIMEOUT);
+    MP_CHECK(strstr(td_last_error(), "to_here") != NULL);
+    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK(as_int(v) == 1500);
+    td_value_unref(v);
+    td_rref_unref(r);
+
+    /* to_here timeout on the owner (a self remote) */
+    MP_CHECK_OK(td_remote(a, "worker0", "slow", &slow, 1, NULL, &r));
+    MP_CHECK(td_rref_to_here(r, 100, &v) == TD_ERR_TIMEOUT);
+    MP_CHECK(td_rref_local_value(r, &v) == TD_ERR_STATE);
+    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK(as_int(v) == 1500);
+    td_value_unref(v);
+    td_rref_unref(r);
+
+    /* a self remote that fails */
+    MP_CHECK_OK(td_remote(a, "worker0", "fail", NULL, 0, NULL, &r));
+    MP_CHECK(td_rref_to_here(r, 10000, &v) == TD_ERR_INVALID);
+    MP_CHECK(strstr(td_last_error(), "RRef creation failed: worker0 (rank 0): 'fail' failed") !=
+             NULL);
+    td_rref_unref(r);
+    td_value_unref(slow);
+    MP_CHECK(td_remote(a, "nobody", "add", NULL, 0, NULL, &r) == TD_ERR_NOT_FOUND);
+  }
+  rt_barrier(a, 1);
+  rt_wait_empty(a);
+  finish(a);
+  return 0;
+}
+
+static void test_rref_creation_errors_and_timeouts(void **state) { RUN(2, worker_errors, 90); }
+
+/* ---- proxies on remote objects; destructors counted ---- */
+
+static void counter_stats(td_rpc_agent *a, const char *who, int64_t *made, int64_t *destroyed) {
+  td_value *v;
+  MP_CHECK_OK(td_rpc_sync(a, who, "counter_stats", NULL, 0, NULL, &v));
+  *made = as_int(td_value_list_get(v, 0));
+  *destroyed = as_int(td_value_list_get(v, 1));
+  td_value_unref(v);
+}
+
+static int worker_proxies(int rank, int world, const char *method, void *arg) {
+  td_rpc_agent *a = start(rank, world, method, 4);
+  if (rank == 0) {
+    td_value *start10 = td_value_int(10), *five = td_value_int(5), *v;
+    td_rref *k;
+    MP_CHECK_OK(td_remote(a, "worker1", "make_counter", &start10, 1, NULL, &k));
+    MP_CHECK_OK(td_rref_rpc_sync(k, "counter_add", &five, 1, NULL, &v));
+    MP_CHECK(as_int(v) == 15);
+    td_value_unref(v);
+    td_future *fs[20];
+    for (int i = 0; i < 20; i++) MP_CHECK_OK(td_rref_rpc_async(k, "counter_add", &five, 1, NULL, &fs[i]));
+    MP_CHECK_OK(td_future_wait_all(fs, 20, 10000));
+    for (int i = 0; i < 20; i++) td_future_unref(fs[i]);
+    td_rref *g;
+    MP_CHECK_OK(td_rref_remote(k, "counter_get", NULL, 0, NULL, &g));
+    MP_CHECK_OK(td_rref_to_here(g, 10000, &v));
+    MP_CHECK(as_int(v) == 115);
+    td_value_unref(v);
+    td_rref_unref(g);
+    /* an opaque object cannot travel */
+    MP_CHECK(td_rref_to_here(k, 10000, &v) != TD_OK);
+    MP_CHECK(strstr(td_last_error(), "Counter") != NULL);
+    /* errors of the method name the owner and the method */
+    td_value *bad = td_value_string("x");
+    MP_CHECK(td_rref_rpc_sync(k, "counter_add", &bad, 1, NULL, &v) == TD_OK); /* d defaults */
+    td_value_unref(v);
+    MP_CHECK(td_rref_rpc_sync(k, "fail", &bad, 1, NULL, &v) == TD_ERR_INVALID);
+    MP_CHECK(strstr(td_last_error(), "worker1 (rank 1): 'fail' failed: boom 42") != NULL);
+    MP_CHECK(td_rref_rpc_sync(k, "nope", NULL, 0, NULL, &v) == TD_ERR_NOT_FOUND);
+    td_value_unref(bad);
+
+    int64_t made, destroyed;
+    counter_stats(a, "worker1", &made, &destroyed);
+    MP_CHECK(made == 1 && destroyed == 0);
+    /* an async proxy keeps its RRef alive: release before the reply */
+    td_future *f;
+    MP_CHECK_OK(td_rref_rpc_async(k, "counter_get", NULL, 0, NULL, &f));
+    td_rref_unref(k);
+    MP_CHECK_OK(td_future_wait(f, 10000));
+    MP_CHECK(as_int(td_future_value(f)) == 116);
+    td_future_unref(f);
+    /* the last user is gone: the destructor runs on the owner, exactly once */
+    for (int i = 0; i < 1000; i++) {
+      counter_stats(a, "worker1", &made, &destroyed);
+      if (destroyed) break;
+      rt_sleep_ms(5);
+    }
+    MP_CHECK(made == 1 && destroyed == 1);
+
+    /* proxies on a value still being created wait for it (no pool thread blocks) */
+    td_value *ms = td_value_int(400);
+    MP_CHECK_OK(td_remote(a, "worker1", "make_counter", (td_value *[]){start10, ms}, 2, NULL, &k));
+    for (int i = 0; i < 8; i++) MP_CHECK_OK(td_rref_rpc_async(k, "counter_add", &five, 1, NULL, &fs[i]));
+    MP_CHECK_OK(td_rref_remote(k, "counter_get", NULL, 0, NULL, &g));
+    MP_CHECK_OK(td_future_wait_all(fs, 8, 10000));
+    for (int i = 0; i < 8; i++) td_future_unref(fs[i]);
+    MP_CHECK_OK(td_rref_to_here(g, 10000, &v)); /* ran concurrently with the adds */
+    MP_CHECK(as_int(v) >= 10 && as_int(v) <= 50 && as_int(v) % 5 == 0);
+    td_value_unref(v);
+    td_rref_unref(g);
+    MP_CHECK_OK(td_rref_remote(k, "counter_get", NULL, 0, NULL, &g));
+    MP_CHECK_OK(td_rref_to_here(g, 10000, &v));
+    MP_CHECK(as_int(v) == 50);
+    td_value_unref(v);
+    td_rref_unref(g);
+    td_rref_unref(k);
+    td_value_unref(ms);
+
+    /* a local object on worker0 used through a self proxy */
+    td_value *ov;
+    rt_counter *kk = malloc(sizeof *kk);
+    kk->v = 7;
+    MP_CHECK_OK(td_value_object("Counter", kk, &ov));
+    MP_CHECK_OK(td_rref_create_local(a, ov, &k));
+    td_value_unref(ov);
+    MP_CHECK_OK(td_rref_rpc_sync(k, "counter_add", &five, 1, NULL, &v));
+    MP_CHECK(as_int(v) == 12);
+    td_value_unref(v);
+    MP_CHECK(__atomic_load_n(&rt_counters_destroyed, __ATOMIC_ACQUIRE) == 0);
+    td_rref_unref(k);
+    MP_CHECK(__atomic_load_n(&rt_counters_destroyed, __ATOMIC_ACQUIRE) == 1);
+    td_value_unref(start10);
+    td_value_unref(five);
+    for (int i = 0; i < 1000; i++) {
+      counter_stats(a, "worker1", &made, &destroyed);
+      if (destroyed == 2) break;
+      rt_sleep_ms(5);
+    }
+    MP_CHECK(made == 2 && destroyed == 2);
+  }
+  rt_barrier(a, 1);
+  rt_wait_empty(a);
+  finish(a);
+  return 0;
+}
+
+static void test_rref_proxies_on_objects(void **state) { RUN(2, worker_proxies, 90); }
+
+/* ---- fork orderings ---- */
+
+static int worker_forks(int rank, int world, const char *method, void *arg) {
+  /* the owner of (1)-(3) accepts forks late: deletes overtake fork messages */
+  if (rank == 1) setenv("TD_RREF_TEST_FORK_DELAY_MS", "200", 1);
+  td_rpc_agent *a = start(rank, world, method, 4);
+  if (rank == 0) {
+    td_value *zero = td_value_int(0), *ms = td_value_int(500), *v;
+    int64_t made, destroyed;
+
+    /* (1) a fork sent before the owner confirmed the creation: worker2 fetches the value */
+    td_rref *r;
+    MP_CHECK_OK(td_remote(a, "worker1", "make_counter", (td_value *[]){zero, ms}, 2, NULL, &r));
+    td_rref *g;
+    MP_CHECK_OK(td_rref_remote(r, "counter_get", NULL, 0, NULL, &g));
+    MP_CHECK(!td_rref_confirmed_by_owner(g));
+    td_value *gv = td_value_rref(g);
+    MP_CHECK_OK(td_rpc_sync(a, "worker2", "here", &gv, 1, NULL, &v)); /* fork of a pending RRef */
+    MP_CHECK(as_int(v) == 0);
+    td_value_unref(v);
+    td_value_unref(gv);
+    td_rref_unref(g);
+
+    /* (2) the parent releases its RRef before its child's fork was accepted */
+    td_value *rv = td_value_rref(r);
+    td_future *f;
+    MP_CHECK_OK(td_rpc_async(a, "worker2", "keep", &rv, 1, NULL, &f));
+    td_value_unref(rv);
+    td_rref_unref(r); /* worker0 holds nothing now; the hold on the fork keeps the value */
+    MP_CHECK_OK(td_future_wait(f, 10000));
+    td_future_unref(f);
+    counter_stats(a, "worker1", &made, &destroyed);
+    MP_CHECK(made == 1 && destroyed == 0);
+    /* worker2 still reaches the object; its fork is confirmed by the owner */
+    MP_CHECK_OK(td_rpc_sync(a, "worker2", "table", NULL, 0, NULL, &v));
+    MP_CHECK(as_int(td_value_list_get(v, 1)) == 1);
+    td_value_unref(v);
+    MP_CHECK_OK(td_rpc_sync(a, "worker2", "drop_all", NULL, 0, NULL, &v));
+    td_value_unref(v);
+    for (int i = 0; i < 1000 && destroyed == 0; i++) {
+      counter_stats(a, "worker1", &made, &destroyed);
+      if (!destroyed) rt_sleep_ms(5);
+    }
+    MP_CHECK(destroyed == 1);
+
+    /* (3) an RRef sent to its own owner becomes a local handle there */
+    MP_CHECK_OK(td_remote(a, "worker1", "make_counter", &zero, 1, NULL, &r));
+    rv = td_value_rref(r);
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "keep", &rv, 1, NULL, &v));
+    MP_CHECK(td_value_list_get(v, 1) && td_value_equal(td_value_list_get(v, 1), td_value_bool(true)));
+    td_value_unref(v);
+    td_value_unref(rv);
+    td_rref_unref(r);
+    rt_sleep_ms(100);
+    counter_stats(a, "worker1", &made, &destroyed);
+    MP_CHECK(made == 2 && destroyed == 1); /* the owner's handle keeps it */
+    /* the owner's table shows one handle and no fork once things settle */
+    for (int i = 0; i < 1000; i++) {
+      MP_CHECK_OK(td_rpc_sync(a, "worker1", "table", NULL, 0, NULL, &v));
+      int64_t owned = as_int(td_value_list_get(v, 0));
+      td_value_unref(v);
+      if (owned == 1) break;
+      rt_sleep_ms(5);
+    }
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "drop_all", NULL, 0, NULL, &v));
+    td_value_unref(v);
+    for (int i = 0; i < 1000; i++) { /* worker0's delete follows the (late) fork ack */
+      counter_stats(a, "worker1", &made, &destroyed);
+      if (destroyed == 2) break;
+      rt_sleep_ms(5);
+    }
+    MP_CHECK(destroyed == 2);
+
+    /* (4) an RRef forwarded by a user to a third worker fire-and-forget, released everywhere at
+     * once; and a confirmed fork seen in the debug table */
+    MP_CHECK_OK(td_remote(a, "worker2", "make_counter", (td_value *[]){zero, ms}, 2, NULL, &r));
+    rv = td_value_rref(r);
+    td_value *to = td_value_string("worker1");
+    for (int i = 0; i < 20; i++) {
+      MP_CHECK_OK(td_rpc_async(a, "worker1", "forward", (td_value *[]){rv, to}, 2, NULL, &f));
+      td_future_unref(f);
+    }
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "keep", &rv, 1, NULL, &v));
+    td_value_unref(v);
+    td_value_unref(to);
+    td_value_unref(rv);
+    td_value *t;
+    MP_CHECK_OK(td_rref_debug_table(a, &t));
+    td_value *users = td_value_dict_get(t, "users");
+    MP_CHECK(td_value_list_len(users) == 1);
+    td_value_unref(t);
+    td_rref_unref(r);
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "drop_all", NULL, 0, NULL, &v));
+    td_value_unref(v);
+    for (int i = 0; i < 1000; i++) {
+      counter_stats(a, "worker2", &made, &destroyed);
+      if (destroyed == 1) break;
+      rt_sleep_ms(5);
+    }
+    MP_CHECK(made == 1 && destroyed == 1);
+    td_value_unref(zero);
+    td_value_unref(ms);
+  }
+  rt_barrier(a, 1);
+  rt_wait_empty(a);
+  MP_CHECK(rt_counters_made == rt_counters_destroyed);
+  finish(a);
+  return 0;
+}
+
+static void test_rref_fork_orderings(void **state) { RUN(3, worker_forks, 120); }
+
+/* ---- chain A -> B -> C -> owner ---- */
+
+static int worker_chain(int rank, int world, const char *method, void *arg) {
+  td_rpc_agent *a = start(rank, world, method, 4);
+  if (rank == 0) {
+    /* owner worker3; A = worker0 (creator), B = worker1, C = worker2, then back to the owner;
+     * the creation is still running while the RRef travels */
+    td_value *zero = td_value_int(0), *ms = td_value_int(300), *v;
+    td_rref *r;
+    MP_CHECK_OK(td_remote(a, "worker3", "make_counter", (td_value *[]){zero, ms}, 2, NULL, &r));
+    td_value *rv = td_value_rref(r);
+    td_value *path = td_value_list();
+    td_value_list_append(path, td_value_string("worker2"));
+    td_value_list_append(path, td_value_string("worker3"));
+    td_future *f;
+    MP_CHECK_OK(td_rpc_async(a, "worker1", "pass_on", (td_value *[]){rv, path}, 2, NULL, &f));
+    td_value_unref(rv);
+    td_value_unref(path);
+    td_rref_unref(r); /* A lets go at once */
+    MP_CHECK_OK(td_future_wait(f, 20000));
+    MP_CHECK(td_value_equal(td_future_value(f), td_value_bool(true))); /* owner got a handle */
+    td_future_unref(f);
+    int64_t made = 0, destroyed;
+    for (int i = 0; i < 1000 && made == 0; i++) { /* the creation may still be running */
+      counter_stats(a, "worker3", &made, &destroyed);
+      if (!made) rt_sleep_ms(5);
+    }
+    MP_CHECK(made == 1 && destroyed == 0);
+    /* every holder fetches through its own fork */
+    for (int w = 1; w <= 2; w++) {
+      char name[16];
+      snprintf(name, sizeof name, "worker%d", w);
+      MP_CHECK_OK(td_rpc_sync(a, name, "table", NULL, 0, NULL, &v));
+      MP_CHECK(as_int(td_value_list_get(v, 1)) == 1);
+      td_value_unref(v);
+    }
+    /* B and C release first, then the owner's handle: freed after the last one */
+    for (int w = 1; w <= 3; w++) {
+      char name[16];
+      snprintf(name, sizeof name, "worker%d", w);
+      MP_CHECK_OK(td_rpc_sync(a, name, "drop_all", NULL, 0, NULL, &v));
+      td_value_unref(v);
+    }
+    for (int i = 0; i < 1000; i++) {
+      counter_stats(a, "worker3", &made, &destroyed);
+      if (destroyed) break;
+      rt_sleep_ms(5);
+    }
+    MP_CHECK(made == 1 && destroyed == 1);
+    td_value_unref(zero);
+    td_value_unref(ms);
+  }
+  rt_barrier(a, 1);
+  rt_wait_empty(a);
+  finish(a);
+  return 0;
+}
+
+static void test_rref_fork_chain_to_owner(void **state) { RUN(4, worker_chain, 120); }
+
+/* ---- 1000 RRefs created, forked and released concurrently by 3 workers ---- */
+
+static int worker_stress(int rank, int world, const char *method, void *arg) {
+  td_rpc_agent *a = start(rank, world, method, 4);
+  unsigned seed = 1234u + (unsigned)rank * 77u;
+  int n = rank == 0 ? 334 : 333; /* 1000 in all */
+  td_future **fs = calloc((size_t)n * 2, sizeof *fs);
+  int nf = 0;
+  char me[16], other[16], third[16];
+  snprintf(me, sizeof me, "worker%d", rank);
+  for (int i = 0; i < n; i++) {
+    int owner = (int)(rand_r(&seed) % 3);
+    int o1 = (int)(rand_r(&seed) % 3), o2 = (int)(rand_r(&seed) % 3);
+    char oname[16];
+    snprintf(oname, sizeof oname, "worker%d", owner);
+    snprintf(other, sizeof other, "worker%d", o1);
+    snprintf(third, sizeof third, "worker%d", o2);
+    td_value *x = td_value_int(i), *ms = td_value_int(i % 7 == 0 ? 2 : 0);
+    td_rref *r;
+    if (i % 5 == 0) {
+      MP_CHECK_OK(td_remote(a, oname, "make_counter", (td_value *[]){x, ms}, 2, NULL, &r));
+    } else {
+      MP_CHECK_OK(td_remote(a, oname, "add", (td_value *[]){x, x}, 2, NULL, &r));
+    }
+    td_value *rv = td_value_rref(r);
+    td_value *to = td_value_string(third);
+    /* fork to `other`, which forwards a fork to `third` and drops its own */
+    MP_CHECK_OK(td_rpc_async(a, other, "forward", (td_value *[]){rv, to}, 2, NULL, &fs[nf++]));
+    if (i % 3 == 0) /* and sometimes a fetch through a fork, or a proxy */
+      MP_CHECK_OK(i % 5 == 0 ? td_rref_rpc_async(r, "counter_get", NULL, 0, NULL, &fs[nf++])
+                             : td_rpc_async(a, third, "here", &rv, 1, NULL, &fs[nf++]));
+    td_value_unref(to);
+    td_value_unref(rv);
+    td_value_unref(x);
+    td_value_unref(ms);
+    td_rref_unref(r); /* released right away, often before any fork was accepted */
+  }
+  MP_CHECK_OK(td_future_wait_all(fs, nf, 60000));
+  for (int i = 0; i < nf; i++) td_future_unref(fs[i]);
+  free(fs);
+  rt_barrier(a, 1); /* everybody's work is done and every RRef released */
+  rt_wait_empty(a);
+  MP_CHECK(rt_counters_made == rt_counters_destroyed);
+  rt_barrier(a, 2);
+  finish(a);
+  return 0;
+}
+
+static void test_rref_stress_1000_concurrent(void **state) { RUN(3, worker_stress, 240); }
+
+/* ---- strict mode turns leaks into shutdown errors ---- */
+
+static int worker_leak(int rank, int world, const char *method, void *arg) {
+  td_rpc_agent *a = start(rank, world, method, 4);
+  td_rref *r = NULL;
+  if (rank == 0) {
+    td_value *x = td_value_int(1);
+    MP_CHECK_OK(td_remote(a, "worker1", "make_counter", &x, 1, NULL, &r));
+    td_value_unref(x);
+    td_value *v;
+    MP_CHECK_OK(td_rref_rpc_sync(r, "counter_get", NULL, 0, NULL, &v));
+    td_value_unref(v);
+  }
+  rt_barrier(a, 1);
+  td_status st = td_rpc_shutdown(a, true, 30000);
+  MP_CHECK(st == TD_ERR_STATE);
+  MP_CHECK(strstr(td_last_error(), "leaked") != NULL);
+  MP_CHECK(strstr(td_last_error(), rank == 0 ? "user 0:" : "owned 0:") != NULL);
+  if (rank == 1) MP_CHECK(rt_counters_destroyed == 1); /* released at shutdown */
+  /* releasing after shutdown is safe (nothing is sent) */
+  td_rref_unref(r);
+  td_rpc_destroy(a);
+  CHECK_NO_LEAKS();
+  return 0;
+}
+
+static void test_rref_strict_mode_reports_leaks(void **state) { RUN(2, worker_leak, 90); }
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_rref_remote_to_here),
+      cmocka_unit_test(test_rref_creation_errors_and_timeouts),
+      cmocka_unit_test(test_rref_proxies_on_objects),
+      cmocka_unit_test(test_rref_fork_orderings),
+      cmocka_unit_test(test_rref_fork_chain_to_owner),
+      cmocka_unit_test(test_rref_stress_1000_concurrent),
+      cmocka_unit_test(test_rref_strict_mode_reports_leaks),
+  };
+  return cmocka_run_group_tests_name("rref", tests, NULL, NULL);
+}
