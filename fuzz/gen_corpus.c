@@ -1,6 +1,7 @@
 /* gen_corpus.c - writes the seed corpus of fuzz_wire_decoder: a few valid frames made by the real
  * encoder (every value kind, nested containers, tensors of each dtype including 0-d and 0-byte
- * ones, an extension value, an error reply, frames back to back).
+ * ones, an extension value, an error reply, a hashed dict, a tree one level deeper than the
+ * decoder accepts, frames back to back).
  *
  * Usage: gen_corpus OUTDIR. Each seed is one selector byte (where the fuzzer splits the stream)
  * followed by whole frames. Built and run at build time, so the seeds follow the wire format.
@@ -154,6 +155,38 @@ int main(int argc, char **argv) {
   /* 5: every frame above back to back, split near the middle. */
   write_seed(dir, k++, 127, &all);
   free(all.p);
+  /* 6: a dict big enough to be hashed, with a string holding NUL bytes and a -0.0. */
+  {
+    buf b = {0};
+    td_value *d = td_value_dict();
+    for (int i = 0; i < 12; i++) {
+      char key[8];
+      snprintf(key, sizeof key, "k%d", i);
+      set(d, key, td_value_int(i));
+    }
+    set(d, "nul", td_value_string_n("a\0b", 3));
+    set(d, "negzero", td_value_double(-0.0));
+    td_value *v[] = {d};
+    put_msg(&b, 6, TD__MSG_REQUEST, "dict", v, 1);
+    write_seed(dir, k++, 64, &b);
+    free(b.p);
+  }
+  /* 7: lists nested TD__MAX_DEPTH + 1 deep (refused), then a good frame. */
+  {
+    buf b = {0};
+    td_value *v = td_value_none();
+    for (int i = 0; i <= TD__MAX_DEPTH; i++) {
+      td_value *l = td_value_list();
+      add(l, v);
+      v = l;
+    }
+    td_value *deep[] = {v};
+    put_msg(&b, 7, TD__MSG_REQUEST, "deep", deep, 1);
+    td_value *next[] = {td_value_int(8)};
+    put_msg(&b, 8, TD__MSG_REQUEST, "next", next, 1);
+    write_seed(dir, k++, 250, &b);
+    free(b.p);
+  }
   printf("gen_corpus: %d seeds in %s\n", k, dir);
   return 0;
 }

@@ -359,6 +359,7 @@ size_t td_tensor_nbytes(const td_tensor *t) {
 }
 
 bool td_tensor_is_contiguous(const td_tensor *t) {
+  if (td_tensor_numel(t) == 0) return true; /* nothing to lay out */
   int64_t s = 1;
   for (int i = t->ndim - 1; i >= 0; i--) {
     if (t->shape[i] == 1) continue;

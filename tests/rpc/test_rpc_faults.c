@@ -9,6 +9,7 @@
  *
  * INTERNAL: the raw-client tests build and parse frames with rpc/wire.h.
  */
+#include <dirent.h>
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
@@ -16,7 +17,6 @@
 #include <grpc/slice.h>
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
-#include <dirent.h>
 #include <signal.h>
 #include <sys/types.h>
 
@@ -205,10 +205,11 @@ static int worker_killed(int rank, int world, const char *method, void *arg) {
   double t0 = now_s();
   td_status st = td_rpc_shutdown(a, true, 2000);
   double el = now_s() - t0;
-  if (st != TD_ERR_TIMEOUT) fprintf(stderr, "shutdown: %s: %s\n", td_status_name(st), td_last_error());
+  const char *why = td_last_error();
+  if (st != TD_ERR_TIMEOUT) fprintf(stderr, "shutdown: %s: %s\n", td_status_name(st), why);
   MP_CHECK(st == TD_ERR_TIMEOUT);
-  MP_CHECK(strstr(td_last_error(), "worker1 (rank 1)") != NULL);
-  MP_CHECK(strstr(td_last_error(), "worker0") == NULL && strstr(td_last_error(), "worker2") == NULL);
+  MP_CHECK(strstr(why, "worker1 (rank 1)") != NULL);
+  MP_CHECK(strstr(why, "worker0") == NULL && strstr(why, "worker2") == NULL);
   MP_CHECK(el < scaled(6));
   td_rpc_destroy(a);
   CHECK_NO_LEAKS();
