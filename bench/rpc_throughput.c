@@ -24,7 +24,9 @@ static td_status fn_echo(td_rpc_ctx *c, td_value *const *args, int n, td_value *
   return TD_OK;
 }
 
-/* One round (warm-up or timed): `total` calls with at most `inflight` outstanding. */
+/* One round (warm-up or timed): `total` calls with at most `inflight` outstanding. A round
+ * outlives the agents, so a callback still finishing when its round has ended touches valid
+ * memory. */
 typedef struct tp_round {
   td_rpc_agent *a;
   td_value *arg;
@@ -55,24 +57,32 @@ static void issue_next(tp_round *r) {
   tl_active = 0;
 }
 
+/* fail_round records the first failure and ends the round (main then aborts the run). */
+static void fail_round(tp_round *r, const char *what) {
+  __atomic_add_fetch(&r->failed, 1, __ATOMIC_RELAXED);
+  pthread_mutex_lock(&r->mu);
+  if (!r->err[0]) snprintf(r->err, sizeof r->err, "%s", what);
+  r->finished = true;
+  pthread_cond_signal(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+}
+
 static void on_reply(td_future *f, void *ctx) {
   tp_round *r = ctx;
+  long long total = r->total;
   td_status st = td_future_status(f);
   int64_t got = -1;
   if (st == TD_OK) st = td_value_as_int(td_future_value(f), &got);
-  if (st == TD_OK && got != 7) st = TD_ERR_INTERNAL;
-  if (st != TD_OK) {
-    pthread_mutex_lock(&r->mu);
-    if (!r->err[0])
-      snprintf(r->err, sizeof r->err, "%s: %s", td_status_name(st),
-               td_future_status(f) != TD_OK ? td_future_message(f) : "wrong answer");
-    pthread_mutex_unlock(&r->mu);
-    __atomic_add_fetch(&r->failed, 1, __ATOMIC_RELAXED);
+  if (st != TD_OK || got != 7) {
+    char what[512];
+    snprintf(what, sizeof what, "%s: %s", td_status_name(st == TD_OK ? TD_ERR_INTERNAL : st),
+             td_future_status(f) != TD_OK ? td_future_message(f) : "wrong answer");
+    fail_round(r, what);
+    return;
   }
   /* keep the window full: a call finished, start the next one */
-  if (st == TD_OK) issue_next(r);
-  long long done = __atomic_add_fetch(&r->replied, 1, __ATOMIC_ACQ_REL);
-  if (done == r->total || st != TD_OK) {
+  issue_next(r);
+  if (__atomic_add_fetch(&r->replied, 1, __ATOMIC_ACQ_REL) == total) {
     pthread_mutex_lock(&r->mu);
     r->finished = true;
     pthread_cond_signal(&r->cv);
@@ -87,42 +97,36 @@ static void issue(tp_round *r) {
   td_status st = td_rpc_async(r->a, "worker1", "bench_echo", &r->arg, 1, NULL, &f);
   if (st == TD_OK) st = td_future_on_done(f, on_reply, r);
   if (st != TD_OK) {
-    pthread_mutex_lock(&r->mu);
-    if (!r->err[0]) snprintf(r->err, sizeof r->err, "%s: %s", td_status_name(st), td_last_error());
-    r->finished = true;
-    pthread_cond_signal(&r->cv);
-    pthread_mutex_unlock(&r->mu);
-    __atomic_add_fetch(&r->failed, 1, __ATOMIC_RELAXED);
+    char what[512];
+    snprintf(what, sizeof what, "%s: %s", td_status_name(st), td_last_error());
+    fail_round(r, what);
   }
   /* the agent keeps its own reference until the callbacks have run */
   td_future_unref(f);
 }
 
-/* run_round makes `total` calls with `inflight` outstanding; returns the wall time in s. */
-static double run_round(rb_pair *p, td_value *arg, long long total, long long inflight) {
-  tp_round r;
-  memset(&r, 0, sizeof r);
-  r.a = p->agent;
-  r.arg = arg;
-  r.total = total;
-  pthread_mutex_init(&r.mu, NULL);
-  pthread_cond_init(&r.cv, NULL);
+/* run_round makes `total` calls with `inflight` outstanding; returns the wall time in s. r lives
+ * until the agents are gone (callbacks may still look at it after the round has ended). */
+static double run_round(rb_pair *p, tp_round *r, td_value *arg, long long total,
+                        long long inflight) {
+  memset(r, 0, sizeof *r);
+  r->a = p->agent;
+  r->arg = arg;
+  r->total = total;
+  pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->cv, NULL);
   uint64_t t0 = rb_now_ns();
-  for (long long i = 0; i < inflight && i < total; i++) issue_next(&r);
-  pthread_mutex_lock(&r.mu);
-  while (!r.finished) pthread_cond_wait(&r.cv, &r.mu);
-  pthread_mutex_unlock(&r.mu);
+  for (long long i = 0; i < inflight && i < total; i++) issue_next(r);
+  pthread_mutex_lock(&r->mu);
+  while (!r->finished) pthread_cond_wait(&r->cv, &r->mu);
+  pthread_mutex_unlock(&r->mu);
   double wall = (double)(rb_now_ns() - t0) * 1e-9;
-  if (__atomic_load_n(&r.failed, __ATOMIC_ACQUIRE)) {
-    pthread_mutex_lock(&r.mu);
-    fprintf(stderr, "rpc_throughput: a call failed: %s\n", r.err);
-    pthread_mutex_unlock(&r.mu);
+  if (__atomic_load_n(&r->failed, __ATOMIC_ACQUIRE)) {
+    pthread_mutex_lock(&r->mu);
+    fprintf(stderr, "rpc_throughput: a call failed: %s\n", r->err);
+    pthread_mutex_unlock(&r->mu);
     rb_abort(p);
   }
-  /* The callback that counted the last reply set `finished` under mu; every other callback had
-   * finished with r before counting its reply, so r is no longer in use. */
-  pthread_cond_destroy(&r.cv);
-  pthread_mutex_destroy(&r.mu);
   return wall;
 }
 
@@ -150,10 +154,15 @@ int main(int argc, char **argv) {
   if (!arg) return 1;
 
   rb_pair p;
+  tp_round rounds[2]; /* warm-up, timed */
   rb_start(&p, (int)threads);
-  if (warmup > 0) run_round(&p, arg, warmup, inflight);
-  double wall = run_round(&p, arg, calls, inflight);
-  int rc = rb_finish(&p);
+  if (warmup > 0) run_round(&p, &rounds[0], arg, warmup, inflight);
+  double wall = run_round(&p, &rounds[1], arg, calls, inflight);
+  int rc = rb_finish(&p); /* no callback runs after this */
+  for (int i = warmup > 0 ? 0 : 1; i < 2; i++) {
+    pthread_cond_destroy(&rounds[i].cv);
+    pthread_mutex_destroy(&rounds[i].mu);
+  }
 
   char blas[32];
   printf("{\"bench\": \"rpc_throughput\", \"config\": {\"impl\": \"tdist\", \"transport\": "
