@@ -168,6 +168,20 @@ td_status td__agent_add_hooks(const td__agent_hooks *h) {
   return TD_OK;
 }
 
+static const td__rpc_middleware *middleware;
+
+td_status td__rpc_set_middleware(const td__rpc_middleware *mw) {
+  const td__rpc_middleware *expected = NULL;
+  if (__atomic_compare_exchange_n(&middleware, &expected, mw, false, __ATOMIC_ACQ_REL,
+                                  __ATOMIC_ACQUIRE) || expected == mw)
+    return TD_OK;
+  return td_set_error(TD_ERR_EXISTS, "rpc: another message middleware is registered");
+}
+
+static const td__rpc_middleware *mw_get(void) {
+  return __atomic_load_n(&middleware, __ATOMIC_ACQUIRE);
+}
+
 /* ---- the agent ---- */
 
 typedef struct pending {
@@ -219,6 +233,8 @@ struct td_rpc_agent {
 };
 
 td__threadpool *td__agent_pool(td_rpc_agent *a) { return a->pool; }
+const td__store_client *td__agent_store(td_rpc_agent *a) { return &a->sc; }
+const char *td__agent_listen_addr(td_rpc_agent *a) { return a->listen_addr; }
 
 void td_rpc_options_init(td_rpc_options *o) {
   memset(o, 0, sizeof *o);
@@ -460,14 +476,26 @@ static void reply(request *r, int kind, td_value *value, td_status st, const cha
     m.from_rank = a->rank;
     m.fn = r->msg.fn;
     td_value *vals[1] = {value};
+    char mwmsg[1200];
     if (kind == TD__MSG_RESPONSE) {
       m.values = vals;
       m.nvalues = 1;
+      m.ctx_id = r->msg.ctx_id;
+      const td__rpc_middleware *mw = mw_get();
+      td_status ms = mw && m.ctx_id ? mw->on_send(a, td__conn_peer(r->conn), &m) : TD_OK;
+      if (ms != TD_OK) {
+        snprintf(mwmsg, sizeof mwmsg, "%s (rank %d): cannot send the result of '%s': %s",
+                 a->name, a->rank, r->msg.fn ? r->msg.fn : "?", td_last_error());
+        td__free(m.aux);
+        m = (td__msg){.id = r->msg.id, .kind = TD__MSG_ERROR, .from_rank = a->rank,
+                      .status = ms, .message = mwmsg};
+      }
     } else {
       m.status = st;
       m.message = (char *)message;
     }
     sent = send_frame_or_log(a, r->conn, &m) == TD_OK;
+    td__free(m.aux);
     td_value_unref(value);
   }
   if (sent) __atomic_add_fetch(&a->served_total, 1, __ATOMIC_ACQ_REL);
@@ -509,11 +537,22 @@ static void run_request(void *arg) {
                 r->msg.fn, r->caller, r->msg.from_rank);
     return;
   }
+  const td__rpc_middleware *mw = r->msg.ctx_id ? mw_get() : NULL;
+  td__mw_scope scope = {0};
+  if (mw) {
+    td_status ms = mw->on_recv(a, r->msg.from_rank, &r->msg);
+    if (ms != TD_OK) {
+      reply_error(r, ms, "'%s': %s", r->msg.fn, td_last_error());
+      return;
+    }
+    mw->enter(a, &r->msg, &scope);
+  }
   td_rpc_ctx ctx = {a, r->msg.from_rank, r->caller, reg.user_data, r->msg.fn, r->msg.ctx_id};
   td_value *result = NULL;
   td_future *fut = NULL;
   td_clear_error();
   td_status st = reg.fn(&ctx, r->msg.values, r->msg.nvalues, &result, &fut);
+  if (mw) mw->leave(&scope);
   if (st != TD_OK) {
     td_value_unref(result);
     td_future_unref(fut);
@@ -572,6 +611,15 @@ static void on_msg(void *ud, td__conn *c, td__msg *m) {
     return;
   }
   td_value *v = NULL;
+  const td__rpc_middleware *mw = m->ctx_id ? mw_get() : NULL;
+  if (mw && m->kind == TD__MSG_RESPONSE && mw->on_recv(a, td__conn_peer(c), m) != TD_OK) {
+    char why[800];
+    snprintf(why, sizeof why, "rpc: reply from %s (rank %d) rejected: %s",
+             peer_name(a, td__conn_peer(c)), td__conn_peer(c), td_last_error());
+    deliver_response(a, m->id, TD__MSG_ERROR, NULL, TD_ERR_FORMAT, why);
+    td__msg_clear(m);
+    return;
+  }
   if (m->kind == TD__MSG_RESPONSE && m->nvalues == 1) {
     v = m->values[0];
     m->values[0] = NULL;
@@ -754,9 +802,19 @@ td_status td_rpc_async(td_rpc_agent *a, const char *to, const char *fn, td_value
   m.timeout_ms = timeout;
   td__frame frame = {0};
   td_status st = TD_OK;
+  const td__rpc_middleware *mw = mw_get();
+  if (mw && (st = mw->on_send(a, peer, &m)) != TD_OK) {
+    td__free(m.aux);
+    pending_free(p);
+    td_future_unref(f);
+    return st;
+  }
+  uint64_t ctx_id = m.ctx_id;
   if (peer != a->rank) {
     td__wire_ctx wctx = {a, peer, a->rank};
     st = td__wire_encode(&m, &wctx, &frame);
+    td__free(m.aux);
+    m.aux = NULL;
     if (st == TD_OK) st = peer_conn(a, peer, &p->conn);
     if (st != TD_OK) {
       td__frame_clear(&frame);
@@ -800,7 +858,8 @@ td_status td_rpc_async(td_rpc_agent *a, const char *to, const char *fn, td_value
       for (int i = 0; i < nargs; i++) vals[i] = td_value_ref(args[i]);
       r->a = a;
       r->msg = (td__msg){.id = p->id, .kind = TD__MSG_REQUEST, .fn = fncopy, .from_rank = a->rank,
-                         .values = vals, .nvalues = nargs, .timeout_ms = timeout};
+                         .values = vals, .nvalues = nargs, .timeout_ms = timeout,
+                         .ctx_id = ctx_id};
       snprintf(r->caller, sizeof r->caller, "%s", a->name);
       __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
       if (td__threadpool_submit(a->pool, run_request, r) != TD_OK)

@@ -38,7 +38,38 @@ typedef struct td__agent_hooks {
 } td__agent_hooks;
 td_status td__agent_add_hooks(const td__agent_hooks *h);
 
+/* Message middleware: one upper layer (distributed autograd) sees every request and response
+ * that carries values, on both ends, including internal "__" calls and calls to self.
+ * - on_send(a, peer, m): before m is encoded (peer == own rank for calls to self, whose values are
+ *   shared, not copied), on the sending thread. For a request m->ctx_id is 0 on entry; for a
+ *   response it is the request's. It may set m->ctx_id, m->autograd_msg_id and m->aux / m->naux
+ *   (td__malloc'd; the agent frees it). An error fails the call (requests) or replaces the
+ *   response with that error.
+ * - on_recv(a, peer, m): for a request on the pool thread before the handler; for a response on
+ *   the poller thread before the caller's future completes (must not block). It may replace
+ *   tensors inside m->values (td__value_map_tensors). An error is the call's outcome.
+ * - enter / leave: around the handler of a request, on the pool thread; scope is caller storage.
+ * Registered once per process (a second different registration is TD_ERR_EXISTS). */
+typedef struct td__mw_scope {
+  void *prev, *cur;
+} td__mw_scope;
+typedef struct td__rpc_middleware {
+  td_status (*on_send)(td_rpc_agent *a, int peer, td__msg *m);
+  td_status (*on_recv)(td_rpc_agent *a, int peer, td__msg *m);
+  void (*enter)(td_rpc_agent *a, const td__msg *m, td__mw_scope *scope);
+  void (*leave)(td__mw_scope *scope);
+} td__rpc_middleware;
+td_status td__rpc_set_middleware(const td__rpc_middleware *mw);
+
 /* The agent's thread pool (to schedule work off the poller thread). */
 td__threadpool *td__agent_pool(td_rpc_agent *a);
+
+/* td__agent_store returns the agent's client of the rendezvous store (collectives use it to set
+ * up process groups). Borrowed; valid until td_rpc_destroy. The store operations may be called
+ * from any thread; after td_rpc_shutdown rank 0's store may be gone (calls then fail). */
+const td__store_client *td__agent_store(td_rpc_agent *a);
+/* td__agent_listen_addr returns the address the agent's server listens on ("127.0.0.1" by
+ * default). Borrowed; valid until td_rpc_destroy. */
+const char *td__agent_listen_addr(td_rpc_agent *a);
 
 #endif

@@ -690,6 +690,30 @@ td_status td__value_walk_tensors(const td_value *v, td__tensor_visit_fn fn, void
   }
 }
 
+td_status td__value_map_tensors(td_value *v, td__tensor_map_fn fn, void *ctx) {
+  if (!v) return TD_OK;
+  switch (v->kind) {
+    case TD_VALUE_TENSOR: {
+      td_tensor *repl = NULL;
+      TD_TRY(fn(ctx, v->u.tensor, &repl));
+      if (repl) {
+        td_tensor_unref(v->u.tensor);
+        v->u.tensor = repl;
+      }
+      return TD_OK;
+    }
+    case TD_VALUE_LIST:
+      for (size_t i = 0; i < v->u.list.len; i++)
+        TD_TRY(td__value_map_tensors(v->u.list.items[i], fn, ctx));
+      return TD_OK;
+    case TD_VALUE_DICT:
+      for (size_t i = 0; i < v->u.dict.len; i++)
+        TD_TRY(td__value_map_tensors(v->u.dict.items[i].val, fn, ctx));
+      return TD_OK;
+    default: return TD_OK;
+  }
+}
+
 /* ---- extension registry ---- */
 
 static pthread_mutex_t ext_mu = PTHREAD_MUTEX_INITIALIZER;

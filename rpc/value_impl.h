@@ -44,4 +44,12 @@ const td__value_ext_type *td__value_ext_find(const char *name);
 typedef td_status (*td__tensor_visit_fn)(void *ctx, td_tensor *t);
 td_status td__value_walk_tensors(const td_value *v, td__tensor_visit_fn fn, void *ctx);
 
+/* td__value_map_tensors replaces tensors of a tree in place, in the order of
+ * td__value_walk_tensors: fn(ctx, t, &repl) may store a new reference in repl (the value then
+ * holds repl instead of t) or leave it NULL. Only for trees nobody else can see yet (a message
+ * just decoded): values are otherwise immutable. Used by distributed autograd to make received
+ * tensors the outputs of recv functions. */
+typedef td_status (*td__tensor_map_fn)(void *ctx, td_tensor *t, td_tensor **repl);
+td_status td__value_map_tensors(td_value *v, td__tensor_map_fn fn, void *ctx);
+
 #endif

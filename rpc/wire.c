@@ -22,6 +22,7 @@ void td__msg_clear(td__msg *m) {
   td__free(m->message);
   for (int i = 0; i < m->nvalues; i++) td_value_unref(m->values[i]);
   td__free(m->values);
+  td__free(m->aux);
   memset(m, 0, sizeof *m);
 }
 
@@ -266,6 +267,8 @@ td_status td__wire_encode(const td__msg *m, td__wire_ctx *ctx, td__frame *out) {
   env.timeout_ms = m->timeout_ms;
   env.ctx_id = m->ctx_id;
   env.autograd_msg_id = m->autograd_msg_id;
+  env.n_aux = m->naux > 0 ? (size_t)m->naux : 0;
+  env.aux = m->aux;
   size_t hl = tdist__envelope__get_packed_size(&env);
   if (hl > TD__MAX_HEADER) {
     td__free(ptrs);
@@ -544,6 +547,16 @@ static void deliver(td__decoder *d) {
   m.ctx_id = e->ctx_id;
   m.autograd_msg_id = e->autograd_msg_id;
   td_status st = build_values(d, &m);
+  if (st == TD_OK && e->n_aux) {
+    if (e->n_aux > (size_t)INT32_MAX) {
+      st = td_set_error(TD_ERR_FORMAT, "too many aux ids (%zu)", e->n_aux);
+    } else if (!(m.aux = td__malloc(e->n_aux * sizeof *m.aux))) {
+      st = td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
+    } else {
+      memcpy(m.aux, e->aux, e->n_aux * sizeof *m.aux);
+      m.naux = (int)e->n_aux;
+    }
+  }
   if (st == TD_OK) {
     m.fn = td__strdup(e->fn ? e->fn : "");
     m.message = td__strdup(e->message ? e->message : "");

@@ -33,6 +33,9 @@ typedef struct td__msg {
   char *message;    /* owned */
   int64_t timeout_ms;
   uint64_t ctx_id, autograd_msg_id;
+  uint64_t *aux; /* owned (td__malloc); extra ids of upper layers (distributed autograd: the walk
+                  * indices of the tensors that carry gradients) */
+  int naux;
 } td__msg;
 
 /* td__msg_clear releases what m owns and zeroes it. */

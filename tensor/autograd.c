@@ -339,8 +339,9 @@ void td_grad_map_destroy(td_grad_map *m) {
   td__free(m);
 }
 
-/* Takes a reference to g (owned or copied) into the entry for t. */
-static td_status grad_map_add(td_grad_map *m, td_tensor *t, td_tensor *g) {
+/* Adds g into the entry for t. adopt: g may be kept as the entry itself when nobody else holds
+ * it (the engine's own gradients); otherwise a new entry gets a copy. */
+static td_status grad_map_add(td_grad_map *m, td_tensor *t, td_tensor *g, bool adopt) {
   td_status st = TD_OK;
   pthread_mutex_lock(&m->mu);
   bool inserted;
@@ -349,7 +350,7 @@ static td_status grad_map_add(td_grad_map *m, td_tensor *t, td_tensor *g) {
     st = td_set_error(TD_ERR_NOMEM, "grad_map: out of memory");
   } else if (inserted) {
     td_tensor *owned = NULL;
-    st = own_grad(g, &owned);
+    st = adopt ? own_grad(g, &owned) : td_tensor_clone(g, &owned);
     if (st != TD_OK) {
       /* Remove the half-made entry: rebuild without it. */
       s->key = NULL;
@@ -381,7 +382,7 @@ td_status td_grad_map_accumulate(td_grad_map *m, td_tensor *t, const td_tensor *
                         td_tensor_shape_str(grad, a, sizeof a), td_tensor_shape_str(t, b, sizeof b));
   }
   bool prev = td_autograd_set_enabled(false);
-  td_status st = grad_map_add(m, t, (td_tensor *)grad);
+  td_status st = grad_map_add(m, t, (td_tensor *)grad, false);
   td_autograd_set_enabled(prev);
   return st;
 }
@@ -712,12 +713,14 @@ static td_status buffer_add(entry *e, int k, td_tensor *g) {
   return TD_OK;
 }
 
+/* Accumulates into leaf, consuming the caller's reference to g (so a gradient nobody else holds
+ * can be adopted without a copy). */
 static td_status accumulate_leaf(pass *p, td_tensor *leaf, td_tensor *g) {
-  td_tensor *grad = td_tensor_ref(g);
+  td_tensor *grad = g;
   td_status st = run_hooks(&leaf->grad_mu, &leaf->hooks, -1, &grad);
   if (st != TD_OK) goto out;
   if (p->opts && p->opts->grad_map) {
-    st = grad_map_add(p->opts->grad_map, leaf, grad);
+    st = grad_map_add(p->opts->grad_map, leaf, grad, true);
     goto out;
   }
   pthread_mutex_lock(&leaf->grad_mu);
@@ -749,7 +752,11 @@ static td_status run_node(pass *p, entry *e) {
       TD_TRY(run_hooks(&n->mu, &n->hooks, k, &e->buf[k]));
     }
   }
-  if (n->leaf) return accumulate_leaf(p, n->leaf, e->buf[0]);
+  if (n->leaf) {
+    td_tensor *g = e->buf[0];
+    e->buf[0] = NULL;
+    return accumulate_leaf(p, n->leaf, g);
+  }
 
   pthread_mutex_lock(&n->mu);
   bool released = n->released;
@@ -815,7 +822,7 @@ static td_status run_pass(root_spec *roots, int n, const td_backward_opts *opts)
       entry *e = ptab_find(&p.nodes, roots[i].node)->val;
       if (roots[i].grad) st = buffer_add(e, roots[i].slot, roots[i].grad);
     } else if (roots[i].grad) {
-      st = accumulate_leaf(&p, roots[i].leaf, roots[i].grad);
+      st = accumulate_leaf(&p, roots[i].leaf, td_tensor_ref(roots[i].grad));
     }
   }
   for (int i = 0; i < n && st == TD_OK; i++) {

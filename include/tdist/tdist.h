@@ -10,5 +10,7 @@
 #include "tdist/data.h"
 #include "tdist/rpc.h"
 #include "tdist/rref.h"
+#include "tdist/dist_autograd.h"
+#include "tdist/dist_optim.h"
 
 #endif /* TDIST_TDIST_H */

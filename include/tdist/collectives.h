@@ -1,0 +1,158 @@
+/* collectives.h - process groups and collective operations (torch.distributed for C), and a
+ * data-parallel (DDP) gradient helper.
+ *
+ * A process group is a set of workers of one RPC group (td_rpc_init) that run collectives
+ * together. td_process_group_create() is collective over the listed ranks: every member calls it
+ * with the same rank list, in the same order relative to its other group creations; workers that
+ * are not members may call it as well and get NULL (like torch.distributed.new_group). Members are
+ * numbered 0..size-1 in increasing order of their global rank ("group ranks"). Several groups,
+ * over the same or different ranks, coexist; each has its own connections.
+ *
+ * Backends:
+ *   - TD_PG_BACKEND_CPU: contiguous CPU tensors. Members connect in a ring over direct TCP
+ *     connections (bound to the agent's listen address, found through the rendezvous store).
+ *     all_reduce is the bandwidth-optimal ring all-reduce (reduce-scatter, then all-gather, each
+ *     member sending about 2 (n-1)/n of the tensor); broadcast is pipelined around the ring;
+ *     all_gather, reduce_scatter and barrier are ring algorithms too. Any size works, including
+ *     0 elements and fewer elements than members. Results are bit-identical on every member.
+ *   - TD_PG_BACKEND_NCCL: contiguous CUDA tensors on the group's device, through NCCL (the
+ *     ncclUniqueId travels through the store). Only in builds with NCCL; otherwise creating such a
+ *     group is TD_ERR_UNSUPPORTED. The group's device is cuda:(LOCAL_RANK % device count) when
+ *     LOCAL_RANK is set, else cuda:(group rank % device count).
+ *
+ * Dtypes: float32, float64 and int64 for every operation; TD_REDUCE_AVG needs a float dtype
+ * (TD_ERR_DTYPE for int64, as in PyTorch).
+ *
+ * Failures: every operation has a deadline (td_process_group_set_timeout; default 60 s). A
+ * member that dies (its connections close) or stops answering makes the operation fail on every
+ * member with TD_ERR_UNAVAILABLE or TD_ERR_TIMEOUT and a message naming that worker
+ * ("worker2 (rank 2)"), never a hang. Members that call different operations (or different sizes
+ * or dtypes) in the same position fail with TD_ERR_STATE describing both calls. After a failure
+ * the group is broken: every later operation returns TD_ERR_STATE with the first failure's
+ * message; destroy it (and create a new one if the survivors want to continue).
+ *
+ * THREAD SAFETY: a group may be used from any thread; calls on one group are serialised (one
+ * collective at a time), and every member must issue the group's collectives in the same order.
+ * Collectives block the calling thread until they finish on this member. Destroy every group
+ * before td_rpc_destroy() of the agent it was created with.
+ */
+#ifndef TDIST_COLLECTIVES_H
+#define TDIST_COLLECTIVES_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tdist/nn.h"
+#include "tdist/rpc.h"
+#include "tdist/status.h"
+#include "tdist/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct td_process_group td_process_group;
+
+typedef enum td_pg_backend {
+  TD_PG_BACKEND_CPU = 0,  /* TCP ring between the members (PyTorch's "gloo" role) */
+  TD_PG_BACKEND_NCCL = 1, /* NCCL on CUDA tensors */
+} td_pg_backend;
+
+typedef enum td_reduce_op {
+  TD_REDUCE_SUM = 0,
+  TD_REDUCE_AVG = 1, /* sum divided by the group size; float dtypes only */
+  TD_REDUCE_MAX = 2,
+} td_reduce_op;
+
+/* td_process_group_create makes a group of the workers whose global ranks are ranks[0..n) (any
+ * order, no duplicates; ranks == NULL means every worker of the agent's group, n is then
+ * ignored). Collective: blocks until every member has called it and the members are connected,
+ * or 60 s pass (TD_ERR_TIMEOUT naming the members that never arrived). On a
+ * member *out gets the group; on a non-member *out is set to NULL and TD_OK is returned without
+ * any communication. TD_ERR_INVALID for a rank outside [0, world size), duplicates or n < 1;
+ * TD_ERR_UNSUPPORTED for TD_PG_BACKEND_NCCL in a build without NCCL; TD_ERR_DEVICE for NCCL
+ * without a CUDA device. Release with td_process_group_destroy(). THREAD SAFETY: any thread; a
+ * worker must create the groups of one rank list in the same order as the other members. */
+TD_API td_status td_process_group_create(td_rpc_agent *agent, const int *ranks, int n,
+                                         td_pg_backend backend, td_process_group **out);
+/* td_process_group_destroy closes the group's connections and frees it (not collective; peers
+ * still inside an operation with this member see it as gone). NULL does nothing. Must not run
+ * concurrently with an operation on the same group. */
+TD_API void td_process_group_destroy(td_process_group *pg);
+
+/* td_process_group_rank returns this member's group rank (0..size-1), or -1 for NULL. */
+TD_API int td_process_group_rank(const td_process_group *pg);
+/* td_process_group_size returns the number of members, or 0 for NULL. */
+TD_API int td_process_group_size(const td_process_group *pg);
+/* td_process_group_global_rank returns the global (RPC) rank of group rank group_rank, or -1
+ * when out of range. */
+TD_API int td_process_group_global_rank(const td_process_group *pg, int group_rank);
+/* td_process_group_backend returns the group's backend. */
+TD_API td_pg_backend td_process_group_backend(const td_process_group *pg);
+/* td_process_group_set_timeout sets the deadline of each later operation in ms (<= 0: the
+ * default, 60000). Members should use the same value. */
+TD_API void td_process_group_set_timeout(td_process_group *pg, int64_t timeout_ms);
+
+/* td_process_group_all_reduce reduces t element-wise across the members and leaves the result
+ * in t on every member (in place, like torch.distributed.all_reduce). t must be contiguous, on
+ * the backend's device, with the same dtype and element count on every member (shapes may
+ * differ). Blocks. */
+TD_API td_status td_process_group_all_reduce(td_process_group *pg, td_tensor *t,
+                                             td_reduce_op op);
+/* td_process_group_broadcast copies t of group rank root into t of every other member (in
+ * place). Blocks. */
+TD_API td_status td_process_group_broadcast(td_process_group *pg, td_tensor *t, int root);
+/* td_process_group_all_gather gathers every member's in into outs (the list form): outs[i]
+ * (size entries, each contiguous with in's dtype and element count) receives group rank i's in.
+ * in may be one of the outs (outs[rank] may alias in). Blocks. */
+TD_API td_status td_process_group_all_gather(td_process_group *pg, td_tensor *const *outs,
+                                             const td_tensor *in);
+/* td_process_group_all_gather_into_tensor is the concatenated form: out (contiguous, size *
+ * numel(in) elements, any shape, e.g. [size * d0, ...] or [size, ...]) holds group rank 0's in
+ * first, then rank 1's, and so on in row-major order. Blocks. */
+TD_API td_status td_process_group_all_gather_into_tensor(td_process_group *pg, td_tensor *out,
+                                                         const td_tensor *in);
+/* td_process_group_reduce_scatter reduces the lists ins[0..size) element-wise across members
+ * and stores in out the reduction of every member's ins[rank] (the list form, like
+ * torch.distributed.reduce_scatter). Every ins[i] and out are contiguous with equal dtype and
+ * element count. The inputs are not modified. Blocks. */
+TD_API td_status td_process_group_reduce_scatter(td_process_group *pg, td_tensor *out,
+                                                 td_tensor *const *ins, td_reduce_op op);
+/* td_process_group_reduce_scatter_tensor is the concatenated form: in holds size * numel(out)
+ * elements, slot i being elements [i * numel(out), (i + 1) * numel(out)). Blocks. */
+TD_API td_status td_process_group_reduce_scatter_tensor(td_process_group *pg, td_tensor *out,
+                                                        const td_tensor *in, td_reduce_op op);
+/* td_process_group_barrier returns once every member has entered it. Blocks. */
+TD_API td_status td_process_group_barrier(td_process_group *pg);
+
+/* ---- data parallelism ---- */
+
+typedef struct td_ddp td_ddp;
+
+/* td_ddp_create prepares data-parallel gradient averaging of module's parameters over pg.
+ * Collective over pg: it checks that every member's module has the same parameters (count,
+ * dtypes, shapes: TD_ERR_SHAPE on every member otherwise) and copies group rank 0's parameters
+ * and buffers to every member (as torch's DistributedDataParallel does), so all replicas start
+ * equal. The parameters, in td_module_parameters order, are laid out in buckets of at most
+ * bucket_bytes (0: 25 MiB; a larger parameter gets a bucket of its own; a bucket holds one
+ * dtype). Holds a reference to module (not to pg: pg must outlive the td_ddp). Replacing
+ * the module's parameter tensors afterwards (td_module_to, set_parameter) needs a new td_ddp.
+ * Release with td_ddp_destroy(). */
+TD_API td_status td_ddp_create(td_process_group *pg, td_module *module, size_t bucket_bytes,
+                               td_ddp **out);
+/* td_ddp_sync_gradients averages every parameter's .grad across the group (call it after the
+ * backward pass, before the optimizer step), one all_reduce per bucket: grads are flattened into
+ * the bucket buffer, averaged, and copied back into the existing .grad tensors in place. A
+ * parameter without a gradient counts as zeros and receives the averaged gradient as a new
+ * .grad. Collective over the group; blocks. */
+TD_API td_status td_ddp_sync_gradients(td_ddp *ddp);
+/* td_ddp_num_buckets returns the number of buckets (for tests and tuning). */
+TD_API int td_ddp_num_buckets(const td_ddp *ddp);
+/* td_ddp_destroy frees ddp and its buckets. NULL does nothing. */
+TD_API void td_ddp_destroy(td_ddp *ddp);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TDIST_COLLECTIVES_H */
