@@ -24,6 +24,7 @@
  * (the table's, user handles, handler scopes, lookups in progress); send functions live exactly as
  * long as their context. Lock order: state mu, then context mu.
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -507,10 +508,21 @@ static td_status hook_shutdown(td_rpc_agent *a, bool graceful) {
   return TD_OK;
 }
 
-__attribute__((constructor)) static void dist_autograd_init(void) {
+static void layer_init_once(void) {
   td__rpc_set_middleware(&da_middleware);
   td__rpc_register_internal("__dist_cleanup", h_cleanup, NULL);
   td__da_backward_register();
   td__agent_hooks h = {NULL, hook_shutdown};
   td__agent_add_hooks(&h);
 }
+
+/* td__dist_autograd_layer_init registers this layer with the agent (value types, internal functions,
+ * hooks). It runs when the library loads and again from td_rpc_init (runtime/init.c), so a
+ * program linked against the static library gets the layer even when it references none of its
+ * symbols. Idempotent. */
+void td__dist_autograd_layer_init(void) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, layer_init_once);
+}
+
+__attribute__((constructor)) static void layer_init_at_load(void) { td__dist_autograd_layer_init(); }

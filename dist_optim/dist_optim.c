@@ -11,6 +11,7 @@
  * themselves (RRefs whose owner value is the parameter), so a step updates the live module.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -320,9 +321,20 @@ td_status td_dist_module_parameter_rrefs(td_rref *module_rref, int64_t timeout_m
   return td_rref_rpc_sync(module_rref, "__dist_param_rrefs", NULL, 0, &co, out);
 }
 
-__attribute__((constructor)) static void dist_optim_init(void) {
+static void layer_init_once(void) {
   td_object_type_register(OPT_TYPE, opt_destroy);
   td__rpc_register_internal("__dist_optim_create", h_create, NULL);
   td__rpc_register_internal("__dist_optim_step", h_step, NULL);
   td__rpc_register_internal("__dist_param_rrefs", h_param_rrefs, NULL);
 }
+
+/* td__dist_optim_layer_init registers this layer with the agent (value types, internal functions,
+ * hooks). It runs when the library loads and again from td_rpc_init (runtime/init.c), so a
+ * program linked against the static library gets the layer even when it references none of its
+ * symbols. Idempotent. */
+void td__dist_optim_layer_init(void) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, layer_init_once);
+}
+
+__attribute__((constructor)) static void layer_init_at_load(void) { td__dist_optim_layer_init(); }

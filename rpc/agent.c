@@ -1111,8 +1111,8 @@ static td_status parse_master(const char *init_method, char *host, size_t hn, in
   return TD_OK;
 }
 
-td_status td_rpc_init(const char *name, int rank, int world_size, const td_rpc_options *opts,
-                      td_rpc_agent **out) {
+td_status td__rpc_init_impl(const char *name, int rank, int world_size,
+                            const td_rpc_options *opts, td_rpc_agent **out) {
   TD_CHECK_ARG(out, "rpc_init: NULL out");
   if (world_size < 1) return td_set_error(TD_ERR_INVALID, "rpc_init: world size %d < 1", world_size);
   if (rank < 0 || rank >= world_size)
@@ -1273,7 +1273,8 @@ static const char *env2(const char *a, const char *b, const char *c) {
   return v && *v ? v : NULL;
 }
 
-td_status td_rpc_init_from_env(const char *name, const td_rpc_options *opts, td_rpc_agent **out) {
+td_status td__rpc_init_from_env_impl(const char *name, const td_rpc_options *opts,
+                                     td_rpc_agent **out) {
   const char *rs = env2("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK");
   const char *ws = env2("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE");
   if (!rs || !ws)
@@ -1304,7 +1305,7 @@ td_status td_rpc_init_from_env(const char *name, const td_rpc_options *opts, td_
     snprintf(method, sizeof method, strchr(ma, ':') ? "tcp://[%s]:%ld" : "tcp://%s:%ld", ma, port);
     o.init_method = method;
   }
-  return td_rpc_init(name, (int)rank, (int)world, &o, out);
+  return td__rpc_init_impl(name, (int)rank, (int)world, &o, out);
 }
 
 /* ---- shutdown ---- */

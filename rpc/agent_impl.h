@@ -72,4 +72,11 @@ const td__store_client *td__agent_store(td_rpc_agent *a);
  * default). Borrowed; valid until td_rpc_destroy. */
 const char *td__agent_listen_addr(td_rpc_agent *a);
 
+/* The agent's init proper; the public td_rpc_init / td_rpc_init_from_env (runtime/init.c) first
+ * register every upper layer, then call these. */
+td_status td__rpc_init_impl(const char *name, int rank, int world_size, const td_rpc_options *opts,
+                            td_rpc_agent **out);
+td_status td__rpc_init_from_env_impl(const char *name, const td_rpc_options *opts,
+                                     td_rpc_agent **out);
+
 #endif

@@ -43,6 +43,7 @@
  *
  * Lock order: ctx_list_mu, then ctx->mu; ctx->mu is a leaf (see rref_impl.h).
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -799,7 +800,7 @@ void td__rref_user_register(void) {
 
 /* ---- registration with the agent (library load) ---- */
 
-__attribute__((constructor)) static void rref_module_init(void) {
+static void layer_init_once(void) {
   td__value_ext_register(&rref_type);
   td__rref_objects_init();
   td__rref_owner_register();
@@ -807,3 +808,14 @@ __attribute__((constructor)) static void rref_module_init(void) {
   td__agent_hooks h = {hook_init, hook_shutdown};
   td__agent_add_hooks(&h);
 }
+
+/* td__rref_layer_init registers this layer with the agent (value types, internal functions,
+ * hooks). It runs when the library loads and again from td_rpc_init (runtime/init.c), so a
+ * program linked against the static library gets the layer even when it references none of its
+ * symbols. Idempotent. */
+void td__rref_layer_init(void) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, layer_init_once);
+}
+
+__attribute__((constructor)) static void layer_init_at_load(void) { td__rref_layer_init(); }
