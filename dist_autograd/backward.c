@@ -343,7 +343,7 @@ td_status td_dist_autograd_backward(td_dist_autograd_context *c, td_tensor *cons
     snprintf(msg, sizeof msg, "%s (rank %d): %s", name, s->rank, td_last_error());
   }
   if (p.n) {
-    td_future *f;
+    td_future *f = NULL;
     td_status js = td__da_join(p.outs, p.n, st, msg, NULL, NULL, &f);
     if (js == TD_OK) {
       st = td_future_wait(f, -1);
