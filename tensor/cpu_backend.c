@@ -596,6 +596,41 @@ static td_status cpu_gemm(td_dtype dt, bool ta, bool tb, int64_t m, int64_t n, i
   return TD_OK;
 }
 
+/* ---- axpy ---- */
+
+static td_status cpu_axpy(td_tensor *y, double alpha, const td_tensor *x) {
+  int64_t n = td_tensor_numel(y);
+  if (n == 0) return TD_OK;
+  if (y->dtype == TD_DTYPE_I64) return td_set_error(TD_ERR_DTYPE, "axpy: int64 is not supported");
+  if (td_tensor_is_contiguous(y) && td_tensor_is_contiguous(x) && n <= INT32_MAX) {
+    if (y->dtype == TD_DTYPE_F32)
+      cblas_saxpy((int)n, (float)alpha, td_tensor_data(x), 1, td_tensor_data(y), 1);
+    else
+      cblas_daxpy((int)n, alpha, td_tensor_data(x), 1, td_tensor_data(y), 1);
+    return TD_OK;
+  }
+  const td_tensor *ops[2] = {y, x};
+  geom g;
+  geom_make(&g, ops, 2);
+  char *yb = elem_ptr(y);
+  const char *xb = elem_ptr(x);
+  if (y->dtype == TD_DTYPE_F32) {
+    float a = (float)alpha;
+    GEOM_LOOP(&g, 2, {
+      float *yp = (float *)yb + off_[0];
+      const float *xp = (const float *)xb + off_[1];
+      for (int64_t i = 0; i < n_; i++) yp[i * s0_] += a * xp[i * s1_];
+    });
+  } else {
+    GEOM_LOOP(&g, 2, {
+      double *yp = (double *)yb + off_[0];
+      const double *xp = (const double *)xb + off_[1];
+      for (int64_t i = 0; i < n_; i++) yp[i * s0_] += alpha * xp[i * s1_];
+    });
+  }
+  return TD_OK;
+}
+
 const td__backend td__cpu_backend = {
     .name = "cpu",
     .alloc = cpu_alloc,
@@ -622,4 +657,5 @@ const td__backend td__cpu_backend = {
     .index_add = td__cpu_index_add,
     .layer_norm = td__cpu_layer_norm,
     .layer_norm_backward = td__cpu_layer_norm_backward,
+    .axpy = cpu_axpy,
 };

@@ -250,7 +250,9 @@ td_status td_tensor_add_(td_tensor *t, const td_tensor *other, double alpha) {
   TD_TRY(inplace_operand("tensor_add_", t, other, &o));
   const td__backend *be = td__backend_of(t);
   td_status st;
-  if (alpha == 1.0) {
+  if (be->axpy && td_tensor_data(o) != td_tensor_data(t)) {
+    st = be->axpy(t, alpha, o);
+  } else if (alpha == 1.0) {
     st = be->binary(TD__BIN_ADD, t, o, t);
   } else {
     td_tensor *tmp = NULL;

@@ -278,6 +278,9 @@ typedef struct td__backend {
   td_status (*layer_norm_backward)(const td_tensor *gy, const td_tensor *x, const td_tensor *w,
                                    const td_tensor *mean, const td_tensor *rstd, td_tensor *gx,
                                    td_tensor *gw, td_tensor *gb);
+  /* Optional (NULL: ops fall back to unary + binary): y += alpha * x, same shape and dtype, any
+   * strides (y may not alias x). The optimizers' hot path. */
+  td_status (*axpy)(td_tensor *y, double alpha, const td_tensor *x);
 } td__backend;
 
 /* td__backend_for returns the kernel table for device d, or NULL (with td_set_error) when this
