@@ -31,6 +31,7 @@
 #include <time.h>
 
 #include "agent_impl.h"
+#include "netaddr.h"
 #include "tdist/autograd.h"
 
 /* ---- registry (process-wide) ---- */
@@ -241,7 +242,7 @@ void td_rpc_options_init(td_rpc_options *o) {
   o->num_worker_threads = 16;
   o->rpc_timeout_ms = 60000;
   o->init_timeout_ms = 120000;
-  o->listen_addr = "127.0.0.1";
+  o->listen_addr = NULL; /* chosen at init: td__choose_address */
   o->keepalive_ms = 2000;
 }
 
@@ -1123,7 +1124,6 @@ td_status td__rpc_init_impl(const char *name, int rank, int world_size,
   if (o.num_worker_threads <= 0) o.num_worker_threads = 16;
   if (o.init_timeout_ms <= 0) o.init_timeout_ms = 120000;
   if (o.keepalive_ms <= 0) o.keepalive_ms = 2000;
-  if (!o.listen_addr) o.listen_addr = "127.0.0.1";
   char defname[32];
   if (!name) {
     snprintf(defname, sizeof defname, "worker%d", rank);
@@ -1137,6 +1137,11 @@ td_status td__rpc_init_impl(const char *name, int rank, int world_size,
   if (!o.init_method)
     return td_set_error(TD_ERR_INVALID, "rpc_init: no init_method (tcp://host:port) given");
   TD_TRY(parse_master(o.init_method, mhost, sizeof mhost, &mport));
+  char chosen[128];
+  if (!o.listen_addr) { /* TD_SOCKET_IFNAME, else the route toward the master, else loopback */
+    TD_TRY(td__choose_address(mhost, getenv("TD_SOCKET_IFNAME"), chosen, sizeof chosen));
+    o.listen_addr = chosen;
+  }
   if (mport == 0 && world_size > 1)
     return td_set_error(TD_ERR_INVALID, "rpc_init: port 0 in init_method works only for a world "
                         "of one worker (the others could not find rank 0)");
@@ -1244,26 +1249,6 @@ fail:;
 
 /* ---- environment ---- */
 
-/* First host of a Slurm node list: "h[1-3]" -> "h1", "gpu[01-04,07]" -> "gpu01", "a1,b[2-3]" ->
- * "a1". */
-static bool slurm_first_host(const char *list, char *out, size_t n) {
-  if (!list || !*list) return false;
-  size_t i = 0, o = 0;
-  while (list[i] && list[i] != ',' && list[i] != '[') {
-    if (o + 1 >= n) return false;
-    out[o++] = list[i++];
-  }
-  if (list[i] == '[') {
-    i++;
-    while (list[i] && list[i] != '-' && list[i] != ',' && list[i] != ']') {
-      if (o + 1 >= n) return false;
-      out[o++] = list[i++];
-    }
-  }
-  out[o] = 0;
-  return o > 0;
-}
-
 static const char *env2(const char *a, const char *b, const char *c) {
   const char *v = getenv(a);
   if (v && *v) return v;
@@ -1292,14 +1277,22 @@ td_status td__rpc_init_from_env_impl(const char *name, const td_rpc_options *opt
   if (!o.init_method) {
     const char *ma = getenv("MASTER_ADDR");
     if (!ma || !*ma) {
-      if (slurm_first_host(getenv("SLURM_STEP_NODELIST"), host, sizeof host) ||
-          slurm_first_host(getenv("SLURM_JOB_NODELIST"), host, sizeof host))
+      const char *nl = getenv("SLURM_STEP_NODELIST");
+      if (!nl || !*nl) nl = getenv("SLURM_JOB_NODELIST");
+      ma = "127.0.0.1";
+      if (nl && *nl) { /* a malformed list is an error, not a silent loopback */
+        TD_TRY(td__slurm_first_host(nl, host, sizeof host));
         ma = host;
-      else
-        ma = "127.0.0.1";
+      }
     }
     const char *mp = getenv("MASTER_PORT");
     long port = mp && *mp ? strtol(mp, NULL, 10) : 29500;
+    const char *job = getenv("SLURM_JOB_ID");
+    if (!(mp && *mp) && job && *job) { /* under Slurm: a port per job (rpc/netaddr.h) */
+      int jp;
+      TD_TRY(td__slurm_port(job, &jp));
+      port = jp;
+    }
     if (port <= 0 || port > 65535)
       return td_set_error(TD_ERR_INVALID, "rpc_init_from_env: bad MASTER_PORT '%s'", mp);
     snprintf(method, sizeof method, strchr(ma, ':') ? "tcp://[%s]:%ld" : "tcp://%s:%ld", ma, port);

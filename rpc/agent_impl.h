@@ -68,8 +68,8 @@ td__threadpool *td__agent_pool(td_rpc_agent *a);
  * up process groups). Borrowed; valid until td_rpc_destroy. The store operations may be called
  * from any thread; after td_rpc_shutdown rank 0's store may be gone (calls then fail). */
 const td__store_client *td__agent_store(td_rpc_agent *a);
-/* td__agent_listen_addr returns the address the agent's server listens on ("127.0.0.1" by
- * default). Borrowed; valid until td_rpc_destroy. */
+/* td__agent_listen_addr returns the address the agent's server listens on (chosen at init unless
+ * set: TD_SOCKET_IFNAME, else the route toward the master, else loopback). Borrowed; valid until td_rpc_destroy. */
 const char *td__agent_listen_addr(td_rpc_agent *a);
 
 /* The agent's init proper; the public td_rpc_init / td_rpc_init_from_env (runtime/init.c) first

@@ -38,6 +38,12 @@
  * attempt ends; nothing else is ever forked. The first failure seen (in rank order within one
  * sweep) is the one reported.
  *
+ * Under srun (SLURM_NODEID and SLURM_STEP_NUM_NODES or SLURM_NNODES set, no --standalone), the
+ * options not given come from Slurm: --nnodes from SLURM_STEP_NUM_NODES (else SLURM_NNODES),
+ * --node-rank from SLURM_NODEID, --master-addr from the first host of SLURM_STEP_NODELIST (else
+ * SLURM_JOB_NODELIST), --master-port derived from SLURM_JOB_ID (rpc/netaddr.c, compiled in
+ * without the library). srun must then start one tdistrun per node.
+ *
  * Exit status: 0 when every worker of an attempt exited 0; 1 when a worker failed and no restarts
  * were left; 128+N when stopped by signal N; 2 for usage errors; 126/127 when PROGRAM cannot be
  * executed / found.
@@ -65,6 +71,8 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "rpc/netaddr.h"
 
 extern char **environ;
 
@@ -114,6 +122,11 @@ static void usage(FILE *f) {
     "  -h, --help            show this text\n"
     "  --                    end of options\n"
     "\n"
+    "Under srun (SLURM_NODEID set), options not given come from Slurm: --nnodes from\n"
+    "SLURM_STEP_NUM_NODES (or SLURM_NNODES), --node-rank from SLURM_NODEID, --master-addr\n"
+    "from the first host of SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST), --master-port\n"
+    "20000 + SLURM_JOB_ID %% 12000. Start one tdistrun per node (srun --ntasks-per-node=1).\n"
+    "\n"
     "Output: every line a worker writes is printed as \"[RANK]: line\", stdout to stdout and\n"
     "stderr to stderr. Workers whose stdout is a pipe may buffer it; flush or use line\n"
     "buffering in the worker to see lines as they happen.\n"
@@ -156,6 +169,73 @@ static bool parse_seconds(const char *s, double *out) {
   if (*s == '\0' || *end != '\0' || errno == ERANGE || !(v >= 0) || v > 86400.0) return false;
   *out = v;
   return true;
+}
+
+/* ---- Slurm ---- */
+
+/* rpc/netaddr.c is compiled into tdistrun without the library; it reports errors and log lines
+ * through these two, which keep the last message for our own error output. */
+static char g_netaddr_err[512];
+
+td_status td_set_error(td_status st, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_netaddr_err, sizeof g_netaddr_err, fmt, ap);
+  va_end(ap);
+  return st;
+}
+
+void td_log(td_log_level level, const char *fmt, ...) {
+  (void)level;
+  (void)fmt;
+}
+
+static const char *env_nonempty(const char *name) {
+  const char *v = getenv(name);
+  return v && *v ? v : NULL;
+}
+
+/* apply_slurm fills the options the user did not give from srun's variables (see the file
+ * comment). Returns -1 to go on, or an exit status. */
+static int apply_slurm(options *o, bool nnodes_given, bool node_rank_given, bool port_given) {
+  const char *nodeid = env_nonempty("SLURM_NODEID");
+  const char *nn_name = env_nonempty("SLURM_STEP_NUM_NODES") ? "SLURM_STEP_NUM_NODES"
+                                                             : "SLURM_NNODES";
+  const char *nnodes = env_nonempty(nn_name);
+  if (o->standalone || !nodeid || !nnodes) return -1;
+  static char master[TD__SLURM_MAX_NAME];
+  if (!nnodes_given && !parse_int(nnodes, 1, INT_MAX / MAX_NPROC, &o->nnodes))
+    return usage_error("%s='%s' is not a node count", nn_name, nnodes);
+  if (!node_rank_given && !parse_int(nodeid, 0, INT_MAX, &o->node_rank))
+    return usage_error("SLURM_NODEID='%s' is not a node index", nodeid);
+  if (!nnodes_given || !node_rank_given) {
+    /* one launcher per node: more tasks than nodes would start the same ranks twice */
+    const char *nt_name = env_nonempty("SLURM_STEP_NUM_TASKS") ? "SLURM_STEP_NUM_TASKS"
+                                                               : "SLURM_NTASKS";
+    const char *nt = env_nonempty(nt_name);
+    int ntasks;
+    if (nt && parse_int(nt, 1, INT_MAX, &ntasks) && ntasks > o->nnodes)
+      return usage_error("under srun tdistrun runs once per node, but this step has %s=%d on "
+                         "%d nodes; use srun --ntasks-per-node=1 (or give --nnodes and "
+                         "--node-rank)", nt_name, ntasks, o->nnodes);
+  }
+  if (!o->master_addr) {
+    const char *ln = env_nonempty("SLURM_STEP_NODELIST") ? "SLURM_STEP_NODELIST"
+                                                         : "SLURM_JOB_NODELIST";
+    const char *list = env_nonempty(ln);
+    if (list) {
+      if (td__slurm_first_host(list, master, sizeof master) != TD_OK)
+        return usage_error("cannot take --master-addr from %s: %s", ln, g_netaddr_err);
+      o->master_addr = master;
+    }
+  }
+  const char *job = env_nonempty("SLURM_JOB_ID");
+  if (!port_given && job && td__slurm_port(job, &o->master_port) != TD_OK)
+    return usage_error("cannot derive --master-port: %s", g_netaddr_err);
+  fprintf(stderr, "tdistrun: under Slurm: node %d of %d, MASTER_ADDR %s, MASTER_PORT %d\n",
+          o->node_rank, o->nnodes, o->master_addr ? o->master_addr : "127.0.0.1",
+          o->master_port > 0 ? o->master_port : 29500);
+  return -1;
 }
 
 /* parse_args fills o from argv. Returns -1 to go on, or an exit status (0 after --help). */
@@ -237,6 +317,8 @@ static int parse_args(int argc, char **argv, options *o) {
     if (o->master_addr && strcmp(o->master_addr, "127.0.0.1") != 0)
       return usage_error("--standalone uses MASTER_ADDR 127.0.0.1; drop --master-addr");
   }
+  int rc = apply_slurm(o, nnodes_given, node_rank_given, o->master_port > 0);
+  if (rc >= 0) return rc;
   if (o->node_rank >= o->nnodes)
     return usage_error("--node-rank %d is out of range for --nnodes %d (must be < nnodes)",
                        o->node_rank, o->nnodes);

@@ -228,7 +228,10 @@ typedef struct td_rpc_options {
   int64_t rpc_timeout_ms;
   /* Deadline for td_rpc_init to find every worker, in ms. Default 120000. */
   int64_t init_timeout_ms;
-  /* Address this worker's server listens on (and advertises). Default "127.0.0.1". */
+  /* Address this worker's server listens on (and advertises). Default NULL: chosen at init from
+   * TD_SOCKET_IFNAME (NCCL's syntax: comma list of interface-name prefixes, '^' excludes, '='
+   * exact), else the interface of the route toward the master, else loopback (the choice is
+   * logged at INFO; loopback whenever the master is loopback). */
   const char *listen_addr;
   /* Keepalive ping interval for peer connections, ms (dead peers fail calls within about twice
    * this). Default 2000. */
@@ -272,8 +275,10 @@ TD_API td_status td_rpc_init(const char *name, int rank, int world_size,
                              const td_rpc_options *opts, td_rpc_agent **out);
 /* td_rpc_init_from_env reads RANK, WORLD_SIZE (LOCAL_RANK is informational), MASTER_ADDR and
  * MASTER_PORT (default 29500); falls back to SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / the
- * first host of SLURM_STEP_NODELIST, then to OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK. name may
- * be NULL. opts->init_method, when set, overrides MASTER_ADDR/MASTER_PORT. */
+ * first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST), then to OMPI_COMM_WORLD_RANK /
+ * _SIZE / _LOCAL_RANK. Under Slurm without MASTER_PORT the port is 20000 + SLURM_JOB_ID % 12000,
+ * so two jobs on one node do not collide. name may be NULL. opts->init_method, when set,
+ * overrides MASTER_ADDR/MASTER_PORT. */
 TD_API td_status td_rpc_init_from_env(const char *name, const td_rpc_options *opts,
                                       td_rpc_agent **out);
 

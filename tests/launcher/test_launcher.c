@@ -72,9 +72,11 @@ typedef struct run {
 static pid_t g_active_pid;
 static int g_active_fds[2] = {-1, -1};
 
-/* run_start spawns tdistrun with args (NULL-terminated, without argv[0]) and the test's
- * environment plus stale values the launcher must override and a mark it must keep. */
-static void run_start(run *r, const char *const *args) {
+/* run_start_env spawns tdistrun with args (NULL-terminated, without argv[0]) and the test's
+ * environment without any SLURM_* variable (the suite may itself run under srun), plus stale
+ * values the launcher must override, a mark it must keep, and extra ("NAME=value", NULL-terminated;
+ * may be NULL). */
+static void run_start_env(run *r, const char *const *args, const char *const *extra) {
   memset(r, 0, sizeof *r);
   const char *argv[64];
   int n = 0;
@@ -85,16 +87,19 @@ static void run_start(run *r, const char *const *args) {
   }
   argv[n] = NULL;
 
-  size_t ne = 0;
+  size_t ne = 0, nx = 0;
   for (char **e = environ; *e; e++) ne++;
-  char **env = calloc(ne + 4, sizeof *env);
+  while (extra && extra[nx]) nx++;
+  char **env = calloc(ne + nx + 4, sizeof *env);
   assert_non_null(env);
   size_t k = 0;
   env[k++] = "RANK=99";
   env[k++] = "MASTER_PORT=1";
   for (char **e = environ; *e; e++)
-    if (strncmp(*e, "TD_LAUNCHER_MARK=", 17) != 0) env[k++] = *e;
+    if (strncmp(*e, "TD_LAUNCHER_MARK=", 17) != 0 && strncmp(*e, "SLURM_", 6) != 0)
+      env[k++] = *e;
   env[k++] = "TD_LAUNCHER_MARK=kept";
+  for (size_t x = 0; x < nx; x++) env[k++] = (char *)extra[x];
   env[k] = NULL;
 
   int po[2], pe[2];
@@ -122,6 +127,8 @@ static void run_start(run *r, const char *const *args) {
   g_active_fds[0] = r->out_fd;
   g_active_fds[1] = r->err_fd;
 }
+
+static void run_start(run *r, const char *const *args) { run_start_env(r, args, NULL); }
 
 /* kill_active ends tdistrun and anything left in its process group, reaps tdistrun and closes
  * its pipes. */
@@ -205,6 +212,12 @@ static void run_free(run *r) {
 /* launch runs tdistrun with args to completion. */
 static void launch(run *r, const char *const *args) {
   run_start(r, args);
+  run_finish(r);
+}
+
+/* launch_env runs tdistrun with args and extra environment entries to completion. */
+static void launch_env(run *r, const char *const *args, const char *const *extra) {
+  run_start_env(r, args, extra);
   run_finish(r);
 }
 
@@ -629,6 +642,89 @@ static void test_launcher_bad_arguments(void **state) {
   run_free(&r);
 }
 
+/* Under srun (one tdistrun per node) the node rank, node count, master host and port come from
+ * Slurm's variables; step-level ones win over job-level ones. */
+static void test_launcher_slurm_env(void **state) {
+  (void)state;
+  run r;
+  launch_env(&r, (const char *[]){"--nproc-per-node", "2", WORKER_PATH, "--env", NULL},
+             (const char *[]){"SLURM_NODEID=1", "SLURM_NNODES=4", "SLURM_STEP_NUM_NODES=3",
+                              "SLURM_JOB_NODELIST=gpu[01-04,07]", "SLURM_STEP_NODELIST=h[2-4]",
+                              "SLURM_JOB_ID=12345", "SLURM_NTASKS=3", "SLURM_PROCID=1", NULL});
+  ASSERT_EXIT(&r, 0);
+  for (int k = 0; k < 2; k++) {
+    int rank = 2 + k;
+    ASSERT_LINE(r.out, "[%d]: RANK=%d", rank, rank);
+    ASSERT_LINE(r.out, "[%d]: LOCAL_RANK=%d", rank, k);
+    ASSERT_LINE(r.out, "[%d]: WORLD_SIZE=6", rank);
+    ASSERT_LINE(r.out, "[%d]: NODE_RANK=1", rank);
+    ASSERT_LINE(r.out, "[%d]: MASTER_ADDR=h2", rank);
+    ASSERT_LINE(r.out, "[%d]: MASTER_PORT=%d", rank, 20000 + 12345 % 12000);
+  }
+  ASSERT_CONTAINS(r.err, "tdistrun: under Slurm: node 1 of 3, MASTER_ADDR h2, MASTER_PORT 20345");
+  run_free(&r);
+
+  /* job-level fallbacks; no SLURM_JOB_ID keeps the default port */
+  launch_env(&r, (const char *[]){WORKER_PATH, "--env", NULL},
+             (const char *[]){"SLURM_NODEID=0", "SLURM_NNODES=2",
+                              "SLURM_JOB_NODELIST=a1,b[2-3]", NULL});
+  ASSERT_EXIT(&r, 0);
+  ASSERT_LINE(r.out, "[0]: WORLD_SIZE=2");
+  ASSERT_LINE(r.out, "[0]: NODE_RANK=0");
+  ASSERT_LINE(r.out, "[0]: MASTER_ADDR=a1");
+  ASSERT_LINE(r.out, "[0]: MASTER_PORT=29500");
+  run_free(&r);
+
+  /* options given on the command line win over Slurm */
+  launch_env(&r, (const char *[]){"--nnodes", "1", "--node-rank", "0", "--master-addr",
+                                  "10.1.2.3", "--master-port", "4242", WORKER_PATH, "--env",
+                                  NULL},
+             (const char *[]){"SLURM_NODEID=2", "SLURM_NNODES=3", "SLURM_JOB_NODELIST=h[1-3]",
+                              "SLURM_JOB_ID=7", "SLURM_NTASKS=9", NULL});
+  ASSERT_EXIT(&r, 0);
+  ASSERT_LINE(r.out, "[0]: RANK=0");
+  ASSERT_LINE(r.out, "[0]: WORLD_SIZE=1");
+  ASSERT_LINE(r.out, "[0]: MASTER_ADDR=10.1.2.3");
+  ASSERT_LINE(r.out, "[0]: MASTER_PORT=4242");
+  run_free(&r);
+
+  /* --standalone ignores Slurm */
+  launch_env(&r, (const char *[]){"--standalone", WORKER_PATH, "--env", NULL},
+             (const char *[]){"SLURM_NODEID=1", "SLURM_NNODES=3", "SLURM_JOB_NODELIST=h[1-3]",
+                              NULL});
+  ASSERT_EXIT(&r, 0);
+  ASSERT_LINE(r.out, "[0]: WORLD_SIZE=1");
+  ASSERT_LINE(r.out, "[0]: MASTER_ADDR=127.0.0.1");
+  assert_string_equal(r.err, "");
+  run_free(&r);
+}
+
+static void test_launcher_slurm_env_errors(void **state) {
+  (void)state;
+  static const struct {
+    const char *env[6];
+    const char *msg;
+  } cases[] = {
+      {{"SLURM_NODEID=0", "SLURM_NNODES=3", "SLURM_NTASKS=6", "SLURM_JOB_NODELIST=h[1-3]"},
+       "--ntasks-per-node=1"},
+      {{"SLURM_NODEID=0", "SLURM_NNODES=3", "SLURM_JOB_NODELIST=h[3-1]"}, "reversed range"},
+      {{"SLURM_NODEID=0", "SLURM_NNODES=3", "SLURM_JOB_NODELIST=h[1-3"}, "unbalanced"},
+      {{"SLURM_NODEID=x", "SLURM_NNODES=3"}, "SLURM_NODEID='x'"},
+      {{"SLURM_NODEID=0", "SLURM_NNODES=0"}, "SLURM_NNODES='0'"},
+      {{"SLURM_NODEID=3", "SLURM_NNODES=3", "SLURM_JOB_NODELIST=h[1-3]"},
+       "--node-rank 3 is out of range for --nnodes 3"},
+      {{"SLURM_NODEID=0", "SLURM_NNODES=1", "SLURM_JOB_ID=12x"}, "SLURM_JOB_ID '12x'"},
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    run r;
+    launch_env(&r, (const char *[]){WORKER_PATH, "--env", NULL}, cases[c].env);
+    ASSERT_EXIT(&r, 2);
+    ASSERT_CONTAINS(r.err, cases[c].msg);
+    assert_string_equal(r.out, "");
+    run_free(&r);
+  }
+}
+
 int main(void) {
 #ifdef __linux__
   /* Workers that outlive tdistrun become our children (not init's), so a survivor shows up
@@ -649,6 +745,8 @@ int main(void) {
       cmocka_unit_test_teardown(test_launcher_second_signal_kills, teardown),
       cmocka_unit_test_teardown(test_launcher_standalone_free_port, teardown),
       cmocka_unit_test_teardown(test_launcher_bad_arguments, teardown),
+      cmocka_unit_test_teardown(test_launcher_slurm_env, teardown),
+      cmocka_unit_test_teardown(test_launcher_slurm_env_errors, teardown),
   };
   return cmocka_run_group_tests_name("launcher", tests, NULL, NULL);
 }
