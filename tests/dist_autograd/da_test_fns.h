@@ -84,7 +84,7 @@ static td_status da_make_part(td_rpc_ctx *c, td_value *const *args, int n, td_va
   int64_t seed;
   DA_TRY(td_value_as_string(args[0], &kind, NULL));
   DA_TRY(td_value_as_int(args[1], &seed));
-  td_module *m;
+  td_module *m = NULL;
   DA_TRY(da_build(kind, seed, &m));
   td_status st = td_value_object("nn.Module", m, res);
   if (st != TD_OK) td_module_unref(m);
