@@ -244,6 +244,7 @@ void td_rpc_options_init(td_rpc_options *o) {
   o->init_timeout_ms = 120000;
   o->listen_addr = NULL; /* chosen at init: td__choose_address */
   o->keepalive_ms = 2000;
+  o->keepalive_timeout_ms = 20000;
 }
 
 int td_rpc_rank(const td_rpc_agent *a) { return a ? a->rank : -1; }
@@ -1124,6 +1125,7 @@ td_status td__rpc_init_impl(const char *name, int rank, int world_size,
   if (o.num_worker_threads <= 0) o.num_worker_threads = 16;
   if (o.init_timeout_ms <= 0) o.init_timeout_ms = 120000;
   if (o.keepalive_ms <= 0) o.keepalive_ms = 2000;
+  if (o.keepalive_timeout_ms <= 0) o.keepalive_timeout_ms = 20000;
   char defname[32];
   if (!name) {
     snprintf(defname, sizeof defname, "worker%d", rank);
@@ -1178,6 +1180,7 @@ td_status td__rpc_init_impl(const char *name, int rank, int world_size,
   td__transport_opts to = {.host = a->listen_addr,
                            .port = rank == 0 ? mport : 0,
                            .keepalive_ms = o.keepalive_ms,
+                           .keepalive_timeout_ms = o.keepalive_timeout_ms,
                            .max_message = o.max_message_bytes,
                            .self_rank = rank,
                            .agent = a,

@@ -41,6 +41,7 @@ typedef struct td__transport_opts {
   const char *host;         /* listen address */
   int port;                 /* 0 = any free port */
   int64_t keepalive_ms;     /* ping interval for client channels */
+  int64_t keepalive_timeout_ms; /* unanswered ping => peer gone (default 20000) */
   uint64_t max_message;     /* decoder limit, 0 = unlimited */
   int self_rank;
   void *agent;              /* given to the decoders' wire ctx */

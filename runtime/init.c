@@ -14,6 +14,7 @@ static void register_layers(void) {
   td__rref_layer_init();
   td__dist_autograd_layer_init();
   td__dist_optim_layer_init();
+  td__remote_layer_init();
 }
 
 td_status td_rpc_init(const char *name, int rank, int world_size, const td_rpc_options *opts,

@@ -5,5 +5,6 @@
 void td__rref_layer_init(void);          /* rref/rref.c */
 void td__dist_autograd_layer_init(void); /* dist_autograd/context.c */
 void td__dist_optim_layer_init(void);    /* dist_optim/dist_optim.c */
+void td__remote_layer_init(void);        /* remote/remote_module.c */
 
 #endif

@@ -233,9 +233,13 @@ typedef struct td_rpc_options {
    * exact), else the interface of the route toward the master, else loopback (the choice is
    * logged at INFO; loopback whenever the master is loopback). */
   const char *listen_addr;
-  /* Keepalive ping interval for peer connections, ms (dead peers fail calls within about twice
-   * this). Default 2000. */
+  /* Keepalive ping interval for peer connections, ms. Default 2000. A peer whose process died is
+   * detected at once (its connection closes); keepalive catches hung peers and cut links. */
   int64_t keepalive_ms;
+  /* How long a keepalive ping may stay unanswered before the peer is declared gone and every call
+   * waiting on it fails, ms. Default 20000 (generous: an overloaded but live peer must not be
+   * declared dead); lower it for faster detection of hung hosts. */
+  int64_t keepalive_timeout_ms;
   /* Largest request or reply accepted, in bytes (envelope + tensors); 0 = unlimited. Default 0. */
   uint64_t max_message_bytes;
 } td_rpc_options;

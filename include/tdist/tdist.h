@@ -12,5 +12,6 @@
 #include "tdist/rref.h"
 #include "tdist/dist_autograd.h"
 #include "tdist/dist_optim.h"
+#include "tdist/remote_module.h"
 
 #endif /* TDIST_TDIST_H */

@@ -263,6 +263,7 @@ static int worker_hung(int rank, int world, const char *method, void *arg) {
   register_fault_fns();
   td_rpc_options o = test_opts(method, 2);
   o.keepalive_ms = 500;
+  o.keepalive_timeout_ms = 500;
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   if (rank == 1) {

@@ -1,0 +1,357 @@
+/* pipeline_split.c - an MLP split across two workers and driven as a pipeline by a master.
+ *
+ * Layout (3 processes): rank 0 "master" holds the data and drives; rank 1 "worker1" holds
+ * Linear(784, 256) + ReLU, rank 2 "worker2" holds Linear(256, 10), each a RemoteModule
+ * (include/tdist/remote_module.h). A batch goes through td_pipeline_forward as m micro-batches:
+ * worker2 fetches worker1's activations directly by RRef, the master only sees the logits.
+ *
+ * First the master measures samples/s of a training pass (pipelined forward, loss, distributed
+ * backward; no update) with 1, 2, 4 and 8 micro-batches on --bench-batches batches of
+ * --bench-batch-size; then it trains for --epochs with distributed autograd and a distributed
+ * SGD optimizer (momentum) over both workers' parameters, using --micro-batches, and reports
+ * the test accuracy. The last line of standard output is the JSON result (shared/BENCH.md) with
+ * test_accuracy, samples_per_s (training), wall_s and runs [{"micro_batches", "samples_per_s"}].
+ *
+ * usage: tdistrun --standalone --nproc-per-node 3 build/examples/pipeline_split [--epochs N]
+ *        [--max-batches N] [--batch-size N] [--lr X] [--momentum X] [--micro-batches M]
+ *        [--bench-batches N] [--bench-batch-size N] [--seed N] [--data-dir DIR]
+ * Without RANK in the environment it starts the two workers itself (fork) on a free port.
+ */
+#include <math.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "example_util.h"
+#include "tdist/autograd.h"
+#include "tdist/data.h"
+#include "tdist/dist_autograd.h"
+#include "tdist/dist_optim.h"
+#include "tdist/nn.h"
+#include "tdist/remote_module.h"
+#include "tdist/rpc.h"
+#include "tdist/rref.h"
+#include "tdist/tensor.h"
+
+/* Factories (args: [seed]): "ps_body" = Sequential(Linear(784, 256), ReLU), "ps_head" =
+ * Linear(256, 10); initialised like PyTorch from a generator seeded with seed. */
+static td_status make_part(const void *args, bool body, td_module **out) {
+  int64_t seed = 0;
+  if (args) td_value_as_int(td_value_list_get(args, 0), &seed);
+  td_generator *g = NULL;
+  td_status st = td_generator_create((uint64_t)seed, &g);
+  td_module *m = NULL, *lin = NULL, *relu = NULL;
+  if (st == TD_OK && body) {
+    st = td_sequential_create(&m);
+    if (st == TD_OK) st = td_linear_create(784, 256, true, g, &lin);
+    if (st == TD_OK) st = td_relu_create(&relu);
+    if (st == TD_OK) st = td_sequential_append(m, lin);
+    if (st == TD_OK) st = td_sequential_append(m, relu);
+  } else if (st == TD_OK) {
+    st = td_linear_create(256, 10, true, g, &m);
+  }
+  td_module_unref(lin);
+  td_module_unref(relu);
+  td_generator_destroy(g);
+  if (st != TD_OK) {
+    td_module_unref(m);
+    return st;
+  }
+  *out = m;
+  return TD_OK;
+}
+static td_status body_factory(void *ctx, const void *args, td_module **out) {
+  return make_part(args, true, out);
+}
+static td_status head_factory(void *ctx, const void *args, td_module **out) {
+  return make_part(args, false, out);
+}
+
+static int free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof sa;
+  if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0 ||
+      getsockname(fd, (struct sockaddr *)&sa, &len) != 0)
+    ex_die("cannot find a free port");
+  int port = ntohs(sa.sin_port);
+  close(fd);
+  return port;
+}
+
+static td_tensor *ce_loss(td_tensor *logits, td_tensor *y) {
+  td_tensor *loss = NULL;
+  EX_CHECK(td_tensor_cross_entropy(logits, y, TD_REDUCTION_MEAN, -100, &loss));
+  return loss;
+}
+
+/* One pass (pipelined forward, loss, distributed backward and, when opt, a step) on (x, y).
+ * Returns the loss. */
+static double step(td_rpc_agent *a, td_pipeline *p, td_dist_optimizer *opt, td_tensor *x,
+                   td_tensor *y, int m) {
+  td_dist_autograd_context *ctx = NULL;
+  EX_CHECK(td_dist_autograd_context_begin(a, &ctx));
+  td_tensor *logits = NULL;
+  EX_CHECK(td_pipeline_forward(p, x, m, &logits));
+  td_tensor *loss = ce_loss(logits, y);
+  EX_CHECK(td_dist_autograd_backward(ctx, &loss, 1, false));
+  if (opt) EX_CHECK(td_dist_optimizer_step(opt, ctx));
+  double lv = NAN;
+  EX_CHECK(td_tensor_item(loss, &lv));
+  td_tensor_unref(loss);
+  td_tensor_unref(logits);
+  EX_CHECK(td_dist_autograd_context_end(ctx));
+  return lv;
+}
+
+static double evaluate(td_pipeline *p, td_remote_module *const *st, const td_mnist *ds, int m) {
+  for (int k = 0; k < 2; k++) EX_CHECK(td_remote_module_train(st[k], false));
+  td_sampler_opts so;
+  td_sampler_opts_init(&so);
+  so.batch_size = 1000;
+  td_mnist_loader *l = NULL;
+  EX_CHECK(td_mnist_loader_create(ds, &so, true, &l));
+  int64_t correct = 0, total = 0, pred[1000];
+  for (;;) {
+    td_tensor *x = NULL, *y = NULL, *logits = NULL, *am = NULL;
+    EX_CHECK(td_mnist_loader_next(l, &x, &y));
+    if (!x) break;
+    EX_CHECK(td_pipeline_forward(p, x, m, &logits));
+    EX_CHECK(td_tensor_argmax(logits, 1, false, &am));
+    int64_t n = td_tensor_size(y, 0);
+    EX_CHECK(td_tensor_copy_to_buffer(am, pred, (size_t)n * sizeof *pred));
+    const int64_t *lab = td_tensor_data(y);
+    for (int64_t i = 0; i < n; i++) correct += pred[i] == lab[i];
+    total += n;
+    td_tensor_unref(am);
+    td_tensor_unref(logits);
+    td_tensor_unref(x);
+    td_tensor_unref(y);
+  }
+  td_mnist_loader_destroy(l);
+  for (int k = 0; k < 2; k++) EX_CHECK(td_remote_module_train(st[k], true));
+  return total ? (double)correct / (double)total : 0.0;
+}
+
+int main(int argc, char **argv) {
+  double t_start = ex_now_s();
+  ex_args a;
+  ex_args_init(&a);
+  a.lr = 0.02;
+  double momentum = 0.9;
+  int micro = 4, bench_batches = 20;
+  int64_t bench_bs = 512;
+  const ex_opt extra[] = {
+      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum (default 0.9)"},
+      {"micro-batches", EX_OPT_INT, &micro, "micro-batches per training batch (default 4)"},
+      {"bench-batches", EX_OPT_INT, &bench_batches,
+       "batches per micro-batch count in the throughput runs; 0 skips them (default 20)"},
+      {"bench-batch-size", EX_OPT_I64, &bench_bs, "batch size of the throughput runs (512)"},
+  };
+  ex_args_parse(argc, argv, &a, extra, 4,
+                "pipeline_split: an MLP split across 2 workers, pipelined micro-batches");
+  if (micro < 1) ex_die("--micro-batches must be >= 1");
+
+  int rank = 0;
+  pid_t kids[2] = {0, 0};
+  if (!getenv("RANK")) { /* standalone: start the two workers ourselves */
+    char port[16];
+    snprintf(port, sizeof port, "%d", free_port());
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", port, 1);
+    setenv("WORLD_SIZE", "3", 1);
+    fflush(NULL);
+    for (int r = 1; r <= 2; r++) {
+      pid_t pid = fork();
+      if (pid < 0) ex_die("fork failed");
+      if (pid == 0) {
+        rank = r;
+        break;
+      }
+      kids[r - 1] = pid;
+    }
+    char rs[8];
+    snprintf(rs, sizeof rs, "%d", rank);
+    setenv("RANK", rs, 1);
+  } else {
+    rank = atoi(getenv("RANK"));
+  }
+  EX_CHECK(td_module_factory_register("ps_body", body_factory, NULL));
+  EX_CHECK(td_module_factory_register("ps_head", head_factory, NULL));
+  const char *names[3] = {"master", "worker1", "worker2"};
+  if (rank < 0 || rank > 2) ex_die("pipeline_split needs exactly 3 processes (got RANK %d)", rank);
+  td_rpc_options ro;
+  td_rpc_options_init(&ro);
+  ro.num_worker_threads = 8;
+  td_rpc_agent *agent = NULL;
+  EX_CHECK(td_rpc_init_from_env(names[rank], &ro, &agent));
+  if (td_rpc_world_size(agent) != 3) ex_die("pipeline_split needs a world size of 3");
+  if (rank != 0) {
+    EX_CHECK(td_rpc_shutdown(agent, true, 24 * 3600 * 1000LL));
+    td_rpc_destroy(agent);
+    return 0;
+  }
+
+  /* Data. */
+  td_mnist_opts mo;
+  td_mnist_opts_init(&mo);
+  mo.dir = a.data_dir;
+  mo.mean = TD_FASHION_MNIST_MEAN;
+  mo.std = TD_FASHION_MNIST_STD;
+  td_mnist *train = NULL, *test = NULL;
+  td_status s = td_mnist_load(TD_MNIST_TRAIN, &mo, &train);
+  if (s == TD_ERR_NOT_FOUND)
+    ex_die("%s\n(put the Fashion-MNIST .gz files there, or pass --data-dir / set TD_DATA_DIR)",
+           td_last_error());
+  EX_CHECK(s);
+  EX_CHECK(td_mnist_load(TD_MNIST_TEST, &mo, &test));
+
+  /* Stages. */
+  td_value *args0 = td_value_list(), *args1 = td_value_list();
+  td_value_list_append(args0, td_value_int((int64_t)a.seed));
+  td_value_list_append(args1, td_value_int((int64_t)a.seed + 1));
+  td_remote_module *st[2];
+  EX_CHECK(td_remote_module_create(agent, "worker1/cpu", "ps_body", args0, &st[0]));
+  EX_CHECK(td_remote_module_create(agent, "rank:2/cpu", "ps_head", args1, &st[1]));
+  td_pipeline *pipe = NULL;
+  EX_CHECK(td_pipeline_create(agent, st, 2, &pipe));
+  fprintf(stderr, "pipeline_split: stage 0 on %s, stage 1 on %s, %lld train / %lld test\n",
+          td_remote_module_owner(st[0]), td_remote_module_owner(st[1]),
+          (long long)td_mnist_count(train), (long long)td_mnist_count(test));
+
+  /* Throughput per micro-batch count (forward + backward, no update). */
+  ex_json runs;
+  ex_json_array(&runs);
+  if (bench_batches > 0) {
+    td_sampler_opts so;
+    td_sampler_opts_init(&so);
+    so.batch_size = bench_bs;
+    td_mnist_loader *l = NULL;
+    EX_CHECK(td_mnist_loader_create(train, &so, true, &l));
+    td_tensor *bx = NULL, *by = NULL;
+    EX_CHECK(td_mnist_loader_next(l, &bx, &by));
+    const int ms[4] = {1, 2, 4, 8};
+    step(agent, pipe, NULL, bx, by, 1); /* warm-up */
+    for (int i = 0; i < 4; i++) {
+      double t0 = ex_now_s();
+      for (int b = 0; b < bench_batches; b++) step(agent, pipe, NULL, bx, by, ms[i]);
+      double sps = (double)bench_batches * (double)td_tensor_size(bx, 0) / (ex_now_s() - t0);
+      fprintf(stderr, "micro-batches %d: %.0f samples/s\n", ms[i], sps);
+      ex_json run;
+      ex_json_object(&run);
+      ex_json_int(&run, "micro_batches", ms[i]);
+      ex_json_num(&run, "samples_per_s", sps);
+      ex_json_child(&runs, NULL, &run);
+      ex_json_fini(&run);
+    }
+    td_tensor_unref(bx);
+    td_tensor_unref(by);
+    td_mnist_loader_destroy(l);
+  }
+
+  /* Training with the distributed optimizer over both stages' parameters. */
+  td_rref *prefs[8];
+  size_t np = 0;
+  td_value *plists[2];
+  for (int k = 0; k < 2; k++) {
+    EX_CHECK(td_remote_module_parameters(st[k], &plists[k]));
+    for (size_t i = 0; i < td_value_list_len(plists[k]) && np < 8; i++)
+      EX_CHECK(td_value_as_rref(td_value_list_get(plists[k], i), &prefs[np++]));
+  }
+  td_optim_options oo;
+  td_optim_options_init(&oo, TD_OPTIM_SGD);
+  oo.lr = a.lr;
+  oo.momentum = momentum;
+  td_dist_optimizer *opt = NULL;
+  EX_CHECK(td_dist_optimizer_create(agent, &oo, prefs, np, &opt));
+  td_sampler_opts so;
+  td_sampler_opts_init(&so);
+  so.batch_size = a.batch_size;
+  so.shuffle = true;
+  so.seed = a.seed;
+  td_mnist_loader *loader = NULL;
+  EX_CHECK(td_mnist_loader_create(train, &so, true, &loader));
+  int64_t nb = td_sampler_num_batches(td_mnist_loader_sampler(loader));
+  if (a.max_batches > 0 && a.max_batches < nb) nb = a.max_batches;
+  double train_s = 0, acc = 0, first_loss = NAN, last_loss = NAN;
+  int64_t samples = 0;
+  for (int epoch = 0; epoch < a.epochs; epoch++) {
+    EX_CHECK(td_mnist_loader_set_epoch(loader, (uint64_t)epoch));
+    char label[32];
+    snprintf(label, sizeof label, "epoch %d/%d", epoch + 1, a.epochs);
+    ex_progress bar;
+    ex_progress_start(&bar, label, nb);
+    double t0 = ex_now_s(), sum = 0, win = 0;
+    int64_t b = 0, nwin = 0, w = nb < 20 ? (nb + 1) / 2 : 10;
+    for (; b < nb; b++) {
+      td_tensor *x = NULL, *y = NULL;
+      EX_CHECK(td_mnist_loader_next(loader, &x, &y));
+      if (!x) break;
+      double lv = step(agent, pipe, opt, x, y, micro);
+      if (!isfinite(lv)) ex_die("loss became %g at batch %lld", lv, (long long)b);
+      sum += lv;
+      if (epoch == 0 && b < w) first_loss = (b == 0 ? 0 : first_loss) + lv / (double)w;
+      if (b >= nb - w) win += lv, nwin++;
+      samples += td_tensor_size(x, 0);
+      ex_progress_update(&bar, b + 1, "loss %.4f", sum / (double)(b + 1));
+      td_tensor_unref(x);
+      td_tensor_unref(y);
+    }
+    train_s += ex_now_s() - t0;
+    last_loss = nwin ? win / (double)nwin : NAN;
+    ex_progress_finish(&bar, "loss %.4f", b ? sum / (double)b : NAN);
+    acc = evaluate(pipe, st, test, micro);
+    fprintf(stderr, "epoch %d: test accuracy %.4f\n", epoch + 1, acc);
+  }
+
+  ex_json config, results;
+  ex_json_object(&config);
+  ex_json_int(&config, "world_size", 3);
+  ex_json_int(&config, "epochs", a.epochs);
+  ex_json_int(&config, "batch_size", a.batch_size);
+  ex_json_int(&config, "micro_batches", micro);
+  ex_json_num(&config, "lr", a.lr);
+  ex_json_num(&config, "momentum", momentum);
+  ex_json_int(&config, "max_batches", a.max_batches);
+  ex_json_int(&config, "bench_batches", bench_batches);
+  ex_json_int(&config, "bench_batch_size", bench_bs);
+  ex_json_int(&config, "threads", ex_blas_threads());
+  ex_json_object(&results);
+  ex_json_num(&results, "test_accuracy", acc);
+  ex_json_num(&results, "samples_per_s", train_s > 0 ? (double)samples / train_s : 0.0);
+  ex_json_num(&results, "wall_s", ex_now_s() - t_start);
+  ex_json_child(&results, "runs", &runs);
+  ex_json_num(&results, "first_train_loss", first_loss);
+  ex_json_num(&results, "final_train_loss", last_loss);
+  ex_json_num(&results, "train_s", train_s);
+  const char *const promote[] = {"test_accuracy", "samples_per_s", "wall_s", "runs", NULL};
+  ex_json_print_result("pipeline_split", &config, &results, promote);
+  ex_json_fini(&config);
+  ex_json_fini(&results);
+  ex_json_fini(&runs);
+
+  td_mnist_loader_destroy(loader);
+  td_dist_optimizer_destroy(opt);
+  td_value_unref(plists[0]);
+  td_value_unref(plists[1]);
+  td_pipeline_destroy(pipe);
+  td_remote_module_destroy(st[0]);
+  td_remote_module_destroy(st[1]);
+  td_value_unref(args0);
+  td_value_unref(args1);
+  td_mnist_destroy(train);
+  td_mnist_destroy(test);
+  EX_CHECK(td_rpc_shutdown(agent, true, 24 * 3600 * 1000LL));
+  td_rpc_destroy(agent);
+  int rc = 0;
+  for (int k = 0; k < 2; k++) {
+    int ws = 0;
+    if (kids[k] > 0 && (waitpid(kids[k], &ws, 0) < 0 || !WIFEXITED(ws) || WEXITSTATUS(ws)))
+      rc = 1;
+  }
+  return rc;
+}
