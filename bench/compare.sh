@@ -49,6 +49,7 @@ main_key() {
     rpc_bandwidth) echo "echo[bytes=67108864].GBps_both_dirs higher 1" ;;
     rref_ops) echo "remote_to_here.ops_per_s higher 3" ;;
     dist_autograd_mlp) echo "steps_per_s higher 2" ;;
+    param_server) echo "epoch_wall_s lower 0.5" ;;
     *) return 1 ;;
   esac
 }
@@ -56,6 +57,7 @@ main_key() {
 extra_keys() {
   case "$1" in
     rpc_latency) echo "calls_per_s:higher p90_us:lower p99_us:lower" ;;
+    param_server) echo "test_accuracy:higher samples_per_s:higher" ;;
     rpc_throughput) echo "us_per_call:lower" ;;
     rref_ops) echo "proxy_rpc_sync.ops_per_s:higher remote_to_here.us_per_op:lower" ;;
     rpc_bandwidth)
@@ -74,6 +76,13 @@ extras="$(extra_keys "$name")"
 
 build="${TD_BUILD_DIR:-$root/build}"
 ours="$build/bench/$name"
+ours_cmd=("$ours")
+# Examples measured as benchmarks: ours is build/examples/NAME under tdistrun (3 processes).
+case "$name" in
+  param_server)
+    ours="$build/examples/$name"
+    ours_cmd=("$build/tools/tdistrun" --standalone --nproc-per-node 3 --no-prefix "$ours") ;;
+esac
 peer="$root/bench/peers/torch/$name.py"
 py="${TD_PEER_PYTHON:-/usr/bin/python3}"
 [[ -x "$ours" ]] || { echo "compare.sh: $ours not found (build first, or set TD_BUILD_DIR)" >&2; exit 1; }
@@ -103,7 +112,7 @@ run_one() {
 }
 
 for ((i = 0; i < runs; i++)); do
-  run_one ours "$tmp/ours.jsonl" "$ours" ${args[@]+"${args[@]}"}
+  run_one ours "$tmp/ours.jsonl" "${ours_cmd[@]}" ${args[@]+"${args[@]}"}
   run_one peer "$tmp/peer.jsonl" "$py" "$peer" ${args[@]+"${args[@]}"}
 done
 

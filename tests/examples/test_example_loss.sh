@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# test_example_loss.sh TDISTRUN EXAMPLE ARGS... - runs EXAMPLE under TDISTRUN with 3 processes
+# and checks that every process exited 0, that rank 0 printed the JSON line, and that its
+# results.first_loss is above results.last_loss (the loss fell) with a finite test_accuracy.
+# Skips (exit 77) when the Fashion-MNIST files are missing. Time is bounded by ctest's TIMEOUT
+# and by `timeout` here (TD_TEST_TIMEOUT_SCALE scales it).
+set -euo pipefail
+tdistrun="$1"
+example="$2"
+shift 2
+data_dir="${TD_DATA_DIR:-/usr/share/datasets/fashion-mnist}"
+if [[ ! -e "$data_dir/train-images-idx3-ubyte.gz" && ! -e "$data_dir/train-images-idx3-ubyte" ]]; then
+  echo "SKIP: no Fashion-MNIST in $data_dir"
+  exit 77
+fi
+limit=$((100 * ${TD_TEST_TIMEOUT_SCALE:-1}))
+out="$(mktemp)"
+trap 'rm -f "$out"' EXIT
+rc=0
+timeout "$limit" "$tdistrun" --standalone --nproc-per-node 3 --no-prefix "$example" "$@" >"$out" || rc=$?
+cat "$out"
+if [[ $rc -ne 0 ]]; then
+  echo "FAIL: $(basename "$example") exited with status $rc"
+  exit 1
+fi
+line="$(grep -E '^\{' "$out" | tail -n 1 || true)"
+if [[ -z "$line" ]]; then
+  echo "FAIL: no JSON line on standard output"
+  exit 1
+fi
+python3 - "$line" <<'PY'
+import json, math, sys
+r = json.loads(sys.argv[1])["results"]
+first, last, acc = r["first_loss"], r["last_loss"], r["test_accuracy"]
+print(f"first_loss {first:.4f} last_loss {last:.4f} test_accuracy {acc:.4f}")
+ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (first, last, acc))
+if not ok or not last < first:
+    print("FAIL: the loss did not fall")
+    sys.exit(1)
+for k in ("samples_per_s", "wall_s"):
+    if not r.get(k, 0) > 0:
+        print(f"FAIL: results.{k} missing or not positive")
+        sys.exit(1)
+PY
+echo PASS
