@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # test_example_loss.sh TDISTRUN EXAMPLE ARGS... - runs EXAMPLE under TDISTRUN with 3 processes
 # and checks that every process exited 0, that rank 0 printed the JSON line, and that its
-# results.first_loss is above results.last_loss (the loss fell) with a finite test_accuracy.
-# Skips (exit 77) when the Fashion-MNIST files are missing. Time is bounded by ctest's TIMEOUT
+# results.first_loss is above results.last_loss (the loss fell) with a finite test_accuracy (or
+# the metric named by $TD_EXAMPLE_METRIC, e.g. perplexity, which must also be below the untrained
+# model's results.first_perplexity). Skips (exit 77) when the Fashion-MNIST files are missing,
+# unless TD_EXAMPLE_NO_MNIST=1 (examples with their own data). Time is bounded by ctest's TIMEOUT
 # and by `timeout` here (TD_TEST_TIMEOUT_SCALE scales it).
 set -euo pipefail
 tdistrun="$1"
 example="$2"
 shift 2
 data_dir="${TD_DATA_DIR:-/usr/share/datasets/fashion-mnist}"
-if [[ ! -e "$data_dir/train-images-idx3-ubyte.gz" && ! -e "$data_dir/train-images-idx3-ubyte" ]]; then
+if [[ "${TD_EXAMPLE_NO_MNIST:-0}" != 1 && ! -e "$data_dir/train-images-idx3-ubyte.gz" && ! -e "$data_dir/train-images-idx3-ubyte" ]]; then
   echo "SKIP: no Fashion-MNIST in $data_dir"
   exit 77
 fi
@@ -28,14 +30,18 @@ if [[ -z "$line" ]]; then
   echo "FAIL: no JSON line on standard output"
   exit 1
 fi
-python3 - "$line" <<'PY'
+python3 - "$line" "${TD_EXAMPLE_METRIC:-test_accuracy}" <<'PY'
 import json, math, sys
 r = json.loads(sys.argv[1])["results"]
-first, last, acc = r["first_loss"], r["last_loss"], r["test_accuracy"]
-print(f"first_loss {first:.4f} last_loss {last:.4f} test_accuracy {acc:.4f}")
+metric = sys.argv[2]
+first, last, acc = r["first_loss"], r["last_loss"], r[metric]
+print(f"first_loss {first:.4f} last_loss {last:.4f} {metric} {acc:.4f}")
 ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (first, last, acc))
 if not ok or not last < first:
     print("FAIL: the loss did not fall")
+    sys.exit(1)
+if metric == "perplexity" and not acc < r["first_perplexity"]:
+    print("FAIL: the perplexity did not fall")
     sys.exit(1)
 for k in ("samples_per_s", "wall_s"):
     if not r.get(k, 0) > 0:
