@@ -1,7 +1,8 @@
 /* pipeline_split.c - an MLP split across two workers and driven as a pipeline by a master.
  *
  * Layout (3 processes): rank 0 "master" holds the data and drives; rank 1 "worker1" holds
- * Linear(784, 256) + ReLU, rank 2 "worker2" holds Linear(256, 10), each a RemoteModule
+ * Linear(784, 1024) + ReLU, rank 2 "worker2" holds Linear(1024, 768) + ReLU + Linear(768, 10)
+ * (stages of equal cost), each a RemoteModule
  * (include/tdist/remote_module.h). A batch goes through td_pipeline_forward as m micro-batches:
  * worker2 fetches worker1's activations directly by RRef, the master only sees the logits.
  *
@@ -37,23 +38,31 @@
 #include "tdist/rref.h"
 #include "tdist/tensor.h"
 
-/* Factories (args: [seed]): "ps_body" = Sequential(Linear(784, 256), ReLU), "ps_head" =
- * Linear(256, 10); initialised like PyTorch from a generator seeded with seed. */
+/* Factories (args: [seed]): "ps_body" = Sequential(Linear(784, 1024), ReLU), "ps_head" =
+ * Sequential(Linear(1024, 768), ReLU, Linear(768, 10)); initialised like PyTorch from a generator
+ * seeded with seed. The two stages cost about the same (0.80M and 0.79M multiply-adds per sample),
+ * which is what lets micro-batches overlap: a tiny second stage would leave nothing to pipeline. */
 static td_status make_part(const void *args, bool body, td_module **out) {
   int64_t seed = 0;
   if (args) td_value_as_int(td_value_list_get(args, 0), &seed);
   td_generator *g = NULL;
   td_status st = td_generator_create((uint64_t)seed, &g);
-  td_module *m = NULL, *lin = NULL, *relu = NULL;
+  td_module *m = NULL, *lin = NULL, *relu = NULL, *lin2 = NULL;
+  if (st == TD_OK) st = td_sequential_create(&m);
   if (st == TD_OK && body) {
-    st = td_sequential_create(&m);
-    if (st == TD_OK) st = td_linear_create(784, 256, true, g, &lin);
+    if (st == TD_OK) st = td_linear_create(784, 1024, true, g, &lin);
     if (st == TD_OK) st = td_relu_create(&relu);
     if (st == TD_OK) st = td_sequential_append(m, lin);
     if (st == TD_OK) st = td_sequential_append(m, relu);
   } else if (st == TD_OK) {
-    st = td_linear_create(256, 10, true, g, &m);
+    if (st == TD_OK) st = td_linear_create(1024, 768, true, g, &lin);
+    if (st == TD_OK) st = td_relu_create(&relu);
+    if (st == TD_OK) st = td_linear_create(768, 10, true, g, &lin2);
+    if (st == TD_OK) st = td_sequential_append(m, lin);
+    if (st == TD_OK) st = td_sequential_append(m, relu);
+    if (st == TD_OK) st = td_sequential_append(m, lin2);
   }
+  td_module_unref(lin2);
   td_module_unref(lin);
   td_module_unref(relu);
   td_generator_destroy(g);
@@ -141,16 +150,16 @@ int main(int argc, char **argv) {
   double t_start = ex_now_s();
   ex_args a;
   ex_args_init(&a);
-  a.lr = 0.02;
-  double momentum = 0.9;
+  a.lr = 0.1;
+  double momentum = 0.5;
   int micro = 4, bench_batches = 20;
-  int64_t bench_bs = 512;
+  int64_t bench_bs = 1024;
   const ex_opt extra[] = {
-      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum (default 0.9)"},
+      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum (default 0.5)"},
       {"micro-batches", EX_OPT_INT, &micro, "micro-batches per training batch (default 4)"},
       {"bench-batches", EX_OPT_INT, &bench_batches,
        "batches per micro-batch count in the throughput runs; 0 skips them (default 20)"},
-      {"bench-batch-size", EX_OPT_I64, &bench_bs, "batch size of the throughput runs (512)"},
+      {"bench-batch-size", EX_OPT_I64, &bench_bs, "batch size of the throughput runs (1024)"},
   };
   ex_args_parse(argc, argv, &a, extra, 4,
                 "pipeline_split: an MLP split across 2 workers, pipelined micro-batches");
