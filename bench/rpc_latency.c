@@ -39,13 +39,16 @@ static void one_call(rb_pair *p, int64_t i) {
 int main(int argc, char **argv) {
   rb_prog = "rpc_latency";
   long long calls = 5000, warmup = 500, threads = 16;
+  int pool_handler = 0;
   for (int i = 1; i < argc; i++) {
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (strcmp(argv[i], "--calls") == 0) calls = rb_arg_int(argv[i], v), i++;
     else if (strcmp(argv[i], "--warmup") == 0) warmup = rb_arg_int(argv[i], v), i++;
     else if (strcmp(argv[i], "--threads") == 0) threads = rb_arg_int(argv[i], v), i++;
+    else if (strcmp(argv[i], "--pool-handler") == 0) pool_handler = 1;
     else {
-      fprintf(stderr, "usage: rpc_latency [--calls N] [--warmup N] [--threads N]\n");
+      fprintf(stderr, "usage: rpc_latency [--calls N] [--warmup N] [--threads N]\n"
+                      "                   [--pool-handler]\n");
       return 2;
     }
   }
@@ -53,7 +56,9 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rpc_latency: --calls and --threads must be >= 1\n");
     return 2;
   }
-  RB_CHECK(td_rpc_register("bench_echo", fn_echo, NULL));
+  /* the echo is tiny and never blocks: TD_RPC_INLINE runs it on the receiving poller thread
+   * (--pool-handler runs it on the agent's thread pool like any other function) */
+  RB_CHECK(td_rpc_register_ex("bench_echo", fn_echo, NULL, pool_handler ? 0 : TD_RPC_INLINE));
   double *us = malloc((size_t)calls * sizeof *us);
   if (!us) return 1;
 
@@ -75,11 +80,12 @@ int main(int argc, char **argv) {
   qsort(us, (size_t)calls, sizeof *us, rb_cmp_double);
   char blas[32];
   printf("{\"bench\": \"rpc_latency\", \"config\": {\"impl\": \"tdist\", \"transport\": \"grpc\", "
-         "\"world_size\": 2, \"threads\": %lld, \"warmup_calls\": %lld, \"calls\": %lld, "
+         "\"world_size\": 2, \"handler\": \"%s\", \"threads\": %lld, \"warmup_calls\": %lld, \"calls\": %lld, "
          "\"payload\": \"int64\", \"openblas_num_threads\": %s}, "
          "\"results\": {\"p50_us\": %.3f, \"p90_us\": %.3f, \"p99_us\": %.3f, "
          "\"min_us\": %.3f, \"max_us\": %.3f, \"mean_us\": %.3f, \"calls_per_s\": %.1f, "
          "\"wall_s\": %.4f}}\n",
+         pool_handler ? "pool" : "inline",
          threads, warmup, calls, rb_blas_threads(blas, sizeof blas),
          rb_quantile(us, (size_t)calls, 0.50), rb_quantile(us, (size_t)calls, 0.90),
          rb_quantile(us, (size_t)calls, 0.99), us[0], us[calls - 1], mean,

@@ -133,15 +133,17 @@ static double run_round(rb_pair *p, tp_round *r, td_value *arg, long long total,
 int main(int argc, char **argv) {
   rb_prog = "rpc_throughput";
   long long calls = 20000, warmup = 2000, inflight = 64, threads = 16;
+  int pool_handler = 0;
   for (int i = 1; i < argc; i++) {
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (strcmp(argv[i], "--calls") == 0) calls = rb_arg_int(argv[i], v), i++;
     else if (strcmp(argv[i], "--warmup") == 0) warmup = rb_arg_int(argv[i], v), i++;
     else if (strcmp(argv[i], "--inflight") == 0) inflight = rb_arg_int(argv[i], v), i++;
     else if (strcmp(argv[i], "--threads") == 0) threads = rb_arg_int(argv[i], v), i++;
+    else if (strcmp(argv[i], "--pool-handler") == 0) pool_handler = 1;
     else {
       fprintf(stderr, "usage: rpc_throughput [--calls N] [--warmup N] [--inflight N] "
-                      "[--threads N]\n");
+                      "[--threads N] [--pool-handler]\n");
       return 2;
     }
   }
@@ -149,7 +151,9 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rpc_throughput: --calls, --inflight and --threads must be >= 1\n");
     return 2;
   }
-  RB_CHECK(td_rpc_register("bench_echo", fn_echo, NULL));
+  /* the echo is tiny and never blocks: TD_RPC_INLINE runs it on the receiving poller thread
+   * (--pool-handler runs it on the agent's thread pool like any other function) */
+  RB_CHECK(td_rpc_register_ex("bench_echo", fn_echo, NULL, pool_handler ? 0 : TD_RPC_INLINE));
   td_value *arg = td_value_int(7);
   if (!arg) return 1;
 
@@ -166,10 +170,11 @@ int main(int argc, char **argv) {
 
   char blas[32];
   printf("{\"bench\": \"rpc_throughput\", \"config\": {\"impl\": \"tdist\", \"transport\": "
-         "\"grpc\", \"world_size\": 2, \"threads\": %lld, \"warmup_calls\": %lld, "
+         "\"grpc\", \"world_size\": 2, \"handler\": \"%s\", \"threads\": %lld, \"warmup_calls\": %lld, "
          "\"calls\": %lld, \"inflight\": %lld, \"payload\": \"int64\", "
          "\"openblas_num_threads\": %s}, "
          "\"results\": {\"calls_per_s\": %.1f, \"us_per_call\": %.3f, \"wall_s\": %.4f}}\n",
+         pool_handler ? "pool" : "inline",
          threads, warmup, calls, inflight, rb_blas_threads(blas, sizeof blas),
          (double)calls / wall, wall / (double)calls * 1e6, wall);
   fflush(stdout);

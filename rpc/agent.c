@@ -40,7 +40,8 @@ static pthread_rwlock_t reg_lock = PTHREAD_RWLOCK_INITIALIZER;
 static td__reg *regs;
 static int nregs, regcap;
 
-static td_status reg_add(const char *name, td_rpc_fn fn, void *ud, bool internal) {
+static td_status reg_add(const char *name, td_rpc_fn fn, void *ud, bool internal,
+                         unsigned flags) {
   if (!name || !*name || !fn) return td_set_error(TD_ERR_INVALID, "rpc_register: NULL name or fn");
   if (strlen(name) > 200) return td_set_error(TD_ERR_INVALID, "rpc_register: name too long");
   bool reserved = name[0] == '_' && name[1] == '_';
@@ -71,17 +72,23 @@ static td_status reg_add(const char *name, td_rpc_fn fn, void *ud, bool internal
     pthread_rwlock_unlock(&reg_lock);
     return td_set_error(TD_ERR_NOMEM, "rpc_register: out of memory");
   }
-  regs[nregs++] = (td__reg){n, fn, ud};
+  regs[nregs++] = (td__reg){n, fn, ud, flags};
   pthread_rwlock_unlock(&reg_lock);
   return TD_OK;
 }
 
 td_status td_rpc_register(const char *name, td_rpc_fn fn, void *user_data) {
-  return reg_add(name, fn, user_data, false);
+  return reg_add(name, fn, user_data, false, 0);
+}
+
+td_status td_rpc_register_ex(const char *name, td_rpc_fn fn, void *user_data, unsigned flags) {
+  if (flags & ~TD_RPC_INLINE)
+    return td_set_error(TD_ERR_INVALID, "rpc_register_ex: unknown flags 0x%x", flags);
+  return reg_add(name, fn, user_data, false, flags);
 }
 
 td_status td__rpc_register_internal(const char *name, td_rpc_fn fn, void *user_data) {
-  return reg_add(name, fn, user_data, true);
+  return reg_add(name, fn, user_data, true, 0);
 }
 
 td_status td_rpc_unregister(const char *name) {
@@ -182,6 +189,10 @@ td_status td__rpc_set_middleware(const td__rpc_middleware *mw) {
 static const td__rpc_middleware *mw_get(void) {
   return __atomic_load_n(&middleware, __ATOMIC_ACQUIRE);
 }
+
+/* True while a TD_RPC_INLINE function runs on this (poller) thread: blocking there would stop
+ * the thread that delivers every reply. */
+static _Thread_local bool in_inline_handler;
 
 /* ---- the agent ---- */
 
@@ -608,6 +619,13 @@ static void on_msg(void *ud, td__conn *c, td__msg *m) {
     snprintf(r->caller, sizeof r->caller, "%s",
              (from >= 0 && from < a->world) ? peer_name(a, from) : "unknown");
     __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
+    td__reg reg;
+    if (reg_find(r->msg.fn, &reg) && (reg.flags & TD_RPC_INLINE)) {
+      in_inline_handler = true;
+      run_request(r);
+      in_inline_handler = false;
+      return;
+    }
     if (td__threadpool_submit(a->pool, run_request, r) != TD_OK)
       reply_error(r, TD_ERR_STATE, "the agent is shutting down");
     return;
@@ -885,6 +903,9 @@ td_status td_rpc_async(td_rpc_agent *a, const char *to, const char *fn, td_value
 td_status td_rpc_sync(td_rpc_agent *a, const char *to, const char *fn, td_value *const *args,
                       int nargs, const td_rpc_call_opts *opts, td_value **result) {
   TD_CHECK_ARG(result, "rpc_sync: NULL result");
+  if (in_inline_handler)
+    return td_set_error(TD_ERR_STATE, "rpc_sync: blocking call from a TD_RPC_INLINE function "
+                        "(use td_rpc_async and return its future)");
   td_future *f;
   TD_TRY(td_rpc_async(a, to, fn, args, nargs, opts, &f));
   td_status st = td_future_wait(f, -1);

@@ -12,6 +12,7 @@ typedef struct td__reg {
   char *name;
   td_rpc_fn fn;
   void *user_data;
+  unsigned flags; /* TD_RPC_INLINE */
 } td__reg;
 
 struct td_rpc_ctx {

@@ -268,6 +268,16 @@ typedef td_status (*td_rpc_fn)(td_rpc_ctx *ctx, td_value *const *args, int nargs
  * TD_ERR_EXISTS otherwise). Register the same names in every worker, before td_rpc_init, so peers
  * can compare registries when they connect. Names starting with "__" are reserved. */
 TD_API td_status td_rpc_register(const char *name, td_rpc_fn fn, void *user_data);
+/* Registration flags. TD_RPC_INLINE: the function is short and never blocks, so it runs on the
+ * transport's poller thread as soon as the request arrives instead of on a pool thread (saves a
+ * thread hand-off per call: lower latency for tiny functions). It must not make blocking calls
+ * (td_rpc_sync from it fails with TD_ERR_STATE) nor wait on futures; async calls are fine. */
+#define TD_RPC_INLINE 1u
+
+/* td_rpc_register_ex is td_rpc_register with flags (TD_RPC_INLINE or 0). */
+TD_API td_status td_rpc_register_ex(const char *name, td_rpc_fn fn, void *user_data,
+                                    unsigned flags);
+
 /* td_rpc_unregister removes a registration (TD_ERR_NOT_FOUND when absent). */
 TD_API td_status td_rpc_unregister(const char *name);
 

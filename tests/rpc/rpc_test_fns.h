@@ -103,7 +103,21 @@ static td_status fn_chain(td_rpc_ctx *c, td_value *const *args, int n, td_value 
   return st;
 }
 
+/* inline_sync(worker): an inline function that (wrongly) makes a blocking call */
+static td_status fn_inline_sync(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                                td_future **fut) {
+  const char *to;
+  td_status st = td_value_as_string(args[0], &to, NULL);
+  if (st != TD_OK) return st;
+  td_value *r = NULL;
+  st = td_rpc_sync(td_rpc_ctx_agent(c), to, "whoami", NULL, 0, NULL, &r);
+  td_value_unref(r);
+  return st;
+}
+
 static void register_test_fns(void) {
+  MP_CHECK_OK(td_rpc_register_ex("inline_add", fn_add, NULL, TD_RPC_INLINE));
+  MP_CHECK_OK(td_rpc_register_ex("inline_sync", fn_inline_sync, NULL, TD_RPC_INLINE));
   MP_CHECK_OK(td_rpc_register("echo", fn_echo, NULL));
   MP_CHECK_OK(td_rpc_register("add", fn_add, NULL));
   MP_CHECK_OK(td_rpc_register("fail", fn_fail, NULL));

@@ -65,6 +65,18 @@ static int worker_calls(int rank, int world, const char *method, void *arg) {
     MP_CHECK(strcmp(who, "worker0") == 0);
     td_value_unref(r);
 
+    /* TD_RPC_INLINE functions run on the poller thread; a blocking call from one is refused */
+    MP_CHECK_OK(td_rpc_sync(a, "worker2", "inline_add", two, 2, NULL, &r));
+    MP_CHECK(as_int(r) == 5);
+    td_value_unref(r);
+    td_value *w1 = td_value_string("worker1");
+    MP_CHECK(td_rpc_sync(a, "worker2", "inline_sync", &w1, 1, NULL, &r) == TD_ERR_STATE);
+    MP_CHECK(strstr(td_last_error(), "TD_RPC_INLINE") != NULL);
+    td_value_unref(w1);
+    MP_CHECK_OK(td_rpc_sync(a, "worker2", "add", two, 2, NULL, &r)); /* still serving */
+    td_value_unref(r);
+    MP_CHECK(td_rpc_register_ex("x", fn_echo, NULL, 8u) == TD_ERR_INVALID);
+
     /* remote error: status and message carry the remote worker and the handler's text */
     MP_CHECK(td_rpc_sync(a, "worker1", "fail", NULL, 0, NULL, &r) == TD_ERR_INVALID);
     MP_CHECK(strncmp(td_last_error(), "worker1 (rank 1): ", 18) == 0);
