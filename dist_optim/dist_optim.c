@@ -157,6 +157,19 @@ static td_status h_step(td_rpc_ctx *x, td_value *const *args, int n, td_value **
 }
 
 /* __dist_param_rrefs [module] -> [RRef per parameter] */
+/* __dist_optim_set_lr(optimizer object, lr) */
+static td_status h_set_lr(td_rpc_ctx *x, td_value *const *args, int n, td_value **res,
+                          td_future **fut) {
+  void *opt;
+  double lr;
+  if (n != 2 || td_value_as_double(args[1], &lr) != TD_OK)
+    return td_set_error(TD_ERR_FORMAT, "__dist_optim_set_lr: malformed request");
+  TD_TRY(td_value_as_object(args[0], OPT_TYPE, &opt));
+  TD_TRY(td_optim_set_lr(opt, lr));
+  *res = td_value_none();
+  return TD_OK;
+}
+
 static td_status h_param_rrefs(td_rpc_ctx *x, td_value *const *args, int n, td_value **res,
                                td_future **fut) {
   void *m;
@@ -253,6 +266,27 @@ td_status td_dist_optimizer_create(td_rpc_agent *a, const td_optim_options *opts
   return TD_OK;
 }
 
+td_status td_dist_optimizer_set_lr(td_dist_optimizer *o, double lr) {
+  TD_CHECK_ARG(o, "dist_optimizer_set_lr: NULL optimizer");
+  if (!(lr >= 0) || lr > 1e300)
+    return td_set_error(TD_ERR_INVALID, "dist_optimizer_set_lr: invalid learning rate %g", lr);
+  td_value *lv = td_value_double(lr);
+  if (!lv) return td_set_error(TD_ERR_NOMEM, "dist_optim: out of memory");
+  td_future **fs = td__calloc((size_t)(o->nowners ? o->nowners : 1), sizeof *fs);
+  td_status st = fs ? TD_OK : td_set_error(TD_ERR_NOMEM, "dist_optim: out of memory");
+  int started = 0;
+  for (int i = 0; i < o->nowners && st == TD_OK; i++) {
+    st = td_rref_rpc_async(o->owners[i], "__dist_optim_set_lr", &lv, 1, NULL, &fs[i]);
+    if (st == TD_OK) started++;
+  }
+  td_status wst = started ? td_future_wait_all(fs, started, -1) : TD_OK;
+  if (st == TD_OK) st = wst;
+  for (int i = 0; i < started; i++) td_future_unref(fs[i]);
+  td__free(fs);
+  td_value_unref(lv);
+  return st;
+}
+
 td_status td_dist_optimizer_step(td_dist_optimizer *o, td_dist_autograd_context *ctx) {
   TD_CHECK_ARG(o && ctx, "dist_optimizer_step: NULL argument");
   td_future **fs = td__calloc((size_t)(o->nowners ? o->nowners : 1), sizeof *fs);
@@ -325,6 +359,7 @@ static void layer_init_once(void) {
   td_object_type_register(OPT_TYPE, opt_destroy);
   td__rpc_register_internal("__dist_optim_create", h_create, NULL);
   td__rpc_register_internal("__dist_optim_step", h_step, NULL);
+  td__rpc_register_internal("__dist_optim_set_lr", h_set_lr, NULL);
   td__rpc_register_internal("__dist_param_rrefs", h_param_rrefs, NULL);
 }
 

@@ -9,7 +9,8 @@
  * First the master measures samples/s of a training pass (pipelined forward, loss, distributed
  * backward; no update) with 1, 2, 4 and 8 micro-batches on --bench-batches batches of
  * --bench-batch-size; then it trains for --epochs with distributed autograd and a distributed
- * SGD optimizer (momentum) over both workers' parameters, using --micro-batches, and reports
+ * SGD optimizer (momentum; learning rate decayed along a cosine over the run through
+ * td_dist_optimizer_set_lr) over both workers' parameters, using --micro-batches, and reports
  * the test accuracy. The last line of standard output is the JSON result (shared/BENCH.md) with
  * test_accuracy, samples_per_s (training), wall_s and runs [{"micro_batches", "samples_per_s"}].
  *
@@ -300,6 +301,10 @@ int main(int argc, char **argv) {
       td_tensor *x = NULL, *y = NULL;
       EX_CHECK(td_mnist_loader_next(loader, &x, &y));
       if (!x) break;
+      if (b % 25 == 0) { /* cosine decay of the learning rate over the whole run */
+        double prog = (double)(epoch * nb + b) / (double)(a.epochs * nb);
+        EX_CHECK(td_dist_optimizer_set_lr(opt, a.lr * 0.5 * (1.0 + cos(M_PI * prog))));
+      }
       double lv = step(agent, pipe, opt, x, y, micro);
       if (!isfinite(lv)) ex_die("loss became %g at batch %lld", lv, (long long)b);
       sum += lv;

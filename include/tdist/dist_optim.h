@@ -51,6 +51,11 @@ TD_API td_status td_dist_optimizer_create(td_rpc_agent *a, const td_optim_option
  * with td_last_error() naming the owner. */
 TD_API td_status td_dist_optimizer_step(td_dist_optimizer *o, td_dist_autograd_context *ctx);
 
+/* td_dist_optimizer_set_lr changes the learning rate of every owner's optimizer for later steps
+ * (learning-rate schedules). Blocks until every owner applied it; TD_ERR_INVALID for a negative
+ * or non-finite lr (nothing changed then). */
+TD_API td_status td_dist_optimizer_set_lr(td_dist_optimizer *o, double lr);
+
 /* td_dist_optimizer_num_owners returns how many workers own parameters of o. */
 TD_API int td_dist_optimizer_num_owners(const td_dist_optimizer *o);
 
