@@ -62,17 +62,11 @@ enum rep_field { ACC, TRAIN_LOSS_SUM, BATCHES, SAMPLES, TRAIN_S, FIRST, LAST, RE
 
 /* ---- the server's state (rank 0) ---- */
 
-typedef struct epoch_report {
-  int arrived;
-  double v[NFIELDS]; /* sums over trainers (TRAIN_S: the maximum) */
-} epoch_report;
-
 static struct {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   td_rref *first; /* owner RRef of the first layer; NULL when not ready */
-  epoch_report rep[MAX_EPOCHS + 1];
-} ps = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, {{0}}};
+} ps = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL};
 
 /* hy_get_module() -> RRef to the first layer; waits up to 60 s for the server. */
 static td_status hy_get_module(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
@@ -93,36 +87,19 @@ static td_status hy_get_module(td_rpc_ctx *c, td_value *const *args, int n, td_v
 }
 
 /* hy_report(slot, [NFIELDS numbers]) records a trainer's figures for epoch slot - 1. */
+static ex_report_slot report_slots[MAX_EPOCHS + 1];
+static ex_reports reports; /* TRAIN_S: the maximum over trainers, other fields: sums */
+
 static td_status hy_report(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                           td_future **fut) {
-  int64_t slot;
-  double v[NFIELDS];
-  if (n != 2 || td_value_list_len(args[1]) != NFIELDS)
-    return td_set_error(TD_ERR_INVALID, "hy_report: expected (slot, [%d numbers])", NFIELDS);
-  HY_TRY(td_value_as_int(args[0], &slot));
-  for (int i = 0; i < NFIELDS; i++)
-    HY_TRY(td_value_as_double(td_value_list_get(args[1], (size_t)i), &v[i]));
-  if (slot < 1 || slot > MAX_EPOCHS) return td_set_error(TD_ERR_INVALID, "hy_report: bad slot");
-  pthread_mutex_lock(&ps.mu);
-  epoch_report *r = &ps.rep[slot];
-  r->arrived++;
-  for (int i = 0; i < NFIELDS; i++)
-    r->v[i] = i == TRAIN_S ? fmax(r->v[i], v[i]) : r->v[i] + v[i];
-  pthread_cond_broadcast(&ps.cv);
-  pthread_mutex_unlock(&ps.mu);
+                          td_future **fut) {
+  td_status st = ex_reports_add(&reports, "hy_report", args, n, 1);
+  if (st != TD_OK) return st;
   *res = td_value_none();
-  return *res ? TD_OK : TD_ERR_NOMEM;
+  return TD_OK;
 }
 
-static const epoch_report *wait_report(int slot, int trainers) {
-  struct timespec dl;
-  clock_gettime(CLOCK_REALTIME, &dl);
-  dl.tv_sec += 3600;
-  pthread_mutex_lock(&ps.mu);
-  while (ps.rep[slot].arrived < trainers)
-    if (pthread_cond_timedwait(&ps.cv, &ps.mu, &dl) != 0) ex_die("trainers never reported");
-  pthread_mutex_unlock(&ps.mu);
-  return &ps.rep[slot];
+static const ex_report_slot *wait_report(int slot, int trainers) {
+  return ex_reports_wait(&reports, slot, trainers);
 }
 
 static int run_server(const ex_args *a, double momentum, int trainers, double t_start) {
@@ -134,7 +111,7 @@ static int run_server(const ex_args *a, double momentum, int trainers, double t_
   ex_json_array(&loss_list);
   double acc = NAN, train_s = 0, samples = 0, first_loss = NAN, last_loss = NAN, differ = 0;
   for (int e = 0; e < a->epochs; e++) {
-    const epoch_report *r = wait_report(e + 1, trainers);
+    const ex_report_slot *r = wait_report(e + 1, trainers);
     acc = r->v[ACC];
     double mean_loss = r->v[BATCHES] > 0 ? r->v[TRAIN_LOSS_SUM] / r->v[BATCHES] : NAN;
     if (e == 0) first_loss = r->v[FIRST] / trainers;
@@ -436,6 +413,7 @@ int main(int argc, char **argv) {
   char name[32];
   snprintf(name, sizeof name, "worker%d", rank);
   EX_CHECK(td_rpc_register("hy_get_module", hy_get_module, NULL));
+  ex_reports_init(&reports, report_slots, MAX_EPOCHS + 1, NFIELDS, TRAIN_S);
   EX_CHECK(td_rpc_register("hy_report", hy_report, NULL));
   td_rpc_options ro;
   td_rpc_options_init(&ro);

@@ -210,17 +210,11 @@ static td_status decoder_factory(void *ctx, const void *args, td_module **out) {
 
 /* ---- the server's state (rank 0) ---- */
 
-typedef struct epoch_report {
-  int arrived;
-  double v[NFIELDS]; /* sums over trainers (TRAIN_S: the maximum) */
-} epoch_report;
-
 static struct {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   td_value *modules;                  /* list [embedding RRef, decoder RRef]; NULL when not ready */
-  epoch_report rep[MAX_EPOCHS + 1];   /* [0]: the untrained model, [e + 1]: after epoch e */
-} ps = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, {{0}}};
+} ps = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL};
 
 /* rnn_get_modules() -> [embedding RRef, decoder RRef]; waits up to 60 s for the server. */
 static td_status rnn_get_modules(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
@@ -239,36 +233,19 @@ static td_status rnn_get_modules(td_rpc_ctx *c, td_value *const *args, int n, td
 }
 
 /* rnn_report(slot, [NFIELDS doubles]) records a trainer's figures for slot. */
+static ex_report_slot report_slots[MAX_EPOCHS + 1];
+static ex_reports reports; /* TRAIN_S: the maximum over trainers, other fields: sums */
+
 static td_status rnn_report(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                            td_future **fut) {
-  int64_t slot;
-  double v[NFIELDS];
-  if (n != 2 || td_value_list_len(args[1]) != NFIELDS)
-    return td_set_error(TD_ERR_INVALID, "rnn_report: expected (slot, [%d numbers])", NFIELDS);
-  RNN_TRY(td_value_as_int(args[0], &slot));
-  for (int i = 0; i < NFIELDS; i++)
-    RNN_TRY(td_value_as_double(td_value_list_get(args[1], (size_t)i), &v[i]));
-  if (slot < 0 || slot > MAX_EPOCHS) return td_set_error(TD_ERR_INVALID, "rnn_report: bad slot");
-  pthread_mutex_lock(&ps.mu);
-  epoch_report *r = &ps.rep[slot];
-  r->arrived++;
-  for (int i = 0; i < NFIELDS; i++)
-    r->v[i] = i == TRAIN_S ? fmax(r->v[i], v[i]) : r->v[i] + v[i];
-  pthread_cond_broadcast(&ps.cv);
-  pthread_mutex_unlock(&ps.mu);
+                          td_future **fut) {
+  td_status st = ex_reports_add(&reports, "rnn_report", args, n, 0);
+  if (st != TD_OK) return st;
   *res = td_value_none();
-  return *res ? TD_OK : TD_ERR_NOMEM;
+  return TD_OK;
 }
 
-static const epoch_report *wait_report(int slot, int trainers) {
-  struct timespec dl;
-  clock_gettime(CLOCK_REALTIME, &dl);
-  dl.tv_sec += 3600;
-  pthread_mutex_lock(&ps.mu);
-  while (ps.rep[slot].arrived < trainers)
-    if (pthread_cond_timedwait(&ps.cv, &ps.mu, &dl) != 0) ex_die("trainers never reported");
-  pthread_mutex_unlock(&ps.mu);
-  return &ps.rep[slot];
+static const ex_report_slot *wait_report(int slot, int trainers) {
+  return ex_reports_wait(&reports, slot, trainers);
 }
 
 typedef struct rnn_cfg {
@@ -285,7 +262,7 @@ static int run_server(const ex_args *a, const rnn_cfg *cfg, int trainers, double
   ex_json ppl_list, loss_list;
   ex_json_array(&ppl_list);
   ex_json_array(&loss_list);
-  const epoch_report *r = wait_report(0, trainers);
+  const ex_report_slot *r = wait_report(0, trainers);
   double first_ppl = exp(r->v[VAL_LOSS_SUM] / r->v[VAL_TOKENS]), ppl = first_ppl;
   fprintf(stderr, "epoch 0: valid perplexity %.2f (untrained)\n", first_ppl);
   double train_s = 0, tokens = 0, first_loss = NAN, last_loss = NAN;
@@ -576,6 +553,7 @@ int main(int argc, char **argv) {
   char name[32];
   snprintf(name, sizeof name, "worker%d", rank);
   EX_CHECK(td_rpc_register("rnn_get_modules", rnn_get_modules, NULL));
+  ex_reports_init(&reports, report_slots, MAX_EPOCHS + 1, NFIELDS, TRAIN_S);
   EX_CHECK(td_rpc_register("rnn_report", rnn_report, NULL));
   EX_CHECK(td_module_factory_register("rnn_embedding", embedding_factory, NULL));
   EX_CHECK(td_module_factory_register("rnn_decoder", decoder_factory, NULL));

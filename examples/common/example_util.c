@@ -446,3 +446,48 @@ double ex_peak_rss_mb(void) {
   if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
   return (double)ru.ru_maxrss / 1024.0; /* Linux reports KiB */
 }
+
+/* ---- per-epoch reports ---- */
+
+void ex_reports_init(ex_reports *r, ex_report_slot *slots, int nslots, int nfields,
+                     int max_field) {
+  pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->cv, NULL);
+  r->slots = slots;
+  r->nslots = nslots;
+  r->nfields = nfields < EX_REPORT_FIELDS ? nfields : EX_REPORT_FIELDS;
+  r->max_field = max_field;
+}
+
+td_status ex_reports_add(ex_reports *r, const char *fn, td_value *const *args, int n,
+                         int min_slot) {
+  int64_t slot;
+  double v[EX_REPORT_FIELDS];
+  if (n != 2 || td_value_list_len(args[1]) != (size_t)r->nfields)
+    return td_set_error(TD_ERR_INVALID, "%s: expected (slot, [%d numbers])", fn, r->nfields);
+  td_status st = td_value_as_int(args[0], &slot);
+  for (int i = 0; i < r->nfields && st == TD_OK; i++)
+    st = td_value_as_double(td_value_list_get(args[1], (size_t)i), &v[i]);
+  if (st != TD_OK) return st;
+  if (slot < min_slot || slot >= r->nslots)
+    return td_set_error(TD_ERR_INVALID, "%s: bad slot %lld", fn, (long long)slot);
+  pthread_mutex_lock(&r->mu);
+  ex_report_slot *s = &r->slots[slot];
+  s->arrived++;
+  for (int i = 0; i < r->nfields; i++)
+    s->v[i] = i == r->max_field ? fmax(s->v[i], v[i]) : s->v[i] + v[i];
+  pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+  return TD_OK;
+}
+
+const ex_report_slot *ex_reports_wait(ex_reports *r, int slot, int trainers) {
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  dl.tv_sec += 3600;
+  pthread_mutex_lock(&r->mu);
+  while (r->slots[slot].arrived < trainers)
+    if (pthread_cond_timedwait(&r->cv, &r->mu, &dl) != 0) ex_die("trainers never reported");
+  pthread_mutex_unlock(&r->mu);
+  return &r->slots[slot];
+}

@@ -18,6 +18,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <pthread.h>
+
+#include "tdist/rpc.h"
 #include "tdist/status.h"
 
 /* ---- errors ---- */
@@ -142,5 +145,27 @@ void ex_json_print_result(const char *bench, const ex_json *config, const ex_jso
 double ex_now_s(void);
 /* ex_peak_rss_mb returns the peak resident set size of this process in MiB (getrusage). */
 double ex_peak_rss_mb(void);
+
+/* Per-epoch reports that trainers send to the server of a multi-process example: each trainer
+ * calls a registered function with (slot, [nfields doubles]); the server adds them up per slot
+ * (field max_field takes the maximum instead, e.g. a wall time) and waits until every trainer
+ * reported a slot. */
+#define EX_REPORT_FIELDS 8
+typedef struct ex_report_slot {
+  int arrived;
+  double v[EX_REPORT_FIELDS];
+} ex_report_slot;
+typedef struct ex_reports {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  ex_report_slot *slots; /* caller's storage, nslots entries, zeroed */
+  int nslots, nfields, max_field;
+} ex_reports;
+void ex_reports_init(ex_reports *r, ex_report_slot *slots, int nslots, int nfields, int max_field);
+/* ex_reports_add is the body of the registered report function (args: slot >= min_slot, list). */
+td_status ex_reports_add(ex_reports *r, const char *fn, td_value *const *args, int n,
+                         int min_slot);
+/* ex_reports_wait blocks until `trainers` reports for slot arrived (exits after an hour). */
+const ex_report_slot *ex_reports_wait(ex_reports *r, int slot, int trainers);
 
 #endif
