@@ -99,14 +99,6 @@ int main(int argc, char **argv) {
     signal(SIGTERM, SIG_IGN);
     signal(SIGINT, SIG_IGN);
   }
-  if (pid_dir) {
-    char tmp[4096], path[4096];
-    snprintf(tmp, sizeof tmp, "%s/.%d.%d.tmp", pid_dir, rank, attempt);
-    snprintf(path, sizeof path, "%s/%d.%d.pid", pid_dir, rank, attempt);
-    FILE *f = fopen(tmp, "w");
-    if (!f || fprintf(f, "%ld\n", (long)getpid()) < 0 || fclose(f) != 0 || rename(tmp, path))
-      return 91;
-  }
   if (env) {
     static const char *const names[] = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                                         "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -135,6 +127,16 @@ int main(int argc, char **argv) {
     sleep_ms(20);
     outs(STDOUT_FILENO, "part-two\n");
     outs(STDERR_FILENO, "epart-two\n");
+  }
+  /* the pid file also says "my output is written": a worker that fails after waiting for
+   * everybody's pid file cannot cut the others' output short */
+  if (pid_dir) {
+    char tmp[4096], path[4096];
+    snprintf(tmp, sizeof tmp, "%s/.%d.%d.tmp", pid_dir, rank, attempt);
+    snprintf(path, sizeof path, "%s/%d.%d.pid", pid_dir, rank, attempt);
+    FILE *f = fopen(tmp, "w");
+    if (!f || fprintf(f, "%ld\n", (long)getpid()) < 0 || fclose(f) != 0 || rename(tmp, path))
+      return 91;
   }
   if (rank == fail_rank && (fail_attempt < 0 || attempt == fail_attempt)) {
     if (wait_pids > 0 && pid_dir) {
