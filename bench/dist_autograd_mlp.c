@@ -105,6 +105,7 @@ int main(int argc, char **argv) {
   RB_CHECK(td_rpc_register("bench_forward", bench_forward, NULL));
   rb_pair p;
   rb_start(&p, (int)threads);
+  long long busy_poll_us = (long long)td_rpc_busy_poll_us(p.agent);
 
   model m = {0};
   td_generator *g;
@@ -154,11 +155,11 @@ int main(int argc, char **argv) {
 
   char blas[16];
   printf("{\"bench\": \"dist_autograd_mlp\", \"config\": {\"impl\": \"tdist\", \"world_size\": 2, "
-         "\"threads\": %lld, \"batch\": %lld, \"warmup\": %lld, \"steps\": %lld, "
+         "\"busy_poll_us\": %lld, \"threads\": %lld, \"batch\": %lld, \"warmup\": %lld, \"steps\": %lld, "
          "\"model\": \"Linear(784,512)+ReLU on worker1, Linear(512,10) on worker0\", "
          "\"optimizer\": \"SGD lr=0.01\", \"openblas_num_threads\": %s}, "
          "\"results\": {\"steps_per_s\": %.2f, \"ms_per_step\": %.4f, \"final_loss\": %.6f}}\n",
-         threads, batch, warmup, steps, rb_blas_threads(blas, sizeof blas),
+         busy_poll_us, threads, batch, warmup, steps, rb_blas_threads(blas, sizeof blas),
          (double)steps / secs, secs * 1e3 / (double)steps, loss);
   fflush(stdout);
   return rc;

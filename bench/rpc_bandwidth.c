@@ -153,6 +153,7 @@ int main(int argc, char **argv) {
 
   rb_pair p;
   rb_start(&p, (int)threads);
+  long long busy_poll_us = (long long)td_rpc_busy_poll_us(p.agent);
   size_result res[NSIZES];
   int reps[NSIZES];
   for (int k = 0; k < NSIZES; k++) {
@@ -168,8 +169,8 @@ int main(int argc, char **argv) {
 
   char blas[32];
   printf("{\"bench\": \"rpc_bandwidth\", \"config\": {\"impl\": \"tdist\", \"transport\": "
-         "\"grpc\", \"world_size\": 2, \"threads\": %lld, \"dtype\": \"float32\", \"sizes\": [",
-         threads);
+         "\"grpc\", \"world_size\": 2, \"busy_poll_us\": %lld, \"threads\": %lld, \"dtype\": \"float32\", \"sizes\": [",
+         busy_poll_us, threads);
   const char *sep = "";
   for (int k = 0; k < NSIZES; k++)
     if (use[k]) printf("%s%zu", sep, sizes[k].bytes), sep = ", ";

@@ -64,6 +64,7 @@ int main(int argc, char **argv) {
 
   rb_pair p;
   rb_start(&p, (int)threads);
+  long long busy_poll_us = (long long)td_rpc_busy_poll_us(p.agent);
   for (long long i = 0; i < warmup; i++) one_call(&p, i);
   uint64_t t0 = rb_now_ns();
   for (long long i = 0; i < calls; i++) {
@@ -80,12 +81,12 @@ int main(int argc, char **argv) {
   qsort(us, (size_t)calls, sizeof *us, rb_cmp_double);
   char blas[32];
   printf("{\"bench\": \"rpc_latency\", \"config\": {\"impl\": \"tdist\", \"transport\": \"grpc\", "
-         "\"world_size\": 2, \"handler\": \"%s\", \"threads\": %lld, \"warmup_calls\": %lld, \"calls\": %lld, "
+         "\"world_size\": 2, \"handler\": \"%s\", \"busy_poll_us\": %lld, \"threads\": %lld, \"warmup_calls\": %lld, \"calls\": %lld, "
          "\"payload\": \"int64\", \"openblas_num_threads\": %s}, "
          "\"results\": {\"p50_us\": %.3f, \"p90_us\": %.3f, \"p99_us\": %.3f, "
          "\"min_us\": %.3f, \"max_us\": %.3f, \"mean_us\": %.3f, \"calls_per_s\": %.1f, "
          "\"wall_s\": %.4f}}\n",
-         pool_handler ? "pool" : "inline",
+         pool_handler ? "pool" : "inline", busy_poll_us,
          threads, warmup, calls, rb_blas_threads(blas, sizeof blas),
          rb_quantile(us, (size_t)calls, 0.50), rb_quantile(us, (size_t)calls, 0.90),
          rb_quantile(us, (size_t)calls, 0.99), us[0], us[calls - 1], mean,

@@ -160,6 +160,7 @@ int main(int argc, char **argv) {
   rb_pair p;
   tp_round rounds[2]; /* warm-up, timed */
   rb_start(&p, (int)threads);
+  long long busy_poll_us = (long long)td_rpc_busy_poll_us(p.agent);
   if (warmup > 0) run_round(&p, &rounds[0], arg, warmup, inflight);
   double wall = run_round(&p, &rounds[1], arg, calls, inflight);
   int rc = rb_finish(&p); /* no callback runs after this */
@@ -170,11 +171,11 @@ int main(int argc, char **argv) {
 
   char blas[32];
   printf("{\"bench\": \"rpc_throughput\", \"config\": {\"impl\": \"tdist\", \"transport\": "
-         "\"grpc\", \"world_size\": 2, \"handler\": \"%s\", \"threads\": %lld, \"warmup_calls\": %lld, "
+         "\"grpc\", \"world_size\": 2, \"handler\": \"%s\", \"busy_poll_us\": %lld, \"threads\": %lld, \"warmup_calls\": %lld, "
          "\"calls\": %lld, \"inflight\": %lld, \"payload\": \"int64\", "
          "\"openblas_num_threads\": %s}, "
          "\"results\": {\"calls_per_s\": %.1f, \"us_per_call\": %.3f, \"wall_s\": %.4f}}\n",
-         pool_handler ? "pool" : "inline",
+         pool_handler ? "pool" : "inline", busy_poll_us,
          threads, warmup, calls, inflight, rb_blas_threads(blas, sizeof blas),
          (double)calls / wall, wall / (double)calls * 1e6, wall);
   fflush(stdout);

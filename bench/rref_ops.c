@@ -7,7 +7,10 @@
  * td_rref_rpc_sync(counter, "bench_counter_add", 1) on it, one at a time. The PyTorch peer
  * (bench/peers/torch/rref_ops.py) does the same with rpc.remote / to_here / rref.rpc_sync().
  *
- * usage: rref_ops [--iters N] [--warmup N] [--threads N]
+ * bench_echo and bench_counter_add are registered TD_RPC_INLINE (tiny, non-blocking), so the owner
+ * runs them on its network thread; --pool-handler registers them without the flag (thread pool).
+ *
+ * usage: rref_ops [--iters N] [--warmup N] [--threads N] [--pool-handler]
  * Prints one JSON line (shared/BENCH.md): results.remote_to_here.ops_per_s,
  * results.proxy_rpc_sync.ops_per_s (and us_per_op for both).
  */
@@ -80,12 +83,14 @@ static int64_t proxy_calls(rb_pair *p, td_rref *k, long long n) {
 int main(int argc, char **argv) {
   rb_prog = "rref_ops";
   long long iters = 2000, warmup = 200, threads = 16;
+  int pool_handler = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--iters") == 0) iters = rb_arg_int("--iters", i + 1 < argc ? argv[++i] : NULL);
     else if (strcmp(argv[i], "--warmup") == 0) warmup = rb_arg_int("--warmup", i + 1 < argc ? argv[++i] : NULL);
     else if (strcmp(argv[i], "--threads") == 0) threads = rb_arg_int("--threads", i + 1 < argc ? argv[++i] : NULL);
+    else if (strcmp(argv[i], "--pool-handler") == 0) pool_handler = 1;
     else {
-      fprintf(stderr, "usage: rref_ops [--iters N] [--warmup N] [--threads N]\n");
+      fprintf(stderr, "usage: rref_ops [--iters N] [--warmup N] [--threads N] [--pool-handler]\n");
       return 2;
     }
   }
@@ -94,11 +99,13 @@ int main(int argc, char **argv) {
     return 2;
   }
   RB_CHECK(td_object_type_register("BenchCounter", counter_destroy));
-  RB_CHECK(td_rpc_register("bench_echo", bench_echo, NULL));
+  unsigned flags = pool_handler ? 0 : TD_RPC_INLINE;
+  RB_CHECK(td_rpc_register_ex("bench_echo", bench_echo, NULL, flags));
   RB_CHECK(td_rpc_register("bench_make_counter", bench_make_counter, NULL));
-  RB_CHECK(td_rpc_register("bench_counter_add", bench_counter_add, NULL));
+  RB_CHECK(td_rpc_register_ex("bench_counter_add", bench_counter_add, NULL, flags));
   rb_pair p;
   rb_start(&p, (int)threads);
+  long long busy_poll_us = (long long)td_rpc_busy_poll_us(p.agent);
 
   remote_to_here(&p, warmup, 0);
   uint64_t t0 = rb_now_ns();
@@ -120,10 +127,11 @@ int main(int argc, char **argv) {
 
   char blas[16];
   printf("{\"bench\": \"rref_ops\", \"config\": {\"impl\": \"tdist\", \"world_size\": 2, "
-         "\"threads\": %lld, \"warmup\": %lld, \"iters\": %lld, \"openblas_num_threads\": %s}, "
+         "\"handler\": \"%s\", \"busy_poll_us\": %lld, \"threads\": %lld, \"warmup\": %lld, \"iters\": %lld, \"openblas_num_threads\": %s}, "
          "\"results\": {\"remote_to_here\": {\"ops_per_s\": %.1f, \"us_per_op\": %.2f}, "
          "\"proxy_rpc_sync\": {\"ops_per_s\": %.1f, \"us_per_op\": %.2f}}}\n",
-         threads, warmup, iters, rb_blas_threads(blas, sizeof blas), (double)iters / rt_s,
+         pool_handler ? "pool" : "inline", busy_poll_us, threads,
+         warmup, iters, rb_blas_threads(blas, sizeof blas), (double)iters / rt_s,
          rt_s * 1e6 / (double)iters, (double)iters / px_s, px_s * 1e6 / (double)iters);
   fflush(stdout);
   return rc;

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "agent_impl.h"
 #include "netaddr.h"
@@ -89,6 +90,11 @@ td_status td_rpc_register_ex(const char *name, td_rpc_fn fn, void *user_data, un
 
 td_status td__rpc_register_internal(const char *name, td_rpc_fn fn, void *user_data) {
   return reg_add(name, fn, user_data, true, 0);
+}
+
+td_status td__rpc_register_internal_ex(const char *name, td_rpc_fn fn, void *user_data,
+                                       unsigned flags) {
+  return reg_add(name, fn, user_data, true, flags);
 }
 
 td_status td_rpc_unregister(const char *name) {
@@ -241,6 +247,7 @@ struct td_rpc_agent {
   int64_t sent_total, served_total;
   bool closing;  /* no new calls */
   bool shut;     /* shutdown finished */
+  int64_t busy_poll_us; /* resolved td_rpc_options.busy_poll_us */
   bool hooks_ran;
 };
 
@@ -256,10 +263,12 @@ void td_rpc_options_init(td_rpc_options *o) {
   o->listen_addr = NULL; /* chosen at init: td__choose_address */
   o->keepalive_ms = 2000;
   o->keepalive_timeout_ms = 20000;
+  o->busy_poll_us = -1;
 }
 
 int td_rpc_rank(const td_rpc_agent *a) { return a ? a->rank : -1; }
 int td_rpc_world_size(const td_rpc_agent *a) { return a ? a->world : 0; }
+int64_t td_rpc_busy_poll_us(const td_rpc_agent *a) { return a ? a->busy_poll_us : 0; }
 
 void td_rpc_set_default_timeout(td_rpc_agent *a, int64_t ms) {
   if (a) __atomic_store_n(&a->default_timeout_ms, ms < 0 ? 0 : ms, __ATOMIC_RELAXED);
@@ -601,6 +610,15 @@ static void deliver_response(td_rpc_agent *a, uint64_t id, int kind, td_value *v
 
 /* ---- transport callbacks (poller thread) ---- */
 
+static bool run_inline(const td__reg *reg, const td__msg *m) {
+  if (reg->flags & TD_RPC_INLINE) return true;
+  const char *target;
+  td__reg treg;
+  return (reg->flags & TD__RPC_INLINE_LIKE_ARG1) && m->nvalues >= 2 &&
+         td_value_as_string(m->values[1], &target, NULL) == TD_OK && reg_find(target, &treg) &&
+         (treg.flags & TD_RPC_INLINE);
+}
+
 static void on_msg(void *ud, td__conn *c, td__msg *m) {
   td_rpc_agent *a = ud;
   if (m->kind == TD__MSG_REQUEST) {
@@ -620,7 +638,7 @@ static void on_msg(void *ud, td__conn *c, td__msg *m) {
              (from >= 0 && from < a->world) ? peer_name(a, from) : "unknown");
     __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
     td__reg reg;
-    if (reg_find(r->msg.fn, &reg) && (reg.flags & TD_RPC_INLINE)) {
+    if (reg_find(r->msg.fn, &reg) && run_inline(&reg, &r->msg)) {
       in_inline_handler = true;
       run_request(r);
       in_inline_handler = false;
@@ -1087,6 +1105,47 @@ static td_status rendezvous(td_rpc_agent *a) {
   return TD_OK;
 }
 
+/* host_part copies the host of "host:port" or "[v6]:port" into out. */
+static void host_part(const char *addr, char *out, size_t n) {
+  const char *b = addr, *e;
+  if (*b == '[') {
+    b++;
+    e = strchr(b, ']');
+  } else {
+    e = strrchr(b, ':');
+  }
+  size_t len = e ? (size_t)(e - b) : strlen(b);
+  if (len >= n) len = n - 1;
+  memcpy(out, b, len);
+  out[len] = 0;
+}
+
+/* busy_poll_window resolves td_rpc_options.busy_poll_us once every worker's address is known:
+ * spinning pays off only when every local worker can have a CPU of its own. */
+static int64_t busy_poll_window(td_rpc_agent *a, int64_t opt) {
+  if (opt >= 0) return opt;
+  const char *env = getenv("TD_RPC_BUSY_POLL_US");
+  if (env && *env) {
+    char *end;
+    long long v = strtoll(env, &end, 10);
+    if (*end == 0 && v >= 0) return v;
+    td_log(TD_LOG_WARN, "rpc: ignoring TD_RPC_BUSY_POLL_US='%s' (not a number of microseconds)",
+           env);
+  }
+  char mine[256], other[256];
+  host_part(a->peers[a->rank].info.address, mine, sizeof mine);
+  int local = 0;
+  for (int i = 0; i < a->world; i++) {
+    host_part(a->peers[i].info.address, other, sizeof other);
+    if (strcmp(mine, other) == 0) local++;
+  }
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  int64_t us = cpus > 1 && local <= cpus ? 50 : 0;
+  td_log(TD_LOG_DEBUG, "rpc: %s: %d workers on this host, %ld CPUs: busy-poll %lld us", a->name,
+         local, cpus, (long long)us);
+  return us;
+}
+
 static void agent_free(td_rpc_agent *a) {
   if (!a) return;
   if (a->peers) {
@@ -1246,6 +1305,8 @@ td_status td__rpc_init_impl(const char *name, int rank, int world_size,
   }
   a->sc.call_timeout_ms = 10000;
   a->sc.wait_for_ready = false; /* from now on a missing rank 0 is a failure, not a late start */
+  a->busy_poll_us = busy_poll_window(a, o.busy_poll_us);
+  td__transport_set_busy_poll(a->tr, a->busy_poll_us);
   pthread_mutex_lock(&hooks_mu);
   int nh = nhooks;
   td__agent_hooks hs[8];

@@ -12,8 +12,14 @@ typedef struct td__reg {
   char *name;
   td_rpc_fn fn;
   void *user_data;
-  unsigned flags; /* TD_RPC_INLINE */
+  unsigned flags; /* TD_RPC_INLINE, TD__RPC_INLINE_LIKE_ARG1 */
 } td__reg;
+
+/* Internal flag: the request runs on the network thread exactly when its second argument is the
+ * name of a function registered TD_RPC_INLINE (the RRef layer's __rref_remote and __rref_call,
+ * which run that function on the owner, so users get the same dispatch through remote() and
+ * proxies as through rpc). */
+#define TD__RPC_INLINE_LIKE_ARG1 0x100u
 
 struct td_rpc_ctx {
   td_rpc_agent *agent;
@@ -26,6 +32,9 @@ struct td_rpc_ctx {
 
 /* td__rpc_register_internal registers a reserved "__name" function (idempotent for the same fn). */
 td_status td__rpc_register_internal(const char *name, td_rpc_fn fn, void *user_data);
+/* ... with td_rpc_register_ex's flags (TD_RPC_INLINE: runs on the network thread). */
+td_status td__rpc_register_internal_ex(const char *name, td_rpc_fn fn, void *user_data,
+                                       unsigned flags);
 /* td__rpc_lookup copies the registration of name into *out (TD_ERR_NOT_FOUND when absent; no
  * message set). Used by upper layers that run registered functions themselves (RRef proxies). */
 td_status td__rpc_lookup(const char *name, td__reg *out);

@@ -293,7 +293,17 @@ td_status td_future_wait(td_future *f, int64_t timeout_ms) {
 
 /* ---- callbacks ---- */
 
+static td_status on_done(td_future *f, td_future_cb cb, void *ctx, bool light);
+
 td_status td_future_on_done(td_future *f, td_future_cb cb, void *ctx) {
+  return on_done(f, cb, ctx, false);
+}
+
+td_status td__future_on_done_light(td_future *f, td_future_cb cb, void *ctx) {
+  return on_done(f, cb, ctx, true);
+}
+
+static td_status on_done(td_future *f, td_future_cb cb, void *ctx, bool light) {
   TD_CHECK_ARG(f && cb, "future_on_done: NULL %s", f ? "callback" : "future");
   cb_node *n = td__malloc(sizeof *n);
   if (!n) return td_set_error(TD_ERR_NOMEM, "future_on_done: out of memory");
@@ -301,7 +311,7 @@ td_status td_future_on_done(td_future *f, td_future_cb cb, void *ctx) {
   n->ctx = ctx;
   n->next = NULL;
   pthread_mutex_lock(&f->mu);
-  f->had_callbacks = true;
+  if (!light) f->had_callbacks = true;
   if (!f->done || f->draining) {
     if (f->cb_tail) f->cb_tail->next = n;
     else f->cb_head = n;

@@ -8,10 +8,16 @@
 #include "tdist/rpc.h"
 
 /* td__future_has_callbacks returns true when at least one callback (td_future_on_done or
- * td_future_then) has ever been registered on f, whether it has already run or not. The agent
- * uses it to log failures of fire-and-forget futures that nobody observes. THREAD SAFETY: any
- * thread; the answer may change as soon as it is returned. */
+ * td_future_then, not td__future_on_done_light) has ever been registered on f, whether it has
+ * already run or not. The agent completes such a call's future on its pool rather than on the
+ * network thread. THREAD SAFETY: any thread; the answer may change as soon as it is returned. */
 bool td__future_has_callbacks(td_future *f);
+
+/* td__future_on_done_light is td_future_on_done for a callback that never blocks and is short
+ * (a few table updates): it does not count for td__future_has_callbacks, so the outcome of a call
+ * whose future only has such callbacks is delivered on the network thread without a hop to the
+ * pool. */
+td_status td__future_on_done_light(td_future *f, td_future_cb cb, void *ctx);
 
 /* td__future_fail_msg fails f with status st (not TD_OK) and the message msg, copied verbatim
  * (no printf formatting; NULL means ""). Same contract as td_future_fail: TD_ERR_STATE when f is

@@ -56,6 +56,10 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
 void td__transport_shutdown(td__transport *t);
 void td__transport_destroy(td__transport *t);
 
+/* Sets the poller's busy-poll window: after each event it keeps polling without sleeping for this
+ * many microseconds (0 = off, the default). */
+void td__transport_set_busy_poll(td__transport *t, int64_t us);
+
 /* Opens a stream to the server at address ("host:port") for peer_rank. Returns a new
  * reference. The stream connects lazily; failures surface through on_closed. */
 td_status td__transport_connect(td__transport *t, int peer_rank, const char *address,

@@ -654,6 +654,8 @@ static td_status h_fork(td_rpc_ctx *x, td_value *const *args, int n, td_value **
   return st;
 }
 
+static void unref_value_task(void *v) { td_value_unref(v); }
+
 /* __rref_delete [[id, fork]] */
 static td_status h_delete(td_rpc_ctx *x, td_value *const *args, int n, td_value **res,
                           td_future **fut) {
@@ -673,7 +675,12 @@ static td_status h_delete(td_rpc_ctx *x, td_value *const *args, int n, td_value 
     settle(c, e, &drop);
   }
   pthread_mutex_unlock(&c->mu);
-  if (e) entry_release(c, e, drop);
+  if (e) entry_release(c, e, NULL);
+  /* this runs on the network thread: the value (an opaque object's destructor is user code) is
+   * released on the pool */
+  if (drop && td__threadpool_submit(td__agent_pool(td_rpc_ctx_agent(x)), unref_value_task, drop) !=
+                  TD_OK)
+    td_value_unref(drop);
   td__rref_ctx_unref(c);
   if (r == FORK_NOMEM) return td_set_error(TD_ERR_NOMEM, "rref: out of memory releasing a fork");
   *res = td_value_none();
@@ -681,11 +688,12 @@ static td_status h_delete(td_rpc_ctx *x, td_value *const *args, int n, td_value 
 }
 
 void td__rref_owner_register(void) {
-  td__rpc_register_internal("__rref_remote", h_remote, NULL);
-  td__rpc_register_internal("__rref_call", h_call, NULL);
-  td__rpc_register_internal("__rref_fetch", h_fetch, NULL);
+  td__rpc_register_internal_ex("__rref_remote", h_remote, NULL, TD__RPC_INLINE_LIKE_ARG1);
+  td__rpc_register_internal_ex("__rref_call", h_call, NULL, TD__RPC_INLINE_LIKE_ARG1);
+  /* fetches and deletes never block: they run on the network thread (TD_RPC_INLINE) */
+  td__rpc_register_internal_ex("__rref_fetch", h_fetch, NULL, TD_RPC_INLINE);
   td__rpc_register_internal("__rref_fork", h_fork, NULL);
-  td__rpc_register_internal("__rref_delete", h_delete, NULL);
+  td__rpc_register_internal_ex("__rref_delete", h_delete, NULL, TD_RPC_INLINE);
 }
 
 /* ---- debug table ---- */

@@ -455,7 +455,34 @@ td_status td_value_as_rref(const td_value *v, td_rref **out) {
 typedef struct creation {
   td_rref *r;      /* the new RRef (held until the reply) */
   td_rref *target; /* td_rref_remote: the RRef whose value is the first argument (held) */
+  td_future *reply; /* set while the completion waits for a pool thread */
 } creation;
+
+static void creation_done(td_future *f, void *arg);
+
+static void creation_task(void *arg) {
+  creation *cr = arg;
+  td_future *f = cr->reply;
+  cr->reply = NULL;
+  creation_done(f, cr);
+  td_future_unref(f);
+}
+
+/* creation_reply runs on the thread that receives the owner's reply (usually the network
+ * thread): it settles the RRef there unless the future it completes has callbacks of the
+ * user's, which then run on the pool. */
+static void creation_reply(td_future *f, void *arg) {
+  creation *cr = arg;
+  td_rref *r = cr->r;
+  td_future *settles = r->entry ? r->entry->ready : r->created;
+  if (td__future_has_callbacks(settles)) {
+    cr->reply = td_future_ref(f);
+    if (td__threadpool_submit(td__agent_pool(r->ctx->agent), creation_task, cr) == TD_OK) return;
+    td_future_unref(cr->reply);
+    cr->reply = NULL;
+  }
+  creation_done(f, cr);
+}
 
 static void creation_done(td_future *f, void *arg) {
   creation *cr = arg;
@@ -558,7 +585,7 @@ static td_status remote_start(td__rref_ctx *c, int owner, td_rref *target, const
   }
   cr->r = td_rref_ref(r);
   cr->target = td_rref_ref(target);
-  if (td_future_on_done(f, creation_done, cr) != TD_OK) {
+  if (td__future_on_done_light(f, creation_reply, cr) != TD_OK) {
     td_rref_unref(cr->r);
     td_rref_unref(cr->target);
     td__free(cr);

@@ -242,6 +242,13 @@ typedef struct td_rpc_options {
   int64_t keepalive_timeout_ms;
   /* Largest request or reply accepted, in bytes (envelope + tensors); 0 = unlimited. Default 0. */
   uint64_t max_message_bytes;
+  /* Busy-poll window of the network thread, in microseconds: after each message it keeps polling
+   * this long before it sleeps, so a reply that follows closely is taken by a running thread
+   * rather than by waking a sleeping one (several times lower small-call latency, at the price of
+   * that much CPU after each burst of traffic). -1 (default) = automatic: TD_RPC_BUSY_POLL_US if
+   * set, else 50 when this host runs no more workers than it has CPUs and 0 when it is
+   * oversubscribed. 0 = never spin. */
+  int64_t busy_poll_us;
 } td_rpc_options;
 
 /* td_rpc_options_init fills o with the defaults. */
@@ -304,6 +311,9 @@ TD_API td_status td_rpc_get_worker_info_by_rank(td_rpc_agent *a, int rank, td_wo
 TD_API td_status td_rpc_self(td_rpc_agent *a, td_worker_info *out);
 TD_API int td_rpc_rank(const td_rpc_agent *a);
 TD_API int td_rpc_world_size(const td_rpc_agent *a);
+/* td_rpc_busy_poll_us returns the busy-poll window in effect (td_rpc_options.busy_poll_us after
+ * the automatic choice), in microseconds. */
+TD_API int64_t td_rpc_busy_poll_us(const td_rpc_agent *a);
 
 typedef struct td_rpc_call_opts {
   /* Per-call timeout in ms: < 0 uses the agent's default (as it is when the call starts), 0 means

@@ -2,6 +2,8 @@
  * nested calls, remote errors, unknown functions, timeouts, 1000 concurrent calls, a 20-hop chain
  * of async handlers on 4-thread pools. */
 #include <math.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include "rpc_test_fns.h"
 #include "test_util.h"
@@ -167,9 +169,59 @@ static void test_rpc_calls(void **state) {
   if (fails) fail_msg("%d workers failed (codes %d %d %d)", fails, codes[0], codes[1], codes[2]);
 }
 
+/* ---- busy polling: the option, the environment override and the automatic choice ---- */
+
+typedef struct bp_case {
+  int64_t option;  /* td_rpc_options.busy_poll_us */
+  const char *env; /* TD_RPC_BUSY_POLL_US, or NULL */
+  int64_t expect;  /* -1: the automatic rule (50 when the workers fit the CPUs, else 0) */
+} bp_case;
+
+static int worker_busy_poll(int rank, int world, const char *method, void *arg) {
+  const bp_case *k = arg;
+  register_test_fns();
+  if (k->env) setenv("TD_RPC_BUSY_POLL_US", k->env, 1);
+  else unsetenv("TD_RPC_BUSY_POLL_US");
+  td_rpc_options o = test_opts(method, 4);
+  o.busy_poll_us = k->option;
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  int64_t expect = k->expect;
+  if (expect < 0) expect = sysconf(_SC_NPROCESSORS_ONLN) >= world ? 50 : 0;
+  MP_CHECK(td_rpc_busy_poll_us(a) == expect);
+  /* calls work the same either way */
+  char peer[32];
+  snprintf(peer, sizeof peer, "worker%d", (rank + 1) % world);
+  for (int i = 0; i < 200; i++) {
+    td_value *x = td_value_int(i), *r = NULL;
+    MP_CHECK_OK(td_rpc_sync(a, peer, "echo", &x, 1, NULL, &r));
+    MP_CHECK(as_int(r) == i);
+    td_value_unref(r);
+    td_value_unref(x);
+  }
+  MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rpc_busy_poll(void **state) {
+  const bp_case cases[] = {{0, NULL, 0}, {333, "7", 333}, {-1, "7", 7}, {-1, NULL, -1}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    int codes[3];
+    int fails = td_mp_run(2, worker_busy_poll, (void *)&cases[i], 60, codes);
+    if (fails) fail_msg("case %zu: %d workers failed (codes %d %d)", i, fails, codes[0], codes[1]);
+  }
+  /* the automatic rule counts the workers on this host: 3 need 3 CPUs */
+  bp_case three = {-1, NULL, -1};
+  int codes[3];
+  int fails = td_mp_run(3, worker_busy_poll, &three, 60, codes);
+  if (fails) fail_msg("3 workers: %d failed (codes %d %d %d)", fails, codes[0], codes[1], codes[2]);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_rpc_calls),
+      cmocka_unit_test(test_rpc_busy_poll),
   };
   return cmocka_run_group_tests_name("rpc_calls", tests, NULL, NULL);
 }

@@ -238,7 +238,24 @@ static td_status rt_arrive(td_rpc_ctx *c, td_value *const *args, int n, td_value
   return TD_OK;
 }
 
+/* blocking_probe(...): tries a blocking call back to its caller and returns the status it got.
+ * Registered twice: "probe_inline" (TD_RPC_INLINE, where the call must be refused with
+ * TD_ERR_STATE because the function runs on the network thread) and "probe_pool" (pool: TD_OK). */
+static td_status rt_blocking_probe(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                                   td_future **fut) {
+  td_value *x = td_value_int(1), *y = td_value_int(2), *xs[2] = {x, y}, *v = NULL;
+  td_rpc_call_opts o = {.timeout_ms = 10000};
+  td_status st = td_rpc_sync(td_rpc_ctx_agent(c), td_rpc_ctx_caller_name(c), "add", xs, 2, &o, &v);
+  td_value_unref(v);
+  td_value_unref(x);
+  td_value_unref(y);
+  *res = td_value_int((int64_t)st);
+  return TD_OK;
+}
+
 static void rt_register_all(void) {
+  MP_CHECK_OK(td_rpc_register_ex("probe_inline", rt_blocking_probe, NULL, TD_RPC_INLINE));
+  MP_CHECK_OK(td_rpc_register("probe_pool", rt_blocking_probe, NULL));
   MP_CHECK_OK(td_object_type_register("Counter", rt_counter_destroy));
   MP_CHECK_OK(td_rpc_register("add", rt_add, NULL));
   MP_CHECK_OK(td_rpc_register("fail", rt_fail, NULL));

@@ -4,6 +4,7 @@
  * child's fork is accepted, an RRef sent to its own owner, a chain A -> B -> C -> owner), 1000
  * RRefs created, forked and released concurrently by 3 workers, and strict-mode leak reports.
  * Every worker runs in strict mode: a graceful shutdown with a leak would fail the test. */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -595,6 +596,106 @@ static int worker_leak(int rank, int world, const char *method, void *arg) {
 
 static void test_rref_strict_mode_reports_leaks(void **state) { RUN(2, worker_leak, 90); }
 
+/* ---- dispatch: remote() and proxies run TD_RPC_INLINE functions on the owner's network
+ * thread and others on its pool; user callbacks on a creation future never run on the network
+ * thread ---- */
+
+typedef struct cb_probe {
+  td_rpc_agent *a;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int done;
+  td_status st;
+  int64_t sum;
+} cb_probe;
+
+/* Blocks on an RPC inside the callback: on the network thread this could never complete. */
+static void creation_cb(td_future *f, void *arg) {
+  cb_probe *p = arg;
+  td_value *x = td_value_int(20), *y = td_value_int(22), *xs[2] = {x, y}, *v = NULL;
+  td_rpc_call_opts o = {.timeout_ms = 10000};
+  td_status st = td_rpc_sync(p->a, "worker1", "add", xs, 2, &o, &v);
+  int64_t sum = -1;
+  if (st == TD_OK) td_value_as_int(v, &sum);
+  td_value_unref(v);
+  td_value_unref(x);
+  td_value_unref(y);
+  pthread_mutex_lock(&p->mu);
+  p->st = st;
+  p->sum = sum;
+  p->done = 1;
+  pthread_cond_broadcast(&p->cv);
+  pthread_mutex_unlock(&p->mu);
+}
+
+static int worker_dispatch(int rank, int world, const char *method, void *arg) {
+  td_rpc_agent *a = start(rank, world, method, 4);
+  if (rank == 0) {
+    td_rref *r;
+    td_value *v;
+    MP_CHECK_OK(td_remote(a, "worker1", "probe_inline", NULL, 0, NULL, &r));
+    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK(as_int(v) == TD_ERR_STATE); /* ran on the network thread: blocking refused */
+    td_value_unref(v);
+    td_rref_unref(r);
+    MP_CHECK_OK(td_remote(a, "worker1", "probe_pool", NULL, 0, NULL, &r));
+    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK(as_int(v) == TD_OK); /* ran on the pool: the nested call went through */
+    td_value_unref(v);
+    td_rref_unref(r);
+
+    /* proxies: the owner's object first, same dispatch rule */
+    td_value *start0 = td_value_int(0);
+    td_rref *k;
+    MP_CHECK_OK(td_remote(a, "worker1", "make_counter", &start0, 1, NULL, &k));
+    td_value_unref(start0);
+    /* (a call on an object still being created runs on the pool once it exists) */
+    td_future *kf;
+    MP_CHECK_OK(td_rref_creation_future(k, &kf));
+    MP_CHECK_OK(td_future_wait(kf, 10000));
+    td_future_unref(kf);
+    MP_CHECK_OK(td_rref_rpc_sync(k, "probe_inline", NULL, 0, NULL, &v));
+    MP_CHECK(as_int(v) == TD_ERR_STATE);
+    td_value_unref(v);
+    MP_CHECK_OK(td_rref_rpc_sync(k, "probe_pool", NULL, 0, NULL, &v));
+    MP_CHECK(as_int(v) == TD_OK);
+    td_value_unref(v);
+    td_rref_unref(k);
+
+    /* a callback registered on the creation future before the owner answers blocks on an RPC */
+    cb_probe p = {.a = a, .done = 0};
+    pthread_mutex_init(&p.mu, NULL);
+    pthread_cond_init(&p.cv, NULL);
+    td_value *ms = td_value_int(300);
+    MP_CHECK_OK(td_remote(a, "worker1", "slow", &ms, 1, NULL, &r));
+    td_value_unref(ms);
+    td_future *cf;
+    MP_CHECK_OK(td_rref_creation_future(r, &cf));
+    MP_CHECK(!td_future_done(cf));
+    MP_CHECK_OK(td_future_on_done(cf, creation_cb, &p));
+    pthread_mutex_lock(&p.mu);
+    while (!p.done) pthread_cond_wait(&p.cv, &p.mu);
+    pthread_mutex_unlock(&p.mu);
+    MP_CHECK_OK(p.st);
+    MP_CHECK(p.sum == 42);
+    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK(as_int(v) == 300);
+    td_value_unref(v);
+    td_future_unref(cf);
+    td_rref_unref(r);
+    pthread_mutex_destroy(&p.mu);
+    pthread_cond_destroy(&p.cv);
+  }
+  rt_barrier(a, 1);
+  rt_wait_empty(a);
+  finish(a);
+  return 0;
+}
+
+static void test_rref_dispatch_inline_pool_and_callbacks(void **state) {
+  RUN(2, worker_dispatch, 90);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_rref_remote_to_here),
@@ -604,6 +705,7 @@ int main(void) {
       cmocka_unit_test(test_rref_fork_chain_to_owner),
       cmocka_unit_test(test_rref_stress_1000_concurrent),
       cmocka_unit_test(test_rref_strict_mode_reports_leaks),
+      cmocka_unit_test(test_rref_dispatch_inline_pool_and_callbacks),
   };
   return cmocka_run_group_tests_name("rref", tests, NULL, NULL);
 }
