@@ -62,17 +62,29 @@ typedef struct model {
   td_rref *local[2];
 } model;
 
+/* time spent in each phase of the measured steps (seconds), reported as ms per step */
+static double ph_fwd, ph_head, ph_bwd, ph_opt;
+
 static double step(rb_pair *p, model *m, td_tensor *x, td_tensor *y) {
+  uint64_t t0 = rb_now_ns();
   td_dist_autograd_context *ctx;
   RB_CHECK(td_dist_autograd_context_begin(p->agent, &ctx));
   td_value *xv = td_value_tensor(x), *hv;
   RB_CHECK(td_rref_rpc_sync(m->mlp1, "bench_forward", &xv, 1, NULL, &hv));
+  uint64_t t1 = rb_now_ns();
   td_tensor *h, *logits, *loss;
   RB_CHECK(td_value_as_tensor(hv, &h));
   RB_CHECK(td_module_forward(m->head, h, &logits));
   RB_CHECK(td_tensor_cross_entropy(logits, y, TD_REDUCTION_MEAN, -100, &loss));
+  uint64_t t2 = rb_now_ns();
   RB_CHECK(td_dist_autograd_backward(ctx, &loss, 1, false));
+  uint64_t t3 = rb_now_ns();
   RB_CHECK(td_dist_optimizer_step(m->opt, ctx));
+  uint64_t t4 = rb_now_ns();
+  ph_fwd += (double)(t1 - t0) * 1e-9;
+  ph_head += (double)(t2 - t1) * 1e-9;
+  ph_bwd += (double)(t3 - t2) * 1e-9;
+  ph_opt += (double)(t4 - t3) * 1e-9;
   double l = NAN;
   td_tensor_item(loss, &l);
   td_tensor_unref(loss);
@@ -139,6 +151,7 @@ int main(int argc, char **argv) {
 
   double loss = 0;
   for (long long i = 0; i < warmup; i++) loss = step(&p, &m, x, y);
+  ph_fwd = ph_head = ph_bwd = ph_opt = 0;
   uint64_t t0 = rb_now_ns();
   for (long long i = 0; i < steps; i++) loss = step(&p, &m, x, y);
   double secs = (double)(rb_now_ns() - t0) * 1e-9;
@@ -158,9 +171,13 @@ int main(int argc, char **argv) {
          "\"busy_poll_us\": %lld, \"threads\": %lld, \"batch\": %lld, \"warmup\": %lld, \"steps\": %lld, "
          "\"model\": \"Linear(784,512)+ReLU on worker1, Linear(512,10) on worker0\", "
          "\"optimizer\": \"SGD lr=0.01\", \"openblas_num_threads\": %s}, "
-         "\"results\": {\"steps_per_s\": %.2f, \"ms_per_step\": %.4f, \"final_loss\": %.6f}}\n",
+         "\"results\": {\"steps_per_s\": %.2f, \"ms_per_step\": %.4f, \"final_loss\": %.6f, "
+         "\"phase_ms\": {\"forward_rpc\": %.4f, \"head_loss\": %.4f, \"backward\": %.4f, "
+         "\"optimizer_step\": %.4f}}}\n",
          busy_poll_us, threads, batch, warmup, steps, rb_blas_threads(blas, sizeof blas),
-         (double)steps / secs, secs * 1e3 / (double)steps, loss);
+         (double)steps / secs, secs * 1e3 / (double)steps, loss, ph_fwd * 1e3 / (double)steps,
+         ph_head * 1e3 / (double)steps, ph_bwd * 1e3 / (double)steps,
+         ph_opt * 1e3 / (double)steps);
   fflush(stdout);
   return rc;
 }

@@ -21,6 +21,9 @@
  * Lock order: a->mu, then the transport's locks (through td__conn_send). Futures are completed
  * with no agent lock held.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* process_vm_readv */
+#endif
 #include <ctype.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -30,6 +33,9 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/uio.h>
+#endif
 
 #include "agent_impl.h"
 #include "netaddr.h"
@@ -248,6 +254,11 @@ struct td_rpc_agent {
   bool closing;  /* no new calls */
   bool shut;     /* shutdown finished */
   int64_t busy_poll_us; /* resolved td_rpc_options.busy_poll_us */
+  /* same-host direct copy (see direct_publish) */
+  uint64_t direct_nonce; /* peers read it from our memory to prove they can */
+  bool direct_on;
+  bool *direct_cand; /* [world]: same host, both enabled, we can read it */
+  int direct_peers;  /* peers that read our frames directly */
   bool hooks_ran;
 };
 
@@ -264,11 +275,13 @@ void td_rpc_options_init(td_rpc_options *o) {
   o->keepalive_ms = 2000;
   o->keepalive_timeout_ms = 20000;
   o->busy_poll_us = -1;
+  o->direct_copy = -1;
 }
 
 int td_rpc_rank(const td_rpc_agent *a) { return a ? a->rank : -1; }
 int td_rpc_world_size(const td_rpc_agent *a) { return a ? a->world : 0; }
 int64_t td_rpc_busy_poll_us(const td_rpc_agent *a) { return a ? a->busy_poll_us : 0; }
+int td_rpc_direct_copy_peers(const td_rpc_agent *a) { return a ? a->direct_peers : 0; }
 
 void td_rpc_set_default_timeout(td_rpc_agent *a, int64_t ms) {
   if (a) __atomic_store_n(&a->default_timeout_ms, ms < 0 ? 0 : ms, __ATOMIC_RELAXED);
@@ -1046,6 +1059,141 @@ static td_status parse_peers(td_rpc_agent *a, uint64_t deadline) {
   return TD_OK;
 }
 
+static void host_part(const char *addr, char *out, size_t n);
+
+/* ---- same-host direct copy ----
+ * A receiver copies large tensors straight out of the sender's memory (process_vm_readv) when
+ * both run on one host: one copy instead of socket write + read + decode copy. At init every
+ * worker publishes direct/<r> = "pid nonce address boot-id host" ("-" when disabled); each probes
+ * the peers on its host (same advertised host and boot id) by reading their nonce from their
+ * memory, accepts direct-copy frames from those it could read, and publishes directok/<r> (one
+ * '0'/'1' per rank); after the ready barrier each learns which peers can read it. Reading
+ * another process's memory needs the same user and no ptrace restriction (Yama scope 0 or 1 for
+ * siblings does not suffice; see docs/ARCHITECTURE.md): where the probe fails the peer simply
+ * gets the stream. */
+
+static void boot_id(char *out, size_t n) {
+  snprintf(out, n, "-");
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (!f) return;
+  if (fgets(out, (int)n, f)) out[strcspn(out, "\r\n")] = 0;
+  fclose(f);
+  if (!out[0]) snprintf(out, n, "-");
+}
+
+static bool direct_wanted(const td_rpc_options *o) {
+#if defined(__linux__)
+  if (o->direct_copy == 0) return false;
+  if (o->direct_copy > 0) return true;
+  const char *e = getenv("TD_RPC_DIRECT_COPY");
+  return !(e && strcmp(e, "0") == 0);
+#else
+  (void)o;
+  return false;
+#endif
+}
+
+static td_status direct_publish(td_rpc_agent *a) {
+  char key[64], val[512], bid[64];
+  boot_id(bid, sizeof bid);
+  a->direct_on = a->direct_on && strcmp(bid, "-") != 0;
+  int n;
+  snprintf(key, sizeof key, "direct/%d", a->rank);
+  if (a->direct_on) {
+    a->direct_nonce = td__now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)a;
+    char host[256];
+    host_part(a->peers[a->rank].info.address, host, sizeof host);
+    n = snprintf(val, sizeof val, "%d %llu %llu %s %s", (int)getpid(),
+                 (unsigned long long)a->direct_nonce,
+                 (unsigned long long)(uintptr_t)&a->direct_nonce, bid, host);
+  } else {
+    n = snprintf(val, sizeof val, "-");
+  }
+  return st_set(a, key, val, (size_t)n);
+}
+
+static bool probe_peer(int pid, uint64_t addr, uint64_t nonce) {
+#if defined(__linux__)
+  uint64_t got = 0;
+  struct iovec l = {&got, sizeof got}, r = {(void *)(uintptr_t)addr, sizeof got};
+  return process_vm_readv(pid, &l, 1, &r, 1, 0) == (ssize_t)sizeof got && got == nonce;
+#else
+  (void)pid; (void)addr; (void)nonce;
+  return false;
+#endif
+}
+
+static td_status direct_probe(td_rpc_agent *a, uint64_t deadline) {
+  a->direct_cand = td__calloc((size_t)a->world, sizeof *a->direct_cand);
+  int *pids = td__calloc((size_t)a->world, sizeof *pids);
+  char *ok = td__malloc((size_t)a->world + 1);
+  if (!a->direct_cand || !pids || !ok) {
+    td__free(pids);
+    td__free(ok);
+    return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+  }
+  memset(ok, '0', (size_t)a->world);
+  ok[a->world] = 0;
+  int npids = 0;
+  char bid[64], host[256];
+  boot_id(bid, sizeof bid);
+  host_part(a->peers[a->rank].info.address, host, sizeof host);
+  td_status st = TD_OK;
+  for (int r = 0; a->direct_on && r < a->world && st == TD_OK; r++) {
+    if (r == a->rank) continue;
+    char key[64];
+    uint8_t *v = NULL;
+    snprintf(key, sizeof key, "direct/%d", r);
+    st = td__store_wait_key(&a->sc, key, deadline, "abort", &v, NULL);
+    if (st != TD_OK) break;
+    int pid;
+    unsigned long long nonce, addr;
+    char pbid[64], phost[256];
+    if (sscanf((char *)v, "%d %llu %llu %63s %255s", &pid, &nonce, &addr, pbid, phost) == 5 &&
+        strcmp(pbid, bid) == 0 && strcmp(phost, host) == 0 && probe_peer(pid, addr, nonce)) {
+      a->direct_cand[r] = true;
+      ok[r] = '1';
+      pids[npids++] = pid;
+    }
+    td__free(v);
+  }
+  if (st == TD_OK) st = td__transport_allow_direct(a->tr, pids, npids);
+  if (st == TD_OK) {
+    char key[64];
+    snprintf(key, sizeof key, "directok/%d", a->rank);
+    st = st_set(a, key, ok, (size_t)a->world);
+  }
+  td__free(pids);
+  td__free(ok);
+  return st;
+}
+
+/* After the ready barrier: which peers read us directly (they published before it). */
+static td_status direct_learn(td_rpc_agent *a, uint64_t deadline) {
+  bool *to = td__calloc((size_t)a->world, sizeof *to);
+  if (!to) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+  td_status st = TD_OK;
+  for (int r = 0; r < a->world && st == TD_OK; r++) {
+    if (r == a->rank || !a->direct_cand[r]) continue;
+    char key[64];
+    uint8_t *v = NULL;
+    size_t n = 0;
+    snprintf(key, sizeof key, "directok/%d", r);
+    st = td__store_wait_key(&a->sc, key, deadline, "abort", &v, &n);
+    if (st == TD_OK && n > (size_t)a->rank && v[a->rank] == '1') {
+      to[r] = true;
+      a->direct_peers++;
+    }
+    td__free(v);
+  }
+  if (st == TD_OK && a->direct_peers) st = td__transport_direct_to(a->tr, to, a->world);
+  td__free(to);
+  if (st == TD_OK && a->direct_peers)
+    td_log(TD_LOG_DEBUG, "rpc: %s: %d peers on this host copy tensors directly", a->name,
+           a->direct_peers);
+  return st;
+}
+
 static td_status rendezvous(td_rpc_agent *a) {
   uint64_t deadline = td__now_ns() + (uint64_t)a->opts.init_timeout_ms * 1000000ull;
   char key[64], val[512];
@@ -1078,6 +1226,7 @@ static td_status rendezvous(td_rpc_agent *a) {
   td_status st = st_set(a, key, snap, strlen(snap));
   td__free(snap);
   TD_TRY(st);
+  TD_TRY(direct_publish(a));
   int64_t joined;
   TD_TRY(st_add(a, "joined", 1, &joined));
   st = td__store_wait_ge(&a->sc, "joined", a->world, deadline, "abort");
@@ -1095,9 +1244,11 @@ static td_status rendezvous(td_rpc_agent *a) {
     if (st == TD_ERR_EXISTS) set_abort(a, msg);
     return td_set_error(st, "%s", msg);
   }
+  TD_TRY(direct_probe(a, deadline));
   /* everybody has read everything before anybody proceeds (rank 0 may be asked right away) */
   TD_TRY(st_add(a, "ready", 1, NULL));
   TD_TRY(td__store_wait_ge(&a->sc, "ready", a->world, deadline, "abort"));
+  TD_TRY(direct_learn(a, deadline));
   /* rank 0 returns only when everybody is past the barrier, so it cannot take the store away
    * (by shutting down right after init) while someone still polls it */
   TD_TRY(st_add(a, "passed", 1, NULL));
@@ -1156,6 +1307,7 @@ static void agent_free(td_rpc_agent *a) {
     }
   }
   td__free(a->peers);
+  td__free(a->direct_cand);
   for (size_t i = 0; i < a->pcap; i++)
     if (a->ptab[i]) pending_free(a->ptab[i]);
   td__free(a->ptab);
@@ -1236,6 +1388,7 @@ td_status td__rpc_init_impl(const char *name, int rank, int world_size,
   o.listen_addr = a->listen_addr;
   o.init_method = a->init_method;
   a->opts = o;
+  a->direct_on = direct_wanted(&o);
   snprintf(a->name, sizeof a->name, "%s", name);
   a->rank = rank;
   a->world = world_size;

@@ -56,6 +56,14 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
 void td__transport_shutdown(td__transport *t);
 void td__transport_destroy(td__transport *t);
 
+/* Same-host direct copy, configured once at init. td__transport_allow_direct: direct-copy
+ * frames are accepted from these processes (their memory is readable: verified by the caller).
+ * td__transport_direct_to: frames with at least 32 KiB of tensors go to a peer rank r with to[r]
+ * as descriptors that the peer reads from this process's memory (process_vm_readv); the tensors
+ * stay referenced until the peer's ack. */
+td_status td__transport_allow_direct(td__transport *t, const int *pids, int npids);
+td_status td__transport_direct_to(td__transport *t, const bool *to, int world);
+
 /* Sets the poller's busy-poll window: after each event it keeps polling without sleeping for this
  * many microseconds (0 = off, the default). */
 void td__transport_set_busy_poll(td__transport *t, int64_t us);

@@ -31,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../core/refcount.h"
 
@@ -108,7 +109,31 @@ struct td__conn {
   bool notified;    /* on_closed ran */
   uint64_t nsent;   /* frames accepted by td__conn_send */
   struct td__conn *next_live;
+  /* direct-copy frames sent and not yet acknowledged: their tensors stay alive until then */
+  uint64_t next_token;
+  struct direct_pending *dp;
+  int ndp, dpcap;
 };
+
+typedef struct direct_pending {
+  uint64_t token;
+  td_tensor **ts;
+  int n;
+} direct_pending;
+
+/* Same-host direct copy, each part set once at init (published with release, read with
+ * acquire, freed with the transport). */
+typedef struct direct_from {
+  int n;
+  int pids[]; /* processes we may read from (verified at init) */
+} direct_from;
+
+typedef struct direct_to {
+  int world;
+  bool to[]; /* to[rank]: that peer reads our direct-copy frames */
+} direct_to;
+
+#define DIRECT_MIN_BYTES (32u << 10) /* smaller payloads go through the stream */
 
 struct td__transport {
   td__transport_opts opts;
@@ -128,6 +153,9 @@ struct td__transport {
   chan_entry *chans;
   int nchans, chancap;
   int64_t busy_poll_ns; /* atomic; 0 = block at once */
+  direct_from *direct_from; /* atomic pointers; NULL = none */
+  direct_to *direct_to;
+  int self_pid;
 };
 
 /* ---- helpers ---- */
@@ -251,6 +279,11 @@ td__conn *td__conn_ref(td__conn *c) {
 
 void td__conn_unref(td__conn *c) {
   if (!c || !td__ref_dec(&c->rc)) return;
+  for (int i = 0; i < c->ndp; i++) {
+    for (int k = 0; k < c->dp[i].n; k++) td_tensor_unref(c->dp[i].ts[k]);
+    td__free(c->dp[i].ts);
+  }
+  td__free(c->dp);
   for (size_t i = 0; i < c->qlen; i++) grpc_slice_unref(c->q[(c->qhead + i) % c->qcap]);
   td__free(c->q);
   if (c->send_bb) grpc_byte_buffer_destroy(c->send_bb);
@@ -294,6 +327,52 @@ static void on_dec_bad(void *ud, uint64_t id, td_status st, const char *why) {
   if (c->t->cbs.on_bad) c->t->cbs.on_bad(c->t->cbs.ud, c, id, st, why);
 }
 
+static bool q_push(td__conn *c, grpc_slice s);
+static void start_send(td__conn *c);
+
+static bool direct_allowed(void *ud, int pid) {
+  td__conn *c = ud;
+  direct_from *d = __atomic_load_n(&c->t->direct_from, __ATOMIC_ACQUIRE);
+  for (int i = 0; d && i < d->n; i++)
+    if (d->pids[i] == pid) return true;
+  return false;
+}
+
+static void free_head(void *p);
+
+static void direct_send_ack(void *ud, uint64_t token) {
+  td__conn *c = ud;
+  uint8_t *a = td__malloc(TD__FRAME_PREFIX);
+  if (!a) return; /* the sender keeps the tensors until the stream ends */
+  td__ack_frame(a, token);
+  pthread_mutex_lock(&c->mu);
+  if (c->closed) {
+    pthread_mutex_unlock(&c->mu);
+    td__free(a);
+    return;
+  }
+  grpc_slice s = grpc_slice_new_with_user_data(a, TD__FRAME_PREFIX, free_head, a);
+  if (!q_push(c, s)) grpc_slice_unref(s);
+  else if (!c->send_inflight) start_send(c);
+  pthread_mutex_unlock(&c->mu);
+}
+
+static void direct_acked(void *ud, uint64_t token) {
+  td__conn *c = ud;
+  direct_pending got = {0};
+  pthread_mutex_lock(&c->mu);
+  for (int i = 0; i < c->ndp; i++) {
+    if (c->dp[i].token == token) {
+      got = c->dp[i];
+      c->dp[i] = c->dp[--c->ndp];
+      break;
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  for (int k = 0; k < got.n; k++) td_tensor_unref(got.ts[k]);
+  td__free(got.ts);
+}
+
 static td__conn *conn_new(td__transport *t, bool client, int peer) {
   td__conn *c = td__calloc(1, sizeof *c);
   if (!c) return NULL;
@@ -318,6 +397,8 @@ static td__conn *conn_new(td__transport *t, bool client, int peer) {
     td__free(c);
     return NULL;
   }
+  static const td__direct_hooks hooks = {direct_allowed, direct_send_ack, direct_acked};
+  td__decoder_set_direct(c->dec, &hooks);
   return c;
 }
 
@@ -402,6 +483,32 @@ static void start_send(td__conn *c) {
 static void free_head(void *p) { td__free(p); }
 static void unref_tensor(void *p) { td_tensor_unref(p); }
 
+/* Grows the queue so that n more slices fit. Caller holds c->mu. */
+static bool q_reserve(td__conn *c, size_t n) {
+  if (c->qlen + n <= c->qcap) return true;
+  size_t nc = c->qcap ? c->qcap * 2 : 64;
+  while (nc < c->qlen + n) nc *= 2;
+  grpc_slice *nq = td__malloc(nc * sizeof *nq);
+  if (!nq) return false;
+  for (size_t i = 0; i < c->qlen; i++) nq[i] = c->q[(c->qhead + i) % c->qcap];
+  td__free(c->q);
+  c->q = nq;
+  c->qhead = 0;
+  c->qcap = nc;
+  return true;
+}
+
+/* Room for one more pending direct-copy frame. Caller holds c->mu. */
+static bool dp_reserve(td__conn *c) {
+  if (c->ndp < c->dpcap) return true;
+  int nc = c->dpcap ? c->dpcap * 2 : 16;
+  direct_pending *nd = td__realloc(c->dp, (size_t)nc * sizeof *nd);
+  if (!nd) return false;
+  c->dp = nd;
+  c->dpcap = nc;
+  return true;
+}
+
 static bool q_push(td__conn *c, grpc_slice s) {
   if (c->qlen == c->qcap) {
     size_t nc = c->qcap ? c->qcap * 2 : 64;
@@ -425,6 +532,35 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
     pthread_mutex_unlock(&c->mu);
     td__frame_clear(f);
     return td_set_error(TD_ERR_UNAVAILABLE, "connection to rank %d is closed", td__conn_peer(c));
+  }
+  /* same host: the peer copies the tensors out of our memory; they stay alive until its ack */
+  direct_to *dc = __atomic_load_n(&c->t->direct_to, __ATOMIC_ACQUIRE);
+  int peer = td__conn_peer(c);
+  if (dc && peer >= 0 && peer < dc->world && dc->to[peer] && f->ntensors > 0 &&
+      f->payload_len >= DIRECT_MIN_BYTES) {
+    uint8_t *desc = NULL;
+    size_t dl = 0;
+    uint64_t token = c->next_token + 1;
+    /* everything that can fail comes before the first push: a half-queued frame would corrupt
+     * the stream */
+    bool ok = dp_reserve(c) && q_reserve(c, 2) &&
+              td__frame_make_direct(f, token, c->t->self_pid, &desc, &dl) == TD_OK;
+    if (ok) {
+      c->next_token = token;
+      q_push(c, grpc_slice_new_with_user_data(f->head, f->head_len, free_head, f->head));
+      f->head = NULL;
+      q_push(c, grpc_slice_new_with_user_data(desc, dl, free_head, desc));
+      c->dp[c->ndp++] = (direct_pending){token, f->tensors, f->ntensors};
+      f->tensors = NULL;
+      f->ntensors = 0;
+      c->nsent++;
+      if (!c->send_inflight) start_send(c);
+    } else {
+      st = td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory queueing a frame");
+    }
+    td__frame_clear(f);
+    pthread_mutex_unlock(&c->mu);
+    return st;
   }
   /* the slices take over the head buffer and the tensor references */
   grpc_slice hs = grpc_slice_new_with_user_data(f->head, f->head_len, free_head, f->head);
@@ -820,6 +956,32 @@ static void *poller_main(void *arg) {
   return NULL;
 }
 
+/* Publishes p into *slot once (readers hold no lock, so it is never replaced before destroy). */
+static td_status publish_once(void **slot, void *p) {
+  void *none = NULL;
+  if (!__atomic_compare_exchange_n(slot, &none, p, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    td__free(p);
+    return td_set_error(TD_ERR_STATE, "rpc transport: direct copy is already configured");
+  }
+  return TD_OK;
+}
+
+td_status td__transport_allow_direct(td__transport *t, const int *pids, int npids) {
+  direct_from *d = td__malloc(sizeof *d + (size_t)(npids > 0 ? npids : 1) * sizeof(int));
+  if (!d) return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
+  d->n = npids;
+  if (npids) memcpy(d->pids, pids, (size_t)npids * sizeof(int));
+  return publish_once((void **)&t->direct_from, d);
+}
+
+td_status td__transport_direct_to(td__transport *t, const bool *to, int world) {
+  direct_to *d = td__malloc(sizeof *d + (size_t)(world > 0 ? world : 1) * sizeof(bool));
+  if (!d) return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
+  d->world = world;
+  if (world) memcpy(d->to, to, (size_t)world * sizeof(bool));
+  return publish_once((void **)&t->direct_to, d);
+}
+
 void td__transport_set_busy_poll(td__transport *t, int64_t us) {
   __atomic_store_n(&t->busy_poll_ns, us > 0 ? us * 1000 : 0, __ATOMIC_RELAXED);
 }
@@ -834,6 +996,7 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
   t->host = td__strdup(o->host ? o->host : "127.0.0.1");
   t->opts.host = t->host;
   t->cbs = *cbs;
+  t->self_pid = (int)getpid();
   pthread_mutex_init(&t->mu, NULL);
   pthread_cond_init(&t->cv, NULL);
   grpc_init();
@@ -954,6 +1117,8 @@ void td__transport_destroy(td__transport *t) {
   grpc_completion_queue_destroy(t->cq);
   grpc_shutdown();
   td__free(t->host);
+  td__free(t->direct_from);
+  td__free(t->direct_to);
   pthread_mutex_destroy(&t->mu);
   pthread_cond_destroy(&t->cv);
   td__free(t);

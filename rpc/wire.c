@@ -6,12 +6,19 @@
  * storage of tensors allocated from the header's metadata, and the trees are rebuilt with an
  * explicit stack, so neither direction recurses on untrusted input.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* process_vm_readv */
+#endif
 #include "wire.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/uio.h>
+#endif
 
 #include "tdist.pb-c.h"
 #include "tdist/autograd.h"
@@ -304,9 +311,38 @@ out:
   return st;
 }
 
+td_status td__frame_make_direct(td__frame *f, uint64_t token, int pid, uint8_t **desc,
+                                size_t *desc_len) {
+  size_t dl = 16 + 16 * (size_t)f->ntensors;
+  uint8_t *d = td__malloc(dl);
+  if (!d) return td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
+  put_u64(d, token);
+  put_u32(d + 8, (uint32_t)pid);
+  put_u32(d + 12, 0);
+  for (int i = 0; i < f->ntensors; i++) {
+    put_u64(d + 16 + 16 * (size_t)i, (uint64_t)(uintptr_t)td_tensor_data(f->tensors[i]));
+    put_u64(d + 24 + 16 * (size_t)i, (uint64_t)td_tensor_nbytes(f->tensors[i]));
+  }
+  put_u32(f->head, TD__FRAME_MAGIC_DIRECT);
+  put_u64(f->head + 8, dl);
+  *desc = d;
+  *desc_len = dl;
+  return TD_OK;
+}
+
+void td__ack_frame(uint8_t out[TD__FRAME_PREFIX], uint64_t token) {
+  put_u32(out, TD__FRAME_MAGIC_ACK);
+  put_u32(out + 4, 0);
+  put_u64(out + 8, 0);
+  put_u64(out + 16, token);
+}
+
 /* ---- decoding ---- */
 
-enum { ST_PREFIX, ST_HEADER, ST_PAYLOAD, ST_SKIP };
+enum { ST_PREFIX, ST_HEADER, ST_PAYLOAD, ST_SKIP, ST_DESC };
+
+/* most tensors one direct-copy frame may describe (bounds the descriptor buffer to 16 MiB) */
+#define MAX_DIRECT_TENSORS (1u << 20)
 
 struct td__decoder {
   td__wire_ctx ctx;
@@ -326,6 +362,13 @@ struct td__decoder {
   td_tensor **tensors;
   int ntensors, cur;
   uint64_t cur_off; /* bytes written into tensors[cur] */
+  /* direct-copy frames */
+  td__direct_hooks hooks;
+  bool has_hooks;
+  bool direct;       /* the current frame is one */
+  uint8_t *desc;     /* its descriptor, payload_len bytes */
+  td_status reject_st; /* TD_OK, or why the frame is refused (reported once the token is read) */
+  char reject[256];
 };
 
 td_status td__decoder_create(const td__wire_ctx *ctx, uint64_t max_message_bytes,
@@ -342,7 +385,17 @@ td_status td__decoder_create(const td__wire_ctx *ctx, uint64_t max_message_bytes
   return TD_OK;
 }
 
+void td__decoder_set_direct(td__decoder *d, const td__direct_hooks *h) {
+  d->has_hooks = h != NULL;
+  if (h) d->hooks = *h;
+}
+
 static void reset_frame(td__decoder *d) {
+  td__free(d->desc);
+  d->desc = NULL;
+  d->direct = false;
+  d->reject_st = TD_OK;
+  d->reject[0] = 0;
   td__free(d->header);
   d->header = NULL;
   if (d->env) tdist__envelope__free_unpacked(d->env, NULL);
@@ -397,7 +450,19 @@ static const char *parse_header(td__decoder *d) {
     if (n->kind != TD_VALUE_TENSOR) continue;
     size_t nb;
     if (check_tensor_node(n, &nb) != TD_OK) return "invalid tensor metadata";
-    if (nb > d->payload_len - total) return "tensor sizes exceed the frame's payload";
+    if (d->direct) {
+      /* the bytes are not in the stream: the limit applies to what they would have been */
+      if (nb > UINT64_MAX - total) return "tensor sizes overflow";
+      if (d->max_msg && (uint64_t)d->header_len + total + nb > d->max_msg) {
+        snprintf(d->reject, sizeof d->reject, "message of more than %llu bytes exceeds the limit "
+                 "of %llu bytes", (unsigned long long)(d->header_len + total + nb),
+                 (unsigned long long)d->max_msg);
+        d->reject_st = TD_ERR_INVALID;
+        return d->reject;
+      }
+    } else if (nb > d->payload_len - total) {
+      return "tensor sizes exceed the frame's payload";
+    }
     total += nb;
     td_tensor *t;
     if (td_tensor_empty(n->shape, (int)n->n_shape, (td_dtype)n->dtype, td_device_cpu(), &t) !=
@@ -405,8 +470,75 @@ static const char *parse_header(td__decoder *d) {
       return "cannot allocate a received tensor";
     d->tensors[d->ntensors++] = t;
   }
+  if (d->direct) {
+    if (d->payload_len != 16 + 16 * (uint64_t)d->ntensors)
+      return "direct-copy descriptor does not match the tensors described";
+    return NULL;
+  }
   if (total != d->payload_len) return "payload length does not match the tensors described";
   return NULL;
+}
+
+/* Copies len bytes at addr in process pid into dst. */
+static td_status read_remote(int pid, uint64_t addr, void *dst, uint64_t len) {
+#if defined(__linux__)
+  uint8_t *out = dst;
+  while (len > 0) {
+    size_t chunk = len > (1u << 30) ? (1u << 30) : (size_t)len;
+    struct iovec l = {out, chunk}, r = {(void *)(uintptr_t)addr, chunk};
+    ssize_t got = process_vm_readv(pid, &l, 1, &r, 1, 0);
+    if (got <= 0)
+      return td_set_error(TD_ERR_UNAVAILABLE, "cannot read %llu bytes from process %d: %s",
+                          (unsigned long long)chunk, pid, got < 0 ? strerror(errno) : "no data");
+    out += got;
+    addr += (uint64_t)got;
+    len -= (uint64_t)got;
+  }
+  return TD_OK;
+#else
+  (void)addr; (void)dst; (void)len;
+  return td_set_error(TD_ERR_UNSUPPORTED, "direct copy from process %d: not on this system", pid);
+#endif
+}
+
+/* The descriptor of a direct-copy frame is complete: copy the tensors out of the sender (unless
+ * the frame is refused), acknowledge the token either way, then deliver or report the frame. */
+static void finish_direct(td__decoder *d) {
+  uint64_t token = get_u64(d->desc);
+  int pid = (int)get_u32(d->desc + 8);
+  if (d->reject_st == TD_OK) {
+    if (!d->has_hooks || !d->hooks.allowed || !d->hooks.allowed(d->ud, pid)) {
+      snprintf(d->reject, sizeof d->reject, "direct copy from process %d is not allowed", pid);
+      d->reject_st = TD_ERR_FORMAT;
+    }
+  }
+  for (int i = 0; d->reject_st == TD_OK && i < d->ntensors; i++) {
+    uint64_t addr = get_u64(d->desc + 16 + 16 * (size_t)i);
+    uint64_t len = get_u64(d->desc + 24 + 16 * (size_t)i);
+    td_tensor *t = d->tensors[i];
+    if (len != (uint64_t)td_tensor_nbytes(t)) {
+      snprintf(d->reject, sizeof d->reject, "direct-copy descriptor: tensor %d has %llu bytes, "
+               "not %zu", i, (unsigned long long)len, td_tensor_nbytes(t));
+      d->reject_st = TD_ERR_FORMAT;
+    } else if (len && read_remote(pid, addr, td_tensor_data(t), len) != TD_OK) {
+      snprintf(d->reject, sizeof d->reject, "%s", td_last_error());
+      d->reject_st = TD_ERR_UNAVAILABLE;
+    }
+  }
+  if (d->has_hooks && d->hooks.send_ack) d->hooks.send_ack(d->ud, token);
+  if (d->reject_st != TD_OK) {
+    char why[256];
+    snprintf(why, sizeof why, "%s", d->reject);
+    td_status st = d->reject_st;
+    uint64_t id = d->id;
+    reset_frame(d);
+    if (d->on_bad) d->on_bad(d->ud, id, st, why);
+    return;
+  }
+  td__free(d->desc);
+  d->desc = NULL;
+  d->state = ST_PAYLOAD;
+  d->cur = d->ntensors; /* complete: the feed loop delivers it */
 }
 
 typedef struct {
@@ -596,13 +728,26 @@ td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n) {
         p += take;
         n -= take;
         if (d->have < TD__FRAME_PREFIX) break;
-        if (get_u32(d->prefix) != TD__FRAME_MAGIC)
-          return td_set_error(TD_ERR_FORMAT, "rpc: stream corrupt (bad frame magic 0x%08x)",
-                              get_u32(d->prefix));
+        uint32_t magic = get_u32(d->prefix);
         d->header_len = get_u32(d->prefix + 4);
         d->payload_len = get_u64(d->prefix + 8);
         d->id = get_u64(d->prefix + 16);
         d->have = 0;
+        if (magic == TD__FRAME_MAGIC_ACK) {
+          if (d->header_len || d->payload_len)
+            return td_set_error(TD_ERR_FORMAT, "rpc: stream corrupt (ack frame with a body)");
+          if (d->has_hooks && d->hooks.acked) d->hooks.acked(d->ud, d->id);
+          break;
+        }
+        if (magic != TD__FRAME_MAGIC && magic != TD__FRAME_MAGIC_DIRECT)
+          return td_set_error(TD_ERR_FORMAT, "rpc: stream corrupt (bad frame magic 0x%08x)",
+                              magic);
+        d->direct = magic == TD__FRAME_MAGIC_DIRECT;
+        if (d->direct && (d->header_len > TD__MAX_HEADER || d->payload_len < 16 ||
+                          (d->payload_len - 16) % 16 ||
+                          (d->payload_len - 16) / 16 > MAX_DIRECT_TENSORS))
+          /* without a readable token the sender could not be answered: the stream is unusable */
+          return td_set_error(TD_ERR_FORMAT, "rpc: stream corrupt (bad direct-copy frame)");
         /* saturated: a payload_len near 2^64 must not wrap past max_msg */
         uint64_t total = d->payload_len > UINT64_MAX - d->header_len
                              ? UINT64_MAX
@@ -643,6 +788,18 @@ td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n) {
         d->state = ST_PAYLOAD;
         d->cur = 0;
         d->cur_off = 0;
+        if (d->direct) {
+          /* read the descriptor in every case: its token must be acknowledged */
+          if (why && d->reject_st == TD_OK) {
+            snprintf(d->reject, sizeof d->reject, "%s", why);
+            d->reject_st = TD_ERR_FORMAT;
+          }
+          d->desc = td__malloc((size_t)d->payload_len);
+          if (!d->desc) return td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
+          d->have = 0;
+          d->state = ST_DESC;
+          break;
+        }
         if (why) {
           uint64_t id = d->id, pl = d->payload_len;
           reset_frame(d);
@@ -667,6 +824,16 @@ td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n) {
         p += take;
         n -= take;
         settle_payload(d);
+        break;
+      }
+      case ST_DESC: {
+        size_t take = (size_t)d->payload_len - d->have;
+        if (take > n) take = n;
+        memcpy(d->desc + d->have, p, take);
+        d->have += take;
+        p += take;
+        n -= take;
+        if (d->have == d->payload_len) finish_direct(d);
         break;
       }
       case ST_SKIP: {

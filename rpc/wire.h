@@ -16,6 +16,13 @@
 #include "value_impl.h"
 
 #define TD__FRAME_MAGIC 0x31464454u /* "TDF1" */
+/* Direct-copy frames (same host): the payload is a descriptor, not the bytes:
+ *   [token u64][sender pid u32][reserved u32] then per tensor [address u64][length u64]
+ * and the receiver copies each tensor straight out of the sender's memory
+ * (process_vm_readv), then answers with an ack frame so the sender can release the tensors. */
+#define TD__FRAME_MAGIC_DIRECT 0x32464454u /* "TDF2" */
+/* Ack of a direct-copy frame: prefix only (header_len 0, payload_len 0, id = the token). */
+#define TD__FRAME_MAGIC_ACK 0x31414454u /* "TDA1" */
 #define TD__FRAME_PREFIX 24
 #define TD__MAX_HEADER (64u << 20) /* envelopes above 64 MiB are refused */
 #define TD__MAX_DEPTH 512          /* deepest value tree accepted */
@@ -69,6 +76,26 @@ typedef void (*td__on_bad_fn)(void *ud, uint64_t id, td_status st, const char *w
 td_status td__decoder_create(const td__wire_ctx *ctx, uint64_t max_message_bytes,
                              td__on_msg_fn on_msg, td__on_bad_fn on_bad, void *ud,
                              td__decoder **out);
+
+/* Hooks for direct-copy frames (all called on the decoding thread with the decoder's ud). Without
+ * them a direct-copy frame is reported bad and an ack frame is ignored. */
+typedef struct td__direct_hooks {
+  /* May bytes be read from process pid (a peer verified at init)? */
+  bool (*allowed)(void *ud, int pid);
+  /* The frame with this token has been read (or refused): the peer may release its tensors. */
+  void (*send_ack)(void *ud, uint64_t token);
+  /* The peer has read our frame with this token. */
+  void (*acked)(void *ud, uint64_t token);
+} td__direct_hooks;
+void td__decoder_set_direct(td__decoder *d, const td__direct_hooks *h);
+
+/* td__frame_make_direct turns an encoded frame into a direct-copy frame sent by process pid:
+ * rewrites the prefix and returns the descriptor (*desc, td__malloc'd, *desc_len bytes). The
+ * frame keeps its tensors; the caller must keep them alive until the ack for token. */
+td_status td__frame_make_direct(td__frame *f, uint64_t token, int pid, uint8_t **desc,
+                                size_t *desc_len);
+/* td__ack_frame fills the 24 bytes of an ack for token. */
+void td__ack_frame(uint8_t out[TD__FRAME_PREFIX], uint64_t token);
 /* td__decoder_feed consumes n bytes. Returns TD_ERR_FORMAT (with td_last_error) when the stream
  * is corrupt and must be closed; frames before the corruption were delivered. */
 td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n);

@@ -249,6 +249,13 @@ typedef struct td_rpc_options {
    * set, else 50 when this host runs no more workers than it has CPUs and 0 when it is
    * oversubscribed. 0 = never spin. */
   int64_t busy_poll_us;
+  /* Same-host direct copy: a receiver copies tensors of 32 KiB and more straight out of the
+   * sender's memory (Linux process_vm_readv) instead of through the socket, when both workers run
+   * on one host as the same user and the kernel allows it (checked at init for every pair). -1
+   * (default) = on unless TD_RPC_DIRECT_COPY=0; 0 = off. A tensor sent this way stays referenced
+   * by the sender until the receiver has copied it: as with the stream, do not modify a tensor in
+   * place while a call that carries it is in flight. */
+  int direct_copy;
 } td_rpc_options;
 
 /* td_rpc_options_init fills o with the defaults. */
@@ -314,6 +321,8 @@ TD_API int td_rpc_world_size(const td_rpc_agent *a);
 /* td_rpc_busy_poll_us returns the busy-poll window in effect (td_rpc_options.busy_poll_us after
  * the automatic choice), in microseconds. */
 TD_API int64_t td_rpc_busy_poll_us(const td_rpc_agent *a);
+/* td_rpc_direct_copy_peers returns how many peers copy tensors directly from this worker. */
+TD_API int td_rpc_direct_copy_peers(const td_rpc_agent *a);
 
 typedef struct td_rpc_call_opts {
   /* Per-call timeout in ms: < 0 uses the agent's default (as it is when the call starts), 0 means
