@@ -2,6 +2,7 @@
  * nested calls, remote errors, unknown functions, timeouts, 1000 concurrent calls, a 20-hop chain
  * of async handlers on 4-thread pools. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -218,10 +219,86 @@ static void test_rpc_busy_poll(void **state) {
   if (fails) fail_msg("3 workers: %d failed (codes %d %d %d)", fails, codes[0], codes[1], codes[2]);
 }
 
+/* ---- same-host direct copy: on by default between local workers, off by option or
+ * environment; tensors arrive intact either way, also when the sender drops them at once ---- */
+
+typedef struct dc_case {
+  int option;      /* td_rpc_options.direct_copy */
+  const char *env; /* TD_RPC_DIRECT_COPY, or NULL */
+  bool expect_on;
+} dc_case;
+
+/* Whether this machine lets a process read a sibling's memory (Yama ptrace scope 0, or root). */
+static bool siblings_readable(void) {
+  FILE *f = fopen("/proc/sys/kernel/yama/ptrace_scope", "r");
+  if (!f) return true;
+  int scope = 1;
+  if (fscanf(f, "%d", &scope) != 1) scope = 1;
+  fclose(f);
+  return scope == 0 || (scope == 1 && geteuid() == 0);
+}
+
+static int worker_direct(int rank, int world, const char *method, void *arg) {
+  const dc_case *k = arg;
+  register_test_fns();
+  if (k->env) setenv("TD_RPC_DIRECT_COPY", k->env, 1);
+  else unsetenv("TD_RPC_DIRECT_COPY");
+  td_rpc_options o = test_opts(method, 4);
+  o.direct_copy = k->option;
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  int peers = td_rpc_direct_copy_peers(a);
+  if (k->expect_on && siblings_readable()) MP_CHECK(peers == world - 1);
+  if (!k->expect_on) MP_CHECK(peers == 0);
+  char peer[32];
+  snprintf(peer, sizeof peer, "worker%d", (rank + 1) % world);
+  /* sizes around the 32 KiB threshold and large ones; each tensor is dropped right after the
+   * call is sent, so only the transport keeps it alive until the peer has copied it */
+  int64_t sizes[] = {100, 8191, 8192, 300000, 2000000};
+  enum { N = 40 };
+  td_future *fs[N];
+  double firsts[N];
+  for (int i = 0; i < N; i++) {
+    int64_t n = sizes[i % 5];
+    td_tensor *t;
+    MP_CHECK_OK(td_tensor_arange((double)i, (double)i + (double)n, 1, TD_DTYPE_F32, td_device_cpu(),
+                                 &t));
+    firsts[i] = (double)i;
+    td_value *v = td_value_tensor(t);
+    td_tensor_unref(t);
+    MP_CHECK_OK(td_rpc_async(a, peer, "echo", &v, 1, NULL, &fs[i]));
+    td_value_unref(v);
+  }
+  for (int i = 0; i < N; i++) {
+    MP_CHECK_OK(td_future_wait(fs[i], 30000));
+    td_tensor *t;
+    MP_CHECK_OK(td_value_as_tensor(td_future_value(fs[i]), &t));
+    int64_t n = sizes[i % 5];
+    MP_CHECK(td_tensor_numel(t) == n);
+    const float *p = td_tensor_data(t);
+    for (int64_t j = 0; j < n; j += 997) MP_CHECK(p[j] == (float)(firsts[i] + (double)j));
+    MP_CHECK(p[n - 1] == (float)(firsts[i] + (double)(n - 1)));
+    td_future_unref(fs[i]);
+  }
+  MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rpc_direct_copy(void **state) {
+  const dc_case cases[] = {{-1, NULL, true}, {0, NULL, false}, {-1, "0", false}, {1, "0", true}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    int codes[3];
+    int fails = td_mp_run(2, worker_direct, (void *)&cases[i], 60, codes);
+    if (fails) fail_msg("case %zu: %d workers failed (codes %d %d)", i, fails, codes[0], codes[1]);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_rpc_calls),
       cmocka_unit_test(test_rpc_busy_poll),
+      cmocka_unit_test(test_rpc_direct_copy),
   };
   return cmocka_run_group_tests_name("rpc_calls", tests, NULL, NULL);
 }

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "rpc/wire.h"
 #include "tdist.pb-c.h"
@@ -172,12 +173,16 @@ static void sink_clear(sink *s) {
 
 enum { FEED_ALL, FEED_BYTES, FEED_RANDOM, FEED_SPLIT };
 
+/* direct-copy hooks given to decode()'s decoder when set (see test_wire_direct_copy) */
+static const td__direct_hooks *g_direct_hooks;
+
 /* decode feeds in to a new decoder, chunked by mode (FEED_RANDOM: arg is the seed; FEED_SPLIT:
  * two chunks, the first of arg bytes), stopping at the first failing feed. */
 static void decode(const bytes *in, uint64_t max_msg, int mode, uint64_t arg, sink *s) {
   memset(s, 0, sizeof *s);
   td__decoder *d = NULL;
   TD_ASSERT_OK(td__decoder_create(&dec_ctx, max_msg, sink_on_msg, sink_on_bad, s, &d));
+  if (g_direct_hooks) td__decoder_set_direct(d, g_direct_hooks);
   assert_true(td__decoder_idle(d));
   td_status st = TD_OK;
   size_t off = 0;
@@ -1474,6 +1479,166 @@ static void test_wire_regress_payload_len_wrap(void **state) {
   bytes_free(&b);
 }
 
+/* ---- direct-copy frames: the receiver reads the tensors from the sender's memory (here: this
+ * process, which process_vm_readv allows) ---- */
+
+static int dc_allowed_pid;
+static uint64_t dc_sent_acks[64], dc_got_acks[64];
+static int dc_nsent, dc_ngot;
+
+static bool dc_allowed(void *ud, int pid) { return pid == dc_allowed_pid; }
+static void dc_send_ack(void *ud, uint64_t token) {
+  assert_true(dc_nsent < 64);
+  dc_sent_acks[dc_nsent++] = token;
+}
+static void dc_acked(void *ud, uint64_t token) {
+  assert_true(dc_ngot < 64);
+  dc_got_acks[dc_ngot++] = token;
+}
+static const td__direct_hooks dc_hooks = {dc_allowed, dc_send_ack, dc_acked};
+
+/* Appends m as a direct-copy frame with token; *f keeps the tensors the descriptor points to
+ * (the caller clears it after decoding). addr_delta / len_delta corrupt the first tensor's entry. */
+static void encode_direct(bytes *b, const td__msg *m, uint64_t token, td__frame *f,
+                          uint64_t addr_override, int64_t len_delta) {
+  td__wire_ctx ctx = enc_ctx;
+  TD_ASSERT_OK(td__wire_encode(m, &ctx, f));
+  uint8_t *desc;
+  size_t dl;
+  TD_ASSERT_OK(td__frame_make_direct(f, token, (int)getpid(), &desc, &dl));
+  assert_int_equal(dl, 16 + 16 * (size_t)f->ntensors);
+  if (addr_override) memcpy(desc + 16, &addr_override, 8); /* little-endian host */
+  if (len_delta) {
+    uint64_t len;
+    memcpy(&len, desc + 24, 8);
+    len += (uint64_t)len_delta;
+    memcpy(desc + 24, &len, 8);
+  }
+  bytes_put(b, f->head, f->head_len);
+  bytes_put(b, desc, dl);
+  td__free(desc);
+}
+
+static void test_wire_direct_copy(void **state) {
+  /* a message with a large tensor, an empty one and a small one inside a list */
+  td_tensor *big, *empty, *small;
+  int64_t bshape[2] = {100, 300}, eshape[2] = {3, 0}, sshape[1] = {5};
+  TD_ASSERT_OK(td_tensor_arange(0, 30000, 1, TD_DTYPE_F32, td_device_cpu(), &big));
+  td_tensor *bv;
+  TD_ASSERT_OK(td_tensor_reshape(big, bshape, 2, &bv));
+  TD_ASSERT_OK(td_tensor_zeros(eshape, 2, TD_DTYPE_F64, td_device_cpu(), &empty));
+  TD_ASSERT_OK(td_tensor_full(sshape, 1, -2.5, TD_DTYPE_F64, td_device_cpu(), &small));
+  td_value *l = td_value_list();
+  TD_ASSERT_OK(td_value_list_append(l, td_value_tensor(empty)));
+  TD_ASSERT_OK(td_value_list_append(l, td_value_tensor(small)));
+  td_value *vals[2] = {td_value_tensor(bv), l};
+  td__msg m = msg_init(9, "fn", vals, 2);
+  td_value *plain[1] = {td_value_int(5)};
+  td__msg pm = msg_init(10, "after", plain, 1);
+  g_direct_hooks = &dc_hooks;
+  int modes[] = {FEED_ALL, FEED_BYTES, FEED_RANDOM};
+  for (size_t k = 0; k < sizeof modes / sizeof *modes; k++) {
+    /* allowed: the values arrive intact, the token is acknowledged; the next frame decodes */
+    dc_allowed_pid = (int)getpid();
+    dc_nsent = dc_ngot = 0;
+    bytes b = {0};
+    td__frame f;
+    encode_direct(&b, &m, 41, &f, 0, 0);
+    encode_msg(&b, &pm);
+    sink s;
+    decode(&b, 0, modes[k], 7, &s);
+    TD_ASSERT_OK(s.last);
+    assert_true(s.idle);
+    assert_int_equal(s.n, 2);
+    assert_false(s.ev[0].bad);
+    assert_msg_equal(&s.ev[0].msg, &m);
+    assert_false(s.ev[1].bad);
+    assert_msg_equal(&s.ev[1].msg, &pm);
+    assert_int_equal(dc_nsent, 1);
+    assert_int_equal(dc_sent_acks[0], 41);
+    sink_clear(&s);
+    td__frame_clear(&f);
+    bytes_free(&b);
+  }
+  /* refused frames are reported by id, acknowledged, and the stream goes on */
+  struct {
+    int allowed_pid;
+    uint64_t addr;
+    int64_t len_delta;
+    uint64_t max_msg;
+    td_status st;
+    const char *why;
+  } bad[] = {
+      {-1, 0, 0, 0, TD_ERR_FORMAT, "not allowed"},
+      {0, 8, 0, 0, TD_ERR_UNAVAILABLE, "cannot read"},
+      {0, 0, 4, 0, TD_ERR_FORMAT, "bytes, not"},
+      {0, 0, 0, 1000, TD_ERR_INVALID, "exceeds the limit"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    dc_allowed_pid = bad[i].allowed_pid ? bad[i].allowed_pid : (int)getpid();
+    dc_nsent = dc_ngot = 0;
+    bytes b = {0};
+    td__frame f;
+    encode_direct(&b, &m, 100 + i, &f, bad[i].addr, bad[i].len_delta);
+    encode_msg(&b, &pm);
+    sink s;
+    decode(&b, bad[i].max_msg, FEED_RANDOM, i, &s);
+    TD_ASSERT_OK(s.last);
+    assert_int_equal(s.n, 2);
+    assert_true(s.ev[0].bad);
+    assert_int_equal(s.ev[0].id, 9);
+    assert_int_equal(s.ev[0].st, bad[i].st);
+    if (!strstr(s.ev[0].why, bad[i].why)) fail_msg("case %zu: '%s'", i, s.ev[0].why);
+    assert_false(s.ev[1].bad);
+    assert_int_equal(dc_nsent, 1);
+    assert_int_equal(dc_sent_acks[0], 100 + i);
+    sink_clear(&s);
+    td__frame_clear(&f);
+    bytes_free(&b);
+  }
+  /* ack frames reach the hook; an ack with a body corrupts the stream */
+  dc_nsent = dc_ngot = 0;
+  bytes b = {0};
+  uint8_t ack[TD__FRAME_PREFIX];
+  td__ack_frame(ack, 77);
+  bytes_put(&b, ack, sizeof ack);
+  encode_msg(&b, &pm);
+  td__ack_frame(ack, 78);
+  bytes_put(&b, ack, sizeof ack);
+  sink s;
+  decode(&b, 0, FEED_BYTES, 0, &s);
+  TD_ASSERT_OK(s.last);
+  assert_int_equal(s.n, 1);
+  assert_int_equal(dc_ngot, 2);
+  assert_int_equal(dc_got_acks[0], 77);
+  assert_int_equal(dc_got_acks[1], 78);
+  sink_clear(&s);
+  bytes_free(&b);
+  prefix_put(&b, TD__FRAME_MAGIC_ACK, 4, 0, 79);
+  decode(&b, 0, FEED_ALL, 0, &s);
+  assert_int_equal(s.last, TD_ERR_FORMAT);
+  sink_clear(&s);
+  bytes_free(&b);
+  /* without hooks (a decoder that was never told about direct copy) the frame is refused */
+  g_direct_hooks = NULL;
+  td__frame f;
+  encode_direct(&b, &m, 5, &f, 0, 0);
+  decode(&b, 0, FEED_ALL, 0, &s);
+  TD_ASSERT_OK(s.last);
+  assert_int_equal(s.n, 1);
+  assert_true(s.ev[0].bad);
+  sink_clear(&s);
+  td__frame_clear(&f);
+  bytes_free(&b);
+  td_value_unref(plain[0]);
+  td_value_unref(vals[0]);
+  td_value_unref(vals[1]);
+  td_tensor_unref(bv);
+  td_tensor_unref(big);
+  td_tensor_unref(empty);
+  td_tensor_unref(small);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_wire_roundtrip_scalars),
@@ -1494,6 +1659,7 @@ int main(void) {
       cmocka_unit_test(test_wire_bad_magic),
       cmocka_unit_test(test_wire_destroy_mid_frame),
       cmocka_unit_test(test_wire_regress_payload_len_wrap),
+      cmocka_unit_test(test_wire_direct_copy),
   };
   return cmocka_run_group_tests(tests, group_setup, NULL);
 }
