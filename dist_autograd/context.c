@@ -475,6 +475,17 @@ td_status td_dist_autograd_get_debug_info(td_rpc_agent *a, td_dist_autograd_debu
 
 /* ---- agent hooks ---- */
 
+static bool strict_mode;
+
+void td_dist_autograd_set_strict(bool on) {
+  __atomic_store_n(&strict_mode, on, __ATOMIC_RELEASE);
+}
+
+static bool strict_now(void) {
+  const char *e = getenv("TD_DIST_AUTOGRAD_STRICT");
+  return __atomic_load_n(&strict_mode, __ATOMIC_ACQUIRE) || (e && strcmp(e, "1") == 0);
+}
+
 static td_status hook_shutdown(td_rpc_agent *a, bool graceful) {
   pthread_mutex_lock(&states_mu);
   da_state **pp = &states;
@@ -494,9 +505,20 @@ static td_status hook_shutdown(td_rpc_agent *a, bool graceful) {
   s->ctxs = NULL;
   s->nctxs = s->capctxs = 0;
   pthread_mutex_unlock(&s->mu);
-  if (n)
-    td_log(TD_LOG_WARN, "dist_autograd: rank %d shut down with %zu live context(s); freeing them",
-           s->rank, n);
+  td_status st = TD_OK;
+  if (n) {
+    /* name the first few: a context still alive after a graceful shutdown was never ended */
+    char ids[200] = "", b[48];
+    size_t used = 0;
+    for (size_t i = 0; i < n && i < 5 && used < sizeof ids; i++)
+      used += (size_t)snprintf(ids + used, sizeof ids - used, "%s%s", i ? ", " : "",
+                               td__da_id_str(cs[i]->id, b, sizeof b));
+    td_log(TD_LOG_WARN, "dist_autograd: rank %d shut down with %zu live context(s) (%s%s); "
+           "freeing them", s->rank, n, ids, n > 5 ? ", ..." : "");
+    if (graceful && strict_now())
+      st = td_set_error(TD_ERR_STATE, "dist_autograd: rank %d: %zu context(s) left at shutdown "
+                        "(strict mode): %s%s", s->rank, n, ids, n > 5 ? ", ..." : "");
+  }
   for (size_t i = 0; i < n; i++) {
     pthread_mutex_lock(&cs[i]->mu);
     cs[i]->ended = true;
@@ -505,7 +527,7 @@ static td_status hook_shutdown(td_rpc_agent *a, bool graceful) {
   }
   td__free(cs);
   s->agent = NULL; /* a later agent at the same address gets a fresh state */
-  return TD_OK;
+  return st;
 }
 
 static void layer_init_once(void) {

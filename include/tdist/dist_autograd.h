@@ -116,6 +116,12 @@ typedef struct td_dist_autograd_debug_info {
 /* td_dist_autograd_get_debug_info fills *out for agent a. */
 TD_API td_status td_dist_autograd_get_debug_info(td_rpc_agent *a, td_dist_autograd_debug_info *out);
 
+/* td_dist_autograd_set_strict (process-wide; also TD_DIST_AUTOGRAD_STRICT=1): a graceful
+ * td_rpc_shutdown that finds contexts still alive on this worker (never ended by their creator)
+ * frees them as always but returns TD_ERR_STATE naming them, instead of only logging a warning.
+ * Tests use it to catch leaked contexts. */
+TD_API void td_dist_autograd_set_strict(bool on);
+
 #ifdef __cplusplus
 }
 #endif

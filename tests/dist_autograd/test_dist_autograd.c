@@ -32,6 +32,7 @@ static td_rpc_agent *start(int rank, int world, const char *method, int threads)
   da_register_all();
   da_param(rank);
   td_rref_set_strict(true);
+  td_dist_autograd_set_strict(true); /* a context left behind fails the graceful shutdown */
   td_rpc_options o;
   td_rpc_options_init(&o);
   o.init_method = method;
@@ -651,12 +652,57 @@ static int worker_ps(int rank, int world, const char *method, void *arg) {
 
 static void test_dist_autograd_parameter_server(void **state) { RUN(4, worker_ps, 180); }
 
+/* ---- strict mode: a context never ended makes the graceful shutdown fail on every worker that
+ * holds it, naming it; without strict mode it is only logged ---- */
+
+static int worker_leftover(int rank, int world, const char *method, void *arg) {
+  bool strict = arg != NULL;
+  td_rpc_agent *a = start(rank, world, method, 4);
+  td_dist_autograd_set_strict(strict);
+  td_dist_autograd_context *ctx = NULL;
+  char id[64] = "";
+  if (rank == 0) {
+    MP_CHECK_OK(td_dist_autograd_context_begin(a, &ctx));
+    td_dist_autograd_context_id cid = td_dist_autograd_context_get_id(ctx);
+    snprintf(id, sizeof id, "%llu:%llu", (unsigned long long)(cid.v >> 48),
+             (unsigned long long)(cid.v & 0xffffffffffffull));
+    td_tensor *x = leaf_x();
+    td_value *xv = td_value_tensor(x);
+    td_tensor *y = rpc_tensor(a, "worker1", "mulp", &xv, 1); /* worker1 joins the context */
+    td_tensor_unref(y);
+    td_value_unref(xv);
+    td_tensor_unref(x);
+    td_dist_autograd_set_current(NULL); /* never ended */
+  }
+  td_status st = td_rpc_shutdown(a, true, 60000);
+  if (strict) {
+    MP_CHECK(st == TD_ERR_STATE);
+    MP_CHECK(strstr(td_last_error(), "left at shutdown") != NULL);
+    if (rank == 0) MP_CHECK(strstr(td_last_error(), id) != NULL);
+  } else {
+    MP_CHECK_OK(st);
+  }
+  td_rpc_destroy(a);
+  td_dist_autograd_context_unref(ctx); /* the caller's reference (end was never called) */
+  CHECK_NO_LEAKS();
+  return 0;
+}
+
+static void test_dist_autograd_strict_leftover_context(void **state) {
+  int codes[2];
+  int fails = td_mp_run(2, worker_leftover, (void *)1, 90, codes);
+  if (fails) fail_msg("strict: %d workers failed (%d %d)", fails, codes[0], codes[1]);
+  fails = td_mp_run(2, worker_leftover, NULL, 90, codes);
+  if (fails) fail_msg("not strict: %d workers failed (%d %d)", fails, codes[0], codes[1]);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_dist_autograd_small_graphs),
       cmocka_unit_test(test_dist_autograd_parity_two_workers),
       cmocka_unit_test(test_dist_autograd_parity_three_workers),
       cmocka_unit_test(test_dist_autograd_parameter_server),
+      cmocka_unit_test(test_dist_autograd_strict_leftover_context),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
