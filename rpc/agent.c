@@ -876,10 +876,14 @@ td_status td_rpc_async(td_rpc_agent *a, const char *to, const char *fn, td_value
   }
   __atomic_add_fetch(&a->pending_out, 1, __ATOMIC_ACQ_REL);
   __atomic_add_fetch(&a->sent_total, 1, __ATOMIC_ACQ_REL);
+  /* once p is in the table, a timeout or a closing stream may complete and free it on the
+   * poller at any moment: from here on only these copies are used */
+  uint64_t id = p->id;
+  td__conn *conn = td__conn_ref(p->conn);
   pthread_mutex_lock(&a->mu);
   bool in_tab = ptab_put(a, p);
   bool ok = in_tab;
-  if (ok && timeout > 0) ok = heap_push(a, td__now_ns() + (uint64_t)timeout * 1000000ull, p->id);
+  if (ok && timeout > 0) ok = heap_push(a, td__now_ns() + (uint64_t)timeout * 1000000ull, id);
   pthread_mutex_unlock(&a->mu);
   if (!ok) {
     /* out of memory: fail the future rather than lose track of it (p is ours unless it made it
@@ -887,12 +891,13 @@ td_status td_rpc_async(td_rpc_agent *a, const char *to, const char *fn, td_value
     pending *q = p;
     if (in_tab) {
       pthread_mutex_lock(&a->mu);
-      q = ptab_take(a, p->id);
+      q = ptab_take(a, id);
       pthread_mutex_unlock(&a->mu);
     }
     __atomic_sub_fetch(&a->sent_total, 1, __ATOMIC_ACQ_REL);
     td__frame_clear(&frame);
     if (q) finish_call(a, q, TD__MSG_ERROR, NULL, TD_ERR_NOMEM, "rpc: out of memory");
+    td__conn_unref(conn);
     *out = f;
     return TD_OK;
   }
@@ -904,11 +909,11 @@ td_status td_rpc_async(td_rpc_agent *a, const char *to, const char *fn, td_value
       td__free(r);
       td__free(fncopy);
       td__free(vals);
-      deliver_response(a, p->id, TD__MSG_ERROR, NULL, TD_ERR_NOMEM, "rpc: out of memory");
+      deliver_response(a, id, TD__MSG_ERROR, NULL, TD_ERR_NOMEM, "rpc: out of memory");
     } else {
       for (int i = 0; i < nargs; i++) vals[i] = td_value_ref(args[i]);
       r->a = a;
-      r->msg = (td__msg){.id = p->id, .kind = TD__MSG_REQUEST, .fn = fncopy, .from_rank = a->rank,
+      r->msg = (td__msg){.id = id, .kind = TD__MSG_REQUEST, .fn = fncopy, .from_rank = a->rank,
                          .values = vals, .nvalues = nargs, .timeout_ms = timeout,
                          .ctx_id = ctx_id};
       snprintf(r->caller, sizeof r->caller, "%s", a->name);
@@ -917,16 +922,17 @@ td_status td_rpc_async(td_rpc_agent *a, const char *to, const char *fn, td_value
         reply_error(r, TD_ERR_STATE, "the agent is shutting down");
     }
   } else {
-    st = td__conn_send(p->conn, &frame);
+    st = td__conn_send(conn, &frame);
     if (st != TD_OK) {
       /* nothing left this process: the peer will never serve it */
       __atomic_sub_fetch(&a->sent_total, 1, __ATOMIC_ACQ_REL);
       char msg[600];
       snprintf(msg, sizeof msg, "rpc: cannot send '%s' to %s (rank %d): %s", fn, to, peer,
                td_last_error());
-      deliver_response(a, p->id, TD__MSG_ERROR, NULL, st, msg);
+      deliver_response(a, id, TD__MSG_ERROR, NULL, st, msg);
     }
   }
+  td__conn_unref(conn);
   *out = f;
   return TD_OK;
 }
