@@ -6,6 +6,8 @@
 #                                      fixture generator; the library never uses it)
 #   scripts/install-deps.sh --fuzz     also clang and libFuzzer (libclang-rt-dev), for
 #                                      scripts/fuzz.sh
+#   scripts/install-deps.sh --slurm    also Slurm and munge (slurmctld slurmd slurm-client munge),
+#                                      for scripts/slurm-local.sh; no daemon is started
 set -euo pipefail
 
 pkgs=(build-essential g++ cmake pkg-config zlib1g-dev libopenblas-dev libcmocka-dev
@@ -14,6 +16,7 @@ for arg in "$@"; do
   case "$arg" in
     --torch) pkgs+=(python3-torch) ;;
     --fuzz) pkgs+=(clang libclang-rt-dev) ;;
+    --slurm) pkgs+=(slurmctld slurmd slurm-client munge) ;;
     *) echo "install-deps.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done

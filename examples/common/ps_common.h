@@ -4,8 +4,9 @@
  *   psx_make_model     the MLP (784-256-10) or the CNN of train_local, built with a seed.
  *   psx_load_mnist     Fashion-MNIST train and test splits, normalised like train_local.
  *   psx_evaluate       test accuracy of a local module (no gradients, evaluation mode).
- *   psx_spawn_if_alone when RANK is not in the environment, forks nproc-1 copies of this process
- *                      with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (a free port on
+ *   psx_spawn_if_alone when neither RANK nor a launcher's rank (srun's SLURM_PROCID, mpirun's
+ *                      OMPI_COMM_WORLD_RANK) is in the environment, forks nproc-1 copies of this
+ *                      process with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (a free port on
  *                      127.0.0.1), so `build/examples/param_server` alone works like
  *                      `tdistrun --standalone --nproc-per-node 3 build/examples/param_server`.
  *   psx_wait_children  reaps those copies and folds their exit status into the caller's.
@@ -136,9 +137,17 @@ static int psx_nchildren;
 
 /* psx_spawn_if_alone: when RANK is unset, picks a free port, forks nproc - 1 children (ranks
  * 1..nproc-1) and sets the rendezvous variables in every process; the parent becomes rank 0.
- * Does nothing when RANK is set (started by tdistrun or torchrun). */
+ * Does nothing when RANK is set (started by tdistrun or torchrun). Started by srun without a
+ * launcher (SLURM_PROCID set), or by mpirun (OMPI_COMM_WORLD_RANK), it only copies that rank to
+ * RANK: td_rpc_init_from_env reads the world size and master from the same variables. */
 static inline void psx_spawn_if_alone(int nproc) {
   if (getenv("RANK")) return;
+  const char *launched = getenv("SLURM_PROCID");
+  if (!launched || !*launched) launched = getenv("OMPI_COMM_WORLD_RANK");
+  if (launched && *launched) {
+    setenv("RANK", launched, 1);
+    return;
+  }
   if (nproc < 2 || nproc > 64) ex_die("--nproc must be in 2..64 (got %d)", nproc);
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in sa;
