@@ -546,16 +546,7 @@ static bool dp_reserve(td__conn *c) {
 }
 
 static bool q_push(td__conn *c, grpc_slice s) {
-  if (c->qlen == c->qcap) {
-    size_t nc = c->qcap ? c->qcap * 2 : 64;
-    grpc_slice *nq = td__malloc(nc * sizeof *nq);
-    if (!nq) return false;
-    for (size_t i = 0; i < c->qlen; i++) nq[i] = c->q[(c->qhead + i) % c->qcap];
-    td__free(c->q);
-    c->q = nq;
-    c->qhead = 0;
-    c->qcap = nc;
-  }
+  if (!q_reserve(c, 1)) return false;
   c->q[(c->qhead + c->qlen) % c->qcap] = s;
   c->qlen++;
   return true;
