@@ -1,7 +1,7 @@
 /* gen_corpus.c - writes the seed corpus of fuzz_wire_decoder: a few valid frames made by the real
  * encoder (every value kind, nested containers, tensors of each dtype including 0-d and 0-byte
  * ones, an extension value, an error reply, a hashed dict, a tree one level deeper than the
- * decoder accepts, frames back to back).
+ * decoder accepts, frames back to back, a tensor marked for a CUDA device by a device map).
  *
  * Usage: gen_corpus OUTDIR. Each seed is one selector byte (where the fuzzer splits the stream)
  * followed by whole frames. Built and run at build time, so the seeds follow the wire format.
@@ -35,8 +35,10 @@ static void put(buf *b, const void *p, size_t n) {
   b->n += n;
 }
 
-/* put_msg appends the frame of a message carrying values (references taken over). */
-static void put_msg(buf *b, uint64_t id, int kind, const char *fn, td_value **values, int n) {
+/* put_msg_map appends the frame of a message carrying values (references taken over), encoded
+ * with device map map (NULL: none). */
+static void put_msg_map(buf *b, uint64_t id, int kind, const char *fn, td_value **values, int n,
+                        const td__devmap *map) {
   td__msg m = {0};
   m.id = id;
   m.kind = kind;
@@ -51,7 +53,7 @@ static void put_msg(buf *b, uint64_t id, int kind, const char *fn, td_value **va
     m.status = TD_ERR_INVALID;
     m.message = (char *)"worker1 (rank 1): bad argument";
   }
-  td__wire_ctx ctx = {NULL, 1, 0};
+  td__wire_ctx ctx = {NULL, 1, 0, map, "worker1"};
   td__frame f;
   if (td__wire_encode(&m, &ctx, &f) != TD_OK) die("encode");
   put(b, f.head, f.head_len);
@@ -59,6 +61,10 @@ static void put_msg(buf *b, uint64_t id, int kind, const char *fn, td_value **va
     put(b, td_tensor_data(f.tensors[i]), td_tensor_nbytes(f.tensors[i]));
   td__frame_clear(&f);
   for (int i = 0; i < n; i++) td_value_unref(values[i]);
+}
+
+static void put_msg(buf *b, uint64_t id, int kind, const char *fn, td_value **values, int n) {
+  put_msg_map(b, id, kind, fn, values, n, NULL);
 }
 
 static td_value *tensor_value(td_dtype dt, const int64_t *shape, int ndim) {
@@ -185,6 +191,23 @@ int main(int argc, char **argv) {
     td_value *next[] = {td_value_int(8)};
     put_msg(&b, 8, TD__MSG_REQUEST, "next", next, 1);
     write_seed(dir, k++, 250, &b);
+    free(b.p);
+  }
+  /* 8: a tensor marked for cuda:0 by a device map (refused where there is no such device), a
+   * CPU tensor beside it, then a good frame. */
+  {
+    buf b = {0};
+    td__devmap_entry e[] = {{td_device_cpu(), td_device_cuda(0)}};
+    td__devmap map = {e, 1};
+    int64_t s4[] = {4};
+    td_value *l = td_value_list();
+    add(l, tensor_value(TD_DTYPE_F32, s4, 1));
+    add(l, td_value_string("x"));
+    td_value *v[] = {l};
+    put_msg_map(&b, 9, TD__MSG_REQUEST, "to_gpu", v, 1, &map);
+    td_value *next[] = {tensor_value(TD_DTYPE_I64, s4, 1)};
+    put_msg(&b, 10, TD__MSG_RESPONSE, "", next, 1);
+    write_seed(dir, k++, 90, &b);
     free(b.p);
   }
   printf("gen_corpus: %d seeds in %s\n", k, dir);

@@ -5,6 +5,12 @@
  * PREFIX -> HEADER -> PAYLOAD (or SKIP); the payload is copied chunk by chunk straight into the
  * storage of tensors allocated from the header's metadata, and the trees are rebuilt with an
  * explicit stack, so neither direction recurses on untrusted input.
+ *
+ * Device maps: a CUDA tensor is encoded only when the context's map has an entry for its device;
+ * it is copied to host memory (staging) and its node carries the target device. The decoder
+ * receives every tensor into host memory and moves a marked one to its CUDA device while it
+ * rebuilds the trees; a device this process lacks makes the frame bad (TD_ERR_DEVICE), so a
+ * request is answered with an error and a reply fails its call.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* process_vm_readv */
@@ -60,7 +66,18 @@ static uint64_t get_u64(const uint8_t *p) {
 
 /* ---- encoding ---- */
 
+bool td__devmap_lookup(const td__devmap *m, td_device from, td_device *to) {
+  for (int i = 0; m && i < m->n; i++) {
+    if (td_device_equal(m->e[i].from, from)) {
+      *to = m->e[i].to;
+      return true;
+    }
+  }
+  return false;
+}
+
 typedef struct {
+  int kind; /* the message's (TD__MSG_*) */
   Tdist__Node *nodes;
   size_t n, cap;
   td_tensor **tensors;
@@ -83,10 +100,30 @@ static Tdist__Node *enc_node(enc *e) {
   return node;
 }
 
-static td_status enc_tensor(enc *e, td_tensor *t) {
-  if (td_tensor_device(t).type != TD_DEVICE_CPU)
-    return td_set_error(TD_ERR_DEVICE, "rpc: CUDA tensors need a device map to be sent (this "
-                        "build sends CPU tensors only); move it with td_tensor_to first");
+/* Refuses a tensor on a device the map does not cover (the message names the device and the
+ * peer, and which map applies). */
+static td_status unmapped(const enc *e, const td__wire_ctx *ctx, td_device dev) {
+  char dn[32], who[160];
+  td_device_str(dev, dn, sizeof dn);
+  if (ctx && ctx->peer_name) snprintf(who, sizeof who, "%s (rank %d)", ctx->peer_name,
+                                      ctx->peer_rank);
+  else snprintf(who, sizeof who, "rank %d", ctx ? ctx->peer_rank : -1);
+  if (e->kind == TD__MSG_RESPONSE)
+    return td_set_error(TD_ERR_DEVICE, "rpc: a tensor on %s cannot be sent back to %s: replies "
+                        "follow the caller's device map in reverse, and no device of %s is mapped "
+                        "to %s here (add an entry to its td_rpc_options.device_maps, or move the "
+                        "tensor with td_tensor_to)", dn, who, who, dn);
+  return td_set_error(TD_ERR_DEVICE, "rpc: a tensor on %s cannot be sent to %s: the device map to "
+                      "it has no entry for %s (add one to td_rpc_options.device_maps, or move the "
+                      "tensor with td_tensor_to)", dn, who, dn);
+}
+
+/* Adds t to the payload: contiguous, on the host (a CUDA tensor is copied there), and marks in
+ * node where the receiver places it. */
+static td_status enc_tensor(enc *e, const td__wire_ctx *ctx, td_tensor *t, Tdist__Node *node) {
+  td_device dev = td_tensor_device(t), to = td_device_cpu();
+  bool mapped = ctx && td__devmap_lookup(ctx->devmap, dev, &to);
+  if (!mapped && dev.type != TD_DEVICE_CPU) return unmapped(e, ctx, dev);
   if (e->nt == e->tcap) {
     int nc = e->tcap ? e->tcap * 2 : 8;
     td_tensor **nt = td__realloc(e->tensors, (size_t)nc * sizeof *nt);
@@ -96,11 +133,14 @@ static td_status enc_tensor(enc *e, td_tensor *t) {
   }
   td_tensor *c;
   bool prev = td_autograd_set_enabled(false);
-  td_status st = td_tensor_contiguous(t, &c);
+  /* td_tensor_to gives a contiguous host copy (staging: the bytes travel from host memory) */
+  td_status st = dev.type == TD_DEVICE_CPU ? td_tensor_contiguous(t, &c)
+                                           : td_tensor_to(t, td_device_cpu(), &c);
   td_autograd_set_enabled(prev);
   if (st != TD_OK) return st;
   e->tensors[e->nt++] = c;
   e->payload += td_tensor_nbytes(c);
+  node->device = to.type == TD_DEVICE_CPU ? 0 : (uint32_t)to.index + 1;
   return TD_OK;
 }
 
@@ -181,7 +221,7 @@ static td_status enc_value(enc *e, const td_value *root, td__wire_ctx *ctx) {
         node->dtype = (int32_t)td_tensor_dtype(t);
         node->n_shape = (size_t)td_tensor_ndim(t);
         node->shape = (int64_t *)td_tensor_shape(t);
-        st = enc_tensor(e, t);
+        st = enc_tensor(e, ctx, t, node);
         break;
       }
       case TD_VALUE_LIST: children = td_value_list_len(v); break;
@@ -247,6 +287,7 @@ static td_status enc_value(enc *e, const td_value *root, td__wire_ctx *ctx) {
 
 td_status td__wire_encode(const td__msg *m, td__wire_ctx *ctx, td__frame *out) {
   enc e = {0};
+  e.kind = m->kind;
   td_status st = TD_OK;
   for (int i = 0; i < m->nvalues && st == TD_OK; i++) {
     if (!m->values[i]) {
@@ -419,6 +460,7 @@ bool td__decoder_idle(const td__decoder *d) { return d->state == ST_PREFIX && d-
 
 static td_status check_tensor_node(const Tdist__Node *n, size_t *nbytes) {
   if (n->dtype < 0 || n->dtype > TD_DTYPE_I64) return TD_ERR_FORMAT;
+  if (n->device > TD__MAX_CUDA_INDEX + 1u) return TD_ERR_FORMAT;
   if (n->n_shape > TD_MAX_DIMS) return TD_ERR_FORMAT;
   uint64_t numel = 1;
   for (size_t i = 0; i < n->n_shape; i++) {
@@ -447,7 +489,10 @@ static const char *parse_header(td__decoder *d) {
   if (!d->tensors) return "out of memory";
   for (size_t i = 0; i < e->n_nodes; i++) {
     const Tdist__Node *n = e->nodes[i];
-    if (n->kind != TD_VALUE_TENSOR) continue;
+    if (n->kind != TD_VALUE_TENSOR) {
+      if (n->device) return "a device is set on a value that is not a tensor";
+      continue;
+    }
     size_t nb;
     if (check_tensor_node(n, &nb) != TD_OK) return "invalid tensor metadata";
     if (d->direct) {
@@ -559,6 +604,33 @@ static td_status attach(dec_frame *top, td_value *child, const char *key) {
   return st;
 }
 
+/* Returns a value holding tensor number idx moved to cuda:(device-1) (the sender's device map
+ * put it there), or NULL with *st set (TD_ERR_DEVICE when this process has no such device). */
+static td_value *place_tensor(td_tensor *t, uint32_t device, int idx, td_status *st) {
+  td_device dev = td_device_cuda((int)device - 1);
+  char dn[32];
+  td_device_str(dev, dn, sizeof dn);
+  if (!td_device_available(dev)) {
+    *st = td_set_error(TD_ERR_DEVICE, "tensor %d is to be placed on %s, which this process does "
+                       "not have (%d CUDA devices)", idx, dn, td_cuda_device_count());
+    return NULL;
+  }
+  td_tensor *moved = NULL;
+  bool prev = td_autograd_set_enabled(false);
+  td_status ms = td_tensor_to(t, dev, &moved);
+  td_autograd_set_enabled(prev);
+  if (ms != TD_OK) {
+    char why[400];
+    snprintf(why, sizeof why, "%s", td_last_error());
+    *st = td_set_error(TD_ERR_DEVICE, "tensor %d cannot be placed on %s: %s", idx, dn, why);
+    return NULL;
+  }
+  td_value *v = td_value_tensor(moved);
+  td_tensor_unref(moved);
+  if (!v) *st = td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
+  return v;
+}
+
 /* Rebuilds the nvalues trees from the node list. */
 static td_status build_values(td__decoder *d, td__msg *m) {
   Tdist__Envelope *e = d->env;
@@ -623,7 +695,9 @@ static td_status build_values(td__decoder *d, td__msg *m) {
           st = td_set_error(TD_ERR_FORMAT, "tensor count mismatch");
           break;
         }
-        v = td_value_tensor(d->tensors[tcur++]);
+        v = n->device ? place_tensor(d->tensors[tcur], n->device, tcur, &st)
+                      : td_value_tensor(d->tensors[tcur]);
+        tcur++;
         break;
       case TD_VALUE_LIST:
       case TD_VALUE_DICT:
@@ -700,7 +774,8 @@ static void deliver(td__decoder *d) {
     td__msg_clear(&m);
     uint64_t id = d->id;
     reset_frame(d);
-    if (d->on_bad) d->on_bad(d->ud, id, st == TD_ERR_NOMEM ? st : TD_ERR_FORMAT, why);
+    if (d->on_bad)
+      d->on_bad(d->ud, id, st == TD_ERR_NOMEM || st == TD_ERR_DEVICE ? st : TD_ERR_FORMAT, why);
     return;
   }
   reset_frame(d);

@@ -7,10 +7,13 @@
  * copies payload bytes straight into freshly allocated tensors. Because id and lengths sit in the
  * fixed prefix, a frame whose header is malformed or too big is skipped and reported by id (the
  * stream stays usable); only a bad magic number corrupts the stream.
+ * CUDA tensors travel only along a device map (td__wire_ctx.devmap): the encoder copies them to
+ * host memory and marks the target device in their node; the decoder moves them there.
  */
 #ifndef TD_RPC_WIRE_H
 #define TD_RPC_WIRE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "value_impl.h"
@@ -48,17 +51,39 @@ typedef struct td__msg {
 /* td__msg_clear releases what m owns and zeroes it. */
 void td__msg_clear(td__msg *m);
 
+/* A device map toward one peer, checked at init by the agent (rpc/agent.c): a tensor on
+ * e[i].from here arrives on e[i].to there. At most one entry per `from` and per `to`. */
+typedef struct td__devmap_entry {
+  td_device from, to;
+} td__devmap_entry;
+typedef struct td__devmap {
+  td__devmap_entry *e; /* owned by the agent */
+  int n;
+} td__devmap;
+/* Highest CUDA ordinal a frame may name (td_device_parse accepts the same range). */
+#define TD__MAX_CUDA_INDEX 1023
+
+/* td__devmap_lookup finds the entry for from and stores its target in *to. */
+bool td__devmap_lookup(const td__devmap *m, td_device from, td_device *to);
+
 struct td__wire_ctx {
   void *agent;   /* the agent encoding or decoding (for extension types) */
   int peer_rank; /* the other end */
   int self_rank;
+  /* Encoding only: where this message's tensors go on the peer - the agent's map to the peer for
+   * requests, the inverse of the peer's map to this worker for responses. A tensor on a device
+   * with an entry is staged through host memory and marked with the target device (Node.device);
+   * without one a CPU tensor stays on the CPU and a CUDA tensor is refused (TD_ERR_DEVICE).
+   * NULL: no map. */
+  const td__devmap *devmap;
+  const char *peer_name; /* for error messages; NULL: "rank N" */
 };
 
 /* An encoded frame: prefix + header bytes, then the bytes of each tensor. */
 typedef struct td__frame {
   uint8_t *head; /* owned */
   size_t head_len;
-  td_tensor **tensors; /* owned references, contiguous CPU tensors */
+  td_tensor **tensors; /* owned references, contiguous CPU tensors (CUDA ones staged to host) */
   int ntensors;
   uint64_t payload_len;
 } td__frame;
@@ -68,9 +93,12 @@ td_status td__wire_encode(const td__msg *m, td__wire_ctx *ctx, td__frame *out);
 void td__frame_clear(td__frame *f);
 
 typedef struct td__decoder td__decoder;
-/* Called for every complete frame; takes ownership of m's contents. */
+/* Called for every complete frame; takes ownership of m's contents. A tensor whose node names a
+ * CUDA device (Node.device) has been moved there (staged through host memory) before the call. */
 typedef void (*td__on_msg_fn)(void *ud, td__msg *m);
-/* Called for a skipped frame (malformed or oversized) with its id and why. */
+/* Called for a skipped frame (malformed or oversized) with its id and why: st is TD_ERR_FORMAT
+ * for a malformed frame, TD_ERR_INVALID for one over the size limit, TD_ERR_DEVICE when a tensor
+ * names a CUDA device this process does not have (or cannot be placed there). */
 typedef void (*td__on_bad_fn)(void *ud, uint64_t id, td_status st, const char *why);
 
 td_status td__decoder_create(const td__wire_ctx *ctx, uint64_t max_message_bytes,

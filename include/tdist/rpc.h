@@ -219,6 +219,16 @@ typedef struct td_worker_info {
   char address[256]; /* host:port the worker's server listens on */
 } td_worker_info;
 
+/* td_rpc_device_map_entry is one entry of a device map (torch.distributed.rpc's
+ * TensorPipeRpcBackendOptions.set_device_map): a tensor on device `from` of this worker that is
+ * sent to worker `worker` arrives there on device `to`. Devices are written as for
+ * td_device_parse: "cpu", "cuda" (= cuda:0) or "cuda:N"; "cpu" is allowed on either side. */
+typedef struct td_rpc_device_map_entry {
+  const char *worker; /* the destination worker's name */
+  const char *from;   /* a device of this worker */
+  const char *to;     /* a device of `worker` */
+} td_rpc_device_map_entry;
+
 typedef struct td_rpc_options {
   /* "tcp://host:port" of rank 0's store, or NULL to use MASTER_ADDR/MASTER_PORT. */
   const char *init_method;
@@ -256,6 +266,34 @@ typedef struct td_rpc_options {
    * by the sender until the receiver has copied it: as with the stream, do not modify a tensor in
    * place while a call that carries it is in flight. */
   int direct_copy;
+  /* Device maps: device_maps[0..num_device_maps), in any order, for any destinations (borrowed:
+   * read during td_rpc_init only). Default NULL / 0: no maps, so only CPU tensors travel (a CUDA
+   * tensor in a call's arguments or result fails with TD_ERR_DEVICE naming the device and the
+   * peer). PyTorch semantics:
+   * - Requests: a tensor on device d sent to worker W arrives on the `to` of the entry {W, d, to}.
+   *   A CUDA tensor on a device without an entry is refused (TD_ERR_DEVICE); a CPU tensor without
+   *   one stays on the CPU ({W, "cpu", "cuda:0"} makes CPU tensors arrive on W's cuda:0).
+   * - Replies (call results, td_rref_to_here, RemoteModule outputs) follow the caller's map in
+   *   reverse: W's result tensor on W's device t arrives here on d of this worker's entry
+   *   {W, d, t}; W needs no map of its own for that (nor does it use one). A result on a CUDA
+   *   device that no entry maps to fails the call with TD_ERR_DEVICE.
+   * - Calls to self share their values: no map applies.
+   * - The first version stages through host memory: the sender copies a CUDA tensor to the host,
+   *   the receiver copies it onto the target device.
+   * Checked at init: every worker publishes its maps and its td_cuda_device_count(), and every
+   * worker checks all maps in rank order, so all of them fail td_rpc_init with the same message
+   * (naming the worker and the entry) when a map names an unknown worker or the worker itself, a
+   * device string is malformed, a local cuda:N does not exist (N >= td_cuda_device_count() of
+   * that worker), a remote cuda:N does not exist on the destination, one device is mapped twice
+   * toward the same worker (to different devices), or two devices map to the same remote device
+   * (the reverse map for replies would be ambiguous). An identical entry given twice is accepted.
+   * Example (this worker's cuda:0 feeds worker1's cuda:1; CPU tensors stay on the CPU):
+   *   static const td_rpc_device_map_entry maps[] = {{"worker1", "cuda:0", "cuda:1"},
+   *                                                  {"worker1", "cpu", "cpu"}};
+   *   opts.device_maps = maps;
+   *   opts.num_device_maps = 2; */
+  const td_rpc_device_map_entry *device_maps;
+  int num_device_maps;
 } td_rpc_options;
 
 /* td_rpc_options_init fills o with the defaults. */
@@ -297,7 +335,8 @@ TD_API td_status td_rpc_unregister(const char *name);
 
 /* td_rpc_init joins the group as worker `name` (NULL: "worker<rank>"). Blocks until every worker
  * has joined or opts->init_timeout_ms passes. Invalid or duplicate names, a rank outside
- * [0, world_size) or taken twice, and a world size that differs from rank 0's are errors. Returns
+ * [0, world_size) or taken twice, a world size that differs from rank 0's and a bad device map
+ * (see td_rpc_options.device_maps) are errors. Returns
  * the agent in *out; release with td_rpc_shutdown() then td_rpc_destroy(). */
 TD_API td_status td_rpc_init(const char *name, int rank, int world_size,
                              const td_rpc_options *opts, td_rpc_agent **out);
@@ -331,7 +370,9 @@ typedef struct td_rpc_call_opts {
 } td_rpc_call_opts;
 
 /* td_rpc_async calls fn on worker `to` with args[0..nargs) (borrowed; not to be modified
- * afterwards) and returns at once with a future (new reference) in *out. opts may be NULL. */
+ * afterwards) and returns at once with a future (new reference) in *out. opts may be NULL. A CUDA
+ * tensor on a device that the device map toward `to` does not cover fails the call at once with
+ * TD_ERR_DEVICE (see td_rpc_options.device_maps). */
 TD_API td_status td_rpc_async(td_rpc_agent *a, const char *to, const char *fn,
                               td_value *const *args, int nargs, const td_rpc_call_opts *opts,
                               td_future **out);

@@ -1,7 +1,7 @@
 /* test_wire.c - the frame codec (rpc/wire.c): round trips of every value kind, tensors of every
  * dtype and layout, extension values; the incremental decoder under every chunking; malformed,
  * oversized and corrupt frames (each reported by id while the next frame still decodes); and
- * regressions found by fuzz/fuzz_wire_decoder.
+ * regressions found by fuzz/fuzz_wire_decoder; device maps (marked tensors, placement, refusal).
  *
  * Malformed envelopes are built with the generated protobuf code, so each case breaks exactly one
  * rule. Every test releases what it made (CI runs this under ASan's leak check).
@@ -1070,6 +1070,29 @@ static void bad_tree_truncated(bytes *b, uint64_t id) {
   free(r);
 }
 
+static void bad_device_huge(bytes *b, uint64_t id) {
+  raw_env *r = raw_new(1);
+  int64_t shape[] = {1};
+  raw_tensor(r, TD_DTYPE_F32, shape, 1)->device = TD__MAX_CUDA_INDEX + 2; /* cuda:1024 */
+  raw_frame(b, id, r, 4);
+  free(r);
+}
+
+static void bad_device_max(bytes *b, uint64_t id) {
+  raw_env *r = raw_new(1);
+  int64_t shape[] = {1};
+  raw_tensor(r, TD_DTYPE_F32, shape, 1)->device = UINT32_MAX;
+  raw_frame(b, id, r, 4);
+  free(r);
+}
+
+static void bad_device_on_int(bytes *b, uint64_t id) {
+  raw_env *r = raw_new(1);
+  raw_node(r, TD_VALUE_INT)->device = 1;
+  raw_frame(b, id, r, 0);
+  free(r);
+}
+
 static void bad_kind_9(bytes *b, uint64_t id) {
   raw_env *r = raw_new(1);
   raw_node(r, 9);
@@ -1200,6 +1223,9 @@ static const struct {
     {"list count past the nodes", bad_count_past_nodes},
     {"nested count past the nodes", bad_nested_count_past_nodes},
     {"tree eats the next tree", bad_tree_truncated},
+    {"tensor device cuda:1024", bad_device_huge},
+    {"tensor device 2^32-1", bad_device_max},
+    {"device on an int", bad_device_on_int},
     {"value kind 9", bad_kind_9},
     {"value kind 1000", bad_kind_huge},
     {"unknown extension type", bad_unknown_ext},
@@ -1639,6 +1665,138 @@ static void test_wire_direct_copy(void **state) {
   td_tensor_unref(small);
 }
 
+/* put_frame appends f (prefix + header + tensor bytes) to b. */
+static void put_frame(bytes *b, const td__frame *f) {
+  bytes_put(b, f->head, f->head_len);
+  for (int i = 0; i < f->ntensors; i++)
+    bytes_put(b, td_tensor_data(f->tensors[i]), td_tensor_nbytes(f->tensors[i]));
+}
+
+/* frame_devices stores the Node.device of the first n nodes of f's envelope in out. */
+static void frame_devices(const td__frame *f, uint32_t *out, size_t n) {
+  Tdist__Envelope *env = tdist__envelope__unpack(NULL, f->head_len - TD__FRAME_PREFIX,
+                                                 f->head + TD__FRAME_PREFIX);
+  assert_non_null(env);
+  assert_true(env->n_nodes >= n);
+  for (size_t i = 0; i < n; i++) out[i] = env->nodes[i]->device;
+  tdist__envelope__free_unpacked(env, NULL);
+}
+
+/* Device maps (td__wire_ctx.devmap): a tensor on a mapped device is marked with its target; the
+ * decoder places it there, or - without that device in this process - reports the frame with
+ * TD_ERR_DEVICE and goes on with the next. CUDA tensors need an entry (checked with a GPU). */
+static void test_wire_device_map(void **state) {
+  int ncuda = td_cuda_device_count();
+  const float data[] = {1, 2, 3, 4, 5, 6};
+  int64_t shape[] = {2, 3};
+  td_value *v[] = {tensor_of(data, shape, 2, TD_DTYPE_F32), td_value_int(5)};
+  td_value *after[] = {td_value_string("after")};
+  td__devmap_entry to_cuda[] = {{td_device_cpu(), td_device_cuda(0)}};
+  td__devmap_entry to_cpu[] = {{td_device_cpu(), td_device_cpu()}};
+  td__devmap map = {to_cuda, 1}, cpu_map = {to_cpu, 1}, empty = {NULL, 0};
+  td__wire_ctx ctx = {NULL, 1, 0, &map, "peer1"};
+  td__msg m = msg_init(21, "f", v, 2);
+  td__frame f;
+  uint32_t dev[2];
+
+  /* cpu -> cpu (and no entry for cpu): nothing is marked, the tensor arrives on the CPU */
+  td__devmap *plain_maps[] = {&cpu_map, &empty};
+  for (int i = 0; i < 2; i++) {
+    ctx.devmap = plain_maps[i];
+    TD_ASSERT_OK(td__wire_encode(&m, &ctx, &f));
+    frame_devices(&f, dev, 2);
+    assert_int_equal(dev[0], 0);
+    bytes b = {0};
+    put_frame(&b, &f);
+    td__frame_clear(&f);
+    td__msg got;
+    decode_one(&b, &got);
+    assert_msg_equal(&m, &got);
+    td_tensor *t;
+    TD_ASSERT_OK(td_value_as_tensor(got.values[0], &t));
+    assert_int_equal(td_tensor_device(t).type, TD_DEVICE_CPU);
+    td__msg_clear(&got);
+    bytes_free(&b);
+  }
+
+  /* cpu -> cuda:0: marked as device 1 (cuda:0); the int is not marked */
+  ctx.devmap = &map;
+  TD_ASSERT_OK(td__wire_encode(&m, &ctx, &f));
+  frame_devices(&f, dev, 2);
+  assert_int_equal(dev[0], 1);
+  assert_int_equal(dev[1], 0);
+  assert_int_equal(td_tensor_device(f.tensors[0]).type, TD_DEVICE_CPU);
+  bytes b = {0};
+  put_frame(&b, &f);
+  td__frame_clear(&f);
+  encode_values(&b, 22, after, 1);
+  int modes[] = {FEED_ALL, FEED_BYTES, FEED_RANDOM};
+  for (size_t k = 0; k < sizeof modes / sizeof *modes; k++) {
+    sink s;
+    decode(&b, 0, modes[k], k, &s);
+    TD_ASSERT_OK(s.last);
+    assert_int_equal(s.n, 2);
+    assert_int_equal(s.ev[0].id, 21);
+    if (ncuda == 0) {
+      assert_true(s.ev[0].bad);
+      assert_int_equal(s.ev[0].st, TD_ERR_DEVICE);
+      if (!strstr(s.ev[0].why, "cuda:0")) fail_msg("why: '%s'", s.ev[0].why);
+    } else {
+      assert_false(s.ev[0].bad);
+      assert_msg_equal(&m, &s.ev[0].msg);
+      td_tensor *t;
+      TD_ASSERT_OK(td_value_as_tensor(s.ev[0].msg.values[0], &t));
+      assert_true(td_device_equal(td_tensor_device(t), td_device_cuda(0)));
+    }
+    assert_false(s.ev[1].bad);
+    assert_int_equal(s.ev[1].id, 22);
+    sink_clear(&s);
+  }
+  bytes_free(&b);
+
+  if (ncuda > 0) {
+    /* a CUDA tensor: refused without an entry (request and reply wording), staged with one */
+    td_tensor *gt;
+    td_tensor *ht;
+    TD_ASSERT_OK(td_value_as_tensor(v[0], &ht));
+    TD_ASSERT_OK(td_tensor_to(ht, td_device_cuda(0), &gt));
+    td_value *gv[] = {td_value_tensor(gt)};
+    td__msg gm = msg_init(23, "f", gv, 1);
+    ctx.devmap = &cpu_map;
+    TD_ASSERT_STATUS(td__wire_encode(&gm, &ctx, &f), TD_ERR_DEVICE);
+    assert_non_null(strstr(td_last_error(), "cuda:0"));
+    assert_non_null(strstr(td_last_error(), "peer1 (rank 1)"));
+    gm.kind = TD__MSG_RESPONSE;
+    TD_ASSERT_STATUS(td__wire_encode(&gm, &ctx, &f), TD_ERR_DEVICE);
+    assert_non_null(strstr(td_last_error(), "sent back to peer1"));
+    gm.kind = TD__MSG_REQUEST;
+    td__devmap_entry back[] = {{td_device_cuda(0), td_device_cpu()}};
+    td__devmap back_map = {back, 1};
+    ctx.devmap = &back_map;
+    TD_ASSERT_OK(td__wire_encode(&gm, &ctx, &f));
+    frame_devices(&f, dev, 1);
+    assert_int_equal(dev[0], 0);
+    assert_int_equal(td_tensor_device(f.tensors[0]).type, TD_DEVICE_CPU);
+    put_frame(&b, &f);
+    td__frame_clear(&f);
+    td__msg got;
+    decode_one(&b, &got);
+    assert_msg_equal(&gm, &got);
+    td_tensor *t;
+    TD_ASSERT_OK(td_value_as_tensor(got.values[0], &t));
+    assert_int_equal(td_tensor_device(t).type, TD_DEVICE_CPU);
+    td__msg_clear(&got);
+    bytes_free(&b);
+    td_value_unref(gv[0]);
+    td_tensor_unref(gt);
+  } else {
+    print_message("test_wire_device_map: no CUDA device; the CUDA-tensor cases are left to "
+                  "test_rpc_devmap_gpu\n");
+  }
+  unref_all(v, 2);
+  unref_all(after, 1);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_wire_roundtrip_scalars),
@@ -1660,6 +1818,7 @@ int main(void) {
       cmocka_unit_test(test_wire_destroy_mid_frame),
       cmocka_unit_test(test_wire_regress_payload_len_wrap),
       cmocka_unit_test(test_wire_direct_copy),
+      cmocka_unit_test(test_wire_device_map),
   };
   return cmocka_run_group_tests(tests, group_setup, NULL);
 }
