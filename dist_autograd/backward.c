@@ -177,6 +177,7 @@ typedef struct recv_fn {
   da_state *st;
   uint64_t ctx_id, msg_id;
   int peer;
+  bool from_request; /* the tensors came as arguments of the peer's request (else in a reply) */
 } recv_fn;
 
 static td_status recv_backward(void *ctx, td_tensor *const *gout, int n_out, td_tensor **gin,
@@ -208,7 +209,12 @@ static td_status recv_backward(void *ctx, td_tensor *const *gout, int n_out, td_
   if (st == TD_OK) {
     char name[128];
     td__da_worker_name(r->st, r->peer, name, sizeof name);
-    st = td_rpc_async(r->st->agent, name, "__dist_backward", args, 4, NULL, &p->outs[p->n]);
+    /* gradients retrace the tensors' path: back along a request with the map its replies use
+     * (PyTorch: the reverse device map), back along a reply with our own map */
+    st = r->from_request ? td__rpc_async_reply_map(r->st->agent, name, "__dist_backward", args, 4,
+                                                   NULL, &p->outs[p->n])
+                         : td_rpc_async(r->st->agent, name, "__dist_backward", args, 4, NULL,
+                                        &p->outs[p->n]);
     if (st == TD_OK) p->n++;
   }
   for (int i = 0; i < 4; i++) td_value_unref(args[i]);
@@ -237,7 +243,7 @@ td_status td__da_attach_recv(td_dist_autograd_context *c, int peer, td__msg *m) 
       return td_set_error(TD_ERR_FORMAT, "dist_autograd: malformed gradient tensor list");
   recv_fn *r = td__malloc(sizeof *r);
   if (!r) return td_set_error(TD_ERR_NOMEM, "dist_autograd: out of memory");
-  *r = (recv_fn){c->st, c->id, m->autograd_msg_id, peer};
+  *r = (recv_fn){c->st, c->id, m->autograd_msg_id, peer, m->kind == TD__MSG_REQUEST};
   td_node *node;
   TD_TRY(td_node_create_external("RecvRpcBackward", m->naux, NULL, 0, recv_backward, r, td__free,
                                  &node));

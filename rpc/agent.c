@@ -825,8 +825,24 @@ static td_status peer_conn(td_rpc_agent *a, int peer, td__conn **out) {
   return TD_OK;
 }
 
+static td_status rpc_async(td_rpc_agent *a, const char *to, const char *fn,
+                           td_value *const *args, int nargs, const td_rpc_call_opts *opts,
+                           bool reply_map, td_future **out);
+
 td_status td_rpc_async(td_rpc_agent *a, const char *to, const char *fn, td_value *const *args,
                        int nargs, const td_rpc_call_opts *opts, td_future **out) {
+  return rpc_async(a, to, fn, args, nargs, opts, false, out);
+}
+
+td_status td__rpc_async_reply_map(td_rpc_agent *a, const char *to, const char *fn,
+                                  td_value *const *args, int nargs, const td_rpc_call_opts *opts,
+                                  td_future **out) {
+  return rpc_async(a, to, fn, args, nargs, opts, true, out);
+}
+
+static td_status rpc_async(td_rpc_agent *a, const char *to, const char *fn,
+                           td_value *const *args, int nargs, const td_rpc_call_opts *opts,
+                           bool reply_map, td_future **out) {
   TD_CHECK_ARG(a && to && fn && out && nargs >= 0 && (args || nargs == 0),
                "rpc_async: invalid argument");
   if (__atomic_load_n(&a->closing, __ATOMIC_ACQUIRE))
@@ -873,7 +889,9 @@ td_status td_rpc_async(td_rpc_agent *a, const char *to, const char *fn, td_value
   }
   uint64_t ctx_id = m.ctx_id;
   if (peer != a->rank) {
-    td__wire_ctx wctx = {a, peer, a->rank, &a->peers[peer].out_map, a->peers[peer].info.name};
+    td__wire_ctx wctx = {a, peer, a->rank,
+                         reply_map ? &a->peers[peer].reply_map : &a->peers[peer].out_map,
+                         a->peers[peer].info.name};
     st = td__wire_encode(&m, &wctx, &frame);
     td__free(m.aux);
     m.aux = NULL;

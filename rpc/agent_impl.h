@@ -32,6 +32,12 @@ struct td_rpc_ctx {
 
 /* td__rpc_register_internal registers a reserved "__name" function (idempotent for the same fn). */
 td_status td__rpc_register_internal(const char *name, td_rpc_fn fn, void *user_data);
+/* td_rpc_async whose CUDA tensors follow the map used for replies to `to` (the inverse of its map
+ * toward us) instead of our own map toward it: for data that travels back along the path of a
+ * request `to` sent us (distributed autograd's gradients of received arguments). */
+td_status td__rpc_async_reply_map(td_rpc_agent *a, const char *to, const char *fn,
+                                  td_value *const *args, int nargs, const td_rpc_call_opts *opts,
+                                  td_future **out);
 /* ... with td_rpc_register_ex's flags (TD_RPC_INLINE: runs on the network thread). */
 td_status td__rpc_register_internal_ex(const char *name, td_rpc_fn fn, void *user_data,
                                        unsigned flags);

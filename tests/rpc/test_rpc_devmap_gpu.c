@@ -2,12 +2,15 @@
  * sent with cuda:0 -> cuda:0 arrives on cuda:0 with equal values and the reply comes back on
  * cuda:0 (the reverse map); cuda:0 -> cpu lands on the CPU and a CPU result comes back on cuda:0;
  * a tensor on an unmapped device is a TD_ERR_DEVICE naming the device and the peer, as an
- * argument and as a result. Two workers share the one GPU.
+ * argument and as a result; distributed autograd sends the gradient of an argument back along the
+ * reverse map. Two workers share the one GPU.
  *
  * The parent process never touches CUDA (a CUDA context does not survive fork): a probe child
  * counts the devices. Without one every test calls skip() with a message and the program exits
  * with 77, which CMake's SKIP_RETURN_CODE reports as "skipped". */
 #include "rpc_test_fns.h"
+#include "tdist/autograd.h"
+#include "tdist/dist_autograd.h"
 #include "test_util.h"
 
 static int ncuda; /* found by the probe child */
@@ -180,6 +183,73 @@ static void test_rpc_devmap_gpu_unmapped_is_an_error(void **state) {
   if (fails) fail_msg("%d workers failed (%d %d)", fails, codes[0], codes[1]);
 }
 
+/* twice(t) = 2 t, computed where t arrived */
+static td_status fn_twice(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                          td_future **fut) {
+  td_tensor *t, *u;
+  td_status st = td_value_as_tensor(args[0], &t);
+  if (st == TD_OK) st = td_tensor_mul_scalar(t, 2, &u);
+  if (st != TD_OK) return st;
+  *res = td_value_tensor(u);
+  td_tensor_unref(u);
+  return TD_OK;
+}
+
+/* worker0 maps cuda:0 -> cpu toward worker1 (worker1 has no map): x on cuda:0 is doubled on
+ * worker1's CPU, the result comes back on cuda:0, and the gradient of x (2 everywhere) must come
+ * back from worker1's CPU to cuda:0 along the reverse of worker0's map. */
+static int worker_autograd(int rank, int world, const char *method, void *arg) {
+  MP_CHECK_OK(td_rpc_register("twice", fn_twice, NULL));
+  const td_rpc_device_map_entry map = {"worker1", "cuda:0", "cpu"};
+  td_rpc_options o = test_opts(method, 2);
+  if (rank == 0) {
+    o.device_maps = &map;
+    o.num_device_maps = 1;
+  }
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  if (rank == 0) {
+    td_tensor *h, *x, *y, *loss;
+    MP_CHECK_OK(td_tensor_from_buffer(data, shape, 2, TD_DTYPE_F32, &h));
+    MP_CHECK_OK(td_tensor_to(h, td_device_cuda(0), &x));
+    MP_CHECK_OK(td_tensor_set_requires_grad(x, true));
+    td_dist_autograd_context *ctx;
+    MP_CHECK_OK(td_dist_autograd_context_begin(a, &ctx));
+    td_value *v = td_value_tensor(x), *r = NULL;
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "twice", &v, 1, NULL, &r));
+    MP_CHECK_OK(td_value_as_tensor(r, &y));
+    MP_CHECK(td_device_equal(td_tensor_device(y), td_device_cuda(0)));
+    MP_CHECK_OK(td_tensor_sum_all(y, &loss));
+    MP_CHECK_OK(td_dist_autograd_backward(ctx, &loss, 1, false));
+    td_grad_map *gm;
+    MP_CHECK_OK(td_dist_autograd_get_gradients(ctx, &gm));
+    td_tensor *gx = td_grad_map_get(gm, x);
+    MP_CHECK(gx != NULL);
+    MP_CHECK(td_device_equal(td_tensor_device(gx), td_device_cuda(0)));
+    float got[6];
+    MP_CHECK_OK(td_tensor_copy_to_buffer(gx, got, sizeof got));
+    for (int i = 0; i < 6; i++) MP_CHECK(got[i] == 2.0f);
+    td_tensor_unref(gx);
+    td_grad_map_destroy(gm);
+    td_tensor_unref(loss);
+    td_value_unref(r);
+    td_value_unref(v);
+    MP_CHECK_OK(td_dist_autograd_context_end(ctx));
+    td_tensor_unref(x);
+    td_tensor_unref(h);
+  }
+  MP_CHECK_OK(td_rpc_shutdown(a, true, 20000));
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rpc_devmap_gpu_gradients_take_the_reverse_map(void **state) {
+  REQUIRE_GPU();
+  int codes[2];
+  int fails = td_mp_run(2, worker_autograd, NULL, 90, codes);
+  if (fails) fail_msg("%d workers failed (%d %d)", fails, codes[0], codes[1]);
+}
+
 int main(void) {
   int codes[1] = {0};
   td_mp_run(1, probe_devices, NULL, 60, codes);
@@ -188,6 +258,7 @@ int main(void) {
       cmocka_unit_test(test_rpc_devmap_gpu_cuda_to_cuda),
       cmocka_unit_test(test_rpc_devmap_gpu_cuda_to_cpu),
       cmocka_unit_test(test_rpc_devmap_gpu_unmapped_is_an_error),
+      cmocka_unit_test(test_rpc_devmap_gpu_gradients_take_the_reverse_map),
   };
   int rc = cmocka_run_group_tests(tests, NULL, NULL);
   return rc == 0 && ncuda == 0 ? 77 : rc;
