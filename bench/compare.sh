@@ -50,6 +50,7 @@ main_key() {
     rref_ops) echo "remote_to_here.ops_per_s higher 3" ;;
     dist_autograd_mlp) echo "steps_per_s higher 2" ;;
     param_server) echo "epoch_wall_s lower 0.5" ;;
+    pipeline_split) echo "runs[micro_batches=4].samples_per_s higher -" ;;
     *) return 1 ;;
   esac
 }
@@ -58,6 +59,9 @@ extra_keys() {
   case "$1" in
     rpc_latency) echo "calls_per_s:higher p90_us:lower p99_us:lower" ;;
     param_server) echo "test_accuracy:higher samples_per_s:higher" ;;
+    pipeline_split)
+      echo "runs[micro_batches=1].samples_per_s:higher runs[micro_batches=2].samples_per_s:higher" \
+        "runs[micro_batches=8].samples_per_s:higher samples_per_s:higher test_accuracy:higher" ;;
     rpc_throughput) echo "us_per_call:lower" ;;
     rref_ops) echo "proxy_rpc_sync.ops_per_s:higher remote_to_here.us_per_op:lower" ;;
     rpc_bandwidth)
@@ -79,7 +83,7 @@ ours="$build/bench/$name"
 ours_cmd=("$ours")
 # Examples measured as benchmarks: ours is build/examples/NAME under tdistrun (3 processes).
 case "$name" in
-  param_server)
+  param_server | pipeline_split)
     ours="$build/examples/$name"
     ours_cmd=("$build/tools/tdistrun" --standalone --nproc-per-node 3 --no-prefix "$ours") ;;
 esac

@@ -3,7 +3,8 @@
 # and checks that every process exited 0, that rank 0 printed the JSON line, and that its
 # results.first_loss is above results.last_loss (the loss fell) with a finite test_accuracy (or
 # the metric named by $TD_EXAMPLE_METRIC, e.g. perplexity, which must also be below the untrained
-# model's results.first_perplexity). Skips (exit 77) when the Fashion-MNIST files are missing,
+# model's results.first_perplexity). With TD_EXAMPLE_RUNS=1 (pipeline_split) results.runs must
+# hold a positive samples_per_s for micro_batches 1, 2, 4 and 8. Skips (exit 77) when the Fashion-MNIST files are missing,
 # unless TD_EXAMPLE_NO_MNIST=1 (examples with their own data). Time is bounded by ctest's TIMEOUT
 # and by `timeout` here (TD_TEST_TIMEOUT_SCALE scales it).
 set -euo pipefail
@@ -31,7 +32,7 @@ if [[ -z "$line" ]]; then
   exit 1
 fi
 python3 - "$line" "${TD_EXAMPLE_METRIC:-test_accuracy}" <<'PY'
-import json, math, sys
+import json, math, os, sys
 r = json.loads(sys.argv[1])["results"]
 metric = sys.argv[2]
 first, last, acc = r["first_loss"], r["last_loss"], r[metric]
@@ -43,6 +44,13 @@ if not ok or not last < first:
 if metric == "perplexity" and not acc < r["first_perplexity"]:
     print("FAIL: the perplexity did not fall")
     sys.exit(1)
+if os.environ.get("TD_EXAMPLE_RUNS") == "1":
+    runs = r.get("runs", [])
+    print("runs:", [(x.get("micro_batches"), x.get("samples_per_s")) for x in runs])
+    if (sorted(x.get("micro_batches") for x in runs) != [1, 2, 4, 8] or
+            not all(x.get("samples_per_s", 0) > 0 for x in runs)):
+        print("FAIL: results.runs should hold samples_per_s > 0 for 1, 2, 4 and 8 micro-batches")
+        sys.exit(1)
 for k in ("samples_per_s", "wall_s"):
     if not r.get(k, 0) > 0:
         print(f"FAIL: results.{k} missing or not positive")

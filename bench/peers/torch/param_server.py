@@ -4,17 +4,21 @@
 Same training as the C example: rank 0 is the parameter server holding the model (MLP 784-256-10,
 or --model cnn) behind an RRef and evaluating it on the test set after every epoch; ranks 1..N-1
 (--nproc, default 3) are trainers, each on its own shard of Fashion-MNIST (shuffled per epoch,
-even shards, batch 64), running concurrently:
+even shards, batch 32 per trainer as in the C example), running concurrently:
 
     with dist_autograd.context() as ctx:
         logits = rpc_sync(server, forward, (model_rref, x))  # on the server (see forward())
         loss = cross_entropy(logits, y)               # on the trainer
         dist_autograd.backward(ctx, [loss])
-        opt.step(ctx)                                 # DistributedOptimizer(SGD, momentum 0.5)
+        opt.step(ctx)                     # DistributedOptimizer(SGD, Nesterov momentum 0.9)
 
-with the learning rate on a cosine from --lr to 0 over the run, the optimizer made again every
---lr-every batches (as the C example does). Trainers meet at the start and the end of every epoch
-in an @rpc.functions.async_execution barrier on the server, which evaluates before answering.
+with the learning rate (--lr 0.02) on a cosine to 0 over the run, changed every --lr-every batches
+(at the middle of that stretch) on the trainer's one optimizer, as the C example does with
+td_dist_optimizer_set_lr: DistributedOptimizer has no call for that, so set_lr() below asks each
+owner to put a copy of its TorchScript functional SGD with the new rate in place (the copy shares
+the momentum buffers; making a new DistributedOptimizer instead would restart the momentum).
+Trainers meet at the start and the end of every epoch in an @rpc.functions.async_execution
+barrier on the server, which evaluates before answering.
 TensorPipe on 127.0.0.1, torch.set_num_threads(1) and OPENBLAS_NUM_THREADS=1 in every process.
 
 Prints one JSON line with the C example's keys: {"bench": "param_server", "config": {...},
@@ -102,6 +106,22 @@ def param_rrefs(model_rref):
     return [rpc.RRef(p) for p in model_rref.local_value().parameters()]
 
 
+def _set_lr(local_optim_rref, lr):
+    """On the owner: DistributedOptimizer's local optimizer is a TorchScript module around a
+    functional SGD whose Python view (.optim) is a copy; the copy with the new rate is put back
+    with setattr. The copy shares the momentum buffers (tensors), so momentum carries on."""
+    m = local_optim_rref.local_value()
+    o = m.optim
+    o.defaults["lr"] = lr
+    m.setattr("optim", o)
+
+
+def set_lr(opt, lr):
+    """Sets the rate of every owner's optimizer of opt; returns once all have it."""
+    torch.futures.wait_all([rpc.rpc_async(r.owner(), _set_lr, args=(r, lr))
+                            for r in opt.remote_optimizers])
+
+
 def forward(model_rref, x):
     """model(x) on the server with the parameters cloned inside the graph: concurrent trainers
     step the parameters in place, and autograd's version check would otherwise fail a backward
@@ -187,7 +207,8 @@ def run_server(args, trainers, t_start):
     }
     config = {"model": args.model, "trainers": trainers, "epochs": args.epochs,
               "batch_size": args.batch_size, "lr": args.lr, "momentum": args.momentum,
-              "schedule": "cosine", "lr_every": args.lr_every, "seed": args.seed,
+              "nesterov": bool(args.nesterov),
+              "schedule": args.schedule, "lr_every": args.lr_every, "seed": args.seed,
               "max_batches": args.max_batches, "threads": rpc_common.blas_threads(),
               "torch": torch.__version__}
     out = {"bench": "param_server", "config": config, "results": results}
@@ -208,34 +229,38 @@ def run_trainer(args, rank, trainers):
     nb = (shard + args.batch_size - 1) // args.batch_size
     if 0 < args.max_batches < nb:
         nb = args.max_batches
+    # one optimizer for the whole run (momentum buffers on the server); set_lr changes its rate
+    opt = DistributedOptimizer(torch.optim.SGD, prefs, lr=args.lr, momentum=args.momentum,
+                               nesterov=bool(args.nesterov))
     rpc.rpc_sync("worker0", sync, args=(0, 0.0, 0, 0, 0.0, 0.0, 0.0), timeout=0)
     first = float("nan")
     for epoch in range(args.epochs):
         g = torch.Generator()
         g.manual_seed(args.seed * 1000003 + epoch)
         order = torch.randperm(len(x), generator=g)[:n][tid::trainers]
-        opt = None
         losses = []
+        samples = 0
         t0 = time.perf_counter()
         for b in range(nb):
             idx = order[b * args.batch_size:(b + 1) * args.batch_size]
-            if b % args.lr_every == 0:
-                mid = epoch * nb + b + 0.5 * args.lr_every
-                lr = args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, mid / (args.epochs * nb))))
-                opt = DistributedOptimizer(torch.optim.SGD, prefs, lr=lr, momentum=args.momentum)
+            if args.schedule == "cosine" and b % args.lr_every == 0:
+                # the rate at the middle of this stretch of lr_every batches (cut at the epoch's end)
+                mid = epoch * nb + 0.5 * (b + min(b + args.lr_every, nb))
+                set_lr(opt, args.lr * 0.5 * (1 + math.cos(math.pi * mid / (args.epochs * nb))))
             with dist_autograd.context() as ctx:
                 logits = rpc.rpc_sync("worker0", forward, args=(model_rref, x[idx]))
                 loss = F.cross_entropy(logits, y[idx])
                 dist_autograd.backward(ctx, [loss])
                 opt.step(ctx)
             losses.append(loss.item())
+            samples += len(idx)
         et = time.perf_counter() - t0
         w = min(LOSS_WINDOW, len(losses))
         if epoch == 0:
             first = sum(losses[:w]) / w if w else float("nan")
         last = sum(losses[-w:]) / w if w else float("nan")
         acc = rpc.rpc_sync("worker0", sync, args=(epoch + 1, sum(losses), len(losses),
-                                                  len(losses) * args.batch_size, et, first,
+                                                  samples, et, first,
                                                   last), timeout=0)
         if tid == 0:
             print(f"trainer 1: epoch {epoch + 1} done in {et:.2f}s, test accuracy {acc:.4f}",
@@ -265,9 +290,11 @@ def main():
     ap.add_argument("--model", default="mlp", choices=["mlp", "cnn"])
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--max-batches", type=int, default=0)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--momentum", type=float, default=0.5)
+    ap.add_argument("--batch-size", type=int, default=32, help="per trainer (default 32)")
+    ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--nesterov", type=int, default=1, choices=[0, 1])
+    ap.add_argument("--schedule", default="cosine", choices=["cosine", "constant"])
     ap.add_argument("--lr-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nproc", type=int, default=3)
