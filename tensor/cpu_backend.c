@@ -458,9 +458,13 @@ static td_status cpu_unary(td__unary_op op, const td_tensor *x, td_tensor *out, 
       case TD__UN_SIGMOID:                                                                     \
         for (int64_t i = 0; i < n; i++) gx[i] = gy[i] * y[i] * ((T)1 - y[i]);                  \
         break;                                                                                 \
-      case TD__UN_RELU: /* mask multiply: vectorizes, no mispredicted branch (differs from a  \
-                         * select only for a non-finite gradient where x <= 0) */             \
-        for (int64_t i = 0; i < n; i++) gx[i] = gy[i] * (T)(x[i] > 0);                         \
+      case TD__UN_RELU: /* mask multiply, the mask in a variable first, or gcc keeps a branch \
+                         * and does not vectorize (differs from a select only for a non-finite \
+                         * gradient where x <= 0) */                                          \
+        for (int64_t i = 0; i < n; i++) {                                                      \
+          T m_ = x[i] > 0;                                                                     \
+          gx[i] = gy[i] * m_;                                                                  \
+        }                                                                                      \
         break;                                                                                 \
       case TD__UN_GELU:                                                                        \
         for (int64_t i = 0; i < n; i++) {                                                      \
