@@ -654,7 +654,32 @@ static td_status h_fork(td_rpc_ctx *x, td_value *const *args, int n, td_value **
   return st;
 }
 
-static void unref_value_task(void *v) { td_value_unref(v); }
+typedef struct release_job {
+  td__rref_ctx *c; /* reference */
+  td_value *v;
+} release_job;
+
+static void release_task(void *arg) {
+  release_job *j = arg;
+  td_value_unref(j->v);
+  __atomic_sub_fetch(&j->c->releasing, 1, __ATOMIC_ACQ_REL);
+  td__rref_ctx_unref(j->c);
+  td__free(j);
+}
+
+static void release_later(td__rref_ctx *c, td_rpc_agent *a, td_value *v) {
+  release_job *j = td__malloc(sizeof *j);
+  if (j) {
+    td__ref_inc(&c->rc);
+    *j = (release_job){c, v};
+    __atomic_add_fetch(&c->releasing, 1, __ATOMIC_ACQ_REL);
+    if (td__threadpool_submit(td__agent_pool(a), release_task, j) == TD_OK) return;
+    __atomic_sub_fetch(&c->releasing, 1, __ATOMIC_ACQ_REL);
+    td__rref_ctx_unref(c);
+    td__free(j);
+  }
+  td_value_unref(v); /* no pool (shutting down) or no memory: release here */
+}
 
 /* __rref_delete [[id, fork]] */
 static td_status h_delete(td_rpc_ctx *x, td_value *const *args, int n, td_value **res,
@@ -677,10 +702,8 @@ static td_status h_delete(td_rpc_ctx *x, td_value *const *args, int n, td_value 
   pthread_mutex_unlock(&c->mu);
   if (e) entry_release(c, e, NULL);
   /* this runs on the network thread: the value (an opaque object's destructor is user code) is
-   * released on the pool */
-  if (drop && td__threadpool_submit(td__agent_pool(td_rpc_ctx_agent(x)), unref_value_task, drop) !=
-                  TD_OK)
-    td_value_unref(drop);
+   * released on the pool; the debug table counts it as "releasing" until then */
+  if (drop) release_later(c, td_rpc_ctx_agent(x), drop);
   td__rref_ctx_unref(c);
   if (r == FORK_NOMEM) return td_set_error(TD_ERR_NOMEM, "rref: out of memory releasing a fork");
   *res = td_value_none();
@@ -780,6 +803,9 @@ td_status td_rref_debug_table(td_rpc_agent *a, td_value **out) {
     users = NULL;
   }
   if (st == TD_OK) st = dict_put(root, "early_confirms", td_value_int(early));
+  if (st == TD_OK)
+    st = dict_put(root, "releasing",
+                  td_value_int(__atomic_load_n(&c->releasing, __ATOMIC_ACQUIRE)));
   td_value_unref(owned);
   td_value_unref(users);
   if (st == TD_OK) *out = root;

@@ -97,6 +97,7 @@ struct td__rref_ctx {
   td__u64map users; /* fork id -> td_rref* (user RRefs alive here) */
   td__u64map early; /* fork id -> early_confirm* (confirmation before the RRef was decoded) */
   td__fork_ring done;
+  int64_t releasing; /* (atomic) freed values whose release is queued on the pool */
 };
 
 struct td_rref {

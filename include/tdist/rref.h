@@ -177,6 +177,8 @@ TD_API const char *td_value_object_type(const td_value *v);
  *   "users": list of {"id", "fork", "owner", "confirmed", "children": forks sent on whose owner
  *             acknowledgement this RRef still waits}
  *   "early_confirms": confirmations received before their RRef was decoded.
+ *   "releasing": values of RRefs already gone from the table whose release (for an opaque
+ *             object, its destructor) is still queued on the agent's pool.
  * Ids are ints. TD_ERR_STATE after shutdown. */
 TD_API td_status td_rref_debug_table(td_rpc_agent *a, td_value **out);
 

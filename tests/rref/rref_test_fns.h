@@ -305,11 +305,13 @@ static inline void rt_barrier(td_rpc_agent *a, int round) {
   td_value_unref(zero);
 }
 
-/* rt_table_sizes reads this worker's own table. */
+/* rt_table_sizes reads this worker's own table (values still being released count as owned). */
 static inline void rt_table_sizes(td_rpc_agent *a, size_t *owned, size_t *users) {
   td_value *t;
   MP_CHECK_OK(td_rref_debug_table(a, &t));
-  *owned = td_value_list_len(td_value_dict_get(t, "owned"));
+  int64_t releasing = 0;
+  MP_CHECK_OK(td_value_as_int(td_value_dict_get(t, "releasing"), &releasing));
+  *owned = td_value_list_len(td_value_dict_get(t, "owned")) + (size_t)releasing;
   *users = td_value_list_len(td_value_dict_get(t, "users"));
   td_value_unref(t);
 }

@@ -451,7 +451,8 @@ static int worker_forks(int rank, int world, const char *method, void *arg) {
   }
   rt_barrier(a, 1);
   rt_wait_empty(a);
-  MP_CHECK(rt_counters_made == rt_counters_destroyed);
+  MP_CHECK(__atomic_load_n(&rt_counters_made, __ATOMIC_ACQUIRE) ==
+           __atomic_load_n(&rt_counters_destroyed, __ATOMIC_ACQUIRE));
   finish(a);
   return 0;
 }
@@ -560,7 +561,8 @@ static int worker_stress(int rank, int world, const char *method, void *arg) {
   free(fs);
   rt_barrier(a, 1); /* everybody's work is done and every RRef released */
   rt_wait_empty(a);
-  MP_CHECK(rt_counters_made == rt_counters_destroyed);
+  MP_CHECK(__atomic_load_n(&rt_counters_made, __ATOMIC_ACQUIRE) ==
+           __atomic_load_n(&rt_counters_destroyed, __ATOMIC_ACQUIRE));
   rt_barrier(a, 2);
   finish(a);
   return 0;
@@ -586,7 +588,8 @@ static int worker_leak(int rank, int world, const char *method, void *arg) {
   MP_CHECK(st == TD_ERR_STATE);
   MP_CHECK(strstr(td_last_error(), "leaked") != NULL);
   MP_CHECK(strstr(td_last_error(), rank == 0 ? "user 0:" : "owned 0:") != NULL);
-  if (rank == 1) MP_CHECK(rt_counters_destroyed == 1); /* released at shutdown */
+  if (rank == 1) /* released at shutdown */
+    MP_CHECK(__atomic_load_n(&rt_counters_destroyed, __ATOMIC_ACQUIRE) == 1);
   /* releasing after shutdown is safe (nothing is sent) */
   td_rref_unref(r);
   td_rpc_destroy(a);
