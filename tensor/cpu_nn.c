@@ -425,6 +425,70 @@ td_status td__cpu_col2im(td_dtype dt, const void *col, int64_t c, int64_t h, int
 
 DEF_MAXPOOL(float, uint32_t, f32)
 DEF_MAXPOOL(double, uint64_t, f64)
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* The common 2x2 window with stride 2 on float32, four outputs at a time (SSE2; CNN training spent
+ * about 20% of its time in the scalar kernel). Same rule as maxpool_f32, element by element in the
+ * window's order: take v when v > best or v is NaN. Indices are computed in 32-bit lanes (a plane
+ * holds far fewer than 2^31 elements here) and widened when stored. */
+static void maxpool2x2_f32(const float *x, int64_t planes, int64_t h, int64_t w, int64_t oh,
+                           int64_t ow, float *y, int64_t *idx) {
+  int64_t ow4 = ow & ~(int64_t)3;
+  for (int64_t p = 0; p < planes; p++) {
+    const float *xp = x + p * h * w;
+    float *yp = y + p * oh * ow;
+    int64_t *ip = idx ? idx + p * oh * ow : NULL;
+    for (int64_t oy = 0; oy < oh; oy++) {
+      const float *r0 = xp + 2 * oy * w, *r1 = r0 + w;
+      int32_t b0 = (int32_t)(2 * oy * w), b1 = (int32_t)(b0 + w);
+      for (int64_t ox = 0; ox < ow4; ox += 4) {
+        /* 8 consecutive inputs per row cover 4 windows: even lanes are j = 0, odd are j = 1 */
+        __m128 a0 = _mm_loadu_ps(r0 + 2 * ox), a1 = _mm_loadu_ps(r0 + 2 * ox + 4);
+        __m128 c0 = _mm_loadu_ps(r1 + 2 * ox), c1 = _mm_loadu_ps(r1 + 2 * ox + 4);
+        __m128 v[4] = {_mm_shuffle_ps(a0, a1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm_shuffle_ps(a0, a1, _MM_SHUFFLE(3, 1, 3, 1)),
+                       _mm_shuffle_ps(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm_shuffle_ps(c0, c1, _MM_SHUFFLE(3, 1, 3, 1))};
+        __m128i col = _mm_add_epi32(_mm_set1_epi32((int32_t)(2 * ox)), _mm_setr_epi32(0, 2, 4, 6));
+        __m128i pos[4] = {_mm_add_epi32(col, _mm_set1_epi32(b0)),
+                          _mm_add_epi32(col, _mm_set1_epi32(b0 + 1)),
+                          _mm_add_epi32(col, _mm_set1_epi32(b1)),
+                          _mm_add_epi32(col, _mm_set1_epi32(b1 + 1))};
+        __m128 best = v[0];
+        __m128i bi = pos[0];
+        for (int k = 1; k < 4; k++) {
+          __m128 take = _mm_or_ps(_mm_cmpgt_ps(v[k], best), _mm_cmpunord_ps(v[k], v[k]));
+          best = _mm_or_ps(_mm_and_ps(take, v[k]), _mm_andnot_ps(take, best));
+          __m128i ti = _mm_castps_si128(take);
+          bi = _mm_or_si128(_mm_and_si128(ti, pos[k]), _mm_andnot_si128(ti, bi));
+        }
+        _mm_storeu_ps(yp + oy * ow + ox, best);
+        if (ip) {
+          __m128i zero = _mm_setzero_si128();
+          _mm_storeu_si128((__m128i *)(ip + oy * ow + ox), _mm_unpacklo_epi32(bi, zero));
+          _mm_storeu_si128((__m128i *)(ip + oy * ow + ox + 2), _mm_unpackhi_epi32(bi, zero));
+        }
+      }
+      for (int64_t ox = ow4; ox < ow; ox++) {
+        const float *win[4] = {r0 + 2 * ox, r0 + 2 * ox + 1, r1 + 2 * ox, r1 + 2 * ox + 1};
+        int64_t wpos[4] = {b0 + 2 * ox, b0 + 2 * ox + 1, b1 + 2 * ox, b1 + 2 * ox + 1};
+        float best = *win[0];
+        int64_t bi = wpos[0];
+        for (int k = 1; k < 4; k++) {
+          float v = *win[k];
+          if (v > best || v != v) {
+            best = v;
+            bi = wpos[k];
+          }
+        }
+        yp[oy * ow + ox] = best;
+        if (ip) ip[oy * ow + ox] = bi;
+      }
+    }
+  }
+}
+#endif
 DEF_MAXPOOL_BWD(float, f32)
 DEF_MAXPOOL_BWD(double, f64)
 
@@ -440,6 +504,12 @@ td_status td__cpu_max_pool2d(const td_tensor *x, int kh, int kw, int sh, int sw,
   int64_t *ip = idx ? td_tensor_data(idx) : NULL;
   switch (x->dtype) {
     case TD_DTYPE_F32:
+#if defined(__SSE2__)
+      if (kh == 2 && kw == 2 && sh == 2 && sw == 2 && h * w < ((int64_t)1 << 31)) {
+        maxpool2x2_f32(td_tensor_data(x), planes, h, w, oh, ow, td_tensor_data(y), ip);
+        return TD_OK;
+      }
+#endif
       maxpool_f32(td_tensor_data(x), planes, h, w, kh, kw, sh, sw, oh, ow, td_tensor_data(y), ip);
       return TD_OK;
     case TD_DTYPE_F64:

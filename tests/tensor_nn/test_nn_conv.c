@@ -334,6 +334,70 @@ static td_status pool_fn(void *ctx, td_tensor *const *in, int n, td_tensor **out
   return td_tensor_max_pool2d(in[0], c->kh, c->kw, c->sh, c->sw, out);
 }
 
+/* The float32 2x2/stride-2 kernel (vectorized, 4 outputs at a time plus a scalar tail) must
+ * agree with the generic float64 kernel on the same values, including ties (the window's first
+ * element wins), NaNs (a NaN wins; the last NaN in window order) and -inf: values and where the
+ * gradient goes. Widths 8..17 cover every tail length. */
+static void test_max_pool2d_2x2_f32_matches_generic(void **state) {
+  (void)state;
+  for (int64_t wdt = 8; wdt <= 17; wdt++) {
+    const int64_t xs[] = {2, 3, 6, wdt};
+    int64_t n = 2 * 3 * 6 * wdt;
+    double *v = malloc((size_t)n * sizeof *v);
+    assert_non_null(v);
+    uint64_t r = 0x9e3779b97f4a7c15ull ^ (uint64_t)wdt;
+    for (int64_t i = 0; i < n; i++) {
+      r = r * 6364136223846793005ull + 1442695040888963407ull;
+      int k = (int)(r >> 59); /* 0..31 */
+      v[i] = k < 2 ? NAN : k < 3 ? -INFINITY : (double)(k % 5); /* many ties */
+    }
+    td_tensor *x64, *x32, *y64, *y32, *s64, *s32;
+    TD_ASSERT_OK(td_tensor_from_buffer(v, xs, 4, TD_DTYPE_F64, &x64));
+    TD_ASSERT_OK(td_tensor_to_dtype(x64, TD_DTYPE_F32, &x32));
+    TD_ASSERT_OK(td_tensor_set_requires_grad(x64, true));
+    TD_ASSERT_OK(td_tensor_set_requires_grad(x32, true));
+    TD_ASSERT_OK(td_tensor_max_pool2d(x64, 2, 2, 2, 2, &y64));
+    TD_ASSERT_OK(td_tensor_max_pool2d(x32, 2, 2, 2, 2, &y32));
+    int64_t m = td_tensor_numel(y64);
+    assert_int_equal(td_tensor_numel(y32), m);
+    double *a = malloc((size_t)m * sizeof *a);
+    float *b = malloc((size_t)m * sizeof *b);
+    TD_ASSERT_OK(td_tensor_copy_to_buffer(y64, a, (size_t)m * sizeof *a));
+    TD_ASSERT_OK(td_tensor_copy_to_buffer(y32, b, (size_t)m * sizeof *b));
+    for (int64_t i = 0; i < m; i++) {
+      if (isnan(a[i])) assert_true(isnan(b[i]));
+      else assert_true((double)b[i] == a[i]);
+    }
+    /* where each window's gradient lands = which element was chosen */
+    TD_ASSERT_OK(td_tensor_sum_all(y64, &s64));
+    TD_ASSERT_OK(td_tensor_sum_all(y32, &s32));
+    TD_ASSERT_OK(td_tensor_backward(s64));
+    TD_ASSERT_OK(td_tensor_backward(s32));
+    td_tensor *g64 = td_tensor_grad(x64), *g32 = td_tensor_grad(x32);
+    double *ga = malloc((size_t)n * sizeof *ga);
+    float *gb = malloc((size_t)n * sizeof *gb);
+    TD_ASSERT_OK(td_tensor_copy_to_buffer(g64, ga, (size_t)n * sizeof *ga));
+    TD_ASSERT_OK(td_tensor_copy_to_buffer(g32, gb, (size_t)n * sizeof *gb));
+    for (int64_t i = 0; i < n; i++) {
+      if (ga[i] != (double)gb[i]) fail_msg("width %lld: gradient differs at %lld", (long long)wdt,
+                                          (long long)i);
+    }
+    free(ga);
+    free(gb);
+    free(a);
+    free(b);
+    free(v);
+    td_tensor_unref(g64);
+    td_tensor_unref(g32);
+    td_tensor_unref(s64);
+    td_tensor_unref(s32);
+    td_tensor_unref(y64);
+    td_tensor_unref(y32);
+    td_tensor_unref(x64);
+    td_tensor_unref(x32);
+  }
+}
+
 static void test_max_pool2d_gradcheck(void **state) {
   (void)state;
   const int64_t xs[] = {2, 3, 5, 6}, x3[] = {2, 5, 7};
@@ -413,6 +477,7 @@ int main(void) {
       cmocka_unit_test(test_max_pool2d_forward_matches_torch),
       cmocka_unit_test(test_max_pool2d_propagates_nan),
       cmocka_unit_test(test_max_pool2d_gradcheck),
+      cmocka_unit_test(test_max_pool2d_2x2_f32_matches_generic),
       cmocka_unit_test(test_max_pool2d_overlapping_windows_and_ties),
       cmocka_unit_test(test_max_pool2d_misuse),
   };
