@@ -44,7 +44,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.autograd as dist_autograd  # noqa: E402
 import torch.distributed.rpc as rpc  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.optim import DistributedOptimizer  # noqa: E402
@@ -303,25 +302,8 @@ def main():
     args = ap.parse_args()
     t_start = time.perf_counter()
     port = rpc_common.free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.nproc, port, args, t_start, q))
-             for r in range(args.nproc)]
-    for p in procs:
-        p.start()
-    out = None
-    while out is None:
-        try:
-            out = q.get(timeout=1)
-        except Exception:  # queue.Empty: give up when a worker died
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                sys.exit(1)
-    for p in procs:
-        p.join()
-    if any(p.exitcode != 0 for p in procs):
-        sys.exit(1)
+    out = rpc_common.run_spawned(worker, [(r, args.nproc, port, args, t_start)
+                                          for r in range(args.nproc)])
     out["results"]["wall_s"] = time.perf_counter() - t_start
     out["wall_s"] = out["results"]["wall_s"]
     print(json.dumps(out), flush=True)

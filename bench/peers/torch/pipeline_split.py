@@ -20,7 +20,7 @@ one batch of --bench-batch-size (the first samples of the training set), in --be
 that cycle through the four counts; then it trains for --epochs with a DistributedOptimizer (SGD,
 momentum) over both stages' parameters using --micro-batches, the learning rate on a cosine from
 --lr to 0 over the run, set every 25 batches on each owner's optimizer (the C example's
-td_dist_optimizer_set_lr; DistributedOptimizer has no call for that, see _set_lr), and evaluates
+td_dist_optimizer_set_lr; DistributedOptimizer has no call for that, see param_server.set_lr), and evaluates
 on the test set.
 
 Prints one JSON line with the C example's keys: {"bench": "pipeline_split", "config": {...},
@@ -47,12 +47,11 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.distributed.autograd as dist_autograd  # noqa: E402
 import torch.distributed.rpc as rpc  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.optim import DistributedOptimizer  # noqa: E402
 
-from param_server import load_split  # noqa: E402  (same IDX reader and normalisation)
+from param_server import load_split, set_lr  # noqa: E402  (same IDX reader, same rate change)
 
 NAMES = ["master", "worker1", "worker2"]
 
@@ -81,23 +80,6 @@ class Stage:
 
     def parameter_rrefs(self):
         return [rpc.RRef(p) for p in self.net.parameters()]
-
-
-def _set_lr(local_optim_rref, lr):
-    """On the owner: DistributedOptimizer's local optimizer is a TorchScript module around a
-    functional SGD whose Python view (.optim) is a copy; the copy with the new rate is put back
-    with setattr. The copy shares the momentum buffers (tensors), so momentum carries on."""
-    m = local_optim_rref.local_value()
-    o = m.optim
-    o.defaults["lr"] = lr
-    m.setattr("optim", o)
-
-
-def set_lr(opt, lr):
-    """Sets the rate of every owner's optimizer; returns once all have it (as
-    td_dist_optimizer_set_lr)."""
-    futs = [rpc.rpc_async(r.owner(), _set_lr, args=(r, lr)) for r in opt.remote_optimizers]
-    torch.futures.wait_all(futs)
 
 
 def pipeline_forward(stages, x, m):
@@ -250,24 +232,7 @@ def main():
     args.bench_rounds = min(args.bench_rounds, max(1, args.bench_batches))
     t_start = time.perf_counter()
     port = rpc_common.free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, port, args, t_start, q)) for r in range(3)]
-    for p in procs:
-        p.start()
-    out = None
-    while out is None:
-        try:
-            out = q.get(timeout=1)
-        except Exception:  # queue.Empty: give up when a process died
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                sys.exit(1)
-    for p in procs:
-        p.join()
-    if any(p.exitcode != 0 for p in procs):
-        sys.exit(1)
+    out = rpc_common.run_spawned(worker, [(r, port, args, t_start) for r in range(3)])
     out["results"]["wall_s"] = time.perf_counter() - t_start
     for k in ("test_accuracy", "samples_per_s", "wall_s", "runs"):
         out[k] = out["results"][k]

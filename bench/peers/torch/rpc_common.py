@@ -129,3 +129,29 @@ class Pair:
             "torch_num_threads": torch.get_num_threads(),
             "openblas_num_threads": blas_threads(),
         }
+
+
+def run_spawned(target, args_per_rank):
+    """Starts one spawned process per entry of args_per_rank running target(*args, q), where q
+    is a queue rank 0 puts its result dict into; returns that dict once every process exited
+    cleanly, or exits with status 1 as soon as one failed (killing the others)."""
+    import time
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=tuple(a) + (q,)) for a in args_per_rank]
+    for p in procs:
+        p.start()
+    out = None
+    while out is None:
+        try:
+            out = q.get(timeout=1)
+        except Exception:  # queue.Empty: give up when a process died
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                sys.exit(1)
+    for p in procs:
+        p.join()
+    if any(p.exitcode != 0 for p in procs):
+        sys.exit(1)
+    return out
