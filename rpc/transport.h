@@ -1,5 +1,5 @@
 /* transport.h - byte transport between workers (implemented over gRPC C core in
- * transport_grpc.c, the only file that includes gRPC headers).
+ * grpc_transport.c, grpc_stream.c and grpc_unary.c, the only files that include gRPC headers).
  *
  * A td__conn is one long-lived bidirectional stream: either one this process opened to a peer's
  * server (client side) or one a peer opened to ours (server side). Frames (wire.h) go out through

@@ -41,7 +41,7 @@
  * Under srun (SLURM_NODEID and SLURM_STEP_NUM_NODES or SLURM_NNODES set, no --standalone), the
  * options not given come from Slurm: --nnodes from SLURM_STEP_NUM_NODES (else SLURM_NNODES),
  * --node-rank from SLURM_NODEID, --master-addr from the first host of SLURM_STEP_NODELIST (else
- * SLURM_JOB_NODELIST), --master-port derived from SLURM_JOB_ID (rpc/netaddr.c, compiled in
+ * SLURM_JOB_NODELIST), --master-port derived from SLURM_JOB_ID (core/netaddr.c, compiled in
  * without the library). srun must then start one tdistrun per node.
  *
  * Exit status: 0 when every worker of an attempt exited 0; 1 when a worker failed and no restarts
@@ -72,7 +72,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "rpc/netaddr.h"
+#include "core/netaddr.h"
 
 extern char **environ;
 
@@ -173,23 +173,6 @@ static bool parse_seconds(const char *s, double *out) {
 
 /* ---- Slurm ---- */
 
-/* rpc/netaddr.c is compiled into tdistrun without the library; it reports errors and log lines
- * through these two, which keep the last message for our own error output. */
-static char g_netaddr_err[512];
-
-td_status td_set_error(td_status st, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(g_netaddr_err, sizeof g_netaddr_err, fmt, ap);
-  va_end(ap);
-  return st;
-}
-
-void td_log(td_log_level level, const char *fmt, ...) {
-  (void)level;
-  (void)fmt;
-}
-
 static const char *env_nonempty(const char *name) {
   const char *v = getenv(name);
   return v && *v ? v : NULL;
@@ -225,13 +208,13 @@ static int apply_slurm(options *o, bool nnodes_given, bool node_rank_given, bool
     const char *list = env_nonempty(ln);
     if (list) {
       if (td__slurm_first_host(list, master, sizeof master) != TD_OK)
-        return usage_error("cannot take --master-addr from %s: %s", ln, g_netaddr_err);
+        return usage_error("cannot take --master-addr from %s: %s", ln, td_last_error());
       o->master_addr = master;
     }
   }
   const char *job = env_nonempty("SLURM_JOB_ID");
   if (!port_given && job && td__slurm_port(job, &o->master_port) != TD_OK)
-    return usage_error("cannot derive --master-port: %s", g_netaddr_err);
+    return usage_error("cannot derive --master-port: %s", td_last_error());
   fprintf(stderr, "tdistrun: under Slurm: node %d of %d, MASTER_ADDR %s, MASTER_PORT %d\n",
           o->node_rank, o->nnodes, o->master_addr ? o->master_addr : "127.0.0.1",
           o->master_port > 0 ? o->master_port : 29500);

@@ -173,9 +173,10 @@ static void test_rpc_calls(void **state) {
 /* ---- busy polling: the option, the environment override and the automatic choice ---- */
 
 typedef struct bp_case {
-  int64_t option;  /* td_rpc_options.busy_poll_us */
-  const char *env; /* TD_RPC_BUSY_POLL_US, or NULL */
-  int64_t expect;  /* -1: the automatic rule (50 when the workers fit the CPUs, else 0) */
+  int64_t option;   /* td_rpc_options.busy_poll_us */
+  const char *env;  /* TD_RPC_BUSY_POLL_US, or NULL */
+  const char *cpus; /* TD_CPUS: the CPUs the process may use, as the rule sees them */
+  int64_t expect;
 } bp_case;
 
 static int worker_busy_poll(int rank, int world, const char *method, void *arg) {
@@ -183,13 +184,12 @@ static int worker_busy_poll(int rank, int world, const char *method, void *arg) 
   register_test_fns();
   if (k->env) setenv("TD_RPC_BUSY_POLL_US", k->env, 1);
   else unsetenv("TD_RPC_BUSY_POLL_US");
+  setenv("TD_CPUS", k->cpus, 1);
   td_rpc_options o = test_opts(method, 4);
   o.busy_poll_us = k->option;
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
-  int64_t expect = k->expect;
-  if (expect < 0) expect = sysconf(_SC_NPROCESSORS_ONLN) >= world ? 50 : 0;
-  MP_CHECK(td_rpc_busy_poll_us(a) == expect);
+  MP_CHECK(td_rpc_busy_poll_us(a) == k->expect);
   /* calls work the same either way */
   char peer[32];
   snprintf(peer, sizeof peer, "worker%d", (rank + 1) % world);
@@ -206,17 +206,24 @@ static int worker_busy_poll(int rank, int world, const char *method, void *arg) 
 }
 
 static void test_rpc_busy_poll(void **state) {
-  const bp_case cases[] = {{0, NULL, 0}, {333, "7", 333}, {-1, "7", 7}, {-1, NULL, -1}};
+  /* explicit settings win; the automatic rule spins only when the local workers fit the CPUs
+   * and there is more than one */
+  const bp_case cases[] = {{0, NULL, "8", 0},   {333, "7", "8", 333}, {-1, "7", "1", 7},
+                           {-1, NULL, "2", 50}, {-1, NULL, "1", 0}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     int codes[3];
     int fails = td_mp_run(2, worker_busy_poll, (void *)&cases[i], 60, codes);
     if (fails) fail_msg("case %zu: %d workers failed (codes %d %d)", i, fails, codes[0], codes[1]);
   }
   /* the automatic rule counts the workers on this host: 3 need 3 CPUs */
-  bp_case three = {-1, NULL, -1};
-  int codes[3];
-  int fails = td_mp_run(3, worker_busy_poll, &three, 60, codes);
-  if (fails) fail_msg("3 workers: %d failed (codes %d %d %d)", fails, codes[0], codes[1], codes[2]);
+  const bp_case three[] = {{-1, NULL, "2", 0}, {-1, NULL, "3", 50}};
+  for (size_t i = 0; i < 2; i++) {
+    int codes[3];
+    int fails = td_mp_run(3, worker_busy_poll, (void *)&three[i], 60, codes);
+    if (fails)
+      fail_msg("3 workers, case %zu: %d failed (codes %d %d %d)", i, fails, codes[0], codes[1],
+               codes[2]);
+  }
 }
 
 /* ---- same-host direct copy: on by default between local workers, off by option or

@@ -1,0 +1,199 @@
+/* grpc_impl.h - the gRPC transport's internals, shared by its three files (and only they include
+ * gRPC headers):
+ *   grpc_transport.c  channels, the server, the poller thread and its dispatch, lifecycle
+ *   grpc_stream.c     streams (td__conn): send queue, receive into the decoder, closing
+ *   grpc_unary.c      unary calls (the rendezvous store), server and client side
+ *
+ * Design:
+ * - One completion queue (next-type) and one poller thread per transport; every tag is a small
+ *   struct embedded in the object it belongs to, whose `kind` tells the poller what completed.
+ *   Each started batch holds a reference on its object until its tag comes back.
+ * - Streams (/tdist.Rpc/Stream) are bidi calls wrapped in td__conn. Per conn: at most one
+ *   SEND_MESSAGE and one RECV_MESSAGE batch in flight (gRPC's rule). The send side is a queue of
+ *   slices (frame heads and tensor bytes referenced in place, released through slice destroy
+ *   callbacks); each send takes up to CHUNK bytes from its front, splitting big slices, so small
+ *   frames coalesce and huge tensors stream in pieces.
+ * - Unary calls (/tdist.Store/Op) answer through on_unary; the client side of a unary call uses a
+ *   private pluck queue so it can block on any thread.
+ * - Channels are cached per address with keepalive so a hung or dead peer fails the stream's
+ *   status batch (UNAVAILABLE) and so every call waiting on it.
+ *
+ * Lock order: t->mu, then c->mu (never the other way). No lock is held while calling the agent's
+ * callbacks.
+ */
+#ifndef TD_RPC_GRPC_IMPL_H
+#define TD_RPC_GRPC_IMPL_H
+
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/slice.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+#include <pthread.h>
+
+#include "../core/refcount.h"
+#include "direct.h"
+#include "transport.h"
+
+/* ThreadSanitizer does not see the synchronisation inside gRPC (an uninstrumented library):
+ * hand-offs through it are declared explicitly. Data written before a batch starts is read by the
+ * thread that takes the batch's tag from the queue (release on the tag, acquire on the event);
+ * memory given to gRPC as a slice is freed by whichever thread drops the slice (release at
+ * creation, acquire in the destroy callback). No-ops in other builds. */
+#if defined(__SANITIZE_THREAD__)
+#define TD_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define TD_TSAN 1
+#endif
+#endif
+#ifdef TD_TSAN
+void __tsan_acquire(void *addr);
+void __tsan_release(void *addr);
+#define TSAN_RELEASE(p) __tsan_release((void *)(p))
+#define TSAN_ACQUIRE(p) __tsan_acquire((void *)(p))
+#else
+#define TSAN_RELEASE(p) ((void)0)
+#define TSAN_ACQUIRE(p) ((void)0)
+#endif
+
+#define STREAM_METHOD "/tdist.Rpc/Stream"
+#define CHUNK (8u << 20) /* bytes per gRPC message on a stream */
+#define N_REQUEST_SLOTS 16
+
+enum {
+  TAG_NEW_CALL = 1,
+  TAG_CONN_START,
+  TAG_CONN_RECV,
+  TAG_CONN_SEND,
+  TAG_CONN_STATUS,
+  TAG_CONN_FINISH, /* server: our SEND_STATUS batch */
+  TAG_UNARY_RECV,
+  TAG_UNARY_DONE,
+  TAG_SERVER_SHUTDOWN,
+};
+
+typedef struct tag {
+  int kind;
+  void *obj;
+} tag;
+
+typedef struct req_slot {
+  tag t;
+  grpc_call *call;
+  grpc_call_details details;
+  grpc_metadata_array md;
+} req_slot;
+
+typedef struct unary_srv {
+  tag t_recv, t_done;
+  td__transport *tr;
+  grpc_call *call;
+  char *method;
+  grpc_byte_buffer *req;
+  grpc_byte_buffer *reply;
+  grpc_slice details;
+  int cancelled;
+} unary_srv;
+
+typedef struct chan_entry {
+  char *address;
+  grpc_channel *ch;
+} chan_entry;
+
+struct td__conn {
+  td__refcnt rc;
+  td__transport *t;
+  grpc_call *call;
+  bool client;
+  int peer;
+  pthread_mutex_t mu;
+  tag t_start, t_recv, t_send, t_status, t_finish;
+  /* send side */
+  grpc_slice *q;
+  size_t qhead, qlen, qcap;
+  bool send_inflight;
+  grpc_byte_buffer *send_bb;
+  bool finish_pending; /* server: send the status once the current send completes */
+  grpc_status_code finish_code;
+  char finish_msg[256];
+  /* receive side */
+  grpc_byte_buffer *recv_bb;
+  td__decoder *dec;
+  bool first_recv;
+  /* closing */
+  grpc_metadata_array initial_md, trailing_md;
+  grpc_status_code status;
+  grpc_slice status_details;
+  const char *error_string;
+  int cancelled;
+  bool closed;      /* no more sends */
+  bool notified;    /* on_closed ran */
+  uint64_t nsent;   /* frames accepted by td__conn_send */
+  struct td__conn *next_live;
+  /* direct-copy frames sent and not yet acknowledged: their tensors stay alive until then */
+  td__direct_acks acks;
+};
+
+/* Same-host direct copy, each part set once at init (published with release, read with
+ * acquire, freed with the transport). */
+typedef struct direct_from {
+  int n;
+  int pids[]; /* processes we may read from (verified at init) */
+} direct_from;
+
+typedef struct direct_to {
+  int world;
+  bool to[]; /* to[rank]: that peer reads our direct-copy frames */
+} direct_to;
+
+struct td__transport {
+  td__transport_opts opts;
+  char *host;
+  td__transport_cbs cbs;
+  grpc_completion_queue *cq;
+  grpc_server *server;
+  pthread_t poller;
+  bool poller_started;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  bool shutting_down, server_down, done;
+  int64_t live_tags;
+  req_slot slots[N_REQUEST_SLOTS];
+  tag t_server_shutdown;
+  td__conn *live; /* conns whose status has not come back */
+  chan_entry *chans;
+  int nchans, chancap;
+  int64_t busy_poll_ns; /* atomic; 0 = block at once */
+  direct_from *direct_from; /* atomic pointers; NULL = none */
+  direct_to *direct_to;
+  int self_pid;
+};
+
+
+/* ---- grpc_transport.c ---- */
+gpr_timespec td__grpc_deadline_ms(int64_t ms);
+void td__grpc_tags_inc(td__transport *t);
+void td__grpc_tags_dec(td__transport *t);
+/* The cached channel to address (created on first use); NULL when out of memory. */
+grpc_channel *td__grpc_channel_for(td__transport *t, const char *address);
+td_status td__grpc_map_status(grpc_status_code c);
+/* A slice over memory that destroy(p) frees, from whichever thread drops the slice last. */
+grpc_slice td__grpc_owned_slice(void *data, size_t len, void (*destroy)(void *), void *p);
+void td__grpc_free_head(void *p); /* destroy callback for td__malloc'd memory */
+
+/* ---- grpc_stream.c ---- */
+/* Accepts a stream a peer opened to our server (poller thread). */
+void td__grpc_stream_accept(td__transport *t, grpc_call *call);
+/* A stream's tag came back (poller thread). */
+void td__grpc_stream_event(tag *tg, bool success);
+/* Marks c closed and drops queued data. Caller holds c->mu. */
+void td__grpc_conn_mark_closed(td__conn *c);
+
+/* ---- grpc_unary.c ---- */
+void td__grpc_unary_accept(td__transport *t, grpc_call *call, const char *method);
+void td__grpc_unary_event(tag *tg, bool success);
+
+#endif
