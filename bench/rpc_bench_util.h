@@ -131,9 +131,10 @@ static void rb_rank1(const td_rpc_options *base, int rfd) {
   _exit(n == 1 && st == TD_OK ? 0 : 1);
 }
 
-/* rb_start forks rank 1 and joins as rank 0. Register the benchmark's functions before calling
- * it. Exits the process on failure. */
-static inline void rb_start(rb_pair *p, int threads) {
+/* rb_start_auth forks rank 1 and joins as rank 0, both authenticated with a fresh job secret
+ * (secure) or both in insecure mode. Register the benchmark's functions before calling it. Exits
+ * the process on failure. */
+static inline void rb_start_auth(rb_pair *p, int threads, bool secure) {
   int port = rb_free_port();
   if (port <= 0) {
     fprintf(stderr, "%s: no free port on 127.0.0.1\n", rb_prog);
@@ -145,6 +146,16 @@ static inline void rb_start(rb_pair *p, int threads) {
   o.init_method = p->method;
   o.num_worker_threads = threads;
   o.init_timeout_ms = 60000;
+  char secret[65];
+  if (secure) {
+    if (td_rpc_secret_generate(secret, sizeof secret) != TD_OK) {
+      fprintf(stderr, "%s: %s\n", rb_prog, td_last_error());
+      exit(1);
+    }
+    o.secret = secret;
+  } else {
+    o.insecure = 1;
+  }
   int fds[2];
   if (pipe(fds) != 0) {
     perror("pipe");
@@ -173,6 +184,9 @@ static inline void rb_start(rb_pair *p, int threads) {
     exit(1);
   }
 }
+
+/* rb_start: rb_start_auth with authentication on (the default of every tdist group). */
+static inline void rb_start(rb_pair *p, int threads) { rb_start_auth(p, threads, true); }
 
 /* rb_finish stops both workers. Returns 0 when both shut down cleanly. */
 static inline int rb_finish(rb_pair *p) {

@@ -185,6 +185,7 @@ int main(int argc, char **argv) {
   if (!getenv("RANK")) { /* standalone: start the two workers ourselves */
     char port[16];
     snprintf(port, sizeof port, "%d", free_port());
+    EX_CHECK(td_rpc_secret_ensure_env()); /* the workers we fork share a job secret */
     setenv("MASTER_ADDR", "127.0.0.1", 1);
     setenv("MASTER_PORT", port, 1);
     setenv("WORLD_SIZE", "3", 1);

@@ -5,6 +5,8 @@
  * THREAD SAFETY: every accessor may run on any thread once init returned; the worker table is
  * immutable after init.
  */
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "agent_state.h"
@@ -23,6 +25,25 @@ void td_rpc_options_init(td_rpc_options *o) {
   o->keepalive_timeout_ms = 20000;
   o->busy_poll_us = -1;
   o->direct_copy = -1;
+}
+
+td_status td_rpc_secret_generate(char *out, size_t n) {
+  TD_CHECK_ARG(out && n >= 65, "rpc_secret_generate: the buffer must hold 65 bytes");
+  uint8_t b[32];
+  TD_TRY(td__auth_random(b, sizeof b));
+  for (int i = 0; i < 32; i++) snprintf(out + 2 * i, 3, "%02x", b[i]);
+  memset(b, 0, sizeof b);
+  return TD_OK;
+}
+
+td_status td_rpc_secret_ensure_env(void) {
+  const char *s = getenv("TD_RPC_SECRET"), *f = getenv("TD_RPC_SECRET_FILE");
+  if ((s && *s) || (f && *f)) return TD_OK;
+  char secret[65];
+  TD_TRY(td_rpc_secret_generate(secret, sizeof secret));
+  int rc = setenv("TD_RPC_SECRET", secret, 1);
+  memset(secret, 0, sizeof secret);
+  return rc == 0 ? TD_OK : td_set_error(TD_ERR_NOMEM, "rpc_secret_ensure_env: setenv failed");
 }
 
 int td_rpc_rank(const td_rpc_agent *a) { return a ? a->rank : -1; }

@@ -22,6 +22,7 @@
 #include <pthread.h>
 
 #include "agent_impl.h"
+#include "auth.h"
 
 /* A call in flight: its future, the peer and the stream it went out on. */
 typedef struct pending {
@@ -72,6 +73,10 @@ struct td_rpc_agent {
   bool closing; /* no new calls */
   bool shut;    /* shutdown finished */
   int64_t busy_poll_us; /* resolved td_rpc_options.busy_poll_us */
+  /* group authentication (auth.h): the key, our session with the store, rank 0's sessions */
+  td__auth auth;
+  td__auth_client store_auth;
+  td__auth_sessions *sessions;
   /* same-host direct copy (direct.c) */
   uint64_t direct_nonce; /* peers read it from our memory to prove they can */
   bool direct_on;
@@ -112,9 +117,10 @@ extern _Thread_local bool td__rpc_inline_thread;
 
 /* ---- call.c ---- */
 /* td__call_deliver completes the pending call id with a response (value: owned reference) or an
- * error; a late or unknown id is dropped. Any thread, no agent lock held. */
-void td__call_deliver(td_rpc_agent *a, uint64_t id, int kind, td_value *value, td_status st,
-                      const char *message);
+ * error; a late or unknown id is dropped, and so is a reply that arrives on another stream (via)
+ * than the one the call went out on (via NULL: local knowledge). Any thread, no agent lock held. */
+void td__call_deliver(td_rpc_agent *a, const td__conn *via, uint64_t id, int kind,
+                      td_value *value, td_status st, const char *message);
 /* td__call_stream_closed fails every call that went out on the client stream c. */
 void td__call_stream_closed(td_rpc_agent *a, td__conn *c, td_status st, const char *why);
 /* td__call_expire fails the calls whose deadline passed (network thread, every tick). */

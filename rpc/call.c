@@ -192,10 +192,16 @@ static void finish_call(td_rpc_agent *a, pending *p, int kind, td_value *value, 
   __atomic_sub_fetch(&a->pending_out, 1, __ATOMIC_ACQ_REL);
 }
 
-void td__call_deliver(td_rpc_agent *a, uint64_t id, int kind, td_value *value, td_status st,
-                      const char *message) {
+void td__call_deliver(td_rpc_agent *a, const td__conn *via, uint64_t id, int kind,
+                      td_value *value, td_status st, const char *message) {
   pthread_mutex_lock(&a->mu);
   pending *p = ptab_take(a, id);
+  if (p && via && p->conn != via) {
+    /* a reply to a call that went out on another stream: not this peer's to answer (taking one
+     * entry out left room to put it back) */
+    ptab_put(a, p);
+    p = NULL;
+  }
   pthread_mutex_unlock(&a->mu);
   if (!p) {
     td_log(TD_LOG_DEBUG, "rpc: %s: dropping a late or unknown reply (id %llu)", a->name,
@@ -441,7 +447,7 @@ static void call_dispatch(call *c, uint64_t id, td__conn *conn) {
     char msg[600];
     snprintf(msg, sizeof msg, "rpc: cannot send '%s' to %s (rank %d): %s", c->fn, c->to, c->peer,
              td_last_error());
-    td__call_deliver(a, id, TD__MSG_ERROR, NULL, st, msg);
+    td__call_deliver(a, NULL, id, TD__MSG_ERROR, NULL, st, msg);
   }
 }
 

@@ -216,7 +216,6 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
   }
   memset(ok, '0', (size_t)a->world);
   ok[a->world] = 0;
-  int npids = 0;
   char bid[64], host[256];
   boot_id(bid, sizeof bid);
   td__addr_host(a->peers[a->rank].info.address, host, sizeof host);
@@ -235,11 +234,11 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
         strcmp(pbid, bid) == 0 && strcmp(phost, host) == 0 && probe_peer(pid, addr, nonce)) {
       a->direct_cand[r] = true;
       ok[r] = '1';
-      pids[npids++] = pid;
+      pids[r] = pid; /* only rank r, on its authenticated stream, may name it */
     }
     td__free(v);
   }
-  if (st == TD_OK) st = td__transport_allow_direct(a->tr, pids, npids);
+  if (st == TD_OK) st = td__transport_allow_direct(a->tr, pids, a->world);
   if (st == TD_OK) {
     char key[64];
     snprintf(key, sizeof key, "directok/%d", a->rank);

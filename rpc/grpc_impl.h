@@ -34,6 +34,7 @@
 #include <pthread.h>
 
 #include "../core/refcount.h"
+#include "auth.h"
 #include "direct.h"
 #include "transport.h"
 
@@ -135,19 +136,48 @@ struct td__conn {
   struct td__conn *next_live;
   /* direct-copy frames sent and not yet acknowledged: their tensors stay alive until then */
   td__direct_acks acks;
+  /* authentication (auth.h): nothing is decoded before it, nothing but the handshake is sent */
+  td__hs hs;
+  int auth;                        /* AUTH_* */
+  uint8_t hs_out[TD__HS_MAX_LEN];  /* a handshake message waiting to be sent */
+  size_t hs_out_len;
+  bool unauth_counted;             /* server: counted in t->unauth */
+  uint64_t born_ns;                /* for the handshake deadline */
+  uint64_t progress_ns;            /* last time bytes arrived (stalled frames) */
+  char peer_addr[64];              /* the remote address, for logs */
+};
+
+enum {
+  AUTH_CLIENT_HELLO_SENT, /* client: waiting for the CHALLENGE */
+  AUTH_SERVER_WAIT_HELLO, /* server: waiting for the HELLO */
+  AUTH_SERVER_WAIT_PROOF, /* server: CHALLENGE sent, waiting for the PROOF */
+  AUTH_DONE,
+  AUTH_FAILED,
 };
 
 /* Same-host direct copy, each part set once at init (published with release, read with
  * acquire, freed with the transport). */
 typedef struct direct_from {
-  int n;
-  int pids[]; /* processes we may read from (verified at init) */
+  int world;
+  int pid_of[]; /* [rank]: the process of that member we may read from (verified at init), 0 */
 } direct_from;
 
 typedef struct direct_to {
   int world;
   bool to[]; /* to[rank]: that peer reads our direct-copy frames */
 } direct_to;
+
+/* Refused connection attempts: counted, and logged at most once a minute per remote host. */
+#define TD__REFUSAL_HOSTS 32
+typedef struct td__refusals {
+  pthread_mutex_t mu;
+  uint64_t count;
+  struct {
+    char host[64];
+    uint64_t logged_ns;
+    uint64_t suppressed;
+  } hosts[TD__REFUSAL_HOSTS];
+} td__refusals;
 
 struct td__transport {
   td__transport_opts opts;
@@ -170,7 +200,15 @@ struct td__transport {
   direct_from *direct_from; /* atomic pointers; NULL = none */
   direct_to *direct_to;
   int self_pid;
+  /* authentication and bounds (auth.h, grpc_stream.c) */
+  td__auth insecure;      /* used when opts.auth is NULL */
+  int unauth;             /* server streams still in their handshake (t->mu) */
+  uint64_t next_sweep_ns; /* poller: next check of handshake deadlines and stalled frames */
+  td__refusals refusals;  /* refused attempts, logged once per address per minute */
 };
+
+/* Server streams that may be in their handshake at once; more are refused at once. */
+#define TD__MAX_UNAUTH_STREAMS 64
 
 
 /* ---- grpc_transport.c ---- */
@@ -184,7 +222,13 @@ td_status td__grpc_map_status(grpc_status_code c);
 grpc_slice td__grpc_owned_slice(void *data, size_t len, void (*destroy)(void *), void *p);
 void td__grpc_free_head(void *p); /* destroy callback for td__malloc'd memory */
 
+/* td__grpc_refused counts a refused attempt from addr and logs why, rate-limited per host. */
+void td__grpc_refused(td__transport *t, const char *addr, const char *why);
+
 /* ---- grpc_stream.c ---- */
+/* td__grpc_sweep closes server streams past their handshake deadline and streams whose current
+ * frame made no progress for the stall timeout (poller thread, about once a second). */
+void td__grpc_sweep(td__transport *t, uint64_t now);
 /* Accepts a stream a peer opened to our server (poller thread). */
 void td__grpc_stream_accept(td__transport *t, grpc_call *call);
 /* A stream's tag came back (poller thread). */

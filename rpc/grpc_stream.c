@@ -33,7 +33,6 @@ void td__conn_unref(td__conn *c) {
 }
 
 int td__conn_peer(const td__conn *c) { return __atomic_load_n(&c->peer, __ATOMIC_ACQUIRE); }
-void td__conn_set_peer(td__conn *c, int rank) { __atomic_store_n(&c->peer, rank, __ATOMIC_RELEASE); }
 bool td__conn_is_client(const td__conn *c) { return c->client; }
 bool td__conn_closed(const td__conn *c) {
   td__conn *m = (td__conn *)c;
@@ -63,13 +62,16 @@ static void on_dec_bad(void *ud, uint64_t id, td_status st, const char *why) {
 
 static bool q_push(td__conn *c, grpc_slice s);
 static void start_send(td__conn *c);
+static void unauth_done(td__conn *c);
 
+/* A direct-copy frame is honoured only from the authenticated member of this stream, naming its
+ * own process as verified at init: nobody can make us read a third process's memory. */
 static bool direct_allowed(void *ud, int pid) {
   td__conn *c = ud;
   direct_from *d = __atomic_load_n(&c->t->direct_from, __ATOMIC_ACQUIRE);
-  for (int i = 0; d && i < d->n; i++)
-    if (d->pids[i] == pid) return true;
-  return false;
+  int peer = td__conn_peer(c);
+  return d && c->auth == AUTH_DONE && peer >= 0 && peer < d->world && pid > 0 &&
+         d->pid_of[peer] == pid;
 }
 
 
@@ -100,6 +102,10 @@ static void direct_acked(void *ud, uint64_t token) {
   td__direct_release(ts, n);
 }
 
+static const td__auth *conn_auth(const td__transport *t) {
+  return t->opts.auth ? t->opts.auth : &t->insecure;
+}
+
 static td__conn *conn_new(td__transport *t, bool client, int peer) {
   td__conn *c = td__calloc(1, sizeof *c);
   if (!c) return NULL;
@@ -115,6 +121,7 @@ static td__conn *conn_new(td__transport *t, bool client, int peer) {
   c->t_finish = (tag){TAG_CONN_FINISH, c};
   c->status_details = grpc_empty_slice();
   c->first_recv = true;
+  c->born_ns = c->progress_ns = td__now_ns();
   grpc_metadata_array_init(&c->initial_md);
   grpc_metadata_array_init(&c->trailing_md);
   td__wire_ctx wctx = {t->opts.agent, peer, t->opts.self_rank};
@@ -174,24 +181,30 @@ static void start_finish(td__conn *c) {
   grpc_slice_unref(details);
 }
 
-/* Takes up to CHUNK bytes of queued slices into one message and starts sending it. Caller holds
- * c->mu and knows no send is in flight. */
+/* Starts sending the next message: a pending handshake message alone, else (once authenticated)
+ * up to CHUNK bytes of queued slices. Caller holds c->mu and knows no send is in flight. */
 static void start_send(td__conn *c) {
-  if (c->qlen == 0 || c->closed) return;
+  if (c->closed) return;
   grpc_slice parts[256];
   size_t np = 0, bytes = 0;
-  while (c->qlen && np < 256 && bytes < CHUNK) {
-    grpc_slice *s = &c->q[c->qhead];
-    size_t len = GRPC_SLICE_LENGTH(*s);
-    if (bytes + len <= CHUNK) {
-      parts[np++] = *s;
-      bytes += len;
-      c->qhead = (c->qhead + 1) % c->qcap;
-      c->qlen--;
-    } else {
-      size_t take = CHUNK - bytes;
-      parts[np++] = grpc_slice_split_head(s, take);
-      bytes += take;
+  if (c->hs_out_len) {
+    parts[np++] = grpc_slice_from_copied_buffer((const char *)c->hs_out, c->hs_out_len);
+    c->hs_out_len = 0;
+  } else {
+    if (c->auth != AUTH_DONE || c->qlen == 0) return;
+    while (c->qlen && np < 256 && bytes < CHUNK) {
+      grpc_slice *q = &c->q[c->qhead];
+      size_t len = GRPC_SLICE_LENGTH(*q);
+      if (bytes + len <= CHUNK) {
+        parts[np++] = *q;
+        bytes += len;
+        c->qhead = (c->qhead + 1) % c->qcap;
+        c->qlen--;
+      } else {
+        size_t take = CHUNK - bytes;
+        parts[np++] = grpc_slice_split_head(q, take);
+        bytes += take;
+      }
     }
   }
   c->send_bb = grpc_raw_byte_buffer_create(parts, np);
@@ -354,6 +367,7 @@ td_status td__transport_connect(td__transport *t, int peer_rank, const char *add
   if (!ch) return td_set_error(TD_ERR_NOMEM, "rpc transport: cannot create a channel to %s", address);
   td__conn *c = conn_new(t, true, peer_rank);
   if (!c) return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
+  snprintf(c->peer_addr, sizeof c->peer_addr, "%s", address);
   c->call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, t->cq,
                                      grpc_slice_from_static_string(STREAM_METHOD), NULL,
                                      gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
@@ -376,10 +390,16 @@ td_status td__transport_connect(td__transport *t, int peer_rank, const char *add
   st.data.recv_status_on_client.error_string = &c->error_string;
   ok = ok && conn_batch(c, &st, 1, &c->t_status);
   ok = ok && start_recv(c);
-  pthread_mutex_unlock(&c->mu);
-  if (!ok) {
-    td__conn_close(c, "cannot start the stream");
+  /* the HELLO goes first; frames queued meanwhile wait for the handshake */
+  td_status hs = td__hs_client_hello(&c->hs, conn_auth(t), t->opts.self_rank, peer_rank,
+                                     c->hs_out);
+  if (ok && hs == TD_OK) {
+    c->hs_out_len = TD__HS_HELLO_LEN;
+    c->auth = AUTH_CLIENT_HELLO_SENT;
+    start_send(c);
   }
+  pthread_mutex_unlock(&c->mu);
+  if (!ok || hs != TD_OK) td__conn_close(c, "cannot start the stream");
   *out = c;
   return TD_OK;
 }
@@ -397,7 +417,11 @@ static void notify_closed(td__conn *c, td_status st, const char *why) {
 
 static void handle_conn_status(td__conn *c) {
   char why[512];
-  if (c->client) {
+  unauth_done(c);
+  if (c->auth == AUTH_FAILED) {
+    /* our side refused the handshake: its reason, not gRPC's "cancelled" */
+    notify_closed(c, TD_ERR_AUTH, c->finish_msg);
+  } else if (c->client) {
     char *details = grpc_slice_to_c_string(c->status_details);
     snprintf(why, sizeof why, "%s%s%s", details, c->error_string ? " / " : "",
              c->error_string ? c->error_string : "");
@@ -410,15 +434,111 @@ static void handle_conn_status(td__conn *c) {
   live_remove(c->t, c);
 }
 
+/* Leaves the count of streams in their handshake (once). */
+static void unauth_done(td__conn *c) {
+  if (!c->unauth_counted) return;
+  c->unauth_counted = false;
+  pthread_mutex_lock(&c->t->mu);
+  c->t->unauth--;
+  pthread_mutex_unlock(&c->t->mu);
+}
+
+/* Refuses the handshake: the stream closes with why (UNAUTHENTICATED for the client). */
+static void handshake_failed(td__conn *c, const char *why) {
+  pthread_mutex_lock(&c->mu);
+  c->auth = AUTH_FAILED;
+  conn_close_locked(c, GRPC_STATUS_UNAUTHENTICATED, why);
+  snprintf(c->finish_msg, sizeof c->finish_msg, "%s", why);
+  pthread_mutex_unlock(&c->mu);
+  unauth_done(c);
+  if (!c->client) td__grpc_refused(c->t, c->peer_addr, why);
+  else td_log(TD_LOG_WARN, "rpc: stream to rank %d at %s refused: %s", td__conn_peer(c),
+              c->peer_addr, why);
+}
+
+/* One handshake message arrived (auth.h): answer it, or finish, or refuse. */
+static void handle_handshake(td__conn *c, grpc_byte_buffer *bb) {
+  uint8_t msg[TD__HS_MAX_LEN];
+  size_t n = grpc_byte_buffer_length(bb), off = 0;
+  if (n > TD__HS_MAX_LEN) {
+    char why[160];
+    snprintf(why, sizeof why, "auth: %zu bytes arrived before the handshake", n);
+    handshake_failed(c, why);
+    return;
+  }
+  grpc_byte_buffer_reader r;
+  if (grpc_byte_buffer_reader_init(&r, bb)) {
+    grpc_slice sl;
+    while (grpc_byte_buffer_reader_next(&r, &sl)) {
+      size_t l = GRPC_SLICE_LENGTH(sl);
+      if (off + l <= sizeof msg) memcpy(msg + off, GRPC_SLICE_START_PTR(sl), l);
+      off += l;
+      grpc_slice_unref(sl);
+    }
+    grpc_byte_buffer_reader_destroy(&r);
+  }
+  td_status st = TD_ERR_AUTH;
+  int rank = -1;
+  pthread_mutex_lock(&c->mu);
+  switch (c->auth) {
+    case AUTH_CLIENT_HELLO_SENT:
+      st = td__hs_client_challenge(&c->hs, msg, off, c->hs_out);
+      if (st == TD_OK) {
+        c->hs_out_len = TD__HS_PROOF_LEN;
+        c->auth = AUTH_DONE; /* the PROOF, then the frames queued meanwhile */
+        if (!c->send_inflight) start_send(c);
+      }
+      break;
+    case AUTH_SERVER_WAIT_HELLO:
+      st = td__hs_server_hello(&c->hs, conn_auth(c->t), c->t->opts.self_rank, msg, off, c->hs_out);
+      if (st == TD_OK) {
+        c->hs_out_len = TD__HS_CHALLENGE_LEN;
+        c->auth = AUTH_SERVER_WAIT_PROOF;
+        if (!c->send_inflight) start_send(c);
+      }
+      break;
+    case AUTH_SERVER_WAIT_PROOF:
+      st = td__hs_server_proof(&c->hs, msg, off, &rank);
+      if (st == TD_OK) {
+        __atomic_store_n(&c->peer, rank, __ATOMIC_RELEASE);
+        td__decoder_set_peer(c->dec, rank);
+        c->auth = AUTH_DONE;
+      }
+      break;
+    default: td_set_error(TD_ERR_AUTH, "auth: unexpected handshake message"); break;
+  }
+  bool ok = st == TD_OK && !c->closed;
+  if (ok) start_recv(c);
+  bool done = c->auth == AUTH_DONE;
+  pthread_mutex_unlock(&c->mu);
+  if (st != TD_OK) {
+    char why[300];
+    snprintf(why, sizeof why, "%s", td_last_error());
+    handshake_failed(c, why);
+  } else if (done) {
+    unauth_done(c);
+  }
+}
+
 static void handle_conn_recv(td__conn *c, bool success) {
   grpc_byte_buffer *bb = c->recv_bb;
   c->recv_bb = NULL;
   if (!success || !bb) {
-    /* end of the stream: the status tag reports why; a server answers a half-close with OK */
+    /* end of the stream: the status tag reports why; a server answers a half-close with OK, or
+     * with an error at once when it came in the middle of a frame */
     if (bb) grpc_byte_buffer_destroy(bb);
     pthread_mutex_lock(&c->mu);
-    if (!c->client && !c->closed) conn_close_locked(c, GRPC_STATUS_OK, "stream ended");
+    if (!c->client && !c->closed) {
+      if (td__decoder_idle(c->dec)) conn_close_locked(c, GRPC_STATUS_OK, "stream ended");
+      else conn_close_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "the stream ended inside a frame");
+    }
     pthread_mutex_unlock(&c->mu);
+    return;
+  }
+  c->progress_ns = td__now_ns();
+  if (c->auth != AUTH_DONE) {
+    handle_handshake(c, bb);
+    grpc_byte_buffer_destroy(bb);
     return;
   }
   grpc_byte_buffer_reader r;
@@ -452,19 +572,37 @@ static void handle_conn_send(td__conn *c, bool success) {
   c->send_bb = NULL;
   c->send_inflight = false;
   if (!success) td__grpc_conn_mark_closed(c);
-  else if (c->qlen) start_send(c);
+  else start_send(c);
   start_finish(c);
   pthread_mutex_unlock(&c->mu);
 }
 
 void td__grpc_stream_accept(td__transport *t, grpc_call *call) {
-  td__conn *c = conn_new(t, false, -1);
+  char *peer = grpc_call_get_peer(call);
+  pthread_mutex_lock(&t->mu);
+  bool room = t->unauth < TD__MAX_UNAUTH_STREAMS;
+  if (room) t->unauth++;
+  pthread_mutex_unlock(&t->mu);
+  td__conn *c = room ? conn_new(t, false, -1) : NULL;
   if (!c) {
-    grpc_call_cancel(call, NULL);
+    if (room) {
+      pthread_mutex_lock(&t->mu);
+      t->unauth--;
+      pthread_mutex_unlock(&t->mu);
+    }
+    td__grpc_refused(t, peer ? peer : "?",
+                     room ? "out of memory" : "too many streams in their handshake");
+    gpr_free(peer);
+    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED,
+                                 "too many unauthenticated streams", NULL);
     grpc_call_unref(call);
     return;
   }
+  snprintf(c->peer_addr, sizeof c->peer_addr, "%s", peer ? peer : "?");
+  gpr_free(peer);
   c->call = call;
+  c->auth = AUTH_SERVER_WAIT_HELLO;
+  c->unauth_counted = true;
   live_add(t, c);
   pthread_mutex_lock(&c->mu);
   grpc_op md;
@@ -491,4 +629,44 @@ void td__grpc_stream_event(tag *tg, bool success) {
     default: break; /* TAG_CONN_START, TAG_CONN_FINISH: nothing to do */
   }
   td__conn_unref(c);
+}
+
+/* ---- deadlines: handshakes and stalled frames ---- */
+
+void td__grpc_sweep(td__transport *t, uint64_t now) {
+  uint64_t hs_ns = (uint64_t)(t->opts.handshake_timeout_ms > 0 ? t->opts.handshake_timeout_ms
+                                                                : 20000) * 1000000ull;
+  uint64_t stall_ns = (uint64_t)(t->opts.stall_timeout_ms > 0 ? t->opts.stall_timeout_ms : 60000) *
+                      1000000ull;
+  td__conn *late[64];
+  const char *why[64];
+  int n = 0;
+  pthread_mutex_lock(&t->mu);
+  for (td__conn *c = t->live; c && n < 64; c = c->next_live) {
+    /* auth, progress_ns and the decoder belong to the poller thread, which runs this */
+    /* (clients are not timed: a server that never answers is a hung peer, which keepalive
+     * catches) */
+    if (!c->client && c->auth != AUTH_DONE && c->auth != AUTH_FAILED &&
+        now - c->born_ns > hs_ns) {
+      why[n] = "auth: the handshake did not finish in time";
+      late[n++] = td__conn_ref(c);
+    } else if (c->auth == AUTH_DONE && !td__decoder_idle(c->dec) && now - c->progress_ns > stall_ns) {
+      why[n] = "a frame made no progress for the stall timeout: dropped";
+      late[n++] = td__conn_ref(c);
+    }
+  }
+  pthread_mutex_unlock(&t->mu);
+  for (int i = 0; i < n; i++) {
+    td__conn *c = late[i];
+    if (c->auth == AUTH_DONE) {
+      td_log(TD_LOG_WARN, "rpc: closing the stream %s rank %d (%s): %s",
+             c->client ? "to" : "from", td__conn_peer(c), c->peer_addr, why[i]);
+      pthread_mutex_lock(&c->mu);
+      conn_close_locked(c, GRPC_STATUS_DEADLINE_EXCEEDED, why[i]);
+      pthread_mutex_unlock(&c->mu);
+    } else {
+      handshake_failed(c, why[i]);
+    }
+    td__conn_unref(c);
+  }
 }

@@ -31,8 +31,12 @@ void td__grpc_tags_dec(td__transport *t) {
 static grpc_channel_args *make_args(grpc_arg *buf, int *n, const td__transport_opts *o,
                                     bool server) {
   int k = 0;
-  buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, {.integer = -1}};
-  buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, {.integer = -1}};
+  /* no gRPC message of ours is longer than CHUNK (tensors stream in pieces): gRPC buffers a
+   * message whole before handing it over, so this bounds what a peer can make it hold */
+  buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+                        {.integer = (int)(CHUNK + (64u << 10))}};
+  buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
+                        {.integer = (int)(CHUNK + (64u << 10))}};
   int ka = (int)(o->keepalive_ms > 0 ? o->keepalive_ms : 2000);
   /* how long a ping may stay unanswered: longer than the interval, so a live peer that is merely
    * busy (many processes on few cores, sanitizer builds) is not declared dead */
@@ -42,7 +46,13 @@ static grpc_channel_args *make_args(grpc_arg *buf, int *n, const td__transport_o
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, {.integer = 1}};
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                           {.integer = ka / 2 > 0 ? ka / 2 : 1}};
-    buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_PING_STRIKES, {.integer = 0}};
+    /* a client pinging more often than that (without data) twice is sent away */
+    buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_PING_STRIKES, {.integer = 2}};
+    /* tdist needs one stream per peer pair plus a few concurrent store calls per connection */
+    buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONCURRENT_STREAMS, {.integer = 16}};
+    /* a TCP connection must complete its HTTP/2 handshake quickly */
+    buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                          {.integer = 10000}};
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIME_MS, {.integer = ka}};
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIMEOUT_MS, {.integer = kt}};
   } else {
@@ -119,6 +129,8 @@ td_status td__grpc_map_status(grpc_status_code c) {
     case GRPC_STATUS_INVALID_ARGUMENT: return TD_ERR_FORMAT;
     case GRPC_STATUS_NOT_FOUND:
     case GRPC_STATUS_UNIMPLEMENTED: return TD_ERR_NOT_FOUND;
+    case GRPC_STATUS_UNAUTHENTICATED:
+    case GRPC_STATUS_PERMISSION_DENIED: return TD_ERR_AUTH;
     default: return TD_ERR_UNAVAILABLE;
   }
 }
@@ -131,6 +143,55 @@ void td__grpc_free_head(void *p) {
 grpc_slice td__grpc_owned_slice(void *data, size_t len, void (*destroy)(void *), void *p) {
   TSAN_RELEASE(p);
   return grpc_slice_new_with_user_data(data, len, destroy, p);
+}
+
+/* ---- refused attempts ---- */
+
+void td__grpc_refused(td__transport *t, const char *addr, const char *why) {
+  td__refusals *r = &t->refusals;
+  char host[64];
+  /* "ipv4:1.2.3.4:port" -> "ipv4:1.2.3.4": one entry per host, not per connection */
+  snprintf(host, sizeof host, "%s", addr ? addr : "?");
+  char *colon = strrchr(host, ':');
+  if (colon && colon != strchr(host, ':')) *colon = 0;
+  uint64_t now = td__now_ns();
+  pthread_mutex_lock(&r->mu);
+  r->count++;
+  int slot = -1, oldest = 0;
+  for (int i = 0; i < TD__REFUSAL_HOSTS; i++) {
+    if (strcmp(r->hosts[i].host, host) == 0) {
+      slot = i;
+      break;
+    }
+    if (r->hosts[i].logged_ns < r->hosts[oldest].logged_ns) oldest = i;
+  }
+  bool log = false;
+  uint64_t suppressed = 0;
+  if (slot < 0) {
+    slot = oldest;
+    snprintf(r->hosts[slot].host, sizeof r->hosts[slot].host, "%s", host);
+    r->hosts[slot].logged_ns = 0;
+    r->hosts[slot].suppressed = 0;
+  }
+  if (!r->hosts[slot].logged_ns || now - r->hosts[slot].logged_ns >= 60000000000ull) {
+    log = true;
+    suppressed = r->hosts[slot].suppressed;
+    r->hosts[slot].logged_ns = now ? now : 1;
+    r->hosts[slot].suppressed = 0;
+  } else {
+    r->hosts[slot].suppressed++;
+  }
+  pthread_mutex_unlock(&r->mu);
+  if (log)
+    td_log(TD_LOG_WARN, "rpc: refused a connection from %s: %s%s", host, why,
+           suppressed ? " (and earlier refusals from there not logged)" : "");
+}
+
+uint64_t td__transport_refused(td__transport *t) {
+  pthread_mutex_lock(&t->refusals.mu);
+  uint64_t n = t->refusals.count;
+  pthread_mutex_unlock(&t->refusals.mu);
+  return n;
 }
 
 /* ---- the poller ---- */
@@ -214,6 +275,10 @@ static void *poller_main(void *arg) {
     if (now >= next_tick) {
       next_tick = now + (uint64_t)tick * 1000000ull;
       if (t->cbs.on_tick) t->cbs.on_tick(t->cbs.ud);
+      if (now >= t->next_sweep_ns) {
+        t->next_sweep_ns = now + 1000000000ull;
+        td__grpc_sweep(t, now);
+      }
     }
   }
   return NULL;
@@ -231,11 +296,11 @@ static td_status publish_once(void **slot, void *p) {
   return TD_OK;
 }
 
-td_status td__transport_allow_direct(td__transport *t, const int *pids, int npids) {
-  direct_from *d = td__malloc(sizeof *d + (size_t)(npids > 0 ? npids : 1) * sizeof(int));
+td_status td__transport_allow_direct(td__transport *t, const int *pid_of, int world) {
+  direct_from *d = td__malloc(sizeof *d + (size_t)(world > 0 ? world : 1) * sizeof(int));
   if (!d) return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
-  d->n = npids;
-  if (npids) memcpy(d->pids, pids, (size_t)npids * sizeof(int));
+  d->world = world;
+  if (world) memcpy(d->pid_of, pid_of, (size_t)world * sizeof(int));
   return publish_once((void **)&t->direct_from, d);
 }
 
@@ -264,6 +329,8 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
   t->self_pid = (int)getpid();
   pthread_mutex_init(&t->mu, NULL);
   pthread_cond_init(&t->cv, NULL);
+  pthread_mutex_init(&t->refusals.mu, NULL);
+  td__auth_init(&t->insecure, NULL, 0);
   grpc_init();
   t->cq = grpc_completion_queue_create_for_next(NULL);
   grpc_arg argbuf[16];
@@ -385,6 +452,7 @@ void td__transport_destroy(td__transport *t) {
   td__free(t->host);
   td__free(t->direct_from);
   td__free(t->direct_to);
+  pthread_mutex_destroy(&t->refusals.mu);
   pthread_mutex_destroy(&t->mu);
   pthread_cond_destroy(&t->cv);
   td__free(t);

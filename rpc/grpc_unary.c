@@ -75,7 +75,9 @@ static void handle_unary_recv(unary_srv *u, bool success) {
                        : td_set_error(TD_ERR_NOMEM, "out of memory");
     td__free(buf);
     if (st != TD_OK) {
-      code = st == TD_ERR_NOT_FOUND ? GRPC_STATUS_UNIMPLEMENTED : GRPC_STATUS_INVALID_ARGUMENT;
+      code = st == TD_ERR_NOT_FOUND ? GRPC_STATUS_UNIMPLEMENTED
+             : st == TD_ERR_AUTH    ? GRPC_STATUS_UNAUTHENTICATED
+                                    : GRPC_STATUS_INVALID_ARGUMENT;
       snprintf(msg, sizeof msg, "%s", td_last_error());
     }
   }

@@ -218,6 +218,9 @@ void td__agent_free(td_rpc_agent *a) {
   td__free(a->direct_cand);
   td__call_free_all(a);
   td__store_destroy(a->store);
+  td__auth_sessions_destroy(a->sessions);
+  td__auth_client_fini(&a->store_auth);
+  memset(&a->auth, 0, sizeof a->auth);
   td__free(a->listen_addr);
   td__free(a->init_method);
   pthread_mutex_destroy(&a->mu);
@@ -297,6 +300,50 @@ static td_status init_options(const char **name, char *defname, size_t dn, int r
   return TD_OK;
 }
 
+/* The job secret: the option, TD_RPC_SECRET, TD_RPC_SECRET_FILE, a random one for a world of
+ * one; else insecure mode when explicitly allowed; else an error saying how to give one. */
+static td_status init_auth(td_rpc_agent *a, const td_rpc_options *o) {
+  const char *env = getenv("TD_RPC_SECRET"), *file = getenv("TD_RPC_SECRET_FILE");
+  const char *ins = getenv("TD_RPC_INSECURE");
+  char *owned = NULL;
+  const char *secret = o->secret;
+  if (!secret && env && *env) secret = env;
+  if (!secret && file && *file) {
+    TD_TRY(td__auth_secret_from_file(file, &owned));
+    secret = owned;
+  }
+  char random[65];
+  if (!secret && a->world == 1) { /* nobody else needs to know it */
+    uint8_t b[32];
+    TD_TRY(td__auth_random(b, sizeof b));
+    for (int i = 0; i < 32; i++) snprintf(random + 2 * i, 3, "%02x", b[i]);
+    secret = random;
+  }
+  td_status st = TD_OK;
+  if (secret) {
+    st = td__auth_init(&a->auth, secret, strlen(secret));
+  } else if (o->insecure || (ins && strcmp(ins, "1") == 0)) {
+    td__auth_init(&a->auth, NULL, 0);
+    td_log(TD_LOG_WARN, "rpc: %s runs WITHOUT authentication (TD_RPC_INSECURE): anyone who can "
+           "reach its port can join the group, call its functions and read the store", a->name);
+  } else {
+    st = td_set_error(TD_ERR_AUTH, "rpc_init: no job secret: start the workers with tdistrun "
+                      "(it gives them one), or give every worker the same secret in TD_RPC_SECRET "
+                      "or TD_RPC_SECRET_FILE (a file only you can read), or set TD_RPC_INSECURE=1 "
+                      "to run without authentication");
+  }
+  if (owned) {
+    memset(owned, 0, strlen(owned));
+    td__free(owned);
+  }
+  memset(random, 0, sizeof random);
+  if (st != TD_OK) return st;
+  td__auth_client_init(&a->store_auth, &a->auth);
+  a->sc.auth = &a->store_auth;
+  if (a->rank == 0) TD_TRY(td__auth_sessions_create(&a->auth, &a->sessions));
+  return TD_OK;
+}
+
 /* Phase 2: the agent object, rank 0's store (seeded before anybody can reach it), the pool. */
 static td_status init_agent(const char *name, int rank, int world_size, td_rpc_options *o,
                             td_rpc_agent **out) {
@@ -317,6 +364,7 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
   a->peers = td__calloc((size_t)world_size, sizeof *a->peers);
   if (!a->listen_addr || !a->init_method || !a->peers)
     return td_set_error(TD_ERR_NOMEM, "rpc_init: out of memory");
+  TD_TRY(init_auth(a, o));
   if (rank == 0) {
     TD_TRY(td__store_create(&a->store));
     char ws[32];
@@ -340,7 +388,10 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
                            .max_message = o->max_message_bytes,
                            .self_rank = a->rank,
                            .agent = a,
-                           .tick_ms = 10};
+                           .tick_ms = 10,
+                           .auth = &a->auth,
+                           .handshake_timeout_ms = 20000,
+                           .stall_timeout_ms = 3 * o->keepalive_timeout_ms};
   td__transport_cbs cbs = {a, td__serve_msg, td__serve_bad, td__serve_closed, td__serve_unary,
                            td__serve_tick};
   int port = 0;

@@ -47,7 +47,7 @@ static void reply(request *r, int kind, td_value *value, td_status st, const cha
   td_rpc_agent *a = r->a;
   bool sent = true;
   if (!r->conn) {
-    td__call_deliver(a, r->msg.id, kind, value, st, message);
+    td__call_deliver(a, NULL, r->msg.id, kind, value, st, message);
   } else {
     td__msg m = {0};
     m.id = r->msg.id;
@@ -160,7 +160,7 @@ void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *con
     td__free(r);
     td__free(fncopy);
     td__free(vals);
-    td__call_deliver(a, id, TD__MSG_ERROR, NULL, TD_ERR_NOMEM, "rpc: out of memory");
+    td__call_deliver(a, NULL, id, TD__MSG_ERROR, NULL, TD_ERR_NOMEM, "rpc: out of memory");
     return;
   }
   for (int i = 0; i < nargs; i++) vals[i] = td_value_ref(args[i]);
@@ -185,9 +185,18 @@ static bool run_inline(const td__reg *reg, const td__msg *m) {
 
 void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
   td_rpc_agent *a = ud;
-  if (m->kind == TD__MSG_REQUEST) {
-    if (td__conn_peer(c) < 0 && m->from_rank >= 0 && m->from_rank < a->world)
-      td__conn_set_peer(c, m->from_rank);
+  /* the sender is the rank the stream's handshake proved, whatever the frame claims; requests
+   * come only on streams peers opened to us, replies only on streams we opened */
+  int from = td__conn_peer(c);
+  bool is_request = m->kind == TD__MSG_REQUEST;
+  if (from < 0 || from >= a->world || is_request == td__conn_is_client(c)) {
+    td_log(TD_LOG_WARN, "rpc: %s: dropping a %s from rank %d on a %s stream", a->name,
+           is_request ? "request" : "reply", from, td__conn_is_client(c) ? "client" : "server");
+    td__msg_clear(m);
+    return;
+  }
+  m->from_rank = from;
+  if (is_request) {
     request *r = td__calloc(1, sizeof *r);
     if (!r) {
       td__msg_clear(m);
@@ -197,9 +206,7 @@ void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
     r->conn = td__conn_ref(c);
     r->msg = *m;
     memset(m, 0, sizeof *m);
-    int from = r->msg.from_rank;
-    snprintf(r->caller, sizeof r->caller, "%s",
-             (from >= 0 && from < a->world) ? td__agent_peer_name(a, from) : "unknown");
+    snprintf(r->caller, sizeof r->caller, "%s", td__agent_peer_name(a, from));
     __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
     td__reg reg;
     if (td__reg_find(r->msg.fn, &reg) && run_inline(&reg, &r->msg)) {
@@ -218,7 +225,7 @@ void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
     char why[800];
     snprintf(why, sizeof why, "rpc: reply from %s (rank %d) rejected: %s",
              td__agent_peer_name(a, td__conn_peer(c)), td__conn_peer(c), td_last_error());
-    td__call_deliver(a, m->id, TD__MSG_ERROR, NULL, TD_ERR_FORMAT, why);
+    td__call_deliver(a, c, m->id, TD__MSG_ERROR, NULL, TD_ERR_FORMAT, why);
     td__msg_clear(m);
     return;
   }
@@ -226,7 +233,7 @@ void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
     v = m->values[0];
     m->values[0] = NULL;
   }
-  td__call_deliver(a, m->id, m->kind, v, m->status ? m->status : TD_ERR_REMOTE, m->message);
+  td__call_deliver(a, c, m->id, m->kind, v, m->status ? m->status : TD_ERR_REMOTE, m->message);
   td__msg_clear(m);
 }
 
@@ -238,7 +245,7 @@ void td__serve_bad(void *ud, td__conn *c, uint64_t id, td_status st, const char 
     snprintf(msg, sizeof msg, "rpc: %s reply from %s (rank %d): %s",
              st == TD_ERR_DEVICE ? "cannot accept the" : "malformed",
              td__agent_peer_name(a, td__conn_peer(c)), td__conn_peer(c), why);
-    td__call_deliver(a, id, TD__MSG_ERROR, NULL, st, msg);
+    td__call_deliver(a, c, id, TD__MSG_ERROR, NULL, st, msg);
     return;
   }
   td_log(TD_LOG_WARN, "rpc: %s: rejected a request (id %llu): %s", a->name,
@@ -265,10 +272,17 @@ void td__serve_closed(void *ud, td__conn *c, td_status st, const char *why) {
 
 void td__serve_tick(void *ud) { td__call_expire(ud); }
 
+/* A store operation whose sender the auth layer verified. */
+static td_status store_body(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
+                            size_t *reply_len) {
+  return td__store_handle(ctx, req, len, reply, reply_len);
+}
+
 td_status td__serve_unary(void *ud, const char *method, const uint8_t *req, size_t len,
                           uint8_t **reply_buf, size_t *reply_len) {
   td_rpc_agent *a = ud;
   if (strcmp(method, TD__STORE_METHOD) == 0 && a->store)
-    return td__store_handle(a->store, req, len, reply_buf, reply_len);
+    return td__auth_store_serve(a->sessions, req, len, store_body, a->store, reply_buf,
+                                reply_len);
   return td_set_error(TD_ERR_NOT_FOUND, "no method %s on %s", method, a->name);
 }

@@ -136,6 +136,8 @@ void td__decoder_set_direct(td__decoder *d, const td__direct_hooks *h);
 /* td__decoder_feed consumes n bytes. Returns TD_ERR_FORMAT (with td_last_error) when the stream
  * is corrupt and must be closed; frames before the corruption were delivered. */
 td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n);
+/* td__decoder_set_peer sets the rank of the other end (once the stream's handshake proved it). */
+void td__decoder_set_peer(td__decoder *d, int rank);
 /* td__decoder_idle returns true between frames. */
 bool td__decoder_idle(const td__decoder *d);
 void td__decoder_destroy(td__decoder *d);

@@ -100,6 +100,8 @@ void td__decoder_destroy(td__decoder *d) {
   td__free(d);
 }
 
+void td__decoder_set_peer(td__decoder *d, int rank) { d->ctx.peer_rank = rank; }
+
 bool td__decoder_idle(const td__decoder *d) { return d->state == ST_PREFIX && d->have == 0; }
 
 static td_status check_tensor_node(const Tdist__Node *n, size_t *nbytes) {

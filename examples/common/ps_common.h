@@ -149,6 +149,8 @@ static inline void psx_spawn_if_alone(int nproc) {
     return;
   }
   if (nproc < 2 || nproc > 64) ex_die("--nproc must be in 2..64 (got %d)", nproc);
+  /* the workers we fork share a job secret (inherited through the environment) */
+  EX_CHECK(td_rpc_secret_ensure_env());
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in sa;
   memset(&sa, 0, sizeof sa);

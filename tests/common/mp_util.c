@@ -1,6 +1,8 @@
 /* mp_util.c - forked multi-process test runner. */
 #include "mp_util.h"
 
+#include "tdist/rpc.h"
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -37,6 +39,7 @@ int td_mp_run(int world, td_mp_fn fn, void *arg, double timeout_s, int *codes) {
   const char *sc = getenv("TD_TEST_TIMEOUT_SCALE");
   double scale = sc ? atof(sc) : 1.0;
   if (scale <= 0) scale = 1.0;
+  td_rpc_secret_ensure_env(); /* every group a test starts authenticates (one secret per run) */
   int port = td_mp_free_port();
   char method[64];
   snprintf(method, sizeof method, "tcp://127.0.0.1:%d", port);
