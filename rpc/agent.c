@@ -25,6 +25,7 @@ void td_rpc_options_init(td_rpc_options *o) {
   o->keepalive_timeout_ms = 20000;
   o->busy_poll_us = -1;
   o->direct_copy = -1;
+  o->max_message_bytes = TD_RPC_DEFAULT_MAX_MESSAGE;
 }
 
 td_status td_rpc_secret_generate(char *out, size_t n) {

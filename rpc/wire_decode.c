@@ -35,8 +35,11 @@ struct td__decoder {
   uint64_t skip_left;
   /* payload routing */
   Tdist__Envelope *env;
-  td_tensor **tensors;
+  td_tensor **tensors;  /* allocated as their bytes begin to arrive (never from a header alone) */
+  const Tdist__Node **tnode; /* each tensor's node in env (shape, dtype) */
+  size_t *tbytes;            /* each tensor's size */
   int ntensors, cur;
+  uint64_t payload_got; /* payload bytes consumed of the current frame */
   uint64_t cur_off; /* bytes written into tensors[cur] */
   /* direct-copy frames */
   td__direct_hooks hooks;
@@ -78,8 +81,13 @@ static void reset_frame(td__decoder *d) {
   d->env = NULL;
   for (int i = 0; i < d->ntensors; i++) td_tensor_unref(d->tensors[i]);
   td__free(d->tensors);
+  td__free(d->tnode);
+  td__free(d->tbytes);
   d->tensors = NULL;
+  d->tnode = NULL;
+  d->tbytes = NULL;
   d->ntensors = d->cur = 0;
+  d->payload_got = 0;
   d->cur_off = 0;
   d->have = 0;
   d->state = ST_PREFIX;
@@ -132,7 +140,9 @@ static const char *parse_header(td__decoder *d) {
     if (e->nodes[i]->kind == TD_VALUE_TENSOR) nt++;
   }
   d->tensors = td__calloc((size_t)(nt ? nt : 1), sizeof *d->tensors);
-  if (!d->tensors) return "out of memory";
+  d->tnode = td__calloc((size_t)(nt ? nt : 1), sizeof *d->tnode);
+  d->tbytes = td__calloc((size_t)(nt ? nt : 1), sizeof *d->tbytes);
+  if (!d->tensors || !d->tnode || !d->tbytes) return "out of memory";
   for (size_t i = 0; i < e->n_nodes; i++) {
     const Tdist__Node *n = e->nodes[i];
     if (n->kind != TD_VALUE_TENSOR) {
@@ -155,11 +165,8 @@ static const char *parse_header(td__decoder *d) {
       return "tensor sizes exceed the frame's payload";
     }
     total += nb;
-    td_tensor *t;
-    if (td_tensor_empty(n->shape, (int)n->n_shape, (td_dtype)n->dtype, td_device_cpu(), &t) !=
-        TD_OK)
-      return "cannot allocate a received tensor";
-    d->tensors[d->ntensors++] = t;
+    d->tnode[d->ntensors] = n;
+    d->tbytes[d->ntensors++] = nb;
   }
   if (d->direct) {
     if (d->payload_len != td__direct_desc_size(d->ntensors))
@@ -172,6 +179,19 @@ static const char *parse_header(td__decoder *d) {
 
 /* The descriptor of a direct-copy frame is complete: copy the tensors out of the sender (unless
  * the frame is refused), acknowledge the token either way, then deliver or report the frame. */
+/* Allocates tensor i (a no-op once done). Memory is taken only when the tensor's bytes begin to
+ * arrive, so a header that merely declares large tensors costs nothing. */
+static td_status alloc_tensor(td__decoder *d, int i) {
+  if (d->tensors[i]) return TD_OK;
+  const Tdist__Node *n = d->tnode[i];
+  td_status st = td_tensor_empty(n->shape, (int)n->n_shape, (td_dtype)n->dtype, td_device_cpu(),
+                                 &d->tensors[i]);
+  if (st != TD_OK)
+    return td_set_error(TD_ERR_NOMEM, "cannot allocate a received tensor of %zu bytes",
+                        d->tbytes[i]);
+  return TD_OK;
+}
+
 static void finish_direct(td__decoder *d) {
   uint64_t token = td__direct_desc_token(d->desc);
   int pid = td__direct_desc_pid(d->desc);
@@ -179,6 +199,12 @@ static void finish_direct(td__decoder *d) {
     if (!d->has_hooks || !d->hooks.allowed || !d->hooks.allowed(d->ud, pid)) {
       snprintf(d->reject, sizeof d->reject, "direct copy from process %d is not allowed", pid);
       d->reject_st = TD_ERR_FORMAT;
+    }
+  }
+  for (int i = 0; d->reject_st == TD_OK && i < d->ntensors; i++) {
+    if (alloc_tensor(d, i) != TD_OK) {
+      snprintf(d->reject, sizeof d->reject, "%s", td_last_error());
+      d->reject_st = TD_ERR_NOMEM;
     }
   }
   if (d->reject_st == TD_OK) {
@@ -400,9 +426,16 @@ static void deliver(td__decoder *d) {
   d->on_msg(d->ud, &m);
 }
 
-/* Advances past tensors that are already complete (including empty ones). */
+/* Advances past tensors that are already complete (allocating empty ones). Out of memory: the
+ * rest of the frame is skipped and reported. */
 static void settle_payload(td__decoder *d) {
-  while (d->cur < d->ntensors && d->cur_off == td_tensor_nbytes(d->tensors[d->cur])) {
+  while (d->cur < d->ntensors && d->cur_off == d->tbytes[d->cur]) {
+    if (alloc_tensor(d, d->cur) != TD_OK) {
+      char why[200];
+      snprintf(why, sizeof why, "%s", td_last_error());
+      skip_frame(d, d->payload_len - d->payload_got, TD_ERR_NOMEM, why);
+      return;
+    }
     d->cur++;
     d->cur_off = 0;
   }
@@ -503,11 +536,18 @@ static void feed_payload(td__decoder *d, const uint8_t **p, size_t *n) {
     deliver(d);
     return;
   }
+  if (alloc_tensor(d, d->cur) != TD_OK) {
+    char why[200];
+    snprintf(why, sizeof why, "%s", td_last_error());
+    skip_frame(d, d->payload_len - d->payload_got, TD_ERR_NOMEM, why);
+    return;
+  }
   td_tensor *t = d->tensors[d->cur];
-  size_t need = td_tensor_nbytes(t) - (size_t)d->cur_off;
+  size_t need = d->tbytes[d->cur] - (size_t)d->cur_off;
   size_t take = need < *n ? need : *n;
   memcpy((uint8_t *)td_tensor_data(t) + d->cur_off, *p, take);
   d->cur_off += take;
+  d->payload_got += take;
   *p += take;
   *n -= take;
   settle_payload(d);

@@ -229,6 +229,9 @@ typedef struct td_rpc_device_map_entry {
   const char *to;     /* a device of `worker` */
 } td_rpc_device_map_entry;
 
+/* The default of td_rpc_options.max_message_bytes: a 2 GiB tensor fits. */
+#define TD_RPC_DEFAULT_MAX_MESSAGE ((2ull << 30) + (64ull << 20))
+
 typedef struct td_rpc_options {
   /* "tcp://host:port" of rank 0's store, or NULL to use MASTER_ADDR/MASTER_PORT. */
   const char *init_method;
@@ -250,7 +253,9 @@ typedef struct td_rpc_options {
    * waiting on it fails, ms. Default 20000 (generous: an overloaded but live peer must not be
    * declared dead); lower it for faster detection of hung hosts. */
   int64_t keepalive_timeout_ms;
-  /* Largest request or reply accepted, in bytes (envelope + tensors); 0 = unlimited. Default 0. */
+  /* Largest request or reply accepted, in bytes (envelope + tensors); 0 = unlimited. Default
+   * TD_RPC_DEFAULT_MAX_MESSAGE (2 GiB of tensors plus 64 MiB of envelope). A larger one is
+   * answered with an error and skipped; the stream stays usable. */
   uint64_t max_message_bytes;
   /* Busy-poll window of the network thread, in microseconds: after each message it keeps polling
    * this long before it sleeps, so a reply that follows closely is taken by a running thread
