@@ -26,6 +26,7 @@ void td_rpc_options_init(td_rpc_options *o) {
   o->busy_poll_us = -1;
   o->direct_copy = -1;
   o->max_message_bytes = TD_RPC_DEFAULT_MAX_MESSAGE;
+  o->memory_quota_bytes = 1ull << 30;
 }
 
 td_status td_rpc_secret_generate(char *out, size_t n) {
@@ -45,6 +46,35 @@ td_status td_rpc_secret_ensure_env(void) {
   int rc = setenv("TD_RPC_SECRET", secret, 1);
   memset(secret, 0, sizeof secret);
   return rc == 0 ? TD_OK : td_set_error(TD_ERR_NOMEM, "rpc_secret_ensure_env: setenv failed");
+}
+
+td_status td_rpc_get_stats(td_rpc_agent *a, td_rpc_stats *out) {
+  TD_CHECK_ARG(a && out, "rpc_get_stats: NULL argument");
+  memset(out, 0, sizeof *out);
+  td__transport_traffic(a->tr, -1, &out->traffic);
+#define LOAD(f) __atomic_load_n(&a->cnt.f, __ATOMIC_RELAXED)
+  out->calls_started = LOAD(calls_started);
+  out->calls_succeeded = LOAD(calls_succeeded);
+  out->calls_failed = LOAD(calls_failed);
+  out->calls_timed_out = LOAD(calls_timed_out);
+  out->requests_received = LOAD(requests_received);
+  out->requests_failed = LOAD(requests_failed);
+  out->requests_rejected = LOAD(requests_rejected);
+#undef LOAD
+  out->refused_connections = td__transport_refused(a->tr);
+  out->calls_pending = __atomic_load_n(&a->pending_out, __ATOMIC_ACQUIRE);
+  out->requests_active = __atomic_load_n(&a->active_in, __ATOMIC_ACQUIRE);
+  out->pool_pending = (int64_t)td__threadpool_pending(a->pool);
+  return TD_OK;
+}
+
+td_status td_rpc_get_peer_traffic(td_rpc_agent *a, int rank, td_rpc_traffic *out) {
+  TD_CHECK_ARG(a && out, "rpc_get_peer_traffic: NULL argument");
+  if (rank < 0 || rank >= a->world)
+    return td_set_error(TD_ERR_NOT_FOUND, "rpc: no worker with rank %d (world size %d)", rank,
+                        a->world);
+  td__transport_traffic(a->tr, rank, out);
+  return TD_OK;
 }
 
 int td_rpc_rank(const td_rpc_agent *a) { return a ? a->rank : -1; }

@@ -32,6 +32,7 @@ typedef struct pending {
   td__conn *conn; /* NULL for calls to self */
   char fn[64];
   int64_t timeout_ms;
+  bool expired; /* ended by its deadline (counted as timed out, not failed) */
 } pending;
 
 typedef struct dl_entry {
@@ -70,6 +71,11 @@ struct td_rpc_agent {
   /* shutdown accounting (atomics): calls out, requests being served, frames sent and served */
   int64_t pending_out, active_in;
   int64_t sent_total, served_total;
+  /* counters (atomics; td_rpc_get_stats) */
+  struct {
+    uint64_t calls_started, calls_succeeded, calls_failed, calls_timed_out;
+    uint64_t requests_received, requests_failed, requests_rejected;
+  } cnt;
   bool closing; /* no new calls */
   bool shut;    /* shutdown finished */
   int64_t busy_poll_us; /* resolved td_rpc_options.busy_poll_us */
@@ -91,6 +97,9 @@ typedef struct request {
   td__msg msg;
   char caller[128];
 } request;
+
+/* Adds one to an agent counter. */
+#define TD__COUNT(a, field) __atomic_add_fetch(&(a)->cnt.field, 1, __ATOMIC_RELAXED)
 
 /* ---- agent.c ---- */
 /* The name of rank (or "?"). Borrowed; valid until td_rpc_destroy. */

@@ -172,6 +172,9 @@ static void complete_task(void *arg) { complete_now(arg); }
 
 static void finish_call(td_rpc_agent *a, pending *p, int kind, td_value *value, td_status st,
                         const char *message) {
+  if (kind == TD__MSG_RESPONSE) TD__COUNT(a, calls_succeeded);
+  else if (p->expired) TD__COUNT(a, calls_timed_out);
+  else TD__COUNT(a, calls_failed);
   completion *c = td__calloc(1, sizeof *c);
   if (!c) {
     td_value_unref(value);
@@ -225,7 +228,10 @@ void td__call_expire(td_rpc_agent *a) {
     a->heap[0] = a->heap[--a->hlen];
     heap_down(a->heap, a->hlen, 0);
     pending *p = ptab_take(a, id);
-    if (p) expired[n++] = p;
+    if (p) {
+      p->expired = true;
+      expired[n++] = p;
+    }
   }
   heap_compact(a);
   pthread_mutex_unlock(&a->mu);
@@ -413,6 +419,7 @@ static bool call_register(call *c) {
   c->p = NULL;
   __atomic_add_fetch(&a->pending_out, 1, __ATOMIC_ACQ_REL);
   __atomic_add_fetch(&a->sent_total, 1, __ATOMIC_ACQ_REL);
+  TD__COUNT(a, calls_started);
   pthread_mutex_lock(&a->mu);
   bool in_tab = ptab_put(a, p);
   bool ok = in_tab;

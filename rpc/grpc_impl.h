@@ -205,6 +205,8 @@ struct td__transport {
   int unauth;             /* server streams still in their handshake (t->mu) */
   uint64_t next_sweep_ns; /* poller: next check of handshake deadlines and stalled frames */
   td__refusals refusals;  /* refused attempts, logged once per address per minute */
+  td_rpc_traffic *traffic; /* [opts.world], updated with atomics */
+  grpc_resource_quota *quota; /* bounds what gRPC buffers for all connections */
 };
 
 /* Server streams that may be in their handshake at once; more are refused at once. */

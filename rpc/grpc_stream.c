@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "grpc_impl.h"
+#include "tdist/rpc.h"
 
 td__conn *td__conn_ref(td__conn *c) {
   if (c) td__ref_inc(&c->rc);
@@ -50,8 +51,24 @@ uint64_t td__conn_frames_sent(const td__conn *c) {
   return v;
 }
 
+/* The traffic counters of the conn's peer (NULL before its rank is known). */
+static td_rpc_traffic *traffic_of(td__conn *c) {
+  int peer = td__conn_peer(c);
+  return peer >= 0 && peer < c->t->opts.world ? &c->t->traffic[peer] : NULL;
+}
+
+static void count(uint64_t *field, uint64_t n) { __atomic_add_fetch(field, n, __ATOMIC_RELAXED); }
+
 static void on_dec_msg(void *ud, td__msg *m) {
   td__conn *c = ud;
+  td_rpc_traffic *tr = traffic_of(c);
+  if (tr) {
+    uint64_t bytes;
+    bool direct;
+    td__decoder_last_frame(c->dec, &bytes, &direct);
+    count(direct ? &tr->direct_frames_received : &tr->frames_received, 1);
+    count(direct ? &tr->direct_bytes_received : &tr->bytes_received, bytes);
+  }
   c->t->cbs.on_msg(c->t->cbs.ud, c, m);
 }
 
@@ -269,6 +286,11 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
     bool ok = td__direct_acks_reserve(&c->acks) && q_reserve(c, 2) &&
               td__direct_encode(f, token, c->t->self_pid, &desc, &dl) == TD_OK;
     if (ok) {
+      td_rpc_traffic *tr = traffic_of(c);
+      if (tr) {
+        count(&tr->direct_frames_sent, 1);
+        count(&tr->direct_bytes_sent, f->payload_len);
+      }
       q_push(c, td__grpc_owned_slice(f->head, f->head_len, td__grpc_free_head, f->head));
       f->head = NULL;
       q_push(c, td__grpc_owned_slice(desc, dl, td__grpc_free_head, desc));
@@ -289,6 +311,11 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
     td__frame_clear(f);
     pthread_mutex_unlock(&c->mu);
     return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory queueing a frame");
+  }
+  td_rpc_traffic *tr = traffic_of(c);
+  if (tr) {
+    count(&tr->frames_sent, 1);
+    count(&tr->bytes_sent, f->head_len + f->payload_len);
   }
   /* the slices take over the head buffer and the tensor references */
   q_push(c, td__grpc_owned_slice(f->head, f->head_len, td__grpc_free_head, f->head));

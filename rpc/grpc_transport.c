@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "grpc_impl.h"
+#include "tdist/rpc.h"
 
 /* ---- helpers ---- */
 
@@ -28,9 +29,18 @@ void td__grpc_tags_dec(td__transport *t) {
   }
 }
 
-static grpc_channel_args *make_args(grpc_arg *buf, int *n, const td__transport_opts *o,
+static grpc_channel_args *make_args(grpc_arg *buf, int *n, const td__transport *t,
                                     bool server) {
+  const td__transport_opts *o = &t->opts;
   int k = 0;
+  /* everything gRPC buffers for this process's connections, both directions, counts against one
+   * quota: beyond it gRPC resets streams instead of growing (an unauthenticated peer announcing
+   * a huge message would otherwise make it buffer whatever it sends) */
+  buf[k].type = GRPC_ARG_POINTER;
+  buf[k].key = (char *)GRPC_ARG_RESOURCE_QUOTA;
+  buf[k].value.pointer.p = t->quota;
+  buf[k].value.pointer.vtable = grpc_resource_quota_arg_vtable();
+  k++;
   /* no gRPC message of ours is longer than CHUNK (tensors stream in pieces): gRPC buffers a
    * message whole before handing it over, so this bounds what a peer can make it hold */
   buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
@@ -105,7 +115,7 @@ grpc_channel *td__grpc_channel_for(td__transport *t, const char *address) {
   }
   grpc_arg argbuf[16];
   int na;
-  grpc_channel_args *args = make_args(argbuf, &na, &t->opts, false);
+  grpc_channel_args *args = make_args(argbuf, &na, t, false);
   grpc_channel_credentials *creds = grpc_insecure_credentials_create();
   grpc_channel *ch = grpc_channel_create(address, creds, args);
   grpc_channel_credentials_release(creds);
@@ -185,6 +195,17 @@ void td__grpc_refused(td__transport *t, const char *addr, const char *why) {
   if (log)
     td_log(TD_LOG_WARN, "rpc: refused a connection from %s: %s%s", host, why,
            suppressed ? " (and earlier refusals from there not logged)" : "");
+}
+
+void td__transport_traffic(td__transport *t, int rank, td_rpc_traffic *out) {
+  memset(out, 0, sizeof *out);
+  for (int r = 0; t->traffic && r < t->opts.world; r++) {
+    if (rank >= 0 && r != rank) continue;
+    const uint64_t *src = (const uint64_t *)&t->traffic[r];
+    uint64_t *dst = (uint64_t *)out;
+    for (size_t k = 0; k < sizeof *out / sizeof(uint64_t); k++)
+      dst[k] += __atomic_load_n(&src[k], __ATOMIC_RELAXED);
+  }
 }
 
 uint64_t td__transport_refused(td__transport *t) {
@@ -331,11 +352,19 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
   pthread_cond_init(&t->cv, NULL);
   pthread_mutex_init(&t->refusals.mu, NULL);
   td__auth_init(&t->insecure, NULL, 0);
+  t->traffic = td__calloc((size_t)(o->world > 0 ? o->world : 1), sizeof *t->traffic);
+  if (!t->traffic) {
+    td__free(t->host);
+    td__free(t);
+    return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
+  }
   grpc_init();
   t->cq = grpc_completion_queue_create_for_next(NULL);
   grpc_arg argbuf[16];
   int na;
-  grpc_channel_args *args = make_args(argbuf, &na, o, true);
+  t->quota = grpc_resource_quota_create("tdist");
+  grpc_resource_quota_resize(t->quota, (size_t)(o->memory_quota ? o->memory_quota : (1ull << 30)));
+  grpc_channel_args *args = make_args(argbuf, &na, t, true);
   t->server = grpc_server_create(args, NULL);
   grpc_server_register_completion_queue(t->server, t->cq, NULL);
   char addr[300];
@@ -351,8 +380,11 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
            GRPC_QUEUE_SHUTDOWN) {
     }
     grpc_completion_queue_destroy(t->cq);
+    grpc_resource_quota_unref(t->quota);
     grpc_shutdown();
     td__free(t->host);
+    td__free(t->traffic);
+    pthread_mutex_destroy(&t->refusals.mu);
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->cv);
     td__free(t);
@@ -448,6 +480,7 @@ void td__transport_destroy(td__transport *t) {
   }
   td__free(t->chans);
   grpc_completion_queue_destroy(t->cq);
+  grpc_resource_quota_unref(t->quota);
   grpc_shutdown();
   td__free(t->host);
   td__free(t->direct_from);
@@ -455,5 +488,6 @@ void td__transport_destroy(td__transport *t) {
   pthread_mutex_destroy(&t->refusals.mu);
   pthread_mutex_destroy(&t->mu);
   pthread_cond_destroy(&t->cv);
+  td__free(t->traffic);
   td__free(t);
 }

@@ -74,6 +74,11 @@ static void handle_unary_recv(unary_srv *u, bool success) {
                                           : td_set_error(TD_ERR_NOT_FOUND, "no unary methods"))
                        : td_set_error(TD_ERR_NOMEM, "out of memory");
     td__free(buf);
+    if (st == TD_ERR_AUTH) {
+      char *peer = grpc_call_get_peer(u->call);
+      td__grpc_refused(t, peer ? peer : "?", td_last_error());
+      gpr_free(peer);
+    }
     if (st != TD_OK) {
       code = st == TD_ERR_NOT_FOUND ? GRPC_STATUS_UNIMPLEMENTED
              : st == TD_ERR_AUTH    ? GRPC_STATUS_UNAUTHENTICATED

@@ -378,6 +378,19 @@ static void format_addr(char *out, size_t n, const char *host, int port) {
   snprintf(out, n, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
 }
 
+/* A positive number of milliseconds from the environment, else dflt. */
+static int64_t env_ms(const char *name, int64_t dflt) {
+  const char *v = getenv(name);
+  if (!v || !*v) return dflt;
+  char *end;
+  long long ms = strtoll(v, &end, 10);
+  if (*end || ms <= 0) {
+    td_log(TD_LOG_WARN, "rpc: ignoring %s='%s' (not a positive number of milliseconds)", name, v);
+    return dflt;
+  }
+  return ms;
+}
+
 /* Phase 3: the server (rank 0's serves the store on the master port) and the store client. */
 static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   const td_rpc_options *o = &a->opts;
@@ -387,11 +400,16 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
                            .keepalive_timeout_ms = o->keepalive_timeout_ms,
                            .max_message = o->max_message_bytes,
                            .self_rank = a->rank,
+                           .world = a->world,
                            .agent = a,
                            .tick_ms = 10,
                            .auth = &a->auth,
-                           .handshake_timeout_ms = 20000,
-                           .stall_timeout_ms = 3 * o->keepalive_timeout_ms};
+                           .handshake_timeout_ms = env_ms("TD_RPC_HANDSHAKE_TIMEOUT_MS", 20000),
+                           .memory_quota = (uint64_t)env_ms("TD_RPC_MEMORY_QUOTA_MB",
+                                                            (int64_t)(o->memory_quota_bytes >> 20))
+                                           << 20,
+                           .stall_timeout_ms = env_ms("TD_RPC_STALL_TIMEOUT_MS",
+                                                      3 * o->keepalive_timeout_ms)};
   td__transport_cbs cbs = {a, td__serve_msg, td__serve_bad, td__serve_closed, td__serve_unary,
                            td__serve_tick};
   int port = 0;

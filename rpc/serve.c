@@ -84,8 +84,13 @@ static void reply(request *r, int kind, td_value *value, td_status st, const cha
   td__free(r);
 }
 
-static void reply_error(request *r, td_status st, const char *fmt, ...) TD_PRINTF(3, 4);
-static void reply_error(request *r, td_status st, const char *fmt, ...) {
+/* reply_error answers with an error; failed says whether the handler failed (else the request
+ * was refused before any handler ran): the two are counted apart. */
+static void reply_error(request *r, bool failed, td_status st, const char *fmt, ...)
+    TD_PRINTF(4, 5);
+static void reply_error(request *r, bool failed, td_status st, const char *fmt, ...) {
+  if (failed) TD__COUNT(r->a, requests_failed);
+  else TD__COUNT(r->a, requests_rejected);
   char body[1024], msg[1200];
   va_list ap;
   va_start(ap, fmt);
@@ -102,7 +107,7 @@ static void async_done(td_future *f, void *ctx) {
     td_value *v = td_future_value(f);
     reply(r, TD__MSG_RESPONSE, v ? td_value_ref(v) : td_value_none(), TD_OK, NULL);
   } else {
-    reply_error(r, st, "'%s' failed: %s", r->msg.fn, td_future_message(f));
+    reply_error(r, true, st, "'%s' failed: %s", r->msg.fn, td_future_message(f));
   }
   td_future_unref(f);
 }
@@ -112,7 +117,7 @@ static void run_request(void *arg) {
   td_rpc_agent *a = r->a;
   td__reg reg;
   if (!td__reg_find(r->msg.fn, &reg)) {
-    reply_error(r, TD_ERR_NOT_FOUND, "no function '%s' is registered here (called by %s (rank %d))",
+    reply_error(r, false, TD_ERR_NOT_FOUND, "no function '%s' is registered here (called by %s (rank %d))",
                 r->msg.fn, r->caller, r->msg.from_rank);
     return;
   }
@@ -121,7 +126,7 @@ static void run_request(void *arg) {
   if (mw) {
     td_status ms = mw->on_recv(a, r->msg.from_rank, &r->msg);
     if (ms != TD_OK) {
-      reply_error(r, ms, "'%s': %s", r->msg.fn, td_last_error());
+      reply_error(r, false, ms, "'%s': %s", r->msg.fn, td_last_error());
       return;
     }
     mw->enter(a, &r->msg, &scope);
@@ -136,14 +141,14 @@ static void run_request(void *arg) {
     td_value_unref(result);
     td_future_unref(fut);
     const char *why = td_last_error();
-    reply_error(r, st, "'%s' failed: %s", r->msg.fn, *why ? why : td_status_str(st));
+    reply_error(r, true, st, "'%s' failed: %s", r->msg.fn, *why ? why : td_status_str(st));
     return;
   }
   if (fut) {
     td_value_unref(result);
     if (td_future_on_done(fut, async_done, r) != TD_OK) {
       td_future_unref(fut);
-      reply_error(r, TD_ERR_INTERNAL, "'%s': cannot wait for its future", r->msg.fn);
+      reply_error(r, true, TD_ERR_INTERNAL, "'%s': cannot wait for its future", r->msg.fn);
     }
     return;
   }
@@ -170,8 +175,9 @@ void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *con
                      .ctx_id = ctx_id};
   snprintf(r->caller, sizeof r->caller, "%s", a->name);
   __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
+  TD__COUNT(a, requests_received);
   if (td__threadpool_submit(a->pool, run_request, r) != TD_OK)
-    reply_error(r, TD_ERR_STATE, "the agent is shutting down");
+    reply_error(r, false, TD_ERR_STATE, "the agent is shutting down");
 }
 
 static bool run_inline(const td__reg *reg, const td__msg *m) {
@@ -208,6 +214,7 @@ void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
     memset(m, 0, sizeof *m);
     snprintf(r->caller, sizeof r->caller, "%s", td__agent_peer_name(a, from));
     __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
+    TD__COUNT(a, requests_received);
     td__reg reg;
     if (td__reg_find(r->msg.fn, &reg) && run_inline(&reg, &r->msg)) {
       td__rpc_inline_thread = true;
@@ -216,7 +223,7 @@ void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
       return;
     }
     if (td__threadpool_submit(a->pool, run_request, r) != TD_OK)
-      reply_error(r, TD_ERR_STATE, "the agent is shutting down");
+      reply_error(r, false, TD_ERR_STATE, "the agent is shutting down");
     return;
   }
   td_value *v = NULL;
@@ -248,6 +255,7 @@ void td__serve_bad(void *ud, td__conn *c, uint64_t id, td_status st, const char 
     td__call_deliver(a, c, id, TD__MSG_ERROR, NULL, st, msg);
     return;
   }
+  TD__COUNT(a, requests_rejected);
   td_log(TD_LOG_WARN, "rpc: %s: rejected a request (id %llu): %s", a->name,
          (unsigned long long)id, why);
   snprintf(msg, sizeof msg, "%s (rank %d): request rejected: %s", a->name, a->rank, why);

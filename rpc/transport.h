@@ -44,6 +44,7 @@ typedef struct td__transport_opts {
   int64_t keepalive_timeout_ms; /* unanswered ping => peer gone (default 20000) */
   uint64_t max_message;     /* decoder limit, 0 = unlimited */
   int self_rank;
+  int world;                /* ranks are 0..world-1 (traffic is counted per rank) */
   void *agent;              /* given to the decoders' wire ctx */
   int tick_ms;              /* on_tick period, default 10 */
   /* Group authentication (auth.h): every stream starts with its handshake, whose key this is.
@@ -51,6 +52,9 @@ typedef struct td__transport_opts {
   const struct td__auth *auth;
   /* A server stream must finish its handshake within this (ms; default 20000). */
   int64_t handshake_timeout_ms;
+  /* Memory gRPC may hold for all connections (bytes; default 1 GiB): beyond it streams are reset
+   * rather than buffered. */
+  uint64_t memory_quota;
   /* A frame whose bytes stop arriving for this long is dropped and its stream closed (ms; default
    * 3 x keepalive_timeout_ms). */
   int64_t stall_timeout_ms;
@@ -72,6 +76,11 @@ void td__transport_destroy(td__transport *t);
  * stay referenced until the peer's ack. */
 td_status td__transport_allow_direct(td__transport *t, const int *pid_of, int world);
 td_status td__transport_direct_to(td__transport *t, const bool *to, int world);
+
+/* td__transport_traffic adds up the traffic with rank (or with every rank when rank < 0) into
+ * *out (a td_rpc_traffic). THREAD SAFETY: any thread. */
+struct td_rpc_traffic;
+void td__transport_traffic(td__transport *t, int rank, struct td_rpc_traffic *out);
 
 /* The number of refused connection attempts (failed or abandoned handshakes, streams over the
  * limits) since the transport started. THREAD SAFETY: any thread. */

@@ -136,6 +136,9 @@ void td__decoder_set_direct(td__decoder *d, const td__direct_hooks *h);
 /* td__decoder_feed consumes n bytes. Returns TD_ERR_FORMAT (with td_last_error) when the stream
  * is corrupt and must be closed; frames before the corruption were delivered. */
 td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n);
+/* td__decoder_last_frame tells, during the on_msg callback, the size of the frame delivered
+ * (envelope + tensor bytes) and whether its tensors came by direct copy. */
+void td__decoder_last_frame(const td__decoder *d, uint64_t *bytes, bool *direct);
 /* td__decoder_set_peer sets the rank of the other end (once the stream's handshake proved it). */
 void td__decoder_set_peer(td__decoder *d, int rank);
 /* td__decoder_idle returns true between frames. */

@@ -40,6 +40,8 @@ struct td__decoder {
   size_t *tbytes;            /* each tensor's size */
   int ntensors, cur;
   uint64_t payload_got; /* payload bytes consumed of the current frame */
+  uint64_t last_bytes;  /* the frame being delivered: its size and path (td__decoder_last_frame) */
+  bool last_direct;
   uint64_t cur_off; /* bytes written into tensors[cur] */
   /* direct-copy frames */
   td__direct_hooks hooks;
@@ -106,6 +108,11 @@ void td__decoder_destroy(td__decoder *d) {
   if (!d) return;
   reset_frame(d);
   td__free(d);
+}
+
+void td__decoder_last_frame(const td__decoder *d, uint64_t *bytes, bool *direct) {
+  *bytes = d->last_bytes;
+  *direct = d->last_direct;
 }
 
 void td__decoder_set_peer(td__decoder *d, int rank) { d->ctx.peer_rank = rank; }
@@ -396,6 +403,9 @@ static void deliver(td__decoder *d) {
   m.timeout_ms = e->timeout_ms;
   m.ctx_id = e->ctx_id;
   m.autograd_msg_id = e->autograd_msg_id;
+  d->last_direct = d->direct;
+  d->last_bytes = d->header_len;
+  for (int i = 0; i < d->ntensors; i++) d->last_bytes += d->tbytes[i];
   td_status st = build_values(d, &m);
   if (st == TD_OK && e->n_aux) {
     if (e->n_aux > (size_t)INT32_MAX) {

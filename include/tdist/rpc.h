@@ -277,6 +277,12 @@ typedef struct td_rpc_options {
    * checks every worker's maps. Default NULL / 0: only CPU tensors travel. */
   const td_rpc_device_map_entry *device_maps;
   int num_device_maps;
+  /* Memory gRPC may hold for this worker's connections (received data not yet taken, send
+   * buffers), in bytes; beyond it streams are reset instead of growing, so no peer, member or
+   * not, can make a worker buffer without bound. Default 1 GiB (TD_RPC_MEMORY_QUOTA_MB
+   * overrides). Tensors are streamed in 8 MiB pieces and taken at once, so training traffic
+   * stays far below it. */
+  uint64_t memory_quota_bytes;
   /* The job secret every member of the group shares (docs/SECURITY.md). Every connection to a
    * worker or to the store starts with a mutual HMAC-SHA256 challenge-response over fresh nonces
    * proving both ends know it; nothing else is read before. At least 16 characters. Borrowed:
@@ -296,6 +302,37 @@ typedef struct td_rpc_options {
    * TLS. Borrowed: read during td_rpc_init only. */
   const char *tls_cert_file, *tls_key_file, *tls_ca_file, *tls_server_name;
 } td_rpc_options;
+
+/* Traffic with one peer (or all of them), by path: frames and bytes (envelope + tensor bytes)
+ * through the stream, and those whose tensors went by same-host direct copy (the receiver read
+ * them from the sender's memory; bytes counts those tensor bytes). */
+typedef struct td_rpc_traffic {
+  uint64_t frames_sent, bytes_sent, frames_received, bytes_received;
+  uint64_t direct_frames_sent, direct_bytes_sent, direct_frames_received, direct_bytes_received;
+} td_rpc_traffic;
+
+/* An agent's counters since init (monotonic), and a few gauges (now). */
+typedef struct td_rpc_stats {
+  td_rpc_traffic traffic; /* with every peer */
+  /* calls this worker made: started; finished with a result, with an error (remote or local),
+   * by their timeout */
+  uint64_t calls_started, calls_succeeded, calls_failed, calls_timed_out;
+  /* requests peers made of this worker: received (decoded), whose handler failed, refused
+   * before any handler ran (malformed, unknown function, shutting down) */
+  uint64_t requests_received, requests_failed, requests_rejected;
+  /* connection attempts refused: failed or abandoned handshakes, streams over the limits */
+  uint64_t refused_connections;
+  int64_t calls_pending;   /* gauge: calls waiting for their outcome */
+  int64_t requests_active; /* gauge: requests queued or running here */
+  int64_t pool_pending;    /* gauge: tasks queued or running on the agent's thread pool */
+} td_rpc_stats;
+
+/* td_rpc_get_stats fills out with a's counters (each read atomically; the set is not a single
+ * snapshot). THREAD SAFETY: any thread, any time between init and td_rpc_destroy. */
+TD_API td_status td_rpc_get_stats(td_rpc_agent *a, td_rpc_stats *out);
+/* td_rpc_get_peer_traffic fills out with the traffic between a and the worker of that rank
+ * (TD_ERR_NOT_FOUND outside [0, world size)). */
+TD_API td_status td_rpc_get_peer_traffic(td_rpc_agent *a, int rank, td_rpc_traffic *out);
 
 /* td_rpc_options_init fills o with the defaults. */
 TD_API void td_rpc_options_init(td_rpc_options *o);

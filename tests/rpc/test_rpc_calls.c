@@ -287,6 +287,29 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
     MP_CHECK(p[n - 1] == (float)(firsts[i] + (double)(n - 1)));
     td_future_unref(fs[i]);
   }
+  /* the counters show which path the bytes took: with direct copy every frame of 32 KiB of
+   * tensors or more (3 sizes of 5) went direct - our requests, and the replies to them - and the
+   * stream carried only the small ones (the peer may still be sending its own requests) */
+  uint64_t big = 0;
+  for (int i = 0; i < N; i++)
+    if (sizes[i % 5] * 4 >= 32768) big += (uint64_t)sizes[i % 5] * 4;
+  td_rpc_traffic tr;
+  MP_CHECK_OK(td_rpc_get_peer_traffic(a, (rank + 1) % world, &tr));
+  if (peers) {
+    MP_CHECK(tr.direct_frames_sent >= (N / 5) * 3);
+    MP_CHECK(tr.direct_bytes_sent >= big);
+    MP_CHECK(tr.direct_frames_received >= (N / 5) * 3);
+    MP_CHECK(tr.direct_bytes_received >= big);
+    MP_CHECK(tr.bytes_sent < (1u << 20));
+  } else {
+    MP_CHECK(tr.direct_frames_sent == 0 && tr.direct_frames_received == 0);
+    MP_CHECK(tr.bytes_sent >= big && tr.bytes_received >= big);
+  }
+  td_rpc_stats st;
+  MP_CHECK_OK(td_rpc_get_stats(a, &st));
+  MP_CHECK(st.calls_started >= N && st.calls_succeeded >= N && st.calls_failed == 0);
+  MP_CHECK(st.requests_received > 0 && st.requests_failed == 0 && st.requests_rejected == 0);
+  MP_CHECK(st.traffic.direct_frames_sent == tr.direct_frames_sent); /* one peer */
   MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
   td_rpc_destroy(a);
   return 0;
