@@ -76,39 +76,56 @@ td_status td__auth_init(td__auth *a, const char *secret, size_t len) {
   return TD_OK;
 }
 
-td_status td__auth_secret_from_file(const char *path, char **out) {
+td_status td__auth_read_file(const char *path, bool private_file, size_t max, char **out,
+                             size_t *len) {
   int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0)
-    return td_set_error(TD_ERR_IO, "auth: cannot open the secret file %s: %s", path,
-                        strerror(errno));
+  if (fd < 0) return td_set_error(TD_ERR_IO, "auth: cannot open %s: %s", path, strerror(errno));
   struct stat sb;
   td_status st = TD_OK;
   if (fstat(fd, &sb) != 0) {
     st = td_set_error(TD_ERR_IO, "auth: cannot stat %s: %s", path, strerror(errno));
   } else if (!S_ISREG(sb.st_mode)) {
-    st = td_set_error(TD_ERR_INVALID, "auth: the secret file %s is not a regular file", path);
-  } else if (sb.st_uid != geteuid()) {
-    st = td_set_error(TD_ERR_INVALID, "auth: the secret file %s belongs to uid %u, not to this "
-                      "user (%u)", path, (unsigned)sb.st_uid, (unsigned)geteuid());
-  } else if (sb.st_mode & 077) {
-    st = td_set_error(TD_ERR_INVALID, "auth: the secret file %s is readable or writable by others "
-                      "(mode %03o); run chmod 600 %s", path, (unsigned)(sb.st_mode & 0777), path);
-  } else if (sb.st_size > 4096) {
-    st = td_set_error(TD_ERR_INVALID, "auth: the secret file %s is larger than 4096 bytes", path);
+    st = td_set_error(TD_ERR_INVALID, "auth: %s is not a regular file", path);
+  } else if (private_file && sb.st_uid != geteuid()) {
+    st = td_set_error(TD_ERR_INVALID, "auth: %s belongs to uid %u, not to this user (%u)", path,
+                      (unsigned)sb.st_uid, (unsigned)geteuid());
+  } else if (private_file && (sb.st_mode & 077)) {
+    st = td_set_error(TD_ERR_INVALID, "auth: %s is readable or writable by others (mode %03o); "
+                      "run chmod 600 %s", path, (unsigned)(sb.st_mode & 0777), path);
+  } else if ((uint64_t)sb.st_size > max) {
+    st = td_set_error(TD_ERR_INVALID, "auth: %s is larger than %zu bytes", path, max);
   }
-  char buf[4097];
-  ssize_t n = 0;
-  if (st == TD_OK) {
-    n = read(fd, buf, sizeof buf - 1);
-    if (n < 0) st = td_set_error(TD_ERR_IO, "auth: cannot read %s: %s", path, strerror(errno));
+  char *buf = st == TD_OK ? td__malloc((size_t)sb.st_size + 1) : NULL;
+  if (st == TD_OK && !buf) st = td_set_error(TD_ERR_NOMEM, "auth: out of memory");
+  size_t got = 0;
+  while (st == TD_OK && got < (size_t)sb.st_size) {
+    ssize_t n = read(fd, buf + got, (size_t)sb.st_size - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) st = td_set_error(TD_ERR_IO, "auth: cannot read %s: %s", path,
+                                  n < 0 ? strerror(errno) : "short file");
+    else got += (size_t)n;
   }
   close(fd);
-  if (st != TD_OK) return st;
-  while (n > 0 && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' ')) n--;
-  buf[n] = 0;
-  *out = td__strdup(buf);
-  memset(buf, 0, sizeof buf);
-  return *out ? TD_OK : td_set_error(TD_ERR_NOMEM, "auth: out of memory");
+  if (st != TD_OK) {
+    if (buf) memset(buf, 0, got);
+    td__free(buf);
+    return st;
+  }
+  buf[got] = 0;
+  *out = buf;
+  if (len) *len = got;
+  return TD_OK;
+}
+
+td_status td__auth_secret_from_file(const char *path, char **out) {
+  char *buf;
+  size_t n;
+  td_status st = td__auth_read_file(path, true, 4096, &buf, &n);
+  if (st != TD_OK)
+    return td_set_error(st, "auth: the secret file: %s", td_last_error() + strlen("auth: "));
+  while (n > 0 && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' ')) buf[--n] = 0;
+  *out = buf;
+  return TD_OK;
 }
 
 /* ---- the stream handshake ---- */

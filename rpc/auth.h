@@ -64,6 +64,11 @@ td_status td__auth_init(td__auth *a, const char *secret, size_t len);
 /* td__auth_random fills out with n cryptographically random bytes (TD_ERR_INTERNAL if the system
  * has none to give). */
 td_status td__auth_random(void *out, size_t n);
+/* td__auth_read_file reads a whole file (NUL-terminated, *len bytes; *out td__malloc'd) of at
+ * most max bytes, refusing links and non-regular files; private_file also refuses a file that is
+ * not this user's or that others may read or write. */
+td_status td__auth_read_file(const char *path, bool private_file, size_t max, char **out,
+                             size_t *len);
 /* td__auth_secret_from_file reads a secret from path, refusing a file that is not a regular file
  * owned by this user with no group or other permission bits. *out is td__malloc'd. */
 td_status td__auth_secret_from_file(const char *path, char **out);

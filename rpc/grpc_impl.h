@@ -207,6 +207,9 @@ struct td__transport {
   td__refusals refusals;  /* refused attempts, logged once per address per minute */
   td_rpc_traffic *traffic; /* [opts.world], updated with atomics */
   grpc_resource_quota *quota; /* bounds what gRPC buffers for all connections */
+  bool tls;                        /* mutual TLS on every connection (opts.tls) */
+  char tls_name[256];              /* the name certificates are checked for */
+  grpc_channel_credentials *chan_creds; /* TLS: shared by every channel; NULL: insecure */
 };
 
 /* Server streams that may be in their handshake at once; more are refused at once. */

@@ -391,9 +391,52 @@ static int64_t env_ms(const char *name, int64_t dflt) {
   return ms;
 }
 
+/* TLS files from the options or the environment: all three or none. *tls is filled with their
+ * contents (td__malloc'd; release with tls_free) when they are given. */
+static td_status init_tls(const td_rpc_options *o, td__tls *tls, bool *on) {
+  const char *cert = o->tls_cert_file ? o->tls_cert_file : getenv("TD_RPC_TLS_CERT");
+  const char *key = o->tls_key_file ? o->tls_key_file : getenv("TD_RPC_TLS_KEY");
+  const char *ca = o->tls_ca_file ? o->tls_ca_file : getenv("TD_RPC_TLS_CA");
+  const char *name = o->tls_server_name ? o->tls_server_name : getenv("TD_RPC_TLS_NAME");
+  int given = (cert && *cert) + (key && *key) + (ca && *ca);
+  *on = false;
+  memset(tls, 0, sizeof *tls);
+  if (given == 0) return TD_OK;
+  if (given != 3)
+    return td_set_error(TD_ERR_INVALID, "rpc_init: TLS needs a certificate, its key and the CA "
+                        "(tls_cert_file / TD_RPC_TLS_CERT, tls_key_file / TD_RPC_TLS_KEY, "
+                        "tls_ca_file / TD_RPC_TLS_CA): %d of 3 given", given);
+  char *c = NULL, *k = NULL, *x = NULL;
+  td_status st = td__auth_read_file(cert, false, 1 << 20, &c, NULL);
+  if (st == TD_OK) st = td__auth_read_file(key, true, 1 << 20, &k, NULL);
+  if (st == TD_OK) st = td__auth_read_file(ca, false, 1 << 20, &x, NULL);
+  if (st != TD_OK) {
+    td__free(c);
+    td__free(k);
+    td__free(x);
+    return td_set_error(st, "rpc_init: TLS: %s", td_last_error());
+  }
+  *tls = (td__tls){c, k, x, name && *name ? name : NULL};
+  *on = true;
+  return TD_OK;
+}
+
+static void tls_free(td__tls *tls) {
+  td__free((char *)tls->cert_pem);
+  if (tls->key_pem) {
+    memset((char *)tls->key_pem, 0, strlen(tls->key_pem));
+    td__free((char *)tls->key_pem);
+  }
+  td__free((char *)tls->ca_pem);
+  memset(tls, 0, sizeof *tls);
+}
+
 /* Phase 3: the server (rank 0's serves the store on the master port) and the store client. */
 static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   const td_rpc_options *o = &a->opts;
+  td__tls tls;
+  bool tls_on;
+  TD_TRY(init_tls(o, &tls, &tls_on));
   td__transport_opts to = {.host = a->listen_addr,
                            .port = a->rank == 0 ? ad->mport : 0,
                            .keepalive_ms = o->keepalive_ms,
@@ -409,11 +452,16 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
                                                             (int64_t)(o->memory_quota_bytes >> 20))
                                            << 20,
                            .stall_timeout_ms = env_ms("TD_RPC_STALL_TIMEOUT_MS",
-                                                      3 * o->keepalive_timeout_ms)};
+                                                      3 * o->keepalive_timeout_ms),
+                           .tls = tls_on ? &tls : NULL};
   td__transport_cbs cbs = {a, td__serve_msg, td__serve_bad, td__serve_closed, td__serve_unary,
                            td__serve_tick};
   int port = 0;
   td_status st = td__transport_create(&to, &cbs, &a->tr, &port);
+  if (st == TD_OK && tls_on)
+    td_log(TD_LOG_INFO, "rpc: %s: TLS on every connection (peers verified as '%s')", a->name,
+           tls.name ? tls.name : "tdist");
+  tls_free(&tls);
   if (st != TD_OK) {
     if (a->rank != 0) return st;
     char why[600];

@@ -37,6 +37,13 @@ typedef struct td__transport_cbs {
   void (*on_tick)(void *ud);
 } td__transport_cbs;
 
+/* Mutual TLS settings: PEM text (borrowed during td__transport_create) and the name every
+ * member's certificate carries. */
+typedef struct td__tls {
+  const char *cert_pem, *key_pem, *ca_pem;
+  const char *name; /* NULL: "tdist" */
+} td__tls;
+
 typedef struct td__transport_opts {
   const char *host;         /* listen address */
   int port;                 /* 0 = any free port */
@@ -52,6 +59,8 @@ typedef struct td__transport_opts {
   const struct td__auth *auth;
   /* A server stream must finish its handshake within this (ms; default 20000). */
   int64_t handshake_timeout_ms;
+  /* Mutual TLS on every connection, or NULL for plain TCP. */
+  const td__tls *tls;
   /* Memory gRPC may hold for all connections (bytes; default 1 GiB): beyond it streams are reset
    * rather than buffered. */
   uint64_t memory_quota;
