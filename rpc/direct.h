@@ -21,6 +21,9 @@
 #include "wire.h"
 
 #define TD__DIRECT_MIN_BYTES (32u << 10) /* smaller payloads go through the stream */
+/* Direct copies of at least this many bytes run off the network thread (when the stream can
+ * offload them). */
+#define TD__DIRECT_OFFLOAD_MIN (1u << 20)
 /* Most tensors one descriptor may describe (bounds its buffer to 16 MiB). */
 #define TD__DIRECT_MAX_TENSORS (1u << 20)
 

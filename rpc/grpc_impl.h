@@ -34,6 +34,7 @@
 #include <pthread.h>
 
 #include "../core/refcount.h"
+#include "../core/threadpool.h"
 #include "auth.h"
 #include "direct.h"
 #include "transport.h"
@@ -122,6 +123,10 @@ struct td__conn {
   char finish_msg[256];
   /* receive side */
   grpc_byte_buffer *recv_bb;
+  grpc_byte_buffer *rd_bb;    /* the message being fed to the decoder (NULL: none) */
+  grpc_byte_buffer_reader rd; /* ... its reader, */
+  grpc_slice rd_slice;        /* its current slice */
+  size_t rd_off;              /* and how far into it the decoder got */
   td__decoder *dec;
   bool first_recv;
   /* closing */
@@ -207,6 +212,7 @@ struct td__transport {
   td__refusals refusals;  /* refused attempts, logged once per address per minute */
   td_rpc_traffic *traffic; /* [opts.world], updated with atomics */
   grpc_resource_quota *quota; /* bounds what gRPC buffers for all connections */
+  td__threadpool *bulk;        /* large direct copies, off the poller thread */
   bool tls;                        /* mutual TLS on every connection (opts.tls) */
   char tls_name[256];              /* the name certificates are checked for */
   grpc_channel_credentials *chan_creds; /* TLS: shared by every channel; NULL: insecure */

@@ -23,6 +23,7 @@ void td__conn_unref(td__conn *c) {
   td__free(c->q);
   if (c->send_bb) grpc_byte_buffer_destroy(c->send_bb);
   if (c->recv_bb) grpc_byte_buffer_destroy(c->recv_bb);
+  grpc_slice_unref(c->rd_slice);
   td__decoder_destroy(c->dec);
   grpc_metadata_array_destroy(&c->initial_md);
   grpc_metadata_array_destroy(&c->trailing_md);
@@ -80,6 +81,9 @@ static void on_dec_bad(void *ud, uint64_t id, td_status st, const char *why) {
 static bool q_push(td__conn *c, grpc_slice s);
 static void start_send(td__conn *c);
 static void unauth_done(td__conn *c);
+static void feed_message(td__conn *c);
+static void bulk_task(void *arg);
+static void recv_finished(td__conn *c, td_status st);
 
 /* A direct-copy frame is honoured only from the authenticated member of this stream, naming its
  * own process as verified at init: nobody can make us read a third process's memory. */
@@ -123,6 +127,9 @@ static const td__auth *conn_auth(const td__transport *t) {
   return t->opts.auth ? t->opts.auth : &t->insecure;
 }
 
+/* The decoder paused for a large copy: feed_message hands it to the bulk thread. */
+static void direct_offload(void *ud) { (void)ud; }
+
 static td__conn *conn_new(td__transport *t, bool client, int peer) {
   td__conn *c = td__calloc(1, sizeof *c);
   if (!c) return NULL;
@@ -139,6 +146,7 @@ static td__conn *conn_new(td__transport *t, bool client, int peer) {
   c->status_details = grpc_empty_slice();
   c->first_recv = true;
   c->born_ns = c->progress_ns = td__now_ns();
+  c->rd_slice = grpc_empty_slice();
   grpc_metadata_array_init(&c->initial_md);
   grpc_metadata_array_init(&c->trailing_md);
   td__wire_ctx wctx = {t->opts.agent, peer, t->opts.self_rank};
@@ -148,7 +156,8 @@ static td__conn *conn_new(td__transport *t, bool client, int peer) {
     td__free(c);
     return NULL;
   }
-  static const td__direct_hooks hooks = {direct_allowed, direct_send_ack, direct_acked};
+  static const td__direct_hooks hooks = {direct_allowed, direct_send_ack, direct_acked,
+                                         direct_offload};
   td__decoder_set_direct(c->dec, &hooks);
   return c;
 }
@@ -568,27 +577,73 @@ static void handle_conn_recv(td__conn *c, bool success) {
     grpc_byte_buffer_destroy(bb);
     return;
   }
-  grpc_byte_buffer_reader r;
-  td_status st = TD_OK;
-  if (!grpc_byte_buffer_reader_init(&r, bb)) {
-    st = td_set_error(TD_ERR_FORMAT, "unreadable message");
-  } else {
-    grpc_slice s;
-    while (st == TD_OK && grpc_byte_buffer_reader_next(&r, &s)) {
-      st = td__decoder_feed(c->dec, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s));
-      grpc_slice_unref(s);
-    }
-    grpc_byte_buffer_reader_destroy(&r);
+  if (!grpc_byte_buffer_reader_init(&c->rd, bb)) {
+    grpc_byte_buffer_destroy(bb);
+    td_set_error(TD_ERR_FORMAT, "unreadable message");
+    recv_finished(c, TD_ERR_FORMAT);
+    return;
   }
-  grpc_byte_buffer_destroy(bb);
+  c->rd_bb = bb;
+  c->rd_slice = grpc_empty_slice();
+  c->rd_off = 0;
+  feed_message(c);
+}
+
+/* Feeds the message being read (c->rd) to the decoder from where it stopped. When the decoder
+ * pauses for a large direct copy, the copy and the rest of the message continue on the bulk
+ * thread (bulk_task); otherwise the message is released and the next receive starts. Runs on one
+ * thread at a time per conn: the poller, or the bulk thread while the conn is paused (no receive
+ * is started meanwhile). */
+static void feed_message(td__conn *c) {
+  td_status st = TD_OK;
+  for (;;) {
+    size_t len = GRPC_SLICE_LENGTH(c->rd_slice);
+    if (c->rd_off == len) {
+      grpc_slice_unref(c->rd_slice);
+      c->rd_slice = grpc_empty_slice();
+      c->rd_off = 0;
+      if (!grpc_byte_buffer_reader_next(&c->rd, &c->rd_slice)) break;
+      continue;
+    }
+    size_t used = 0;
+    st = td__decoder_feed_some(c->dec, GRPC_SLICE_START_PTR(c->rd_slice) + c->rd_off,
+                               len - c->rd_off, &used);
+    c->rd_off += used;
+    if (st != TD_OK) break;
+    if (td__decoder_paused(c->dec)) {
+      td__conn_ref(c);
+      if (td__threadpool_submit(c->t->bulk, bulk_task, c) == TD_OK) return;
+      td__conn_unref(c);
+      td__decoder_resume(c->dec); /* shutting down: copy here */
+    }
+  }
+  grpc_slice_unref(c->rd_slice);
+  c->rd_slice = grpc_empty_slice();
+  grpc_byte_buffer_reader_destroy(&c->rd);
+  grpc_byte_buffer_destroy(c->rd_bb);
+  c->rd_bb = NULL;
+  recv_finished(c, st);
+}
+
+/* On the bulk thread: the paused frame's copy, then the rest of its message. */
+static void bulk_task(void *arg) {
+  td__conn *c = arg;
+  td__decoder_resume(c->dec);
+  c->progress_ns = td__now_ns();
+  feed_message(c);
+  td__conn_unref(c);
+}
+
+/* The message is consumed: close a corrupt stream, else receive the next message. */
+static void recv_finished(td__conn *c, td_status st) {
   pthread_mutex_lock(&c->mu);
   if (st != TD_OK) {
     char why[300];
     snprintf(why, sizeof why, "tdist stream corrupt: %s", td_last_error());
     td_log(TD_LOG_WARN, "rpc: closing a stream from rank %d: %s", td__conn_peer(c), why);
     conn_close_locked(c, GRPC_STATUS_INVALID_ARGUMENT, why);
-  } else if (!c->closed || !c->client) {
-    if (!c->closed) start_recv(c);
+  } else if (!c->closed) {
+    start_recv(c);
   }
   pthread_mutex_unlock(&c->mu);
 }
@@ -677,7 +732,8 @@ void td__grpc_sweep(td__transport *t, uint64_t now) {
         now - c->born_ns > hs_ns) {
       why[n] = "auth: the handshake did not finish in time";
       late[n++] = td__conn_ref(c);
-    } else if (c->auth == AUTH_DONE && !td__decoder_idle(c->dec) && now - c->progress_ns > stall_ns) {
+    } else if (c->auth == AUTH_DONE && !td__decoder_idle(c->dec) &&
+               !td__decoder_paused(c->dec) && now - c->progress_ns > stall_ns) {
       why[n] = "a frame made no progress for the stall timeout: dropped";
       late[n++] = td__conn_ref(c);
     }

@@ -372,6 +372,12 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
     grpc_ssl_pem_key_cert_pair kc = {o->tls->key_pem, o->tls->cert_pem};
     t->chan_creds = grpc_ssl_credentials_create(o->tls->ca_pem, &kc, NULL, NULL);
   }
+  if (td__threadpool_create(1, "td-bulk", &t->bulk) != TD_OK) {
+    td__free(t->traffic);
+    td__free(t->host);
+    td__free(t);
+    return td_set_error(TD_ERR_NOMEM, "rpc transport: cannot start the bulk-copy thread");
+  }
   t->quota = grpc_resource_quota_create("tdist");
   grpc_resource_quota_resize(t->quota, (size_t)(o->memory_quota ? o->memory_quota : (1ull << 30)));
   grpc_channel_args *args = make_args(argbuf, &na, t, true);
@@ -399,6 +405,7 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
     grpc_completion_queue_destroy(t->cq);
     grpc_resource_quota_unref(t->quota);
     if (t->chan_creds) grpc_channel_credentials_release(t->chan_creds);
+    td__threadpool_destroy(t->bulk);
     grpc_shutdown();
     td__free(t->host);
     td__free(t->traffic);
@@ -457,6 +464,9 @@ void td__transport_shutdown(td__transport *t) {
     td__conn_unref(list[i]);
   }
   td__free(list);
+  /* copies already handed to the bulk thread finish (their streams are closed: nothing new
+   * starts) */
+  td__threadpool_shutdown(t->bulk);
   if (t->poller_started) {
     uint64_t give_up = td__now_ns() + 10ull * 1000000000ull;
     pthread_mutex_lock(&t->mu);
@@ -482,7 +492,9 @@ void td__transport_destroy(td__transport *t) {
   td__transport_shutdown(t);
   grpc_completion_queue_shutdown(t->cq);
   if (t->poller_started) pthread_join(t->poller, NULL);
-  else
+  td__threadpool_destroy(t->bulk);
+  t->bulk = NULL;
+  if (!t->poller_started)
     while (grpc_completion_queue_next(t->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
            GRPC_QUEUE_SHUTDOWN) {
     }

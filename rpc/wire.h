@@ -130,9 +130,21 @@ typedef struct td__direct_hooks {
   void (*send_ack)(void *ud, uint64_t token);
   /* The peer has read our frame with this token. */
   void (*acked)(void *ud, uint64_t token);
+  /* Optional: a frame's copy is large; the decoder paused (td__decoder_paused) and the owner
+   * arranges for td__decoder_resume to run on another thread, then feeds the rest. NULL: copies
+   * run inline. */
+  void (*offload)(void *ud);
 } td__direct_hooks;
 void td__decoder_set_direct(td__decoder *d, const td__direct_hooks *h);
 
+/* td__decoder_feed_some consumes up to n bytes (*used of them): it stops early when it paused
+ * for an offloaded copy (td__direct_hooks.offload). Errors as td__decoder_feed. */
+td_status td__decoder_feed_some(td__decoder *d, const uint8_t *p, size_t n, size_t *used);
+/* td__decoder_paused: a direct-copy frame waits for td__decoder_resume. */
+bool td__decoder_paused(const td__decoder *d);
+/* td__decoder_resume copies the paused frame's tensors from the sender, acknowledges it and
+ * delivers it (on the calling thread); the decoder then takes bytes again. */
+void td__decoder_resume(td__decoder *d);
 /* td__decoder_feed consumes n bytes. Returns TD_ERR_FORMAT (with td_last_error) when the stream
  * is corrupt and must be closed; frames before the corruption were delivered. */
 td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n);

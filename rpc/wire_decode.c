@@ -18,7 +18,7 @@
 #include "tdist/autograd.h"
 #include "wire.h"
 
-enum { ST_PREFIX, ST_HEADER, ST_PAYLOAD, ST_SKIP, ST_DESC };
+enum { ST_PREFIX, ST_HEADER, ST_PAYLOAD, ST_SKIP, ST_DESC, ST_WAIT };
 
 struct td__decoder {
   td__wire_ctx ctx;
@@ -199,29 +199,12 @@ static td_status alloc_tensor(td__decoder *d, int i) {
   return TD_OK;
 }
 
-static void finish_direct(td__decoder *d) {
-  uint64_t token = td__direct_desc_token(d->desc);
-  int pid = td__direct_desc_pid(d->desc);
-  if (d->reject_st == TD_OK) {
-    if (!d->has_hooks || !d->hooks.allowed || !d->hooks.allowed(d->ud, pid)) {
-      snprintf(d->reject, sizeof d->reject, "direct copy from process %d is not allowed", pid);
-      d->reject_st = TD_ERR_FORMAT;
-    }
-  }
-  for (int i = 0; d->reject_st == TD_OK && i < d->ntensors; i++) {
-    if (alloc_tensor(d, i) != TD_OK) {
-      snprintf(d->reject, sizeof d->reject, "%s", td_last_error());
-      d->reject_st = TD_ERR_NOMEM;
-    }
-  }
-  if (d->reject_st == TD_OK) {
-    td_status st = td__direct_read(d->desc, d->tensors, d->ntensors);
-    if (st != TD_OK) {
-      snprintf(d->reject, sizeof d->reject, "%s", td_last_error());
-      d->reject_st = st;
-    }
-  }
-  if (d->has_hooks && d->hooks.send_ack) d->hooks.send_ack(d->ud, token);
+static void deliver(td__decoder *d);
+
+/* The last step of a direct-copy frame: acknowledge the token (the sender may release its
+ * tensors), then deliver the message or report why it was refused. */
+static void direct_done(td__decoder *d) {
+  if (d->has_hooks && d->hooks.send_ack) d->hooks.send_ack(d->ud, td__direct_desc_token(d->desc));
   if (d->reject_st != TD_OK) {
     char why[256];
     snprintf(why, sizeof why, "%s", d->reject);
@@ -234,8 +217,57 @@ static void finish_direct(td__decoder *d) {
   td__free(d->desc);
   d->desc = NULL;
   d->state = ST_PAYLOAD;
-  d->cur = d->ntensors; /* complete: the feed loop delivers it */
+  d->cur = d->ntensors;
+  deliver(d);
 }
+
+/* Copies the tensors out of the sender (the bulk of a direct-copy frame). */
+static void direct_read(td__decoder *d) {
+  if (d->reject_st != TD_OK) return;
+  td_status st = td__direct_read(d->desc, d->tensors, d->ntensors);
+  if (st != TD_OK) {
+    snprintf(d->reject, sizeof d->reject, "%s", td_last_error());
+    d->reject_st = st;
+  }
+}
+
+/* The descriptor of a direct-copy frame is complete: check the sender may be read, allocate the
+ * tensors, then copy them here, or - for TD__DIRECT_OFFLOAD_MIN bytes and more, when the owner
+ * can run it elsewhere - pause (ST_WAIT) and let td__decoder_resume copy them on another thread,
+ * so a large copy never holds up the thread that serves every other stream. */
+static void finish_direct(td__decoder *d) {
+  int pid = td__direct_desc_pid(d->desc);
+  if (d->reject_st == TD_OK) {
+    if (!d->has_hooks || !d->hooks.allowed || !d->hooks.allowed(d->ud, pid)) {
+      snprintf(d->reject, sizeof d->reject, "direct copy from process %d is not allowed", pid);
+      d->reject_st = TD_ERR_FORMAT;
+    }
+  }
+  uint64_t bytes = 0;
+  for (int i = 0; d->reject_st == TD_OK && i < d->ntensors; i++) {
+    bytes += d->tbytes[i];
+    if (alloc_tensor(d, i) != TD_OK) {
+      snprintf(d->reject, sizeof d->reject, "%s", td_last_error());
+      d->reject_st = TD_ERR_NOMEM;
+    }
+  }
+  if (d->reject_st == TD_OK && bytes >= TD__DIRECT_OFFLOAD_MIN && d->has_hooks &&
+      d->hooks.offload) {
+    d->state = ST_WAIT;
+    d->hooks.offload(d->ud);
+    return;
+  }
+  direct_read(d);
+  direct_done(d);
+}
+
+void td__decoder_resume(td__decoder *d) {
+  if (d->state != ST_WAIT) return;
+  direct_read(d);
+  direct_done(d);
+}
+
+bool td__decoder_paused(const td__decoder *d) { return d->state == ST_WAIT; }
 
 typedef struct {
   td_value *v;      /* container being filled */
@@ -581,10 +613,12 @@ static void feed_skip(td__decoder *d, const uint8_t **p, size_t *n) {
   if (!d->skip_left) d->state = ST_PREFIX;
 }
 
-td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n) {
+td_status td__decoder_feed_some(td__decoder *d, const uint8_t *p, size_t n, size_t *used) {
+  const uint8_t *start = p;
   /* Besides consuming bytes, finish what needs none: an empty header, a complete payload. */
-  while (n > 0 || (d->state == ST_HEADER && d->have == d->header_len) ||
-         (d->state == ST_PAYLOAD && d->cur >= d->ntensors)) {
+  while (d->state != ST_WAIT &&
+         (n > 0 || (d->state == ST_HEADER && d->have == d->header_len) ||
+          (d->state == ST_PAYLOAD && d->cur >= d->ntensors))) {
     td_status st = TD_OK;
     switch (d->state) {
       case ST_PREFIX: st = feed_prefix(d, &p, &n); break;
@@ -592,8 +626,25 @@ td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n) {
       case ST_PAYLOAD: feed_payload(d, &p, &n); break;
       case ST_DESC: feed_desc(d, &p, &n); break;
       case ST_SKIP: feed_skip(d, &p, &n); break;
+      default: break;
     }
-    if (st != TD_OK) return st;
+    if (st != TD_OK) {
+      *used = (size_t)(p - start);
+      return st;
+    }
   }
+  *used = (size_t)(p - start);
   return TD_OK;
+}
+
+td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n) {
+  size_t used = 0;
+  while (n > 0) {
+    TD_TRY(td__decoder_feed_some(d, p, n, &used));
+    p += used;
+    n -= used;
+    if (d->state == ST_WAIT) td__decoder_resume(d); /* no other thread to do it: here */
+  }
+  size_t none;
+  return td__decoder_feed_some(d, p, 0, &none);
 }
