@@ -22,6 +22,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -44,22 +45,22 @@ int floor_log2(size_t n) { return 63 - __builtin_clzll((unsigned long long)n); }
 struct td__cu_cache {
   td__cu_raw_ops ops;
   std::mutex mu;
-  std::atomic<bool> held{false};     /* true while mu is held (td__cu_cache_locked) */
+  std::atomic<std::thread::id> owner{}; /* the thread holding mu, if any (td__cu_cache_locked) */
   std::vector<DeviceCache *> devs;   /* index = device ordinal */
   std::unordered_map<void *, uint32_t> live; /* address -> device << 8 | class */
 };
 
 namespace {
 
-/* Holds c->mu and keeps c->held true meanwhile. */
+/* Holds c->mu and records the holder meanwhile. */
 struct Guard {
   td__cu_cache *c;
   explicit Guard(td__cu_cache *cc) : c(cc) {
     c->mu.lock();
-    c->held.store(true);
+    c->owner.store(std::this_thread::get_id());
   }
   ~Guard() {
-    c->held.store(false);
+    c->owner.store(std::thread::id());
     c->mu.unlock();
   }
 };
@@ -273,6 +274,8 @@ void td__cu_cache_stats(td__cu_cache *c, int device, size_t *in_use, size_t *cac
   *cached = c->devs[(size_t)device]->cached_bytes;
 }
 
-bool td__cu_cache_locked(td__cu_cache *c) { return c->held.load(); }
+bool td__cu_cache_locked(td__cu_cache *c) {
+  return c->owner.load() == std::this_thread::get_id();
+}
 
 } /* extern "C" */

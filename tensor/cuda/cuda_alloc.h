@@ -52,8 +52,8 @@ td_status td__cu_cache_empty(td__cu_cache *c, int device);
 /* td__cu_cache_stats reports the bytes handed out and the bytes cached on device (0 for a device
  * the cache never saw). THREAD SAFETY: any thread. */
 void td__cu_cache_stats(td__cu_cache *c, int device, size_t *in_use, size_t *cached);
-/* td__cu_cache_locked returns true while some thread holds c's lock (for tests that check that
- * ops.free runs outside it). THREAD SAFETY: any thread. */
+/* td__cu_cache_locked returns true when the calling thread holds c's lock (for tests that check
+ * that ops.alloc and ops.free run outside it). THREAD SAFETY: any thread. */
 bool td__cu_cache_locked(td__cu_cache *c);
 
 /* td__cu_size_class rounds n up to its size class (*rounded) and returns the class, or -1 when n

@@ -19,12 +19,14 @@
 static td_device dev;
 static bool on_gpu;
 
-static void require_device(void) {
-  if (on_gpu && td_cuda_device_count() == 0) {
-    print_message("no CUDA device is present (td_cuda_device_count() == 0); skipped\n");
-    skip();
-  }
-}
+#define require_device()                                                                      \
+  do {                                                                                        \
+    if (on_gpu && td_cuda_device_count() == 0) {                                              \
+      print_message("%s: no CUDA device is present (td_cuda_device_count() == 0); skipped\n", \
+                    __func__);                                                                \
+      skip();                                                                                 \
+    }                                                                                         \
+  } while (0)
 
 /* A tensor of shape from values (doubles converted to dt) on the test's device. */
 static td_tensor *make(const double *v, const int64_t *shape, int ndim, td_dtype dt) {
