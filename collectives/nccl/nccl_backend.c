@@ -74,10 +74,6 @@ static td_status nccl_status(ncclResult_t r) {
   return r == ncclSystemError || r == ncclRemoteError ? TD_ERR_UNAVAILABLE : TD_ERR_INTERNAL;
 }
 
-static td_status nccl_err(ncclResult_t r, const char *what) {
-  return td_set_error(nccl_status(r), "nccl backend: %s: %s", what, ncclGetErrorString(r));
-}
-
 static void sleep_ns(long ns) {
   struct timespec ts = {0, ns};
   nanosleep(&ts, NULL);
@@ -291,7 +287,12 @@ static td_status init_comm(td_process_group *pg, td__nccl *c, uint64_t deadline)
   memset(&uid, 0, sizeof uid);
   if (pg->rank == 0) {
     ncclResult_t r = ncclGetUniqueId(&uid);
-    if (r != ncclSuccess) return nccl_err(r, "ncclGetUniqueId");
+    if (r != ncclSuccess) { /* recorded for the others, who are waiting for the id */
+      char msg[300];
+      snprintf(msg, sizeof msg, "process_group_create: ncclGetUniqueId failed on %s: %s",
+               td__pg_who(pg, 0, (char[160]){0}, 160), ncclGetErrorString(r));
+      return td__pg_fail(pg, nccl_status(r), msg);
+    }
   }
   if (pg->size > 1) {
     char *ids = td__calloc((size_t)pg->size, sizeof uid);
