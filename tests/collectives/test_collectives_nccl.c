@@ -50,6 +50,12 @@ static bool nccl_built(void) {
 #endif
 }
 
+/* Runs world workers of fn (timeout in seconds, scaled) and fails unless all of them pass. */
+static void run_workers(int world, td_mp_fn fn, double timeout_s) {
+  int fails = td_mp_run(world, fn, NULL, timeout_s, NULL);
+  if (fails) fail_msg("%d of %d workers failed", fails, world);
+}
+
 static double val(int r, int64_t i) { return (double)((r + 1) * (i % 11) - r); }
 
 /* A tensor of n values val(r, off + i) in dt on dev. */
@@ -207,8 +213,7 @@ static int worker_collectives(int rank, int world, const char *method, void *arg
 
 static void test_nccl_collectives_match_cpu(void **state) {
   REQUIRE_GPUS(1);
-  int fails = td_mp_run(ngpu, worker_collectives, NULL, 240, NULL);
-  if (fails) fail_msg("%d of %d workers failed", fails, ngpu);
+  run_workers(ngpu, worker_collectives, 240);
 }
 
 /* ---- MAX and NaN ---- */
@@ -254,8 +259,7 @@ static int worker_nan_max(int rank, int world, const char *method, void *arg) {
 
 static void test_nccl_max_propagates_nan(void **state) {
   REQUIRE_GPUS(1);
-  int fails = td_mp_run(ngpu, worker_nan_max, NULL, 120, NULL);
-  if (fails) fail_msg("%d of %d workers failed", fails, ngpu);
+  run_workers(ngpu, worker_nan_max, 120);
 }
 
 /* ---- misuse and failures ---- */
@@ -276,8 +280,7 @@ static int worker_mismatch(int rank, int world, const char *method, void *arg) {
 
 static void test_nccl_mismatched_calls_fail_cleanly(void **state) {
   REQUIRE_GPUS(2);
-  int fails = td_mp_run(ngpu, worker_mismatch, NULL, 120, NULL);
-  if (fails) fail_msg("%d of %d workers failed", fails, ngpu);
+  run_workers(ngpu, worker_mismatch, 120);
 }
 
 static void die_inside(td_process_group *pg, const char *what) {
@@ -365,8 +368,7 @@ static int worker_same_gpu(int rank, int world, const char *method, void *arg) {
 
 static void test_nccl_two_members_on_one_gpu_refused(void **state) {
   REQUIRE_GPUS(1);
-  int fails = td_mp_run(2, worker_same_gpu, NULL, 120, NULL);
-  if (fails) fail_msg("%d of 2 workers failed", fails);
+  run_workers(2, worker_same_gpu, 120);
 }
 
 /* ---- subgroups ---- */
@@ -426,8 +428,7 @@ static int worker_subgroups(int rank, int world, const char *method, void *arg) 
 
 static void test_nccl_subgroups_use_the_process_device(void **state) {
   REQUIRE_GPUS(2);
-  int fails = td_mp_run(ngpu, worker_subgroups, NULL, 180, NULL);
-  if (fails) fail_msg("%d of %d workers failed", fails, ngpu);
+  run_workers(ngpu, worker_subgroups, 180);
 }
 
 /* ---- RPC traffic during collectives ---- */
@@ -549,8 +550,7 @@ static int worker_traffic(int rank, int world, const char *method, void *arg) {
 
 static void test_nccl_rpc_traffic_during_collectives(void **state) {
   REQUIRE_GPUS(1);
-  int fails = td_mp_run(ngpu + 1, worker_traffic, NULL, 240, NULL);
-  if (fails) fail_msg("%d of %d workers failed", fails, ngpu + 1);
+  run_workers(ngpu + 1, worker_traffic, 240);
 }
 
 int main(void) {

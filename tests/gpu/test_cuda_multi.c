@@ -17,14 +17,6 @@
 
 static int ndev;
 
-#define REQUIRE_GPUS(k)                                                                       \
-  do {                                                                                        \
-    if (ndev < (k)) {                                                                         \
-      print_message("%s: needs %d CUDA device(s), found %d; skipped\n", __func__, (k), ndev); \
-      skip();                                                                                 \
-    }                                                                                         \
-  } while (0)
-
 static td_tensor *to_dev(const td_tensor *t, td_device d) {
   td_tensor *o = NULL;
   TD_ASSERT_OK(td_tensor_to(t, d, &o));
@@ -52,7 +44,7 @@ static bool same_bits(const td_tensor *a, const td_tensor *b) {
 
 static void test_cuda_two_devices(void **state) {
   (void)state;
-  REQUIRE_GPUS(2);
+  TD_TEST_REQUIRE_CUDA(2);
   int64_t shape[2] = {300, 200};
   td_tensor *h = td_test_randn(shape, 2, TD_DTYPE_F32, 11, false);
   td_tensor *g0 = to_dev(h, td_device_cuda(0)), *g1 = to_dev(g0, td_device_cuda(1));
@@ -123,7 +115,7 @@ static void *thread_body(void *p) {
 
 static void test_cuda_ops_from_several_threads(void **state) {
   (void)state;
-  REQUIRE_GPUS(1);
+  TD_TEST_REQUIRE_CUDA(1);
   enum { NT = 8 };
   thread_case tc[NT];
   pthread_t th[NT];
@@ -156,7 +148,7 @@ static void test_cuda_ops_from_several_threads(void **state) {
 
 static void test_cuda_empty_cache_gives_memory_back(void **state) {
   (void)state;
-  REQUIRE_GPUS(1);
+  TD_TEST_REQUIRE_CUDA(1);
   int64_t n = 64 << 20; /* 256 MiB of float32 */
   td_tensor *t = NULL;
   size_t used0 = 0, cached0 = 0, used = 0, cached = 0;
@@ -262,7 +254,7 @@ static void check_atomics(const char *what, grad_fn fn, const td_tensor *param_h
 
 static void test_cuda_atomics_determinism(void **state) {
   (void)state;
-  REQUIRE_GPUS(1);
+  TD_TEST_REQUIRE_CUDA(1);
   td_tensor *w = td_test_randn((int64_t[]){10, 64}, 2, TD_DTYPE_F32, 3, false);
   check_atomics("embedding backward (index_add)", embedding_grad, w, (int64_t[]){4096, 64}, 2);
   td_tensor_unref(w);

@@ -13,40 +13,29 @@
 
 static int ndev;
 
-#define REQUIRE_GPUS(k)                                                                       \
-  do {                                                                                        \
-    if (ndev < (k)) {                                                                         \
-      print_message("%s: needs %d CUDA device(s), found %d; skipped\n", __func__, (k), ndev); \
-      skip();                                                                                 \
-    }                                                                                         \
-  } while (0)
-
 static double scale(void) { return td_test_timeout_scale(); }
 
-/* where_twice(t) -> [the device t arrived on, 2 t computed there] */
-static td_status fn_where_twice(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                                td_future **fut) {
+/* twice_on(t, device) -> 2 t, computed where t arrived, which must be `device` (else the call
+ * fails with TD_ERR_DEVICE naming both). */
+static td_status fn_twice_on(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                             td_future **fut) {
   td_tensor *t, *u;
-  td_status st = td_value_as_tensor(args[0], &t);
-  if (st != TD_OK) return st;
-  if ((st = td_tensor_mul_scalar(t, 2, &u)) != TD_OK) return st;
+  const char *want;
   char dn[32];
-  td_value *l = td_value_list();
-  if (!l || td_value_list_append(l, td_value_string(td_device_str(td_tensor_device(t), dn,
-                                                                  sizeof dn))) != TD_OK ||
-      td_value_list_append(l, td_value_tensor(u)) != TD_OK) {
-    td_value_unref(l);
-    td_tensor_unref(u);
-    return td_set_error(TD_ERR_NOMEM, "where_twice: out of memory");
-  }
+  td_status st = td_value_as_tensor(args[0], &t);
+  if (st == TD_OK) st = td_value_as_string(args[1], &want, NULL);
+  if (st != TD_OK) return st;
+  if (strcmp(td_device_str(td_tensor_device(t), dn, sizeof dn), want) != 0)
+    return td_set_error(TD_ERR_DEVICE, "twice_on: the argument arrived on %s, not %s", dn, want);
+  if ((st = td_tensor_mul_scalar(t, 2, &u)) != TD_OK) return st;
+  *res = td_value_tensor(u);
   td_tensor_unref(u);
-  *res = l;
-  return TD_OK;
+  return *res ? TD_OK : TD_ERR_NOMEM;
 }
 
 static td_rpc_agent *start(int rank, int world, const char *method,
                            const td_rpc_device_map_entry *map) {
-  MP_CHECK_OK(td_rpc_register("where_twice", fn_where_twice, NULL));
+  MP_CHECK_OK(td_rpc_register("twice_on", fn_twice_on, NULL));
   td_rpc_options o;
   td_rpc_options_init(&o);
   o.init_method = method;
@@ -62,25 +51,17 @@ static td_rpc_agent *start(int rank, int world, const char *method,
   return a;
 }
 
-/* Calls where_twice on peer with n float32 values on dev (all 1.5, the last 1024 are 7) and
- * checks where it arrived, where the reply came back and the values at both ends. */
+/* Calls twice_on on peer with n float32 values on dev (all 1.5, the last 1024 are 7), which
+ * checks that they arrived on arrives_on; checks where the reply came back and its values. */
 static void call_where_twice(td_rpc_agent *a, const char *peer, td_device dev, int64_t n,
                              const char *arrives_on) {
   td_tensor *t = NULL, *tail = NULL, *got = NULL;
   MP_CHECK_OK(td_tensor_full(&n, 1, 1.5, TD_DTYPE_F32, dev, &t));
   MP_CHECK_OK(td_tensor_narrow(t, 0, n - 1024, 1024, &tail));
   MP_CHECK_OK(td_tensor_fill_(tail, 7));
-  td_value *arg = td_value_tensor(t), *res = NULL;
-  MP_CHECK_OK(td_rpc_sync(a, peer, "where_twice", &arg, 1, NULL, &res));
-  td_value *where = td_value_list_get(res, 0), *y = td_value_list_get(res, 1);
-  MP_CHECK(where && y);
-  const char *w = NULL;
-  MP_CHECK_OK(td_value_as_string(where, &w, NULL));
-  if (strcmp(w, arrives_on) != 0) {
-    fprintf(stderr, "arrived on %s, expected %s\n", w, arrives_on);
-    MP_CHECK(0);
-  }
-  MP_CHECK_OK(td_value_as_tensor(y, &got));
+  td_value *args[2] = {td_value_tensor(t), td_value_string(arrives_on)}, *res = NULL;
+  MP_CHECK_OK(td_rpc_sync(a, peer, "twice_on", args, 2, NULL, &res));
+  MP_CHECK_OK(td_value_as_tensor(res, &got));
   MP_CHECK(td_device_equal(td_tensor_device(got), dev));
   MP_CHECK(td_tensor_numel(got) == n);
   int64_t at[4] = {0, n / 2, n - 1025, n - 1};
@@ -89,7 +70,8 @@ static void call_where_twice(td_rpc_agent *a, const char *peer, td_device dev, i
     MP_CHECK_OK(td_tensor_get(got, &at[i], &v));
     MP_CHECK(v == want[i]);
   }
-  td_value_unref(arg);
+  td_value_unref(args[0]);
+  td_value_unref(args[1]);
   td_value_unref(res);
   td_tensor_unref(tail);
   td_tensor_unref(t);
@@ -114,7 +96,7 @@ static int worker_large(int rank, int world, const char *method, void *arg) {
 
 static void test_gpu_rpc_large_cuda_tensor(void **state) {
   (void)state;
-  REQUIRE_GPUS(1);
+  TD_TEST_REQUIRE_CUDA(1);
   int fails = td_mp_run(2, worker_large, NULL, 240, NULL);
   if (fails) fail_msg("%d of 2 workers failed", fails);
 }
@@ -134,7 +116,7 @@ static int worker_cross(int rank, int world, const char *method, void *arg) {
 
 static void test_gpu_rpc_device_maps_between_cuda0_and_cuda1(void **state) {
   (void)state;
-  REQUIRE_GPUS(2);
+  TD_TEST_REQUIRE_CUDA(2);
   int fails = td_mp_run(2, worker_cross, NULL, 120, NULL);
   if (fails) fail_msg("%d of 2 workers failed", fails);
 }

@@ -19,13 +19,9 @@
 static td_device dev;
 static bool on_gpu;
 
-#define require_device()                                                                      \
-  do {                                                                                        \
-    if (on_gpu && td_cuda_device_count() == 0) {                                              \
-      print_message("%s: no CUDA device is present (td_cuda_device_count() == 0); skipped\n", \
-                    __func__);                                                                \
-      skip();                                                                                 \
-    }                                                                                         \
+#define require_device()                 \
+  do {                                   \
+    if (on_gpu) TD_TEST_REQUIRE_CUDA(1); \
   } while (0)
 
 /* A tensor of shape from values (doubles converted to dt) on the test's device. */
@@ -385,16 +381,22 @@ static void test_copy_overlapping_views(void **state) {
 
 /* ---- more rows than a grid holds (GPU) ---- */
 
+/* Skips the test when st says the device lacks the memory; fails on other errors. */
+#define OK_OR_SKIP_NOMEM(st)                                                      \
+  do {                                                                            \
+    td_status st_ = (st);                                                         \
+    if (st_ == TD_ERR_NOMEM) {                                                    \
+      print_message("not enough device memory (%s); skipped\n", td_last_error()); \
+      skip();                                                                     \
+    }                                                                             \
+    TD_ASSERT_OK(st_);                                                            \
+  } while (0)
+
 /* Allocates shape on the device filled with value, or skips the test when the device lacks the
  * memory. */
 static td_tensor *big_full(const int64_t *shape, int ndim, double value) {
   td_tensor *t = NULL;
-  td_status st = td_tensor_full(shape, ndim, value, TD_DTYPE_F32, dev, &t);
-  if (st == TD_ERR_NOMEM) {
-    print_message("not enough device memory (%s); skipped\n", td_last_error());
-    skip();
-  }
-  TD_ASSERT_OK(st);
+  OK_OR_SKIP_NOMEM(td_tensor_full(shape, ndim, value, TD_DTYPE_F32, dev, &t));
   return t;
 }
 
@@ -425,11 +427,7 @@ static void test_rows_beyond_32_bits(void **state) {
   td_tensor *x = big_full(shape, 2, 0.5), *y = NULL;
   td_status st = td_tensor_softmax(x, 1, &y);
   td_tensor_unref(x);
-  if (st == TD_ERR_NOMEM) {
-    print_message("not enough device memory (%s); skipped\n", td_last_error());
-    skip();
-  }
-  TD_ASSERT_OK(st);
+  OK_OR_SKIP_NOMEM(st);
   expect_edges("softmax over 2^32 + 1024 rows", y, (int64_t)1 << 32, 1.0);
   td_tensor_unref(y);
   TD_ASSERT_OK(td_cuda_empty_cache());
@@ -440,11 +438,7 @@ static void test_rows_beyond_32_bits(void **state) {
   st = td_tensor_layer_norm(lx, 1, NULL, b, 1e-5, &ly);
   td_tensor_unref(lx);
   td_tensor_unref(b);
-  if (st == TD_ERR_NOMEM) {
-    print_message("not enough device memory (%s); skipped\n", td_last_error());
-    skip();
-  }
-  TD_ASSERT_OK(st);
+  OK_OR_SKIP_NOMEM(st);
   expect_edges("layer_norm over 2^31 + 7 rows", ly, (int64_t)1 << 31, 3.0);
   td_tensor_unref(ly);
   TD_ASSERT_OK(td_cuda_empty_cache());
