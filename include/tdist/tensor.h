@@ -314,7 +314,11 @@ TD_API td_status td_tensor_index_select(const td_tensor *t, int dim, const td_te
 
 /* ---- in-place updates (not recorded by autograd; used by optimizers and initialisers) ---- */
 
-/* td_tensor_copy_ copies src into dst (same shape; src is broadcast if needed; dtype converted). */
+/* td_tensor_copy_ copies src into dst (same shape; src is broadcast if needed; dtype converted:
+ * float to int64 truncates, and NaN, +-inf and out-of-range values give INT64_MIN, on every
+ * device). When src and dst overlap in memory the result is as if src were read completely
+ * first (src is staged through a temporary; src == dst is a no-op). TD_ERR_INVALID when several
+ * elements of dst share one memory location (an expanded view), as in PyTorch. */
 TD_API td_status td_tensor_copy_(td_tensor *dst, const td_tensor *src);
 TD_API td_status td_tensor_fill_(td_tensor *t, double value);
 TD_API td_status td_tensor_zero_(td_tensor *t);
