@@ -29,6 +29,10 @@
  * epoch with their statistics; the call's future completes (batch-RPC style, no thread waiting on
  * the server) when every trainer has arrived and, at an epoch's end, the server has evaluated.
  *
+ * --device cuda:N puts the model on the server's cuda:N: the trainers' device map {worker0, cpu,
+ * cuda:N} makes their batches arrive there, the logits come back to their CPU and the gradients
+ * go back to the GPU, where the optimizer steps; the server evaluates there too.
+ *
  * Output: progress on standard error (trainer 1 draws a bar; the server prints a line per epoch),
  * then rank 0 prints the JSON line (shared/BENCH.md): test_accuracy, samples_per_s, wall_s,
  * epochs, epoch_test_accuracy, epoch_wall_s (mean over epochs of the slowest trainer's training
@@ -54,7 +58,7 @@
  *
  * usage: param_server [--model mlp|cnn] [--epochs N] [--max-batches N] [--batch-size N] [--lr X]
  *                     [--momentum X] [--nesterov 0|1] [--schedule cosine|constant] [--lr-every N]
- *                     [--seed N] [--nproc N]
+ *                     [--seed N] [--nproc N] [--device D]
  *                     [--data-dir DIR] [--threads N] [--checkpoint-dir DIR] [--checkpoint-every N]
  *                     [--keepalive-ms MS] [--keepalive-timeout-ms MS]
  */
@@ -431,9 +435,9 @@ static int run_server(const ex_args *args, int trainers, double momentum, bool n
   bool flatten = strcmp(args->model, "cnn") != 0;
   td_mnist *test = psx_load_mnist(TD_MNIST_TEST, args->data_dir);
   td_module *model = ps.model;
-  fprintf(stderr, "param_server: %s, %lld parameters on the server, %d trainers, batch %lld, "
-          "SGD lr %g (%s) momentum %g%s, BLAS threads %d\n",
-          args->model, (long long)td_module_num_parameters(model), trainers,
+  fprintf(stderr, "param_server: %s, %lld parameters on the server (%s), %d trainers, batch "
+          "%lld, SGD lr %g (%s) momentum %g%s, BLAS threads %d\n",
+          args->model, (long long)td_module_num_parameters(model), args->device, trainers,
           (long long)args->batch_size, args->lr, schedule, momentum,
           nesterov ? " (Nesterov)" : "", ex_blas_threads());
 
@@ -482,6 +486,7 @@ static int run_server(const ex_args *args, int trainers, double momentum, bool n
   ex_json_int(&config, "seed", (int64_t)args->seed);
   ex_json_int(&config, "max_batches", args->max_batches);
   ex_json_int(&config, "threads", ex_blas_threads());
+  ex_json_str(&config, "device", args->device);
   ex_json_int(&config, "parameters", td_module_num_parameters(model));
   ex_json_object(&results);
   ex_json_num(&results, "test_accuracy", acc);
@@ -753,8 +758,10 @@ int main(int argc, char **argv) {
     ex_die("--checkpoint-every, --keepalive-ms and --keepalive-timeout-ms must be >= 0");
   if (ckpt_dir && ckpt_every == 0) ckpt_every = 100;
   if (!ckpt_dir) ckpt_every = 0;
+  td_device dev;
+  EX_CHECK(td_device_parse(a.device, &dev));
 
-  psx_spawn_if_alone(nproc);
+  psx_spawn_if_alone(nproc); /* before anything initialises CUDA: the children use it too */
   int rank = atoi(getenv("RANK"));
   char name[32];
   snprintf(name, sizeof name, "worker%d", rank);
@@ -764,10 +771,20 @@ int main(int argc, char **argv) {
   EX_CHECK(td_rpc_register("ps_resume", ps_resume, NULL));
   EX_CHECK(td_rpc_register("ps_ckpt", ps_ckpt, NULL));
   EX_CHECK(td_rpc_register("ps_ping", ps_ping, NULL));
-  if (rank == 0) ps.model = psx_make_model(a.model, a.seed);
+  if (!td_device_available(dev)) ex_die("device %s is not available", a.device);
+  if (rank == 0) {
+    ps.model = psx_make_model(a.model, a.seed);
+    EX_CHECK(td_module_to(ps.model, dev));
+  }
 
   td_rpc_options ro;
   td_rpc_options_init(&ro);
+  /* trainers' batches arrive on the server's device; the logits come back to their CPU */
+  td_rpc_device_map_entry map = {"worker0", "cpu", a.device};
+  if (dev.type == TD_DEVICE_CUDA && rank != 0) {
+    ro.device_maps = &map;
+    ro.num_device_maps = 1;
+  }
   if (keepalive_ms > 0) ro.keepalive_ms = keepalive_ms;
   if (keepalive_timeout_ms > 0) ro.keepalive_timeout_ms = keepalive_timeout_ms;
   td_rpc_agent *agent = NULL;

@@ -244,20 +244,24 @@ static inline char *elem_ptr(const td_tensor *t) { return (char *)td_tensor_data
 
 /* ---- copy and fill ---- */
 
-#define COPY_ROW(TD, TS)                                                        \
+/* CONV is the element conversion: a cast, except float -> int64 (td__f2i64). */
+#define COPY_ROW(TD, TS, CONV)                                                  \
   static void copy_row_##TD##_##TS(TD *d, int64_t sd, const TS *s, int64_t ss, \
                                    int64_t n) {                                 \
-    for (int64_t i = 0; i < n; i++) d[i * sd] = (TD)s[i * ss];                 \
+    for (int64_t i = 0; i < n; i++) d[i * sd] = CONV(s[i * ss]);               \
   }
-COPY_ROW(float, float)
-COPY_ROW(float, double)
-COPY_ROW(float, int64_t)
-COPY_ROW(double, float)
-COPY_ROW(double, double)
-COPY_ROW(double, int64_t)
-COPY_ROW(int64_t, float)
-COPY_ROW(int64_t, double)
-COPY_ROW(int64_t, int64_t)
+#define CAST_F(v) ((float)(v))
+#define CAST_D(v) ((double)(v))
+#define CAST_I(v) ((int64_t)(v))
+COPY_ROW(float, float, CAST_F)
+COPY_ROW(float, double, CAST_F)
+COPY_ROW(float, int64_t, CAST_F)
+COPY_ROW(double, float, CAST_D)
+COPY_ROW(double, double, CAST_D)
+COPY_ROW(double, int64_t, CAST_D)
+COPY_ROW(int64_t, float, td__f2i64)
+COPY_ROW(int64_t, double, td__f2i64)
+COPY_ROW(int64_t, int64_t, CAST_I)
 
 static td_status cpu_copy(td_tensor *dst, const td_tensor *src) {
   if (td_tensor_numel(dst) == 0) return TD_OK;
@@ -311,7 +315,7 @@ static td_status cpu_fill(td_tensor *t, double v) {
       });
       break;
     case TD_DTYPE_I64: {
-      int64_t iv = (int64_t)v;
+      int64_t iv = td__f2i64(v);
       GEOM_LOOP(&g, 1, {
         int64_t *p = (int64_t *)b + off_[0];
         for (int64_t i = 0; i < n_; i++) p[i * s0_] = iv;
@@ -608,6 +612,18 @@ static td_status cpu_reduce_max(const td_tensor *x, int64_t outer, int64_t r, in
   void *op = td_tensor_data(out);
   int64_t *ip = idx ? td_tensor_data(idx) : NULL;
   td_dtype dt = x->dtype;
+  if (dt == TD_DTYPE_I64) { /* exact: int64 values do not all fit a double */
+    const int64_t *xi = xp;
+    for (int64_t o = 0; o < outer; o++)
+      for (int64_t i = 0; i < inner; i++) {
+        int64_t base = o * r * inner + i, best = xi[base], bi = 0;
+        for (int64_t k = 1; k < r; k++)
+          if (xi[base + k * inner] > best) best = xi[base + k * inner], bi = k;
+        ((int64_t *)op)[o * inner + i] = best;
+        if (ip) ip[o * inner + i] = bi;
+      }
+    return TD_OK;
+  }
   for (int64_t o = 0; o < outer; o++)
     for (int64_t i = 0; i < inner; i++) {
       int64_t base = o * r * inner + i;

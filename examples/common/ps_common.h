@@ -96,14 +96,19 @@ static inline td_mnist *psx_load_mnist(td_mnist_split split, const char *dir) {
   return ds;
 }
 
-/* psx_evaluate returns model's accuracy on ds. The caller makes sure nothing updates the
- * parameters meanwhile. */
+/* psx_evaluate returns model's accuracy on ds, on the device of model's parameters. The caller
+ * makes sure nothing updates the parameters meanwhile. */
 static inline double psx_evaluate(td_module *model, const td_mnist *ds, bool flatten) {
   td_sampler_opts so;
   td_sampler_opts_init(&so);
   so.batch_size = 500;
   td_mnist_loader *l = NULL;
   EX_CHECK(td_mnist_loader_create(ds, &so, flatten, &l));
+  td_tensor_list params;
+  td_tensor_list_init(&params);
+  EX_CHECK(td_module_parameters(model, &params));
+  td_device dev = params.n ? td_tensor_device(params.tensors[0]) : td_device_cpu();
+  td_tensor_list_fini(&params);
   bool was_training = td_module_is_training(model);
   td_module_train(model, false);
   bool prev = td_autograd_set_enabled(false);
@@ -113,6 +118,12 @@ static inline double psx_evaluate(td_module *model, const td_mnist *ds, bool fla
     td_tensor *x = NULL, *y = NULL, *logits = NULL, *am = NULL;
     EX_CHECK(td_mnist_loader_next(l, &x, &y));
     if (!x) break;
+    if (!td_device_equal(td_tensor_device(x), dev)) {
+      td_tensor *xd = NULL;
+      EX_CHECK(td_tensor_to(x, dev, &xd));
+      td_tensor_unref(x);
+      x = xd;
+    }
     EX_CHECK(td_module_forward(model, x, &logits));
     EX_CHECK(td_tensor_argmax(logits, 1, false, &am));
     int64_t n = td_tensor_size(y, 0);
