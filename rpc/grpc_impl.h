@@ -148,7 +148,8 @@ struct td__conn {
   size_t hs_out_len;
   bool unauth_counted;             /* server: counted in t->unauth */
   uint64_t born_ns;                /* for the handshake deadline */
-  uint64_t progress_ns;            /* last time bytes arrived (stalled frames) */
+  uint64_t progress_ns;            /* atomic: last time bytes arrived (stalled frames) */
+  bool offloaded;                  /* atomic: the bulk thread has the decoder (grpc_stream.c) */
   char peer_addr[64];              /* the remote address, for logs */
 };
 

@@ -145,7 +145,8 @@ static td__conn *conn_new(td__transport *t, bool client, int peer) {
   c->t_finish = (tag){TAG_CONN_FINISH, c};
   c->status_details = grpc_empty_slice();
   c->first_recv = true;
-  c->born_ns = c->progress_ns = td__now_ns();
+  c->born_ns = td__now_ns();
+  c->progress_ns = c->born_ns;
   c->rd_slice = grpc_empty_slice();
   grpc_metadata_array_init(&c->initial_md);
   grpc_metadata_array_init(&c->trailing_md);
@@ -411,6 +412,11 @@ td_status td__transport_connect(td__transport *t, int peer_rank, const char *add
     td__conn_unref(c);
     return td_set_error(TD_ERR_UNAVAILABLE, "rpc transport: cannot open a stream to %s", address);
   }
+  /* the HELLO goes first; frames queued meanwhile wait for the handshake (set up before the
+   * poller can see the conn: live list, batches) */
+  td_status hs = td__hs_client_hello(&c->hs, conn_auth(t), t->opts.self_rank, peer_rank,
+                                     c->hs_out);
+  c->auth = AUTH_CLIENT_HELLO_SENT;
   live_add(t, c);
   pthread_mutex_lock(&c->mu);
   grpc_op ops[1];
@@ -426,12 +432,8 @@ td_status td__transport_connect(td__transport *t, int peer_rank, const char *add
   st.data.recv_status_on_client.error_string = &c->error_string;
   ok = ok && conn_batch(c, &st, 1, &c->t_status);
   ok = ok && start_recv(c);
-  /* the HELLO goes first; frames queued meanwhile wait for the handshake */
-  td_status hs = td__hs_client_hello(&c->hs, conn_auth(t), t->opts.self_rank, peer_rank,
-                                     c->hs_out);
   if (ok && hs == TD_OK) {
     c->hs_out_len = TD__HS_HELLO_LEN;
-    c->auth = AUTH_CLIENT_HELLO_SENT;
     start_send(c);
   }
   pthread_mutex_unlock(&c->mu);
@@ -571,7 +573,7 @@ static void handle_conn_recv(td__conn *c, bool success) {
     pthread_mutex_unlock(&c->mu);
     return;
   }
-  c->progress_ns = td__now_ns();
+  __atomic_store_n(&c->progress_ns, td__now_ns(), __ATOMIC_RELAXED);
   if (c->auth != AUTH_DONE) {
     handle_handshake(c, bb);
     grpc_byte_buffer_destroy(bb);
@@ -612,7 +614,10 @@ static void feed_message(td__conn *c) {
     if (st != TD_OK) break;
     if (td__decoder_paused(c->dec)) {
       td__conn_ref(c);
+      /* the bulk thread owns the decoder until it clears this (the sweep stays away) */
+      __atomic_store_n(&c->offloaded, true, __ATOMIC_RELEASE);
       if (td__threadpool_submit(c->t->bulk, bulk_task, c) == TD_OK) return;
+      __atomic_store_n(&c->offloaded, false, __ATOMIC_RELEASE);
       td__conn_unref(c);
       td__decoder_resume(c->dec); /* shutting down: copy here */
     }
@@ -629,13 +634,15 @@ static void feed_message(td__conn *c) {
 static void bulk_task(void *arg) {
   td__conn *c = arg;
   td__decoder_resume(c->dec);
-  c->progress_ns = td__now_ns();
-  feed_message(c);
+  __atomic_store_n(&c->progress_ns, td__now_ns(), __ATOMIC_RELAXED);
+  feed_message(c); /* may hand it on again, or finish the message and receive the next */
   td__conn_unref(c);
 }
 
 /* The message is consumed: close a corrupt stream, else receive the next message. */
 static void recv_finished(td__conn *c, td_status st) {
+  /* done with the decoder on this thread (the bulk thread hands it back to the poller here) */
+  __atomic_store_n(&c->offloaded, false, __ATOMIC_RELEASE);
   pthread_mutex_lock(&c->mu);
   if (st != TD_OK) {
     char why[300];
@@ -725,7 +732,10 @@ void td__grpc_sweep(td__transport *t, uint64_t now) {
   int n = 0;
   pthread_mutex_lock(&t->mu);
   for (td__conn *c = t->live; c && n < 64; c = c->next_live) {
-    /* auth, progress_ns and the decoder belong to the poller thread, which runs this */
+    /* auth and the decoder belong to the poller thread, which runs this, except while a large
+     * copy has the decoder on the bulk thread */
+    if (__atomic_load_n(&c->offloaded, __ATOMIC_ACQUIRE)) continue;
+    uint64_t progress = __atomic_load_n(&c->progress_ns, __ATOMIC_RELAXED);
     /* (clients are not timed: a server that never answers is a hung peer, which keepalive
      * catches) */
     if (!c->client && c->auth != AUTH_DONE && c->auth != AUTH_FAILED &&
@@ -733,7 +743,7 @@ void td__grpc_sweep(td__transport *t, uint64_t now) {
       why[n] = "auth: the handshake did not finish in time";
       late[n++] = td__conn_ref(c);
     } else if (c->auth == AUTH_DONE && !td__decoder_idle(c->dec) &&
-               !td__decoder_paused(c->dec) && now - c->progress_ns > stall_ns) {
+               !td__decoder_paused(c->dec) && now - progress > stall_ns) {
       why[n] = "a frame made no progress for the stall timeout: dropped";
       late[n++] = td__conn_ref(c);
     }
