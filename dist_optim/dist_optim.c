@@ -318,9 +318,7 @@ td_status td_dist_optimizer_step(td_dist_optimizer *o, td_dist_autograd_context 
     if (st != TD_OK) {
       td_worker_info wi;
       td_rpc_self(o->agent, &wi);
-      char why[900];
-      snprintf(why, sizeof why, "%s", td_last_error());
-      td_set_error(st, "%s (rank %d): %s", wi.name, wi.id, why);
+      td__error_prefix(st, "%s (rank %d)", wi.name, wi.id);
     }
   }
   if (st != TD_OK) snprintf(msg, sizeof msg, "%s", td_last_error());

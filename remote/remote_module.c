@@ -332,9 +332,11 @@ td_status td_remote_module_create(td_rpc_agent *a, const char *remote_device,
   td_future *f = NULL;
   st = td_rref_creation_future(r, &f);
   if (st == TD_OK && (st = td_future_wait(f, -1)) == TD_OK) st = td_future_status(f);
-  if (st != TD_OK)
+  if (st != TD_OK && f)
     td_set_error(st, "remote_module_create('%s', '%s'): %s", remote_device, factory,
-                 f ? td_future_message(f) : td_last_error());
+                 td_future_message(f));
+  else if (st != TD_OK)
+    td__error_prefix(st, "remote_module_create('%s', '%s')", remote_device, factory);
   td_future_unref(f);
   td_remote_module *rm = st == TD_OK ? handle_new(a, r, d.device) : NULL;
   if (st == TD_OK && !rm) st = td_set_error(TD_ERR_NOMEM, "remote module: out of memory");

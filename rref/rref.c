@@ -393,9 +393,7 @@ static td_status ext_to_wire(void *obj, td__wire_ctx *w, td_value **out) {
     __atomic_add_fetch(&r->children, 1, __ATOMIC_ACQ_REL);
     td_status st = td__rref_control(c, r->owner, "__rref_fork", hdr, td_rref_ref(r));
     if (st != TD_OK) {
-      char why[600];
-      snprintf(why, sizeof why, "%s", td_last_error());
-      return td_set_error(st, "rref: cannot fork %s: %s", td_rref_to_string(r, s, sizeof s), why);
+      return td__error_prefix(st, "rref: cannot fork %s", td_rref_to_string(r, s, sizeof s));
     }
   }
   int64_t v[5] = {(int64_t)r->id, (int64_t)f, r->owner, c->rank, confirmed};
