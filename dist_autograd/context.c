@@ -80,12 +80,12 @@ static void ctx_free(td_dist_autograd_context *c) {
 }
 
 td_dist_autograd_context *td_dist_autograd_context_ref(td_dist_autograd_context *c) {
-  if (c) __atomic_add_fetch(&c->refs, 1, __ATOMIC_RELAXED);
+  if (c) td__ref_inc(&c->rc);
   return c;
 }
 
 void td_dist_autograd_context_unref(td_dist_autograd_context *c) {
-  if (c && __atomic_sub_fetch(&c->refs, 1, __ATOMIC_ACQ_REL) == 0) ctx_free(c);
+  if (c && td__ref_dec(&c->rc)) ctx_free(c);
 }
 
 static td_dist_autograd_context *ctx_new(da_state *s, uint64_t id) {
@@ -98,7 +98,7 @@ static td_dist_autograd_context *ctx_new(da_state *s, uint64_t id) {
     return NULL;
   }
   pthread_mutex_init(&c->mu, NULL);
-  c->refs = 1;
+  td__ref_init(&c->rc);
   c->id = id;
   c->st = s;
   return c;
