@@ -538,13 +538,11 @@ static void layer_init_once(void) {
   td__agent_add_hooks(&h);
 }
 
-/* td__dist_autograd_layer_init registers this layer with the agent (value types, internal functions,
- * hooks). It runs when the library loads and again from td_rpc_init (runtime/init.c), so a
- * program linked against the static library gets the layer even when it references none of its
- * symbols. Idempotent. */
+/* td__dist_autograd_layer_init registers this layer with the agent; td_rpc_init calls it (runtime/init.c)
+ * before it starts the agent, the only registration path (no load-time constructor: static
+ * programs need no dummy reference, and a dlopen()ed library registers nothing behind the
+ * caller's back). Idempotent. */
 void td__dist_autograd_layer_init(void) {
   static pthread_once_t once = PTHREAD_ONCE_INIT;
   pthread_once(&once, layer_init_once);
 }
-
-__attribute__((constructor)) static void layer_init_at_load(void) { td__dist_autograd_layer_init(); }
