@@ -11,6 +11,8 @@
  *   {"bench": "rpc_throughput", "config": {...}, "results": {"calls_per_s", ...}}
  * Options: --calls N (20000), --warmup N (2000), --inflight N (64), --threads N (agent worker
  * threads, 16).
+ *
+ * Lock order: a round's mu is a leaf (reply callbacks take it only to record the end or an error).
  */
 #include <pthread.h>
 

@@ -3,6 +3,8 @@
  * The error text lives in a fixed thread-local buffer (no allocation, so it can be set on the
  * out-of-memory path). Logging takes one process-wide mutex per line so lines from different
  * threads never interleave.
+ *
+ * Lock order: log_mu is a leaf (held only around one fprintf).
  */
 #include "core.h"
 

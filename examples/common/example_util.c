@@ -1,4 +1,7 @@
-/* example_util.c - argument parsing, progress bar, JSON output, clocks (see example_util.h). */
+/* example_util.c - argument parsing, progress bar, JSON output, clocks (see example_util.h).
+ *
+ * Lock order: an ex_reports' mu is a leaf (held only to update or read its slots).
+ */
 #define _GNU_SOURCE
 #include "example_util.h"
 

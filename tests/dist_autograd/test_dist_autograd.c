@@ -3,7 +3,8 @@
  * process (loss, gradients, parameters after 10 steps of every optimizer kind), errors from a
  * backward function two hops away, retain_graph accumulation, several roots, cleanup reaching
  * workers met only through nested calls, and 3 trainers x 4 threads against one parameter server.
- * Every worker runs in strict RRef mode and checks that no context or backward pass is left. */
+ * Every worker runs in strict RRef mode and checks that no context or backward pass is left.
+ * Lock order: ps_mu is a leaf (the parameter server's count of finished trainers). */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,6 +1,7 @@
 /* test_futures.c - td_future: completion exactly once, waits and timeouts, callbacks (order,
  * exactly once, inline when done), then-chaining (value, error, next future, failed source),
- * wait_all (success, fail-fast, timeout) and completion races between threads. */
+ * wait_all (success, fail-fast, timeout) and completion races between threads.
+ * Lock order: a callback log's mu is a leaf. */
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>

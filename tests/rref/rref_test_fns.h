@@ -3,6 +3,8 @@
  * Counter objects are opaque (type "Counter", destructor counted per process). Workers keep RRefs
  * they receive in a slot table ("keep") until "drop_all"; "pass_on" keeps one and forwards it
  * along a list of workers; "here" fetches a received RRef's value inside the handler.
+ *
+ * Lock order: rt_slot_mu is a leaf (RRefs are released after it is dropped).
  */
 #ifndef TD_RREF_TEST_FNS_H
 #define TD_RREF_TEST_FNS_H

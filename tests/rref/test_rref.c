@@ -3,7 +3,8 @@
  * protocol must survive (fork before the owner confirmed creation, a parent releasing before its
  * child's fork is accepted, an RRef sent to its own owner, a chain A -> B -> C -> owner), 1000
  * RRefs created, forked and released concurrently by 3 workers, and strict-mode leak reports.
- * Every worker runs in strict mode: a graceful shutdown with a leak would fail the test. */
+ * Every worker runs in strict mode: a graceful shutdown with a leak would fail the test.
+ * Lock order: a creation probe's mu is a leaf. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
