@@ -7,7 +7,7 @@
  * 127.0.0.1. Peer: bench/peers/torch/rpc_throughput.py; compare with
  * bench/compare.sh rpc_throughput.
  *
- * Output (shared/BENCH.md): one JSON line
+ * Output (docs/BENCH.md): one JSON line
  *   {"bench": "rpc_throughput", "config": {...}, "results": {"calls_per_s", ...}}
  * Options: --calls N (20000), --warmup N (2000), --inflight N (64), --threads N (agent worker
  * threads, 16).

@@ -15,7 +15,7 @@
  *
  * All trainers run the same number of steps (even shards), which the server computes too: after
  * the last step of every epoch it evaluates the model on the test set (inside the handler, before
- * replying, so no update runs meanwhile). Rank 0 prints the JSON line (shared/BENCH.md):
+ * replying, so no update runs meanwhile). Rank 0 prints the JSON line (docs/BENCH.md):
  * test_accuracy, samples_per_s, wall_s, epochs, epoch_test_accuracy, epoch_wall_s, first_loss
  * and last_loss (the trainers' mean loss over the first and the last 5 steps).
  *

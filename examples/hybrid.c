@@ -25,7 +25,7 @@
  * example). Trainer 1 evaluates the test accuracy after every epoch; at the end the trainers
  * check that their head replicas are bit-identical.
  *
- * Output: progress on standard error, then rank 0 prints the JSON line (shared/BENCH.md):
+ * Output: progress on standard error, then rank 0 prints the JSON line (docs/BENCH.md):
  * test_accuracy, samples_per_s, wall_s, epoch_test_accuracy, first_loss / last_loss (mean
  * training loss of the first / last 5 batches over the trainers), replicas_identical.
  *

@@ -30,7 +30,7 @@
  * the server) when every trainer has arrived and, at an epoch's end, the server has evaluated.
  *
  * Output: progress on standard error (trainer 1 draws a bar; the server prints a line per epoch),
- * then rank 0 prints the JSON line (shared/BENCH.md): test_accuracy, samples_per_s, wall_s,
+ * then rank 0 prints the JSON line (docs/BENCH.md): test_accuracy, samples_per_s, wall_s,
  * epochs, epoch_test_accuracy, epoch_wall_s (mean over epochs of the slowest trainer's training
  * time), first_loss (mean training loss over the first 5 batches of every trainer) and last_loss
  * (over the last 5 batches).

@@ -13,7 +13,7 @@
  * --epochs with distributed autograd and a distributed SGD optimizer (momentum; learning rate
  * decayed along a cosine over the run through td_dist_optimizer_set_lr) over both workers'
  * parameters, using --micro-batches, and reports the test accuracy. The last line of standard
- * output is the JSON result (shared/BENCH.md) with test_accuracy, samples_per_s (training),
+ * output is the JSON result (docs/BENCH.md) with test_accuracy, samples_per_s (training),
  * wall_s, runs [{"micro_batches", "samples_per_s"}] and speedup_4_vs_1 (samples/s with 4
  * micro-batches over that with 1).
  *

@@ -24,7 +24,7 @@
  * Each trainer evaluates the validation perplexity after every epoch and reports it to the
  * server, which prints it (mean loss over the trainers' token counts).
  *
- * Output: progress on standard error, then rank 0 prints the JSON line (shared/BENCH.md):
+ * Output: progress on standard error, then rank 0 prints the JSON line (docs/BENCH.md):
  * perplexity (validation, last epoch), samples_per_s (training tokens per second of training
  * time, all trainers), wall_s, epoch_perplexity, first_loss / last_loss (mean training loss of the
  * first / last 5 chunks; the short-mode test checks that it fell) and first_perplexity (the

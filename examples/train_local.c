@@ -11,7 +11,7 @@
  * run; plain constant-lr SGD ends an epoch at 0.82-0.85 test accuracy for the MLP, in PyTorch as
  * here, because the last steps are noisy), shuffled per epoch with --seed; after each epoch the
  * test accuracy over the 10000 test images. Progress and per-epoch lines go to standard error; the last line
- * of standard output is the JSON result (shared/BENCH.md) with test_accuracy, samples_per_s and
+ * of standard output is the JSON result (docs/BENCH.md) with test_accuracy, samples_per_s and
  * epochs under "results" and also at the top level.
  *
  * usage: train_local [--model mlp|cnn] [--epochs N] [--batch-size N] [--lr X] [--momentum X]

@@ -5,7 +5,7 @@
  *                            --device) plus an example's own options from a table.
  *   ex_progress              a progress bar on standard error: redrawn in place when standard
  *                            error is a terminal, otherwise one line about every 10%.
- *   ex_json                  a tiny JSON builder for the final output line (shared/BENCH.md:
+ *   ex_json                  a tiny JSON builder for the final output line (docs/BENCH.md:
  *                            {"bench": name, "config": {...}, "results": {...}}).
  *   ex_now_s, ex_peak_rss_mb a monotonic wall clock and the peak resident set size.
  *

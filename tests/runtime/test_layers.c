@@ -46,7 +46,7 @@ static void test_layers_registered_by_rpc_init(void **state) {
   TD_ASSERT_OK(td_value_object("nn.Module", m, &v)); /* takes m */
   assert_string_equal(td_value_object_type(v), "nn.Module");
   td_value_unref(v);
-  TD_ASSERT_OK(td_rpc_shutdown(agent, true, 10000));
+  TD_ASSERT_OK(td_rpc_shutdown(agent, true, td_test_ms(10000)));
   td_rpc_destroy(agent);
 }
 
