@@ -369,16 +369,16 @@ int main(int argc, char **argv) {
   double t_start = ex_now_s();
   ex_args a;
   ex_args_init(&a);
+  a.omit = "model device";
   double momentum = 0.5;
   int nproc = 3;
   const ex_opt extra[] = {
-      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum (default 0.5)"},
+      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum"},
       {"nproc", EX_OPT_INT, &nproc,
-       "processes to fork when not started by tdistrun (RANK unset); default 3"},
+       "processes to fork when not started by tdistrun (RANK unset)"},
   };
   ex_args_parse(argc, argv, &a, extra, 2,
                 "batch_ps: a parameter server that batches the updates of all trainers");
-  if (strcmp(a.model, "mlp")) ex_die("batch_ps trains the MLP only (--model mlp)");
   if (a.epochs < 0) ex_die("--epochs must be >= 0");
 
   psx_spawn_if_alone(nproc);

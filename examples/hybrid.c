@@ -49,7 +49,6 @@
 #include "tdist/rref.h"
 
 #define MAX_EPOCHS 1000
-#define LOSS_WINDOW 5
 #define NFIELDS 8
 #define HY_TRY(expr)                   \
   do {                                 \
@@ -62,28 +61,13 @@ enum rep_field { ACC, TRAIN_LOSS_SUM, BATCHES, SAMPLES, TRAIN_S, FIRST, LAST, RE
 
 /* ---- the server's state (rank 0) ---- */
 
-static struct {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  td_rref *first; /* owner RRef of the first layer; NULL when not ready */
-} ps = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL};
+static ex_handout handout; /* the first layer's RRef, for the trainers */
 
-/* hy_get_module() -> RRef to the first layer; waits up to 60 s for the server. */
+/* hy_get_module() -> the first layer's RRef as soon as the server made it (a future until
+ * then: no pool thread waits). */
 static td_status hy_get_module(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                                td_future **fut) {
-  struct timespec dl;
-  clock_gettime(CLOCK_REALTIME, &dl);
-  dl.tv_sec += 60;
-  pthread_mutex_lock(&ps.mu);
-  while (!ps.first && pthread_cond_timedwait(&ps.cv, &ps.mu, &dl) == 0) {
-  }
-  td_value *v = ps.first ? td_value_rref(ps.first) : NULL;
-  bool ready = ps.first != NULL;
-  pthread_mutex_unlock(&ps.mu);
-  if (!ready) return td_set_error(TD_ERR_STATE, "hy_get_module: the module is not ready");
-  if (!v) return TD_ERR_NOMEM;
-  *res = v;
-  return TD_OK;
+  return ex_handout_get(&handout, fut);
 }
 
 /* hy_report(slot, [NFIELDS numbers]) records a trainer's figures for epoch slot - 1. */
@@ -92,7 +76,7 @@ static ex_reports reports; /* TRAIN_S: the maximum over trainers, other fields: 
 
 static td_status hy_report(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                           td_future **fut) {
-  td_status st = ex_reports_add(&reports, "hy_report", args, n, 1);
+  td_status st = ex_reports_add(&reports, "hy_report", args, n, 1, NULL);
   if (st != TD_OK) return st;
   *res = td_value_none();
   return TD_OK;
@@ -227,17 +211,6 @@ static bool replicas_differ(td_process_group *pg, const td_tensor_list *params) 
   return differ;
 }
 
-static void report(td_rpc_agent *a, int slot, const double *v) {
-  td_value *args[2] = {td_value_int(slot), td_value_list()};
-  if (!args[0] || !args[1]) ex_die("out of memory");
-  for (int i = 0; i < NFIELDS; i++) EX_CHECK(td_value_list_append(args[1], td_value_double(v[i])));
-  td_value *r = NULL;
-  EX_CHECK(td_rpc_sync(a, "worker0", "hy_report", args, 2, NULL, &r));
-  td_value_unref(r);
-  td_value_unref(args[0]);
-  td_value_unref(args[1]);
-}
-
 /* train_step runs one batch; returns the loss. */
 static double train_step(td_rpc_agent *agent, td_remote_module *first, td_module *head,
                          const td_tensor_list *hp, td_ddp *ddp, td_dist_optimizer *opt,
@@ -326,10 +299,7 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, i
   EX_CHECK(td_mnist_loader_create(train, &so, true, &loader));
   int64_t nb = td_sampler_num_batches(td_mnist_loader_sampler(loader));
   if (a->max_batches > 0 && a->max_batches < nb) nb = a->max_batches;
-  double *losses = calloc((size_t)(nb > 0 ? nb : 1), sizeof *losses);
-  if (!losses) ex_die("out of memory");
-
-  double first_loss = NAN;
+  ex_losses losses = {0};
   for (int epoch = 0; epoch < a->epochs; epoch++) {
     EX_CHECK(td_mnist_loader_set_epoch(loader, (uint64_t)epoch));
     ex_progress bar;
@@ -344,7 +314,7 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, i
       if (!x) break;
       double lv = train_step(agent, first, head, &hp, ddp, opt, x, y);
       if (!isfinite(lv)) ex_die("trainer %d: loss became %g", tid + 1, lv);
-      losses[b] = lv;
+      ex_losses_add(&losses, lv);
       loss_sum += lv;
       samples += td_tensor_size(x, 0);
       if (tid == 0) ex_progress_update(&bar, b + 1, "loss %.4f", loss_sum / (double)(b + 1));
@@ -353,13 +323,6 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, i
     }
     double et = ex_now_s() - t0;
     if (tid == 0) ex_progress_finish(&bar, "loss %.4f", b ? loss_sum / (double)b : NAN);
-    int64_t w = b < LOSS_WINDOW ? b : LOSS_WINDOW;
-    double f = 0, l = 0;
-    for (int64_t i = 0; i < w; i++) {
-      f += losses[i];
-      l += losses[b - w + i];
-    }
-    if (epoch == 0) first_loss = w ? f / (double)w : NAN;
     bool differ = replicas_differ(pg, &hp); /* collective: every trainer, every epoch */
     double rep[NFIELDS] = {0};
     rep[ACC] = tid == 0 ? evaluate(first, head, test) : 0.0;
@@ -367,15 +330,14 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, i
     rep[BATCHES] = (double)b;
     rep[SAMPLES] = (double)samples;
     rep[TRAIN_S] = et;
-    rep[FIRST] = first_loss;
-    rep[LAST] = w ? l / (double)w : NAN;
+    rep[FIRST] = ex_losses_first(&losses);
+    rep[LAST] = ex_losses_last(&losses);
     rep[REPLICAS_DIFFER] = tid == 0 && differ ? 1.0 : 0.0;
-    report(agent, epoch + 1, rep);
+    td_value_unref(ex_report_send(agent, "hy_report", epoch + 1, rep, NFIELDS));
   }
   td_dist_optimizer_destroy(opt);
   for (size_t i = 0; i < np; i++) td_rref_unref(prefs[i]);
   free(prefs);
-  free(losses);
   td_value_unref(pr);
   td_remote_module_destroy(first);
   td_value_unref(mv);
@@ -393,19 +355,19 @@ int main(int argc, char **argv) {
   double t_start = ex_now_s();
   ex_args a;
   ex_args_init(&a);
+  a.omit = "model device";
   a.batch_size = 32; /* per trainer */
   a.epochs = 2;
   double momentum = 0.5;
   int nproc = 3;
   const ex_opt extra[] = {
-      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum (default 0.5)"},
+      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum"},
       {"nproc", EX_OPT_INT, &nproc,
-       "processes to fork when not started by tdistrun (RANK unset); default 3"},
+       "processes to fork when not started by tdistrun (RANK unset)"},
   };
   ex_args_parse(argc, argv, &a, extra, 2,
                 "hybrid: Linear(784, 128) on the parameter server (rank 0) through RemoteModule, "
-                "a dense head replicated by DDP on the trainers (defaults here: 2 epochs, batch "
-                "32 per trainer)");
+                "a dense head replicated by DDP on the trainers (--batch-size is per trainer)");
   if (a.epochs < 0 || a.epochs > MAX_EPOCHS) ex_die("--epochs must be in 0..%d", MAX_EPOCHS);
 
   psx_spawn_if_alone(nproc);
@@ -413,6 +375,7 @@ int main(int argc, char **argv) {
   char name[32];
   snprintf(name, sizeof name, "worker%d", rank);
   EX_CHECK(td_rpc_register("hy_get_module", hy_get_module, NULL));
+  ex_handout_init(&handout);
   ex_reports_init(&reports, report_slots, MAX_EPOCHS + 1, NFIELDS, TRAIN_S);
   EX_CHECK(td_rpc_register("hy_report", hy_report, NULL));
   td_rpc_options ro;
@@ -435,18 +398,13 @@ int main(int argc, char **argv) {
     EX_CHECK(td_value_object("nn.Module", m, &v));
     EX_CHECK(td_rref_create_local(agent, v, &r));
     td_value_unref(v);
-    pthread_mutex_lock(&ps.mu);
-    ps.first = r;
-    pthread_cond_broadcast(&ps.cv);
-    pthread_mutex_unlock(&ps.mu);
-    rc = run_server(&a, momentum, trainers, t_start);
-    pthread_mutex_lock(&ps.mu); /* every trainer reported its last epoch: none asks again */
-    ps.first = NULL;
-    pthread_mutex_unlock(&ps.mu);
+    ex_handout_publish(&handout, td_value_rref(r));
     td_rref_unref(r);
+    rc = run_server(&a, momentum, trainers, t_start);
   } else {
     rc = run_trainer(agent, &a, momentum, trainers);
   }
+  ex_handout_fini(&handout); /* every trainer reported its last epoch: none asks again */
   if (td_rpc_shutdown(agent, true, -1) != TD_OK) {
     fprintf(stderr, "worker%d: shutdown: %s\n", rank, td_last_error());
     if (!rc) rc = 1;

@@ -158,19 +158,20 @@ int main(int argc, char **argv) {
   double t_start = ex_now_s();
   ex_args a;
   ex_args_init(&a);
+  a.omit = "model device";
   a.lr = 0.1;
   double momentum = 0.5;
   int micro = 4, bench_batches = 20, bench_rounds = 5;
   int64_t bench_bs = 1024;
   const ex_opt extra[] = {
-      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum (default 0.5)"},
-      {"micro-batches", EX_OPT_INT, &micro, "micro-batches per training batch (default 4)"},
+      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum"},
+      {"micro-batches", EX_OPT_INT, &micro, "micro-batches per training batch"},
       {"bench-batches", EX_OPT_INT, &bench_batches,
-       "batches per micro-batch count in the throughput runs; 0 skips them (default 20)"},
-      {"bench-batch-size", EX_OPT_I64, &bench_bs, "batch size of the throughput runs (1024)"},
+       "batches per micro-batch count in the throughput runs; 0 skips them"},
+      {"bench-batch-size", EX_OPT_I64, &bench_bs, "batch size of the throughput runs"},
       {"bench-rounds", EX_OPT_INT, &bench_rounds,
-       "rounds the throughput runs are split into, each cycling through 1, 2, 4, 8 (default 5; at "
-       "most --bench-batches)"},
+       "rounds the throughput runs are split into, each cycling through 1, 2, 4, 8 (at most "
+       "--bench-batches)"},
   };
   ex_args_parse(argc, argv, &a, extra, 5,
                 "pipeline_split: an MLP split across 2 workers, pipelined micro-batches");

@@ -12,7 +12,8 @@
  * here, because the last steps are noisy), shuffled per epoch with --seed; after each epoch the
  * test accuracy over the 10000 test images. Progress and per-epoch lines go to standard error; the last line
  * of standard output is the JSON result (docs/BENCH.md) with test_accuracy, samples_per_s and
- * epochs under "results" and also at the top level.
+ * epochs under "results" and also at the top level, and first_loss / last_loss (the mean
+ * training loss of the first / last 5 batches).
  *
  * usage: train_local [--model mlp|cnn] [--epochs N] [--batch-size N] [--lr X] [--momentum X]
  *                    [--schedule cosine|constant] [--seed N] [--max-batches N] [--data-dir DIR]
@@ -126,9 +127,9 @@ int main(int argc, char **argv) {
   double momentum = 0.5;
   const char *schedule = "cosine";
   const ex_opt extra[] = {
-      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum (default 0.5)"},
+      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum"},
       {"schedule", EX_OPT_STRING, &schedule,
-       "learning rate schedule: cosine (decay to 0 over the run, default) or constant"},
+       "learning rate schedule: cosine (decay to 0 over the run) or constant"},
   };
   ex_args_parse(argc, argv, &a, extra, 2,
                 "train_local: train an MLP or a CNN on Fashion-MNIST in one process");
@@ -196,6 +197,7 @@ int main(int argc, char **argv) {
   ex_json_array(&epoch_loss);
   double train_s = 0, acc = 0, last_loss = NAN;
   int64_t samples = 0;
+  ex_losses losses = {0};
   for (int epoch = 0; epoch < a.epochs; epoch++) {
     EX_CHECK(td_mnist_loader_set_epoch(loader, (uint64_t)epoch));
     td_module_train(model, true);
@@ -225,6 +227,7 @@ int main(int argc, char **argv) {
       if (!isfinite(lv)) ex_die("loss became %g at epoch %d batch %lld", lv, epoch + 1,
                                 (long long)b);
       loss_sum += lv;
+      ex_losses_add(&losses, lv);
       samples += td_tensor_size(x, 0);
       ex_progress_update(&bar, b + 1, "loss %.4f", loss_sum / (double)(b + 1));
       td_tensor_unref(loss);
@@ -268,6 +271,8 @@ int main(int argc, char **argv) {
   ex_json_int(&results, "epochs", a.epochs);
   ex_json_num(&results, "train_s", train_s);
   ex_json_num(&results, "final_train_loss", last_loss);
+  ex_json_num(&results, "first_loss", ex_losses_first(&losses));
+  ex_json_num(&results, "last_loss", ex_losses_last(&losses));
   ex_json_child(&results, "epoch_test_accuracy", &epoch_acc);
   ex_json_child(&results, "epoch_train_loss", &epoch_loss);
   ex_json_child(&results, "epoch_train_s", &epoch_time);
