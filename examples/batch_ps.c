@@ -21,6 +21,9 @@
  *
  * usage: batch_ps [--epochs N] [--max-batches N] [--batch-size N] [--lr X] [--momentum X]
  *                 [--seed N] [--nproc N] [--data-dir DIR] [--threads N]
+ *
+ * Lock order: bps.mu is a leaf (the futures completed under it run the agent's reply
+ * callbacks, which take no lock of this file).
  */
 #include <math.h>
 #include <pthread.h>
