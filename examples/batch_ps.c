@@ -308,17 +308,8 @@ static int run_trainer(td_rpc_agent *a, const ex_args *args, int trainers) {
   load_params(&params, v);
   td_value_unref(v);
 
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = args->batch_size;
-  so.shuffle = true;
-  so.seed = args->seed;
-  so.rank = tid;
-  so.world = trainers;
-  so.even_shards = true;
-  td_mnist_loader *loader = NULL;
-  EX_CHECK(td_mnist_loader_create(train, &so, true, &loader));
-  int64_t nb = steps_per_epoch(train, args, trainers, tid);
+  int64_t nb;
+  td_mnist_loader *loader = psx_shard_loader(train, args, tid, trainers, true, &nb);
   for (int epoch = 0; epoch < args->epochs; epoch++) {
     EX_CHECK(td_mnist_loader_set_epoch(loader, (uint64_t)epoch));
     ex_progress bar;

@@ -158,36 +158,25 @@ static td_module *make_head(uint64_t seed) {
   return seq;
 }
 
+/* The model of a trainer: first (remote) + head (local), for psx_accuracy. */
+typedef struct split_model {
+  td_remote_module *first;
+  td_module *head;
+} split_model;
+
+static td_status split_forward(void *ctx, td_tensor *x, td_tensor **logits) {
+  split_model *m = ctx;
+  td_tensor *h = NULL;
+  td_status st = td_remote_module_forward(m->first, x, &h);
+  if (st == TD_OK) st = td_module_forward(m->head, h, logits);
+  td_tensor_unref(h);
+  return st;
+}
+
 /* evaluate returns the test accuracy of first (remote) + head (local). */
 static double evaluate(td_remote_module *first, td_module *head, const td_mnist *ds) {
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = 500;
-  td_mnist_loader *l = NULL;
-  EX_CHECK(td_mnist_loader_create(ds, &so, true, &l));
-  bool prev = td_autograd_set_enabled(false);
-  int64_t correct = 0, total = 0, pred[500];
-  for (;;) {
-    td_tensor *x = NULL, *y = NULL, *h = NULL, *logits = NULL, *am = NULL;
-    EX_CHECK(td_mnist_loader_next(l, &x, &y));
-    if (!x) break;
-    EX_CHECK(td_remote_module_forward(first, x, &h));
-    EX_CHECK(td_module_forward(head, h, &logits));
-    EX_CHECK(td_tensor_argmax(logits, 1, false, &am));
-    int64_t n = td_tensor_size(y, 0);
-    EX_CHECK(td_tensor_copy_to_buffer(am, pred, (size_t)n * sizeof *pred));
-    const int64_t *labels = td_tensor_data(y);
-    for (int64_t i = 0; i < n; i++) correct += pred[i] == labels[i];
-    total += n;
-    td_tensor_unref(am);
-    td_tensor_unref(logits);
-    td_tensor_unref(h);
-    td_tensor_unref(x);
-    td_tensor_unref(y);
-  }
-  td_autograd_set_enabled(prev);
-  td_mnist_loader_destroy(l);
-  return total ? (double)correct / (double)total : 0.0;
+  split_model m = {first, head};
+  return psx_accuracy(ds, true, 500, split_forward, &m);
 }
 
 /* replicas_differ returns whether the head's parameters differ between the trainers: every
@@ -287,18 +276,8 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, i
   td_dist_optimizer *opt = NULL;
   EX_CHECK(td_dist_optimizer_create(agent, &oo, prefs, np, &opt));
 
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = a->batch_size;
-  so.shuffle = true;
-  so.seed = a->seed;
-  so.rank = tid;
-  so.world = trainers;
-  so.even_shards = true; /* every trainer runs the same number of steps (DDP is collective) */
-  td_mnist_loader *loader = NULL;
-  EX_CHECK(td_mnist_loader_create(train, &so, true, &loader));
-  int64_t nb = td_sampler_num_batches(td_mnist_loader_sampler(loader));
-  if (a->max_batches > 0 && a->max_batches < nb) nb = a->max_batches;
+  int64_t nb; /* the same on every trainer: DDP is collective */
+  td_mnist_loader *loader = psx_shard_loader(train, a, tid, trainers, true, &nb);
   ex_losses losses = {0};
   for (int epoch = 0; epoch < a->epochs; epoch++) {
     EX_CHECK(td_mnist_loader_set_epoch(loader, (uint64_t)epoch));

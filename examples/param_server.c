@@ -273,18 +273,8 @@ static int run_trainer(td_rpc_agent *a, const ex_args *args, const recipe *rc,
   EX_CHECK(td_value_as_rref(mv, &model));
   EX_CHECK(td_dist_module_parameter_rrefs(model, -1, &plist));
 
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = args->batch_size;
-  so.shuffle = true;
-  so.seed = args->seed;
-  so.rank = tid;
-  so.world = trainers;
-  so.even_shards = true;
-  td_mnist_loader *loader = NULL;
-  EX_CHECK(td_mnist_loader_create(train, &so, flatten, &loader));
-  int64_t nb = td_sampler_num_batches(td_mnist_loader_sampler(loader));
-  if (args->max_batches > 0 && args->max_batches < nb) nb = args->max_batches;
+  int64_t nb;
+  td_mnist_loader *loader = psx_shard_loader(train, args, tid, trainers, flatten, &nb);
   ex_losses losses = {0};
   psft_trainer ft;
   psft_trainer_resume(a, fo, tid, nb, &ft); /* where a checkpoint left off, or the beginning */

@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include "example_util.h"
+#include "ps_common.h"
 #include "tdist/autograd.h"
 #include "tdist/data.h"
 #include "tdist/dist_autograd.h"
@@ -125,33 +126,23 @@ static double step(td_rpc_agent *a, td_pipeline *p, td_dist_optimizer *opt, td_t
   return lv;
 }
 
+/* The pipeline's forward in evaluation, for psx_accuracy. */
+typedef struct pipe_eval {
+  td_pipeline *p;
+  int m; /* micro-batches */
+} pipe_eval;
+
+static td_status pipe_forward(void *ctx, td_tensor *x, td_tensor **logits) {
+  pipe_eval *e = ctx;
+  return td_pipeline_forward(e->p, x, e->m, logits);
+}
+
 static double evaluate(td_pipeline *p, td_remote_module *const *st, const td_mnist *ds, int m) {
   for (int k = 0; k < 2; k++) EX_CHECK(td_remote_module_train(st[k], false));
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = 1000;
-  td_mnist_loader *l = NULL;
-  EX_CHECK(td_mnist_loader_create(ds, &so, true, &l));
-  int64_t correct = 0, total = 0, pred[1000];
-  for (;;) {
-    td_tensor *x = NULL, *y = NULL, *logits = NULL, *am = NULL;
-    EX_CHECK(td_mnist_loader_next(l, &x, &y));
-    if (!x) break;
-    EX_CHECK(td_pipeline_forward(p, x, m, &logits));
-    EX_CHECK(td_tensor_argmax(logits, 1, false, &am));
-    int64_t n = td_tensor_size(y, 0);
-    EX_CHECK(td_tensor_copy_to_buffer(am, pred, (size_t)n * sizeof *pred));
-    const int64_t *lab = td_tensor_data(y);
-    for (int64_t i = 0; i < n; i++) correct += pred[i] == lab[i];
-    total += n;
-    td_tensor_unref(am);
-    td_tensor_unref(logits);
-    td_tensor_unref(x);
-    td_tensor_unref(y);
-  }
-  td_mnist_loader_destroy(l);
+  pipe_eval e = {p, m};
+  double acc = psx_accuracy(ds, true, 1000, pipe_forward, &e);
   for (int k = 0; k < 2; k++) EX_CHECK(td_remote_module_train(st[k], true));
-  return total ? (double)correct / (double)total : 0.0;
+  return acc;
 }
 
 int main(int argc, char **argv) {
@@ -221,19 +212,8 @@ int main(int argc, char **argv) {
     return 0;
   }
 
-  /* Data. */
-  td_mnist_opts mo;
-  td_mnist_opts_init(&mo);
-  mo.dir = a.data_dir;
-  mo.mean = TD_FASHION_MNIST_MEAN;
-  mo.std = TD_FASHION_MNIST_STD;
-  td_mnist *train = NULL, *test = NULL;
-  td_status s = td_mnist_load(TD_MNIST_TRAIN, &mo, &train);
-  if (s == TD_ERR_NOT_FOUND)
-    ex_die("%s\n(put the Fashion-MNIST .gz files there, or pass --data-dir / set TD_DATA_DIR)",
-           td_last_error());
-  EX_CHECK(s);
-  EX_CHECK(td_mnist_load(TD_MNIST_TEST, &mo, &test));
+  td_mnist *train = psx_load_mnist(TD_MNIST_TRAIN, a.data_dir);
+  td_mnist *test = psx_load_mnist(TD_MNIST_TEST, a.data_dir);
 
   /* Stages. */
   td_value *args0 = td_value_list(), *args1 = td_value_list();
@@ -306,15 +286,8 @@ int main(int argc, char **argv) {
   oo.momentum = momentum;
   td_dist_optimizer *opt = NULL;
   EX_CHECK(td_dist_optimizer_create(agent, &oo, prefs, np, &opt));
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = a.batch_size;
-  so.shuffle = true;
-  so.seed = a.seed;
-  td_mnist_loader *loader = NULL;
-  EX_CHECK(td_mnist_loader_create(train, &so, true, &loader));
-  int64_t nb = td_sampler_num_batches(td_mnist_loader_sampler(loader));
-  if (a.max_batches > 0 && a.max_batches < nb) nb = a.max_batches;
+  int64_t nb;
+  td_mnist_loader *loader = psx_shard_loader(train, &a, 0, 1, true, &nb); /* all of it */
   double train_s = 0, acc = 0, first_loss = NAN, last_loss = NAN;
   int64_t samples = 0;
   for (int epoch = 0; epoch < a.epochs; epoch++) {

@@ -25,54 +25,12 @@
 #include <string.h>
 
 #include "example_util.h"
+#include "ps_common.h"
 #include "tdist/autograd.h"
 #include "tdist/data.h"
 #include "tdist/nn.h"
 #include "tdist/optim.h"
 #include "tdist/tensor.h"
-
-/* append adds child to seq and drops the caller's reference. */
-static void append(td_module *seq, td_module *child) {
-  EX_CHECK(td_sequential_append(seq, child));
-  td_module_unref(child);
-}
-
-static td_module *make_mlp(td_generator *g) {
-  td_module *seq = NULL, *m = NULL;
-  EX_CHECK(td_sequential_create(&seq));
-  EX_CHECK(td_linear_create(784, 256, true, g, &m));
-  append(seq, m);
-  EX_CHECK(td_relu_create(&m));
-  append(seq, m);
-  EX_CHECK(td_linear_create(256, 10, true, g, &m));
-  append(seq, m);
-  return seq;
-}
-
-static td_module *make_cnn(td_generator *g) {
-  td_module *seq = NULL, *m = NULL;
-  td_conv2d_opts co;
-  td_conv2d_opts_init(&co, 3);
-  co.pad_h = co.pad_w = 1;
-  EX_CHECK(td_sequential_create(&seq));
-  EX_CHECK(td_conv2d_create(1, 32, &co, g, &m));
-  append(seq, m);
-  EX_CHECK(td_relu_create(&m));
-  append(seq, m);
-  EX_CHECK(td_max_pool2d_create(2, 2, 0, 0, &m));
-  append(seq, m);
-  EX_CHECK(td_conv2d_create(32, 64, &co, g, &m));
-  append(seq, m);
-  EX_CHECK(td_relu_create(&m));
-  append(seq, m);
-  EX_CHECK(td_max_pool2d_create(2, 2, 0, 0, &m));
-  append(seq, m);
-  EX_CHECK(td_flatten_create(1, -1, &m));
-  append(seq, m);
-  EX_CHECK(td_linear_create(64 * 7 * 7, 10, true, g, &m));
-  append(seq, m);
-  return seq;
-}
 
 /* to_device moves a batch tensor to dev, replacing *t. */
 static void to_device(td_tensor **t, td_device dev) {
@@ -83,41 +41,28 @@ static void to_device(td_tensor **t, td_device dev) {
   *t = moved;
 }
 
-/* evaluate returns the accuracy of model on ds (no gradients, evaluation mode). */
+/* A model on a device, for psx_accuracy. */
+typedef struct on_device {
+  td_module *model;
+  td_device dev;
+} on_device;
+
+static td_status forward_on_device(void *ctx, td_tensor *x, td_tensor **logits) {
+  on_device *o = ctx;
+  td_tensor *xd = td_tensor_ref(x);
+  to_device(&xd, o->dev);
+  td_status st = td_module_forward(o->model, xd, logits);
+  td_tensor_unref(xd);
+  return st;
+}
+
+/* evaluate returns the accuracy of model (on dev) on ds, in evaluation mode. */
 static double evaluate(td_module *model, const td_mnist *ds, bool flatten, td_device dev) {
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = 500;
-  td_mnist_loader *l = NULL;
-  EX_CHECK(td_mnist_loader_create(ds, &so, flatten, &l));
-  bool was_training = td_module_is_training(model);
+  on_device o = {model, dev};
   td_module_train(model, false);
-  bool prev = td_autograd_set_enabled(false);
-  int64_t correct = 0, total = 0;
-  int64_t *pred = malloc(500 * sizeof *pred);
-  if (!pred) ex_die("out of memory");
-  for (;;) {
-    td_tensor *x = NULL, *y = NULL, *logits = NULL, *am = NULL;
-    EX_CHECK(td_mnist_loader_next(l, &x, &y));
-    if (!x) break;
-    to_device(&x, dev);
-    EX_CHECK(td_module_forward(model, x, &logits));
-    EX_CHECK(td_tensor_argmax(logits, 1, false, &am));
-    int64_t n = td_tensor_size(y, 0);
-    EX_CHECK(td_tensor_copy_to_buffer(am, pred, (size_t)n * sizeof *pred));
-    const int64_t *labels = td_tensor_data(y);
-    for (int64_t i = 0; i < n; i++) correct += pred[i] == labels[i];
-    total += n;
-    td_tensor_unref(am);
-    td_tensor_unref(logits);
-    td_tensor_unref(x);
-    td_tensor_unref(y);
-  }
-  free(pred);
-  td_autograd_set_enabled(prev);
-  td_module_train(model, was_training);
-  td_mnist_loader_destroy(l);
-  return total ? (double)correct / (double)total : 0.0;
+  double acc = psx_accuracy(ds, flatten, 500, forward_on_device, &o);
+  td_module_train(model, true);
+  return acc;
 }
 
 int main(int argc, char **argv) {
@@ -145,25 +90,12 @@ int main(int argc, char **argv) {
   EX_CHECK(td_device_parse(a.device, &dev));
   if (!td_device_available(dev)) ex_die("device %s is not available in this build", a.device);
 
-  /* Data. */
-  td_mnist_opts mo;
-  td_mnist_opts_init(&mo);
-  mo.dir = a.data_dir;
-  mo.mean = TD_FASHION_MNIST_MEAN;
-  mo.std = TD_FASHION_MNIST_STD;
-  td_mnist *train = NULL, *test = NULL;
-  td_status s = td_mnist_load(TD_MNIST_TRAIN, &mo, &train);
-  if (s == TD_ERR_NOT_FOUND)
-    ex_die("%s\n(put the Fashion-MNIST .gz files there, or pass --data-dir / set TD_DATA_DIR)",
-           td_last_error());
-  EX_CHECK(s);
-  EX_CHECK(td_mnist_load(TD_MNIST_TEST, &mo, &test));
+  td_mnist *train = psx_load_mnist(TD_MNIST_TRAIN, a.data_dir);
+  td_mnist *test = psx_load_mnist(TD_MNIST_TEST, a.data_dir);
   bool flatten = !cnn;
 
   /* Model and optimizer. */
-  td_generator *g = NULL;
-  EX_CHECK(td_generator_create(a.seed, &g));
-  td_module *model = cnn ? make_cnn(g) : make_mlp(g);
+  td_module *model = psx_make_model(a.model, a.seed);
   EX_CHECK(td_module_to(model, dev));
   td_tensor_list params;
   td_tensor_list_init(&params);
@@ -175,15 +107,8 @@ int main(int argc, char **argv) {
   td_optim *opt = NULL;
   EX_CHECK(td_optim_create(&oo, params.tensors, params.n, &opt));
 
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = a.batch_size;
-  so.shuffle = true;
-  so.seed = a.seed;
-  td_mnist_loader *loader = NULL;
-  EX_CHECK(td_mnist_loader_create(train, &so, flatten, &loader));
-  int64_t nb = td_sampler_num_batches(td_mnist_loader_sampler(loader));
-  if (a.max_batches > 0 && a.max_batches < nb) nb = a.max_batches;
+  int64_t nb;
+  td_mnist_loader *loader = psx_shard_loader(train, &a, 0, 1, flatten, &nb); /* all of it */
 
   fprintf(stderr, "train_local: %s, %lld parameters, %lld train / %lld test samples, batch %lld, "
           "SGD lr %g (%s) momentum %g, device %s, BLAS threads %d\n",
@@ -289,7 +214,6 @@ int main(int argc, char **argv) {
   td_optim_destroy(opt);
   td_tensor_list_fini(&params);
   td_module_unref(model);
-  td_generator_destroy(g);
   td_mnist_destroy(train);
   td_mnist_destroy(test);
   return 0;

@@ -295,23 +295,19 @@ void ex_progress_update(ex_progress *p, int64_t done, const char *fmt, ...) {
   }
   if (!due) return;
   char suffix[256] = "";
-  if (fmt) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(suffix, sizeof suffix, fmt, ap);
-    va_end(ap);
-  }
+  va_list ap;
+  va_start(ap, fmt);
+  if (fmt) vsnprintf(suffix, sizeof suffix, fmt, ap);
+  va_end(ap);
   draw(p, suffix, false);
 }
 
 void ex_progress_finish(ex_progress *p, const char *fmt, ...) {
   char suffix[256] = "";
-  if (fmt) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(suffix, sizeof suffix, fmt, ap);
-    va_end(ap);
-  }
+  va_list ap;
+  va_start(ap, fmt);
+  if (fmt) vsnprintf(suffix, sizeof suffix, fmt, ap);
+  va_end(ap);
   draw(p, suffix, true);
 }
 
