@@ -65,6 +65,102 @@ static double evaluate(td_module *model, const td_mnist *ds, bool flatten, td_de
   return acc;
 }
 
+/* One training run: its parts and what it measured. */
+typedef struct run {
+  const ex_args *a;
+  td_module *model;
+  td_optim *opt;
+  td_mnist_loader *loader;
+  td_device dev;
+  int64_t nb; /* batches per epoch */
+  bool cosine;
+  double train_s, acc, last_loss; /* last_loss: the last epoch's mean */
+  int64_t samples;
+  ex_losses losses;
+  ex_json epoch_acc, epoch_time, epoch_loss;
+} run;
+
+/* train_epoch runs one epoch of SGD (learning rate on a cosine over the run when r->cosine). */
+static void train_epoch(run *r, int epoch) {
+  const ex_args *a = r->a;
+  EX_CHECK(td_mnist_loader_set_epoch(r->loader, (uint64_t)epoch));
+  td_module_train(r->model, true);
+  char label[32];
+  snprintf(label, sizeof label, "epoch %d/%d", epoch + 1, a->epochs);
+  ex_progress bar;
+  ex_progress_start(&bar, label, r->nb);
+  double loss_sum = 0;
+  int64_t b = 0;
+  for (; b < r->nb; b++) {
+    if (r->cosine) {
+      double done = (double)(epoch * r->nb + b) / (double)(a->epochs * r->nb);
+      EX_CHECK(td_optim_set_lr(r->opt, a->lr * 0.5 * (1.0 + cos(M_PI * done))));
+    }
+    td_tensor *x = NULL, *y = NULL, *logits = NULL, *loss = NULL;
+    EX_CHECK(td_mnist_loader_next(r->loader, &x, &y));
+    if (!x) break;
+    to_device(&x, r->dev);
+    to_device(&y, r->dev);
+    td_optim_zero_grad(r->opt);
+    EX_CHECK(td_module_forward(r->model, x, &logits));
+    EX_CHECK(td_tensor_cross_entropy(logits, y, TD_REDUCTION_MEAN, -100, &loss));
+    EX_CHECK(td_tensor_backward(loss));
+    EX_CHECK(td_optim_step(r->opt));
+    double lv;
+    EX_CHECK(td_tensor_item(loss, &lv));
+    if (!isfinite(lv))
+      ex_die("the loss became %g at epoch %d batch %lld (try a lower --lr)", lv, epoch + 1,
+             (long long)b);
+    loss_sum += lv;
+    ex_losses_add(&r->losses, lv);
+    r->samples += td_tensor_size(x, 0);
+    ex_progress_update(&bar, b + 1, "loss %.4f", loss_sum / (double)(b + 1));
+    td_tensor_unref(loss);
+    td_tensor_unref(logits);
+    td_tensor_unref(x);
+    td_tensor_unref(y);
+  }
+  r->last_loss = b ? loss_sum / (double)b : NAN;
+  ex_progress_finish(&bar, "loss %.4f", r->last_loss);
+}
+
+static void print_result(run *r, double momentum, const char *schedule, int64_t ntrain,
+                         int64_t ntest, double t_start) {
+  const ex_args *a = r->a;
+  ex_json config, results;
+  ex_json_object(&config);
+  ex_json_str(&config, "model", a->model);
+  ex_json_int(&config, "epochs", a->epochs);
+  ex_json_int(&config, "batch_size", a->batch_size);
+  ex_json_num(&config, "lr", a->lr);
+  ex_json_num(&config, "momentum", momentum);
+  ex_json_str(&config, "schedule", schedule);
+  ex_json_int(&config, "seed", (int64_t)a->seed);
+  ex_json_int(&config, "max_batches", a->max_batches);
+  ex_json_str(&config, "device", a->device);
+  ex_json_int(&config, "threads", ex_blas_threads());
+  ex_json_int(&config, "train_samples", ntrain);
+  ex_json_int(&config, "test_samples", ntest);
+  ex_json_int(&config, "parameters", td_module_num_parameters(r->model));
+  ex_json_object(&results);
+  ex_json_num(&results, "test_accuracy", r->acc);
+  ex_json_num(&results, "samples_per_s", r->train_s > 0 ? (double)r->samples / r->train_s : 0.0);
+  ex_json_num(&results, "wall_s", ex_now_s() - t_start);
+  ex_json_int(&results, "epochs", a->epochs);
+  ex_json_num(&results, "train_s", r->train_s);
+  ex_json_num(&results, "final_train_loss", r->last_loss);
+  ex_json_num(&results, "first_loss", ex_losses_first(&r->losses));
+  ex_json_num(&results, "last_loss", ex_losses_last(&r->losses));
+  ex_json_child(&results, "epoch_test_accuracy", &r->epoch_acc);
+  ex_json_child(&results, "epoch_train_loss", &r->epoch_loss);
+  ex_json_child(&results, "epoch_train_s", &r->epoch_time);
+  ex_json_num(&results, "peak_rss_mb", ex_peak_rss_mb());
+  const char *const promote[] = {"test_accuracy", "samples_per_s", "epochs", "wall_s", NULL};
+  ex_json_print_result("train_local", &config, &results, promote);
+  ex_json_fini(&config);
+  ex_json_fini(&results);
+}
+
 int main(int argc, char **argv) {
   double t_start = ex_now_s();
   ex_args a;
@@ -116,100 +212,28 @@ int main(int argc, char **argv) {
           (long long)td_mnist_count(test), (long long)a.batch_size, a.lr, schedule, momentum,
           a.device, ex_blas_threads());
 
-  ex_json epoch_acc, epoch_time, epoch_loss;
-  ex_json_array(&epoch_acc);
-  ex_json_array(&epoch_time);
-  ex_json_array(&epoch_loss);
-  double train_s = 0, acc = 0, last_loss = NAN;
-  int64_t samples = 0;
-  ex_losses losses = {0};
+  run r = {.a = &a, .model = model, .opt = opt, .loader = loader, .dev = dev, .nb = nb,
+           .cosine = cosine};
+  ex_json_array(&r.epoch_acc);
+  ex_json_array(&r.epoch_time);
+  ex_json_array(&r.epoch_loss);
   for (int epoch = 0; epoch < a.epochs; epoch++) {
-    EX_CHECK(td_mnist_loader_set_epoch(loader, (uint64_t)epoch));
-    td_module_train(model, true);
-    char label[32];
-    snprintf(label, sizeof label, "epoch %d/%d", epoch + 1, a.epochs);
-    ex_progress bar;
-    ex_progress_start(&bar, label, nb);
-    double t0 = ex_now_s(), loss_sum = 0;
-    int64_t b = 0;
-    for (; b < nb; b++) {
-      if (cosine) {
-        double done = (double)(epoch * nb + b) / (double)(a.epochs * nb);
-        EX_CHECK(td_optim_set_lr(opt, a.lr * 0.5 * (1.0 + cos(M_PI * done))));
-      }
-      td_tensor *x = NULL, *y = NULL, *logits = NULL, *loss = NULL;
-      EX_CHECK(td_mnist_loader_next(loader, &x, &y));
-      if (!x) break;
-      to_device(&x, dev);
-      to_device(&y, dev);
-      td_optim_zero_grad(opt);
-      EX_CHECK(td_module_forward(model, x, &logits));
-      EX_CHECK(td_tensor_cross_entropy(logits, y, TD_REDUCTION_MEAN, -100, &loss));
-      EX_CHECK(td_tensor_backward(loss));
-      EX_CHECK(td_optim_step(opt));
-      double lv;
-      EX_CHECK(td_tensor_item(loss, &lv));
-      if (!isfinite(lv)) ex_die("loss became %g at epoch %d batch %lld", lv, epoch + 1,
-                                (long long)b);
-      loss_sum += lv;
-      ex_losses_add(&losses, lv);
-      samples += td_tensor_size(x, 0);
-      ex_progress_update(&bar, b + 1, "loss %.4f", loss_sum / (double)(b + 1));
-      td_tensor_unref(loss);
-      td_tensor_unref(logits);
-      td_tensor_unref(x);
-      td_tensor_unref(y);
-    }
-    double et = ex_now_s() - t0;
-    train_s += et;
-    last_loss = b ? loss_sum / (double)b : NAN;
-    ex_progress_finish(&bar, "loss %.4f", last_loss);
-    double te0 = ex_now_s();
-    acc = evaluate(model, test, flatten, dev);
+    double t0 = ex_now_s();
+    train_epoch(&r, epoch);
+    double et = ex_now_s() - t0, te0 = ex_now_s();
+    r.train_s += et;
+    r.acc = evaluate(model, test, flatten, dev);
     fprintf(stderr, "epoch %d: train loss %.4f, test accuracy %.4f (train %.1fs, eval %.1fs)\n",
-            epoch + 1, last_loss, acc, et, ex_now_s() - te0);
-    ex_json_num(&epoch_acc, NULL, acc);
-    ex_json_num(&epoch_time, NULL, et);
-    ex_json_num(&epoch_loss, NULL, last_loss);
+            epoch + 1, r.last_loss, r.acc, et, ex_now_s() - te0);
+    ex_json_num(&r.epoch_acc, NULL, r.acc);
+    ex_json_num(&r.epoch_time, NULL, et);
+    ex_json_num(&r.epoch_loss, NULL, r.last_loss);
   }
-  if (a.epochs == 0) acc = evaluate(model, test, flatten, dev);
-
-  ex_json config, results;
-  ex_json_object(&config);
-  ex_json_str(&config, "model", a.model);
-  ex_json_int(&config, "epochs", a.epochs);
-  ex_json_int(&config, "batch_size", a.batch_size);
-  ex_json_num(&config, "lr", a.lr);
-  ex_json_num(&config, "momentum", momentum);
-  ex_json_str(&config, "schedule", schedule);
-  ex_json_int(&config, "seed", (int64_t)a.seed);
-  ex_json_int(&config, "max_batches", a.max_batches);
-  ex_json_str(&config, "device", a.device);
-  ex_json_int(&config, "threads", ex_blas_threads());
-  ex_json_int(&config, "train_samples", td_mnist_count(train));
-  ex_json_int(&config, "test_samples", td_mnist_count(test));
-  ex_json_int(&config, "parameters", td_module_num_parameters(model));
-  ex_json_object(&results);
-  ex_json_num(&results, "test_accuracy", acc);
-  ex_json_num(&results, "samples_per_s", train_s > 0 ? (double)samples / train_s : 0.0);
-  ex_json_num(&results, "wall_s", ex_now_s() - t_start);
-  ex_json_int(&results, "epochs", a.epochs);
-  ex_json_num(&results, "train_s", train_s);
-  ex_json_num(&results, "final_train_loss", last_loss);
-  ex_json_num(&results, "first_loss", ex_losses_first(&losses));
-  ex_json_num(&results, "last_loss", ex_losses_last(&losses));
-  ex_json_child(&results, "epoch_test_accuracy", &epoch_acc);
-  ex_json_child(&results, "epoch_train_loss", &epoch_loss);
-  ex_json_child(&results, "epoch_train_s", &epoch_time);
-  ex_json_num(&results, "peak_rss_mb", ex_peak_rss_mb());
-  const char *const promote[] = {"test_accuracy", "samples_per_s", "epochs", "wall_s", NULL};
-  ex_json_print_result("train_local", &config, &results, promote);
-
-  ex_json_fini(&config);
-  ex_json_fini(&results);
-  ex_json_fini(&epoch_acc);
-  ex_json_fini(&epoch_time);
-  ex_json_fini(&epoch_loss);
+  if (a.epochs == 0) r.acc = evaluate(model, test, flatten, dev);
+  print_result(&r, momentum, schedule, td_mnist_count(train), td_mnist_count(test), t_start);
+  ex_json_fini(&r.epoch_acc);
+  ex_json_fini(&r.epoch_time);
+  ex_json_fini(&r.epoch_loss);
   td_mnist_loader_destroy(loader);
   td_optim_destroy(opt);
   td_tensor_list_fini(&params);
