@@ -110,8 +110,11 @@ static inline double rb_quantile(const double *sorted, size_t n, double q) {
 
 typedef struct rb_pair {
   pid_t child;        /* rank 1 */
-  int go_fd;          /* write end of the pipe rank 1 waits on */
+  int start_fd;       /* write end of the pipe rank 1 waits on before it joins */
+  int go_fd;          /* write end of the pipe rank 1 waits on before it leaves */
   char method[64];    /* tcp://127.0.0.1:<port> */
+  td_rpc_options o;   /* both ranks' options (the strings below live here too) */
+  char secret[65], cert[96], key[96], ca[96];
   td_rpc_agent *agent; /* rank 0 (this process) */
 } rb_pair;
 
@@ -131,22 +134,77 @@ static void rb_rank1(const td_rpc_options *base, int rfd) {
   _exit(n == 1 && st == TD_OK ? 0 : 1);
 }
 
-/* rb_start forks rank 1 and joins as rank 0. Register the benchmark's functions before calling
- * it. Exits the process on failure. */
-static inline void rb_start(rb_pair *p, int threads) {
+/* How the two workers protect their group: a job secret (the default of every tdist group), no
+ * authentication at all, or the secret plus mutual TLS. */
+typedef enum { RB_SECRET, RB_INSECURE, RB_TLS } rb_security;
+static const char *const rb_security_names[] = {"secret", "insecure", "tls"};
+
+/* TLS files for RB_TLS, made once per process with the openssl tool in a private directory that
+ * is removed at exit. */
+static char rb_tls_dir[64];
+static void rb_tls_cleanup(void) {
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", rb_tls_dir);
+  if (rb_tls_dir[0] && system(cmd) != 0) fprintf(stderr, "%s: could not remove %s\n", rb_prog,
+                                                  rb_tls_dir);
+}
+static inline bool rb_tls_files(void) {
+  if (rb_tls_dir[0]) return true;
+  snprintf(rb_tls_dir, sizeof rb_tls_dir, "/tmp/td_bench_tls_XXXXXX");
+  if (!mkdtemp(rb_tls_dir)) return false;
+  atexit(rb_tls_cleanup);
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd,
+           "cd %s && umask 077 && printf 'subjectAltName=DNS:tdist\\n' > ext && "
+           "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=ca -keyout ca.key "
+           "-out ca.pem && openssl req -newkey rsa:2048 -nodes -subj /CN=tdist -keyout w.key "
+           "-out w.csr && openssl x509 -req -in w.csr -CA ca.pem -CAkey ca.key "
+           "-CAcreateserial -days 2 -extfile ext -out w.pem > /dev/null 2>&1",
+           rb_tls_dir);
+  return system(cmd) == 0;
+}
+
+/* rb_prepare forks rank 1 of a pair protected as sec says; it waits until rb_begin. A benchmark
+ * that measures several pairs prepares them all before the first one starts: a child forked
+ * after gRPC has run in the parent inherits a half-copied gRPC (its threads are not copied) and
+ * misbehaves (runaway keepalive pings, which a server answers with GOAWAY). Exits the process on
+ * failure. */
+static inline void rb_prepare(rb_pair *p, int threads, rb_security sec) {
+  memset(p, 0, sizeof *p);
   int port = rb_free_port();
   if (port <= 0) {
     fprintf(stderr, "%s: no free port on 127.0.0.1\n", rb_prog);
     exit(1);
   }
   snprintf(p->method, sizeof p->method, "tcp://127.0.0.1:%d", port);
-  td_rpc_options o;
-  td_rpc_options_init(&o);
-  o.init_method = p->method;
-  o.num_worker_threads = threads;
-  o.init_timeout_ms = 60000;
-  int fds[2];
-  if (pipe(fds) != 0) {
+  td_rpc_options *o = &p->o;
+  td_rpc_options_init(o);
+  o->init_method = p->method;
+  o->num_worker_threads = threads;
+  o->init_timeout_ms = 60000;
+  if (sec == RB_INSECURE) {
+    o->insecure = 1;
+  } else {
+    if (td_rpc_secret_generate(p->secret, sizeof p->secret) != TD_OK) {
+      fprintf(stderr, "%s: %s\n", rb_prog, td_last_error());
+      exit(1);
+    }
+    o->secret = p->secret;
+  }
+  if (sec == RB_TLS) {
+    if (!rb_tls_files()) {
+      fprintf(stderr, "%s: cannot make TLS certificates (is openssl installed?)\n", rb_prog);
+      exit(1);
+    }
+    snprintf(p->cert, sizeof p->cert, "%s/w.pem", rb_tls_dir);
+    snprintf(p->key, sizeof p->key, "%s/w.key", rb_tls_dir);
+    snprintf(p->ca, sizeof p->ca, "%s/ca.pem", rb_tls_dir);
+    o->tls_cert_file = p->cert;
+    o->tls_key_file = p->key;
+    o->tls_ca_file = p->ca;
+  }
+  int go[2], start[2];
+  if (pipe(go) != 0 || pipe(start) != 0) {
     perror("pipe");
     exit(1);
   }
@@ -158,21 +216,48 @@ static inline void rb_start(rb_pair *p, int threads) {
     exit(1);
   }
   if (pid == 0) {
-    close(fds[1]);
-    rb_rank1(&o, fds[0]);
+    close(go[1]);
+    close(start[1]);
+    char c;
+    ssize_t n;
+    do {
+      n = read(start[0], &c, 1);
+    } while (n < 0 && errno == EINTR);
+    if (n != 1) _exit(1); /* rank 0 gave up before starting this pair */
+    close(start[0]);
+    rb_rank1(o, go[0]);
   }
-  close(fds[0]);
+  close(go[0]);
+  close(start[0]);
   p->child = pid;
-  p->go_fd = fds[1];
-  td_status st = td_rpc_init("worker0", 0, 2, &o, &p->agent);
+  p->go_fd = go[1];
+  p->start_fd = start[1];
+}
+
+/* rb_begin lets rank 1 join and joins as rank 0. Register the benchmark's functions before. */
+static inline void rb_begin(rb_pair *p) {
+  char c = 1;
+  if (write(p->start_fd, &c, 1) != 1) perror("write");
+  close(p->start_fd);
+  p->start_fd = -1;
+  td_status st = td_rpc_init("worker0", 0, 2, &p->o, &p->agent);
   if (st != TD_OK) {
     fprintf(stderr, "%s: td_rpc_init failed: %s: %s\n", rb_prog, td_status_name(st),
             td_last_error());
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
+    kill(p->child, SIGKILL);
+    waitpid(p->child, NULL, 0);
     exit(1);
   }
 }
+
+/* rb_start_auth forks rank 1 and joins as rank 0, both protected as sec says. */
+static inline void rb_start_auth(rb_pair *p, int threads, rb_security sec) {
+  rb_prepare(p, threads, sec);
+  rb_begin(p);
+}
+
+/* rb_start: rb_start_auth with authentication on (the default of every tdist group). */
+static inline void rb_start(rb_pair *p, int threads) { rb_start_auth(p, threads, RB_SECRET); }
 
 /* rb_finish stops both workers. Returns 0 when both shut down cleanly. */
 static inline int rb_finish(rb_pair *p) {

@@ -10,7 +10,9 @@
  * Output (docs/BENCH.md): one JSON line
  *   {"bench": "rpc_throughput", "config": {...}, "results": {"calls_per_s", ...}}
  * Options: --calls N (20000), --warmup N (2000), --inflight N (64), --threads N (agent worker
- * threads, 16).
+ * threads, 16), --security compare|secret|insecure|tls (compare: the default group (secret) gives
+ * calls_per_s, and the same rounds run without authentication and with TLS too, alternating,
+ * under results.security with their ratios to the insecure run).
  *
  * Lock order: a round's mu is a leaf (reply callbacks take it only to record the end or an error).
  */
@@ -132,10 +134,34 @@ static double run_round(rb_pair *p, tp_round *r, td_value *arg, long long total,
   return wall;
 }
 
+/* One measurement on a prepared pair: a warm-up round and a timed one; returns the timed wall. */
+static double measure(rb_pair *pp, td_value *arg, long long warmup, long long calls,
+                      long long inflight, long long *busy_poll_us) {
+  rb_pair p = *pp;
+  static tp_round rounds[64]; /* outlive the agents (see tp_round); 2 per measurement */
+  static int used;
+  if (used + 2 > 64) {
+    fprintf(stderr, "rpc_throughput: too many measurements\n");
+    exit(1);
+  }
+  tp_round *r = &rounds[used];
+  used += 2;
+  rb_begin(&p);
+  *busy_poll_us = (long long)td_rpc_busy_poll_us(p.agent);
+  if (warmup > 0) run_round(&p, &r[0], arg, warmup, inflight);
+  double wall = run_round(&p, &r[1], arg, calls, inflight);
+  if (rb_finish(&p) != 0) { /* no callback runs after this */
+    fprintf(stderr, "rpc_throughput: a worker did not shut down cleanly\n");
+    exit(1);
+  }
+  return wall;
+}
+
 int main(int argc, char **argv) {
   rb_prog = "rpc_throughput";
   long long calls = 20000, warmup = 2000, inflight = 64, threads = 16;
   int pool_handler = 0;
+  const char *security = "compare";
   for (int i = 1; i < argc; i++) {
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (strcmp(argv[i], "--calls") == 0) calls = rb_arg_int(argv[i], v), i++;
@@ -143,9 +169,11 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[i], "--inflight") == 0) inflight = rb_arg_int(argv[i], v), i++;
     else if (strcmp(argv[i], "--threads") == 0) threads = rb_arg_int(argv[i], v), i++;
     else if (strcmp(argv[i], "--pool-handler") == 0) pool_handler = 1;
+    else if (strcmp(argv[i], "--security") == 0 && v) security = v, i++;
     else {
       fprintf(stderr, "usage: rpc_throughput [--calls N] [--warmup N] [--inflight N] "
-                      "[--threads N] [--pool-handler]\n");
+                      "[--threads N] [--pool-handler]\n"
+                      "                      [--security compare|secret|insecure|tls]\n");
       return 2;
     }
   }
@@ -153,35 +181,53 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rpc_throughput: --calls, --inflight and --threads must be >= 1\n");
     return 2;
   }
+  int only = -1;
+  for (int m = 0; m < 3; m++)
+    if (strcmp(security, rb_security_names[m]) == 0) only = m;
+  if (only < 0 && strcmp(security, "compare") != 0) {
+    fprintf(stderr, "rpc_throughput: --security must be compare, secret, insecure or tls\n");
+    return 2;
+  }
   /* the echo is tiny and never blocks: TD_RPC_INLINE runs it on the receiving poller thread
    * (--pool-handler runs it on the agent's thread pool like any other function) */
   RB_CHECK(td_rpc_register_ex("bench_echo", fn_echo, NULL, pool_handler ? 0 : TD_RPC_INLINE));
   td_value *arg = td_value_int(7);
   if (!arg) return 1;
-
-  rb_pair p;
-  tp_round rounds[2]; /* warm-up, timed */
-  rb_start(&p, (int)threads);
-  long long busy_poll_us = (long long)td_rpc_busy_poll_us(p.agent);
-  if (warmup > 0) run_round(&p, &rounds[0], arg, warmup, inflight);
-  double wall = run_round(&p, &rounds[1], arg, calls, inflight);
-  int rc = rb_finish(&p); /* no callback runs after this */
-  for (int i = warmup > 0 ? 0 : 1; i < 2; i++) {
-    pthread_cond_destroy(&rounds[i].cv);
-    pthread_mutex_destroy(&rounds[i].mu);
-  }
-
-  char blas[32];
+  int rounds = only < 0 ? 2 : 1;
+  long long per = calls / rounds > 0 ? calls / rounds : 1, busy_poll_us = 0;
+  rb_pair pairs[2][3];
+  for (int r = 0; r < rounds; r++) /* every pair forked before the first starts (rb_prepare) */
+    for (int m = 0; m < 3; m++)
+      if (only < 0 || m == only) rb_prepare(&pairs[r][m], (int)threads, (rb_security)m);
+  double wall[3] = {0, 0, 0};
+  long long n[3] = {0, 0, 0};
+  for (int r = 0; r < rounds; r++)
+    for (int m = 0; m < 3; m++) {
+      if (only >= 0 && m != only) continue;
+      wall[m] += measure(&pairs[r][m], arg, warmup, per, inflight, &busy_poll_us);
+      n[m] += per;
+    }
+  double cps[3];
+  for (int m = 0; m < 3; m++) cps[m] = n[m] ? (double)n[m] / wall[m] : 0;
+  int main_m = only >= 0 ? only : RB_SECRET;
+  char blas[32], sec_json[384] = "";
+  if (only < 0)
+    snprintf(sec_json, sizeof sec_json,
+             ", \"security\": {\"insecure\": {\"calls_per_s\": %.1f}, \"tls\": "
+             "{\"calls_per_s\": %.1f}, \"secret_vs_insecure\": %.4f, \"tls_vs_insecure\": %.4f}",
+             cps[RB_INSECURE], cps[RB_TLS], cps[RB_SECRET] / cps[RB_INSECURE],
+             cps[RB_TLS] / cps[RB_INSECURE]);
   printf("{\"bench\": \"rpc_throughput\", \"config\": {\"impl\": \"tdist\", \"transport\": "
-         "\"grpc\", \"world_size\": 2, \"handler\": \"%s\", \"busy_poll_us\": %lld, \"threads\": %lld, \"warmup_calls\": %lld, "
+         "\"grpc\", \"world_size\": 2, \"handler\": \"%s\", \"security\": \"%s\", "
+         "\"busy_poll_us\": %lld, \"threads\": %lld, \"warmup_calls\": %lld, "
          "\"calls\": %lld, \"inflight\": %lld, \"payload\": \"int64\", "
          "\"openblas_num_threads\": %s}, "
-         "\"results\": {\"calls_per_s\": %.1f, \"us_per_call\": %.3f, \"wall_s\": %.4f}}\n",
-         pool_handler ? "pool" : "inline", busy_poll_us,
-         threads, warmup, calls, inflight, rb_blas_threads(blas, sizeof blas),
-         (double)calls / wall, wall / (double)calls * 1e6, wall);
+         "\"results\": {\"calls_per_s\": %.1f, \"us_per_call\": %.3f, \"wall_s\": %.4f%s}}\n",
+         pool_handler ? "pool" : "inline", rb_security_names[main_m], busy_poll_us, threads,
+         warmup, n[main_m], inflight, rb_blas_threads(blas, sizeof blas), cps[main_m],
+         wall[main_m] / (double)n[main_m] * 1e6, wall[main_m], sec_json);
   fflush(stdout);
   td_value_unref(arg);
   td_rpc_unregister("bench_echo");
-  return rc;
+  return 0;
 }

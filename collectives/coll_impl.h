@@ -70,9 +70,11 @@ td_status td__pg_scratch(td_process_group *pg, size_t n);
 const char *td__pg_key(const td_process_group *pg, const char *suffix, char *buf, size_t n);
 
 #ifdef TD_HAVE_NCCL
-/* NCCL backend (nccl/nccl_backend.c). create is collective over the group (unique id through
- * the store); the operations take contiguous CUDA tensors on the communicator's device and wait
- * for completion with the group's deadline (aborting the communicator on timeout). */
+/* NCCL backend (nccl/nccl_backend.c). create is collective over the group (readiness records and
+ * the unique id over the ring, then a non-blocking communicator setup bounded by the group's
+ * deadline); the operations take contiguous CUDA tensors on the communicator's device and wait
+ * for completion with the group's deadline, watching the members (aborting the communicator and
+ * failing the group on an error, a dead member or the deadline). */
 td_status td__nccl_create(td_process_group *pg, td__nccl **out);
 void td__nccl_destroy(td__nccl *c);
 td_status td__nccl_all_reduce(td_process_group *pg, td_tensor *t, td_reduce_op op);
@@ -82,6 +84,10 @@ td_status td__nccl_all_gather(td_process_group *pg, void *out, const void *in, s
 td_status td__nccl_reduce_scatter(td_process_group *pg, void *out, const void *in, size_t count,
                                   td_dtype dt, td_reduce_op op);
 int td__nccl_device(const td__nccl *c);
+/* td__nccl_test_before_enqueue, when set (tests only; NULL otherwise), runs in every NCCL
+ * operation after the header check, right before the operation is enqueued: a fault-injection
+ * point for tests of members that die inside a collective. */
+extern void (*td__nccl_test_before_enqueue)(td_process_group *pg, const char *what);
 #endif
 
 #endif

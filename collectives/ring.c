@@ -1,11 +1,11 @@
 /* ring.c - the collective operations: argument checks, the per-operation header check, and the
  * CPU ring algorithms (the NCCL backend is dispatched to for TD_PG_BACKEND_NCCL groups).
  *
- * Every CPU operation starts with a header exchange: each member sends {kind, sequence number,
- * element count, dtype, reduce op or root} to its right neighbour and compares what its left
- * neighbour sent. Around the ring this checks that all members run the same operation on
- * compatible tensors; a mismatch fails the group with TD_ERR_STATE describing both calls (instead
- * of exchanging garbage or hanging). The header is also what makes a barrier a barrier.
+ * Every operation (CPU and NCCL groups alike) starts with a header exchange: each member sends
+ * {kind, sequence number, element count, dtype, reduce op or root} to its right neighbour and
+ * compares what its left neighbour sent. Around the ring this checks that all members run the
+ * same operation on compatible tensors; a mismatch fails the group with TD_ERR_STATE describing
+ * both calls (instead of exchanging garbage, or NCCL reading past a buffer, or hanging). The header is also what makes a barrier a barrier.
  *
  * Algorithms (n members, member r; chunk i of a tensor is its i-th of n nearly equal parts):
  *   - reduce-scatter: n-1 steps; at step s member r sends chunk (r - s + shift) and receives
@@ -168,9 +168,9 @@ static td_status begin(td_process_group *pg, uint32_t kind, uint64_t count, td_d
   }
   *deadline = td__pg_deadline(pg);
   op_hdr mine = {OP_MAGIC, kind, ++pg->seq, count, (int32_t)dt, arg}, theirs;
-  /* NCCL groups check nothing here, except barriers: they run on the host-side ring, ordering
-   * host threads (not GPU streams) */
-  if (pg->size == 1 || (pg->backend != TD_PG_BACKEND_CPU && kind != K_BARRIER)) return TD_OK;
+  /* NCCL groups check the header too (NCCL itself would read past a smaller buffer or hang on a
+   * mismatch); their barriers run on this host-side ring, ordering host threads (not streams) */
+  if (pg->size == 1) return TD_OK;
   td_status st = td__pg_xchg(pg, &mine, sizeof mine, &theirs, sizeof theirs, *deadline, name);
   if (st == TD_OK && memcmp(&mine, &theirs, sizeof mine) != 0) {
     char a[128], b[128], who[160], msg[600];

@@ -25,12 +25,17 @@
  * example). Trainer 1 evaluates the test accuracy after every epoch; at the end the trainers
  * check that their head replicas are bit-identical.
  *
+ * --device cuda:N: the server's layer lives on cuda:N (the trainers' device map {worker0, cpu,
+ * cuda:N} makes their inputs arrive there, and its outputs and their gradients travel back), and
+ * trainer i keeps its head on cuda:((N + i - 1) % device count), averaging gradients over an
+ * NCCL group, so it needs a GPU per trainer (on one GPU: --nproc 2).
+ *
  * Output: progress on standard error, then rank 0 prints the JSON line (docs/BENCH.md):
  * test_accuracy, samples_per_s, wall_s, epoch_test_accuracy, first_loss / last_loss (mean
  * training loss of the first / last 5 batches over the trainers), replicas_identical.
  *
  * usage: hybrid [--epochs N] [--max-batches N] [--batch-size N] [--lr X] [--momentum X]
- *               [--seed N] [--nproc N] [--data-dir DIR] [--threads N]
+ *               [--seed N] [--nproc N] [--data-dir DIR] [--threads N] [--device D]
  */
 #include <math.h>
 #include <pthread.h>
@@ -70,6 +75,7 @@ static td_status hy_get_module(td_rpc_ctx *c, td_value *const *args, int n, td_v
   return ex_handout_get(&handout, fut);
 }
 
+
 /* hy_report(slot, [NFIELDS numbers]) records a trainer's figures for epoch slot - 1. */
 static ex_report_slot report_slots[MAX_EPOCHS + 1];
 static ex_reports reports; /* TRAIN_S: the maximum over trainers, other fields: sums */
@@ -88,8 +94,9 @@ static const ex_report_slot *wait_report(int slot, int trainers) {
 
 static int run_server(const ex_args *a, double momentum, int trainers, double t_start) {
   fprintf(stderr, "hybrid: Linear(784, 128) on the server, head 128-64-10 replicated on %d "
-          "trainers (DDP), batch %lld per trainer, SGD lr %g momentum %g, BLAS threads %d\n",
-          trainers, (long long)a->batch_size, a->lr, momentum, ex_blas_threads());
+          "trainers (DDP), batch %lld per trainer, SGD lr %g momentum %g, device %s, BLAS "
+          "threads %d\n", trainers, (long long)a->batch_size, a->lr, momentum, a->device,
+          ex_blas_threads());
   ex_json acc_list, loss_list;
   ex_json_array(&acc_list);
   ex_json_array(&loss_list);
@@ -118,6 +125,7 @@ static int run_server(const ex_args *a, double momentum, int trainers, double t_
   ex_json_int(&config, "seed", (int64_t)a->seed);
   ex_json_int(&config, "max_batches", a->max_batches);
   ex_json_int(&config, "threads", ex_blas_threads());
+  ex_json_str(&config, "device", a->device);
   ex_json_object(&results);
   ex_json_num(&results, "test_accuracy", acc);
   ex_json_num(&results, "samples_per_s", train_s > 0 ? samples / train_s : 0.0);
@@ -158,43 +166,59 @@ static td_module *make_head(uint64_t seed) {
   return seq;
 }
 
-/* The model of a trainer: first (remote) + head (local), for psx_accuracy. */
+/* to_dev moves t to dev (recording the copy for autograd), replacing *t. */
+static void to_dev(td_tensor **t, td_device dev) {
+  if (td_device_equal(td_tensor_device(*t), dev)) return;
+  td_tensor *m = NULL;
+  EX_CHECK(td_tensor_to(*t, dev, &m));
+  td_tensor_unref(*t);
+  *t = m;
+}
+
+/* The model of a trainer: first (remote) + head (local, on dev), for psx_accuracy. */
 typedef struct split_model {
   td_remote_module *first;
   td_module *head;
+  td_device dev;
 } split_model;
 
 static td_status split_forward(void *ctx, td_tensor *x, td_tensor **logits) {
   split_model *m = ctx;
   td_tensor *h = NULL;
   td_status st = td_remote_module_forward(m->first, x, &h);
+  if (st == TD_OK) to_dev(&h, m->dev);
   if (st == TD_OK) st = td_module_forward(m->head, h, logits);
   td_tensor_unref(h);
   return st;
 }
 
-/* evaluate returns the test accuracy of first (remote) + head (local). */
-static double evaluate(td_remote_module *first, td_module *head, const td_mnist *ds) {
-  split_model m = {first, head};
+/* evaluate returns the test accuracy of first (remote) + head (local, on dev). */
+static double evaluate(td_remote_module *first, td_module *head, const td_mnist *ds,
+                       td_device dev) {
+  split_model m = {first, head, dev};
   return psx_accuracy(ds, true, 500, split_forward, &m);
 }
 
 /* replicas_differ returns whether the head's parameters differ between the trainers: every
  * member contributes (s, -s) for s = a checksum of its parameters, and after an all_reduce MAX
  * the two agree only when every s was the same. Collective over pg. */
-static bool replicas_differ(td_process_group *pg, const td_tensor_list *params) {
+static bool replicas_differ(td_process_group *pg, const td_tensor_list *params, td_device dev) {
   double s = 0;
   for (size_t i = 0; i < params->n; i++) {
-    const float *p = td_tensor_data(params->tensors[i]);
     int64_t n = td_tensor_numel(params->tensors[i]);
+    float *p = malloc((size_t)(n ? n : 1) * sizeof *p);
+    if (!p) ex_die("out of memory");
+    EX_CHECK(td_tensor_copy_to_buffer(params->tensors[i], p, (size_t)n * sizeof *p));
     for (int64_t j = 0; j < n; j++) s += (double)p[j] * (double)(j % 7 + 1);
+    free(p);
   }
-  double v[2] = {s, -s};
+  double v[2] = {s, -s}, r[2];
   int64_t shape[1] = {2};
   td_tensor *t = NULL;
   EX_CHECK(td_tensor_from_buffer(v, shape, 1, TD_DTYPE_F64, &t));
+  to_dev(&t, dev);
   EX_CHECK(td_process_group_all_reduce(pg, t, TD_REDUCE_MAX));
-  const double *r = td_tensor_data(t);
+  EX_CHECK(td_tensor_copy_to_buffer(t, r, sizeof r));
   bool differ = r[0] != -r[1];
   td_tensor_unref(t);
   return differ;
@@ -203,13 +227,15 @@ static bool replicas_differ(td_process_group *pg, const td_tensor_list *params) 
 /* train_step runs one batch; returns the loss. */
 static double train_step(td_rpc_agent *agent, td_remote_module *first, td_module *head,
                          const td_tensor_list *hp, td_ddp *ddp, td_dist_optimizer *opt,
-                         td_tensor *x, td_tensor *y) {
+                         td_tensor *x, td_tensor *y, td_device dev) {
   td_dist_autograd_context *ctx = NULL;
   EX_CHECK(td_dist_autograd_context_begin(agent, &ctx));
-  td_tensor *h = NULL, *logits = NULL, *loss = NULL;
+  td_tensor *h = NULL, *logits = NULL, *loss = NULL, *yd = td_tensor_ref(y);
   EX_CHECK(td_remote_module_forward(first, x, &h));
+  to_dev(&h, dev); /* its backward brings the gradient back to the CPU, for the server */
+  to_dev(&yd, dev);
   EX_CHECK(td_module_forward(head, h, &logits));
-  EX_CHECK(td_tensor_cross_entropy(logits, y, TD_REDUCTION_MEAN, -100, &loss));
+  EX_CHECK(td_tensor_cross_entropy(logits, yd, TD_REDUCTION_MEAN, -100, &loss));
   EX_CHECK(td_dist_autograd_backward(ctx, &loss, 1, false));
   /* Lend the context's head gradients to the parameters: DDP averages them in place. */
   td_grad_map *gm = td_dist_autograd_context_grad_map(ctx);
@@ -227,21 +253,34 @@ static double train_step(td_rpc_agent *agent, td_remote_module *first, td_module
   td_tensor_unref(loss);
   td_tensor_unref(logits);
   td_tensor_unref(h);
+  td_tensor_unref(yd);
   return lv;
 }
 
-static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, int trainers) {
+static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, int trainers,
+                       td_device dev) {
   int tid = td_rpc_rank(agent) - 1;
   td_mnist *train = psx_load_mnist(TD_MNIST_TRAIN, a->data_dir);
   td_mnist *test = tid == 0 ? psx_load_mnist(TD_MNIST_TEST, a->data_dir) : NULL;
+  if (dev.type == TD_DEVICE_CUDA) { /* this trainer's own GPU, which its NCCL group uses */
+    int count = td_cuda_device_count();
+    if (trainers > count)
+      ex_die("--device %s: %d trainers need %d GPUs, this machine has %d (use --nproc %d)",
+             a->device, trainers, trainers, count, count + 1);
+    dev = td_device_cuda((dev.index + tid) % count);
+    EX_CHECK(td_cuda_set_device(dev.index));
+  }
 
   /* The trainer-only group and the replicated head. */
   int ranks[64];
   for (int i = 0; i < trainers; i++) ranks[i] = i + 1;
   td_process_group *pg = NULL;
-  EX_CHECK(td_process_group_create(agent, ranks, trainers, TD_PG_BACKEND_CPU, &pg));
+  EX_CHECK(td_process_group_create(agent, ranks, trainers,
+                                   dev.type == TD_DEVICE_CUDA ? TD_PG_BACKEND_NCCL
+                                                              : TD_PG_BACKEND_CPU, &pg));
   /* different seeds on purpose: td_ddp_create copies trainer 1's parameters to the others */
   td_module *head = make_head(a->seed + 1 + (uint64_t)tid);
+  EX_CHECK(td_module_to(head, dev));
   td_ddp *ddp = NULL;
   EX_CHECK(td_ddp_create(pg, head, 0, &ddp));
   td_tensor_list hp;
@@ -291,7 +330,7 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, i
       td_tensor *x = NULL, *y = NULL;
       EX_CHECK(td_mnist_loader_next(loader, &x, &y));
       if (!x) break;
-      double lv = train_step(agent, first, head, &hp, ddp, opt, x, y);
+      double lv = train_step(agent, first, head, &hp, ddp, opt, x, y, dev);
       if (!isfinite(lv)) ex_die("trainer %d: loss became %g", tid + 1, lv);
       ex_losses_add(&losses, lv);
       loss_sum += lv;
@@ -302,9 +341,9 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, i
     }
     double et = ex_now_s() - t0;
     if (tid == 0) ex_progress_finish(&bar, "loss %.4f", b ? loss_sum / (double)b : NAN);
-    bool differ = replicas_differ(pg, &hp); /* collective: every trainer, every epoch */
+    bool differ = replicas_differ(pg, &hp, dev); /* collective: every trainer, every epoch */
     double rep[NFIELDS] = {0};
-    rep[ACC] = tid == 0 ? evaluate(first, head, test) : 0.0;
+    rep[ACC] = tid == 0 ? evaluate(first, head, test, dev) : 0.0;
     rep[TRAIN_LOSS_SUM] = loss_sum;
     rep[BATCHES] = (double)b;
     rep[SAMPLES] = (double)samples;
@@ -334,7 +373,7 @@ int main(int argc, char **argv) {
   double t_start = ex_now_s();
   ex_args a;
   ex_args_init(&a);
-  a.omit = "model device";
+  a.omit = "model";
   a.batch_size = 32; /* per trainer */
   a.epochs = 2;
   double momentum = 0.5;
@@ -348,8 +387,11 @@ int main(int argc, char **argv) {
                 "hybrid: Linear(784, 128) on the parameter server (rank 0) through RemoteModule, "
                 "a dense head replicated by DDP on the trainers (--batch-size is per trainer)");
   if (a.epochs < 0 || a.epochs > MAX_EPOCHS) ex_die("--epochs must be in 0..%d", MAX_EPOCHS);
+  td_device dev;
+  EX_CHECK(td_device_parse(a.device, &dev));
 
-  psx_spawn_if_alone(nproc);
+  psx_spawn_if_alone(nproc); /* before anything initialises CUDA: the children use it too */
+  if (!td_device_available(dev)) ex_die("device %s is not available", a.device);
   int rank = atoi(getenv("RANK"));
   char name[32];
   snprintf(name, sizeof name, "worker%d", rank);
@@ -359,6 +401,12 @@ int main(int argc, char **argv) {
   EX_CHECK(td_rpc_register("hy_report", hy_report, NULL));
   td_rpc_options ro;
   td_rpc_options_init(&ro);
+  /* trainers' inputs arrive on the server's device; its outputs come back to their CPU */
+  td_rpc_device_map_entry map = {"worker0", "cpu", a.device};
+  if (dev.type == TD_DEVICE_CUDA && rank != 0) {
+    ro.device_maps = &map;
+    ro.num_device_maps = 1;
+  }
   td_rpc_agent *agent = NULL;
   EX_CHECK(td_rpc_init_from_env(name, &ro, &agent));
   int world = td_rpc_world_size(agent);
@@ -373,6 +421,7 @@ int main(int argc, char **argv) {
     td_rref *r = NULL;
     EX_CHECK(td_generator_create(a.seed, &g));
     EX_CHECK(td_linear_create(784, 128, true, g, &m));
+    EX_CHECK(td_module_to(m, dev));
     td_generator_destroy(g);
     EX_CHECK(td_value_object("nn.Module", m, &v));
     EX_CHECK(td_rref_create_local(agent, v, &r));
@@ -381,7 +430,7 @@ int main(int argc, char **argv) {
     td_rref_unref(r);
     rc = run_server(&a, momentum, trainers, t_start);
   } else {
-    rc = run_trainer(agent, &a, momentum, trainers);
+    rc = run_trainer(agent, &a, momentum, trainers, dev);
   }
   ex_handout_fini(&handout); /* every trainer reported its last epoch: none asks again */
   if (td_rpc_shutdown(agent, true, -1) != TD_OK) {

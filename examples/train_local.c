@@ -41,30 +41,6 @@ static void to_device(td_tensor **t, td_device dev) {
   *t = moved;
 }
 
-/* A model on a device, for psx_accuracy. */
-typedef struct on_device {
-  td_module *model;
-  td_device dev;
-} on_device;
-
-static td_status forward_on_device(void *ctx, td_tensor *x, td_tensor **logits) {
-  on_device *o = ctx;
-  td_tensor *xd = td_tensor_ref(x);
-  to_device(&xd, o->dev);
-  td_status st = td_module_forward(o->model, xd, logits);
-  td_tensor_unref(xd);
-  return st;
-}
-
-/* evaluate returns the accuracy of model (on dev) on ds, in evaluation mode. */
-static double evaluate(td_module *model, const td_mnist *ds, bool flatten, td_device dev) {
-  on_device o = {model, dev};
-  td_module_train(model, false);
-  double acc = psx_accuracy(ds, flatten, 500, forward_on_device, &o);
-  td_module_train(model, true);
-  return acc;
-}
-
 /* One training run: its parts and what it measured. */
 typedef struct run {
   const ex_args *a;
@@ -222,14 +198,14 @@ int main(int argc, char **argv) {
     train_epoch(&r, epoch);
     double et = ex_now_s() - t0, te0 = ex_now_s();
     r.train_s += et;
-    r.acc = evaluate(model, test, flatten, dev);
+    r.acc = psx_evaluate(model, test, flatten);
     fprintf(stderr, "epoch %d: train loss %.4f, test accuracy %.4f (train %.1fs, eval %.1fs)\n",
             epoch + 1, r.last_loss, r.acc, et, ex_now_s() - te0);
     ex_json_num(&r.epoch_acc, NULL, r.acc);
     ex_json_num(&r.epoch_time, NULL, et);
     ex_json_num(&r.epoch_loss, NULL, r.last_loss);
   }
-  if (a.epochs == 0) r.acc = evaluate(model, test, flatten, dev);
+  if (a.epochs == 0) r.acc = psx_evaluate(model, test, flatten);
   print_result(&r, momentum, schedule, td_mnist_count(train), td_mnist_count(test), t_start);
   ex_json_fini(&r.epoch_acc);
   ex_json_fini(&r.epoch_time);

@@ -1,4 +1,4 @@
-/* fuzz_wire_decoder.c - libFuzzer target for the frame decoder (rpc/wire.c).
+/* fuzz_wire_decoder.c - libFuzzer target for the frame decoder (rpc/wire_decode.c).
  *
  * Input: one selector byte, then the byte stream. The stream is fed to a decoder in two chunks,
  * split at a position derived from the selector, so the state machine sees frames cut at every

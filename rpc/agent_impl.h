@@ -1,4 +1,6 @@
-/* agent_impl.h - internals of the RPC agent shared by agent.c and the upper layers' hooks. */
+/* agent_impl.h - what upper layers (RRefs, distributed autograd, collectives, remote modules) may
+ * use of the RPC agent: registration points and a few accessors. The agent's own state is in
+ * agent_state.h, which no other layer includes. */
 #ifndef TD_RPC_AGENT_IMPL_H
 #define TD_RPC_AGENT_IMPL_H
 

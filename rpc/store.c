@@ -13,6 +13,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "auth.h"
 #include "tdist.pb-c.h"
 
 typedef struct kv {
@@ -25,6 +26,7 @@ struct td__store {
   pthread_mutex_t mu;
   kv *tab;
   size_t cap, len;
+  uint64_t bytes; /* keys and values held */
 };
 
 static size_t str_hash(const char *s) {
@@ -82,21 +84,41 @@ static kv *find(td__store *s, const char *key, bool insert) {
   return &s->tab[j];
 }
 
-static bool set_val(kv *e, const void *v, size_t n) {
+static bool set_val(td__store *s, kv *e, const void *v, size_t n) {
   uint8_t *b = td__malloc(n + 1);
   if (!b) return false;
   if (n) memcpy(b, v, n);
   b[n] = 0;
+  s->bytes = s->bytes - e->len + n;
   td__free(e->val);
   e->val = b;
   e->len = n;
   return true;
 }
 
+/* Refuses a set of key to n bytes that would break the store's limits. mu held. */
+static td_status check_room(td__store *s, const char *key, size_t n) {
+  size_t kl = strlen(key);
+  if (kl > TD__STORE_MAX_KEY)
+    return td_set_error(TD_ERR_INVALID, "store: key of %zu bytes (limit %d)", kl,
+                        TD__STORE_MAX_KEY);
+  if (n > TD__STORE_MAX_VALUE)
+    return td_set_error(TD_ERR_INVALID, "store: value of %zu bytes for '%.64s' (limit %u)", n,
+                        key, TD__STORE_MAX_VALUE);
+  kv *e = find(s, key, false);
+  uint64_t after = s->bytes + n - (e ? e->len : 0) + (e ? 0 : kl);
+  if ((!e && s->len >= TD__STORE_MAX_KEYS) || after > TD__STORE_MAX_BYTES)
+    return td_set_error(TD_ERR_NOMEM, "store: full (%zu keys, %llu bytes; limits %d keys, %llu "
+                        "bytes)", s->len, (unsigned long long)s->bytes, TD__STORE_MAX_KEYS,
+                        (unsigned long long)TD__STORE_MAX_BYTES);
+  return TD_OK;
+}
+
 td_status td__store_local_set(td__store *s, const char *key, const void *v, size_t n) {
   pthread_mutex_lock(&s->mu);
   kv *e = find(s, key, true);
-  bool ok = e && set_val(e, v, n);
+  if (e && !e->val) s->bytes += strlen(key);
+  bool ok = e && set_val(s, e, v, n);
   pthread_mutex_unlock(&s->mu);
   return ok ? TD_OK : td_set_error(TD_ERR_NOMEM, "store: out of memory");
 }
@@ -113,8 +135,10 @@ td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t
   const char *key = r->key ? r->key : "";
   switch (r->op) {
     case 1: { /* set */
+      if ((st = check_room(s, key, r->value.len)) != TD_OK) break;
       kv *e = find(s, key, true);
-      if (!e || !set_val(e, r->value.data, r->value.len))
+      if (e && !e->val) s->bytes += strlen(key);
+      if (!e || !set_val(s, e, r->value.data, r->value.len))
         st = td_set_error(TD_ERR_NOMEM, "store: out of memory");
       break;
     }
@@ -135,7 +159,9 @@ td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t
       break;
     }
     case 3: { /* add */
+      if ((st = check_room(s, key, 24)) != TD_OK) break;
       kv *e = find(s, key, true);
+      if (e && !e->val) s->bytes += strlen(key);
       if (!e) {
         st = td_set_error(TD_ERR_NOMEM, "store: out of memory");
         break;
@@ -143,7 +169,7 @@ td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t
       int64_t cur = e->val ? strtoll((const char *)e->val, NULL, 10) : 0;
       cur += r->delta;
       int n = snprintf(num, sizeof num, "%lld", (long long)cur);
-      if (!set_val(e, num, (size_t)n)) st = td_set_error(TD_ERR_NOMEM, "store: out of memory");
+      if (!set_val(s, e, num, (size_t)n)) st = td_set_error(TD_ERR_NOMEM, "store: out of memory");
       rep.number = cur;
       rep.found = true;
       break;
@@ -152,6 +178,7 @@ td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t
       kv *e = find(s, key, false);
       if (e) {
         /* rebuild without the entry (deletes are rare) */
+        s->bytes -= strlen(e->key) + e->len;
         td__free(e->key);
         td__free(e->val);
         e->key = NULL;
@@ -193,6 +220,14 @@ td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t
 
 /* ---- client ---- */
 
+/* One unary exchange with the store's server (the auth layer's transport). */
+static td_status unary(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
+                       size_t *reply_len) {
+  const td__store_client *c = ctx;
+  return td__transport_unary(c->tr, c->address, TD__STORE_METHOD, req, len, c->call_timeout_ms,
+                             c->wait_for_ready, reply, reply_len);
+}
+
 static td_status call(const td__store_client *c, Tdist__StoreRequest *r, Tdist__StoreReply **out) {
   size_t n = tdist__store_request__get_packed_size(r);
   uint8_t *buf = td__malloc(n ? n : 1);
@@ -200,8 +235,8 @@ static td_status call(const td__store_client *c, Tdist__StoreRequest *r, Tdist__
   tdist__store_request__pack(r, buf);
   uint8_t *rep = NULL;
   size_t rl = 0;
-  td_status st = td__transport_unary(c->tr, c->address, TD__STORE_METHOD, buf, n,
-                                     c->call_timeout_ms, c->wait_for_ready, &rep, &rl);
+  td_status st = c->auth ? td__auth_store_call(c->auth, unary, (void *)c, buf, n, &rep, &rl)
+                         : unary((void *)c, buf, n, &rep, &rl);
   td__free(buf);
   if (st != TD_OK) return st;
   *out = tdist__store_reply__unpack(NULL, rl, rep);

@@ -14,6 +14,14 @@
 
 typedef struct td__store td__store;
 
+/* Limits of the store (it is reachable by members only, but bounded all the same): a key of at most
+ * TD__STORE_MAX_KEY bytes, a value of at most TD__STORE_MAX_VALUE bytes, at most
+ * TD__STORE_MAX_KEYS keys and TD__STORE_MAX_BYTES bytes of keys and values in all. */
+#define TD__STORE_MAX_KEY 512
+#define TD__STORE_MAX_VALUE (4u << 20)
+#define TD__STORE_MAX_KEYS 1000000
+#define TD__STORE_MAX_BYTES (256ull << 20)
+
 td_status td__store_create(td__store **out);
 void td__store_destroy(td__store *s);
 /* Serves one serialized StoreRequest (thread-safe). */
@@ -25,6 +33,7 @@ td_status td__store_local_set(td__store *s, const char *key, const void *v, size
 
 typedef struct td__store_client {
   td__transport *tr;
+  struct td__auth_client *auth; /* the session with the store (auth.h); NULL: unauthenticated */
   char address[300]; /* host:port of rank 0 */
   int64_t call_timeout_ms;
   bool wait_for_ready; /* keep trying to reach a server that is not up yet (rendezvous) */

@@ -1,5 +1,5 @@
 /* transport.h - byte transport between workers (implemented over gRPC C core in
- * transport_grpc.c, the only file that includes gRPC headers).
+ * grpc_transport.c, grpc_stream.c and grpc_unary.c, the only files that include gRPC headers).
  *
  * A td__conn is one long-lived bidirectional stream: either one this process opened to a peer's
  * server (client side) or one a peer opened to ours (server side). Frames (wire.h) go out through
@@ -37,6 +37,13 @@ typedef struct td__transport_cbs {
   void (*on_tick)(void *ud);
 } td__transport_cbs;
 
+/* Mutual TLS settings: PEM text (borrowed during td__transport_create) and the name every
+ * member's certificate carries. */
+typedef struct td__tls {
+  const char *cert_pem, *key_pem, *ca_pem;
+  const char *name; /* NULL: "tdist" */
+} td__tls;
+
 typedef struct td__transport_opts {
   const char *host;         /* listen address */
   int port;                 /* 0 = any free port */
@@ -44,8 +51,22 @@ typedef struct td__transport_opts {
   int64_t keepalive_timeout_ms; /* unanswered ping => peer gone (default 20000) */
   uint64_t max_message;     /* decoder limit, 0 = unlimited */
   int self_rank;
+  int world;                /* ranks are 0..world-1 (traffic is counted per rank) */
   void *agent;              /* given to the decoders' wire ctx */
   int tick_ms;              /* on_tick period, default 10 */
+  /* Group authentication (auth.h): every stream starts with its handshake, whose key this is.
+   * NULL: insecure mode (handshake without proofs). Borrowed; must outlive the transport. */
+  const struct td__auth *auth;
+  /* A server stream must finish its handshake within this (ms; default 20000). */
+  int64_t handshake_timeout_ms;
+  /* Mutual TLS on every connection, or NULL for plain TCP. */
+  const td__tls *tls;
+  /* Memory gRPC may hold for all connections (bytes; default 1 GiB): beyond it streams are reset
+   * rather than buffered. */
+  uint64_t memory_quota;
+  /* A frame whose bytes stop arriving for this long is dropped and its stream closed (ms; default
+   * 3 x keepalive_timeout_ms). */
+  int64_t stall_timeout_ms;
 } td__transport_opts;
 
 /* Starts the server and the poller thread; *bound_port gets the port actually bound. */
@@ -56,13 +77,23 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
 void td__transport_shutdown(td__transport *t);
 void td__transport_destroy(td__transport *t);
 
-/* Same-host direct copy, configured once at init. td__transport_allow_direct: direct-copy
- * frames are accepted from these processes (their memory is readable: verified by the caller).
+/* Same-host direct copy, configured once at init. td__transport_allow_direct: a direct-copy
+ * frame is accepted only on the authenticated stream of rank r and only when it names pid_of[r],
+ * the process of r whose memory the caller verified it can read (0: none).
  * td__transport_direct_to: frames with at least 32 KiB of tensors go to a peer rank r with to[r]
  * as descriptors that the peer reads from this process's memory (process_vm_readv); the tensors
  * stay referenced until the peer's ack. */
-td_status td__transport_allow_direct(td__transport *t, const int *pids, int npids);
+td_status td__transport_allow_direct(td__transport *t, const int *pid_of, int world);
 td_status td__transport_direct_to(td__transport *t, const bool *to, int world);
+
+/* td__transport_traffic adds up the traffic with rank (or with every rank when rank < 0) into
+ * *out (a td_rpc_traffic). THREAD SAFETY: any thread. */
+struct td_rpc_traffic;
+void td__transport_traffic(td__transport *t, int rank, struct td_rpc_traffic *out);
+
+/* The number of refused connection attempts (failed or abandoned handshakes, streams over the
+ * limits) since the transport started. THREAD SAFETY: any thread. */
+uint64_t td__transport_refused(td__transport *t);
 
 /* Sets the poller's busy-poll window: after each event it keeps polling without sleeping for this
  * many microseconds (0 = off, the default). */
@@ -75,10 +106,10 @@ td_status td__transport_connect(td__transport *t, int peer_rank, const char *add
 
 td__conn *td__conn_ref(td__conn *c);
 void td__conn_unref(td__conn *c);
-/* The peer rank: known for client conns; for server conns, the rank seen in its first message
- * (-1 before). */
+/* The peer rank: for client conns the rank connected to (the server proved it in the
+ * handshake); for server conns the rank the client proved in the handshake (-1 before: no frame
+ * is decoded before). */
 int td__conn_peer(const td__conn *c);
-void td__conn_set_peer(td__conn *c, int rank);
 bool td__conn_is_client(const td__conn *c);
 bool td__conn_closed(const td__conn *c);
 /* Queues f for sending (takes ownership of f's contents on TD_OK and on failure alike).

@@ -1,4 +1,5 @@
-/* wire.h - tdist's frame format: encoding messages into frames and an incremental decoder.
+/* wire.h - tdist's frame format: encoding messages into frames (wire_encode.c) and an incremental
+ * decoder (wire_decode.c); wire.c holds what both share.
  *
  * Frame = 24-byte prefix (magic "TDF1", header_len u32, payload_len u64, id u64; little endian)
  *       + header (protobuf Envelope, see tdist.proto) + payload (raw tensor bytes, in the order the
@@ -19,10 +20,7 @@
 #include "value_impl.h"
 
 #define TD__FRAME_MAGIC 0x31464454u /* "TDF1" */
-/* Direct-copy frames (same host): the payload is a descriptor, not the bytes:
- *   [token u64][sender pid u32][reserved u32] then per tensor [address u64][length u64]
- * and the receiver copies each tensor straight out of the sender's memory
- * (process_vm_readv), then answers with an ack frame so the sender can release the tensors. */
+/* Direct-copy frames (same host, rpc/direct.h): the payload is a descriptor, not the bytes. */
 #define TD__FRAME_MAGIC_DIRECT 0x32464454u /* "TDF2" */
 /* Ack of a direct-copy frame: prefix only (header_len 0, payload_len 0, id = the token). */
 #define TD__FRAME_MAGIC_ACK 0x31414454u /* "TDA1" */
@@ -31,6 +29,24 @@
 #define TD__MAX_DEPTH 512          /* deepest value tree accepted */
 
 enum { TD__MSG_REQUEST = 1, TD__MSG_RESPONSE = 2, TD__MSG_ERROR = 3 };
+
+/* Little-endian fields of prefixes and descriptors. */
+static inline void td__put_u32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void td__put_u64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint32_t td__get_u32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+  return v;
+}
+static inline uint64_t td__get_u64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
 
 typedef struct td__msg {
   uint64_t id;
@@ -51,7 +67,7 @@ typedef struct td__msg {
 /* td__msg_clear releases what m owns and zeroes it. */
 void td__msg_clear(td__msg *m);
 
-/* A device map toward one peer, checked at init by the agent (rpc/agent.c): a tensor on
+/* A device map toward one peer, checked at init by the agent (rpc/devmap.c): a tensor on
  * e[i].from here arrives on e[i].to there. At most one entry per `from` and per `to`. */
 typedef struct td__devmap_entry {
   td_device from, to;
@@ -114,19 +130,29 @@ typedef struct td__direct_hooks {
   void (*send_ack)(void *ud, uint64_t token);
   /* The peer has read our frame with this token. */
   void (*acked)(void *ud, uint64_t token);
+  /* Optional: a frame's copy is large; the decoder paused (td__decoder_paused) and the owner
+   * arranges for td__decoder_resume to run on another thread, then feeds the rest. NULL: copies
+   * run inline. */
+  void (*offload)(void *ud);
 } td__direct_hooks;
 void td__decoder_set_direct(td__decoder *d, const td__direct_hooks *h);
 
-/* td__frame_make_direct turns an encoded frame into a direct-copy frame sent by process pid:
- * rewrites the prefix and returns the descriptor (*desc, td__malloc'd, *desc_len bytes). The
- * frame keeps its tensors; the caller must keep them alive until the ack for token. */
-td_status td__frame_make_direct(td__frame *f, uint64_t token, int pid, uint8_t **desc,
-                                size_t *desc_len);
-/* td__ack_frame fills the 24 bytes of an ack for token. */
-void td__ack_frame(uint8_t out[TD__FRAME_PREFIX], uint64_t token);
+/* td__decoder_feed_some consumes up to n bytes (*used of them): it stops early when it paused
+ * for an offloaded copy (td__direct_hooks.offload). Errors as td__decoder_feed. */
+td_status td__decoder_feed_some(td__decoder *d, const uint8_t *p, size_t n, size_t *used);
+/* td__decoder_paused: a direct-copy frame waits for td__decoder_resume. */
+bool td__decoder_paused(const td__decoder *d);
+/* td__decoder_resume copies the paused frame's tensors from the sender, acknowledges it and
+ * delivers it (on the calling thread); the decoder then takes bytes again. */
+void td__decoder_resume(td__decoder *d);
 /* td__decoder_feed consumes n bytes. Returns TD_ERR_FORMAT (with td_last_error) when the stream
  * is corrupt and must be closed; frames before the corruption were delivered. */
 td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n);
+/* td__decoder_last_frame tells, during the on_msg callback, the size of the frame delivered
+ * (envelope + tensor bytes) and whether its tensors came by direct copy. */
+void td__decoder_last_frame(const td__decoder *d, uint64_t *bytes, bool *direct);
+/* td__decoder_set_peer sets the rank of the other end (once the stream's handshake proved it). */
+void td__decoder_set_peer(td__decoder *d, int rank);
 /* td__decoder_idle returns true between frames. */
 bool td__decoder_idle(const td__decoder *d);
 void td__decoder_destroy(td__decoder *d);

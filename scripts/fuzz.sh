@@ -15,15 +15,15 @@ fi
 CC=clang CXX=clang++ cmake -S . -B "$dir" -DTD_BUILD_FUZZERS=ON -DTD_WITH_CUDA=OFF \
   -DTD_BUILD_TESTS=OFF -DTD_BUILD_EXAMPLES=OFF -DTD_BUILD_BENCH=OFF \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build "$dir" -j"$(nproc)" --target fuzz_wire_decoder fuzz_corpus
+cmake --build "$dir" -j"$(nproc)" --target fuzz_wire_decoder fuzz_auth fuzz_corpus
 
-for target in wire_decoder; do
+for target in wire_decoder auth; do
   work="$dir/fuzz/corpus/$target" # grows between runs; the committed and generated seeds stay
   art="$dir/fuzz/artifacts/$target/"
-  mkdir -p "$work" "$art"
+  mkdir -p "$work" "$art" "$dir/fuzz/seeds/$target" "fuzz/corpus/$target"
   echo "fuzz.sh: fuzz_$target for ${secs}s"
   "$dir/fuzz/fuzz_$target" -max_total_time="$secs" -timeout=5 -rss_limit_mb=2048 \
-    -dict=fuzz/wire.dict -artifact_prefix="$art" -print_final_stats=1 \
+    -dict=fuzz/$target.dict -artifact_prefix="$art" -print_final_stats=1 \
     "$work" "$dir/fuzz/seeds/$target" "fuzz/corpus/$target" || {
     echo "fuzz.sh: fuzz_$target failed; reproducer in $art" >&2
     exit 1

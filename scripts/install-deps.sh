@@ -11,7 +11,7 @@
 set -euo pipefail
 
 pkgs=(build-essential g++ cmake pkg-config zlib1g-dev libopenblas-dev libcmocka-dev
-      libgrpc-dev libprotobuf-c-dev protobuf-c-compiler dataset-fashion-mnist python3 iproute2)
+      libgrpc-dev libprotobuf-c-dev protobuf-c-compiler libssl-dev dataset-fashion-mnist python3 python3-h2 openssl iproute2)
 for arg in "$@"; do
   case "$arg" in
     --torch) pkgs+=(python3-torch) ;;

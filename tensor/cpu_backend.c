@@ -9,6 +9,8 @@
  */
 #include <cblas.h>
 #include <pthread.h>
+#include <stdint.h>
+#include <sys/mman.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,11 +22,22 @@
  * Blocks carry a 64-byte header holding their size. Freed blocks of at least CACHE_MIN bytes go
  * to per-size free lists (up to CACHE_BINS sizes and TD_CPU_CACHE_MB, default 256 MiB, in all),
  * so a training loop that allocates the same shapes every step reuses warm pages instead of
- * faulting in freshly mapped memory each time. Smaller blocks go straight back to malloc. */
+ * faulting in freshly mapped memory each time. Smaller blocks go straight back to malloc.
+ *
+ * Blocks of HUGE_MIN bytes and more are mapped on their own, 2 MiB-aligned, and advised to use
+ * transparent huge pages (madvise(MADV_HUGEPAGE); Debian's default THP mode is "madvise"): the
+ * first touch of fresh memory then costs one fault per 2 MiB instead of per 4 KiB, and copies
+ * through it miss the TLB less. Measured on the 2-vCPU VM (bench/rpc_bandwidth, warm echoes):
+ * 64 MiB 4.96 -> 6.4 GB/s, 256 MiB 2.25 -> 4.0, 1 GiB 2.1 -> 4.0. A first touch is fast (memset of
+ * a new 256 MiB mapping 0.04 s vs 0.10 s) while the kernel has free huge pages, but when memory
+ * is fragmented it compacts first (THP defrag "madvise") and can be slower than 4 KiB pages.
+ * TD_CPU_HUGEPAGES=0 turns it off. */
 
 #define HDR 64
 #define CACHE_MIN (64u << 10)
 #define CACHE_BINS 64
+#define HUGE_MIN (4u << 20)
+#define HUGE_ALIGN (2u << 20)
 
 /* The header of a block: its size, and the free-list link while cached. */
 typedef struct blk {
@@ -49,6 +62,34 @@ static void cache_init_locked(void) {
   cache.inited = true;
 }
 
+static bool huge_pages_wanted(void) {
+  static int on = -1;
+  int v = __atomic_load_n(&on, __ATOMIC_RELAXED);
+  if (v < 0) {
+    const char *e = getenv("TD_CPU_HUGEPAGES");
+    v = !(e && strcmp(e, "0") == 0);
+    __atomic_store_n(&on, v, __ATOMIC_RELAXED);
+  }
+  return v;
+}
+
+/* A mapping of at least total bytes that starts on a 2 MiB boundary and covers whole huge pages
+ * (the header shares the first one), advised to use huge pages. NULL when out of memory. */
+static void *huge_map(size_t total) {
+  size_t len = (total + HUGE_ALIGN - 1) / HUGE_ALIGN * HUGE_ALIGN;
+  char *p = mmap(NULL, len + HUGE_ALIGN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
+                 0);
+  if (p == MAP_FAILED) return NULL;
+  uintptr_t start = ((uintptr_t)p + HUGE_ALIGN - 1) & ~(uintptr_t)(HUGE_ALIGN - 1);
+  size_t head = start - (uintptr_t)p, tail = HUGE_ALIGN - head;
+  if (head) munmap(p, head);
+  if (tail) munmap((char *)start + len, tail);
+#ifdef MADV_HUGEPAGE
+  madvise((void *)start, len, MADV_HUGEPAGE);
+#endif
+  return (void *)start;
+}
+
 static td_status cpu_alloc(int dev, size_t nbytes, void **out) {
   size_t sz = (nbytes + 4095) / 4096 * 4096;
   if (sz >= CACHE_MIN) {
@@ -67,17 +108,34 @@ static td_status cpu_alloc(int dev, size_t nbytes, void **out) {
     pthread_mutex_unlock(&cache.mu);
   }
   void *p = NULL;
-  if (posix_memalign(&p, HDR, sz + HDR) != 0)
-    return td_set_error(TD_ERR_NOMEM, "cpu: cannot allocate %zu bytes", nbytes);
-  ((blk *)p)->size = sz;
+  if (sz >= HUGE_MIN && huge_pages_wanted()) {
+    p = huge_map(sz + HDR);
+    if (!p) return td_set_error(TD_ERR_NOMEM, "cpu: cannot allocate %zu bytes", nbytes);
+    ((blk *)p)->size = sz | 1; /* low bit: mapped on its own (sizes are multiples of 4096) */
+  } else {
+    if (posix_memalign(&p, HDR, sz + HDR) != 0)
+      return td_set_error(TD_ERR_NOMEM, "cpu: cannot allocate %zu bytes", nbytes);
+    ((blk *)p)->size = sz;
+  }
   *out = (char *)p + HDR;
   return TD_OK;
+}
+
+/* Returns a block to the system. */
+static void block_release(char *p) {
+  size_t word = ((blk *)p)->size;
+  if (word & 1) {
+    size_t len = ((word & ~(size_t)1) + HDR + HUGE_ALIGN - 1) / HUGE_ALIGN * HUGE_ALIGN;
+    munmap(p, len);
+  } else {
+    free(p);
+  }
 }
 
 static void cpu_free(int dev, void *ptr) {
   if (!ptr) return;
   char *p = (char *)ptr - HDR;
-  size_t sz = ((blk *)p)->size;
+  size_t word = ((blk *)p)->size, sz = word & ~(size_t)1;
   if (sz >= CACHE_MIN) {
     pthread_mutex_lock(&cache.mu);
     cache_init_locked();
@@ -93,6 +151,7 @@ static void cpu_free(int dev, void *ptr) {
       if (slot >= 0) {
         blk *b = (blk *)p;
         cache.sizes[slot] = sz;
+        b->size = word; /* keeps how it was allocated */
         b->next = cache.heads[slot];
         cache.heads[slot] = b;
         cache.counts[slot]++;
@@ -103,7 +162,7 @@ static void cpu_free(int dev, void *ptr) {
     }
     pthread_mutex_unlock(&cache.mu);
   }
-  free(p);
+  block_release(p);
 }
 
 static td_status cpu_memcpy(int dev, void *dst, const void *src, size_t n) {
@@ -187,20 +246,24 @@ static inline char *elem_ptr(const td_tensor *t) { return (char *)td_tensor_data
 
 /* ---- copy and fill ---- */
 
-#define COPY_ROW(TD, TS)                                                        \
+/* CONV is the element conversion: a cast, except float -> int64 (td__f2i64). */
+#define COPY_ROW(TD, TS, CONV)                                                  \
   static void copy_row_##TD##_##TS(TD *d, int64_t sd, const TS *s, int64_t ss, \
                                    int64_t n) {                                 \
-    for (int64_t i = 0; i < n; i++) d[i * sd] = (TD)s[i * ss];                 \
+    for (int64_t i = 0; i < n; i++) d[i * sd] = CONV(s[i * ss]);               \
   }
-COPY_ROW(float, float)
-COPY_ROW(float, double)
-COPY_ROW(float, int64_t)
-COPY_ROW(double, float)
-COPY_ROW(double, double)
-COPY_ROW(double, int64_t)
-COPY_ROW(int64_t, float)
-COPY_ROW(int64_t, double)
-COPY_ROW(int64_t, int64_t)
+#define CAST_F(v) ((float)(v))
+#define CAST_D(v) ((double)(v))
+#define CAST_I(v) ((int64_t)(v))
+COPY_ROW(float, float, CAST_F)
+COPY_ROW(float, double, CAST_F)
+COPY_ROW(float, int64_t, CAST_F)
+COPY_ROW(double, float, CAST_D)
+COPY_ROW(double, double, CAST_D)
+COPY_ROW(double, int64_t, CAST_D)
+COPY_ROW(int64_t, float, td__f2i64)
+COPY_ROW(int64_t, double, td__f2i64)
+COPY_ROW(int64_t, int64_t, CAST_I)
 
 static td_status cpu_copy(td_tensor *dst, const td_tensor *src) {
   if (td_tensor_numel(dst) == 0) return TD_OK;
@@ -254,7 +317,7 @@ static td_status cpu_fill(td_tensor *t, double v) {
       });
       break;
     case TD_DTYPE_I64: {
-      int64_t iv = (int64_t)v;
+      int64_t iv = td__f2i64(v);
       GEOM_LOOP(&g, 1, {
         int64_t *p = (int64_t *)b + off_[0];
         for (int64_t i = 0; i < n_; i++) p[i * s0_] = iv;
@@ -551,6 +614,18 @@ static td_status cpu_reduce_max(const td_tensor *x, int64_t outer, int64_t r, in
   void *op = td_tensor_data(out);
   int64_t *ip = idx ? td_tensor_data(idx) : NULL;
   td_dtype dt = x->dtype;
+  if (dt == TD_DTYPE_I64) { /* exact: int64 values do not all fit a double */
+    const int64_t *xi = xp;
+    for (int64_t o = 0; o < outer; o++)
+      for (int64_t i = 0; i < inner; i++) {
+        int64_t base = o * r * inner + i, best = xi[base], bi = 0;
+        for (int64_t k = 1; k < r; k++)
+          if (xi[base + k * inner] > best) best = xi[base + k * inner], bi = k;
+        ((int64_t *)op)[o * inner + i] = best;
+        if (ip) ip[o * inner + i] = bi;
+      }
+    return TD_OK;
+  }
   for (int64_t o = 0; o < outer; o++)
     for (int64_t i = 0; i < inner; i++) {
       int64_t base = o * r * inner + i;

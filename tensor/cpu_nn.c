@@ -36,8 +36,8 @@
         double s = 0;                                                                           \
         if (logsm) {                                                                            \
           for (int64_t k = 0; k < r; k++) s += exp((double)xr[k] - mx);                         \
-          double lse = mx + log(s);                                                             \
-          for (int64_t k = 0; k < r; k++) yr[k] = (T)((double)xr[k] - lse);                     \
+          double ls = log(s); /* (x - max) - log(sum): exact first step, as in PyTorch */      \
+          for (int64_t k = 0; k < r; k++) yr[k] = (T)(((double)xr[k] - mx) - ls);               \
         } else {                                                                                \
           for (int64_t k = 0; k < r; k++) {                                                     \
             double e = exp((double)xr[k] - mx);                                                 \
@@ -73,11 +73,11 @@
         }                                                                                       \
       }                                                                                         \
       if (logsm) {                                                                              \
-        for (int64_t i = 0; i < inner; i++) s[i] = mx[i] + log(s[i]);                           \
+        for (int64_t i = 0; i < inner; i++) s[i] = log(s[i]);                                   \
         for (int64_t k = 0; k < r; k++) {                                                       \
           const T *xr = xb + k * inner;                                                         \
           T *yr = yb + k * inner;                                                               \
-          for (int64_t i = 0; i < inner; i++) yr[i] = (T)((double)xr[i] - s[i]);                \
+          for (int64_t i = 0; i < inner; i++) yr[i] = (T)(((double)xr[i] - mx[i]) - s[i]);      \
         }                                                                                       \
       } else {                                                                                  \
         for (int64_t i = 0; i < inner; i++) s[i] = 1.0 / s[i];                                  \

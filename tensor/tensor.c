@@ -13,8 +13,6 @@
 
 #ifndef TD_HAVE_CUDA
 const td__backend *td__cuda_backend = NULL;
-#else
-int td__cuda_device_count(void);
 #endif
 
 /* ---- devices and dtypes ---- */
@@ -52,14 +50,6 @@ const char *td_device_str(td_device d, char *buf, size_t n) {
   if (d.type == TD_DEVICE_CPU) snprintf(buf, n, "cpu");
   else snprintf(buf, n, "cuda:%d", d.index);
   return buf;
-}
-
-int td_cuda_device_count(void) {
-#ifdef TD_HAVE_CUDA
-  return td__cuda_device_count();
-#else
-  return 0;
-#endif
 }
 
 bool td_device_available(td_device d) {
@@ -596,8 +586,38 @@ td_status td_tensor_item(const td_tensor *t, double *out) {
 
 /* ---- in-place ---- */
 
+/* byte_range gives the bytes [*lo, *hi) of t's storage that its elements span (t not empty). */
+static void byte_range(const td_tensor *t, int64_t *lo, int64_t *hi) {
+  int64_t a = t->offset, b = t->offset, es = (int64_t)td_dtype_size(t->dtype);
+  for (int d = 0; d < t->ndim; d++) {
+    int64_t ext = (t->shape[d] - 1) * t->strides[d];
+    if (ext >= 0) b += ext;
+    else a += ext;
+  }
+  *lo = a * es;
+  *hi = (b + 1) * es;
+}
+
+/* same_view says whether a and b (same shape) read the same elements in the same order. */
+static bool same_view(const td_tensor *a, const td_tensor *b) {
+  if (a->storage != b->storage || a->offset != b->offset || a->dtype != b->dtype) return false;
+  for (int d = 0; d < a->ndim; d++)
+    if (a->shape[d] > 1 && a->strides[d] != b->strides[d]) return false;
+  return true;
+}
+
+/* Copy semantics are the same on every device, whatever the overlap: the result is as if src were
+ * read completely before dst is written. A source that is the destination itself is a no-op; a
+ * source that overlaps the destination otherwise (x[1:] from x[:-1]) is staged through a
+ * temporary (PyTorch refuses it; a plain kernel would smear it on the CPU and race on a GPU). A
+ * destination whose elements share memory (an expanded view) is refused, as in PyTorch. */
 td_status td_tensor_copy_(td_tensor *dst, const td_tensor *src) {
   TD_CHECK_ARG(dst && src, "tensor_copy_: NULL tensor");
+  for (int d = 0; d < dst->ndim; d++)
+    if (dst->shape[d] > 1 && dst->strides[d] == 0)
+      return td_set_error(TD_ERR_INVALID, "tensor_copy_: several elements of the destination "
+                          "share one memory location (an expanded view, dim %d); copy into a "
+                          "contiguous tensor instead", d);
   td_tensor *s = NULL;
   td_status st;
   if (!td_tensor_same_shape(dst, src)) {
@@ -613,6 +633,26 @@ td_status td_tensor_copy_(td_tensor *dst, const td_tensor *src) {
     td_tensor_unref(s);
     if (st != TD_OK) return st;
     s = moved;
+  }
+  if (s->storage == dst->storage && td_tensor_numel(dst) > 0) {
+    int64_t dlo, dhi, slo, shi;
+    byte_range(dst, &dlo, &dhi);
+    byte_range(s, &slo, &shi);
+    if (same_view(dst, s)) {
+      td_tensor_unref(s);
+      return TD_OK;
+    }
+    if (dlo < shi && slo < dhi) { /* may overlap: read everything first */
+      td_tensor *tmp = NULL;
+      st = td__tensor_new(s->shape, s->ndim, s->dtype, s->storage->device, &tmp);
+      if (st == TD_OK) st = td__backend_of(tmp)->copy(tmp, s);
+      td_tensor_unref(s);
+      if (st != TD_OK) {
+        td_tensor_unref(tmp);
+        return st;
+      }
+      s = tmp;
+    }
   }
   st = td__backend_of(dst)->copy(dst, s);
   td_tensor_unref(s);
@@ -688,15 +728,8 @@ td_status td_tensor_to(const td_tensor *t, td_device dev, td_tensor **out) {
       st = td__backend_of(c)->copy_d2h(c->storage->device.index, td_tensor_data(r),
                                        td_tensor_data(c), nb);
     } else {
-      /* GPU to GPU: stage through the host. */
-      void *tmp = td__malloc(nb);
-      if (!tmp) {
-        st = td_set_error(TD_ERR_NOMEM, "tensor_to: out of memory");
-        goto out;
-      }
-      st = td__backend_of(c)->copy_d2h(c->storage->device.index, tmp, td_tensor_data(c), nb);
-      if (st == TD_OK) st = td__backend_of(r)->copy_h2d(dev.index, td_tensor_data(r), tmp, nb);
-      td__free(tmp);
+      /* GPU to GPU: the backend copies peer to peer (cudaMemcpyPeer), not through the host. */
+      st = td__backend_of(r)->copy(r, c);
     }
     if (st != TD_OK) goto out;
   }

@@ -293,6 +293,20 @@ extern const td__backend td__cpu_backend;
 /* Set by tensor/cuda/ when the build has CUDA (NULL otherwise). */
 extern const td__backend *td__cuda_backend;
 
+/* TD__HD marks helpers shared by host and CUDA device code. */
+#ifdef __CUDACC__
+#define TD__HD __host__ __device__
+#else
+#define TD__HD
+#endif
+
+/* td__f2i64 converts a float to int64 the same way on every device: truncation toward zero, and
+ * INT64_MIN for NaN, +-inf and values outside the int64 range (what PyTorch gives on the CPU; a
+ * plain C cast is undefined there, and CUDA's conversion saturates, with NaN -> 0). */
+static inline TD__HD int64_t td__f2i64(double v) {
+  return v >= -9223372036854775808.0 && v < 9223372036854775808.0 ? (int64_t)v : INT64_MIN;
+}
+
 /* Element access helpers for CPU code. */
 static inline double td__load(const void *base, td_dtype dt, int64_t i) {
   switch (dt) {
@@ -306,7 +320,7 @@ static inline void td__store(void *base, td_dtype dt, int64_t i, double v) {
   switch (dt) {
     case TD_DTYPE_F32: ((float *)base)[i] = (float)v; break;
     case TD_DTYPE_F64: ((double *)base)[i] = v; break;
-    case TD_DTYPE_I64: ((int64_t *)base)[i] = (int64_t)v; break;
+    case TD_DTYPE_I64: ((int64_t *)base)[i] = td__f2i64(v); break;
   }
 }
 

@@ -41,7 +41,7 @@
  * Under srun (SLURM_NODEID and SLURM_STEP_NUM_NODES or SLURM_NNODES set, no --standalone), the
  * options not given come from Slurm: --nnodes from SLURM_STEP_NUM_NODES (else SLURM_NNODES),
  * --node-rank from SLURM_NODEID, --master-addr from the first host of SLURM_STEP_NODELIST (else
- * SLURM_JOB_NODELIST), --master-port derived from SLURM_JOB_ID (rpc/netaddr.c, compiled in
+ * SLURM_JOB_NODELIST), --master-port derived from SLURM_JOB_ID (core/netaddr.c, compiled in
  * without the library). srun must then start one tdistrun per node.
  *
  * Exit status: 0 when every worker of an attempt exited 0; 1 when a worker failed and no restarts
@@ -68,11 +68,12 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <sys/random.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
-#include "rpc/netaddr.h"
+#include "core/netaddr.h"
 
 extern char **environ;
 
@@ -106,6 +107,8 @@ static void usage(FILE *f) {
     "Each worker gets in its environment:\n"
     "  RANK=node_rank*nproc+local_rank  LOCAL_RANK  WORLD_SIZE=nnodes*nproc  LOCAL_WORLD_SIZE\n"
     "  NODE_RANK  MASTER_ADDR  MASTER_PORT  TD_RESTART_COUNT (attempt number, from 0)\n"
+    "  TD_RPC_SECRET: the job secret the workers authenticate each other with; a new random one\n"
+    "  per job unless TD_RPC_SECRET or TD_RPC_SECRET_FILE is set (required with --nnodes > 1)\n"
     "\n"
     "options (also accepted as --opt=VALUE and with '_' for '-'):\n"
     "  --nproc-per-node N    workers on this node (default 1)\n"
@@ -173,23 +176,6 @@ static bool parse_seconds(const char *s, double *out) {
 
 /* ---- Slurm ---- */
 
-/* rpc/netaddr.c is compiled into tdistrun without the library; it reports errors and log lines
- * through these two, which keep the last message for our own error output. */
-static char g_netaddr_err[512];
-
-td_status td_set_error(td_status st, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(g_netaddr_err, sizeof g_netaddr_err, fmt, ap);
-  va_end(ap);
-  return st;
-}
-
-void td_log(td_log_level level, const char *fmt, ...) {
-  (void)level;
-  (void)fmt;
-}
-
 static const char *env_nonempty(const char *name) {
   const char *v = getenv(name);
   return v && *v ? v : NULL;
@@ -225,13 +211,13 @@ static int apply_slurm(options *o, bool nnodes_given, bool node_rank_given, bool
     const char *list = env_nonempty(ln);
     if (list) {
       if (td__slurm_first_host(list, master, sizeof master) != TD_OK)
-        return usage_error("cannot take --master-addr from %s: %s", ln, g_netaddr_err);
+        return usage_error("cannot take --master-addr from %s: %s", ln, td_last_error());
       o->master_addr = master;
     }
   }
   const char *job = env_nonempty("SLURM_JOB_ID");
   if (!port_given && job && td__slurm_port(job, &o->master_port) != TD_OK)
-    return usage_error("cannot derive --master-port: %s", g_netaddr_err);
+    return usage_error("cannot derive --master-port: %s", td_last_error());
   fprintf(stderr, "tdistrun: under Slurm: node %d of %d, MASTER_ADDR %s, MASTER_PORT %d\n",
           o->node_rank, o->nnodes, o->master_addr ? o->master_addr : "127.0.0.1",
           o->master_port > 0 ? o->master_port : 29500);
@@ -761,10 +747,54 @@ static attempt_result run_attempt(const options *o, int attempt, int port) {
   return res;
 }
 
+/* ---- the job secret ---- */
+
+/* ensure_secret gives the workers a job secret (authentication of the group, see the library's
+ * docs/SECURITY.md): the one in TD_RPC_SECRET / TD_RPC_SECRET_FILE when set, else a new random
+ * one for a single-node job, handed to the workers through their environment (never on a command
+ * line, never in the store). A job over several nodes needs the same secret on every node: then
+ * the user must provide it. Returns -1 to go on, or an exit status. */
+static int ensure_secret(const options *o) {
+  const char *s = getenv("TD_RPC_SECRET"), *f = getenv("TD_RPC_SECRET_FILE");
+  const char *ins = getenv("TD_RPC_INSECURE");
+  if ((s && *s) || (f && *f) || (ins && strcmp(ins, "1") == 0)) return -1;
+  if (o->nnodes > 1) {
+    fprintf(stderr,
+            "tdistrun: a job over %d nodes needs one secret on every node: put it in a file only "
+            "you can read on a filesystem all nodes see, e.g.\n"
+            "  (umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n' > ~/.tdist-secret)\n"
+            "and set TD_RPC_SECRET_FILE=~/.tdist-secret for every tdistrun (or TD_RPC_INSECURE=1 "
+            "to run without authentication)\n", o->nnodes);
+    return 2;
+  }
+  unsigned char b[32];
+  size_t got = 0;
+  while (got < sizeof b) {
+    ssize_t n = getrandom(b + got, sizeof b - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      perror("tdistrun: getrandom");
+      return 1;
+    }
+    got += (size_t)n;
+  }
+  char hex[65];
+  for (int i = 0; i < 32; i++) snprintf(hex + 2 * i, 3, "%02x", b[i]);
+  memset(b, 0, sizeof b);
+  int rc = setenv("TD_RPC_SECRET", hex, 1);
+  memset(hex, 0, sizeof hex);
+  if (rc != 0) {
+    perror("tdistrun: setenv");
+    return 1;
+  }
+  return -1;
+}
+
 int main(int argc, char **argv) {
   options o;
   int rc = parse_args(argc, argv, &o);
   if (rc >= 0) return rc;
+  if ((rc = ensure_secret(&o)) >= 0) return rc;
   if (install_signals() != 0) {
     perror("tdistrun: signal setup");
     return 1;

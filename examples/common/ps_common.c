@@ -127,14 +127,31 @@ double psx_accuracy(const td_mnist *ds, bool flatten, int64_t batch, psx_forward
   return total ? (double)correct / (double)total : 0.0;
 }
 
-static td_status module_forward(void *model, td_tensor *x, td_tensor **logits) {
-  return td_module_forward(model, x, logits);
+/* A module on a device (that of its parameters), for psx_accuracy. */
+typedef struct on_device {
+  td_module *model;
+  td_device dev;
+} on_device;
+
+static td_status forward_on_device(void *ctx, td_tensor *x, td_tensor **logits) {
+  on_device *o = ctx;
+  td_tensor *xd = NULL;
+  td_status st = td_device_equal(td_tensor_device(x), o->dev) ? TD_OK
+                                                                : td_tensor_to(x, o->dev, &xd);
+  if (st == TD_OK) st = td_module_forward(o->model, xd ? xd : x, logits);
+  td_tensor_unref(xd);
+  return st;
 }
 
 double psx_evaluate(td_module *model, const td_mnist *ds, bool flatten) {
+  td_tensor_list params;
+  td_tensor_list_init(&params);
+  EX_CHECK(td_module_parameters(model, &params));
+  on_device o = {model, params.n ? td_tensor_device(params.tensors[0]) : td_device_cpu()};
+  td_tensor_list_fini(&params);
   bool was_training = td_module_is_training(model);
   td_module_train(model, false);
-  double acc = psx_accuracy(ds, flatten, 500, module_forward, model);
+  double acc = psx_accuracy(ds, flatten, 500, forward_on_device, &o);
   td_module_train(model, was_training);
   return acc;
 }
@@ -157,6 +174,8 @@ void psx_spawn_if_alone(int nproc) {
     return;
   }
   if (nproc < 2 || nproc > 64) ex_die("--nproc must be in 2..64 (got %d)", nproc);
+  /* the workers we fork share a job secret (inherited through the environment) */
+  EX_CHECK(td_rpc_secret_ensure_env());
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in sa;
   memset(&sa, 0, sizeof sa);

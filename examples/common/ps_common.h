@@ -50,8 +50,8 @@ typedef td_status (*psx_forward_fn)(void *ctx, td_tensor *x, td_tensor **logits)
 double psx_accuracy(const td_mnist *ds, bool flatten, int64_t batch, psx_forward_fn forward,
                     void *ctx);
 
-/* psx_evaluate returns model's accuracy on ds in evaluation mode (restored after). The caller
- * makes sure nothing updates the parameters meanwhile. */
+/* psx_evaluate returns model's accuracy on ds in evaluation mode (restored after), on the device
+ * of model's parameters. The caller makes sure nothing updates the parameters meanwhile. */
 double psx_evaluate(td_module *model, const td_mnist *ds, bool flatten);
 
 /* psx_spawn_if_alone: see above; the parent becomes rank 0. Does nothing when RANK is set

@@ -15,10 +15,13 @@
  *     member sending about 2 (n-1)/n of the tensor); broadcast is pipelined around the ring;
  *     all_gather, reduce_scatter and barrier are ring algorithms too. Any size works, including
  *     0 elements and fewer elements than members. Results are bit-identical on every member.
- *   - TD_PG_BACKEND_NCCL: contiguous CUDA tensors on the group's device, through NCCL (the
- *     ncclUniqueId travels through the store). Only in builds with NCCL; otherwise creating such a
- *     group is TD_ERR_UNSUPPORTED. The group's device is cuda:(LOCAL_RANK % device count) when
- *     LOCAL_RANK is set, else cuda:(group rank % device count).
+ *   - TD_PG_BACKEND_NCCL: contiguous CUDA tensors on the group's device, through NCCL. Only in
+ *     builds with NCCL; otherwise creating such a group is TD_ERR_UNSUPPORTED. The device is the
+ *     process's, the same in every group of the process: the one of td_cuda_set_device(), else
+ *     cuda:(LOCAL_RANK % device count) when LOCAL_RANK is set, else cuda:(world rank % device
+ *     count). Creation refuses (TD_ERR_INVALID, naming both) two members on one machine with the
+ *     same GPU. The members check each operation's header on the host ring as for CPU groups;
+ *     MAX propagates NaN as the CPU backend does.
  *
  * Dtypes: float32, float64 and int64 for every operation; TD_REDUCE_AVG needs a float dtype
  * (TD_ERR_DTYPE for int64, as in PyTorch).
@@ -67,8 +70,10 @@ typedef enum td_reduce_op {
 
 /* td_process_group_create makes a group of the workers whose global ranks are ranks[0..n) (any
  * order, no duplicates; ranks == NULL means every worker of the agent's group, n is then
- * ignored). Collective: blocks until every member has called it and the members are connected,
- * or 60 s pass (TD_ERR_TIMEOUT naming the members that never arrived). On a
+ * ignored). Collective: blocks until every member has called it and the members are connected
+ * (for NCCL: until every member's communicator is set up), or 60 s pass (TD_ERR_TIMEOUT naming
+ * the members that never arrived; a member that failed to set up makes every member fail with
+ * its error, naming it). On a
  * member *out gets the group; on a non-member *out is set to NULL and TD_OK is returned without
  * any communication. TD_ERR_INVALID for a rank outside [0, world size), duplicates or n < 1;
  * TD_ERR_UNSUPPORTED for TD_PG_BACKEND_NCCL in a build without NCCL; TD_ERR_DEVICE for NCCL

@@ -229,6 +229,9 @@ typedef struct td_rpc_device_map_entry {
   const char *to;     /* a device of `worker` */
 } td_rpc_device_map_entry;
 
+/* The default of td_rpc_options.max_message_bytes: a 2 GiB tensor fits. */
+#define TD_RPC_DEFAULT_MAX_MESSAGE ((2ull << 30) + (64ull << 20))
+
 typedef struct td_rpc_options {
   /* "tcp://host:port" of rank 0's store, or NULL to use MASTER_ADDR/MASTER_PORT. */
   const char *init_method;
@@ -250,7 +253,9 @@ typedef struct td_rpc_options {
    * waiting on it fails, ms. Default 20000 (generous: an overloaded but live peer must not be
    * declared dead); lower it for faster detection of hung hosts. */
   int64_t keepalive_timeout_ms;
-  /* Largest request or reply accepted, in bytes (envelope + tensors); 0 = unlimited. Default 0. */
+  /* Largest request or reply accepted, in bytes (envelope + tensors); 0 = unlimited. Default
+   * TD_RPC_DEFAULT_MAX_MESSAGE (2 GiB of tensors plus 64 MiB of envelope). A larger one is
+   * answered with an error and skipped; the stream stays usable. */
   uint64_t max_message_bytes;
   /* Busy-poll window of the network thread, in microseconds: after each message it keeps polling
    * this long before it sleeps, so a reply that follows closely is taken by a running thread
@@ -266,38 +271,82 @@ typedef struct td_rpc_options {
    * by the sender until the receiver has copied it: as with the stream, do not modify a tensor in
    * place while a call that carries it is in flight. */
   int direct_copy;
-  /* Device maps: device_maps[0..num_device_maps), in any order, for any destinations (borrowed:
-   * read during td_rpc_init only). Default NULL / 0: no maps, so only CPU tensors travel (a CUDA
-   * tensor in a call's arguments or result fails with TD_ERR_DEVICE naming the device and the
-   * peer). PyTorch semantics:
-   * - Requests: a tensor on device d sent to worker W arrives on the `to` of the entry {W, d, to}.
-   *   A CUDA tensor on a device without an entry is refused (TD_ERR_DEVICE); a CPU tensor without
-   *   one stays on the CPU ({W, "cpu", "cuda:0"} makes CPU tensors arrive on W's cuda:0).
-   * - Replies (call results, td_rref_to_here, RemoteModule outputs) follow the caller's map in
-   *   reverse: W's result tensor on W's device t arrives here on d of this worker's entry
-   *   {W, d, t}; W needs no map of its own for that (nor does it use one). A result on a CUDA
-   *   device that no entry maps to fails the call with TD_ERR_DEVICE.
-   * - Calls to self share their values: no map applies.
-   * - The first version stages through host memory: the sender copies a CUDA tensor to the host,
-   *   the receiver copies it onto the target device.
-   * Checked at init: every worker publishes its maps and its td_cuda_device_count(), and every
-   * worker checks all maps in rank order, so all of them fail td_rpc_init with the same message
-   * (naming the worker and the entry) when a map names an unknown worker or the worker itself, a
-   * device string is malformed, a local cuda:N does not exist (N >= td_cuda_device_count() of
-   * that worker), a remote cuda:N does not exist on the destination, one device is mapped twice
-   * toward the same worker (to different devices), or two devices map to the same remote device
-   * (the reverse map for replies would be ambiguous). An identical entry given twice is accepted.
-   * Example (this worker's cuda:0 feeds worker1's cuda:1; CPU tensors stay on the CPU):
-   *   static const td_rpc_device_map_entry maps[] = {{"worker1", "cuda:0", "cuda:1"},
-   *                                                  {"worker1", "cpu", "cpu"}};
-   *   opts.device_maps = maps;
-   *   opts.num_device_maps = 2; */
+  /* Device maps for CUDA tensors, PyTorch's set_device_map semantics (docs/DEVICE_MAPS.md):
+   * entries {worker, from, to} in any order; a tensor on `from` here arrives on `to` at `worker`,
+   * replies follow the caller's map in reverse. Borrowed: read during td_rpc_init only, which
+   * checks every worker's maps. Default NULL / 0: only CPU tensors travel. */
   const td_rpc_device_map_entry *device_maps;
   int num_device_maps;
+  /* Memory gRPC may hold for this worker's connections (received data not yet taken, send
+   * buffers), in bytes; beyond it streams are reset instead of growing, so no peer, member or
+   * not, can make a worker buffer without bound. Default 1 GiB (TD_RPC_MEMORY_QUOTA_MB
+   * overrides). Tensors are streamed in 8 MiB pieces and taken at once, so training traffic
+   * stays far below it. */
+  uint64_t memory_quota_bytes;
+  /* The job secret every member of the group shares (docs/SECURITY.md). Every connection to a
+   * worker or to the store starts with a mutual HMAC-SHA256 challenge-response over fresh nonces
+   * proving both ends know it; nothing else is read before. At least 16 characters. Borrowed:
+   * read during td_rpc_init only. Default NULL: TD_RPC_SECRET, else the contents of
+   * TD_RPC_SECRET_FILE (refused unless it is a regular file of this user with mode 0600 or
+   * stricter), else a random one for a world of one worker; otherwise td_rpc_init fails, unless
+   * `insecure` is set. tdistrun hands its workers a random secret per job. */
+  const char *secret;
+  /* 1: when no secret is given, run without authentication (anyone who can reach the ports can
+   * join the group, call any function, read and write the store). Also TD_RPC_INSECURE=1.
+   * Default 0. */
+  int insecure;
+  /* TLS (optional, docs/SECURITY.md): PEM files of this worker's certificate (chain), its private
+   * key, and the CA that signed every member's certificate: all three or none. Peers verify each
+   * other (mutual TLS) for the name tls_server_name (default "tdist"), and the store goes over the
+   * same. Default NULL: TD_RPC_TLS_CERT, TD_RPC_TLS_KEY, TD_RPC_TLS_CA, TD_RPC_TLS_NAME; else no
+   * TLS. Borrowed: read during td_rpc_init only. */
+  const char *tls_cert_file, *tls_key_file, *tls_ca_file, *tls_server_name;
 } td_rpc_options;
+
+/* Traffic with one peer (or all of them), by path: frames and bytes (envelope + tensor bytes)
+ * through the stream, and those whose tensors went by same-host direct copy (the receiver read
+ * them from the sender's memory; bytes counts those tensor bytes). */
+typedef struct td_rpc_traffic {
+  uint64_t frames_sent, bytes_sent, frames_received, bytes_received;
+  uint64_t direct_frames_sent, direct_bytes_sent, direct_frames_received, direct_bytes_received;
+} td_rpc_traffic;
+
+/* An agent's counters since init (monotonic), and a few gauges (now). */
+typedef struct td_rpc_stats {
+  td_rpc_traffic traffic; /* with every peer */
+  /* calls this worker made: started; finished with a result, with an error (remote or local),
+   * by their timeout */
+  uint64_t calls_started, calls_succeeded, calls_failed, calls_timed_out;
+  /* requests peers made of this worker: received (decoded), whose handler failed, refused
+   * before any handler ran (malformed, unknown function, shutting down) */
+  uint64_t requests_received, requests_failed, requests_rejected;
+  /* connection attempts refused: failed or abandoned handshakes, streams over the limits */
+  uint64_t refused_connections;
+  int64_t calls_pending;   /* gauge: calls waiting for their outcome */
+  int64_t requests_active; /* gauge: requests queued or running here */
+  int64_t pool_pending;    /* gauge: tasks queued or running on the agent's thread pool */
+} td_rpc_stats;
+
+/* td_rpc_get_stats fills out with a's counters (each read atomically; the set is not a single
+ * snapshot). THREAD SAFETY: any thread, any time between init and td_rpc_destroy. */
+TD_API td_status td_rpc_get_stats(td_rpc_agent *a, td_rpc_stats *out);
+/* td_rpc_get_peer_traffic fills out with the traffic between a and the worker of that rank
+ * (TD_ERR_NOT_FOUND outside [0, world size)). */
+TD_API td_status td_rpc_get_peer_traffic(td_rpc_agent *a, int rank, td_rpc_traffic *out);
 
 /* td_rpc_options_init fills o with the defaults. */
 TD_API void td_rpc_options_init(td_rpc_options *o);
+
+/* td_rpc_secret_generate writes a new random job secret (64 hexadecimal characters and a NUL) into
+ * out, which must hold at least 65 bytes. A program that starts its own workers (fork) without a
+ * launcher calls it once, before forking, and hands the result to every worker (for example in
+ * TD_RPC_SECRET, which children inherit). Returns TD_ERR_INVALID when n < 65, TD_ERR_INTERNAL when
+ * the system has no randomness to give. THREAD SAFETY: any thread. */
+TD_API td_status td_rpc_secret_generate(char *out, size_t n);
+/* td_rpc_secret_ensure_env sets TD_RPC_SECRET to a new random secret unless TD_RPC_SECRET or
+ * TD_RPC_SECRET_FILE is already set: for a program about to fork its own workers. Not
+ * thread-safe (it changes the environment): call it before starting threads. */
+TD_API td_status td_rpc_secret_ensure_env(void);
 
 /* td_rpc_ctx describes the call a registered function is serving. Borrowed; valid during the
  * call only. */

@@ -45,7 +45,8 @@ extern "C" {
   X(ERR_CANCELLED, 13, "cancelled")                                                             \
   X(ERR_UNAVAILABLE, 14, "peer unavailable")                                                    \
   X(ERR_UNSUPPORTED, 15, "not supported in this build")                                         \
-  X(ERR_INTERNAL, 16, "internal error")
+  X(ERR_INTERNAL, 16, "internal error")                                                         \
+  X(ERR_AUTH, 17, "authentication failed")
 
 typedef enum td_status {
 #define TD_STATUS_ENUM_(name, value, msg) TD_##name = value,

@@ -63,8 +63,31 @@ TD_API bool td_device_equal(td_device a, td_device b);
  * for CPU; for CUDA only when the build has CUDA and the device exists). */
 TD_API bool td_device_available(td_device d);
 /* td_cuda_device_count returns the number of CUDA devices usable by this process (0 without a
- * CUDA build or without a GPU). */
+ * CUDA build or without a GPU), after CUDA_VISIBLE_DEVICES. It never initialises CUDA in the
+ * calling process (it asks NVML, or a short-lived child process), so a program may count devices
+ * and then fork() workers that use CUDA. Computed once per process. THREAD SAFETY: any thread; the
+ * first call may block while the probe child runs (at most 30 s). */
 TD_API int td_cuda_device_count(void);
+/* td_cuda_set_device sets this process's CUDA device, like torch.cuda.set_device: the device
+ * every NCCL process group created afterwards uses. -1 returns to the default choice:
+ * cuda:(LOCAL_RANK % count) when LOCAL_RANK is set, else cuda:(world rank % count). Does not
+ * initialise CUDA. TD_ERR_DEVICE when index >= td_cuda_device_count(); TD_ERR_UNSUPPORTED
+ * without CUDA in the build. THREAD SAFETY: any thread. */
+TD_API td_status td_cuda_set_device(int index);
+/* td_cuda_get_device returns the device set with td_cuda_set_device, or -1. THREAD SAFETY: any
+ * thread. */
+TD_API int td_cuda_get_device(void);
+/* td_cuda_empty_cache gives every cached, unused block of the CUDA caching allocator back to the
+ * driver (all devices), so that other processes on the GPU can use the memory. Blocks in use are
+ * not affected. TD_OK without CUDA in the build (nothing is cached). THREAD SAFETY: any thread;
+ * blocks while the driver frees (cudaFree synchronises the device); other threads keep
+ * allocating meanwhile. */
+TD_API td_status td_cuda_empty_cache(void);
+/* td_cuda_memory_info reports the caching allocator's bytes on device: *in_use (handed out to
+ * tensors, rounded to the allocator's size classes) and *cached (kept for reuse). TD_ERR_DEVICE
+ * for a device that does not exist; TD_ERR_UNSUPPORTED without CUDA in the build. THREAD
+ * SAFETY: any thread. */
+TD_API td_status td_cuda_memory_info(int device, size_t *in_use, size_t *cached);
 
 /* td_dtype_size returns the size in bytes of one element (4 or 8). */
 TD_API size_t td_dtype_size(td_dtype dt);
@@ -291,7 +314,11 @@ TD_API td_status td_tensor_index_select(const td_tensor *t, int dim, const td_te
 
 /* ---- in-place updates (not recorded by autograd; used by optimizers and initialisers) ---- */
 
-/* td_tensor_copy_ copies src into dst (same shape; src is broadcast if needed; dtype converted). */
+/* td_tensor_copy_ copies src into dst (same shape; src is broadcast if needed; dtype converted:
+ * float to int64 truncates, and NaN, +-inf and out-of-range values give INT64_MIN, on every
+ * device). When src and dst overlap in memory the result is as if src were read completely
+ * first (src is staged through a temporary; src == dst is a no-op). TD_ERR_INVALID when several
+ * elements of dst share one memory location (an expanded view), as in PyTorch. */
 TD_API td_status td_tensor_copy_(td_tensor *dst, const td_tensor *src);
 TD_API td_status td_tensor_fill_(td_tensor *t, double value);
 TD_API td_status td_tensor_zero_(td_tensor *t);

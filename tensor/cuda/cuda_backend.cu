@@ -1,25 +1,14 @@
-/* cuda_backend.cu - the CUDA kernel table: errors, device guard, caching allocator, host<->device
- * copies, cuBLAS GEMM and registration (td__cuda_backend, td__cuda_device_count).
+/* cuda_backend.cu - the CUDA kernel table: errors, device guard, host<->device copies, cuBLAS
+ * GEMM, the runtime's device count (for the probe child of tensor/devices.c) and registration
+ * (td__cuda_backend). Memory comes from the caching allocator in cuda_alloc.cu.
  *
- * Caching allocator. cudaMalloc/cudaFree synchronise the device and cost tens of microseconds, so
- * freed blocks are kept in per-device free lists and handed out again. A request is rounded up
- * to a size class: powers of two from 512 B to 1 MiB, then four classes per octave (steps of a
- * quarter power of two, so at most 25% waste). Each class of each device has a LIFO free list.
- * A map from block address to (device, class) lets free() find the list, since the backend's
- * free() is not told the size. When cudaMalloc fails, the device's cached blocks are released
- * and the allocation is tried once more. Blocks are reused without synchronisation: all work is
- * issued on the device's legacy default stream, so a kernel that still uses a freed block runs
- * before any kernel of its next owner.
- * The allocator state is allocated once and never destroyed, so that tensors freed during process
- * exit (after static destructors) still find it.
+ * cuBLAS: one handle per device, created on first use under the handle lock and never changed
+ * afterwards (default stream, host pointer mode, default math, i.e. no TF32), so threads share
+ * it without further locking, as the cuBLAS documentation allows.
  *
- * cuBLAS: one handle per device, created on first use under the allocator-independent handle lock
- * and never changed afterwards (default stream, host pointer mode, default math, i.e. no TF32), so
- * threads share it without further locking, as the cuBLAS documentation allows.
- *
- * Lock order: alloc_mu and blas_mu are leaves (never held together, never held while calling out
- * of this file).
+ * Lock order: blas_mu is a leaf (never held while calling out of this file).
  */
+#include "cuda_alloc.h"
 #include "cuda_impl.h"
 
 #include <cublas_v2.h>
@@ -27,7 +16,6 @@
 #include <string.h>
 
 #include <mutex>
-#include <unordered_map>
 #include <vector>
 
 /* ---- errors and device selection ---- */
@@ -108,162 +96,30 @@ td_status td__cu_vector(const char *op, const td_tensor *t, int64_t *n, int64_t 
   return td__cu_need_contig(op, t);
 }
 
-/* ---- device count ---- */
+/* ---- device count (for the probe child of tensor/devices.c) ---- */
 
-extern "C" int td__cuda_device_count(void) {
-  static std::once_flag once;
-  static int count = 0;
-  std::call_once(once, [] {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-      (void)cudaGetLastError();
-      n = 0;
-    }
-    count = n;
-  });
-  return count;
+extern "C" int td__cuda_runtime_count(int *err) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 0;
+  }
+  *err = (int)e;
+  return n;
 }
-
-/* ---- caching allocator ---- */
 
 namespace {
 
-constexpr int kClasses = 128;
-constexpr size_t kSmallMax = (size_t)1 << 20; /* powers of two up to here */
-
-struct DeviceCache {
-  std::vector<void *> free_list[kClasses];
-  size_t cached_bytes = 0; /* bytes in free lists */
-  size_t used_bytes = 0;   /* bytes handed out */
-};
-
-struct Allocator {
-  std::mutex mu;
-  std::vector<DeviceCache *> devs; /* index = device ordinal */
-  std::unordered_map<void *, uint32_t> live; /* address -> device << 8 | class */
-};
-
-Allocator &allocator() {
-  static Allocator *a = new Allocator; /* intentionally never destroyed, see the file comment */
-  return *a;
-}
-
-int floor_log2(size_t n) { return 63 - __builtin_clzll((unsigned long long)n); }
-
-/* size_class rounds n up to its class size (*rounded) and returns the class, or -1 when n is too
- * large for any class. */
-int size_class(size_t n, size_t *rounded) {
-  if (n <= 512) {
-    *rounded = 512;
-    return 0;
-  }
-  if (n <= kSmallMax) {
-    int o = floor_log2(n - 1) + 1; /* 2^(o-1) < n <= 2^o */
-    *rounded = (size_t)1 << o;
-    return o - 9; /* 1 .. 11 */
-  }
-  int o = floor_log2(n - 1); /* 2^o < n <= 2^(o+1), o >= 20 */
-  if (o > 47) return -1;
-  size_t step = (size_t)1 << (o - 2);
-  size_t k = (n + step - 1) / step; /* 5 .. 8 */
-  *rounded = k * step;
-  return 12 + (o - 20) * 4 + (int)(k - 5);
-}
-
-/* device_cache returns the cache of a device, creating it on first use; NULL when out of host
- * memory (no C++ exception may escape into the C callers). */
-DeviceCache *device_cache(Allocator &a, int device) {
-  try {
-    if ((size_t)device >= a.devs.size()) a.devs.resize((size_t)device + 1, nullptr);
-    if (!a.devs[(size_t)device]) a.devs[(size_t)device] = new DeviceCache;
-  } catch (...) {
-    return nullptr;
-  }
-  return a.devs[(size_t)device];
-}
-
-size_t class_size(int cls) {
-  if (cls == 0) return 512;
-  if (cls <= 11) return (size_t)1 << (cls + 9);
-  int o = 20 + (cls - 12) / 4;
-  size_t k = 5 + (size_t)((cls - 12) % 4);
-  return k * ((size_t)1 << (o - 2));
-}
-
-/* release_cached frees every cached block of a device (the device is current). Called with the
- * lock held. */
-void release_cached(DeviceCache *dc) {
-  for (int c = 0; c < kClasses; c++) {
-    for (void *p : dc->free_list[c]) (void)cudaFree(p);
-    dc->cached_bytes -= dc->free_list[c].size() * class_size(c);
-    dc->free_list[c].clear();
-  }
-}
+/* ---- memory: the caching allocator (cuda_alloc.cu) ---- */
 
 td_status cu_alloc(int device, size_t nbytes, void **out) {
-  const char *op = "alloc";
-  if (device < 0) return td_set_error(TD_ERR_DEVICE, "cuda alloc: bad device index %d", device);
-  size_t rounded = 0;
-  int cls = size_class(nbytes, &rounded);
-  if (cls < 0)
-    return td_set_error(TD_ERR_NOMEM, "cuda alloc: %zu bytes is too large a request", nbytes);
-  TD_TRY(td__cu_set_device(device, op));
-  Allocator &a = allocator();
-  std::lock_guard<std::mutex> lock(a.mu);
-  DeviceCache *dc = device_cache(a, device);
-  if (!dc) return td_set_error(TD_ERR_NOMEM, "cuda alloc: out of host memory");
-  void *p = nullptr;
-  std::vector<void *> &fl = dc->free_list[cls];
-  if (!fl.empty()) {
-    p = fl.back();
-    fl.pop_back();
-    dc->cached_bytes -= rounded;
-  } else {
-    cudaError_t e = cudaMalloc(&p, rounded);
-    if (e == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();
-      release_cached(dc);
-      e = cudaMalloc(&p, rounded);
-    }
-    if (e != cudaSuccess) {
-      td_status s = td__cu_error(e, op);
-      return td_set_error(s, "cuda alloc: cannot allocate %zu bytes on cuda:%d (%zu in use): %s",
-                          rounded, device, dc->used_bytes, cudaGetErrorString(e));
-    }
-  }
-  try {
-    a.live.emplace(p, ((uint32_t)device << 8) | (uint32_t)cls);
-  } catch (...) {
-    (void)cudaFree(p); /* cannot track it: give it back */
-    return td_set_error(TD_ERR_NOMEM, "cuda alloc: out of host memory");
-  }
-  dc->used_bytes += rounded;
-  *out = p;
-  return TD_OK;
+  return td__cu_cache_alloc(td__cu_default_cache(), device, nbytes, out);
 }
 
 void cu_free(int device, void *p) {
-  if (!p) return;
-  Allocator &a = allocator();
-  std::lock_guard<std::mutex> lock(a.mu);
-  auto it = a.live.find(p);
-  if (it == a.live.end()) TD_PANIC("cuda free: %p (cuda:%d) was not allocated here", p, device);
-  int dev = (int)(it->second >> 8), cls = (int)(it->second & 0xff);
-  a.live.erase(it);
-  DeviceCache *dc = a.devs[(size_t)dev]; /* exists: the block was allocated through it */
-  size_t sz = class_size(cls);
-  dc->used_bytes -= sz;
-  try {
-    dc->free_list[cls].push_back(p);
-    dc->cached_bytes += sz;
-  } catch (...) {
-    /* No host memory to cache the block: give it back to the driver instead. */
-    int cur = -1;
-    (void)cudaGetDevice(&cur);
-    if (cudaSetDevice(dev) == cudaSuccess) (void)cudaFree(p);
-    if (cur >= 0) (void)cudaSetDevice(cur);
-    (void)cudaGetLastError();
-  }
+  (void)device; /* the cache finds the block's device by its address */
+  td__cu_cache_free(td__cu_default_cache(), p);
 }
 
 /* ---- host <-> device copies ---- */
@@ -408,10 +264,13 @@ const td__backend cuda_backend = make_backend();
 } /* namespace */
 
 td_status td__cu_scratch_alloc(int index, size_t nbytes, void **out) {
-  return cu_alloc(index, nbytes, out);
+  return td__cu_cache_alloc(td__cu_default_cache(), index, nbytes, out);
 }
 
-void td__cu_scratch_free(int index, void *p) { cu_free(index, p); }
+void td__cu_scratch_free(int index, void *p) {
+  (void)index;
+  td__cu_cache_free(td__cu_default_cache(), p);
+}
 
 /* The table tensor.c dispatches to for TD_DEVICE_CUDA tensors (declared in tensor_impl.h with C
  * linkage). */

@@ -88,12 +88,20 @@ __device__ __forceinline__ void geom_offsets(const Geom<N> &g, int64_t i, int64_
 
 /* ---- copy ---- */
 
+/* convert is the element conversion of copy: a cast, except float -> int64, which follows the
+ * CPU (td__f2i64: INT64_MIN for NaN, +-inf and out-of-range values; CUDA's cast saturates). */
+template <typename Td, typename Ts> __device__ __forceinline__ Td convert(Ts v) {
+  if constexpr (std::is_same<Td, int64_t>::value && std::is_floating_point<Ts>::value)
+    return td__f2i64((double)v);
+  return (Td)v;
+}
+
 template <typename Td, typename Ts>
 __global__ void copy_kernel(Geom<2> g, int64_t n, Td *dst, const Ts *src) {
   TD_CU_LOOP(i, n) {
     int64_t o[2];
     geom_offsets(g, i, o);
-    dst[o[0]] = (Td)src[o[1]];
+    dst[o[0]] = convert<Td, Ts>(src[o[1]]);
   }
 }
 
@@ -373,7 +381,7 @@ td_status td__cu_fill(td_tensor *t, double value) {
     case TD_DTYPE_F32: fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (float *)p, (float)value); break;
     case TD_DTYPE_F64: fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (double *)p, value); break;
     case TD_DTYPE_I64:
-      fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (int64_t *)p, (int64_t)value);
+      fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (int64_t *)p, td__f2i64(value));
       break;
   }
   return td__cu_check_launch(op);

@@ -1,9 +1,10 @@
 /* cuda_impl.h - internals shared by the CUDA backend files (CUDA C++ only; never installed).
  *
  * The CUDA backend is the td__backend table td__cuda_backend (cuda_backend.cu). Its entries live
- * in four files, one family each:
- *   cuda_backend.cu      errors, device guard, caching allocator, host<->device copies, cuBLAS
- *                        GEMM, device count, the table itself;
+ * in these files, one family each:
+ *   cuda_backend.cu      errors, device guard, host<->device copies, cuBLAS GEMM, the runtime's
+ *                        device count, the table itself;
+ *   cuda_alloc.cu        the caching allocator (C interface in cuda_alloc.h);
  *   cuda_elementwise.cu  strided copy / fill / binary / unary (+ backward), index_select/add;
  *   cuda_reduce.cu       sum and max over [outer, r, inner], softmax (+ backward), layer norm
  *                        (+ backward);
@@ -29,15 +30,12 @@
 
 extern "C" {
 #include "../tensor_impl.h"
-
-/* td__cuda_device_count returns the number of usable CUDA devices, or 0 when the runtime reports
- * an error (no driver, no device). Never prints. Called by td_cuda_device_count() in tensor.c.
- * THREAD SAFETY: any thread. */
-int td__cuda_device_count(void);
 }
 
 /* Threads per block for elementwise kernels. */
 #define TD_CU_THREADS 256
+/* Most blocks in gridDim.x of any launch: kernels loop (grid-stride, or over rows) beyond it. */
+#define TD_CU_MAX_BLOCKS (65535 * 32)
 
 /* ---- errors and device selection (cuda_backend.cu) ---- */
 
@@ -135,7 +133,7 @@ static inline int64_t td__cu_numel(const td_tensor *t) {
 static inline unsigned td__cu_grid(int64_t n, int threads) {
   int64_t b = (n + threads - 1) / threads;
   if (b < 1) b = 1;
-  if (b > 65535 * 32) b = 65535 * 32;
+  if (b > TD_CU_MAX_BLOCKS) b = TD_CU_MAX_BLOCKS;
   return (unsigned)b;
 }
 

@@ -4,32 +4,55 @@
  *
  * Sum and max: with inner == 1 and long rows a block reduces (a chunk of) one row with shuffles;
  * otherwise a thread reduces (a chunk of) one column, so a warp reads consecutive addresses when
- * inner > 1. When
- * outer * inner alone gives too few threads, r is split into chunks: the first pass writes
- * partial results [outer, nsplit, inner] to scratch memory and the reduction runs again over
- * nsplit. Arg-max partials carry their index; ties keep the smaller index (PyTorch's "first
- * occurrence"), and NaN counts as the largest value.
+ * inner > 1. When outer * inner alone gives too few threads, r is split into chunks: the first
+ * pass writes partial results [outer, nsplit, inner] to scratch memory and the reduction runs
+ * again over nsplit. Arg-max partials carry their index; ties keep the smaller index (PyTorch's
+ * "first occurrence"), and NaN counts as the largest value.
  *
- * Softmax and layer norm keep one block per row (inner == 1) or one thread per column, and read
+ * Softmax and layer norm use one block per row (inner == 1) or one thread per column, and read
  * the row several times (max, sum, write); rows are small enough to stay in L1/L2.
  *
- * Accumulation is in the element type (float32 sums use a tree, not a running sum).
+ * Rows: a block loops over rows (row = blockIdx.x, += gridDim.x) with a grid of at most
+ * TD_CU_MAX_BLOCKS, so any number of rows works (a grid of `outer` blocks fails from 2^31 rows
+ * and, cast to 32 bits, skipped rows from 2^32). Every loop bound is the same for all threads of
+ * a block, so the block reductions inside stay uniform. Indices are 64-bit throughout.
+ *
+ * Accumulation: float32 sums (sum, softmax denominators and backward sums, layer-norm moments and
+ * parameter gradients) accumulate in double (Acc<float>), as the CPU backend does, so a long
+ * same-sign sum keeps float32 accuracy instead of drifting by n * eps / 2 when one thread adds a
+ * long column; elementwise math (exp, the results) stays in the element type. log_softmax is
+ * (x - max) - log(sum), whose first step is exact, not x - (max + log(sum)), which rounds to the
+ * ulp of max for large logits.
  */
 #include "cuda_impl.h"
 
 namespace {
 
+/* Acc<T> is the accumulator type of sums of T (double for float, see the file comment). */
+template <typename T> struct AccT { using type = T; };
+template <> struct AccT<float> { using type = double; };
+template <typename T> using Acc = typename AccT<T>::type;
+
+/* row_grid returns the grid of a block-per-row kernel over rows rows. */
+unsigned row_grid(int64_t rows) {
+  return (unsigned)(rows < 1 ? 1 : rows > TD_CU_MAX_BLOCKS ? TD_CU_MAX_BLOCKS : rows);
+}
+
+#define TD_CU_ROWS(o, rows) for (int64_t o = blockIdx.x; o < (rows); o += gridDim.x)
+
 /* ---- sum ---- */
 
 template <typename T>
-__global__ void sum_rows_kernel(const T *x, int64_t r, int64_t chunk, T *out) {
-  int64_t o = blockIdx.x, s = blockIdx.y, nsplit = gridDim.y;
+__global__ void sum_rows_kernel(const T *x, int64_t outer, int64_t r, int64_t chunk, T *out) {
+  int64_t s = blockIdx.y, nsplit = gridDim.y;
   int64_t k0 = s * chunk, k1 = min(r, k0 + chunk);
-  const T *row = x + o * r;
-  T acc = 0;
-  for (int64_t k = k0 + threadIdx.x; k < k1; k += blockDim.x) acc += row[k];
-  acc = td__cu_block_sum(acc);
-  if (threadIdx.x == 0) out[o * nsplit + s] = acc;
+  TD_CU_ROWS(o, outer) {
+    const T *row = x + o * r;
+    Acc<T> acc = 0;
+    for (int64_t k = k0 + threadIdx.x; k < k1; k += blockDim.x) acc += row[k];
+    acc = td__cu_block_sum(acc);
+    if (threadIdx.x == 0) out[o * nsplit + s] = (T)acc;
+  }
 }
 
 template <typename T>
@@ -40,9 +63,9 @@ __global__ void sum_cols_kernel(const T *x, int64_t outer, int64_t r, int64_t in
   TD_CU_LOOP(t, outer * inner) {
     int64_t o = t / inner, i = t - o * inner;
     const T *p = x + o * r * inner + i;
-    T acc = 0;
+    Acc<T> acc = 0;
     for (int64_t k = k0; k < k1; k++) acc += p[k * inner];
-    out[(o * nsplit + s) * inner + i] = acc;
+    out[(o * nsplit + s) * inner + i] = (T)acc;
   }
 }
 
@@ -87,7 +110,8 @@ td_status sum_typed(int dev, const T *x, int64_t outer, int64_t r, int64_t inner
   }
   if (use_rows(r, inner)) {
     int threads = td__cu_block_threads(chunk);
-    sum_rows_kernel<T><<<dim3((unsigned)outer, (unsigned)nsplit), threads>>>(x, r, chunk, dst);
+    sum_rows_kernel<T><<<dim3(row_grid(outer), (unsigned)nsplit), threads>>>(x, outer, r, chunk,
+                                                                            dst);
   } else {
     dim3 grid(td__cu_grid(outer * inner, TD_CU_THREADS), (unsigned)nsplit);
     sum_cols_kernel<T><<<grid, TD_CU_THREADS>>>(x, outer, r, inner, chunk, dst);
@@ -133,21 +157,24 @@ __device__ void block_argmax(T *v, int64_t *idx) {
 
 /* in_idx (may be NULL) maps a position k of x to the original index (second and later passes). */
 template <typename T>
-__global__ void max_rows_kernel(const T *x, const int64_t *in_idx, int64_t r, int64_t chunk,
-                                T *out, int64_t *out_idx) {
-  int64_t o = blockIdx.x, s = blockIdx.y, nsplit = gridDim.y;
+__global__ void max_rows_kernel(const T *x, const int64_t *in_idx, int64_t outer, int64_t r,
+                                int64_t chunk, T *out, int64_t *out_idx) {
+  int64_t s = blockIdx.y, nsplit = gridDim.y;
   int64_t k0 = s * chunk, k1 = min(r, k0 + chunk);
-  T best = td__cu_lowest<T>();
-  int64_t bi = INT64_MAX;
-  for (int64_t k = k0 + threadIdx.x; k < k1; k += blockDim.x) {
-    T v = x[o * r + k];
-    int64_t i = in_idx ? in_idx[o * r + k] : k;
-    if (better(v, i, best, bi)) best = v, bi = i;
-  }
-  block_argmax(&best, &bi);
-  if (threadIdx.x == 0) {
-    out[o * nsplit + s] = best;
-    if (out_idx) out_idx[o * nsplit + s] = bi;
+  TD_CU_ROWS(o, outer) {
+    T best = td__cu_lowest<T>();
+    int64_t bi = INT64_MAX;
+    for (int64_t k = k0 + threadIdx.x; k < k1; k += blockDim.x) {
+      T v = x[o * r + k];
+      int64_t i = in_idx ? in_idx[o * r + k] : k;
+      if (better(v, i, best, bi)) best = v, bi = i;
+    }
+    block_argmax(&best, &bi);
+    if (threadIdx.x == 0) {
+      out[o * nsplit + s] = best;
+      if (out_idx) out_idx[o * nsplit + s] = bi;
+    }
+    __syncthreads(); /* block_argmax's shared slots are reused by the next row */
   }
 }
 
@@ -193,8 +220,8 @@ td_status max_typed(int dev, const T *x, const int64_t *in_idx, int64_t outer, i
   }
   if (use_rows(r, inner)) {
     int threads = td__cu_block_threads(chunk);
-    max_rows_kernel<T><<<dim3((unsigned)outer, (unsigned)nsplit), threads>>>(x, in_idx, r, chunk,
-                                                                           dst, dst_idx);
+    max_rows_kernel<T><<<dim3(row_grid(outer), (unsigned)nsplit), threads>>>(
+        x, in_idx, outer, r, chunk, dst, dst_idx);
   } else {
     dim3 grid(td__cu_grid(outer * inner, TD_CU_THREADS), (unsigned)nsplit);
     max_cols_kernel<T><<<grid, TD_CU_THREADS>>>(x, in_idx, outer, r, inner, chunk, dst, dst_idx);
@@ -209,21 +236,24 @@ td_status max_typed(int dev, const T *x, const int64_t *in_idx, int64_t outer, i
 /* ---- softmax ---- */
 
 template <typename T>
-__global__ void softmax_rows_kernel(const T *x, int64_t r, bool log, T *y) {
-  const T *row = x + (int64_t)blockIdx.x * r;
-  T *out = y + (int64_t)blockIdx.x * r;
-  T mx = td__cu_lowest<T>();
-  for (int64_t k = threadIdx.x; k < r; k += blockDim.x) mx = td__cu_max_nan(mx, row[k]);
-  mx = td__cu_block_max(mx);
-  T sum = 0;
-  for (int64_t k = threadIdx.x; k < r; k += blockDim.x) sum += exp(row[k] - mx);
-  sum = td__cu_block_sum(sum);
-  if (log) {
-    T lse = mx + ::log(sum);
-    for (int64_t k = threadIdx.x; k < r; k += blockDim.x) out[k] = row[k] - lse;
-  } else {
-    T inv = (T)1 / sum;
-    for (int64_t k = threadIdx.x; k < r; k += blockDim.x) out[k] = exp(row[k] - mx) * inv;
+__global__ void softmax_rows_kernel(const T *x, int64_t outer, int64_t r, bool log, T *y) {
+  TD_CU_ROWS(o, outer) {
+    const T *row = x + o * r;
+    T *out = y + o * r;
+    T mx = td__cu_lowest<T>();
+    for (int64_t k = threadIdx.x; k < r; k += blockDim.x) mx = td__cu_max_nan(mx, row[k]);
+    mx = td__cu_block_max(mx);
+    Acc<T> sum = 0;
+    for (int64_t k = threadIdx.x; k < r; k += blockDim.x) sum += exp(row[k] - mx);
+    sum = td__cu_block_sum(sum);
+    if (log) {
+      Acc<T> ls = ::log(sum);
+      for (int64_t k = threadIdx.x; k < r; k += blockDim.x)
+        out[k] = (T)(((Acc<T>)row[k] - mx) - ls);
+    } else {
+      T inv = (T)((Acc<T>)1 / sum);
+      for (int64_t k = threadIdx.x; k < r; k += blockDim.x) out[k] = exp(row[k] - mx) * inv;
+    }
   }
 }
 
@@ -236,13 +266,13 @@ __global__ void softmax_cols_kernel(const T *x, int64_t outer, int64_t r, int64_
     T *q = y + o * r * inner + i;
     T mx = td__cu_lowest<T>();
     for (int64_t k = 0; k < r; k++) mx = td__cu_max_nan(mx, p[k * inner]);
-    T sum = 0;
+    Acc<T> sum = 0;
     for (int64_t k = 0; k < r; k++) sum += exp(p[k * inner] - mx);
     if (log) {
-      T lse = mx + ::log(sum);
-      for (int64_t k = 0; k < r; k++) q[k * inner] = p[k * inner] - lse;
+      Acc<T> ls = ::log(sum);
+      for (int64_t k = 0; k < r; k++) q[k * inner] = (T)(((Acc<T>)p[k * inner] - mx) - ls);
     } else {
-      T inv = (T)1 / sum;
+      T inv = (T)((Acc<T>)1 / sum);
       for (int64_t k = 0; k < r; k++) q[k * inner] = exp(p[k * inner] - mx) * inv;
     }
   }
@@ -250,15 +280,18 @@ __global__ void softmax_cols_kernel(const T *x, int64_t outer, int64_t r, int64_
 
 /* softmax: gx = y * (gy - sum(gy * y)); log-softmax: gx = gy - exp(y) * sum(gy). */
 template <typename T>
-__global__ void softmax_bwd_rows_kernel(const T *y, const T *gy, int64_t r, bool log, T *gx) {
-  int64_t base = (int64_t)blockIdx.x * r;
-  T s = 0;
-  for (int64_t k = threadIdx.x; k < r; k += blockDim.x)
-    s += log ? gy[base + k] : gy[base + k] * y[base + k];
-  s = td__cu_block_sum(s);
-  for (int64_t k = threadIdx.x; k < r; k += blockDim.x) {
-    int64_t p = base + k;
-    gx[p] = log ? gy[p] - exp(y[p]) * s : y[p] * (gy[p] - s);
+__global__ void softmax_bwd_rows_kernel(const T *y, const T *gy, int64_t outer, int64_t r,
+                                        bool log, T *gx) {
+  TD_CU_ROWS(o, outer) {
+    int64_t base = o * r;
+    Acc<T> s = 0;
+    for (int64_t k = threadIdx.x; k < r; k += blockDim.x)
+      s += log ? (Acc<T>)gy[base + k] : (Acc<T>)gy[base + k] * y[base + k];
+    T st = (T)td__cu_block_sum(s);
+    for (int64_t k = threadIdx.x; k < r; k += blockDim.x) {
+      int64_t p = base + k;
+      gx[p] = log ? gy[p] - exp(y[p]) * st : y[p] * (gy[p] - st);
+    }
   }
 }
 
@@ -268,14 +301,15 @@ __global__ void softmax_bwd_cols_kernel(const T *y, const T *gy, int64_t outer, 
   TD_CU_LOOP(t, outer * inner) {
     int64_t o = t / inner, i = t - o * inner;
     int64_t base = o * r * inner + i;
-    T s = 0;
+    Acc<T> s = 0;
     for (int64_t k = 0; k < r; k++) {
       int64_t p = base + k * inner;
-      s += log ? gy[p] : gy[p] * y[p];
+      s += log ? (Acc<T>)gy[p] : (Acc<T>)gy[p] * y[p];
     }
+    T st = (T)s;
     for (int64_t k = 0; k < r; k++) {
       int64_t p = base + k * inner;
-      gx[p] = log ? gy[p] - exp(y[p]) * s : y[p] * (gy[p] - s);
+      gx[p] = log ? gy[p] - exp(y[p]) * st : y[p] * (gy[p] - st);
     }
   }
 }
@@ -283,49 +317,53 @@ __global__ void softmax_bwd_cols_kernel(const T *y, const T *gy, int64_t outer, 
 /* ---- layer norm ---- */
 
 template <typename T>
-__global__ void layer_norm_kernel(const T *x, const T *w, const T *b, int64_t n, T eps, T *y,
-                                  T *mean, T *rstd) {
-  int64_t base = (int64_t)blockIdx.x * n;
-  T s = 0;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += x[base + j];
-  T mu = td__cu_block_sum(s) / (T)n;
-  T v = 0;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    T d = x[base + j] - mu;
-    v += d * d;
-  }
-  T var = td__cu_block_sum(v) / (T)n;
-  T rs = (T)1 / sqrt(var + eps);
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    T t = (x[base + j] - mu) * rs;
-    if (w) t *= w[j];
-    if (b) t += b[j];
-    y[base + j] = t;
-  }
-  if (threadIdx.x == 0) {
-    if (mean) mean[blockIdx.x] = mu;
-    if (rstd) rstd[blockIdx.x] = rs;
+__global__ void layer_norm_kernel(const T *x, const T *w, const T *b, int64_t rows, int64_t n,
+                                  T eps, T *y, T *mean, T *rstd) {
+  TD_CU_ROWS(m, rows) {
+    int64_t base = m * n;
+    Acc<T> s = 0;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += x[base + j];
+    Acc<T> mu = td__cu_block_sum(s) / (Acc<T>)n;
+    Acc<T> v = 0;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+      Acc<T> d = x[base + j] - mu;
+      v += d * d;
+    }
+    Acc<T> var = td__cu_block_sum(v) / (Acc<T>)n;
+    T rs = (T)((Acc<T>)1 / sqrt(var + (Acc<T>)eps)), mt = (T)mu;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+      T t = (x[base + j] - mt) * rs;
+      if (w) t *= w[j];
+      if (b) t += b[j];
+      y[base + j] = t;
+    }
+    if (threadIdx.x == 0) {
+      if (mean) mean[m] = mt;
+      if (rstd) rstd[m] = rs;
+    }
   }
 }
 
 /* gx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = gy * w and xhat = (x - mean) * rstd. */
 template <typename T>
 __global__ void layer_norm_bwd_kernel(const T *gy, const T *x, const T *w, const T *mean,
-                                      const T *rstd, int64_t n, T *gx) {
-  int64_t m = blockIdx.x, base = m * n;
-  T mu = mean[m], rs = rstd[m];
-  T s1 = 0, s2 = 0;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    T g = w ? gy[base + j] * w[j] : gy[base + j];
-    s1 += g;
-    s2 += g * (x[base + j] - mu) * rs;
-  }
-  s1 = td__cu_block_sum(s1) / (T)n;
-  s2 = td__cu_block_sum(s2) / (T)n;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    T g = w ? gy[base + j] * w[j] : gy[base + j];
-    T xh = (x[base + j] - mu) * rs;
-    gx[base + j] = rs * (g - s1 - xh * s2);
+                                      const T *rstd, int64_t rows, int64_t n, T *gx) {
+  TD_CU_ROWS(m, rows) {
+    int64_t base = m * n;
+    T mu = mean[m], rs = rstd[m];
+    Acc<T> s1 = 0, s2 = 0;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+      T g = w ? gy[base + j] * w[j] : gy[base + j];
+      s1 += g;
+      s2 += (Acc<T>)g * ((x[base + j] - mu) * rs);
+    }
+    T m1 = (T)(td__cu_block_sum(s1) / (Acc<T>)n);
+    T m2 = (T)(td__cu_block_sum(s2) / (Acc<T>)n);
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+      T g = w ? gy[base + j] * w[j] : gy[base + j];
+      T xh = (x[base + j] - mu) * rs;
+      gx[base + j] = rs * (g - m1 - xh * m2);
+    }
   }
 }
 
@@ -338,14 +376,14 @@ __global__ void layer_norm_wb_kernel(const T *gy, const T *x, const T *mean, con
   int64_t s = blockIdx.y;
   int64_t m0 = s * chunk, m1 = min(rows, m0 + chunk);
   TD_CU_LOOP(j, n) {
-    T aw = 0, ab = 0;
+    Acc<T> aw = 0, ab = 0;
     for (int64_t m = m0; m < m1; m++) {
       T g = gy[m * n + j];
-      aw += g * (x[m * n + j] - mean[m]) * rstd[m];
+      aw += (Acc<T>)g * ((x[m * n + j] - mean[m]) * rstd[m]);
       ab += g;
     }
-    if (gw_part) gw_part[s * n + j] = aw;
-    if (gb_part) gb_part[s * n + j] = ab;
+    if (gw_part) gw_part[s * n + j] = (T)aw;
+    if (gb_part) gb_part[s * n + j] = (T)ab;
   }
 }
 
@@ -462,11 +500,11 @@ td_status td__cu_softmax(const td_tensor *x, int64_t outer, int64_t r, int64_t i
   if (inner == 1) {
     int threads = td__cu_block_threads(r);
     if (y->dtype == TD_DTYPE_F32)
-      softmax_rows_kernel<float><<<(unsigned)outer, threads>>>(
-          (const float *)td__cu_ptr(x), r, log, (float *)td__cu_ptr(y));
+      softmax_rows_kernel<float><<<row_grid(outer), threads>>>(
+          (const float *)td__cu_ptr(x), outer, r, log, (float *)td__cu_ptr(y));
     else
-      softmax_rows_kernel<double><<<(unsigned)outer, threads>>>(
-          (const double *)td__cu_ptr(x), r, log, (double *)td__cu_ptr(y));
+      softmax_rows_kernel<double><<<row_grid(outer), threads>>>(
+          (const double *)td__cu_ptr(x), outer, r, log, (double *)td__cu_ptr(y));
   } else {
     unsigned grid = td__cu_grid(outer * inner, TD_CU_THREADS);
     if (y->dtype == TD_DTYPE_F32)
@@ -488,12 +526,12 @@ td_status td__cu_softmax_backward(const td_tensor *y, const td_tensor *gy, int64
   if (inner == 1) {
     int threads = td__cu_block_threads(r);
     if (gx->dtype == TD_DTYPE_F32)
-      softmax_bwd_rows_kernel<float><<<(unsigned)outer, threads>>>(
-          (const float *)td__cu_ptr(y), (const float *)td__cu_ptr(gy), r, log,
+      softmax_bwd_rows_kernel<float><<<row_grid(outer), threads>>>(
+          (const float *)td__cu_ptr(y), (const float *)td__cu_ptr(gy), outer, r, log,
           (float *)td__cu_ptr(gx));
     else
-      softmax_bwd_rows_kernel<double><<<(unsigned)outer, threads>>>(
-          (const double *)td__cu_ptr(y), (const double *)td__cu_ptr(gy), r, log,
+      softmax_bwd_rows_kernel<double><<<row_grid(outer), threads>>>(
+          (const double *)td__cu_ptr(y), (const double *)td__cu_ptr(gy), outer, r, log,
           (double *)td__cu_ptr(gx));
   } else {
     unsigned grid = td__cu_grid(outer * inner, TD_CU_THREADS);
@@ -543,12 +581,12 @@ td_status td__cu_layer_norm(const td_tensor *x, const td_tensor *w, const td_ten
   int threads = td__cu_block_threads(n);
 #define TD_CU_PTR(t, T) ((t) ? (T *)td__cu_ptr(t) : (T *)nullptr)
   if (y->dtype == TD_DTYPE_F32)
-    layer_norm_kernel<float><<<(unsigned)rows, threads>>>(
-        TD_CU_PTR(x, const float), TD_CU_PTR(w, const float), TD_CU_PTR(b, const float), n,
+    layer_norm_kernel<float><<<row_grid(rows), threads>>>(
+        TD_CU_PTR(x, const float), TD_CU_PTR(w, const float), TD_CU_PTR(b, const float), rows, n,
         (float)eps, TD_CU_PTR(y, float), TD_CU_PTR(mean, float), TD_CU_PTR(rstd, float));
   else
-    layer_norm_kernel<double><<<(unsigned)rows, threads>>>(
-        TD_CU_PTR(x, const double), TD_CU_PTR(w, const double), TD_CU_PTR(b, const double), n,
+    layer_norm_kernel<double><<<row_grid(rows), threads>>>(
+        TD_CU_PTR(x, const double), TD_CU_PTR(w, const double), TD_CU_PTR(b, const double), rows, n,
         eps, TD_CU_PTR(y, double), TD_CU_PTR(mean, double), TD_CU_PTR(rstd, double));
   return td__cu_check_launch(op);
 }
@@ -572,13 +610,14 @@ td_status td__cu_layer_norm_backward(const td_tensor *gy, const td_tensor *x, co
   if (gx && rows > 0) {
     int threads = td__cu_block_threads(n);
     if (x->dtype == TD_DTYPE_F32)
-      layer_norm_bwd_kernel<float><<<(unsigned)rows, threads>>>(
+      layer_norm_bwd_kernel<float><<<row_grid(rows), threads>>>(
           TD_CU_PTR(gy, const float), TD_CU_PTR(x, const float), TD_CU_PTR(w, const float),
-          TD_CU_PTR(mean, const float), TD_CU_PTR(rstd, const float), n, TD_CU_PTR(gx, float));
+          TD_CU_PTR(mean, const float), TD_CU_PTR(rstd, const float), rows, n,
+          TD_CU_PTR(gx, float));
     else
-      layer_norm_bwd_kernel<double><<<(unsigned)rows, threads>>>(
+      layer_norm_bwd_kernel<double><<<row_grid(rows), threads>>>(
           TD_CU_PTR(gy, const double), TD_CU_PTR(x, const double), TD_CU_PTR(w, const double),
-          TD_CU_PTR(mean, const double), TD_CU_PTR(rstd, const double), n,
+          TD_CU_PTR(mean, const double), TD_CU_PTR(rstd, const double), rows, n,
           TD_CU_PTR(gx, double));
     TD_TRY(td__cu_check_launch(op));
   }

@@ -2,6 +2,8 @@
  * options and shutdown (see mp_util.h). */
 #include "mp_util.h"
 
+#include "tdist/rpc.h"
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -68,6 +70,7 @@ void td_mp_finish(td_rpc_agent *a, double timeout_s) {
 
 int td_mp_run(int world, td_mp_fn fn, void *arg, double timeout_s, int *codes) {
   double scale = td_test_timeout_scale();
+  td_rpc_secret_ensure_env(); /* every group a test starts authenticates (one secret per run) */
   int port = td_mp_free_port();
   char method[64];
   snprintf(method, sizeof method, "tcp://127.0.0.1:%d", port);

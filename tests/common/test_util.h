@@ -58,6 +58,19 @@ td_tensor *td_test_tensor(const double *values, const int64_t *shape, int ndim, 
 void td_test_assert_close(const char *what, const td_tensor *a, const td_tensor *b, double rtol,
                           double atol);
 
+/* TD_TEST_REQUIRE_CUDA(k) skips the calling test, with a message naming it, unless the machine
+ * has at least k CUDA devices (td_cuda_device_count, which never initialises CUDA here: the test
+ * may fork CUDA workers afterwards). */
+#define TD_TEST_REQUIRE_CUDA(k)                                                               \
+  do {                                                                                        \
+    int td_n__ = td_cuda_device_count();                                                      \
+    if (td_n__ < (k)) {                                                                       \
+      print_message("%s: needs %d CUDA device(s), found %d; skipped\n", __func__, (int)(k),   \
+                    td_n__);                                                                  \
+      skip();                                                                                 \
+    }                                                                                         \
+  } while (0)
+
 /* td_test_source_path writes TD_SOURCE_DIR/rel into buf and returns buf. */
 const char *td_test_source_path(const char *rel, char *buf, size_t n);
 

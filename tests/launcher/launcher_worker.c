@@ -5,6 +5,7 @@
  *   --pid-dir D          write this process's pid to D/<RANK>.<TD_RESTART_COUNT>.pid (atomically,
  *                        through a rename)
  *   --env                print "NAME=value" for each launcher variable (and TD_LAUNCHER_MARK)
+ *   --secret             print "TD_RPC_SECRET=value" (the job secret the launcher handed over)
  *   --lines N            print N long lines to stdout and N to stderr, each in two write() calls
  *   --partial            print "part-one " and, after 20 ms, "part-two\n" on stdout and stderr
  *   --fail-rank R        fail when RANK == R ...
@@ -65,7 +66,7 @@ static int count_pid_files(const char *dir, int attempt, int world) {
 
 int main(int argc, char **argv) {
   const char *pid_dir = NULL;
-  int env = 0, partial = 0, tail = 0, ignore_term = 0;
+  int env = 0, partial = 0, tail = 0, ignore_term = 0, secret = 0;
   long lines = 0, sleep = 0;
   int fail_rank = -1, fail_attempt = -1, wait_pids = 0, exit_code = 3, sig = 0;
   for (int i = 1; i < argc; i++) {
@@ -74,6 +75,7 @@ int main(int argc, char **argv) {
 #define VALUE()                                              \
   (v ? (i++, v) : (fprintf(stderr, "%s needs a value\n", a), exit(64), ""))
     if (!strcmp(a, "--env")) env = 1;
+    else if (!strcmp(a, "--secret")) secret = 1;
     else if (!strcmp(a, "--partial")) partial = 1;
     else if (!strcmp(a, "--tail")) tail = 1;
     else if (!strcmp(a, "--ignore-term")) ignore_term = 1;
@@ -108,6 +110,11 @@ int main(int argc, char **argv) {
       snprintf(buf, sizeof buf, "%s=%s\n", names[k], v ? v : "(unset)");
       outs(STDOUT_FILENO, buf);
     }
+  }
+  if (secret) {
+    const char *v = getenv("TD_RPC_SECRET");
+    snprintf(buf, sizeof buf, "TD_RPC_SECRET=%s\n", v ? v : "(unset)");
+    outs(STDOUT_FILENO, buf);
   }
   for (long i = 0; i < lines; i++) {
     /* ~250 bytes, written in two pieces so that the launcher sees split lines. */

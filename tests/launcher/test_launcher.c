@@ -49,6 +49,10 @@ static double deadline_s(void) { return td_test_s(30.0); }
 
 typedef td_proc run;
 
+/* The job secret every launch gets in its environment unless a test clears it (so that runs do
+ * not depend on the caller's TD_RPC_SECRET*; jobs over several nodes need one). */
+static const char *g_secret = "TD_RPC_SECRET=launcher-test-secret-0123456789abcdef";
+
 /* run_start_env spawns tdistrun with args (NULL-terminated, without argv[0]) in a process group
  * of its own, with the test's environment without any SLURM_* variable (the suite may itself run
  * under srun), plus stale values the launcher must override, a mark it must keep, and extra
@@ -66,15 +70,17 @@ static void run_start_env(run *r, const char *const *args, const char *const *ex
   size_t ne = 0, nx = 0;
   for (char **e = environ; *e; e++) ne++;
   while (extra && extra[nx]) nx++;
-  char **env = calloc(ne + nx + 4, sizeof *env);
+  char **env = calloc(ne + nx + 5, sizeof *env);
   assert_non_null(env);
   size_t k = 0;
   env[k++] = "RANK=99";
   env[k++] = "MASTER_PORT=1";
   for (char **e = environ; *e; e++)
-    if (strncmp(*e, "TD_LAUNCHER_MARK=", 17) != 0 && strncmp(*e, "SLURM_", 6) != 0)
+    if (strncmp(*e, "TD_LAUNCHER_MARK=", 17) != 0 && strncmp(*e, "SLURM_", 6) != 0 &&
+        strncmp(*e, "TD_RPC_SECRET", 13) != 0 && strncmp(*e, "TD_RPC_INSECURE=", 16) != 0)
       env[k++] = *e;
   env[k++] = "TD_LAUNCHER_MARK=kept";
+  if (g_secret) env[k++] = (char *)g_secret;
   for (size_t x = 0; x < nx; x++) env[k++] = (char *)extra[x];
   env[k] = NULL;
   int rc = td_proc_spawn(r, TDISTRUN_PATH, (char *const *)argv, env, true);
@@ -269,6 +275,59 @@ static void test_launcher_env_vars_multi_node(void **state) {
   }
   assert_int_equal(count_lines(r.out), 2 * 9);
   run_free(&r);
+}
+
+/* Without a secret in its environment, tdistrun hands a new random one (64 hex digits) to all
+ * workers of a job, a different one per job, and never prints it. */
+static void test_launcher_secret_generated_per_job(void **state) {
+  (void)state;
+  const char *saved = g_secret;
+  g_secret = NULL;
+  char first[128] = "";
+  for (int job = 0; job < 2; job++) {
+    run r;
+    launch(&r, (const char *[]){"--nproc-per-node", "2", WORKER_PATH, "--secret", NULL});
+    ASSERT_EXIT(&r, 0);
+    char s[2][128];
+    for (int k = 0; k < 2; k++) {
+      char pfx[32];
+      snprintf(pfx, sizeof pfx, "[%d]: TD_RPC_SECRET=", k);
+      const char *p = strstr(r.out, pfx);
+      assert_non_null(p);
+      p += strlen(pfx);
+      size_t n = strcspn(p, "\n");
+      assert_int_equal(n, 64);
+      assert_true(strspn(p, "0123456789abcdef") >= 64);
+      memcpy(s[k], p, n);
+      s[k][n] = 0;
+    }
+    assert_string_equal(s[0], s[1]);
+    assert_null(strstr(r.err, s[0]));
+    if (job == 0) snprintf(first, sizeof first, "%s", s[0]);
+    else assert_string_not_equal(first, s[0]);
+    run_free(&r);
+  }
+  g_secret = saved;
+}
+
+/* A secret the user gives reaches the workers unchanged; a job over several nodes without one
+ * is refused with a message that says how to give one. */
+static void test_launcher_secret_given_or_required(void **state) {
+  (void)state;
+  run r;
+  launch(&r, (const char *[]){"--nproc-per-node", "2", WORKER_PATH, "--secret", NULL});
+  ASSERT_EXIT(&r, 0);
+  ASSERT_LINE(r.out, "[0]: %s", g_secret);
+  ASSERT_LINE(r.out, "[1]: %s", g_secret);
+  run_free(&r);
+  const char *saved = g_secret;
+  g_secret = NULL;
+  launch(&r, (const char *[]){"--nnodes", "2", "--node-rank", "0", WORKER_PATH, NULL});
+  ASSERT_EXIT(&r, 2);
+  ASSERT_CONTAINS(r.err, "TD_RPC_SECRET_FILE");
+  assert_string_equal(r.out, "");
+  run_free(&r);
+  g_secret = saved;
 }
 
 /* check_stream checks that every line of text is "[r]: " plus the next line rank r should have
@@ -619,6 +678,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_launcher_env_vars_single_node, teardown),
       cmocka_unit_test_teardown(test_launcher_env_vars_multi_node, teardown),
+      cmocka_unit_test_teardown(test_launcher_secret_generated_per_job, teardown),
+      cmocka_unit_test_teardown(test_launcher_secret_given_or_required, teardown),
       cmocka_unit_test_teardown(test_launcher_output_prefixed_per_line, teardown),
       cmocka_unit_test_teardown(test_launcher_no_prefix_passes_through, teardown),
       cmocka_unit_test_teardown(test_launcher_failure_stops_group, teardown),

@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "rpc/netaddr.h"
+#include "core/netaddr.h"
 #include "test_fns.h"
 #include "tdist/rpc.h"
 

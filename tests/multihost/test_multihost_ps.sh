@@ -53,6 +53,9 @@ trap cleanup EXIT
 trap 'exit 1' INT TERM HUP
 
 unset http_proxy https_proxy HTTP_PROXY HTTPS_PROXY all_proxy ALL_PROXY grpc_proxy no_grpc_proxy
+# One job secret for every worker of this run (they authenticate each other with it).
+TD_RPC_SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+export TD_RPC_SECRET
 
 "$HOSTS" down > /dev/null 2>&1 || true
 "$HOSTS" up || { echo "FAIL: netns-hosts.sh up"; exit 1; }

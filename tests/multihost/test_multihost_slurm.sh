@@ -64,6 +64,10 @@ trap cleanup EXIT
 trap 'exit 1' INT TERM HUP
 
 unset http_proxy https_proxy HTTP_PROXY HTTPS_PROXY all_proxy ALL_PROXY grpc_proxy no_grpc_proxy
+# srun passes the environment on: one job secret for the srun runs (the sbatch script makes its
+# own, in a private file, as users do)
+TD_RPC_SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+export TD_RPC_SECRET
 unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT TD_SOCKET_IFNAME
 
 "$SL" stop --state "$ST1" 9>&- > /dev/null 2>&1
@@ -118,7 +122,7 @@ stop() {
 sbatch_wait() {
   local name=$1 st=$2 jid info state deadline=$((SECONDS + 120 * SCALE))
   shift 2
-  jid=$("$SL" run --state "$st" sbatch --parsable -o "$WORK/$name.log" "$@" 9>&-) || return 1
+  jid=$(env -u TD_RPC_SECRET "$SL" run --state "$st" sbatch --parsable -o "$WORK/$name.log" "$@" 9>&-) || return 1
   jid=${jid%%;*}
   echo "submitted batch job $jid"
   while :; do

@@ -1,5 +1,5 @@
 /* test_netaddr.c - Slurm node-list expansion, job-derived ports, TD_SOCKET_IFNAME matching over
- * made-up interface lists, and a real listen-address choice on loopback (rpc/netaddr.c). */
+ * made-up interface lists, and a real listen-address choice on loopback (core/netaddr.c). */
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <stdio.h>
@@ -7,7 +7,7 @@
 #include <string.h>
 #include <sys/socket.h>
 
-#include "rpc/netaddr.h"
+#include "core/netaddr.h"
 #include "test_util.h"
 
 /* expect_hosts expands list and compares with the space-separated names in want. */

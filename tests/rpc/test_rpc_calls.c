@@ -167,9 +167,10 @@ static void test_rpc_calls(void **state) {
 /* ---- busy polling: the option, the environment override and the automatic choice ---- */
 
 typedef struct bp_case {
-  int64_t option;  /* td_rpc_options.busy_poll_us */
-  const char *env; /* TD_RPC_BUSY_POLL_US, or NULL */
-  int64_t expect;  /* -1: the automatic rule (50 when the workers fit the CPUs, else 0) */
+  int64_t option;   /* td_rpc_options.busy_poll_us */
+  const char *env;  /* TD_RPC_BUSY_POLL_US, or NULL */
+  const char *cpus; /* TD_CPUS: the CPUs the process may use, as the rule sees them */
+  int64_t expect;
 } bp_case;
 
 static int worker_busy_poll(int rank, int world, const char *method, void *arg) {
@@ -177,13 +178,12 @@ static int worker_busy_poll(int rank, int world, const char *method, void *arg) 
   register_test_fns();
   if (k->env) setenv("TD_RPC_BUSY_POLL_US", k->env, 1);
   else unsetenv("TD_RPC_BUSY_POLL_US");
+  setenv("TD_CPUS", k->cpus, 1);
   td_rpc_options o = td_mp_rpc_options(method, 4);
   o.busy_poll_us = k->option;
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
-  int64_t expect = k->expect;
-  if (expect < 0) expect = sysconf(_SC_NPROCESSORS_ONLN) >= world ? 50 : 0;
-  MP_CHECK(td_rpc_busy_poll_us(a) == expect);
+  MP_CHECK(td_rpc_busy_poll_us(a) == k->expect);
   /* calls work the same either way */
   char peer[32];
   snprintf(peer, sizeof peer, "worker%d", (rank + 1) % world);
@@ -200,13 +200,16 @@ static int worker_busy_poll(int rank, int world, const char *method, void *arg) 
 }
 
 static void test_rpc_busy_poll(void **state) {
-  const bp_case cases[] = {{0, NULL, 0}, {333, "7", 333}, {-1, "7", 7}, {-1, NULL, -1}};
+  /* explicit settings win; the automatic rule spins only when the local workers fit the CPUs
+   * and there is more than one */
+  const bp_case cases[] = {{0, NULL, "8", 0},   {333, "7", "8", 333}, {-1, "7", "1", 7},
+                           {-1, NULL, "2", 50}, {-1, NULL, "1", 0}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     TD_MP_RUN(2, worker_busy_poll, (void *)&cases[i], 60);
   }
   /* the automatic rule counts the workers on this host: 3 need 3 CPUs */
-  bp_case three = {-1, NULL, -1};
-  TD_MP_RUN(3, worker_busy_poll, &three, 60);
+  const bp_case three[] = {{-1, NULL, "2", 0}, {-1, NULL, "3", 50}};
+  for (size_t i = 0; i < 2; i++) TD_MP_RUN(3, worker_busy_poll, (void *)&three[i], 60);
 }
 
 /* ---- same-host direct copy: on by default between local workers, off by option or
@@ -270,6 +273,29 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
     MP_CHECK(p[n - 1] == (float)(firsts[i] + (double)(n - 1)));
     td_future_unref(fs[i]);
   }
+  /* the counters show which path the bytes took: with direct copy every frame of 32 KiB of
+   * tensors or more (3 sizes of 5) went direct - our requests, and the replies to them - and the
+   * stream carried only the small ones (the peer may still be sending its own requests) */
+  uint64_t big = 0;
+  for (int i = 0; i < N; i++)
+    if (sizes[i % 5] * 4 >= 32768) big += (uint64_t)sizes[i % 5] * 4;
+  td_rpc_traffic tr;
+  MP_CHECK_OK(td_rpc_get_peer_traffic(a, (rank + 1) % world, &tr));
+  if (peers) {
+    MP_CHECK(tr.direct_frames_sent >= (N / 5) * 3);
+    MP_CHECK(tr.direct_bytes_sent >= big);
+    MP_CHECK(tr.direct_frames_received >= (N / 5) * 3);
+    MP_CHECK(tr.direct_bytes_received >= big);
+    MP_CHECK(tr.bytes_sent < (1u << 20));
+  } else {
+    MP_CHECK(tr.direct_frames_sent == 0 && tr.direct_frames_received == 0);
+    MP_CHECK(tr.bytes_sent >= big && tr.bytes_received >= big);
+  }
+  td_rpc_stats st;
+  MP_CHECK_OK(td_rpc_get_stats(a, &st));
+  MP_CHECK(st.calls_started >= N && st.calls_succeeded >= N && st.calls_failed == 0);
+  MP_CHECK(st.requests_received > 0 && st.requests_failed == 0 && st.requests_rejected == 0);
+  MP_CHECK(st.traffic.direct_frames_sent == tr.direct_frames_sent); /* one peer */
   MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(30000)));
   td_rpc_destroy(a);
   return 0;

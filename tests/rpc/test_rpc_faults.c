@@ -20,6 +20,7 @@
 #include <signal.h>
 #include <sys/types.h>
 
+#include "rpc/auth.h"
 #include "rpc/wire.h"
 #include "rpc_test_fns.h"
 #include "test_util.h"
@@ -428,6 +429,47 @@ static void raw_destroy(raw_call *rc) {
   grpc_shutdown();
 }
 
+/* Receives one whole message into buf (at most n bytes); returns its length, or -1 at the end. */
+static long raw_recv_bytes(raw_call *rc, uint8_t *buf, size_t n) {
+  grpc_byte_buffer *bb = NULL;
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_MESSAGE;
+  op.data.recv_message.recv_message = &bb;
+  if (!raw_batch(rc, &op, 1, &rc->t_op) || !bb) return -1;
+  size_t off = 0;
+  grpc_byte_buffer_reader r;
+  MP_CHECK(grpc_byte_buffer_reader_init(&r, bb));
+  grpc_slice s;
+  while (grpc_byte_buffer_reader_next(&r, &s)) {
+    size_t l = GRPC_SLICE_LENGTH(s);
+    MP_CHECK(off + l <= n);
+    memcpy(buf + off, GRPC_SLICE_START_PTR(s), l);
+    off += l;
+    grpc_slice_unref(s);
+  }
+  grpc_byte_buffer_reader_destroy(&r);
+  grpc_byte_buffer_destroy(bb);
+  return (long)off;
+}
+
+/* Authenticates the raw stream as a member of rank self_rank (the group's secret is in
+ * TD_RPC_SECRET, set by td_mp_run) toward rank peer_rank. */
+static void raw_handshake(raw_call *rc, int self_rank, int peer_rank) {
+  const char *secret = getenv("TD_RPC_SECRET");
+  MP_CHECK(secret != NULL);
+  td__auth auth;
+  MP_CHECK_OK(td__auth_init(&auth, secret, strlen(secret)));
+  td__hs hs;
+  uint8_t out[TD__HS_MAX_LEN], in[TD__HS_MAX_LEN];
+  MP_CHECK_OK(td__hs_client_hello(&hs, &auth, self_rank, peer_rank, out));
+  MP_CHECK(raw_send(rc, out, TD__HS_HELLO_LEN));
+  long n = raw_recv_bytes(rc, in, sizeof in);
+  MP_CHECK(n > 0);
+  MP_CHECK_OK(td__hs_client_challenge(&hs, in, (size_t)n, out));
+  MP_CHECK(raw_send(rc, out, TD__HS_PROOF_LEN));
+}
+
 /* Frames decoded by the raw client. */
 static td__msg got[8];
 static int ngot;
@@ -477,16 +519,27 @@ static int worker_raw(int rank, int world, const char *method, void *arg) {
     raw_call rc;
     char details[512];
     if (mode == RAW_BAD_MAGIC) {
-      raw_open(&rc, wi.address, "/tdist.Rpc/Stream");
       const char junk[40] = "GET / HTTP/1.1 this is not a tdist frame";
+      /* before the handshake: refused as unauthenticated, nothing decoded */
+      raw_open(&rc, wi.address, "/tdist.Rpc/Stream");
       raw_send(&rc, junk, sizeof junk);
       grpc_status_code code = raw_finish(&rc, details, sizeof details);
+      fprintf(stderr, "junk before the handshake: status %d: %s\n", (int)code, details);
+      MP_CHECK(code == GRPC_STATUS_UNAUTHENTICATED);
+      MP_CHECK(strstr(details, "handshake") != NULL);
+      raw_destroy(&rc);
+      /* after it: a member's corrupt stream */
+      raw_open(&rc, wi.address, "/tdist.Rpc/Stream");
+      raw_handshake(&rc, 0, 1);
+      raw_send(&rc, junk, sizeof junk);
+      code = raw_finish(&rc, details, sizeof details);
       fprintf(stderr, "bad magic: status %d: %s\n", (int)code, details);
       MP_CHECK(code == GRPC_STATUS_INVALID_ARGUMENT);
       MP_CHECK(strstr(details, "corrupt") != NULL);
       raw_destroy(&rc);
     } else if (mode == RAW_BAD_HEADER) {
       raw_open(&rc, wi.address, "/tdist.Rpc/Stream");
+      raw_handshake(&rc, 0, 1);
       td__wire_ctx wctx = {a, 1, 0};
       td__decoder *dec;
       MP_CHECK_OK(td__decoder_create(&wctx, 0, on_got, on_got_bad, NULL, &dec));
@@ -557,7 +610,7 @@ static int worker_raw(int rank, int world, const char *method, void *arg) {
       raw_close_send(&rc);
       grpc_status_code code = raw_finish(&rc, details, sizeof details);
       fprintf(stderr, "store garbage: status %d: %s\n", (int)code, details);
-      MP_CHECK(code == GRPC_STATUS_INVALID_ARGUMENT);
+      MP_CHECK(code == GRPC_STATUS_UNAUTHENTICATED);
       raw_destroy(&rc);
     }
     /* the agent keeps serving normal calls */

@@ -1,4 +1,4 @@
-/* test_wire.c - the frame codec (rpc/wire.c): round trips of every value kind, tensors of every
+/* test_wire.c - the frame codec (rpc/wire*.c, rpc/direct.c): round trips of every value kind, tensors of every
  * dtype and layout, extension values; the incremental decoder under every chunking; malformed,
  * oversized and corrupt frames (each reported by id while the next frame still decodes); and
  * regressions found by fuzz/fuzz_wire_decoder; device maps (marked tensors, placement, refusal).
@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "rpc/direct.h"
 #include "rpc/wire.h"
 #include "tdist.pb-c.h"
 #include "test_util.h"
@@ -1531,7 +1532,7 @@ static void encode_direct(bytes *b, const td__msg *m, uint64_t token, td__frame 
   TD_ASSERT_OK(td__wire_encode(m, &ctx, f));
   uint8_t *desc;
   size_t dl;
-  TD_ASSERT_OK(td__frame_make_direct(f, token, (int)getpid(), &desc, &dl));
+  TD_ASSERT_OK(td__direct_encode(f, token, (int)getpid(), &desc, &dl));
   assert_int_equal(dl, 16 + 16 * (size_t)f->ntensors);
   if (addr_override) memcpy(desc + 16, &addr_override, 8); /* little-endian host */
   if (len_delta) {
@@ -1626,10 +1627,10 @@ static void test_wire_direct_copy(void **state) {
   dc_nsent = dc_ngot = 0;
   bytes b = {0};
   uint8_t ack[TD__FRAME_PREFIX];
-  td__ack_frame(ack, 77);
+  td__direct_ack_frame(ack, 77);
   bytes_put(&b, ack, sizeof ack);
   encode_msg(&b, &pm);
-  td__ack_frame(ack, 78);
+  td__direct_ack_frame(ack, 78);
   bytes_put(&b, ack, sizeof ack);
   sink s;
   decode(&b, 0, FEED_BYTES, 0, &s);

@@ -6,13 +6,13 @@
  * - The listen address: TD_SOCKET_IFNAME (NCCL's syntax), else the source address of the route
  *   toward MASTER_ADDR, else loopback.
  *
- * rpc/netaddr.c depends only on libc and on td_set_error / td_log, so tools/tdistrun compiles it
- * in without the library (tdistrun supplies those two functions).
+ * core/netaddr.c depends only on libc and the rest of the bottom of core/ (status.c, core.c), so
+ * tools/tdistrun compiles those in without the library.
  *
  * THREAD SAFETY: every function may run on any thread; none keeps state between calls.
  */
-#ifndef TD_RPC_NETADDR_H
-#define TD_RPC_NETADDR_H
+#ifndef TD_CORE_NETADDR_H
+#define TD_CORE_NETADDR_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -105,5 +105,8 @@ td_status td__ifaddr_pick(const char *spec, const td__ifaddr *list, size_t n, in
  * resolution when master_addr is a name. */
 td_status td__choose_address(const char *master_addr, const char *ifname_spec, char *out,
                              size_t n);
+
+/* td__addr_host copies the host of "host:port" or "[v6]:port" into out (truncated to n - 1). */
+void td__addr_host(const char *addr, char *out, size_t n);
 
 #endif

@@ -498,3 +498,17 @@ td_status td__choose_address(const char *master_addr, const char *ifname_spec, c
   }
   return st;
 }
+
+void td__addr_host(const char *addr, char *out, size_t n) {
+  const char *b = addr, *e;
+  if (*b == '[') {
+    b++;
+    e = strchr(b, ']');
+  } else {
+    e = strrchr(b, ':');
+  }
+  size_t len = e ? (size_t)(e - b) : strlen(b);
+  if (len >= n) len = n - 1;
+  memcpy(out, b, len);
+  out[len] = 0;
+}

@@ -1,0 +1,175 @@
+/* agent_state.h - the RPC agent's state, shared by the files of the agent and by no other layer
+ * (upper layers use agent_impl.h). The agent is split by concern:
+ *
+ *   agent.c       the object: options, accessors, worker infos, handler contexts
+ *   registry.c    the process-wide function registry, agent hooks, message middleware
+ *   call.c        outgoing calls: pending table, deadline heap, td_rpc_async / td_rpc_sync,
+ *                 timeouts, calls failed by a closed stream or by shutdown
+ *   serve.c       incoming requests: dispatch (network thread or pool), handlers, replies,
+ *                 malformed frames, the store's unary method
+ *   rendezvous.c  td__rpc_init_impl: arguments, transport, rendezvous through the store, env
+ *   devmap.c      device maps: published and checked at rendezvous
+ *   direct.c      same-host direct copy: the probe at rendezvous, descriptors, the reader and
+ *                 the ack table (direct.h)
+ *   shutdown.c    the graceful barrier, td_rpc_shutdown, td_rpc_destroy
+ *
+ * Lock order: a->mu, then the transport's locks (through td__conn_send). Futures are completed
+ * with no agent lock held. The registry's lock and the hooks' lock are leaves.
+ */
+#ifndef TD_RPC_AGENT_STATE_H
+#define TD_RPC_AGENT_STATE_H
+
+#include <pthread.h>
+
+#include "agent_impl.h"
+#include "auth.h"
+
+/* A call in flight: its future, the peer and the stream it went out on. */
+typedef struct pending {
+  uint64_t id;
+  td_future *fut;
+  int peer;
+  td__conn *conn; /* NULL for calls to self */
+  char fn[64];
+  int64_t timeout_ms;
+  bool expired; /* ended by its deadline (counted as timed out, not failed) */
+} pending;
+
+typedef struct dl_entry {
+  uint64_t deadline_ns;
+  uint64_t id;
+} dl_entry;
+
+typedef struct peer_info {
+  td_worker_info info;
+  char **fns; /* sorted registry of that worker */
+  int nfns;
+  char *fns_blob;
+  td__conn *conn;       /* our stream to it (lazy) */
+  td__devmap out_map;   /* our device map toward it (requests we send it) */
+  td__devmap reply_map; /* the inverse of its map toward us (replies we send it) */
+} peer_info;
+
+struct td_rpc_agent {
+  td_rpc_options opts;
+  char *listen_addr, *init_method;
+  char name[128];
+  int rank, world;
+  peer_info *peers;
+  td__transport *tr;
+  td__store *store; /* rank 0 only */
+  td__store_client sc;
+  td__threadpool *pool;
+  pthread_mutex_t mu;
+  /* pending calls (call.c): open hash id -> pending*, and a min-heap of deadlines */
+  pending **ptab;
+  size_t pcap, plen;
+  dl_entry *heap;
+  size_t hlen, hcap;
+  uint64_t next_id;
+  int64_t default_timeout_ms;
+  /* shutdown accounting (atomics): calls out, requests being served, frames sent and served */
+  int64_t pending_out, active_in;
+  int64_t sent_total, served_total;
+  /* counters (atomics; td_rpc_get_stats) */
+  struct {
+    uint64_t calls_started, calls_succeeded, calls_failed, calls_timed_out;
+    uint64_t requests_received, requests_failed, requests_rejected;
+  } cnt;
+  bool closing; /* no new calls */
+  bool shut;    /* shutdown finished */
+  int64_t busy_poll_us; /* resolved td_rpc_options.busy_poll_us */
+  /* group authentication (auth.h): the key, our session with the store, rank 0's sessions */
+  td__auth auth;
+  td__auth_client store_auth;
+  td__auth_sessions *sessions;
+  /* same-host direct copy (direct.c) */
+  uint64_t direct_nonce; /* peers read it from our memory to prove they can */
+  bool direct_on;
+  bool *direct_cand; /* [world]: same host, both enabled, we can read it */
+  int direct_peers;  /* peers that read our frames directly */
+};
+
+/* An incoming request, from its arrival to its reply (serve.c). */
+typedef struct request {
+  td_rpc_agent *a;
+  td__conn *conn; /* NULL: a call to self */
+  td__msg msg;
+  char caller[128];
+} request;
+
+/* Adds one to an agent counter. */
+#define TD__COUNT(a, field) __atomic_add_fetch(&(a)->cnt.field, 1, __ATOMIC_RELAXED)
+
+/* ---- agent.c ---- */
+/* The name of rank (or "?"). Borrowed; valid until td_rpc_destroy. */
+const char *td__agent_peer_name(const td_rpc_agent *a, int rank);
+/* The rank of the worker called name, or -1. */
+int td__agent_rank_of(const td_rpc_agent *a, const char *name);
+/* True when peer p published fn in its registry at init. */
+bool td__agent_peer_has_fn(const peer_info *p, const char *fn);
+
+/* ---- registry.c ---- */
+/* td__reg_find copies the registration of name into *out; false when absent. */
+bool td__reg_find(const char *name, td__reg *out);
+/* td__reg_snapshot returns "name\nname\n..." sorted (td__malloc'd), NULL when out of memory. */
+char *td__reg_snapshot(void);
+/* td__agent_hooks_get copies the installed hooks into out (room for TD__MAX_AGENT_HOOKS) and
+ * returns how many there are. */
+#define TD__MAX_AGENT_HOOKS 8
+int td__agent_hooks_get(td__agent_hooks *out);
+/* The message middleware, or NULL. */
+const td__rpc_middleware *td__mw_get(void);
+/* True while a TD_RPC_INLINE function runs on this (network) thread: blocking there would stop
+ * the thread that delivers every reply. */
+extern _Thread_local bool td__rpc_inline_thread;
+
+/* ---- call.c ---- */
+/* td__call_deliver completes the pending call id with a response (value: owned reference) or an
+ * error; a late or unknown id is dropped, and so is a reply that arrives on another stream (via)
+ * than the one the call went out on (via NULL: local knowledge). Any thread, no agent lock held. */
+void td__call_deliver(td_rpc_agent *a, const td__conn *via, uint64_t id, int kind,
+                      td_value *value, td_status st, const char *message);
+/* td__call_stream_closed fails every call that went out on the client stream c. */
+void td__call_stream_closed(td_rpc_agent *a, td__conn *c, td_status st, const char *why);
+/* td__call_expire fails the calls whose deadline passed (network thread, every tick). */
+void td__call_expire(td_rpc_agent *a);
+/* td__call_fail_all fails every pending call (shutdown). */
+void td__call_fail_all(td_rpc_agent *a, td_status st, const char *msg);
+/* td__call_free_all releases the pending table and the heap (td_rpc_destroy). */
+void td__call_free_all(td_rpc_agent *a);
+
+/* ---- serve.c ---- */
+/* Transport callbacks (network thread). */
+void td__serve_msg(void *ud, td__conn *c, td__msg *m);
+void td__serve_bad(void *ud, td__conn *c, uint64_t id, td_status st, const char *why);
+void td__serve_closed(void *ud, td__conn *c, td_status st, const char *why);
+td_status td__serve_unary(void *ud, const char *method, const uint8_t *req, size_t len,
+                          uint8_t **reply_buf, size_t *reply_len);
+void td__serve_tick(void *ud);
+/* td__serve_local runs a call to self (id already pending) on the pool; fn and args are copied. */
+void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *const *args,
+                     int nargs, int64_t timeout_ms, uint64_t ctx_id);
+
+/* ---- direct.c ---- */
+/* Whether this worker offers direct copy (option, TD_RPC_DIRECT_COPY, platform). */
+bool td__direct_wanted(const td_rpc_options *o);
+/* Rendezvous steps, in this order: publish before the join barrier, probe after it, learn after
+ * the ready barrier. */
+td_status td__direct_publish(td_rpc_agent *a);
+td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline);
+td_status td__direct_learn(td_rpc_agent *a, uint64_t deadline);
+
+/* ---- devmap.c ---- */
+/* Publish before the join barrier; set up (check every map, keep ours) after it. */
+td_status td__devmap_publish(td_rpc_agent *a);
+td_status td__devmap_setup(td_rpc_agent *a, uint64_t deadline);
+void td__devmap_free_all(td_rpc_agent *a);
+
+/* ---- rendezvous.c ---- */
+/* td__agent_set_abort makes every worker still in rendezvous fail with why. */
+void td__agent_set_abort(td_rpc_agent *a, const char *why);
+/* td__agent_free releases what init built (after the transport and pool are gone). */
+void td__agent_free(td_rpc_agent *a);
+
+#endif

@@ -1,0 +1,276 @@
+/* direct.c - same-host direct copy, all of it: the probe at rendezvous, the descriptor format,
+ * the reader, and the sender's table of frames awaiting their ack (direct.h).
+ *
+ * A receiver copies large tensors straight out of the sender's memory (process_vm_readv) when
+ * both run on one host: one copy instead of socket write + read + decode copy, and no HTTP/2
+ * framing or flow control. At init every worker publishes direct/<r> = "pid nonce address
+ * boot-id host" ("-" when disabled); each probes the peers on its host (same advertised host and
+ * boot id) by reading their nonce from their memory, accepts direct-copy frames from those it
+ * could read, and publishes directok/<r> (one '0'/'1' per rank); after the ready barrier each
+ * learns which peers can read it. Reading another process's memory needs the same user and no
+ * ptrace restriction (Yama scope 0, or 1 for a descendant): where the probe fails the peer simply
+ * gets the stream.
+ *
+ * THREAD SAFETY: the probe runs on the thread in td_rpc_init; the reader on the network thread;
+ * a td__direct_acks belongs to its stream and is used under the stream's lock.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* process_vm_readv */
+#endif
+#include "direct.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <sys/uio.h>
+#endif
+
+#include "agent_state.h"
+#include "../core/netaddr.h"
+
+/* ---- descriptors ---- */
+
+bool td__direct_desc_len_ok(uint32_t header_len, uint64_t payload_len) {
+  return header_len <= TD__MAX_HEADER && payload_len >= 16 && (payload_len - 16) % 16 == 0 &&
+         (payload_len - 16) / 16 <= TD__DIRECT_MAX_TENSORS;
+}
+
+uint64_t td__direct_desc_token(const uint8_t *desc) { return td__get_u64(desc); }
+int td__direct_desc_pid(const uint8_t *desc) { return (int)td__get_u32(desc + 8); }
+
+td_status td__direct_encode(td__frame *f, uint64_t token, int pid, uint8_t **desc,
+                            size_t *desc_len) {
+  size_t dl = (size_t)td__direct_desc_size(f->ntensors);
+  uint8_t *d = td__malloc(dl);
+  if (!d) return td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
+  td__put_u64(d, token);
+  td__put_u32(d + 8, (uint32_t)pid);
+  td__put_u32(d + 12, 0);
+  for (int i = 0; i < f->ntensors; i++) {
+    td__put_u64(d + 16 + 16 * (size_t)i, (uint64_t)(uintptr_t)td_tensor_data(f->tensors[i]));
+    td__put_u64(d + 24 + 16 * (size_t)i, (uint64_t)td_tensor_nbytes(f->tensors[i]));
+  }
+  td__put_u32(f->head, TD__FRAME_MAGIC_DIRECT);
+  td__put_u64(f->head + 8, dl);
+  *desc = d;
+  *desc_len = dl;
+  return TD_OK;
+}
+
+void td__direct_ack_frame(uint8_t out[TD__FRAME_PREFIX], uint64_t token) {
+  td__put_u32(out, TD__FRAME_MAGIC_ACK);
+  td__put_u32(out + 4, 0);
+  td__put_u64(out + 8, 0);
+  td__put_u64(out + 16, token);
+}
+
+/* ---- the reader ---- */
+
+/* Copies len bytes at addr in process pid into dst. */
+static td_status read_remote(int pid, uint64_t addr, void *dst, uint64_t len) {
+#if defined(__linux__)
+  uint8_t *out = dst;
+  while (len > 0) {
+    size_t chunk = len > (1u << 30) ? (1u << 30) : (size_t)len;
+    struct iovec l = {out, chunk}, r = {(void *)(uintptr_t)addr, chunk};
+    ssize_t got = process_vm_readv(pid, &l, 1, &r, 1, 0);
+    if (got <= 0)
+      return td_set_error(TD_ERR_UNAVAILABLE, "cannot read %llu bytes from process %d: %s",
+                          (unsigned long long)chunk, pid, got < 0 ? strerror(errno) : "no data");
+    out += got;
+    addr += (uint64_t)got;
+    len -= (uint64_t)got;
+  }
+  return TD_OK;
+#else
+  (void)addr; (void)dst; (void)len;
+  return td_set_error(TD_ERR_UNSUPPORTED, "direct copy from process %d: not on this system", pid);
+#endif
+}
+
+td_status td__direct_read(const uint8_t *desc, td_tensor *const *ts, int n) {
+  int pid = td__direct_desc_pid(desc);
+  for (int i = 0; i < n; i++) {
+    uint64_t addr = td__get_u64(desc + 16 + 16 * (size_t)i);
+    uint64_t len = td__get_u64(desc + 24 + 16 * (size_t)i);
+    if (len != (uint64_t)td_tensor_nbytes(ts[i]))
+      return td_set_error(TD_ERR_FORMAT, "direct-copy descriptor: tensor %d has %llu bytes, not "
+                          "%zu", i, (unsigned long long)len, td_tensor_nbytes(ts[i]));
+    if (len) TD_TRY(read_remote(pid, addr, td_tensor_data(ts[i]), len));
+  }
+  return TD_OK;
+}
+
+/* ---- frames awaiting their ack ---- */
+
+typedef struct td__direct_sent {
+  uint64_t token;
+  td_tensor **ts;
+  int n;
+} td__direct_sent;
+
+bool td__direct_acks_reserve(td__direct_acks *t) {
+  if (t->n < t->cap) return true;
+  int nc = t->cap ? t->cap * 2 : 16;
+  td__direct_sent *ne = td__realloc(t->e, (size_t)nc * sizeof *ne);
+  if (!ne) return false;
+  t->e = ne;
+  t->cap = nc;
+  return true;
+}
+
+uint64_t td__direct_acks_add(td__direct_acks *t, td_tensor **ts, int n) {
+  uint64_t token = ++t->next_token;
+  t->e[t->n++] = (td__direct_sent){token, ts, n};
+  return token;
+}
+
+void td__direct_acks_take(td__direct_acks *t, uint64_t token, td_tensor ***ts, int *n) {
+  *ts = NULL;
+  *n = 0;
+  for (int i = 0; i < t->n; i++) {
+    if (t->e[i].token == token) {
+      *ts = t->e[i].ts;
+      *n = t->e[i].n;
+      t->e[i] = t->e[--t->n];
+      return;
+    }
+  }
+}
+
+void td__direct_release(td_tensor **ts, int n) {
+  for (int k = 0; k < n; k++) td_tensor_unref(ts[k]);
+  td__free(ts);
+}
+
+void td__direct_acks_clear(td__direct_acks *t) {
+  for (int i = 0; i < t->n; i++) td__direct_release(t->e[i].ts, t->e[i].n);
+  td__free(t->e);
+  *t = (td__direct_acks){0};
+}
+
+/* ---- the probe at rendezvous ---- */
+
+static void boot_id(char *out, size_t n) {
+  snprintf(out, n, "-");
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (!f) return;
+  if (fgets(out, (int)n, f)) out[strcspn(out, "\r\n")] = 0;
+  fclose(f);
+  if (!out[0]) snprintf(out, n, "-");
+}
+
+bool td__direct_wanted(const td_rpc_options *o) {
+#if defined(__linux__)
+  if (o->direct_copy == 0) return false;
+  if (o->direct_copy > 0) return true;
+  const char *e = getenv("TD_RPC_DIRECT_COPY");
+  return !(e && strcmp(e, "0") == 0);
+#else
+  (void)o;
+  return false;
+#endif
+}
+
+td_status td__direct_publish(td_rpc_agent *a) {
+  char key[64], val[512], bid[64];
+  boot_id(bid, sizeof bid);
+  a->direct_on = a->direct_on && strcmp(bid, "-") != 0;
+  int n;
+  snprintf(key, sizeof key, "direct/%d", a->rank);
+  if (a->direct_on) {
+    a->direct_nonce = td__now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)a;
+    char host[256];
+    td__addr_host(a->peers[a->rank].info.address, host, sizeof host);
+    n = snprintf(val, sizeof val, "%d %llu %llu %s %s", (int)getpid(),
+                 (unsigned long long)a->direct_nonce,
+                 (unsigned long long)(uintptr_t)&a->direct_nonce, bid, host);
+  } else {
+    n = snprintf(val, sizeof val, "-");
+  }
+  return td__store_set(&a->sc, key, val, (size_t)n);
+}
+
+static bool probe_peer(int pid, uint64_t addr, uint64_t nonce) {
+#if defined(__linux__)
+  uint64_t got = 0;
+  struct iovec l = {&got, sizeof got}, r = {(void *)(uintptr_t)addr, sizeof got};
+  return process_vm_readv(pid, &l, 1, &r, 1, 0) == (ssize_t)sizeof got && got == nonce;
+#else
+  (void)pid; (void)addr; (void)nonce;
+  return false;
+#endif
+}
+
+td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
+  a->direct_cand = td__calloc((size_t)a->world, sizeof *a->direct_cand);
+  int *pids = td__calloc((size_t)a->world, sizeof *pids);
+  char *ok = td__malloc((size_t)a->world + 1);
+  if (!a->direct_cand || !pids || !ok) {
+    td__free(pids);
+    td__free(ok);
+    return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+  }
+  memset(ok, '0', (size_t)a->world);
+  ok[a->world] = 0;
+  char bid[64], host[256];
+  boot_id(bid, sizeof bid);
+  td__addr_host(a->peers[a->rank].info.address, host, sizeof host);
+  td_status st = TD_OK;
+  for (int r = 0; a->direct_on && r < a->world && st == TD_OK; r++) {
+    if (r == a->rank) continue;
+    char key[64];
+    uint8_t *v = NULL;
+    snprintf(key, sizeof key, "direct/%d", r);
+    st = td__store_wait_key(&a->sc, key, deadline, "abort", &v, NULL);
+    if (st != TD_OK) break;
+    int pid;
+    unsigned long long nonce, addr;
+    char pbid[64], phost[256];
+    if (sscanf((char *)v, "%d %llu %llu %63s %255s", &pid, &nonce, &addr, pbid, phost) == 5 &&
+        strcmp(pbid, bid) == 0 && strcmp(phost, host) == 0 && probe_peer(pid, addr, nonce)) {
+      a->direct_cand[r] = true;
+      ok[r] = '1';
+      pids[r] = pid; /* only rank r, on its authenticated stream, may name it */
+    }
+    td__free(v);
+  }
+  if (st == TD_OK) st = td__transport_allow_direct(a->tr, pids, a->world);
+  if (st == TD_OK) {
+    char key[64];
+    snprintf(key, sizeof key, "directok/%d", a->rank);
+    st = td__store_set(&a->sc, key, ok, (size_t)a->world);
+  }
+  td__free(pids);
+  td__free(ok);
+  return st;
+}
+
+/* After the ready barrier: which peers read us directly (they published before it). */
+td_status td__direct_learn(td_rpc_agent *a, uint64_t deadline) {
+  bool *to = td__calloc((size_t)a->world, sizeof *to);
+  if (!to) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+  td_status st = TD_OK;
+  for (int r = 0; r < a->world && st == TD_OK; r++) {
+    if (r == a->rank || !a->direct_cand[r]) continue;
+    char key[64];
+    uint8_t *v = NULL;
+    size_t n = 0;
+    snprintf(key, sizeof key, "directok/%d", r);
+    st = td__store_wait_key(&a->sc, key, deadline, "abort", &v, &n);
+    if (st == TD_OK && n > (size_t)a->rank && v[a->rank] == '1') {
+      to[r] = true;
+      a->direct_peers++;
+    }
+    td__free(v);
+  }
+  if (st == TD_OK && a->direct_peers) st = td__transport_direct_to(a->tr, to, a->world);
+  td__free(to);
+  if (st == TD_OK && a->direct_peers)
+    td_log(TD_LOG_DEBUG, "rpc: %s: %d peers on this host copy tensors directly", a->name,
+           a->direct_peers);
+  return st;
+}

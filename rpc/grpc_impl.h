@@ -1,0 +1,254 @@
+/* grpc_impl.h - the gRPC transport's internals, shared by its three files (and only they include
+ * gRPC headers):
+ *   grpc_transport.c  channels, the server, the poller thread and its dispatch, lifecycle
+ *   grpc_stream.c     streams (td__conn): send queue, receive into the decoder, closing
+ *   grpc_unary.c      unary calls (the rendezvous store), server and client side
+ *
+ * Design:
+ * - One completion queue (next-type) and one poller thread per transport; every tag is a small
+ *   struct embedded in the object it belongs to, whose `kind` tells the poller what completed.
+ *   Each started batch holds a reference on its object until its tag comes back.
+ * - Streams (/tdist.Rpc/Stream) are bidi calls wrapped in td__conn. Per conn: at most one
+ *   SEND_MESSAGE and one RECV_MESSAGE batch in flight (gRPC's rule). The send side is a queue of
+ *   slices (frame heads and tensor bytes referenced in place, released through slice destroy
+ *   callbacks); each send takes up to CHUNK bytes from its front, splitting big slices, so small
+ *   frames coalesce and huge tensors stream in pieces.
+ * - Unary calls (/tdist.Store/Op) answer through on_unary; the client side of a unary call uses a
+ *   private pluck queue so it can block on any thread.
+ * - Channels are cached per address with keepalive so a hung or dead peer fails the stream's
+ *   status batch (UNAVAILABLE) and so every call waiting on it.
+ *
+ * Lock order: t->mu, then c->mu (never the other way). No lock is held while calling the agent's
+ * callbacks.
+ */
+#ifndef TD_RPC_GRPC_IMPL_H
+#define TD_RPC_GRPC_IMPL_H
+
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/slice.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+#include <pthread.h>
+
+#include "../core/refcount.h"
+#include "../core/threadpool.h"
+#include "auth.h"
+#include "direct.h"
+#include "transport.h"
+
+/* ThreadSanitizer does not see the synchronisation inside gRPC (an uninstrumented library):
+ * hand-offs through it are declared explicitly. Data written before a batch starts is read by the
+ * thread that takes the batch's tag from the queue (release on the tag, acquire on the event);
+ * memory given to gRPC as a slice is freed by whichever thread drops the slice (release at
+ * creation, acquire in the destroy callback). No-ops in other builds. */
+#if defined(__SANITIZE_THREAD__)
+#define TD_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define TD_TSAN 1
+#endif
+#endif
+#ifdef TD_TSAN
+void __tsan_acquire(void *addr);
+void __tsan_release(void *addr);
+#define TSAN_RELEASE(p) __tsan_release((void *)(p))
+#define TSAN_ACQUIRE(p) __tsan_acquire((void *)(p))
+#else
+#define TSAN_RELEASE(p) ((void)0)
+#define TSAN_ACQUIRE(p) ((void)0)
+#endif
+
+#define STREAM_METHOD "/tdist.Rpc/Stream"
+#define CHUNK (8u << 20) /* bytes per gRPC message on a stream */
+#define N_REQUEST_SLOTS 16
+
+enum {
+  TAG_NEW_CALL = 1,
+  TAG_CONN_START,
+  TAG_CONN_RECV,
+  TAG_CONN_SEND,
+  TAG_CONN_STATUS,
+  TAG_CONN_FINISH, /* server: our SEND_STATUS batch */
+  TAG_UNARY_RECV,
+  TAG_UNARY_DONE,
+  TAG_SERVER_SHUTDOWN,
+};
+
+typedef struct tag {
+  int kind;
+  void *obj;
+} tag;
+
+typedef struct req_slot {
+  tag t;
+  grpc_call *call;
+  grpc_call_details details;
+  grpc_metadata_array md;
+} req_slot;
+
+typedef struct unary_srv {
+  tag t_recv, t_done;
+  td__transport *tr;
+  grpc_call *call;
+  char *method;
+  grpc_byte_buffer *req;
+  grpc_byte_buffer *reply;
+  grpc_slice details;
+  int cancelled;
+} unary_srv;
+
+typedef struct chan_entry {
+  char *address;
+  grpc_channel *ch;
+} chan_entry;
+
+struct td__conn {
+  td__refcnt rc;
+  td__transport *t;
+  grpc_call *call;
+  bool client;
+  int peer;
+  pthread_mutex_t mu;
+  tag t_start, t_recv, t_send, t_status, t_finish;
+  /* send side */
+  grpc_slice *q;
+  size_t qhead, qlen, qcap;
+  bool send_inflight;
+  grpc_byte_buffer *send_bb;
+  bool finish_pending; /* server: send the status once the current send completes */
+  grpc_status_code finish_code;
+  char finish_msg[256];
+  /* receive side */
+  grpc_byte_buffer *recv_bb;
+  grpc_byte_buffer *rd_bb;    /* the message being fed to the decoder (NULL: none) */
+  grpc_byte_buffer_reader rd; /* ... its reader, */
+  grpc_slice rd_slice;        /* its current slice */
+  size_t rd_off;              /* and how far into it the decoder got */
+  td__decoder *dec;
+  bool first_recv;
+  /* closing */
+  grpc_metadata_array initial_md, trailing_md;
+  grpc_status_code status;
+  grpc_slice status_details;
+  const char *error_string;
+  int cancelled;
+  bool closed;      /* no more sends */
+  bool notified;    /* on_closed ran */
+  uint64_t nsent;   /* frames accepted by td__conn_send */
+  struct td__conn *next_live;
+  /* direct-copy frames sent and not yet acknowledged: their tensors stay alive until then */
+  td__direct_acks acks;
+  /* authentication (auth.h): nothing is decoded before it, nothing but the handshake is sent */
+  td__hs hs;
+  int auth;                        /* AUTH_* */
+  uint8_t hs_out[TD__HS_MAX_LEN];  /* a handshake message waiting to be sent */
+  size_t hs_out_len;
+  bool unauth_counted;             /* server: counted in t->unauth */
+  uint64_t born_ns;                /* for the handshake deadline */
+  uint64_t progress_ns;            /* last time bytes arrived (stalled frames) */
+  char peer_addr[64];              /* the remote address, for logs */
+};
+
+enum {
+  AUTH_CLIENT_HELLO_SENT, /* client: waiting for the CHALLENGE */
+  AUTH_SERVER_WAIT_HELLO, /* server: waiting for the HELLO */
+  AUTH_SERVER_WAIT_PROOF, /* server: CHALLENGE sent, waiting for the PROOF */
+  AUTH_DONE,
+  AUTH_FAILED,
+};
+
+/* Same-host direct copy, each part set once at init (published with release, read with
+ * acquire, freed with the transport). */
+typedef struct direct_from {
+  int world;
+  int pid_of[]; /* [rank]: the process of that member we may read from (verified at init), 0 */
+} direct_from;
+
+typedef struct direct_to {
+  int world;
+  bool to[]; /* to[rank]: that peer reads our direct-copy frames */
+} direct_to;
+
+/* Refused connection attempts: counted, and logged at most once a minute per remote host. */
+#define TD__REFUSAL_HOSTS 32
+typedef struct td__refusals {
+  pthread_mutex_t mu;
+  uint64_t count;
+  struct {
+    char host[64];
+    uint64_t logged_ns;
+    uint64_t suppressed;
+  } hosts[TD__REFUSAL_HOSTS];
+} td__refusals;
+
+struct td__transport {
+  td__transport_opts opts;
+  char *host;
+  td__transport_cbs cbs;
+  grpc_completion_queue *cq;
+  grpc_server *server;
+  pthread_t poller;
+  bool poller_started;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  bool shutting_down, server_down, done;
+  int64_t live_tags;
+  req_slot slots[N_REQUEST_SLOTS];
+  tag t_server_shutdown;
+  td__conn *live; /* conns whose status has not come back */
+  chan_entry *chans;
+  int nchans, chancap;
+  int64_t busy_poll_ns; /* atomic; 0 = block at once */
+  direct_from *direct_from; /* atomic pointers; NULL = none */
+  direct_to *direct_to;
+  int self_pid;
+  /* authentication and bounds (auth.h, grpc_stream.c) */
+  td__auth insecure;      /* used when opts.auth is NULL */
+  int unauth;             /* server streams still in their handshake (t->mu) */
+  uint64_t next_sweep_ns; /* poller: next check of handshake deadlines and stalled frames */
+  td__refusals refusals;  /* refused attempts, logged once per address per minute */
+  td_rpc_traffic *traffic; /* [opts.world], updated with atomics */
+  grpc_resource_quota *quota; /* bounds what gRPC buffers for all connections */
+  td__threadpool *bulk;        /* large direct copies, off the poller thread */
+  bool tls;                        /* mutual TLS on every connection (opts.tls) */
+  char tls_name[256];              /* the name certificates are checked for */
+  grpc_channel_credentials *chan_creds; /* TLS: shared by every channel; NULL: insecure */
+};
+
+/* Server streams that may be in their handshake at once; more are refused at once. */
+#define TD__MAX_UNAUTH_STREAMS 64
+
+
+/* ---- grpc_transport.c ---- */
+gpr_timespec td__grpc_deadline_ms(int64_t ms);
+void td__grpc_tags_inc(td__transport *t);
+void td__grpc_tags_dec(td__transport *t);
+/* The cached channel to address (created on first use); NULL when out of memory. */
+grpc_channel *td__grpc_channel_for(td__transport *t, const char *address);
+td_status td__grpc_map_status(grpc_status_code c);
+/* A slice over memory that destroy(p) frees, from whichever thread drops the slice last. */
+grpc_slice td__grpc_owned_slice(void *data, size_t len, void (*destroy)(void *), void *p);
+void td__grpc_free_head(void *p); /* destroy callback for td__malloc'd memory */
+
+/* td__grpc_refused counts a refused attempt from addr and logs why, rate-limited per host. */
+void td__grpc_refused(td__transport *t, const char *addr, const char *why);
+
+/* ---- grpc_stream.c ---- */
+/* td__grpc_sweep closes server streams past their handshake deadline and streams whose current
+ * frame made no progress for the stall timeout (poller thread, about once a second). */
+void td__grpc_sweep(td__transport *t, uint64_t now);
+/* Accepts a stream a peer opened to our server (poller thread). */
+void td__grpc_stream_accept(td__transport *t, grpc_call *call);
+/* A stream's tag came back (poller thread). */
+void td__grpc_stream_event(tag *tg, bool success);
+/* Marks c closed and drops queued data. Caller holds c->mu. */
+void td__grpc_conn_mark_closed(td__conn *c);
+
+/* ---- grpc_unary.c ---- */
+void td__grpc_unary_accept(td__transport *t, grpc_call *call, const char *method);
+void td__grpc_unary_event(tag *tg, bool success);
+
+#endif

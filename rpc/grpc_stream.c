@@ -1,0 +1,755 @@
+/* grpc_stream.c - streams between workers (td__conn over a bidi /tdist.Rpc/Stream call): the
+ * send queue, receiving into the conn's decoder, direct-copy acks, closing, and the stream's
+ * events on the poller thread. See grpc_impl.h for the design.
+ *
+ * Lock order: t->mu, then c->mu. No lock is held while calling the agent's callbacks.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "grpc_impl.h"
+#include "tdist/rpc.h"
+
+td__conn *td__conn_ref(td__conn *c) {
+  if (c) td__ref_inc(&c->rc);
+  return c;
+}
+
+void td__conn_unref(td__conn *c) {
+  if (!c || !td__ref_dec(&c->rc)) return;
+  td__direct_acks_clear(&c->acks);
+  for (size_t i = 0; i < c->qlen; i++) grpc_slice_unref(c->q[(c->qhead + i) % c->qcap]);
+  td__free(c->q);
+  if (c->send_bb) grpc_byte_buffer_destroy(c->send_bb);
+  if (c->recv_bb) grpc_byte_buffer_destroy(c->recv_bb);
+  grpc_slice_unref(c->rd_slice);
+  td__decoder_destroy(c->dec);
+  grpc_metadata_array_destroy(&c->initial_md);
+  grpc_metadata_array_destroy(&c->trailing_md);
+  grpc_slice_unref(c->status_details);
+  if (c->error_string) gpr_free((void *)c->error_string);
+  if (c->call) grpc_call_unref(c->call);
+  pthread_mutex_destroy(&c->mu);
+  td__free(c);
+}
+
+int td__conn_peer(const td__conn *c) { return __atomic_load_n(&c->peer, __ATOMIC_ACQUIRE); }
+bool td__conn_is_client(const td__conn *c) { return c->client; }
+bool td__conn_closed(const td__conn *c) {
+  td__conn *m = (td__conn *)c;
+  pthread_mutex_lock(&m->mu);
+  bool v = m->closed;
+  pthread_mutex_unlock(&m->mu);
+  return v;
+}
+
+uint64_t td__conn_frames_sent(const td__conn *c) {
+  td__conn *m = (td__conn *)c;
+  pthread_mutex_lock(&m->mu);
+  uint64_t v = m->nsent;
+  pthread_mutex_unlock(&m->mu);
+  return v;
+}
+
+/* The traffic counters of the conn's peer (NULL before its rank is known). */
+static td_rpc_traffic *traffic_of(td__conn *c) {
+  int peer = td__conn_peer(c);
+  return peer >= 0 && peer < c->t->opts.world ? &c->t->traffic[peer] : NULL;
+}
+
+static void count(uint64_t *field, uint64_t n) { __atomic_add_fetch(field, n, __ATOMIC_RELAXED); }
+
+static void on_dec_msg(void *ud, td__msg *m) {
+  td__conn *c = ud;
+  td_rpc_traffic *tr = traffic_of(c);
+  if (tr) {
+    uint64_t bytes;
+    bool direct;
+    td__decoder_last_frame(c->dec, &bytes, &direct);
+    count(direct ? &tr->direct_frames_received : &tr->frames_received, 1);
+    count(direct ? &tr->direct_bytes_received : &tr->bytes_received, bytes);
+  }
+  c->t->cbs.on_msg(c->t->cbs.ud, c, m);
+}
+
+static void on_dec_bad(void *ud, uint64_t id, td_status st, const char *why) {
+  td__conn *c = ud;
+  if (c->t->cbs.on_bad) c->t->cbs.on_bad(c->t->cbs.ud, c, id, st, why);
+}
+
+static bool q_push(td__conn *c, grpc_slice s);
+static void start_send(td__conn *c);
+static void unauth_done(td__conn *c);
+static void feed_message(td__conn *c);
+static void bulk_task(void *arg);
+static void recv_finished(td__conn *c, td_status st);
+
+/* A direct-copy frame is honoured only from the authenticated member of this stream, naming its
+ * own process as verified at init: nobody can make us read a third process's memory. */
+static bool direct_allowed(void *ud, int pid) {
+  td__conn *c = ud;
+  direct_from *d = __atomic_load_n(&c->t->direct_from, __ATOMIC_ACQUIRE);
+  int peer = td__conn_peer(c);
+  return d && c->auth == AUTH_DONE && peer >= 0 && peer < d->world && pid > 0 &&
+         d->pid_of[peer] == pid;
+}
+
+
+static void direct_send_ack(void *ud, uint64_t token) {
+  td__conn *c = ud;
+  uint8_t *a = td__malloc(TD__FRAME_PREFIX);
+  if (!a) return; /* the sender keeps the tensors until the stream ends */
+  td__direct_ack_frame(a, token);
+  pthread_mutex_lock(&c->mu);
+  if (c->closed) {
+    pthread_mutex_unlock(&c->mu);
+    td__free(a);
+    return;
+  }
+  grpc_slice s = td__grpc_owned_slice(a, TD__FRAME_PREFIX, td__grpc_free_head, a);
+  if (!q_push(c, s)) grpc_slice_unref(s);
+  else if (!c->send_inflight) start_send(c);
+  pthread_mutex_unlock(&c->mu);
+}
+
+static void direct_acked(void *ud, uint64_t token) {
+  td__conn *c = ud;
+  td_tensor **ts;
+  int n;
+  pthread_mutex_lock(&c->mu);
+  td__direct_acks_take(&c->acks, token, &ts, &n);
+  pthread_mutex_unlock(&c->mu);
+  td__direct_release(ts, n);
+}
+
+static const td__auth *conn_auth(const td__transport *t) {
+  return t->opts.auth ? t->opts.auth : &t->insecure;
+}
+
+/* The decoder paused for a large copy: feed_message hands it to the bulk thread. */
+static void direct_offload(void *ud) { (void)ud; }
+
+static td__conn *conn_new(td__transport *t, bool client, int peer) {
+  td__conn *c = td__calloc(1, sizeof *c);
+  if (!c) return NULL;
+  td__ref_init(&c->rc);
+  c->t = t;
+  c->client = client;
+  c->peer = peer;
+  pthread_mutex_init(&c->mu, NULL);
+  c->t_start = (tag){TAG_CONN_START, c};
+  c->t_recv = (tag){TAG_CONN_RECV, c};
+  c->t_send = (tag){TAG_CONN_SEND, c};
+  c->t_status = (tag){TAG_CONN_STATUS, c};
+  c->t_finish = (tag){TAG_CONN_FINISH, c};
+  c->status_details = grpc_empty_slice();
+  c->first_recv = true;
+  c->born_ns = c->progress_ns = td__now_ns();
+  c->rd_slice = grpc_empty_slice();
+  grpc_metadata_array_init(&c->initial_md);
+  grpc_metadata_array_init(&c->trailing_md);
+  td__wire_ctx wctx = {t->opts.agent, peer, t->opts.self_rank};
+  if (td__decoder_create(&wctx, t->opts.max_message, on_dec_msg, on_dec_bad, c, &c->dec) !=
+      TD_OK) {
+    pthread_mutex_destroy(&c->mu);
+    td__free(c);
+    return NULL;
+  }
+  static const td__direct_hooks hooks = {direct_allowed, direct_send_ack, direct_acked,
+                                         direct_offload};
+  td__decoder_set_direct(c->dec, &hooks);
+  return c;
+}
+
+/* Starts a batch holding a conn reference. Caller holds c->mu. */
+static bool conn_batch(td__conn *c, const grpc_op *ops, size_t n, tag *tg) {
+  td__conn_ref(c);
+  td__grpc_tags_inc(c->t);
+  TSAN_RELEASE(tg);
+  grpc_call_error e = grpc_call_start_batch(c->call, ops, n, tg, NULL);
+  if (e != GRPC_CALL_OK) {
+    td_log(TD_LOG_ERROR, "rpc transport: start_batch failed (%d)", (int)e);
+    td__grpc_tags_dec(c->t);
+    td__ref_dec(&c->rc); /* the caller still holds its own reference */
+    return false;
+  }
+  return true;
+}
+
+static bool start_recv(td__conn *c) {
+  grpc_op ops[2];
+  memset(ops, 0, sizeof ops);
+  size_t n = 0;
+  if (c->client && c->first_recv) {
+    ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[n].data.recv_initial_metadata.recv_initial_metadata = &c->initial_md;
+    n++;
+  }
+  c->first_recv = false;
+  ops[n].op = GRPC_OP_RECV_MESSAGE;
+  ops[n].data.recv_message.recv_message = &c->recv_bb;
+  n++;
+  return conn_batch(c, ops, n, &c->t_recv);
+}
+
+/* Server side: sends the final status (after any in-flight message). Caller holds c->mu. */
+static void start_finish(td__conn *c) {
+  if (c->client || !c->finish_pending || c->send_inflight) return;
+  c->finish_pending = false;
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  grpc_slice details = grpc_slice_from_copied_string(c->finish_msg);
+  op.data.send_status_from_server.status = c->finish_code;
+  op.data.send_status_from_server.status_details = &details;
+  conn_batch(c, &op, 1, &c->t_finish);
+  grpc_slice_unref(details);
+}
+
+/* Starts sending the next message: a pending handshake message alone, else (once authenticated)
+ * up to CHUNK bytes of queued slices. Caller holds c->mu and knows no send is in flight. */
+static void start_send(td__conn *c) {
+  if (c->closed) return;
+  grpc_slice parts[256];
+  size_t np = 0, bytes = 0;
+  if (c->hs_out_len) {
+    parts[np++] = grpc_slice_from_copied_buffer((const char *)c->hs_out, c->hs_out_len);
+    c->hs_out_len = 0;
+  } else {
+    if (c->auth != AUTH_DONE || c->qlen == 0) return;
+    while (c->qlen && np < 256 && bytes < CHUNK) {
+      grpc_slice *q = &c->q[c->qhead];
+      size_t len = GRPC_SLICE_LENGTH(*q);
+      if (bytes + len <= CHUNK) {
+        parts[np++] = *q;
+        bytes += len;
+        c->qhead = (c->qhead + 1) % c->qcap;
+        c->qlen--;
+      } else {
+        size_t take = CHUNK - bytes;
+        parts[np++] = grpc_slice_split_head(q, take);
+        bytes += take;
+      }
+    }
+  }
+  c->send_bb = grpc_raw_byte_buffer_create(parts, np);
+  for (size_t i = 0; i < np; i++) grpc_slice_unref(parts[i]);
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_SEND_MESSAGE;
+  op.data.send_message.send_message = c->send_bb;
+  c->send_inflight = true;
+  if (!conn_batch(c, &op, 1, &c->t_send)) {
+    c->send_inflight = false;
+    grpc_byte_buffer_destroy(c->send_bb);
+    c->send_bb = NULL;
+  }
+}
+
+static void unref_tensor(void *p) {
+  TSAN_ACQUIRE(p);
+  td_tensor_unref(p);
+}
+
+/* Grows the queue so that n more slices fit. Caller holds c->mu. */
+static bool q_reserve(td__conn *c, size_t n) {
+  if (c->qlen + n <= c->qcap) return true;
+  size_t nc = c->qcap ? c->qcap * 2 : 64;
+  while (nc < c->qlen + n) nc *= 2;
+  grpc_slice *nq = td__malloc(nc * sizeof *nq);
+  if (!nq) return false;
+  for (size_t i = 0; i < c->qlen; i++) nq[i] = c->q[(c->qhead + i) % c->qcap];
+  td__free(c->q);
+  c->q = nq;
+  c->qhead = 0;
+  c->qcap = nc;
+  return true;
+}
+
+static bool q_push(td__conn *c, grpc_slice s) {
+  if (!q_reserve(c, 1)) return false;
+  c->q[(c->qhead + c->qlen) % c->qcap] = s;
+  c->qlen++;
+  return true;
+}
+
+td_status td__conn_send(td__conn *c, td__frame *f) {
+  td_status st = TD_OK;
+  pthread_mutex_lock(&c->mu);
+  if (c->closed) {
+    pthread_mutex_unlock(&c->mu);
+    td__frame_clear(f);
+    return td_set_error(TD_ERR_UNAVAILABLE, "connection to rank %d is closed", td__conn_peer(c));
+  }
+  /* same host: the peer copies the tensors out of our memory; they stay alive until its ack */
+  direct_to *dc = __atomic_load_n(&c->t->direct_to, __ATOMIC_ACQUIRE);
+  int peer = td__conn_peer(c);
+  if (dc && peer >= 0 && peer < dc->world && dc->to[peer] && f->ntensors > 0 &&
+      f->payload_len >= TD__DIRECT_MIN_BYTES) {
+    uint8_t *desc = NULL;
+    size_t dl = 0;
+    uint64_t token = td__direct_acks_peek(&c->acks);
+    /* everything that can fail comes before the first push: a half-queued frame would corrupt
+     * the stream */
+    bool ok = td__direct_acks_reserve(&c->acks) && q_reserve(c, 2) &&
+              td__direct_encode(f, token, c->t->self_pid, &desc, &dl) == TD_OK;
+    if (ok) {
+      td_rpc_traffic *tr = traffic_of(c);
+      if (tr) {
+        count(&tr->direct_frames_sent, 1);
+        count(&tr->direct_bytes_sent, f->payload_len);
+      }
+      q_push(c, td__grpc_owned_slice(f->head, f->head_len, td__grpc_free_head, f->head));
+      f->head = NULL;
+      q_push(c, td__grpc_owned_slice(desc, dl, td__grpc_free_head, desc));
+      td__direct_acks_add(&c->acks, f->tensors, f->ntensors);
+      f->tensors = NULL;
+      f->ntensors = 0;
+      c->nsent++;
+      if (!c->send_inflight) start_send(c);
+    } else {
+      st = td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory queueing a frame");
+    }
+    td__frame_clear(f);
+    pthread_mutex_unlock(&c->mu);
+    return st;
+  }
+  /* room for the whole frame first: a frame queued in part would corrupt the stream */
+  if (!q_reserve(c, 1 + (size_t)f->ntensors)) {
+    td__frame_clear(f);
+    pthread_mutex_unlock(&c->mu);
+    return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory queueing a frame");
+  }
+  td_rpc_traffic *tr = traffic_of(c);
+  if (tr) {
+    count(&tr->frames_sent, 1);
+    count(&tr->bytes_sent, f->head_len + f->payload_len);
+  }
+  /* the slices take over the head buffer and the tensor references */
+  q_push(c, td__grpc_owned_slice(f->head, f->head_len, td__grpc_free_head, f->head));
+  f->head = NULL;
+  for (int i = 0; i < f->ntensors; i++) {
+    td_tensor *tt = f->tensors[i];
+    f->tensors[i] = NULL;
+    size_t nb = td_tensor_nbytes(tt);
+    if (nb == 0) {
+      td_tensor_unref(tt);
+      continue;
+    }
+    q_push(c, td__grpc_owned_slice(td_tensor_data(tt), nb, unref_tensor, tt));
+  }
+  td__frame_clear(f);
+  c->nsent++;
+  if (!c->send_inflight) start_send(c);
+  pthread_mutex_unlock(&c->mu);
+  return st;
+}
+
+/* Marks c closed and drops queued data. Caller holds c->mu. */
+void td__grpc_conn_mark_closed(td__conn *c) {
+  c->closed = true;
+  for (size_t i = 0; i < c->qlen; i++) grpc_slice_unref(c->q[(c->qhead + i) % c->qcap]);
+  c->qlen = 0;
+  c->qhead = 0;
+}
+
+static void conn_close_locked(td__conn *c, grpc_status_code code, const char *why) {
+  if (c->closed) return;
+  td__grpc_conn_mark_closed(c);
+  if (c->client) {
+    grpc_call_cancel(c->call, NULL);
+  } else {
+    c->finish_pending = true;
+    c->finish_code = code;
+    snprintf(c->finish_msg, sizeof c->finish_msg, "%s", why ? why : "closed");
+    start_finish(c);
+  }
+}
+
+void td__conn_close(td__conn *c, const char *why) {
+  pthread_mutex_lock(&c->mu);
+  conn_close_locked(c, GRPC_STATUS_UNAVAILABLE, why);
+  pthread_mutex_unlock(&c->mu);
+}
+
+static void live_add(td__transport *t, td__conn *c) {
+  pthread_mutex_lock(&t->mu);
+  c->next_live = t->live;
+  t->live = td__conn_ref(c);
+  pthread_mutex_unlock(&t->mu);
+}
+
+static void live_remove(td__transport *t, td__conn *c) {
+  pthread_mutex_lock(&t->mu);
+  for (td__conn **p = &t->live; *p; p = &(*p)->next_live) {
+    if (*p == c) {
+      *p = c->next_live;
+      pthread_mutex_unlock(&t->mu);
+      td__conn_unref(c);
+      return;
+    }
+  }
+  pthread_mutex_unlock(&t->mu);
+}
+
+td_status td__transport_connect(td__transport *t, int peer_rank, const char *address,
+                                td__conn **out) {
+  pthread_mutex_lock(&t->mu);
+  bool down = t->shutting_down;
+  pthread_mutex_unlock(&t->mu);
+  if (down) return td_set_error(TD_ERR_STATE, "rpc transport is shutting down");
+  grpc_channel *ch = td__grpc_channel_for(t, address);
+  if (!ch) return td_set_error(TD_ERR_NOMEM, "rpc transport: cannot create a channel to %s", address);
+  td__conn *c = conn_new(t, true, peer_rank);
+  if (!c) return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
+  snprintf(c->peer_addr, sizeof c->peer_addr, "%s", address);
+  c->call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, t->cq,
+                                     grpc_slice_from_static_string(STREAM_METHOD), NULL,
+                                     gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  if (!c->call) {
+    td__conn_unref(c);
+    return td_set_error(TD_ERR_UNAVAILABLE, "rpc transport: cannot open a stream to %s", address);
+  }
+  live_add(t, c);
+  pthread_mutex_lock(&c->mu);
+  grpc_op ops[1];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  bool ok = conn_batch(c, ops, 1, &c->t_start);
+  grpc_op st;
+  memset(&st, 0, sizeof st);
+  st.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  st.data.recv_status_on_client.trailing_metadata = &c->trailing_md;
+  st.data.recv_status_on_client.status = &c->status;
+  st.data.recv_status_on_client.status_details = &c->status_details;
+  st.data.recv_status_on_client.error_string = &c->error_string;
+  ok = ok && conn_batch(c, &st, 1, &c->t_status);
+  ok = ok && start_recv(c);
+  /* the HELLO goes first; frames queued meanwhile wait for the handshake */
+  td_status hs = td__hs_client_hello(&c->hs, conn_auth(t), t->opts.self_rank, peer_rank,
+                                     c->hs_out);
+  if (ok && hs == TD_OK) {
+    c->hs_out_len = TD__HS_HELLO_LEN;
+    c->auth = AUTH_CLIENT_HELLO_SENT;
+    start_send(c);
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (!ok || hs != TD_OK) td__conn_close(c, "cannot start the stream");
+  *out = c;
+  return TD_OK;
+}
+
+/* ---- events (poller thread) ---- */
+
+static void notify_closed(td__conn *c, td_status st, const char *why) {
+  pthread_mutex_lock(&c->mu);
+  bool first = !c->notified;
+  c->notified = true;
+  td__grpc_conn_mark_closed(c);
+  pthread_mutex_unlock(&c->mu);
+  if (first && c->t->cbs.on_closed) c->t->cbs.on_closed(c->t->cbs.ud, c, st, why);
+}
+
+static void handle_conn_status(td__conn *c) {
+  char why[512];
+  unauth_done(c);
+  if (c->auth == AUTH_FAILED) {
+    /* our side refused the handshake: its reason, not gRPC's "cancelled" */
+    notify_closed(c, TD_ERR_AUTH, c->finish_msg);
+  } else if (c->client) {
+    char *details = grpc_slice_to_c_string(c->status_details);
+    snprintf(why, sizeof why, "%s%s%s", details, c->error_string ? " / " : "",
+             c->error_string ? c->error_string : "");
+    gpr_free(details);
+    notify_closed(c, c->status == GRPC_STATUS_OK ? TD_ERR_UNAVAILABLE : td__grpc_map_status(c->status), why);
+  } else {
+    snprintf(why, sizeof why, "the peer closed its stream%s", c->cancelled ? " (cancelled)" : "");
+    notify_closed(c, TD_ERR_UNAVAILABLE, why);
+  }
+  live_remove(c->t, c);
+}
+
+/* Leaves the count of streams in their handshake (once). */
+static void unauth_done(td__conn *c) {
+  if (!c->unauth_counted) return;
+  c->unauth_counted = false;
+  pthread_mutex_lock(&c->t->mu);
+  c->t->unauth--;
+  pthread_mutex_unlock(&c->t->mu);
+}
+
+/* Refuses the handshake: the stream closes with why (UNAUTHENTICATED for the client). */
+static void handshake_failed(td__conn *c, const char *why) {
+  pthread_mutex_lock(&c->mu);
+  c->auth = AUTH_FAILED;
+  conn_close_locked(c, GRPC_STATUS_UNAUTHENTICATED, why);
+  snprintf(c->finish_msg, sizeof c->finish_msg, "%s", why);
+  pthread_mutex_unlock(&c->mu);
+  unauth_done(c);
+  if (!c->client) td__grpc_refused(c->t, c->peer_addr, why);
+  else td_log(TD_LOG_WARN, "rpc: stream to rank %d at %s refused: %s", td__conn_peer(c),
+              c->peer_addr, why);
+}
+
+/* One handshake message arrived (auth.h): answer it, or finish, or refuse. */
+static void handle_handshake(td__conn *c, grpc_byte_buffer *bb) {
+  uint8_t msg[TD__HS_MAX_LEN];
+  size_t n = grpc_byte_buffer_length(bb), off = 0;
+  if (n > TD__HS_MAX_LEN) {
+    char why[160];
+    snprintf(why, sizeof why, "auth: %zu bytes arrived before the handshake", n);
+    handshake_failed(c, why);
+    return;
+  }
+  grpc_byte_buffer_reader r;
+  if (grpc_byte_buffer_reader_init(&r, bb)) {
+    grpc_slice sl;
+    while (grpc_byte_buffer_reader_next(&r, &sl)) {
+      size_t l = GRPC_SLICE_LENGTH(sl);
+      if (off + l <= sizeof msg) memcpy(msg + off, GRPC_SLICE_START_PTR(sl), l);
+      off += l;
+      grpc_slice_unref(sl);
+    }
+    grpc_byte_buffer_reader_destroy(&r);
+  }
+  td_status st = TD_ERR_AUTH;
+  int rank = -1;
+  pthread_mutex_lock(&c->mu);
+  switch (c->auth) {
+    case AUTH_CLIENT_HELLO_SENT:
+      st = td__hs_client_challenge(&c->hs, msg, off, c->hs_out);
+      if (st == TD_OK) {
+        c->hs_out_len = TD__HS_PROOF_LEN;
+        c->auth = AUTH_DONE; /* the PROOF, then the frames queued meanwhile */
+        if (!c->send_inflight) start_send(c);
+      }
+      break;
+    case AUTH_SERVER_WAIT_HELLO:
+      st = td__hs_server_hello(&c->hs, conn_auth(c->t), c->t->opts.self_rank, msg, off, c->hs_out);
+      if (st == TD_OK) {
+        c->hs_out_len = TD__HS_CHALLENGE_LEN;
+        c->auth = AUTH_SERVER_WAIT_PROOF;
+        if (!c->send_inflight) start_send(c);
+      }
+      break;
+    case AUTH_SERVER_WAIT_PROOF:
+      st = td__hs_server_proof(&c->hs, msg, off, &rank);
+      if (st == TD_OK) {
+        __atomic_store_n(&c->peer, rank, __ATOMIC_RELEASE);
+        td__decoder_set_peer(c->dec, rank);
+        c->auth = AUTH_DONE;
+      }
+      break;
+    default: td_set_error(TD_ERR_AUTH, "auth: unexpected handshake message"); break;
+  }
+  bool ok = st == TD_OK && !c->closed;
+  if (ok) start_recv(c);
+  bool done = c->auth == AUTH_DONE;
+  pthread_mutex_unlock(&c->mu);
+  if (st != TD_OK) {
+    char why[300];
+    snprintf(why, sizeof why, "%s", td_last_error());
+    handshake_failed(c, why);
+  } else if (done) {
+    unauth_done(c);
+  }
+}
+
+static void handle_conn_recv(td__conn *c, bool success) {
+  grpc_byte_buffer *bb = c->recv_bb;
+  c->recv_bb = NULL;
+  if (!success || !bb) {
+    /* end of the stream: the status tag reports why; a server answers a half-close with OK, or
+     * with an error at once when it came in the middle of a frame */
+    if (bb) grpc_byte_buffer_destroy(bb);
+    pthread_mutex_lock(&c->mu);
+    if (!c->client && !c->closed) {
+      if (td__decoder_idle(c->dec)) conn_close_locked(c, GRPC_STATUS_OK, "stream ended");
+      else conn_close_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "the stream ended inside a frame");
+    }
+    pthread_mutex_unlock(&c->mu);
+    return;
+  }
+  c->progress_ns = td__now_ns();
+  if (c->auth != AUTH_DONE) {
+    handle_handshake(c, bb);
+    grpc_byte_buffer_destroy(bb);
+    return;
+  }
+  if (!grpc_byte_buffer_reader_init(&c->rd, bb)) {
+    grpc_byte_buffer_destroy(bb);
+    td_set_error(TD_ERR_FORMAT, "unreadable message");
+    recv_finished(c, TD_ERR_FORMAT);
+    return;
+  }
+  c->rd_bb = bb;
+  c->rd_slice = grpc_empty_slice();
+  c->rd_off = 0;
+  feed_message(c);
+}
+
+/* Feeds the message being read (c->rd) to the decoder from where it stopped. When the decoder
+ * pauses for a large direct copy, the copy and the rest of the message continue on the bulk
+ * thread (bulk_task); otherwise the message is released and the next receive starts. Runs on one
+ * thread at a time per conn: the poller, or the bulk thread while the conn is paused (no receive
+ * is started meanwhile). */
+static void feed_message(td__conn *c) {
+  td_status st = TD_OK;
+  for (;;) {
+    size_t len = GRPC_SLICE_LENGTH(c->rd_slice);
+    if (c->rd_off == len) {
+      grpc_slice_unref(c->rd_slice);
+      c->rd_slice = grpc_empty_slice();
+      c->rd_off = 0;
+      if (!grpc_byte_buffer_reader_next(&c->rd, &c->rd_slice)) break;
+      continue;
+    }
+    size_t used = 0;
+    st = td__decoder_feed_some(c->dec, GRPC_SLICE_START_PTR(c->rd_slice) + c->rd_off,
+                               len - c->rd_off, &used);
+    c->rd_off += used;
+    if (st != TD_OK) break;
+    if (td__decoder_paused(c->dec)) {
+      td__conn_ref(c);
+      if (td__threadpool_submit(c->t->bulk, bulk_task, c) == TD_OK) return;
+      td__conn_unref(c);
+      td__decoder_resume(c->dec); /* shutting down: copy here */
+    }
+  }
+  grpc_slice_unref(c->rd_slice);
+  c->rd_slice = grpc_empty_slice();
+  grpc_byte_buffer_reader_destroy(&c->rd);
+  grpc_byte_buffer_destroy(c->rd_bb);
+  c->rd_bb = NULL;
+  recv_finished(c, st);
+}
+
+/* On the bulk thread: the paused frame's copy, then the rest of its message. */
+static void bulk_task(void *arg) {
+  td__conn *c = arg;
+  td__decoder_resume(c->dec);
+  c->progress_ns = td__now_ns();
+  feed_message(c);
+  td__conn_unref(c);
+}
+
+/* The message is consumed: close a corrupt stream, else receive the next message. */
+static void recv_finished(td__conn *c, td_status st) {
+  pthread_mutex_lock(&c->mu);
+  if (st != TD_OK) {
+    char why[300];
+    snprintf(why, sizeof why, "tdist stream corrupt: %s", td_last_error());
+    td_log(TD_LOG_WARN, "rpc: closing a stream from rank %d: %s", td__conn_peer(c), why);
+    conn_close_locked(c, GRPC_STATUS_INVALID_ARGUMENT, why);
+  } else if (!c->closed) {
+    start_recv(c);
+  }
+  pthread_mutex_unlock(&c->mu);
+}
+
+static void handle_conn_send(td__conn *c, bool success) {
+  pthread_mutex_lock(&c->mu);
+  if (c->send_bb) grpc_byte_buffer_destroy(c->send_bb);
+  c->send_bb = NULL;
+  c->send_inflight = false;
+  if (!success) td__grpc_conn_mark_closed(c);
+  else start_send(c);
+  start_finish(c);
+  pthread_mutex_unlock(&c->mu);
+}
+
+void td__grpc_stream_accept(td__transport *t, grpc_call *call) {
+  char *peer = grpc_call_get_peer(call);
+  pthread_mutex_lock(&t->mu);
+  bool room = t->unauth < TD__MAX_UNAUTH_STREAMS;
+  if (room) t->unauth++;
+  pthread_mutex_unlock(&t->mu);
+  td__conn *c = room ? conn_new(t, false, -1) : NULL;
+  if (!c) {
+    if (room) {
+      pthread_mutex_lock(&t->mu);
+      t->unauth--;
+      pthread_mutex_unlock(&t->mu);
+    }
+    td__grpc_refused(t, peer ? peer : "?",
+                     room ? "out of memory" : "too many streams in their handshake");
+    gpr_free(peer);
+    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED,
+                                 "too many unauthenticated streams", NULL);
+    grpc_call_unref(call);
+    return;
+  }
+  snprintf(c->peer_addr, sizeof c->peer_addr, "%s", peer ? peer : "?");
+  gpr_free(peer);
+  c->call = call;
+  c->auth = AUTH_SERVER_WAIT_HELLO;
+  c->unauth_counted = true;
+  live_add(t, c);
+  pthread_mutex_lock(&c->mu);
+  grpc_op md;
+  memset(&md, 0, sizeof md);
+  md.op = GRPC_OP_SEND_INITIAL_METADATA;
+  bool ok = conn_batch(c, &md, 1, &c->t_start);
+  grpc_op cl;
+  memset(&cl, 0, sizeof cl);
+  cl.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  cl.data.recv_close_on_server.cancelled = &c->cancelled;
+  ok = ok && conn_batch(c, &cl, 1, &c->t_status);
+  ok = ok && start_recv(c);
+  pthread_mutex_unlock(&c->mu);
+  if (!ok) td__conn_close(c, "cannot start the stream");
+  td__conn_unref(c);
+}
+
+void td__grpc_stream_event(tag *tg, bool success) {
+  td__conn *c = tg->obj;
+  switch (tg->kind) {
+    case TAG_CONN_RECV: handle_conn_recv(c, success); break;
+    case TAG_CONN_SEND: handle_conn_send(c, success); break;
+    case TAG_CONN_STATUS: handle_conn_status(c); break;
+    default: break; /* TAG_CONN_START, TAG_CONN_FINISH: nothing to do */
+  }
+  td__conn_unref(c);
+}
+
+/* ---- deadlines: handshakes and stalled frames ---- */
+
+void td__grpc_sweep(td__transport *t, uint64_t now) {
+  uint64_t hs_ns = (uint64_t)(t->opts.handshake_timeout_ms > 0 ? t->opts.handshake_timeout_ms
+                                                                : 20000) * 1000000ull;
+  uint64_t stall_ns = (uint64_t)(t->opts.stall_timeout_ms > 0 ? t->opts.stall_timeout_ms : 60000) *
+                      1000000ull;
+  td__conn *late[64];
+  const char *why[64];
+  int n = 0;
+  pthread_mutex_lock(&t->mu);
+  for (td__conn *c = t->live; c && n < 64; c = c->next_live) {
+    /* auth, progress_ns and the decoder belong to the poller thread, which runs this */
+    /* (clients are not timed: a server that never answers is a hung peer, which keepalive
+     * catches) */
+    if (!c->client && c->auth != AUTH_DONE && c->auth != AUTH_FAILED &&
+        now - c->born_ns > hs_ns) {
+      why[n] = "auth: the handshake did not finish in time";
+      late[n++] = td__conn_ref(c);
+    } else if (c->auth == AUTH_DONE && !td__decoder_idle(c->dec) &&
+               !td__decoder_paused(c->dec) && now - c->progress_ns > stall_ns) {
+      why[n] = "a frame made no progress for the stall timeout: dropped";
+      late[n++] = td__conn_ref(c);
+    }
+  }
+  pthread_mutex_unlock(&t->mu);
+  for (int i = 0; i < n; i++) {
+    td__conn *c = late[i];
+    if (c->auth == AUTH_DONE) {
+      td_log(TD_LOG_WARN, "rpc: closing the stream %s rank %d (%s): %s",
+             c->client ? "to" : "from", td__conn_peer(c), c->peer_addr, why[i]);
+      pthread_mutex_lock(&c->mu);
+      conn_close_locked(c, GRPC_STATUS_DEADLINE_EXCEEDED, why[i]);
+      pthread_mutex_unlock(&c->mu);
+    } else {
+      handshake_failed(c, why[i]);
+    }
+    td__conn_unref(c);
+  }
+}

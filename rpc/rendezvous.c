@@ -1,0 +1,593 @@
+/* rendezvous.c - td__rpc_init_impl: from arguments to a worker that knows the whole group.
+ *
+ * Init runs in named phases (init_options, init_agent, init_transport, rendezvous, init_finish).
+ * The rendezvous itself goes through the store that rank 0 serves, in these steps:
+ *   check     world size must match rank 0's
+ *   claim     claim/<r> counters catch two workers with one rank
+ *   publish   worker/<r> = name + address, registry/<r>, direct/<r>, devmap/<r>
+ *   join      the joined counter reaches the world size
+ *   read      every worker's record: names (unique), registries, device maps, direct-copy probe
+ *   ready     everybody has read everything before anybody proceeds
+ *   passed    rank 0 returns only once everybody is past "ready", so it cannot take the store away
+ *             (by shutting down right after init) while someone still polls it
+ * Any worker that detects a fatal mismatch writes "abort", so the others fail fast with the same
+ * reason instead of timing out. Rendezvous uses wait-for-ready (rank 0 may start last); after
+ * init a missing rank 0 is a failure, not a late start.
+ */
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "agent_state.h"
+#include "../core/cpus.h"
+#include "../core/netaddr.h"
+
+static bool valid_name(const char *s) {
+  size_t n = strlen(s);
+  if (n == 0 || n >= sizeof(((td_worker_info *)0)->name)) return false;
+  for (size_t i = 0; i < n; i++) {
+    unsigned char ch = (unsigned char)s[i];
+    if (!isalnum(ch) && ch != '_' && ch != '-' && ch != '.' && ch != ':') return false;
+  }
+  return true;
+}
+
+void td__agent_set_abort(td_rpc_agent *a, const char *why) {
+  td__store_set(&a->sc, "abort", why, strlen(why));
+}
+
+static td_status parse_peers(td_rpc_agent *a, uint64_t deadline) {
+  for (int r = 0; r < a->world; r++) {
+    char key[64];
+    uint8_t *v = NULL;
+    size_t n = 0;
+    snprintf(key, sizeof key, "worker/%d", r);
+    TD_TRY(td__store_wait_key(&a->sc, key, deadline, "abort", &v, &n));
+    /* "name\taddress" */
+    char *tab = strchr((char *)v, '\t');
+    if (!tab) {
+      td__free(v);
+      return td_set_error(TD_ERR_FORMAT, "rpc init: bad worker record for rank %d", r);
+    }
+    *tab = 0;
+    snprintf(a->peers[r].info.name, sizeof a->peers[r].info.name, "%s", (char *)v);
+    snprintf(a->peers[r].info.address, sizeof a->peers[r].info.address, "%s", tab + 1);
+    a->peers[r].info.id = r;
+    td__free(v);
+    snprintf(key, sizeof key, "registry/%d", r);
+    TD_TRY(td__store_wait_key(&a->sc, key, deadline, "abort", &v, &n));
+    a->peers[r].fns_blob = (char *)v;
+    int cnt = 0;
+    for (size_t i = 0; i < n; i++) cnt += v[i] == '\n';
+    a->peers[r].fns = td__calloc((size_t)(cnt ? cnt : 1), sizeof(char *));
+    if (!a->peers[r].fns) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+    char *p = (char *)v;
+    for (int i = 0; i < cnt; i++) {
+      char *nl = strchr(p, '\n');
+      *nl = 0;
+      a->peers[r].fns[i] = p;
+      p = nl + 1;
+    }
+    a->peers[r].nfns = cnt;
+  }
+  for (int r = 0; r < a->world; r++)
+    for (int q = r + 1; q < a->world; q++)
+      if (strcmp(a->peers[r].info.name, a->peers[q].info.name) == 0)
+        return td_set_error(TD_ERR_EXISTS, "rpc init: ranks %d and %d both use the name '%s'", r,
+                            q, a->peers[r].info.name);
+  /* compare registries with ours */
+  peer_info *me = &a->peers[a->rank];
+  for (int r = 0; r < a->world; r++) {
+    if (r == a->rank) continue;
+    peer_info *p = &a->peers[r];
+    for (int i = 0; i < me->nfns; i++)
+      if (!td__agent_peer_has_fn(p, me->fns[i]))
+        td_log(TD_LOG_WARN, "rpc: %s (rank %d) has no function '%s' (registered on %s)",
+               p->info.name, r, me->fns[i], a->name);
+  }
+  return TD_OK;
+}
+
+
+/* ---- the rendezvous steps ---- */
+
+static td_status rdv_check_world(td_rpc_agent *a, uint64_t deadline) {
+  uint8_t *ws = NULL;
+  TD_TRY(td__store_wait_key(&a->sc, "world_size", deadline, "abort", &ws, NULL));
+  long master_ws = strtol((char *)ws, NULL, 10);
+  td__free(ws);
+  if (master_ws == a->world) return TD_OK;
+  char why[200];
+  snprintf(why, sizeof why, "rpc init: rank %d was started with world size %d but rank 0 with %ld",
+           a->rank, a->world, master_ws);
+  td__agent_set_abort(a, why);
+  return td_set_error(TD_ERR_INVALID, "%s", why);
+}
+
+static td_status rdv_claim(td_rpc_agent *a) {
+  char key[64];
+  int64_t claims;
+  snprintf(key, sizeof key, "claim/%d", a->rank);
+  TD_TRY(td__store_add(&a->sc, key, 1, &claims));
+  if (claims == 1) return TD_OK;
+  char why[100];
+  snprintf(why, sizeof why, "rpc init: two workers claim rank %d", a->rank);
+  td__agent_set_abort(a, why);
+  return td_set_error(TD_ERR_EXISTS, "%s", why);
+}
+
+static td_status rdv_publish(td_rpc_agent *a) {
+  char key[64], val[512];
+  snprintf(key, sizeof key, "worker/%d", a->rank);
+  int n = snprintf(val, sizeof val, "%s\t%s", a->name, a->peers[a->rank].info.address);
+  TD_TRY(td__store_set(&a->sc, key, val, (size_t)n));
+  char *snap = td__reg_snapshot();
+  if (!snap) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+  snprintf(key, sizeof key, "registry/%d", a->rank);
+  td_status st = td__store_set(&a->sc, key, snap, strlen(snap));
+  td__free(snap);
+  TD_TRY(st);
+  TD_TRY(td__direct_publish(a));
+  return td__devmap_publish(a);
+}
+
+static td_status rdv_join(td_rpc_agent *a, uint64_t deadline) {
+  TD_TRY(td__store_add(&a->sc, "joined", 1, NULL));
+  td_status st = td__store_wait_ge(&a->sc, "joined", a->world, deadline, "abort");
+  if (st != TD_ERR_TIMEOUT) return st;
+  int64_t now_joined = 0;
+  td__store_add(&a->sc, "joined", 0, &now_joined);
+  return td_set_error(TD_ERR_TIMEOUT, "rpc init: only %lld of %d workers joined within %lld ms",
+                      (long long)now_joined, a->world, (long long)a->opts.init_timeout_ms);
+}
+
+static td_status rdv_read(td_rpc_agent *a, uint64_t deadline) {
+  td_status st = parse_peers(a, deadline);
+  if (st != TD_OK) {
+    char msg[600];
+    snprintf(msg, sizeof msg, "%s", td_last_error());
+    if (st == TD_ERR_EXISTS) td__agent_set_abort(a, msg);
+    return td_set_error(st, "%s", msg);
+  }
+  TD_TRY(td__devmap_setup(a, deadline));
+  return td__direct_probe(a, deadline);
+}
+
+static td_status rdv_ready(td_rpc_agent *a, uint64_t deadline) {
+  TD_TRY(td__store_add(&a->sc, "ready", 1, NULL));
+  TD_TRY(td__store_wait_ge(&a->sc, "ready", a->world, deadline, "abort"));
+  return td__direct_learn(a, deadline);
+}
+
+static td_status rdv_passed(td_rpc_agent *a, uint64_t deadline) {
+  TD_TRY(td__store_add(&a->sc, "passed", 1, NULL));
+  if (a->rank != 0) return TD_OK;
+  return td__store_wait_ge(&a->sc, "passed", a->world, deadline, "abort");
+}
+
+static td_status rendezvous(td_rpc_agent *a) {
+  uint64_t deadline = td__now_ns() + (uint64_t)a->opts.init_timeout_ms * 1000000ull;
+  TD_TRY(rdv_check_world(a, deadline));
+  TD_TRY(rdv_claim(a));
+  TD_TRY(rdv_publish(a));
+  TD_TRY(rdv_join(a, deadline));
+  TD_TRY(rdv_read(a, deadline));
+  TD_TRY(rdv_ready(a, deadline));
+  return rdv_passed(a, deadline);
+}
+
+/* busy_poll_window resolves td_rpc_options.busy_poll_us once every worker's address is known:
+ * spinning pays off only when every local worker can have a CPU of its own. */
+static int64_t busy_poll_window(td_rpc_agent *a, int64_t opt) {
+  if (opt >= 0) return opt;
+  const char *env = getenv("TD_RPC_BUSY_POLL_US");
+  if (env && *env) {
+    char *end;
+    long long v = strtoll(env, &end, 10);
+    if (*end == 0 && v >= 0) return v;
+    td_log(TD_LOG_WARN, "rpc: ignoring TD_RPC_BUSY_POLL_US='%s' (not a number of microseconds)",
+           env);
+  }
+  char mine[256], other[256];
+  td__addr_host(a->peers[a->rank].info.address, mine, sizeof mine);
+  int local = 0;
+  for (int i = 0; i < a->world; i++) {
+    td__addr_host(a->peers[i].info.address, other, sizeof other);
+    if (strcmp(mine, other) == 0) local++;
+  }
+  long cpus = td__cpus_usable();
+  int64_t us = cpus > 1 && local <= cpus ? 50 : 0;
+  td_log(TD_LOG_DEBUG, "rpc: %s: %d workers on this host, %ld CPUs: busy-poll %lld us", a->name,
+         local, cpus, (long long)us);
+  return us;
+}
+
+void td__agent_free(td_rpc_agent *a) {
+  if (!a) return;
+  if (a->peers) {
+    for (int r = 0; r < a->world; r++) {
+      td__conn_unref(a->peers[r].conn);
+      td__free(a->peers[r].fns);
+      td__free(a->peers[r].fns_blob);
+    }
+  }
+  td__devmap_free_all(a);
+  td__free(a->peers);
+  td__free(a->direct_cand);
+  td__call_free_all(a);
+  td__store_destroy(a->store);
+  td__auth_sessions_destroy(a->sessions);
+  td__auth_client_fini(&a->store_auth);
+  memset(&a->auth, 0, sizeof a->auth);
+  td__free(a->listen_addr);
+  td__free(a->init_method);
+  pthread_mutex_destroy(&a->mu);
+  td__free(a);
+}
+
+
+/* ---- init phases ---- */
+
+static td_status parse_master(const char *init_method, char *host, size_t hn, int *port) {
+  const char *s = init_method;
+  if (strncmp(s, "tcp://", 6) != 0)
+    return td_set_error(TD_ERR_INVALID, "rpc init: init_method '%s' must look like tcp://host:port",
+                        init_method);
+  s += 6;
+  const char *colon = strrchr(s, ':');
+  if (!colon || colon == s)
+    return td_set_error(TD_ERR_INVALID, "rpc init: init_method '%s' has no port", init_method);
+  char *end;
+  long p = strtol(colon + 1, &end, 10);
+  /* port 0 lets a single-worker group (world size 1) pick any free port */
+  if (*end || p < 0 || p > 65535)
+    return td_set_error(TD_ERR_INVALID, "rpc init: bad port in init_method '%s'", init_method);
+  size_t l = (size_t)(colon - s);
+  if (s[0] == '[' && l >= 2 && s[l - 1] == ']') {
+    s++;
+    l -= 2;
+  }
+  if (l >= hn) return td_set_error(TD_ERR_INVALID, "rpc init: host name too long");
+  memcpy(host, s, l);
+  host[l] = 0;
+  *port = (int)p;
+  return TD_OK;
+}
+
+/* Where rank 0 and this worker are: parsed from init_method, the listen address chosen. */
+typedef struct init_addr {
+  char mhost[256];
+  int mport;
+  char chosen[128];
+} init_addr;
+
+/* Phase 1: check the arguments, apply defaults, pick the listen address. */
+static td_status init_options(const char **name, char *defname, size_t dn, int rank,
+                              int world_size, const td_rpc_options *opts, td_rpc_options *o,
+                              init_addr *ad) {
+  if (world_size < 1) return td_set_error(TD_ERR_INVALID, "rpc_init: world size %d < 1", world_size);
+  if (rank < 0 || rank >= world_size)
+    return td_set_error(TD_ERR_INVALID, "rpc_init: rank %d outside [0, %d)", rank, world_size);
+  if (opts) *o = *opts;
+  else td_rpc_options_init(o);
+  if (o->num_device_maps < 0 || (o->num_device_maps > 0 && !o->device_maps))
+    return td_set_error(TD_ERR_INVALID, "rpc_init: %d device map entries at %p",
+                        o->num_device_maps, (const void *)o->device_maps);
+  if (o->num_worker_threads <= 0) o->num_worker_threads = 16;
+  if (o->init_timeout_ms <= 0) o->init_timeout_ms = 120000;
+  if (o->keepalive_ms <= 0) o->keepalive_ms = 2000;
+  if (o->keepalive_timeout_ms <= 0) o->keepalive_timeout_ms = 20000;
+  if (!*name) {
+    snprintf(defname, dn, "worker%d", rank);
+    *name = defname;
+  }
+  if (!valid_name(*name))
+    return td_set_error(TD_ERR_INVALID, "rpc_init: invalid worker name '%s' (use 1-127 letters, "
+                        "digits, '_', '-', '.', ':')", *name);
+  if (!o->init_method)
+    return td_set_error(TD_ERR_INVALID, "rpc_init: no init_method (tcp://host:port) given");
+  TD_TRY(parse_master(o->init_method, ad->mhost, sizeof ad->mhost, &ad->mport));
+  if (!o->listen_addr) { /* TD_SOCKET_IFNAME, else the route toward the master, else loopback */
+    TD_TRY(td__choose_address(ad->mhost, getenv("TD_SOCKET_IFNAME"), ad->chosen,
+                              sizeof ad->chosen));
+    o->listen_addr = ad->chosen;
+  }
+  if (ad->mport == 0 && world_size > 1)
+    return td_set_error(TD_ERR_INVALID, "rpc_init: port 0 in init_method works only for a world "
+                        "of one worker (the others could not find rank 0)");
+  return TD_OK;
+}
+
+/* The job secret: the option, TD_RPC_SECRET, TD_RPC_SECRET_FILE, a random one for a world of
+ * one; else insecure mode when explicitly allowed; else an error saying how to give one. */
+static td_status init_auth(td_rpc_agent *a, const td_rpc_options *o) {
+  const char *env = getenv("TD_RPC_SECRET"), *file = getenv("TD_RPC_SECRET_FILE");
+  const char *ins = getenv("TD_RPC_INSECURE");
+  char *owned = NULL;
+  const char *secret = o->secret;
+  if (!secret && env && *env) secret = env;
+  if (!secret && file && *file) {
+    TD_TRY(td__auth_secret_from_file(file, &owned));
+    secret = owned;
+  }
+  char random[65];
+  if (!secret && a->world == 1) { /* nobody else needs to know it */
+    uint8_t b[32];
+    TD_TRY(td__auth_random(b, sizeof b));
+    for (int i = 0; i < 32; i++) snprintf(random + 2 * i, 3, "%02x", b[i]);
+    secret = random;
+  }
+  td_status st = TD_OK;
+  if (secret) {
+    st = td__auth_init(&a->auth, secret, strlen(secret));
+  } else if (o->insecure || (ins && strcmp(ins, "1") == 0)) {
+    td__auth_init(&a->auth, NULL, 0);
+    td_log(TD_LOG_WARN, "rpc: %s runs WITHOUT authentication (TD_RPC_INSECURE): anyone who can "
+           "reach its port can join the group, call its functions and read the store", a->name);
+  } else {
+    st = td_set_error(TD_ERR_AUTH, "rpc_init: no job secret: start the workers with tdistrun "
+                      "(it gives them one), or give every worker the same secret in TD_RPC_SECRET "
+                      "or TD_RPC_SECRET_FILE (a file only you can read), or set TD_RPC_INSECURE=1 "
+                      "to run without authentication");
+  }
+  if (owned) {
+    memset(owned, 0, strlen(owned));
+    td__free(owned);
+  }
+  memset(random, 0, sizeof random);
+  if (st != TD_OK) return st;
+  td__auth_client_init(&a->store_auth, &a->auth);
+  a->sc.auth = &a->store_auth;
+  if (a->rank == 0) TD_TRY(td__auth_sessions_create(&a->auth, &a->sessions));
+  return TD_OK;
+}
+
+/* Phase 2: the agent object, rank 0's store (seeded before anybody can reach it), the pool. */
+static td_status init_agent(const char *name, int rank, int world_size, td_rpc_options *o,
+                            td_rpc_agent **out) {
+  td_rpc_agent *a = td__calloc(1, sizeof *a);
+  if (!a) return td_set_error(TD_ERR_NOMEM, "rpc_init: out of memory");
+  *out = a;
+  pthread_mutex_init(&a->mu, NULL);
+  a->listen_addr = td__strdup(o->listen_addr);
+  a->init_method = td__strdup(o->init_method);
+  o->listen_addr = a->listen_addr;
+  o->init_method = a->init_method;
+  a->opts = *o;
+  a->direct_on = td__direct_wanted(o);
+  snprintf(a->name, sizeof a->name, "%s", name);
+  a->rank = rank;
+  a->world = world_size;
+  a->default_timeout_ms = o->rpc_timeout_ms < 0 ? 0 : o->rpc_timeout_ms;
+  a->peers = td__calloc((size_t)world_size, sizeof *a->peers);
+  if (!a->listen_addr || !a->init_method || !a->peers)
+    return td_set_error(TD_ERR_NOMEM, "rpc_init: out of memory");
+  TD_TRY(init_auth(a, o));
+  if (rank == 0) {
+    TD_TRY(td__store_create(&a->store));
+    char ws[32];
+    int n = snprintf(ws, sizeof ws, "%d", world_size);
+    TD_TRY(td__store_local_set(a->store, "world_size", ws, (size_t)n));
+  }
+  return td__threadpool_create(o->num_worker_threads, "td-rpc", &a->pool);
+}
+
+static void format_addr(char *out, size_t n, const char *host, int port) {
+  snprintf(out, n, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
+}
+
+/* A positive number of milliseconds from the environment, else dflt. */
+static int64_t env_ms(const char *name, int64_t dflt) {
+  const char *v = getenv(name);
+  if (!v || !*v) return dflt;
+  char *end;
+  long long ms = strtoll(v, &end, 10);
+  if (*end || ms <= 0) {
+    td_log(TD_LOG_WARN, "rpc: ignoring %s='%s' (not a positive number of milliseconds)", name, v);
+    return dflt;
+  }
+  return ms;
+}
+
+/* TLS files from the options or the environment: all three or none. *tls is filled with their
+ * contents (td__malloc'd; release with tls_free) when they are given. */
+static td_status init_tls(const td_rpc_options *o, td__tls *tls, bool *on) {
+  const char *cert = o->tls_cert_file ? o->tls_cert_file : getenv("TD_RPC_TLS_CERT");
+  const char *key = o->tls_key_file ? o->tls_key_file : getenv("TD_RPC_TLS_KEY");
+  const char *ca = o->tls_ca_file ? o->tls_ca_file : getenv("TD_RPC_TLS_CA");
+  const char *name = o->tls_server_name ? o->tls_server_name : getenv("TD_RPC_TLS_NAME");
+  int given = (cert && *cert) + (key && *key) + (ca && *ca);
+  *on = false;
+  memset(tls, 0, sizeof *tls);
+  if (given == 0) return TD_OK;
+  if (given != 3)
+    return td_set_error(TD_ERR_INVALID, "rpc_init: TLS needs a certificate, its key and the CA "
+                        "(tls_cert_file / TD_RPC_TLS_CERT, tls_key_file / TD_RPC_TLS_KEY, "
+                        "tls_ca_file / TD_RPC_TLS_CA): %d of 3 given", given);
+  char *c = NULL, *k = NULL, *x = NULL;
+  td_status st = td__auth_read_file(cert, false, 1 << 20, &c, NULL);
+  if (st == TD_OK) st = td__auth_read_file(key, true, 1 << 20, &k, NULL);
+  if (st == TD_OK) st = td__auth_read_file(ca, false, 1 << 20, &x, NULL);
+  if (st != TD_OK) {
+    td__free(c);
+    td__free(k);
+    td__free(x);
+    return td_set_error(st, "rpc_init: TLS: %s", td_last_error());
+  }
+  *tls = (td__tls){c, k, x, name && *name ? name : NULL};
+  *on = true;
+  return TD_OK;
+}
+
+static void tls_free(td__tls *tls) {
+  td__free((char *)tls->cert_pem);
+  if (tls->key_pem) {
+    memset((char *)tls->key_pem, 0, strlen(tls->key_pem));
+    td__free((char *)tls->key_pem);
+  }
+  td__free((char *)tls->ca_pem);
+  memset(tls, 0, sizeof *tls);
+}
+
+/* Phase 3: the server (rank 0's serves the store on the master port) and the store client. */
+static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
+  const td_rpc_options *o = &a->opts;
+  td__tls tls;
+  bool tls_on;
+  TD_TRY(init_tls(o, &tls, &tls_on));
+  td__transport_opts to = {.host = a->listen_addr,
+                           .port = a->rank == 0 ? ad->mport : 0,
+                           .keepalive_ms = o->keepalive_ms,
+                           .keepalive_timeout_ms = o->keepalive_timeout_ms,
+                           .max_message = o->max_message_bytes,
+                           .self_rank = a->rank,
+                           .world = a->world,
+                           .agent = a,
+                           .tick_ms = 10,
+                           .auth = &a->auth,
+                           .handshake_timeout_ms = env_ms("TD_RPC_HANDSHAKE_TIMEOUT_MS", 20000),
+                           .memory_quota = (uint64_t)env_ms("TD_RPC_MEMORY_QUOTA_MB",
+                                                            (int64_t)(o->memory_quota_bytes >> 20))
+                                           << 20,
+                           .stall_timeout_ms = env_ms("TD_RPC_STALL_TIMEOUT_MS",
+                                                      3 * o->keepalive_timeout_ms),
+                           .tls = tls_on ? &tls : NULL};
+  td__transport_cbs cbs = {a, td__serve_msg, td__serve_bad, td__serve_closed, td__serve_unary,
+                           td__serve_tick};
+  int port = 0;
+  td_status st = td__transport_create(&to, &cbs, &a->tr, &port);
+  if (st == TD_OK && tls_on)
+    td_log(TD_LOG_INFO, "rpc: %s: TLS on every connection (peers verified as '%s')", a->name,
+           tls.name ? tls.name : "tdist");
+  tls_free(&tls);
+  if (st != TD_OK) {
+    if (a->rank != 0) return st;
+    char why[600];
+    snprintf(why, sizeof why, "%s", td_last_error());
+    return td_set_error(st, "rpc_init: rank 0 cannot serve the rendezvous store on %s:%d: %s",
+                        a->listen_addr, ad->mport, why);
+  }
+  if (a->rank == 0) format_addr(a->sc.address, sizeof a->sc.address, a->listen_addr, port);
+  else format_addr(a->sc.address, sizeof a->sc.address, ad->mhost, ad->mport);
+  a->sc.tr = a->tr;
+  a->sc.call_timeout_ms = o->init_timeout_ms;
+  a->sc.wait_for_ready = true;
+  format_addr(a->peers[a->rank].info.address, sizeof a->peers[a->rank].info.address,
+              a->listen_addr, port);
+  return TD_OK;
+}
+
+/* After a failed rendezvous: let the others read why before rank 0 takes the store away
+ * (bounded). */
+static void rendezvous_failed(td_rpc_agent *a, td_status st) {
+  char why[1024];
+  snprintf(why, sizeof why, "%s", td_last_error());
+  a->sc.call_timeout_ms = 1000;
+  if (st != TD_ERR_TIMEOUT) td__agent_set_abort(a, why);
+  int64_t acks = 0, joined = 0;
+  td__store_add(&a->sc, "failed", 1, &acks);
+  if (a->rank == 0 && td__store_add(&a->sc, "joined", 0, &joined) == TD_OK)
+    td__store_wait_ge(&a->sc, "failed", joined, td__now_ns() + 2000000000ull, NULL);
+  td_set_error(st, "%s", why);
+}
+
+/* Phase 5: the group is known: settle the store client, busy polling, upper layers' hooks. */
+static void init_finish(td_rpc_agent *a) {
+  a->opts.device_maps = NULL; /* borrowed: read at init only */
+  a->opts.num_device_maps = 0;
+  a->sc.call_timeout_ms = 10000;
+  a->sc.wait_for_ready = false; /* from now on a missing rank 0 is a failure, not a late start */
+  a->busy_poll_us = busy_poll_window(a, a->opts.busy_poll_us);
+  td__transport_set_busy_poll(a->tr, a->busy_poll_us);
+  td__agent_hooks hs[TD__MAX_AGENT_HOOKS];
+  int nh = td__agent_hooks_get(hs);
+  for (int i = 0; i < nh; i++)
+    if (hs[i].on_init) hs[i].on_init(a);
+  td_log(TD_LOG_INFO, "rpc: %s (rank %d of %d) listening on %s", a->name, a->rank, a->world,
+         a->peers[a->rank].info.address);
+}
+
+td_status td__rpc_init_impl(const char *name, int rank, int world_size,
+                            const td_rpc_options *opts, td_rpc_agent **out) {
+  TD_CHECK_ARG(out, "rpc_init: NULL out");
+  td_rpc_options o;
+  init_addr ad = {{0}};
+  char defname[32];
+  TD_TRY(init_options(&name, defname, sizeof defname, rank, world_size, opts, &o, &ad));
+  td_rpc_agent *a = NULL;
+  td_status st = init_agent(name, rank, world_size, &o, &a);
+  if (st == TD_OK) st = init_transport(a, &ad);
+  if (st == TD_OK && (st = rendezvous(a)) != TD_OK) rendezvous_failed(a, st);
+  if (st == TD_OK) {
+    init_finish(a);
+    *out = a;
+    return TD_OK;
+  }
+  char msg[1024];
+  snprintf(msg, sizeof msg, "%s", td_last_error());
+  if (a) {
+    td__transport_shutdown(a->tr);
+    td__threadpool_destroy(a->pool);
+    a->pool = NULL;
+    td__transport_destroy(a->tr);
+    a->tr = NULL;
+    td__agent_free(a);
+  }
+  return td_set_error(st, "%s", msg);
+}
+
+/* ---- from the environment (torchrun, Slurm, Open MPI) ---- */
+
+static const char *env2(const char *a, const char *b, const char *c) {
+  const char *v = getenv(a);
+  if (v && *v) return v;
+  v = b ? getenv(b) : NULL;
+  if (v && *v) return v;
+  v = c ? getenv(c) : NULL;
+  return v && *v ? v : NULL;
+}
+
+td_status td__rpc_init_from_env_impl(const char *name, const td_rpc_options *opts,
+                                     td_rpc_agent **out) {
+  const char *rs = env2("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK");
+  const char *ws = env2("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE");
+  if (!rs || !ws)
+    return td_set_error(TD_ERR_INVALID, "rpc_init_from_env: RANK and WORLD_SIZE (or Slurm / "
+                        "Open MPI equivalents) are not set; start the program with tdistrun");
+  char *e1, *e2;
+  long rank = strtol(rs, &e1, 10), world = strtol(ws, &e2, 10);
+  if (*e1 || *e2 || rank < 0 || world < 1 || rank >= world)
+    return td_set_error(TD_ERR_INVALID, "rpc_init_from_env: bad RANK '%s' / WORLD_SIZE '%s'", rs,
+                        ws);
+  td_rpc_options o;
+  if (opts) o = *opts;
+  else td_rpc_options_init(&o);
+  char method[400], host[300];
+  if (!o.init_method) {
+    const char *ma = getenv("MASTER_ADDR");
+    if (!ma || !*ma) {
+      const char *nl = getenv("SLURM_STEP_NODELIST");
+      if (!nl || !*nl) nl = getenv("SLURM_JOB_NODELIST");
+      ma = "127.0.0.1";
+      if (nl && *nl) { /* a malformed list is an error, not a silent loopback */
+        TD_TRY(td__slurm_first_host(nl, host, sizeof host));
+        ma = host;
+      }
+    }
+    const char *mp = getenv("MASTER_PORT");
+    long port = mp && *mp ? strtol(mp, NULL, 10) : 29500;
+    const char *job = getenv("SLURM_JOB_ID");
+    if (!(mp && *mp) && job && *job) { /* under Slurm: a port per job (core/netaddr.h) */
+      int jp;
+      TD_TRY(td__slurm_port(job, &jp));
+      port = jp;
+    }
+    if (port <= 0 || port > 65535)
+      return td_set_error(TD_ERR_INVALID, "rpc_init_from_env: bad MASTER_PORT '%s'", mp);
+    snprintf(method, sizeof method, strchr(ma, ':') ? "tcp://[%s]:%ld" : "tcp://%s:%ld", ma, port);
+    o.init_method = method;
+  }
+  return td__rpc_init_impl(name, (int)rank, (int)world, &o, out);
+}

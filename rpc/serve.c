@@ -1,0 +1,296 @@
+/* serve.c - incoming requests: where they run, how handlers answer, how replies go back, and the
+ * transport's callbacks that feed the agent (frames, bad frames, closed streams, ticks, the
+ * store's unary method).
+ *
+ * A request runs on the agent's pool, or on the network thread when its function was registered
+ * TD_RPC_INLINE (short and never blocking: td_rpc_sync from one is refused). A handler returns a
+ * value, an error, or a future; for a future the reply is sent from its completion callback, so
+ * no pool thread waits for nested calls. Remote errors are prefixed "name (rank r): ". A reply
+ * that cannot be encoded becomes an error reply saying why. Replies (and errors for malformed
+ * requests) count as served for the graceful shutdown's totals.
+ *
+ * Lock order: none taken here beyond the transport's (td__conn_send) and call.c's (a->mu).
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "agent_state.h"
+
+/* Returns TD_OK when the transport accepted the frame. */
+static td_status send_frame_or_log(td_rpc_agent *a, td__conn *c, td__msg *m) {
+  int peer = td__conn_peer(c);
+  bool known = peer >= 0 && peer < a->world;
+  /* results go back along the inverse of the caller's map to us */
+  td__wire_ctx wctx = {a, peer, a->rank, known ? &a->peers[peer].reply_map : NULL,
+                       known ? a->peers[peer].info.name : NULL};
+  td__frame f = {0};
+  td_status st = td__wire_encode(m, &wctx, &f);
+  if (st != TD_OK && m->kind == TD__MSG_RESPONSE) {
+    /* the result cannot be sent: tell the caller why instead */
+    char msg[700];
+    snprintf(msg, sizeof msg, "%s (rank %d): cannot send the result of '%s': %s", a->name,
+             a->rank, m->fn ? m->fn : "?", td_last_error());
+    td__msg em = {.id = m->id, .kind = TD__MSG_ERROR, .from_rank = a->rank, .status = st,
+                  .message = msg};
+    st = td__wire_encode(&em, &wctx, &f);
+  }
+  if (st == TD_OK) st = td__conn_send(c, &f);
+  if (st != TD_OK)
+    td_log(TD_LOG_DEBUG, "rpc: %s: reply to rank %d not sent: %s", a->name, td__conn_peer(c),
+           td_last_error());
+  return st;
+}
+
+/* Sends the outcome of a request and retires it. value: owned reference. */
+static void reply(request *r, int kind, td_value *value, td_status st, const char *message) {
+  td_rpc_agent *a = r->a;
+  bool sent = true;
+  if (!r->conn) {
+    td__call_deliver(a, NULL, r->msg.id, kind, value, st, message);
+  } else {
+    td__msg m = {0};
+    m.id = r->msg.id;
+    m.kind = kind;
+    m.from_rank = a->rank;
+    m.fn = r->msg.fn;
+    td_value *vals[1] = {value};
+    char mwmsg[1200];
+    if (kind == TD__MSG_RESPONSE) {
+      m.values = vals;
+      m.nvalues = 1;
+      m.ctx_id = r->msg.ctx_id;
+      const td__rpc_middleware *mw = td__mw_get();
+      td_status ms = mw && m.ctx_id ? mw->on_send(a, td__conn_peer(r->conn), &m) : TD_OK;
+      if (ms != TD_OK) {
+        snprintf(mwmsg, sizeof mwmsg, "%s (rank %d): cannot send the result of '%s': %s",
+                 a->name, a->rank, r->msg.fn ? r->msg.fn : "?", td_last_error());
+        td__free(m.aux);
+        m = (td__msg){.id = r->msg.id, .kind = TD__MSG_ERROR, .from_rank = a->rank,
+                      .status = ms, .message = mwmsg};
+      }
+    } else {
+      m.status = st;
+      m.message = (char *)message;
+    }
+    sent = send_frame_or_log(a, r->conn, &m) == TD_OK;
+    td__free(m.aux);
+    td_value_unref(value);
+  }
+  if (sent) __atomic_add_fetch(&a->served_total, 1, __ATOMIC_ACQ_REL);
+  __atomic_sub_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
+  td__conn_unref(r->conn);
+  td__msg_clear(&r->msg);
+  td__free(r);
+}
+
+/* reply_error answers with an error; failed says whether the handler failed (else the request
+ * was refused before any handler ran): the two are counted apart. */
+static void reply_error(request *r, bool failed, td_status st, const char *fmt, ...)
+    TD_PRINTF(4, 5);
+static void reply_error(request *r, bool failed, td_status st, const char *fmt, ...) {
+  if (failed) TD__COUNT(r->a, requests_failed);
+  else TD__COUNT(r->a, requests_rejected);
+  char body[1024], msg[1200];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(body, sizeof body, fmt, ap);
+  va_end(ap);
+  snprintf(msg, sizeof msg, "%s (rank %d): %s", r->a->name, r->a->rank, body);
+  reply(r, TD__MSG_ERROR, NULL, st, msg);
+}
+
+static void async_done(td_future *f, void *ctx) {
+  request *r = ctx;
+  td_status st = td_future_status(f);
+  if (st == TD_OK) {
+    td_value *v = td_future_value(f);
+    reply(r, TD__MSG_RESPONSE, v ? td_value_ref(v) : td_value_none(), TD_OK, NULL);
+  } else {
+    reply_error(r, true, st, "'%s' failed: %s", r->msg.fn, td_future_message(f));
+  }
+  td_future_unref(f);
+}
+
+static void run_request(void *arg) {
+  request *r = arg;
+  td_rpc_agent *a = r->a;
+  td__reg reg;
+  if (!td__reg_find(r->msg.fn, &reg)) {
+    reply_error(r, false, TD_ERR_NOT_FOUND, "no function '%s' is registered here (called by %s (rank %d))",
+                r->msg.fn, r->caller, r->msg.from_rank);
+    return;
+  }
+  const td__rpc_middleware *mw = r->msg.ctx_id ? td__mw_get() : NULL;
+  td__mw_scope scope = {0};
+  if (mw) {
+    td_status ms = mw->on_recv(a, r->msg.from_rank, &r->msg);
+    if (ms != TD_OK) {
+      reply_error(r, false, ms, "'%s': %s", r->msg.fn, td_last_error());
+      return;
+    }
+    mw->enter(a, &r->msg, &scope);
+  }
+  td_rpc_ctx ctx = {a, r->msg.from_rank, r->caller, reg.user_data, r->msg.fn, r->msg.ctx_id};
+  td_value *result = NULL;
+  td_future *fut = NULL;
+  td_clear_error();
+  td_status st = reg.fn(&ctx, r->msg.values, r->msg.nvalues, &result, &fut);
+  if (mw) mw->leave(&scope);
+  if (st != TD_OK) {
+    td_value_unref(result);
+    td_future_unref(fut);
+    const char *why = td_last_error();
+    reply_error(r, true, st, "'%s' failed: %s", r->msg.fn, *why ? why : td_status_str(st));
+    return;
+  }
+  if (fut) {
+    td_value_unref(result);
+    if (td_future_on_done(fut, async_done, r) != TD_OK) {
+      td_future_unref(fut);
+      reply_error(r, true, TD_ERR_INTERNAL, "'%s': cannot wait for its future", r->msg.fn);
+    }
+    return;
+  }
+  reply(r, TD__MSG_RESPONSE, result ? result : td_value_none(), TD_OK, NULL);
+}
+
+
+void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *const *args,
+                     int nargs, int64_t timeout_ms, uint64_t ctx_id) {
+  request *r = td__calloc(1, sizeof *r);
+  char *fncopy = td__strdup(fn);
+  td_value **vals = td__calloc((size_t)(nargs ? nargs : 1), sizeof *vals);
+  if (!r || !fncopy || !vals) {
+    td__free(r);
+    td__free(fncopy);
+    td__free(vals);
+    td__call_deliver(a, NULL, id, TD__MSG_ERROR, NULL, TD_ERR_NOMEM, "rpc: out of memory");
+    return;
+  }
+  for (int i = 0; i < nargs; i++) vals[i] = td_value_ref(args[i]);
+  r->a = a;
+  r->msg = (td__msg){.id = id, .kind = TD__MSG_REQUEST, .fn = fncopy, .from_rank = a->rank,
+                     .values = vals, .nvalues = nargs, .timeout_ms = timeout_ms,
+                     .ctx_id = ctx_id};
+  snprintf(r->caller, sizeof r->caller, "%s", a->name);
+  __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
+  TD__COUNT(a, requests_received);
+  if (td__threadpool_submit(a->pool, run_request, r) != TD_OK)
+    reply_error(r, false, TD_ERR_STATE, "the agent is shutting down");
+}
+
+static bool run_inline(const td__reg *reg, const td__msg *m) {
+  if (reg->flags & TD_RPC_INLINE) return true;
+  const char *target;
+  td__reg treg;
+  return (reg->flags & TD__RPC_INLINE_LIKE_ARG1) && m->nvalues >= 2 &&
+         td_value_as_string(m->values[1], &target, NULL) == TD_OK && td__reg_find(target, &treg) &&
+         (treg.flags & TD_RPC_INLINE);
+}
+
+void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
+  td_rpc_agent *a = ud;
+  /* the sender is the rank the stream's handshake proved, whatever the frame claims; requests
+   * come only on streams peers opened to us, replies only on streams we opened */
+  int from = td__conn_peer(c);
+  bool is_request = m->kind == TD__MSG_REQUEST;
+  if (from < 0 || from >= a->world || is_request == td__conn_is_client(c)) {
+    td_log(TD_LOG_WARN, "rpc: %s: dropping a %s from rank %d on a %s stream", a->name,
+           is_request ? "request" : "reply", from, td__conn_is_client(c) ? "client" : "server");
+    td__msg_clear(m);
+    return;
+  }
+  m->from_rank = from;
+  if (is_request) {
+    request *r = td__calloc(1, sizeof *r);
+    if (!r) {
+      td__msg_clear(m);
+      return;
+    }
+    r->a = a;
+    r->conn = td__conn_ref(c);
+    r->msg = *m;
+    memset(m, 0, sizeof *m);
+    snprintf(r->caller, sizeof r->caller, "%s", td__agent_peer_name(a, from));
+    __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
+    TD__COUNT(a, requests_received);
+    td__reg reg;
+    if (td__reg_find(r->msg.fn, &reg) && run_inline(&reg, &r->msg)) {
+      td__rpc_inline_thread = true;
+      run_request(r);
+      td__rpc_inline_thread = false;
+      return;
+    }
+    if (td__threadpool_submit(a->pool, run_request, r) != TD_OK)
+      reply_error(r, false, TD_ERR_STATE, "the agent is shutting down");
+    return;
+  }
+  td_value *v = NULL;
+  const td__rpc_middleware *mw = m->ctx_id ? td__mw_get() : NULL;
+  if (mw && m->kind == TD__MSG_RESPONSE && mw->on_recv(a, td__conn_peer(c), m) != TD_OK) {
+    char why[800];
+    snprintf(why, sizeof why, "rpc: reply from %s (rank %d) rejected: %s",
+             td__agent_peer_name(a, td__conn_peer(c)), td__conn_peer(c), td_last_error());
+    td__call_deliver(a, c, m->id, TD__MSG_ERROR, NULL, TD_ERR_FORMAT, why);
+    td__msg_clear(m);
+    return;
+  }
+  if (m->kind == TD__MSG_RESPONSE && m->nvalues == 1) {
+    v = m->values[0];
+    m->values[0] = NULL;
+  }
+  td__call_deliver(a, c, m->id, m->kind, v, m->status ? m->status : TD_ERR_REMOTE, m->message);
+  td__msg_clear(m);
+}
+
+void td__serve_bad(void *ud, td__conn *c, uint64_t id, td_status st, const char *why) {
+  td_rpc_agent *a = ud;
+  char msg[700];
+  if (td__conn_is_client(c)) {
+    /* a reply we cannot decode, or whose tensors cannot be placed where the map says */
+    snprintf(msg, sizeof msg, "rpc: %s reply from %s (rank %d): %s",
+             st == TD_ERR_DEVICE ? "cannot accept the" : "malformed",
+             td__agent_peer_name(a, td__conn_peer(c)), td__conn_peer(c), why);
+    td__call_deliver(a, c, id, TD__MSG_ERROR, NULL, st, msg);
+    return;
+  }
+  TD__COUNT(a, requests_rejected);
+  td_log(TD_LOG_WARN, "rpc: %s: rejected a request (id %llu): %s", a->name,
+         (unsigned long long)id, why);
+  snprintf(msg, sizeof msg, "%s (rank %d): request rejected: %s", a->name, a->rank, why);
+  td__msg em = {.id = id, .kind = TD__MSG_ERROR, .from_rank = a->rank, .status = st,
+                .message = msg};
+  /* answered: the caller counted it as sent, so the shutdown barrier must see it served */
+  if (send_frame_or_log(a, c, &em) == TD_OK)
+    __atomic_add_fetch(&a->served_total, 1, __ATOMIC_ACQ_REL);
+}
+
+void td__serve_closed(void *ud, td__conn *c, td_status st, const char *why) {
+  td_rpc_agent *a = ud;
+  /* shutdown accounting: the other end takes this stream's frames back out as well (or is gone) */
+  int64_t frames = (int64_t)td__conn_frames_sent(c);
+  if (!td__conn_is_client(c)) {
+    __atomic_sub_fetch(&a->served_total, frames, __ATOMIC_ACQ_REL);
+    return;
+  }
+  __atomic_sub_fetch(&a->sent_total, frames, __ATOMIC_ACQ_REL);
+  td__call_stream_closed(a, c, st, why);
+}
+
+void td__serve_tick(void *ud) { td__call_expire(ud); }
+
+/* A store operation whose sender the auth layer verified. */
+static td_status store_body(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
+                            size_t *reply_len) {
+  return td__store_handle(ctx, req, len, reply, reply_len);
+}
+
+td_status td__serve_unary(void *ud, const char *method, const uint8_t *req, size_t len,
+                          uint8_t **reply_buf, size_t *reply_len) {
+  td_rpc_agent *a = ud;
+  if (strcmp(method, TD__STORE_METHOD) == 0 && a->store)
+    return td__auth_store_serve(a->sessions, req, len, store_body, a->store, reply_buf,
+                                reply_len);
+  return td_set_error(TD_ERR_NOT_FOUND, "no method %s on %s", method, a->name);
+}

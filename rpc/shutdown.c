@@ -1,0 +1,206 @@
+/* shutdown.c - the graceful shutdown barrier (PyTorch semantics), td_rpc_shutdown and
+ * td_rpc_destroy.
+ *
+ * Every worker announces arrival in the store (sd/arrived/<r>), then keeps publishing
+ * "idle:sent:served" (sd/status/<r>); rank 0 declares the group done (sd/go) once every worker has
+ * arrived, all are idle, the totals balance, and two consecutive snapshots agree (so
+ * fire-and-forget chains finish). The totals count frames the transport accepted (plus calls to
+ * self); when a stream closes, the frames that went out on it are taken back out (serve.c), so a
+ * request lost with a dead stream cannot unbalance the totals forever. After its deadline a
+ * worker fails everything outstanding and reports the workers that never arrived.
+ *
+ * Lock order: a->mu only (briefly, to mark the agent shut).
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "agent_state.h"
+
+static void sleep_ms(int64_t ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
+/* ---- the graceful barrier ----
+ * Each worker loops through: publish (its idle flag and totals), then go? (sd/go set: done).
+ * Rank 0 adds a third step, judge: it reads every status; the group is done when all are idle,
+ * sent == served, and this snapshot equals the previous one; then it sets sd/go. Between rounds
+ * a worker sleeps with backoff (1 ms doubling to 20 ms) until the deadline. */
+
+typedef struct judge {
+  int64_t *prev, *cur; /* [world][sent, served] of the last two snapshots */
+  bool have_prev;
+} judge;
+
+static td_status barrier_publish(td_rpc_agent *a) {
+  char key[64], val[128];
+  bool idle = __atomic_load_n(&a->pending_out, __ATOMIC_ACQUIRE) == 0 &&
+              __atomic_load_n(&a->active_in, __ATOMIC_ACQUIRE) == 0;
+  int n = snprintf(val, sizeof val, "%d:%lld:%lld", idle ? 1 : 0,
+                   (long long)__atomic_load_n(&a->sent_total, __ATOMIC_ACQUIRE),
+                   (long long)__atomic_load_n(&a->served_total, __ATOMIC_ACQUIRE));
+  snprintf(key, sizeof key, "sd/status/%d", a->rank);
+  return td__store_set(&a->sc, key, val, (size_t)n);
+}
+
+/* Rank 0: *done when the group may stop (sd/go is then set); *settled when every worker has
+ * published and is idle (the backoff restarts). */
+static td_status barrier_judge(td_rpc_agent *a, judge *j, bool *done, bool *settled) {
+  bool all = true, found;
+  int64_t sent = 0, served = 0;
+  for (int r = 0; r < a->world && all; r++) {
+    char key[64];
+    uint8_t *v = NULL;
+    snprintf(key, sizeof key, "sd/status/%d", r);
+    TD_TRY(td__store_get(&a->sc, key, &v, NULL, &found));
+    if (!found) {
+      all = false;
+      break;
+    }
+    int i = 0;
+    long long s = 0, d = 0;
+    sscanf((char *)v, "%d:%lld:%lld", &i, &s, &d);
+    td__free(v);
+    all = i == 1;
+    j->cur[2 * r] = s;
+    j->cur[2 * r + 1] = d;
+    sent += s;
+    served += d;
+  }
+  size_t bytes = (size_t)a->world * 2 * sizeof(int64_t);
+  *done = all && sent == served && j->have_prev && memcmp(j->prev, j->cur, bytes) == 0;
+  *settled = all;
+  if (*done) return td__store_set(&a->sc, "sd/go", "1", 1);
+  if (all) memcpy(j->prev, j->cur, bytes);
+  j->have_prev = all;
+  return TD_OK;
+}
+
+/* After a timeout: names the workers that never arrived (rank 0 keeps the store up briefly until
+ * the others have read the same). */
+static td_status barrier_timed_out(td_rpc_agent *a) {
+  char missing[900] = "";
+  size_t used = 0;
+  int arrived = 0;
+  for (int r = 0; r < a->world; r++) {
+    char key[64];
+    bool found = true;
+    snprintf(key, sizeof key, "sd/arrived/%d", r);
+    if (td__store_get(&a->sc, key, NULL, NULL, &found) != TD_OK) continue; /* store gone */
+    arrived += found;
+    if (!found && used < sizeof missing - 1)
+      used += (size_t)snprintf(missing + used, sizeof missing - used, "%s%s (rank %d)",
+                               used ? ", " : "", td__agent_peer_name(a, r), r);
+  }
+  td__store_add(&a->sc, "sd/timedout", 1, NULL);
+  if (a->rank == 0)
+    td__store_wait_ge(&a->sc, "sd/timedout", arrived, td__now_ns() + 1000000000ull, NULL);
+  return td_set_error(TD_ERR_TIMEOUT, "rpc shutdown: graceful shutdown timed out; %s%s",
+                      used ? "workers that never called shutdown: "
+                           : "every worker arrived but work was still outstanding",
+                      missing);
+}
+
+/* The graceful barrier. Returns TD_OK, or TD_ERR_TIMEOUT with the missing workers named. */
+static td_status barrier(td_rpc_agent *a, uint64_t deadline) {
+  char key[64];
+  snprintf(key, sizeof key, "sd/arrived/%d", a->rank);
+  TD_TRY(td__store_set(&a->sc, key, "1", 1));
+  judge j = {0};
+  if (a->rank == 0) {
+    j.prev = td__calloc((size_t)a->world * 2, sizeof(int64_t));
+    j.cur = td__calloc((size_t)a->world * 2, sizeof(int64_t));
+    if (!j.prev || !j.cur) {
+      td__free(j.prev);
+      td__free(j.cur);
+      return td_set_error(TD_ERR_NOMEM, "rpc shutdown: out of memory");
+    }
+  }
+  int64_t backoff = 1;
+  td_status st;
+  for (;;) {
+    bool go = false, done = false, settled = false;
+    if ((st = barrier_publish(a)) != TD_OK) break;
+    if ((st = td__store_get(&a->sc, "sd/go", NULL, NULL, &go)) != TD_OK || go) break;
+    if (a->rank == 0) {
+      if ((st = barrier_judge(a, &j, &done, &settled)) != TD_OK || done) break;
+      if (settled) backoff = 1;
+    }
+    if (td__now_ns() >= deadline) {
+      st = TD_ERR_TIMEOUT;
+      break;
+    }
+    sleep_ms(backoff);
+    backoff = backoff * 2 > 20 ? 20 : backoff * 2;
+  }
+  td__free(j.prev);
+  td__free(j.cur);
+  if (st == TD_ERR_TIMEOUT) return barrier_timed_out(a);
+  if (st != TD_OK) {
+    char msg[600];
+    snprintf(msg, sizeof msg, "%s", td_last_error());
+    return td_set_error(st, "rpc shutdown: lost the rendezvous store: %s", msg);
+  }
+  return TD_OK;
+}
+
+td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms) {
+  TD_CHECK_ARG(a, "rpc_shutdown: NULL agent");
+  pthread_mutex_lock(&a->mu);
+  bool already = a->shut;
+  a->shut = true;
+  pthread_mutex_unlock(&a->mu);
+  if (already) return TD_OK;
+  if (timeout_ms < 0) timeout_ms = 60000;
+  uint64_t deadline = td__now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  td_status st = TD_OK;
+  char msg[1024] = "";
+  if (graceful) {
+    st = barrier(a, deadline);
+    if (st != TD_OK) snprintf(msg, sizeof msg, "%s", td_last_error());
+  }
+  td__agent_hooks hs[TD__MAX_AGENT_HOOKS];
+  int nh = td__agent_hooks_get(hs);
+  td_status hook_st = TD_OK;
+  char hook_msg[1024] = "";
+  for (int i = 0; i < nh; i++) {
+    if (!hs[i].on_shutdown) continue;
+    td_status s = hs[i].on_shutdown(a, graceful && st == TD_OK);
+    if (s != TD_OK && hook_st == TD_OK) {
+      hook_st = s;
+      snprintf(hook_msg, sizeof hook_msg, "%s", td_last_error());
+    }
+  }
+  __atomic_store_n(&a->closing, true, __ATOMIC_RELEASE);
+  td__call_fail_all(a, TD_ERR_CANCELLED, graceful && st == TD_OK
+                                    ? "rpc: the agent shut down"
+                                    : "rpc: the agent shut down before the call finished");
+  if (graceful && st == TD_OK) {
+    /* rank 0 serves the store: keep it up until everybody has seen "go" */
+    td__store_add(&a->sc, "sd/exited", 1, NULL);
+    if (a->rank == 0) {
+      uint64_t dl = td__now_ns() + 5000000000ull;
+      if (dl > deadline + 5000000000ull) dl = deadline + 5000000000ull;
+      td__store_wait_ge(&a->sc, "sd/exited", a->world, dl, NULL);
+    }
+  }
+  td__transport_shutdown(a->tr);
+  td__threadpool_shutdown(a->pool);
+  td__call_fail_all(a, TD_ERR_CANCELLED, "rpc: the agent shut down");
+  if (st != TD_OK) return td_set_error(st, "%s", msg);
+  if (hook_st != TD_OK) return td_set_error(hook_st, "%s", hook_msg);
+  return TD_OK;
+}
+
+void td_rpc_destroy(td_rpc_agent *a) {
+  if (!a) return;
+  td_rpc_shutdown(a, false, 0);
+  td__threadpool_destroy(a->pool);
+  a->pool = NULL;
+  td__transport_destroy(a->tr);
+  a->tr = NULL;
+  td__agent_free(a);
+}

@@ -1,0 +1,136 @@
+/* target_worker.c - a worker of a small group that test_outsider.py attacks.
+ *
+ *   target_worker RUN_DIR
+ * Joins the group from the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, the job
+ * secret in TD_RPC_SECRET), writes RUN_DIR/<rank>.addr ("host:port pid") once init returned, and
+ * serves until RUN_DIR/stop exists. Meanwhile rank 0 calls rank 1's "echo" every 50 ms and keeps
+ * the slowest round trip; every rank counts calls of "secret_fn", which only an intruder would
+ * make. At the end each rank writes RUN_DIR/<rank>.json: {"secret_fn_calls", "echo_calls",
+ * "echo_failures", "echo_max_ms", "refused", "rss_kb"} and shuts down gracefully; exit status 0
+ * when that succeeded.
+ */
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "tdist/tdist.h"
+
+static atomic_long secret_calls;
+
+static td_status echo(td_rpc_ctx *ctx, td_value *const *args, int n, td_value **result,
+                      td_future **async_result) {
+  (void)ctx;
+  (void)async_result;
+  *result = n > 0 ? td_value_ref(args[0]) : td_value_none();
+  return TD_OK;
+}
+
+static td_status secret_fn(td_rpc_ctx *ctx, td_value *const *args, int n, td_value **result,
+                           td_future **async_result) {
+  (void)ctx;
+  (void)args;
+  (void)n;
+  (void)async_result;
+  atomic_fetch_add(&secret_calls, 1);
+  *result = td_value_string("the secret");
+  return TD_OK;
+}
+
+/* Answers the caller's rank as this worker knows it (the stream's authenticated rank). */
+static td_status whoami(td_rpc_ctx *ctx, td_value *const *args, int n, td_value **result,
+                        td_future **async_result) {
+  (void)args;
+  (void)n;
+  (void)async_result;
+  *result = td_value_int(td_rpc_ctx_caller_rank(ctx));
+  return TD_OK;
+}
+
+static double now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static long rss_kb(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  if (!f) return -1;
+  char line[256];
+  long kb = -1;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "VmRSS: %ld kB", &kb) == 1) break;
+  fclose(f);
+  return kb;
+}
+
+int main(int argc, char **argv) {
+  if (argc != 2) {
+    fprintf(stderr, "usage: target_worker RUN_DIR\n");
+    return 2;
+  }
+  const char *dir = argv[1];
+  if (td_rpc_register("echo", echo, NULL) != TD_OK ||
+      td_rpc_register("whoami", whoami, NULL) != TD_OK ||
+      td_rpc_register("secret_fn", secret_fn, NULL) != TD_OK)
+    return 1;
+  td_rpc_options o;
+  td_rpc_options_init(&o);
+  o.init_timeout_ms = 60000;
+  o.rpc_timeout_ms = 30000;
+  td_rpc_agent *a;
+  if (td_rpc_init_from_env(NULL, &o, &a) != TD_OK) {
+    fprintf(stderr, "target_worker: init: %s\n", td_last_error());
+    return 1;
+  }
+  int rank = td_rpc_rank(a);
+  td_worker_info me;
+  td_rpc_self(a, &me);
+  char path[512], tmp[520];
+  snprintf(path, sizeof path, "%s/%d.addr", dir, rank);
+  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  FILE *f = fopen(tmp, "w");
+  if (!f) return 1;
+  fprintf(f, "%s %d\n", me.address, (int)getpid());
+  fclose(f);
+  rename(tmp, path);
+
+  snprintf(path, sizeof path, "%s/stop", dir);
+  long calls = 0, failures = 0;
+  double worst = 0;
+  while (access(path, F_OK) != 0) {
+    if (rank == 0) {
+      td_value *x = td_value_int(calls), *r = NULL;
+      double t0 = now_ms();
+      if (td_rpc_sync(a, "worker1", "echo", &x, 1, NULL, &r) != TD_OK) {
+        fprintf(stderr, "target_worker: echo failed: %s\n", td_last_error());
+        failures++;
+      }
+      double dt = now_ms() - t0;
+      if (dt > worst) worst = dt;
+      calls++;
+      td_value_unref(r);
+      td_value_unref(x);
+    }
+    usleep(50000);
+  }
+  td_rpc_stats st;
+  td_rpc_get_stats(a, &st);
+  snprintf(path, sizeof path, "%s/%d.json", dir, rank);
+  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  f = fopen(tmp, "w");
+  if (!f) return 1;
+  fprintf(f,
+          "{\"secret_fn_calls\": %ld, \"echo_calls\": %ld, \"echo_failures\": %ld, "
+          "\"echo_max_ms\": %.1f, \"refused\": %llu, \"rss_kb\": %ld}\n",
+          atomic_load(&secret_calls), calls, failures, worst,
+          (unsigned long long)st.refused_connections, rss_kb());
+  fclose(f);
+  rename(tmp, path);
+  td_status s = td_rpc_shutdown(a, true, 30000);
+  if (s != TD_OK) fprintf(stderr, "target_worker: shutdown: %s\n", td_last_error());
+  td_rpc_destroy(a);
+  return s == TD_OK ? 0 : 1;
+}
