@@ -166,15 +166,6 @@ static td_module *make_head(uint64_t seed) {
   return seq;
 }
 
-/* to_dev moves t to dev (recording the copy for autograd), replacing *t. */
-static void to_dev(td_tensor **t, td_device dev) {
-  if (td_device_equal(td_tensor_device(*t), dev)) return;
-  td_tensor *m = NULL;
-  EX_CHECK(td_tensor_to(*t, dev, &m));
-  td_tensor_unref(*t);
-  *t = m;
-}
-
 /* The model of a trainer: first (remote) + head (local, on dev), for psx_accuracy. */
 typedef struct split_model {
   td_remote_module *first;
@@ -186,7 +177,7 @@ static td_status split_forward(void *ctx, td_tensor *x, td_tensor **logits) {
   split_model *m = ctx;
   td_tensor *h = NULL;
   td_status st = td_remote_module_forward(m->first, x, &h);
-  if (st == TD_OK) to_dev(&h, m->dev);
+  if (st == TD_OK) psx_to_device(&h, m->dev);
   if (st == TD_OK) st = td_module_forward(m->head, h, logits);
   td_tensor_unref(h);
   return st;
@@ -216,7 +207,7 @@ static bool replicas_differ(td_process_group *pg, const td_tensor_list *params, 
   int64_t shape[1] = {2};
   td_tensor *t = NULL;
   EX_CHECK(td_tensor_from_buffer(v, shape, 1, TD_DTYPE_F64, &t));
-  to_dev(&t, dev);
+  psx_to_device(&t, dev);
   EX_CHECK(td_process_group_all_reduce(pg, t, TD_REDUCE_MAX));
   EX_CHECK(td_tensor_copy_to_buffer(t, r, sizeof r));
   bool differ = r[0] != -r[1];
@@ -232,8 +223,8 @@ static double train_step(td_rpc_agent *agent, td_remote_module *first, td_module
   EX_CHECK(td_dist_autograd_context_begin(agent, &ctx));
   td_tensor *h = NULL, *logits = NULL, *loss = NULL, *yd = td_tensor_ref(y);
   EX_CHECK(td_remote_module_forward(first, x, &h));
-  to_dev(&h, dev); /* its backward brings the gradient back to the CPU, for the server */
-  to_dev(&yd, dev);
+  psx_to_device(&h, dev); /* its backward brings the gradient back to the CPU, for the server */
+  psx_to_device(&yd, dev);
   EX_CHECK(td_module_forward(head, h, &logits));
   EX_CHECK(td_tensor_cross_entropy(logits, yd, TD_REDUCTION_MEAN, -100, &loss));
   EX_CHECK(td_dist_autograd_backward(ctx, &loss, 1, false));

@@ -32,15 +32,6 @@
 #include "tdist/optim.h"
 #include "tdist/tensor.h"
 
-/* to_device moves a batch tensor to dev, replacing *t. */
-static void to_device(td_tensor **t, td_device dev) {
-  if (td_device_equal(td_tensor_device(*t), dev)) return;
-  td_tensor *moved = NULL;
-  EX_CHECK(td_tensor_to(*t, dev, &moved));
-  td_tensor_unref(*t);
-  *t = moved;
-}
-
 /* One training run: its parts and what it measured. */
 typedef struct run {
   const ex_args *a;
@@ -75,8 +66,8 @@ static void train_epoch(run *r, int epoch) {
     td_tensor *x = NULL, *y = NULL, *logits = NULL, *loss = NULL;
     EX_CHECK(td_mnist_loader_next(r->loader, &x, &y));
     if (!x) break;
-    to_device(&x, r->dev);
-    to_device(&y, r->dev);
+    psx_to_device(&x, r->dev);
+    psx_to_device(&y, r->dev);
     td_optim_zero_grad(r->opt);
     EX_CHECK(td_module_forward(r->model, x, &logits));
     EX_CHECK(td_tensor_cross_entropy(logits, y, TD_REDUCTION_MEAN, -100, &loss));

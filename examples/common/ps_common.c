@@ -127,6 +127,14 @@ double psx_accuracy(const td_mnist *ds, bool flatten, int64_t batch, psx_forward
   return total ? (double)correct / (double)total : 0.0;
 }
 
+void psx_to_device(td_tensor **t, td_device dev) {
+  if (td_device_equal(td_tensor_device(*t), dev)) return;
+  td_tensor *moved = NULL;
+  EX_CHECK(td_tensor_to(*t, dev, &moved));
+  td_tensor_unref(*t);
+  *t = moved;
+}
+
 /* A module on a device (that of its parameters), for psx_accuracy. */
 typedef struct on_device {
   td_module *model;
@@ -135,10 +143,9 @@ typedef struct on_device {
 
 static td_status forward_on_device(void *ctx, td_tensor *x, td_tensor **logits) {
   on_device *o = ctx;
-  td_tensor *xd = NULL;
-  td_status st = td_device_equal(td_tensor_device(x), o->dev) ? TD_OK
-                                                                : td_tensor_to(x, o->dev, &xd);
-  if (st == TD_OK) st = td_module_forward(o->model, xd ? xd : x, logits);
+  td_tensor *xd = td_tensor_ref(x);
+  psx_to_device(&xd, o->dev);
+  td_status st = td_module_forward(o->model, xd, logits);
   td_tensor_unref(xd);
   return st;
 }

@@ -27,6 +27,10 @@
 /* psx_append appends child to the Sequential seq and drops the caller's reference to it. */
 void psx_append(td_module *seq, td_module *child);
 
+/* psx_to_device moves *t to dev (a copy recorded for autograd), replacing *t; nothing when it is
+ * there already. */
+void psx_to_device(td_tensor **t, td_device dev);
+
 /* psx_make_model returns a new module: "mlp" Linear(784, 256), ReLU, Linear(256, 10); "cnn" the
  * two-convolution network of train_local; parameters drawn from a generator seeded with seed.
  * Dies on an unknown name. */
