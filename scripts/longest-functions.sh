@@ -1,7 +1,7 @@
 #!/bin/sh
 # longest-functions.sh [N] [PATH...]: the N (default 15) longest C function definitions in the
-# git-tracked *.c files under PATH (default: the whole repository), longest first, as
-# "LINES FILE:FIRST-LAST NAME".
+# git-tracked *.c files under PATH (default: the whole repository of the current directory, else
+# the one holding this script), longest first, as "LINES FILE:FIRST-LAST NAME".
 #
 # A definition starts on a line at column 0 that begins with an identifier and has a '(' (the
 # name is the identifier before the first '('), and ends at the next line that is exactly '}'.
@@ -10,7 +10,7 @@
 set -eu
 n=15
 case "${1:-}" in [0-9]*) n=$1; shift ;; esac
-cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
+cd "$(git rev-parse --show-toplevel 2>/dev/null || git -C "$(dirname "$0")" rev-parse --show-toplevel)"
 git ls-files -z -- "${@:-.}" | tr '\0' '\n' | grep '\.c$' | while IFS= read -r f; do
   awk -v file="$f" '
     /^[A-Za-z_]/ && /\(/ && !/;[ \t]*$/ && !/^(typedef|struct [A-Za-z_]+ *\{|enum|union)/ {
