@@ -12,7 +12,7 @@
  * torch.distributed.autograd and DistributedOptimizer.
  *
  * usage: dist_autograd_mlp [--steps N] [--warmup N] [--threads N] [--batch N]
- * Prints one JSON line (shared/BENCH.md): results.steps_per_s (and ms_per_step, final_loss).
+ * Prints one JSON line (docs/BENCH.md): results.steps_per_s (and ms_per_step, final_loss).
  */
 #include <math.h>
 

@@ -8,7 +8,7 @@
  * same run. GB = 1e9 bytes. Both workers run on 127.0.0.1. Peer: bench/peers/torch/rpc_bandwidth.py;
  * compare with bench/compare.sh rpc_bandwidth.
  *
- * Output (shared/BENCH.md): one JSON line
+ * Output (docs/BENCH.md): one JSON line
  *   {"bench": "rpc_bandwidth", "config": {...},
  *    "results": {"echo": [{"bytes": N, "GBps_both_dirs": x, ...}, ...], "memcpy_GBps": y}}
  * Options: --threads N (agent worker threads, 16), --reps-scale X (multiplies every size's

@@ -5,7 +5,7 @@
  * own. Both workers run on 127.0.0.1. Peer: bench/peers/torch/rpc_latency.py; compare with
  * bench/compare.sh rpc_latency.
  *
- * Output (shared/BENCH.md): one JSON line
+ * Output (docs/BENCH.md): one JSON line
  *   {"bench": "rpc_latency", "config": {...},
  *    "results": {"p50_us", "p90_us", "p99_us", "calls_per_s", ...}}
  * Options: --calls N (5000), --warmup N (500), --threads N (agent worker threads, 16),

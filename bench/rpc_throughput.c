@@ -7,12 +7,14 @@
  * 127.0.0.1. Peer: bench/peers/torch/rpc_throughput.py; compare with
  * bench/compare.sh rpc_throughput.
  *
- * Output (shared/BENCH.md): one JSON line
+ * Output (docs/BENCH.md): one JSON line
  *   {"bench": "rpc_throughput", "config": {...}, "results": {"calls_per_s", ...}}
  * Options: --calls N (20000), --warmup N (2000), --inflight N (64), --threads N (agent worker
  * threads, 16), --security compare|secret|insecure|tls (compare: the default group (secret) gives
  * calls_per_s, and the same rounds run without authentication and with TLS too, alternating,
  * under results.security with their ratios to the insecure run).
+ *
+ * Lock order: a round's mu is a leaf (reply callbacks take it only to record the end or an error).
  */
 #include <pthread.h>
 

@@ -11,7 +11,7 @@
  * runs them on its network thread; --pool-handler registers them without the flag (thread pool).
  *
  * usage: rref_ops [--iters N] [--warmup N] [--threads N] [--pool-handler]
- * Prints one JSON line (shared/BENCH.md): results.remote_to_here.ops_per_s,
+ * Prints one JSON line (docs/BENCH.md): results.remote_to_here.ops_per_s,
  * results.proxy_rpc_sync.ops_per_s (and us_per_op for both).
  */
 #include "rpc_bench_util.h"

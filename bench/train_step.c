@@ -5,7 +5,7 @@
  * only the step is measured. Warm-up steps first, then timed steps. Peer:
  * bench/peers/torch/train_step.py; compare with bench/compare.sh train_step.
  *
- * Output (shared/BENCH.md): one JSON line
+ * Output (docs/BENCH.md): one JSON line
  *   {"bench": "train_step", "config": {...}, "results": {"steps_per_s": x, "peak_rss_mb": y, ...}}
  * Options: --batch-size N (64), --hidden N (256), --warmup N (200), --steps N (2000),
  * --lr X (0.01), --seed N (0), --threads N (BLAS threads; default: leave OPENBLAS_NUM_THREADS).

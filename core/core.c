@@ -1,5 +1,6 @@
-/* core.c - allocation wrappers, panic and clocks. */
+/* core.c - allocation wrappers, panic, clocks and the library's version. */
 #include "core.h"
+#include "tdist/version.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -35,3 +36,6 @@ uint64_t td__now_ns(void) {
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
+
+unsigned td_version(void) { return TD_VERSION_HEX; }
+const char *td_version_string(void) { return TD_VERSION_STRING; }

@@ -37,6 +37,12 @@ TD_NORETURN void td__panic(const char *file, int line, const char *fmt, ...) TD_
     if (td__s_ != TD_OK) return td__s_;     \
   } while (0)
 
+/* td__error_prefix puts "<fmt...>: " in front of this thread's current error message (the
+ * message alone when there is none) and returns s, so a caller adds its context to a callee's
+ * failure in one line: `return td__error_prefix(st, "rref: cannot fork %s", name);`. The
+ * arguments may point into td_last_error(). */
+td_status td__error_prefix(td_status s, const char *fmt, ...) TD_PRINTF(2, 3);
+
 /* Allocation helpers: NULL on failure (callers turn it into TD_ERR_NOMEM). */
 void *td__malloc(size_t n);
 void *td__calloc(size_t count, size_t size);

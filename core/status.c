@@ -3,8 +3,10 @@
  * The error text lives in a fixed thread-local buffer (no allocation, so it can be set on the
  * out-of-memory path). Logging takes one process-wide mutex per line so lines from different
  * threads never interleave.
+ *
+ * Lock order: log_mu is a leaf (held only around one fprintf).
  */
-#include "tdist/status.h"
+#include "core.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -48,6 +50,26 @@ td_status td_set_error(td_status s, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(errbuf, sizeof errbuf, fmt, ap);
   va_end(ap);
+  td_log(TD_LOG_DEBUG, "%s: %s", td_status_name(s), errbuf);
+  return s;
+}
+
+td_status td__error_prefix(td_status s, const char *fmt, ...) {
+  /* The arguments may point into errbuf (td_last_error()): format them before touching it. */
+  char prefix[ERRBUF_SIZE], old[ERRBUF_SIZE];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(prefix, sizeof prefix, fmt, ap);
+  va_end(ap);
+  memcpy(old, errbuf, sizeof old);
+  size_t n = strlen(prefix);
+  memcpy(errbuf, prefix, n + 1);
+  if (old[0] && n + 2 < sizeof errbuf) { /* truncated at the end, like vsnprintf */
+    memcpy(errbuf + n, ": ", 2);
+    size_t m = strnlen(old, sizeof errbuf - n - 3);
+    memcpy(errbuf + n + 2, old, m);
+    errbuf[n + 2 + m] = '\0';
+  }
   td_log(TD_LOG_DEBUG, "%s: %s", td_status_name(s), errbuf);
   return s;
 }

@@ -22,6 +22,9 @@
  *
  * Errors: a failing node fails its pass; the error travels back through the replies, each hop
  * prefixed by the agent with the worker's name and rank, so the root's message names them all.
+ *
+ * Lock order: a join's mu and a context's mu are leaves here (never held together, never across
+ * a call into the agent, the engine or a future).
  */
 #include <stdio.h>
 #include <stdlib.h>

@@ -80,12 +80,12 @@ static void ctx_free(td_dist_autograd_context *c) {
 }
 
 td_dist_autograd_context *td_dist_autograd_context_ref(td_dist_autograd_context *c) {
-  if (c) __atomic_add_fetch(&c->refs, 1, __ATOMIC_RELAXED);
+  if (c) td__ref_inc(&c->rc);
   return c;
 }
 
 void td_dist_autograd_context_unref(td_dist_autograd_context *c) {
-  if (c && __atomic_sub_fetch(&c->refs, 1, __ATOMIC_ACQ_REL) == 0) ctx_free(c);
+  if (c && td__ref_dec(&c->rc)) ctx_free(c);
 }
 
 static td_dist_autograd_context *ctx_new(da_state *s, uint64_t id) {
@@ -98,7 +98,7 @@ static td_dist_autograd_context *ctx_new(da_state *s, uint64_t id) {
     return NULL;
   }
   pthread_mutex_init(&c->mu, NULL);
-  c->refs = 1;
+  td__ref_init(&c->rc);
   c->id = id;
   c->st = s;
   return c;
@@ -538,13 +538,11 @@ static void layer_init_once(void) {
   td__agent_add_hooks(&h);
 }
 
-/* td__dist_autograd_layer_init registers this layer with the agent (value types, internal functions,
- * hooks). It runs when the library loads and again from td_rpc_init (runtime/init.c), so a
- * program linked against the static library gets the layer even when it references none of its
- * symbols. Idempotent. */
+/* td__dist_autograd_layer_init registers this layer with the agent; td_rpc_init calls it (runtime/init.c)
+ * before it starts the agent, the only registration path (no load-time constructor: static
+ * programs need no dummy reference, and a dlopen()ed library registers nothing behind the
+ * caller's back). Idempotent. */
 void td__dist_autograd_layer_init(void) {
   static pthread_once_t once = PTHREAD_ONCE_INIT;
   pthread_once(&once, layer_init_once);
 }
-
-__attribute__((constructor)) static void layer_init_at_load(void) { td__dist_autograd_layer_init(); }

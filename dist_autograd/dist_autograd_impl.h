@@ -13,6 +13,7 @@
 #include <pthread.h>
 
 #include "../core/core.h"
+#include "../core/refcount.h"
 #include "../rpc/agent_impl.h"
 #include "../rpc/value_impl.h"
 #include "tdist/dist_autograd.h"
@@ -27,7 +28,7 @@ typedef struct da_send {
 typedef struct da_state da_state;
 
 struct td_dist_autograd_context {
-  int refs; /* atomic */
+  td__refcnt rc;
   uint64_t id;
   da_state *st;
   pthread_mutex_t mu;

@@ -318,9 +318,7 @@ td_status td_dist_optimizer_step(td_dist_optimizer *o, td_dist_autograd_context 
     if (st != TD_OK) {
       td_worker_info wi;
       td_rpc_self(o->agent, &wi);
-      char why[900];
-      snprintf(why, sizeof why, "%s", td_last_error());
-      td_set_error(st, "%s (rank %d): %s", wi.name, wi.id, why);
+      td__error_prefix(st, "%s (rank %d)", wi.name, wi.id);
     }
   }
   if (st != TD_OK) snprintf(msg, sizeof msg, "%s", td_last_error());
@@ -355,7 +353,12 @@ td_status td_dist_module_parameter_rrefs(td_rref *module_rref, int64_t timeout_m
   return td_rref_rpc_sync(module_rref, "__dist_param_rrefs", NULL, 0, &co, out);
 }
 
+static void module_destroy(void *m) { td_module_unref(m); }
+
 static void layer_init_once(void) {
+  /* "nn.Module": modules held by RRefs (parameter servers, RemoteModule); this layer is the
+   * lowest that knows both modules and RRefs, and reads such objects in __dist_param_rrefs. */
+  td_object_type_register("nn.Module", module_destroy);
   td_object_type_register(OPT_TYPE, opt_destroy);
   td__rpc_register_internal("__dist_optim_create", h_create, NULL);
   td__rpc_register_internal("__dist_optim_step", h_step, NULL);
@@ -363,13 +366,11 @@ static void layer_init_once(void) {
   td__rpc_register_internal("__dist_param_rrefs", h_param_rrefs, NULL);
 }
 
-/* td__dist_optim_layer_init registers this layer with the agent (value types, internal functions,
- * hooks). It runs when the library loads and again from td_rpc_init (runtime/init.c), so a
- * program linked against the static library gets the layer even when it references none of its
- * symbols. Idempotent. */
+/* td__dist_optim_layer_init registers this layer with the agent; td_rpc_init calls it (runtime/init.c)
+ * before it starts the agent, the only registration path (no load-time constructor: static
+ * programs need no dummy reference, and a dlopen()ed library registers nothing behind the
+ * caller's back). Idempotent. */
 void td__dist_optim_layer_init(void) {
   static pthread_once_t once = PTHREAD_ONCE_INIT;
   pthread_once(&once, layer_init_once);
 }
-
-__attribute__((constructor)) static void layer_init_at_load(void) { td__dist_optim_layer_init(); }

@@ -15,12 +15,15 @@
  *
  * All trainers run the same number of steps (even shards), which the server computes too: after
  * the last step of every epoch it evaluates the model on the test set (inside the handler, before
- * replying, so no update runs meanwhile). Rank 0 prints the JSON line (shared/BENCH.md):
+ * replying, so no update runs meanwhile). Rank 0 prints the JSON line (docs/BENCH.md):
  * test_accuracy, samples_per_s, wall_s, epochs, epoch_test_accuracy, epoch_wall_s, first_loss
  * and last_loss (the trainers' mean loss over the first and the last 5 steps).
  *
  * usage: batch_ps [--epochs N] [--max-batches N] [--batch-size N] [--lr X] [--momentum X]
  *                 [--seed N] [--nproc N] [--data-dir DIR] [--threads N]
+ *
+ * Lock order: bps.mu is a leaf (the futures completed under it run the agent's reply
+ * callbacks, which take no lock of this file).
  */
 #include <math.h>
 #include <pthread.h>
@@ -305,17 +308,8 @@ static int run_trainer(td_rpc_agent *a, const ex_args *args, int trainers) {
   load_params(&params, v);
   td_value_unref(v);
 
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = args->batch_size;
-  so.shuffle = true;
-  so.seed = args->seed;
-  so.rank = tid;
-  so.world = trainers;
-  so.even_shards = true;
-  td_mnist_loader *loader = NULL;
-  EX_CHECK(td_mnist_loader_create(train, &so, true, &loader));
-  int64_t nb = steps_per_epoch(train, args, trainers, tid);
+  int64_t nb;
+  td_mnist_loader *loader = psx_shard_loader(train, args, tid, trainers, true, &nb);
   for (int epoch = 0; epoch < args->epochs; epoch++) {
     EX_CHECK(td_mnist_loader_set_epoch(loader, (uint64_t)epoch));
     ex_progress bar;
@@ -369,16 +363,16 @@ int main(int argc, char **argv) {
   double t_start = ex_now_s();
   ex_args a;
   ex_args_init(&a);
+  a.omit = "model device";
   double momentum = 0.5;
   int nproc = 3;
   const ex_opt extra[] = {
-      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum (default 0.5)"},
+      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum"},
       {"nproc", EX_OPT_INT, &nproc,
-       "processes to fork when not started by tdistrun (RANK unset); default 3"},
+       "processes to fork when not started by tdistrun (RANK unset)"},
   };
   ex_args_parse(argc, argv, &a, extra, 2,
                 "batch_ps: a parameter server that batches the updates of all trainers");
-  if (strcmp(a.model, "mlp")) ex_die("batch_ps trains the MLP only (--model mlp)");
   if (a.epochs < 0) ex_die("--epochs must be >= 0");
 
   psx_spawn_if_alone(nproc);

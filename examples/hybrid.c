@@ -30,7 +30,7 @@
  * trainer i keeps its head on cuda:((N + i - 1) % device count), averaging gradients over an
  * NCCL group, so it needs a GPU per trainer (on one GPU: --nproc 2).
  *
- * Output: progress on standard error, then rank 0 prints the JSON line (shared/BENCH.md):
+ * Output: progress on standard error, then rank 0 prints the JSON line (docs/BENCH.md):
  * test_accuracy, samples_per_s, wall_s, epoch_test_accuracy, first_loss / last_loss (mean
  * training loss of the first / last 5 batches over the trainers), replicas_identical.
  *
@@ -54,7 +54,6 @@
 #include "tdist/rref.h"
 
 #define MAX_EPOCHS 1000
-#define LOSS_WINDOW 5
 #define NFIELDS 8
 #define HY_TRY(expr)                   \
   do {                                 \
@@ -67,29 +66,15 @@ enum rep_field { ACC, TRAIN_LOSS_SUM, BATCHES, SAMPLES, TRAIN_S, FIRST, LAST, RE
 
 /* ---- the server's state (rank 0) ---- */
 
-static struct {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  td_rref *first; /* owner RRef of the first layer; NULL when not ready */
-} ps = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL};
+static ex_handout handout; /* the first layer's RRef, for the trainers */
 
-/* hy_get_module() -> RRef to the first layer; waits up to 60 s for the server. */
+/* hy_get_module() -> the first layer's RRef as soon as the server made it (a future until
+ * then: no pool thread waits). */
 static td_status hy_get_module(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                                td_future **fut) {
-  struct timespec dl;
-  clock_gettime(CLOCK_REALTIME, &dl);
-  dl.tv_sec += 60;
-  pthread_mutex_lock(&ps.mu);
-  while (!ps.first && pthread_cond_timedwait(&ps.cv, &ps.mu, &dl) == 0) {
-  }
-  td_value *v = ps.first ? td_value_rref(ps.first) : NULL;
-  bool ready = ps.first != NULL;
-  pthread_mutex_unlock(&ps.mu);
-  if (!ready) return td_set_error(TD_ERR_STATE, "hy_get_module: the module is not ready");
-  if (!v) return TD_ERR_NOMEM;
-  *res = v;
-  return TD_OK;
+  return ex_handout_get(&handout, fut);
 }
+
 
 /* hy_report(slot, [NFIELDS numbers]) records a trainer's figures for epoch slot - 1. */
 static ex_report_slot report_slots[MAX_EPOCHS + 1];
@@ -97,7 +82,7 @@ static ex_reports reports; /* TRAIN_S: the maximum over trainers, other fields: 
 
 static td_status hy_report(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                           td_future **fut) {
-  td_status st = ex_reports_add(&reports, "hy_report", args, n, 1);
+  td_status st = ex_reports_add(&reports, "hy_report", args, n, 1, NULL);
   if (st != TD_OK) return st;
   *res = td_value_none();
   return TD_OK;
@@ -181,47 +166,28 @@ static td_module *make_head(uint64_t seed) {
   return seq;
 }
 
-/* to_dev moves t to dev (recording the copy for autograd), replacing *t. */
-static void to_dev(td_tensor **t, td_device dev) {
-  if (td_device_equal(td_tensor_device(*t), dev)) return;
-  td_tensor *m = NULL;
-  EX_CHECK(td_tensor_to(*t, dev, &m));
-  td_tensor_unref(*t);
-  *t = m;
+/* The model of a trainer: first (remote) + head (local, on dev), for psx_accuracy. */
+typedef struct split_model {
+  td_remote_module *first;
+  td_module *head;
+  td_device dev;
+} split_model;
+
+static td_status split_forward(void *ctx, td_tensor *x, td_tensor **logits) {
+  split_model *m = ctx;
+  td_tensor *h = NULL;
+  td_status st = td_remote_module_forward(m->first, x, &h);
+  if (st == TD_OK) psx_to_device(&h, m->dev);
+  if (st == TD_OK) st = td_module_forward(m->head, h, logits);
+  td_tensor_unref(h);
+  return st;
 }
 
 /* evaluate returns the test accuracy of first (remote) + head (local, on dev). */
 static double evaluate(td_remote_module *first, td_module *head, const td_mnist *ds,
                        td_device dev) {
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = 500;
-  td_mnist_loader *l = NULL;
-  EX_CHECK(td_mnist_loader_create(ds, &so, true, &l));
-  bool prev = td_autograd_set_enabled(false);
-  int64_t correct = 0, total = 0, pred[500];
-  for (;;) {
-    td_tensor *x = NULL, *y = NULL, *h = NULL, *logits = NULL, *am = NULL;
-    EX_CHECK(td_mnist_loader_next(l, &x, &y));
-    if (!x) break;
-    EX_CHECK(td_remote_module_forward(first, x, &h));
-    to_dev(&h, dev);
-    EX_CHECK(td_module_forward(head, h, &logits));
-    EX_CHECK(td_tensor_argmax(logits, 1, false, &am));
-    int64_t n = td_tensor_size(y, 0);
-    EX_CHECK(td_tensor_copy_to_buffer(am, pred, (size_t)n * sizeof *pred));
-    const int64_t *labels = td_tensor_data(y);
-    for (int64_t i = 0; i < n; i++) correct += pred[i] == labels[i];
-    total += n;
-    td_tensor_unref(am);
-    td_tensor_unref(logits);
-    td_tensor_unref(h);
-    td_tensor_unref(x);
-    td_tensor_unref(y);
-  }
-  td_autograd_set_enabled(prev);
-  td_mnist_loader_destroy(l);
-  return total ? (double)correct / (double)total : 0.0;
+  split_model m = {first, head, dev};
+  return psx_accuracy(ds, true, 500, split_forward, &m);
 }
 
 /* replicas_differ returns whether the head's parameters differ between the trainers: every
@@ -241,23 +207,12 @@ static bool replicas_differ(td_process_group *pg, const td_tensor_list *params, 
   int64_t shape[1] = {2};
   td_tensor *t = NULL;
   EX_CHECK(td_tensor_from_buffer(v, shape, 1, TD_DTYPE_F64, &t));
-  to_dev(&t, dev);
+  psx_to_device(&t, dev);
   EX_CHECK(td_process_group_all_reduce(pg, t, TD_REDUCE_MAX));
   EX_CHECK(td_tensor_copy_to_buffer(t, r, sizeof r));
   bool differ = r[0] != -r[1];
   td_tensor_unref(t);
   return differ;
-}
-
-static void report(td_rpc_agent *a, int slot, const double *v) {
-  td_value *args[2] = {td_value_int(slot), td_value_list()};
-  if (!args[0] || !args[1]) ex_die("out of memory");
-  for (int i = 0; i < NFIELDS; i++) EX_CHECK(td_value_list_append(args[1], td_value_double(v[i])));
-  td_value *r = NULL;
-  EX_CHECK(td_rpc_sync(a, "worker0", "hy_report", args, 2, NULL, &r));
-  td_value_unref(r);
-  td_value_unref(args[0]);
-  td_value_unref(args[1]);
 }
 
 /* train_step runs one batch; returns the loss. */
@@ -268,8 +223,8 @@ static double train_step(td_rpc_agent *agent, td_remote_module *first, td_module
   EX_CHECK(td_dist_autograd_context_begin(agent, &ctx));
   td_tensor *h = NULL, *logits = NULL, *loss = NULL, *yd = td_tensor_ref(y);
   EX_CHECK(td_remote_module_forward(first, x, &h));
-  to_dev(&h, dev); /* its backward brings the gradient back to the CPU, for the server */
-  to_dev(&yd, dev);
+  psx_to_device(&h, dev); /* its backward brings the gradient back to the CPU, for the server */
+  psx_to_device(&yd, dev);
   EX_CHECK(td_module_forward(head, h, &logits));
   EX_CHECK(td_tensor_cross_entropy(logits, yd, TD_REDUCTION_MEAN, -100, &loss));
   EX_CHECK(td_dist_autograd_backward(ctx, &loss, 1, false));
@@ -351,22 +306,9 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, i
   td_dist_optimizer *opt = NULL;
   EX_CHECK(td_dist_optimizer_create(agent, &oo, prefs, np, &opt));
 
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = a->batch_size;
-  so.shuffle = true;
-  so.seed = a->seed;
-  so.rank = tid;
-  so.world = trainers;
-  so.even_shards = true; /* every trainer runs the same number of steps (DDP is collective) */
-  td_mnist_loader *loader = NULL;
-  EX_CHECK(td_mnist_loader_create(train, &so, true, &loader));
-  int64_t nb = td_sampler_num_batches(td_mnist_loader_sampler(loader));
-  if (a->max_batches > 0 && a->max_batches < nb) nb = a->max_batches;
-  double *losses = calloc((size_t)(nb > 0 ? nb : 1), sizeof *losses);
-  if (!losses) ex_die("out of memory");
-
-  double first_loss = NAN;
+  int64_t nb; /* the same on every trainer: DDP is collective */
+  td_mnist_loader *loader = psx_shard_loader(train, a, tid, trainers, true, &nb);
+  ex_losses losses = {0};
   for (int epoch = 0; epoch < a->epochs; epoch++) {
     EX_CHECK(td_mnist_loader_set_epoch(loader, (uint64_t)epoch));
     ex_progress bar;
@@ -381,7 +323,7 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, i
       if (!x) break;
       double lv = train_step(agent, first, head, &hp, ddp, opt, x, y, dev);
       if (!isfinite(lv)) ex_die("trainer %d: loss became %g", tid + 1, lv);
-      losses[b] = lv;
+      ex_losses_add(&losses, lv);
       loss_sum += lv;
       samples += td_tensor_size(x, 0);
       if (tid == 0) ex_progress_update(&bar, b + 1, "loss %.4f", loss_sum / (double)(b + 1));
@@ -390,13 +332,6 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, i
     }
     double et = ex_now_s() - t0;
     if (tid == 0) ex_progress_finish(&bar, "loss %.4f", b ? loss_sum / (double)b : NAN);
-    int64_t w = b < LOSS_WINDOW ? b : LOSS_WINDOW;
-    double f = 0, l = 0;
-    for (int64_t i = 0; i < w; i++) {
-      f += losses[i];
-      l += losses[b - w + i];
-    }
-    if (epoch == 0) first_loss = w ? f / (double)w : NAN;
     bool differ = replicas_differ(pg, &hp, dev); /* collective: every trainer, every epoch */
     double rep[NFIELDS] = {0};
     rep[ACC] = tid == 0 ? evaluate(first, head, test, dev) : 0.0;
@@ -404,15 +339,14 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, i
     rep[BATCHES] = (double)b;
     rep[SAMPLES] = (double)samples;
     rep[TRAIN_S] = et;
-    rep[FIRST] = first_loss;
-    rep[LAST] = w ? l / (double)w : NAN;
+    rep[FIRST] = ex_losses_first(&losses);
+    rep[LAST] = ex_losses_last(&losses);
     rep[REPLICAS_DIFFER] = tid == 0 && differ ? 1.0 : 0.0;
-    report(agent, epoch + 1, rep);
+    td_value_unref(ex_report_send(agent, "hy_report", epoch + 1, rep, NFIELDS));
   }
   td_dist_optimizer_destroy(opt);
   for (size_t i = 0; i < np; i++) td_rref_unref(prefs[i]);
   free(prefs);
-  free(losses);
   td_value_unref(pr);
   td_remote_module_destroy(first);
   td_value_unref(mv);
@@ -430,19 +364,19 @@ int main(int argc, char **argv) {
   double t_start = ex_now_s();
   ex_args a;
   ex_args_init(&a);
+  a.omit = "model";
   a.batch_size = 32; /* per trainer */
   a.epochs = 2;
   double momentum = 0.5;
   int nproc = 3;
   const ex_opt extra[] = {
-      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum (default 0.5)"},
+      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum"},
       {"nproc", EX_OPT_INT, &nproc,
-       "processes to fork when not started by tdistrun (RANK unset); default 3"},
+       "processes to fork when not started by tdistrun (RANK unset)"},
   };
   ex_args_parse(argc, argv, &a, extra, 2,
                 "hybrid: Linear(784, 128) on the parameter server (rank 0) through RemoteModule, "
-                "a dense head replicated by DDP on the trainers (defaults here: 2 epochs, batch "
-                "32 per trainer)");
+                "a dense head replicated by DDP on the trainers (--batch-size is per trainer)");
   if (a.epochs < 0 || a.epochs > MAX_EPOCHS) ex_die("--epochs must be in 0..%d", MAX_EPOCHS);
   td_device dev;
   EX_CHECK(td_device_parse(a.device, &dev));
@@ -453,6 +387,7 @@ int main(int argc, char **argv) {
   char name[32];
   snprintf(name, sizeof name, "worker%d", rank);
   EX_CHECK(td_rpc_register("hy_get_module", hy_get_module, NULL));
+  ex_handout_init(&handout);
   ex_reports_init(&reports, report_slots, MAX_EPOCHS + 1, NFIELDS, TRAIN_S);
   EX_CHECK(td_rpc_register("hy_report", hy_report, NULL));
   td_rpc_options ro;
@@ -482,18 +417,13 @@ int main(int argc, char **argv) {
     EX_CHECK(td_value_object("nn.Module", m, &v));
     EX_CHECK(td_rref_create_local(agent, v, &r));
     td_value_unref(v);
-    pthread_mutex_lock(&ps.mu);
-    ps.first = r;
-    pthread_cond_broadcast(&ps.cv);
-    pthread_mutex_unlock(&ps.mu);
-    rc = run_server(&a, momentum, trainers, t_start);
-    pthread_mutex_lock(&ps.mu); /* every trainer reported its last epoch: none asks again */
-    ps.first = NULL;
-    pthread_mutex_unlock(&ps.mu);
+    ex_handout_publish(&handout, td_value_rref(r));
     td_rref_unref(r);
+    rc = run_server(&a, momentum, trainers, t_start);
   } else {
     rc = run_trainer(agent, &a, momentum, trainers, dev);
   }
+  ex_handout_fini(&handout); /* every trainer reported its last epoch: none asks again */
   if (td_rpc_shutdown(agent, true, -1) != TD_OK) {
     fprintf(stderr, "worker%d: shutdown: %s\n", rank, td_last_error());
     if (!rc) rc = 1;

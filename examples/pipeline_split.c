@@ -13,7 +13,7 @@
  * --epochs with distributed autograd and a distributed SGD optimizer (momentum; learning rate
  * decayed along a cosine over the run through td_dist_optimizer_set_lr) over both workers'
  * parameters, using --micro-batches, and reports the test accuracy. The last line of standard
- * output is the JSON result (shared/BENCH.md) with test_accuracy, samples_per_s (training),
+ * output is the JSON result (docs/BENCH.md) with test_accuracy, samples_per_s (training),
  * wall_s, runs [{"micro_batches", "samples_per_s"}] and speedup_4_vs_1 (samples/s with 4
  * micro-batches over that with 1).
  *
@@ -23,15 +23,13 @@
  * Without RANK in the environment it starts the two workers itself (fork) on a free port.
  */
 #include <math.h>
-#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "example_util.h"
+#include "ps_common.h"
 #include "tdist/autograd.h"
 #include "tdist/data.h"
 #include "tdist/dist_autograd.h"
@@ -88,18 +86,6 @@ static td_status head_factory(void *ctx, const void *args, td_module **out) {
   return make_part(args, false, out);
 }
 
-static int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  socklen_t len = sizeof sa;
-  if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0 ||
-      getsockname(fd, (struct sockaddr *)&sa, &len) != 0)
-    ex_die("cannot find a free port");
-  int port = ntohs(sa.sin_port);
-  close(fd);
-  return port;
-}
-
 static td_tensor *ce_loss(td_tensor *logits, td_tensor *y) {
   td_tensor *loss = NULL;
   EX_CHECK(td_tensor_cross_entropy(logits, y, TD_REDUCTION_MEAN, -100, &loss));
@@ -125,176 +111,88 @@ static double step(td_rpc_agent *a, td_pipeline *p, td_dist_optimizer *opt, td_t
   return lv;
 }
 
-static double evaluate(td_pipeline *p, td_remote_module *const *st, const td_mnist *ds, int m) {
-  for (int k = 0; k < 2; k++) EX_CHECK(td_remote_module_train(st[k], false));
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = 1000;
-  td_mnist_loader *l = NULL;
-  EX_CHECK(td_mnist_loader_create(ds, &so, true, &l));
-  int64_t correct = 0, total = 0, pred[1000];
-  for (;;) {
-    td_tensor *x = NULL, *y = NULL, *logits = NULL, *am = NULL;
-    EX_CHECK(td_mnist_loader_next(l, &x, &y));
-    if (!x) break;
-    EX_CHECK(td_pipeline_forward(p, x, m, &logits));
-    EX_CHECK(td_tensor_argmax(logits, 1, false, &am));
-    int64_t n = td_tensor_size(y, 0);
-    EX_CHECK(td_tensor_copy_to_buffer(am, pred, (size_t)n * sizeof *pred));
-    const int64_t *lab = td_tensor_data(y);
-    for (int64_t i = 0; i < n; i++) correct += pred[i] == lab[i];
-    total += n;
-    td_tensor_unref(am);
-    td_tensor_unref(logits);
-    td_tensor_unref(x);
-    td_tensor_unref(y);
-  }
-  td_mnist_loader_destroy(l);
-  for (int k = 0; k < 2; k++) EX_CHECK(td_remote_module_train(st[k], true));
-  return total ? (double)correct / (double)total : 0.0;
+/* The pipeline's forward in evaluation, for psx_accuracy. */
+typedef struct pipe_eval {
+  td_pipeline *p;
+  int m; /* micro-batches */
+} pipe_eval;
+
+static td_status pipe_forward(void *ctx, td_tensor *x, td_tensor **logits) {
+  pipe_eval *e = ctx;
+  return td_pipeline_forward(e->p, x, e->m, logits);
 }
 
-int main(int argc, char **argv) {
-  double t_start = ex_now_s();
+static double evaluate(td_pipeline *p, td_remote_module *const *st, const td_mnist *ds, int m) {
+  for (int k = 0; k < 2; k++) EX_CHECK(td_remote_module_train(st[k], false));
+  pipe_eval e = {p, m};
+  double acc = psx_accuracy(ds, true, 1000, pipe_forward, &e);
+  for (int k = 0; k < 2; k++) EX_CHECK(td_remote_module_train(st[k], true));
+  return acc;
+}
+
+/* The settings of a run (options). */
+typedef struct run_cfg {
   ex_args a;
-  ex_args_init(&a);
-  a.lr = 0.1;
-  double momentum = 0.5;
-  int micro = 4, bench_batches = 20, bench_rounds = 5;
-  int64_t bench_bs = 1024;
-  const ex_opt extra[] = {
-      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum (default 0.5)"},
-      {"micro-batches", EX_OPT_INT, &micro, "micro-batches per training batch (default 4)"},
-      {"bench-batches", EX_OPT_INT, &bench_batches,
-       "batches per micro-batch count in the throughput runs; 0 skips them (default 20)"},
-      {"bench-batch-size", EX_OPT_I64, &bench_bs, "batch size of the throughput runs (1024)"},
-      {"bench-rounds", EX_OPT_INT, &bench_rounds,
-       "rounds the throughput runs are split into, each cycling through 1, 2, 4, 8 (default 5; at "
-       "most --bench-batches)"},
-  };
-  ex_args_parse(argc, argv, &a, extra, 5,
-                "pipeline_split: an MLP split across 2 workers, pipelined micro-batches");
-  if (micro < 1) ex_die("--micro-batches must be >= 1");
-  if (bench_batches < 0 || bench_bs < 1)
-    ex_die("--bench-batches must be >= 0 and --bench-batch-size >= 1");
-  if (bench_rounds < 1) ex_die("--bench-rounds must be >= 1");
-  if (bench_rounds > bench_batches) bench_rounds = bench_batches > 0 ? bench_batches : 1;
+  double momentum;
+  int micro, bench_batches, bench_rounds;
+  int64_t bench_bs;
+} run_cfg;
 
-  int rank = 0;
-  pid_t kids[2] = {0, 0};
-  if (!getenv("RANK")) { /* standalone: start the two workers ourselves */
-    char port[16];
-    snprintf(port, sizeof port, "%d", free_port());
-    EX_CHECK(td_rpc_secret_ensure_env()); /* the workers we fork share a job secret */
-    setenv("MASTER_ADDR", "127.0.0.1", 1);
-    setenv("MASTER_PORT", port, 1);
-    setenv("WORLD_SIZE", "3", 1);
-    fflush(NULL);
-    for (int r = 1; r <= 2; r++) {
-      pid_t pid = fork();
-      if (pid < 0) ex_die("fork failed");
-      if (pid == 0) {
-        rank = r;
-        break;
-      }
-      kids[r - 1] = pid;
-    }
-    char rs[8];
-    snprintf(rs, sizeof rs, "%d", rank);
-    setenv("RANK", rs, 1);
-  } else {
-    rank = atoi(getenv("RANK"));
-  }
-  EX_CHECK(td_module_factory_register("ps_body", body_factory, NULL));
-  EX_CHECK(td_module_factory_register("ps_head", head_factory, NULL));
-  const char *names[3] = {"master", "worker1", "worker2"};
-  if (rank < 0 || rank > 2) ex_die("pipeline_split needs exactly 3 processes (got RANK %d)", rank);
-  td_rpc_options ro;
-  td_rpc_options_init(&ro);
-  ro.num_worker_threads = 8;
-  td_rpc_agent *agent = NULL;
-  EX_CHECK(td_rpc_init_from_env(names[rank], &ro, &agent));
-  if (td_rpc_world_size(agent) != 3) ex_die("pipeline_split needs a world size of 3");
-  if (rank != 0) {
-    EX_CHECK(td_rpc_shutdown(agent, true, 24 * 3600 * 1000LL));
-    td_rpc_destroy(agent);
-    return 0;
-  }
-
-  /* Data. */
-  td_mnist_opts mo;
-  td_mnist_opts_init(&mo);
-  mo.dir = a.data_dir;
-  mo.mean = TD_FASHION_MNIST_MEAN;
-  mo.std = TD_FASHION_MNIST_STD;
-  td_mnist *train = NULL, *test = NULL;
-  td_status s = td_mnist_load(TD_MNIST_TRAIN, &mo, &train);
-  if (s == TD_ERR_NOT_FOUND)
-    ex_die("%s\n(put the Fashion-MNIST .gz files there, or pass --data-dir / set TD_DATA_DIR)",
-           td_last_error());
-  EX_CHECK(s);
-  EX_CHECK(td_mnist_load(TD_MNIST_TEST, &mo, &test));
-
-  /* Stages. */
-  td_value *args0 = td_value_list(), *args1 = td_value_list();
-  td_value_list_append(args0, td_value_int((int64_t)a.seed));
-  td_value_list_append(args1, td_value_int((int64_t)a.seed + 1));
-  td_remote_module *st[2];
-  EX_CHECK(td_remote_module_create(agent, "worker1/cpu", "ps_body", args0, &st[0]));
-  EX_CHECK(td_remote_module_create(agent, "rank:2/cpu", "ps_head", args1, &st[1]));
-  td_pipeline *pipe = NULL;
-  EX_CHECK(td_pipeline_create(agent, st, 2, &pipe));
-  fprintf(stderr, "pipeline_split: stage 0 on %s, stage 1 on %s, %lld train / %lld test\n",
-          td_remote_module_owner(st[0]), td_remote_module_owner(st[1]),
-          (long long)td_mnist_count(train), (long long)td_mnist_count(test));
-
-  /* Throughput per micro-batch count (forward + backward, no update). */
-  double load_at_start = NAN;
-  if (getloadavg(&load_at_start, 1) != 1) load_at_start = NAN;
-  ex_json runs;
-  ex_json_array(&runs);
-  double sps_m[4] = {0, 0, 0, 0}; /* samples/s with 1, 2, 4, 8 micro-batches */
-  if (bench_batches > 0) {
-    td_sampler_opts so;
-    td_sampler_opts_init(&so);
-    so.batch_size = bench_bs;
-    td_mnist_loader *l = NULL;
-    EX_CHECK(td_mnist_loader_create(train, &so, true, &l));
-    td_tensor *bx = NULL, *by = NULL;
-    EX_CHECK(td_mnist_loader_next(l, &bx, &by));
-    const int ms[4] = {1, 2, 4, 8};
-    double secs[4] = {0, 0, 0, 0};
-    step(agent, pipe, NULL, bx, by, 1); /* warm-up */
-    for (int r = 0; r < bench_rounds; r++) {
-      /* round r runs its share of bench_batches for every count, in turn */
-      int nr = (int)((int64_t)bench_batches * (r + 1) / bench_rounds -
-                     (int64_t)bench_batches * r / bench_rounds);
-      for (int i = 0; i < 4; i++) {
-        double t0 = ex_now_s();
-        for (int b = 0; b < nr; b++) step(agent, pipe, NULL, bx, by, ms[i]);
-        secs[i] += ex_now_s() - t0;
-      }
-    }
+/* bench_runs measures samples/s of a training pass (no update) with 1, 2, 4, 8 micro-batches,
+ * in rounds that cycle through the counts; adds {micro_batches, samples_per_s} to runs and
+ * returns the speedup of 4 over 1 (0 when not measured). */
+static double bench_runs(td_rpc_agent *agent, td_pipeline *pipe, const td_mnist *train,
+                         const run_cfg *c, ex_json *runs) {
+  if (c->bench_batches <= 0) return 0;
+  td_sampler_opts so;
+  td_sampler_opts_init(&so);
+  so.batch_size = c->bench_bs;
+  td_mnist_loader *l = NULL;
+  EX_CHECK(td_mnist_loader_create(train, &so, true, &l));
+  td_tensor *bx = NULL, *by = NULL;
+  EX_CHECK(td_mnist_loader_next(l, &bx, &by));
+  const int ms[4] = {1, 2, 4, 8};
+  double secs[4] = {0, 0, 0, 0}, sps[4];
+  step(agent, pipe, NULL, bx, by, 1); /* warm-up */
+  for (int r = 0; r < c->bench_rounds; r++) {
+    /* round r runs its share of bench_batches for every count, in turn */
+    int nr = (int)((int64_t)c->bench_batches * (r + 1) / c->bench_rounds -
+                   (int64_t)c->bench_batches * r / c->bench_rounds);
     for (int i = 0; i < 4; i++) {
-      double sps = (double)bench_batches * (double)td_tensor_size(bx, 0) / secs[i];
-      sps_m[i] = sps;
-      fprintf(stderr, "micro-batches %d: %.0f samples/s\n", ms[i], sps);
-      ex_json run;
-      ex_json_object(&run);
-      ex_json_int(&run, "micro_batches", ms[i]);
-      ex_json_num(&run, "samples_per_s", sps);
-      ex_json_child(&runs, NULL, &run);
-      ex_json_fini(&run);
+      double t0 = ex_now_s();
+      for (int b = 0; b < nr; b++) step(agent, pipe, NULL, bx, by, ms[i]);
+      secs[i] += ex_now_s() - t0;
     }
-    td_tensor_unref(bx);
-    td_tensor_unref(by);
-    td_mnist_loader_destroy(l);
   }
+  for (int i = 0; i < 4; i++) {
+    sps[i] = (double)c->bench_batches * (double)td_tensor_size(bx, 0) / secs[i];
+    fprintf(stderr, "micro-batches %d: %.0f samples/s\n", ms[i], sps[i]);
+    ex_json run;
+    ex_json_object(&run);
+    ex_json_int(&run, "micro_batches", ms[i]);
+    ex_json_num(&run, "samples_per_s", sps[i]);
+    ex_json_child(runs, NULL, &run);
+    ex_json_fini(&run);
+  }
+  td_tensor_unref(bx);
+  td_tensor_unref(by);
+  td_mnist_loader_destroy(l);
+  return sps[2] / sps[0];
+}
 
-  /* Training with the distributed optimizer over both stages' parameters. */
+/* What the training reports. */
+typedef struct train_stats {
+  double train_s, acc;
+  int64_t samples;
+  ex_losses losses;
+} train_stats;
+
+/* make_opt creates the distributed SGD optimizer over both stages' parameters; *plists gets
+ * their lists (release with td_value_unref). */
+static td_dist_optimizer *make_opt(td_rpc_agent *agent, td_remote_module *const st[2],
+                                   const run_cfg *c, td_value *plists[2]) {
   td_rref *prefs[8];
   size_t np = 0;
-  td_value *plists[2];
   for (int k = 0; k < 2; k++) {
     EX_CHECK(td_remote_module_parameters(st[k], &plists[k]));
     for (size_t i = 0; i < td_value_list_len(plists[k]) && np < 8; i++)
@@ -302,106 +200,169 @@ int main(int argc, char **argv) {
   }
   td_optim_options oo;
   td_optim_options_init(&oo, TD_OPTIM_SGD);
-  oo.lr = a.lr;
-  oo.momentum = momentum;
+  oo.lr = c->a.lr;
+  oo.momentum = c->momentum;
   td_dist_optimizer *opt = NULL;
   EX_CHECK(td_dist_optimizer_create(agent, &oo, prefs, np, &opt));
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = a.batch_size;
-  so.shuffle = true;
-  so.seed = a.seed;
-  td_mnist_loader *loader = NULL;
-  EX_CHECK(td_mnist_loader_create(train, &so, true, &loader));
-  int64_t nb = td_sampler_num_batches(td_mnist_loader_sampler(loader));
-  if (a.max_batches > 0 && a.max_batches < nb) nb = a.max_batches;
-  double train_s = 0, acc = 0, first_loss = NAN, last_loss = NAN;
-  int64_t samples = 0;
-  for (int epoch = 0; epoch < a.epochs; epoch++) {
+  return opt;
+}
+
+/* train runs the epochs with distributed autograd and the distributed optimizer, learning rate
+ * on a cosine over the run, and evaluates after each. */
+static void train(td_rpc_agent *agent, td_pipeline *pipe, td_remote_module *const st[2],
+                  const td_mnist *train_ds, const td_mnist *test, const run_cfg *c,
+                  train_stats *out) {
+  const ex_args *a = &c->a;
+  td_value *plists[2];
+  td_dist_optimizer *opt = make_opt(agent, st, c, plists);
+  int64_t nb;
+  td_mnist_loader *loader = psx_shard_loader(train_ds, a, 0, 1, true, &nb); /* all of it */
+  for (int epoch = 0; epoch < a->epochs; epoch++) {
     EX_CHECK(td_mnist_loader_set_epoch(loader, (uint64_t)epoch));
     char label[32];
-    snprintf(label, sizeof label, "epoch %d/%d", epoch + 1, a.epochs);
+    snprintf(label, sizeof label, "epoch %d/%d", epoch + 1, a->epochs);
     ex_progress bar;
     ex_progress_start(&bar, label, nb);
-    double t0 = ex_now_s(), sum = 0, win = 0;
-    int64_t b = 0, nwin = 0, w = nb < 20 ? (nb + 1) / 2 : 10;
+    double t0 = ex_now_s(), sum = 0;
+    int64_t b = 0;
     for (; b < nb; b++) {
       td_tensor *x = NULL, *y = NULL;
       EX_CHECK(td_mnist_loader_next(loader, &x, &y));
       if (!x) break;
       if (b % 25 == 0) { /* cosine decay of the learning rate over the whole run */
-        double prog = (double)(epoch * nb + b) / (double)(a.epochs * nb);
-        EX_CHECK(td_dist_optimizer_set_lr(opt, a.lr * 0.5 * (1.0 + cos(M_PI * prog))));
+        double prog = (double)(epoch * nb + b) / (double)(a->epochs * nb);
+        EX_CHECK(td_dist_optimizer_set_lr(opt, a->lr * 0.5 * (1.0 + cos(M_PI * prog))));
       }
-      double lv = step(agent, pipe, opt, x, y, micro);
-      if (!isfinite(lv)) ex_die("loss became %g at batch %lld", lv, (long long)b);
+      double lv = step(agent, pipe, opt, x, y, c->micro);
+      if (!isfinite(lv)) ex_die("the loss became %g at batch %lld (try a lower --lr)", lv,
+                                (long long)b);
       sum += lv;
-      if (epoch == 0 && b < w) first_loss = (b == 0 ? 0 : first_loss) + lv / (double)w;
-      if (b >= nb - w) win += lv, nwin++;
-      samples += td_tensor_size(x, 0);
+      ex_losses_add(&out->losses, lv);
+      out->samples += td_tensor_size(x, 0);
       ex_progress_update(&bar, b + 1, "loss %.4f", sum / (double)(b + 1));
       td_tensor_unref(x);
       td_tensor_unref(y);
     }
-    train_s += ex_now_s() - t0;
-    last_loss = nwin ? win / (double)nwin : NAN;
+    out->train_s += ex_now_s() - t0;
     ex_progress_finish(&bar, "loss %.4f", b ? sum / (double)b : NAN);
-    acc = evaluate(pipe, st, test, micro);
-    fprintf(stderr, "epoch %d: test accuracy %.4f\n", epoch + 1, acc);
+    out->acc = evaluate(pipe, st, test, c->micro);
+    fprintf(stderr, "epoch %d: test accuracy %.4f\n", epoch + 1, out->acc);
   }
+  td_mnist_loader_destroy(loader);
+  td_dist_optimizer_destroy(opt);
+  td_value_unref(plists[0]);
+  td_value_unref(plists[1]);
+}
 
+static void print_result(const run_cfg *c, const train_stats *t, ex_json *runs, double speedup,
+                         double load_at_start, double t_start) {
   ex_json config, results;
   ex_json_object(&config);
   ex_json_int(&config, "world_size", 3);
-  ex_json_int(&config, "epochs", a.epochs);
-  ex_json_int(&config, "batch_size", a.batch_size);
-  ex_json_int(&config, "micro_batches", micro);
-  ex_json_num(&config, "lr", a.lr);
-  ex_json_num(&config, "momentum", momentum);
-  ex_json_int(&config, "max_batches", a.max_batches);
-  ex_json_int(&config, "bench_batches", bench_batches);
-  ex_json_int(&config, "bench_batch_size", bench_bs);
-  ex_json_int(&config, "bench_rounds", bench_rounds);
+  ex_json_int(&config, "epochs", c->a.epochs);
+  ex_json_int(&config, "batch_size", c->a.batch_size);
+  ex_json_int(&config, "micro_batches", c->micro);
+  ex_json_num(&config, "lr", c->a.lr);
+  ex_json_num(&config, "momentum", c->momentum);
+  ex_json_int(&config, "max_batches", c->a.max_batches);
+  ex_json_int(&config, "bench_batches", c->bench_batches);
+  ex_json_int(&config, "bench_batch_size", c->bench_bs);
+  ex_json_int(&config, "bench_rounds", c->bench_rounds);
   ex_json_int(&config, "threads", ex_blas_threads());
   /* the pipeline overlaps stages only on CPUs nothing else is using: record what the host had */
   ex_json_int(&config, "cpus", sysconf(_SC_NPROCESSORS_ONLN));
   ex_json_num(&config, "load_avg_1m_at_start", load_at_start);
   ex_json_object(&results);
-  ex_json_num(&results, "test_accuracy", acc);
-  ex_json_num(&results, "samples_per_s", train_s > 0 ? (double)samples / train_s : 0.0);
+  ex_json_num(&results, "test_accuracy", t->acc);
+  ex_json_num(&results, "samples_per_s", t->train_s > 0 ? (double)t->samples / t->train_s : 0.0);
   ex_json_num(&results, "wall_s", ex_now_s() - t_start);
-  ex_json_child(&results, "runs", &runs);
-  if (sps_m[0] > 0) ex_json_num(&results, "speedup_4_vs_1", sps_m[2] / sps_m[0]);
-  ex_json_num(&results, "first_train_loss", first_loss);
-  ex_json_num(&results, "final_train_loss", last_loss);
-  /* the names the other examples use (tests/examples/test_example_loss.sh reads them) */
-  ex_json_num(&results, "first_loss", first_loss);
-  ex_json_num(&results, "last_loss", last_loss);
-  ex_json_num(&results, "train_s", train_s);
+  ex_json_child(&results, "runs", runs);
+  if (speedup > 0) ex_json_num(&results, "speedup_4_vs_1", speedup);
+  ex_json_num(&results, "first_loss", ex_losses_first(&t->losses));
+  ex_json_num(&results, "last_loss", ex_losses_last(&t->losses));
+  /* the names of the PyTorch peer (bench/peers/torch/pipeline_split.py) */
+  ex_json_num(&results, "first_train_loss", ex_losses_first(&t->losses));
+  ex_json_num(&results, "final_train_loss", ex_losses_last(&t->losses));
+  ex_json_num(&results, "train_s", t->train_s);
   const char *const promote[] = {"test_accuracy", "samples_per_s", "wall_s", "runs", NULL};
   ex_json_print_result("pipeline_split", &config, &results, promote);
   ex_json_fini(&config);
   ex_json_fini(&results);
-  ex_json_fini(&runs);
+}
 
-  td_mnist_loader_destroy(loader);
-  td_dist_optimizer_destroy(opt);
-  td_value_unref(plists[0]);
-  td_value_unref(plists[1]);
+/* run_master builds the two stages, measures, trains and prints the result. */
+static void run_master(td_rpc_agent *agent, const run_cfg *c, double t_start) {
+  td_mnist *train_ds = psx_load_mnist(TD_MNIST_TRAIN, c->a.data_dir);
+  td_mnist *test = psx_load_mnist(TD_MNIST_TEST, c->a.data_dir);
+  td_value *args[2] = {td_value_list(), td_value_list()};
+  for (int k = 0; k < 2; k++) {
+    if (!args[k] || td_value_list_append(args[k], td_value_int((int64_t)c->a.seed + k)) != TD_OK)
+      ex_die("out of memory");
+  }
+  td_remote_module *st[2];
+  EX_CHECK(td_remote_module_create(agent, "worker1/cpu", "ps_body", args[0], &st[0]));
+  EX_CHECK(td_remote_module_create(agent, "rank:2/cpu", "ps_head", args[1], &st[1]));
+  td_pipeline *pipe = NULL;
+  EX_CHECK(td_pipeline_create(agent, st, 2, &pipe));
+  fprintf(stderr, "pipeline_split: stage 0 on %s, stage 1 on %s, %lld train / %lld test\n",
+          td_remote_module_owner(st[0]), td_remote_module_owner(st[1]),
+          (long long)td_mnist_count(train_ds), (long long)td_mnist_count(test));
+  double load_at_start = NAN;
+  if (getloadavg(&load_at_start, 1) != 1) load_at_start = NAN;
+  ex_json runs;
+  ex_json_array(&runs);
+  double speedup = bench_runs(agent, pipe, train_ds, c, &runs);
+  train_stats t = {0};
+  train(agent, pipe, st, train_ds, test, c, &t);
+  print_result(c, &t, &runs, speedup, load_at_start, t_start);
+  ex_json_fini(&runs);
   td_pipeline_destroy(pipe);
-  td_remote_module_destroy(st[0]);
-  td_remote_module_destroy(st[1]);
-  td_value_unref(args0);
-  td_value_unref(args1);
-  td_mnist_destroy(train);
+  for (int k = 0; k < 2; k++) {
+    td_remote_module_destroy(st[k]);
+    td_value_unref(args[k]);
+  }
+  td_mnist_destroy(train_ds);
   td_mnist_destroy(test);
+}
+
+int main(int argc, char **argv) {
+  double t_start = ex_now_s();
+  run_cfg c = {.momentum = 0.5, .micro = 4, .bench_batches = 20, .bench_rounds = 5,
+               .bench_bs = 1024};
+  ex_args_init(&c.a);
+  c.a.omit = "model device";
+  const ex_opt extra[] = {
+      {"momentum", EX_OPT_DOUBLE, &c.momentum, "SGD momentum"},
+      {"micro-batches", EX_OPT_INT, &c.micro, "micro-batches per training batch"},
+      {"bench-batches", EX_OPT_INT, &c.bench_batches,
+       "batches per micro-batch count in the throughput runs; 0 skips them"},
+      {"bench-batch-size", EX_OPT_I64, &c.bench_bs, "batch size of the throughput runs"},
+      {"bench-rounds", EX_OPT_INT, &c.bench_rounds,
+       "rounds the throughput runs are split into, each cycling through 1, 2, 4, 8 (at most "
+       "--bench-batches)"},
+  };
+  ex_args_parse(argc, argv, &c.a, extra, 5,
+                "pipeline_split: an MLP split across 2 workers, pipelined micro-batches");
+  if (c.micro < 1) ex_die("--micro-batches must be >= 1");
+  if (c.bench_batches < 0 || c.bench_bs < 1)
+    ex_die("--bench-batches must be >= 0 and --bench-batch-size >= 1");
+  if (c.bench_rounds < 1) ex_die("--bench-rounds must be >= 1");
+  if (c.bench_rounds > c.bench_batches) c.bench_rounds = c.bench_batches > 0 ? c.bench_batches : 1;
+
+  psx_spawn_if_alone(3); /* without a launcher: fork the two workers */
+  int rank = atoi(getenv("RANK"));
+  if (rank < 0 || rank > 2) ex_die("pipeline_split needs exactly 3 processes (got RANK %d)", rank);
+  EX_CHECK(td_module_factory_register("ps_body", body_factory, NULL));
+  EX_CHECK(td_module_factory_register("ps_head", head_factory, NULL));
+  const char *names[3] = {"master", "worker1", "worker2"};
+  td_rpc_options ro;
+  td_rpc_options_init(&ro);
+  ro.num_worker_threads = 8;
+  td_rpc_agent *agent = NULL;
+  EX_CHECK(td_rpc_init_from_env(names[rank], &ro, &agent));
+  if (td_rpc_world_size(agent) != 3) ex_die("pipeline_split needs a world size of 3");
+  if (rank == 0) run_master(agent, &c, t_start);
   EX_CHECK(td_rpc_shutdown(agent, true, 24 * 3600 * 1000LL));
   td_rpc_destroy(agent);
-  int rc = 0;
-  for (int k = 0; k < 2; k++) {
-    int ws = 0;
-    if (kids[k] > 0 && (waitpid(kids[k], &ws, 0) < 0 || !WIFEXITED(ws) || WEXITSTATUS(ws)))
-      rc = 1;
-  }
-  return rc;
+  return psx_wait_children(0);
 }

@@ -24,7 +24,7 @@
  * Each trainer evaluates the validation perplexity after every epoch and reports it to the
  * server, which prints it (mean loss over the trainers' token counts).
  *
- * Output: progress on standard error, then rank 0 prints the JSON line (shared/BENCH.md):
+ * Output: progress on standard error, then rank 0 prints the JSON line (docs/BENCH.md):
  * perplexity (validation, last epoch), samples_per_s (training tokens per second of training
  * time, all trainers), wall_s, epoch_perplexity, first_loss / last_loss (mean training loss of the
  * first / last 5 chunks; the short-mode test checks that it fell) and first_perplexity (the
@@ -51,7 +51,6 @@
 #include "tdist/rref.h"
 
 #define MAX_EPOCHS 1000
-#define LOSS_WINDOW 5
 #define NFIELDS 8 /* report fields, see rep_field */
 #define RNN_TRY(expr)                  \
   do {                                 \
@@ -210,26 +209,13 @@ static td_status decoder_factory(void *ctx, const void *args, td_module **out) {
 
 /* ---- the server's state (rank 0) ---- */
 
-static struct {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  td_value *modules;                  /* list [embedding RRef, decoder RRef]; NULL when not ready */
-} ps = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL};
+static ex_handout handout; /* [embedding RRef, decoder RRef], for the trainers */
 
-/* rnn_get_modules() -> [embedding RRef, decoder RRef]; waits up to 60 s for the server. */
+/* rnn_get_modules() -> [embedding RRef, decoder RRef] as soon as the server made it (a future until
+ * then: no pool thread waits). */
 static td_status rnn_get_modules(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                                  td_future **fut) {
-  struct timespec dl;
-  clock_gettime(CLOCK_REALTIME, &dl);
-  dl.tv_sec += 60;
-  pthread_mutex_lock(&ps.mu);
-  while (!ps.modules && pthread_cond_timedwait(&ps.cv, &ps.mu, &dl) == 0) {
-  }
-  td_value *v = ps.modules ? td_value_ref(ps.modules) : NULL;
-  pthread_mutex_unlock(&ps.mu);
-  if (!v) return td_set_error(TD_ERR_STATE, "rnn_get_modules: the modules are not ready");
-  *res = v;
-  return TD_OK;
+  return ex_handout_get(&handout, fut);
 }
 
 /* rnn_report(slot, [NFIELDS doubles]) records a trainer's figures for slot. */
@@ -238,7 +224,7 @@ static ex_reports reports; /* TRAIN_S: the maximum over trainers, other fields: 
 
 static td_status rnn_report(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                           td_future **fut) {
-  td_status st = ex_reports_add(&reports, "rnn_report", args, n, 0);
+  td_status st = ex_reports_add(&reports, "rnn_report", args, n, 0, NULL);
   if (st != TD_OK) return st;
   *res = td_value_none();
   return TD_OK;
@@ -379,17 +365,6 @@ static void evaluate(trainer *t, const stream *val, int64_t bptt, double *loss_s
   *tokens = n;
 }
 
-static void report(td_rpc_agent *a, int slot, const double *v) {
-  td_value *args[2] = {td_value_int(slot), td_value_list()};
-  if (!args[0] || !args[1]) ex_die("out of memory");
-  for (int i = 0; i < NFIELDS; i++) EX_CHECK(td_value_list_append(args[1], td_value_double(v[i])));
-  td_value *r = NULL;
-  EX_CHECK(td_rpc_sync(a, "worker0", "rnn_report", args, 2, NULL, &r));
-  td_value_unref(r);
-  td_value_unref(args[0]);
-  td_value_unref(args[1]);
-}
-
 static int run_trainer(td_rpc_agent *agent, const ex_args *a, const rnn_cfg *cfg,
                        const corpus *cp, int trainers) {
   int tid = td_rpc_rank(agent) - 1;
@@ -444,13 +419,11 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, const rnn_cfg *cfg
   batchify(cp->valid, cp->nvalid, 10, &va);
   int64_t nb = (tr.len - 1 + cfg->bptt - 1) / cfg->bptt;
   if (a->max_batches > 0 && a->max_batches < nb) nb = a->max_batches;
-  double *losses = calloc((size_t)(nb > 0 ? nb : 1), sizeof *losses);
-  if (!losses) ex_die("out of memory");
+  ex_losses losses = {0};
 
   double rep[NFIELDS] = {0};
   evaluate(&t, &va, cfg->bptt, &rep[VAL_LOSS_SUM], &rep[VAL_TOKENS]);
-  report(agent, 0, rep);
-  double first = NAN;
+  td_value_unref(ex_report_send(agent, "rnn_report", 0, rep, NFIELDS));
   for (int epoch = 0; epoch < a->epochs; epoch++) {
     ex_progress bar;
     char label[48];
@@ -471,7 +444,7 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, const rnn_cfg *cfg
       double lv = 0;
       EX_CHECK(td_tensor_item(loss, &lv));
       if (!isfinite(lv)) ex_die("trainer %d: loss became %g", tid + 1, lv);
-      losses[b] = lv;
+      ex_losses_add(&losses, lv);
       loss_sum += lv;
       tokens += (double)(len * tr.b);
       if (tid == 0) ex_progress_update(&bar, b + 1, "loss %.4f", loss_sum / (double)(b + 1));
@@ -481,27 +454,19 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, const rnn_cfg *cfg
     }
     double et = ex_now_s() - t0;
     if (tid == 0) ex_progress_finish(&bar, "loss %.4f", b ? loss_sum / (double)b : NAN);
-    int64_t w = b < LOSS_WINDOW ? b : LOSS_WINDOW;
-    double f = 0, l = 0;
-    for (int64_t i = 0; i < w; i++) {
-      f += losses[i];
-      l += losses[b - w + i];
-    }
-    if (epoch == 0) first = w ? f / (double)w : NAN;
     memset(rep, 0, sizeof rep);
     evaluate(&t, &va, cfg->bptt, &rep[VAL_LOSS_SUM], &rep[VAL_TOKENS]);
     rep[TRAIN_LOSS_SUM] = loss_sum;
     rep[BATCHES] = (double)b;
     rep[TOKENS] = tokens;
     rep[TRAIN_S] = et;
-    rep[FIRST] = first;
-    rep[LAST] = w ? l / (double)w : NAN;
-    report(agent, epoch + 1, rep);
+    rep[FIRST] = ex_losses_first(&losses);
+    rep[LAST] = ex_losses_last(&losses);
+    td_value_unref(ex_report_send(agent, "rnn_report", epoch + 1, rep, NFIELDS));
   }
   td_dist_optimizer_destroy(opt);
   for (size_t i = 0; i < np; i++) td_rref_unref(prefs[i]);
   free(prefs);
-  free(losses);
   free(tr.data);
   free(va.data);
   reset_state(&t);
@@ -519,24 +484,24 @@ int main(int argc, char **argv) {
   double t_start = ex_now_s();
   ex_args a;
   ex_args_init(&a);
+  a.omit = "model data-dir device";
   a.batch_size = 20;
   a.lr = 0.005;
   a.epochs = 4;
   rnn_cfg cfg = {.bptt = 25, .emsize = 64, .nhid = 128, .corpus = NULL};
   int nproc = 2;
   const ex_opt extra[] = {
-      {"bptt", EX_OPT_I64, &cfg.bptt, "tokens per chunk of truncated BPTT (default 25)"},
-      {"emsize", EX_OPT_I64, &cfg.emsize, "embedding size (default 64)"},
-      {"nhid", EX_OPT_I64, &cfg.nhid, "LSTM hidden size (default 128)"},
+      {"bptt", EX_OPT_I64, &cfg.bptt, "tokens per chunk of truncated BPTT"},
+      {"emsize", EX_OPT_I64, &cfg.emsize, "embedding size"},
+      {"nhid", EX_OPT_I64, &cfg.nhid, "LSTM hidden size"},
       {"corpus", EX_OPT_STRING, &cfg.corpus,
-       "text file, one sentence a line (default examples/data/rnn_corpus.txt)"},
+       "text file, one sentence a line (when not given: examples/data/rnn_corpus.txt)"},
       {"nproc", EX_OPT_INT, &nproc,
-       "processes to fork when not started by tdistrun (RANK unset); default 2"},
+       "processes to fork when not started by tdistrun (RANK unset)"},
   };
   ex_args_parse(argc, argv, &a, extra, 5,
                 "rnn: word-level LSTM language model; embedding and decoder on the parameter "
-                "server (rank 0), the LSTM on the trainers (defaults here: 4 epochs, batch 20, "
-                "Adam lr 0.005)");
+                "server (rank 0), the LSTM on the trainers (Adam)");
   if (a.epochs < 0 || a.epochs > MAX_EPOCHS) ex_die("--epochs must be in 0..%d", MAX_EPOCHS);
   if (cfg.bptt < 1 || cfg.emsize < 1 || cfg.nhid < 1 || a.batch_size < 1)
     ex_die("--bptt, --emsize, --nhid and --batch-size must be positive");
@@ -553,6 +518,7 @@ int main(int argc, char **argv) {
   char name[32];
   snprintf(name, sizeof name, "worker%d", rank);
   EX_CHECK(td_rpc_register("rnn_get_modules", rnn_get_modules, NULL));
+  ex_handout_init(&handout);
   ex_reports_init(&reports, report_slots, MAX_EPOCHS + 1, NFIELDS, TRAIN_S);
   EX_CHECK(td_rpc_register("rnn_report", rnn_report, NULL));
   EX_CHECK(td_module_factory_register("rnn_embedding", embedding_factory, NULL));
@@ -586,18 +552,12 @@ int main(int argc, char **argv) {
       td_value_unref(v);
     }
     td_value_unref(margs);
-    pthread_mutex_lock(&ps.mu);
-    ps.modules = list;
-    pthread_cond_broadcast(&ps.cv);
-    pthread_mutex_unlock(&ps.mu);
+    ex_handout_publish(&handout, list);
     rc = run_server(&a, &cfg, trainers, t_start);
-    pthread_mutex_lock(&ps.mu); /* every trainer reported its last epoch: none asks again */
-    ps.modules = NULL;
-    pthread_mutex_unlock(&ps.mu);
-    td_value_unref(list);
   } else {
     rc = run_trainer(agent, &a, &cfg, &cp, trainers);
   }
+  ex_handout_fini(&handout); /* every trainer reported its last epoch: none asks again */
   if (td_rpc_shutdown(agent, true, -1) != TD_OK) {
     fprintf(stderr, "worker%d: shutdown: %s\n", rank, td_last_error());
     if (!rc) rc = 1;

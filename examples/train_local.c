@@ -11,8 +11,9 @@
  * run; plain constant-lr SGD ends an epoch at 0.82-0.85 test accuracy for the MLP, in PyTorch as
  * here, because the last steps are noisy), shuffled per epoch with --seed; after each epoch the
  * test accuracy over the 10000 test images. Progress and per-epoch lines go to standard error; the last line
- * of standard output is the JSON result (shared/BENCH.md) with test_accuracy, samples_per_s and
- * epochs under "results" and also at the top level.
+ * of standard output is the JSON result (docs/BENCH.md) with test_accuracy, samples_per_s and
+ * epochs under "results" and also at the top level, and first_loss / last_loss (the mean
+ * training loss of the first / last 5 batches).
  *
  * usage: train_local [--model mlp|cnn] [--epochs N] [--batch-size N] [--lr X] [--momentum X]
  *                    [--schedule cosine|constant] [--seed N] [--max-batches N] [--data-dir DIR]
@@ -24,99 +25,107 @@
 #include <string.h>
 
 #include "example_util.h"
+#include "ps_common.h"
 #include "tdist/autograd.h"
 #include "tdist/data.h"
 #include "tdist/nn.h"
 #include "tdist/optim.h"
 #include "tdist/tensor.h"
 
-/* append adds child to seq and drops the caller's reference. */
-static void append(td_module *seq, td_module *child) {
-  EX_CHECK(td_sequential_append(seq, child));
-  td_module_unref(child);
-}
+/* One training run: its parts and what it measured. */
+typedef struct run {
+  const ex_args *a;
+  td_module *model;
+  td_optim *opt;
+  td_mnist_loader *loader;
+  td_device dev;
+  int64_t nb; /* batches per epoch */
+  bool cosine;
+  double train_s, acc, last_loss; /* last_loss: the last epoch's mean */
+  int64_t samples;
+  ex_losses losses;
+  ex_json epoch_acc, epoch_time, epoch_loss;
+} run;
 
-static td_module *make_mlp(td_generator *g) {
-  td_module *seq = NULL, *m = NULL;
-  EX_CHECK(td_sequential_create(&seq));
-  EX_CHECK(td_linear_create(784, 256, true, g, &m));
-  append(seq, m);
-  EX_CHECK(td_relu_create(&m));
-  append(seq, m);
-  EX_CHECK(td_linear_create(256, 10, true, g, &m));
-  append(seq, m);
-  return seq;
-}
-
-static td_module *make_cnn(td_generator *g) {
-  td_module *seq = NULL, *m = NULL;
-  td_conv2d_opts co;
-  td_conv2d_opts_init(&co, 3);
-  co.pad_h = co.pad_w = 1;
-  EX_CHECK(td_sequential_create(&seq));
-  EX_CHECK(td_conv2d_create(1, 32, &co, g, &m));
-  append(seq, m);
-  EX_CHECK(td_relu_create(&m));
-  append(seq, m);
-  EX_CHECK(td_max_pool2d_create(2, 2, 0, 0, &m));
-  append(seq, m);
-  EX_CHECK(td_conv2d_create(32, 64, &co, g, &m));
-  append(seq, m);
-  EX_CHECK(td_relu_create(&m));
-  append(seq, m);
-  EX_CHECK(td_max_pool2d_create(2, 2, 0, 0, &m));
-  append(seq, m);
-  EX_CHECK(td_flatten_create(1, -1, &m));
-  append(seq, m);
-  EX_CHECK(td_linear_create(64 * 7 * 7, 10, true, g, &m));
-  append(seq, m);
-  return seq;
-}
-
-/* to_device moves a batch tensor to dev, replacing *t. */
-static void to_device(td_tensor **t, td_device dev) {
-  if (td_device_equal(td_tensor_device(*t), dev)) return;
-  td_tensor *moved = NULL;
-  EX_CHECK(td_tensor_to(*t, dev, &moved));
-  td_tensor_unref(*t);
-  *t = moved;
-}
-
-/* evaluate returns the accuracy of model on ds (no gradients, evaluation mode). */
-static double evaluate(td_module *model, const td_mnist *ds, bool flatten, td_device dev) {
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = 500;
-  td_mnist_loader *l = NULL;
-  EX_CHECK(td_mnist_loader_create(ds, &so, flatten, &l));
-  bool was_training = td_module_is_training(model);
-  td_module_train(model, false);
-  bool prev = td_autograd_set_enabled(false);
-  int64_t correct = 0, total = 0;
-  int64_t *pred = malloc(500 * sizeof *pred);
-  if (!pred) ex_die("out of memory");
-  for (;;) {
-    td_tensor *x = NULL, *y = NULL, *logits = NULL, *am = NULL;
-    EX_CHECK(td_mnist_loader_next(l, &x, &y));
+/* train_epoch runs one epoch of SGD (learning rate on a cosine over the run when r->cosine). */
+static void train_epoch(run *r, int epoch) {
+  const ex_args *a = r->a;
+  EX_CHECK(td_mnist_loader_set_epoch(r->loader, (uint64_t)epoch));
+  td_module_train(r->model, true);
+  char label[32];
+  snprintf(label, sizeof label, "epoch %d/%d", epoch + 1, a->epochs);
+  ex_progress bar;
+  ex_progress_start(&bar, label, r->nb);
+  double loss_sum = 0;
+  int64_t b = 0;
+  for (; b < r->nb; b++) {
+    if (r->cosine) {
+      double done = (double)(epoch * r->nb + b) / (double)(a->epochs * r->nb);
+      EX_CHECK(td_optim_set_lr(r->opt, a->lr * 0.5 * (1.0 + cos(M_PI * done))));
+    }
+    td_tensor *x = NULL, *y = NULL, *logits = NULL, *loss = NULL;
+    EX_CHECK(td_mnist_loader_next(r->loader, &x, &y));
     if (!x) break;
-    to_device(&x, dev);
-    EX_CHECK(td_module_forward(model, x, &logits));
-    EX_CHECK(td_tensor_argmax(logits, 1, false, &am));
-    int64_t n = td_tensor_size(y, 0);
-    EX_CHECK(td_tensor_copy_to_buffer(am, pred, (size_t)n * sizeof *pred));
-    const int64_t *labels = td_tensor_data(y);
-    for (int64_t i = 0; i < n; i++) correct += pred[i] == labels[i];
-    total += n;
-    td_tensor_unref(am);
+    psx_to_device(&x, r->dev);
+    psx_to_device(&y, r->dev);
+    td_optim_zero_grad(r->opt);
+    EX_CHECK(td_module_forward(r->model, x, &logits));
+    EX_CHECK(td_tensor_cross_entropy(logits, y, TD_REDUCTION_MEAN, -100, &loss));
+    EX_CHECK(td_tensor_backward(loss));
+    EX_CHECK(td_optim_step(r->opt));
+    double lv;
+    EX_CHECK(td_tensor_item(loss, &lv));
+    if (!isfinite(lv))
+      ex_die("the loss became %g at epoch %d batch %lld (try a lower --lr)", lv, epoch + 1,
+             (long long)b);
+    loss_sum += lv;
+    ex_losses_add(&r->losses, lv);
+    r->samples += td_tensor_size(x, 0);
+    ex_progress_update(&bar, b + 1, "loss %.4f", loss_sum / (double)(b + 1));
+    td_tensor_unref(loss);
     td_tensor_unref(logits);
     td_tensor_unref(x);
     td_tensor_unref(y);
   }
-  free(pred);
-  td_autograd_set_enabled(prev);
-  td_module_train(model, was_training);
-  td_mnist_loader_destroy(l);
-  return total ? (double)correct / (double)total : 0.0;
+  r->last_loss = b ? loss_sum / (double)b : NAN;
+  ex_progress_finish(&bar, "loss %.4f", r->last_loss);
+}
+
+static void print_result(run *r, double momentum, const char *schedule, int64_t ntrain,
+                         int64_t ntest, double t_start) {
+  const ex_args *a = r->a;
+  ex_json config, results;
+  ex_json_object(&config);
+  ex_json_str(&config, "model", a->model);
+  ex_json_int(&config, "epochs", a->epochs);
+  ex_json_int(&config, "batch_size", a->batch_size);
+  ex_json_num(&config, "lr", a->lr);
+  ex_json_num(&config, "momentum", momentum);
+  ex_json_str(&config, "schedule", schedule);
+  ex_json_int(&config, "seed", (int64_t)a->seed);
+  ex_json_int(&config, "max_batches", a->max_batches);
+  ex_json_str(&config, "device", a->device);
+  ex_json_int(&config, "threads", ex_blas_threads());
+  ex_json_int(&config, "train_samples", ntrain);
+  ex_json_int(&config, "test_samples", ntest);
+  ex_json_int(&config, "parameters", td_module_num_parameters(r->model));
+  ex_json_object(&results);
+  ex_json_num(&results, "test_accuracy", r->acc);
+  ex_json_num(&results, "samples_per_s", r->train_s > 0 ? (double)r->samples / r->train_s : 0.0);
+  ex_json_num(&results, "wall_s", ex_now_s() - t_start);
+  ex_json_int(&results, "epochs", a->epochs);
+  ex_json_num(&results, "train_s", r->train_s);
+  ex_json_num(&results, "final_train_loss", r->last_loss);
+  ex_json_num(&results, "first_loss", ex_losses_first(&r->losses));
+  ex_json_num(&results, "last_loss", ex_losses_last(&r->losses));
+  ex_json_child(&results, "epoch_test_accuracy", &r->epoch_acc);
+  ex_json_child(&results, "epoch_train_loss", &r->epoch_loss);
+  ex_json_child(&results, "epoch_train_s", &r->epoch_time);
+  ex_json_num(&results, "peak_rss_mb", ex_peak_rss_mb());
+  const char *const promote[] = {"test_accuracy", "samples_per_s", "epochs", "wall_s", NULL};
+  ex_json_print_result("train_local", &config, &results, promote);
+  ex_json_fini(&config);
+  ex_json_fini(&results);
 }
 
 int main(int argc, char **argv) {
@@ -126,9 +135,9 @@ int main(int argc, char **argv) {
   double momentum = 0.5;
   const char *schedule = "cosine";
   const ex_opt extra[] = {
-      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum (default 0.5)"},
+      {"momentum", EX_OPT_DOUBLE, &momentum, "SGD momentum"},
       {"schedule", EX_OPT_STRING, &schedule,
-       "learning rate schedule: cosine (decay to 0 over the run, default) or constant"},
+       "learning rate schedule: cosine (decay to 0 over the run) or constant"},
   };
   ex_args_parse(argc, argv, &a, extra, 2,
                 "train_local: train an MLP or a CNN on Fashion-MNIST in one process");
@@ -144,25 +153,12 @@ int main(int argc, char **argv) {
   EX_CHECK(td_device_parse(a.device, &dev));
   if (!td_device_available(dev)) ex_die("device %s is not available in this build", a.device);
 
-  /* Data. */
-  td_mnist_opts mo;
-  td_mnist_opts_init(&mo);
-  mo.dir = a.data_dir;
-  mo.mean = TD_FASHION_MNIST_MEAN;
-  mo.std = TD_FASHION_MNIST_STD;
-  td_mnist *train = NULL, *test = NULL;
-  td_status s = td_mnist_load(TD_MNIST_TRAIN, &mo, &train);
-  if (s == TD_ERR_NOT_FOUND)
-    ex_die("%s\n(put the Fashion-MNIST .gz files there, or pass --data-dir / set TD_DATA_DIR)",
-           td_last_error());
-  EX_CHECK(s);
-  EX_CHECK(td_mnist_load(TD_MNIST_TEST, &mo, &test));
+  td_mnist *train = psx_load_mnist(TD_MNIST_TRAIN, a.data_dir);
+  td_mnist *test = psx_load_mnist(TD_MNIST_TEST, a.data_dir);
   bool flatten = !cnn;
 
   /* Model and optimizer. */
-  td_generator *g = NULL;
-  EX_CHECK(td_generator_create(a.seed, &g));
-  td_module *model = cnn ? make_cnn(g) : make_mlp(g);
+  td_module *model = psx_make_model(a.model, a.seed);
   EX_CHECK(td_module_to(model, dev));
   td_tensor_list params;
   td_tensor_list_init(&params);
@@ -174,15 +170,8 @@ int main(int argc, char **argv) {
   td_optim *opt = NULL;
   EX_CHECK(td_optim_create(&oo, params.tensors, params.n, &opt));
 
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = a.batch_size;
-  so.shuffle = true;
-  so.seed = a.seed;
-  td_mnist_loader *loader = NULL;
-  EX_CHECK(td_mnist_loader_create(train, &so, flatten, &loader));
-  int64_t nb = td_sampler_num_batches(td_mnist_loader_sampler(loader));
-  if (a.max_batches > 0 && a.max_batches < nb) nb = a.max_batches;
+  int64_t nb;
+  td_mnist_loader *loader = psx_shard_loader(train, &a, 0, 1, flatten, &nb); /* all of it */
 
   fprintf(stderr, "train_local: %s, %lld parameters, %lld train / %lld test samples, batch %lld, "
           "SGD lr %g (%s) momentum %g, device %s, BLAS threads %d\n",
@@ -190,101 +179,32 @@ int main(int argc, char **argv) {
           (long long)td_mnist_count(test), (long long)a.batch_size, a.lr, schedule, momentum,
           a.device, ex_blas_threads());
 
-  ex_json epoch_acc, epoch_time, epoch_loss;
-  ex_json_array(&epoch_acc);
-  ex_json_array(&epoch_time);
-  ex_json_array(&epoch_loss);
-  double train_s = 0, acc = 0, last_loss = NAN;
-  int64_t samples = 0;
+  run r = {.a = &a, .model = model, .opt = opt, .loader = loader, .dev = dev, .nb = nb,
+           .cosine = cosine};
+  ex_json_array(&r.epoch_acc);
+  ex_json_array(&r.epoch_time);
+  ex_json_array(&r.epoch_loss);
   for (int epoch = 0; epoch < a.epochs; epoch++) {
-    EX_CHECK(td_mnist_loader_set_epoch(loader, (uint64_t)epoch));
-    td_module_train(model, true);
-    char label[32];
-    snprintf(label, sizeof label, "epoch %d/%d", epoch + 1, a.epochs);
-    ex_progress bar;
-    ex_progress_start(&bar, label, nb);
-    double t0 = ex_now_s(), loss_sum = 0;
-    int64_t b = 0;
-    for (; b < nb; b++) {
-      if (cosine) {
-        double done = (double)(epoch * nb + b) / (double)(a.epochs * nb);
-        EX_CHECK(td_optim_set_lr(opt, a.lr * 0.5 * (1.0 + cos(M_PI * done))));
-      }
-      td_tensor *x = NULL, *y = NULL, *logits = NULL, *loss = NULL;
-      EX_CHECK(td_mnist_loader_next(loader, &x, &y));
-      if (!x) break;
-      to_device(&x, dev);
-      to_device(&y, dev);
-      td_optim_zero_grad(opt);
-      EX_CHECK(td_module_forward(model, x, &logits));
-      EX_CHECK(td_tensor_cross_entropy(logits, y, TD_REDUCTION_MEAN, -100, &loss));
-      EX_CHECK(td_tensor_backward(loss));
-      EX_CHECK(td_optim_step(opt));
-      double lv;
-      EX_CHECK(td_tensor_item(loss, &lv));
-      if (!isfinite(lv)) ex_die("loss became %g at epoch %d batch %lld", lv, epoch + 1,
-                                (long long)b);
-      loss_sum += lv;
-      samples += td_tensor_size(x, 0);
-      ex_progress_update(&bar, b + 1, "loss %.4f", loss_sum / (double)(b + 1));
-      td_tensor_unref(loss);
-      td_tensor_unref(logits);
-      td_tensor_unref(x);
-      td_tensor_unref(y);
-    }
-    double et = ex_now_s() - t0;
-    train_s += et;
-    last_loss = b ? loss_sum / (double)b : NAN;
-    ex_progress_finish(&bar, "loss %.4f", last_loss);
-    double te0 = ex_now_s();
-    acc = evaluate(model, test, flatten, dev);
+    double t0 = ex_now_s();
+    train_epoch(&r, epoch);
+    double et = ex_now_s() - t0, te0 = ex_now_s();
+    r.train_s += et;
+    r.acc = psx_evaluate(model, test, flatten);
     fprintf(stderr, "epoch %d: train loss %.4f, test accuracy %.4f (train %.1fs, eval %.1fs)\n",
-            epoch + 1, last_loss, acc, et, ex_now_s() - te0);
-    ex_json_num(&epoch_acc, NULL, acc);
-    ex_json_num(&epoch_time, NULL, et);
-    ex_json_num(&epoch_loss, NULL, last_loss);
+            epoch + 1, r.last_loss, r.acc, et, ex_now_s() - te0);
+    ex_json_num(&r.epoch_acc, NULL, r.acc);
+    ex_json_num(&r.epoch_time, NULL, et);
+    ex_json_num(&r.epoch_loss, NULL, r.last_loss);
   }
-  if (a.epochs == 0) acc = evaluate(model, test, flatten, dev);
-
-  ex_json config, results;
-  ex_json_object(&config);
-  ex_json_str(&config, "model", a.model);
-  ex_json_int(&config, "epochs", a.epochs);
-  ex_json_int(&config, "batch_size", a.batch_size);
-  ex_json_num(&config, "lr", a.lr);
-  ex_json_num(&config, "momentum", momentum);
-  ex_json_str(&config, "schedule", schedule);
-  ex_json_int(&config, "seed", (int64_t)a.seed);
-  ex_json_int(&config, "max_batches", a.max_batches);
-  ex_json_str(&config, "device", a.device);
-  ex_json_int(&config, "threads", ex_blas_threads());
-  ex_json_int(&config, "train_samples", td_mnist_count(train));
-  ex_json_int(&config, "test_samples", td_mnist_count(test));
-  ex_json_int(&config, "parameters", td_module_num_parameters(model));
-  ex_json_object(&results);
-  ex_json_num(&results, "test_accuracy", acc);
-  ex_json_num(&results, "samples_per_s", train_s > 0 ? (double)samples / train_s : 0.0);
-  ex_json_num(&results, "wall_s", ex_now_s() - t_start);
-  ex_json_int(&results, "epochs", a.epochs);
-  ex_json_num(&results, "train_s", train_s);
-  ex_json_num(&results, "final_train_loss", last_loss);
-  ex_json_child(&results, "epoch_test_accuracy", &epoch_acc);
-  ex_json_child(&results, "epoch_train_loss", &epoch_loss);
-  ex_json_child(&results, "epoch_train_s", &epoch_time);
-  ex_json_num(&results, "peak_rss_mb", ex_peak_rss_mb());
-  const char *const promote[] = {"test_accuracy", "samples_per_s", "epochs", "wall_s", NULL};
-  ex_json_print_result("train_local", &config, &results, promote);
-
-  ex_json_fini(&config);
-  ex_json_fini(&results);
-  ex_json_fini(&epoch_acc);
-  ex_json_fini(&epoch_time);
-  ex_json_fini(&epoch_loss);
+  if (a.epochs == 0) r.acc = psx_evaluate(model, test, flatten);
+  print_result(&r, momentum, schedule, td_mnist_count(train), td_mnist_count(test), t_start);
+  ex_json_fini(&r.epoch_acc);
+  ex_json_fini(&r.epoch_time);
+  ex_json_fini(&r.epoch_loss);
   td_mnist_loader_destroy(loader);
   td_optim_destroy(opt);
   td_tensor_list_fini(&params);
   td_module_unref(model);
-  td_generator_destroy(g);
   td_mnist_destroy(train);
   td_mnist_destroy(test);
   return 0;

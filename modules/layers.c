@@ -6,6 +6,9 @@
  * they see the current tensors after td_module_to()/td_module_to_dtype() replaced them. Every
  * forward checks the input (NULL, rank, size, dtype, device) itself and names the module in the
  * error, before calling the differentiable tensor op.
+ *
+ * Lock order: a Dropout's mu guards its generator and is held only around td_tensor_dropout,
+ * which takes no lock but the tensor layer's leaf locks (the CPU allocator's cache).
  */
 #include <math.h>
 #include <pthread.h>

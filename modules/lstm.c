@@ -11,6 +11,9 @@
  *
  * Parameters are read by registration index: the cell has weight_ih, weight_hh[, bias_ih,
  * bias_hh]; the LSTM has those four (or two) per layer, layer after layer, as PyTorch names them.
+ *
+ * Lock order: an LSTM's mu guards its dropout generator and is held only around
+ * td_tensor_dropout, which takes no lock but the tensor layer's leaf locks.
  */
 #include <math.h>
 #include <pthread.h>

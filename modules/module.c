@@ -11,6 +11,9 @@
  * The factory registry is a process-wide array guarded by one mutex (reg_mu). Factories run
  * outside the lock, so a factory may itself create modules through the registry.
  *
+ * Lock order: reg_mu is a leaf (modules themselves have no lock: see each declaration in nn.h
+ * for which calls may run concurrently).
+ *
  * Also here: td_tensor_list, the caller-owned list used for parameters and state dicts.
  */
 #include <pthread.h>

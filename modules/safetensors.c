@@ -248,12 +248,7 @@ td_status td_safetensors_parse(const void *buf, size_t len, td_tensor_list *tens
   td__json *root = NULL;
   td_status st = td__json_parse(header, (size_t)hlen, &root);
   if (st != TD_OK) {
-    if (st == TD_ERR_FORMAT) {
-      char msg[512];
-      snprintf(msg, sizeof msg, "%s", td_last_error());
-      return BAD("%s", msg);
-    }
-    return st;
+    return st == TD_ERR_FORMAT ? td__error_prefix(st, "safetensors") : st;
   }
   entry *entries = NULL, **order = NULL;
   td_safetensors_meta meta_tmp;
@@ -494,11 +489,7 @@ td_status td_safetensors_read(const char *path, td_tensor_list *tensors,
     goto out;
   }
   st = td_safetensors_parse(buf, (size_t)size, tensors, meta);
-  if (st != TD_OK) {
-    char msg[768];
-    snprintf(msg, sizeof msg, "%s", td_last_error());
-    td_set_error(st, "%s (file %s)", msg, path);
-  }
+  if (st != TD_OK) td__error_prefix(st, "%s", path);
 out:
   fclose(f);
   td__free(buf);

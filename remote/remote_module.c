@@ -332,9 +332,11 @@ td_status td_remote_module_create(td_rpc_agent *a, const char *remote_device,
   td_future *f = NULL;
   st = td_rref_creation_future(r, &f);
   if (st == TD_OK && (st = td_future_wait(f, -1)) == TD_OK) st = td_future_status(f);
-  if (st != TD_OK)
+  if (st != TD_OK && f)
     td_set_error(st, "remote_module_create('%s', '%s'): %s", remote_device, factory,
-                 f ? td_future_message(f) : td_last_error());
+                 td_future_message(f));
+  else if (st != TD_OK)
+    td__error_prefix(st, "remote_module_create('%s', '%s')", remote_device, factory);
   td_future_unref(f);
   td_remote_module *rm = st == TD_OK ? handle_new(a, r, d.device) : NULL;
   if (st == TD_OK && !rm) st = td_set_error(TD_ERR_NOMEM, "remote module: out of memory");
@@ -435,17 +437,19 @@ td_status td_remote_module_parameters(td_remote_module *rm, td_value **out) {
 /* ---- registration ---- */
 
 static void layer_init_once(void) {
+  /* td_rpc_init registers the distributed optimizer's layer first: it owns the "nn.Module"
+   * object type and __dist_param_rrefs, which RemoteModules use. */
   td__rpc_register_internal("__rm_create", h_create, NULL);
   td__rpc_register_internal("__rm_forward", h_forward, NULL);
   td__rpc_register_internal("__rm_train", h_train, NULL);
   td__rpc_register_internal("__rm_info", h_info, NULL);
 }
 
-/* td__remote_layer_init registers this layer's internal functions (idempotent). It runs when the
- * library loads and again from td_rpc_init (runtime/init.c), so static programs always have it. */
+/* td__remote_layer_init registers this layer with the agent; td_rpc_init calls it (runtime/init.c)
+ * before it starts the agent, the only registration path (no load-time constructor: static
+ * programs need no dummy reference, and a dlopen()ed library registers nothing behind the
+ * caller's back). Idempotent. */
 void td__remote_layer_init(void) {
   static pthread_once_t once = PTHREAD_ONCE_INIT;
   pthread_once(&once, layer_init_once);
 }
-
-__attribute__((constructor)) static void layer_init_at_load(void) { td__remote_layer_init(); }

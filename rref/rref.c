@@ -393,9 +393,7 @@ static td_status ext_to_wire(void *obj, td__wire_ctx *w, td_value **out) {
     __atomic_add_fetch(&r->children, 1, __ATOMIC_ACQ_REL);
     td_status st = td__rref_control(c, r->owner, "__rref_fork", hdr, td_rref_ref(r));
     if (st != TD_OK) {
-      char why[600];
-      snprintf(why, sizeof why, "%s", td_last_error());
-      return td_set_error(st, "rref: cannot fork %s: %s", td_rref_to_string(r, s, sizeof s), why);
+      return td__error_prefix(st, "rref: cannot fork %s", td_rref_to_string(r, s, sizeof s));
     }
   }
   int64_t v[5] = {(int64_t)r->id, (int64_t)f, r->owner, c->rank, confirmed};
@@ -825,7 +823,7 @@ void td__rref_user_register(void) {
   td__rpc_register_internal("__rref_confirm", h_confirm, NULL);
 }
 
-/* ---- registration with the agent (library load) ---- */
+/* ---- registration with the agent (from td_rpc_init) ---- */
 
 static void layer_init_once(void) {
   td__value_ext_register(&rref_type);
@@ -836,13 +834,11 @@ static void layer_init_once(void) {
   td__agent_add_hooks(&h);
 }
 
-/* td__rref_layer_init registers this layer with the agent (value types, internal functions,
- * hooks). It runs when the library loads and again from td_rpc_init (runtime/init.c), so a
- * program linked against the static library gets the layer even when it references none of its
- * symbols. Idempotent. */
+/* td__rref_layer_init registers this layer with the agent; td_rpc_init calls it (runtime/init.c)
+ * before it starts the agent, the only registration path (no load-time constructor: static
+ * programs need no dummy reference, and a dlopen()ed library registers nothing behind the
+ * caller's back). Idempotent. */
 void td__rref_layer_init(void) {
   static pthread_once_t once = PTHREAD_ONCE_INIT;
   pthread_once(&once, layer_init_once);
 }
-
-__attribute__((constructor)) static void layer_init_at_load(void) { td__rref_layer_init(); }

@@ -16,7 +16,6 @@
 #include <time.h>
 
 #include "rref_impl.h"
-#include "tdist/nn.h"
 
 /* ---- u64 map ---- */
 
@@ -470,9 +469,4 @@ const char *td_value_object_type(const td_value *v) {
   return ((obj_box *)td__value_ext_obj(v))->type->name;
 }
 
-static void module_destroy(void *m) { td_module_unref(m); }
-
-void td__rref_objects_init(void) {
-  td__value_ext_register(&box_type);
-  td_object_type_register("nn.Module", module_destroy);
-}
+void td__rref_objects_init(void) { td__value_ext_register(&box_type); }

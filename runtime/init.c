@@ -1,11 +1,11 @@
 /* init.c - the top of the layer stack: tdist's public entry points that need every layer.
  *
- * Upper layers (RRefs, distributed autograd, the distributed optimizer) register themselves with
- * the RPC agent: value types, internal "__" functions, middleware, hooks. Each layer also does
- * this from a constructor when the shared library loads, but a program linked against the static
- * library only gets the object files it references, so a worker that merely serves RRefs or
- * optimizer steps would lack them. td_rpc_init lives here, above every layer, and calls each
- * layer's (idempotent) registration before starting the agent, which pulls them all in.
+ * Upper layers (RRefs, distributed autograd, the distributed optimizer, remote modules) register
+ * themselves with the RPC agent: value types, object types, internal "__" functions, middleware,
+ * hooks. This is their only registration path: td_rpc_init lives here, above every layer, and
+ * calls each layer's (idempotent) registration, in dependency order, before starting the agent.
+ * Referencing td_rpc_init pulls every layer out of the static library, and nothing runs at load
+ * time (no constructors: a program that dlopen()s tdist gets no hidden side effects).
  */
 #include "../rpc/agent_impl.h"
 #include "layers.h"

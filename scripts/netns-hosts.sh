@@ -6,7 +6,7 @@
 #   scripts/netns-hosts.sh exec HOST CMD.. run CMD inside HOST (1, 2, 3, h1, td-h1, ...)
 #   scripts/netns-hosts.sh status          list what exists
 #
-# Layout (see ../shared/notes/slurm-netns.md, part B):
+# Layout (the facts behind it: docs/MULTIHOST.md):
 #   - td-br: a namespace holding only the "switch", bridge br0, with one veth port pI per host;
 #   - td-hI (I = 1..3): loopback up, eth0 = 10.77.0.I/24 (veth to pI), /etc/hosts naming the
 #     hosts h1..h3 (ip netns exec bind-mounts /etc/netns/td-hI/hosts over /etc/hosts).

@@ -23,7 +23,7 @@
 # namespace too (the root namespace blackholes the hosts' subnet): use `run`. One munged serves
 # every node (a unix socket crosses network namespaces). Each node claims 8 CPUs
 # (SlurmdParameters=config_overrides), so `srun -n 8` fits on a 2-core machine.
-# See ../shared/notes/slurm-netns.md for the measured facts behind these choices.
+# See docs/MULTIHOST.md for the measured facts behind these choices.
 #
 # State. start makes DIR (default: a new /tmp/tdist-slurm.XXXXXX; a given DIR must not exist or
 # be empty) holding slurm.conf, the munge key and socket, pid files, logs and spool, marks it with

@@ -772,11 +772,7 @@ static td_status run_node(pass *p, entry *e) {
     if (!gin) return td_set_error(TD_ERR_NOMEM, "autograd: out of memory");
   }
   st = n->ops->backward(n, e->buf, gin);
-  if (st != TD_OK) {
-    char msg[1024];
-    snprintf(msg, sizeof msg, "%s", td_last_error());
-    td_set_error(st, "autograd: %s failed: %s", td_node_name(n), msg);
-  }
+  if (st != TD_OK) td__error_prefix(st, "autograd: %s failed", td_node_name(n));
   for (int k = 0; k < n->n_outputs; k++) {
     td_tensor_unref(e->buf[k]);
     e->buf[k] = NULL;

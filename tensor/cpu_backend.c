@@ -4,6 +4,8 @@
  * Elementwise kernels walk any strided geometry: dims are first coalesced (adjacent dims that are
  * contiguous in every operand merge), then the innermost dim runs as a tight loop and the outer
  * dims as an odometer. Float32 sums accumulate in double. GEMM goes to OpenBLAS.
+ *
+ * Lock order: cache.mu (the allocator's cache of freed blocks) is a leaf; kernels take no lock.
  */
 #include <cblas.h>
 #include <pthread.h>

@@ -1,4 +1,8 @@
-/* example_util.c - argument parsing, progress bar, JSON output, clocks (see example_util.h). */
+/* example_util.c - argument parsing, progress bar, JSON output, clocks (see example_util.h).
+ *
+ * Lock order: an ex_reports' mu and an ex_handout's mu are leaves (held only to update or read
+ * their own fields).
+ */
 #define _GNU_SOURCE
 #include "example_util.h"
 
@@ -22,8 +26,11 @@ static const char *g_prog = "example";
 
 void ex_check(td_status s, const char *what, const char *file, int line) {
   if (s == TD_OK) return;
-  fprintf(stderr, "%s: %s:%d: %s failed: %s: %s\n", g_prog, file, line, what, td_status_name(s),
-          td_last_error());
+  const char *msg = td_last_error();
+  fprintf(stderr, "%s: %s\n", g_prog, *msg ? msg : td_status_str(s));
+  if (td_log_get_level() <= TD_LOG_DEBUG) /* where, for whoever debugs the example */
+    fprintf(stderr, "%s: (%s:%d: %s returned %s)\n", g_prog, file, line, what,
+            td_status_name(s));
   exit(1);
 }
 
@@ -60,16 +67,45 @@ static const char *type_meta(ex_opt_type t) {
   return "";
 }
 
-static void usage(const char *about, const ex_opt *opts, int n, const ex_opt *extra, int n_extra,
-                  FILE *f) {
+/* format_default writes o's current value (the default, before parsing) into buf; "" when it
+ * has none to show (a flag, a NULL string). */
+static void format_default(const ex_opt *o, char *buf, size_t n) {
+  buf[0] = '\0';
+  switch (o->type) {
+  case EX_OPT_INT: snprintf(buf, n, "%d", *(const int *)o->dst); break;
+  case EX_OPT_I64: snprintf(buf, n, "%lld", (long long)*(const int64_t *)o->dst); break;
+  case EX_OPT_U64: snprintf(buf, n, "%llu", (unsigned long long)*(const uint64_t *)o->dst); break;
+  case EX_OPT_DOUBLE: snprintf(buf, n, "%g", *(const double *)o->dst); break;
+  case EX_OPT_STRING: {
+    const char *v = *(const char *const *)o->dst;
+    if (v) snprintf(buf, n, "%s", v);
+    break;
+  }
+  case EX_OPT_FLAG: break;
+  }
+}
+
+/* omitted says whether the example left the common option name out (ex_args.omit). */
+static bool omitted(const char *omit, const char *name) {
+  size_t len = strlen(name);
+  for (const char *p = omit; p && (p = strstr(p, name)) != NULL; p += len)
+    if ((p == omit || p[-1] == ' ') && (p[len] == ' ' || p[len] == '\0')) return true;
+  return false;
+}
+
+/* usage prints the options of both tables with the defaults captured before parsing (defs). */
+static void usage(const char *about, const ex_opt *const tab[2], const int ntab[2],
+                  char (*const defs[2])[48], const char *omit, FILE *f) {
   fprintf(f, "%s\nusage: %s [options]\n", about ? about : "", g_prog);
   for (int k = 0; k < 2; k++) {
-    const ex_opt *o = k ? extra : opts;
-    int m = k ? n_extra : n;
-    for (int i = 0; i < m; i++) {
+    for (int i = 0; i < ntab[k]; i++) {
+      const ex_opt *o = &tab[k][i];
+      if (k == 0 && omitted(omit, o->name)) continue;
       char left[64];
-      snprintf(left, sizeof left, "--%s %s", o[i].name, type_meta(o[i].type));
-      fprintf(f, "  %-24s %s\n", left, o[i].help ? o[i].help : "");
+      snprintf(left, sizeof left, "--%s %s", o->name, type_meta(o->type));
+      fprintf(f, "  %-24s %s", left, o->help ? o->help : "");
+      if (defs[k][i][0]) fprintf(f, " (default: %s)", defs[k][i]);
+      fputc('\n', f);
     }
   }
   fprintf(f, "  %-24s %s\n", "--help", "print this help");
@@ -118,22 +154,31 @@ void ex_args_parse(int argc, char **argv, ex_args *a, const ex_opt *extra, int n
     g_prog = slash ? slash + 1 : argv[0];
   }
   const ex_opt common[] = {
-      {"epochs", EX_OPT_INT, &a->epochs, "passes over the training data (default 1)"},
+      {"epochs", EX_OPT_INT, &a->epochs, "passes over the training data"},
       {"max-batches", EX_OPT_I64, &a->max_batches, "stop each epoch after N batches (0: all)"},
-      {"batch-size", EX_OPT_I64, &a->batch_size, "samples per batch (default 64)"},
+      {"batch-size", EX_OPT_I64, &a->batch_size, "samples per batch"},
       {"lr", EX_OPT_DOUBLE, &a->lr, "learning rate"},
-      {"seed", EX_OPT_U64, &a->seed, "initialisation and shuffling seed (default 0)"},
-      {"model", EX_OPT_STRING, &a->model, "model: mlp or cnn (default mlp)"},
+      {"seed", EX_OPT_U64, &a->seed, "initialisation and shuffling seed"},
+      {"model", EX_OPT_STRING, &a->model, "model: mlp or cnn"},
       {"data-dir", EX_OPT_STRING, &a->data_dir,
-       "data directory (default $TD_DATA_DIR, else /usr/share/datasets/fashion-mnist)"},
+       "data directory (when not given: $TD_DATA_DIR, else /usr/share/datasets/fashion-mnist)"},
       {"threads", EX_OPT_INT, &a->threads, "BLAS threads (0: library default)"},
-      {"device", EX_OPT_STRING, &a->device, "cpu, cuda or cuda:N (default cpu)"},
+      {"device", EX_OPT_STRING, &a->device, "cpu, cuda or cuda:N"},
   };
   const int n_common = (int)(sizeof common / sizeof common[0]);
+  /* --help shows the defaults: the values before parsing (an example sets its own first) */
+  char common_defs[sizeof common / sizeof common[0]][48], (*extra_defs)[48] = NULL;
+  if (n_extra > 0 && !(extra_defs = calloc((size_t)n_extra, sizeof *extra_defs)))
+    ex_die("out of memory");
+  for (int i = 0; i < n_common; i++) format_default(&common[i], common_defs[i], 48);
+  for (int i = 0; i < n_extra; i++) format_default(&extra[i], extra_defs[i], 48);
+  const ex_opt *const tab[2] = {common, extra};
+  const int ntab[2] = {n_common, n_extra};
+  char (*const defs[2])[48] = {common_defs, extra_defs};
   for (int i = 1; i < argc; i++) {
     const char *arg = argv[i];
     if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
-      usage(about, common, n_common, extra, n_extra, stdout);
+      usage(about, tab, ntab, defs, a->omit, stdout);
       exit(0);
     }
     if (strncmp(arg, "--", 2) != 0) {
@@ -148,7 +193,8 @@ void ex_args_parse(int argc, char **argv, ex_args *a, const ex_opt *extra, int n
       const ex_opt *tab = k ? extra : common;
       int m = k ? n_extra : n_common;
       for (int j = 0; j < m; j++)
-        if (strlen(tab[j].name) == len && !strncmp(tab[j].name, name, len)) {
+        if (strlen(tab[j].name) == len && !strncmp(tab[j].name, name, len) &&
+            !(k == 0 && omitted(a->omit, tab[j].name))) {
           o = &tab[j];
           break;
         }
@@ -183,6 +229,7 @@ void ex_args_parse(int argc, char **argv, ex_args *a, const ex_opt *extra, int n
     exit(2);
   }
   if (a->threads > 0) openblas_set_num_threads(a->threads);
+  free(extra_defs);
 }
 
 int ex_blas_threads(void) { return openblas_get_num_threads(); }
@@ -248,23 +295,19 @@ void ex_progress_update(ex_progress *p, int64_t done, const char *fmt, ...) {
   }
   if (!due) return;
   char suffix[256] = "";
-  if (fmt) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(suffix, sizeof suffix, fmt, ap);
-    va_end(ap);
-  }
+  va_list ap;
+  va_start(ap, fmt);
+  if (fmt) vsnprintf(suffix, sizeof suffix, fmt, ap);
+  va_end(ap);
   draw(p, suffix, false);
 }
 
 void ex_progress_finish(ex_progress *p, const char *fmt, ...) {
   char suffix[256] = "";
-  if (fmt) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(suffix, sizeof suffix, fmt, ap);
-    va_end(ap);
-  }
+  va_list ap;
+  va_start(ap, fmt);
+  if (fmt) vsnprintf(suffix, sizeof suffix, fmt, ap);
+  va_end(ap);
   draw(p, suffix, true);
 }
 
@@ -447,6 +490,55 @@ double ex_peak_rss_mb(void) {
   return (double)ru.ru_maxrss / 1024.0; /* Linux reports KiB */
 }
 
+/* ---- loss windows ---- */
+
+void ex_losses_add(ex_losses *l, double loss) {
+  if (l->n < EX_LOSS_WINDOW) l->first[l->n] = loss;
+  l->last[l->n % EX_LOSS_WINDOW] = loss;
+  l->n++;
+}
+
+static double mean(const double *v, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; i++) s += v[i];
+  return n ? s / (double)n : NAN;
+}
+
+double ex_losses_first(const ex_losses *l) {
+  return mean(l->first, l->n < EX_LOSS_WINDOW ? l->n : EX_LOSS_WINDOW);
+}
+
+double ex_losses_last(const ex_losses *l) {
+  return mean(l->last, l->n < EX_LOSS_WINDOW ? l->n : EX_LOSS_WINDOW);
+}
+
+/* ---- handouts ---- */
+
+void ex_handout_init(ex_handout *h) {
+  pthread_mutex_init(&h->mu, NULL);
+  h->ready = td_future_create();
+  if (!h->ready) ex_die("out of memory");
+}
+
+td_status ex_handout_get(ex_handout *h, td_future **fut) {
+  pthread_mutex_lock(&h->mu);
+  td_future *f = td_future_ref(h->ready);
+  pthread_mutex_unlock(&h->mu);
+  if (!f) return td_set_error(TD_ERR_STATE, "the server is shutting down");
+  *fut = f;
+  return TD_OK;
+}
+
+void ex_handout_publish(ex_handout *h, td_value *v) { EX_CHECK(td_future_complete(h->ready, v)); }
+
+void ex_handout_fini(ex_handout *h) {
+  pthread_mutex_lock(&h->mu);
+  td_future *f = h->ready;
+  h->ready = NULL;
+  pthread_mutex_unlock(&h->mu);
+  td_future_unref(f);
+}
+
 /* ---- per-epoch reports ---- */
 
 void ex_reports_init(ex_reports *r, ex_report_slot *slots, int nslots, int nfields,
@@ -457,10 +549,11 @@ void ex_reports_init(ex_reports *r, ex_report_slot *slots, int nslots, int nfiel
   r->nslots = nslots;
   r->nfields = nfields < EX_REPORT_FIELDS ? nfields : EX_REPORT_FIELDS;
   r->max_field = max_field;
+  r->failed = false;
 }
 
 td_status ex_reports_add(ex_reports *r, const char *fn, td_value *const *args, int n,
-                         int min_slot) {
+                         int min_slot, td_future **fut) {
   int64_t slot;
   double v[EX_REPORT_FIELDS];
   if (n != 2 || td_value_list_len(args[1]) != (size_t)r->nfields)
@@ -473,12 +566,17 @@ td_status ex_reports_add(ex_reports *r, const char *fn, td_value *const *args, i
     return td_set_error(TD_ERR_INVALID, "%s: bad slot %lld", fn, (long long)slot);
   pthread_mutex_lock(&r->mu);
   ex_report_slot *s = &r->slots[slot];
-  s->arrived++;
-  for (int i = 0; i < r->nfields; i++)
-    s->v[i] = i == r->max_field ? fmax(s->v[i], v[i]) : s->v[i] + v[i];
-  pthread_cond_broadcast(&r->cv);
+  if (fut && !s->answer) s->answer = td_future_create();
+  if (fut && !s->answer) st = td_set_error(TD_ERR_NOMEM, "%s: out of memory", fn);
+  if (st == TD_OK) {
+    s->arrived++;
+    for (int i = 0; i < r->nfields; i++)
+      s->v[i] = i == r->max_field ? fmax(s->v[i], v[i]) : s->v[i] + v[i];
+    if (fut) *fut = td_future_ref(s->answer);
+    pthread_cond_broadcast(&r->cv);
+  }
   pthread_mutex_unlock(&r->mu);
-  return TD_OK;
+  return st;
 }
 
 const ex_report_slot *ex_reports_wait(ex_reports *r, int slot, int trainers) {
@@ -486,8 +584,50 @@ const ex_report_slot *ex_reports_wait(ex_reports *r, int slot, int trainers) {
   clock_gettime(CLOCK_REALTIME, &dl);
   dl.tv_sec += 3600;
   pthread_mutex_lock(&r->mu);
-  while (r->slots[slot].arrived < trainers)
+  while (r->slots[slot].arrived < trainers && !r->failed)
     if (pthread_cond_timedwait(&r->cv, &r->mu, &dl) != 0) ex_die("trainers never reported");
+  bool failed = r->failed;
   pthread_mutex_unlock(&r->mu);
-  return &r->slots[slot];
+  return failed ? NULL : &r->slots[slot];
+}
+
+void ex_reports_answer(ex_reports *r, int slot, td_value *v) {
+  pthread_mutex_lock(&r->mu);
+  td_future *f = td_future_ref(r->slots[slot].answer);
+  pthread_mutex_unlock(&r->mu);
+  if (f) EX_CHECK(td_future_complete(f, v));
+  else td_value_unref(v);
+  td_future_unref(f);
+}
+
+void ex_reports_fail(ex_reports *r, const char *msg) {
+  pthread_mutex_lock(&r->mu);
+  r->failed = true;
+  for (int i = 0; i < r->nslots; i++)
+    if (r->slots[i].answer && !td_future_done(r->slots[i].answer))
+      td_future_fail(r->slots[i].answer, TD_ERR_UNAVAILABLE, "%s", msg);
+  pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+}
+
+void ex_reports_fini(ex_reports *r) {
+  for (int i = 0; i < r->nslots; i++) {
+    td_future_unref(r->slots[i].answer);
+    r->slots[i].answer = NULL;
+  }
+}
+
+td_value *ex_report_send(td_rpc_agent *a, const char *fn, int slot, const double *v, int n) {
+  td_value *args[2] = {td_value_int(slot), td_value_list()};
+  if (!args[0] || !args[1]) ex_die("out of memory");
+  for (int i = 0; i < n; i++) {
+    td_value *x = td_value_double(v[i]);
+    if (!x || td_value_list_append(args[1], x) != TD_OK) ex_die("out of memory");
+  }
+  td_rpc_call_opts co = {.timeout_ms = 0};
+  td_value *res = NULL;
+  EX_CHECK(td_rpc_sync(a, "worker0", fn, args, 2, &co, &res));
+  td_value_unref(args[0]);
+  td_value_unref(args[1]);
+  return res;
 }

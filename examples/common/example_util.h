@@ -5,7 +5,7 @@
  *                            --device) plus an example's own options from a table.
  *   ex_progress              a progress bar on standard error: redrawn in place when standard
  *                            error is a terminal, otherwise one line about every 10%.
- *   ex_json                  a tiny JSON builder for the final output line (shared/BENCH.md:
+ *   ex_json                  a tiny JSON builder for the final output line (docs/BENCH.md:
  *                            {"bench": name, "config": {...}, "results": {...}}).
  *   ex_now_s, ex_peak_rss_mb a monotonic wall clock and the peak resident set size.
  *
@@ -25,7 +25,9 @@
 
 /* ---- errors ---- */
 
-/* EX_CHECK exits the program with the status name and td_last_error() unless expr is TD_OK. */
+/* EX_CHECK exits the program unless expr is TD_OK, printing "prog: " and td_last_error() (the
+ * library's message says what failed and where: which worker, which call, which shape); with
+ * TD_LOG_LEVEL=debug also the source line and the expression. */
 #define EX_CHECK(expr) ex_check((expr), #expr, __FILE__, __LINE__)
 void ex_check(td_status s, const char *what, const char *file, int line);
 
@@ -63,6 +65,9 @@ typedef struct ex_args {
                            default. Default NULL. */
   int threads;          /* --threads N: BLAS threads; 0 keeps the BLAS default. Default 0. */
   const char *device;   /* --device cpu|cuda|cuda:N. Default "cpu". */
+  const char *omit;     /* common options this example does not take, space-separated names
+                           ("model device"): --help leaves them out, parsing rejects them.
+                           Default NULL (takes all). */
 } ex_args;
 
 /* ex_args_init fills *a with the defaults above. */
@@ -70,8 +75,9 @@ void ex_args_init(ex_args *a);
 
 /* ex_args_parse parses argv into *a (which should hold defaults, see ex_args_init) and the
  * example's own options extra[0..n_extra). --help prints the usage, with `about` as the first
- * line, and exits 0; an unknown option or a bad value prints a message and exits 2. When
- * threads > 0, also sets the BLAS thread count. */
+ * line, and exits 0; each option's default shown there is the value its variable holds when
+ * ex_args_parse is called (one table gives both, so they cannot disagree). An unknown option or a
+ * bad value prints a message and exits 2. When threads > 0, also sets the BLAS thread count. */
 void ex_args_parse(int argc, char **argv, ex_args *a, const ex_opt *extra, int n_extra,
                    const char *about);
 
@@ -146,26 +152,81 @@ double ex_now_s(void);
 /* ex_peak_rss_mb returns the peak resident set size of this process in MiB (getrusage). */
 double ex_peak_rss_mb(void);
 
-/* Per-epoch reports that trainers send to the server of a multi-process example: each trainer
- * calls a registered function with (slot, [nfields doubles]); the server adds them up per slot
- * (field max_field takes the maximum instead, e.g. a wall time) and waits until every trainer
- * reported a slot. */
+/* ---- training loss at the start and at the end ---- */
+
+/* ex_losses keeps the training loss of the first and of the latest EX_LOSS_WINDOW batches of a
+ * run: every example reports their means as first_loss / last_loss, and its test checks that the
+ * loss fell. */
+#define EX_LOSS_WINDOW 5
+typedef struct ex_losses {
+  double first[EX_LOSS_WINDOW], last[EX_LOSS_WINDOW]; /* last: a ring */
+  int64_t n;                                          /* losses added */
+} ex_losses;
+/* ex_losses_add records the loss of the next batch (zero-initialise an ex_losses first). */
+void ex_losses_add(ex_losses *l, double loss);
+/* ex_losses_first / _last return the mean of the first / latest (up to) EX_LOSS_WINDOW losses;
+ * NAN when none was added. */
+double ex_losses_first(const ex_losses *l);
+double ex_losses_last(const ex_losses *l);
+
+/* ---- a value the server hands out once it exists ---- */
+
+/* An ex_handout answers a registered function with a value the server's main thread makes after
+ * the agent started (a model's RRef). A request that arrives before it exists gets a future that
+ * completes when the value is published: no pool thread waits (a handler blocked on the main
+ * thread is the deadlock pattern handlers must avoid). */
+typedef struct ex_handout {
+  pthread_mutex_t mu;
+  td_future *ready; /* completed with the value by ex_handout_publish; NULL after fini */
+} ex_handout;
+/* ex_handout_init prepares h; call it before td_rpc_init, so early requests find it. */
+void ex_handout_init(ex_handout *h);
+/* ex_handout_get is the body of the registered function: *fut gets a future of the value. */
+td_status ex_handout_get(ex_handout *h, td_future **fut);
+/* ex_handout_publish completes every request, past and future, with v (takes v). */
+void ex_handout_publish(ex_handout *h, td_value *v);
+/* ex_handout_fini drops the value (before td_rpc_shutdown, so no RRef outlives the agent);
+ * later requests fail with TD_ERR_STATE. */
+void ex_handout_fini(ex_handout *h);
+
+/* ---- per-epoch reports from trainers to the server ---- */
+
+/* Each trainer calls a registered function with (slot, [nfields doubles]) (ex_report_send); the
+ * server adds them up per slot (field max_field takes the maximum instead, e.g. a wall time) and
+ * its main thread waits until every trainer reported a slot (ex_reports_wait). A report may also
+ * be a meeting point: the function then answers with the slot's future, which the server
+ * completes once it has processed the slot (ex_reports_answer), so the trainers wait for the
+ * server without any handler waiting. */
 #define EX_REPORT_FIELDS 8
 typedef struct ex_report_slot {
   int arrived;
   double v[EX_REPORT_FIELDS];
+  td_future *answer; /* the meeting point's future (NULL until a trainer asks for it) */
 } ex_report_slot;
 typedef struct ex_reports {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   ex_report_slot *slots; /* caller's storage, nslots entries, zeroed */
   int nslots, nfields, max_field;
+  bool failed; /* ex_reports_fail was called */
 } ex_reports;
 void ex_reports_init(ex_reports *r, ex_report_slot *slots, int nslots, int nfields, int max_field);
-/* ex_reports_add is the body of the registered report function (args: slot >= min_slot, list). */
+/* ex_reports_add is the body of the registered report function (args: slot >= min_slot, list).
+ * With fut NULL the caller answers none at once; otherwise *fut gets the slot's future. */
 td_status ex_reports_add(ex_reports *r, const char *fn, td_value *const *args, int n,
-                         int min_slot);
-/* ex_reports_wait blocks until `trainers` reports for slot arrived (exits after an hour). */
+                         int min_slot, td_future **fut);
+/* ex_reports_wait blocks the server's main thread until `trainers` reports for slot arrived;
+ * NULL once ex_reports_fail was called (exits after an hour). */
 const ex_report_slot *ex_reports_wait(ex_reports *r, int slot, int trainers);
+/* ex_reports_answer completes the slot's future with v (takes v). */
+void ex_reports_answer(ex_reports *r, int slot, td_value *v);
+/* ex_reports_fail fails every pending future with msg (TD_ERR_UNAVAILABLE) and wakes the
+ * waiting server. */
+void ex_reports_fail(ex_reports *r, const char *msg);
+/* ex_reports_fini releases the futures. */
+void ex_reports_fini(ex_reports *r);
+/* ex_report_send (a trainer) calls fn on worker0 with (slot, [v[0..n)]) without a deadline (the
+ * server may be evaluating) and returns its answer (new reference). */
+td_value *ex_report_send(td_rpc_agent *a, const char *fn, int slot, const double *v, int n);
 
 #endif

@@ -1,9 +1,9 @@
-/* ps_common.h - pieces shared by the parameter-server examples (param_server, batch_ps); not part
- * of the library.
+/* ps_common.h - pieces shared by the Fashion-MNIST examples (not part of the library).
  *
  *   psx_make_model     the MLP (784-256-10) or the CNN of train_local, built with a seed.
  *   psx_load_mnist     Fashion-MNIST train and test splits, normalised like train_local.
- *   psx_evaluate       test accuracy of a local module (no gradients, evaluation mode).
+ *   psx_accuracy       test accuracy of any forward function (no gradients).
+ *   psx_evaluate       test accuracy of a local module (evaluation mode).
  *   psx_spawn_if_alone when neither RANK nor a launcher's rank (srun's SLURM_PROCID, mpirun's
  *                      OMPI_COMM_WORLD_RANK) is in the environment, forks nproc-1 copies of this
  *                      process with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (a free port on
@@ -11,202 +11,59 @@
  *                      `tdistrun --standalone --nproc-per-node 3 build/examples/param_server`.
  *   psx_wait_children  reaps those copies and folds their exit status into the caller's.
  *
- * Everything is `static inline` so an example includes only what it uses without warnings.
+ * Everything dies with a message (ex_die) on failure. Main thread only.
  */
 #ifndef TD_PS_COMMON_H
 #define TD_PS_COMMON_H
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <stdbool.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/socket.h>
-#include <sys/types.h>
-#include <sys/wait.h>
-#include <unistd.h>
+#include <stdint.h>
 
 #include "example_util.h"
-#include "tdist/autograd.h"
 #include "tdist/data.h"
 #include "tdist/nn.h"
 #include "tdist/tensor.h"
 
-static inline void psx_append(td_module *seq, td_module *child) {
-  EX_CHECK(td_sequential_append(seq, child));
-  td_module_unref(child);
-}
+/* psx_append appends child to the Sequential seq and drops the caller's reference to it. */
+void psx_append(td_module *seq, td_module *child);
+
+/* psx_to_device moves *t to dev (a copy recorded for autograd), replacing *t; nothing when it is
+ * there already. */
+void psx_to_device(td_tensor **t, td_device dev);
 
 /* psx_make_model returns a new module: "mlp" Linear(784, 256), ReLU, Linear(256, 10); "cnn" the
- * two-convolution network of train_local. Dies on an unknown name. */
-static inline td_module *psx_make_model(const char *kind, uint64_t seed) {
-  td_generator *g = NULL;
-  EX_CHECK(td_generator_create(seed, &g));
-  td_module *seq = NULL, *m = NULL;
-  EX_CHECK(td_sequential_create(&seq));
-  if (!strcmp(kind, "mlp")) {
-    EX_CHECK(td_linear_create(784, 256, true, g, &m));
-    psx_append(seq, m);
-    EX_CHECK(td_relu_create(&m));
-    psx_append(seq, m);
-    EX_CHECK(td_linear_create(256, 10, true, g, &m));
-    psx_append(seq, m);
-  } else if (!strcmp(kind, "cnn")) {
-    td_conv2d_opts co;
-    td_conv2d_opts_init(&co, 3);
-    co.pad_h = co.pad_w = 1;
-    EX_CHECK(td_conv2d_create(1, 32, &co, g, &m));
-    psx_append(seq, m);
-    EX_CHECK(td_relu_create(&m));
-    psx_append(seq, m);
-    EX_CHECK(td_max_pool2d_create(2, 2, 0, 0, &m));
-    psx_append(seq, m);
-    EX_CHECK(td_conv2d_create(32, 64, &co, g, &m));
-    psx_append(seq, m);
-    EX_CHECK(td_relu_create(&m));
-    psx_append(seq, m);
-    EX_CHECK(td_max_pool2d_create(2, 2, 0, 0, &m));
-    psx_append(seq, m);
-    EX_CHECK(td_flatten_create(1, -1, &m));
-    psx_append(seq, m);
-    EX_CHECK(td_linear_create(64 * 7 * 7, 10, true, g, &m));
-    psx_append(seq, m);
-  } else {
-    ex_die("unknown --model '%s' (mlp or cnn)", kind);
-  }
-  td_generator_destroy(g);
-  return seq;
-}
+ * two-convolution network of train_local; parameters drawn from a generator seeded with seed.
+ * Dies on an unknown name. */
+td_module *psx_make_model(const char *kind, uint64_t seed);
 
 /* psx_load_mnist loads the split (normalised with the Fashion-MNIST mean and std) or dies with a
  * hint about where the files go. */
-static inline td_mnist *psx_load_mnist(td_mnist_split split, const char *dir) {
-  td_mnist_opts mo;
-  td_mnist_opts_init(&mo);
-  mo.dir = dir;
-  mo.mean = TD_FASHION_MNIST_MEAN;
-  mo.std = TD_FASHION_MNIST_STD;
-  td_mnist *ds = NULL;
-  td_status s = td_mnist_load(split, &mo, &ds);
-  if (s == TD_ERR_NOT_FOUND)
-    ex_die("%s\n(put the Fashion-MNIST .gz files there, or pass --data-dir / set TD_DATA_DIR)",
-           td_last_error());
-  EX_CHECK(s);
-  return ds;
-}
+td_mnist *psx_load_mnist(td_mnist_split split, const char *dir);
 
-/* psx_evaluate returns model's accuracy on ds, on the device of model's parameters. The caller
- * makes sure nothing updates the parameters meanwhile. */
-static inline double psx_evaluate(td_module *model, const td_mnist *ds, bool flatten) {
-  td_sampler_opts so;
-  td_sampler_opts_init(&so);
-  so.batch_size = 500;
-  td_mnist_loader *l = NULL;
-  EX_CHECK(td_mnist_loader_create(ds, &so, flatten, &l));
-  td_tensor_list params;
-  td_tensor_list_init(&params);
-  EX_CHECK(td_module_parameters(model, &params));
-  td_device dev = params.n ? td_tensor_device(params.tensors[0]) : td_device_cpu();
-  td_tensor_list_fini(&params);
-  bool was_training = td_module_is_training(model);
-  td_module_train(model, false);
-  bool prev = td_autograd_set_enabled(false);
-  int64_t correct = 0, total = 0;
-  int64_t pred[500];
-  for (;;) {
-    td_tensor *x = NULL, *y = NULL, *logits = NULL, *am = NULL;
-    EX_CHECK(td_mnist_loader_next(l, &x, &y));
-    if (!x) break;
-    if (!td_device_equal(td_tensor_device(x), dev)) {
-      td_tensor *xd = NULL;
-      EX_CHECK(td_tensor_to(x, dev, &xd));
-      td_tensor_unref(x);
-      x = xd;
-    }
-    EX_CHECK(td_module_forward(model, x, &logits));
-    EX_CHECK(td_tensor_argmax(logits, 1, false, &am));
-    int64_t n = td_tensor_size(y, 0);
-    EX_CHECK(td_tensor_copy_to_buffer(am, pred, (size_t)n * sizeof *pred));
-    const int64_t *labels = td_tensor_data(y);
-    for (int64_t i = 0; i < n; i++) correct += pred[i] == labels[i];
-    total += n;
-    td_tensor_unref(am);
-    td_tensor_unref(logits);
-    td_tensor_unref(x);
-    td_tensor_unref(y);
-  }
-  td_autograd_set_enabled(prev);
-  td_module_train(model, was_training);
-  td_mnist_loader_destroy(l);
-  return total ? (double)correct / (double)total : 0.0;
-}
+/* psx_shard_loader returns a loader over trainer tid's shard of ds (of trainers shards, all the
+ * same length: even_shards), shuffled per epoch with a->seed, in batches of a->batch_size; *nb
+ * gets the batches per epoch, cut at a->max_batches. */
+td_mnist_loader *psx_shard_loader(const td_mnist *ds, const ex_args *a, int tid, int trainers,
+                                  bool flatten, int64_t *nb);
 
-/* Children forked by psx_spawn_if_alone (rank i at psx_children[i - 1]). */
-static pid_t psx_children[63];
-static int psx_nchildren;
+/* A model's forward pass for psx_accuracy: *logits gets [n, 10] (new reference). */
+typedef td_status (*psx_forward_fn)(void *ctx, td_tensor *x, td_tensor **logits);
 
-/* psx_spawn_if_alone: when RANK is unset, picks a free port, forks nproc - 1 children (ranks
- * 1..nproc-1) and sets the rendezvous variables in every process; the parent becomes rank 0.
- * Does nothing when RANK is set (started by tdistrun or torchrun). Started by srun without a
- * launcher (SLURM_PROCID set), or by mpirun (OMPI_COMM_WORLD_RANK), it only copies that rank to
- * RANK: td_rpc_init_from_env reads the world size and master from the same variables. */
-static inline void psx_spawn_if_alone(int nproc) {
-  if (getenv("RANK")) return;
-  const char *launched = getenv("SLURM_PROCID");
-  if (!launched || !*launched) launched = getenv("OMPI_COMM_WORLD_RANK");
-  if (launched && *launched) {
-    setenv("RANK", launched, 1);
-    return;
-  }
-  if (nproc < 2 || nproc > 64) ex_die("--nproc must be in 2..64 (got %d)", nproc);
-  /* the workers we fork share a job secret (inherited through the environment) */
-  EX_CHECK(td_rpc_secret_ensure_env());
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sa;
-  if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0 ||
-      getsockname(fd, (struct sockaddr *)&sa, &len) != 0)
-    ex_die("cannot find a free port on 127.0.0.1");
-  close(fd);
-  char port[16], world[16], rank[16];
-  snprintf(port, sizeof port, "%d", ntohs(sa.sin_port));
-  snprintf(world, sizeof world, "%d", nproc);
-  setenv("MASTER_ADDR", "127.0.0.1", 1);
-  setenv("MASTER_PORT", port, 1);
-  setenv("WORLD_SIZE", world, 1);
-  fflush(stdout);
-  fflush(stderr);
-  for (int r = 1; r < nproc; r++) {
-    pid_t pid = fork();
-    if (pid < 0) ex_die("fork failed");
-    if (pid == 0) {
-      psx_nchildren = 0;
-      snprintf(rank, sizeof rank, "%d", r);
-      setenv("RANK", rank, 1);
-      setenv("LOCAL_RANK", rank, 1);
-      return;
-    }
-    psx_children[psx_nchildren++] = pid;
-  }
-  setenv("RANK", "0", 1);
-  setenv("LOCAL_RANK", "0", 1);
-}
+/* psx_accuracy returns the fraction of ds that forward classifies right, in batches of batch
+ * (images flattened to 784 when flatten), with autograd off. */
+double psx_accuracy(const td_mnist *ds, bool flatten, int64_t batch, psx_forward_fn forward,
+                    void *ctx);
+
+/* psx_evaluate returns model's accuracy on ds in evaluation mode (restored after), on the device
+ * of model's parameters. The caller makes sure nothing updates the parameters meanwhile. */
+double psx_evaluate(td_module *model, const td_mnist *ds, bool flatten);
+
+/* psx_spawn_if_alone: see above; the parent becomes rank 0. Does nothing when RANK is set
+ * (started by tdistrun or torchrun); under srun or mpirun it only copies their rank to RANK. */
+void psx_spawn_if_alone(int nproc);
 
 /* psx_wait_children reaps the children of psx_spawn_if_alone; returns rc, or 1 when rc is 0 and
  * a child failed. */
-static inline int psx_wait_children(int rc) {
-  for (int i = 0; i < psx_nchildren; i++) {
-    int st = 0;
-    if (waitpid(psx_children[i], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-      fprintf(stderr, "rank %d failed\n", i + 1);
-      if (rc == 0) rc = 1;
-    }
-  }
-  return rc;
-}
+int psx_wait_children(int rc);
 
 #endif

@@ -10,9 +10,8 @@
  * gradient in the context are left alone, their state does not advance). Steps of one owner's
  * optimizer are serialised, so several trainers may step concurrently.
  *
- * Every worker that owns parameters must have this module linked in (it registers internal RPC
- * functions from a library constructor): with the static library, reference a td_dist_optimizer_*
- * or td_dist_module_parameter_rrefs symbol in every worker program.
+ * td_rpc_init registers this layer's internal RPC functions (and the "nn.Module" object type) on
+ * every worker, so owners of parameters need nothing more.
  *
  * THREAD SAFETY: any thread; calls that block say so. A td_dist_optimizer may be stepped from
  * several threads at once (each with its own context).

@@ -19,9 +19,8 @@
  * produced it, so the stages work on different micro-batches at once (GPipe's forward schedule);
  * backward runs through distributed autograd in the caller's context.
  *
- * Every worker that may host a remote module must have this layer linked in: with the static
- * library, reference a td_remote_module_* symbol in every worker program (it registers internal
- * RPC functions from a library constructor).
+ * td_rpc_init registers this layer's internal RPC functions on every worker, so any worker can
+ * host a remote module.
  *
  * THREAD SAFETY: every function may be called from any thread except inside a future callback
  * (those that block say so). A handle may be used from several threads at once; destroy it when

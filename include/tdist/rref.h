@@ -18,8 +18,8 @@
  * td_rref_to_here, the proxies and sending the RRef on all fail with "RRef creation failed: "
  * followed by the owner's message.
  *
- * The RRef layer registers itself with the RPC agent when the library is loaded; with the static
- * library, link at least one td_rref_* call into every worker program that may receive RRefs.
+ * td_rpc_init registers the RRef layer (and every other layer) with the RPC agent before it
+ * starts it, for the shared and the static library alike.
  *
  * THREAD SAFETY: every function may be called from any thread, including from registered functions
  * and future callbacks, unless its comment says it blocks (blocking calls take a timeout; never
@@ -149,8 +149,9 @@ TD_API td_status td_value_as_rref(const td_value *v, td_rref **out);
 
 /* Opaque objects: values that never leave their process (sending one is TD_ERR_INVALID) and are
  * destroyed by their type's destructor when the last value holding them goes - on an RRef's
- * owner, when the last user is gone. The type "nn.Module" is registered by the library with
- * td_module_unref as destructor (wrap td_module_ref(m)). */
+ * owner, when the last user is gone. td_rpc_init registers the type "nn.Module" (the
+ * distributed optimizer's layer does, with td_module_unref as destructor: wrap td_module_ref(m)),
+ * so modules can be wrapped once the agent is up. */
 typedef void (*td_object_destroy_fn)(void *obj);
 /* td_object_type_register registers a type name (copied; unique per process: TD_ERR_EXISTS for
  * another destructor under the same name; the same pair twice is TD_OK). destroy may be NULL. */

@@ -2,6 +2,7 @@
 #ifndef TDIST_TDIST_H
 #define TDIST_TDIST_H
 
+#include "tdist/version.h"
 #include "tdist/status.h"
 #include "tdist/tensor.h"
 #include "tdist/autograd.h"
@@ -13,5 +14,6 @@
 #include "tdist/dist_autograd.h"
 #include "tdist/dist_optim.h"
 #include "tdist/remote_module.h"
+#include "tdist/collectives.h"
 
 #endif /* TDIST_TDIST_H */

@@ -1,4 +1,5 @@
-/* mp_util.c - forked multi-process test runner. */
+/* mp_util.c - clocks scaled for slow machines, the forked multi-process test runner, worker
+ * options and shutdown (see mp_util.h). */
 #include "mp_util.h"
 
 #include "tdist/rpc.h"
@@ -29,16 +30,46 @@ int td_mp_free_port(void) {
   return port;
 }
 
-static double now_s(void) {
+double td_test_timeout_scale(void) {
+  const char *e = getenv("TD_TEST_TIMEOUT_SCALE");
+  double v = e ? atof(e) : 1.0;
+  return v > 0 ? v : 1.0;
+}
+
+int64_t td_test_ms(int64_t ms) { return (int64_t)((double)ms * td_test_timeout_scale()); }
+
+double td_test_s(double s) { return s * td_test_timeout_scale(); }
+
+double td_test_now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+void td_test_sleep_ms(int64_t ms) {
+  struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
+td_rpc_options td_mp_rpc_options(const char *init_method, int threads) {
+  td_rpc_options o;
+  td_rpc_options_init(&o);
+  o.init_method = init_method;
+  o.num_worker_threads = threads;
+  o.init_timeout_ms = td_test_ms(30000);
+  o.rpc_timeout_ms = td_test_ms(30000);
+  return o;
+}
+
+void td_mp_finish(td_rpc_agent *a, double timeout_s) {
+  MP_CHECK_OK(td_rpc_shutdown(a, true, (int64_t)(td_test_s(timeout_s) * 1000)));
+  td_rpc_destroy(a);
+  MP_CHECK_NO_LEAKS();
+}
+
 int td_mp_run(int world, td_mp_fn fn, void *arg, double timeout_s, int *codes) {
-  const char *sc = getenv("TD_TEST_TIMEOUT_SCALE");
-  double scale = sc ? atof(sc) : 1.0;
-  if (scale <= 0) scale = 1.0;
+  double scale = td_test_timeout_scale();
   td_rpc_secret_ensure_env(); /* every group a test starts authenticates (one secret per run) */
   int port = td_mp_free_port();
   char method[64];
@@ -63,7 +94,7 @@ int td_mp_run(int world, td_mp_fn fn, void *arg, double timeout_s, int *codes) {
       if (codes) codes[r] = -1;
     }
   }
-  double deadline = now_s() + timeout_s * scale;
+  double deadline = td_test_now_s() + timeout_s * scale;
   int left = world - failures;
   while (left > 0) {
     int status;
@@ -79,9 +110,8 @@ int td_mp_run(int world, td_mp_fn fn, void *arg, double timeout_s, int *codes) {
       }
       continue;
     }
-    if (now_s() > deadline) break;
-    struct timespec ts = {0, 2000000};
-    nanosleep(&ts, NULL);
+    if (td_test_now_s() > deadline) break;
+    td_test_sleep_ms(2);
   }
   for (int r = 0; r < world; r++) {
     if (done[r] || pids[r] <= 0) continue;

@@ -171,8 +171,3 @@ const char *td_test_source_path(const char *rel, char *buf, size_t n) {
   return buf;
 }
 
-double td_test_timeout_scale(void) {
-  const char *e = getenv("TD_TEST_TIMEOUT_SCALE");
-  double v = e ? atof(e) : 1.0;
-  return v > 0 ? v : 1.0;
-}

@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include "mp_util.h"
 #include "tdist/autograd.h"
 #include "tdist/status.h"
 #include "tdist/tensor.h"
@@ -73,7 +74,16 @@ void td_test_assert_close(const char *what, const td_tensor *a, const td_tensor 
 /* td_test_source_path writes TD_SOURCE_DIR/rel into buf and returns buf. */
 const char *td_test_source_path(const char *rel, char *buf, size_t n);
 
-/* td_test_timeout_scale returns TD_TEST_TIMEOUT_SCALE from the environment (default 1). */
-double td_test_timeout_scale(void);
+/* TD_MP_RUN runs fn in world worker processes (td_mp_run, bounded by secs, scaled) and fails the
+ * test naming the exit codes unless every worker exited 0. */
+#define TD_MP_RUN(world, fn, arg, secs)                                                        \
+  do {                                                                                         \
+    int codes_[64] = {0};                                                                      \
+    if ((world) > 64) fail_msg("TD_MP_RUN: at most 64 workers");                               \
+    int fails_ = td_mp_run(world, fn, arg, secs, codes_);                                      \
+    if (fails_)                                                                                \
+      fail_msg("%d of %d workers failed (exit codes %d %d %d %d ...)", fails_, (int)(world),   \
+               codes_[0], codes_[1], codes_[2], codes_[3]);                                    \
+  } while (0)
 
 #endif

@@ -1,8 +1,15 @@
-/* test_core.c - status table, thread-local errors, logging levels and the thread pool. */
+/* test_core.c - status table, thread-local errors and their prefixes, logging levels, the
+ * reference count's underflow checks and the thread pool. */
 #include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "core/core.h"
+#include "core/refcount.h"
 #include "core/threadpool.h"
 #include "test_util.h"
 
@@ -30,6 +37,83 @@ static void test_status_thread_local(void **state) {
   assert_string_equal(td_last_error(), "mine x");
   td_clear_error();
   assert_string_equal(td_last_error(), "");
+}
+
+static void test_error_prefix_prepends(void **state) {
+  td_set_error(TD_ERR_IO, "inner %d", 1);
+  assert_int_equal(td__error_prefix(TD_ERR_TIMEOUT, "outer %s", "call"), TD_ERR_TIMEOUT);
+  assert_string_equal(td_last_error(), "outer call: inner 1");
+  /* an argument may be the current message itself */
+  td__error_prefix(TD_ERR_IO, "[%s]", td_last_error());
+  assert_string_equal(td_last_error(), "[outer call: inner 1]: outer call: inner 1");
+  td_clear_error();
+  td__error_prefix(TD_ERR_IO, "alone");
+  assert_string_equal(td_last_error(), "alone");
+}
+
+static void test_error_prefix_truncates_the_end(void **state) {
+  char inner[1500];
+  memset(inner, 'x', sizeof inner - 1);
+  inner[sizeof inner - 1] = '\0';
+  td_set_error(TD_ERR_IO, "%s", inner);
+  td__error_prefix(TD_ERR_IO, "context");
+  const char *e = td_last_error();
+  assert_int_equal(strlen(e), 1023); /* the buffer holds 1023 characters and the NUL */
+  assert_memory_equal(e, "context: xxx", 12);
+  assert_int_equal(e[1022], 'x');
+}
+
+/* run fn in a forked child and return its wait status */
+static int in_child(void (*fn)(void)) {
+  fflush(stdout);
+  fflush(stderr);
+  pid_t p = fork();
+  assert_true(p >= 0);
+  if (p == 0) {
+    struct rlimit no_core = {0, 0};
+    setrlimit(RLIMIT_CORE, &no_core);
+    fn();
+    _exit(0);
+  }
+  int status = 0;
+  assert_int_equal(waitpid(p, &status, 0), p);
+  return status;
+}
+
+static void release_twice(void) {
+  td__refcnt r;
+  td__ref_init(&r);
+  td__ref_inc(&r);
+  if (td__ref_dec(&r) || !td__ref_dec(&r)) _exit(2); /* 2 -> 1 -> 0: the second is the last */
+  td__ref_dec(&r);
+}
+
+static void take_on_dead(void) {
+  td__refcnt r;
+  td__ref_init(&r);
+  if (!td__ref_dec(&r)) _exit(2);
+  td__ref_inc(&r);
+}
+
+static void balanced(void) {
+  td__refcnt r;
+  td__ref_init(&r);
+  for (int i = 0; i < 100; i++) td__ref_inc(&r);
+  for (int i = 0; i < 100; i++)
+    if (td__ref_dec(&r)) _exit(2);
+  if (td__ref_get(&r) != 1 || !td__ref_dec(&r)) _exit(2);
+}
+
+static void test_refcount_underflow_aborts(void **state) {
+  int st = in_child(release_twice);
+  assert_true(WIFSIGNALED(st));
+  assert_int_equal(WTERMSIG(st), SIGABRT);
+  st = in_child(take_on_dead);
+  assert_true(WIFSIGNALED(st));
+  assert_int_equal(WTERMSIG(st), SIGABRT);
+  st = in_child(balanced);
+  assert_true(WIFEXITED(st));
+  assert_int_equal(WEXITSTATUS(st), 0);
 }
 
 static void test_log_level(void **state) {
@@ -73,6 +157,9 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_status_table),
       cmocka_unit_test(test_status_thread_local),
+      cmocka_unit_test(test_error_prefix_prepends),
+      cmocka_unit_test(test_error_prefix_truncates_the_end),
+      cmocka_unit_test(test_refcount_underflow_aborts),
       cmocka_unit_test(test_log_level),
       cmocka_unit_test(test_threadpool_runs_everything),
   };

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "mp_util.h"
+#include "test_fns.h"
 #include "tdist/dist_autograd.h"
 #include "tdist/dist_optim.h"
 #include "tdist/nn.h"
@@ -101,27 +102,6 @@ static td_status da_fwd(td_rpc_ctx *c, td_value *const *args, int n, td_value **
   DA_TRY(td_module_forward(m, x, &y));
   *res = td_value_tensor(y);
   td_tensor_unref(y);
-  return TD_OK;
-}
-
-/* grads_of(module) -> [gradient of each parameter in the current context, or None] */
-static td_status da_grads_of(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                             td_future **fut) {
-  void *m;
-  DA_TRY(td_value_as_object(args[0], "nn.Module", &m));
-  td_dist_autograd_context *ctx = td_dist_autograd_current();
-  if (!ctx) return td_set_error(TD_ERR_STATE, "grads_of: no current context");
-  td_tensor_list ps;
-  td_tensor_list_init(&ps);
-  DA_TRY(td_module_parameters(m, &ps));
-  td_value *l = td_value_list();
-  for (size_t i = 0; i < ps.n; i++) {
-    td_tensor *g = td_grad_map_get(td_dist_autograd_context_grad_map(ctx), ps.tensors[i]);
-    td_value_list_append(l, g ? td_value_tensor(g) : td_value_none());
-    td_tensor_unref(g);
-  }
-  td_tensor_list_fini(&ps);
-  *res = l;
   return TD_OK;
 }
 
@@ -219,7 +199,7 @@ static td_status da_hop(td_rpc_ctx *c, td_value *const *args, int n, td_value **
 static inline void da_register_all(void) {
   td_rpc_register("make_part", da_make_part, NULL);
   td_rpc_register("fwd", da_fwd, NULL);
-  td_rpc_register("grads_of", da_grads_of, NULL);
+  td_rpc_register("grads_of", td_test_fn_grads_of, NULL);
   td_rpc_register("da_info", da_info, NULL);
   td_rpc_register("mulp", da_mulp, NULL);
   td_rpc_register("grad_p", da_grad_p, NULL);

@@ -3,7 +3,8 @@
  * process (loss, gradients, parameters after 10 steps of every optimizer kind), errors from a
  * backward function two hops away, retain_graph accumulation, several roots, cleanup reaching
  * workers met only through nested calls, and 3 trainers x 4 threads against one parameter server.
- * Every worker runs in strict RRef mode and checks that no context or backward pass is left. */
+ * Every worker runs in strict RRef mode and checks that no context or backward pass is left.
+ * Lock order: ps_mu is a leaf (the parameter server's count of finished trainers). */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,43 +13,18 @@
 #include "da_test_fns.h"
 #include "test_util.h"
 
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/lsan_interface.h>
-#define CHECK_NO_LEAKS() MP_CHECK(__lsan_do_recoverable_leak_check() == 0)
-#else
-#define CHECK_NO_LEAKS() ((void)0)
-#endif
-
-#define RUN(world, fn, secs)                                                                  \
-  do {                                                                                        \
-    int codes_[8] = {0};                                                                      \
-    int fails_ = td_mp_run(world, fn, NULL, secs, codes_);                                    \
-    if (fails_)                                                                               \
-      fail_msg("%d workers failed (%d %d %d %d)", fails_, codes_[0], codes_[1], codes_[2],    \
-               codes_[3]);                                                                    \
-  } while (0)
-
 static td_rpc_agent *start(int rank, int world, const char *method, int threads) {
   da_register_all();
   da_param(rank);
   td_rref_set_strict(true);
   td_dist_autograd_set_strict(true); /* a context left behind fails the graceful shutdown */
-  td_rpc_options o;
-  td_rpc_options_init(&o);
-  o.init_method = method;
-  o.num_worker_threads = threads;
-  o.init_timeout_ms = 30000;
-  o.rpc_timeout_ms = 30000;
+  td_rpc_options o = td_mp_rpc_options(method, threads);
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   return a;
 }
 
-static void finish(td_rpc_agent *a) {
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 60000));
-  td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
-}
+static void finish(td_rpc_agent *a) { td_mp_finish(a, 60); }
 
 /* Asserts that no worker holds a context, a running pass or a send function. */
 static void check_clean(td_rpc_agent *a) {
@@ -342,8 +318,12 @@ static int worker_parity(int rank, int world, const char *method, void *arg) {
   return 0;
 }
 
-static void test_dist_autograd_parity_two_workers(void **state) { RUN(2, worker_parity, 180); }
-static void test_dist_autograd_parity_three_workers(void **state) { RUN(3, worker_parity, 180); }
+static void test_dist_autograd_parity_two_workers(void **state) {
+  TD_MP_RUN(2, worker_parity, NULL, 180);
+}
+static void test_dist_autograd_parity_three_workers(void **state) {
+  TD_MP_RUN(3, worker_parity, NULL, 180);
+}
 
 /* ---- small graphs: retain_graph, several roots, errors, cleanup ---- */
 
@@ -518,7 +498,7 @@ static int worker_small(int rank, int world, const char *method, void *arg) {
   return 0;
 }
 
-static void test_dist_autograd_small_graphs(void **state) { RUN(3, worker_small, 120); }
+static void test_dist_autograd_small_graphs(void **state) { TD_MP_RUN(3, worker_small, NULL, 120); }
 
 /* ---- 3 trainers x 4 threads against one parameter server ---- */
 
@@ -634,7 +614,7 @@ static int worker_ps(int rank, int world, const char *method, void *arg) {
   } else {
     struct timespec dl;
     clock_gettime(CLOCK_REALTIME, &dl);
-    dl.tv_sec += 120;
+    dl.tv_sec += (time_t)td_test_s(120);
     pthread_mutex_lock(&ps_mu);
     while (ps_done_count < world - 1)
       MP_CHECK(pthread_cond_timedwait(&ps_cv, &ps_mu, &dl) == 0);
@@ -650,7 +630,9 @@ static int worker_ps(int rank, int world, const char *method, void *arg) {
   return 0;
 }
 
-static void test_dist_autograd_parameter_server(void **state) { RUN(4, worker_ps, 180); }
+static void test_dist_autograd_parameter_server(void **state) {
+  TD_MP_RUN(4, worker_ps, NULL, 180);
+}
 
 /* ---- strict mode: a context never ended makes the graceful shutdown fail on every worker that
  * holds it, naming it; without strict mode it is only logged ---- */
@@ -674,7 +656,7 @@ static int worker_leftover(int rank, int world, const char *method, void *arg) {
     td_tensor_unref(x);
     td_dist_autograd_set_current(NULL); /* never ended */
   }
-  td_status st = td_rpc_shutdown(a, true, 60000);
+  td_status st = td_rpc_shutdown(a, true, td_test_ms(60000));
   if (strict) {
     MP_CHECK(st == TD_ERR_STATE);
     MP_CHECK(strstr(td_last_error(), "left at shutdown") != NULL);
@@ -684,16 +666,13 @@ static int worker_leftover(int rank, int world, const char *method, void *arg) {
   }
   td_rpc_destroy(a);
   td_dist_autograd_context_unref(ctx); /* the caller's reference (end was never called) */
-  CHECK_NO_LEAKS();
+  MP_CHECK_NO_LEAKS();
   return 0;
 }
 
 static void test_dist_autograd_strict_leftover_context(void **state) {
-  int codes[2];
-  int fails = td_mp_run(2, worker_leftover, (void *)1, 90, codes);
-  if (fails) fail_msg("strict: %d workers failed (%d %d)", fails, codes[0], codes[1]);
-  fails = td_mp_run(2, worker_leftover, NULL, 90, codes);
-  if (fails) fail_msg("not strict: %d workers failed (%d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_leftover, (void *)1, 90); /* strict */
+  TD_MP_RUN(2, worker_leftover, NULL, 90);      /* not strict */
 }
 
 int main(void) {

@@ -12,14 +12,16 @@ test -f "$scratch/prefix/include/tdist/tensor.h"
 pc=$(find "$scratch/prefix" -name tdist.pc | head -n1)
 test -n "$pc"
 # 1. CMake package
+version=$(sed -n 's/^Version: //p' "$pc")
 cmake -S "$src" -B "$scratch/cmake-build" -DCMAKE_PREFIX_PATH="$scratch/prefix" \
-  -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS="$san_flags" > "$scratch/cmake.log"
+  -DTD_EXPECT_VERSION="$version" -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS="$san_flags" \
+  > "$scratch/cmake.log"
 cmake --build "$scratch/cmake-build" > "$scratch/cmake-build.log"
 LD_LIBRARY_PATH="$scratch/prefix/lib:$scratch/prefix/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}" \
   "$scratch/cmake-build/consumer" | grep -q "consumer ok"
-# 2. pkg-config
+# 2. pkg-config, the README's recipe: an rpath tells the program where libtdist.so is
 export PKG_CONFIG_PATH="$(dirname "$pc")"
-cc -std=c11 $san_flags "$src/main.c" -o "$scratch/consumer-pc" $(pkg-config --cflags --libs tdist)
-LD_LIBRARY_PATH="$(pkg-config --variable=libdir tdist):${LD_LIBRARY_PATH:-}" \
-  "$scratch/consumer-pc" | grep -q "consumer ok"
+cc -std=c11 -Wall -Wextra -Werror $san_flags "$src/main.c" -o "$scratch/consumer-pc" \
+  $(pkg-config --cflags --libs tdist) -Wl,-rpath,"$(pkg-config --variable=libdir tdist)"
+"$scratch/consumer-pc" | grep -q "consumer ok"
 echo "install test passed"

@@ -31,6 +31,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "proc_util.h"
 #include "test_util.h"
 
 #ifndef TDISTRUN_PATH
@@ -44,43 +45,19 @@ extern char **environ;
 
 /* ---- helpers ---- */
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
+static double deadline_s(void) { return td_test_s(30.0); }
 
-static void sleep_ms(long ms) {
-  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-  }
-}
+typedef td_proc run;
 
-static double deadline_s(void) { return 30.0 * td_test_timeout_scale(); }
-
-typedef struct run {
-  pid_t pid;
-  int out_fd, err_fd;
-  char *out, *err; /* NUL-terminated captured output */
-  size_t out_len, err_len;
-  int status; /* wait status */
-  double start, elapsed;
-} run;
-
-/* The tdistrun not yet reaped (0: none), for the teardown after a failed test. Copied out of
- * the run, which lives on a test's stack. */
-static pid_t g_active_pid;
 /* The job secret every launch gets in its environment unless a test clears it (so that runs do
  * not depend on the caller's TD_RPC_SECRET*; jobs over several nodes need one). */
 static const char *g_secret = "TD_RPC_SECRET=launcher-test-secret-0123456789abcdef";
-static int g_active_fds[2] = {-1, -1};
 
-/* run_start_env spawns tdistrun with args (NULL-terminated, without argv[0]) and the test's
- * environment without any SLURM_* variable (the suite may itself run under srun), plus stale
- * values the launcher must override, a mark it must keep, and extra ("NAME=value", NULL-terminated;
- * may be NULL). */
+/* run_start_env spawns tdistrun with args (NULL-terminated, without argv[0]) in a process group
+ * of its own, with the test's environment without any SLURM_* variable (the suite may itself run
+ * under srun), plus stale values the launcher must override, a mark it must keep, and extra
+ * ("NAME=value", NULL-terminated; may be NULL). */
 static void run_start_env(run *r, const char *const *args, const char *const *extra) {
-  memset(r, 0, sizeof *r);
   const char *argv[64];
   int n = 0;
   argv[n++] = TDISTRUN_PATH;
@@ -106,113 +83,22 @@ static void run_start_env(run *r, const char *const *args, const char *const *ex
   if (g_secret) env[k++] = (char *)g_secret;
   for (size_t x = 0; x < nx; x++) env[k++] = (char *)extra[x];
   env[k] = NULL;
-
-  int po[2], pe[2];
-  assert_int_equal(pipe2(po, O_CLOEXEC), 0);
-  assert_int_equal(pipe2(pe, O_CLOEXEC), 0);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, po[1], STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&fa, pe[1], STDERR_FILENO);
-  posix_spawnattr_t at;
-  posix_spawnattr_init(&at);
-  posix_spawnattr_setpgroup(&at, 0);
-  posix_spawnattr_setflags(&at, POSIX_SPAWN_SETPGROUP);
-  r->start = now_s();
-  int rc = posix_spawn(&r->pid, TDISTRUN_PATH, &fa, &at, (char *const *)argv, env);
-  posix_spawnattr_destroy(&at);
-  posix_spawn_file_actions_destroy(&fa);
+  int rc = td_proc_spawn(r, TDISTRUN_PATH, (char *const *)argv, env, true);
   free(env);
-  close(po[1]);
-  close(pe[1]);
-  if (rc != 0) fail_msg("posix_spawn(%s): %s", TDISTRUN_PATH, strerror(rc));
-  r->out_fd = po[0];
-  r->err_fd = pe[0];
-  g_active_pid = r->pid;
-  g_active_fds[0] = r->out_fd;
-  g_active_fds[1] = r->err_fd;
+  if (rc != 0) fail_msg("spawning %s: %s", TDISTRUN_PATH, strerror(rc));
 }
 
 static void run_start(run *r, const char *const *args) { run_start_env(r, args, NULL); }
 
-/* kill_active ends tdistrun and anything left in its process group, reaps tdistrun and closes
- * its pipes. */
-static void kill_active(void) {
-  if (g_active_pid <= 0) return;
-  kill(-g_active_pid, SIGKILL);
-  while (waitpid(g_active_pid, NULL, 0) < 0 && errno == EINTR) {
-  }
-  for (int i = 0; i < 2; i++) {
-    if (g_active_fds[i] >= 0) close(g_active_fds[i]);
-    g_active_fds[i] = -1;
-  }
-  g_active_pid = 0;
-}
-
-
-
-static void append(char **buf, size_t *len, const char *p, size_t n) {
-  char *nb = realloc(*buf, *len + n + 1);
-  assert_non_null(nb);
-  memcpy(nb + *len, p, n);
-  *len += n;
-  nb[*len] = '\0';
-  *buf = nb;
-}
-
-/* run_finish reads both pipes to EOF and reaps tdistrun, failing the test (after SIGKILLing
- * it) when that takes longer than the deadline. */
+/* run_finish reads tdistrun's output to EOF and reaps it, failing the test (after SIGKILLing its
+ * group) when that takes longer than the deadline. */
 static void run_finish(run *r) {
-  double limit = r->start + deadline_s();
-  append(&r->out, &r->out_len, "", 0);
-  append(&r->err, &r->err_len, "", 0);
-  while (r->out_fd >= 0 || r->err_fd >= 0) {
-    struct pollfd p[2] = {{.fd = r->out_fd, .events = POLLIN}, {.fd = r->err_fd, .events = POLLIN}};
-    int left = (int)((limit - now_s()) * 1000);
-    if (left <= 0) {
-      kill_active();
-      fail_msg("tdistrun did not finish within %.0f s; stdout:\n%s\nstderr:\n%s", deadline_s(),
-               r->out, r->err);
-    }
-    int pr = poll(p, 2, left);
-    if (pr < 0 && errno == EINTR) continue;
-    assert_true(pr >= 0);
-    for (int i = 0; i < 2; i++) {
-      if (p[i].fd < 0 || !p[i].revents) continue;
-      char chunk[65536];
-      ssize_t n = read(p[i].fd, chunk, sizeof chunk);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        close(p[i].fd);
-        g_active_fds[i] = -1;
-        if (i == 0) r->out_fd = -1;
-        else r->err_fd = -1;
-        continue;
-      }
-      if (i == 0) append(&r->out, &r->out_len, chunk, (size_t)n);
-      else append(&r->err, &r->err_len, chunk, (size_t)n);
-    }
-  }
-  for (;;) { /* pipes are closed; the exit follows at once, but stay bounded */
-    pid_t w = waitpid(r->pid, &r->status, WNOHANG);
-    if (w == r->pid) {
-      g_active_pid = 0;
-      break;
-    }
-    assert_true(w == 0 || errno == EINTR);
-    if (now_s() > limit) {
-      kill_active();
-      fail_msg("tdistrun closed its output but did not exit");
-    }
-    sleep_ms(2);
-  }
-  r->elapsed = now_s() - r->start;
+  if (td_proc_finish(r, 30.0) != 0)
+    fail_msg("tdistrun did not finish within %.0f s; stdout:\n%s\nstderr:\n%s", deadline_s(),
+             r->out, r->err);
 }
 
-static void run_free(run *r) {
-  free(r->out);
-  free(r->err);
-}
+static void run_free(run *r) { td_proc_free(r); }
 
 /* launch runs tdistrun with args to completion. */
 static void launch(run *r, const char *const *args) {
@@ -299,7 +185,7 @@ static void scratch_destroy(char *dir) {
  * that were orphaned to us (we are their subreaper on Linux) and removes the scratch dir. */
 static int teardown(void **state) {
   (void)state;
-  kill_active();
+  td_proc_kill_all();
   while (waitpid(-1, NULL, WNOHANG) > 0) {
   }
   if (g_scratch) scratch_destroy(g_scratch);
@@ -320,13 +206,13 @@ static pid_t read_pid(const char *dir, int rank, int attempt) {
 
 /* wait_pid_files waits (bounded) until n ranks have written their pid for attempt. */
 static void wait_pid_files(const char *dir, int n, int attempt) {
-  double limit = now_s() + deadline_s();
+  double limit = td_test_now_s() + deadline_s();
   for (;;) {
     int have = 0;
     for (int r = 0; r < n; r++) have += read_pid(dir, r, attempt) > 0;
     if (have == n) return;
-    if (now_s() > limit) fail_msg("only %d of %d workers wrote a pid file", have, n);
-    sleep_ms(5);
+    if (td_test_now_s() > limit) fail_msg("only %d of %d workers wrote a pid file", have, n);
+    td_test_sleep_ms(5);
   }
 }
 
@@ -523,7 +409,7 @@ static void test_launcher_failure_stops_group(void **state) {
   ASSERT_EXIT(&r, 1);
   ASSERT_LINE(r.err, "tdistrun: worker rank 1 (local 1) failed with exit code 3; no restarts "
                      "left (0 used)");
-  if (r.elapsed > 20.0) fail_msg("the group took %.1f s to stop", r.elapsed);
+  if (r.elapsed > td_test_s(20.0)) fail_msg("the group took %.1f s to stop", r.elapsed);
   assert_workers_gone(dir, 3, 0, 3);
   run_free(&r);
   scratch_destroy(dir);
@@ -539,7 +425,7 @@ static void test_launcher_failure_escalates_to_sigkill(void **state) {
                               "--wait-pids", "3", "--sleep-ms", "60000", NULL});
   ASSERT_EXIT(&r, 1);
   ASSERT_CONTAINS(r.err, "worker rank 2 (local 2) failed with exit code 3");
-  if (r.elapsed > 20.0) fail_msg("the group took %.1f s to stop", r.elapsed);
+  if (r.elapsed > td_test_s(20.0)) fail_msg("the group took %.1f s to stop", r.elapsed);
   assert_workers_gone(dir, 3, 0, 3);
   run_free(&r);
   scratch_destroy(dir);
@@ -602,7 +488,7 @@ static void test_launcher_sigterm_stops_workers(void **state) {
   assert_int_equal(kill(r.pid, SIGTERM), 0);
   run_finish(&r);
   ASSERT_EXIT(&r, 128 + SIGTERM);
-  if (r.elapsed > 20.0) fail_msg("tdistrun took %.1f s to stop", r.elapsed);
+  if (r.elapsed > td_test_s(20.0)) fail_msg("tdistrun took %.1f s to stop", r.elapsed);
   assert_workers_gone(dir, 3, 0, 3);
   run_free(&r);
   scratch_destroy(dir);
@@ -619,11 +505,11 @@ static void test_launcher_second_signal_kills(void **state) {
                                  NULL});
   wait_pid_files(dir, 2, 0);
   assert_int_equal(kill(r.pid, SIGINT), 0);
-  sleep_ms(50);
+  td_test_sleep_ms(50);
   assert_int_equal(kill(r.pid, SIGTERM), 0);
   run_finish(&r);
   ASSERT_EXIT(&r, 128 + SIGINT);
-  if (r.elapsed > 20.0) fail_msg("tdistrun took %.1f s to stop", r.elapsed);
+  if (r.elapsed > td_test_s(20.0)) fail_msg("tdistrun took %.1f s to stop", r.elapsed);
   assert_workers_gone(dir, 2, 0, 2);
   run_free(&r);
   scratch_destroy(dir);

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "core/netaddr.h"
+#include "test_fns.h"
 #include "tdist/rpc.h"
 
 #define CHECK_OK(expr)                                                                       \
@@ -43,19 +44,6 @@
 
 static int g_rank = -1;
 
-static td_status fn_add(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                        td_future **fut) {
-  (void)c;
-  (void)fut;
-  int64_t x, y;
-  if (n != 2) return td_set_error(TD_ERR_INVALID, "add takes 2 arguments, got %d", n);
-  td_status st = td_value_as_int(args[0], &x);
-  if (st == TD_OK) st = td_value_as_int(args[1], &y);
-  if (st != TD_OK) return st;
-  *res = td_value_int(x + y);
-  return TD_OK;
-}
-
 /* host_of copies the host part of "host:port" or "[v6]:port". */
 static void host_of(const char *address, char *out, size_t n) {
   const char *b = address, *e = strrchr(address, ':');
@@ -74,7 +62,7 @@ static int run(void) {
   g_rank = rs ? atoi(rs) : -1;
   const char *ts = getenv("MH_TIMEOUT_S");
   int64_t timeout_ms = (ts ? atoll(ts) : 30) * 1000;
-  CHECK_OK(td_rpc_register("add", fn_add, NULL));
+  CHECK_OK(td_rpc_register("add", td_test_fn_add, NULL));
 
   td_rpc_options o;
   td_rpc_options_init(&o); /* listen_addr NULL: init picks it (TD_SOCKET_IFNAME, else the route) */

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "mp_util.h"
+#include "test_fns.h"
 #include "test_util.h"
 #include "tdist/dist_autograd.h"
 #include "tdist/dist_optim.h"
@@ -78,27 +79,6 @@ static td_value *part_args(const char *kind, int64_t seed) {
   return l;
 }
 
-/* rm_grads_of(module) -> [gradient of each parameter in the current context, or none] */
-static td_status fn_grads_of(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                             td_future **fut) {
-  void *m;
-  TRY(td_value_as_object(args[0], "nn.Module", &m));
-  td_dist_autograd_context *ctx = td_dist_autograd_current();
-  if (!ctx) return td_set_error(TD_ERR_STATE, "rm_grads_of: no current context");
-  td_tensor_list ps;
-  td_tensor_list_init(&ps);
-  TRY(td_module_parameters(m, &ps));
-  td_value *l = td_value_list();
-  for (size_t i = 0; i < ps.n; i++) {
-    td_tensor *g = td_grad_map_get(td_dist_autograd_context_grad_map(ctx), ps.tensors[i]);
-    td_value_list_append(l, g ? td_value_tensor(g) : td_value_none());
-    td_tensor_unref(g);
-  }
-  td_tensor_list_fini(&ps);
-  *res = l;
-  return TD_OK;
-}
-
 static td_tensor *input_x(int salt) {
   double x[N * D];
   for (int i = 0; i < N * D; i++) x[i] = cos(0.37 * i + 0.11 * salt);
@@ -143,24 +123,16 @@ static void check_close(const td_tensor *a, const td_tensor *b, const char *what
 
 static td_rpc_agent *start(int rank, int world, const char *method) {
   td_module_factory_register("rm_part", part_factory, NULL);
-  td_rpc_register("rm_grads_of", fn_grads_of, NULL);
+  td_rpc_register("rm_grads_of", td_test_fn_grads_of, NULL);
   td_rpc_register("rm_use", fn_use, NULL);
   td_rref_set_strict(true);
-  td_rpc_options o;
-  td_rpc_options_init(&o);
-  o.init_method = method;
-  o.num_worker_threads = 4;
-  o.init_timeout_ms = 30000;
-  o.rpc_timeout_ms = 30000;
+  td_rpc_options o = td_mp_rpc_options(method, 4);
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   return a;
 }
 
-static void finish(td_rpc_agent *a) {
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 60000));
-  td_rpc_destroy(a);
-}
+static void finish(td_rpc_agent *a) { td_mp_finish(a, 60); }
 
 static td_tensor *local_forward(const char *kind, int64_t seed, td_tensor *x) {
   td_module *m;
@@ -192,7 +164,7 @@ static int w_basics(int rank, int world, const char *method, void *arg) {
     td_value *xv = td_value_tensor(x);
     td_future *f = NULL;
     MP_CHECK_OK(td_remote_module_forward_async(rm2, &xv, 1, &f));
-    MP_CHECK_OK(td_future_wait(f, 30000));
+    MP_CHECK_OK(td_future_wait(f, td_test_ms(30000)));
     MP_CHECK_OK(td_future_status(f));
     td_tensor *ya;
     MP_CHECK_OK(td_value_as_tensor(td_future_value(f), &ya));
@@ -217,7 +189,7 @@ static int w_basics(int rank, int world, const char *method, void *arg) {
     td_value *bad = td_value_int(3);
     td_tensor *yb = NULL;
     MP_CHECK(td_remote_module_forward_async(rm, &bad, 1, &f) == TD_OK);
-    td_future_wait(f, 30000);
+    td_future_wait(f, td_test_ms(30000));
     MP_CHECK(td_future_status(f) == TD_ERR_INVALID);
     MP_CHECK(strstr(td_future_message(f), "worker1") && strstr(td_future_message(f), "input 0"));
     td_future_unref(f);
@@ -327,9 +299,7 @@ static int w_basics(int rank, int world, const char *method, void *arg) {
 
 static void test_remote_module_behaviours(void **state) {
   (void)state;
-  int codes[3] = {0};
-  int fails = td_mp_run(3, w_basics, NULL, 90, codes);
-  if (fails) fail_msg("%d workers failed (%d %d %d)", fails, codes[0], codes[1], codes[2]);
+  TD_MP_RUN(3, w_basics, NULL, 90);
 }
 
 /* ---- pipeline vs. local ---- */
@@ -410,9 +380,7 @@ static int w_pipeline(int rank, int world, const char *method, void *arg) {
 
 static void test_pipeline_matches_local(void **state) {
   (void)state;
-  int codes[3] = {0};
-  int fails = td_mp_run(3, w_pipeline, NULL, 90, codes);
-  if (fails) fail_msg("%d workers failed (%d %d %d)", fails, codes[0], codes[1], codes[2]);
+  TD_MP_RUN(3, w_pipeline, NULL, 90);
 }
 
 int main(void) {

@@ -6,43 +6,8 @@
 #include <time.h>
 
 #include "mp_util.h"
+#include "test_fns.h"
 #include "tdist/rpc.h"
-
-static inline void test_sleep_ms(int64_t ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
-static td_status fn_echo(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                         td_future **fut) {
-  *res = n ? td_value_ref(args[0]) : td_value_none();
-  return TD_OK;
-}
-
-static td_status fn_add(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                        td_future **fut) {
-  int64_t x, y;
-  if (n != 2) return td_set_error(TD_ERR_INVALID, "add takes 2 arguments, got %d", n);
-  td_status st = td_value_as_int(args[0], &x);
-  if (st == TD_OK) st = td_value_as_int(args[1], &y);
-  if (st != TD_OK) return st;
-  *res = td_value_int(x + y);
-  return TD_OK;
-}
-
-static td_status fn_fail(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                         td_future **fut) {
-  return td_set_error(TD_ERR_INVALID, "boom %d", 42);
-}
-
-static td_status fn_slow(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                         td_future **fut) {
-  int64_t ms = 0;
-  if (n) td_value_as_int(args[0], &ms);
-  test_sleep_ms(ms);
-  *res = td_value_int(ms);
-  return TD_OK;
-}
 
 static td_status fn_whoami(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                            td_future **fut) {
@@ -116,25 +81,15 @@ static td_status fn_inline_sync(td_rpc_ctx *c, td_value *const *args, int n, td_
 }
 
 static void register_test_fns(void) {
-  MP_CHECK_OK(td_rpc_register_ex("inline_add", fn_add, NULL, TD_RPC_INLINE));
+  MP_CHECK_OK(td_rpc_register_ex("inline_add", td_test_fn_add, NULL, TD_RPC_INLINE));
   MP_CHECK_OK(td_rpc_register_ex("inline_sync", fn_inline_sync, NULL, TD_RPC_INLINE));
-  MP_CHECK_OK(td_rpc_register("echo", fn_echo, NULL));
-  MP_CHECK_OK(td_rpc_register("add", fn_add, NULL));
-  MP_CHECK_OK(td_rpc_register("fail", fn_fail, NULL));
-  MP_CHECK_OK(td_rpc_register("slow", fn_slow, NULL));
+  MP_CHECK_OK(td_rpc_register("echo", td_test_fn_echo, NULL));
+  MP_CHECK_OK(td_rpc_register("add", td_test_fn_add, NULL));
+  MP_CHECK_OK(td_rpc_register("fail", td_test_fn_fail, NULL));
+  MP_CHECK_OK(td_rpc_register("slow", td_test_fn_slow, NULL));
   MP_CHECK_OK(td_rpc_register("whoami", fn_whoami, NULL));
   MP_CHECK_OK(td_rpc_register("nested", fn_nested, NULL));
   MP_CHECK_OK(td_rpc_register("chain", fn_chain, NULL));
-}
-
-static inline td_rpc_options test_opts(const char *init_method, int threads) {
-  td_rpc_options o;
-  td_rpc_options_init(&o);
-  o.init_method = init_method;
-  o.num_worker_threads = threads;
-  o.init_timeout_ms = 30000;
-  o.rpc_timeout_ms = 30000;
-  return o;
 }
 
 #endif

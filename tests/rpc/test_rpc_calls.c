@@ -17,7 +17,7 @@ static int64_t as_int(td_value *v) {
 
 static int worker_calls(int rank, int world, const char *method, void *arg) {
   register_test_fns();
-  td_rpc_options o = test_opts(method, 4);
+  td_rpc_options o = td_mp_rpc_options(method, 4);
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   if (rank == 0) {
@@ -78,7 +78,7 @@ static int worker_calls(int rank, int world, const char *method, void *arg) {
     td_value_unref(w1);
     MP_CHECK_OK(td_rpc_sync(a, "worker2", "add", two, 2, NULL, &r)); /* still serving */
     td_value_unref(r);
-    MP_CHECK(td_rpc_register_ex("x", fn_echo, NULL, 8u) == TD_ERR_INVALID);
+    MP_CHECK(td_rpc_register_ex("x", td_test_fn_echo, NULL, 8u) == TD_ERR_INVALID);
 
     /* remote error: status and message carry the remote worker and the handler's text */
     MP_CHECK(td_rpc_sync(a, "worker1", "fail", NULL, 0, NULL, &r) == TD_ERR_INVALID);
@@ -106,14 +106,10 @@ static int worker_calls(int rank, int world, const char *method, void *arg) {
     /* per-call timeout; the late reply is dropped and the agent keeps working */
     td_value *ms = td_value_int(400);
     td_rpc_call_opts co = {.timeout_ms = 50};
-    uint64_t t0 = (uint64_t)clock();
-    (void)t0;
-    struct timespec s0, s1;
-    clock_gettime(CLOCK_MONOTONIC, &s0);
+    double t0 = td_test_now_s();
     MP_CHECK(td_rpc_sync(a, "worker1", "slow", &ms, 1, &co, &r) == TD_ERR_TIMEOUT);
-    clock_gettime(CLOCK_MONOTONIC, &s1);
-    double el = (double)(s1.tv_sec - s0.tv_sec) + (double)(s1.tv_nsec - s0.tv_nsec) * 1e-9;
-    MP_CHECK(el >= 0.045 && el < 0.35);
+    double el = td_test_now_s() - t0;
+    MP_CHECK(el >= 0.045 && el < td_test_s(0.35)); /* fires on time, not long after */
     MP_CHECK(strstr(td_last_error(), "timed out") && strstr(td_last_error(), "worker1"));
     /* default timeout: applies to calls made after the change only */
     td_future *inflight;
@@ -122,14 +118,14 @@ static int worker_calls(int rank, int world, const char *method, void *arg) {
     td_rpc_set_default_timeout(a, 30);
     MP_CHECK(td_rpc_get_default_timeout(a) == 30);
     MP_CHECK(td_rpc_sync(a, "worker1", "slow", &ms150, 1, NULL, &r) == TD_ERR_TIMEOUT);
-    MP_CHECK_OK(td_future_wait(inflight, 5000));
+    MP_CHECK_OK(td_future_wait(inflight, td_test_ms(5000)));
     td_future_unref(inflight);
     td_rpc_set_default_timeout(a, 0);
     MP_CHECK_OK(td_rpc_sync(a, "worker1", "slow", &ms150, 1, NULL, &r));
     td_value_unref(r);
     td_value_unref(ms150);
     td_value_unref(ms);
-    test_sleep_ms(400); /* the dropped reply arrives meanwhile */
+    td_test_sleep_ms(td_test_ms(400)); /* the dropped reply arrives meanwhile */
     MP_CHECK_OK(td_rpc_sync(a, "worker1", "add", two, 2, NULL, &r));
     MP_CHECK(as_int(r) == 5);
     td_value_unref(r);
@@ -145,7 +141,7 @@ static int worker_calls(int rank, int world, const char *method, void *arg) {
       td_value_unref(args[0]);
       td_value_unref(args[1]);
     }
-    MP_CHECK_OK(td_future_wait_all(fs, N, 30000));
+    MP_CHECK_OK(td_future_wait_all(fs, N, td_test_ms(30000)));
     for (int i = 0; i < N; i++) {
       MP_CHECK(as_int(td_future_value(fs[i])) == i + 1000);
       td_future_unref(fs[i]);
@@ -159,15 +155,13 @@ static int worker_calls(int rank, int world, const char *method, void *arg) {
     td_value_unref(r);
     td_value_unref(hops);
   }
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(30000)));
   td_rpc_destroy(a);
   return 0;
 }
 
 static void test_rpc_calls(void **state) {
-  int codes[3];
-  int fails = td_mp_run(3, worker_calls, NULL, 90, codes);
-  if (fails) fail_msg("%d workers failed (codes %d %d %d)", fails, codes[0], codes[1], codes[2]);
+  TD_MP_RUN(3, worker_calls, NULL, 90);
 }
 
 /* ---- busy polling: the option, the environment override and the automatic choice ---- */
@@ -185,7 +179,7 @@ static int worker_busy_poll(int rank, int world, const char *method, void *arg) 
   if (k->env) setenv("TD_RPC_BUSY_POLL_US", k->env, 1);
   else unsetenv("TD_RPC_BUSY_POLL_US");
   setenv("TD_CPUS", k->cpus, 1);
-  td_rpc_options o = test_opts(method, 4);
+  td_rpc_options o = td_mp_rpc_options(method, 4);
   o.busy_poll_us = k->option;
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
@@ -200,7 +194,7 @@ static int worker_busy_poll(int rank, int world, const char *method, void *arg) 
     td_value_unref(r);
     td_value_unref(x);
   }
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(30000)));
   td_rpc_destroy(a);
   return 0;
 }
@@ -211,19 +205,11 @@ static void test_rpc_busy_poll(void **state) {
   const bp_case cases[] = {{0, NULL, "8", 0},   {333, "7", "8", 333}, {-1, "7", "1", 7},
                            {-1, NULL, "2", 50}, {-1, NULL, "1", 0}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    int codes[3];
-    int fails = td_mp_run(2, worker_busy_poll, (void *)&cases[i], 60, codes);
-    if (fails) fail_msg("case %zu: %d workers failed (codes %d %d)", i, fails, codes[0], codes[1]);
+    TD_MP_RUN(2, worker_busy_poll, (void *)&cases[i], 60);
   }
   /* the automatic rule counts the workers on this host: 3 need 3 CPUs */
   const bp_case three[] = {{-1, NULL, "2", 0}, {-1, NULL, "3", 50}};
-  for (size_t i = 0; i < 2; i++) {
-    int codes[3];
-    int fails = td_mp_run(3, worker_busy_poll, (void *)&three[i], 60, codes);
-    if (fails)
-      fail_msg("3 workers, case %zu: %d failed (codes %d %d %d)", i, fails, codes[0], codes[1],
-               codes[2]);
-  }
+  for (size_t i = 0; i < 2; i++) TD_MP_RUN(3, worker_busy_poll, (void *)&three[i], 60);
 }
 
 /* ---- same-host direct copy: on by default between local workers, off by option or
@@ -250,7 +236,7 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
   register_test_fns();
   if (k->env) setenv("TD_RPC_DIRECT_COPY", k->env, 1);
   else unsetenv("TD_RPC_DIRECT_COPY");
-  td_rpc_options o = test_opts(method, 4);
+  td_rpc_options o = td_mp_rpc_options(method, 4);
   o.direct_copy = k->option;
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
@@ -277,7 +263,7 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
     td_value_unref(v);
   }
   for (int i = 0; i < N; i++) {
-    MP_CHECK_OK(td_future_wait(fs[i], 30000));
+    MP_CHECK_OK(td_future_wait(fs[i], td_test_ms(30000)));
     td_tensor *t;
     MP_CHECK_OK(td_value_as_tensor(td_future_value(fs[i]), &t));
     int64_t n = sizes[i % 5];
@@ -310,7 +296,7 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
   MP_CHECK(st.calls_started >= N && st.calls_succeeded >= N && st.calls_failed == 0);
   MP_CHECK(st.requests_received > 0 && st.requests_failed == 0 && st.requests_rejected == 0);
   MP_CHECK(st.traffic.direct_frames_sent == tr.direct_frames_sent); /* one peer */
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(30000)));
   td_rpc_destroy(a);
   return 0;
 }
@@ -318,9 +304,7 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
 static void test_rpc_direct_copy(void **state) {
   const dc_case cases[] = {{-1, NULL, true}, {0, NULL, false}, {-1, "0", false}, {1, "0", true}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    int codes[3];
-    int fails = td_mp_run(2, worker_direct, (void *)&cases[i], 60, codes);
-    if (fails) fail_msg("case %zu: %d workers failed (codes %d %d)", i, fails, codes[0], codes[1]);
+    TD_MP_RUN(2, worker_direct, (void *)&cases[i], 60);
   }
 }
 

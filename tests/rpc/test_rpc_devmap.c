@@ -7,12 +7,6 @@
 #include "rpc_test_fns.h"
 #include "test_util.h"
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* ---- bad maps ---- */
 
 typedef struct bad_map_case {
@@ -55,16 +49,16 @@ static const bad_map_case bad_cases[] = {
 
 static int worker_bad_map(int rank, int world, const char *method, void *arg) {
   const bad_map_case *c = arg;
-  td_rpc_options o = test_opts(method, 2);
-  o.init_timeout_ms = 60000; /* a worker left waiting would be killed by td_mp_run first */
+  td_rpc_options o = td_mp_rpc_options(method, 2);
+  o.init_timeout_ms = td_test_ms(60000); /* a worker left waiting would be killed by td_mp_run first */
   if (rank == c->rank) {
     o.device_maps = c->e;
     o.num_device_maps = c->n;
   }
   td_rpc_agent *a = NULL;
-  double t0 = now_s();
+  double t0 = td_test_now_s();
   td_status st = td_rpc_init(NULL, rank, world, &o, &a);
-  double took = now_s() - t0;
+  double took = td_test_now_s() - t0;
   if (st == TD_OK || a) {
     fprintf(stderr, "case '%s': rank %d: td_rpc_init succeeded\n", c->name, rank);
     return 1;
@@ -81,10 +75,7 @@ static int worker_bad_map(int rank, int world, const char *method, void *arg) {
 
 static void test_rpc_devmap_bad_maps_fail_init(void **state) {
   for (size_t i = 0; i < sizeof bad_cases / sizeof *bad_cases; i++) {
-    int codes[2];
-    int fails = td_mp_run(2, worker_bad_map, (void *)&bad_cases[i], 40, codes);
-    if (fails) fail_msg("case '%s': %d workers failed (%d %d)", bad_cases[i].name, fails,
-                        codes[0], codes[1]);
+    TD_MP_RUN(2, worker_bad_map, (void *)&bad_cases[i], 40);
   }
 }
 
@@ -107,7 +98,7 @@ static void test_rpc_devmap_bad_options(void **state) {
  * leak checker (ASan builds) sees the failed init unwind; the parent never starts an agent itself
  * (gRPC does not survive fork). */
 static int worker_solo(int rank, int world, const char *method, void *arg) {
-  td_rpc_options o = test_opts(method, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
   o.init_method = "tcp://127.0.0.1:0";
   const td_rpc_device_map_entry e[] = {{"ghost", "cpu", "cpu"}};
   o.device_maps = e;
@@ -119,7 +110,7 @@ static int worker_solo(int rank, int world, const char *method, void *arg) {
   MP_CHECK(a == NULL);
   o.num_device_maps = 0; /* without the bad entry the same world starts */
   MP_CHECK_OK(td_rpc_init("solo", 0, 1, &o, &a));
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 10000));
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(10000)));
   td_rpc_destroy(a);
   exit(0);
 }
@@ -137,7 +128,7 @@ static int worker_cpu_maps(int rank, int world, const char *method, void *arg) {
   register_test_fns();
   const td_rpc_device_map_entry maps0[] = {{"worker1", "cpu", "cpu"}};
   const td_rpc_device_map_entry maps1[] = {{"worker0", "cpu", "cpu"}, {"worker0", "cpu", "cpu"}};
-  td_rpc_options o = test_opts(method, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
   o.device_maps = rank == 0 ? maps0 : maps1;
   o.num_device_maps = rank == 0 ? 1 : 2;
   td_rpc_agent *a;
@@ -158,15 +149,13 @@ static int worker_cpu_maps(int rank, int world, const char *method, void *arg) {
   td_value_unref(r);
   td_value_unref(d);
   td_tensor_unref(t);
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 20000));
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(20000)));
   td_rpc_destroy(a);
   return 0;
 }
 
 static void test_rpc_devmap_cpu_maps_accepted(void **state) {
-  int codes[2];
-  int fails = td_mp_run(2, worker_cpu_maps, NULL, 60, codes);
-  if (fails) fail_msg("%d workers failed (%d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_cpu_maps, NULL, 60);
 }
 
 /* ---- cuda:0 ---- */
@@ -175,8 +164,8 @@ static void test_rpc_devmap_cpu_maps_accepted(void **state) {
  * without a GPU, or in a build without CUDA); with one it is accepted. */
 static int worker_cuda0(int rank, int world, const char *method, void *arg) {
   const td_rpc_device_map_entry maps[] = {{"worker1", "cuda:0", "cpu"}};
-  td_rpc_options o = test_opts(method, 2);
-  o.init_timeout_ms = 60000;
+  td_rpc_options o = td_mp_rpc_options(method, 2);
+  o.init_timeout_ms = td_test_ms(60000);
   if (rank == 0) {
     o.device_maps = maps;
     o.num_device_maps = 1;
@@ -186,7 +175,7 @@ static int worker_cuda0(int rank, int world, const char *method, void *arg) {
   td_status st = td_rpc_init(NULL, rank, world, &o, &a);
   if (ncuda > 0) {
     MP_CHECK_OK(st);
-    MP_CHECK_OK(td_rpc_shutdown(a, true, 20000));
+    MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(20000)));
     td_rpc_destroy(a);
     return 0;
   }
@@ -201,9 +190,7 @@ static int worker_cuda0(int rank, int world, const char *method, void *arg) {
 }
 
 static void test_rpc_devmap_cuda_map_needs_the_device(void **state) {
-  int codes[2];
-  int fails = td_mp_run(2, worker_cuda0, NULL, 60, codes);
-  if (fails) fail_msg("%d workers failed (%d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_cuda0, NULL, 60);
 }
 
 int main(void) {

@@ -81,7 +81,7 @@ static void check_values(const td_tensor *h, float add) {
 static int worker_transfer(int rank, int world, const char *method, void *arg) {
   const gpu_case *c = arg;
   MP_CHECK_OK(td_rpc_register("where", fn_where, NULL));
-  td_rpc_options o = test_opts(method, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
   if (rank == 0) {
     o.device_maps = &c->map;
     o.num_device_maps = 1;
@@ -110,15 +110,13 @@ static int worker_transfer(int rank, int world, const char *method, void *arg) {
     td_tensor_unref(g);
     td_tensor_unref(h);
   }
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 20000));
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(20000)));
   td_rpc_destroy(a);
   return 0;
 }
 
 static void run_case(const gpu_case *c) {
-  int codes[2];
-  int fails = td_mp_run(2, worker_transfer, (void *)c, 90, codes);
-  if (fails) fail_msg("%d workers failed (%d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_transfer, (void *)c, 90);
 }
 
 static void test_rpc_devmap_gpu_cuda_to_cuda(void **state) {
@@ -141,7 +139,7 @@ static int worker_unmapped(int rank, int world, const char *method, void *arg) {
   register_test_fns();
   MP_CHECK_OK(td_rpc_register("make_cuda", fn_make_cuda, NULL));
   const td_rpc_device_map_entry map = {"worker1", "cpu", "cpu"};
-  td_rpc_options o = test_opts(method, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
   if (rank == 0) {
     o.device_maps = &map;
     o.num_device_maps = 1;
@@ -171,16 +169,14 @@ static int worker_unmapped(int rank, int world, const char *method, void *arg) {
     td_value_unref(v);
     td_tensor_unref(g);
   }
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 20000));
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(20000)));
   td_rpc_destroy(a);
   return 0;
 }
 
 static void test_rpc_devmap_gpu_unmapped_is_an_error(void **state) {
   REQUIRE_GPU();
-  int codes[2];
-  int fails = td_mp_run(2, worker_unmapped, NULL, 90, codes);
-  if (fails) fail_msg("%d workers failed (%d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_unmapped, NULL, 90);
 }
 
 /* twice(t) = 2 t, computed where t arrived */
@@ -201,7 +197,7 @@ static td_status fn_twice(td_rpc_ctx *c, td_value *const *args, int n, td_value 
 static int worker_autograd(int rank, int world, const char *method, void *arg) {
   MP_CHECK_OK(td_rpc_register("twice", fn_twice, NULL));
   const td_rpc_device_map_entry map = {"worker1", "cuda:0", "cpu"};
-  td_rpc_options o = test_opts(method, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
   if (rank == 0) {
     o.device_maps = &map;
     o.num_device_maps = 1;
@@ -238,16 +234,14 @@ static int worker_autograd(int rank, int world, const char *method, void *arg) {
     td_tensor_unref(x);
     td_tensor_unref(h);
   }
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 20000));
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(20000)));
   td_rpc_destroy(a);
   return 0;
 }
 
 static void test_rpc_devmap_gpu_gradients_take_the_reverse_map(void **state) {
   REQUIRE_GPU();
-  int codes[2];
-  int fails = td_mp_run(2, worker_autograd, NULL, 90, codes);
-  if (fails) fail_msg("%d workers failed (%d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_autograd, NULL, 90);
 }
 
 int main(void) {

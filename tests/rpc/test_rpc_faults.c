@@ -25,25 +25,7 @@
 #include "rpc_test_fns.h"
 #include "test_util.h"
 
-/* Under AddressSanitizer, checks a worker for leaks before it leaves with _exit (which skips
- * LeakSanitizer's exit-time check). */
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/lsan_interface.h>
-#define CHECK_NO_LEAKS() MP_CHECK(__lsan_do_recoverable_leak_check() == 0)
-#else
-#define CHECK_NO_LEAKS() ((void)0)
-#endif
-
 /* ---- helpers ---- */
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* Time bounds stretch with TD_TEST_TIMEOUT_SCALE (slow machines, sanitizers). */
-static double scaled(double s) { return s * td_test_timeout_scale(); }
 
 static int64_t as_int(td_value *v) {
   int64_t x = -999;
@@ -96,10 +78,10 @@ static void register_fault_fns(void) {
 
 /* Waits until "release" ran here (bounded). */
 static void wait_released(double timeout_s) {
-  double end = now_s() + scaled(timeout_s);
+  double end = td_test_now_s() + td_test_s(timeout_s);
   while (!__atomic_load_n(&released, __ATOMIC_ACQUIRE)) {
-    MP_CHECK(now_s() < end);
-    test_sleep_ms(5);
+    MP_CHECK(td_test_now_s() < end);
+    td_test_sleep_ms(5);
   }
 }
 
@@ -136,22 +118,22 @@ enum { KILL_EXTERNAL = 0, KILL_IN_HANDLER = 1 };
 static int worker_killed(int rank, int world, const char *method, void *arg) {
   int mode = *(int *)arg;
   register_fault_fns();
-  td_rpc_options o = test_opts(method, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   if (rank == 1) {
     /* the victim: serves until it is killed, never reaches shutdown */
-    test_sleep_ms((int64_t)scaled(60000));
+    td_test_sleep_ms(td_test_ms(60000));
     return 3;
   }
   if (rank == 2) {
     /* a survivor: once worker0 is done, its own first call to the dead worker fails too */
     wait_released(60);
     td_value *r = NULL;
-    double t0 = now_s();
+    double t0 = td_test_now_s();
     td_status st = td_rpc_sync(a, "worker1", "echo", NULL, 0, NULL, &r);
     check_unavailable(st, td_last_error());
-    MP_CHECK(now_s() - t0 < scaled(5));
+    MP_CHECK(td_test_now_s() - t0 < td_test_s(5));
   } else {
     pid_t victim = remote_pid(a, "worker1");
     /* in flight: a 20 s handler (delivered: the echo behind it on the same stream came back) */
@@ -162,40 +144,40 @@ static int worker_killed(int rank, int world, const char *method, void *arg) {
     td_value *r = NULL;
     MP_CHECK_OK(td_rpc_sync(a, "worker1", "echo", NULL, 0, NULL, &r));
     td_value_unref(r);
-    double t0 = now_s();
+    double t0 = td_test_now_s();
     if (mode == KILL_EXTERNAL) {
       MP_CHECK(kill(victim, SIGKILL) == 0);
     } else {
       MP_CHECK_OK(td_rpc_async(a, "worker1", "die", NULL, 0, NULL, &die));
     }
     /* the calls in flight fail promptly (default timeout 30 s, keepalive 2 s) */
-    td_status st = td_future_wait(slow, (int64_t)scaled(10000));
+    td_status st = td_future_wait(slow, td_test_ms(10000));
     MP_CHECK(td_future_done(slow));
     check_unavailable(st, td_future_message(slow));
     if (die) {
-      st = td_future_wait(die, (int64_t)scaled(10000));
+      st = td_future_wait(die, td_test_ms(10000));
       MP_CHECK(td_future_done(die));
       check_unavailable(st, td_future_message(die));
     }
-    double el = now_s() - t0;
+    double el = td_test_now_s() - t0;
     fprintf(stderr, "killed peer (%s): calls in flight failed after %.3f s\n",
             mode == KILL_EXTERNAL ? "SIGKILL from a peer" : "raise(SIGKILL) in a handler", el);
-    MP_CHECK(el < scaled(5));
+    MP_CHECK(el < td_test_s(5));
     td_future_unref(slow);
     td_future_unref(die);
     /* new calls fail promptly as well, sync and async */
     for (int i = 0; i < 3; i++) {
-      t0 = now_s();
+      t0 = td_test_now_s();
       st = td_rpc_sync(a, "worker1", "echo", NULL, 0, NULL, &r);
       check_unavailable(st, td_last_error());
-      MP_CHECK(now_s() - t0 < scaled(5));
+      MP_CHECK(td_test_now_s() - t0 < td_test_s(5));
     }
     td_future *f = NULL;
-    t0 = now_s();
+    t0 = td_test_now_s();
     MP_CHECK_OK(td_rpc_async(a, "worker1", "echo", NULL, 0, NULL, &f));
-    st = td_future_wait(f, (int64_t)scaled(10000));
+    st = td_future_wait(f, td_test_ms(10000));
     check_unavailable(st, td_future_message(f));
-    MP_CHECK(now_s() - t0 < scaled(5));
+    MP_CHECK(td_test_now_s() - t0 < td_test_s(5));
     td_future_unref(f);
     /* the survivors still talk to each other */
     call_ok(a, "worker2");
@@ -203,17 +185,17 @@ static int worker_killed(int rank, int world, const char *method, void *arg) {
     td_value_unref(r);
   }
   /* graceful shutdown cannot complete without worker1: it times out naming it (only it) */
-  double t0 = now_s();
+  double t0 = td_test_now_s();
   td_status st = td_rpc_shutdown(a, true, 2000);
-  double el = now_s() - t0;
+  double el = td_test_now_s() - t0;
   const char *why = td_last_error();
   if (st != TD_ERR_TIMEOUT) fprintf(stderr, "shutdown: %s: %s\n", td_status_name(st), why);
   MP_CHECK(st == TD_ERR_TIMEOUT);
   MP_CHECK(strstr(why, "worker1 (rank 1)") != NULL);
   MP_CHECK(strstr(why, "worker0") == NULL && strstr(why, "worker2") == NULL);
-  MP_CHECK(el < scaled(6));
+  MP_CHECK(el < td_test_s(6));
   td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
+  MP_CHECK_NO_LEAKS();
   return 0;
 }
 
@@ -232,7 +214,7 @@ static void test_rpc_peer_dies_in_handler_fails_calls(void **state) { run_killed
 
 /* Waits (bounded) until every thread of pid is stopped: SIGSTOP takes effect asynchronously. */
 static void wait_stopped(pid_t pid) {
-  double end = now_s() + scaled(10);
+  double end = td_test_now_s() + td_test_s(10);
   for (;;) {
     char path[64];
     snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
@@ -255,14 +237,14 @@ static void wait_stopped(pid_t pid) {
     }
     closedir(d);
     if (seen && !running) return;
-    MP_CHECK(now_s() < end);
-    test_sleep_ms(1);
+    MP_CHECK(td_test_now_s() < end);
+    td_test_sleep_ms(1);
   }
 }
 
 static int worker_hung(int rank, int world, const char *method, void *arg) {
   register_fault_fns();
-  td_rpc_options o = test_opts(method, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
   o.keepalive_ms = 500;
   o.keepalive_timeout_ms = 500;
   td_rpc_agent *a;
@@ -274,25 +256,25 @@ static int worker_hung(int rank, int world, const char *method, void *arg) {
     call_ok(a, "worker1");
     MP_CHECK(kill(victim, SIGSTOP) == 0);
     wait_stopped(victim);
-    double t0 = now_s();
+    double t0 = td_test_now_s();
     /* an in-flight call to the stopped peer: keepalive (500 ms ping, 500 ms timeout) fails it
      * long before the 30 s call timeout */
     td_future *f = NULL;
     MP_CHECK_OK(td_rpc_async(a, "worker1", "echo", NULL, 0, NULL, &f));
-    td_status st = td_future_wait(f, (int64_t)scaled(20000));
-    double el = now_s() - t0;
+    td_status st = td_future_wait(f, td_test_ms(20000));
+    double el = td_test_now_s() - t0;
     fprintf(stderr, "hung peer: in-flight call failed after %.3f s: %s: %s\n", el,
             td_status_name(st), td_future_message(f));
     MP_CHECK(td_future_done(f));
     check_unavailable(st, td_future_message(f));
     MP_CHECK(strstr(td_future_message(f), "keepalive") != NULL);
     /* documented: within about twice keepalive_ms (measured 1.0-1.1 s here) */
-    MP_CHECK(el < scaled(3));
+    MP_CHECK(el < td_test_s(3));
     td_future_unref(f);
     MP_CHECK(kill(victim, SIGCONT) == 0);
     /* the peer is back: calls reach it again (the channel reconnects with backoff; a call made
      * while it is still in TRANSIENT_FAILURE fails fast with UNAVAILABLE) */
-    t0 = now_s();
+    t0 = td_test_now_s();
     int failed = 0;
     for (;;) {
       td_value *two[2] = {td_value_int(1), td_value_int(2)}, *r = NULL;
@@ -306,27 +288,25 @@ static int worker_hung(int rank, int world, const char *method, void *arg) {
       }
       check_unavailable(st, td_last_error());
       failed++;
-      MP_CHECK(now_s() - t0 < scaled(10));
-      test_sleep_ms(50);
+      MP_CHECK(td_test_now_s() - t0 < td_test_s(10));
+      td_test_sleep_ms(50);
     }
     fprintf(stderr, "hung peer: reachable again %.3f s after SIGCONT (%d calls failed first)\n",
-            now_s() - t0, failed);
+            td_test_now_s() - t0, failed);
     td_value *r = NULL;
     MP_CHECK_OK(td_rpc_sync(a, "worker1", "release", NULL, 0, NULL, &r));
     td_value_unref(r);
   }
-  td_status st = td_rpc_shutdown(a, true, (int64_t)scaled(20000));
+  td_status st = td_rpc_shutdown(a, true, td_test_ms(20000));
   if (st != TD_OK) fprintf(stderr, "rank %d shutdown: %s\n", rank, td_last_error());
   MP_CHECK_OK(st);
   td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
+  MP_CHECK_NO_LEAKS();
   return 0;
 }
 
 static void test_rpc_hung_peer_keepalive(void **state) {
-  int codes[2];
-  int fails = td_mp_run(2, worker_hung, NULL, 45, codes);
-  if (fails) fail_msg("%d workers failed (codes %d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_hung, NULL, 45);
 }
 
 /* ---- a raw gRPC client ---- */
@@ -348,7 +328,7 @@ static gpr_timespec in_ms(int64_t ms) {
 /* Runs one batch and waits for it (bounded). Returns the event's success. */
 static bool raw_batch(raw_call *rc, const grpc_op *ops, size_t n, void *tag) {
   MP_CHECK(grpc_call_start_batch(rc->call, ops, n, tag, NULL) == GRPC_CALL_OK);
-  grpc_event ev = grpc_completion_queue_pluck(rc->cq, tag, in_ms((int64_t)scaled(10000)), NULL);
+  grpc_event ev = grpc_completion_queue_pluck(rc->cq, tag, in_ms(td_test_ms(10000)), NULL);
   MP_CHECK(ev.type == GRPC_OP_COMPLETE);
   return ev.success != 0;
 }
@@ -363,7 +343,7 @@ static void raw_open(raw_call *rc, const char *address, const char *method) {
   rc->cq = grpc_completion_queue_create_for_pluck(NULL);
   rc->call = grpc_channel_create_call(rc->ch, NULL, GRPC_PROPAGATE_DEFAULTS, rc->cq,
                                       grpc_slice_from_static_string(method), NULL,
-                                      in_ms((int64_t)scaled(20000)), NULL);
+                                      in_ms(td_test_ms(20000)), NULL);
   MP_CHECK(rc->call != NULL);
   grpc_metadata_array_init(&rc->imd);
   grpc_metadata_array_init(&rc->tmd);
@@ -427,7 +407,7 @@ static bool raw_recv_into(raw_call *rc, td__decoder *dec) {
 /* Waits for the call's status; returns it, details copied into buf. */
 static grpc_status_code raw_finish(raw_call *rc, char *buf, size_t n) {
   grpc_event ev =
-      grpc_completion_queue_pluck(rc->cq, &rc->t_status, in_ms((int64_t)scaled(10000)), NULL);
+      grpc_completion_queue_pluck(rc->cq, &rc->t_status, in_ms(td_test_ms(10000)), NULL);
   MP_CHECK(ev.type == GRPC_OP_COMPLETE);
   char *d = grpc_slice_to_c_string(rc->details);
   snprintf(buf, n, "%s", d);
@@ -527,7 +507,7 @@ enum { RAW_BAD_MAGIC = 0, RAW_BAD_HEADER = 1, RAW_UNKNOWN_METHOD = 2 };
 static int worker_raw(int rank, int world, const char *method, void *arg) {
   int mode = *(int *)arg;
   register_fault_fns();
-  td_rpc_options o = test_opts(method, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   if (rank == 1) {
@@ -639,18 +619,16 @@ static int worker_raw(int rank, int world, const char *method, void *arg) {
     MP_CHECK_OK(td_rpc_sync(a, "worker1", "release", NULL, 0, NULL, &r));
     td_value_unref(r);
   }
-  td_status st = td_rpc_shutdown(a, true, (int64_t)scaled(20000));
+  td_status st = td_rpc_shutdown(a, true, td_test_ms(20000));
   if (st != TD_OK) fprintf(stderr, "rank %d shutdown: %s\n", rank, td_last_error());
   MP_CHECK_OK(st);
   td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
+  MP_CHECK_NO_LEAKS();
   return 0;
 }
 
 static void run_raw(int mode) {
-  int codes[2];
-  int fails = td_mp_run(2, worker_raw, &mode, 60, codes);
-  if (fails) fail_msg("%d workers failed (codes %d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_raw, &mode, 60);
 }
 
 static void test_rpc_stream_bad_magic_closes_stream(void **state) { run_raw(RAW_BAD_MAGIC); }
@@ -661,7 +639,7 @@ static void test_rpc_unknown_method_unimplemented(void **state) { run_raw(RAW_UN
 
 static int worker_oversized(int rank, int world, const char *method, void *arg) {
   register_fault_fns();
-  td_rpc_options o = test_opts(method, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
   o.max_message_bytes = 1u << 20;
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
@@ -672,14 +650,14 @@ static int worker_oversized(int rank, int world, const char *method, void *arg) 
     td_tensor *big;
     MP_CHECK_OK(td_tensor_full(&n, 1, 1.0, TD_DTYPE_F32, td_device_cpu(), &big));
     td_value *v = td_value_tensor(big), *r = NULL;
-    double t0 = now_s();
+    double t0 = td_test_now_s();
     td_status st = td_rpc_sync(a, "worker1", "echo", &v, 1, NULL, &r);
     fprintf(stderr, "oversized request: %s: %s\n", td_status_name(st), td_last_error());
     MP_CHECK(st == TD_ERR_INVALID);
     MP_CHECK(strstr(td_last_error(), "worker1 (rank 1)") != NULL);
     MP_CHECK(strstr(td_last_error(), "limit") != NULL);
     MP_CHECK(strstr(td_last_error(), "1048576") != NULL);
-    MP_CHECK(now_s() - t0 < scaled(5));
+    MP_CHECK(td_test_now_s() - t0 < td_test_s(5));
     td_value_unref(v);
     td_tensor_unref(big);
     /* the next small call on the same connection works */
@@ -713,7 +691,7 @@ static int worker_oversized(int rank, int world, const char *method, void *arg) 
       else MP_CHECK_OK(td_rpc_async(a, "worker1", "add", two, 2, NULL, &fs[i]));
     }
     for (int i = 0; i < 6; i++) {
-      st = td_future_wait(fs[i], (int64_t)scaled(10000));
+      st = td_future_wait(fs[i], td_test_ms(10000));
       if (i % 2) {
         MP_CHECK(st == TD_ERR_INVALID && strstr(td_future_message(fs[i]), "limit"));
       } else {
@@ -727,18 +705,16 @@ static int worker_oversized(int rank, int world, const char *method, void *arg) 
     td_tensor_unref(big);
   }
   /* every call was answered: the graceful shutdown completes */
-  td_status st = td_rpc_shutdown(a, true, (int64_t)scaled(20000));
+  td_status st = td_rpc_shutdown(a, true, td_test_ms(20000));
   if (st != TD_OK) fprintf(stderr, "rank %d shutdown: %s\n", rank, td_last_error());
   MP_CHECK_OK(st);
   td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
+  MP_CHECK_NO_LEAKS();
   return 0;
 }
 
 static void test_rpc_oversized_request_rejected(void **state) {
-  int codes[2];
-  int fails = td_mp_run(2, worker_oversized, NULL, 60, codes);
-  if (fails) fail_msg("%d workers failed (codes %d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_oversized, NULL, 60);
 }
 
 int main(void) {

@@ -21,12 +21,6 @@
 
 #define BIG_BYTES (512ull << 20)
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* Rank 0: swallows a tensor (answers its first element). */
 static td_status fn_sink(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                          td_future **fut) {
@@ -58,10 +52,10 @@ static int worker_huge(int rank, int world, const char *method, void *arg) {
   (void)arg;
   register_test_fns();
   MP_CHECK_OK(td_rpc_register("sink", fn_sink, NULL));
-  MP_CHECK_OK(td_rpc_register_ex("ping", fn_echo, NULL, TD_RPC_INLINE)); /* network thread */
+  MP_CHECK_OK(td_rpc_register_ex("ping", td_test_fn_echo, NULL, TD_RPC_INLINE)); /* network thread */
   MP_CHECK_OK(td_rpc_register("stop", fn_stop, NULL));
-  td_rpc_options o = test_opts(method, 4);
-  o.rpc_timeout_ms = (int64_t)(120000 * td_test_timeout_scale());
+  td_rpc_options o = td_mp_rpc_options(method, 4);
+  o.rpc_timeout_ms = td_test_ms(120000);
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   if (rank == 1) {
@@ -72,9 +66,9 @@ static int worker_huge(int rank, int world, const char *method, void *arg) {
     double longest = 0;
     for (int i = 0; i < 4; i++) {
       td_value *r = NULL;
-      double t0 = now_s();
+      double t0 = td_test_now_s();
       MP_CHECK_OK(td_rpc_sync(a, "worker0", "sink", &v, 1, NULL, &r));
-      double dt = now_s() - t0;
+      double dt = td_test_now_s() - t0;
       if (dt > longest) longest = dt;
       double first;
       MP_CHECK_OK(td_value_as_double(r, &first));
@@ -94,14 +88,14 @@ static int worker_huge(int rank, int world, const char *method, void *arg) {
     int calls = 0;
     while (!__atomic_load_n(&stop_flag, __ATOMIC_ACQUIRE)) {
       td_value *x = td_value_int(calls), *r = NULL;
-      double t0 = now_s();
+      double t0 = td_test_now_s();
       MP_CHECK_OK(td_rpc_sync(a, "worker0", "ping", &x, 1, NULL, &r));
-      double dt = now_s() - t0;
+      double dt = td_test_now_s() - t0;
       if (dt > worst_call) worst_call = dt;
       td_value_unref(r);
       td_value_unref(x);
       calls++;
-      usleep(2000);
+      td_test_sleep_ms(2);
     }
     fprintf(stderr, "during the transfers: %d calls to rank 0, the slowest %.3f s (a transfer "
             "%.3f s)\n", calls, worst_call, transfer_s);
@@ -110,16 +104,14 @@ static int worker_huge(int rank, int world, const char *method, void *arg) {
      * transfer (a fast machine) proves nothing either way */
     if (transfer_s > 0.1) MP_CHECK(worst_call < transfer_s / 2);
   }
-  MP_CHECK_OK(td_rpc_shutdown(a, true, (int64_t)(60000 * td_test_timeout_scale())));
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(60000)));
   td_rpc_destroy(a);
   return 0;
 }
 
 static void test_rpc_huge_receive_keeps_network_thread_free(void **state) {
   (void)state;
-  int codes[3];
-  int fails = td_mp_run(3, worker_huge, NULL, 240, codes);
-  if (fails) fail_msg("%d workers failed (codes %d %d %d)", fails, codes[0], codes[1], codes[2]);
+  TD_MP_RUN(3, worker_huge, NULL, 240);
 }
 
 int main(void) {

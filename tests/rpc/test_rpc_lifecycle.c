@@ -20,7 +20,7 @@ static td_status fn_relay(td_rpc_ctx *c, td_value *const *args, int n, td_value 
   if (st != TD_OK) return st;
   td_rpc_agent *a = td_rpc_ctx_agent(c);
   if (k == 0) {
-    test_sleep_ms(300); /* the last hop is slow: shutdown must wait for it */
+    td_test_sleep_ms(300); /* the last hop is slow: shutdown must wait for it */
     char path[300];
     snprintf(path, sizeof path, "%s/done-%d", marker_dir, td_rpc_rank(a));
     FILE *f = fopen(path, "w");
@@ -43,7 +43,7 @@ static td_status fn_relay(td_rpc_ctx *c, td_value *const *args, int n, td_value 
 static int worker_fire_and_forget(int rank, int world, const char *method, void *arg) {
   register_test_fns();
   MP_CHECK_OK(td_rpc_register("relay", fn_relay, NULL));
-  td_rpc_options o = test_opts(method, 4);
+  td_rpc_options o = td_mp_rpc_options(method, 4);
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   if (rank == 0) {
@@ -53,7 +53,7 @@ static int worker_fire_and_forget(int rank, int world, const char *method, void 
     td_value_unref(k);
     td_future_unref(f);
   }
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 20000));
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(20000)));
   /* graceful shutdown returned: the whole chain must have finished everywhere */
   if (rank == 0) {
     char path[300];
@@ -81,40 +81,36 @@ static void test_rpc_shutdown_waits_for_chains(void **state) {
 
 static int worker_missing(int rank, int world, const char *method, void *arg) {
   register_test_fns();
-  td_rpc_options o = test_opts(method, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   if (rank == 2) {
     /* never calls shutdown; it is killed when the others are done */
-    test_sleep_ms(3000);
+    td_test_sleep_ms(td_test_ms(3000));
     td_rpc_destroy(a);
     return 0;
   }
-  struct timespec s0, s1;
-  clock_gettime(CLOCK_MONOTONIC, &s0);
-  td_status st = td_rpc_shutdown(a, true, 800);
-  clock_gettime(CLOCK_MONOTONIC, &s1);
-  double el = (double)(s1.tv_sec - s0.tv_sec) + (double)(s1.tv_nsec - s0.tv_nsec) * 1e-9;
+  double t0 = td_test_now_s();
+  td_status st = td_rpc_shutdown(a, true, 800); /* must expire: not scaled */
+  double el = td_test_now_s() - t0;
   MP_CHECK(st == TD_ERR_TIMEOUT);
   MP_CHECK(strstr(td_last_error(), "worker2 (rank 2)") != NULL);
   MP_CHECK(strstr(td_last_error(), "worker1") == NULL);
-  MP_CHECK(el < 3.0);
+  MP_CHECK(el < td_test_s(3.0));
   MP_CHECK(td_rpc_shutdown(a, true, 100) == TD_OK); /* second call is a no-op */
   td_rpc_destroy(a);
   return 0;
 }
 
 static void test_rpc_shutdown_deadline_names_missing(void **state) {
-  int codes[3];
-  int fails = td_mp_run(3, worker_missing, NULL, 60, codes);
-  if (fails) fail_msg("%d workers failed (%d %d %d)", fails, codes[0], codes[1], codes[2]);
+  TD_MP_RUN(3, worker_missing, NULL, 60);
 }
 
 /* ---- non-graceful shutdown returns at once and fails calls in flight ---- */
 
 static int worker_abort(int rank, int world, const char *method, void *arg) {
   register_test_fns();
-  td_rpc_options o = test_opts(method, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   if (rank == 0) {
@@ -122,19 +118,16 @@ static int worker_abort(int rank, int world, const char *method, void *arg) {
     td_future *f;
     MP_CHECK_OK(td_rpc_async(a, "worker1", "slow", &ms, 1, NULL, &f));
     td_value_unref(ms);
-    struct timespec s0, s1;
-    clock_gettime(CLOCK_MONOTONIC, &s0);
+    double t0 = td_test_now_s();
     MP_CHECK_OK(td_rpc_shutdown(a, false, 0));
-    clock_gettime(CLOCK_MONOTONIC, &s1);
-    double el = (double)(s1.tv_sec - s0.tv_sec) + (double)(s1.tv_nsec - s0.tv_nsec) * 1e-9;
-    MP_CHECK(el < 1.0);
+    MP_CHECK(td_test_now_s() - t0 < td_test_s(1.0));
     MP_CHECK(td_future_done(f));
     MP_CHECK(td_future_status(f) == TD_ERR_CANCELLED);
     td_future_unref(f);
     td_value *r;
     MP_CHECK(td_rpc_sync(a, "worker1", "echo", NULL, 0, NULL, &r) == TD_ERR_STATE);
   } else {
-    test_sleep_ms(2500);
+    td_test_sleep_ms(td_test_ms(2500));
     td_rpc_shutdown(a, false, 0);
   }
   td_rpc_destroy(a);
@@ -142,9 +135,7 @@ static int worker_abort(int rank, int world, const char *method, void *arg) {
 }
 
 static void test_rpc_shutdown_nongraceful(void **state) {
-  int codes[2];
-  int fails = td_mp_run(2, worker_abort, NULL, 30, codes);
-  if (fails) fail_msg("%d workers failed (%d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_abort, NULL, 30);
 }
 
 /* ---- init after shutdown, and init from the environment ---- */
@@ -157,7 +148,7 @@ static int worker_reinit(int rank, int world, const char *method, void *arg) {
   setenv("MASTER_ADDR", "127.0.0.1", 1);
   setenv("MASTER_PORT", port, 1);
   for (int round = 0; round < 2; round++) {
-    td_rpc_options o = test_opts(NULL, 2);
+    td_rpc_options o = td_mp_rpc_options(NULL, 2);
     td_rpc_agent *a;
     char nm[16];
     snprintf(nm, sizeof nm, "again%d", rank);
@@ -173,24 +164,22 @@ static int worker_reinit(int rank, int world, const char *method, void *arg) {
       td_value_unref(two[0]);
       td_value_unref(two[1]);
     }
-    MP_CHECK_OK(td_rpc_shutdown(a, true, 20000));
+    MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(20000)));
     td_rpc_destroy(a);
-    if (round == 0) test_sleep_ms(200); /* rank 0's port must be free again */
+    if (round == 0) td_test_sleep_ms(td_test_ms(200)); /* rank 0's port must be free again */
   }
   return 0;
 }
 
 static void test_rpc_init_after_shutdown_from_env(void **state) {
-  int codes[2];
-  int fails = td_mp_run(2, worker_reinit, NULL, 60, codes);
-  if (fails) fail_msg("%d workers failed (%d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_reinit, NULL, 60);
 }
 
 /* ---- init errors ---- */
 
 static int worker_dup_names(int rank, int world, const char *method, void *arg) {
-  td_rpc_options o = test_opts(method, 2);
-  o.init_timeout_ms = 10000;
+  td_rpc_options o = td_mp_rpc_options(method, 2);
+  o.init_timeout_ms = td_test_ms(10000);
   td_rpc_agent *a;
   td_status st = td_rpc_init(rank == 2 ? "trainer" : (rank == 1 ? "trainer" : "ps"), rank, world,
                              &o, &a);
@@ -200,14 +189,12 @@ static int worker_dup_names(int rank, int world, const char *method, void *arg) 
 }
 
 static void test_rpc_init_duplicate_names(void **state) {
-  int codes[3];
-  int fails = td_mp_run(3, worker_dup_names, NULL, 30, codes);
-  if (fails) fail_msg("%d workers failed (%d %d %d)", fails, codes[0], codes[1], codes[2]);
+  TD_MP_RUN(3, worker_dup_names, NULL, 30);
 }
 
 static int worker_bad_world(int rank, int world, const char *method, void *arg) {
-  td_rpc_options o = test_opts(method, 2);
-  o.init_timeout_ms = 10000;
+  td_rpc_options o = td_mp_rpc_options(method, 2);
+  o.init_timeout_ms = td_test_ms(10000);
   td_rpc_agent *a;
   td_status st = td_rpc_init(NULL, rank, rank == 1 ? 3 : 2, &o, &a);
   MP_CHECK(st != TD_OK);
@@ -216,9 +203,7 @@ static int worker_bad_world(int rank, int world, const char *method, void *arg) 
 }
 
 static void test_rpc_init_world_size_mismatch(void **state) {
-  int codes[2];
-  int fails = td_mp_run(2, worker_bad_world, NULL, 30, codes);
-  if (fails) fail_msg("%d workers failed (%d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_bad_world, NULL, 30);
 }
 
 static void test_rpc_init_errors_local(void **state) {
@@ -232,32 +217,27 @@ static void test_rpc_init_errors_local(void **state) {
   o.init_method = "udp://x";
   TD_ASSERT_STATUS(td_rpc_init(NULL, 0, 1, &o, &a), TD_ERR_INVALID);
   assert_null(a);
-  TD_ASSERT_STATUS(td_rpc_register("__mine", fn_echo, NULL), TD_ERR_INVALID);
-  TD_ASSERT_OK(td_rpc_register("twice", fn_echo, NULL));
-  TD_ASSERT_STATUS(td_rpc_register("twice", fn_echo, NULL), TD_ERR_EXISTS);
+  TD_ASSERT_STATUS(td_rpc_register("__mine", td_test_fn_echo, NULL), TD_ERR_INVALID);
+  TD_ASSERT_OK(td_rpc_register("twice", td_test_fn_echo, NULL));
+  TD_ASSERT_STATUS(td_rpc_register("twice", td_test_fn_echo, NULL), TD_ERR_EXISTS);
   TD_ASSERT_OK(td_rpc_unregister("twice"));
   TD_ASSERT_STATUS(td_rpc_unregister("twice"), TD_ERR_NOT_FOUND);
 }
 
 static int worker_alone(int rank, int world, const char *method, void *arg) {
   /* world size 2 but only rank 1 starts: rank 0's store never appears */
-  td_rpc_options o = test_opts(method, 2);
-  o.init_timeout_ms = 700;
+  td_rpc_options o = td_mp_rpc_options(method, 2);
+  o.init_timeout_ms = 700; /* must expire: not scaled */
   td_rpc_agent *a;
-  struct timespec s0, s1;
-  clock_gettime(CLOCK_MONOTONIC, &s0);
+  double t0 = td_test_now_s();
   td_status st = td_rpc_init(NULL, 1, 2, &o, &a);
-  clock_gettime(CLOCK_MONOTONIC, &s1);
-  double el = (double)(s1.tv_sec - s0.tv_sec) + (double)(s1.tv_nsec - s0.tv_nsec) * 1e-9;
   MP_CHECK(st != TD_OK);
-  MP_CHECK(el < 5.0);
+  MP_CHECK(td_test_now_s() - t0 < td_test_s(5.0));
   return 0;
 }
 
 static void test_rpc_init_deadline(void **state) {
-  int codes[1];
-  int fails = td_mp_run(1, worker_alone, NULL, 30, codes);
-  if (fails) fail_msg("worker failed (%d)", codes[0]);
+  TD_MP_RUN(1, worker_alone, NULL, 30);
 }
 
 int main(void) {

@@ -5,22 +5,7 @@
 #include "rpc_test_fns.h"
 #include "test_util.h"
 
-/* Under AddressSanitizer, checks a worker for leaks before it leaves with _exit (which skips
- * LeakSanitizer's exit-time check). */
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/lsan_interface.h>
-#define CHECK_NO_LEAKS() MP_CHECK(__lsan_do_recoverable_leak_check() == 0)
-#else
-#define CHECK_NO_LEAKS() ((void)0)
-#endif
-
 enum { WORLD = 64 };
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* Sanitizer builds run several times slower: 64 of them overload two cores, so live peers answer
  * pings late; the keepalive timeout (default 20 s) is stretched accordingly. */
@@ -33,14 +18,14 @@ static double now_s(void) {
 static int worker_all_to_all(int rank, int world, const char *method, void *arg) {
   double scale = td_test_timeout_scale();
   register_test_fns();
-  td_rpc_options o = test_opts(method, 2);
-  o.init_timeout_ms = (int64_t)(200000 * scale);
-  o.rpc_timeout_ms = (int64_t)(120000 * scale);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
+  o.init_timeout_ms = td_test_ms(200000);
+  o.rpc_timeout_ms = td_test_ms(120000);
   o.keepalive_timeout_ms = (int64_t)(o.keepalive_timeout_ms * scale * SLOWDOWN);
   td_rpc_agent *a;
-  double t0 = now_s();
+  double t0 = td_test_now_s();
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
-  double t_init = now_s();
+  double t_init = td_test_now_s();
   MP_CHECK(td_rpc_world_size(a) == world);
 
   /* every worker calls add(rank, peer) on every other worker */
@@ -57,7 +42,7 @@ static int worker_all_to_all(int rank, int world, const char *method, void *arg)
   }
   for (int p = 0; p < world; p++) {
     if (p == rank) continue;
-    td_status st = td_future_wait(fs[p], (int64_t)(150000 * scale));
+    td_status st = td_future_wait(fs[p], td_test_ms(150000));
     if (st != TD_OK)
       fprintf(stderr, "rank %d: call to rank %d: %s: %s\n", rank, p, td_status_name(st),
               td_future_message(fs[p]));
@@ -68,13 +53,13 @@ static int worker_all_to_all(int rank, int world, const char *method, void *arg)
     td_future_unref(fs[p]);
   }
   free(fs);
-  double t_calls = now_s();
-  td_status st = td_rpc_shutdown(a, true, (int64_t)(150000 * scale));
+  double t_calls = td_test_now_s();
+  td_status st = td_rpc_shutdown(a, true, td_test_ms(150000));
   if (st != TD_OK) fprintf(stderr, "rank %d: shutdown: %s\n", rank, td_last_error());
   MP_CHECK_OK(st);
-  double t_shut = now_s();
+  double t_shut = td_test_now_s();
   td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
+  MP_CHECK_NO_LEAKS();
   if (rank == 0)
     fprintf(stderr, "scale: %d workers: init %.2f s, all-to-all (%d calls each) %.2f s, graceful "
             "shutdown %.2f s\n", world, t_init - t0, world - 1, t_calls - t_init, t_shut - t_calls);
@@ -83,9 +68,9 @@ static int worker_all_to_all(int rank, int world, const char *method, void *arg)
 
 static void test_rpc_scale_64_workers_all_to_all(void **state) {
   int codes[WORLD];
-  double t0 = now_s();
+  double t0 = td_test_now_s();
   int fails = td_mp_run(WORLD, worker_all_to_all, NULL, 280, codes);
-  fprintf(stderr, "scale: %d workers: %.2f s from fork to the last exit\n", WORLD, now_s() - t0);
+  fprintf(stderr, "scale: %d workers: %.2f s from fork to the last exit\n", WORLD, td_test_now_s() - t0);
   if (fails) {
     char buf[512];
     size_t used = 0;

@@ -5,15 +5,6 @@
 #include "rpc_test_fns.h"
 #include "test_util.h"
 
-/* Under AddressSanitizer, checks a worker for leaks before it leaves with _exit (which skips
- * LeakSanitizer's exit-time check). */
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/lsan_interface.h>
-#define CHECK_NO_LEAKS() MP_CHECK(__lsan_do_recoverable_leak_check() == 0)
-#else
-#define CHECK_NO_LEAKS() ((void)0)
-#endif
-
 #if defined(__SANITIZE_ADDRESS__)
 #define TD_UNDER_ASAN 1
 #elif defined(__has_feature)
@@ -21,12 +12,6 @@
 #define TD_UNDER_ASAN 1
 #endif
 #endif
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* A "VmRSS:" / "VmHWM:" figure of this process from /proc/self/status in KiB, or -1. */
 static long status_kib(const char *field) {
@@ -108,7 +93,7 @@ static int worker_big(int rank, int world, const char *method, void *arg) {
   register_test_fns();
   MP_CHECK_OK(td_rpc_register("verify", fn_verify, NULL));
   MP_CHECK_OK(td_rpc_register("hwm", fn_hwm, NULL));
-  td_rpc_options o = test_opts(method, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
   o.max_message_bytes = 3ull << 30; /* above the default: its own setting */
   o.rpc_timeout_ms = 0; /* the transfers below are bounded by the test's own timeout */
   td_rpc_agent *a;
@@ -146,15 +131,15 @@ static int worker_big(int rank, int world, const char *method, void *arg) {
     /* 2.5 GiB */
     int64_t numel = BIG_NUMEL;
     td_tensor *big;
-    double t0 = now_s();
+    double t0 = td_test_now_s();
     MP_CHECK_OK(td_tensor_empty(&numel, 1, TD_DTYPE_F32, td_device_cpu(), &big));
     float *p = td_tensor_data(big);
     for (int64_t i = 0; i < numel; i++) p[i] = pattern(i);
-    double t_fill = now_s();
+    double t_fill = td_test_now_s();
     v = td_value_tensor(big);
     /* the receiver checks every element */
     MP_CHECK_OK(td_rpc_sync(a, "worker1", "verify", &v, 1, NULL, &r));
-    double t_verify = now_s();
+    double t_verify = td_test_now_s();
     MP_CHECK(list_int(r, 0) == numel);
     if (list_int(r, 1) != 0)
       fprintf(stderr, "verify: %lld bad elements, first at %lld\n", (long long)list_int(r, 1),
@@ -163,7 +148,7 @@ static int worker_big(int rank, int world, const char *method, void *arg) {
     td_value_unref(r);
     /* and sends it all back */
     MP_CHECK_OK(td_rpc_sync(a, "worker1", "echo", &v, 1, NULL, &r));
-    double t_echo = now_s();
+    double t_echo = td_test_now_s();
     MP_CHECK_OK(td_value_as_tensor(r, &rt));
     MP_CHECK(td_tensor_dtype(rt) == TD_DTYPE_F32 && td_tensor_ndim(rt) == 1);
     MP_CHECK(td_tensor_shape(rt)[0] == numel && td_tensor_nbytes(rt) == (size_t)numel * 4);
@@ -182,7 +167,7 @@ static int worker_big(int rank, int world, const char *method, void *arg) {
       MP_CHECK(q[at[k]] == pattern(at[k]));
     }
     MP_CHECK(memcmp(p, q, (size_t)numel * 4) == 0);
-    double t_cmp = now_s();
+    double t_cmp = td_test_now_s();
     fprintf(stderr, "big tensor: 2.5 GiB fill %.2f s, send + verify on worker1 %.2f s, echo "
             "round trip %.2f s (%.2f GB/s counting both directions), compare %.2f s\n",
             t_fill - t0, t_verify - t_fill, t_echo - t_verify,
@@ -201,18 +186,16 @@ static int worker_big(int rank, int world, const char *method, void *arg) {
     td_value_unref(v);
     td_tensor_unref(big);
   }
-  td_status st = td_rpc_shutdown(a, true, 120000);
+  td_status st = td_rpc_shutdown(a, true, td_test_ms(120000));
   if (st != TD_OK) fprintf(stderr, "rank %d shutdown: %s\n", rank, td_last_error());
   MP_CHECK_OK(st);
   td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
+  MP_CHECK_NO_LEAKS();
   return 0;
 }
 
 static void test_rpc_tensor_2_5_gib_and_empty(void **state) {
-  int codes[2];
-  int fails = td_mp_run(2, worker_big, NULL, 600, codes);
-  if (fails) fail_msg("%d workers failed (codes %d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_big, NULL, 600);
 }
 
 /* ---- a soak of a million small calls ---- */
@@ -230,7 +213,7 @@ static void soak_calls(td_rpc_agent *a, int from, int to) {
       td_value_unref(args[0]);
       td_value_unref(args[1]);
     }
-    MP_CHECK_OK(td_future_wait_all(fs, n, 60000));
+    MP_CHECK_OK(td_future_wait_all(fs, n, td_test_ms(60000)));
     for (int k = 0; k < n; k++) {
       int64_t v = -1;
       MP_CHECK_OK(td_value_as_int(td_future_value(fs[k]), &v));
@@ -243,17 +226,17 @@ static void soak_calls(td_rpc_agent *a, int from, int to) {
 static int worker_soak(int rank, int world, const char *method, void *arg) {
   register_test_fns();
   MP_CHECK_OK(td_rpc_register("rss", fn_rss, NULL));
-  td_rpc_options o = test_opts(method, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   if (rank == 0) {
-    double t0 = now_s();
+    double t0 = td_test_now_s();
     soak_calls(a, 0, SOAK_WARMUP);
-    double t1 = now_s();
+    double t1 = td_test_now_s();
     long before = status_kib("VmRSS:"), rbefore = remote_kib(a, "rss");
     MP_CHECK(before > 0 && rbefore > 0);
     soak_calls(a, SOAK_WARMUP, SOAK_CALLS);
-    double t2 = now_s();
+    double t2 = td_test_now_s();
     long after = status_kib("VmRSS:"), rafter = remote_kib(a, "rss");
     fprintf(stderr, "soak: %d calls in %.1f s (%.0f calls/s after warm-up); VmRSS caller %ld -> "
             "%ld KiB (%+ld), callee %ld -> %ld KiB (%+ld)\n", SOAK_CALLS, t2 - t0,
@@ -264,18 +247,16 @@ static int worker_soak(int rank, int world, const char *method, void *arg) {
     MP_CHECK(rafter - rbefore < 10 * 1024);
 #endif
   }
-  td_status st = td_rpc_shutdown(a, true, 60000);
+  td_status st = td_rpc_shutdown(a, true, td_test_ms(60000));
   if (st != TD_OK) fprintf(stderr, "rank %d shutdown: %s\n", rank, td_last_error());
   MP_CHECK_OK(st);
   td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
+  MP_CHECK_NO_LEAKS();
   return 0;
 }
 
 static void test_rpc_soak_million_calls_flat_memory(void **state) {
-  int codes[2];
-  int fails = td_mp_run(2, worker_soak, NULL, 1200, codes);
-  if (fails) fail_msg("%d workers failed (codes %d %d)", fails, codes[0], codes[1]);
+  TD_MP_RUN(2, worker_soak, NULL, 1200);
 }
 
 int main(void) {

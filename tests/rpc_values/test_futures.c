@@ -1,6 +1,7 @@
 /* test_futures.c - td_future: completion exactly once, waits and timeouts, callbacks (order,
  * exactly once, inline when done), then-chaining (value, error, next future, failed source),
- * wait_all (success, fail-fast, timeout) and completion races between threads. */
+ * wait_all (success, fail-fast, timeout) and completion races between threads.
+ * Lock order: a callback log's mu is a leaf. */
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -10,19 +11,7 @@
 #include "rpc/value_impl.h"
 #include "test_util.h"
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  while (nanosleep(&ts, &ts) != 0) {
-  }
-}
-
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
-
-static int64_t scaled(int64_t ms) { return (int64_t)(ms * td_test_timeout_scale()); }
+static double now_ms(void) { return td_test_now_s() * 1e3; }
 
 /* A counted extension value: tells whether a value handed to a future was released. */
 static int tracked_destroyed;
@@ -129,7 +118,7 @@ typedef struct delayed {
 
 static void *delayed_main(void *p) {
   delayed *d = p;
-  sleep_ms(d->delay_ms);
+  td_test_sleep_ms(d->delay_ms);
   if (d->status == TD_OK) td_future_complete(d->f, td_value_int(d->value));
   else td_future_fail(d->f, d->status, "delayed failure %lld", (long long)d->value);
   return NULL;
@@ -158,7 +147,7 @@ static void test_future_wait_timeout(void **state) {
 
   td_future *g = td_future_create();
   start_delayed(&d, g, 10, TD_OK, 12);
-  TD_ASSERT_OK(td_future_wait(g, scaled(10000)));
+  TD_ASSERT_OK(td_future_wait(g, td_test_ms(10000)));
   pthread_join(d.thread, NULL);
   TD_ASSERT_STATUS(td_future_wait(NULL, 0), TD_ERR_INVALID);
   td_future_unref(f);
@@ -367,7 +356,7 @@ static void test_future_then_next_future(void **state) {
   TD_ASSERT_STATUS(td_future_wait(g, 20), TD_ERR_TIMEOUT);
   delayed d;
   start_delayed(&d, n, 20, TD_OK, 77);
-  TD_ASSERT_OK(td_future_wait(g, scaled(10000)));
+  TD_ASSERT_OK(td_future_wait(g, td_test_ms(10000)));
   assert_int_equal(int_of(td_future_value(g)), 77);
   pthread_join(d.thread, NULL);
 
@@ -458,7 +447,7 @@ static void test_future_wait_all_success(void **state) {
   for (int i = 0; i < N; i++) fs[i] = td_future_create();
   TD_ASSERT_OK(td_future_complete(fs[0], NULL)); /* one already done */
   for (int i = 1; i < N; i++) start_delayed(&d[i], fs[i], 5 * (N - i), TD_OK, i);
-  TD_ASSERT_OK(td_future_wait_all(fs, N, scaled(10000)));
+  TD_ASSERT_OK(td_future_wait_all(fs, N, td_test_ms(10000)));
   for (int i = 0; i < N; i++) assert_true(td_future_done(fs[i]));
   for (int i = 1; i < N; i++) pthread_join(d[i].thread, NULL);
   TD_ASSERT_OK(td_future_wait_all(fs, N, 0)); /* all done: no wait needed */
@@ -477,9 +466,9 @@ static void test_future_wait_all_fail_fast(void **state) {
   TD_ASSERT_OK(td_future_complete(fs[1], NULL));
   start_delayed(&fail_d, fs[2], 30, TD_ERR_REMOTE, 2);
   double t0 = now_ms();
-  TD_ASSERT_STATUS(td_future_wait_all(fs, N, scaled(20000)), TD_ERR_REMOTE);
+  TD_ASSERT_STATUS(td_future_wait_all(fs, N, td_test_ms(20000)), TD_ERR_REMOTE);
   double took = now_ms() - t0;
-  assert_true(took < 10000);
+  assert_true(took < (double)td_test_ms(10000)); /* fail-fast: long before the timeout */
   assert_non_null(strstr(td_last_error(), "future 2"));
   assert_non_null(strstr(td_last_error(), "delayed failure 2"));
   assert_false(td_future_done(fs[0]));
@@ -509,7 +498,7 @@ static void test_future_wait_all_timeout(void **state) {
   td_future *twice[2] = {fs[0], fs[0]};
   delayed d;
   start_delayed(&d, fs[0], 10, TD_OK, 0);
-  TD_ASSERT_OK(td_future_wait_all(twice, 2, scaled(10000)));
+  TD_ASSERT_OK(td_future_wait_all(twice, 2, td_test_ms(10000)));
   pthread_join(d.thread, NULL);
   TD_ASSERT_OK(td_future_complete(fs[2], NULL));
   TD_ASSERT_OK(td_future_wait_all(fs, N, -1));
@@ -610,7 +599,7 @@ static void test_future_many_waiters(void **state) {
     assert_int_equal(pthread_create(&ts[i], NULL, i % 2 ? waiter_main : all_waiter_main, &ws[i]),
                      0);
   }
-  sleep_ms(20);
+  td_test_sleep_ms(20);
   TD_ASSERT_OK(td_future_fail(f, TD_ERR_CANCELLED, "stop"));
   for (int i = 0; i < 8; i++) {
     pthread_join(ts[i], NULL);

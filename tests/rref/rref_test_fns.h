@@ -3,6 +3,8 @@
  * Counter objects are opaque (type "Counter", destructor counted per process). Workers keep RRefs
  * they receive in a slot table ("keep") until "drop_all"; "pass_on" keeps one and forwards it
  * along a list of workers; "here" fetches a received RRef's value inside the handler.
+ *
+ * Lock order: rt_slot_mu is a leaf (RRefs are released after it is dropped).
  */
 #ifndef TD_RREF_TEST_FNS_H
 #define TD_RREF_TEST_FNS_H
@@ -12,47 +14,9 @@
 #include <time.h>
 
 #include "mp_util.h"
+#include "test_fns.h"
 #include "tdist/rpc.h"
 #include "tdist/rref.h"
-
-static inline void rt_sleep_ms(int64_t ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
-/* ---- plain functions ---- */
-
-static td_status rt_add(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                        td_future **fut) {
-  int64_t x, y;
-  if (n != 2) return td_set_error(TD_ERR_INVALID, "add takes 2 arguments, got %d", n);
-  td_status st = td_value_as_int(args[0], &x);
-  if (st == TD_OK) st = td_value_as_int(args[1], &y);
-  if (st != TD_OK) return st;
-  *res = td_value_int(x + y);
-  return TD_OK;
-}
-
-static td_status rt_fail(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                         td_future **fut) {
-  return td_set_error(TD_ERR_INVALID, "boom %d", 42);
-}
-
-/* slow(ms): sleeps, returns ms */
-static td_status rt_slow(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                         td_future **fut) {
-  int64_t ms = 0;
-  if (n) td_value_as_int(args[0], &ms);
-  rt_sleep_ms(ms);
-  *res = td_value_int(ms);
-  return TD_OK;
-}
-
-static td_status rt_echo(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                         td_future **fut) {
-  *res = n ? td_value_ref(args[0]) : td_value_none();
-  return TD_OK;
-}
 
 /* ---- Counter objects ---- */
 
@@ -73,7 +37,7 @@ static td_status rt_make_counter(td_rpc_ctx *c, td_value *const *args, int n, td
   int64_t start = 0, ms = 0;
   if (n > 0) td_value_as_int(args[0], &start);
   if (n > 1) td_value_as_int(args[1], &ms);
-  if (ms) rt_sleep_ms(ms);
+  if (ms) td_test_sleep_ms(ms);
   rt_counter *k = malloc(sizeof *k);
   if (!k) return td_set_error(TD_ERR_NOMEM, "no memory");
   k->v = start;
@@ -166,7 +130,7 @@ static td_status rt_here(td_rpc_ctx *c, td_value *const *args, int n, td_value *
   td_rref *r;
   td_status st = td_value_as_rref(args[0], &r);
   if (st != TD_OK) return st;
-  return td_rref_to_here_async(r, 20000, fut);
+  return td_rref_to_here_async(r, td_test_ms(20000), fut);
 }
 
 /* pass_on(rref, [names...]): keeps the RRef here, forwards it to names[0] with the rest; the last
@@ -244,7 +208,7 @@ static td_status rt_arrive(td_rpc_ctx *c, td_value *const *args, int n, td_value
 static td_status rt_blocking_probe(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                                    td_future **fut) {
   td_value *x = td_value_int(1), *y = td_value_int(2), *xs[2] = {x, y}, *v = NULL;
-  td_rpc_call_opts o = {.timeout_ms = 10000};
+  td_rpc_call_opts o = {.timeout_ms = td_test_ms(10000)};
   td_status st = td_rpc_sync(td_rpc_ctx_agent(c), td_rpc_ctx_caller_name(c), "add", xs, 2, &o, &v);
   td_value_unref(v);
   td_value_unref(x);
@@ -257,10 +221,10 @@ static void rt_register_all(void) {
   MP_CHECK_OK(td_rpc_register_ex("probe_inline", rt_blocking_probe, NULL, TD_RPC_INLINE));
   MP_CHECK_OK(td_rpc_register("probe_pool", rt_blocking_probe, NULL));
   MP_CHECK_OK(td_object_type_register("Counter", rt_counter_destroy));
-  MP_CHECK_OK(td_rpc_register("add", rt_add, NULL));
-  MP_CHECK_OK(td_rpc_register("fail", rt_fail, NULL));
-  MP_CHECK_OK(td_rpc_register("slow", rt_slow, NULL));
-  MP_CHECK_OK(td_rpc_register("echo", rt_echo, NULL));
+  MP_CHECK_OK(td_rpc_register("add", td_test_fn_add, NULL));
+  MP_CHECK_OK(td_rpc_register("fail", td_test_fn_fail, NULL));
+  MP_CHECK_OK(td_rpc_register("slow", td_test_fn_slow, NULL));
+  MP_CHECK_OK(td_rpc_register("echo", td_test_fn_echo, NULL));
   MP_CHECK_OK(td_rpc_register("make_counter", rt_make_counter, NULL));
   MP_CHECK_OK(td_rpc_register("counter_add", rt_counter_add, NULL));
   MP_CHECK_OK(td_rpc_register("counter_get", rt_counter_get, NULL));
@@ -275,14 +239,14 @@ static void rt_register_all(void) {
   MP_CHECK_OK(td_rpc_register("arrive", rt_arrive, NULL));
 }
 
-static inline td_rpc_options rt_opts(const char *init_method, int threads) {
-  td_rpc_options o;
-  td_rpc_options_init(&o);
-  o.init_method = init_method;
-  o.num_worker_threads = threads;
-  o.init_timeout_ms = 30000;
-  o.rpc_timeout_ms = 30000;
-  return o;
+/* rt_arrivals returns worker0's counter of arrivals (zero: an int 0, adds nothing). */
+static inline int64_t rt_arrivals(td_rpc_agent *a, td_value *zero) {
+  td_value *r = NULL;
+  int64_t v = 0;
+  MP_CHECK_OK(td_rpc_sync(a, "worker0", "arrive", &zero, 1, NULL, &r));
+  MP_CHECK_OK(td_value_as_int(r, &v));
+  td_value_unref(r);
+  return v;
 }
 
 /* rt_barrier: every worker adds 1 to worker0's counter for this round and waits until it reaches
@@ -292,15 +256,9 @@ static inline void rt_barrier(td_rpc_agent *a, int round) {
   td_value *one = td_value_int(1), *zero = td_value_int(0), *r = NULL;
   MP_CHECK_OK(td_rpc_sync(a, "worker0", "arrive", &one, 1, NULL, &r));
   td_value_unref(r);
-  for (int i = 0; i < 3000; i++) {
-    int64_t v = 0;
-    MP_CHECK_OK(td_rpc_sync(a, "worker0", "arrive", &zero, 1, NULL, &r));
-    td_value_as_int(r, &v);
-    td_value_unref(r);
-    if (v >= (int64_t)world * round) break;
-    MP_CHECK(i < 2999);
-    rt_sleep_ms(5);
-  }
+  int64_t v = 0;
+  TD_TEST_POLL((v = rt_arrivals(a, zero)) >= (int64_t)world * round, 15);
+  MP_CHECK(v >= (int64_t)world * round);
   td_value_unref(one);
   td_value_unref(zero);
 }
@@ -319,10 +277,7 @@ static inline void rt_table_sizes(td_rpc_agent *a, size_t *owned, size_t *users)
 /* rt_wait_empty polls this worker's table until it is empty (bounded). */
 static inline void rt_wait_empty(td_rpc_agent *a) {
   size_t o = 1, u = 1;
-  for (int i = 0; i < 2000 && (o || u); i++) {
-    rt_table_sizes(a, &o, &u);
-    if (o || u) rt_sleep_ms(5);
-  }
+  TD_TEST_POLL((rt_table_sizes(a, &o, &u), o == 0 && u == 0), 10);
   if (o || u) {
     td_value *t;
     char buf[2048];

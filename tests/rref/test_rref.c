@@ -3,7 +3,8 @@
  * protocol must survive (fork before the owner confirmed creation, a parent releasing before its
  * child's fork is accepted, an RRef sent to its own owner, a chain A -> B -> C -> owner), 1000
  * RRefs created, forked and released concurrently by 3 workers, and strict-mode leak reports.
- * Every worker runs in strict mode: a graceful shutdown with a leak would fail the test. */
+ * Every worker runs in strict mode: a graceful shutdown with a leak would fail the test.
+ * Lock order: a creation probe's mu is a leaf. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,38 +12,16 @@
 #include "rref_test_fns.h"
 #include "test_util.h"
 
-/* Under AddressSanitizer, checks a worker for leaks before it leaves with _exit (which skips
- * LeakSanitizer's exit-time check). */
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/lsan_interface.h>
-#define CHECK_NO_LEAKS() MP_CHECK(__lsan_do_recoverable_leak_check() == 0)
-#else
-#define CHECK_NO_LEAKS() ((void)0)
-#endif
-
-#define RUN(world, fn, secs)                                                                  \
-  do {                                                                                        \
-    int codes_[8] = {0};                                                                      \
-    int fails_ = td_mp_run(world, fn, NULL, secs, codes_);                                    \
-    if (fails_)                                                                               \
-      fail_msg("%d workers failed (%d %d %d %d)", fails_, codes_[0], codes_[1], codes_[2],    \
-               codes_[3]);                                                                    \
-  } while (0)
-
 static td_rpc_agent *start(int rank, int world, const char *method, int threads) {
   rt_register_all();
   td_rref_set_strict(true);
-  td_rpc_options o = rt_opts(method, threads);
+  td_rpc_options o = td_mp_rpc_options(method, threads);
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   return a;
 }
 
-static void finish(td_rpc_agent *a) {
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
-  td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
-}
+static void finish(td_rpc_agent *a) { td_mp_finish(a, 30); }
 
 static int64_t as_int(td_value *v) {
   int64_t x = -1;
@@ -65,11 +44,11 @@ static int worker_basics(int rank, int world, const char *method, void *arg) {
     MP_CHECK(td_rref_get_fork_id(r).v == td_rref_get_id(r).v); /* the creator's fork */
     td_future *cf;
     MP_CHECK_OK(td_rref_creation_future(r, &cf));
-    MP_CHECK_OK(td_future_wait(cf, 10000));
+    MP_CHECK_OK(td_future_wait(cf, td_test_ms(10000)));
     td_future_unref(cf);
     MP_CHECK(td_rref_confirmed_by_owner(r));
     td_value *v;
-    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK_OK(td_rref_to_here(r, td_test_ms(10000), &v));
     MP_CHECK(as_int(v) == 42);
     td_value_unref(v);
     /* twice: the value stays on the owner */
@@ -98,7 +77,7 @@ static int worker_basics(int rank, int world, const char *method, void *arg) {
     MP_CHECK_OK(td_tensor_from_buffer(data, shape, 2, TD_DTYPE_F32, &t));
     td_value *tv = td_value_tensor(t);
     MP_CHECK_OK(td_remote(a, "worker1", "echo", &tv, 1, NULL, &r));
-    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK_OK(td_rref_to_here(r, td_test_ms(10000), &v));
     MP_CHECK(td_value_equal(v, tv));
     td_value_unref(v);
     td_rref_unref(r);
@@ -109,7 +88,7 @@ static int worker_basics(int rank, int world, const char *method, void *arg) {
     MP_CHECK_OK(td_remote(a, "worker0", "add", args, 2, NULL, &r));
     MP_CHECK(td_rref_is_owner(r));
     MP_CHECK(td_rref_confirmed_by_owner(r));
-    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK_OK(td_rref_to_here(r, td_test_ms(10000), &v));
     MP_CHECK(as_int(v) == 42);
     td_value_unref(v);
     MP_CHECK_OK(td_rref_local_value(r, &v));
@@ -142,7 +121,7 @@ static int worker_basics(int rank, int world, const char *method, void *arg) {
   return 0;
 }
 
-static void test_rref_remote_to_here(void **state) { RUN(2, worker_basics, 90); }
+static void test_rref_remote_to_here(void **state) { TD_MP_RUN(2, worker_basics, NULL, 90); }
 
 /* ---- creation errors and timeouts ---- */
 
@@ -154,11 +133,11 @@ static int worker_errors(int rank, int world, const char *method, void *arg) {
     MP_CHECK_OK(td_remote(a, "worker1", "fail", NULL, 0, NULL, &r));
     td_future *cf;
     MP_CHECK_OK(td_rref_creation_future(r, &cf));
-    MP_CHECK(td_future_wait(cf, 10000) == TD_ERR_INVALID);
+    MP_CHECK(td_future_wait(cf, td_test_ms(10000)) == TD_ERR_INVALID);
     MP_CHECK(strstr(td_future_message(cf), "RRef creation failed: worker1 (rank 1): 'fail' failed: "
                                            "boom 42") == td_future_message(cf));
     td_future_unref(cf);
-    MP_CHECK(td_rref_to_here(r, 10000, &v) == TD_ERR_INVALID);
+    MP_CHECK(td_rref_to_here(r, td_test_ms(10000), &v) == TD_ERR_INVALID);
     MP_CHECK(strstr(td_last_error(), "RRef creation failed: worker1 (rank 1): 'fail' failed: "
                                      "boom 42") != NULL);
     /* proxies and forks report it too */
@@ -172,7 +151,7 @@ static int worker_errors(int rank, int world, const char *method, void *arg) {
 
     /* unknown function */
     MP_CHECK_OK(td_remote(a, "worker1", "no_such_fn", NULL, 0, NULL, &r));
-    MP_CHECK(td_rref_to_here(r, 10000, &v) == TD_ERR_NOT_FOUND);
+    MP_CHECK(td_rref_to_here(r, td_test_ms(10000), &v) == TD_ERR_NOT_FOUND);
     MP_CHECK(strstr(td_last_error(), "no function 'no_such_fn'") != NULL);
     td_rref_unref(r);
 
@@ -198,7 +177,7 @@ static int worker_errors(int rank, int world, const char *method, void *arg) {
     td_value *slow = td_value_int(1500);
     td_rpc_call_opts opts = {200};
     MP_CHECK_OK(td_remote(a, "worker1", "slow", &slow, 1, &opts, &r));
-    MP_CHECK(td_rref_to_here(r, 10000, &v) == TD_ERR_TIMEOUT);
+    MP_CHECK(td_rref_to_here(r, td_test_ms(10000), &v) == TD_ERR_TIMEOUT);
     MP_CHECK(strstr(td_last_error(), "RRef creation failed") != NULL);
     MP_CHECK(strstr(td_last_error(), "timed out") != NULL);
     td_rref_unref(r);
@@ -207,7 +186,7 @@ static int worker_errors(int rank, int world, const char *method, void *arg) {
     MP_CHECK_OK(td_remote(a, "worker1", "slow", &slow, 1, NULL, &r));
     MP_CHECK(td_rref_to_here(r, 200, &v) == TD_ERR_TIMEOUT);
     MP_CHECK(strstr(td_last_error(), "to_here") != NULL);
-    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK_OK(td_rref_to_here(r, td_test_ms(10000), &v));
     MP_CHECK(as_int(v) == 1500);
     td_value_unref(v);
     td_rref_unref(r);
@@ -216,14 +195,14 @@ static int worker_errors(int rank, int world, const char *method, void *arg) {
     MP_CHECK_OK(td_remote(a, "worker0", "slow", &slow, 1, NULL, &r));
     MP_CHECK(td_rref_to_here(r, 100, &v) == TD_ERR_TIMEOUT);
     MP_CHECK(td_rref_local_value(r, &v) == TD_ERR_STATE);
-    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK_OK(td_rref_to_here(r, td_test_ms(10000), &v));
     MP_CHECK(as_int(v) == 1500);
     td_value_unref(v);
     td_rref_unref(r);
 
     /* a self remote that fails */
     MP_CHECK_OK(td_remote(a, "worker0", "fail", NULL, 0, NULL, &r));
-    MP_CHECK(td_rref_to_here(r, 10000, &v) == TD_ERR_INVALID);
+    MP_CHECK(td_rref_to_here(r, td_test_ms(10000), &v) == TD_ERR_INVALID);
     MP_CHECK(strstr(td_last_error(), "RRef creation failed: worker0 (rank 0): 'fail' failed") !=
              NULL);
     td_rref_unref(r);
@@ -236,7 +215,9 @@ static int worker_errors(int rank, int world, const char *method, void *arg) {
   return 0;
 }
 
-static void test_rref_creation_errors_and_timeouts(void **state) { RUN(2, worker_errors, 90); }
+static void test_rref_creation_errors_and_timeouts(void **state) {
+  TD_MP_RUN(2, worker_errors, NULL, 90);
+}
 
 /* ---- proxies on remote objects; destructors counted ---- */
 
@@ -246,6 +227,15 @@ static void counter_stats(td_rpc_agent *a, const char *who, int64_t *made, int64
   *made = as_int(td_value_list_get(v, 0));
   *destroyed = as_int(td_value_list_get(v, 1));
   td_value_unref(v);
+}
+
+/* owned_on returns the number of entries worker who owns (its "table" function). */
+static int64_t owned_on(td_rpc_agent *a, const char *who) {
+  td_value *v;
+  MP_CHECK_OK(td_rpc_sync(a, who, "table", NULL, 0, NULL, &v));
+  int64_t owned = as_int(td_value_list_get(v, 0));
+  td_value_unref(v);
+  return owned;
 }
 
 static int worker_proxies(int rank, int world, const char *method, void *arg) {
@@ -259,16 +249,16 @@ static int worker_proxies(int rank, int world, const char *method, void *arg) {
     td_value_unref(v);
     td_future *fs[20];
     for (int i = 0; i < 20; i++) MP_CHECK_OK(td_rref_rpc_async(k, "counter_add", &five, 1, NULL, &fs[i]));
-    MP_CHECK_OK(td_future_wait_all(fs, 20, 10000));
+    MP_CHECK_OK(td_future_wait_all(fs, 20, td_test_ms(10000)));
     for (int i = 0; i < 20; i++) td_future_unref(fs[i]);
     td_rref *g;
     MP_CHECK_OK(td_rref_remote(k, "counter_get", NULL, 0, NULL, &g));
-    MP_CHECK_OK(td_rref_to_here(g, 10000, &v));
+    MP_CHECK_OK(td_rref_to_here(g, td_test_ms(10000), &v));
     MP_CHECK(as_int(v) == 115);
     td_value_unref(v);
     td_rref_unref(g);
     /* an opaque object cannot travel */
-    MP_CHECK(td_rref_to_here(k, 10000, &v) != TD_OK);
+    MP_CHECK(td_rref_to_here(k, td_test_ms(10000), &v) != TD_OK);
     MP_CHECK(strstr(td_last_error(), "Counter") != NULL);
     /* errors of the method name the owner and the method */
     td_value *bad = td_value_string("x");
@@ -286,15 +276,11 @@ static int worker_proxies(int rank, int world, const char *method, void *arg) {
     td_future *f;
     MP_CHECK_OK(td_rref_rpc_async(k, "counter_get", NULL, 0, NULL, &f));
     td_rref_unref(k);
-    MP_CHECK_OK(td_future_wait(f, 10000));
+    MP_CHECK_OK(td_future_wait(f, td_test_ms(10000)));
     MP_CHECK(as_int(td_future_value(f)) == 116);
     td_future_unref(f);
     /* the last user is gone: the destructor runs on the owner, exactly once */
-    for (int i = 0; i < 1000; i++) {
-      counter_stats(a, "worker1", &made, &destroyed);
-      if (destroyed) break;
-      rt_sleep_ms(5);
-    }
+    TD_TEST_POLL((counter_stats(a, "worker1", &made, &destroyed), destroyed), 5);
     MP_CHECK(made == 1 && destroyed == 1);
 
     /* proxies on a value still being created wait for it (no pool thread blocks) */
@@ -302,14 +288,14 @@ static int worker_proxies(int rank, int world, const char *method, void *arg) {
     MP_CHECK_OK(td_remote(a, "worker1", "make_counter", (td_value *[]){start10, ms}, 2, NULL, &k));
     for (int i = 0; i < 8; i++) MP_CHECK_OK(td_rref_rpc_async(k, "counter_add", &five, 1, NULL, &fs[i]));
     MP_CHECK_OK(td_rref_remote(k, "counter_get", NULL, 0, NULL, &g));
-    MP_CHECK_OK(td_future_wait_all(fs, 8, 10000));
+    MP_CHECK_OK(td_future_wait_all(fs, 8, td_test_ms(10000)));
     for (int i = 0; i < 8; i++) td_future_unref(fs[i]);
-    MP_CHECK_OK(td_rref_to_here(g, 10000, &v)); /* ran concurrently with the adds */
+    MP_CHECK_OK(td_rref_to_here(g, td_test_ms(10000), &v)); /* ran concurrently with the adds */
     MP_CHECK(as_int(v) >= 10 && as_int(v) <= 50 && as_int(v) % 5 == 0);
     td_value_unref(v);
     td_rref_unref(g);
     MP_CHECK_OK(td_rref_remote(k, "counter_get", NULL, 0, NULL, &g));
-    MP_CHECK_OK(td_rref_to_here(g, 10000, &v));
+    MP_CHECK_OK(td_rref_to_here(g, td_test_ms(10000), &v));
     MP_CHECK(as_int(v) == 50);
     td_value_unref(v);
     td_rref_unref(g);
@@ -331,11 +317,7 @@ static int worker_proxies(int rank, int world, const char *method, void *arg) {
     MP_CHECK(__atomic_load_n(&rt_counters_destroyed, __ATOMIC_ACQUIRE) == 1);
     td_value_unref(start10);
     td_value_unref(five);
-    for (int i = 0; i < 1000; i++) {
-      counter_stats(a, "worker1", &made, &destroyed);
-      if (destroyed == 2) break;
-      rt_sleep_ms(5);
-    }
+    TD_TEST_POLL((counter_stats(a, "worker1", &made, &destroyed), destroyed == 2), 5);
     MP_CHECK(made == 2 && destroyed == 2);
   }
   rt_barrier(a, 1);
@@ -344,7 +326,7 @@ static int worker_proxies(int rank, int world, const char *method, void *arg) {
   return 0;
 }
 
-static void test_rref_proxies_on_objects(void **state) { RUN(2, worker_proxies, 90); }
+static void test_rref_proxies_on_objects(void **state) { TD_MP_RUN(2, worker_proxies, NULL, 90); }
 
 /* ---- fork orderings ---- */
 
@@ -375,7 +357,7 @@ static int worker_forks(int rank, int world, const char *method, void *arg) {
     MP_CHECK_OK(td_rpc_async(a, "worker2", "keep", &rv, 1, NULL, &f));
     td_value_unref(rv);
     td_rref_unref(r); /* worker0 holds nothing now; the hold on the fork keeps the value */
-    MP_CHECK_OK(td_future_wait(f, 10000));
+    MP_CHECK_OK(td_future_wait(f, td_test_ms(10000)));
     td_future_unref(f);
     counter_stats(a, "worker1", &made, &destroyed);
     MP_CHECK(made == 1 && destroyed == 0);
@@ -385,10 +367,7 @@ static int worker_forks(int rank, int world, const char *method, void *arg) {
     td_value_unref(v);
     MP_CHECK_OK(td_rpc_sync(a, "worker2", "drop_all", NULL, 0, NULL, &v));
     td_value_unref(v);
-    for (int i = 0; i < 1000 && destroyed == 0; i++) {
-      counter_stats(a, "worker1", &made, &destroyed);
-      if (!destroyed) rt_sleep_ms(5);
-    }
+    TD_TEST_POLL((counter_stats(a, "worker1", &made, &destroyed), destroyed != 0), 5);
     MP_CHECK(destroyed == 1);
 
     /* (3) an RRef sent to its own owner becomes a local handle there */
@@ -399,24 +378,15 @@ static int worker_forks(int rank, int world, const char *method, void *arg) {
     td_value_unref(v);
     td_value_unref(rv);
     td_rref_unref(r);
-    rt_sleep_ms(100);
+    td_test_sleep_ms(td_test_ms(100));
     counter_stats(a, "worker1", &made, &destroyed);
     MP_CHECK(made == 2 && destroyed == 1); /* the owner's handle keeps it */
     /* the owner's table shows one handle and no fork once things settle */
-    for (int i = 0; i < 1000; i++) {
-      MP_CHECK_OK(td_rpc_sync(a, "worker1", "table", NULL, 0, NULL, &v));
-      int64_t owned = as_int(td_value_list_get(v, 0));
-      td_value_unref(v);
-      if (owned == 1) break;
-      rt_sleep_ms(5);
-    }
+    TD_TEST_POLL(owned_on(a, "worker1") == 1, 5);
     MP_CHECK_OK(td_rpc_sync(a, "worker1", "drop_all", NULL, 0, NULL, &v));
     td_value_unref(v);
-    for (int i = 0; i < 1000; i++) { /* worker0's delete follows the (late) fork ack */
-      counter_stats(a, "worker1", &made, &destroyed);
-      if (destroyed == 2) break;
-      rt_sleep_ms(5);
-    }
+    /* worker0's delete follows the (late) fork ack */
+    TD_TEST_POLL((counter_stats(a, "worker1", &made, &destroyed), destroyed == 2), 5);
     MP_CHECK(destroyed == 2);
 
     /* (4) an RRef forwarded by a user to a third worker fire-and-forget, released everywhere at
@@ -440,11 +410,7 @@ static int worker_forks(int rank, int world, const char *method, void *arg) {
     td_rref_unref(r);
     MP_CHECK_OK(td_rpc_sync(a, "worker1", "drop_all", NULL, 0, NULL, &v));
     td_value_unref(v);
-    for (int i = 0; i < 1000; i++) {
-      counter_stats(a, "worker2", &made, &destroyed);
-      if (destroyed == 1) break;
-      rt_sleep_ms(5);
-    }
+    TD_TEST_POLL((counter_stats(a, "worker2", &made, &destroyed), destroyed == 1), 5);
     MP_CHECK(made == 1 && destroyed == 1);
     td_value_unref(zero);
     td_value_unref(ms);
@@ -457,7 +423,7 @@ static int worker_forks(int rank, int world, const char *method, void *arg) {
   return 0;
 }
 
-static void test_rref_fork_orderings(void **state) { RUN(3, worker_forks, 120); }
+static void test_rref_fork_orderings(void **state) { TD_MP_RUN(3, worker_forks, NULL, 120); }
 
 /* ---- chain A -> B -> C -> owner ---- */
 
@@ -478,14 +444,12 @@ static int worker_chain(int rank, int world, const char *method, void *arg) {
     td_value_unref(rv);
     td_value_unref(path);
     td_rref_unref(r); /* A lets go at once */
-    MP_CHECK_OK(td_future_wait(f, 20000));
+    MP_CHECK_OK(td_future_wait(f, td_test_ms(20000)));
     MP_CHECK(td_value_equal(td_future_value(f), td_value_bool(true))); /* owner got a handle */
     td_future_unref(f);
     int64_t made = 0, destroyed;
-    for (int i = 0; i < 1000 && made == 0; i++) { /* the creation may still be running */
-      counter_stats(a, "worker3", &made, &destroyed);
-      if (!made) rt_sleep_ms(5);
-    }
+    /* the creation may still be running */
+    TD_TEST_POLL((counter_stats(a, "worker3", &made, &destroyed), made != 0), 5);
     MP_CHECK(made == 1 && destroyed == 0);
     /* every holder fetches through its own fork */
     for (int w = 1; w <= 2; w++) {
@@ -502,11 +466,7 @@ static int worker_chain(int rank, int world, const char *method, void *arg) {
       MP_CHECK_OK(td_rpc_sync(a, name, "drop_all", NULL, 0, NULL, &v));
       td_value_unref(v);
     }
-    for (int i = 0; i < 1000; i++) {
-      counter_stats(a, "worker3", &made, &destroyed);
-      if (destroyed) break;
-      rt_sleep_ms(5);
-    }
+    TD_TEST_POLL((counter_stats(a, "worker3", &made, &destroyed), destroyed), 5);
     MP_CHECK(made == 1 && destroyed == 1);
     td_value_unref(zero);
     td_value_unref(ms);
@@ -517,7 +477,7 @@ static int worker_chain(int rank, int world, const char *method, void *arg) {
   return 0;
 }
 
-static void test_rref_fork_chain_to_owner(void **state) { RUN(4, worker_chain, 120); }
+static void test_rref_fork_chain_to_owner(void **state) { TD_MP_RUN(4, worker_chain, NULL, 120); }
 
 /* ---- 1000 RRefs created, forked and released concurrently by 3 workers ---- */
 
@@ -556,7 +516,7 @@ static int worker_stress(int rank, int world, const char *method, void *arg) {
     td_value_unref(ms);
     td_rref_unref(r); /* released right away, often before any fork was accepted */
   }
-  MP_CHECK_OK(td_future_wait_all(fs, nf, 60000));
+  MP_CHECK_OK(td_future_wait_all(fs, nf, td_test_ms(60000)));
   for (int i = 0; i < nf; i++) td_future_unref(fs[i]);
   free(fs);
   rt_barrier(a, 1); /* everybody's work is done and every RRef released */
@@ -568,7 +528,9 @@ static int worker_stress(int rank, int world, const char *method, void *arg) {
   return 0;
 }
 
-static void test_rref_stress_1000_concurrent(void **state) { RUN(3, worker_stress, 240); }
+static void test_rref_stress_1000_concurrent(void **state) {
+  TD_MP_RUN(3, worker_stress, NULL, 240);
+}
 
 /* ---- strict mode turns leaks into shutdown errors ---- */
 
@@ -584,7 +546,7 @@ static int worker_leak(int rank, int world, const char *method, void *arg) {
     td_value_unref(v);
   }
   rt_barrier(a, 1);
-  td_status st = td_rpc_shutdown(a, true, 30000);
+  td_status st = td_rpc_shutdown(a, true, td_test_ms(30000));
   MP_CHECK(st == TD_ERR_STATE);
   MP_CHECK(strstr(td_last_error(), "leaked") != NULL);
   MP_CHECK(strstr(td_last_error(), rank == 0 ? "user 0:" : "owned 0:") != NULL);
@@ -593,11 +555,13 @@ static int worker_leak(int rank, int world, const char *method, void *arg) {
   /* releasing after shutdown is safe (nothing is sent) */
   td_rref_unref(r);
   td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
+  MP_CHECK_NO_LEAKS();
   return 0;
 }
 
-static void test_rref_strict_mode_reports_leaks(void **state) { RUN(2, worker_leak, 90); }
+static void test_rref_strict_mode_reports_leaks(void **state) {
+  TD_MP_RUN(2, worker_leak, NULL, 90);
+}
 
 /* ---- dispatch: remote() and proxies run TD_RPC_INLINE functions on the owner's network
  * thread and others on its pool; user callbacks on a creation future never run on the network
@@ -616,7 +580,7 @@ typedef struct cb_probe {
 static void creation_cb(td_future *f, void *arg) {
   cb_probe *p = arg;
   td_value *x = td_value_int(20), *y = td_value_int(22), *xs[2] = {x, y}, *v = NULL;
-  td_rpc_call_opts o = {.timeout_ms = 10000};
+  td_rpc_call_opts o = {.timeout_ms = td_test_ms(10000)};
   td_status st = td_rpc_sync(p->a, "worker1", "add", xs, 2, &o, &v);
   int64_t sum = -1;
   if (st == TD_OK) td_value_as_int(v, &sum);
@@ -637,12 +601,12 @@ static int worker_dispatch(int rank, int world, const char *method, void *arg) {
     td_rref *r;
     td_value *v;
     MP_CHECK_OK(td_remote(a, "worker1", "probe_inline", NULL, 0, NULL, &r));
-    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK_OK(td_rref_to_here(r, td_test_ms(10000), &v));
     MP_CHECK(as_int(v) == TD_ERR_STATE); /* ran on the network thread: blocking refused */
     td_value_unref(v);
     td_rref_unref(r);
     MP_CHECK_OK(td_remote(a, "worker1", "probe_pool", NULL, 0, NULL, &r));
-    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK_OK(td_rref_to_here(r, td_test_ms(10000), &v));
     MP_CHECK(as_int(v) == TD_OK); /* ran on the pool: the nested call went through */
     td_value_unref(v);
     td_rref_unref(r);
@@ -655,7 +619,7 @@ static int worker_dispatch(int rank, int world, const char *method, void *arg) {
     /* (a call on an object still being created runs on the pool once it exists) */
     td_future *kf;
     MP_CHECK_OK(td_rref_creation_future(k, &kf));
-    MP_CHECK_OK(td_future_wait(kf, 10000));
+    MP_CHECK_OK(td_future_wait(kf, td_test_ms(10000)));
     td_future_unref(kf);
     MP_CHECK_OK(td_rref_rpc_sync(k, "probe_inline", NULL, 0, NULL, &v));
     MP_CHECK(as_int(v) == TD_ERR_STATE);
@@ -681,7 +645,7 @@ static int worker_dispatch(int rank, int world, const char *method, void *arg) {
     pthread_mutex_unlock(&p.mu);
     MP_CHECK_OK(p.st);
     MP_CHECK(p.sum == 42);
-    MP_CHECK_OK(td_rref_to_here(r, 10000, &v));
+    MP_CHECK_OK(td_rref_to_here(r, td_test_ms(10000), &v));
     MP_CHECK(as_int(v) == 300);
     td_value_unref(v);
     td_future_unref(cf);
@@ -696,7 +660,7 @@ static int worker_dispatch(int rank, int world, const char *method, void *arg) {
 }
 
 static void test_rref_dispatch_inline_pool_and_callbacks(void **state) {
-  RUN(2, worker_dispatch, 90);
+  TD_MP_RUN(2, worker_dispatch, NULL, 90);
 }
 
 int main(void) {

@@ -46,7 +46,7 @@ static void test_object_values(void **state) {
 }
 
 static td_rpc_agent *solo(void) {
-  td_rpc_options o = rt_opts("tcp://127.0.0.1:0", 4);
+  td_rpc_options o = td_mp_rpc_options("tcp://127.0.0.1:0", 4);
   td_rpc_agent *a;
   TD_ASSERT_OK(td_rpc_init("solo", 0, 1, &o, &a));
   return a;
@@ -94,7 +94,7 @@ static void test_rref_world_of_one(void **state) {
   /* remote to self and proxies through the pool */
   td_value *args[2] = {x, x};
   TD_ASSERT_OK(td_remote(a, "solo", "add", args, 2, NULL, &r));
-  TD_ASSERT_OK(td_rref_to_here(r, 10000, &v));
+  TD_ASSERT_OK(td_rref_to_here(r, td_test_ms(10000), &v));
   int64_t n;
   TD_ASSERT_OK(td_value_as_int(v, &n));
   assert_int_equal(n, 10);
@@ -105,7 +105,7 @@ static void test_rref_world_of_one(void **state) {
   td_value_unref(v);
   td_rref *r2;
   TD_ASSERT_OK(td_rref_remote(r, "add", &x, 1, NULL, &r2));
-  TD_ASSERT_OK(td_rref_to_here(r2, 10000, &v));
+  TD_ASSERT_OK(td_rref_to_here(r2, td_test_ms(10000), &v));
   TD_ASSERT_OK(td_value_as_int(v, &n));
   assert_int_equal(n, 15);
   td_value_unref(v);
@@ -118,9 +118,9 @@ static void test_rref_world_of_one(void **state) {
   TD_ASSERT_OK(td_remote(a, "solo", "make_counter", NULL, 0, NULL, &r));
   td_future *cf;
   TD_ASSERT_OK(td_rref_creation_future(r, &cf));
-  TD_ASSERT_OK(td_future_wait(cf, 10000));
+  TD_ASSERT_OK(td_future_wait(cf, td_test_ms(10000)));
   td_future_unref(cf);
-  assert_int_equal(td_rpc_shutdown(a, true, 10000), TD_ERR_STATE);
+  assert_int_equal(td_rpc_shutdown(a, true, td_test_ms(10000)), TD_ERR_STATE);
   assert_non_null(strstr(td_last_error(), "leaked"));
   assert_int_equal(rt_counters_destroyed, before + 1);
   assert_int_equal(td_rref_local_value(r, &v), TD_ERR_STATE);
@@ -131,7 +131,7 @@ static void test_rref_world_of_one(void **state) {
   /* a second agent in the same process starts with an empty table */
   a = solo();
   assert_int_equal(owned_count(a), 0);
-  TD_ASSERT_OK(td_rpc_shutdown(a, true, 10000));
+  TD_ASSERT_OK(td_rpc_shutdown(a, true, td_test_ms(10000)));
   td_rpc_destroy(a);
 }
 

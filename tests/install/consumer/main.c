@@ -1,8 +1,14 @@
-/* A tiny program using an installed tdist: y = sum(x * x), dy/dx = 2x. */
+/* A tiny program using an installed tdist: y = sum(x * x), dy/dx = 2x; the library it runs with
+ * is the version it was compiled against. */
 #include <stdio.h>
 #include <tdist/tdist.h>
 
 int main(void) {
+  if (td_version() != TD_VERSION_HEX) {
+    fprintf(stderr, "compiled against tdist %s, running with %s\n", TD_VERSION_STRING,
+            td_version_string());
+    return 1;
+  }
   int64_t shape[1] = {3};
   double v[3] = {1, 2, 3};
   td_tensor *x, *sq, *y;
