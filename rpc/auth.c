@@ -121,8 +121,7 @@ td_status td__auth_secret_from_file(const char *path, char **out) {
   char *buf;
   size_t n;
   td_status st = td__auth_read_file(path, true, 4096, &buf, &n);
-  if (st != TD_OK)
-    return td_set_error(st, "auth: the secret file: %s", td_last_error() + strlen("auth: "));
+  if (st != TD_OK) return td__error_prefix(st, "the secret file");
   while (n > 0 && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' ')) buf[--n] = 0;
   *out = buf;
   return TD_OK;

@@ -414,7 +414,7 @@ static td_status init_tls(const td_rpc_options *o, td__tls *tls, bool *on) {
     td__free(c);
     td__free(k);
     td__free(x);
-    return td_set_error(st, "rpc_init: TLS: %s", td_last_error());
+    return td__error_prefix(st, "rpc_init: TLS");
   }
   *tls = (td__tls){c, k, x, name && *name ? name : NULL};
   *on = true;
@@ -464,10 +464,8 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   tls_free(&tls);
   if (st != TD_OK) {
     if (a->rank != 0) return st;
-    char why[600];
-    snprintf(why, sizeof why, "%s", td_last_error());
-    return td_set_error(st, "rpc_init: rank 0 cannot serve the rendezvous store on %s:%d: %s",
-                        a->listen_addr, ad->mport, why);
+    return td__error_prefix(st, "rpc_init: rank 0 cannot serve the rendezvous store on %s:%d",
+                            a->listen_addr, ad->mport);
   }
   if (a->rank == 0) format_addr(a->sc.address, sizeof a->sc.address, a->listen_addr, port);
   else format_addr(a->sc.address, sizeof a->sc.address, ad->mhost, ad->mport);

@@ -139,11 +139,7 @@ static td_status barrier(td_rpc_agent *a, uint64_t deadline) {
   td__free(j.prev);
   td__free(j.cur);
   if (st == TD_ERR_TIMEOUT) return barrier_timed_out(a);
-  if (st != TD_OK) {
-    char msg[600];
-    snprintf(msg, sizeof msg, "%s", td_last_error());
-    return td_set_error(st, "rpc shutdown: lost the rendezvous store: %s", msg);
-  }
+  if (st != TD_OK) return td__error_prefix(st, "rpc shutdown: lost the rendezvous store");
   return TD_OK;
 }
 

@@ -303,9 +303,7 @@ static td_value *place_tensor(td_tensor *t, uint32_t device, int idx, td_status 
   td_status ms = td_tensor_to(t, dev, &moved);
   td_autograd_set_enabled(prev);
   if (ms != TD_OK) {
-    char why[400];
-    snprintf(why, sizeof why, "%s", td_last_error());
-    *st = td_set_error(TD_ERR_DEVICE, "tensor %d cannot be placed on %s: %s", idx, dn, why);
+    *st = td__error_prefix(TD_ERR_DEVICE, "tensor %d cannot be placed on %s", idx, dn);
     return NULL;
   }
   td_value *v = td_value_tensor(moved);
