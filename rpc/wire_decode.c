@@ -19,6 +19,10 @@
 #include "wire.h"
 
 enum { ST_PREFIX, ST_HEADER, ST_PAYLOAD, ST_SKIP, ST_DESC, ST_WAIT };
+/* What a paused decoder waits to do on another thread: a direct copy's read, or the placement of
+ * tensors on the CUDA devices their nodes name (a host-to-device copy queued behind whatever
+ * the device is busy with). */
+enum { WAIT_DIRECT_READ = 1, WAIT_PLACE = 2 };
 
 struct td__decoder {
   td__wire_ctx ctx;
@@ -40,6 +44,8 @@ struct td__decoder {
   size_t *tbytes;            /* each tensor's size */
   int ntensors, cur;
   uint64_t payload_got; /* payload bytes consumed of the current frame */
+  int wait_for;         /* ST_WAIT: what td__decoder_resume does (WAIT_*) */
+  bool resuming;        /* inside td__decoder_resume: do the work here, do not pause again */
   uint64_t last_bytes;  /* the frame being delivered: its size and path (td__decoder_last_frame) */
   bool last_direct;
   uint64_t cur_off; /* bytes written into tensors[cur] */
@@ -252,8 +258,9 @@ static void finish_direct(td__decoder *d) {
     }
   }
   if (d->reject_st == TD_OK && bytes >= TD__DIRECT_OFFLOAD_MIN && d->has_hooks &&
-      d->hooks.offload) {
+      d->hooks.offload && !d->resuming) {
     d->state = ST_WAIT;
+    d->wait_for = WAIT_DIRECT_READ;
     d->hooks.offload(d->ud);
     return;
   }
@@ -261,10 +268,18 @@ static void finish_direct(td__decoder *d) {
   direct_done(d);
 }
 
+static void deliver_now(td__decoder *d);
+
 void td__decoder_resume(td__decoder *d) {
   if (d->state != ST_WAIT) return;
-  direct_read(d);
-  direct_done(d);
+  d->resuming = true;
+  if (d->wait_for == WAIT_DIRECT_READ) {
+    direct_read(d);
+    direct_done(d);
+  } else {
+    deliver_now(d);
+  }
+  d->resuming = false;
 }
 
 bool td__decoder_paused(const td__decoder *d) { return d->state == ST_WAIT; }
@@ -423,7 +438,27 @@ static td_status build_values(td__decoder *d, td__msg *m) {
   return st;
 }
 
+/* Whether some tensor of the frame goes to a CUDA device. */
+static bool frame_places(const td__decoder *d) {
+  for (int i = 0; i < d->ntensors; i++)
+    if (d->tnode[i]->device) return true;
+  return false;
+}
+
+/* Delivers the complete frame; one whose tensors go to CUDA devices waits for
+ * td__decoder_resume on another thread when the owner can offload (the copies to the device
+ * queue behind its kernels, and the network thread must not wait for them). */
 static void deliver(td__decoder *d) {
+  if (!d->resuming && d->has_hooks && d->hooks.offload && frame_places(d)) {
+    d->state = ST_WAIT;
+    d->wait_for = WAIT_PLACE;
+    d->hooks.offload(d->ud);
+    return;
+  }
+  deliver_now(d);
+}
+
+static void deliver_now(td__decoder *d) {
   Tdist__Envelope *e = d->env;
   td__msg m = {0};
   m.id = d->id;
