@@ -366,8 +366,15 @@ typedef td_status (*td_rpc_fn)(td_rpc_ctx *ctx, td_value *const *args, int nargs
                                 td_value **result, td_future **async_result);
 
 /* td_rpc_register registers fn under name for every agent in this process (names are unique;
- * TD_ERR_EXISTS otherwise). Register the same names in every worker, before td_rpc_init, so peers
- * can compare registries when they connect. Names starting with "__" are reserved. */
+ * TD_ERR_EXISTS otherwise). Names starting with "__" are reserved.
+ * - When: register before td_rpc_init. Each worker publishes its registry at init, and callers
+ *   refuse at once a call to a function the callee did not publish: a function registered after
+ *   init runs when called from this process (calls to self), but peers never see it.
+ * - user_data: borrowed; it must stay valid until the function is unregistered, or until every
+ *   agent of the process is destroyed (a call may be running on any agent's thread until then).
+ * - Unregistering (td_rpc_unregister) affects requests that arrive afterwards only: they fail with
+ *   TD_ERR_NOT_FOUND naming the worker; a call already running finishes normally.
+ * THREAD SAFETY: any thread. */
 TD_API td_status td_rpc_register(const char *name, td_rpc_fn fn, void *user_data);
 /* Registration flags. TD_RPC_INLINE: the function is short and never blocks, so it runs on the
  * transport's poller thread as soon as the request arrives instead of on a pool thread (saves a
@@ -379,7 +386,8 @@ TD_API td_status td_rpc_register(const char *name, td_rpc_fn fn, void *user_data
 TD_API td_status td_rpc_register_ex(const char *name, td_rpc_fn fn, void *user_data,
                                     unsigned flags);
 
-/* td_rpc_unregister removes a registration (TD_ERR_NOT_FOUND when absent). */
+/* td_rpc_unregister removes a registration (TD_ERR_NOT_FOUND when absent); see td_rpc_register
+ * for what it means to calls in flight. */
 TD_API td_status td_rpc_unregister(const char *name);
 
 /* td_rpc_init joins the group as worker `name` (NULL: "worker<rank>"). Blocks until every worker
