@@ -81,6 +81,10 @@ td_status td__rpc_set_middleware(const td__rpc_middleware *mw);
 
 /* The agent's thread pool (to schedule work off the poller thread). */
 td__threadpool *td__agent_pool(td_rpc_agent *a);
+/* td__agent_submit_user schedules work that runs user code (a registered function, a user's
+ * future callbacks): on the pool, or - host-driven progress (rpc/progress.c) - on the host's
+ * progress thread. Same contract as td__threadpool_submit. */
+td_status td__agent_submit_user(td_rpc_agent *a, td__task_fn fn, void *arg);
 
 /* td__agent_store returns the agent's client of the rendezvous store (collectives use it to set
  * up process groups). Borrowed; valid until td_rpc_destroy. The store operations may be called

@@ -83,6 +83,8 @@ struct td_rpc_agent {
   td__auth auth;
   td__auth_client store_auth;
   td__auth_sessions *sessions;
+  /* host-driven progress (progress.c): user code queued for td_rpc_progress, or NULL */
+  struct td__hostq *hostq;
   /* same-host direct copy (direct.c) */
   uint64_t direct_nonce; /* peers read it from our memory to prove they can */
   bool direct_on;
@@ -165,6 +167,17 @@ td_status td__direct_learn(td_rpc_agent *a, uint64_t deadline);
 td_status td__devmap_publish(td_rpc_agent *a);
 td_status td__devmap_setup(td_rpc_agent *a, uint64_t deadline);
 void td__devmap_free_all(td_rpc_agent *a);
+
+/* ---- progress.c ---- */
+typedef struct td__hostq td__hostq;
+td_status td__hostq_create(td__hostq **out);
+/* Runs up to max queued items (max < 0: all) on this thread; returns how many ran. */
+int td__hostq_run(td__hostq *q, int max);
+void td__hostq_destroy(td__hostq *q);
+/* The calling thread becomes the progress thread (its blocking waits run the queue). */
+void td__progress_adopt_thread(td_rpc_agent *a);
+/* Runs what is queued (host mode; no-op otherwise). */
+void td__progress_pump(td_rpc_agent *a);
 
 /* ---- rendezvous.c ---- */
 /* td__agent_set_abort makes every worker still in rendezvous fail with why. */

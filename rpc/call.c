@@ -186,8 +186,8 @@ static void finish_call(td_rpc_agent *a, pending *p, int kind, td_value *value, 
     c->value = value;
     c->status = st;
     c->message = td__strdup(message ? message : "");
-    if (td__future_has_callbacks(p->fut) && td__threadpool_submit(a->pool, complete_task, c) == TD_OK) {
-      /* runs on the pool */
+    if (td__future_has_callbacks(p->fut) && td__agent_submit_user(a, complete_task, c) == TD_OK) {
+      /* the user's callbacks run on the pool (or the host's progress thread) */
     } else {
       complete_now(c);
     }

@@ -270,17 +270,39 @@ static td_status failure_error(td_future *f) {
   return td_set_error(f->status, "%s", m);
 }
 
+/* The calling thread's pump (host-driven progress, rpc/progress.c): runs while it waits. */
+static _Thread_local void (*wait_pump)(void *);
+static _Thread_local void *wait_pump_ud;
+
+void td__future_set_wait_pump(void (*pump)(void *ud), void *ud) {
+  wait_pump = pump;
+  wait_pump_ud = ud;
+}
+
+/* Waits on cv until *deadline (NULL: no deadline), in slices of 2 ms with the pump run between
+ * them when this thread has one. Caller holds mu. Returns ETIMEDOUT at the deadline. */
+static int cond_wait_pumped(pthread_cond_t *cv, pthread_mutex_t *mu,
+                            const struct timespec *deadline) {
+  if (!wait_pump) return deadline ? pthread_cond_timedwait(cv, mu, deadline)
+                                  : pthread_cond_wait(cv, mu);
+  pthread_mutex_unlock(mu);
+  wait_pump(wait_pump_ud);
+  pthread_mutex_lock(mu);
+  struct timespec slice = deadline_after(2);
+  if (deadline && (deadline->tv_sec < slice.tv_sec ||
+                   (deadline->tv_sec == slice.tv_sec && deadline->tv_nsec < slice.tv_nsec)))
+    return pthread_cond_timedwait(cv, mu, deadline);
+  pthread_cond_timedwait(cv, mu, &slice);
+  return 0;
+}
+
 td_status td_future_wait(td_future *f, int64_t timeout_ms) {
   TD_CHECK_ARG(f, "future_wait: NULL future");
   struct timespec deadline;
   if (timeout_ms > 0) deadline = deadline_after(timeout_ms);
   pthread_mutex_lock(&f->mu);
   while (!f->done && timeout_ms != 0) {
-    if (timeout_ms < 0) {
-      pthread_cond_wait(&f->cv, &f->mu);
-    } else if (pthread_cond_timedwait(&f->cv, &f->mu, &deadline) == ETIMEDOUT) {
-      break;
-    }
+    if (cond_wait_pumped(&f->cv, &f->mu, timeout_ms < 0 ? NULL : &deadline) == ETIMEDOUT) break;
   }
   bool done = f->done;
   pthread_mutex_unlock(&f->mu);
@@ -469,8 +491,9 @@ td_status td_future_wait_all(td_future *const *fs, int n, int64_t timeout_ms) {
     if (r != 0 || timed_out) break;
     pthread_mutex_lock(&w.mu);
     while (!w.signaled && !timed_out) {
-      if (timeout_ms < 0) pthread_cond_wait(&w.cv, &w.mu);
-      else if (pthread_cond_timedwait(&w.cv, &w.mu, &deadline) == ETIMEDOUT) timed_out = true;
+      if (cond_wait_pumped(&w.cv, &w.mu, timeout_ms < 0 ? NULL : &deadline) == ETIMEDOUT)
+        timed_out = true;
+      if (wait_pump) break; /* a pumped slice: look at the futures again */
     }
     w.signaled = false;
     pthread_mutex_unlock(&w.mu);

@@ -24,4 +24,9 @@ td_status td__future_on_done_light(td_future *f, td_future_cb cb, void *ctx);
  * already done, TD_ERR_INVALID for a NULL f or st == TD_OK. Callbacks run on this thread. */
 td_status td__future_fail_msg(td_future *f, td_status st, const char *msg);
 
+/* td__future_set_wait_pump makes pump(ud) run on this thread while it blocks in td_future_wait or
+ * td_future_wait_all (every few milliseconds and before each wait), so a thread that must run
+ * queued work (host-driven progress) cannot deadlock waiting for it. NULL clears it. */
+void td__future_set_wait_pump(void (*pump)(void *ud), void *ud);
+
 #endif

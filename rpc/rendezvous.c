@@ -219,6 +219,7 @@ void td__agent_free(td_rpc_agent *a) {
   td__call_free_all(a);
   td__store_destroy(a->store);
   td__auth_sessions_destroy(a->sessions);
+  td__hostq_destroy(a->hostq);
   td__auth_client_fini(&a->store_auth);
   memset(&a->auth, 0, sizeof a->auth);
   td__free(a->listen_addr);
@@ -365,6 +366,9 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
   if (!a->listen_addr || !a->init_method || !a->peers)
     return td_set_error(TD_ERR_NOMEM, "rpc_init: out of memory");
   TD_TRY(init_auth(a, o));
+  if (o->progress == TD_RPC_PROGRESS_HOST) TD_TRY(td__hostq_create(&a->hostq));
+  else if (o->progress != TD_RPC_PROGRESS_THREADS)
+    return td_set_error(TD_ERR_INVALID, "rpc_init: unknown progress mode %d", o->progress);
   if (rank == 0) {
     TD_TRY(td__store_create(&a->store));
     char ws[32];
@@ -493,6 +497,7 @@ static void rendezvous_failed(td_rpc_agent *a, td_status st) {
 
 /* Phase 5: the group is known: settle the store client, busy polling, upper layers' hooks. */
 static void init_finish(td_rpc_agent *a) {
+  td__progress_adopt_thread(a); /* host mode: the thread that joined drives progress */
   a->opts.device_maps = NULL; /* borrowed: read at init only */
   a->opts.num_device_maps = 0;
   a->sc.call_timeout_ms = 10000;

@@ -156,6 +156,14 @@ static void run_request(void *arg) {
 }
 
 
+/* A user's function runs where user code runs (pool or host progress); tdist's own "__"
+ * functions always on the pool. */
+static td_status submit_request(td_rpc_agent *a, request *r) {
+  bool internal = r->msg.fn && r->msg.fn[0] == '_' && r->msg.fn[1] == '_';
+  return internal ? td__threadpool_submit(a->pool, run_request, r)
+                  : td__agent_submit_user(a, run_request, r);
+}
+
 void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *const *args,
                      int nargs, int64_t timeout_ms, uint64_t ctx_id) {
   request *r = td__calloc(1, sizeof *r);
@@ -176,7 +184,7 @@ void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *con
   snprintf(r->caller, sizeof r->caller, "%s", a->name);
   __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
   TD__COUNT(a, requests_received);
-  if (td__threadpool_submit(a->pool, run_request, r) != TD_OK)
+  if (submit_request(a, r) != TD_OK)
     reply_error(r, false, TD_ERR_STATE, "the agent is shutting down");
 }
 
@@ -222,7 +230,7 @@ void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
       td__rpc_inline_thread = false;
       return;
     }
-    if (td__threadpool_submit(a->pool, run_request, r) != TD_OK)
+    if (submit_request(a, r) != TD_OK)
       reply_error(r, false, TD_ERR_STATE, "the agent is shutting down");
     return;
   }

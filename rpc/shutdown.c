@@ -133,6 +133,7 @@ static td_status barrier(td_rpc_agent *a, uint64_t deadline) {
       st = TD_ERR_TIMEOUT;
       break;
     }
+    td__progress_pump(a); /* host mode: requests and callbacks queued for this thread */
     sleep_ms(backoff);
     backoff = backoff * 2 > 20 ? 20 : backoff * 2;
   }
@@ -185,6 +186,7 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms) {
   }
   td__transport_shutdown(a->tr);
   td__threadpool_shutdown(a->pool);
+  td__progress_pump(a); /* host mode: what was queued before the pool stopped */
   td__call_fail_all(a, TD_ERR_CANCELLED, "rpc: the agent shut down");
   if (st != TD_OK) return td_set_error(st, "%s", msg);
   if (hook_st != TD_OK) return td_set_error(hook_st, "%s", hook_msg);

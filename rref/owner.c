@@ -337,7 +337,10 @@ static void target_ready(td_future *f, void *arg) {
   }
   pthread_mutex_unlock(&c->mu);
   if (st == TD_OK) {
-    st = td__threadpool_submit(td__agent_pool(c->agent), invoke_task, iv);
+    /* a user's function runs where user code runs (pool or host progress) */
+    bool internal = iv->fn[0] == '_' && iv->fn[1] == '_';
+    st = internal ? td__threadpool_submit(td__agent_pool(c->agent), invoke_task, iv)
+                  : td__agent_submit_user(c->agent, invoke_task, iv);
     pthread_mutex_lock(&c->mu);
     if (--c->senders == 0 && c->closed) pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);

@@ -475,7 +475,7 @@ static void creation_reply(td_future *f, void *arg) {
   td_future *settles = r->entry ? r->entry->ready : r->created;
   if (td__future_has_callbacks(settles)) {
     cr->reply = td_future_ref(f);
-    if (td__threadpool_submit(td__agent_pool(r->ctx->agent), creation_task, cr) == TD_OK) return;
+    if (td__agent_submit_user(r->ctx->agent, creation_task, cr) == TD_OK) return;
     td_future_unref(cr->reply);
     cr->reply = NULL;
   }

@@ -229,6 +229,10 @@ typedef struct td_rpc_device_map_entry {
   const char *to;     /* a device of `worker` */
 } td_rpc_device_map_entry;
 
+/* td_rpc_options.progress */
+#define TD_RPC_PROGRESS_THREADS 0
+#define TD_RPC_PROGRESS_HOST 1
+
 /* The default of td_rpc_options.max_message_bytes: a 2 GiB tensor fits. */
 #define TD_RPC_DEFAULT_MAX_MESSAGE ((2ull << 30) + (64ull << 20))
 
@@ -283,6 +287,11 @@ typedef struct td_rpc_options {
    * overrides). Tensors are streamed in 8 MiB pieces and taken at once, so training traffic
    * stays far below it. */
   uint64_t memory_quota_bytes;
+  /* Where user code runs: TD_RPC_PROGRESS_THREADS (default): registered functions and the
+   * callbacks of call futures run on the agent's thread pool. TD_RPC_PROGRESS_HOST: they are
+   * queued for the embedding program, which runs them on its own thread with td_rpc_progress()
+   * when td_rpc_progress_fd() becomes readable (an event loop's add_reader). */
+  int progress;
   /* The job secret every member of the group shares (docs/SECURITY.md). Every connection to a
    * worker or to the store starts with a mutual HMAC-SHA256 challenge-response over fresh nonces
    * proving both ends know it; nothing else is read before. At least 16 characters. Borrowed:
@@ -333,6 +342,18 @@ TD_API td_status td_rpc_get_stats(td_rpc_agent *a, td_rpc_stats *out);
 /* td_rpc_get_peer_traffic fills out with the traffic between a and the worker of that rank
  * (TD_ERR_NOT_FOUND outside [0, world size)). */
 TD_API td_status td_rpc_get_peer_traffic(td_rpc_agent *a, int rank, td_rpc_traffic *out);
+
+/* td_rpc_progress_fd returns the file descriptor that is readable while user code waits to run on
+ * an agent in TD_RPC_PROGRESS_HOST mode (-1 in the default mode). Borrowed: valid until
+ * td_rpc_destroy; poll it, never read or close it. THREAD SAFETY: any thread. */
+TD_API int td_rpc_progress_fd(const td_rpc_agent *a);
+/* td_rpc_progress runs up to max_items (< 0: all) queued items - registered functions serving
+ * requests, callbacks of call futures - on the calling thread and returns how many ran (-1 with
+ * TD_ERR_STATE when a is not in host mode). The calling thread becomes the progress thread: while
+ * it blocks in td_future_wait, td_future_wait_all or a graceful td_rpc_shutdown it keeps running
+ * the queue, so a wait there cannot deadlock on work only it could do. THREAD SAFETY: one thread at
+ * a time. */
+TD_API int td_rpc_progress(td_rpc_agent *a, int max_items);
 
 /* td_rpc_options_init fills o with the defaults. */
 TD_API void td_rpc_options_init(td_rpc_options *o);
