@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "dist_autograd_impl.h"
+#include "../core/trace_impl.h"
 
 typedef struct da_pass {
   da_state *st;
@@ -329,7 +330,7 @@ static td_status h_backward(td_rpc_ctx *x, td_value *const *args, int n, td_valu
   return td__da_join(p.outs, p.n, st, msg, running_dec, s, fut);
 }
 
-td_status td_dist_autograd_backward(td_dist_autograd_context *c, td_tensor *const *roots, int n,
+static td_status backward_impl(td_dist_autograd_context *c, td_tensor *const *roots, int n,
                                     bool retain_graph) {
   TD_CHECK_ARG(c && roots && n > 0, "dist_autograd_backward: invalid argument");
   da_state *s = c->st;
@@ -372,4 +373,13 @@ td_status td_dist_autograd_backward(td_dist_autograd_context *c, td_tensor *cons
 
 void td__da_backward_register(void) {
   td__rpc_register_internal("__dist_backward", h_backward, NULL);
+}
+
+/* The root's whole distributed backward, as one span in traces. */
+td_status td_dist_autograd_backward(td_dist_autograd_context *c, td_tensor *const *roots, int n,
+                                    bool retain_graph) {
+  uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
+  td_status st = backward_impl(c, roots, n, retain_graph);
+  if (t0) td__trace_complete("autograd", "dist_autograd backward", t0, td__now_ns(), NULL);
+  return st;
 }

@@ -17,6 +17,7 @@
 
 #include "../core/core.h"
 #include "../rpc/agent_impl.h"
+#include "../core/trace_impl.h"
 #include "tdist/dist_optim.h"
 #include "tdist/nn.h"
 
@@ -287,7 +288,7 @@ td_status td_dist_optimizer_set_lr(td_dist_optimizer *o, double lr) {
   return st;
 }
 
-td_status td_dist_optimizer_step(td_dist_optimizer *o, td_dist_autograd_context *ctx) {
+static td_status optimizer_step_impl(td_dist_optimizer *o, td_dist_autograd_context *ctx) {
   TD_CHECK_ARG(o && ctx, "dist_optimizer_step: NULL argument");
   td_future **fs = td__calloc((size_t)(o->nowners ? o->nowners : 1), sizeof *fs);
   if (!fs) return td_set_error(TD_ERR_NOMEM, "dist_optim: out of memory");
@@ -373,4 +374,12 @@ static void layer_init_once(void) {
 void td__dist_optim_layer_init(void) {
   static pthread_once_t once = PTHREAD_ONCE_INIT;
   pthread_once(&once, layer_init_once);
+}
+
+/* A distributed optimizer step, as one span in traces. */
+td_status td_dist_optimizer_step(td_dist_optimizer *o, td_dist_autograd_context *ctx) {
+  uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
+  td_status st = optimizer_step_impl(o, ctx);
+  if (t0) td__trace_complete("optim", "dist_optimizer step", t0, td__now_ns(), NULL);
+  return st;
 }

@@ -33,6 +33,7 @@ typedef struct pending {
   char fn[64];
   int64_t timeout_ms;
   bool expired; /* ended by its deadline (counted as timed out, not failed) */
+  bool traced;  /* an async "call" begin was recorded: record its end */
 } pending;
 
 typedef struct dl_entry {
@@ -83,6 +84,7 @@ struct td_rpc_agent {
   td__auth auth;
   td__auth_client store_auth;
   td__auth_sessions *sessions;
+  bool trace_owned; /* this agent started tracing (TD_TRACE): its shutdown writes the file */
   /* host-driven progress (progress.c): user code queued for td_rpc_progress, or NULL */
   struct td__hostq *hostq;
   /* same-host direct copy (direct.c) */
@@ -98,7 +100,13 @@ typedef struct request {
   td__conn *conn; /* NULL: a call to self */
   td__msg msg;
   char caller[128];
+  uint64_t arrived_ns; /* when it arrived (traces show the time it waited for a thread) */
 } request;
+
+/* The id of a call's trace flow: unique in the group (the caller's rank, then its call id). */
+static inline uint64_t td__call_trace_id(int caller_rank, uint64_t id) {
+  return ((uint64_t)(unsigned)caller_rank << 48) ^ id;
+}
 
 /* Adds one to an agent counter. */
 #define TD__COUNT(a, field) __atomic_add_fetch(&(a)->cnt.field, 1, __ATOMIC_RELAXED)

@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../core/trace_impl.h"
 #include "agent_state.h"
 
 /* ---- pending table and deadline heap (a->mu held) ---- */
@@ -172,6 +173,15 @@ static void complete_task(void *arg) { complete_now(arg); }
 
 static void finish_call(td_rpc_agent *a, pending *p, int kind, td_value *value, td_status st,
                         const char *message) {
+  if (p->traced && TD__TRACE_ON()) {
+    char fn[80];
+    td__trace_escape(p->fn, fn, sizeof fn);
+    td__trace_emit("{\"ph\":\"e\",\"cat\":\"rpc\",\"name\":\"%s\",\"id\":\"0x%llx\",\"pid\":%d,"
+                   "\"tid\":%d,\"ts\":%.3f,\"args\":{\"outcome\":\"%s\"}}",
+                   fn, (unsigned long long)td__call_trace_id(a->rank, p->id), td__trace_pid(),
+                   td__trace_tid(), (double)td__now_ns() * 1e-3,
+                   kind == TD__MSG_RESPONSE ? "ok" : p->expired ? "timeout" : "error");
+  }
   if (kind == TD__MSG_RESPONSE) TD__COUNT(a, calls_succeeded);
   else if (p->expired) TD__COUNT(a, calls_timed_out);
   else TD__COUNT(a, calls_failed);
@@ -327,6 +337,7 @@ static td_status peer_conn(td_rpc_agent *a, int peer, td__conn **out) {
 /* One call on its way out (stack storage of rpc_async). */
 typedef struct call {
   td_rpc_agent *a;
+  uint64_t t0; /* when the call began (traces) */
   const char *to, *fn;
   td_value *const *args;
   int nargs;
@@ -441,6 +452,26 @@ static bool call_register(call *c) {
   return false;
 }
 
+/* Trace: the send on this thread (with the flow arrow to the handler) and the call's whole life on
+ * an async track of its own (its end is recorded by finish_call). */
+static void trace_send(call *c, uint64_t id) {
+  td_rpc_agent *a = c->a;
+  uint64_t t1 = td__now_ns(), tid = td__call_trace_id(a->rank, id);
+  char fn[80], to[160], args[300];
+  td__trace_escape(c->fn, fn, sizeof fn);
+  td__trace_escape(c->to, to, sizeof to);
+  snprintf(args, sizeof args, "{\"fn\":\"%s\",\"to\":\"%s\",\"id\":%llu}", fn, to,
+           (unsigned long long)id);
+  td__trace_emit("{\"ph\":\"b\",\"cat\":\"rpc\",\"name\":\"%s\",\"id\":\"0x%llx\",\"pid\":%d,"
+                 "\"tid\":%d,\"ts\":%.3f,\"args\":%s}",
+                 fn, (unsigned long long)tid, td__trace_pid(), td__trace_tid(), (double)c->t0 * 1e-3,
+                 args);
+  char name[120];
+  snprintf(name, sizeof name, "send %s", c->fn);
+  td__trace_complete("rpc", name, c->t0, t1, args);
+  td__trace_flow('s', tid, "rpc", t1);
+}
+
 static void call_dispatch(call *c, uint64_t id, td__conn *conn) {
   td_rpc_agent *a = c->a;
   if (c->peer == a->rank) {
@@ -464,6 +495,8 @@ static td_status rpc_async(td_rpc_agent *a, const char *to, const char *fn,
   TD_CHECK_ARG(a && to && fn && out && nargs >= 0 && (args || nargs == 0),
                "rpc_async: invalid argument");
   call c = {.a = a, .to = to, .fn = fn, .args = args, .nargs = nargs, .reply_map = reply_map};
+  bool traced = TD__TRACE_ON();
+  if (traced) c.t0 = td__now_ns();
   TD_TRY(call_check(&c, opts));
   TD_TRY(call_prepare(&c));
   TD_TRY(call_encode(&c));
@@ -471,6 +504,8 @@ static td_status rpc_async(td_rpc_agent *a, const char *to, const char *fn,
    * at any moment: from here on only these copies are used */
   uint64_t id = c.p->id;
   td__conn *conn = td__conn_ref(c.p->conn);
+  c.p->traced = traced;
+  if (traced) trace_send(&c, id); /* before the reply can complete it */
   if (call_register(&c)) call_dispatch(&c, id, conn);
   td__conn_unref(conn);
   *out = c.fut;

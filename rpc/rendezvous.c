@@ -22,6 +22,8 @@
 
 #include "agent_state.h"
 #include "../core/cpus.h"
+#include "../core/trace_impl.h"
+#include "tdist/trace.h"
 #include "../core/netaddr.h"
 
 static bool valid_name(const char *s) {
@@ -495,9 +497,32 @@ static void rendezvous_failed(td_rpc_agent *a, td_status st) {
   td_set_error(st, "%s", why);
 }
 
+/* Tracing (TD_TRACE=DIR starts it for the whole program): name this process's track, and
+ * estimate this clock's offset to rank 0's from a few exchanges with its store, keeping the one
+ * with the shortest round trip (its half is the residual uncertainty). */
+static void init_trace(td_rpc_agent *a) {
+  const char *dir = getenv("TD_TRACE");
+  if (dir && *dir && !td_trace_enabled() && td_trace_start(dir) == TD_OK) a->trace_owned = true;
+  if (!td_trace_enabled()) return;
+  td__trace_set_process(a->rank, a->name);
+  if (a->rank == 0) return;
+  int64_t best_rtt = INT64_MAX, offset = 0;
+  for (int i = 0; i < 8; i++) {
+    int64_t skew = td__trace_test_skew(), server, t0 = (int64_t)td__now_ns() + skew;
+    if (td__store_now(&a->sc, &server) != TD_OK) return;
+    int64_t t1 = (int64_t)td__now_ns() + skew;
+    if (t1 - t0 < best_rtt) {
+      best_rtt = t1 - t0;
+      offset = server - (t0 + t1) / 2;
+    }
+  }
+  td__trace_set_clock(offset, best_rtt / 2);
+}
+
 /* Phase 5: the group is known: settle the store client, busy polling, upper layers' hooks. */
 static void init_finish(td_rpc_agent *a) {
   td__progress_adopt_thread(a); /* host mode: the thread that joined drives progress */
+  init_trace(a);
   a->opts.device_maps = NULL; /* borrowed: read at init only */
   a->opts.num_device_maps = 0;
   a->sc.call_timeout_ms = 10000;

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../core/trace_impl.h"
 #include "agent_state.h"
 
 /* Returns TD_OK when the transport accepted the frame. */
@@ -112,6 +113,20 @@ static void async_done(td_future *f, void *ctx) {
   td_future_unref(f);
 }
 
+/* Trace: the handler's span on this thread, where the caller's flow arrow ends, with how long the
+ * request waited for a thread. */
+static void trace_handler(const request *r, uint64_t t0) {
+  char fn[80], caller[160], args[320], name[100];
+  td__trace_escape(r->msg.fn, fn, sizeof fn);
+  td__trace_escape(r->caller, caller, sizeof caller);
+  snprintf(args, sizeof args, "{\"fn\":\"%s\",\"caller\":\"%s\",\"id\":%llu,\"queued_us\":%.1f}",
+           fn, caller, (unsigned long long)r->msg.id,
+           r->arrived_ns && t0 > r->arrived_ns ? (double)(t0 - r->arrived_ns) * 1e-3 : 0.0);
+  snprintf(name, sizeof name, "%s", r->msg.fn);
+  td__trace_flow('f', td__call_trace_id(r->msg.from_rank, r->msg.id), "rpc", t0);
+  td__trace_complete("handler", name, t0, td__now_ns(), args);
+}
+
 static void run_request(void *arg) {
   request *r = arg;
   td_rpc_agent *a = r->a;
@@ -135,7 +150,9 @@ static void run_request(void *arg) {
   td_value *result = NULL;
   td_future *fut = NULL;
   td_clear_error();
+  uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
   td_status st = reg.fn(&ctx, r->msg.values, r->msg.nvalues, &result, &fut);
+  if (t0) trace_handler(r, t0);
   if (mw) mw->leave(&scope);
   if (st != TD_OK) {
     td_value_unref(result);
@@ -182,6 +199,7 @@ void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *con
                      .values = vals, .nvalues = nargs, .timeout_ms = timeout_ms,
                      .ctx_id = ctx_id};
   snprintf(r->caller, sizeof r->caller, "%s", a->name);
+  if (TD__TRACE_ON()) r->arrived_ns = td__now_ns();
   __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
   TD__COUNT(a, requests_received);
   if (submit_request(a, r) != TD_OK)
@@ -221,6 +239,7 @@ void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
     r->msg = *m;
     memset(m, 0, sizeof *m);
     snprintf(r->caller, sizeof r->caller, "%s", td__agent_peer_name(a, from));
+    if (TD__TRACE_ON()) r->arrived_ns = td__now_ns();
     __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
     TD__COUNT(a, requests_received);
     td__reg reg;

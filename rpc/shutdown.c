@@ -17,6 +17,7 @@
 #include <time.h>
 
 #include "agent_state.h"
+#include "tdist/trace.h"
 
 static void sleep_ms(int64_t ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
@@ -187,6 +188,8 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms) {
   td__transport_shutdown(a->tr);
   td__threadpool_shutdown(a->pool);
   td__progress_pump(a); /* host mode: what was queued before the pool stopped */
+  if (a->trace_owned && td_trace_stop() != TD_OK)
+    td_log(TD_LOG_WARN, "rpc: %s: the trace was not written: %s", a->name, td_last_error());
   td__call_fail_all(a, TD_ERR_CANCELLED, "rpc: the agent shut down");
   if (st != TD_OK) return td_set_error(st, "%s", msg);
   if (hook_st != TD_OK) return td_set_error(hook_st, "%s", hook_msg);

@@ -174,6 +174,10 @@ td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t
       rep.found = true;
       break;
     }
+    case 6: /* now: the server's clock (aligning traces) */
+      rep.number = (int64_t)td__now_ns();
+      rep.found = true;
+      break;
     case 5: { /* delete */
       kv *e = find(s, key, false);
       if (e) {
@@ -288,6 +292,17 @@ td_status td__store_add(const td__store_client *c, const char *key, int64_t delt
   Tdist__StoreReply *rep;
   TD_TRY(call(c, &r, &rep));
   if (out) *out = rep->number;
+  tdist__store_reply__free_unpacked(rep, NULL);
+  return TD_OK;
+}
+
+td_status td__store_now(const td__store_client *c, int64_t *server_ns) {
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = 6;
+  r.key = (char *)"";
+  Tdist__StoreReply *rep;
+  TD_TRY(call(c, &r, &rep));
+  *server_ns = rep->number;
   tdist__store_reply__free_unpacked(rep, NULL);
   return TD_OK;
 }

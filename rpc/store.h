@@ -44,6 +44,8 @@ td_status td__store_set(const td__store_client *c, const char *key, const void *
 td_status td__store_get(const td__store_client *c, const char *key, uint8_t **v, size_t *n,
                         bool *found);
 td_status td__store_add(const td__store_client *c, const char *key, int64_t delta, int64_t *out);
+/* td__store_now reads the store server's monotonic clock (ns). */
+td_status td__store_now(const td__store_client *c, int64_t *server_ns);
 /* td__store_wait_ge waits until the counter at key is >= target or deadline_ns (monotonic)
  * passes (TD_ERR_TIMEOUT). When abort_key is not NULL and becomes set, returns TD_ERR_REMOTE
  * with its value as the message. */

@@ -49,6 +49,7 @@
 #include <string.h>
 
 #include "rref_impl.h"
+#include "../core/trace_impl.h"
 
 /* ---- per-agent contexts ---- */
 
@@ -644,7 +645,7 @@ static int64_t default_timeout(td__rref_ctx *c) {
   return t;
 }
 
-td_status td_rref_to_here(td_rref *r, int64_t timeout_ms, td_value **out) {
+static td_status to_here_impl(td_rref *r, int64_t timeout_ms, td_value **out) {
   TD_CHECK_ARG(r && out, "rref_to_here: NULL argument");
   TD_TRY(creation_error(r));
   td__rref_ctx *c = r->ctx;
@@ -841,4 +842,12 @@ static void layer_init_once(void) {
 void td__rref_layer_init(void) {
   static pthread_once_t once = PTHREAD_ONCE_INIT;
   pthread_once(&once, layer_init_once);
+}
+
+/* td_rref_to_here, as one span in traces. */
+td_status td_rref_to_here(td_rref *r, int64_t timeout_ms, td_value **out) {
+  uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
+  td_status st = to_here_impl(r, timeout_ms, out);
+  if (t0) td__trace_complete("rref", "rref to_here", t0, td__now_ns(), NULL);
+  return st;
 }

@@ -5,6 +5,7 @@
 #include "tdist/version.h"
 #include "tdist/status.h"
 #include "tdist/tensor.h"
+#include "tdist/trace.h"
 #include "tdist/autograd.h"
 #include "tdist/nn.h"
 #include "tdist/optim.h"
