@@ -176,6 +176,7 @@ td_status td__pg_fail(td_process_group *pg, td_status st, const char *msg) {
   }
   td__free(v);
   if (!report) report = td__strdup(msg);
+  td__shm_mark_failed(pg->shm); /* after the record: the others read it when they wake */
   close_fd(&pg->send_fd);
   close_fd(&pg->recv_fd);
   pg->broken = true;
@@ -570,9 +571,13 @@ td_status td_process_group_create(td_rpc_agent *agent, const int *ranks, int n,
     else
       snprintf(pg->names[i], sizeof pg->names[i], "worker?");
   }
+  st = td__pg_read_mode(pg);
+  if (st == TD_OK) st = td__work_create(pg);
+  if (st != TD_OK) goto out;
   uint64_t deadline = td__pg_deadline(pg);
   st = agree_id(pg, deadline);
   if (st == TD_OK && n > 1) st = connect_ring(pg, deadline);
+  if (st == TD_OK) st = td__shm_setup(pg, deadline);
 #ifdef TD_HAVE_NCCL
   if (st == TD_OK && backend == TD_PG_BACKEND_NCCL) st = td__nccl_create(pg, &pg->nccl);
 #endif
@@ -589,6 +594,8 @@ out:
 
 void td_process_group_destroy(td_process_group *pg) {
   if (!pg) return;
+  td__work_destroy(pg->work); /* queued operations fail; the running one finishes first */
+  td__shm_destroy(pg->shm);
 #ifdef TD_HAVE_NCCL
   td__nccl_destroy(pg->nccl);
 #endif

@@ -126,6 +126,69 @@ TD_API td_status td_process_group_reduce_scatter_tensor(td_process_group *pg, td
 /* td_process_group_barrier returns once every member has entered it. Blocks. */
 TD_API td_status td_process_group_barrier(td_process_group *pg);
 
+/* ---- asynchronous operations ----
+ *
+ * Each operation above has an _async form taking the same arguments plus `out`. It checks the
+ * arguments at once (an error there is returned, nothing is queued and *out is untouched), then
+ * queues the operation and returns at once with *out set to a new reference to its future
+ * (release with td_future_unref()). The group runs its operations, synchronous and asynchronous,
+ * one at a time in the order the calls were made (on the calling thread when nothing is queued
+ * or running, else on the group's worker thread, started by the first asynchronous call), so the
+ * order across members is the order of the calls, as for the synchronous forms; a synchronous
+ * call behaves as its _async form followed by td_future_wait.
+ *
+ * The future completes on the group's worker thread (callbacks run there and must not block).
+ * On success its value is a tensor value holding the output (all_reduce and broadcast: t;
+ * all_gather_into_tensor: out; reduce_scatter and reduce_scatter_tensor: out), a list of the outs
+ * for all_gather, or none for barrier. On failure it carries the operation's status and message
+ * (the errors listed for the synchronous forms). Wait for one with td_future_wait (optionally with
+ * a timeout), for many with td_future_wait_all, or chain with td_future_then.
+ *
+ * Tensors: the queued operation holds a reference to every tensor it was given until its future
+ * completes. Until then the caller must not write the tensors it reads (t, in, ins) nor read or
+ * write those it writes (t, out, outs); afterwards they hold the result, exactly as after the
+ * synchronous call.
+ *
+ * td_process_group_destroy fails the operations still queued with TD_ERR_CANCELLED, waits for the
+ * one running, and joins the worker: wait for the futures first.
+ *
+ * THREAD SAFETY: any thread, including future callbacks of other groups; never blocks on the
+ * network (only briefly on the group's queue lock). */
+TD_API td_status td_process_group_all_reduce_async(td_process_group *pg, td_tensor *t,
+                                                   td_reduce_op op, td_future **out);
+TD_API td_status td_process_group_broadcast_async(td_process_group *pg, td_tensor *t, int root,
+                                                  td_future **out);
+TD_API td_status td_process_group_all_gather_async(td_process_group *pg, td_tensor *const *outs,
+                                                   const td_tensor *in, td_future **out);
+TD_API td_status td_process_group_all_gather_into_tensor_async(td_process_group *pg,
+                                                               td_tensor *whole,
+                                                               const td_tensor *in,
+                                                               td_future **out);
+TD_API td_status td_process_group_reduce_scatter_async(td_process_group *pg, td_tensor *res,
+                                                       td_tensor *const *ins, td_reduce_op op,
+                                                       td_future **out);
+TD_API td_status td_process_group_reduce_scatter_tensor_async(td_process_group *pg,
+                                                              td_tensor *res,
+                                                              const td_tensor *in,
+                                                              td_reduce_op op, td_future **out);
+TD_API td_status td_process_group_barrier_async(td_process_group *pg, td_future **out);
+
+/* The operations, for td_process_group_algorithm. */
+typedef enum td_pg_op {
+  TD_PG_OP_ALL_REDUCE = 0,
+  TD_PG_OP_BROADCAST = 1,
+  TD_PG_OP_ALL_GATHER = 2,     /* nbytes: the gathered output */
+  TD_PG_OP_REDUCE_SCATTER = 3, /* nbytes: the whole input */
+  TD_PG_OP_BARRIER = 4,
+} td_pg_op;
+
+/* td_process_group_algorithm names the algorithm pg uses for operation op on nbytes bytes (see
+ * "Algorithms" at the top): "ring", "shm_direct", "shm_rsag", "shm_bcast", "shm_gather",
+ * "shm_scatter", "shm_barrier", "nccl", "local" (one member), or "?" for a NULL group or an
+ * unknown op. Returns a static string. THREAD SAFETY: any thread; does not block. */
+TD_API const char *td_process_group_algorithm(const td_process_group *pg, td_pg_op op,
+                                              size_t nbytes);
+
 /* ---- data parallelism ---- */
 
 typedef struct td_ddp td_ddp;
