@@ -60,6 +60,7 @@ typedef enum td__algo_mode {
   TD__MODE_SHM,        /* shared memory (must be possible), algorithm by size */
   TD__MODE_SHM_DIRECT, /* shared memory; all_reduce always one-round ("shm_direct") */
   TD__MODE_SHM_RSAG,   /* shared memory; all_reduce always reduce-scatter + all-gather */
+  TD__MODE_CMA,        /* shared memory; single-copy reads whenever possible */
 } td__algo_mode;
 
 /* One operation as queued and executed (ops.c, work.c). Tensors are borrowed by the sync calls
@@ -96,6 +97,7 @@ struct td_process_group {
   td__shm *shm;   /* same-host shared memory (CPU groups whose members share a host), or NULL */
   td__algo_mode mode;  /* TD_COLL_ALGO at creation */
   size_t direct_max;   /* all_reduce bytes up to which shared memory uses one round */
+  size_t cma_min;      /* bytes from which shared memory switches to single-copy reads */
   td__work *work;      /* asynchronous operations (work.c); created with the group */
 };
 
@@ -184,6 +186,18 @@ td_status td__shm_reduce_scatter(td_process_group *pg, const td__op_hdr *h, void
                                  const char *const *ins, size_t count, td_dtype dt,
                                  td_reduce_op op, uint64_t dl);
 td_status td__shm_barrier(td_process_group *pg, const td__op_hdr *h, uint64_t dl);
+/* Single-copy versions (shm_cma.c; only when td__shm_cma): members read each other's tensors.
+ * reduce_scatter takes the concatenated input. */
+td_status td__cma_all_reduce(td_process_group *pg, const td__op_hdr *h, void *data, size_t count,
+                             td_dtype dt, td_reduce_op op, uint64_t dl);
+td_status td__cma_broadcast(td_process_group *pg, const td__op_hdr *h, void *data, size_t nbytes,
+                            int root, uint64_t dl);
+td_status td__cma_all_gather(td_process_group *pg, const td__op_hdr *h, td__chunk *outs,
+                             const void *in, size_t nbytes, uint64_t dl);
+td_status td__cma_reduce_scatter(td_process_group *pg, const td__op_hdr *h, void *out,
+                                 const char *in, size_t count, td_dtype dt, td_reduce_op op,
+                                 uint64_t dl);
+bool td__shm_cma(const td__shm *s);
 
 /* ---- work.c: asynchronous operations ---- */
 

@@ -27,6 +27,8 @@
 /* Measured with bench/collectives (2 and 4 processes on a 2-CPU host, see ARCHITECTURE.md): the
  * one-round all_reduce is ahead up to about this size. */
 #define DIRECT_MAX_DEFAULT ((size_t)64 << 10)
+/* ... and single-copy reads are ahead from about this size on. */
+#define CMA_MIN_DEFAULT ((size_t)256 << 10)
 
 /* ---- names ---- */
 
@@ -71,11 +73,29 @@ typedef enum algo {
   A_SHM_GATHER,
   A_SHM_SCATTER,
   A_SHM_BARRIER,
+  A_CMA_RSAG,
+  A_CMA_BCAST,
+  A_CMA_GATHER,
+  A_CMA_SCATTER,
 } algo;
 
-static const char *algo_names[] = {"local",     "nccl",       "ring",        "shm_direct",
-                                   "shm_rsag",  "shm_bcast",  "shm_gather",  "shm_scatter",
-                                   "shm_barrier"};
+static const char *algo_names[] = {"local",      "nccl",        "ring",       "shm_direct",
+                                   "shm_rsag",   "shm_bcast",   "shm_gather", "shm_scatter",
+                                   "shm_barrier", "cma_rsag",   "cma_bcast",  "cma_gather",
+                                   "cma_scatter"};
+
+static td_status env_bytes(const char *name, size_t dflt, size_t *out) {
+  const char *e = getenv(name);
+  *out = dflt;
+  if (!e || !*e) return TD_OK;
+  char *end;
+  unsigned long long v = strtoull(e, &end, 10);
+  if (*end || e[0] == '-')
+    return td_set_error(TD_ERR_INVALID, "process_group_create: %s='%s' is not a byte count", name,
+                        e);
+  *out = (size_t)v;
+  return TD_OK;
+}
 
 td_status td__pg_read_mode(td_process_group *pg) {
   const char *e = getenv("TD_COLL_ALGO");
@@ -85,37 +105,34 @@ td_status td__pg_read_mode(td_process_group *pg) {
     else if (strcmp(e, "shm") == 0) pg->mode = TD__MODE_SHM;
     else if (strcmp(e, "shm_direct") == 0) pg->mode = TD__MODE_SHM_DIRECT;
     else if (strcmp(e, "shm_rsag") == 0) pg->mode = TD__MODE_SHM_RSAG;
+    else if (strcmp(e, "cma") == 0) pg->mode = TD__MODE_CMA;
     else
       return td_set_error(TD_ERR_INVALID, "process_group_create: TD_COLL_ALGO='%s' is not one "
-                          "of auto, ring, shm, shm_direct, shm_rsag", e);
+                          "of auto, ring, shm, shm_direct, shm_rsag, cma", e);
   }
-  pg->direct_max = DIRECT_MAX_DEFAULT;
-  e = getenv("TD_COLL_SHM_DIRECT_MAX");
-  if (e && *e) {
-    char *end;
-    unsigned long long v = strtoull(e, &end, 10);
-    if (*end || e[0] == '-')
-      return td_set_error(TD_ERR_INVALID, "process_group_create: TD_COLL_SHM_DIRECT_MAX='%s' is "
-                          "not a byte count", e);
-    pg->direct_max = (size_t)v;
-  }
-  return TD_OK;
+  TD_TRY(env_bytes("TD_COLL_CMA_MIN", CMA_MIN_DEFAULT, &pg->cma_min));
+  return env_bytes("TD_COLL_SHM_DIRECT_MAX", DIRECT_MAX_DEFAULT, &pg->direct_max);
 }
 
-static algo choose(const td_process_group *pg, uint32_t kind, size_t nbytes) {
+/* whole: reduce_scatter's input is one tensor (the single-copy version needs that). */
+static algo choose(const td_process_group *pg, uint32_t kind, size_t nbytes, bool whole) {
   if (pg->backend == TD_PG_BACKEND_NCCL && kind != TD__K_BARRIER) return A_NCCL;
   if (pg->size == 1) return A_LOCAL;
   if (!pg->shm) return A_RING;
+  bool cma = td__shm_cma(pg->shm) && pg->mode != TD__MODE_SHM_DIRECT &&
+             pg->mode != TD__MODE_SHM_RSAG &&
+             (pg->mode == TD__MODE_CMA || (nbytes >= pg->cma_min && nbytes > 0));
   switch (kind) {
     case TD__K_ALL_REDUCE: {
+      if (cma) return A_CMA_RSAG;
       if (pg->mode == TD__MODE_SHM_RSAG) return A_SHM_RSAG;
       bool fits = nbytes <= td__shm_buf_bytes(pg->shm);
       if (pg->mode == TD__MODE_SHM_DIRECT && fits) return A_SHM_DIRECT;
       return fits && nbytes <= pg->direct_max ? A_SHM_DIRECT : A_SHM_RSAG;
     }
-    case TD__K_BROADCAST: return A_SHM_BCAST;
-    case TD__K_ALL_GATHER: return A_SHM_GATHER;
-    case TD__K_REDUCE_SCATTER: return A_SHM_SCATTER;
+    case TD__K_BROADCAST: return cma ? A_CMA_BCAST : A_SHM_BCAST;
+    case TD__K_ALL_GATHER: return cma ? A_CMA_GATHER : A_SHM_GATHER;
+    case TD__K_REDUCE_SCATTER: return cma && whole ? A_CMA_SCATTER : A_SHM_SCATTER;
     default: return A_SHM_BARRIER;
   }
 }
@@ -124,7 +141,7 @@ const char *td_process_group_algorithm(const td_process_group *pg, td_pg_op op, 
   static const uint32_t kinds[] = {TD__K_ALL_REDUCE, TD__K_BROADCAST, TD__K_ALL_GATHER,
                                    TD__K_REDUCE_SCATTER, TD__K_BARRIER};
   if (!pg || (int)op < 0 || (int)op > (int)TD_PG_OP_BARRIER) return "?";
-  return algo_names[choose(pg, kinds[op], nbytes)];
+  return algo_names[choose(pg, kinds[op], nbytes, true)];
 }
 
 /* ---- execution (pg->mu held) ---- */
@@ -199,26 +216,33 @@ static td_status run_ring(td_process_group *pg, const td__op *op, const td__op_h
 static td_status run_shm(td_process_group *pg, const td__op *op, const td__op_hdr *h, algo a,
                          uint64_t dl) {
   td_dtype dt = (td_dtype)h->dtype;
-  switch (op->kind) {
-    case TD__K_ALL_REDUCE:
-      return td__shm_all_reduce(pg, h, td_tensor_data(op->t), h->count, dt, op->rop,
-                                a == A_SHM_DIRECT, dl);
-    case TD__K_BROADCAST:
-      return td__shm_broadcast(pg, h, td_tensor_data(op->t), td_tensor_nbytes(op->t), op->root,
-                               dl);
-    case TD__K_ALL_GATHER: {
+  void *data = op->kind == TD__K_BARRIER ? NULL : td_tensor_data(op->t);
+  switch (a) {
+    case A_SHM_DIRECT:
+    case A_SHM_RSAG:
+      return td__shm_all_reduce(pg, h, data, h->count, dt, op->rop, a == A_SHM_DIRECT, dl);
+    case A_CMA_RSAG: return td__cma_all_reduce(pg, h, data, h->count, dt, op->rop, dl);
+    case A_SHM_BCAST:
+      return td__shm_broadcast(pg, h, data, td_tensor_nbytes(op->t), op->root, dl);
+    case A_CMA_BCAST:
+      return td__cma_broadcast(pg, h, data, td_tensor_nbytes(op->t), op->root, dl);
+    case A_SHM_GATHER:
+    case A_CMA_GATHER: {
       td__chunk *ch = NULL;
       TD_TRY(gather_slots(pg, op, &ch));
-      td_status st = td__shm_all_gather(pg, h, ch, td_tensor_data(op->t),
-                                        td_tensor_nbytes(op->t), dl);
+      size_t nb = td_tensor_nbytes(op->t);
+      td_status st = a == A_CMA_GATHER ? td__cma_all_gather(pg, h, ch, data, nb, dl)
+                                       : td__shm_all_gather(pg, h, ch, data, nb, dl);
       td__free(ch);
       return st;
     }
-    case TD__K_REDUCE_SCATTER: {
+    case A_CMA_SCATTER:
+      return td__cma_reduce_scatter(pg, h, data, td_tensor_data(op->whole), h->count, dt, op->rop,
+                                    dl);
+    case A_SHM_SCATTER: {
       const char **ins = NULL;
       TD_TRY(scatter_slots(pg, op, &ins));
-      td_status st = td__shm_reduce_scatter(pg, h, td_tensor_data(op->t), ins, h->count, dt,
-                                            op->rop, dl);
+      td_status st = td__shm_reduce_scatter(pg, h, data, ins, h->count, dt, op->rop, dl);
       td__free(ins);
       return st;
     }
@@ -308,7 +332,7 @@ td_status td__pg_execute(td_process_group *pg, const td__op *op) {
                   op->kind == TD__K_BARRIER ? (int32_t)TD_DTYPE_F32 : (int32_t)td_tensor_dtype(op->t),
                   op->kind == TD__K_BROADCAST ? op->root : (int32_t)op->rop};
   if (op->kind == TD__K_BARRIER || op->kind == TD__K_ALL_GATHER) h.arg = 0;
-  algo a = choose(pg, op->kind, op_bytes(pg, op));
+  algo a = choose(pg, op->kind, op_bytes(pg, op), op->whole != NULL);
   switch (a) {
     case A_LOCAL: st = run_local(op); break;
 #ifdef TD_HAVE_NCCL

@@ -39,4 +39,15 @@ td_status td__shm_wait(td_process_group *pg, uint64_t k, int who, const td__op_h
  * with h (after td__shm_wait(k, all)); a mismatch fails the group with TD_ERR_STATE. */
 td_status td__shm_check_headers(td_process_group *pg, uint64_t k, const td__op_hdr *h);
 
+/* Single-copy reads (shm_cma.c): every member may read every other member's memory with
+ * process_vm_readv (probed at setup, TD_COLL_CMA=0 turns it off). An operation exposes up to two
+ * of its buffers in its first round (td__shm_expose: k is that round); after waiting for that
+ * round a member reads them (td__shm_exposed) with td__shm_read, and the owner keeps them
+ * unchanged until every reader has posted a later round. */
+void td__shm_expose(td__shm *s, uint64_t k, const void *a, const void *b);
+const char *td__shm_exposed(const td__shm *s, int m, uint64_t k, int i);
+/* td__shm_read copies n bytes at src in member m's memory to dst; failure fails the group. */
+td_status td__shm_read(td_process_group *pg, int m, void *dst, const char *src, size_t n,
+                       const td__op_hdr *h);
+
 #endif
