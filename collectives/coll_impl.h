@@ -88,6 +88,7 @@ struct td_process_group {
   int recv_fd; /* connection from the left neighbour (rank - 1), -1 when size == 1 */
   pthread_mutex_t mu; /* one operation at a time; guards everything below */
   uint64_t seq;       /* operations started */
+  uint64_t waited_seq; /* the operation whose long wait was recorded in the store (ring) */
   bool broken;
   td_status broken_status;
   char *broken_msg;

@@ -18,7 +18,8 @@
  *     every member alike, so results are bit-identical everywhere.
  *   - reduce_scatter = reduce-scatter with shift -1 on a working copy (member r ends with slot r).
  *   - broadcast: pipelined along the ring from the root in segments: the member at distance d
- *     from the root receives segment j at step j + d - 1 and forwards it at step j + d.
+ *     from the root receives segment j at step j + d - 1 and forwards it at step j + d; the last
+ *     member then acknowledges to the root (see ack_root).
  *   - barrier: an all-gather of one byte per member after the header.
  */
 #include <stdio.h>
@@ -106,12 +107,22 @@ td_status td__ring_all_reduce(td_process_group *pg, void *data, size_t count, td
   return st;
 }
 
+/* The last member of a broadcast's chain (distance n - 1, the root's left neighbour) sends one
+ * byte to the root: the root returns only once everyone received, so a member that failed the
+ * operation (a mismatch) fails the root too instead of leaving it to its next call. */
+static td_status ack_root(td_process_group *pg, int64_t d, uint64_t dl) {
+  char b = 1;
+  if (d == pg->size - 1) return td__pg_xchg(pg, &b, 1, NULL, 0, dl, "broadcast");
+  if (d == 0) return td__pg_xchg(pg, NULL, 0, &b, 1, dl, "broadcast");
+  return TD_OK;
+}
+
 td_status td__ring_broadcast(td_process_group *pg, void *vdata, size_t nbytes, int root,
                              uint64_t dl) {
   int n = pg->size;
   char *data = vdata;
-  if (nbytes == 0) return TD_OK;
   int64_t d = mod(pg->rank - root, n);
+  if (nbytes == 0) return ack_root(pg, d, dl);
   int64_t nseg = (int64_t)((nbytes + SEG_BYTES - 1) / SEG_BYTES);
   int64_t steps = nseg + n - 2;
   for (int64_t k = 0; k < steps; k++) {
@@ -124,7 +135,7 @@ td_status td__ring_broadcast(td_process_group *pg, void *vdata, size_t nbytes, i
     if (!sl && !rl) continue;
     TD_TRY(td__pg_xchg(pg, data + so, sl, data + ro, rl, dl, "broadcast"));
   }
-  return TD_OK;
+  return ack_root(pg, d, dl);
 }
 
 td_status td__ring_all_gather(td_process_group *pg, td__chunk *ch, uint64_t dl) {

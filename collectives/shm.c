@@ -279,6 +279,9 @@ static void sleep_on_bell(td__shm *s, uint64_t k, int who, uint64_t until_ns) {
 td_status td__shm_wait(td_process_group *pg, uint64_t k, int who, const td__op_hdr *h,
                        uint64_t dl) {
   td__shm *s = pg->shm;
+  /* a group another member failed fails here even when everyone had posted already */
+  if (atomic_load_explicit(&s->seg->failed, memory_order_relaxed))
+    return check_health(pg, k, who, h);
   if (all_arrived(s, k, who)) return TD_OK;
   uint64_t now = td__now_ns(), next_check = now + LIVENESS_NS;
   uint64_t spin_until = now + (uint64_t)s->spin_ns;
