@@ -98,7 +98,6 @@ struct td_process_group {
   td__shm *shm;   /* same-host shared memory (CPU groups whose members share a host), or NULL */
   td__algo_mode mode;  /* TD_COLL_ALGO at creation */
   size_t direct_max;   /* all_reduce bytes up to which shared memory uses one round */
-  size_t cma_min;      /* bytes from which shared memory switches to single-copy reads */
   td__work *work;      /* asynchronous operations (work.c); created with the group */
 };
 
@@ -145,6 +144,9 @@ void td__reduce_into(void *dst, const void *src, size_t n, td_dtype dt, td_reduc
  * alias any source. */
 void td__reduce_n(void *dst, const void *const *srcs, int nsrc, size_t n, td_dtype dt,
                   td_reduce_op op);
+/* td__reduce_n writing the result to dst2 as well (NULL: dst only); the two must not overlap. */
+void td__reduce_n2(void *dst, void *dst2, const void *const *srcs, int nsrc, size_t n,
+                   td_dtype dt, td_reduce_op op);
 /* p[i] /= by for float dtypes (nothing for int64). */
 void td__divide(void *p, size_t n, td_dtype dt, int by);
 
@@ -199,6 +201,8 @@ td_status td__cma_reduce_scatter(td_process_group *pg, const td__op_hdr *h, void
                                  const char *in, size_t count, td_dtype dt, td_reduce_op op,
                                  uint64_t dl);
 bool td__shm_cma(const td__shm *s);
+/* td__shm_crowded: the members outnumber this host's CPUs (available to this process). */
+bool td__shm_crowded(const td__shm *s);
 
 /* ---- work.c: asynchronous operations ---- */
 

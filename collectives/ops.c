@@ -10,13 +10,11 @@
  *   3. the algorithm is chosen (choose(), below) and run; each checks the members' headers first
  *      (ring: with the neighbours; shared memory: with every member).
  *
- * Algorithm choice for CPU groups of more than one member (TD_COLL_ALGO overrides, docs in
- * collectives.h): shared memory when every member runs on this host (td__shm_setup decided it
- * at creation), else the TCP ring. On shared memory, all_reduce of at most direct_max bytes
- * (default DIRECT_MAX_DEFAULT, capped by the round buffer; TD_COLL_SHM_DIRECT_MAX overrides)
- * takes one round in which every member reduces the whole vector from every member's buffer
- * (latency-optimal); larger ones reduce-scatter then all-gather through the buffers, each member
- * reducing its 1/n of every piece (memory-bandwidth-optimal). NCCL groups use NCCL.
+ * Algorithm choice for CPU groups of more than one member (choose(); TD_COLL_ALGO overrides, see
+ * collectives.h): the shared-memory transport when every member runs on this host (td__shm_setup
+ * decided it at creation), else the TCP ring. On shared memory: all_reduce of at most direct_max
+ * bytes in one round, larger ones reduce-scatter + all-gather through the round buffers; the
+ * single-copy (process_vm_readv) versions where the thresholds below say they win.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,11 +22,21 @@
 
 #include "coll_impl.h"
 
-/* Measured with bench/collectives (2 and 4 processes on a 2-CPU host, see ARCHITECTURE.md): the
- * one-round all_reduce is ahead up to about this size. */
+/* Size thresholds (bytes of the whole buffer, as td_process_group_algorithm counts them), from
+ * bench/collectives on a 2-CPU host (figures in docs/ARCHITECTURE.md, "Collectives"):
+ *   - all_reduce in one round up to DIRECT_MAX (TD_COLL_SHM_DIRECT_MAX overrides);
+ *   - single-copy reads only while every member has a CPU (when members outnumber CPUs the
+ *     staged copies were as fast or faster: the copy work is the same and spread more evenly),
+ *     and then for all_gather and reduce_scatter from CMA_MIN on, broadcast from CMA_MIN to
+ *     CMA_BCAST_MAX and all_reduce above CMA_AR_MIN up to CMA_AR_MAX: beyond those sizes the data
+ *     no longer stays in cache and the pipelined copies through the shared buffers, which keep
+ *     every member busy at once, beat process_vm_readv (which pins every page it copies). */
 #define DIRECT_MAX_DEFAULT ((size_t)64 << 10)
-/* ... and single-copy reads are ahead from about this size on. */
-#define CMA_MIN_DEFAULT ((size_t)256 << 10)
+#define CMA_MIN ((size_t)64 << 10)
+#define CMA_BCAST_MAX ((size_t)1 << 20)
+#define CMA_AR_MIN ((size_t)1 << 20)
+#define CMA_AR_MAX ((size_t)16 << 20)
+#define CMA_SCATTER_MAX ((size_t)32 << 20)
 
 /* ---- names ---- */
 
@@ -110,8 +118,21 @@ td_status td__pg_read_mode(td_process_group *pg) {
       return td_set_error(TD_ERR_INVALID, "process_group_create: TD_COLL_ALGO='%s' is not one "
                           "of auto, ring, shm, shm_direct, shm_rsag, cma", e);
   }
-  TD_TRY(env_bytes("TD_COLL_CMA_MIN", CMA_MIN_DEFAULT, &pg->cma_min));
   return env_bytes("TD_COLL_SHM_DIRECT_MAX", DIRECT_MAX_DEFAULT, &pg->direct_max);
+}
+
+/* Whether the single-copy version of kind suits nbytes (see the thresholds above). */
+static bool cma_suits(const td_process_group *pg, uint32_t kind, size_t nbytes) {
+  if (!td__shm_cma(pg->shm) || pg->mode == TD__MODE_SHM_DIRECT || pg->mode == TD__MODE_SHM_RSAG)
+    return false;
+  if (pg->mode == TD__MODE_CMA) return true;
+  if (td__shm_crowded(pg->shm) || nbytes < CMA_MIN) return false;
+  switch (kind) {
+    case TD__K_ALL_REDUCE: return nbytes > CMA_AR_MIN && nbytes <= CMA_AR_MAX;
+    case TD__K_BROADCAST: return nbytes <= CMA_BCAST_MAX;
+    case TD__K_REDUCE_SCATTER: return nbytes <= CMA_SCATTER_MAX;
+    default: return true;
+  }
 }
 
 /* whole: reduce_scatter's input is one tensor (the single-copy version needs that). */
@@ -119,9 +140,7 @@ static algo choose(const td_process_group *pg, uint32_t kind, size_t nbytes, boo
   if (pg->backend == TD_PG_BACKEND_NCCL && kind != TD__K_BARRIER) return A_NCCL;
   if (pg->size == 1) return A_LOCAL;
   if (!pg->shm) return A_RING;
-  bool cma = td__shm_cma(pg->shm) && pg->mode != TD__MODE_SHM_DIRECT &&
-             pg->mode != TD__MODE_SHM_RSAG &&
-             (pg->mode == TD__MODE_CMA || (nbytes >= pg->cma_min && nbytes > 0));
+  bool cma = kind != TD__K_BARRIER && cma_suits(pg, kind, nbytes);
   switch (kind) {
     case TD__K_ALL_REDUCE: {
       if (cma) return A_CMA_RSAG;

@@ -48,6 +48,11 @@ void td__reduce_into(void *dst, const void *src, size_t n, td_dtype dt, td_reduc
 
 void td__reduce_n(void *dst, const void *const *srcs, int nsrc, size_t n, td_dtype dt,
                   td_reduce_op op) {
+  td__reduce_n2(dst, NULL, srcs, nsrc, n, dt, op);
+}
+
+void td__reduce_n2(void *dst, void *dst2, const void *const *srcs, int nsrc, size_t n,
+                   td_dtype dt, td_reduce_op op) {
   size_t es = td_dtype_size(dt), per = REDUCE_BLOCK / es;
   _Alignas(64) unsigned char blk[REDUCE_BLOCK];
   for (size_t off = 0; off < n; off += per) {
@@ -55,6 +60,7 @@ void td__reduce_n(void *dst, const void *const *srcs, int nsrc, size_t n, td_dty
     memcpy(blk, (const char *)srcs[0] + boff, k * es);
     for (int j = 1; j < nsrc; j++) td__reduce_into(blk, (const char *)srcs[j] + boff, k, dt, op);
     memcpy((char *)dst + boff, blk, k * es);
+    if (dst2) memcpy((char *)dst2 + boff, blk, k * es);
   }
 }
 

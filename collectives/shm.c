@@ -13,14 +13,17 @@
  *      unlinks the name as soon as it has seen every answer, so nothing is left in /dev/shm once
  *      creation is over, even if a process dies later.
  *
- * Waiting: a member spins (pause) for up to spin_ns, then calls sched_yield() for up to yield_ns,
- * then sleeps on a futex word in the segment (`bell`); a post bumps the bell and wakes sleepers
- * only when `sleepers` says there are any, so while everyone is awake no system call is made.
- * spin_ns defaults to SPIN_US_DEFAULT when the host has a CPU per member and to 0 when members
- * outnumber CPUs (spinning would only delay the member being waited for); yield_ns defaults to
- * YIELD_US_DEFAULT: yielding hands the CPU to whoever is runnable (often the member being waited
- * for, when members outnumber CPUs) without the cost of a futex sleep and wake-up (measured with
- * 4 processes on 2 CPUs: 4 KiB all_reduce 32 us with futex sleeps at once, 5 us yielding first).
+ * Waiting: a member polls, calling sched_yield() between looks, for up to yield_ns (default
+ * YIELD_US_DEFAULT), then sleeps on a futex word in the segment (`bell`); a post bumps the bell
+ * and wakes sleepers only when `sleepers` says there are any, so while everyone is awake no
+ * wake-up system call is made. Yielding hands the CPU to whoever is runnable - often the member
+ * being waited for when members share CPUs, with other processes or with each other - and costs
+ * little when nobody is (measured with bench/collectives on 2 CPUs: 4 KiB all_reduce with 4
+ * processes 32 us with futex sleeps at once, 5 us yielding first; with 2 processes and another
+ * program busy on the host, busy-waiting 50 us before yielding took 50-90 us per call against
+ * 1-2 us yielding at once). A member may also spin (pause instructions, no system call) for
+ * spin_ns before yielding: 0 by default, since a spinning member holds a CPU that the member it
+ * waits for may need.
  * TD_COLL_SPIN_US and TD_COLL_YIELD_US override them. Lost wake-ups are excluded by the order
  * of the sequentially consistent operations: a poster stores its round then reads `sleepers`; a
  * sleeper increments `sleepers`, reads the bell, re-reads the round, then futex-waits on the bell
@@ -55,7 +58,7 @@
 
 #define SEG_MAGIC 0x54445348u /* "TDSH" */
 #define SEG_VERSION 1u
-#define SPIN_US_DEFAULT 50
+#define SPIN_US_DEFAULT 0
 #define YIELD_US_DEFAULT 200
 #define LIVENESS_NS 2000000ull  /* how often a waiter checks processes and the failed flag */
 #define SLEEP_SLICE_NS 20000000ll /* longest futex sleep between checks */
@@ -100,6 +103,7 @@ struct td__shm {
   int64_t spin_ns;
   int64_t yield_ns; /* after spinning, sched_yield() for this long before sleeping */
   bool cma;         /* every member can read every other's memory (process_vm_readv) */
+  bool crowded;     /* more members than CPUs on this host */
   uint64_t nonce;   /* the others read it from our memory to prove they can */
 };
 
@@ -133,6 +137,7 @@ void td__shm_put_header(td__shm *s, uint64_t k, const td__op_hdr *h) {
 }
 
 bool td__shm_cma(const td__shm *s) { return s->cma; }
+bool td__shm_crowded(const td__shm *s) { return s->crowded; }
 
 void td__shm_expose(td__shm *s, uint64_t k, const void *a, const void *b) {
   shm_member *me = &s->seg->m[s->me];
@@ -503,12 +508,14 @@ static bool map_segment(td_process_group *pg, td__shm *s, const char *name) {
   return true;
 }
 
-static int64_t spin_ns_for(int members) {
-  const char *e = getenv("TD_COLL_SPIN_US");
-  if (e && *e) return strtoll(e, NULL, 10) * 1000;
+static int cpus_available(void) {
   cpu_set_t set;
-  int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-  return members <= cpus ? SPIN_US_DEFAULT * 1000 : 0;
+  return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+}
+
+static int64_t env_us(const char *name, int64_t dflt) {
+  const char *e = getenv(name);
+  return (e && *e ? strtoll(e, NULL, 10) : dflt) * 1000;
 }
 
 static void open_pidfds(td__shm *s) {
@@ -586,9 +593,9 @@ td_status td__shm_setup(td_process_group *pg, uint64_t deadline) {
   s->buf_bytes = s->seg->buf_bytes;
   s->data = (char *)s->seg + s->seg->data_offset;
   s->seg->m[s->me].pid = (int32_t)getpid();
-  s->spin_ns = spin_ns_for(s->n);
-  const char *ye = getenv("TD_COLL_YIELD_US");
-  s->yield_ns = (ye && *ye ? strtoll(ye, NULL, 10) : YIELD_US_DEFAULT) * 1000;
+  s->crowded = s->n > cpus_available();
+  s->spin_ns = env_us("TD_COLL_SPIN_US", SPIN_US_DEFAULT);
+  s->yield_ns = env_us("TD_COLL_YIELD_US", YIELD_US_DEFAULT);
   open_pidfds(s);
   pg->shm = s;
   td_log(TD_LOG_DEBUG, "process group %llu: shared memory, %zu-byte round buffers, spin %lld us, "

@@ -25,15 +25,19 @@
 #define PIECE_TOTAL ((size_t)256 << 10) /* the temporaries of one reduction piece, together */
 #define PIECE_MIN ((size_t)32 << 10)
 
-/* The first round: header and exposed buffer; afterwards peer[m] is member m's buffer. */
+/* The first round: header and exposed buffer; afterwards peer[m] is member m's buffer. local
+ * (optional) runs between posting and waiting: work of this member alone, hidden behind the wait
+ * for the others. */
 static td_status cma_begin(td_process_group *pg, const td__op_hdr *h, const void *mine,
-                           const char **peer, uint64_t dl) {
+                           const char **peer, void (*local)(void *), void *local_arg,
+                           uint64_t dl) {
   td__shm *s = pg->shm;
   uint64_t k = td__shm_next_round(s);
   TD_TRY(td__shm_reuse(pg, k, h, dl));
   td__shm_put_header(s, k, h);
   td__shm_expose(s, k, mine, NULL);
   td__shm_post(s, k);
+  if (local) local(local_arg);
   TD_TRY(td__shm_wait(pg, k, -1, h, dl));
   TD_TRY(td__shm_check_headers(pg, k, h));
   for (int m = 0; m < pg->size; m++) peer[m] = td__shm_exposed(s, m, k, 0);
@@ -57,7 +61,7 @@ td_status td__cma_broadcast(td_process_group *pg, const td__op_hdr *h, void *dat
                             int root, uint64_t dl) {
   const char **peer = NULL;
   TD_TRY(peers_alloc(pg, &peer));
-  td_status st = cma_begin(pg, h, data, peer, dl);
+  td_status st = cma_begin(pg, h, data, peer, NULL, NULL, dl);
   if (st == TD_OK && pg->rank != root && nbytes)
     st = td__shm_read(pg, root, data, peer[root], nbytes, h);
   if (st == TD_OK) st = cma_sync(pg, h, pg->rank == root ? -1 : -2, dl);
@@ -65,18 +69,25 @@ td_status td__cma_broadcast(td_process_group *pg, const td__op_hdr *h, void *dat
   return st;
 }
 
+typedef struct own_copy {
+  void *dst;
+  const void *src;
+  size_t n;
+} own_copy;
+
+static void copy_own(void *arg) {
+  own_copy *c = arg;
+  if (c->n && c->dst != c->src) memmove(c->dst, c->src, c->n);
+}
+
 td_status td__cma_all_gather(td_process_group *pg, const td__op_hdr *h, td__chunk *outs,
                              const void *in, size_t nbytes, uint64_t dl) {
   const char **peer = NULL;
   TD_TRY(peers_alloc(pg, &peer));
-  td_status st = cma_begin(pg, h, in, peer, dl);
-  for (int j = 0; st == TD_OK && j < pg->size && nbytes; j++) {
-    if (j == pg->rank) {
-      if (outs[j].p != (const char *)in) memmove(outs[j].p, in, nbytes);
-    } else {
-      st = td__shm_read(pg, j, outs[j].p, peer[j], nbytes, h);
-    }
-  }
+  own_copy oc = {outs[pg->rank].p, in, nbytes};
+  td_status st = cma_begin(pg, h, in, peer, copy_own, &oc, dl);
+  for (int j = 0; st == TD_OK && j < pg->size && nbytes; j++)
+    if (j != pg->rank) st = td__shm_read(pg, j, outs[j].p, peer[j], nbytes, h);
   if (st == TD_OK) st = cma_sync(pg, h, -1, dl);
   td__free(peer);
   return st;
@@ -128,7 +139,7 @@ td_status td__cma_reduce_scatter(td_process_group *pg, const td__op_hdr *h, void
   }
   const char **peer = NULL;
   td_status st = peers_alloc(pg, &peer);
-  if (st == TD_OK) st = cma_begin(pg, h, in, peer, dl);
+  if (st == TD_OK) st = cma_begin(pg, h, in, peer, NULL, NULL, dl);
   if (st == TD_OK && nb)
     st = reduce_from_peers(pg, h, peer, (size_t)r * nb, in + (size_t)r * nb, dst, count, dt, op);
   if (st == TD_OK) st = cma_sync(pg, h, -1, dl);
@@ -147,7 +158,7 @@ td_status td__cma_all_reduce(td_process_group *pg, const td__op_hdr *h, void *vd
   TD_TRY(peers_alloc(pg, &peer));
 #define START(j) (((size_t)(j) * base + ((size_t)(j) < rem ? (size_t)(j) : rem)) * es)
 #define LEN(j) (base + ((size_t)(j) < rem))
-  td_status st = cma_begin(pg, h, data, peer, dl);
+  td_status st = cma_begin(pg, h, data, peer, NULL, NULL, dl);
   if (st == TD_OK && LEN(r))
     st = reduce_from_peers(pg, h, peer, START(r), data + START(r), data + START(r), LEN(r), dt,
                            op);

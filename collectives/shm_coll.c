@@ -96,10 +96,7 @@ static td_status rsag_piece(td_process_group *pg, const td__op_hdr *h, char *p, 
   size_t ms = part_start(len, n, r) * es, ml = part_len(len, n, r);
   for (int j = 0; j < n; j++) srcs[j] = j == r ? p + ms : td__shm_buf(s, j, k) + ms;
   char *reduced = td__shm_buf(s, r, k + 1) + ms; /* round k + 1's buffer: everyone posted k */
-  if (ml) {
-    td__reduce_n(reduced, srcs, n, ml, dt, op);
-    memcpy(p + ms, reduced, ml * es);
-  }
+  if (ml) td__reduce_n2(reduced, p + ms, srcs, n, ml, dt, op);
   TD_TRY(finish_round(pg, k + 1, -1, h, false, dl));
   for (int j = 0; j < n; j++) {
     size_t js = part_start(len, n, j) * es, jl = part_len(len, n, j) * es;
@@ -150,12 +147,14 @@ td_status td__shm_all_gather(td_process_group *pg, const td__op_hdr *h, td__chun
     uint64_t k = td__shm_next_round(s);
     TD_TRY(begin_round(pg, k, h, q == 0, dl));
     if (len) memcpy(td__shm_buf(s, pg->rank, k), (const char *)in + off, len);
-    TD_TRY(finish_round(pg, k, -1, h, q == 0, dl));
-    for (int j = 0; j < pg->size && len; j++) {
-      char *dst = outs[j].p + off;
-      const char *src = j == pg->rank ? (const char *)in + off : td__shm_buf(s, j, k);
-      if (dst != src) memmove(dst, src, len);
-    }
+    td__shm_post(s, k);
+    /* our own part while the others arrive */
+    char *own = outs[pg->rank].p + off;
+    if (len && own != (const char *)in + off) memmove(own, (const char *)in + off, len);
+    TD_TRY(td__shm_wait(pg, k, -1, h, dl));
+    if (q == 0) TD_TRY(td__shm_check_headers(pg, k, h));
+    for (int j = 0; j < pg->size && len; j++)
+      if (j != pg->rank) memcpy(outs[j].p + off, td__shm_buf(s, j, k), len);
   }
   return TD_OK;
 }

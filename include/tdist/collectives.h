@@ -9,12 +9,38 @@
  * over the same or different ranks, coexist; each has its own connections.
  *
  * Backends:
- *   - TD_PG_BACKEND_CPU: contiguous CPU tensors. Members connect in a ring over direct TCP
- *     connections (bound to the agent's listen address, found through the rendezvous store).
- *     all_reduce is the bandwidth-optimal ring all-reduce (reduce-scatter, then all-gather, each
- *     member sending about 2 (n-1)/n of the tensor); broadcast is pipelined around the ring;
- *     all_gather, reduce_scatter and barrier are ring algorithms too. Any size works, including
- *     0 elements and fewer elements than members. Results are bit-identical on every member.
+ *   - TD_PG_BACKEND_CPU: contiguous CPU tensors. Any size works, including 0 elements and fewer
+ *     elements than members; results are bit-identical on every member. Two transports:
+ *       * shared memory, when every member runs on this host (same host address, boot and pid
+ *         namespace, as the RPC layer's direct copy decides): one POSIX shared-memory segment per
+ *         group (its name is removed as soon as every member mapped it) carries each member's
+ *         round buffers and flags; members wait by yielding, then sleeping on a futex. Large
+ *         messages are read straight out of the other members' tensors (process_vm_readv) where
+ *         the host allows it. No byte goes through a socket.
+ *       * otherwise a ring of direct TCP connections (bound to the agent's listen address, found
+ *         through the rendezvous store).
+ *     Algorithms, chosen by size (td_process_group_algorithm names the choice):
+ *       all_reduce  "shm_direct" up to 64 KiB: one round, every member reduces the whole vector
+ *                   from every member's buffer (latency-optimal); "shm_rsag" above: reduce-
+ *                   scatter then all-gather through the buffers in cache-sized pieces, each
+ *                   member reducing its 1/n (memory-bandwidth-optimal); "cma_rsag" (1, 16] MiB
+ *                   with a CPU per member: the same with single-copy reads; "ring" over TCP:
+ *                   reduce-scatter then all-gather around the ring.
+ *       broadcast   "shm_bcast" (pipelined through the root's buffers), "cma_bcast" 64 KiB-1 MiB
+ *                   with a CPU per member, "ring" (pipelined around the ring).
+ *       all_gather, reduce_scatter  "shm_gather" / "shm_scatter", "cma_gather" / "cma_scatter"
+ *                   from 64 KiB with a CPU per member (reduce_scatter: the concatenated form, up
+ *                   to 32 MiB), "ring".
+ *       barrier     "shm_barrier", "ring".
+ *     Environment (read at td_process_group_create; members should agree):
+ *       TD_COLL_ALGO = auto (default) | ring (TCP even on one host) | shm (shared memory; creation
+ *         fails with TD_ERR_UNSUPPORTED when impossible) | shm_direct | shm_rsag (shared memory,
+ *         every all_reduce one-round where it fits / always split; no single-copy reads) | cma
+ *         (single-copy reads for every operation but barrier).
+ *       TD_COLL_SHM_DIRECT_MAX (bytes, 65536): the one-round all_reduce limit.
+ *       TD_COLL_CMA=0: no single-copy reads. TD_COLL_SHM_BUF (bytes): one member's round buffer
+ *       (default 1 MiB, less beyond 32 members). TD_COLL_YIELD_US (200), TD_COLL_SPIN_US (0):
+ *       how long a waiting member yields the CPU, and spins before that, before it sleeps.
  *   - TD_PG_BACKEND_NCCL: contiguous CUDA tensors on the group's device, through NCCL (the
  *     ncclUniqueId travels through the store). Only in builds with NCCL; otherwise creating such a
  *     group is TD_ERR_UNSUPPORTED. The group's device is cuda:(LOCAL_RANK % device count) when
@@ -24,17 +50,24 @@
  * (TD_ERR_DTYPE for int64, as in PyTorch).
  *
  * Failures: every operation has a deadline (td_process_group_set_timeout; default 60 s). A
- * member that dies (its connections close) or stops answering makes the operation fail on every
- * member with TD_ERR_UNAVAILABLE or TD_ERR_TIMEOUT and a message naming that worker
- * ("worker2 (rank 2)"), never a hang. Members that call different operations (or different sizes
- * or dtypes) in the same position fail with TD_ERR_STATE describing both calls. After a failure
- * the group is broken: every later operation returns TD_ERR_STATE with the first failure's
- * message; destroy it (and create a new one if the survivors want to continue).
+ * member that dies (its process exits, its connections close) or stops answering makes the
+ * operation fail on every member with TD_ERR_UNAVAILABLE or TD_ERR_TIMEOUT and a message naming
+ * that worker ("worker2 (rank 2)"), never a hang; a member that skips a collective is named at
+ * the deadline with the collective and its sequence number ("all_reduce (#7) timed out after
+ * 60000 ms: worker2 (rank 2) did not arrive ..."). Members that call different operations (or
+ * different sizes, dtypes, reduce ops or roots) in the same position fail with TD_ERR_STATE
+ * describing both calls ("mismatched collectives: worker0 (rank 0) called all_reduce(sum, float32
+ * x 8) (#2) but worker1 (rank 1) called broadcast(root 0, float32 x 8) (#2)"); on shared memory
+ * every member checks every other member's call, on the TCP ring each checks its neighbour's (a
+ * member whose part of a broadcast was over before the mismatch was met learns of it at its next
+ * call). After a failure the group is broken: every later operation returns TD_ERR_STATE with the
+ * first failure's message; destroy it (and create a new one if the survivors want to continue).
  *
- * THREAD SAFETY: a group may be used from any thread; calls on one group are serialised (one
- * collective at a time), and every member must issue the group's collectives in the same order.
- * Collectives block the calling thread until they finish on this member. Destroy every group
- * before td_rpc_destroy() of the agent it was created with.
+ * THREAD SAFETY: a group may be used from any thread; its operations run one at a time in the
+ * order of the calls (synchronous and asynchronous alike), and every member must issue the
+ * group's collectives in the same order. The synchronous forms block the calling thread until the
+ * operation finished on this member. Destroy every group before td_rpc_destroy() of the agent it
+ * was created with.
  */
 #ifndef TDIST_COLLECTIVES_H
 #define TDIST_COLLECTIVES_H
@@ -70,15 +103,18 @@ typedef enum td_reduce_op {
  * ignored). Collective: blocks until every member has called it and the members are connected,
  * or 60 s pass (TD_ERR_TIMEOUT naming the members that never arrived). On a
  * member *out gets the group; on a non-member *out is set to NULL and TD_OK is returned without
- * any communication. TD_ERR_INVALID for a rank outside [0, world size), duplicates or n < 1;
- * TD_ERR_UNSUPPORTED for TD_PG_BACKEND_NCCL in a build without NCCL; TD_ERR_DEVICE for NCCL
- * without a CUDA device. Release with td_process_group_destroy(). THREAD SAFETY: any thread; a
+ * any communication. TD_ERR_INVALID for a rank outside [0, world size), duplicates or n < 1,
+ * or a bad TD_COLL_ALGO / TD_COLL_SHM_DIRECT_MAX; TD_ERR_UNSUPPORTED for TD_PG_BACKEND_NCCL in a
+ * build without NCCL, or TD_COLL_ALGO asking for shared memory the members cannot share;
+ * TD_ERR_DEVICE for NCCL without a CUDA device. Release with td_process_group_destroy(). THREAD SAFETY: any thread; a
  * worker must create the groups of one rank list in the same order as the other members. */
 TD_API td_status td_process_group_create(td_rpc_agent *agent, const int *ranks, int n,
                                          td_pg_backend backend, td_process_group **out);
-/* td_process_group_destroy closes the group's connections and frees it (not collective; peers
- * still inside an operation with this member see it as gone). NULL does nothing. Must not run
- * concurrently with an operation on the same group. */
+/* td_process_group_destroy closes the group's connections, unmaps its shared memory and frees it
+ * (not collective; peers still inside an operation with this member see it as gone). Operations
+ * still queued by the _async calls fail with TD_ERR_CANCELLED; the one running finishes first
+ * (bounded by the group's timeout). NULL does nothing. Must not run concurrently with another
+ * call on the same group. */
 TD_API void td_process_group_destroy(td_process_group *pg);
 
 /* td_process_group_rank returns this member's group rank (0..size-1), or -1 for NULL. */
