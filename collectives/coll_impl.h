@@ -45,6 +45,8 @@ typedef struct td__op_hdr {
   uint64_t count;
   int32_t dtype;
   int32_t arg;
+  uint32_t algo; /* the algorithm this member chose: members whose settings differ fail */
+  uint32_t reserved;
 } td__op_hdr;
 
 /* A contiguous piece of a tensor. */
@@ -135,6 +137,10 @@ td_status td__pg_read_mode(td_process_group *pg);
 const char *td__kind_name(uint32_t kind);
 /* td__op_describe writes "all_reduce(sum, float32 x 7) (#3)" into buf. */
 void td__op_describe(const td__op_hdr *h, char *buf, size_t n);
+/* td__op_mismatch fails the group with TD_ERR_STATE describing this member's call (mine) and
+ * group rank other's (theirs; magic checked here). */
+td_status td__op_mismatch(td_process_group *pg, const td__op_hdr *mine, int other,
+                          const td__op_hdr *theirs);
 
 /* ---- reduce.c: element kernels ---- */
 

@@ -69,6 +69,26 @@ void td__op_describe(const td__op_hdr *h, char *buf, size_t n) {
              cnt, seq);
 }
 
+static const char *algo_name(uint32_t a);
+
+td_status td__op_mismatch(td_process_group *pg, const td__op_hdr *mine, int other,
+                          const td__op_hdr *theirs) {
+  char a[160], b[160], me[160], who[160], msg[800];
+  td__op_describe(mine, a, sizeof a);
+  if (theirs->magic != TD__OP_MAGIC) snprintf(b, sizeof b, "something unreadable");
+  else td__op_describe(theirs, b, sizeof b);
+  td__pg_who(pg, pg->rank, me, sizeof me);
+  td__pg_who(pg, other, who, sizeof who);
+  if (theirs->magic == TD__OP_MAGIC && strcmp(a, b) == 0 && mine->algo != theirs->algo)
+    snprintf(msg, sizeof msg, "mismatched collectives: %s runs %s with algorithm %s but %s with "
+             "%s (set TD_COLL_ALGO and TD_COLL_SHM_DIRECT_MAX alike on every member)", me, a,
+             algo_name(mine->algo), who, algo_name(theirs->algo));
+  else
+    snprintf(msg, sizeof msg, "mismatched collectives: %s called %s but %s called %s", me, a, who,
+             b);
+  return td__pg_fail(pg, TD_ERR_STATE, msg);
+}
+
 /* ---- the algorithm ---- */
 
 typedef enum algo {
@@ -91,6 +111,10 @@ static const char *algo_names[] = {"local",      "nccl",        "ring",       "s
                                    "shm_rsag",   "shm_bcast",   "shm_gather", "shm_scatter",
                                    "shm_barrier", "cma_rsag",   "cma_bcast",  "cma_gather",
                                    "cma_scatter"};
+
+static const char *algo_name(uint32_t a) {
+  return a < sizeof algo_names / sizeof *algo_names ? algo_names[a] : "?";
+}
 
 static td_status env_bytes(const char *name, size_t dflt, size_t *out) {
   const char *e = getenv(name);
@@ -352,6 +376,7 @@ td_status td__pg_execute(td_process_group *pg, const td__op *op) {
                   op->kind == TD__K_BROADCAST ? op->root : (int32_t)op->rop};
   if (op->kind == TD__K_BARRIER || op->kind == TD__K_ALL_GATHER) h.arg = 0;
   algo a = choose(pg, op->kind, op_bytes(pg, op), op->whole != NULL);
+  h.algo = (uint32_t)a;
   switch (a) {
     case A_LOCAL: st = run_local(op); break;
 #ifdef TD_HAVE_NCCL

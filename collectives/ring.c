@@ -38,14 +38,7 @@ td_status td__ring_check(td_process_group *pg, const td__op_hdr *mine, uint64_t 
   const char *name = td__kind_name(mine->kind);
   TD_TRY(td__pg_xchg(pg, mine, sizeof *mine, &theirs, sizeof theirs, dl, name));
   if (memcmp(mine, &theirs, sizeof *mine) == 0) return TD_OK;
-  char a[128], b[128], who[160], me[160], msg[600];
-  td__op_describe(mine, a, sizeof a);
-  if (theirs.magic == TD__OP_MAGIC) td__op_describe(&theirs, b, sizeof b);
-  else snprintf(b, sizeof b, "something unreadable");
-  snprintf(msg, sizeof msg, "mismatched collectives: %s called %s but %s called %s",
-           td__pg_who(pg, pg->rank, me, sizeof me), a,
-           td__pg_who(pg, (pg->rank + pg->size - 1) % pg->size, who, sizeof who), b);
-  return td__pg_fail(pg, TD_ERR_STATE, msg);
+  return td__op_mismatch(pg, mine, (pg->rank + pg->size - 1) % pg->size, &theirs);
 }
 
 /* ---- ring algorithms (pg->mu held) ---- */

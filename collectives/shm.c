@@ -81,7 +81,8 @@ typedef struct shm_member {
 typedef struct shm_seg {
   uint32_t magic, version;
   uint64_t group_id;
-  int32_t size, reserved;
+  int32_t size;
+  int32_t crowded;      /* group rank 0 saw more members than CPUs (so all choose alike) */
   uint64_t buf_bytes;   /* one member's buffer for one round */
   uint64_t data_offset; /* of the first buffer, from the segment start */
   uint64_t total_bytes;
@@ -321,14 +322,8 @@ td_status td__shm_check_headers(td_process_group *pg, uint64_t k, const td__op_h
     td__op_hdr theirs = x->hdr[k & 1];
     bool same_round = x->hdr_round[k & 1] == k;
     if (same_round && memcmp(&theirs, h, sizeof theirs) == 0) continue;
-    char a[160], b[160], me[160], who[160], msg[700];
-    td__op_describe(h, a, sizeof a);
-    if (!same_round) snprintf(b, sizeof b, "a collective out of step (in another round)");
-    else if (theirs.magic != TD__OP_MAGIC) snprintf(b, sizeof b, "something unreadable");
-    else td__op_describe(&theirs, b, sizeof b);
-    snprintf(msg, sizeof msg, "mismatched collectives: %s called %s but %s called %s",
-             td__pg_who(pg, pg->rank, me, sizeof me), a, td__pg_who(pg, m, who, sizeof who), b);
-    return td__pg_fail(pg, TD_ERR_STATE, msg);
+    if (!same_round) theirs.magic = 0; /* out of step: another round, described as unreadable */
+    return td__op_mismatch(pg, h, m, &theirs);
   }
   return TD_OK;
 }
@@ -453,6 +448,11 @@ static bool name_ok(const char *name) {
   return strspn(name + 7, "0123456789abcdef-") == strlen(name + 7);
 }
 
+static int cpus_available(void) {
+  cpu_set_t set;
+  return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+}
+
 /* Group rank 0: creates and initialises the segment; *name gets its name ("-" on failure). */
 static void create_segment(td_process_group *pg, td__shm *s, char *name, size_t name_n) {
   uint64_t r = 0;
@@ -477,6 +477,7 @@ static void create_segment(td_process_group *pg, td__shm *s, char *name, size_t 
   seg->group_id = pg->id;
   seg->size = pg->size;
   seg->buf_bytes = buf;
+  seg->crowded = pg->size > cpus_available();
   seg->data_offset = off;
   seg->total_bytes = len;
   s->seg = seg;
@@ -506,11 +507,6 @@ static bool map_segment(td_process_group *pg, td__shm *s, const char *name) {
   s->seg = seg;
   s->len = len;
   return true;
-}
-
-static int cpus_available(void) {
-  cpu_set_t set;
-  return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
 }
 
 static int64_t env_us(const char *name, int64_t dflt) {
@@ -593,7 +589,7 @@ td_status td__shm_setup(td_process_group *pg, uint64_t deadline) {
   s->buf_bytes = s->seg->buf_bytes;
   s->data = (char *)s->seg + s->seg->data_offset;
   s->seg->m[s->me].pid = (int32_t)getpid();
-  s->crowded = s->n > cpus_available();
+  s->crowded = s->seg->crowded != 0;
   s->spin_ns = env_us("TD_COLL_SPIN_US", SPIN_US_DEFAULT);
   s->yield_ns = env_us("TD_COLL_YIELD_US", YIELD_US_DEFAULT);
   open_pidfds(s);

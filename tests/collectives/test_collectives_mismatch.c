@@ -3,7 +3,8 @@
  * one member fails every member with TD_ERR_STATE describing both calls; a member that skips a
  * collective makes the others fail at the group's deadline with TD_ERR_TIMEOUT naming it (and
  * only it) with the collective's name and sequence number, and its own next call on the group
- * fails at once with the same report. Run with the default algorithms (shared memory here) and
+ * fails at once with the same report; members set up to choose different algorithms for one call
+ * fail with TD_ERR_STATE naming both. Run with the default algorithms (shared memory here) and
  * with TD_COLL_ALGO=ring. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -73,6 +74,21 @@ static int worker_mismatch(int rank, int world, const char *method, void *arg) {
     MP_CHECK(td_process_group_barrier(pg) == TD_ERR_STATE); /* broken for good */
     td_process_group_destroy(pg);
   }
+  /* members configured to pick different algorithms for the same call fail instead of mixing
+   * them (rank 1 splits every all_reduce, the others use one round for small ones) */
+  const char *saved = getenv("TD_COLL_ALGO");
+  char *keep = saved ? strdup(saved) : NULL;
+  setenv("TD_COLL_ALGO", rank == 1 ? "shm_rsag" : "shm_direct", 1);
+  td_process_group *pg = NULL;
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
+  if (keep) setenv("TD_COLL_ALGO", keep, 1);
+  else unsetenv("TD_COLL_ALGO");
+  free(keep);
+  td_tensor *t = tensor(8, TD_DTYPE_F32);
+  MP_CHECK(td_process_group_all_reduce(pg, t, TD_REDUCE_SUM) == TD_ERR_STATE);
+  MP_CHECK(strstr(td_last_error(), "with algorithm shm_") != NULL);
+  td_tensor_unref(t);
+  td_process_group_destroy(pg);
   MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
   td_rpc_destroy(a);
   CHECK_NO_LEAKS();
