@@ -19,13 +19,26 @@
 # are dotted paths into "results"; a list element is chosen by a field, as in
 # echo[bytes=67108864].GBps_both_dirs. Exit status 1 when a run fails or prints no JSON line.
 # The script measures; it never asserts a speed (meets_target is informational).
+#
+# bench/compare.sh collectives [RUNS] [-- ARGS...] is a mode of its own with three peers run in
+# the same invocation, interleaved (ours, gloo, MPI shm, MPI tcp, ours, ...): torch.distributed
+# gloo (bench/peers/torch/collectives.py) and Open MPI over shared memory and over TCP
+# (bench/peers/mpi/collectives.sh, skipped with a note when the MPI peer was not built). It prints
+# every run's line, a table on standard error (per operation, process count and size: median
+# time_us and busbw_GBps of each, and ours/peer busbw ratios), then one summary JSON line
+#   {"bench": "compare", "config": {"name": "collectives", "runs", "peers"},
+#    "results": {"points": [{"op", "nprocs", "bytes", "ours": {"time_us", "busbw_GBps", "algo"},
+#                 "gloo": {...}, "mpi_shm": {...}, "mpi_tcp": {...},
+#                 "ratio_busbw": {PEER: ours/peer}}, ...],
+#                "target": {"peer": "mpi_shm", "ratio_min": 1}, "meets_target": bool,
+#                "below_target": [points where ours/mpi_shm < 1]}}
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
 
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-  sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,35p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
   [[ $# -lt 1 ]] && exit 2 || exit 0
 fi
 name="$1"
@@ -37,6 +50,10 @@ if [[ $# -gt 0 && "$1" != "--" ]]; then
 fi
 [[ $# -gt 0 && "$1" == "--" ]] && shift
 args=("$@")
+
+if [[ "$name" == collectives ]]; then
+  exec "$here/compare_collectives.sh" "$runs" ${args[@]+"${args[@]}"}
+fi
 
 # Main key of each benchmark (a dotted path into "results"), whether higher is better, and the
 # target ratio ours/peer ("-" for none; the ratio should be >= it when higher is better, <= it

@@ -1,7 +1,13 @@
 /* coll_impl.h - internals shared by the process-group files:
  *   process_group.c  creation (group id and addresses through the store), ring connections,
  *                    the deadline-bound exchange primitive, failure reporting;
- *   ring.c           the CPU ring algorithms and the public operation entry points;
+ *   ops.c            the public operation entry points (sync and async), argument checks, the
+ *                    choice of algorithm and the dispatch to a backend;
+ *   work.c           the per-group queue and worker thread behind the asynchronous calls;
+ *   ring.c           the CPU ring algorithms over TCP (members on any hosts);
+ *   shm.c            the same-host shared-memory transport (segment, rounds, waiting, liveness);
+ *   shm_coll.c       the CPU algorithms over that transport;
+ *   reduce.c         the element kernels (two-way and n-way reductions, AVG division);
  *   ddp.c            the data-parallel gradient helper;
  *   nccl/nccl_backend.c  the NCCL backend (only in builds with NCCL; the only file including
  *                    CUDA or NCCL headers).
@@ -21,6 +27,55 @@
 #define TD__PG_DEFAULT_TIMEOUT_MS 60000
 
 typedef struct td__nccl td__nccl;
+typedef struct td__shm td__shm;
+typedef struct td__work td__work;
+
+/* Operation kinds (the wire value of td__op_hdr.kind). */
+enum { TD__K_ALL_REDUCE = 1, TD__K_BROADCAST, TD__K_ALL_GATHER, TD__K_REDUCE_SCATTER, TD__K_BARRIER };
+
+#define TD__OP_MAGIC 0x54444f50u /* "TDOP" */
+
+/* The header every member announces at the start of an operation; members compare theirs with
+ * the others' (count: elements of the tensor, of the input of all_gather, of the output of
+ * reduce_scatter; arg: the reduce op, or the root of a broadcast). */
+typedef struct td__op_hdr {
+  uint32_t magic;
+  uint32_t kind;
+  uint64_t seq;
+  uint64_t count;
+  int32_t dtype;
+  int32_t arg;
+  uint32_t algo; /* the algorithm this member chose: members whose settings differ fail */
+  uint32_t reserved;
+} td__op_hdr;
+
+/* A contiguous piece of a tensor. */
+typedef struct td__chunk {
+  char *p;
+  size_t nbytes;
+} td__chunk;
+
+/* Algorithm modes (TD_COLL_ALGO, read at group creation). */
+typedef enum td__algo_mode {
+  TD__MODE_AUTO = 0,   /* shared memory when every member is on this host, else the ring */
+  TD__MODE_RING,       /* the TCP ring for everything */
+  TD__MODE_SHM,        /* shared memory (must be possible), algorithm by size */
+  TD__MODE_SHM_DIRECT, /* shared memory; all_reduce always one-round ("shm_direct") */
+  TD__MODE_SHM_RSAG,   /* shared memory; all_reduce always reduce-scatter + all-gather */
+  TD__MODE_CMA,        /* shared memory; single-copy reads whenever possible */
+} td__algo_mode;
+
+/* One operation as queued and executed (ops.c, work.c). Tensors are borrowed by the sync calls
+ * and referenced by queued work. */
+typedef struct td__op {
+  uint32_t kind;      /* TD__K_* */
+  td_reduce_op rop;   /* reductions */
+  int root;           /* broadcast */
+  td_tensor *t;       /* all_reduce, broadcast: the tensor; all_gather: the input;
+                         reduce_scatter: the output */
+  td_tensor *whole;   /* all_gather_into_tensor: the output; reduce_scatter_tensor: the input */
+  td_tensor **list;   /* list forms: size tensors (all_gather: outs; reduce_scatter: ins) */
+} td__op;
 
 struct td_process_group {
   td_rpc_agent *agent;
@@ -35,12 +90,17 @@ struct td_process_group {
   int recv_fd; /* connection from the left neighbour (rank - 1), -1 when size == 1 */
   pthread_mutex_t mu; /* one operation at a time; guards everything below */
   uint64_t seq;       /* operations started */
+  uint64_t waited_seq; /* the operation whose long wait was recorded in the store (ring) */
   bool broken;
   td_status broken_status;
   char *broken_msg;
   uint8_t *scratch; /* reused buffer for ring operations */
   size_t scratch_cap;
   td__nccl *nccl; /* NCCL communicator (TD_PG_BACKEND_NCCL) */
+  td__shm *shm;   /* same-host shared memory (CPU groups whose members share a host), or NULL */
+  td__algo_mode mode;  /* TD_COLL_ALGO at creation */
+  size_t direct_max;   /* all_reduce bytes up to which shared memory uses one round */
+  td__work *work;      /* asynchronous operations (work.c); created with the group */
 };
 
 /* "worker2 (rank 2)" for group rank grank, written into buf (at least 160 bytes). */
@@ -65,6 +125,101 @@ td_status td__pg_fail(td_process_group *pg, td_status st, const char *msg);
 
 /* td__pg_scratch makes pg->scratch at least n bytes. pg->mu held. */
 td_status td__pg_scratch(td_process_group *pg, size_t n);
+
+/* ---- ops.c ---- */
+
+/* td__pg_execute runs one operation to the end on this member: locks pg->mu, refuses a broken
+ * group, numbers the operation, checks the members' headers and runs the chosen algorithm. The
+ * tensors were checked by the caller. Sets td_last_error on failure. Blocks. */
+td_status td__pg_execute(td_process_group *pg, const td__op *op);
+/* td__pg_read_mode reads TD_COLL_ALGO and TD_COLL_SHM_DIRECT_MAX into pg (at creation). */
+td_status td__pg_read_mode(td_process_group *pg);
+const char *td__kind_name(uint32_t kind);
+/* td__op_describe writes "all_reduce(sum, float32 x 7) (#3)" into buf. */
+void td__op_describe(const td__op_hdr *h, char *buf, size_t n);
+/* td__op_mismatch fails the group with TD_ERR_STATE describing this member's call (mine) and
+ * group rank other's (theirs; magic checked here). */
+td_status td__op_mismatch(td_process_group *pg, const td__op_hdr *mine, int other,
+                          const td__op_hdr *theirs);
+
+/* ---- reduce.c: element kernels ---- */
+
+/* dst[i] = dst[i] (op) src[i] for n elements. */
+void td__reduce_into(void *dst, const void *src, size_t n, td_dtype dt, td_reduce_op op);
+/* dst[i] = srcs[0][i] (op) srcs[1][i] ... (op) srcs[nsrc-1][i], combined left to right; dst may
+ * alias any source. */
+void td__reduce_n(void *dst, const void *const *srcs, int nsrc, size_t n, td_dtype dt,
+                  td_reduce_op op);
+/* td__reduce_n writing the result to dst2 as well (NULL: dst only); the two must not overlap. */
+void td__reduce_n2(void *dst, void *dst2, const void *const *srcs, int nsrc, size_t n,
+                   td_dtype dt, td_reduce_op op);
+/* p[i] /= by for float dtypes (nothing for int64). */
+void td__divide(void *p, size_t n, td_dtype dt, int by);
+
+/* ---- ring.c: the TCP ring (pg->mu held; h is this member's header, already numbered) ---- */
+
+/* td__ring_check exchanges headers with the neighbours; a mismatch fails the group. */
+td_status td__ring_check(td_process_group *pg, const td__op_hdr *h, uint64_t dl);
+td_status td__ring_all_reduce(td_process_group *pg, void *data, size_t count, td_dtype dt,
+                              td_reduce_op op, uint64_t dl);
+td_status td__ring_broadcast(td_process_group *pg, void *data, size_t nbytes, int root,
+                             uint64_t dl);
+/* slot i of ch (size entries) receives group rank i's part; ch[rank] already holds ours. */
+td_status td__ring_all_gather(td_process_group *pg, td__chunk *ch, uint64_t dl);
+/* out (count elements) gets the reduction of every member's ins[rank]. */
+td_status td__ring_reduce_scatter(td_process_group *pg, void *out, const char *const *ins,
+                                  size_t count, td_dtype dt, td_reduce_op op, uint64_t dl);
+td_status td__ring_barrier(td_process_group *pg, uint64_t dl);
+
+/* ---- shm.c / shm_coll.c: same-host shared memory ---- */
+
+/* td__shm_setup decides, collectively with the other members (through the store), whether
+ * every member runs on this host and can map one shared segment; sets pg->shm, or leaves it NULL
+ * (then the ring serves). Fails only when the store does (or the deadline passes). */
+td_status td__shm_setup(td_process_group *pg, uint64_t deadline);
+void td__shm_destroy(td__shm *s);
+/* td__shm_mark_failed tells the other members' waits that this group failed (after the failure
+ * was recorded in the store). NULL does nothing. */
+void td__shm_mark_failed(td__shm *s);
+/* td__shm_buf_bytes is the size of one member's buffer for one round. */
+size_t td__shm_buf_bytes(const td__shm *s);
+/* The algorithms (pg->mu held; h: this member's numbered header, checked against every member's
+ * in the first round). direct: all_reduce in one round (the message must fit one buffer). */
+td_status td__shm_all_reduce(td_process_group *pg, const td__op_hdr *h, void *data, size_t count,
+                             td_dtype dt, td_reduce_op op, bool direct, uint64_t dl);
+td_status td__shm_broadcast(td_process_group *pg, const td__op_hdr *h, void *data, size_t nbytes,
+                            int root, uint64_t dl);
+td_status td__shm_all_gather(td_process_group *pg, const td__op_hdr *h, td__chunk *outs,
+                             const void *in, size_t nbytes, uint64_t dl);
+td_status td__shm_reduce_scatter(td_process_group *pg, const td__op_hdr *h, void *out,
+                                 const char *const *ins, size_t count, td_dtype dt,
+                                 td_reduce_op op, uint64_t dl);
+td_status td__shm_barrier(td_process_group *pg, const td__op_hdr *h, uint64_t dl);
+/* Single-copy versions (shm_cma.c; only when td__shm_cma): members read each other's tensors.
+ * reduce_scatter takes the concatenated input. */
+td_status td__cma_all_reduce(td_process_group *pg, const td__op_hdr *h, void *data, size_t count,
+                             td_dtype dt, td_reduce_op op, uint64_t dl);
+td_status td__cma_broadcast(td_process_group *pg, const td__op_hdr *h, void *data, size_t nbytes,
+                            int root, uint64_t dl);
+td_status td__cma_all_gather(td_process_group *pg, const td__op_hdr *h, td__chunk *outs,
+                             const void *in, size_t nbytes, uint64_t dl);
+td_status td__cma_reduce_scatter(td_process_group *pg, const td__op_hdr *h, void *out,
+                                 const char *in, size_t count, td_dtype dt, td_reduce_op op,
+                                 uint64_t dl);
+bool td__shm_cma(const td__shm *s);
+/* td__shm_crowded: the members outnumber this host's CPUs (available to this process). */
+bool td__shm_crowded(const td__shm *s);
+
+/* ---- work.c: asynchronous operations ---- */
+
+td_status td__work_create(td_process_group *pg);
+/* td__work_destroy fails the queued operations with TD_ERR_CANCELLED, waits for the running one
+ * and joins the worker thread. NULL does nothing. */
+void td__work_destroy(td__work *w);
+/* td__work_run runs op in call order with the group's other operations: on this thread when
+ * nothing is queued or running (sync), else through the queue. Async (out != NULL): queues a
+ * copy holding references to the tensors and returns its future in *out. */
+td_status td__work_run(td_process_group *pg, const td__op *op, td_future **out);
 
 /* td__pg_store_prefix writes "pg/<id>/" + suffix into buf. */
 const char *td__pg_key(const td_process_group *pg, const char *suffix, char *buf, size_t n);

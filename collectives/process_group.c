@@ -176,6 +176,7 @@ td_status td__pg_fail(td_process_group *pg, td_status st, const char *msg) {
   }
   td__free(v);
   if (!report) report = td__strdup(msg);
+  td__shm_mark_failed(pg->shm); /* after the record: the others read it when they wake */
   close_fd(&pg->send_fd);
   close_fd(&pg->recv_fd);
   pg->broken = true;
@@ -203,11 +204,49 @@ static td_status check_right_alive(td_process_group *pg, const char *op) {
   return td__pg_fail(pg, TD_ERR_UNAVAILABLE, msg);
 }
 
+/* A member waiting past half its deadline records "pg/<id>/at/<rank>" = "<seq>", so that the
+ * member that times out can tell who never arrived (a neighbour may itself be waiting). */
+static void note_long_wait(td_process_group *pg) {
+  if (pg->waited_seq == pg->seq) return;
+  pg->waited_seq = pg->seq;
+  char key[96], suffix[48], v[32];
+  snprintf(suffix, sizeof suffix, "at/%d", pg->rank);
+  int n = snprintf(v, sizeof v, "%llu", (unsigned long long)pg->seq);
+  td__store_set(pg->sc, td__pg_key(pg, suffix, key, sizeof key), v, (size_t)n);
+}
+
+/* The timeout message: the members without a record of this operation did not arrive. */
+static td_status fail_ring_timeout(td_process_group *pg, const char *op, int wait_for) {
+  char who[160], me[160], msg[1200], key[96], suffix[48];
+  size_t len = (size_t)snprintf(msg, sizeof msg, "%s (#%llu) timed out after %lld ms: ", op,
+                                (unsigned long long)pg->seq, (long long)pg->timeout_ms);
+  int missing = 0;
+  for (int m = 0; m < pg->size && len < sizeof msg; m++) {
+    if (m == pg->rank) continue;
+    uint8_t *v = NULL;
+    bool found = false;
+    snprintf(suffix, sizeof suffix, "at/%d", m);
+    td__store_get(pg->sc, td__pg_key(pg, suffix, key, sizeof key), &v, NULL, &found);
+    unsigned long long seq = found && v ? strtoull((char *)v, NULL, 10) : 0;
+    td__free(v);
+    if (seq >= pg->seq) continue;
+    len += (size_t)snprintf(msg + len, sizeof msg - len, "%s%s did not arrive", missing++ ? ", " : "",
+                            td__pg_who(pg, m, who, sizeof who));
+  }
+  if (!missing && len < sizeof msg)
+    len += (size_t)snprintf(msg + len, sizeof msg - len, "waiting for %s",
+                            td__pg_who(pg, wait_for, who, sizeof who));
+  if (len < sizeof msg)
+    snprintf(msg + len, sizeof msg - len, " (seen by %s)", td__pg_who(pg, pg->rank, me, sizeof me));
+  return td__pg_fail(pg, TD_ERR_TIMEOUT, msg);
+}
+
 td_status td__pg_xchg(td_process_group *pg, const void *sbuf, size_t sn, void *rbuf, size_t rn,
                       uint64_t deadline_ns, const char *op) {
   size_t sent = 0, got = 0;
   char who[160], me[160], msg[480];
   td__pg_who(pg, pg->rank, me, sizeof me);
+  uint64_t half = deadline_ns - (uint64_t)pg->timeout_ms * 500000ull;
   while (sent < sn || got < rn) {
     struct pollfd p[2];
     /* the right side matters only while we still send: a neighbour that got everything may
@@ -218,18 +257,21 @@ td_status td__pg_xchg(td_process_group *pg, const void *sbuf, size_t sn, void *r
     p[1].fd = got < rn ? pg->recv_fd : -1;
     p[1].events = POLLIN;
     p[1].revents = 0;
-    int ms = remaining_ms(deadline_ns);
+    bool noted = pg->waited_seq == pg->seq;
+    int ms = remaining_ms(noted ? deadline_ns : half);
     int r = ms > 0 ? poll(p, 2, ms) : 0;
     if (r < 0) {
       if (errno == EINTR) continue;
       snprintf(msg, sizeof msg, "%s: poll: %s", op, strerror(errno));
       return td__pg_fail(pg, TD_ERR_IO, msg);
     }
+    if (r == 0 && !noted) {
+      note_long_wait(pg);
+      continue;
+    }
     if (r == 0) {
       int wait_for = got < rn ? (pg->rank + pg->size - 1) % pg->size : (pg->rank + 1) % pg->size;
-      snprintf(msg, sizeof msg, "%s timed out after %lld ms waiting for %s (seen by %s)", op,
-               (long long)pg->timeout_ms, td__pg_who(pg, wait_for, who, sizeof who), me);
-      return td__pg_fail(pg, TD_ERR_TIMEOUT, msg);
+      return fail_ring_timeout(pg, op, wait_for);
     }
     if (p[0].revents & (POLLIN | POLLRDHUP | POLLERR | POLLHUP)) {
       if (p[0].revents & (POLLERR | POLLHUP)) {
@@ -570,9 +612,13 @@ td_status td_process_group_create(td_rpc_agent *agent, const int *ranks, int n,
     else
       snprintf(pg->names[i], sizeof pg->names[i], "worker?");
   }
+  st = td__pg_read_mode(pg);
+  if (st == TD_OK) st = td__work_create(pg);
+  if (st != TD_OK) goto out;
   uint64_t deadline = td__pg_deadline(pg);
   st = agree_id(pg, deadline);
   if (st == TD_OK && n > 1) st = connect_ring(pg, deadline);
+  if (st == TD_OK) st = td__shm_setup(pg, deadline);
 #ifdef TD_HAVE_NCCL
   if (st == TD_OK && backend == TD_PG_BACKEND_NCCL) st = td__nccl_create(pg, &pg->nccl);
 #endif
@@ -589,6 +635,8 @@ out:
 
 void td_process_group_destroy(td_process_group *pg) {
   if (!pg) return;
+  td__work_destroy(pg->work); /* queued operations fail; the running one finishes first */
+  td__shm_destroy(pg->shm);
 #ifdef TD_HAVE_NCCL
   td__nccl_destroy(pg->nccl);
 #endif

@@ -8,6 +8,8 @@
 #                                      scripts/fuzz.sh
 #   scripts/install-deps.sh --slurm    also Slurm and munge (slurmctld slurmd slurm-client munge),
 #                                      for scripts/slurm-local.sh; no daemon is started
+#   scripts/install-deps.sh --mpi      also Open MPI (libopenmpi-dev openmpi-bin): the Open MPI
+#                                      peer of bench/collectives (built when CMake finds MPI C)
 set -euo pipefail
 
 pkgs=(build-essential g++ cmake pkg-config zlib1g-dev libopenblas-dev libcmocka-dev
@@ -17,6 +19,7 @@ for arg in "$@"; do
     --torch) pkgs+=(python3-torch) ;;
     --fuzz) pkgs+=(clang libclang-rt-dev) ;;
     --slurm) pkgs+=(slurmctld slurmd slurm-client munge) ;;
+    --mpi) pkgs+=(libopenmpi-dev openmpi-bin) ;;
     *) echo "install-deps.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done

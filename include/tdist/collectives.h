@@ -9,6 +9,7 @@
  * over the same or different ranks, coexist; each has its own connections.
  *
  * Backends:
+<<<<<<< HEAD
  *   - TD_PG_BACKEND_CPU: contiguous CPU tensors. Members connect in a ring over direct TCP
  *     connections (bound to the agent's listen address, found through the rendezvous store).
  *     all_reduce is the bandwidth-optimal ring all-reduce (reduce-scatter, then all-gather, each
@@ -22,22 +23,67 @@
  *     count). Creation refuses (TD_ERR_INVALID, naming both) two members on one machine with the
  *     same GPU. The members check each operation's header on the host ring as for CPU groups;
  *     MAX propagates NaN as the CPU backend does.
+=======
+ *   - TD_PG_BACKEND_CPU: contiguous CPU tensors. Any size works, including 0 elements and fewer
+ *     elements than members; results are bit-identical on every member. Two transports:
+ *       * shared memory, when every member runs on this host (same host address, boot and pid
+ *         namespace, as the RPC layer's direct copy decides): one POSIX shared-memory segment per
+ *         group (its name is removed as soon as every member mapped it) carries each member's
+ *         round buffers and flags; members wait by yielding, then sleeping on a futex. Large
+ *         messages are read straight out of the other members' tensors (process_vm_readv) where
+ *         the host allows it. No byte goes through a socket.
+ *       * otherwise a ring of direct TCP connections (bound to the agent's listen address, found
+ *         through the rendezvous store).
+ *     Algorithms, chosen by size (td_process_group_algorithm names the choice):
+ *       all_reduce  "shm_direct" up to 64 KiB: one round, every member reduces the whole vector
+ *                   from every member's buffer (latency-optimal); "shm_rsag" above: reduce-
+ *                   scatter then all-gather through the buffers in cache-sized pieces, each
+ *                   member reducing its 1/n (memory-bandwidth-optimal); "cma_rsag" (1, 16] MiB
+ *                   with a CPU per member: the same with single-copy reads; "ring" over TCP:
+ *                   reduce-scatter then all-gather around the ring.
+ *       broadcast   "shm_bcast" (pipelined through the root's buffers), "cma_bcast" 64 KiB-1 MiB
+ *                   with a CPU per member, "ring" (pipelined around the ring).
+ *       all_gather, reduce_scatter  "shm_gather" / "shm_scatter", "cma_gather" / "cma_scatter"
+ *                   from 64 KiB with a CPU per member (reduce_scatter: the concatenated form, up
+ *                   to 32 MiB), "ring".
+ *       barrier     "shm_barrier", "ring".
+ *     Environment (read at td_process_group_create; members should agree):
+ *       TD_COLL_ALGO = auto (default) | ring (TCP even on one host) | shm (shared memory; creation
+ *         fails with TD_ERR_UNSUPPORTED when impossible) | shm_direct | shm_rsag (shared memory,
+ *         every all_reduce one-round where it fits / always split; no single-copy reads) | cma
+ *         (single-copy reads for every operation but barrier).
+ *       TD_COLL_SHM_DIRECT_MAX (bytes, 65536): the one-round all_reduce limit.
+ *       TD_COLL_CMA=0: no single-copy reads. TD_COLL_SHM_BUF (bytes): one member's round buffer
+ *       (default 1 MiB, less beyond 32 members). TD_COLL_YIELD_US (200), TD_COLL_SPIN_US (0):
+ *       how long a waiting member yields the CPU, and spins before that, before it sleeps.
+ *   - TD_PG_BACKEND_NCCL: contiguous CUDA tensors on the group's device, through NCCL (the
+ *     ncclUniqueId travels through the store). Only in builds with NCCL; otherwise creating such a
+ *     group is TD_ERR_UNSUPPORTED. The group's device is cuda:(LOCAL_RANK % device count) when
+ *     LOCAL_RANK is set, else cuda:(group rank % device count).
+>>>>>>> coll
  *
  * Dtypes: float32, float64 and int64 for every operation; TD_REDUCE_AVG needs a float dtype
  * (TD_ERR_DTYPE for int64, as in PyTorch).
  *
  * Failures: every operation has a deadline (td_process_group_set_timeout; default 60 s). A
- * member that dies (its connections close) or stops answering makes the operation fail on every
- * member with TD_ERR_UNAVAILABLE or TD_ERR_TIMEOUT and a message naming that worker
- * ("worker2 (rank 2)"), never a hang. Members that call different operations (or different sizes
- * or dtypes) in the same position fail with TD_ERR_STATE describing both calls. After a failure
- * the group is broken: every later operation returns TD_ERR_STATE with the first failure's
- * message; destroy it (and create a new one if the survivors want to continue).
+ * member that dies (its process exits, its connections close) or stops answering makes the
+ * operation fail on every member with TD_ERR_UNAVAILABLE or TD_ERR_TIMEOUT and a message naming
+ * that worker ("worker2 (rank 2)"), never a hang; a member that skips a collective is named at
+ * the deadline with the collective and its sequence number ("all_reduce (#7) timed out after
+ * 60000 ms: worker2 (rank 2) did not arrive ..."). Members that call different operations (or
+ * different sizes, dtypes, reduce ops or roots) in the same position fail with TD_ERR_STATE
+ * describing both calls ("mismatched collectives: worker0 (rank 0) called all_reduce(sum, float32
+ * x 8) (#2) but worker1 (rank 1) called broadcast(root 0, float32 x 8) (#2)"); on shared memory
+ * every member checks every other member's call, on the TCP ring each checks its neighbour's (a
+ * member whose part of a broadcast was over before the mismatch was met learns of it at its next
+ * call). After a failure the group is broken: every later operation returns TD_ERR_STATE with the
+ * first failure's message; destroy it (and create a new one if the survivors want to continue).
  *
- * THREAD SAFETY: a group may be used from any thread; calls on one group are serialised (one
- * collective at a time), and every member must issue the group's collectives in the same order.
- * Collectives block the calling thread until they finish on this member. Destroy every group
- * before td_rpc_destroy() of the agent it was created with.
+ * THREAD SAFETY: a group may be used from any thread; its operations run one at a time in the
+ * order of the calls (synchronous and asynchronous alike), and every member must issue the
+ * group's collectives in the same order. The synchronous forms block the calling thread until the
+ * operation finished on this member. Destroy every group before td_rpc_destroy() of the agent it
+ * was created with.
  */
 #ifndef TDIST_COLLECTIVES_H
 #define TDIST_COLLECTIVES_H
@@ -75,15 +121,18 @@ typedef enum td_reduce_op {
  * the members that never arrived; a member that failed to set up makes every member fail with
  * its error, naming it). On a
  * member *out gets the group; on a non-member *out is set to NULL and TD_OK is returned without
- * any communication. TD_ERR_INVALID for a rank outside [0, world size), duplicates or n < 1;
- * TD_ERR_UNSUPPORTED for TD_PG_BACKEND_NCCL in a build without NCCL; TD_ERR_DEVICE for NCCL
- * without a CUDA device. Release with td_process_group_destroy(). THREAD SAFETY: any thread; a
+ * any communication. TD_ERR_INVALID for a rank outside [0, world size), duplicates or n < 1,
+ * or a bad TD_COLL_ALGO / TD_COLL_SHM_DIRECT_MAX; TD_ERR_UNSUPPORTED for TD_PG_BACKEND_NCCL in a
+ * build without NCCL, or TD_COLL_ALGO asking for shared memory the members cannot share;
+ * TD_ERR_DEVICE for NCCL without a CUDA device. Release with td_process_group_destroy(). THREAD SAFETY: any thread; a
  * worker must create the groups of one rank list in the same order as the other members. */
 TD_API td_status td_process_group_create(td_rpc_agent *agent, const int *ranks, int n,
                                          td_pg_backend backend, td_process_group **out);
-/* td_process_group_destroy closes the group's connections and frees it (not collective; peers
- * still inside an operation with this member see it as gone). NULL does nothing. Must not run
- * concurrently with an operation on the same group. */
+/* td_process_group_destroy closes the group's connections, unmaps its shared memory and frees it
+ * (not collective; peers still inside an operation with this member see it as gone). Operations
+ * still queued by the _async calls fail with TD_ERR_CANCELLED; the one running finishes first
+ * (bounded by the group's timeout). NULL does nothing. Must not run concurrently with another
+ * call on the same group. */
 TD_API void td_process_group_destroy(td_process_group *pg);
 
 /* td_process_group_rank returns this member's group rank (0..size-1), or -1 for NULL. */
@@ -130,6 +179,69 @@ TD_API td_status td_process_group_reduce_scatter_tensor(td_process_group *pg, td
                                                         const td_tensor *in, td_reduce_op op);
 /* td_process_group_barrier returns once every member has entered it. Blocks. */
 TD_API td_status td_process_group_barrier(td_process_group *pg);
+
+/* ---- asynchronous operations ----
+ *
+ * Each operation above has an _async form taking the same arguments plus `out`. It checks the
+ * arguments at once (an error there is returned, nothing is queued and *out is untouched), then
+ * queues the operation and returns at once with *out set to a new reference to its future
+ * (release with td_future_unref()). The group runs its operations, synchronous and asynchronous,
+ * one at a time in the order the calls were made (on the calling thread when nothing is queued
+ * or running, else on the group's worker thread, started by the first asynchronous call), so the
+ * order across members is the order of the calls, as for the synchronous forms; a synchronous
+ * call behaves as its _async form followed by td_future_wait.
+ *
+ * The future completes on the group's worker thread (callbacks run there and must not block).
+ * On success its value is a tensor value holding the output (all_reduce and broadcast: t;
+ * all_gather_into_tensor: out; reduce_scatter and reduce_scatter_tensor: out), a list of the outs
+ * for all_gather, or none for barrier. On failure it carries the operation's status and message
+ * (the errors listed for the synchronous forms). Wait for one with td_future_wait (optionally with
+ * a timeout), for many with td_future_wait_all, or chain with td_future_then.
+ *
+ * Tensors: the queued operation holds a reference to every tensor it was given until its future
+ * completes. Until then the caller must not write the tensors it reads (t, in, ins) nor read or
+ * write those it writes (t, out, outs); afterwards they hold the result, exactly as after the
+ * synchronous call.
+ *
+ * td_process_group_destroy fails the operations still queued with TD_ERR_CANCELLED, waits for the
+ * one running, and joins the worker: wait for the futures first.
+ *
+ * THREAD SAFETY: any thread, including future callbacks of other groups; never blocks on the
+ * network (only briefly on the group's queue lock). */
+TD_API td_status td_process_group_all_reduce_async(td_process_group *pg, td_tensor *t,
+                                                   td_reduce_op op, td_future **out);
+TD_API td_status td_process_group_broadcast_async(td_process_group *pg, td_tensor *t, int root,
+                                                  td_future **out);
+TD_API td_status td_process_group_all_gather_async(td_process_group *pg, td_tensor *const *outs,
+                                                   const td_tensor *in, td_future **out);
+TD_API td_status td_process_group_all_gather_into_tensor_async(td_process_group *pg,
+                                                               td_tensor *whole,
+                                                               const td_tensor *in,
+                                                               td_future **out);
+TD_API td_status td_process_group_reduce_scatter_async(td_process_group *pg, td_tensor *res,
+                                                       td_tensor *const *ins, td_reduce_op op,
+                                                       td_future **out);
+TD_API td_status td_process_group_reduce_scatter_tensor_async(td_process_group *pg,
+                                                              td_tensor *res,
+                                                              const td_tensor *in,
+                                                              td_reduce_op op, td_future **out);
+TD_API td_status td_process_group_barrier_async(td_process_group *pg, td_future **out);
+
+/* The operations, for td_process_group_algorithm. */
+typedef enum td_pg_op {
+  TD_PG_OP_ALL_REDUCE = 0,
+  TD_PG_OP_BROADCAST = 1,
+  TD_PG_OP_ALL_GATHER = 2,     /* nbytes: the gathered output */
+  TD_PG_OP_REDUCE_SCATTER = 3, /* nbytes: the whole input */
+  TD_PG_OP_BARRIER = 4,
+} td_pg_op;
+
+/* td_process_group_algorithm names the algorithm pg uses for operation op on nbytes bytes (see
+ * "Algorithms" at the top): "ring", "shm_direct", "shm_rsag", "shm_bcast", "shm_gather",
+ * "shm_scatter", "shm_barrier", "nccl", "local" (one member), or "?" for a NULL group or an
+ * unknown op. Returns a static string. THREAD SAFETY: any thread; does not block. */
+TD_API const char *td_process_group_algorithm(const td_process_group *pg, td_pg_op op,
+                                              size_t nbytes);
 
 /* ---- data parallelism ---- */
 

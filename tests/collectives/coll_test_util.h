@@ -54,6 +54,16 @@ static inline td_tensor *coll_tensor(const double *v, int64_t n, td_dtype dt) {
   return t;
 }
 
+/* Element i (row-major) of a contiguous tensor of any shape, as a double. */
+static inline double coll_elem(const td_tensor *t, int64_t i) {
+  const void *p = td_tensor_data(t);
+  switch (td_tensor_dtype(t)) {
+    case TD_DTYPE_F32: return (double)((const float *)p)[i];
+    case TD_DTYPE_F64: return ((const double *)p)[i];
+    default: return (double)((const int64_t *)p)[i];
+  }
+}
+
 /* Exact (bitwise) comparison of a tensor with expected values; prints the first mismatch. */
 static inline bool coll_equal(const char *what, const td_tensor *t, const td_tensor *want) {
   size_t nb = td_tensor_nbytes(want);
@@ -64,10 +74,8 @@ static inline bool coll_equal(const char *what, const td_tensor *t, const td_ten
   if (nb == 0 || memcmp(td_tensor_data(t), td_tensor_data(want), nb) == 0) return true;
   int64_t n = td_tensor_numel(want);
   for (int64_t i = 0; i < n; i++) {
-    double a, b;
-    MP_CHECK_OK(td_tensor_get(t, &i, &a));
-    MP_CHECK_OK(td_tensor_get(want, &i, &b));
-    if (a != b) {
+    double a = coll_elem(t, i), b = coll_elem(want, i);
+    if (memcmp(&a, &b, sizeof a) != 0) {
       fprintf(stderr, "[pid %d] %s: element %lld is %.17g, expected %.17g (of %lld)\n",
               (int)getpid(), what, (long long)i, a, b, (long long)n);
       break;
