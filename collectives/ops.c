@@ -380,7 +380,12 @@ td_status td__pg_execute(td_process_group *pg, const td__op *op) {
   switch (a) {
     case A_LOCAL: st = run_local(op); break;
 #ifdef TD_HAVE_NCCL
-    case A_NCCL: st = run_nccl(pg, op); break;
+    case A_NCCL:
+      /* NCCL groups check the header on the host-side ring too: NCCL itself would read past a
+       * smaller buffer or hang on a mismatch */
+      st = pg->size > 1 ? td__ring_check(pg, &h, dl) : TD_OK;
+      if (st == TD_OK) st = run_nccl(pg, op);
+      break;
 #else
     case A_NCCL: st = td_set_error(TD_ERR_UNSUPPORTED, "%s: no NCCL in this build", name); break;
 #endif

@@ -1,19 +1,11 @@
 /* ring.c - the CPU collectives over the TCP ring (members on any hosts): the header check with
  * the neighbours and the ring algorithms. ops.c chooses them and holds pg->mu around them.
  *
-<<<<<<< HEAD
- * Every operation (CPU and NCCL groups alike) starts with a header exchange: each member sends
- * {kind, sequence number, element count, dtype, reduce op or root} to its right neighbour and
- * compares what its left neighbour sent. Around the ring this checks that all members run the
- * same operation on compatible tensors; a mismatch fails the group with TD_ERR_STATE describing
- * both calls (instead of exchanging garbage, or NCCL reading past a buffer, or hanging). The header is also what makes a barrier a barrier.
-=======
  * Header check: each member sends its td__op_hdr {kind, sequence number, element count, dtype,
  * reduce op or root} to its right neighbour and compares what its left neighbour sent. Around
  * the ring this checks that all members run the same operation on compatible tensors; a mismatch
  * fails the group with TD_ERR_STATE describing both calls (instead of exchanging garbage or
  * hanging). The header is also what makes a barrier a barrier.
->>>>>>> coll
  *
  * Algorithms (n members, member r; chunk i of a tensor is its i-th of n nearly equal parts):
  *   - reduce-scatter: n-1 steps; at step s member r sends chunk (r - s + shift) and receives
@@ -41,126 +33,12 @@ typedef td__chunk chunk;
 
 static int64_t mod(int64_t a, int64_t n) { return ((a % n) + n) % n; }
 
-<<<<<<< HEAD
-/* ---- element kernels ---- */
-
-static void reduce_into(void *dst, const void *src, size_t n, td_dtype dt, td_reduce_op op) {
-  bool mx = op == TD_REDUCE_MAX;
-#define RED(T)                                                      \
-  do {                                                              \
-    T *d = dst;                                                     \
-    const T *s = src;                                               \
-    if (mx) {                                                       \
-      for (size_t i = 0; i < n; i++)                                \
-        if (s[i] > d[i] || s[i] != s[i]) d[i] = s[i];               \
-    } else {                                                        \
-      for (size_t i = 0; i < n; i++) d[i] += s[i];                  \
-    }                                                               \
-  } while (0)
-  switch (dt) {
-    case TD_DTYPE_F32: RED(float); break;
-    case TD_DTYPE_F64: RED(double); break;
-    case TD_DTYPE_I64: RED(int64_t); break;
-  }
-#undef RED
-}
-
-static void divide(void *p, size_t n, td_dtype dt, int by) {
-  if (dt == TD_DTYPE_F32) {
-    float *x = p;
-    for (size_t i = 0; i < n; i++) x[i] /= (float)by;
-  } else if (dt == TD_DTYPE_F64) {
-    double *x = p;
-    for (size_t i = 0; i < n; i++) x[i] /= (double)by;
-  }
-}
-
-/* ---- checks and the header ---- */
-
-static td_status check_tensor(const td_process_group *pg, const td_tensor *t, const char *name,
-                              const char *what) {
-  if (!t) return td_set_error(TD_ERR_INVALID, "%s: NULL %s", name, what);
-  if (!td_tensor_is_contiguous(t))
-    return td_set_error(TD_ERR_INVALID, "%s: %s must be contiguous", name, what);
-  td_device d = td_tensor_device(t);
-  char db[32];
-  if (pg->backend == TD_PG_BACKEND_CPU && d.type != TD_DEVICE_CPU)
-    return td_set_error(TD_ERR_DEVICE, "%s: %s is on %s; this group's backend (cpu) takes CPU "
-                        "tensors (create the group with TD_PG_BACKEND_NCCL for CUDA)", name, what,
-                        td_device_str(d, db, sizeof db));
-  if (pg->backend == TD_PG_BACKEND_NCCL) {
-#ifdef TD_HAVE_NCCL
-    if (d.type != TD_DEVICE_CUDA || d.index != td__nccl_device(pg->nccl))
-      return td_set_error(TD_ERR_DEVICE, "%s: %s is on %s; this NCCL group works on cuda:%d",
-                          name, what, td_device_str(d, db, sizeof db), td__nccl_device(pg->nccl));
-#endif
-  }
-  return TD_OK;
-}
-
-static td_status check_same(const td_tensor *ref, const td_tensor *t, const char *name,
-                            const char *what, int64_t numel) {
-  if (td_tensor_dtype(t) != td_tensor_dtype(ref))
-    return td_set_error(TD_ERR_DTYPE, "%s: %s is %s, expected %s", name, what,
-                        td_dtype_name(td_tensor_dtype(t)), td_dtype_name(td_tensor_dtype(ref)));
-  if (td_tensor_numel(t) != numel)
-    return td_set_error(TD_ERR_SHAPE, "%s: %s has %lld elements, expected %lld", name, what,
-                        (long long)td_tensor_numel(t), (long long)numel);
-  return TD_OK;
-}
-
-static td_status check_op(td_reduce_op op, td_dtype dt, const char *name) {
-  if (op != TD_REDUCE_SUM && op != TD_REDUCE_AVG && op != TD_REDUCE_MAX)
-    return td_set_error(TD_ERR_INVALID, "%s: unknown reduce op %d", name, (int)op);
-  if (op == TD_REDUCE_AVG && dt == TD_DTYPE_I64)
-    return td_set_error(TD_ERR_DTYPE, "%s: avg needs a float dtype, got int64", name);
-  return TD_OK;
-}
-
-/* Locks pg and starts an operation: refuses a broken group, then (CPU, size > 1) checks the
- * neighbours' headers. On failure pg->mu is released. */
-static td_status begin(td_process_group *pg, uint32_t kind, uint64_t count, td_dtype dt, int arg,
-                       uint64_t *deadline) {
-  pthread_mutex_lock(&pg->mu);
-  const char *name = kind_name(kind);
-  if (pg->broken) {
-    td_status st = td_set_error(TD_ERR_STATE, "%s: process group %llu is broken by an earlier "
-                                "failure: %s", name, (unsigned long long)pg->id,
-                                pg->broken_msg ? pg->broken_msg : "");
-    pthread_mutex_unlock(&pg->mu);
-    return st;
-  }
-  *deadline = td__pg_deadline(pg);
-  op_hdr mine = {OP_MAGIC, kind, ++pg->seq, count, (int32_t)dt, arg}, theirs;
-  /* NCCL groups check the header too (NCCL itself would read past a smaller buffer or hang on a
-   * mismatch); their barriers run on this host-side ring, ordering host threads (not streams) */
-  if (pg->size == 1) return TD_OK;
-  td_status st = td__pg_xchg(pg, &mine, sizeof mine, &theirs, sizeof theirs, *deadline, name);
-  if (st == TD_OK && memcmp(&mine, &theirs, sizeof mine) != 0) {
-    char a[128], b[128], who[160], msg[600];
-    describe(&mine, a, sizeof a);
-    if (theirs.magic == OP_MAGIC) describe(&theirs, b, sizeof b);
-    else snprintf(b, sizeof b, "something unreadable");
-    snprintf(msg, sizeof msg, "mismatched collectives: %s called %s but %s called %s",
-             td__pg_who(pg, pg->rank, (char[160]){0}, 160), a,
-             td__pg_who(pg, (pg->rank + pg->size - 1) % pg->size, who, sizeof who), b);
-    st = td__pg_fail(pg, TD_ERR_STATE, msg);
-  }
-  if (st != TD_OK) pthread_mutex_unlock(&pg->mu);
-  return st;
-}
-
-static td_status end(td_process_group *pg, td_status st) {
-  pthread_mutex_unlock(&pg->mu);
-  return st;
-=======
 td_status td__ring_check(td_process_group *pg, const td__op_hdr *mine, uint64_t dl) {
   td__op_hdr theirs;
   const char *name = td__kind_name(mine->kind);
   TD_TRY(td__pg_xchg(pg, mine, sizeof *mine, &theirs, sizeof theirs, dl, name));
   if (memcmp(mine, &theirs, sizeof *mine) == 0) return TD_OK;
   return td__op_mismatch(pg, mine, (pg->rank + pg->size - 1) % pg->size, &theirs);
->>>>>>> coll
 }
 
 /* ---- ring algorithms (pg->mu held) ---- */

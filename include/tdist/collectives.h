@@ -9,21 +9,6 @@
  * over the same or different ranks, coexist; each has its own connections.
  *
  * Backends:
-<<<<<<< HEAD
- *   - TD_PG_BACKEND_CPU: contiguous CPU tensors. Members connect in a ring over direct TCP
- *     connections (bound to the agent's listen address, found through the rendezvous store).
- *     all_reduce is the bandwidth-optimal ring all-reduce (reduce-scatter, then all-gather, each
- *     member sending about 2 (n-1)/n of the tensor); broadcast is pipelined around the ring;
- *     all_gather, reduce_scatter and barrier are ring algorithms too. Any size works, including
- *     0 elements and fewer elements than members. Results are bit-identical on every member.
- *   - TD_PG_BACKEND_NCCL: contiguous CUDA tensors on the group's device, through NCCL. Only in
- *     builds with NCCL; otherwise creating such a group is TD_ERR_UNSUPPORTED. The device is the
- *     process's, the same in every group of the process: the one of td_cuda_set_device(), else
- *     cuda:(LOCAL_RANK % device count) when LOCAL_RANK is set, else cuda:(world rank % device
- *     count). Creation refuses (TD_ERR_INVALID, naming both) two members on one machine with the
- *     same GPU. The members check each operation's header on the host ring as for CPU groups;
- *     MAX propagates NaN as the CPU backend does.
-=======
  *   - TD_PG_BACKEND_CPU: contiguous CPU tensors. Any size works, including 0 elements and fewer
  *     elements than members; results are bit-identical on every member. Two transports:
  *       * shared memory, when every member runs on this host (same host address, boot and pid
@@ -56,11 +41,13 @@
  *       TD_COLL_CMA=0: no single-copy reads. TD_COLL_SHM_BUF (bytes): one member's round buffer
  *       (default 1 MiB, less beyond 32 members). TD_COLL_YIELD_US (200), TD_COLL_SPIN_US (0):
  *       how long a waiting member yields the CPU, and spins before that, before it sleeps.
- *   - TD_PG_BACKEND_NCCL: contiguous CUDA tensors on the group's device, through NCCL (the
- *     ncclUniqueId travels through the store). Only in builds with NCCL; otherwise creating such a
- *     group is TD_ERR_UNSUPPORTED. The group's device is cuda:(LOCAL_RANK % device count) when
- *     LOCAL_RANK is set, else cuda:(group rank % device count).
->>>>>>> coll
+ *   - TD_PG_BACKEND_NCCL: contiguous CUDA tensors on the group's device, through NCCL. Only in
+ *     builds with NCCL; otherwise creating such a group is TD_ERR_UNSUPPORTED. The device is the
+ *     process's, the same in every group of the process: the one of td_cuda_set_device(), else
+ *     cuda:(LOCAL_RANK % device count) when LOCAL_RANK is set, else cuda:(world rank % device
+ *     count). Creation refuses (TD_ERR_INVALID, naming both) two members on one machine with the
+ *     same GPU. The members check each operation's header on the host ring as for CPU groups;
+ *     MAX propagates NaN as the CPU backend does.
  *
  * Dtypes: float32, float64 and int64 for every operation; TD_REDUCE_AVG needs a float dtype
  * (TD_ERR_DTYPE for int64, as in PyTorch).
