@@ -8,10 +8,12 @@
 #endif
 #include "threadpool.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "core.h"
 
@@ -29,6 +31,7 @@ struct td__threadpool {
   size_t queued, running;
   bool stopping, joined;
   int nthreads;
+  size_t max_queued; /* the longest the queue has been (td__threadpool_load) */
   pthread_t *threads;
 };
 
@@ -64,7 +67,11 @@ td_status td__threadpool_create(int nthreads, const char *name, td__threadpool *
   if (!p) return td_set_error(TD_ERR_NOMEM, "threadpool_create: out of memory");
   pthread_mutex_init(&p->mu, NULL);
   pthread_cond_init(&p->cv_work, NULL);
-  pthread_cond_init(&p->cv_idle, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* td__threadpool_shutdown_until's deadline */
+  pthread_cond_init(&p->cv_idle, &ca);
+  pthread_condattr_destroy(&ca);
   p->threads = td__calloc((size_t)nthreads, sizeof(pthread_t));
   if (!p->threads) goto nomem;
   for (int i = 0; i < nthreads; i++) {
@@ -109,6 +116,7 @@ td_status td__threadpool_submit(td__threadpool *p, td__task_fn fn, void *arg) {
   else p->head = t;
   p->tail = t;
   p->queued++;
+  if (p->queued > p->max_queued) p->max_queued = p->queued;
   pthread_cond_signal(&p->cv_work);
   pthread_mutex_unlock(&p->mu);
   return TD_OK;
@@ -123,22 +131,55 @@ size_t td__threadpool_pending(td__threadpool *p) {
 
 int td__threadpool_is_worker(td__threadpool *p) { return p && current_pool == p; }
 
-void td__threadpool_shutdown(td__threadpool *p) {
-  if (!p) return;
+void td__threadpool_load(td__threadpool *p, size_t *running, size_t *queued, int *nthreads) {
   pthread_mutex_lock(&p->mu);
-  p->stopping = true;
-  pthread_cond_broadcast(&p->cv_work);
-  while (p->queued || p->running) pthread_cond_wait(&p->cv_idle, &p->mu);
+  if (running) *running = p->running;
+  if (queued) *queued = p->queued;
+  if (nthreads) *nthreads = p->nthreads;
   pthread_mutex_unlock(&p->mu);
 }
 
-void td__threadpool_destroy(td__threadpool *p) {
-  if (!p) return;
-  td__threadpool_shutdown(p);
+td_status td__threadpool_shutdown_until(td__threadpool *p, uint64_t deadline_ns) {
+  if (!p) return TD_OK;
+  struct timespec ts = {(time_t)(deadline_ns / 1000000000ull), (long)(deadline_ns % 1000000000ull)};
+  td_status st = TD_OK;
+  pthread_mutex_lock(&p->mu);
+  p->stopping = true;
+  pthread_cond_broadcast(&p->cv_work);
+  while (p->queued || p->running) {
+    if (!deadline_ns) {
+      pthread_cond_wait(&p->cv_idle, &p->mu);
+    } else if (pthread_cond_timedwait(&p->cv_idle, &p->mu, &ts) == ETIMEDOUT &&
+               (p->queued || p->running)) {
+      st = td_set_error(TD_ERR_TIMEOUT, "threadpool: %zu tasks running and %zu queued at the "
+                        "deadline", p->running, p->queued);
+      break;
+    }
+  }
+  pthread_mutex_unlock(&p->mu);
+  return st;
+}
+
+void td__threadpool_shutdown(td__threadpool *p) { (void)td__threadpool_shutdown_until(p, 0); }
+
+bool td__threadpool_destroy(td__threadpool *p) {
+  if (!p) return true;
+  pthread_mutex_lock(&p->mu);
+  p->stopping = true;
+  pthread_cond_broadcast(&p->cv_work);
+  bool busy = p->queued || p->running;
+  pthread_mutex_unlock(&p->mu);
+  if (busy) {
+    /* abandoned: the threads finish what they run and then exit on their own; p stays
+     * allocated for them (a deliberate leak, once per abandoned pool) */
+    for (int i = 0; i < p->nthreads; i++) pthread_detach(p->threads[i]);
+    return false;
+  }
   for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
   pthread_mutex_destroy(&p->mu);
   pthread_cond_destroy(&p->cv_work);
   pthread_cond_destroy(&p->cv_idle);
   td__free(p->threads);
   td__free(p);
+  return true;
 }

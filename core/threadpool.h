@@ -8,7 +8,9 @@
 #ifndef TD_CORE_THREADPOOL_H
 #define TD_CORE_THREADPOOL_H
 
+#include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "tdist/status.h"
 
@@ -28,10 +30,20 @@ size_t td__threadpool_pending(td__threadpool *p);
 /* True when the calling thread is one of p's workers. */
 int td__threadpool_is_worker(td__threadpool *p);
 
+/* td__threadpool_load reads how many tasks run and wait now, and the pool's size (any out may be
+ * NULL). */
+void td__threadpool_load(td__threadpool *p, size_t *running, size_t *queued, int *nthreads);
+
 /* Stops new submissions and blocks until every queued task has finished. Safe to call twice. */
 void td__threadpool_shutdown(td__threadpool *p);
 
-/* Shuts down (if not done), joins the threads and frees p. NULL does nothing. */
-void td__threadpool_destroy(td__threadpool *p);
+/* td__threadpool_shutdown_until is td__threadpool_shutdown bounded by deadline_ns (td__now_ns
+ * clock; 0: none): TD_ERR_TIMEOUT when tasks still run or wait then. They keep running. */
+td_status td__threadpool_shutdown_until(td__threadpool *p, uint64_t deadline_ns);
+
+/* Shuts down, joins the threads and frees p; returns true. When tasks still run or wait (after a
+ * bounded shutdown timed out), it does not wait for them: the threads are detached, finish on
+ * their own, and p is never freed; returns false. NULL does nothing (true). */
+bool td__threadpool_destroy(td__threadpool *p);
 
 #endif

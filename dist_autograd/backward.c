@@ -341,8 +341,17 @@ static td_status backward_impl(td_dist_autograd_context *c, td_tensor *const *ro
   if (ended)
     return td_set_error(TD_ERR_STATE, "dist_autograd_backward: context %s has ended",
                         td__da_id_str(c->id, b, sizeof b));
-  for (int i = 0; i < n; i++)
+  /* as PyTorch's distributed engine: every root requires grad and has a gradient function (a
+   * leaf has none, so backward from it would do nothing) */
+  for (int i = 0; i < n; i++) {
     TD_CHECK_ARG(roots[i], "dist_autograd_backward: root %d is NULL", i);
+    if (!td_tensor_requires_grad(roots[i]))
+      return td_set_error(TD_ERR_INVALID, "dist_autograd_backward: root %d does not require grad "
+                          "(requires_grad not set on root)", i);
+    if (td_tensor_is_leaf(roots[i]))
+      return td_set_error(TD_ERR_INVALID, "dist_autograd_backward: root %d is a leaf: it does not "
+                          "have a valid gradient function", i);
+  }
   da_pass p = {s, c->id, retain_graph, NULL, 0, 0};
   __atomic_add_fetch(&s->running, 1, __ATOMIC_ACQ_REL);
   td_status st = run_local(&p, c, roots, n, NULL, NULL, 0);

@@ -204,6 +204,32 @@ static td_status h_param_rrefs(td_rpc_ctx *x, td_value *const *args, int n, td_v
 
 /* ---- user side ---- */
 
+/* Parameters whose td_remote() creation is still in flight: the owners read their values, so wait
+ * for every creation first (all within one default timeout), as PyTorch's owners wait for pending
+ * values. A failed creation is returned naming its owner. */
+static td_status wait_created(td_rpc_agent *a, td_rref *const *params, size_t n) {
+  int64_t tmo = td_rpc_get_default_timeout(a);
+  uint64_t end = tmo > 0 ? td__now_ns() + (uint64_t)tmo * 1000000u : 0;
+  for (size_t i = 0; i < n; i++) {
+    td_future *f;
+    td_status st = td_rref_creation_future(params[i], &f);
+    if (st != TD_OK) return st;
+    int64_t left = -1;
+    if (end) {
+      uint64_t now = td__now_ns();
+      left = now >= end ? 0 : (int64_t)((end - now) / 1000000u);
+    }
+    st = td_future_wait(f, left);
+    if (st != TD_OK)
+      td_set_error(st, "dist_optimizer_create: parameter %zu (owned by %s) was not created: %s", i,
+                   td_rref_owner_name(params[i]),
+                   st == TD_ERR_TIMEOUT ? "timed out waiting for it" : td_future_message(f));
+    td_future_unref(f);
+    if (st != TD_OK) return st;
+  }
+  return TD_OK;
+}
+
 td_status td_dist_optimizer_create(td_rpc_agent *a, const td_optim_options *opts,
                                    td_rref *const *params, size_t n, td_dist_optimizer **out) {
   TD_CHECK_ARG(a && opts && out && (params || n == 0), "dist_optimizer_create: NULL argument");
@@ -221,6 +247,7 @@ td_status td_dist_optimizer_create(td_rpc_agent *a, const td_optim_options *opts
     if (!o->params || !o->owners) st = td_set_error(TD_ERR_NOMEM, "dist_optim: out of memory");
   }
   if (st == TD_OK) st = opts_to_value(opts, &ov);
+  if (st == TD_OK) st = wait_created(a, params, n);
   for (size_t i = 0; i < n && st == TD_OK; i++) {
     o->params[o->nparams++] = td_rref_ref(params[i]);
     int r = td_rref_owner(params[i]);

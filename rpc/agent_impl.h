@@ -30,6 +30,8 @@ struct td_rpc_ctx {
   void *user_data;
   const char *fn;
   uint64_t ctx_id; /* distributed autograd context id carried by the request */
+  uint64_t deadline_ns; /* the caller's deadline (td__now_ns clock; 0: none) */
+  td__conn *conn;       /* the caller's stream (NULL: a call to self) */
 };
 
 /* td__rpc_register_internal registers a reserved "__name" function (idempotent for the same fn). */

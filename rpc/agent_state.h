@@ -76,9 +76,16 @@ struct td_rpc_agent {
   struct {
     uint64_t calls_started, calls_succeeded, calls_failed, calls_timed_out;
     uint64_t requests_received, requests_failed, requests_rejected;
+    uint64_t requests_expired, pool_saturated;
   } cnt;
+  /* handlers running on pool threads now (serve.c), to name them when the pool is saturated or
+   * shutdown abandons them; guarded by run_mu */
+  pthread_mutex_t run_mu;
+  struct request *running;
+  uint64_t saturation_logged_ns; /* last saturation warning (once per minute) */
   bool closing; /* no new calls */
   bool shut;    /* shutdown finished */
+  bool abandoned; /* shutdown left handlers running: td_rpc_destroy must not free the agent */
   int64_t busy_poll_us; /* resolved td_rpc_options.busy_poll_us */
   /* group authentication (auth.h): the key, our session with the store, rank 0's sessions */
   td__auth auth;
@@ -100,7 +107,10 @@ typedef struct request {
   td__conn *conn; /* NULL: a call to self */
   td__msg msg;
   char caller[128];
-  uint64_t arrived_ns; /* when it arrived (traces show the time it waited for a thread) */
+  uint64_t arrived_ns;  /* when it arrived */
+  uint64_t deadline_ns; /* arrival + the caller's timeout (0: none) */
+  uint64_t started_ns;  /* when its handler started (while on the running list) */
+  struct request *run_prev, *run_next;
 } request;
 
 /* The id of a call's trace flow: unique in the group (the caller's rank, then its call id). */
@@ -157,6 +167,9 @@ void td__serve_closed(void *ud, td__conn *c, td_status st, const char *why);
 td_status td__serve_unary(void *ud, const char *method, const uint8_t *req, size_t len,
                           uint8_t **reply_buf, size_t *reply_len);
 void td__serve_tick(void *ud);
+/* td__serve_running writes into buf (n bytes) the handlers running on this worker's threads now
+ * ("'fn' called by name (rank r), running 1.5 s; ...") and returns how many there are. */
+int td__serve_running(td_rpc_agent *a, char *buf, size_t n);
 /* td__serve_local runs a call to self (id already pending) on the pool; fn and args are copied. */
 void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *const *args,
                      int nargs, int64_t timeout_ms, uint64_t ctx_id);

@@ -95,9 +95,77 @@ static td_status parse_peers(td_rpc_agent *a, uint64_t deadline) {
 
 /* ---- the rendezvous steps ---- */
 
+/* The long waits of the rendezvous (for rank 0's store to come up, for every worker to join) run
+ * in slices of TD__RDV_REPORT_MS; after each, an INFO line says what this worker still waits for,
+ * so a job started with too large a WORLD_SIZE or without its rank 0 is not silent. */
+#define TD__RDV_REPORT_MS 10000
+
+typedef struct rdv_progress {
+  int64_t joined;  /* last count read, -1 before any */
+  char missing[300]; /* "2, 3" */
+} rdv_progress;
+
+/* Reads how many joined and which ranks have not published themselves yet. */
+static void rdv_read_progress(td_rpc_agent *a, rdv_progress *p) {
+  int64_t joined;
+  if (td__store_add(&a->sc, "joined", 0, &joined) != TD_OK) return;
+  p->joined = joined;
+  size_t used = 0;
+  int listed = 0;
+  p->missing[0] = 0;
+  for (int r = 0; r < a->world && listed <= 16; r++) {
+    char key[64];
+    bool found = true;
+    snprintf(key, sizeof key, "worker/%d", r);
+    if (td__store_get(&a->sc, key, NULL, NULL, &found) != TD_OK || found) continue;
+    used += (size_t)snprintf(p->missing + used, sizeof p->missing - used, "%s%s",
+                             listed ? ", " : "", listed == 16 ? "..." : "");
+    if (listed < 16 && used < sizeof p->missing)
+      used += (size_t)snprintf(p->missing + used, sizeof p->missing - used, "%d", r);
+    if (used >= sizeof p->missing) used = sizeof p->missing - 1;
+    listed++;
+  }
+}
+
+static void rdv_report(td_rpc_agent *a, const char *key, uint64_t started, rdv_progress *p) {
+  double waited = (double)(td__now_ns() - started) * 1e-9;
+  if (strcmp(key, "world_size") == 0) {
+    td_log(TD_LOG_INFO, "rpc init: %s (rank %d) has waited %.0f s for rank 0's rendezvous store "
+           "at %s (is rank 0 started, with this MASTER_ADDR/MASTER_PORT?)", a->name, a->rank,
+           waited, a->sc.address);
+    return;
+  }
+  rdv_read_progress(a, p);
+  td_log(TD_LOG_INFO, "rpc init: %s (rank %d) has waited %.0f s: %lld of %d workers joined at %s; "
+         "still missing ranks %s", a->name, a->rank, waited, (long long)p->joined, a->world,
+         a->sc.address, p->missing[0] ? p->missing : "(none: finishing)");
+}
+
+/* Waits until key exists (target < 0; *v as for td__store_wait_key) or its counter reaches
+ * target, by deadline, reporting every TD__RDV_REPORT_MS. */
+static td_status rdv_wait(td_rpc_agent *a, const char *key, int64_t target, uint64_t deadline,
+                          rdv_progress *p, uint8_t **v) {
+  uint64_t started = td__now_ns();
+  for (;;) {
+    uint64_t now = td__now_ns(), slice = (uint64_t)TD__RDV_REPORT_MS * 1000000ull;
+    uint64_t until = deadline > now + slice ? now + slice : deadline;
+    td__store_set_deadline(&a->sc, until);
+    td_status st = target < 0 ? td__store_wait_key(&a->sc, key, until, "abort", v, NULL)
+                              : td__store_wait_ge(&a->sc, key, target, until, "abort");
+    td__store_set_deadline(&a->sc, deadline);
+    if (st != TD_ERR_TIMEOUT || td__now_ns() >= deadline) return st;
+    rdv_report(a, key, started, p);
+  }
+}
+
 static td_status rdv_check_world(td_rpc_agent *a, uint64_t deadline) {
   uint8_t *ws = NULL;
-  TD_TRY(td__store_wait_key(&a->sc, "world_size", deadline, "abort", &ws, NULL));
+  rdv_progress p = {-1, ""};
+  td_status st = rdv_wait(a, "world_size", -1, deadline, &p, &ws);
+  if (st == TD_ERR_TIMEOUT)
+    return td__error_prefix(st, "rpc init: rank 0's rendezvous store at %s never answered "
+                            "within %lld ms", a->sc.address, (long long)a->opts.init_timeout_ms);
+  TD_TRY(st);
   long master_ws = strtol((char *)ws, NULL, 10);
   td__free(ws);
   if (master_ws == a->world) return TD_OK;
@@ -137,12 +205,26 @@ static td_status rdv_publish(td_rpc_agent *a) {
 
 static td_status rdv_join(td_rpc_agent *a, uint64_t deadline) {
   TD_TRY(td__store_add(&a->sc, "joined", 1, NULL));
-  td_status st = td__store_wait_ge(&a->sc, "joined", a->world, deadline, "abort");
+  rdv_progress p = {-1, ""};
+  td_status st = rdv_wait(a, "joined", a->world, deadline, &p, NULL);
   if (st != TD_ERR_TIMEOUT) return st;
-  int64_t now_joined = 0;
-  td__store_add(&a->sc, "joined", 0, &now_joined);
-  return td_set_error(TD_ERR_TIMEOUT, "rpc init: only %lld of %d workers joined within %lld ms",
-                      (long long)now_joined, a->world, (long long)a->opts.init_timeout_ms);
+  char why[600];
+  snprintf(why, sizeof why, "%s", td_last_error());
+  /* a count read now is the truth; when the store is gone, say so and what was last seen */
+  td__store_set_deadline(&a->sc, td__now_ns() + 500000000ull);
+  int64_t before = p.joined;
+  rdv_read_progress(a, &p);
+  if (p.joined >= 0 && p.joined != before)
+    return td_set_error(TD_ERR_TIMEOUT, "rpc init: only %lld of %d workers joined within %lld ms "
+                        "(missing ranks %s)", (long long)p.joined, a->world,
+                        (long long)a->opts.init_timeout_ms, p.missing);
+  if (before >= 0)
+    return td_set_error(TD_ERR_TIMEOUT, "rpc init: the group did not form within %lld ms: %s "
+                        "(last seen: %lld of %d workers joined, missing ranks %s)",
+                        (long long)a->opts.init_timeout_ms, why, (long long)before, a->world,
+                        p.missing);
+  return td_set_error(TD_ERR_TIMEOUT, "rpc init: the group did not form within %lld ms: %s",
+                      (long long)a->opts.init_timeout_ms, why);
 }
 
 static td_status rdv_read(td_rpc_agent *a, uint64_t deadline) {
@@ -171,6 +253,7 @@ static td_status rdv_passed(td_rpc_agent *a, uint64_t deadline) {
 
 static td_status rendezvous(td_rpc_agent *a) {
   uint64_t deadline = td__now_ns() + (uint64_t)a->opts.init_timeout_ms * 1000000ull;
+  td__store_set_deadline(&a->sc, deadline); /* no store call outlives the init deadline */
   TD_TRY(rdv_check_world(a, deadline));
   TD_TRY(rdv_claim(a));
   TD_TRY(rdv_publish(a));
@@ -227,6 +310,7 @@ void td__agent_free(td_rpc_agent *a) {
   td__free(a->listen_addr);
   td__free(a->init_method);
   pthread_mutex_destroy(&a->mu);
+  pthread_mutex_destroy(&a->run_mu);
   td__free(a);
 }
 
@@ -354,6 +438,7 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
   if (!a) return td_set_error(TD_ERR_NOMEM, "rpc_init: out of memory");
   *out = a;
   pthread_mutex_init(&a->mu, NULL);
+  pthread_mutex_init(&a->run_mu, NULL);
   a->listen_addr = td__strdup(o->listen_addr);
   a->init_method = td__strdup(o->init_method);
   o->listen_addr = a->listen_addr;
@@ -489,11 +574,15 @@ static void rendezvous_failed(td_rpc_agent *a, td_status st) {
   char why[1024];
   snprintf(why, sizeof why, "%s", td_last_error());
   a->sc.call_timeout_ms = 1000;
+  /* at most one second past the init deadline (or from now, for an early failure) */
+  uint64_t dl = __atomic_load_n(&a->sc.deadline_ns, __ATOMIC_ACQUIRE), soon = td__now_ns();
+  if (!dl || dl < soon) dl = soon;
+  td__store_set_deadline(&a->sc, dl + 1000000000ull);
   if (st != TD_ERR_TIMEOUT) td__agent_set_abort(a, why);
   int64_t acks = 0, joined = 0;
   td__store_add(&a->sc, "failed", 1, &acks);
   if (a->rank == 0 && td__store_add(&a->sc, "joined", 0, &joined) == TD_OK)
-    td__store_wait_ge(&a->sc, "failed", joined, td__now_ns() + 2000000000ull, NULL);
+    td__store_wait_ge(&a->sc, "failed", joined, dl + 1000000000ull, NULL);
   td_set_error(st, "%s", why);
 }
 
@@ -526,6 +615,8 @@ static void init_finish(td_rpc_agent *a) {
   a->opts.device_maps = NULL; /* borrowed: read at init only */
   a->opts.num_device_maps = 0;
   a->sc.call_timeout_ms = 10000;
+  td__store_set_deadline(&a->sc, 0);
+  snprintf(a->sc.owner, sizeof a->sc.owner, "%s (rank 0)", a->peers[0].info.name);
   a->sc.wait_for_ready = false; /* from now on a missing rank 0 is a failure, not a late start */
   a->busy_poll_us = busy_poll_window(a, a->opts.busy_poll_us);
   td__transport_set_busy_poll(a->tr, a->busy_poll_us);

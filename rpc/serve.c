@@ -127,6 +127,73 @@ static void trace_handler(const request *r, uint64_t t0) {
   td__trace_complete("handler", name, t0, td__now_ns(), args);
 }
 
+/* ---- handlers running on this worker's threads ---- */
+
+static void running_add(request *r) {
+  td_rpc_agent *a = r->a;
+  r->started_ns = td__now_ns();
+  pthread_mutex_lock(&a->run_mu);
+  r->run_prev = NULL;
+  r->run_next = a->running;
+  if (a->running) a->running->run_prev = r;
+  a->running = r;
+  pthread_mutex_unlock(&a->run_mu);
+}
+
+static void running_remove(request *r) {
+  td_rpc_agent *a = r->a;
+  pthread_mutex_lock(&a->run_mu);
+  if (r->run_prev) r->run_prev->run_next = r->run_next;
+  else a->running = r->run_next;
+  if (r->run_next) r->run_next->run_prev = r->run_prev;
+  pthread_mutex_unlock(&a->run_mu);
+}
+
+int td__serve_running(td_rpc_agent *a, char *buf, size_t n) {
+  uint64_t now = td__now_ns();
+  size_t used = 0;
+  int count = 0;
+  if (n) buf[0] = 0;
+  pthread_mutex_lock(&a->run_mu);
+  for (const request *r = a->running; r; r = r->run_next, count++) {
+    if (used + 1 >= n) continue;
+    int k = snprintf(buf + used, n - used, "%s'%s' called by %s (rank %d), running %.1f s",
+                     count ? "; " : "", r->msg.fn, r->caller, r->msg.from_rank,
+                     (double)(now - r->started_ns) * 1e-9);
+    used = k < 0 ? used : used + (size_t)k >= n ? n - 1 : used + (size_t)k;
+  }
+  pthread_mutex_unlock(&a->run_mu);
+  return count;
+}
+
+int64_t td_rpc_ctx_time_left_ms(const td_rpc_ctx *c) {
+  if (!c || !c->deadline_ns) return -1;
+  uint64_t now = td__now_ns();
+  return now >= c->deadline_ns ? 0 : (int64_t)((c->deadline_ns - now) / 1000000u);
+}
+
+bool td_rpc_ctx_cancelled(const td_rpc_ctx *c) {
+  if (!c) return false;
+  if (c->deadline_ns && td__now_ns() >= c->deadline_ns) return true;
+  if (c->conn && td__conn_closed(c->conn)) return true;
+  return __atomic_load_n(&c->agent->closing, __ATOMIC_ACQUIRE);
+}
+
+static bool is_internal(const char *fn) { return fn && fn[0] == '_' && fn[1] == '_'; }
+
+/* A user's request whose caller stopped waiting while it sat in the queue is answered without
+ * running (tdist's own "__" requests always run: their effects matter even when late). */
+static bool expired_in_queue(request *r) {
+  if (!r->deadline_ns || is_internal(r->msg.fn)) return false;
+  uint64_t now = td__now_ns();
+  if (now < r->deadline_ns) return false;
+  TD__COUNT(r->a, requests_expired);
+  reply_error(r, false, TD_ERR_TIMEOUT, "'%s' dropped unrun: its caller's timeout (%lld ms) "
+              "passed while it waited %.0f ms for a thread", r->msg.fn,
+              (long long)r->msg.timeout_ms, (double)(now - r->arrived_ns) * 1e-6);
+  return true;
+}
+
 static void run_request(void *arg) {
   request *r = arg;
   td_rpc_agent *a = r->a;
@@ -136,6 +203,7 @@ static void run_request(void *arg) {
                 r->msg.fn, r->caller, r->msg.from_rank);
     return;
   }
+  if (expired_in_queue(r)) return;
   const td__rpc_middleware *mw = r->msg.ctx_id ? td__mw_get() : NULL;
   td__mw_scope scope = {0};
   if (mw) {
@@ -146,12 +214,15 @@ static void run_request(void *arg) {
     }
     mw->enter(a, &r->msg, &scope);
   }
-  td_rpc_ctx ctx = {a, r->msg.from_rank, r->caller, reg.user_data, r->msg.fn, r->msg.ctx_id};
+  td_rpc_ctx ctx = {a, r->msg.from_rank, r->caller, reg.user_data, r->msg.fn, r->msg.ctx_id,
+                    r->deadline_ns, r->conn};
   td_value *result = NULL;
   td_future *fut = NULL;
   td_clear_error();
   uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
+  running_add(r);
   td_status st = reg.fn(&ctx, r->msg.values, r->msg.nvalues, &result, &fut);
+  running_remove(r);
   if (t0) trace_handler(r, t0);
   if (mw) mw->leave(&scope);
   if (st != TD_OK) {
@@ -173,12 +244,44 @@ static void run_request(void *arg) {
 }
 
 
+/* A request's arrival: its deadline is the caller's timeout from now (the caller's clock is not
+ * ours; time on the wire only makes the handler's view a little generous). */
+static void arrived(request *r) {
+  r->arrived_ns = td__now_ns();
+  if (r->msg.timeout_ms > 0)
+    r->deadline_ns = r->arrived_ns + (uint64_t)r->msg.timeout_ms * 1000000u;
+}
+
+/* Every pool thread busy and requests waiting: counted per waiting request, and logged at most
+ * once a minute with what holds the threads, so one peer's slow calls cannot starve the others
+ * unnoticed. */
+static void note_saturation(td_rpc_agent *a, const char *caller) {
+  size_t running, queued;
+  int nthreads;
+  td__threadpool_load(a->pool, &running, &queued, &nthreads);
+  if (queued == 0 || running < (size_t)nthreads) return;
+  TD__COUNT(a, pool_saturated);
+  uint64_t now = td__now_ns(), last = __atomic_load_n(&a->saturation_logged_ns, __ATOMIC_RELAXED);
+  if (last && now - last < 60000000000ull) return;
+  if (!__atomic_compare_exchange_n(&a->saturation_logged_ns, &last, now, false, __ATOMIC_RELAXED,
+                                   __ATOMIC_RELAXED))
+    return;
+  char held[600];
+  td__serve_running(a, held, sizeof held);
+  td_log(TD_LOG_WARN, "rpc: %s: all %d handler threads are busy and %zu requests wait (the "
+         "latest from %s); running: %s (raise num_worker_threads, or make long handlers return "
+         "a future)", a->name, nthreads, queued, caller, held);
+}
+
 /* A user's function runs where user code runs (pool or host progress); tdist's own "__"
  * functions always on the pool. */
 static td_status submit_request(td_rpc_agent *a, request *r) {
-  bool internal = r->msg.fn && r->msg.fn[0] == '_' && r->msg.fn[1] == '_';
-  return internal ? td__threadpool_submit(a->pool, run_request, r)
-                  : td__agent_submit_user(a, run_request, r);
+  if (is_internal(r->msg.fn)) return td__threadpool_submit(a->pool, run_request, r);
+  char caller[128];
+  snprintf(caller, sizeof caller, "%s", r->caller); /* r may be gone once submitted */
+  td_status st = td__agent_submit_user(a, run_request, r);
+  if (st == TD_OK && !a->hostq) note_saturation(a, caller);
+  return st;
 }
 
 void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *const *args,
@@ -199,7 +302,7 @@ void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *con
                      .values = vals, .nvalues = nargs, .timeout_ms = timeout_ms,
                      .ctx_id = ctx_id};
   snprintf(r->caller, sizeof r->caller, "%s", a->name);
-  if (TD__TRACE_ON()) r->arrived_ns = td__now_ns();
+  arrived(r);
   __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
   TD__COUNT(a, requests_received);
   if (submit_request(a, r) != TD_OK)
@@ -239,7 +342,7 @@ void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
     r->msg = *m;
     memset(m, 0, sizeof *m);
     snprintf(r->caller, sizeof r->caller, "%s", td__agent_peer_name(a, from));
-    if (TD__TRACE_ON()) r->arrived_ns = td__now_ns();
+    arrived(r);
     __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
     TD__COUNT(a, requests_received);
     td__reg reg;

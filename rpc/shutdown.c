@@ -19,6 +19,10 @@
 #include "agent_state.h"
 #include "tdist/trace.h"
 
+/* How long past its deadline a shutdown may take to tear down (store kept up for the others,
+ * handlers finishing, the transport closing). */
+#define TD__SHUTDOWN_GRACE_MS 900
+
 static void sleep_ms(int64_t ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
   while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
@@ -82,7 +86,7 @@ static td_status barrier_judge(td_rpc_agent *a, judge *j, bool *done, bool *sett
 
 /* After a timeout: names the workers that never arrived (rank 0 keeps the store up briefly until
  * the others have read the same). */
-static td_status barrier_timed_out(td_rpc_agent *a) {
+static td_status barrier_timed_out(td_rpc_agent *a, uint64_t hard) {
   char missing[900] = "";
   size_t used = 0;
   int arrived = 0;
@@ -97,8 +101,10 @@ static td_status barrier_timed_out(td_rpc_agent *a) {
                                used ? ", " : "", td__agent_peer_name(a, r), r);
   }
   td__store_add(&a->sc, "sd/timedout", 1, NULL);
-  if (a->rank == 0)
-    td__store_wait_ge(&a->sc, "sd/timedout", arrived, td__now_ns() + 1000000000ull, NULL);
+  if (a->rank == 0) {
+    uint64_t dl = td__now_ns() + 1000000000ull, until = hard - TD__SHUTDOWN_GRACE_MS * 500000ull;
+    td__store_wait_ge(&a->sc, "sd/timedout", arrived, dl < until ? dl : until, NULL);
+  }
   return td_set_error(TD_ERR_TIMEOUT, "rpc shutdown: graceful shutdown timed out; %s%s",
                       used ? "workers that never called shutdown: "
                            : "every worker arrived but work was still outstanding",
@@ -106,7 +112,7 @@ static td_status barrier_timed_out(td_rpc_agent *a) {
 }
 
 /* The graceful barrier. Returns TD_OK, or TD_ERR_TIMEOUT with the missing workers named. */
-static td_status barrier(td_rpc_agent *a, uint64_t deadline) {
+static td_status barrier(td_rpc_agent *a, uint64_t deadline, uint64_t hard) {
   char key[64];
   snprintf(key, sizeof key, "sd/arrived/%d", a->rank);
   TD_TRY(td__store_set(&a->sc, key, "1", 1));
@@ -140,9 +146,25 @@ static td_status barrier(td_rpc_agent *a, uint64_t deadline) {
   }
   td__free(j.prev);
   td__free(j.cur);
-  if (st == TD_ERR_TIMEOUT) return barrier_timed_out(a);
+  if (st == TD_ERR_TIMEOUT) return barrier_timed_out(a, hard);
   if (st != TD_OK) return td__error_prefix(st, "rpc shutdown: lost the rendezvous store");
   return TD_OK;
+}
+
+/* The handlers still running when the pool did not drain by the hard deadline are abandoned: the
+ * agent stays allocated for them (td_rpc_destroy then frees nothing) and the message names them. */
+static td_status abandon_handlers(td_rpc_agent *a, char *msg, size_t n) {
+  char held[700];
+  int k = td__serve_running(a, held, sizeof held);
+  size_t running, queued;
+  td__threadpool_load(a->pool, &running, &queued, NULL);
+  a->abandoned = true;
+  snprintf(msg, n, "rpc shutdown: %s: the deadline passed with %zu handler%s still running "
+           "(abandoned: they finish on their own and their replies are dropped)%s%s%s", a->name,
+           running, running == 1 ? "" : "s", k ? ": " : "", held,
+           queued ? "; tasks still queued behind them" : "");
+  td_log(TD_LOG_WARN, "%s", msg);
+  return TD_ERR_TIMEOUT;
 }
 
 td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms) {
@@ -154,10 +176,14 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms) {
   if (already) return TD_OK;
   if (timeout_ms < 0) timeout_ms = 60000;
   uint64_t deadline = td__now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  /* everything after the barrier - the store kept up for the others, running handlers, the
+   * transport - gets until `hard`, so shutdown returns within its deadline + 1 s */
+  uint64_t hard = deadline + TD__SHUTDOWN_GRACE_MS * 1000000ull;
+  td__store_set_deadline(&a->sc, hard); /* a dead or slow rank 0 cannot stretch it either */
   td_status st = TD_OK;
   char msg[1024] = "";
   if (graceful) {
-    st = barrier(a, deadline);
+    st = barrier(a, deadline, hard);
     if (st != TD_OK) snprintf(msg, sizeof msg, "%s", td_last_error());
   }
   td__agent_hooks hs[TD__MAX_AGENT_HOOKS];
@@ -181,17 +207,21 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms) {
     td__store_add(&a->sc, "sd/exited", 1, NULL);
     if (a->rank == 0) {
       uint64_t dl = td__now_ns() + 5000000000ull;
-      if (dl > deadline + 5000000000ull) dl = deadline + 5000000000ull;
-      td__store_wait_ge(&a->sc, "sd/exited", a->world, dl, NULL);
+      td__store_wait_ge(&a->sc, "sd/exited", a->world, dl < hard ? dl : hard, NULL);
     }
   }
   td__transport_shutdown(a->tr);
-  td__threadpool_shutdown(a->pool);
+  td_status pool_st = td__threadpool_shutdown_until(a->pool, hard);
+  char pool_msg[1024] = "";
+  if (pool_st != TD_OK) pool_st = abandon_handlers(a, pool_msg, sizeof pool_msg);
   td__progress_pump(a); /* host mode: what was queued before the pool stopped */
   if (a->trace_owned && td_trace_stop() != TD_OK)
     td_log(TD_LOG_WARN, "rpc: %s: the trace was not written: %s", a->name, td_last_error());
   td__call_fail_all(a, TD_ERR_CANCELLED, "rpc: the agent shut down");
+  if (st != TD_OK && pool_st != TD_OK)
+    return td_set_error(st, "%s; %s", msg, pool_msg + strlen("rpc shutdown: "));
   if (st != TD_OK) return td_set_error(st, "%s", msg);
+  if (pool_st != TD_OK) return td_set_error(pool_st, "%s", pool_msg);
   if (hook_st != TD_OK) return td_set_error(hook_st, "%s", hook_msg);
   return TD_OK;
 }
@@ -199,6 +229,11 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms) {
 void td_rpc_destroy(td_rpc_agent *a) {
   if (!a) return;
   td_rpc_shutdown(a, false, 0);
+  if (a->abandoned) {
+    /* handlers still run on the pool and use the agent: leave it (and them) to the process */
+    td_log(TD_LOG_DEBUG, "rpc: %s: not freed: handlers were abandoned at shutdown", a->name);
+    return;
+  }
   td__threadpool_destroy(a->pool);
   a->pool = NULL;
   td__transport_destroy(a->tr);

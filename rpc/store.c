@@ -224,12 +224,36 @@ td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t
 
 /* ---- client ---- */
 
-/* One unary exchange with the store's server (the auth layer's transport). */
+void td__store_set_deadline(td__store_client *c, uint64_t deadline_ns) {
+  __atomic_store_n(&c->deadline_ns, deadline_ns, __ATOMIC_RELEASE);
+}
+
+/* One unary exchange with the store's server (the auth layer's transport), within the client's
+ * deadline. A failure names the worker that serves the store. */
 static td_status unary(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
                        size_t *reply_len) {
   const td__store_client *c = ctx;
-  return td__transport_unary(c->tr, c->address, TD__STORE_METHOD, req, len, c->call_timeout_ms,
-                             c->wait_for_ready, reply, reply_len);
+  const char *owner = c->owner[0] ? c->owner : "rank 0";
+  int64_t tmo = c->call_timeout_ms;
+  uint64_t dl = __atomic_load_n(&c->deadline_ns, __ATOMIC_ACQUIRE);
+  if (dl) {
+    uint64_t now = td__now_ns();
+    if (now >= dl)
+      return td_set_error(TD_ERR_TIMEOUT, "the deadline passed before %s's rendezvous store at "
+                          "%s answered", owner, c->address);
+    int64_t left = (int64_t)((dl - now + 999999u) / 1000000u);
+    if (tmo <= 0 || left < tmo) tmo = left;
+  }
+  td_status st = td__transport_unary(c->tr, c->address, TD__STORE_METHOD, req, len, tmo,
+                                     c->wait_for_ready, reply, reply_len);
+  if (st == TD_ERR_UNAVAILABLE || (st == TD_ERR_TIMEOUT && !c->wait_for_ready))
+    return td__error_prefix(st, "%s, which serves the rendezvous store at %s, is unreachable",
+                            owner, c->address);
+  if (st == TD_ERR_TIMEOUT)
+    return td__error_prefix(st, "%s's rendezvous store at %s did not answer in time", owner,
+                            c->address);
+  if (st != TD_OK) return td__error_prefix(st, "rendezvous store of %s", owner);
+  return TD_OK;
 }
 
 static td_status call(const td__store_client *c, Tdist__StoreRequest *r, Tdist__StoreReply **out) {

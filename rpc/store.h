@@ -35,9 +35,16 @@ typedef struct td__store_client {
   td__transport *tr;
   struct td__auth_client *auth; /* the session with the store (auth.h); NULL: unauthenticated */
   char address[300]; /* host:port of rank 0 */
+  char owner[160];    /* who serves it, for messages: "worker0 (rank 0)" */
   int64_t call_timeout_ms;
+  /* no call outlives it (td__now_ns clock; 0: none): a call gets min(call_timeout_ms, what is
+   * left), none at all once it passed. Read and written atomically (td__store_set_deadline). */
+  uint64_t deadline_ns;
   bool wait_for_ready; /* keep trying to reach a server that is not up yet (rendezvous) */
 } td__store_client;
+
+/* td__store_set_deadline bounds every later call of c (any thread) by deadline_ns (0: none). */
+void td__store_set_deadline(td__store_client *c, uint64_t deadline_ns);
 
 td_status td__store_set(const td__store_client *c, const char *key, const void *v, size_t n);
 /* *v is malloc'd (NUL-terminated for convenience) when *found. */

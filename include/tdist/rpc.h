@@ -334,6 +334,10 @@ typedef struct td_rpc_stats {
   int64_t calls_pending;   /* gauge: calls waiting for their outcome */
   int64_t requests_active; /* gauge: requests queued or running here */
   int64_t pool_pending;    /* gauge: tasks queued or running on the agent's thread pool */
+  /* user requests answered TD_ERR_TIMEOUT unrun because their caller's timeout passed while they
+   * queued (also counted in requests_rejected); requests that found every handler thread busy
+   * (the first of a minute is logged at WARN, naming the running handlers) */
+  uint64_t requests_expired, pool_saturated;
 } td_rpc_stats;
 
 /* td_rpc_get_stats fills out with a's counters (each read atomically; the set is not a single
@@ -377,6 +381,18 @@ TD_API const char *td_rpc_ctx_caller_name(const td_rpc_ctx *c);
 TD_API int td_rpc_ctx_caller_rank(const td_rpc_ctx *c);
 /* td_rpc_ctx_user_data returns the user_data given to td_rpc_register. */
 TD_API void *td_rpc_ctx_user_data(const td_rpc_ctx *c);
+/* td_rpc_ctx_time_left_ms returns how long the caller still waits for this call's result (ms, 0
+ * once its timeout has passed), or -1 when the call has no timeout. The caller's timeout travels
+ * with the request and counts here from its arrival. A user function whose caller's timeout
+ * passed while it waited for a thread is never run: the caller gets TD_ERR_TIMEOUT "dropped
+ * unrun" (counted in td_rpc_stats.requests_expired). */
+TD_API int64_t td_rpc_ctx_time_left_ms(const td_rpc_ctx *c);
+/* td_rpc_ctx_cancelled returns true once nobody will read this call's result: the caller's timeout
+ * passed, the caller's stream closed (it died or went away), or this agent is shutting down (after
+ * the graceful barrier, or at once for a non-graceful shutdown). A long handler polls it and
+ * returns early (any status: the result is discarded). THREAD SAFETY: any thread, while the
+ * handler runs. */
+TD_API bool td_rpc_ctx_cancelled(const td_rpc_ctx *c);
 
 /* td_rpc_fn is a registered function. It receives the arguments (borrowed) and either stores a
  * result in *result (new reference; NULL means none), or stores a future in *async_result (new

@@ -394,6 +394,15 @@ static int worker_small(int rank, int world, const char *method, void *arg) {
     MP_CHECK(strstr(td_last_error(), "1:12345") != NULL);
     MP_CHECK(td_dist_autograd_context_get_id(ctx).v >> 48 == 0);
 
+    /* roots must have a gradient function, as in PyTorch: a leaf (even one requiring grad) and a
+     * tensor without requires_grad are refused, and nothing is accumulated */
+    MP_CHECK(td_dist_autograd_backward(ctx, &x, 1, false) == TD_ERR_INVALID);
+    MP_CHECK(strstr(td_last_error(), "does not have a valid gradient function") != NULL);
+    td_tensor *plain = tensor_f64(p1, (int64_t[]){DA_D}, 1);
+    MP_CHECK(td_dist_autograd_backward(ctx, &plain, 1, false) == TD_ERR_INVALID);
+    MP_CHECK(strstr(td_last_error(), "requires_grad not set") != NULL);
+    td_tensor_unref(plain);
+
     /* retain_graph: y = x * p on worker1, loss = sum(y); backward twice adds up */
     td_tensor *y = rpc_tensor(a, "worker1", "mulp", &xv, 1);
     MP_CHECK(td_tensor_requires_grad(y));
