@@ -79,6 +79,8 @@ td_status td__error_prefix(td_status s, const char *fmt, ...) {
 static pthread_once_t log_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t log_mu = PTHREAD_MUTEX_INITIALIZER;
 static volatile int log_level = TD_LOG_WARN;
+static td_log_fn log_fn; /* guarded by log_mu */
+static void *log_ud;
 
 static void log_init(void) {
   const char *e = getenv("TD_LOG_LEVEL");
@@ -118,6 +120,14 @@ void td_log(td_log_level level, const char *fmt, ...) {
   if (n > 0 && n < (int)sizeof line) vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
   va_end(ap);
   pthread_mutex_lock(&log_mu);
-  fprintf(stderr, "%s\n", line);
+  if (log_fn) log_fn(level, line + n, log_ud);
+  else fprintf(stderr, "%s\n", line);
+  pthread_mutex_unlock(&log_mu);
+}
+
+void td_log_set_handler(td_log_fn fn, void *user_data) {
+  pthread_mutex_lock(&log_mu);
+  log_fn = fn;
+  log_ud = user_data;
   pthread_mutex_unlock(&log_mu);
 }

@@ -88,6 +88,16 @@ typedef enum td_log_level {
  * digit), default warn. THREAD SAFETY: any thread; lines are not interleaved. */
 TD_API void td_log(td_log_level level, const char *fmt, ...) TD_PRINTF(2, 3);
 
+/* td_log_fn receives one log line (without the "[tdist L hh:mm:ss.mmm] " prefix and without a
+ * newline). It runs on the thread that logs, one line at a time (a lock is held: it must not call
+ * td_log or td_log_set_handler). */
+typedef void (*td_log_fn)(td_log_level level, const char *message, void *user_data);
+
+/* td_log_set_handler sends every line that passes the level to fn instead of standard error
+ * (NULL: standard error again). For embedding runtimes (a Python binding forwards lines to the
+ * logging module). THREAD SAFETY: any thread. */
+TD_API void td_log_set_handler(td_log_fn fn, void *user_data);
+
 /* td_log_set_level changes the level for the whole process. */
 TD_API void td_log_set_level(td_log_level level);
 
