@@ -487,6 +487,15 @@ void td__transport_shutdown(td__transport *t) {
   }
 }
 
+void td__transport_stop(td__transport *t) {
+  if (!t) return;
+  td__transport_shutdown(t);
+  grpc_completion_queue_shutdown(t->cq);
+  if (t->poller_started) pthread_join(t->poller, NULL);
+  t->poller_started = false;
+  if (td__threadpool_destroy(t->bulk)) t->bulk = NULL;
+}
+
 void td__transport_destroy(td__transport *t) {
   if (!t) return;
   td__transport_shutdown(t);

@@ -230,7 +230,10 @@ void td_rpc_destroy(td_rpc_agent *a) {
   if (!a) return;
   td_rpc_shutdown(a, false, 0);
   if (a->abandoned) {
-    /* handlers still run on the pool and use the agent: leave it (and them) to the process */
+    /* handlers still run on the pool and use the agent: stop the network, detach the pool's
+     * threads and leave the memory to the process */
+    td__transport_stop(a->tr);
+    if (td__threadpool_destroy(a->pool)) a->pool = NULL;
     td_log(TD_LOG_DEBUG, "rpc: %s: not freed: handlers were abandoned at shutdown", a->name);
     return;
   }

@@ -75,6 +75,9 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
 /* Stops everything: closes every conn (on_closed runs for each), stops the server, joins the
  * poller. Blocks until gRPC has returned every tag. Safe to call twice. */
 void td__transport_shutdown(td__transport *t);
+/* td__transport_stop shuts t down and stops its threads without freeing it: for an agent whose
+ * abandoned handlers may still touch its streams (sends on them then fail). */
+void td__transport_stop(td__transport *t);
 void td__transport_destroy(td__transport *t);
 
 /* Same-host direct copy, configured once at init. td__transport_allow_direct: a direct-copy

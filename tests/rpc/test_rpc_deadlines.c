@@ -26,19 +26,21 @@
 /* ---- handlers (worker0) ---- */
 
 /* What until_cancelled saw: its time left at entry, how long until cancelled, whether it was. */
-static volatile int64_t seen_left = -2, seen_elapsed_ms = -1;
-static volatile int seen_cancelled = -1, stuck_started, count_runs;
+static int64_t seen_left = -2, seen_elapsed_ms = -1;
+static int seen_cancelled = -1, stuck_started, count_runs;
+#define STORE(var, v) __atomic_store_n(&(var), (v), __ATOMIC_RELEASE)
+#define LOAD(var) __atomic_load_n(&(var), __ATOMIC_ACQUIRE)
 
 /* Polls td_rpc_ctx_cancelled for up to 20 s. */
 static td_status fn_until_cancelled(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                                     td_future **fut) {
   (void)args, (void)n, (void)fut;
-  seen_left = td_rpc_ctx_time_left_ms(c);
-  stuck_started = 1;
+  STORE(seen_left, td_rpc_ctx_time_left_ms(c));
+  STORE(stuck_started, 1);
   double t0 = td_test_now_s();
   while (!td_rpc_ctx_cancelled(c) && td_test_now_s() - t0 < 20) td_test_sleep_ms(5);
-  seen_cancelled = td_rpc_ctx_cancelled(c);
-  seen_elapsed_ms = (int64_t)((td_test_now_s() - t0) * 1000);
+  STORE(seen_cancelled, td_rpc_ctx_cancelled(c));
+  STORE(seen_elapsed_ms, (int64_t)((td_test_now_s() - t0) * 1000));
   *res = td_value_none();
   return TD_OK;
 }
@@ -48,11 +50,11 @@ static td_status fn_report(td_rpc_ctx *c, td_value *const *args, int n, td_value
                            td_future **fut) {
   (void)c, (void)args, (void)n, (void)fut;
   td_value *l = td_value_list();
-  td_value_list_append(l, td_value_int(seen_left));
-  td_value_list_append(l, td_value_int(seen_elapsed_ms));
-  td_value_list_append(l, td_value_int(seen_cancelled));
-  td_value_list_append(l, td_value_int(stuck_started));
-  td_value_list_append(l, td_value_int(count_runs));
+  td_value_list_append(l, td_value_int(LOAD(seen_left)));
+  td_value_list_append(l, td_value_int(LOAD(seen_elapsed_ms)));
+  td_value_list_append(l, td_value_int(LOAD(seen_cancelled)));
+  td_value_list_append(l, td_value_int(LOAD(stuck_started)));
+  td_value_list_append(l, td_value_int(LOAD(count_runs)));
   *res = l;
   return TD_OK;
 }
@@ -84,7 +86,7 @@ static td_status fn_count(td_rpc_ctx *c, td_value *const *args, int n, td_value 
 static td_status fn_stuck(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                           td_future **fut) {
   (void)c, (void)args, (void)n, (void)fut;
-  stuck_started = 1;
+  STORE(stuck_started, 1);
   for (int i = 0; i < 600; i++) td_test_sleep_ms(100);
   *res = td_value_none();
   return TD_OK;
@@ -187,11 +189,11 @@ static int worker_caller_dies(int rank, int world, const char *method, void *arg
     td_value_unref(rep);
     _exit(0); /* dies with the call in flight */
   }
-  TD_TEST_POLL(seen_elapsed_ms >= 0, 10);
-  fprintf(stderr, "handler: cancelled=%d after %lld ms\n", seen_cancelled,
-          (long long)seen_elapsed_ms);
-  MP_CHECK(seen_cancelled == 1);
-  MP_CHECK(seen_elapsed_ms < 10000);
+  TD_TEST_POLL(LOAD(seen_elapsed_ms) >= 0, 10);
+  fprintf(stderr, "handler: cancelled=%d after %lld ms\n", LOAD(seen_cancelled),
+          (long long)LOAD(seen_elapsed_ms));
+  MP_CHECK(LOAD(seen_cancelled) == 1);
+  MP_CHECK(LOAD(seen_elapsed_ms) < 10000);
   MP_CHECK(td_rpc_shutdown(a, false, 0) == TD_OK);
   td_rpc_destroy(a);
   return 0;
@@ -252,7 +254,7 @@ static int worker_stuck(int rank, int world, const char *method, void *arg) {
     TD_TEST_POLL((td_value_unref(rep), rep = report(a), list_int(rep, 3) == 1), 10);
     td_value_unref(rep);
   } else {
-    TD_TEST_POLL(stuck_started, 10);
+    TD_TEST_POLL(LOAD(stuck_started), 10);
   }
   double t0 = td_test_now_s();
   td_status st = td_rpc_shutdown(a, true, 1500);
