@@ -81,6 +81,15 @@ typedef struct td__rpc_middleware {
 } td__rpc_middleware;
 td_status td__rpc_set_middleware(const td__rpc_middleware *mw);
 
+/* An argument gate (set by the RRef layer) runs before a user function: it returns in *wait (new
+ * reference) a future that completes when the arguments are ready to use - every RRef among them
+ * confirmed by its owner - or NULL when they are already. The request then waits for it off the
+ * pool's threads and runs afterwards; a failed future fails the request with its message. */
+typedef td_status (*td__arg_gate_fn)(td_rpc_agent *a, td_value *const *args, int nargs,
+                                     td_future **wait);
+void td__rpc_set_arg_gate(td__arg_gate_fn fn);
+td__arg_gate_fn td__rpc_arg_gate(void);
+
 /* The agent's thread pool (to schedule work off the poller thread). */
 td__threadpool *td__agent_pool(td_rpc_agent *a);
 /* td__agent_submit_user schedules work that runs user code (a registered function, a user's

@@ -111,6 +111,7 @@ typedef struct request {
   uint64_t deadline_ns; /* arrival + the caller's timeout (0: none) */
   uint64_t started_ns;  /* when its handler started (while on the running list) */
   struct request *run_prev, *run_next;
+  bool gated; /* its arguments passed the argument gate (agent_impl.h) */
 } request;
 
 /* The id of a call's trace flow: unique in the group (the caller's rank, then its call id). */

@@ -181,4 +181,10 @@ const td__rpc_middleware *td__mw_get(void) {
   return __atomic_load_n(&middleware, __ATOMIC_ACQUIRE);
 }
 
+static td__arg_gate_fn arg_gate;
+
+void td__rpc_set_arg_gate(td__arg_gate_fn fn) { __atomic_store_n(&arg_gate, fn, __ATOMIC_RELEASE); }
+
+td__arg_gate_fn td__rpc_arg_gate(void) { return __atomic_load_n(&arg_gate, __ATOMIC_ACQUIRE); }
+
 _Thread_local bool td__rpc_inline_thread;

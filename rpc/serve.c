@@ -194,6 +194,42 @@ static bool expired_in_queue(request *r) {
   return true;
 }
 
+static void run_request(void *arg);
+static td_status submit_request(td_rpc_agent *a, request *r);
+
+static void gate_passed(td_future *f, void *arg) {
+  request *r = arg;
+  td_status st = td_future_status(f);
+  if (st != TD_OK) {
+    reply_error(r, false, st, "'%s' not run: an argument is not usable: %s", r->msg.fn,
+                td_future_message(f));
+  } else if (submit_request(r->a, r) != TD_OK) {
+    reply_error(r, false, TD_ERR_STATE, "the agent is shutting down");
+  }
+  td_future_unref(f);
+}
+
+/* User functions start once their arguments are usable (PyTorch waits for the pending user RRefs
+ * of a request before running its function): true when r now waits for that (it comes back
+ * through gate_passed). */
+static bool wait_for_arguments(request *r) {
+  td__arg_gate_fn gate = td__rpc_arg_gate();
+  if (r->gated || !gate || is_internal(r->msg.fn)) return false;
+  r->gated = true;
+  td_future *wait = NULL;
+  td_status st = gate(r->a, r->msg.values, r->msg.nvalues, &wait);
+  if (st != TD_OK) {
+    reply_error(r, false, st, "'%s' not run: %s", r->msg.fn, td_last_error());
+    return true;
+  }
+  if (!wait) return false;
+  if (td_future_on_done(wait, gate_passed, r) != TD_OK) {
+    td_future_unref(wait);
+    reply_error(r, false, TD_ERR_INTERNAL, "'%s': cannot wait for its arguments", r->msg.fn);
+  }
+  return true;
+}
+
 static void run_request(void *arg) {
   request *r = arg;
   td_rpc_agent *a = r->a;
@@ -203,7 +239,7 @@ static void run_request(void *arg) {
                 r->msg.fn, r->caller, r->msg.from_rank);
     return;
   }
-  if (expired_in_queue(r)) return;
+  if (expired_in_queue(r) || wait_for_arguments(r)) return;
   const td__rpc_middleware *mw = r->msg.ctx_id ? td__mw_get() : NULL;
   td__mw_scope scope = {0};
   if (mw) {

@@ -824,6 +824,73 @@ void td__rref_user_register(void) {
   td__rpc_register_internal("__rref_confirm", h_confirm, NULL);
 }
 
+/* ---- the argument gate: user functions start once their RRef arguments are usable ---- */
+
+typedef struct gate {
+  td_future *all;
+  int left; /* atomic: futures not done yet, plus one while collecting */
+} gate;
+
+static void gate_release(gate *g) {
+  if (__atomic_sub_fetch(&g->left, 1, __ATOMIC_ACQ_REL) != 0) return;
+  td_future_complete(g->all, NULL);
+  td_future_unref(g->all);
+  td__free(g);
+}
+
+static void gate_one_done(td_future *f, void *arg) {
+  (void)f;
+  gate_release(arg);
+}
+
+/* Every RRef in v whose creation (creator), confirmation by the owner (other users) or value
+ * (owner) is still pending adds one wait to g. */
+static void gate_collect(const td_value *v, gate *g, int depth) {
+  if (!v || depth > 64) return;
+  switch (td_value_kind_of(v)) {
+    case TD_VALUE_LIST:
+      for (size_t i = 0; i < td_value_list_len(v); i++)
+        gate_collect(td_value_list_get(v, i), g, depth + 1);
+      return;
+    case TD_VALUE_DICT:
+      for (size_t i = 0; i < td_value_dict_len(v); i++) {
+        td_value *item = NULL;
+        if (td_value_dict_entry(v, i, NULL, &item) == TD_OK) gate_collect(item, g, depth + 1);
+      }
+      return;
+    default: break;
+  }
+  td_rref *r;
+  if (td__value_ext_type_of(v) != &rref_type || !(r = td__value_ext_obj(v)) || !r->created ||
+      td_future_done(r->created))
+    return;
+  __atomic_add_fetch(&g->left, 1, __ATOMIC_ACQ_REL);
+  if (td_future_on_done(r->created, gate_one_done, g) != TD_OK) gate_release(g);
+}
+
+/* As PyTorch waits for a request's pending user RRefs: *wait completes when every RRef among the
+ * arguments is confirmed by its owner and, on the owner, when its value exists (a failed
+ * creation ends the wait too: the function sees the failure when it uses that RRef). */
+static td_status rref_arg_gate(td_rpc_agent *a, td_value *const *args, int nargs,
+                               td_future **wait) {
+  (void)a;
+  *wait = NULL;
+  gate *g = td__calloc(1, sizeof *g);
+  if (!g || !(g->all = td_future_create())) {
+    td__free(g);
+    return td_set_error(TD_ERR_NOMEM, "rref: out of memory");
+  }
+  g->left = 1;
+  for (int i = 0; i < nargs; i++) gate_collect(args[i], g, 0);
+  if (__atomic_load_n(&g->left, __ATOMIC_ACQUIRE) > 1) *wait = td_future_ref(g->all);
+  gate_release(g);
+  if (*wait && td_future_done(*wait)) { /* everything finished meanwhile */
+    td_future_unref(*wait);
+    *wait = NULL;
+  }
+  return TD_OK;
+}
+
 /* ---- registration with the agent (from td_rpc_init) ---- */
 
 static void layer_init_once(void) {
@@ -833,6 +900,7 @@ static void layer_init_once(void) {
   td__rref_user_register();
   td__agent_hooks h = {hook_init, hook_shutdown};
   td__agent_add_hooks(&h);
+  td__rpc_set_arg_gate(rref_arg_gate);
 }
 
 /* td__rref_layer_init registers this layer with the agent; td_rpc_init calls it (runtime/init.c)

@@ -144,6 +144,23 @@ static td_status da_mulp(td_rpc_ctx *c, td_value *const *args, int n, td_value *
 }
 
 /* grad_p() -> the gradient of p in the current context (None when none) */
+/* slow_param(ms): a float64 parameter [1, 2, 3] made after ms milliseconds */
+static td_status da_slow_param(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                               td_future **fut) {
+  int64_t ms = 0;
+  if (n != 1 || td_value_as_int(args[0], &ms) != TD_OK)
+    return td_set_error(TD_ERR_INVALID, "slow_param takes the delay in ms");
+  td_test_sleep_ms(ms);
+  double d[3] = {1, 2, 3};
+  int64_t shape[1] = {3};
+  td_tensor *t;
+  DA_TRY(td_tensor_from_buffer(d, shape, 1, TD_DTYPE_F64, &t));
+  td_status st = td_tensor_set_requires_grad(t, true);
+  if (st == TD_OK) *res = td_value_tensor(t);
+  td_tensor_unref(t);
+  return st;
+}
+
 static td_status da_grad_p(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                            td_future **fut) {
   td_dist_autograd_context *ctx = td_dist_autograd_current();
@@ -203,6 +220,7 @@ static inline void da_register_all(void) {
   td_rpc_register("da_info", da_info, NULL);
   td_rpc_register("mulp", da_mulp, NULL);
   td_rpc_register("grad_p", da_grad_p, NULL);
+  td_rpc_register("slow_param", da_slow_param, NULL);
   td_rpc_register("failing", da_failing, NULL);
   td_rpc_register("hop", da_hop, NULL);
 }

@@ -490,6 +490,20 @@ static int worker_small(int rank, int world, const char *method, void *arg) {
     td_value_unref(hargs[2]);
     check_clean(a);
 
+    /* a distributed optimizer over a parameter whose creation is still in flight (300 ms)
+     * waits for it instead of failing */
+    td_value *delay = td_value_int(300);
+    td_rref *slow;
+    MP_CHECK_OK(td_remote(a, "worker1", "slow_param", &delay, 1, NULL, &slow));
+    td_value_unref(delay);
+    MP_CHECK(!td_rref_confirmed_by_owner(slow));
+    td_optim_options so;
+    optim_opts(TD_OPTIM_SGD, &so);
+    td_dist_optimizer *sopt;
+    MP_CHECK_OK(td_dist_optimizer_create(a, &so, &slow, 1, &sopt));
+    td_dist_optimizer_destroy(sopt);
+    td_rref_unref(slow);
+
     /* recv functions outside a distributed backward pass are refused */
     MP_CHECK_OK(td_dist_autograd_context_begin(a, &ctx));
     y = rpc_tensor(a, "worker1", "mulp", &xv, 1);

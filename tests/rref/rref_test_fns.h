@@ -133,6 +133,23 @@ static td_status rt_here(td_rpc_ctx *c, td_value *const *args, int n, td_value *
   return td_rref_to_here_async(r, td_test_ms(20000), fut);
 }
 
+/* ready_at_entry(rref): [confirmed by its owner, its value readable here (owner only)] as the
+ * function starts: tdist runs a user function only once its RRef arguments are usable. */
+static td_status rt_ready_at_entry(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                                   td_future **fut) {
+  td_rref *r;
+  td_status st = td_value_as_rref(args[0], &r);
+  if (st != TD_OK) return st;
+  td_value *v = NULL;
+  bool readable = td_rref_is_owner(r) && td_rref_local_value(r, &v) == TD_OK;
+  td_value_unref(v);
+  td_value *l = td_value_list();
+  td_value_list_append(l, td_value_bool(td_rref_confirmed_by_owner(r)));
+  td_value_list_append(l, td_value_bool(readable));
+  *res = l;
+  return TD_OK;
+}
+
 /* pass_on(rref, [names...]): keeps the RRef here, forwards it to names[0] with the rest; the last
  * one only keeps it. Replies when the whole chain has replied (async, no thread waits). */
 static td_status rt_pass_on(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
@@ -232,6 +249,7 @@ static void rt_register_all(void) {
   MP_CHECK_OK(td_rpc_register("keep", rt_keep, NULL));
   MP_CHECK_OK(td_rpc_register("drop_all", rt_drop_all, NULL));
   MP_CHECK_OK(td_rpc_register("here", rt_here, NULL));
+  MP_CHECK_OK(td_rpc_register("ready_at_entry", rt_ready_at_entry, NULL));
   MP_CHECK_OK(td_rpc_register("pass_on", rt_pass_on, NULL));
   MP_CHECK_OK(td_rpc_register("sink", rt_sink, NULL));
   MP_CHECK_OK(td_rpc_register("forward", rt_forward, NULL));
