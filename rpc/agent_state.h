@@ -55,6 +55,8 @@ struct td_rpc_agent {
   td_rpc_options opts;
   char *listen_addr, *init_method;
   char name[128];
+  char run_id[128]; /* td_rpc_options.run_id, resolved */
+  bool foreign;     /* the store belongs to another run: leave it alone */
   int rank, world;
   peer_info *peers;
   td__transport *tr;

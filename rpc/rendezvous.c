@@ -175,6 +175,24 @@ static td_status rdv_check_world(td_rpc_agent *a, uint64_t deadline) {
   TD_TRY(st);
   long master_ws = strtol((char *)ws, NULL, 10);
   td__free(ws);
+  /* a worker of another run reads two keys and leaves: it must not disturb that run */
+  uint8_t *rid = NULL;
+  bool found = false;
+  TD_TRY(td__store_get(&a->sc, "run_id", &rid, NULL, &found));
+  if (!found || strcmp((char *)rid, a->run_id) != 0) {
+    a->foreign = true;
+    char mport[16] = "?";
+    const char *colon = strrchr(a->sc.address, ':');
+    if (colon) snprintf(mport, sizeof mport, "%s", colon + 1);
+    td_status fs = td_set_error(TD_ERR_EXISTS, "rpc init: the rendezvous store at %s belongs to "
+                                "another run (its run id '%s', ours '%s'): two jobs share "
+                                "MASTER_PORT %s; give each job its own port (--master-port, or "
+                                "tdistrun --standalone)", a->sc.address,
+                                found ? (char *)rid : "?", a->run_id, mport);
+    td__free(rid);
+    return fs;
+  }
+  td__free(rid);
   if (master_ws == a->world) return TD_OK;
   char why[200];
   snprintf(why, sizeof why, "rpc init: rank %d was started with world size %d but rank 0 with %ld",
@@ -438,6 +456,29 @@ static td_status init_auth(td_rpc_agent *a, const td_rpc_options *o) {
   return TD_OK;
 }
 
+/* The run id (td_rpc_options.run_id): the option, TD_RUN_ID, the Slurm step, the Open MPI job. */
+static td_status resolve_run_id(const td_rpc_options *o, char *out, size_t n) {
+  const char *id = o->run_id, *e;
+  char buf[200] = "";
+  if (!id && (e = getenv("TD_RUN_ID")) && *e) id = e;
+  if (!id && (e = getenv("SLURM_JOB_ID")) && *e) {
+    const char *step = getenv("SLURM_STEP_ID");
+    snprintf(buf, sizeof buf, "slurm:%s.%s", e, step && *step ? step : "batch");
+    id = buf;
+  }
+  if (!id && (((e = getenv("PMIX_NAMESPACE")) && *e) ||
+              ((e = getenv("OMPI_MCA_ess_base_jobid")) && *e))) {
+    snprintf(buf, sizeof buf, "ompi:%s", e);
+    id = buf;
+  }
+  if (!id) id = "";
+  if (strlen(id) >= n)
+    return td_set_error(TD_ERR_INVALID, "rpc_init: run id '%.40s...' is longer than %zu bytes",
+                        id, n - 1);
+  snprintf(out, n, "%s", id);
+  return TD_OK;
+}
+
 /* Phase 2: the agent object, rank 0's store (seeded before anybody can reach it), the pool. */
 static td_status init_agent(const char *name, int rank, int world_size, td_rpc_options *o,
                             td_rpc_agent **out) {
@@ -455,6 +496,7 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
   snprintf(a->name, sizeof a->name, "%s", name);
   a->rank = rank;
   a->world = world_size;
+  TD_TRY(resolve_run_id(o, a->run_id, sizeof a->run_id));
   a->default_timeout_ms = o->rpc_timeout_ms < 0 ? 0 : o->rpc_timeout_ms;
   a->peers = td__calloc((size_t)world_size, sizeof *a->peers);
   if (!a->listen_addr || !a->init_method || !a->peers)
@@ -468,6 +510,7 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
     char ws[32];
     int n = snprintf(ws, sizeof ws, "%d", world_size);
     TD_TRY(td__store_local_set(a->store, "world_size", ws, (size_t)n));
+    TD_TRY(td__store_local_set(a->store, "run_id", a->run_id, strlen(a->run_id)));
   }
   return td__threadpool_create(o->num_worker_threads, "td-rpc", &a->pool);
 }
@@ -580,6 +623,7 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
 static void rendezvous_failed(td_rpc_agent *a, td_status st) {
   char why[1024];
   snprintf(why, sizeof why, "%s", td_last_error());
+  if (a->foreign) return; /* another run's store: write nothing there */
   a->sc.call_timeout_ms = 1000;
   if (st == TD_ERR_TIMEOUT) {
     /* the others time out on their own: just say so, briefly (init keeps to its deadline) */

@@ -16,8 +16,10 @@
  * about that size. Signal handlers only record the signal and write a byte to a self-pipe that
  * is part of the poll set (SIGCHLD too), so the loop wakes at once; --monitor-interval is only
  * the fallback polling period.
- * Workers are started with posix_spawnp(), which resets their signal mask and the dispositions
- * we change (SIGPIPE is ignored here, default there).
+ * Workers are started with fork() + execvpe(); the child first asks to be killed when tdistrun
+ * dies (PR_SET_PDEATHSIG, then checks tdistrun is still its parent, for a launcher killed in
+ * between), so a `kill -9` of tdistrun never leaves workers running under init; it also resets
+ * the signal mask and the dispositions we change (SIGPIPE is ignored here, default there).
  *
  * Process groups. Workers stay in tdistrun's process group and are always signalled one by one,
  * by pid. Staying in the group means a terminal's Ctrl-C (or a job-control stop) reaches workers
@@ -35,7 +37,7 @@
  *
  * Invariants. tdistrun signals only pids it spawned and only while they are unreaped, so a pid
  * cannot have been recycled by then. Every spawned worker is reaped (waitpid by pid) before an
- * attempt ends; nothing else is ever forked. The first failure seen (in rank order within one
+ * attempt ends; nothing but workers is ever forked. The first failure seen (in rank order within one
  * sweep) is the one reported.
  *
  * Under srun (SLURM_NODEID and SLURM_STEP_NUM_NODES or SLURM_NNODES set, no --standalone), the
@@ -59,13 +61,13 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/random.h>
@@ -96,6 +98,7 @@ typedef struct options {
   int monitor_ms;        /* fallback polling period, ms; default 100 */
   double stop_timeout_s; /* SIGTERM -> SIGKILL grace, seconds; default 5 */
   bool prefix;           /* default true; --no-prefix clears it */
+  const char *rdzv_id;   /* --rdzv-id; NULL: see ensure_run_id */
   char **argv;           /* PROGRAM ARGS..., NULL-terminated */
 } options;
 
@@ -109,6 +112,9 @@ static void usage(FILE *f) {
     "  NODE_RANK  MASTER_ADDR  MASTER_PORT  TD_RESTART_COUNT (attempt number, from 0)\n"
     "  TD_RPC_SECRET: the job secret the workers authenticate each other with; a new random one\n"
     "  per job unless TD_RPC_SECRET or TD_RPC_SECRET_FILE is set (required with --nnodes > 1)\n"
+    "  TD_RUN_ID: the job's run id; rank 0 refuses workers of another run at once (two jobs\n"
+    "  given the same --master-port never mix)\n"
+    "Workers die with tdistrun, even when it is killed with SIGKILL.\n"
     "\n"
     "options (also accepted as --opt=VALUE and with '_' for '-'):\n"
     "  --nproc-per-node N    workers on this node (default 1)\n"
@@ -118,6 +124,8 @@ static void usage(FILE *f) {
     "  --master-port P       rendezvous port, 1..65535 (default 29500)\n"
     "  --standalone          single node; MASTER_PORT is a free port on 127.0.0.1, picked\n"
     "                        again for every restart, unless --master-port is given\n"
+    "  --rdzv-id ID          run id shared by every node of the job (default: TD_RUN_ID, else\n"
+    "                        the Slurm job and step, else a random id with --nnodes 1)\n"
     "  --max-restarts K      restart the whole group up to K times after a failure (default 0)\n"
     "  --monitor-interval MS fallback period for checking workers, in ms (default 100)\n"
     "  --stop-timeout S      seconds between SIGTERM and SIGKILL when stopping (default 5)\n"
@@ -281,6 +289,10 @@ static int parse_args(int argc, char **argv, options *o) {
     } else if (strcmp(name, "master-port") == 0) {
       if (!parse_int(val, 1, 65535, &o->master_port))
         return usage_error("--master-port must be an integer in 1..65535, got '%s'", val);
+    } else if (strcmp(name, "rdzv-id") == 0) {
+      if (val[0] == '\0' || strlen(val) > 100)
+        return usage_error("--rdzv-id must be 1..100 characters, got '%s'", val);
+      o->rdzv_id = val;
     } else if (strcmp(name, "max-restarts") == 0) {
       if (!parse_int(val, 0, 1000000, &o->max_restarts))
         return usage_error("--max-restarts must be an integer >= 0, got '%s'", val);
@@ -515,16 +527,20 @@ static char **build_env(const options *o, const worker *w, int attempt, int port
   return env;
 }
 
-/* spawn_worker starts w. Returns 0 or an errno value. */
+/* spawn_worker starts w: fork, then in the child: die with the launcher (PR_SET_PDEATHSIG, and
+ * a parent check for a launcher that died before that), default signal handling, the output
+ * pipes, exec. An exec failure travels back through a close-on-exec pipe. Returns 0 or an errno
+ * value. The child runs only async-signal-safe calls before exec. */
 static int spawn_worker(const options *o, worker *w, int attempt, int port) {
-  int pout[2] = {-1, -1}, perr[2] = {-1, -1}, rc = 0;
+  int pout[2] = {-1, -1}, perr[2] = {-1, -1}, perrno[2] = {-1, -1}, rc = 0;
   char vals[N_ENV][320];
   char **env = NULL;
-  posix_spawn_file_actions_t fa;
-  posix_spawnattr_t at;
-  bool fa_ok = false, at_ok = false;
 
   if (o->prefix && (pipe2(pout, O_CLOEXEC) != 0 || pipe2(perr, O_CLOEXEC) != 0)) {
+    rc = errno;
+    goto out;
+  }
+  if (pipe2(perrno, O_CLOEXEC) != 0) {
     rc = errno;
     goto out;
   }
@@ -533,30 +549,49 @@ static int spawn_worker(const options *o, worker *w, int attempt, int port) {
     rc = ENOMEM;
     goto out;
   }
-  if ((rc = posix_spawn_file_actions_init(&fa)) != 0) goto out;
-  fa_ok = true;
-  if (o->prefix) {
-    /* dup2 onto 1/2 clears O_CLOEXEC there; every other pipe end stays close-on-exec. */
-    if ((rc = posix_spawn_file_actions_adddup2(&fa, pout[1], STDOUT_FILENO)) != 0 ||
-        (rc = posix_spawn_file_actions_adddup2(&fa, perr[1], STDERR_FILENO)) != 0)
-      goto out;
-  }
-  if ((rc = posix_spawnattr_init(&at)) != 0) goto out;
-  at_ok = true;
-  sigset_t empty, def;
-  sigemptyset(&empty);
-  sigemptyset(&def);
-  sigaddset(&def, SIGPIPE);
-  sigaddset(&def, SIGINT);
-  sigaddset(&def, SIGTERM);
-  sigaddset(&def, SIGHUP);
-  sigaddset(&def, SIGCHLD);
-  if ((rc = posix_spawnattr_setsigmask(&at, &empty)) != 0 ||
-      (rc = posix_spawnattr_setsigdefault(&at, &def)) != 0 ||
-      (rc = posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF)) != 0)
+  pid_t parent = getpid();
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  if (pid < 0) {
+    rc = errno;
     goto out;
-  rc = posix_spawnp(&w->pid, o->argv[0], &fa, &at, o->argv, env);
-  if (rc != 0) goto out;
+  }
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(128 + SIGKILL); /* the launcher is already gone */
+    static const int defaults[] = {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGCHLD};
+    for (size_t i = 0; i < sizeof defaults / sizeof defaults[0]; i++) signal(defaults[i], SIG_DFL);
+    sigset_t empty;
+    sigemptyset(&empty);
+    sigprocmask(SIG_SETMASK, &empty, NULL);
+    /* dup2 onto 1/2 clears O_CLOEXEC there; every other pipe end stays close-on-exec */
+    if (o->prefix && (dup2(pout[1], STDOUT_FILENO) < 0 || dup2(perr[1], STDERR_FILENO) < 0)) {
+      int e = errno;
+      ssize_t wr = write(perrno[1], &e, sizeof e);
+      (void)wr;
+      _exit(127);
+    }
+    execvpe(o->argv[0], o->argv, env);
+    int e = errno;
+    ssize_t wr = write(perrno[1], &e, sizeof e);
+    (void)wr;
+    _exit(127);
+  }
+  close(perrno[1]);
+  perrno[1] = -1;
+  int child_errno = 0;
+  ssize_t got;
+  do {
+    got = read(perrno[0], &child_errno, sizeof child_errno);
+  } while (got < 0 && errno == EINTR);
+  if (got == (ssize_t)sizeof child_errno) { /* exec failed: reap the child, report why */
+    while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {
+    }
+    rc = child_errno;
+    goto out;
+  }
+  w->pid = pid;
   w->running = true;
   if (o->prefix) {
     w->out = (stream){.fd = pout[0], .dest = STDOUT_FILENO, .prefix = w->prefix};
@@ -564,12 +599,11 @@ static int spawn_worker(const options *o, worker *w, int attempt, int port) {
     pout[0] = perr[0] = -1;
   }
 out:
-  if (fa_ok) posix_spawn_file_actions_destroy(&fa);
-  if (at_ok) posix_spawnattr_destroy(&at);
   free(env);
   for (int k = 0; k < 2; k++) {
     if (pout[k] >= 0) close(pout[k]);
     if (perr[k] >= 0) close(perr[k]);
+    if (perrno[k] >= 0) close(perrno[k]);
   }
   return rc;
 }
@@ -790,11 +824,45 @@ static int ensure_secret(const options *o) {
   return -1;
 }
 
+/* ensure_run_id sets TD_RUN_ID for the workers: --rdzv-id, else TD_RUN_ID as given, else the
+ * Slurm job and step (the same in every node's tdistrun), else a random id for a single node.
+ * Several nodes without any of these share no id; they get a warning. Returns -1 to go on. */
+static int ensure_run_id(const options *o) {
+  char id[160];
+  const char *job = env_nonempty("SLURM_JOB_ID"), *step = env_nonempty("SLURM_STEP_ID");
+  if (o->rdzv_id) {
+    snprintf(id, sizeof id, "%s", o->rdzv_id);
+  } else if (env_nonempty("TD_RUN_ID")) {
+    return -1;
+  } else if (job && !o->standalone) {
+    snprintf(id, sizeof id, "slurm:%s.%s", job, step ? step : "batch");
+  } else if (o->nnodes == 1) {
+    unsigned char b[8];
+    if (getrandom(b, sizeof b, 0) != (ssize_t)sizeof b) {
+      perror("tdistrun: getrandom");
+      return 1;
+    }
+    snprintf(id, sizeof id, "tdistrun:%02x%02x%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2], b[3],
+             b[4], b[5], b[6], b[7]);
+  } else {
+    fprintf(stderr, "tdistrun: no --rdzv-id for a job over %d nodes: another job given the same "
+            "--master-port could join this one; pass the same --rdzv-id to every node\n",
+            o->nnodes);
+    return -1;
+  }
+  if (setenv("TD_RUN_ID", id, 1) != 0) {
+    perror("tdistrun: setenv");
+    return 1;
+  }
+  return -1;
+}
+
 int main(int argc, char **argv) {
   options o;
   int rc = parse_args(argc, argv, &o);
   if (rc >= 0) return rc;
   if ((rc = ensure_secret(&o)) >= 0) return rc;
+  if ((rc = ensure_run_id(&o)) >= 0) return rc;
   if (install_signals() != 0) {
     perror("tdistrun: signal setup");
     return 1;

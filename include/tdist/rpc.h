@@ -310,6 +310,12 @@ typedef struct td_rpc_options {
    * same. Default NULL: TD_RPC_TLS_CERT, TD_RPC_TLS_KEY, TD_RPC_TLS_CA, TD_RPC_TLS_NAME; else no
    * TLS. Borrowed: read during td_rpc_init only. */
   const char *tls_cert_file, *tls_key_file, *tls_ca_file, *tls_server_name;
+  /* The run this worker belongs to (at most 127 bytes): rank 0's store refuses workers of another
+   * run at once ("two jobs share MASTER_PORT ..."), before they can touch it. Default NULL:
+   * TD_RUN_ID (tdistrun sets it: --rdzv-id, else the Slurm job, else a random id per job), else
+   * "slurm:<job>.<step>" under srun, else "ompi:<job>" under Open MPI's mpirun, else "" (none).
+   * Borrowed: read during td_rpc_init only. */
+  const char *run_id;
 } td_rpc_options;
 
 /* Traffic with one peer (or all of them), by path: frames and bytes (envelope + tensor bytes)

@@ -4,7 +4,8 @@
  *   --ignore-term        ignore SIGTERM and SIGINT (tests the SIGKILL escalation)
  *   --pid-dir D          write this process's pid to D/<RANK>.<TD_RESTART_COUNT>.pid (atomically,
  *                        through a rename)
- *   --env                print "NAME=value" for each launcher variable (and TD_LAUNCHER_MARK)
+ *   --env                print "NAME=value" for each launcher variable (and TD_LAUNCHER_MARK,
+ *                        TD_RUN_ID)
  *   --secret             print "TD_RPC_SECRET=value" (the job secret the launcher handed over)
  *   --lines N            print N long lines to stdout and N to stderr, each in two write() calls
  *   --partial            print "part-one " and, after 20 ms, "part-two\n" on stdout and stderr
@@ -104,7 +105,7 @@ int main(int argc, char **argv) {
   if (env) {
     static const char *const names[] = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                                         "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-                                        "TD_RESTART_COUNT", "TD_LAUNCHER_MARK"};
+                                        "TD_RESTART_COUNT", "TD_LAUNCHER_MARK", "TD_RUN_ID"};
     for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
       const char *v = getenv(names[k]);
       snprintf(buf, sizeof buf, "%s=%s\n", names[k], v ? v : "(unset)");

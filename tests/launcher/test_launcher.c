@@ -250,7 +250,7 @@ static void test_launcher_env_vars_single_node(void **state) {
     ASSERT_LINE(r.out, "[%d]: TD_RESTART_COUNT=0", k);
     ASSERT_LINE(r.out, "[%d]: TD_LAUNCHER_MARK=kept", k);
   }
-  assert_int_equal(count_lines(r.out), 3 * 9);
+  assert_int_equal(count_lines(r.out), 3 * 10);
   assert_string_equal(r.err, "");
   run_free(&r);
 }
@@ -273,12 +273,80 @@ static void test_launcher_env_vars_multi_node(void **state) {
     ASSERT_LINE(r.out, "[%d]: MASTER_ADDR=10.1.2.3", rank);
     ASSERT_LINE(r.out, "[%d]: MASTER_PORT=4242", rank);
   }
-  assert_int_equal(count_lines(r.out), 2 * 9);
+  assert_int_equal(count_lines(r.out), 2 * 10);
   run_free(&r);
 }
 
 /* Without a secret in its environment, tdistrun hands a new random one (64 hex digits) to all
  * workers of a job, a different one per job, and never prints it. */
+/* value_of returns (static) what rank k printed for "NAME=" (up to the end of its line). */
+static const char *value_of(const run *r, int k, const char *name) {
+  static char v[256];
+  char pfx[96];
+  snprintf(pfx, sizeof pfx, "[%d]: %s=", k, name);
+  const char *p = strstr(r->out, pfx);
+  if (!p) fail_msg("no '%s' in:\n%s", pfx, r->out);
+  p += strlen(pfx);
+  size_t n = strcspn(p, "\n");
+  snprintf(v, sizeof v, "%.*s", (int)(n < sizeof v ? n : sizeof v - 1), p);
+  return v;
+}
+
+/* Every job has a run id: --rdzv-id, else a new random one per single-node job, the same for all
+ * its workers (the library refuses workers of another run). */
+static void test_launcher_run_id(void **state) {
+  (void)state;
+  char first[256] = "";
+  for (int job = 0; job < 2; job++) {
+    run r;
+    launch(&r, (const char *[]){"--nproc-per-node", "2", WORKER_PATH, "--env", NULL});
+    ASSERT_EXIT(&r, 0);
+    char id0[256];
+    snprintf(id0, sizeof id0, "%s", value_of(&r, 0, "TD_RUN_ID"));
+    assert_string_equal(id0, value_of(&r, 1, "TD_RUN_ID"));
+    assert_true(strncmp(id0, "tdistrun:", 9) == 0 && strlen(id0) == 9 + 16);
+    if (job == 0) snprintf(first, sizeof first, "%s", id0);
+    else assert_string_not_equal(first, id0);
+    run_free(&r);
+  }
+  run r;
+  launch(&r, (const char *[]){"--rdzv-id", "exp-42", "--nproc-per-node", "2", WORKER_PATH,
+                              "--env", NULL});
+  ASSERT_EXIT(&r, 0);
+  assert_string_equal(value_of(&r, 0, "TD_RUN_ID"), "exp-42");
+  assert_string_equal(value_of(&r, 1, "TD_RUN_ID"), "exp-42");
+  run_free(&r);
+}
+
+/* kill -9 of tdistrun: its workers die with it (PR_SET_PDEATHSIG), none keeps running. */
+static void test_launcher_sigkill_takes_workers_along(void **state) {
+  (void)state;
+  char *dir = scratch_create();
+  run r;
+  run_start(&r, (const char *[]){"--nproc-per-node", "3", WORKER_PATH, "--pid-dir", dir,
+                                 "--sleep-ms", "60000", NULL});
+  wait_pid_files(dir, 3, 0);
+  assert_int_equal(kill(r.pid, SIGKILL), 0);
+  run_finish(&r);
+  /* this test is a subreaper: the orphans are our children now; each must end by SIGKILL */
+  for (int k = 0; k < 3; k++) {
+    pid_t pid = read_pid(dir, k, 0);
+    int st = 0;
+    pid_t got = 0;
+    for (double end = td_test_now_s() + td_test_s(5.0); got == 0 && td_test_now_s() < end;
+         td_test_sleep_ms(5))
+      got = waitpid(pid, &st, WNOHANG);
+    if (got != pid) {
+      kill(pid, SIGKILL);
+      waitpid(pid, NULL, 0);
+      fail_msg("worker rank %d (pid %ld) outlived the SIGKILLed tdistrun", k, (long)pid);
+    }
+    assert_true(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+  }
+  run_free(&r);
+  scratch_destroy(dir);
+}
+
 static void test_launcher_secret_generated_per_job(void **state) {
   (void)state;
   const char *saved = g_secret;
@@ -394,7 +462,7 @@ static void test_launcher_no_prefix_passes_through(void **state) {
   assert_true(has_line(r.out, "RANK=0"));
   assert_true(has_line(r.out, "RANK=1"));
   assert_null(strstr(r.out, "]: "));
-  assert_int_equal(count_lines(r.out), 2 * 9);
+  assert_int_equal(count_lines(r.out), 2 * 10);
   run_free(&r);
 }
 
@@ -679,6 +747,8 @@ int main(void) {
       cmocka_unit_test_teardown(test_launcher_env_vars_single_node, teardown),
       cmocka_unit_test_teardown(test_launcher_env_vars_multi_node, teardown),
       cmocka_unit_test_teardown(test_launcher_secret_generated_per_job, teardown),
+      cmocka_unit_test_teardown(test_launcher_run_id, teardown),
+      cmocka_unit_test_teardown(test_launcher_sigkill_takes_workers_along, teardown),
       cmocka_unit_test_teardown(test_launcher_secret_given_or_required, teardown),
       cmocka_unit_test_teardown(test_launcher_output_prefixed_per_line, teardown),
       cmocka_unit_test_teardown(test_launcher_no_prefix_passes_through, teardown),

@@ -202,6 +202,46 @@ static int worker_bad_world(int rank, int world, const char *method, void *arg) 
   return 0;
 }
 
+/* Two runs given one port: rank 0 of run "job-a" waits for its rank 1; a worker of run "job-b"
+ * (the same secret, the same rank and world size) comes first and is refused at once, naming the
+ * port; then job-a's own rank 1 joins and job-a works. */
+static int worker_two_runs(int rank, int world, const char *method, void *arg) {
+  (void)world;
+  (void)arg;
+  td_rpc_options o = td_mp_rpc_options(method, 2);
+  td_rpc_agent *a;
+  if (rank == 2) { /* job-b's rank 1 */
+    o.run_id = "job-b";
+    double t0 = td_test_now_s();
+    td_status st = td_rpc_init(NULL, 1, 2, &o, &a);
+    fprintf(stderr, "job-b refused after %.2f s: %s\n", td_test_now_s() - t0, td_last_error());
+    MP_CHECK(st == TD_ERR_EXISTS);
+    MP_CHECK(strstr(td_last_error(), "another run") != NULL);
+    MP_CHECK(strstr(td_last_error(), "'job-a'") != NULL);
+    const char *port = strrchr(method, ':') + 1;
+    char want[64];
+    snprintf(want, sizeof want, "MASTER_PORT %s", port);
+    MP_CHECK(strstr(td_last_error(), want) != NULL);
+    MP_CHECK(td_test_now_s() - t0 < td_test_s(5));
+    return 0;
+  }
+  register_test_fns();
+  o.run_id = "job-a";
+  if (rank == 1) td_test_sleep_ms(td_test_ms(1500)); /* after job-b's attempt */
+  MP_CHECK_OK(td_rpc_init(NULL, rank, 2, &o, &a));
+  td_value *two[2] = {td_value_int(1), td_value_int(rank)}, *r;
+  MP_CHECK_OK(td_rpc_sync(a, rank ? "worker0" : "worker1", "add", two, 2, NULL, &r));
+  td_value_unref(r);
+  td_value_unref(two[0]);
+  td_value_unref(two[1]);
+  td_mp_finish(a, 20);
+  return 0;
+}
+
+static void test_rpc_init_refuses_another_run(void **state) {
+  TD_MP_RUN(3, worker_two_runs, NULL, 60);
+}
+
 static void test_rpc_init_world_size_mismatch(void **state) {
   TD_MP_RUN(2, worker_bad_world, NULL, 30);
 }
@@ -249,6 +289,7 @@ int main(void) {
       cmocka_unit_test(test_rpc_init_after_shutdown_from_env),
       cmocka_unit_test(test_rpc_init_duplicate_names),
       cmocka_unit_test(test_rpc_init_world_size_mismatch),
+      cmocka_unit_test(test_rpc_init_refuses_another_run),
       cmocka_unit_test(test_rpc_init_deadline),
   };
   return cmocka_run_group_tests_name("rpc_lifecycle", tests, NULL, NULL);
