@@ -259,6 +259,12 @@ td_status td__slurm_port(const char *job_id, int *port) {
   return TD_OK;
 }
 
+int td__job_port(const char *job_key) {
+  uint32_t h = 2166136261u;
+  for (const char *p = job_key ? job_key : ""; *p; p++) h = (h ^ (uint8_t)*p) * 16777619u;
+  return TD__SLURM_PORT_BASE + (int)(h % TD__SLURM_PORT_SPAN);
+}
+
 /* ---- interfaces ---- */
 
 bool td__ifname_spec_valid(const char *spec) {

@@ -59,6 +59,12 @@ td_status td__slurm_first_host(const char *list, char *out, size_t n);
  * not a decimal number (leading/trailing garbage included); *port untouched then. */
 td_status td__slurm_port(const char *job_id, int *port);
 
+/* td__job_port derives a rendezvous port in the same range from any job key (Open MPI's job:
+ * PMIX_NAMESPACE or OMPI_MCA_ess_base_jobid): TD__SLURM_PORT_BASE + FNV-1a(key) %
+ * TD__SLURM_PORT_SPAN, so two mpirun jobs on one host rarely share a port (1 in 12000; the run id
+ * check refuses the second one then). */
+int td__job_port(const char *job_key);
+
 /* td__ifname_match says whether interface name ifname is selected by spec, NCCL_SOCKET_IFNAME's
  * syntax: a comma list of name prefixes ("eth,ib"); a leading '^' turns the list into
  * exclusions ("^docker,lo": any name starting with neither); a leading '=' (after '^' when both)

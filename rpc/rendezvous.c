@@ -753,10 +753,14 @@ td_status td__rpc_init_from_env_impl(const char *name, const td_rpc_options *opt
     const char *mp = getenv("MASTER_PORT");
     long port = mp && *mp ? strtol(mp, NULL, 10) : 29500;
     const char *job = getenv("SLURM_JOB_ID");
+    const char *ompi = getenv("PMIX_NAMESPACE");
+    if (!ompi || !*ompi) ompi = getenv("OMPI_MCA_ess_base_jobid");
     if (!(mp && *mp) && job && *job) { /* under Slurm: a port per job (core/netaddr.h) */
       int jp;
       TD_TRY(td__slurm_port(job, &jp));
       port = jp;
+    } else if (!(mp && *mp) && ompi && *ompi && getenv("OMPI_COMM_WORLD_RANK")) {
+      port = td__job_port(ompi); /* under mpirun: a port per job too */
     }
     if (port <= 0 || port > 65535)
       return td_set_error(TD_ERR_INVALID, "rpc_init_from_env: bad MASTER_PORT '%s'", mp);

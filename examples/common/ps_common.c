@@ -3,10 +3,15 @@
 #include "ps_common.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -163,21 +168,67 @@ double psx_evaluate(td_module *model, const td_mnist *ds, bool flatten) {
   return acc;
 }
 
-/* Children forked by psx_spawn_if_alone (rank i at psx_children[i - 1]). */
+/* Children forked by psx_spawn_if_alone (rank i at psx_children[i - 1]), their wait statuses
+ * once reaped, and the parent's watcher thread that reaps them. */
 static pid_t psx_children[63];
+static int psx_status[63];
+static bool psx_reaped[63];
 static int psx_nchildren;
+static pthread_t psx_watcher;
+static bool psx_watching;
+
+static void describe(int st, char *buf, size_t n) {
+  if (WIFSIGNALED(st)) snprintf(buf, n, "was killed by signal %d (%s)", WTERMSIG(st),
+                                strsignal(WTERMSIG(st)));
+  else snprintf(buf, n, "exited with status %d", WEXITSTATUS(st));
+}
+
+/* The watcher: a child that fails (signal, non-zero exit) stops the whole job at once, naming it,
+ * instead of leaving the others waiting for it. Children that exit 0 are only recorded. */
+static void *watch_children(void *arg) {
+  (void)arg;
+  for (int left = psx_nchildren; left > 0;) {
+    int st = 0;
+    pid_t pid = waitpid(-1, &st, 0);
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    for (int i = 0; i < psx_nchildren; i++) {
+      if (psx_children[i] != pid) continue;
+      __atomic_store_n(&psx_status[i], st, __ATOMIC_RELAXED);
+      __atomic_store_n(&psx_reaped[i], true, __ATOMIC_RELEASE);
+      left--;
+      if (WIFEXITED(st) && WEXITSTATUS(st) == 0) break;
+      char what[96];
+      describe(st, what, sizeof what);
+      fprintf(stderr, "%s: worker rank %d (pid %d) %s; stopping the job\n",
+              program_invocation_short_name, i + 1, (int)pid, what);
+      for (int k = 0; k < psx_nchildren; k++)
+        if (!__atomic_load_n(&psx_reaped[k], __ATOMIC_ACQUIRE)) kill(psx_children[k], SIGTERM);
+      _exit(1); /* the children die with us too (PR_SET_PDEATHSIG) */
+    }
+  }
+  return NULL;
+}
 
 /* psx_spawn_if_alone: when RANK is unset, picks a free port, forks nproc - 1 children (ranks
- * 1..nproc-1) and sets the rendezvous variables in every process; the parent becomes rank 0.
+ * 1..nproc-1) and sets the rendezvous variables in every process; the parent becomes rank 0 and
+ * watches the children (a failed one stops the job), the children die with the parent.
  * Does nothing when RANK is set (started by tdistrun or torchrun). Started by srun without a
- * launcher (SLURM_PROCID set), or by mpirun (OMPI_COMM_WORLD_RANK), it only copies that rank to
- * RANK: td_rpc_init_from_env reads the world size and master from the same variables. */
+ * launcher (SLURM_PROCID set), or by mpirun (OMPI_COMM_WORLD_RANK), it only copies that rank and
+ * the task count to RANK and WORLD_SIZE (for the example's own use; td_rpc_init_from_env reads
+ * the launcher's variables itself). */
 void psx_spawn_if_alone(int nproc) {
   if (getenv("RANK")) return;
-  const char *launched = getenv("SLURM_PROCID");
-  if (!launched || !*launched) launched = getenv("OMPI_COMM_WORLD_RANK");
+  const char *launched = getenv("SLURM_PROCID"), *size = getenv("SLURM_NTASKS");
+  if (!launched || !*launched) {
+    launched = getenv("OMPI_COMM_WORLD_RANK");
+    size = getenv("OMPI_COMM_WORLD_SIZE");
+  }
   if (launched && *launched) {
     setenv("RANK", launched, 1);
+    if (size && *size && !getenv("WORLD_SIZE")) setenv("WORLD_SIZE", size, 1);
     return;
   }
   if (nproc < 2 || nproc > 64) ex_die("--nproc must be in 2..64 (got %d)", nproc);
@@ -201,10 +252,13 @@ void psx_spawn_if_alone(int nproc) {
   setenv("WORLD_SIZE", world, 1);
   fflush(stdout);
   fflush(stderr);
+  pid_t parent = getpid();
   for (int r = 1; r < nproc; r++) {
     pid_t pid = fork();
     if (pid < 0) ex_die("fork failed");
     if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(1); /* rank 0 is already gone */
       psx_nchildren = 0;
       snprintf(rank, sizeof rank, "%d", r);
       setenv("RANK", rank, 1);
@@ -215,18 +269,24 @@ void psx_spawn_if_alone(int nproc) {
   }
   setenv("RANK", "0", 1);
   setenv("LOCAL_RANK", "0", 1);
+  if (pthread_create(&psx_watcher, NULL, watch_children, NULL) != 0)
+    ex_die("cannot start the thread that watches the workers");
+  psx_watching = true;
 }
 
-/* psx_wait_children reaps the children of psx_spawn_if_alone; returns rc, or 1 when rc is 0 and
- * a child failed. */
+/* psx_wait_children waits for the children of psx_spawn_if_alone (the watcher reaps them);
+ * returns rc, or 1 when rc is 0 and a child failed. */
 int psx_wait_children(int rc) {
+  if (!psx_watching) return rc;
+  pthread_join(psx_watcher, NULL);
+  psx_watching = false;
   for (int i = 0; i < psx_nchildren; i++) {
-    int st = 0;
-    if (waitpid(psx_children[i], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+    int st = __atomic_load_n(&psx_status[i], __ATOMIC_RELAXED);
+    if (!__atomic_load_n(&psx_reaped[i], __ATOMIC_ACQUIRE) || !WIFEXITED(st) ||
+        WEXITSTATUS(st) != 0) {
       fprintf(stderr, "rank %d failed\n", i + 1);
       if (rc == 0) rc = 1;
     }
   }
   return rc;
 }
-

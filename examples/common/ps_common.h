@@ -9,7 +9,9 @@
  *                      process with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (a free port on
  *                      127.0.0.1), so `build/examples/param_server` alone works like
  *                      `tdistrun --standalone --nproc-per-node 3 build/examples/param_server`.
- *   psx_wait_children  reaps those copies and folds their exit status into the caller's.
+ *                      As under tdistrun, a copy that fails stops the job at once (rank 0 names
+ *                      it and exits 1) and the copies die with rank 0.
+ *   psx_wait_children  waits for those copies and folds their exit status into the caller's.
  *
  * Everything dies with a message (ex_die) on failure. Main thread only.
  */
@@ -62,8 +64,8 @@ double psx_evaluate(td_module *model, const td_mnist *ds, bool flatten);
  * (started by tdistrun or torchrun); under srun or mpirun it only copies their rank to RANK. */
 void psx_spawn_if_alone(int nproc);
 
-/* psx_wait_children reaps the children of psx_spawn_if_alone; returns rc, or 1 when rc is 0 and
- * a child failed. */
+/* psx_wait_children waits for the children of psx_spawn_if_alone; returns rc, or 1 when rc is 0
+ * and a child failed. */
 int psx_wait_children(int rc);
 
 #endif

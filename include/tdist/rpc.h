@@ -444,8 +444,10 @@ TD_API td_status td_rpc_init(const char *name, int rank, int world_size,
  * MASTER_PORT (default 29500); falls back to SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / the
  * first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST), then to OMPI_COMM_WORLD_RANK /
  * _SIZE / _LOCAL_RANK. Under Slurm without MASTER_PORT the port is 20000 + SLURM_JOB_ID % 12000,
- * so two jobs on one node do not collide. name may be NULL. opts->init_method, when set,
- * overrides MASTER_ADDR/MASTER_PORT. */
+ * under mpirun 20000 + a hash of the Open MPI job % 12000, so two jobs on one node do not collide
+ * (and if they do, the run id check refuses the second: td_rpc_options.run_id). Under mpirun over
+ * several hosts set MASTER_ADDR (rank 0's host) with `mpirun -x MASTER_ADDR=...`. name may be
+ * NULL. opts->init_method, when set, overrides MASTER_ADDR/MASTER_PORT. */
 TD_API td_status td_rpc_init_from_env(const char *name, const td_rpc_options *opts,
                                       td_rpc_agent **out);
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# test_example_loss.sh TDISTRUN EXAMPLE ARGS... - runs EXAMPLE under TDISTRUN with 3 processes
-# (or alone with TD_EXAMPLE_NPROC=1) and checks that every process exited 0, that rank 0 printed
+# test_example_loss.sh TDISTRUN EXAMPLE ARGS... - runs EXAMPLE with 3 processes, started as
+# TD_EXAMPLE_LAUNCH says (launch_lib.sh: tdistrun, the default; self, the example forking its own
+# workers; mpirun, Open MPI), or alone with TD_EXAMPLE_NPROC=1, and checks that every process exited 0, that rank 0 printed
 # the JSON line, and that the example learned:
 #   - results.first_loss is above results.last_loss (the training loss fell), and
 #   - the metric ($TD_EXAMPLE_METRIC, default test_accuracy) passes $TD_EXAMPLE_THRESHOLD
@@ -25,10 +26,14 @@ limit=$((100 * ${TD_TEST_TIMEOUT_SCALE:-1}))
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
 rc=0
+launch="${TD_EXAMPLE_LAUNCH:-tdistrun}"
 if [[ "${TD_EXAMPLE_NPROC:-3}" == 1 ]]; then
   timeout "$limit" "$example" "$@" >"$out" || rc=$?
 else
-  timeout "$limit" "$tdistrun" --standalone --nproc-per-node 3 --no-prefix "$example" "$@" >"$out" || rc=$?
+  # shellcheck source=launch_lib.sh
+  source "$(dirname "$0")/launch_lib.sh"
+  launch_cmd "$launch" "$tdistrun" "$example" "$@"
+  timeout "$limit" "${LAUNCH_CMD[@]}" >"$out" || rc=$?
 fi
 cat "$out"
 if [[ $rc -ne 0 ]]; then

@@ -132,6 +132,23 @@ static void test_slurm_first_host_small_buffer(void **state) {
   assert_string_equal(ok, "node01");
 }
 
+/* Open MPI jobs: a hashed port, the same for the same job, in the range, spread out. */
+static void test_job_port_derivation(void **state) {
+  (void)state;
+  assert_int_equal(td__job_port("1124597761"), td__job_port("1124597761"));
+  assert_int_equal(td__job_port(""), 20000 + (int)(2166136261u % 12000));
+  int same = 0;
+  for (int j = 0; j < 1000; j++) {
+    char a[32], b[32];
+    snprintf(a, sizeof a, "%d", 1124597761 + (j << 16));
+    snprintf(b, sizeof b, "prterun-host-%d@1", j);
+    int pa = td__job_port(a), pb = td__job_port(b);
+    assert_true(pa >= 20000 && pa < 32000 && pb >= 20000 && pb < 32000);
+    same += pa == td__job_port(a + 1);
+  }
+  assert_true(same < 5);
+}
+
 static void test_slurm_port_derivation(void **state) {
   (void)state;
   int p = -1;
@@ -308,6 +325,7 @@ int main(void) {
       cmocka_unit_test(test_slurm_expand_errors),
       cmocka_unit_test(test_slurm_first_host_small_buffer),
       cmocka_unit_test(test_slurm_port_derivation),
+      cmocka_unit_test(test_job_port_derivation),
       cmocka_unit_test(test_ifname_match_syntax),
       cmocka_unit_test(test_ifaddr_pick_fake_interfaces),
       cmocka_unit_test(test_choose_address_loopback_master),
