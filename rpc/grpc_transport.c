@@ -3,10 +3,14 @@
  *
  * Lock order: t->mu, then c->mu. No lock is held while calling the agent's callbacks.
  */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "grpc_impl.h"
@@ -133,6 +137,57 @@ grpc_channel *td__grpc_channel_for(td__transport *t, const char *address) {
   t->chans[t->nchans++] = (chan_entry){addr, ch};
   pthread_mutex_unlock(&t->mu);
   return ch;
+}
+
+/* Why gRPC could not listen on host:port: a plain bind() of the same address says (gRPC's own
+ * error is a long tree, logged at DEBUG). */
+static void listen_failure(const char *addr, int port, char *why, size_t n) {
+  char host[320];
+  snprintf(host, sizeof host, "%s", addr);
+  char *colon = strrchr(host, ':');
+  if (colon) *colon = 0;
+  bool v6 = host[0] == '[';
+  const char *h = v6 ? host + 1 : host;
+  if (v6 && strchr(host, ']')) *strchr(host, ']') = 0;
+  struct sockaddr_storage ss;
+  memset(&ss, 0, sizeof ss);
+  socklen_t len;
+  if (v6) {
+    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)&ss;
+    a6->sin6_family = AF_INET6;
+    a6->sin6_port = htons((uint16_t)port);
+    len = inet_pton(AF_INET6, h, &a6->sin6_addr) == 1 ? sizeof *a6 : 0;
+  } else {
+    struct sockaddr_in *a4 = (struct sockaddr_in *)&ss;
+    a4->sin_family = AF_INET;
+    a4->sin_port = htons((uint16_t)port);
+    len = inet_pton(AF_INET, h, &a4->sin_addr) == 1 ? sizeof *a4 : 0;
+  }
+  int fd = len ? socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0) : -1;
+  int one = 1, err = 0;
+  if (fd >= 0) {
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, (struct sockaddr *)&ss, len) != 0) err = errno;
+    close(fd);
+  }
+  if (err == EADDRINUSE) snprintf(why, n, "port %d is in use", port);
+  else if (err == EADDRNOTAVAIL) snprintf(why, n, "%.100s is not an address of this machine", h);
+  else if (err == EACCES) snprintf(why, n, "port %d needs privileges", port);
+  else if (err) snprintf(why, n, "%s", strerror(err));
+  else snprintf(why, n, "gRPC refused the address (TD_LOG_LEVEL=debug shows its error)");
+}
+
+/* gRPC's own log lines (its internal error trees, 600 characters for a port in use) go to
+ * td_log at DEBUG: tdist reports every failure itself, in one line. GRPC_VERBOSITY or GRPC_TRACE
+ * in the environment keep gRPC's own logging. */
+static void grpc_log_to_td(gpr_log_func_args *args) {
+  td_log(TD_LOG_DEBUG, "grpc %s:%d: %s", args->file, args->line, args->message);
+}
+
+static void route_grpc_log(void) {
+  const char *v = getenv("GRPC_VERBOSITY"), *tr = getenv("GRPC_TRACE");
+  if ((v && *v) || (tr && *tr)) return;
+  gpr_set_log_function(grpc_log_to_td);
 }
 
 td_status td__grpc_map_status(grpc_status_code c) {
@@ -362,6 +417,8 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
     td__free(t);
     return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
   }
+  static pthread_once_t log_once = PTHREAD_ONCE_INIT;
+  pthread_once(&log_once, route_grpc_log);
   grpc_init();
   t->cq = grpc_completion_queue_create_for_next(NULL);
   grpc_arg argbuf[24];
@@ -413,8 +470,10 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->cv);
     td__free(t);
-    return td_set_error(TD_ERR_UNAVAILABLE, "rpc: cannot listen on %s (address in use or invalid%s)",
-                        addr, o->tls ? ", or the TLS certificate or key is not valid PEM" : "");
+    char why[200];
+    listen_failure(addr, o->port, why, sizeof why);
+    return td_set_error(TD_ERR_UNAVAILABLE, "rpc: cannot listen on %s: %s%s", addr, why,
+                        o->tls ? " (or the TLS certificate or key is not valid PEM)" : "");
   }
   grpc_server_start(t->server);
   t->t_server_shutdown = (tag){TAG_SERVER_SHUTDOWN, t};

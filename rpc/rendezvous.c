@@ -605,6 +605,11 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   tls_free(&tls);
   if (st != TD_OK) {
     if (a->rank != 0) return st;
+    if (strstr(td_last_error(), "is in use"))
+      return td_set_error(st, "rpc_init: rank 0 cannot serve the rendezvous store: port %d on %s "
+                          "is in use (another job, or one still exiting); choose another "
+                          "MASTER_PORT (tdistrun --master-port), or let tdistrun --standalone "
+                          "pick a free one", ad->mport, a->listen_addr);
     return td__error_prefix(st, "rpc_init: rank 0 cannot serve the rendezvous store on %s:%d",
                             a->listen_addr, ad->mport);
   }

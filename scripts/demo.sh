@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
-TD_BUILD_TYPE=Release scripts/build.sh
+# only what the demo runs: the library, the launcher and the example (not the tests and benches)
+TD_BUILD_TYPE=Release TD_TARGETS="tdistrun param_server" scripts/build.sh
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 exec build/tools/tdistrun --standalone --nproc-per-node 3 build/examples/param_server "$@"

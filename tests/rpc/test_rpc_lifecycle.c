@@ -2,7 +2,11 @@
  * world-size mismatch, invalid names, timeouts), init from the environment, init after shutdown,
  * graceful shutdown waiting for fire-and-forget chains, shutdown deadlines naming the workers
  * that never arrived, non-graceful shutdown. */
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <sys/stat.h>
 
 #include "rpc_test_fns.h"
@@ -242,6 +246,48 @@ static void test_rpc_init_refuses_another_run(void **state) {
   TD_MP_RUN(3, worker_two_runs, NULL, 60);
 }
 
+/* MASTER_PORT taken by another program: one clear line naming the port, and none of gRPC's
+ * internal error text on standard error (it goes to DEBUG). */
+static int worker_port_in_use(int rank, int world, const char *method, void *arg) {
+  (void)rank, (void)world, (void)arg;
+  int port = atoi(strrchr(method, ':') + 1);
+  int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  MP_CHECK(ls >= 0 && bind(ls, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(ls, 4) == 0);
+  char path[] = "/tmp/td-port-in-use-XXXXXX";
+  int fd = mkstemp(path), saved = dup(2);
+  MP_CHECK(fd >= 0 && saved >= 0);
+  fflush(stderr);
+  dup2(fd, 2);
+  td_rpc_options o = td_mp_rpc_options(method, 2);
+  td_rpc_agent *a;
+  td_status st = td_rpc_init(NULL, 0, 2, &o, &a);
+  char msg[1024];
+  snprintf(msg, sizeof msg, "%s", td_last_error());
+  fflush(stderr);
+  dup2(saved, 2);
+  char err[8192] = "";
+  ssize_t n = pread(fd, err, sizeof err - 1, 0);
+  err[n > 0 ? n : 0] = 0;
+  close(fd);
+  unlink(path);
+  close(ls);
+  fprintf(stderr, "init: %s\nstderr meanwhile: [%s]\n", msg, err);
+  MP_CHECK(st != TD_OK);
+  char want[64];
+  snprintf(want, sizeof want, "port %d on 127.0.0.1 is in use", port);
+  MP_CHECK(strstr(msg, want) != NULL);
+  MP_CHECK(strstr(msg, "--standalone") != NULL);
+  MP_CHECK(strstr(err, "chttp2") == NULL && strstr(err, "UNKNOWN:") == NULL);
+  return 0;
+}
+
+static void test_rpc_init_port_in_use_one_line(void **state) {
+  TD_MP_RUN(1, worker_port_in_use, NULL, 30);
+}
+
 static void test_rpc_init_world_size_mismatch(void **state) {
   TD_MP_RUN(2, worker_bad_world, NULL, 30);
 }
@@ -290,6 +336,7 @@ int main(void) {
       cmocka_unit_test(test_rpc_init_duplicate_names),
       cmocka_unit_test(test_rpc_init_world_size_mismatch),
       cmocka_unit_test(test_rpc_init_refuses_another_run),
+      cmocka_unit_test(test_rpc_init_port_in_use_one_line),
       cmocka_unit_test(test_rpc_init_deadline),
   };
   return cmocka_run_group_tests_name("rpc_lifecycle", tests, NULL, NULL);
