@@ -33,6 +33,7 @@
 #include <time.h>
 
 #include "example_util.h"
+#include "metrics.h"
 #include "ps_common.h"
 #include "tdist/optim.h"
 #include "tdist/rpc.h"
@@ -103,6 +104,7 @@ static void end_epoch(void) {
   fprintf(stderr, "epoch %d: test accuracy %.4f (epoch %.2fs, %lld steps of %d trainers, "
           "eval %.1fs)\n", epoch, bps.acc, et, (long long)bps.steps_per_epoch, bps.trainers,
           ex_now_s() - t0);
+  ex_metrics_eval(epoch, "test_accuracy", bps.acc);
   ex_json_num(&bps.epoch_acc, NULL, bps.acc);
   ex_json_num(&bps.epoch_time, NULL, et);
   bps.epoch_samples = 0;
@@ -321,10 +323,13 @@ static int run_trainer(td_rpc_agent *a, const ex_args *args, int trainers) {
       td_tensor *x = NULL, *y = NULL, *logits = NULL, *loss = NULL;
       EX_CHECK(td_mnist_loader_next(loader, &x, &y));
       if (!x) ex_die("trainer %d: shard ended after %lld batches", tid + 1, (long long)b);
+      double ts = ex_now_s();
       td_module_zero_grad(model);
       EX_CHECK(td_module_forward(model, x, &logits));
       EX_CHECK(td_tensor_cross_entropy(logits, y, TD_REDUCTION_MEAN, -100, &loss));
+      double t1 = ex_now_s();
       EX_CHECK(td_tensor_backward(loss));
+      double t2 = ex_now_s();
       double lv;
       EX_CHECK(td_tensor_item(loss, &lv));
       if (!isfinite(lv)) ex_die("trainer %d: loss became %g", tid + 1, lv);
@@ -343,6 +348,12 @@ static int run_trainer(td_rpc_agent *a, const ex_args *args, int trainers) {
       load_params(&params, td_future_value(f));
       td_future_unref(f);
       for (int i = 0; i < 3; i++) td_value_unref(uargs[i]);
+      ex_phases ph = {0};
+      ex_phases_add(&ph, "forward_s", t1 - ts);
+      ex_phases_add(&ph, "backward_s", t2 - t1);
+      ex_phases_add(&ph, "update_s", ex_now_s() - t2); /* the server's batched step, round trip */
+      ex_metrics_step(epoch, epoch * nb + b, lv, NAN,
+                      (double)td_tensor_size(x, 0) / (ex_now_s() - ts), &ph);
       loss_sum += lv;
       if (tid == 0) ex_progress_update(&bar, b + 1, "loss %.4f", loss_sum / (double)(b + 1));
       td_tensor_unref(loss);
@@ -389,8 +400,11 @@ int main(int argc, char **argv) {
   td_rpc_options_init(&ro);
   td_rpc_agent *agent = NULL;
   EX_CHECK(td_rpc_init_from_env(name, &ro, &agent));
+  ex_metrics_open(a.metrics, rank, world, name, "batch_ps", NULL);
   int rc = rank == 0 ? run_server(&a, world - 1, momentum, t_start)
                      : run_trainer(agent, &a, world - 1);
+  ex_metrics_counters(agent);
+  ex_metrics_close();
   if (td_rpc_shutdown(agent, true, -1) != TD_OK) {
     fprintf(stderr, "worker%d: shutdown: %s\n", rank, td_last_error());
     if (!rc) rc = 1;

@@ -45,6 +45,7 @@
 #include <time.h>
 
 #include "example_util.h"
+#include "metrics.h"
 #include "ps_common.h"
 #include "tdist/collectives.h"
 #include "tdist/dist_autograd.h"
@@ -112,6 +113,7 @@ static int run_server(const ex_args *a, double momentum, int trainers, double t_
     samples += r->v[SAMPLES];
     fprintf(stderr, "epoch %d: train loss %.4f, test accuracy %.4f (%.2fs, %.0f batches)\n",
             e + 1, mean_loss, acc, r->v[TRAIN_S], r->v[BATCHES]);
+    ex_metrics_eval(e + 1, "test_accuracy", acc);
     ex_json_num(&acc_list, NULL, acc);
     ex_json_num(&loss_list, NULL, mean_loss);
   }
@@ -321,8 +323,11 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, i
       td_tensor *x = NULL, *y = NULL;
       EX_CHECK(td_mnist_loader_next(loader, &x, &y));
       if (!x) break;
+      double ts = ex_now_s();
       double lv = train_step(agent, first, head, &hp, ddp, opt, x, y, dev);
       if (!isfinite(lv)) ex_die("trainer %d: loss became %g", tid + 1, lv);
+      ex_metrics_step(epoch, epoch * nb + b, lv, NAN,
+                      (double)td_tensor_size(x, 0) / (ex_now_s() - ts), NULL);
       ex_losses_add(&losses, lv);
       loss_sum += lv;
       samples += td_tensor_size(x, 0);
@@ -403,6 +408,7 @@ int main(int argc, char **argv) {
   int world = td_rpc_world_size(agent);
   if (world < 2 || world > 65) ex_die("hybrid needs 2..65 processes (a server and trainers)");
   int trainers = world - 1;
+  ex_metrics_open(a.metrics, rank, world, name, "hybrid", NULL);
 
   int rc;
   if (rank == 0) {
@@ -424,6 +430,8 @@ int main(int argc, char **argv) {
     rc = run_trainer(agent, &a, momentum, trainers, dev);
   }
   ex_handout_fini(&handout); /* every trainer reported its last epoch: none asks again */
+  ex_metrics_counters(agent);
+  ex_metrics_close();
   if (td_rpc_shutdown(agent, true, -1) != TD_OK) {
     fprintf(stderr, "worker%d: shutdown: %s\n", rank, td_last_error());
     if (!rc) rc = 1;

@@ -48,6 +48,7 @@
 #include <string.h>
 
 #include "example_util.h"
+#include "metrics.h"
 #include "ps_common.h"
 #include "ps_ft.h"
 #include "tdist/dist_autograd.h"
@@ -158,6 +159,7 @@ static int run_server(const ex_args *args, const recipe *rc, int trainers, doubl
     fprintf(stderr, "epoch %d: train loss %.4f, test accuracy %.4f (epoch %.2fs, %lld batches, "
             "eval %.1fs)\n", e + 1, mean_loss, acc, v[TRAIN_S], (long long)v[BATCHES],
             ex_now_s() - t0);
+    ex_metrics_eval(e + 1, "test_accuracy", acc);
     ex_json_num(&epoch_acc, NULL, acc);
     ex_json_num(&epoch_time, NULL, v[TRAIN_S]);
     ex_json_num(&epoch_loss, NULL, mean_loss);
@@ -222,7 +224,8 @@ static double sync_call(td_rpc_agent *a, int slot, const double v[NFIELDS]) {
 
 /* train_step runs one batch through the server's model and steps; returns the loss. */
 static double train_step(td_rpc_agent *a, td_rref *model, td_dist_optimizer *opt, td_tensor *x,
-                         td_tensor *y) {
+                         td_tensor *y, ex_phases *ph) {
+  double t0 = ex_now_s();
   td_dist_autograd_context *ctx = NULL;
   EX_CHECK(td_dist_autograd_context_begin(a, &ctx));
   td_value *xv = td_value_tensor(x), *r = NULL;
@@ -231,9 +234,14 @@ static double train_step(td_rpc_agent *a, td_rref *model, td_dist_optimizer *opt
   EX_CHECK(td_rref_rpc_sync(model, "ps_forward", &xv, 1, NULL, &r));
   EX_CHECK(td_value_as_tensor(r, &logits));
   EX_CHECK(td_tensor_cross_entropy(logits, y, TD_REDUCTION_MEAN, -100, &loss));
+  double t1 = ex_now_s();
   EX_CHECK(td_dist_autograd_backward(ctx, &loss, 1, false));
+  double t2 = ex_now_s();
   EX_CHECK(td_dist_optimizer_step(opt, ctx));
   EX_CHECK(td_dist_autograd_context_end_async(ctx, NULL)); /* as PyTorch's context exit */
+  ex_phases_add(ph, "forward_s", t1 - t0);
+  ex_phases_add(ph, "backward_s", t2 - t1);
+  ex_phases_add(ph, "step_s", ex_now_s() - t2);
   double lv;
   EX_CHECK(td_tensor_item(loss, &lv));
   td_tensor_unref(loss);
@@ -286,6 +294,7 @@ static int run_trainer(td_rpc_agent *a, const ex_args *args, const recipe *rc,
 
   sync_call(a, 0, (const double[NFIELDS]){0});
   td_dist_optimizer *opt = make_opt(a, plist, args->lr, rc); /* one for the whole run */
+  double lr = args->lr;
   for (int epoch = (int)ft.start_epoch; epoch < args->epochs; epoch++) {
     EX_CHECK(td_mnist_loader_set_epoch(loader, (uint64_t)epoch));
     int64_t b0 = psft_trainer_first_batch(&ft, epoch, td_mnist_loader_sampler(loader));
@@ -300,10 +309,15 @@ static int run_trainer(td_rpc_agent *a, const ex_args *args, const recipe *rc,
       td_tensor *x = NULL, *y = NULL;
       EX_CHECK(td_mnist_loader_next(loader, &x, &y));
       if (!x) break;
-      if (cosine && (b % rc->lr_every == 0 || b == b0))
-        EX_CHECK(td_dist_optimizer_set_lr(
-            opt, cosine_lr(args->lr, epoch, b, nb, args->epochs, rc->lr_every)));
-      double lv = train_step(a, model, opt, x, y);
+      if (cosine && (b % rc->lr_every == 0 || b == b0)) {
+        lr = cosine_lr(args->lr, epoch, b, nb, args->epochs, rc->lr_every);
+        EX_CHECK(td_dist_optimizer_set_lr(opt, lr));
+      }
+      ex_phases ph = {0};
+      double ts = ex_now_s();
+      double lv = train_step(a, model, opt, x, y, &ph);
+      ex_metrics_step(epoch, (int64_t)epoch * nb + b, lv, lr,
+                      (double)td_tensor_size(x, 0) / (ex_now_s() - ts), &ph);
       if (!isfinite(lv))
         ex_die("trainer %d: the loss became %g at epoch %d batch %lld (try a lower --lr)",
                tid + 1, lv, epoch + 1, (long long)b);
@@ -391,6 +405,7 @@ int main(int argc, char **argv) {
   int world = td_rpc_world_size(agent);
   if (world < 2) ex_die("param_server needs at least 2 processes (a server and a trainer)");
   int trainers = world - 1, status;
+  ex_metrics_open(a.metrics, rank, world, name, "param_server", NULL);
   if (rank == 0) {
     ps.model = psx_make_model(a.model, a.seed);
     EX_CHECK(td_module_to(ps.model, dev));
@@ -408,6 +423,8 @@ int main(int argc, char **argv) {
     status = run_trainer(agent, &a, &rc, &fo, trainers);
   }
   ex_handout_fini(&ps.model_rref); /* every trainer is past its last ps_sync */
+  ex_metrics_counters(agent);
+  ex_metrics_close();
   if (td_rpc_shutdown(agent, true, -1) != TD_OK) {
     fprintf(stderr, "worker%d: shutdown: %s\n", rank, td_last_error());
     if (!status) status = 1;

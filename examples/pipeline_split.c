@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "example_util.h"
+#include "metrics.h"
 #include "ps_common.h"
 #include "tdist/autograd.h"
 #include "tdist/data.h"
@@ -217,6 +218,7 @@ static void train(td_rpc_agent *agent, td_pipeline *pipe, td_remote_module *cons
   td_dist_optimizer *opt = make_opt(agent, st, c, plists);
   int64_t nb;
   td_mnist_loader *loader = psx_shard_loader(train_ds, a, 0, 1, true, &nb); /* all of it */
+  double lr = a->lr;
   for (int epoch = 0; epoch < a->epochs; epoch++) {
     EX_CHECK(td_mnist_loader_set_epoch(loader, (uint64_t)epoch));
     char label[32];
@@ -231,9 +233,13 @@ static void train(td_rpc_agent *agent, td_pipeline *pipe, td_remote_module *cons
       if (!x) break;
       if (b % 25 == 0) { /* cosine decay of the learning rate over the whole run */
         double prog = (double)(epoch * nb + b) / (double)(a->epochs * nb);
-        EX_CHECK(td_dist_optimizer_set_lr(opt, a->lr * 0.5 * (1.0 + cos(M_PI * prog))));
+        lr = a->lr * 0.5 * (1.0 + cos(M_PI * prog));
+        EX_CHECK(td_dist_optimizer_set_lr(opt, lr));
       }
+      double ts = ex_now_s();
       double lv = step(agent, pipe, opt, x, y, c->micro);
+      ex_metrics_step(epoch, epoch * nb + b, lv, lr,
+                      (double)td_tensor_size(x, 0) / (ex_now_s() - ts), NULL);
       if (!isfinite(lv)) ex_die("the loss became %g at batch %lld (try a lower --lr)", lv,
                                 (long long)b);
       sum += lv;
@@ -246,6 +252,7 @@ static void train(td_rpc_agent *agent, td_pipeline *pipe, td_remote_module *cons
     out->train_s += ex_now_s() - t0;
     ex_progress_finish(&bar, "loss %.4f", b ? sum / (double)b : NAN);
     out->acc = evaluate(pipe, st, test, c->micro);
+    ex_metrics_eval(epoch + 1, "test_accuracy", out->acc);
     fprintf(stderr, "epoch %d: test accuracy %.4f\n", epoch + 1, out->acc);
   }
   td_mnist_loader_destroy(loader);
@@ -361,7 +368,10 @@ int main(int argc, char **argv) {
   td_rpc_agent *agent = NULL;
   EX_CHECK(td_rpc_init_from_env(names[rank], &ro, &agent));
   if (td_rpc_world_size(agent) != 3) ex_die("pipeline_split needs a world size of 3");
+  ex_metrics_open(c.a.metrics, rank, 3, names[rank], "pipeline_split", NULL);
   if (rank == 0) run_master(agent, &c, t_start);
+  ex_metrics_counters(agent);
+  ex_metrics_close();
   EX_CHECK(td_rpc_shutdown(agent, true, 24 * 3600 * 1000LL));
   td_rpc_destroy(agent);
   return psx_wait_children(0);

@@ -43,6 +43,7 @@
 #include <unistd.h>
 
 #include "example_util.h"
+#include "metrics.h"
 #include "ps_common.h"
 #include "tdist/dist_autograd.h"
 #include "tdist/dist_optim.h"
@@ -262,6 +263,7 @@ static int run_server(const ex_args *a, const rnn_cfg *cfg, int trainers, double
     tokens += r->v[TOKENS];
     fprintf(stderr, "epoch %d: train loss %.4f (ppl %.2f), valid perplexity %.2f (%.2fs, %.0f "
             "chunks)\n", e + 1, mean_loss, exp(mean_loss), ppl, r->v[TRAIN_S], r->v[BATCHES]);
+    ex_metrics_eval(e + 1, "perplexity", ppl);
     ex_json_num(&ppl_list, NULL, ppl);
     ex_json_num(&loss_list, NULL, mean_loss);
   }
@@ -435,15 +437,25 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, const rnn_cfg *cfg
     for (int64_t i = 0; b < nb && i < tr.len - 1; i += cfg->bptt, b++) {
       td_tensor *x = NULL, *y = NULL;
       int64_t len = get_chunk(&tr, i, cfg->bptt, &x, &y);
+      double ts = ex_now_s();
       td_dist_autograd_context *ctx = NULL;
       EX_CHECK(td_dist_autograd_context_begin(agent, &ctx));
       td_tensor *loss = forward(&t, x, y);
+      double t1 = ex_now_s();
       EX_CHECK(td_dist_autograd_backward(ctx, &loss, 1, false));
+      double t2 = ex_now_s();
       EX_CHECK(td_dist_optimizer_step(opt, ctx));
       EX_CHECK(td_dist_autograd_context_end_async(ctx, NULL));
       double lv = 0;
       EX_CHECK(td_tensor_item(loss, &lv));
       if (!isfinite(lv)) ex_die("trainer %d: loss became %g", tid + 1, lv);
+      if (ex_metrics_on()) {
+        ex_phases ph = {0};
+        ex_phases_add(&ph, "forward_s", t1 - ts);
+        ex_phases_add(&ph, "backward_s", t2 - t1);
+        ex_phases_add(&ph, "step_s", ex_now_s() - t2);
+        ex_metrics_step(epoch, epoch * nb + b, lv, NAN, NAN, &ph);
+      }
       ex_losses_add(&losses, lv);
       loss_sum += lv;
       tokens += (double)(len * tr.b);
@@ -530,6 +542,7 @@ int main(int argc, char **argv) {
   int world = td_rpc_world_size(agent);
   if (world < 2) ex_die("rnn needs at least 2 processes (a server and a trainer)");
   int trainers = world - 1;
+  ex_metrics_open(a.metrics, rank, world, name, "rnn", NULL);
 
   int rc;
   if (rank == 0) {
@@ -558,6 +571,8 @@ int main(int argc, char **argv) {
     rc = run_trainer(agent, &a, &cfg, &cp, trainers);
   }
   ex_handout_fini(&handout); /* every trainer reported its last epoch: none asks again */
+  ex_metrics_counters(agent);
+  ex_metrics_close();
   if (td_rpc_shutdown(agent, true, -1) != TD_OK) {
     fprintf(stderr, "worker%d: shutdown: %s\n", rank, td_last_error());
     if (!rc) rc = 1;

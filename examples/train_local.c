@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "example_util.h"
+#include "metrics.h"
 #include "ps_common.h"
 #include "tdist/autograd.h"
 #include "tdist/data.h"
@@ -59,9 +60,11 @@ static void train_epoch(run *r, int epoch) {
   double loss_sum = 0;
   int64_t b = 0;
   for (; b < r->nb; b++) {
+    double lr = a->lr, ts = ex_now_s();
     if (r->cosine) {
       double done = (double)(epoch * r->nb + b) / (double)(a->epochs * r->nb);
-      EX_CHECK(td_optim_set_lr(r->opt, a->lr * 0.5 * (1.0 + cos(M_PI * done))));
+      lr = a->lr * 0.5 * (1.0 + cos(M_PI * done));
+      EX_CHECK(td_optim_set_lr(r->opt, lr));
     }
     td_tensor *x = NULL, *y = NULL, *logits = NULL, *loss = NULL;
     EX_CHECK(td_mnist_loader_next(r->loader, &x, &y));
@@ -69,12 +72,21 @@ static void train_epoch(run *r, int epoch) {
     psx_to_device(&x, r->dev);
     psx_to_device(&y, r->dev);
     td_optim_zero_grad(r->opt);
+    double t0 = ex_now_s();
     EX_CHECK(td_module_forward(r->model, x, &logits));
     EX_CHECK(td_tensor_cross_entropy(logits, y, TD_REDUCTION_MEAN, -100, &loss));
+    double t1 = ex_now_s();
     EX_CHECK(td_tensor_backward(loss));
+    double t2 = ex_now_s();
     EX_CHECK(td_optim_step(r->opt));
     double lv;
     EX_CHECK(td_tensor_item(loss, &lv));
+    ex_phases ph = {0};
+    ex_phases_add(&ph, "forward_s", t1 - t0);
+    ex_phases_add(&ph, "backward_s", t2 - t1);
+    ex_phases_add(&ph, "step_s", ex_now_s() - t2);
+    ex_metrics_step(epoch, epoch * r->nb + b, lv, lr,
+                    (double)td_tensor_size(x, 0) / (ex_now_s() - ts), &ph);
     if (!isfinite(lv))
       ex_die("the loss became %g at epoch %d batch %lld (try a lower --lr)", lv, epoch + 1,
              (long long)b);
@@ -179,6 +191,7 @@ int main(int argc, char **argv) {
           (long long)td_mnist_count(test), (long long)a.batch_size, a.lr, schedule, momentum,
           a.device, ex_blas_threads());
 
+  ex_metrics_open(a.metrics, 0, 1, "local", "train_local", NULL);
   run r = {.a = &a, .model = model, .opt = opt, .loader = loader, .dev = dev, .nb = nb,
            .cosine = cosine};
   ex_json_array(&r.epoch_acc);
@@ -192,12 +205,14 @@ int main(int argc, char **argv) {
     r.acc = psx_evaluate(model, test, flatten);
     fprintf(stderr, "epoch %d: train loss %.4f, test accuracy %.4f (train %.1fs, eval %.1fs)\n",
             epoch + 1, r.last_loss, r.acc, et, ex_now_s() - te0);
+    ex_metrics_eval(epoch + 1, "test_accuracy", r.acc);
     ex_json_num(&r.epoch_acc, NULL, r.acc);
     ex_json_num(&r.epoch_time, NULL, et);
     ex_json_num(&r.epoch_loss, NULL, r.last_loss);
   }
   if (a.epochs == 0) r.acc = psx_evaluate(model, test, flatten);
   print_result(&r, momentum, schedule, td_mnist_count(train), td_mnist_count(test), t_start);
+  ex_metrics_close();
   ex_json_fini(&r.epoch_acc);
   ex_json_fini(&r.epoch_time);
   ex_json_fini(&r.epoch_loss);

@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
 # install-deps.sh - installs every Debian package tdist needs, idempotently.
 #   scripts/install-deps.sh            build + test dependencies and the Fashion-MNIST data set
-#                                      (iproute2: the multihost tests' network namespaces)
+#                                      (iproute2: the multihost tests' network namespaces; Open MPI:
+#                                      the examples' launch matrix and the collectives' MPI peer;
+#                                      python3-matplotlib: scripts/plot.py, tested on the examples'
+#                                      metrics files)
 #   scripts/install-deps.sh --torch    also python3-torch (PyTorch peers of the benchmarks and the
 #                                      fixture generator; the library never uses it)
 #   scripts/install-deps.sh --fuzz     also clang and libFuzzer (libclang-rt-dev), for
 #                                      scripts/fuzz.sh
 #   scripts/install-deps.sh --slurm    also Slurm and munge (slurmctld slurmd slurm-client munge),
 #                                      for scripts/slurm-local.sh; no daemon is started
-#   scripts/install-deps.sh --mpi      also Open MPI (libopenmpi-dev openmpi-bin): the Open MPI
-#                                      peer of bench/collectives (built when CMake finds MPI C)
+#   scripts/install-deps.sh --mpi      accepted for old scripts (Open MPI is a test dependency now)
 set -euo pipefail
 
 pkgs=(build-essential g++ cmake pkg-config zlib1g-dev libopenblas-dev libcmocka-dev
-      libgrpc-dev libprotobuf-c-dev protobuf-c-compiler libssl-dev dataset-fashion-mnist python3 python3-h2 openssl iproute2)
+      libgrpc-dev libprotobuf-c-dev protobuf-c-compiler libssl-dev dataset-fashion-mnist python3 python3-h2 openssl iproute2
+      openmpi-bin libopenmpi-dev python3-matplotlib)
 for arg in "$@"; do
   case "$arg" in
     --torch) pkgs+=(python3-torch) ;;
     --fuzz) pkgs+=(clang libclang-rt-dev) ;;
     --slurm) pkgs+=(slurmctld slurmd slurm-client munge) ;;
-    --mpi) pkgs+=(libopenmpi-dev openmpi-bin) ;;
+    --mpi) ;;
     *) echo "install-deps.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done

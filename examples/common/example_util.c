@@ -164,6 +164,9 @@ void ex_args_parse(int argc, char **argv, ex_args *a, const ex_opt *extra, int n
        "data directory (when not given: $TD_DATA_DIR, else /usr/share/datasets/fashion-mnist)"},
       {"threads", EX_OPT_INT, &a->threads, "BLAS threads (0: library default)"},
       {"device", EX_OPT_STRING, &a->device, "cpu, cuda or cuda:N"},
+      {"metrics", EX_OPT_STRING, &a->metrics,
+       "write JSON lines of every step and evaluation to FILE (rank r > 0: FILE with .rank<r> "
+       "before its extension); scripts/plot.py draws them"},
   };
   const int n_common = (int)(sizeof common / sizeof common[0]);
   /* --help shows the defaults: the values before parsing (an example sets its own first) */

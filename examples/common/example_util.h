@@ -2,7 +2,7 @@
  *
  *   ex_args / ex_args_parse  the common command-line options (--epochs, --max-batches,
  *                            --batch-size, --lr, --seed, --model, --data-dir, --threads,
- *                            --device) plus an example's own options from a table.
+ *                            --device, --metrics) plus an example's own options from a table.
  *   ex_progress              a progress bar on standard error: redrawn in place when standard
  *                            error is a terminal, otherwise one line about every 10%.
  *   ex_json                  a tiny JSON builder for the final output line (docs/BENCH.md:
@@ -65,6 +65,8 @@ typedef struct ex_args {
                            default. Default NULL. */
   int threads;          /* --threads N: BLAS threads; 0 keeps the BLAS default. Default 0. */
   const char *device;   /* --device cpu|cuda|cuda:N. Default "cpu". */
+  const char *metrics;  /* --metrics FILE: JSON lines of every step and evaluation (metrics.h).
+                           Default NULL (none). */
   const char *omit;     /* common options this example does not take, space-separated names
                            ("model device"): --help leaves them out, parsing rejects them.
                            Default NULL (takes all). */

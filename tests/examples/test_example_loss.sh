@@ -24,15 +24,16 @@ if [[ "${TD_EXAMPLE_NO_MNIST:-0}" != 1 && ! -e "$data_dir/train-images-idx3-ubyt
 fi
 limit=$((100 * ${TD_TEST_TIMEOUT_SCALE:-1}))
 out="$(mktemp)"
-trap 'rm -f "$out"' EXIT
+mdir="$(mktemp -d)"
+trap 'rm -rf "$out" "$mdir"' EXIT
 rc=0
-launch="${TD_EXAMPLE_LAUNCH:-tdistrun}"
+launch="${TD_EXAMPLE_LAUNCH:-tdistrun}" # the plot is drawn in this launch's test only
 if [[ "${TD_EXAMPLE_NPROC:-3}" == 1 ]]; then
-  timeout "$limit" "$example" "$@" >"$out" || rc=$?
+  timeout "$limit" "$example" "$@" --metrics "$mdir/m.jsonl" >"$out" || rc=$?
 else
   # shellcheck source=launch_lib.sh
   source "$(dirname "$0")/launch_lib.sh"
-  launch_cmd "$launch" "$tdistrun" "$example" "$@"
+  launch_cmd "$launch" "$tdistrun" "$example" "$@" --metrics "$mdir/m.jsonl"
   timeout "$limit" "${LAUNCH_CMD[@]}" >"$out" || rc=$?
 fi
 cat "$out"
@@ -72,4 +73,42 @@ for k in ("samples_per_s", "wall_s"):
         print(f"FAIL: results.{k} missing or not positive")
         sys.exit(1)
 PY
+# the metrics files (--metrics): every file parses; each worker that trains wrote one step record
+# per batch it ran (distinct, finite losses; the same count on every trainer, at most
+# --max-batches per epoch), the evaluations are there, and plot.py draws them (Debian's python3
+# has matplotlib; the plot is skipped where no python3 has it)
+python3 - "$mdir" "$*" <<'PY'
+import glob, json, math, sys
+files = sorted(glob.glob(sys.argv[1] + "/m*.jsonl"))
+args = sys.argv[2].split()
+maxb = int(args[args.index("--max-batches") + 1]) if "--max-batches" in args else None
+epochs = int(args[args.index("--epochs") + 1]) if "--epochs" in args else 1
+steps_by_file, evals, counters = {}, 0, 0
+for f in files:
+    recs = [json.loads(l) for l in open(f) if l.strip()]
+    if not recs or recs[0]["kind"] != "start":
+        sys.exit(f"FAIL: {f} does not start with a start record")
+    st = [r for r in recs if r["kind"] == "step"]
+    if st:
+        if len({r["step"] for r in st}) != len(st) or not all(math.isfinite(r["loss"]) for r in st):
+            sys.exit(f"FAIL: {f}: step records repeat a step or hold a non-finite loss")
+        steps_by_file[f] = len(st)
+    evals += sum(r["kind"] == "eval" for r in recs)
+    counters += sum(r["kind"] == "counters" for r in recs)
+print("metrics:", {f.rsplit("/", 1)[1]: n for f, n in steps_by_file.items()}, "steps;", evals,
+      "evaluations;", counters, "counter records")
+if not steps_by_file:
+    sys.exit("FAIL: no step records in the metrics files")
+counts = set(steps_by_file.values())
+if len(counts) != 1 or (maxb and max(counts) > maxb * epochs):
+    sys.exit(f"FAIL: the workers wrote different step counts, or more than {maxb} per epoch")
+if evals < epochs:
+    sys.exit(f"FAIL: {evals} evaluation records for {epochs} epochs")
+PY
+plotpy=python3
+[[ -x /usr/bin/python3 ]] && plotpy=/usr/bin/python3
+if [[ "$launch" == tdistrun ]] && "$plotpy" -c "import matplotlib" 2>/dev/null; then
+  "$plotpy" "$(dirname "$0")/../../scripts/plot.py" "$mdir/m.jsonl" -o "$mdir/m.png"
+  [[ -s "$mdir/m.png" ]] || { echo "FAIL: plot.py wrote no image"; exit 1; }
+fi
 echo PASS
