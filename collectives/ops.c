@@ -373,7 +373,7 @@ td_status td__pg_execute(td_process_group *pg, const td__op *op) {
   uint64_t dl = td__pg_deadline(pg);
   td__op_hdr h = {TD__OP_MAGIC, op->kind, ++pg->seq, hdr_count(op),
                   op->kind == TD__K_BARRIER ? (int32_t)TD_DTYPE_F32 : (int32_t)td_tensor_dtype(op->t),
-                  op->kind == TD__K_BROADCAST ? op->root : (int32_t)op->rop};
+                  op->kind == TD__K_BROADCAST ? op->root : (int32_t)op->rop, 0, 0};
   if (op->kind == TD__K_BARRIER || op->kind == TD__K_ALL_GATHER) h.arg = 0;
   algo a = choose(pg, op->kind, op_bytes(pg, op), op->whole != NULL);
   h.algo = (uint32_t)a;

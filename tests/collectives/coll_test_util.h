@@ -30,6 +30,21 @@ static inline td_rpc_options coll_opts(const char *init_method) {
   return o;
 }
 
+/* Joins the RPC group as rank of world (exits the child on failure). */
+static inline td_rpc_agent *coll_join(int rank, int world, const char *method) {
+  td_rpc_options o = coll_opts(method);
+  td_rpc_agent *a = NULL;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  return a;
+}
+
+/* Shuts the agent down gracefully, frees it and checks for leaks. */
+static inline void coll_leave(td_rpc_agent *a) {
+  MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
+  td_rpc_destroy(a);
+  CHECK_NO_LEAKS();
+}
+
 static inline double coll_now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -14,19 +14,6 @@
 
 #include "coll_test_util.h"
 
-static td_rpc_agent *join(int rank, int world, const char *method) {
-  td_rpc_options o = coll_opts(method);
-  td_rpc_agent *a = NULL;
-  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
-  return a;
-}
-
-static void leave(td_rpc_agent *a) {
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
-  td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
-}
-
 /* Call i's tensor on rank r: 1 + (i % 5) * 97 elements, value r + i + j % 7 at element j. */
 static int64_t len_of(int i) { return 1 + (i % 5) * 97; }
 static td_tensor *input(int r, int i) {
@@ -51,7 +38,7 @@ static bool sum_ok(const td_tensor *t, int world, int i) {
 
 static int worker_order(int rank, int world, const char *method, void *arg) {
   (void)arg;
-  td_rpc_agent *a = join(rank, world, method);
+  td_rpc_agent *a = coll_join(rank, world, method);
   td_process_group *pg = NULL;
   MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
   /* a synchronous call right behind the first asynchronous one (the worker thread is only
@@ -129,7 +116,7 @@ static int worker_order(int rank, int world, const char *method, void *arg) {
   td_tensor_unref(b);
   td_tensor_unref(want_b);
   td_process_group_destroy(pg);
-  leave(a);
+  coll_leave(a);
   return 0;
 }
 
@@ -144,7 +131,7 @@ static void test_async_order_many_in_flight(void **state) {
 
 static int worker_errors(int rank, int world, const char *method, void *arg) {
   (void)arg;
-  td_rpc_agent *a = join(rank, world, method);
+  td_rpc_agent *a = coll_join(rank, world, method);
   td_process_group *pg = NULL;
   MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
   td_future *f = (td_future *)&f; /* must stay untouched */
@@ -179,7 +166,7 @@ static int worker_errors(int rank, int world, const char *method, void *arg) {
   td_tensor_unref(t);
   td_tensor_unref(tt);
   td_process_group_destroy(pg);
-  leave(a);
+  coll_leave(a);
   return 0;
 }
 
@@ -194,7 +181,7 @@ static void test_async_errors_reach_every_later_future(void **state) {
 
 static int worker_wait_timeout(int rank, int world, const char *method, void *arg) {
   (void)arg;
-  td_rpc_agent *a = join(rank, world, method);
+  td_rpc_agent *a = coll_join(rank, world, method);
   td_process_group *pg = NULL, *side = NULL;
   MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
   MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &side));
@@ -237,7 +224,7 @@ static int worker_wait_timeout(int rank, int world, const char *method, void *ar
   td_process_group_destroy(pg);
   td_process_group_destroy(side);
   td_tensor_unref(t);
-  leave(a);
+  coll_leave(a);
   return 0;
 }
 

@@ -54,9 +54,7 @@ static td_status call_case(td_process_group *pg, int c, bool odd) {
 
 static int worker_mismatch(int rank, int world, const char *method, void *arg) {
   (void)arg;
-  td_rpc_options o = coll_opts(method);
-  td_rpc_agent *a = NULL;
-  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  td_rpc_agent *a = coll_join(rank, world, method);
   for (int c = 0; c < N_CASES; c++) {
     td_process_group *pg = NULL;
     MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
@@ -89,9 +87,7 @@ static int worker_mismatch(int rank, int world, const char *method, void *arg) {
   MP_CHECK(strstr(td_last_error(), "with algorithm shm_") != NULL);
   td_tensor_unref(t);
   td_process_group_destroy(pg);
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
-  td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
+  coll_leave(a);
   return 0;
 }
 
@@ -106,9 +102,7 @@ static void test_mismatch_op_count_dtype_reduce_root(void **state) {
 
 static int worker_skip(int rank, int world, const char *method, void *arg) {
   (void)arg;
-  td_rpc_options o = coll_opts(method);
-  td_rpc_agent *a = NULL;
-  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  td_rpc_agent *a = coll_join(rank, world, method);
   td_process_group *pg = NULL, *side = NULL;
   MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
   MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &side));
@@ -145,9 +139,7 @@ static int worker_skip(int rank, int world, const char *method, void *arg) {
   td_process_group_destroy(pg);
   MP_CHECK_OK(td_process_group_barrier(side));
   td_process_group_destroy(side);
-  MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));
-  td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
+  coll_leave(a);
   return 0;
 }
 
