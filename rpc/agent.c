@@ -62,6 +62,8 @@ td_status td_rpc_get_stats(td_rpc_agent *a, td_rpc_stats *out) {
   out->requests_rejected = LOAD(requests_rejected);
   out->requests_expired = LOAD(requests_expired);
   out->pool_saturated = LOAD(pool_saturated);
+  out->handler_ns = LOAD(handler_ns);
+  out->sync_wait_ns = LOAD(sync_wait_ns);
 #undef LOAD
   out->refused_connections = td__transport_refused(a->tr);
   out->calls_pending = __atomic_load_n(&a->pending_out, __ATOMIC_ACQUIRE);

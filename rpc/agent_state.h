@@ -79,6 +79,7 @@ struct td_rpc_agent {
     uint64_t calls_started, calls_succeeded, calls_failed, calls_timed_out;
     uint64_t requests_received, requests_failed, requests_rejected;
     uint64_t requests_expired, pool_saturated;
+    uint64_t handler_ns, sync_wait_ns;
   } cnt;
   /* handlers running on pool threads now (serve.c), to name them when the pool is saturated or
    * shutdown abandons them; guarded by run_mu */

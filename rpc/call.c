@@ -531,7 +531,9 @@ td_status td_rpc_sync(td_rpc_agent *a, const char *to, const char *fn, td_value 
                         "(use td_rpc_async and return its future)");
   td_future *f;
   TD_TRY(td_rpc_async(a, to, fn, args, nargs, opts, &f));
+  uint64_t t0 = td__now_ns();
   td_status st = td_future_wait(f, -1);
+  __atomic_add_fetch(&a->cnt.sync_wait_ns, td__now_ns() - t0, __ATOMIC_RELAXED);
   if (st == TD_OK) {
     td_value *v = td_future_value(f);
     *result = v ? td_value_ref(v) : td_value_none();

@@ -259,6 +259,7 @@ static void run_request(void *arg) {
   running_add(r);
   td_status st = reg.fn(&ctx, r->msg.values, r->msg.nvalues, &result, &fut);
   running_remove(r);
+  __atomic_add_fetch(&a->cnt.handler_ns, td__now_ns() - r->started_ns, __ATOMIC_RELAXED);
   if (t0) trace_handler(r, t0);
   if (mw) mw->leave(&scope);
   if (st != TD_OK) {

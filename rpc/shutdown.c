@@ -13,6 +13,8 @@
  */
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 #include <time.h>
 
@@ -167,6 +169,32 @@ static td_status abandon_handlers(td_rpc_agent *a, char *msg, size_t n) {
   return TD_ERR_TIMEOUT;
 }
 
+/* With TD_SUMMARY_DIR set (tdistrun --summary), the agent's totals go to DIR/<rank>.txt as
+ * "key value" lines (written to a temporary name, then renamed) for the launcher's table. */
+static void write_summary(td_rpc_agent *a) {
+  const char *dir = getenv("TD_SUMMARY_DIR");
+  if (!dir || !*dir) return;
+  td_rpc_stats s;
+  if (td_rpc_get_stats(a, &s) != TD_OK) return;
+  char tmp[4096], path[4096];
+  snprintf(tmp, sizeof tmp, "%s/.%d.tmp", dir, a->rank);
+  snprintf(path, sizeof path, "%s/%d.txt", dir, a->rank);
+  FILE *f = fopen(tmp, "w");
+  if (!f) return;
+  fprintf(f, "name %s\nrank %d\ncalls %llu\ncalls_failed %llu\ncalls_timed_out %llu\n"
+          "requests %llu\nrequests_failed %llu\nbytes_sent %llu\nbytes_received %llu\n"
+          "direct_bytes_sent %llu\ndirect_bytes_received %llu\nhandler_s %.3f\nsync_wait_s %.3f\n",
+          a->name, a->rank, (unsigned long long)s.calls_started,
+          (unsigned long long)s.calls_failed, (unsigned long long)s.calls_timed_out,
+          (unsigned long long)s.requests_received, (unsigned long long)s.requests_failed,
+          (unsigned long long)s.traffic.bytes_sent, (unsigned long long)s.traffic.bytes_received,
+          (unsigned long long)s.traffic.direct_bytes_sent,
+          (unsigned long long)s.traffic.direct_bytes_received, (double)s.handler_ns * 1e-9,
+          (double)s.sync_wait_ns * 1e-9);
+  if (fclose(f) == 0) rename(tmp, path);
+  else unlink(tmp);
+}
+
 td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms) {
   TD_CHECK_ARG(a, "rpc_shutdown: NULL agent");
   pthread_mutex_lock(&a->mu);
@@ -218,6 +246,7 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms) {
   if (a->trace_owned && td_trace_stop() != TD_OK)
     td_log(TD_LOG_WARN, "rpc: %s: the trace was not written: %s", a->name, td_last_error());
   td__call_fail_all(a, TD_ERR_CANCELLED, "rpc: the agent shut down");
+  write_summary(a);
   if (st != TD_OK && pool_st != TD_OK)
     return td_set_error(st, "%s; %s", msg, pool_msg + strlen("rpc shutdown: "));
   if (st != TD_OK) return td_set_error(st, "%s", msg);

@@ -99,6 +99,7 @@ typedef struct options {
   double stop_timeout_s; /* SIGTERM -> SIGKILL grace, seconds; default 5 */
   bool prefix;           /* default true; --no-prefix clears it */
   const char *rdzv_id;   /* --rdzv-id; NULL: see ensure_run_id */
+  bool summary;          /* --summary: a per-worker table at the end */
   char **argv;           /* PROGRAM ARGS..., NULL-terminated */
 } options;
 
@@ -130,6 +131,9 @@ static void usage(FILE *f) {
     "  --monitor-interval MS fallback period for checking workers, in ms (default 100)\n"
     "  --stop-timeout S      seconds between SIGTERM and SIGKILL when stopping (default 5)\n"
     "  --no-prefix           pass worker output through without the \"[rank]: \" prefix\n"
+    "  --summary             at the end, print a table of this node's workers: calls made and\n"
+    "                        failed, requests served, bytes sent and received, time in\n"
+    "                        handlers and blocked in synchronous calls, restarts\n"
     "  -h, --help            show this text\n"
     "  --                    end of options\n"
     "\n"
@@ -259,10 +263,12 @@ static int parse_args(int argc, char **argv, options *o) {
     for (size_t k = 0; k < n; k++) name[k] = a[2 + k] == '_' ? '-' : a[2 + k];
     name[n] = '\0';
 
-    bool is_flag = strcmp(name, "standalone") == 0 || strcmp(name, "no-prefix") == 0;
+    bool is_flag = strcmp(name, "standalone") == 0 || strcmp(name, "no-prefix") == 0 ||
+                   strcmp(name, "summary") == 0;
     if (is_flag) {
       if (eq) return usage_error("option '--%s' takes no value", name);
-      if (name[0] == 's') o->standalone = true;
+      if (!strcmp(name, "standalone")) o->standalone = true;
+      else if (!strcmp(name, "summary")) o->summary = true;
       else o->prefix = false;
       continue;
     }
@@ -857,12 +863,85 @@ static int ensure_run_id(const options *o) {
   return -1;
 }
 
+/* ---- --summary: each worker's agent writes its totals at shutdown into TD_SUMMARY_DIR ---- */
+
+static char g_summary_dir[64];
+static int g_restarts; /* attempts started minus one */
+static int run(const options *o);
+
+static int summary_start(const options *o) {
+  if (!o->summary) return -1;
+  snprintf(g_summary_dir, sizeof g_summary_dir, "/tmp/tdistrun-summary.XXXXXX");
+  if (!mkdtemp(g_summary_dir) || setenv("TD_SUMMARY_DIR", g_summary_dir, 1) != 0) {
+    perror("tdistrun: --summary");
+    return 1;
+  }
+  return -1;
+}
+
+/* summary_value reads "key value" from a worker's file (text holds the whole file). */
+static const char *summary_value(const char *text, const char *key, char *buf, size_t n) {
+  size_t k = strlen(key);
+  for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+    if (strncmp(p, key, k) == 0 && p[k] == ' ') {
+      size_t len = strcspn(p + k + 1, "\n");
+      snprintf(buf, n, "%.*s", (int)len, p + k + 1);
+      return buf;
+    }
+  }
+  snprintf(buf, n, "-");
+  return buf;
+}
+
+static void summary_print(const options *o, int restarts) {
+  if (!o->summary || !g_summary_dir[0]) return;
+  fprintf(stderr, "tdistrun: summary of node %d (%d restart%s; workers that never shut their agent "
+          "down show '-')\n", o->node_rank, restarts, restarts == 1 ? "" : "s");
+  fprintf(stderr, "  %5s %-16s %9s %7s %9s %11s %11s %11s %10s\n", "rank", "worker", "calls",
+          "failed", "served", "sent MB", "recv MB", "handlers s", "in sync s");
+  for (int l = 0; l < o->nproc; l++) {
+    int rank = o->node_rank * o->nproc + l;
+    char path[128], text[4096] = "", v[10][160];
+    snprintf(path, sizeof path, "%s/%d.txt", g_summary_dir, rank);
+    FILE *f = fopen(path, "r");
+    if (f) {
+      size_t got = fread(text, 1, sizeof text - 1, f);
+      text[got] = 0;
+      fclose(f);
+      unlink(path);
+    }
+    const char *keys[10] = {"name", "calls", "calls_failed", "requests", "bytes_sent",
+                            "bytes_received", "handler_s", "sync_wait_s", "direct_bytes_received",
+                            "direct_bytes_sent"};
+    for (int k = 0; k < 10; k++) summary_value(text, keys[k], v[k], sizeof v[k]);
+    /* bytes over the streams plus same-host direct copies */
+    double mb_out = f ? (atof(v[4]) + atof(v[9])) / 1e6 : 0;
+    double mb_in = f ? (atof(v[5]) + atof(v[8])) / 1e6 : 0;
+    if (f)
+      fprintf(stderr, "  %5d %-16.16s %9s %7s %9s %11.1f %11.1f %11s %10s\n", rank, v[0], v[1],
+              v[2], v[3], mb_out, mb_in, v[6], v[7]);
+    else
+      fprintf(stderr, "  %5d %-16s %9s %7s %9s %11s %11s %11s %10s\n", rank, "-", "-", "-", "-",
+              "-", "-", "-", "-");
+  }
+  rmdir(g_summary_dir);
+}
+
 int main(int argc, char **argv) {
   options o;
   int rc = parse_args(argc, argv, &o);
   if (rc >= 0) return rc;
   if ((rc = ensure_secret(&o)) >= 0) return rc;
   if ((rc = ensure_run_id(&o)) >= 0) return rc;
+  if ((rc = summary_start(&o)) >= 0) return rc;
+  rc = run(&o);
+  summary_print(&o, g_restarts);
+  return rc;
+}
+
+/* run supervises the attempts; returns tdistrun's exit status. */
+static int run(const options *o_) {
+  options o = *o_;
   if (install_signals() != 0) {
     perror("tdistrun: signal setup");
     return 1;
@@ -881,6 +960,7 @@ int main(int argc, char **argv) {
         return 1;
       }
     }
+    g_restarts = attempt;
     attempt_result r = run_attempt(&o, attempt, port);
     if (r.kind == ATTEMPT_SPAWN_ERROR) return r.spawn_errno == ENOENT ? 127 : 126;
     if (r.kind == ATTEMPT_ERROR) return 1;

@@ -344,6 +344,9 @@ typedef struct td_rpc_stats {
    * queued (also counted in requests_rejected); requests that found every handler thread busy
    * (the first of a minute is logged at WARN, naming the running handlers) */
   uint64_t requests_expired, pool_saturated;
+  /* time (ns) registered functions ran here (until they returned a value or a future), and time
+   * this worker's threads spent blocked in td_rpc_sync */
+  uint64_t handler_ns, sync_wait_ns;
 } td_rpc_stats;
 
 /* td_rpc_get_stats fills out with a's counters (each read atomically; the set is not a single
