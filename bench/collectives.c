@@ -141,7 +141,7 @@ static void run_world(const cfg *c, int rank, int p, const char *method, result 
   td_rpc_agent *a = NULL;
   RB_CHECK(td_rpc_init(name, rank, p, &o, &a));
   td_process_group *pg = NULL;
-  RB_CHECK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
+  RB_CHECK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
   int k = 0;
   for (int i = 0; i < c->n_ops; i++)
     for (int j = 0; j < c->n_sizes; j++) {

@@ -124,7 +124,7 @@ int main(int argc, char **argv) {
   RB_CHECK(td_generator_create(2, &g));
   RB_CHECK(td_remote(p.agent, "worker1", "bench_make_mlp1", NULL, 0, NULL, &m.mlp1));
   RB_CHECK(td_linear_create(512, 10, true, g, &m.head));
-  RB_CHECK(td_dist_module_parameter_rrefs(m.mlp1, -1, &m.prefs));
+  RB_CHECK(td_dist_module_parameter_rrefs(m.mlp1, TD_TIMEOUT_DEFAULT, &m.prefs));
   td_rref *refs[4];
   size_t nrefs = 0;
   for (size_t i = 0; i < td_value_list_len(m.prefs); i++)

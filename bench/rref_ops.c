@@ -56,7 +56,7 @@ static void remote_to_here(rb_pair *p, long long n, long long base) {
     td_rref *r;
     int64_t got = -1;
     RB_CHECK(td_remote(p->agent, "worker1", "bench_echo", &x, 1, NULL, &r));
-    RB_CHECK(td_rref_to_here(r, -1, &v));
+    RB_CHECK(td_rref_to_here(r, TD_TIMEOUT_DEFAULT, &v));
     RB_CHECK(td_value_as_int(v, &got));
     if (got != i) {
       fprintf(stderr, "%s: wrong answer %lld for %lld\n", rb_prog, (long long)got, i);

@@ -105,9 +105,7 @@ const char *td__pg_key(const td_process_group *pg, const char *suffix, char *buf
   return buf;
 }
 
-uint64_t td__pg_deadline(const td_process_group *pg) {
-  return td__now_ns() + (uint64_t)pg->timeout_ms * 1000000ull;
-}
+uint64_t td__pg_deadline(const td_process_group *pg) { return td__deadline_ns(pg->timeout_ms); }
 
 static int remaining_ms(uint64_t deadline_ns) {
   uint64_t now = td__now_ns();
@@ -553,8 +551,11 @@ static int cmp_int(const void *a, const void *b) {
 }
 
 td_status td_process_group_create(td_rpc_agent *agent, const int *ranks, int n,
-                                  td_pg_backend backend, td_process_group **out) {
+                                  td_pg_backend backend, td_timeout_ms timeout,
+                                  td_process_group **out) {
   TD_CHECK_ARG(agent && out, "process_group_create: NULL agent or out");
+  TD_CHECK_ARG(td__timeout_valid(timeout), "process_group_create: invalid timeout %lld",
+               (long long)timeout);
   TD_CHECK_ARG(backend == TD_PG_BACKEND_CPU || backend == TD_PG_BACKEND_NCCL,
                "process_group_create: unknown backend %d", (int)backend);
 #ifndef TD_HAVE_NCCL
@@ -598,7 +599,7 @@ td_status td_process_group_create(td_rpc_agent *agent, const int *ranks, int n,
   pg->size = n;
   pg->rank = my;
   pg->backend = backend;
-  pg->timeout_ms = TD__PG_DEFAULT_TIMEOUT_MS;
+  pg->timeout_ms = td__timeout_resolve(timeout, TD__PG_DEFAULT_TIMEOUT_MS);
   pg->send_fd = pg->recv_fd = -1;
   pg->names = td__calloc((size_t)n, sizeof *pg->names);
   if (!pg->names) {
@@ -659,9 +660,11 @@ int td_process_group_global_rank(const td_process_group *pg, int group_rank) {
 td_pg_backend td_process_group_backend(const td_process_group *pg) {
   return pg ? pg->backend : TD_PG_BACKEND_CPU;
 }
-void td_process_group_set_timeout(td_process_group *pg, int64_t timeout_ms) {
-  if (!pg) return;
+td_status td_process_group_set_timeout(td_process_group *pg, td_timeout_ms timeout_ms) {
+  TD_CHECK_ARG(pg && td__timeout_valid(timeout_ms), "process_group_set_timeout: invalid timeout "
+               "%lld", (long long)timeout_ms);
   pthread_mutex_lock(&pg->mu);
-  pg->timeout_ms = timeout_ms > 0 ? timeout_ms : TD__PG_DEFAULT_TIMEOUT_MS;
+  pg->timeout_ms = td__timeout_resolve(timeout_ms, TD__PG_DEFAULT_TIMEOUT_MS);
   pthread_mutex_unlock(&pg->mu);
+  return TD_OK;
 }

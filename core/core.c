@@ -37,5 +37,19 @@ uint64_t td__now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+uint64_t td__deadline_ns(td_timeout_ms t) {
+  if (t < 0) return TD__NO_DEADLINE;
+  uint64_t now = td__now_ns(), span = (uint64_t)t * 1000000ull;
+  if ((uint64_t)t > UINT64_MAX / 2000000ull || now > TD__NO_DEADLINE - span) return TD__NO_DEADLINE;
+  return now + span;
+}
+
+td_timeout_ms td__remaining_ms(uint64_t deadline_ns) {
+  if (deadline_ns == TD__NO_DEADLINE) return TD_TIMEOUT_INFINITE;
+  uint64_t now = td__now_ns();
+  if (now >= deadline_ns) return TD_TIMEOUT_ZERO;
+  return (td_timeout_ms)((deadline_ns - now + 999999ull) / 1000000ull);
+}
+
 unsigned td_version(void) { return TD_VERSION_HEX; }
 const char *td_version_string(void) { return TD_VERSION_STRING; }

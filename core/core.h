@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "tdist/status.h"
+#include "tdist/timeout.h"
 
 /* td__panic aborts the process with file, line and message: only for broken internal
  * invariants, never for caller mistakes. */
@@ -52,5 +53,18 @@ void td__free(void *p);
 
 /* Monotonic clock in nanoseconds. */
 uint64_t td__now_ns(void);
+
+/* Timeouts (tdist/timeout.h). td__timeout_valid: a duration >= 0 or a named negative value.
+ * td__timeout_resolve gives dflt for TD_TIMEOUT_DEFAULT. td__deadline_ns is the monotonic
+ * deadline of a resolved timeout starting now (UINT64_MAX for TD_TIMEOUT_INFINITE).
+ * td__remaining_ms is what is left of a deadline, rounded up (TD_TIMEOUT_INFINITE for
+ * UINT64_MAX, TD_TIMEOUT_ZERO once it passed). */
+#define TD__NO_DEADLINE UINT64_MAX
+static inline bool td__timeout_valid(td_timeout_ms t) { return t >= TD_TIMEOUT_DEFAULT; }
+static inline td_timeout_ms td__timeout_resolve(td_timeout_ms t, td_timeout_ms dflt) {
+  return t == TD_TIMEOUT_DEFAULT ? dflt : t;
+}
+uint64_t td__deadline_ns(td_timeout_ms t);
+td_timeout_ms td__remaining_ms(uint64_t deadline_ns);
 
 #endif

@@ -374,7 +374,7 @@ void td_dist_optimizer_destroy(td_dist_optimizer *o) {
   td__free(o);
 }
 
-td_status td_dist_module_parameter_rrefs(td_rref *module_rref, int64_t timeout_ms,
+td_status td_dist_module_parameter_rrefs(td_rref *module_rref, td_timeout_ms timeout_ms,
                                          td_value **out) {
   TD_CHECK_ARG(module_rref && out, "dist_module_parameter_rrefs: NULL argument");
   td_rpc_call_opts co = {timeout_ms};

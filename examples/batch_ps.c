@@ -405,7 +405,7 @@ int main(int argc, char **argv) {
                      : run_trainer(agent, &a, world - 1);
   ex_metrics_counters(agent);
   ex_metrics_close();
-  if (td_rpc_shutdown(agent, true, -1) != TD_OK) {
+  if (td_rpc_shutdown(agent, true, TD_TIMEOUT_DEFAULT) != TD_OK) {
     fprintf(stderr, "worker%d: shutdown: %s\n", rank, td_last_error());
     if (!rc) rc = 1;
   }

@@ -270,7 +270,8 @@ static int run_trainer(td_rpc_agent *agent, const ex_args *a, double momentum, i
   td_process_group *pg = NULL;
   EX_CHECK(td_process_group_create(agent, ranks, trainers,
                                    dev.type == TD_DEVICE_CUDA ? TD_PG_BACKEND_NCCL
-                                                              : TD_PG_BACKEND_CPU, &pg));
+                                                              : TD_PG_BACKEND_CPU,
+                                   TD_TIMEOUT_DEFAULT, &pg));
   /* different seeds on purpose: td_ddp_create copies trainer 1's parameters to the others */
   td_module *head = make_head(a->seed + 1 + (uint64_t)tid);
   EX_CHECK(td_module_to(head, dev));
@@ -432,7 +433,7 @@ int main(int argc, char **argv) {
   ex_handout_fini(&handout); /* every trainer reported its last epoch: none asks again */
   ex_metrics_counters(agent);
   ex_metrics_close();
-  if (td_rpc_shutdown(agent, true, -1) != TD_OK) {
+  if (td_rpc_shutdown(agent, true, TD_TIMEOUT_DEFAULT) != TD_OK) {
     fprintf(stderr, "worker%d: shutdown: %s\n", rank, td_last_error());
     if (!rc) rc = 1;
   }

@@ -284,7 +284,7 @@ static int run_trainer(td_rpc_agent *a, const ex_args *args, const recipe *rc,
   td_rref *model = NULL;
   EX_CHECK(td_rpc_sync(a, "worker0", "ps_get_model", NULL, 0, NULL, &mv));
   EX_CHECK(td_value_as_rref(mv, &model));
-  EX_CHECK(td_dist_module_parameter_rrefs(model, -1, &plist));
+  EX_CHECK(td_dist_module_parameter_rrefs(model, TD_TIMEOUT_DEFAULT, &plist));
 
   int64_t nb;
   td_mnist_loader *loader = psx_shard_loader(train, args, tid, trainers, flatten, &nb);
@@ -425,7 +425,7 @@ int main(int argc, char **argv) {
   ex_handout_fini(&ps.model_rref); /* every trainer is past its last ps_sync */
   ex_metrics_counters(agent);
   ex_metrics_close();
-  if (td_rpc_shutdown(agent, true, -1) != TD_OK) {
+  if (td_rpc_shutdown(agent, true, TD_TIMEOUT_DEFAULT) != TD_OK) {
     fprintf(stderr, "worker%d: shutdown: %s\n", rank, td_last_error());
     if (!status) status = 1;
   }

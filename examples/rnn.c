@@ -573,7 +573,7 @@ int main(int argc, char **argv) {
   ex_handout_fini(&handout); /* every trainer reported its last epoch: none asks again */
   ex_metrics_counters(agent);
   ex_metrics_close();
-  if (td_rpc_shutdown(agent, true, -1) != TD_OK) {
+  if (td_rpc_shutdown(agent, true, TD_TIMEOUT_DEFAULT) != TD_OK) {
     fprintf(stderr, "worker%d: shutdown: %s\n", rank, td_last_error());
     if (!rc) rc = 1;
   }

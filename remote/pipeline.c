@@ -91,7 +91,7 @@ td_status td_pipeline_forward(td_pipeline *p, td_tensor *x, int micro_batches, t
     td_value_unref(in);
   }
   /* Fetch the last stage's outputs (all in flight at once), then wait for them in order. */
-  for (int i = 0; i < m && st == TD_OK; i++) st = td_rref_to_here_async(last[i], -1, &fetch[i]);
+  for (int i = 0; i < m && st == TD_OK; i++) st = td_rref_to_here_async(last[i], TD_TIMEOUT_DEFAULT, &fetch[i]);
   for (int i = 0; i < m && st == TD_OK; i++) {
     td_future_wait(fetch[i], -1);
     st = td_future_status(fetch[i]);

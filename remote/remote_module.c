@@ -245,7 +245,7 @@ static td_status h_forward(td_rpc_ctx *x, td_value *const *args, int n, td_value
   for (int i = 0; i < nin && st == TD_OK; i++) {
     td_rref *r;
     if (td_value_as_rref(s->inputs[i], &r) != TD_OK) continue;
-    st = td_rref_to_here_async(r, -1, &s->fetch[i]);
+    st = td_rref_to_here_async(r, TD_TIMEOUT_DEFAULT, &s->fetch[i]);
     if (st == TD_OK && td_future_on_done(s->fetch[i], fwd_fetched, s) != TD_OK)
       st = td_set_error(TD_ERR_NOMEM, "remote module: out of memory");
     if (st == TD_OK) started++;
@@ -431,7 +431,7 @@ td_status td_remote_module_is_training(td_remote_module *rm, bool *training) {
 
 td_status td_remote_module_parameters(td_remote_module *rm, td_value **out) {
   TD_CHECK_ARG(rm && out, "remote_module_parameters: NULL argument");
-  return td_dist_module_parameter_rrefs(rm->rref, -1, out);
+  return td_dist_module_parameter_rrefs(rm->rref, TD_TIMEOUT_DEFAULT, out);
 }
 
 /* ---- registration ---- */

@@ -18,8 +18,8 @@ const char *td__agent_listen_addr(td_rpc_agent *a) { return a->listen_addr; }
 void td_rpc_options_init(td_rpc_options *o) {
   memset(o, 0, sizeof *o);
   o->num_worker_threads = 16;
-  o->rpc_timeout_ms = 60000;
-  o->init_timeout_ms = 120000;
+  o->rpc_timeout_ms = TD__RPC_DEFAULT_TIMEOUT_MS;
+  o->init_timeout_ms = TD__RPC_DEFAULT_INIT_TIMEOUT_MS;
   o->listen_addr = NULL; /* chosen at init: td__choose_address */
   o->keepalive_ms = 2000;
   o->keepalive_timeout_ms = 20000;
@@ -86,11 +86,15 @@ int td_rpc_world_size(const td_rpc_agent *a) { return a ? a->world : 0; }
 int64_t td_rpc_busy_poll_us(const td_rpc_agent *a) { return a ? a->busy_poll_us : 0; }
 int td_rpc_direct_copy_peers(const td_rpc_agent *a) { return a ? a->direct_peers : 0; }
 
-void td_rpc_set_default_timeout(td_rpc_agent *a, int64_t ms) {
-  if (a) __atomic_store_n(&a->default_timeout_ms, ms < 0 ? 0 : ms, __ATOMIC_RELAXED);
+td_status td_rpc_set_default_timeout(td_rpc_agent *a, td_timeout_ms t) {
+  TD_CHECK_ARG(a && td__timeout_valid(t), "rpc_set_default_timeout: invalid timeout %lld",
+               (long long)t);
+  t = td__timeout_resolve(t, a->opts.rpc_timeout_ms);
+  __atomic_store_n(&a->default_timeout_ms, t, __ATOMIC_RELAXED);
+  return TD_OK;
 }
-int64_t td_rpc_get_default_timeout(const td_rpc_agent *a) {
-  return a ? __atomic_load_n(&a->default_timeout_ms, __ATOMIC_RELAXED) : 0;
+td_timeout_ms td_rpc_get_default_timeout(const td_rpc_agent *a) {
+  return a ? __atomic_load_n(&a->default_timeout_ms, __ATOMIC_RELAXED) : TD_TIMEOUT_INFINITE;
 }
 
 const char *td__agent_peer_name(const td_rpc_agent *a, int rank) {

@@ -24,6 +24,10 @@
 #include "agent_impl.h"
 #include "auth.h"
 
+/* Defaults of td_rpc_options (what TD_TIMEOUT_DEFAULT gives there), ms. */
+#define TD__RPC_DEFAULT_TIMEOUT_MS 60000
+#define TD__RPC_DEFAULT_INIT_TIMEOUT_MS 120000
+
 /* A call in flight: its future, the peer and the stream it went out on. */
 typedef struct pending {
   uint64_t id;
@@ -70,7 +74,7 @@ struct td_rpc_agent {
   dl_entry *heap;
   size_t hlen, hcap;
   uint64_t next_id;
-  int64_t default_timeout_ms;
+  td_timeout_ms default_timeout_ms; /* the rpc timeout: a duration or TD_TIMEOUT_INFINITE */
   /* shutdown accounting (atomics): calls out, requests being served, frames sent and served */
   int64_t pending_out, active_in;
   int64_t sent_total, served_total;

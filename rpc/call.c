@@ -342,7 +342,7 @@ typedef struct call {
   td_value *const *args;
   int nargs;
   int peer;
-  int64_t timeout_ms;
+  td_timeout_ms timeout_ms; /* resolved: a duration or TD_TIMEOUT_INFINITE */
   bool reply_map; /* encode with the map used for replies to the callee */
   td_future *fut; /* the caller's reference */
   pending *p;
@@ -365,7 +365,12 @@ static td_status call_check(call *c, const td_rpc_call_opts *opts) {
                         a->rank);
   for (int i = 0; i < c->nargs; i++)
     TD_CHECK_ARG(c->args[i], "rpc_async: argument %d is NULL", i);
-  c->timeout_ms = opts && opts->timeout_ms >= 0 ? opts->timeout_ms : td_rpc_get_default_timeout(a);
+  td_timeout_ms t = opts ? opts->timeout_ms : TD_TIMEOUT_DEFAULT;
+  TD_CHECK_ARG(td__timeout_valid(t), "rpc_async: invalid timeout %lld", (long long)t);
+  c->timeout_ms = td__timeout_resolve(t, td_rpc_get_default_timeout(a));
+  if (c->timeout_ms == TD_TIMEOUT_ZERO)
+    return td_set_error(TD_ERR_TIMEOUT, "rpc_async: call to '%s' on %s started with "
+                        "TD_TIMEOUT_ZERO: expired at once", c->fn, c->to);
   return TD_OK;
 }
 
@@ -396,7 +401,7 @@ static td_status call_prepare(call *c) {
   snprintf(p->fn, sizeof p->fn, "%s", c->fn);
   c->m = (td__msg){.id = p->id, .kind = TD__MSG_REQUEST, .fn = (char *)c->fn,
                    .from_rank = a->rank, .values = (td_value **)c->args, .nvalues = c->nargs,
-                   .timeout_ms = c->timeout_ms};
+                   .timeout_ms = c->timeout_ms > 0 ? c->timeout_ms : 0};
   const td__rpc_middleware *mw = td__mw_get();
   td_status st = mw ? mw->on_send(a, c->peer, &c->m) : TD_OK;
   if (st != TD_OK) call_discard(c);
@@ -475,7 +480,7 @@ static void trace_send(call *c, uint64_t id) {
 static void call_dispatch(call *c, uint64_t id, td__conn *conn) {
   td_rpc_agent *a = c->a;
   if (c->peer == a->rank) {
-    td__serve_local(a, id, c->fn, c->args, c->nargs, c->timeout_ms, c->m.ctx_id);
+    td__serve_local(a, id, c->fn, c->args, c->nargs, c->m.timeout_ms, c->m.ctx_id);
     return;
   }
   td_status st = td__conn_send(conn, &c->frame);
@@ -532,7 +537,7 @@ td_status td_rpc_sync(td_rpc_agent *a, const char *to, const char *fn, td_value 
   td_future *f;
   TD_TRY(td_rpc_async(a, to, fn, args, nargs, opts, &f));
   uint64_t t0 = td__now_ns();
-  td_status st = td_future_wait(f, -1);
+  td_status st = td_future_wait(f, TD_TIMEOUT_INFINITE); /* the call's own deadline ends it */
   __atomic_add_fetch(&a->cnt.sync_wait_ns, td__now_ns() - t0, __ATOMIC_RELAXED);
   if (st == TD_OK) {
     td_value *v = td_future_value(f);

@@ -296,8 +296,10 @@ static int cond_wait_pumped(pthread_cond_t *cv, pthread_mutex_t *mu,
   return 0;
 }
 
-td_status td_future_wait(td_future *f, int64_t timeout_ms) {
+td_status td_future_wait(td_future *f, td_timeout_ms timeout_ms) {
   TD_CHECK_ARG(f, "future_wait: NULL future");
+  TD_CHECK_ARG(td__timeout_valid(timeout_ms), "future_wait: invalid timeout %lld",
+               (long long)timeout_ms);
   struct timespec deadline;
   if (timeout_ms > 0) deadline = deadline_after(timeout_ms);
   pthread_mutex_lock(&f->mu);
@@ -449,8 +451,10 @@ static td_status scan_result(td_future *const *fs, int r, int failed) {
   return td_set_error(st, "future %d of the set failed: %s", failed, m[0] ? m : td_status_str(st));
 }
 
-td_status td_future_wait_all(td_future *const *fs, int n, int64_t timeout_ms) {
+td_status td_future_wait_all(td_future *const *fs, int n, td_timeout_ms timeout_ms) {
   TD_CHECK_ARG(n >= 0 && (fs || n == 0), "future_wait_all: bad array (n = %d)", n);
+  TD_CHECK_ARG(td__timeout_valid(timeout_ms), "future_wait_all: invalid timeout %lld",
+               (long long)timeout_ms);
   for (int i = 0; i < n; i++) TD_CHECK_ARG(fs[i], "future_wait_all: future %d is NULL", i);
   int failed = -1;
   int r = scan(fs, n, &failed);

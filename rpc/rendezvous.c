@@ -277,7 +277,7 @@ static td_status rdv_passed(td_rpc_agent *a, uint64_t deadline) {
 }
 
 static td_status rendezvous(td_rpc_agent *a) {
-  uint64_t deadline = td__now_ns() + (uint64_t)a->opts.init_timeout_ms * 1000000ull;
+  uint64_t deadline = td__deadline_ns(a->opts.init_timeout_ms);
   td__store_set_deadline(&a->sc, deadline); /* no store call outlives the init deadline */
   TD_TRY(rdv_check_world(a, deadline));
   TD_TRY(rdv_claim(a));
@@ -388,9 +388,15 @@ static td_status init_options(const char **name, char *defname, size_t dn, int r
     return td_set_error(TD_ERR_INVALID, "rpc_init: %d device map entries at %p",
                         o->num_device_maps, (const void *)o->device_maps);
   if (o->num_worker_threads <= 0) o->num_worker_threads = 16;
-  if (o->init_timeout_ms <= 0) o->init_timeout_ms = 120000;
+  if (!td__timeout_valid(o->rpc_timeout_ms) || !td__timeout_valid(o->init_timeout_ms) ||
+      (o->keepalive_timeout_ms <= 0 && o->keepalive_timeout_ms != TD_TIMEOUT_DEFAULT))
+    return td_set_error(TD_ERR_INVALID, "rpc_init: invalid timeout (rpc %lld, init %lld, "
+                        "keepalive %lld ms; see tdist/timeout.h)", (long long)o->rpc_timeout_ms,
+                        (long long)o->init_timeout_ms, (long long)o->keepalive_timeout_ms);
+  o->rpc_timeout_ms = td__timeout_resolve(o->rpc_timeout_ms, TD__RPC_DEFAULT_TIMEOUT_MS);
+  o->init_timeout_ms = td__timeout_resolve(o->init_timeout_ms, TD__RPC_DEFAULT_INIT_TIMEOUT_MS);
+  o->keepalive_timeout_ms = td__timeout_resolve(o->keepalive_timeout_ms, 20000);
   if (o->keepalive_ms <= 0) o->keepalive_ms = 2000;
-  if (o->keepalive_timeout_ms <= 0) o->keepalive_timeout_ms = 20000;
   if (!*name) {
     snprintf(defname, dn, "worker%d", rank);
     *name = defname;
@@ -497,7 +503,7 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
   a->rank = rank;
   a->world = world_size;
   TD_TRY(resolve_run_id(o, a->run_id, sizeof a->run_id));
-  a->default_timeout_ms = o->rpc_timeout_ms < 0 ? 0 : o->rpc_timeout_ms;
+  a->default_timeout_ms = o->rpc_timeout_ms;
   a->peers = td__calloc((size_t)world_size, sizeof *a->peers);
   if (!a->listen_addr || !a->init_method || !a->peers)
     return td_set_error(TD_ERR_NOMEM, "rpc_init: out of memory");

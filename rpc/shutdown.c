@@ -195,18 +195,21 @@ static void write_summary(td_rpc_agent *a) {
   else unlink(tmp);
 }
 
-td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms) {
+td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, td_timeout_ms timeout_ms) {
   TD_CHECK_ARG(a, "rpc_shutdown: NULL agent");
+  TD_CHECK_ARG(td__timeout_valid(timeout_ms), "rpc_shutdown: invalid timeout %lld",
+               (long long)timeout_ms);
   pthread_mutex_lock(&a->mu);
   bool already = a->shut;
   a->shut = true;
   pthread_mutex_unlock(&a->mu);
   if (already) return TD_OK;
-  if (timeout_ms < 0) timeout_ms = 60000;
-  uint64_t deadline = td__now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  uint64_t deadline =
+      td__deadline_ns(td__timeout_resolve(timeout_ms, td_rpc_get_default_timeout(a)));
   /* everything after the barrier - the store kept up for the others, running handlers, the
    * transport - gets until `hard`, so shutdown returns within its deadline + 1 s */
-  uint64_t hard = deadline + TD__SHUTDOWN_GRACE_MS * 1000000ull;
+  uint64_t hard = deadline == TD__NO_DEADLINE ? TD__NO_DEADLINE
+                                              : deadline + TD__SHUTDOWN_GRACE_MS * 1000000ull;
   td__store_set_deadline(&a->sc, hard); /* a dead or slow rank 0 cannot stretch it either */
   td_status st = TD_OK;
   char msg[1024] = "";
@@ -257,7 +260,7 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms) {
 
 void td_rpc_destroy(td_rpc_agent *a) {
   if (!a) return;
-  td_rpc_shutdown(a, false, 0);
+  td_rpc_shutdown(a, false, TD_TIMEOUT_ZERO);
   if (a->abandoned) {
     /* handlers still run on the pool and use the agent: stop the network, detach the pool's
      * threads and leave the memory to the process */

@@ -236,7 +236,7 @@ static td_status unary(void *ctx, const uint8_t *req, size_t len, uint8_t **repl
   const char *owner = c->owner[0] ? c->owner : "rank 0";
   int64_t tmo = c->call_timeout_ms;
   uint64_t dl = __atomic_load_n(&c->deadline_ns, __ATOMIC_ACQUIRE);
-  if (dl) {
+  if (dl && dl != TD__NO_DEADLINE) {
     uint64_t now = td__now_ns();
     if (now >= dl)
       return td_set_error(TD_ERR_TIMEOUT, "the deadline passed before %s's rendezvous store at "

@@ -465,7 +465,7 @@ static void deliver_now(td__decoder *d) {
   m.kind = (int)e->kind;
   m.from_rank = e->from_rank;
   m.status = (td_status)e->status;
-  m.timeout_ms = e->timeout_ms;
+  m.timeout_ms = e->timeout_ms > 0 ? e->timeout_ms : 0;
   m.ctx_id = e->ctx_id;
   m.autograd_msg_id = e->autograd_msg_id;
   d->last_direct = d->direct;

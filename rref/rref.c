@@ -168,7 +168,7 @@ const char *td__rref_name(const td__rref_ctx *c, int rank) {
 }
 
 td_status td__rref_call(td__rref_ctx *c, int to, const char *fn, td_value *const *args, int nargs,
-                        int64_t timeout_ms, td_future **out) {
+                        td_timeout_ms timeout_ms, td_future **out) {
   pthread_mutex_lock(&c->mu);
   if (c->closed) {
     pthread_mutex_unlock(&c->mu);
@@ -560,7 +560,7 @@ static td_status remote_start(td__rref_ctx *c, int owner, td_rref *target, const
   creation *cr = st == TD_OK ? td__calloc(1, sizeof *cr) : NULL;
   td_future *f = NULL;
   if (cr) {
-    int64_t to = opts && opts->timeout_ms >= 0 ? opts->timeout_ms : -1;
+    td_timeout_ms to = opts ? opts->timeout_ms : TD_TIMEOUT_DEFAULT;
     st = td__rref_call(c, owner, "__rref_remote", argv, nargs + 2, to, &f);
   } else if (st == TD_OK) {
     st = td_set_error(TD_ERR_NOMEM, "remote: out of memory");
@@ -638,21 +638,21 @@ td_status td_rref_create_local(td_rpc_agent *a, td_value *value, td_rref **out) 
 
 /* ---- using RRefs ---- */
 
-static int64_t default_timeout(td__rref_ctx *c) {
+static td_timeout_ms default_timeout(td__rref_ctx *c) {
   pthread_mutex_lock(&c->mu);
-  int64_t t = c->closed ? 0 : td_rpc_get_default_timeout(c->agent);
+  td_timeout_ms t = c->closed ? TD_TIMEOUT_INFINITE : td_rpc_get_default_timeout(c->agent);
   pthread_mutex_unlock(&c->mu);
   return t;
 }
 
-static td_status to_here_impl(td_rref *r, int64_t timeout_ms, td_value **out) {
-  TD_CHECK_ARG(r && out, "rref_to_here: NULL argument");
+static td_status to_here_impl(td_rref *r, td_timeout_ms timeout_ms, td_value **out) {
+  TD_CHECK_ARG(r && out && td__timeout_valid(timeout_ms), "rref_to_here: invalid argument");
   TD_TRY(creation_error(r));
   td__rref_ctx *c = r->ctx;
   char s[160];
   if (r->entry) {
-    if (timeout_ms < 0) timeout_ms = default_timeout(c);
-    td_status st = td_future_wait(r->entry->ready, timeout_ms == 0 ? -1 : timeout_ms);
+    timeout_ms = td__timeout_resolve(timeout_ms, default_timeout(c));
+    td_status st = td_future_wait(r->entry->ready, timeout_ms);
     if (st == TD_ERR_TIMEOUT)
       return td_set_error(st, "rref to_here: %s: the value was not created within %lld ms",
                           td_rref_to_string(r, s, sizeof s), (long long)timeout_ms);
@@ -669,13 +669,13 @@ static td_status to_here_impl(td_rref *r, int64_t timeout_ms, td_value **out) {
     /* the creator: a creation that fails or times out meanwhile is the answer (the fetch would
      * only see the owner's side of it); both futures complete on their own */
     td_future *both[2] = {r->created, f};
-    td_future_wait_all(both, 2, -1);
+    td_future_wait_all(both, 2, TD_TIMEOUT_INFINITE); /* both end by the call's deadline */
     if (creation_error(r) != TD_OK) {
       td_future_unref(f);
       return td_future_status(r->created);
     }
   }
-  st = td_future_wait(f, -1);
+  st = td_future_wait(f, TD_TIMEOUT_INFINITE);
   if (st != TD_OK) {
     st = td_set_error(st, "rref to_here: %s: %s", td_rref_to_string(r, s, sizeof s),
                       td_future_message(f));
@@ -702,8 +702,8 @@ static td_status here_then(void *arg, td_future *src, td_value **result, td_futu
   return st;
 }
 
-td_status td_rref_to_here_async(td_rref *r, int64_t timeout_ms, td_future **out) {
-  TD_CHECK_ARG(r && out, "rref_to_here_async: NULL argument");
+td_status td_rref_to_here_async(td_rref *r, td_timeout_ms timeout_ms, td_future **out) {
+  TD_CHECK_ARG(r && out && td__timeout_valid(timeout_ms), "rref_to_here_async: invalid argument");
   TD_TRY(creation_error(r));
   td_future *f = NULL;
   if (r->entry) {
@@ -752,7 +752,7 @@ td_status td_rref_rpc_async(td_rref *r, const char *fn, td_value *const *args, i
   td_value **argv;
   TD_TRY(build_argv(int_list(h, 2), fn, args, nargs, &argv));
   td_future *f = NULL;
-  int64_t to = opts && opts->timeout_ms >= 0 ? opts->timeout_ms : -1;
+  td_timeout_ms to = opts ? opts->timeout_ms : TD_TIMEOUT_DEFAULT;
   td_status st = td__rref_call(r->ctx, r->owner, "__rref_call", argv, nargs + 2, to, &f);
   free_argv(argv, nargs + 2);
   TD_TRY(st);
@@ -768,7 +768,7 @@ td_status td_rref_rpc_sync(td_rref *r, const char *fn, td_value *const *args, in
   TD_CHECK_ARG(result, "rref_rpc_sync: NULL result");
   td_future *f;
   TD_TRY(td_rref_rpc_async(r, fn, args, nargs, opts, &f));
-  td_status st = td_future_wait(f, -1);
+  td_status st = td_future_wait(f, TD_TIMEOUT_INFINITE); /* the call's deadline ends it */
   if (st == TD_OK) {
     td_value *v = td_future_value(f);
     *result = v ? td_value_ref(v) : td_value_none();
@@ -913,7 +913,7 @@ void td__rref_layer_init(void) {
 }
 
 /* td_rref_to_here, as one span in traces. */
-td_status td_rref_to_here(td_rref *r, int64_t timeout_ms, td_value **out) {
+td_status td_rref_to_here(td_rref *r, td_timeout_ms timeout_ms, td_value **out) {
   uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
   td_status st = to_here_impl(r, timeout_ms, out);
   if (t0) td__trace_complete("rref", "rref to_here", t0, td__now_ns(), NULL);

@@ -121,7 +121,7 @@ const char *td__rref_name(const td__rref_ctx *c, int rank);
 /* td__rref_call sends fn to rank `to` through the agent unless the context is closed (then
  * TD_ERR_STATE). args borrowed. timeout_ms as td_rpc_call_opts. */
 td_status td__rref_call(td__rref_ctx *c, int to, const char *fn, td_value *const *args, int nargs,
-                        int64_t timeout_ms, td_future **out);
+                        td_timeout_ms timeout_ms, td_future **out);
 /* td__rref_control sends a fire-and-forget control message (arg: its one argument, owned), retried
  * on TD_ERR_UNAVAILABLE with backoff. hold (may be NULL) is an RRef reference released (and its
  * children count decremented) once the message is acknowledged or given up. Returns the first

@@ -318,7 +318,7 @@ static void ctl_done(td_future *f, void *arg) {
 
 static td_status ctl_send(ctl *m) {
   td_future *f = NULL;
-  td_status st = td__rref_call(m->c, m->to, m->fn, &m->args, 1, -1, &f);
+  td_status st = td__rref_call(m->c, m->to, m->fn, &m->args, 1, TD_TIMEOUT_DEFAULT, &f);
   if (st != TD_OK) {
     char why[600];
     snprintf(why, sizeof why, "%s", td_last_error());

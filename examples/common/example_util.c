@@ -627,7 +627,7 @@ td_value *ex_report_send(td_rpc_agent *a, const char *fn, int slot, const double
     td_value *x = td_value_double(v[i]);
     if (!x || td_value_list_append(args[1], x) != TD_OK) ex_die("out of memory");
   }
-  td_rpc_call_opts co = {.timeout_ms = 0};
+  td_rpc_call_opts co = {.timeout_ms = TD_TIMEOUT_INFINITE};
   td_value *res = NULL;
   EX_CHECK(td_rpc_sync(a, "worker0", fn, args, 2, &co, &res));
   td_value_unref(args[0]);

@@ -363,7 +363,7 @@ void psft_trainer_before_batch(td_rpc_agent *a, const psft_trainer *t, int epoch
   int64_t g = (int64_t)epoch * t->nb + b, g0 = t->start_epoch * t->nb + t->start_step;
   if (t->every <= 0 || g <= g0 || g % t->every) return;
   td_value *v[3] = {td_value_int(epoch), td_value_int(b), td_value_int(t->nb)};
-  td_rpc_call_opts co = {.timeout_ms = 0}; /* waits for the slowest trainer */
+  td_rpc_call_opts co = {.timeout_ms = TD_TIMEOUT_INFINITE}; /* waits for the slowest trainer */
   td_value *r = NULL;
   EX_CHECK(td_rpc_sync(a, "worker0", "ps_ckpt", v, 3, &co, &r));
   td_value_unref(r);

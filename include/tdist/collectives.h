@@ -52,7 +52,8 @@
  * Dtypes: float32, float64 and int64 for every operation; TD_REDUCE_AVG needs a float dtype
  * (TD_ERR_DTYPE for int64, as in PyTorch).
  *
- * Failures: every operation has a deadline (td_process_group_set_timeout; default 60 s). A
+ * Failures: every operation has a deadline (the group's timeout, tdist/timeout.h: given at
+ * creation, changed with td_process_group_set_timeout; TD_TIMEOUT_DEFAULT is 60 s). A
  * member that dies (its process exits, its connections close) or stops answering makes the
  * operation fail on every member with TD_ERR_UNAVAILABLE or TD_ERR_TIMEOUT and a message naming
  * that worker ("worker2 (rank 2)"), never a hang; a member that skips a collective is named at
@@ -83,6 +84,7 @@
 #include "tdist/rpc.h"
 #include "tdist/status.h"
 #include "tdist/tensor.h"
+#include "tdist/timeout.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -104,9 +106,10 @@ typedef enum td_reduce_op {
 /* td_process_group_create makes a group of the workers whose global ranks are ranks[0..n) (any
  * order, no duplicates; ranks == NULL means every worker of the agent's group, n is then
  * ignored). Collective: blocks until every member has called it and the members are connected
- * (for NCCL: until every member's communicator is set up), or 60 s pass (TD_ERR_TIMEOUT naming
- * the members that never arrived; a member that failed to set up makes every member fail with
- * its error, naming it). On a
+ * (for NCCL: until every member's communicator is set up), or the timeout passes (TD_ERR_TIMEOUT
+ * naming the members that never arrived; a member that failed to set up makes every member fail
+ * with its error, naming it). The timeout (tdist/timeout.h; TD_TIMEOUT_DEFAULT: 60 s) becomes the
+ * group's timeout for its operations too, as torch.distributed.new_group(timeout=) does. On a
  * member *out gets the group; on a non-member *out is set to NULL and TD_OK is returned without
  * any communication. TD_ERR_INVALID for a rank outside [0, world size), duplicates or n < 1,
  * or a bad TD_COLL_ALGO / TD_COLL_SHM_DIRECT_MAX; TD_ERR_UNSUPPORTED for TD_PG_BACKEND_NCCL in a
@@ -114,7 +117,8 @@ typedef enum td_reduce_op {
  * TD_ERR_DEVICE for NCCL without a CUDA device. Release with td_process_group_destroy(). THREAD SAFETY: any thread; a
  * worker must create the groups of one rank list in the same order as the other members. */
 TD_API td_status td_process_group_create(td_rpc_agent *agent, const int *ranks, int n,
-                                         td_pg_backend backend, td_process_group **out);
+                                         td_pg_backend backend, td_timeout_ms timeout,
+                                         td_process_group **out);
 /* td_process_group_destroy closes the group's connections, unmaps its shared memory and frees it
  * (not collective; peers still inside an operation with this member see it as gone). Operations
  * still queued by the _async calls fail with TD_ERR_CANCELLED; the one running finishes first
@@ -131,9 +135,10 @@ TD_API int td_process_group_size(const td_process_group *pg);
 TD_API int td_process_group_global_rank(const td_process_group *pg, int group_rank);
 /* td_process_group_backend returns the group's backend. */
 TD_API td_pg_backend td_process_group_backend(const td_process_group *pg);
-/* td_process_group_set_timeout sets the deadline of each later operation in ms (<= 0: the
- * default, 60000). Members should use the same value. */
-TD_API void td_process_group_set_timeout(td_process_group *pg, int64_t timeout_ms);
+/* td_process_group_set_timeout sets the group's timeout, the deadline of each later operation
+ * (tdist/timeout.h; TD_TIMEOUT_DEFAULT: 60 s). Members should use the same value. TD_ERR_INVALID
+ * for a NULL group or an invalid timeout. */
+TD_API td_status td_process_group_set_timeout(td_process_group *pg, td_timeout_ms timeout);
 
 /* td_process_group_all_reduce reduces t element-wise across the members and leaves the result
  * in t on every member (in place, like torch.distributed.all_reduce). t must be contiguous, on

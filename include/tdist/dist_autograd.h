@@ -23,6 +23,10 @@
  * THREAD SAFETY: one current context per thread. Any thread may begin its own context; several
  * contexts may run backward passes at once over the same parameters (their gradients stay apart).
  * Functions that block say so.
+ *
+ * Timeouts: a blocking call here without a timeout argument bounds each RPC it makes by the
+ * agent's rpc timeout (TD_TIMEOUT_DEFAULT in tdist/timeout.h: td_rpc_options.rpc_timeout_ms,
+ * td_rpc_set_default_timeout).
  */
 #ifndef TDIST_DIST_AUTOGRAD_H
 #define TDIST_DIST_AUTOGRAD_H
@@ -55,7 +59,7 @@ TD_API td_status td_dist_autograd_context_begin(td_rpc_agent *a, td_dist_autogra
  * TD_ERR_STATE otherwise): it stops being current on this thread, is freed here, and a cleanup
  * goes to every worker that took part, each of which frees its part and forwards the cleanup to
  * the workers it talked to. Blocks until the whole tree acknowledged (bounded by the agent's
- * default RPC timeout per hop); an unreachable worker is reported naming it, the context is gone
+ * rpc timeout per hop); an unreachable worker is reported naming it, the context is gone
  * here either way. Always releases the caller's reference. NULL does nothing. */
 TD_API td_status td_dist_autograd_context_end(td_dist_autograd_context *ctx);
 
@@ -91,7 +95,7 @@ TD_API td_dist_autograd_context_id td_dist_autograd_context_get_id(const td_dist
 /* td_dist_autograd_backward differentiates the local scalar roots[0..n) within ctx (each with
  * gradient 1) across every worker their graphs reach through recv functions. With retain_graph the
  * graph (here and on the other workers) can be differentiated again, and gradients add up.
- * Blocks until every worker's part has finished (each RPC bounded by the agent's default
+ * Blocks until every worker's part has finished (each RPC bounded by the agent's rpc
  * timeout). A failure anywhere is returned with td_last_error() naming the worker where it
  * happened, after the other parts finished. Must not be called from a future callback. */
 TD_API td_status td_dist_autograd_backward(td_dist_autograd_context *ctx, td_tensor *const *roots,

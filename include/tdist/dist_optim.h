@@ -15,6 +15,10 @@
  *
  * THREAD SAFETY: any thread; calls that block say so. A td_dist_optimizer may be stepped from
  * several threads at once (each with its own context).
+ *
+ * Timeouts: a blocking call here without a timeout argument bounds each RPC it makes by the
+ * agent's rpc timeout (TD_TIMEOUT_DEFAULT in tdist/timeout.h: td_rpc_options.rpc_timeout_ms,
+ * td_rpc_set_default_timeout).
  */
 #ifndef TDIST_DIST_OPTIM_H
 #define TDIST_DIST_OPTIM_H
@@ -37,7 +41,7 @@ typedef struct td_dist_optimizer td_dist_optimizer;
 /* td_dist_optimizer_create makes a distributed optimizer of kind opts->kind with opts's
  * hyper-parameters (see td_optim_options_init) over params[0..n) (RRefs to parameter tensors; a
  * parameter may be owned by any worker, this one included). Blocks until every owner has created
- * its optimizer (bounded by the agent's default timeout); an owner's failure (invalid options, an
+ * its optimizer (bounded by the agent's rpc timeout); an owner's failure (invalid options, an
  * RRef whose value is not a float tensor, duplicates) is returned naming that owner. Takes a
  * reference to each RRef. *out: release with td_dist_optimizer_destroy(). */
 TD_API td_status td_dist_optimizer_create(td_rpc_agent *a, const td_optim_options *opts,
@@ -65,8 +69,8 @@ TD_API void td_dist_optimizer_destroy(td_dist_optimizer *o);
 /* td_dist_module_parameter_rrefs returns in *out (new reference) a list value of RRefs, one per
  * parameter of the module held by module_rref (a value of object type "nn.Module"), in
  * td_module_parameters order; each RRef's value on the owner is the parameter tensor itself.
- * Blocks (timeout_ms < 0: the agent's default). */
-TD_API td_status td_dist_module_parameter_rrefs(td_rref *module_rref, int64_t timeout_ms,
+ * Blocks until the timeout (tdist/timeout.h; TD_TIMEOUT_DEFAULT: the agent's rpc timeout). */
+TD_API td_status td_dist_module_parameter_rrefs(td_rref *module_rref, td_timeout_ms timeout,
                                                 td_value **out);
 
 #ifdef __cplusplus

@@ -25,6 +25,10 @@
  * THREAD SAFETY: every function may be called from any thread except inside a future callback
  * (those that block say so). A handle may be used from several threads at once; destroy it when
  * no call is running.
+ *
+ * Timeouts: a blocking call here without a timeout argument bounds each RPC it makes by the
+ * agent's rpc timeout (TD_TIMEOUT_DEFAULT in tdist/timeout.h: td_rpc_options.rpc_timeout_ms,
+ * td_rpc_set_default_timeout).
  */
 #ifndef TDIST_REMOTE_MODULE_H
 #define TDIST_REMOTE_MODULE_H
@@ -59,7 +63,7 @@ typedef struct td_remote_module td_remote_module;
 /* td_remote_module_create creates the module on the worker named by remote_device, with
  * td_module_factory_create(factory, args) there (args may be NULL; it is sent, so it must be
  * sendable) and moves it to the device. Blocks until the module exists (bounded by the agent's
- * default timeout). Errors: TD_ERR_INVALID for a malformed device string, TD_ERR_NOT_FOUND for an
+ * rpc timeout). Errors: TD_ERR_INVALID for a malformed device string, TD_ERR_NOT_FOUND for an
  * unknown worker or rank, and the owner's error (unknown factory, unavailable device) naming the
  * worker. *out: release with td_remote_module_destroy(). */
 TD_API td_status td_remote_module_create(td_rpc_agent *a, const char *remote_device,
@@ -91,7 +95,7 @@ TD_API td_device td_remote_module_device(const td_remote_module *rm);
 TD_API td_status td_remote_module_forward_async(td_remote_module *rm, td_value *const *args,
                                                 int nargs, td_future **out);
 /* td_remote_module_forward is the one-tensor form, waiting for the result: *y gets the output
- * (new reference). Blocks (bounded by the agent's default timeout). */
+ * (new reference). Blocks (bounded by the agent's rpc timeout). */
 TD_API td_status td_remote_module_forward(td_remote_module *rm, td_tensor *x, td_tensor **y);
 /* td_remote_module_forward_remote runs forward on the owner and leaves the output there: *out
  * (new reference) is an RRef to it, which can be given to another module's forward. Does not
@@ -130,7 +134,7 @@ TD_API int td_pipeline_num_stages(const td_pipeline *p);
  * overlap on different micro-batches. Inside a distributed autograd context the whole pass is
  * recorded, so td_dist_autograd_backward on a loss of *y reaches every stage's parameters.
  * TD_ERR_INVALID for micro_batches < 1; a stage's failure names its worker. Blocks (each fetch
- * bounded by the agent's default timeout). */
+ * bounded by the agent's rpc timeout). */
 TD_API td_status td_pipeline_forward(td_pipeline *p, td_tensor *x, int micro_batches,
                                      td_tensor **y);
 

@@ -16,7 +16,8 @@
  *
  * THREAD SAFETY: every function may be called from any thread, including from inside a registered
  * function (nested calls) and from future callbacks, unless its comment says otherwise. Blocking
- * calls say so and all take a timeout.
+ * calls say so; each takes a td_timeout_ms (tdist/timeout.h: > 0 ms, TD_TIMEOUT_ZERO,
+ * TD_TIMEOUT_INFINITE, TD_TIMEOUT_DEFAULT = the agent's rpc timeout) or says which one bounds it.
  */
 #ifndef TDIST_RPC_H
 #define TDIST_RPC_H
@@ -27,6 +28,7 @@
 
 #include "tdist/status.h"
 #include "tdist/tensor.h"
+#include "tdist/timeout.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -161,10 +163,11 @@ TD_API td_status td_future_fail(td_future *f, td_status status, const char *fmt,
     TD_PRINTF(3, 4);
 
 TD_API bool td_future_done(const td_future *f);
-/* td_future_wait blocks until f is done or timeout_ms passes (< 0 waits forever). Returns
- * TD_ERR_TIMEOUT on timeout (f stays pending), else f's status (setting td_last_error to f's
- * message on failure). */
-TD_API td_status td_future_wait(td_future *f, int64_t timeout_ms);
+/* td_future_wait blocks until f is done or the timeout passes (TD_TIMEOUT_ZERO only checks;
+ * TD_TIMEOUT_INFINITE and TD_TIMEOUT_DEFAULT wait without limit: a future has no default of its
+ * own). Returns TD_ERR_TIMEOUT on timeout (f stays pending), else f's status (setting
+ * td_last_error to f's message on failure); TD_ERR_INVALID for another negative timeout. */
+TD_API td_status td_future_wait(td_future *f, td_timeout_ms timeout);
 /* td_future_status is f's outcome: TD_OK, an error, or TD_ERR_STATE while pending (use
  * td_future_done to tell a pending future from one failed with TD_ERR_STATE). */
 TD_API td_status td_future_status(const td_future *f);
@@ -201,10 +204,11 @@ TD_API td_status td_future_then(td_future *f, td_future_then_fn fn, void *ctx, t
 
 /* td_future_wait_all waits for all n futures, returning TD_OK once all succeeded, or as soon as
  * one has failed (the lowest-indexed failed one seen: its status, with td_last_error "future <i>
- * of the set failed: <its message>"), or TD_ERR_TIMEOUT after timeout_ms (< 0 waits forever, 0
- * only checks). n == 0 is TD_OK; NULL entries are TD_ERR_INVALID. Blocks; leaves no callback or
- * other trace on the futures. */
-TD_API td_status td_future_wait_all(td_future *const *fs, int n, int64_t timeout_ms);
+ * of the set failed: <its message>"), or TD_ERR_TIMEOUT once the timeout passed (as for
+ * td_future_wait: TD_TIMEOUT_ZERO only checks, INFINITE and DEFAULT wait without limit). n == 0
+ * is TD_OK; NULL entries are TD_ERR_INVALID. Blocks; leaves no callback or other trace on the
+ * futures. */
+TD_API td_status td_future_wait_all(td_future *const *fs, int n, td_timeout_ms timeout);
 
 /* ======================================================================================== */
 /* Agent                                                                                     */
@@ -241,10 +245,13 @@ typedef struct td_rpc_options {
   const char *init_method;
   /* Threads running registered functions. Default 16. */
   int num_worker_threads;
-  /* Default per-call timeout in ms; 0 = no timeout. Default 60000. */
-  int64_t rpc_timeout_ms;
-  /* Deadline for td_rpc_init to find every worker, in ms. Default 120000. */
-  int64_t init_timeout_ms;
+  /* The agent's rpc timeout: what TD_TIMEOUT_DEFAULT means for its calls, RRefs and shutdown
+   * (tdist/timeout.h; TD_TIMEOUT_INFINITE: no limit). Default 60000 (also what
+   * TD_TIMEOUT_DEFAULT here gives). */
+  td_timeout_ms rpc_timeout_ms;
+  /* How long td_rpc_init may take to find every worker (tdist/timeout.h). Default 120000 (also
+   * what TD_TIMEOUT_DEFAULT here gives). */
+  td_timeout_ms init_timeout_ms;
   /* Address this worker's server listens on (and advertises). Default NULL: chosen at init from
    * TD_SOCKET_IFNAME (NCCL's syntax: comma list of interface-name prefixes, '^' excludes, '='
    * exact), else the interface of the route toward the master, else loopback (the choice is
@@ -254,9 +261,11 @@ typedef struct td_rpc_options {
    * detected at once (its connection closes); keepalive catches hung peers and cut links. */
   int64_t keepalive_ms;
   /* How long a keepalive ping may stay unanswered before the peer is declared gone and every call
-   * waiting on it fails, ms. Default 20000 (generous: an overloaded but live peer must not be
-   * declared dead); lower it for faster detection of hung hosts. */
-  int64_t keepalive_timeout_ms;
+   * waiting on it fails, ms (> 0; TD_TIMEOUT_DEFAULT gives the default; ZERO and INFINITE are
+   * TD_ERR_INVALID: a hung peer must be noticed some time). Default 20000 (generous: an
+   * overloaded but live peer must not be declared dead); lower it for faster detection of hung
+   * hosts. */
+  td_timeout_ms keepalive_timeout_ms;
   /* Largest request or reply accepted, in bytes (envelope + tensors); 0 = unlimited. Default
    * TD_RPC_DEFAULT_MAX_MESSAGE (2 GiB of tensors plus 64 MiB of envelope). A larger one is
    * answered with an error and skipped; the stream stays usable. */
@@ -469,10 +478,14 @@ TD_API int64_t td_rpc_busy_poll_us(const td_rpc_agent *a);
 TD_API int td_rpc_direct_copy_peers(const td_rpc_agent *a);
 
 typedef struct td_rpc_call_opts {
-  /* Per-call timeout in ms: < 0 uses the agent's default (as it is when the call starts), 0 means
-   * none. */
-  int64_t timeout_ms;
+  /* The call's timeout (tdist/timeout.h): TD_TIMEOUT_DEFAULT is the agent's rpc timeout as it is
+   * when the call starts, TD_TIMEOUT_INFINITE none, TD_TIMEOUT_ZERO fails the call at once with
+   * TD_ERR_TIMEOUT. It travels with the request: the callee drops a request whose deadline passed
+   * while it was queued, and its handler can read the deadline (td_rpc_ctx_deadline_ns). */
+  td_timeout_ms timeout_ms;
 } td_rpc_call_opts;
+/* TD_RPC_CALL_OPTS_INIT initialises a td_rpc_call_opts with the defaults. */
+#define TD_RPC_CALL_OPTS_INIT {TD_TIMEOUT_DEFAULT}
 
 /* td_rpc_async calls fn on worker `to` with args[0..nargs) (borrowed; not to be modified
  * afterwards) and returns at once with a future (new reference) in *out. opts may be NULL. A CUDA
@@ -487,17 +500,25 @@ TD_API td_status td_rpc_sync(td_rpc_agent *a, const char *to, const char *fn,
                              td_value *const *args, int nargs, const td_rpc_call_opts *opts,
                              td_value **result);
 
-/* td_rpc_set_default_timeout changes the default per-call timeout (ms, 0 = none) for calls made
- * from now on. */
-TD_API void td_rpc_set_default_timeout(td_rpc_agent *a, int64_t timeout_ms);
-TD_API int64_t td_rpc_get_default_timeout(const td_rpc_agent *a);
+/* td_rpc_set_default_timeout changes the agent's rpc timeout (what TD_TIMEOUT_DEFAULT means for
+ * calls started from now on): a duration, TD_TIMEOUT_INFINITE, or TD_TIMEOUT_DEFAULT to go back to
+ * td_rpc_options.rpc_timeout_ms. TD_ERR_INVALID for another negative value. */
+TD_API td_status td_rpc_set_default_timeout(td_rpc_agent *a, td_timeout_ms timeout);
+/* td_rpc_get_default_timeout returns the agent's rpc timeout (a duration or TD_TIMEOUT_INFINITE). */
+TD_API td_timeout_ms td_rpc_get_default_timeout(const td_rpc_agent *a);
 
 /* td_rpc_shutdown stops the agent. Graceful: blocks until every worker has called shutdown and no
  * worker has work outstanding (calls in flight, handlers running, including fire-and-forget
- * chains), then tears down; after timeout_ms (< 0: 60 s) it aborts, fails everything outstanding,
- * and returns TD_ERR_TIMEOUT with a message naming the workers that never arrived. Non-graceful:
- * fails everything outstanding and returns at once. Safe to call twice. */
-TD_API td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms);
+ * chains), then tears down; once the timeout passed (TD_TIMEOUT_DEFAULT: the agent's rpc timeout;
+ * TD_TIMEOUT_INFINITE: no limit) it aborts, fails everything outstanding, and returns
+ * TD_ERR_TIMEOUT with a message naming the workers that never arrived. Non-graceful: fails
+ * everything outstanding and returns at once. Either way it returns by its deadline + 1 s,
+ * whatever handlers, peers or transfers do: handlers still running then are abandoned (they finish
+ * on their own; their replies are dropped) and named in the TD_ERR_TIMEOUT message (function,
+ * caller, running time); td_rpc_destroy then leaves the agent's memory to the process, which can
+ * exit normally. Handlers see td_rpc_ctx_cancelled() once the agent stops. With TD_SUMMARY_DIR
+ * set (tdistrun --summary) the agent's totals are written there. Safe to call twice. */
+TD_API td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, td_timeout_ms timeout);
 /* td_rpc_destroy frees a shut-down agent (shutting it down non-gracefully first if needed). NULL
  * does nothing. */
 TD_API void td_rpc_destroy(td_rpc_agent *a);

@@ -22,8 +22,9 @@
  * starts it, for the shared and the static library alike.
  *
  * THREAD SAFETY: every function may be called from any thread, including from registered functions
- * and future callbacks, unless its comment says it blocks (blocking calls take a timeout; never
- * block inside a future callback).
+ * and future callbacks, unless its comment says it blocks (blocking calls take a td_timeout_ms,
+ * tdist/timeout.h, whose TD_TIMEOUT_DEFAULT is the agent's rpc timeout; never block inside a
+ * future callback).
  */
 #ifndef TDIST_RREF_H
 #define TDIST_RREF_H
@@ -58,9 +59,10 @@ typedef struct td_rref_fork_id {
  * be modified afterwards) and returns at once with an RRef to its result in *out (new reference;
  * release with td_rref_unref()). The value stays on `to`. When `to` is this worker, the RRef is
  * the owner's handle and fn runs on the agent's pool. opts may be NULL; opts->timeout_ms bounds
- * the creation (< 0: the agent's default; 0: none). A creation that fails or times out is
- * reported later by the RRef (creation future, to_here, proxies); only errors found at once
- * (agent shut down, unknown worker, NULL arguments) are returned here. Does not block. */
+ * the creation (TD_TIMEOUT_DEFAULT: the agent's rpc timeout). A creation that fails or times out
+ * is reported later by the RRef (creation future, to_here, proxies); only errors found at once
+ * (agent shut down, unknown worker, NULL arguments, TD_TIMEOUT_ZERO) are returned here. Does not
+ * block. */
 TD_API td_status td_remote(td_rpc_agent *a, const char *to, const char *fn,
                            td_value *const *args, int nargs, const td_rpc_call_opts *opts,
                            td_rref **out);
@@ -81,15 +83,16 @@ TD_API void td_rref_unref(td_rref *r);
 /* ======================================================================================== */
 
 /* td_rref_to_here returns a copy of the value (on the owner: the value itself) in *out (new
- * reference). Blocks until the value exists or timeout_ms passes (< 0: the agent's default
- * timeout; 0: no limit): TD_ERR_TIMEOUT then, the creation error for a failed RRef
- * ("RRef creation failed: ..."), TD_ERR_STATE after shutdown. */
-TD_API td_status td_rref_to_here(td_rref *r, int64_t timeout_ms, td_value **out);
+ * reference). Blocks until the value exists or the timeout passes (TD_TIMEOUT_DEFAULT: the
+ * agent's rpc timeout; TD_TIMEOUT_ZERO: on the owner only checks, on a user expires at once):
+ * TD_ERR_TIMEOUT then, the creation error for a failed RRef ("RRef creation failed: ..."),
+ * TD_ERR_STATE after shutdown. */
+TD_API td_status td_rref_to_here(td_rref *r, td_timeout_ms timeout, td_value **out);
 
 /* td_rref_to_here_async is the non-blocking form (for registered functions and callbacks): *out
  * (new reference) completes with the value or the error td_rref_to_here would return. On the
- * owner it completes when the value has been created (timeout_ms is not applied there). */
-TD_API td_status td_rref_to_here_async(td_rref *r, int64_t timeout_ms, td_future **out);
+ * owner it completes when the value has been created (the timeout is not applied there). */
+TD_API td_status td_rref_to_here_async(td_rref *r, td_timeout_ms timeout, td_future **out);
 
 /* td_rref_local_value returns the value (new reference) on the owner without waiting.
  * TD_ERR_STATE on a user RRef (the message names the owner), while the value is still being

@@ -4,6 +4,7 @@
 
 #include "tdist/version.h"
 #include "tdist/status.h"
+#include "tdist/timeout.h"
 #include "tdist/tensor.h"
 #include "tdist/trace.h"
 #include "tdist/autograd.h"

@@ -176,12 +176,12 @@ static void check_arg_errors(td_process_group *pg, td_rpc_agent *a) {
   int64_t big = 6 * td_process_group_size(pg);
   MP_CHECK_OK(td_tensor_zeros(&big, 1, TD_DTYPE_F64, td_device_cpu(), &outd));
   MP_CHECK(td_process_group_all_gather_into_tensor(pg, outd, t) == TD_ERR_DTYPE);
-  MP_CHECK(td_process_group_create(a, (int[]){0, 0}, 2, TD_PG_BACKEND_CPU, &(td_process_group *){0})
-           == TD_ERR_INVALID);
-  MP_CHECK(td_process_group_create(a, (int[]){td_rpc_world_size(a)}, 1, TD_PG_BACKEND_CPU,
+  MP_CHECK(td_process_group_create(a, (int[]){0, 0}, 2, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT,
                                    &(td_process_group *){0}) == TD_ERR_INVALID);
+  MP_CHECK(td_process_group_create(a, (int[]){td_rpc_world_size(a)}, 1, TD_PG_BACKEND_CPU,
+                                   TD_TIMEOUT_DEFAULT, &(td_process_group *){0}) == TD_ERR_INVALID);
   if (td_cuda_device_count() == 0) {
-    td_status st = td_process_group_create(a, NULL, 0, TD_PG_BACKEND_NCCL,
+    td_status st = td_process_group_create(a, NULL, 0, TD_PG_BACKEND_NCCL, TD_TIMEOUT_DEFAULT,
                                            &(td_process_group *){0});
     MP_CHECK(st == TD_ERR_UNSUPPORTED || st == TD_ERR_DEVICE);
   }
@@ -198,7 +198,7 @@ static int worker_ops(int rank, int world, const char *method, void *arg) {
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   td_process_group *pg = NULL;
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
   MP_CHECK(pg && td_process_group_size(pg) == world && td_process_group_rank(pg) == rank);
   MP_CHECK(td_process_group_global_rank(pg, world - 1) == world - 1);
   MP_CHECK(td_process_group_global_rank(pg, world) == -1);
@@ -239,7 +239,7 @@ static int worker_mismatch(int rank, int world, const char *method, void *arg) {
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   td_process_group *pg = NULL;
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
   td_tensor *t = make(TD_REDUCE_SUM, rank, 0, 7, TD_DTYPE_F32);
   MP_CHECK_OK(td_process_group_all_reduce(pg, t, TD_REDUCE_SUM)); /* in step */
   /* ranks 0 and 1 all_reduce, rank 2 enters a barrier */
@@ -258,7 +258,7 @@ static int worker_mismatch(int rank, int world, const char *method, void *arg) {
   td_tensor_unref(t);
   td_process_group_destroy(pg);
   /* a new group works */
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
   MP_CHECK_OK(td_process_group_barrier(pg));
   td_process_group_destroy(pg);
   MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));

@@ -40,7 +40,7 @@ static int worker_order(int rank, int world, const char *method, void *arg) {
   (void)arg;
   td_rpc_agent *a = coll_join(rank, world, method);
   td_process_group *pg = NULL;
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
   /* a synchronous call right behind the first asynchronous one (the worker thread is only
    * starting) must not overtake it: the sizes differ, so overtaking fails the header check */
   td_tensor *first = input(rank, 1), *second = input(rank, 2);
@@ -133,7 +133,7 @@ static int worker_errors(int rank, int world, const char *method, void *arg) {
   (void)arg;
   td_rpc_agent *a = coll_join(rank, world, method);
   td_process_group *pg = NULL;
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
   td_future *f = (td_future *)&f; /* must stay untouched */
   int64_t shape[2] = {2, 3};
   td_tensor *t = NULL, *tt = NULL;
@@ -183,8 +183,8 @@ static int worker_wait_timeout(int rank, int world, const char *method, void *ar
   (void)arg;
   td_rpc_agent *a = coll_join(rank, world, method);
   td_process_group *pg = NULL, *side = NULL;
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &side));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &side));
   td_tensor *t = input(rank, 4);
   td_future *f = NULL;
   if (rank == 0) {

@@ -46,12 +46,12 @@ static int worker_groups(int rank, int world, const char *method, void *arg) {
   const int every[4] = {0, 1, 2, 3};
   if (rank != 3) {
     sub = (td_process_group *)&sub; /* must be overwritten with NULL on rank 0 */
-    MP_CHECK_OK(td_process_group_create(a, pair, 2, TD_PG_BACKEND_CPU, &sub));
+    MP_CHECK_OK(td_process_group_create(a, pair, 2, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &sub));
   }
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &all));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &all));
   if (rank == 1 || rank == 2)
-    MP_CHECK_OK(td_process_group_create(a, pair, 2, TD_PG_BACKEND_CPU, &sub2));
-  if (rank == 3) MP_CHECK_OK(td_process_group_create(a, &rank, 1, TD_PG_BACKEND_CPU, &solo));
+    MP_CHECK_OK(td_process_group_create(a, pair, 2, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &sub2));
+  if (rank == 3) MP_CHECK_OK(td_process_group_create(a, &rank, 1, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &solo));
   if (rank == 0) MP_CHECK(sub == NULL);
   if (rank == 1 || rank == 2) {
     MP_CHECK(sub && sub2 && td_process_group_size(sub) == 2);
@@ -107,7 +107,7 @@ static int worker_dead_peer(int rank, int world, const char *method, void *arg) 
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   td_process_group *pg = NULL;
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
   int64_t n = 1 << 20;
   td_tensor *t = NULL;
   MP_CHECK_OK(td_tensor_ones(&n, 1, TD_DTYPE_F32, td_device_cpu(), &t));
@@ -131,7 +131,7 @@ static int worker_dead_peer(int rank, int world, const char *method, void *arg) 
   td_process_group_destroy(pg);
   /* the survivors regroup */
   const int survivors[3] = {0, 1, 3};
-  MP_CHECK_OK(td_process_group_create(a, survivors, 3, TD_PG_BACKEND_CPU, &pg));
+  MP_CHECK_OK(td_process_group_create(a, survivors, 3, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
   MP_CHECK_OK(td_tensor_fill_(t, 2.0));
   MP_CHECK_OK(td_process_group_all_reduce(pg, t, TD_REDUCE_SUM));
   MP_CHECK(((float *)td_tensor_data(t))[0] == 6.0f);

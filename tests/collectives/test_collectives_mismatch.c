@@ -57,7 +57,7 @@ static int worker_mismatch(int rank, int world, const char *method, void *arg) {
   td_rpc_agent *a = coll_join(rank, world, method);
   for (int c = 0; c < N_CASES; c++) {
     td_process_group *pg = NULL;
-    MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
+    MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
     MP_CHECK_OK(td_process_group_barrier(pg)); /* in step */
     double t0 = coll_now_s();
     td_status st = call_case(pg, c, rank == 1);
@@ -78,7 +78,7 @@ static int worker_mismatch(int rank, int world, const char *method, void *arg) {
   char *keep = saved ? strdup(saved) : NULL;
   setenv("TD_COLL_ALGO", rank == 1 ? "shm_rsag" : "shm_direct", 1);
   td_process_group *pg = NULL;
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
   if (keep) setenv("TD_COLL_ALGO", keep, 1);
   else unsetenv("TD_COLL_ALGO");
   free(keep);
@@ -104,8 +104,8 @@ static int worker_skip(int rank, int world, const char *method, void *arg) {
   (void)arg;
   td_rpc_agent *a = coll_join(rank, world, method);
   td_process_group *pg = NULL, *side = NULL;
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &side));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &side));
   const int64_t timeout_ms = 600;
   td_process_group_set_timeout(pg, timeout_ms);
   td_tensor *t = tensor(8, TD_DTYPE_F32);

@@ -101,7 +101,7 @@ static td_process_group *start(int rank, int world, const char *method, td_rpc_a
   td_rpc_options o = coll_opts(method);
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, a));
   td_process_group *pg = NULL;
-  MP_CHECK_OK(td_process_group_create(*a, NULL, 0, TD_PG_BACKEND_NCCL, &pg));
+  MP_CHECK_OK(td_process_group_create(*a, NULL, 0, TD_PG_BACKEND_NCCL, TD_TIMEOUT_DEFAULT, &pg));
   td_process_group_set_timeout(pg, (int64_t)(60000 * coll_scale()));
   return pg;
 }
@@ -354,7 +354,7 @@ static int worker_same_gpu(int rank, int world, const char *method, void *arg) {
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   td_process_group *pg = NULL;
-  td_status st = td_process_group_create(a, NULL, 0, TD_PG_BACKEND_NCCL, &pg);
+  td_status st = td_process_group_create(a, NULL, 0, TD_PG_BACKEND_NCCL, TD_TIMEOUT_DEFAULT, &pg);
   if (st != TD_ERR_INVALID || !strstr(td_last_error(), "worker0 (rank 0)") ||
       !strstr(td_last_error(), "worker1 (rank 1)") || !strstr(td_last_error(), "both use GPU")) {
     fprintf(stderr, "rank %d: got %s: %s\n", rank, td_status_name(st), td_last_error());
@@ -383,10 +383,10 @@ static int worker_subgroups(int rank, int world, const char *method, void *arg) 
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   td_process_group *all = NULL, *sub = NULL;
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_NCCL, &all));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_NCCL, TD_TIMEOUT_DEFAULT, &all));
   int *ranks = malloc((size_t)world * sizeof *ranks);
   for (int r = 1; r < world; r++) ranks[r - 1] = r;
-  MP_CHECK_OK(td_process_group_create(a, ranks, world - 1, TD_PG_BACKEND_NCCL, &sub));
+  MP_CHECK_OK(td_process_group_create(a, ranks, world - 1, TD_PG_BACKEND_NCCL, TD_TIMEOUT_DEFAULT, &sub));
   free(ranks);
   MP_CHECK((rank == 0) == (sub == NULL));
   int64_t n = 1001;
@@ -503,7 +503,7 @@ static int worker_traffic(int rank, int world, const char *method, void *arg) {
   int *ranks = malloc((size_t)members * sizeof *ranks);
   for (int r = 0; r < members; r++) ranks[r] = r;
   td_process_group *pg = NULL;
-  if (member) MP_CHECK_OK(td_process_group_create(a, ranks, members, TD_PG_BACKEND_NCCL, &pg));
+  if (member) MP_CHECK_OK(td_process_group_create(a, ranks, members, TD_PG_BACKEND_NCCL, TD_TIMEOUT_DEFAULT, &pg));
   free(ranks);
   if (member) {
     traffic tr = {a, cpu_name, td_device_cuda(rank), 40, false};

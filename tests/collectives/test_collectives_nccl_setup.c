@@ -18,7 +18,7 @@ static int worker_setup_fails(int rank, int world, const char *method, void *arg
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   td_process_group *pg = (td_process_group *)&pg;
   double t0 = coll_now_s();
-  td_status st = td_process_group_create(a, NULL, 0, TD_PG_BACKEND_NCCL, &pg);
+  td_status st = td_process_group_create(a, NULL, 0, TD_PG_BACKEND_NCCL, TD_TIMEOUT_DEFAULT, &pg);
   if (st != TD_ERR_DEVICE || !strstr(td_last_error(), "NCCL setup failed on worker0 (rank 0)") ||
       !strstr(td_last_error(), "needs a CUDA device")) {
     fprintf(stderr, "rank %d: got %s: %s\n", rank, td_status_name(st), td_last_error());
@@ -28,7 +28,7 @@ static int worker_setup_fails(int rank, int world, const char *method, void *arg
   MP_CHECK(coll_now_s() - t0 < 20 * coll_scale());
   /* the agent is fine: a CPU group works */
   td_process_group *cpu = NULL;
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &cpu));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &cpu));
   MP_CHECK_OK(td_process_group_barrier(cpu));
   td_process_group_destroy(cpu);
   MP_CHECK_OK(td_rpc_shutdown(a, true, 30000));

@@ -57,7 +57,7 @@ static int worker_ddp(int rank, int world, const char *method, void *arg) {
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   td_process_group *pg = NULL;
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, &pg));
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
 
   /* replicas with different architectures are refused everywhere */
   td_module *odd = build(5, rank == 1);

@@ -217,7 +217,7 @@ static void parity_run(td_rpc_agent *a, int world, td_optim_kind kind) {
   td_rref *refs[16];
   size_t nrefs = 0;
   td_value *l1, *l2 = NULL;
-  MP_CHECK_OK(td_dist_module_parameter_rrefs(p1, -1, &l1));
+  MP_CHECK_OK(td_dist_module_parameter_rrefs(p1, TD_TIMEOUT_DEFAULT, &l1));
   append_param_rrefs(l1, refs, &nrefs);
   td_rref *local_refs[4];
   int nlocal = 0;
@@ -233,7 +233,7 @@ static void parity_run(td_rpc_agent *a, int world, td_optim_kind kind) {
     }
     td_tensor_list_fini(&ps);
   } else {
-    MP_CHECK_OK(td_dist_module_parameter_rrefs(p2, -1, &l2));
+    MP_CHECK_OK(td_dist_module_parameter_rrefs(p2, TD_TIMEOUT_DEFAULT, &l2));
     append_param_rrefs(l2, refs, &nrefs);
   }
   td_optim_options oo;
@@ -604,7 +604,7 @@ static int worker_ps(int rank, int world, const char *method, void *arg) {
   if (rank != 0) {
     td_rref *model = make_remote(a, "worker0", "mlp1", 7);
     td_value *pl;
-    MP_CHECK_OK(td_dist_module_parameter_rrefs(model, -1, &pl));
+    MP_CHECK_OK(td_dist_module_parameter_rrefs(model, TD_TIMEOUT_DEFAULT, &pl));
     td_rref *refs[4];
     size_t n = 0;
     append_param_rrefs(pl, refs, &n);

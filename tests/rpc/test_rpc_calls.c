@@ -120,8 +120,17 @@ static int worker_calls(int rank, int world, const char *method, void *arg) {
     MP_CHECK(td_rpc_sync(a, "worker1", "slow", &ms150, 1, NULL, &r) == TD_ERR_TIMEOUT);
     MP_CHECK_OK(td_future_wait(inflight, td_test_ms(5000)));
     td_future_unref(inflight);
-    td_rpc_set_default_timeout(a, 0);
+    MP_CHECK_OK(td_rpc_set_default_timeout(a, TD_TIMEOUT_DEFAULT)); /* back to the option */
+    MP_CHECK(td_rpc_get_default_timeout(a) == td_test_ms(30000));
+    MP_CHECK(td_rpc_set_default_timeout(a, -3) == TD_ERR_INVALID);
     MP_CHECK_OK(td_rpc_sync(a, "worker1", "slow", &ms150, 1, NULL, &r));
+    td_value_unref(r);
+    /* the one timeout rule (tdist/timeout.h): ZERO expires at once, other negatives are invalid */
+    td_rpc_call_opts zero = {TD_TIMEOUT_ZERO}, invalid = {-3}, inf = {TD_TIMEOUT_INFINITE};
+    td_future *nf = NULL;
+    MP_CHECK(td_rpc_async(a, "worker1", "slow", &ms150, 1, &zero, &nf) == TD_ERR_TIMEOUT && !nf);
+    MP_CHECK(td_rpc_async(a, "worker1", "slow", &ms150, 1, &invalid, &nf) == TD_ERR_INVALID && !nf);
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "slow", &ms150, 1, &inf, &r));
     td_value_unref(r);
     td_value_unref(ms150);
     td_value_unref(ms);

@@ -159,7 +159,7 @@ static int worker_deadline(int rank, int world, const char *method, void *arg) {
     MP_CHECK(elapsed >= 200 && elapsed <= 300 + td_test_ms(1000));
     td_value_unref(rep);
     /* no timeout: -1 */
-    co.timeout_ms = 0;
+    co.timeout_ms = TD_TIMEOUT_INFINITE;
     MP_CHECK_OK(td_rpc_sync(a, "worker0", "time_left", NULL, 0, &co, &r));
     int64_t v;
     MP_CHECK_OK(td_value_as_int(r, &v));

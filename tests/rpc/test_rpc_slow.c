@@ -95,7 +95,7 @@ static int worker_big(int rank, int world, const char *method, void *arg) {
   MP_CHECK_OK(td_rpc_register("hwm", fn_hwm, NULL));
   td_rpc_options o = td_mp_rpc_options(method, 2);
   o.max_message_bytes = 3ull << 30; /* above the default: its own setting */
-  o.rpc_timeout_ms = 0; /* the transfers below are bounded by the test's own timeout */
+  o.rpc_timeout_ms = TD_TIMEOUT_INFINITE; /* the transfers below are bounded by the test's own timeout */
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   if (rank == 0) {

@@ -150,6 +150,9 @@ static void test_future_wait_timeout(void **state) {
   TD_ASSERT_OK(td_future_wait(g, td_test_ms(10000)));
   pthread_join(d.thread, NULL);
   TD_ASSERT_STATUS(td_future_wait(NULL, 0), TD_ERR_INVALID);
+  TD_ASSERT_STATUS(td_future_wait(g, -3), TD_ERR_INVALID); /* not a td_timeout_ms */
+  TD_ASSERT_OK(td_future_wait(g, TD_TIMEOUT_DEFAULT));      /* a future has no default: no limit */
+  TD_ASSERT_STATUS(td_future_wait_all(&g, 1, -7), TD_ERR_INVALID);
   td_future_unref(f);
   td_future_unref(g);
 }

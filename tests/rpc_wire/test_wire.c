@@ -728,6 +728,8 @@ static void test_wire_message_fields(void **state) {
   assert_int_equal(s.n, 2);
   assert_false(s.ev[0].bad);
   assert_false(s.ev[1].bad);
+  assert_int_equal(s.ev[0].msg.timeout_ms, 0); /* a negative timeout from the wire reads as none */
+  e.timeout_ms = 0;
   assert_msg_equal(&e, &s.ev[0].msg);
   assert_int_equal(s.ev[0].msg.nvalues, 0);
   assert_msg_equal(&r, &s.ev[1].msg);

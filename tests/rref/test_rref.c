@@ -52,7 +52,7 @@ static int worker_basics(int rank, int world, const char *method, void *arg) {
     MP_CHECK(as_int(v) == 42);
     td_value_unref(v);
     /* twice: the value stays on the owner */
-    MP_CHECK_OK(td_rref_to_here(r, -1, &v));
+    MP_CHECK_OK(td_rref_to_here(r, TD_TIMEOUT_DEFAULT, &v));
     MP_CHECK(as_int(v) == 42);
     td_value_unref(v);
     MP_CHECK(td_rref_local_value(r, &v) == TD_ERR_STATE);
