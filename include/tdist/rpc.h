@@ -1,4 +1,5 @@
-/* rpc.h - named workers, remote calls, futures and values (torch.distributed.rpc for C).
+/* rpc.h - named workers and remote calls (torch.distributed.rpc for C); values and futures have
+ * their own headers (tdist/value.h, tdist/future.h), included here.
  *
  * A process joins a group of world_size workers with td_rpc_init() (explicit rank/world/master) or
  * td_rpc_init_from_env() (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT as set by tdistrun or
@@ -6,13 +7,6 @@
  * the others use to find each other. Functions are registered by name in every process
  * (td_rpc_register) and called by name on any worker (td_rpc_sync / td_rpc_async); only names and
  * data travel, never code.
- *
- * Values (td_value) are reference-counted tagged trees: none, bool, int64, double, string, bytes,
- * tensor, list, dict with string keys. Tensors travel as raw bytes beside the envelope, never
- * inside protobuf. A value handed to a call must not be modified afterwards.
- *
- * Futures (td_future) complete exactly once with a value or an error (status + message). A remote
- * failure's message starts with the remote worker's name and rank.
  *
  * THREAD SAFETY: every function may be called from any thread, including from inside a registered
  * function (nested calls) and from future callbacks, unless its comment says otherwise. Blocking
@@ -26,189 +20,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "tdist/future.h"
 #include "tdist/status.h"
 #include "tdist/tensor.h"
 #include "tdist/timeout.h"
+#include "tdist/value.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* ======================================================================================== */
-/* Values                                                                                    */
-/* ======================================================================================== */
-
-typedef enum td_value_kind {
-  TD_VALUE_NONE = 0,
-  TD_VALUE_BOOL = 1,
-  TD_VALUE_INT = 2,
-  TD_VALUE_DOUBLE = 3,
-  TD_VALUE_STRING = 4,
-  TD_VALUE_BYTES = 5,
-  TD_VALUE_TENSOR = 6,
-  TD_VALUE_LIST = 7,
-  TD_VALUE_DICT = 8,
-  /* Values of kinds >= TD_VALUE_EXT carry an object of a type registered by an upper layer
-   * (RRefs, worker infos). td_value_kind_of reports TD_VALUE_EXT for all of them;
-   * td_value_kind_name gives the registered type's name. */
-  TD_VALUE_EXT = 16,
-} td_value_kind;
-
-/* THREAD SAFETY (values): td_value_ref/unref and every read (accessors, list/dict getters,
- * equal, to_string) may run on any threads at once. td_value_list_append and td_value_dict_set
- * require that no other thread uses the container at the same time; once a value has been stored
- * in another value or handed to a call it must not be modified. Trees are acyclic: appending a
- * container into itself, directly or through its children, is refused (TD_ERR_INVALID). */
-typedef struct td_value td_value;
-
-/* Constructors return a new reference (release with td_value_unref()), or NULL when out of
- * memory (td_value_string(NULL), td_value_string_n(NULL, n > 0), td_value_bytes(NULL, n > 0) and
- * td_value_tensor(NULL) also give NULL). Strings and bytes are copied; string_n copies exactly n
- * bytes (embedded NULs kept) and adds a terminating NUL. td_value_none and td_value_bool return
- * shared immortal values and never fail; ref/unref on them is allowed and does nothing. */
-TD_API td_value *td_value_none(void);
-TD_API td_value *td_value_bool(bool v);
-TD_API td_value *td_value_int(int64_t v);
-TD_API td_value *td_value_double(double v);
-TD_API td_value *td_value_string(const char *s);
-TD_API td_value *td_value_string_n(const char *s, size_t n);
-TD_API td_value *td_value_bytes(const void *data, size_t n);
-/* td_value_tensor takes a new reference to t. */
-TD_API td_value *td_value_tensor(td_tensor *t);
-/* td_value_list makes an empty list; td_value_dict an empty dict. */
-TD_API td_value *td_value_list(void);
-TD_API td_value *td_value_dict(void);
-
-TD_API td_value *td_value_ref(td_value *v);
-/* td_value_unref drops a reference; the last one frees v and its children. NULL does nothing. */
-TD_API void td_value_unref(td_value *v);
-
-/* td_value_kind_of returns v's kind; NULL counts as TD_VALUE_NONE. */
-TD_API td_value_kind td_value_kind_of(const td_value *v);
-/* td_value_kind_name returns "none", "bool", "int", "double", "string", "bytes", "tensor",
- * "list", "dict", or the registered extension type's name. Never NULL; static storage. */
-TD_API const char *td_value_kind_name(const td_value *v);
-
-/* Accessors return TD_ERR_INVALID (message "value: expected int, got string") on a kind mismatch
- * or a NULL v, and leave *out untouched. as_int accepts bool; as_double accepts int. */
-TD_API td_status td_value_as_bool(const td_value *v, bool *out);
-TD_API td_status td_value_as_int(const td_value *v, int64_t *out);
-TD_API td_status td_value_as_double(const td_value *v, double *out);
-/* td_value_as_string: *out borrowed (NUL-terminated), valid while v lives; *len may be NULL. */
-TD_API td_status td_value_as_string(const td_value *v, const char **out, size_t *len);
-TD_API td_status td_value_as_bytes(const td_value *v, const void **data, size_t *len);
-/* td_value_as_tensor: *out borrowed, valid while v lives (td_tensor_ref it to keep it). */
-TD_API td_status td_value_as_tensor(const td_value *v, td_tensor **out);
-
-/* Lists. td_value_list_append takes ownership of item on TD_OK (on failure the caller keeps it):
- * TD_ERR_INVALID when list is not a list, item is NULL or item contains list; TD_ERR_NOMEM.
- * td_value_list_len is 0 and td_value_list_get NULL for a value that is not a list. */
-TD_API size_t td_value_list_len(const td_value *list);
-TD_API td_value *td_value_list_get(const td_value *list, size_t i); /* borrowed, NULL if OOB */
-TD_API td_status td_value_list_append(td_value *list, td_value *item);
-
-/* Dicts have string keys (copied; any NUL-terminated string, "" included) and keep insertion
- * order; setting an existing key replaces its value in place (the old value is released, the
- * position is kept). td_value_dict_set takes ownership of item on TD_OK (on failure the caller
- * keeps it; errors as for td_value_list_append, plus a NULL key). Lookups are linear for small
- * dicts and hashed for larger ones. */
-TD_API size_t td_value_dict_len(const td_value *dict);
-TD_API td_value *td_value_dict_get(const td_value *dict, const char *key); /* borrowed or NULL */
-TD_API td_status td_value_dict_set(td_value *dict, const char *key, td_value *item);
-/* td_value_dict_entry returns the i-th key and value (borrowed) in insertion order; key or item
- * may be NULL when not wanted. TD_ERR_INVALID when i >= td_value_dict_len(dict). */
-TD_API td_status td_value_dict_entry(const td_value *dict, size_t i, const char **key,
-                                     td_value **item);
-
-/* td_value_equal compares two trees structurally. Kinds must match exactly (int 1 differs from
- * double 1.0 and from true); NULL equals none; doubles are equal when == or both NaN; strings and
- * bytes by length and bytes; lists element by element; dicts by keys, values and insertion order;
- * tensors by dtype, shape and elements (same rule as doubles; device and strides do not matter,
- * and a tensor that cannot be read back counts as different); extension values need the same type
- * and then the type's equal function, or the same object when it has none. */
-TD_API bool td_value_equal(const td_value *a, const td_value *b);
-
-/* td_value_to_string writes a short Python-like form into buf and returns buf:
- * "[1, 'a', {'k': None}, True, 2.5, b'\x00', tensor(float32[2, 3])]" (non-CPU tensors add the
- * device: "tensor(float32[2], cuda:0)"; extension values print their describe() text or type
- * name; containers nested deeper than 32 print as [...] / {...}). Output that does not fit in n
- * bytes is cut and ends with "..." (never half a UTF-8 sequence); always NUL-terminated when
- * n > 0. */
-TD_API const char *td_value_to_string(const td_value *v, char *buf, size_t n);
-
-/* ======================================================================================== */
-/* Futures                                                                                   */
-/* ======================================================================================== */
-
-typedef struct td_future td_future;
-
-/* td_future_create makes a pending future (for async handlers and user code). Returns a new
- * reference or NULL when out of memory. */
-TD_API td_future *td_future_create(void);
-TD_API td_future *td_future_ref(td_future *f);
-/* td_future_unref drops a reference; NULL does nothing. Dropping the last reference to a pending
- * future that has callbacks fails it first with TD_ERR_CANCELLED ("future abandoned: ..."), so
- * its callbacks and chained futures still run exactly once; without callbacks it is just freed. */
-TD_API void td_future_unref(td_future *f);
-
-/* td_future_complete completes f with value (always takes ownership of value, NULL means none:
- * td_future_value then returns a none value). TD_ERR_STATE when f is already done, TD_ERR_INVALID
- * when f is NULL (value is released in both cases). The outcome is published (waiters wake) before
- * the callbacks run; callbacks run on this thread before the call returns. */
-TD_API td_status td_future_complete(td_future *f, td_value *value);
-/* td_future_fail completes f with an error: status must not be TD_OK (TD_ERR_INVALID, f stays
- * pending); the message is formatted printf-style, any length (fmt may be NULL for none).
- * TD_ERR_STATE when f is already done. Callbacks as for td_future_complete. */
-TD_API td_status td_future_fail(td_future *f, td_status status, const char *fmt, ...)
-    TD_PRINTF(3, 4);
-
-TD_API bool td_future_done(const td_future *f);
-/* td_future_wait blocks until f is done or the timeout passes (TD_TIMEOUT_ZERO only checks;
- * TD_TIMEOUT_INFINITE and TD_TIMEOUT_DEFAULT wait without limit: a future has no default of its
- * own). Returns TD_ERR_TIMEOUT on timeout (f stays pending), else f's status (setting
- * td_last_error to f's message on failure); TD_ERR_INVALID for another negative timeout. */
-TD_API td_status td_future_wait(td_future *f, td_timeout_ms timeout);
-/* td_future_status is f's outcome: TD_OK, an error, or TD_ERR_STATE while pending (use
- * td_future_done to tell a pending future from one failed with TD_ERR_STATE). */
-TD_API td_status td_future_status(const td_future *f);
-/* td_future_message is the error message of a failed future ("" otherwise). Borrowed; valid while
- * f lives. */
-TD_API const char *td_future_message(const td_future *f);
-/* td_future_value returns the value of a successful future (borrowed, valid while f lives), or
- * NULL when pending or failed. */
-TD_API td_value *td_future_value(const td_future *f);
-
-/* td_future_cb runs once when the future is done, on the thread that completed it (or on the
- * caller's thread when already done), with no library lock held. It must not block. f is borrowed
- * for the duration of the call. */
-typedef void (*td_future_cb)(td_future *f, void *ctx);
-/* td_future_on_done adds a callback. Callbacks run exactly once, in registration order. One
- * registered while the completing thread is still running earlier callbacks (from any thread, or
- * from inside a callback) is queued and run by that thread after them; otherwise, on a done
- * future, it runs at once on the caller's thread before td_future_on_done returns. On failure
- * (TD_ERR_INVALID for NULL f or cb, TD_ERR_NOMEM) it never runs. */
-TD_API td_status td_future_on_done(td_future *f, td_future_cb cb, void *ctx);
-
-/* td_future_then_fn sees the finished future src (successful or failed; src is borrowed) and
- * produces the chained future's outcome: return an error (message via td_set_error; without one
- * the status's generic text is used) to fail it, or store a value in *result (new reference; NULL
- * means none), or store a future in *next (new reference, handed to the chain) whose outcome -
- * value, or status and message - the chained future then follows. Setting both fails the chained
- * future with TD_ERR_INVALID. Anything stored alongside an error is released. It runs where a
- * td_future_cb would, and must not block. */
-typedef td_status (*td_future_then_fn)(void *ctx, td_future *src, td_value **result,
-                                       td_future **next);
-/* td_future_then returns (in *out, new reference) a future completed by fn after f finishes.
- * fn runs exactly once (at once when f is already done) unless this call fails. */
-TD_API td_status td_future_then(td_future *f, td_future_then_fn fn, void *ctx, td_future **out);
-
-/* td_future_wait_all waits for all n futures, returning TD_OK once all succeeded, or as soon as
- * one has failed (the lowest-indexed failed one seen: its status, with td_last_error "future <i>
- * of the set failed: <its message>"), or TD_ERR_TIMEOUT once the timeout passed (as for
- * td_future_wait: TD_TIMEOUT_ZERO only checks, INFINITE and DEFAULT wait without limit). n == 0
- * is TD_OK; NULL entries are TD_ERR_INVALID. Blocks; leaves no callback or other trace on the
- * futures. */
-TD_API td_status td_future_wait_all(td_future *const *fs, int n, td_timeout_ms timeout);
 
 /* ======================================================================================== */
 /* Agent                                                                                     */

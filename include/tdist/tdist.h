@@ -11,6 +11,8 @@
 #include "tdist/nn.h"
 #include "tdist/optim.h"
 #include "tdist/data.h"
+#include "tdist/value.h"
+#include "tdist/future.h"
 #include "tdist/rpc.h"
 #include "tdist/rref.h"
 #include "tdist/dist_autograd.h"
