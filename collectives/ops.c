@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "coll_impl.h"
+#include "../core/trace_impl.h"
 
 /* Size thresholds (bytes of the whole buffer, as td_process_group_algorithm counts them), from
  * bench/collectives on a 2-CPU host (figures in docs/ARCHITECTURE.md, "Collectives"):
@@ -361,7 +362,24 @@ static td_status run_nccl(td_process_group *pg, const td__op *op) {
 }
 #endif
 
+static td_status execute(td_process_group *pg, const td__op *op);
+
+/* Each operation as one span in traces (category "collective"), with its group, size and
+ * algorithm. */
 td_status td__pg_execute(td_process_group *pg, const td__op *op) {
+  uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
+  td_status st = execute(pg, op);
+  if (t0) {
+    char args[200];
+    snprintf(args, sizeof args, "{\"group\":%llu,\"bytes\":%zu,\"algorithm\":\"%s\","
+             "\"ok\":%s}", (unsigned long long)pg->id, op_bytes(pg, op), algo_names[choose(pg, op->kind, op_bytes(pg, op), op->whole != NULL)],
+             st == TD_OK ? "true" : "false");
+    td__trace_complete("collective", td__kind_name(op->kind), t0, td__now_ns(), args);
+  }
+  return st;
+}
+
+static td_status execute(td_process_group *pg, const td__op *op) {
   const char *name = td__kind_name(op->kind);
   pthread_mutex_lock(&pg->mu);
   td_status st = TD_OK;

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../core/trace_impl.h"
 #include "../core/core.h"
 #include "tdist/remote_module.h"
 
@@ -50,7 +51,23 @@ void td_pipeline_destroy(td_pipeline *p) {
 
 int td_pipeline_num_stages(const td_pipeline *p) { return p ? p->n : 0; }
 
+static td_status forward(td_pipeline *p, td_tensor *x, int micro_batches, td_tensor **y);
+
+/* The driver's whole forward as one span in traces; each micro-batch's stages appear as the
+ * owners' handler spans, with arrows from the calls that started them. */
 td_status td_pipeline_forward(td_pipeline *p, td_tensor *x, int micro_batches, td_tensor **y) {
+  uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
+  td_status st = forward(p, x, micro_batches, y);
+  if (t0) {
+    char args[96];
+    snprintf(args, sizeof args, "{\"micro_batches\":%d,\"ok\":%s}", micro_batches,
+             st == TD_OK ? "true" : "false");
+    td__trace_complete("pipeline", "pipeline forward", t0, td__now_ns(), args);
+  }
+  return st;
+}
+
+static td_status forward(td_pipeline *p, td_tensor *x, int micro_batches, td_tensor **y) {
   TD_CHECK_ARG(p && x && y, "pipeline_forward: NULL argument");
   if (micro_batches < 1)
     return td_set_error(TD_ERR_INVALID, "pipeline_forward: micro_batches must be >= 1, got %d",

@@ -12,6 +12,8 @@
 
 #include <cmocka.h>
 
+#include "tdist/collectives.h"
+#include "tdist/rpc.h"
 #include "tdist/trace.h"
 #include "test_util.h"
 
@@ -104,9 +106,49 @@ static void test_trace_records_spans_from_threads(void **state) {
   assert_int_equal(system(cmd), 0);
 }
 
+/* A collective is one span of category "collective" named after the operation, with its size
+ * and algorithm (a group of one worker runs the local algorithm). */
+static void test_trace_records_collectives(void **state) {
+  (void)state;
+  char dir[] = "/tmp/td_trace_XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  td_rpc_options o;
+  td_rpc_options_init(&o);
+  o.init_method = "tcp://127.0.0.1:0";
+  td_rpc_agent *a;
+  TD_ASSERT_OK(td_rpc_init("solo", 0, 1, &o, &a));
+  td_process_group *pg;
+  TD_ASSERT_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
+  float v[4] = {1, 2, 3, 4};
+  int64_t shape[1] = {4};
+  td_tensor *t;
+  TD_ASSERT_OK(td_tensor_from_buffer(v, shape, 1, TD_DTYPE_F32, &t));
+  TD_ASSERT_OK(td_trace_start(dir));
+  TD_ASSERT_OK(td_process_group_all_reduce(pg, t, TD_REDUCE_SUM));
+  TD_ASSERT_OK(td_process_group_barrier(pg));
+  TD_ASSERT_OK(td_trace_stop());
+  td_tensor_unref(t);
+  td_process_group_destroy(pg);
+  TD_ASSERT_OK(td_rpc_shutdown(a, true, TD_TIMEOUT_DEFAULT));
+  td_rpc_destroy(a);
+  char path[128];
+  snprintf(path, sizeof path, "%s/pid%d.trace.json", dir, (int)getpid());
+  char *text = slurp(path);
+  assert_non_null(text);
+  assert_int_equal(count(text, "\"cat\":\"collective\""), 2);
+  assert_int_equal(count(text, "\"name\":\"all_reduce\""), 1);
+  assert_int_equal(count(text, "\"bytes\":16"), 1);
+  free(text);
+  assert_true(valid_json(path));
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_trace_records_spans_from_threads),
+      cmocka_unit_test(test_trace_records_collectives),
   };
   return cmocka_run_group_tests_name("trace", tests, NULL, NULL);
 }
