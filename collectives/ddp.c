@@ -1,16 +1,33 @@
-/* ddp.c - data-parallel gradient averaging (the core of torch's DistributedDataParallel,
- * without hooks into backward: the caller runs td_ddp_sync_gradients after backward).
+/* ddp.c - data-parallel gradient averaging: the core of torch's DistributedDataParallel.
  *
  * Creation: the module's parameters (td_module_parameters order: deterministic and identical on
  * every replica of the same architecture) are checked across the group through an all_gather of
  * a fingerprint (count, dtypes, shapes, device types), then group rank 0's parameters and
- * buffers are broadcast so every replica starts equal. Parameters are packed in order into
- * buckets: a bucket holds one dtype and at most bucket_bytes (a parameter larger than that gets
- * a bucket of its own). Each bucket owns a flat buffer on the parameters' device.
+ * buffers are broadcast so every replica starts equal. Parameters are packed into buckets: a
+ * bucket holds one dtype and at most bucket_bytes (the first one first_bucket_bytes; a parameter
+ * larger than that gets a bucket of its own). Each bucket owns a flat buffer on the parameters'
+ * device.
  *
- * Sync: for each bucket, copy every parameter's .grad into its slice of the buffer (zeros where
- * a parameter has no .grad), all_reduce(AVG) the buffer, copy each slice back into the .grad in
- * place (or give a parameter without .grad a new one). Copies run with grad mode off.
+ * Two ways to reduce:
+ *   - after backward (td_ddp_sync_gradients): for each bucket, copy every parameter's .grad into
+ *     its slice (zeros where a parameter has no .grad), all_reduce(AVG), copy each slice back into
+ *     the .grad in place (or give a parameter without .grad a new one).
+ *   - overlapped (td_ddp_options.overlap, td_ddp_prepare / td_ddp_finish), as PyTorch's reducer:
+ *     buckets hold the parameters in reverse order (the last layers' gradients arrive first); a
+ *     hook on every parameter (it runs as the gradient is about to be accumulated) writes what the
+ *     .grad will hold (the old .grad plus the incoming gradient) into the parameter's slice and
+ *     marks it ready; when every parameter of the next bucket in order is ready, its all_reduce is
+ *     started asynchronously from the hook, so buckets start in the same order on every member
+ *     while backward goes on. td_ddp_finish starts what is left (a parameter that got no gradient:
+ *     zeros with find_unused_parameters, else an error naming it), waits, and copies the averages
+ *     into the .grads. A parameter whose gradient arrives twice in one pass (its bucket already on
+ *     its way) has its bucket reduced again from the final .grads. After the first pass the
+ *     buckets are rebuilt once in the order the gradients arrived on group rank 0 (broadcast, so
+ *     every member builds the same buckets). td_ddp_no_sync(d, true) turns the hooks into no-ops
+ *     for gradient accumulation. Results are those of the after-backward averaging: the same
+ *     values in the same all_reduce per element.
+ * Copies run with grad mode off. Hooks run on the thread that runs backward; nothing here is
+ * shared with other threads but the group's queue (which has its own lock).
  */
 #include <stdio.h>
 #include <string.h>
@@ -20,18 +37,42 @@
 
 #define DEFAULT_BUCKET_BYTES ((size_t)25 << 20)
 
+#define DEFAULT_FIRST_BUCKET_BYTES ((size_t)1 << 20)
+
 typedef struct bucket {
   td_tensor *buf; /* flat [numel] on the parameters' device */
-  size_t first, count; /* parameters [first, first + count) */
+  size_t first, count; /* positions [first, first + count) of order[] */
+  size_t ready;        /* overlapped pass: parameters ready */
+  td_future *work;     /* overlapped pass: its all_reduce, once started */
+  bool dirty;          /* a gradient arrived after it started: reduce again at finish */
 } bucket;
+
+typedef struct hook_ctx {
+  struct td_ddp *d;
+  size_t param; /* index in params */
+} hook_ctx;
 
 struct td_ddp {
   td_process_group *pg;
   td_module *module;
   td_tensor_list params;
-  int64_t *offset; /* element offset of each parameter in its bucket */
+  td_ddp_options opts;
+  size_t *order;     /* bucket layout: order[k] is the parameter at position k */
+  size_t *bucket_of; /* per parameter: its bucket */
+  int64_t *offset;   /* per parameter: element offset in its bucket */
   bucket *buckets;
   int nbuckets;
+  /* overlapped passes */
+  hook_ctx *hctx;
+  int *hook_handle;
+  bool armed, no_sync, rebuilt;
+  bool *seen;        /* per parameter: its gradient arrived in this pass */
+  size_t *arrival;   /* the first pass's arrival order (parameter indices) */
+  size_t narrived;
+  int next_bucket;   /* the next bucket to start, in order */
+  td_status hook_st; /* the first failure inside a hook */
+  char hook_msg[512];
+  td_ddp_stats stats;
 };
 
 static uint64_t fnv(uint64_t h, uint64_t v) {
@@ -89,24 +130,38 @@ static td_status broadcast_tensor(td_process_group *pg, td_tensor *t) {
   return st;
 }
 
-static td_status make_buckets(td_ddp *d, size_t bucket_bytes) {
+static void free_buckets(td_ddp *d) {
+  for (int k = 0; k < d->nbuckets; k++) {
+    td_tensor_unref(d->buckets[k].buf);
+    td_future_unref(d->buckets[k].work);
+  }
+  td__free(d->buckets);
+  d->buckets = NULL;
+  d->nbuckets = 0;
+}
+
+/* Lays the parameters out in buckets in the order d->order gives. */
+static td_status make_buckets(td_ddp *d) {
   size_t n = d->params.n;
-  d->offset = td__calloc(n ? n : 1, sizeof *d->offset);
+  free_buckets(d);
   d->buckets = td__calloc(n ? n : 1, sizeof *d->buckets);
-  if (!d->offset || !d->buckets) return td_set_error(TD_ERR_NOMEM, "ddp_create: out of memory");
+  if (!d->buckets) return td_set_error(TD_ERR_NOMEM, "ddp_create: out of memory");
   size_t i = 0;
   while (i < n) {
-    td_tensor *p0 = d->params.tensors[i];
+    td_tensor *p0 = d->params.tensors[d->order[i]];
     td_dtype dt = td_tensor_dtype(p0);
     td_device dev = td_tensor_device(p0);
+    size_t cap = d->nbuckets == 0 ? d->opts.first_bucket_bytes : d->opts.bucket_bytes;
     size_t bytes = 0, first = i;
     int64_t numel = 0;
     while (i < n) {
-      td_tensor *p = d->params.tensors[i];
+      size_t pi = d->order[i];
+      td_tensor *p = d->params.tensors[pi];
       size_t nb = td_tensor_nbytes(p);
       if (td_tensor_dtype(p) != dt || !td_device_equal(td_tensor_device(p), dev)) break;
-      if (i > first && bytes + nb > bucket_bytes) break;
-      d->offset[i] = numel;
+      if (i > first && bytes + nb > cap) break;
+      d->offset[pi] = numel;
+      d->bucket_of[pi] = (size_t)d->nbuckets;
       numel += td_tensor_numel(p);
       bytes += nb;
       i++;
@@ -119,12 +174,42 @@ static td_status make_buckets(td_ddp *d, size_t bucket_bytes) {
   return TD_OK;
 }
 
-td_status td_ddp_create(td_process_group *pg, td_module *module, size_t bucket_bytes,
-                        td_ddp **out) {
+void td_ddp_options_init(td_ddp_options *o) {
+  memset(o, 0, sizeof *o);
+  o->bucket_bytes = DEFAULT_BUCKET_BYTES;
+  o->first_bucket_bytes = DEFAULT_FIRST_BUCKET_BYTES;
+}
+
+static td_status grad_hook(void *ctx, const td_tensor *grad, td_tensor **replacement);
+
+/* Overlapped mode: a hook on every parameter. */
+static td_status add_hooks(td_ddp *d) {
+  size_t n = d->params.n;
+  d->hctx = td__calloc(n ? n : 1, sizeof *d->hctx);
+  d->hook_handle = td__calloc(n ? n : 1, sizeof *d->hook_handle);
+  d->seen = td__calloc(n ? n : 1, sizeof *d->seen);
+  d->arrival = td__calloc(n ? n : 1, sizeof *d->arrival);
+  if (!d->hctx || !d->hook_handle || !d->seen || !d->arrival)
+    return td_set_error(TD_ERR_NOMEM, "ddp_create: out of memory");
+  for (size_t i = 0; i < n; i++) {
+    d->hctx[i] = (hook_ctx){d, i};
+    d->hook_handle[i] = -1;
+    TD_TRY(td_tensor_register_hook(d->params.tensors[i], grad_hook, &d->hctx[i],
+                                   &d->hook_handle[i]));
+  }
+  return TD_OK;
+}
+
+td_status td_ddp_create_ex(td_process_group *pg, td_module *module, const td_ddp_options *opts,
+                           td_ddp **out) {
   TD_CHECK_ARG(pg && module && out, "ddp_create: NULL group, module or out");
-  if (!bucket_bytes) bucket_bytes = DEFAULT_BUCKET_BYTES;
   td_ddp *d = td__calloc(1, sizeof *d);
   if (!d) return td_set_error(TD_ERR_NOMEM, "ddp_create: out of memory");
+  if (opts) d->opts = *opts;
+  else td_ddp_options_init(&d->opts);
+  if (!d->opts.bucket_bytes) d->opts.bucket_bytes = DEFAULT_BUCKET_BYTES;
+  if (!d->opts.first_bucket_bytes)
+    d->opts.first_bucket_bytes = d->opts.overlap ? DEFAULT_FIRST_BUCKET_BYTES : d->opts.bucket_bytes;
   d->pg = pg;
   d->module = td_module_ref(module);
   td_tensor_list_init(&d->params);
@@ -132,13 +217,24 @@ td_status td_ddp_create(td_process_group *pg, td_module *module, size_t bucket_b
   td_tensor_list_init(&sd);
   bool prev = td_autograd_set_enabled(false);
   td_status st = td_module_parameters(module, &d->params);
-  td_device dev = d->params.n ? td_tensor_device(d->params.tensors[0]) : td_device_cpu();
+  size_t n = d->params.n;
+  td_device dev = n ? td_tensor_device(d->params.tensors[0]) : td_device_cpu();
   if (st == TD_OK && pg->backend == TD_PG_BACKEND_NCCL && dev.type != TD_DEVICE_CUDA)
     st = td_set_error(TD_ERR_DEVICE, "ddp_create: an NCCL group needs a module on CUDA");
   if (st == TD_OK) st = check_same_params(d, dev);
   if (st == TD_OK) st = td_module_state_dict(module, &sd);
   for (size_t i = 0; st == TD_OK && i < sd.n; i++) st = broadcast_tensor(pg, sd.tensors[i]);
-  if (st == TD_OK) st = make_buckets(d, bucket_bytes);
+  if (st == TD_OK) {
+    d->order = td__calloc(n ? n : 1, sizeof *d->order);
+    d->bucket_of = td__calloc(n ? n : 1, sizeof *d->bucket_of);
+    d->offset = td__calloc(n ? n : 1, sizeof *d->offset);
+    if (!d->order || !d->bucket_of || !d->offset)
+      st = td_set_error(TD_ERR_NOMEM, "ddp_create: out of memory");
+    /* overlapped: reverse parameter order, the order gradients tend to arrive in */
+    for (size_t i = 0; st == TD_OK && i < n; i++) d->order[i] = d->opts.overlap ? n - 1 - i : i;
+  }
+  if (st == TD_OK) st = make_buckets(d);
+  if (st == TD_OK && d->opts.overlap) st = add_hooks(d);
   td_autograd_set_enabled(prev);
   td_tensor_list_fini(&sd);
   if (st != TD_OK) {
@@ -147,6 +243,15 @@ td_status td_ddp_create(td_process_group *pg, td_module *module, size_t bucket_b
   }
   *out = d;
   return TD_OK;
+}
+
+td_status td_ddp_create(td_process_group *pg, td_module *module, size_t bucket_bytes,
+                        td_ddp **out) {
+  td_ddp_options o;
+  td_ddp_options_init(&o);
+  o.bucket_bytes = bucket_bytes ? bucket_bytes : DEFAULT_BUCKET_BYTES;
+  o.first_bucket_bytes = o.bucket_bytes;
+  return td_ddp_create_ex(pg, module, &o, out);
 }
 
 /* The slice of bucket b holding parameter i, shaped like the parameter. New reference. */
@@ -158,17 +263,11 @@ static td_status slice_of(td_ddp *d, bucket *b, size_t i, td_tensor **out) {
   return st;
 }
 
-static td_status sync_bucket(td_ddp *d, bucket *b) {
+/* Copies the bucket's averages into the parameters' .grads (a parameter without one gets one). */
+static td_status copy_back(td_ddp *d, bucket *b) {
   td_status st = TD_OK;
-  for (size_t i = b->first; st == TD_OK && i < b->first + b->count; i++) {
-    td_tensor *g = td_tensor_grad(d->params.tensors[i]), *s = NULL;
-    st = slice_of(d, b, i, &s);
-    if (st == TD_OK) st = g ? td_tensor_copy_(s, g) : td_tensor_zero_(s);
-    td_tensor_unref(s);
-    td_tensor_unref(g);
-  }
-  if (st == TD_OK) st = td_process_group_all_reduce(d->pg, b->buf, TD_REDUCE_AVG);
-  for (size_t i = b->first; st == TD_OK && i < b->first + b->count; i++) {
+  for (size_t k = b->first; st == TD_OK && k < b->first + b->count; k++) {
+    size_t i = d->order[k];
     td_tensor *p = d->params.tensors[i];
     td_tensor *g = td_tensor_grad(p), *s = NULL, *c = NULL;
     st = slice_of(d, b, i, &s);
@@ -184,6 +283,193 @@ static td_status sync_bucket(td_ddp *d, bucket *b) {
   return st;
 }
 
+static td_status sync_bucket(td_ddp *d, bucket *b) {
+  td_status st = TD_OK;
+  for (size_t k = b->first; st == TD_OK && k < b->first + b->count; k++) {
+    size_t i = d->order[k];
+    td_tensor *g = td_tensor_grad(d->params.tensors[i]), *s = NULL;
+    st = slice_of(d, b, i, &s);
+    if (st == TD_OK) st = g ? td_tensor_copy_(s, g) : td_tensor_zero_(s);
+    td_tensor_unref(s);
+    td_tensor_unref(g);
+  }
+  if (st == TD_OK) st = td_process_group_all_reduce(d->pg, b->buf, TD_REDUCE_AVG);
+  if (st == TD_OK) st = copy_back(d, b);
+  return st;
+}
+
+/* ---- overlapped passes ---- */
+
+/* Starts, in bucket order, every bucket whose parameters are all ready. */
+static td_status start_ready(td_ddp *d) {
+  while (d->next_bucket < d->nbuckets) {
+    bucket *b = &d->buckets[d->next_bucket];
+    if (b->ready < b->count) break;
+    TD_TRY(td_process_group_all_reduce_async(d->pg, b->buf, TD_REDUCE_AVG, &b->work));
+    d->stats.buckets_started_in_backward++;
+    d->stats.bytes_started_in_backward += td_tensor_nbytes(b->buf);
+    d->next_bucket++;
+  }
+  return TD_OK;
+}
+
+/* The gradient of parameter i is about to be accumulated: its slice gets what .grad will hold. */
+static td_status hook_body(td_ddp *d, size_t i, const td_tensor *grad) {
+  bucket *b = &d->buckets[d->bucket_of[i]];
+  if (d->seen[i]) { /* a second gradient in one pass: reduce this bucket again at finish */
+    b->dirty = true;
+    return TD_OK;
+  }
+  d->seen[i] = true;
+  if (!d->rebuilt && d->narrived < d->params.n) d->arrival[d->narrived++] = i;
+  if (b->work) {
+    b->dirty = true;
+    return TD_OK;
+  }
+  td_tensor *old = td_tensor_grad(d->params.tensors[i]), *s = NULL;
+  td_status st = slice_of(d, b, i, &s);
+  if (st == TD_OK) st = td_tensor_copy_(s, grad);
+  if (st == TD_OK && old) st = td_tensor_add_(s, old, 1.0);
+  td_tensor_unref(s);
+  td_tensor_unref(old);
+  if (st != TD_OK) return st;
+  b->ready++;
+  return start_ready(d);
+}
+
+static td_status grad_hook(void *ctx, const td_tensor *grad, td_tensor **replacement) {
+  (void)replacement;
+  hook_ctx *h = ctx;
+  td_ddp *d = h->d;
+  if (!d->armed || d->no_sync) return TD_OK;
+  bool prev = td_autograd_set_enabled(false);
+  td_status st = hook_body(d, h->param, grad);
+  td_autograd_set_enabled(prev);
+  if (st != TD_OK && d->hook_st == TD_OK) { /* reported by td_ddp_finish, not by backward */
+    d->hook_st = st;
+    snprintf(d->hook_msg, sizeof d->hook_msg, "%s", td_last_error());
+  }
+  return TD_OK;
+}
+
+td_status td_ddp_prepare(td_ddp *d) {
+  TD_CHECK_ARG(d, "ddp_prepare: NULL ddp");
+  if (!d->opts.overlap)
+    return td_set_error(TD_ERR_STATE, "ddp_prepare: this td_ddp was created without overlap "
+                        "(td_ddp_options.overlap); use td_ddp_sync_gradients after backward");
+  if (d->armed)
+    return td_set_error(TD_ERR_STATE, "ddp_prepare: the previous pass was not finished "
+                        "(td_ddp_finish after every backward)");
+  for (int k = 0; k < d->nbuckets; k++) {
+    d->buckets[k].ready = 0;
+    d->buckets[k].dirty = false;
+  }
+  memset(d->seen, 0, d->params.n * sizeof *d->seen);
+  d->next_bucket = 0;
+  d->hook_st = TD_OK;
+  d->hook_msg[0] = 0;
+  d->armed = true;
+  return TD_OK;
+}
+
+/* After the first pass: rebuild the buckets in the order gradients arrived on group rank 0. */
+static td_status rebuild(td_ddp *d) {
+  size_t n = d->params.n;
+  int64_t nn = (int64_t)n;
+  td_tensor *ord = NULL;
+  TD_TRY(td_tensor_zeros(&nn, 1, TD_DTYPE_I64, td_device_cpu(), &ord));
+  int64_t *o = td_tensor_data(ord);
+  /* arrived first, then the ones that never arrived, in reverse parameter order */
+  bool *used = td__calloc(n ? n : 1, sizeof *used);
+  if (!used) {
+    td_tensor_unref(ord);
+    return td_set_error(TD_ERR_NOMEM, "ddp: out of memory");
+  }
+  size_t k = 0;
+  for (size_t j = 0; j < d->narrived; j++) used[d->arrival[j]] = true, o[k++] = (int64_t)d->arrival[j];
+  for (size_t j = n; j-- > 0;) if (!used[j]) o[k++] = (int64_t)j;
+  td__free(used);
+  td_tensor *dev_ord = NULL;
+  td_device dev = n ? td_tensor_device(d->params.tensors[0]) : td_device_cpu();
+  td_status st = td_tensor_to(ord, dev, &dev_ord);
+  if (st == TD_OK) st = td_process_group_broadcast(d->pg, dev_ord, 0);
+  td_tensor *back = NULL;
+  if (st == TD_OK) st = td_tensor_to(dev_ord, td_device_cpu(), &back);
+  if (st == TD_OK) {
+    const int64_t *v = td_tensor_data(back);
+    for (size_t j = 0; j < n; j++) d->order[j] = (size_t)v[j];
+    st = make_buckets(d);
+  }
+  td_tensor_unref(back);
+  td_tensor_unref(dev_ord);
+  td_tensor_unref(ord);
+  d->rebuilt = true;
+  return st;
+}
+
+td_status td_ddp_finish(td_ddp *d) {
+  TD_CHECK_ARG(d, "ddp_finish: NULL ddp");
+  if (!d->armed)
+    return td_set_error(TD_ERR_STATE, "ddp_finish: no pass was prepared (td_ddp_prepare before "
+                        "backward)");
+  d->armed = false;
+  if (d->no_sync) return TD_OK; /* gradient accumulation: nothing reduced this pass */
+  bool prev = td_autograd_set_enabled(false);
+  td_status st = d->hook_st;
+  if (st != TD_OK) td_set_error(st, "ddp_finish: inside backward: %s", d->hook_msg);
+  /* parameters that got no gradient this pass */
+  for (size_t i = 0; st == TD_OK && i < d->params.n; i++) {
+    if (d->seen[i]) continue;
+    if (!d->opts.find_unused_parameters) {
+      char shp[96];
+      st = td_set_error(TD_ERR_STATE, "ddp_finish: parameter %zu (shape %s) got no gradient in "
+                        "this pass; if the model leaves parameters unused, create the td_ddp with "
+                        "find_unused_parameters", i,
+                        td_tensor_shape_str(d->params.tensors[i], shp, sizeof shp));
+      break;
+    }
+    bucket *b = &d->buckets[d->bucket_of[i]];
+    td_tensor *s = NULL, *g = td_tensor_grad(d->params.tensors[i]);
+    st = slice_of(d, b, i, &s);
+    if (st == TD_OK) st = g ? td_tensor_copy_(s, g) : td_tensor_zero_(s);
+    td_tensor_unref(s);
+    td_tensor_unref(g);
+    d->seen[i] = true;
+    d->stats.unused_parameters++;
+    if (st == TD_OK && !b->work) b->ready++;
+  }
+  /* what is left starts now, still in order (a failure stops starting but still waits) */
+  while (st == TD_OK && d->next_bucket < d->nbuckets) {
+    bucket *b = &d->buckets[d->next_bucket++];
+    st = td_process_group_all_reduce_async(d->pg, b->buf, TD_REDUCE_AVG, &b->work);
+  }
+  for (int k = 0; k < d->nbuckets; k++) {
+    bucket *b = &d->buckets[k];
+    d->stats.bytes_reduced += td_tensor_nbytes(b->buf);
+    if (!b->work) continue;
+    td_status ws = td_future_wait(b->work, TD_TIMEOUT_INFINITE); /* bounded by the group */
+    if (ws != TD_OK && st == TD_OK) st = td_set_error(ws, "ddp_finish: %s", td_future_message(b->work));
+    td_future_unref(b->work);
+    b->work = NULL;
+    if (st == TD_OK && b->dirty) st = sync_bucket(d, b); /* from the final .grads */
+    else if (st == TD_OK) st = copy_back(d, b);
+  }
+  d->stats.passes++;
+  if (st == TD_OK && !d->rebuilt) st = rebuild(d);
+  td_autograd_set_enabled(prev);
+  return st;
+}
+
+void td_ddp_no_sync(td_ddp *d, bool no_sync) {
+  if (d) d->no_sync = no_sync;
+}
+
+td_status td_ddp_get_stats(const td_ddp *d, td_ddp_stats *out) {
+  TD_CHECK_ARG(d && out, "ddp_get_stats: NULL argument");
+  *out = d->stats;
+  return TD_OK;
+}
+
 td_status td_ddp_sync_gradients(td_ddp *d) {
   TD_CHECK_ARG(d, "ddp_sync_gradients: NULL ddp");
   bool prev = td_autograd_set_enabled(false);
@@ -197,8 +483,17 @@ int td_ddp_num_buckets(const td_ddp *d) { return d ? d->nbuckets : 0; }
 
 void td_ddp_destroy(td_ddp *d) {
   if (!d) return;
-  for (int k = 0; k < d->nbuckets; k++) td_tensor_unref(d->buckets[k].buf);
-  td__free(d->buckets);
+  for (int k = 0; k < d->nbuckets; k++)
+    if (d->buckets[k].work) td_future_wait(d->buckets[k].work, TD_TIMEOUT_INFINITE);
+  for (size_t i = 0; d->hook_handle && i < d->params.n; i++)
+    if (d->hook_handle[i] >= 0) td_tensor_remove_hook(d->params.tensors[i], d->hook_handle[i]);
+  free_buckets(d);
+  td__free(d->hctx);
+  td__free(d->hook_handle);
+  td__free(d->seen);
+  td__free(d->arrival);
+  td__free(d->order);
+  td__free(d->bucket_of);
   td__free(d->offset);
   td_tensor_list_fini(&d->params);
   td_module_unref(d->module);

@@ -256,6 +256,48 @@ TD_API td_status td_ddp_create(td_process_group *pg, td_module *module, size_t b
  * parameter without a gradient counts as zeros and receives the averaged gradient as a new
  * .grad. Collective over the group; blocks. */
 TD_API td_status td_ddp_sync_gradients(td_ddp *ddp);
+/* Options of a td_ddp (td_ddp_options_init fills the defaults). */
+typedef struct td_ddp_options {
+  size_t bucket_bytes;       /* at most this many bytes per bucket (default 25 MiB) */
+  size_t first_bucket_bytes; /* the first bucket's cap (default 1 MiB), so the first all_reduce
+                                starts early in backward */
+  bool overlap;              /* reduce during backward (td_ddp_prepare / td_ddp_finish); default
+                                false (td_ddp_sync_gradients after backward) */
+  bool find_unused_parameters; /* overlap: a parameter without a gradient in a pass counts as
+                                  zeros (else td_ddp_finish fails naming it). Default false */
+} td_ddp_options;
+TD_API void td_ddp_options_init(td_ddp_options *o);
+
+/* td_ddp_create_ex is td_ddp_create with options. With overlap, the buckets hold the parameters
+ * in reverse order (their gradients come first in backward) and a hook on every parameter starts
+ * a bucket's all_reduce (asynchronously, buckets in the same order on every member) as soon as
+ * all its gradients arrived, while backward goes on; after the first pass the buckets are rebuilt
+ * once in the order the gradients arrived on group rank 0. Gradients come out identical to
+ * td_ddp_sync_gradients's. Per pass:
+ *     td_ddp_prepare(ddp);  td_tensor_backward(loss);  td_ddp_finish(ddp);  optimizer step
+ * (the module's parameters must get their gradients in .grad, not in a distributed autograd
+ * context). */
+TD_API td_status td_ddp_create_ex(td_process_group *pg, td_module *module,
+                                  const td_ddp_options *opts, td_ddp **out);
+/* td_ddp_prepare arms the hooks for the next backward pass (overlap only). */
+TD_API td_status td_ddp_prepare(td_ddp *ddp);
+/* td_ddp_finish ends a pass: starts the buckets not started yet, waits for all, and writes the
+ * averages into the .grads (a parameter without .grad gets one). Collective over the group;
+ * blocks. Errors of the hooks (they cannot fail backward itself) are returned here. */
+TD_API td_status td_ddp_finish(td_ddp *ddp);
+/* td_ddp_no_sync: while set, passes reduce nothing (gradients accumulate locally in .grad, as
+ * under PyTorch's no_sync()); the first pass after it is cleared averages the accumulated sums.
+ * Every member must use the same passes. */
+TD_API void td_ddp_no_sync(td_ddp *ddp, bool no_sync);
+/* Counters of a td_ddp since creation. */
+typedef struct td_ddp_stats {
+  uint64_t passes;                      /* finished passes that reduced */
+  uint64_t buckets_started_in_backward; /* all_reduces started from hooks, before finish */
+  uint64_t bytes_started_in_backward;   /* their bytes */
+  uint64_t bytes_reduced;               /* bytes of every bucket of every pass */
+  uint64_t unused_parameters;           /* parameter-passes without a gradient */
+} td_ddp_stats;
+TD_API td_status td_ddp_get_stats(const td_ddp *ddp, td_ddp_stats *out);
 /* td_ddp_num_buckets returns the number of buckets (for tests and tuning). */
 TD_API int td_ddp_num_buckets(const td_ddp *ddp);
 /* td_ddp_destroy frees ddp and its buckets. NULL does nothing. */
