@@ -55,6 +55,7 @@
 #include <unistd.h>
 
 #include "shm_impl.h"
+#include "../core/netaddr.h"
 
 #define SEG_MAGIC 0x54445348u /* "TDSH" */
 #define SEG_VERSION 1u
@@ -330,29 +331,12 @@ td_status td__shm_check_headers(td_process_group *pg, uint64_t k, const td__op_h
 
 /* ---- setup ---- */
 
-static void boot_id(char *out, size_t n) {
-  snprintf(out, n, "-");
-  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-  if (!f) return;
-  if (fgets(out, (int)n, f)) out[strcspn(out, "\r\n")] = 0;
-  fclose(f);
-  if (!out[0] || strchr(out, ' ')) snprintf(out, n, "-");
-}
-
-/* The host part of "host:port" or "[v6]:port". */
-static void host_of(const char *addr, char *out, size_t n) {
-  const char *end = addr[0] == '[' ? strchr(addr, ']') : strrchr(addr, ':');
-  const char *start = addr[0] == '[' ? addr + 1 : addr;
-  size_t len = end && end >= start ? (size_t)(end - start) : strlen(start);
-  snprintf(out, n, "%.*s", (int)len, start);
-}
-
 /* This member's record: "<pid> <nonce> <nonce address> <boot id> <pid namespace> <host>", or "-"
  * when it cannot share. */
 static void my_record(td_process_group *pg, const td__shm *s, char *buf, size_t n) {
   char bid[64], ns[64] = "", host[256];
   td_worker_info wi;
-  boot_id(bid, sizeof bid);
+  td__boot_id(bid, sizeof bid);
   ssize_t k = readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
   if (k > 0) ns[k] = 0;
   if (pg->mode == TD__MODE_RING || strcmp(bid, "-") == 0 || k <= 0 || strchr(ns, ' ') ||
@@ -360,7 +344,7 @@ static void my_record(td_process_group *pg, const td__shm *s, char *buf, size_t 
     snprintf(buf, n, "-");
     return;
   }
-  host_of(wi.address, host, sizeof host);
+  td__addr_host(wi.address, host, sizeof host);
   snprintf(buf, n, "%d %llu %llu %s %s %s", (int)getpid(), (unsigned long long)s->nonce,
            (unsigned long long)(uintptr_t)&s->nonce, bid, ns, host[0] ? host : "?");
 }

@@ -259,6 +259,15 @@ td_status td__slurm_port(const char *job_id, int *port) {
   return TD_OK;
 }
 
+void td__boot_id(char *out, size_t n) {
+  snprintf(out, n, "-");
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (!f) return;
+  if (fgets(out, (int)n, f)) out[strcspn(out, "\r\n")] = 0;
+  fclose(f);
+  if (!out[0] || strchr(out, ' ')) snprintf(out, n, "-");
+}
+
 int td__job_port(const char *job_key) {
   uint32_t h = 2166136261u;
   for (const char *p = job_key ? job_key : ""; *p; p++) h = (h ^ (uint8_t)*p) * 16777619u;

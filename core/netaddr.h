@@ -115,4 +115,10 @@ td_status td__choose_address(const char *master_addr, const char *ifname_spec, c
 /* td__addr_host copies the host of "host:port" or "[v6]:port" into out (truncated to n - 1). */
 void td__addr_host(const char *addr, char *out, size_t n);
 
+/* td__boot_id writes this machine's boot id (/proc/sys/kernel/random/boot_id; "-" when it cannot
+ * be read): with the host address it tells processes on one machine apart from look-alikes
+ * (containers sharing an address, a machine rebooted since) for same-host shortcuts (RPC direct
+ * copy, shared-memory collectives). */
+void td__boot_id(char *out, size_t n);
+
 #endif

@@ -154,15 +154,6 @@ void td__direct_acks_clear(td__direct_acks *t) {
 
 /* ---- the probe at rendezvous ---- */
 
-static void boot_id(char *out, size_t n) {
-  snprintf(out, n, "-");
-  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-  if (!f) return;
-  if (fgets(out, (int)n, f)) out[strcspn(out, "\r\n")] = 0;
-  fclose(f);
-  if (!out[0]) snprintf(out, n, "-");
-}
-
 bool td__direct_wanted(const td_rpc_options *o) {
 #if defined(__linux__)
   if (o->direct_copy == 0) return false;
@@ -177,7 +168,7 @@ bool td__direct_wanted(const td_rpc_options *o) {
 
 td_status td__direct_publish(td_rpc_agent *a) {
   char key[64], val[512], bid[64];
-  boot_id(bid, sizeof bid);
+  td__boot_id(bid, sizeof bid);
   a->direct_on = a->direct_on && strcmp(bid, "-") != 0;
   int n;
   snprintf(key, sizeof key, "direct/%d", a->rank);
@@ -217,7 +208,7 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
   memset(ok, '0', (size_t)a->world);
   ok[a->world] = 0;
   char bid[64], host[256];
-  boot_id(bid, sizeof bid);
+  td__boot_id(bid, sizeof bid);
   td__addr_host(a->peers[a->rank].info.address, host, sizeof host);
   td_status st = TD_OK;
   for (int r = 0; a->direct_on && r < a->world && st == TD_OK; r++) {
