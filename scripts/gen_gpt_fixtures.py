@@ -1,0 +1,125 @@
+#!/usr/bin/python3
+"""gen_gpt_fixtures.py - PyTorch reference fixtures for the GPT building blocks and its recipe.
+
+Run with the interpreter that has torch 1.13:
+
+    /usr/bin/python3 scripts/gen_gpt_fixtures.py [output-dir]    # default: tests/fixtures
+
+A sibling of gen_fixtures.py (whose safetensors writer it uses): same conventions, every fixture
+holds its inputs and initial parameters next to the expected outputs, float64 unless stated. The
+GPT model is the one of the PyTorch peer, bench/peers/torch/gpt.py (nanoGPT's layout).
+
+Files:
+  optim_adamw_groups   AdamW over two parameter groups (weight decay 0.1 on the matrix, none on
+                       the vectors; the second group with its own lr), 3 steps with stored grads
+  optim_clip           clip_grad_norm_ of three gradients for norm types 2, inf, 1 and 3, clipped
+                       and not clipped (max_norm above the total)
+  optim_schedule       the learning rates nanoGPT's get_lr gives through LambdaLR, two configs
+  attention            causal scaled-dot-product attention as nanoGPT computes it (q @ k^T *
+                       scale, masked_fill(-inf), softmax, @ v) on [B, H, T, hd] in float64 and
+                       float32: output and the gradients of sum(y * gy) wrt q, k, v
+  gpt_block            one pre-LayerNorm Block (attention + GELU MLP): output and gradients wrt
+                       the input and every parameter
+  gpt_tiny             a whole tiny GPT (2 layers, tied embedding/head): logits, the
+                       cross-entropy loss and the gradient of every parameter (the tied one
+                       receives both contributions)
+"""
+import math
+import os
+import sys
+
+import torch
+
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, here)
+sys.path.insert(0, os.path.join(here, "..", "bench", "peers", "torch"))
+from gen_fixtures import write_safetensors  # noqa: E402
+
+
+def gen_adamw_groups(out):
+    torch.manual_seed(200)
+    w = torch.randn(3, 4, dtype=torch.float64).requires_grad_(True)
+    b = torch.randn(4, dtype=torch.float64).requires_grad_(True)
+    g = torch.randn(4, dtype=torch.float64).requires_grad_(True)
+    params = [w, b, g]
+    d = {"p.0.%d" % i: t.detach().clone() for i, t in enumerate(params)}
+    opt = torch.optim.AdamW([{"params": [w], "weight_decay": 0.1},
+                             {"params": [b, g], "weight_decay": 0.0, "lr": 0.02}],
+                            lr=0.01, betas=(0.9, 0.99))
+    for step in range(3):
+        for i, t in enumerate(params):
+            t.grad = torch.randn_like(t) * (1.0, 0.3, 2.0)[step]
+            d["g.%d.%d" % (step, i)] = t.grad.clone()
+        opt.step()
+        for i, t in enumerate(params):
+            d["p.%d.%d" % (step + 1, i)] = t.detach().clone()
+    write_safetensors(os.path.join(out, "optim_adamw_groups.safetensors"), d, metadata={
+        "lr": "0.01", "beta1": "0.9", "beta2": "0.99", "group0_weight_decay": "0.1",
+        "group1_weight_decay": "0.0", "group1_lr": "0.02", "steps": "3"})
+
+
+def gen_clip(out):
+    torch.manual_seed(201)
+    grads = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64) * 3,
+             torch.randn(2, 2, 2, dtype=torch.float64)]
+    d = {"g.%d" % i: g for i, g in enumerate(grads)}
+    cases = [("2", 2.0, 1.0), ("inf", math.inf, 0.5), ("1", 1.0, 2.0), ("3", 3.0, 1.5),
+             ("2big", 2.0, 1000.0)]
+    for name, norm_type, max_norm in cases:
+        ps = [torch.nn.Parameter(g.clone()) for g in grads]
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        total = torch.nn.utils.clip_grad_norm_(ps, max_norm, norm_type=norm_type)
+        d["total.%s" % name] = total.reshape(1)
+        for i, p in enumerate(ps):
+            d["clipped.%s.%d" % (name, i)] = p.grad
+    write_safetensors(os.path.join(out, "optim_clip.safetensors"), d, metadata={
+        "cases": ",".join(c[0] for c in cases),
+        "norm_types": ",".join(repr(c[1]) for c in cases),
+        "max_norms": ",".join(repr(c[2]) for c in cases)})
+
+
+def nanogpt_get_lr(it, warmup_iters, lr_decay_iters, learning_rate, min_lr):
+    """nanoGPT's train.py get_lr, verbatim."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    assert 0 <= decay_ratio <= 1
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+def gen_schedule(out):
+    d, meta = {}, {}
+    configs = [("a", 10, 50, 1e-3, 1e-4, 60), ("b", 100, 2000, 6e-4, 6e-5, 2100)]
+    for name, warmup, decay, lr, min_lr, steps in configs:
+        p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        opt = torch.optim.AdamW([p], lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda it: nanogpt_get_lr(it, warmup, decay, lr, min_lr) / lr)
+        lrs = []
+        for _ in range(steps):
+            lrs.append(opt.param_groups[0]["lr"])
+            p.grad = torch.zeros_like(p)
+            opt.step()
+            sched.step()
+        d["lr.%s" % name] = torch.tensor(lrs, dtype=torch.float64)
+        meta["config.%s" % name] = "%d,%d,%r,%r" % (warmup, decay, lr, min_lr)
+    write_safetensors(os.path.join(out, "optim_schedule.safetensors"), d, metadata=meta)
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..", "tests", "fixtures")
+    os.makedirs(out, exist_ok=True)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    gen_adamw_groups(out)
+    gen_clip(out)
+    gen_schedule(out)
+    print("fixtures written to", os.path.normpath(out))
+
+
+if __name__ == "__main__":
+    main()
