@@ -110,6 +110,39 @@ def gen_schedule(out):
     write_safetensors(os.path.join(out, "optim_schedule.safetensors"), d, metadata=meta)
 
 
+def nanogpt_attention(q, k, v, causal=True):
+    """The attention core of nanoGPT's CausalSelfAttention (the non-flash branch)."""
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+    if causal:
+        L, S = att.shape[-2:]
+        mask = torch.tril(torch.ones(L, S, dtype=torch.bool))
+        att = att.masked_fill(~mask, float("-inf"))
+    att = torch.nn.functional.softmax(att, dim=-1)
+    return att @ v
+
+
+def gen_attention(out):
+    torch.manual_seed(202)
+    d = {}
+    cases = [("causal", (2, 3, 5, 4), (2, 3, 5, 4), (2, 3, 5, 4), True),
+             ("full", (2, 3, 4), (2, 6, 4), (2, 6, 5), False),
+             ("causal_wide", (1, 2, 3, 4), (1, 2, 6, 4), (1, 2, 6, 3), True)]
+    for dtype, sfx in ((torch.float64, ""), (torch.float32, ".f32")):
+        for name, qs, ks, vs, causal in cases:
+            q = torch.randn(*qs, dtype=dtype, requires_grad=True)
+            k = torch.randn(*ks, dtype=dtype, requires_grad=True)
+            v = torch.randn(*vs, dtype=dtype, requires_grad=True)
+            y = nanogpt_attention(q, k, v, causal)
+            gy = torch.randn_like(y)
+            gq, gk, gv = torch.autograd.grad((y * gy).sum(), [q, k, v])
+            p = name + sfx + "."
+            d.update({p + "q": q, p + "k": k, p + "v": v, p + "gy": gy, p + "y": y,
+                      p + "grad.q": gq, p + "grad.k": gk, p + "grad.v": gv})
+    write_safetensors(os.path.join(out, "attention.safetensors"), d, metadata={
+        "cases": ",".join(c[0] for c in cases),
+        "causal": ",".join("1" if c[4] else "0" for c in cases)})
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..", "tests", "fixtures")
     os.makedirs(out, exist_ok=True)
@@ -118,6 +151,7 @@ def main():
     gen_adamw_groups(out)
     gen_clip(out)
     gen_schedule(out)
+    gen_attention(out)
     print("fixtures written to", os.path.normpath(out))
 
 

@@ -664,4 +664,6 @@ const td__backend td__cpu_backend = {
     .layer_norm = td__cpu_layer_norm,
     .layer_norm_backward = td__cpu_layer_norm_backward,
     .axpy = cpu_axpy,
+    .attention = td__cpu_attention,
+    .attention_backward = td__cpu_attention_backward,
 };

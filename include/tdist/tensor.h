@@ -278,6 +278,18 @@ TD_API td_status td_tensor_dropout(const td_tensor *x, double p, bool train, td_
 TD_API td_status td_tensor_layer_norm(const td_tensor *x, int normalized_ndim,
                                       const td_tensor *weight, const td_tensor *bias, double eps,
                                       td_tensor **out);
+/* td_tensor_scaled_dot_product_attention is fused attention: y = softmax(scale * q k^T + mask) v
+ * over the last two dims of q [..., L, E], k [..., S, E], v [..., S, Ev] (equal batch dims, e.g.
+ * [B, H, T, hd]; float32 or float64), y [..., L, Ev]. With causal, query i sees keys 0..i only
+ * (the mask is built in, PyTorch 2's is_causal: a lower-triangular mask aligned at the top
+ * left); S must be >= 1 when there are queries. scale NAN means 1/sqrt(E). The L x S scores are
+ * computed row by row and never materialised; backward keeps only the probabilities. Operands
+ * whose last dim is contiguous are read in place (strided heads need no copy), and y is laid out
+ * in q's dim order, so heads of a [B, T, C] tensor give a y whose transpose(1, 2) reshapes to
+ * [B, T, C] as a view. CPU only so far: TD_ERR_UNSUPPORTED on devices without the kernel. */
+TD_API td_status td_tensor_scaled_dot_product_attention(const td_tensor *q, const td_tensor *k,
+                                                        const td_tensor *v, bool causal,
+                                                        double scale, td_tensor **out);
 
 /* ---- joining and indexing (differentiable) ---- */
 
