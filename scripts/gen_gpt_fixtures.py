@@ -143,6 +143,53 @@ def gen_attention(out):
         "causal": ",".join("1" if c[4] else "0" for c in cases)})
 
 
+def gen_gpt_block(out):
+    import gpt as peer
+    torch.manual_seed(203)
+    cfg = peer.Config(vocab_size=10, block_size=6, n_layer=2, n_head=2, n_embd=8)
+    d = {}
+    for dtype, sfx in ((torch.float64, ""), (torch.float32, ".f32")):
+        block = peer.Block(cfg).to(dtype)
+        for p in block.parameters():  # random values everywhere (not just nanoGPT's init)
+            torch.nn.init.normal_(p, 0.0, 0.3)
+        x = torch.randn(2, 5, 8, dtype=dtype, requires_grad=True)
+        y = block(x)
+        gy = torch.randn_like(y)
+        names = [n for n, _ in block.named_parameters()]
+        params = [p for _, p in block.named_parameters()]
+        grads = torch.autograd.grad((y * gy).sum(), [x] + params)
+        d.update({"x" + sfx: x, "gy" + sfx: gy, "y" + sfx: y, "grad.x" + sfx: grads[0]})
+        for n, p, g in zip(names, params, grads[1:]):
+            d["param%s.%s" % (sfx.replace(".", "_"), n)] = p
+            d["grad%s.%s" % (sfx.replace(".", "_"), n)] = g
+    write_safetensors(os.path.join(out, "gpt_block.safetensors"), d, metadata={
+        "n_embd": "8", "n_head": "2", "n_layer": "2", "block_size": "6"})
+
+
+def gen_gpt_tiny(out):
+    import gpt as peer
+    torch.manual_seed(204)
+    cfg = peer.Config(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    d = {}
+    for dtype, sfx in ((torch.float64, ""), (torch.float32, ".f32")):
+        model = peer.GPT(cfg).to(dtype)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, 0.0, 0.3)
+        idx = torch.randint(0, cfg.vocab_size, (3, 6))
+        tgt = torch.randint(0, cfg.vocab_size, (3, 6))
+        tgt[1, 2] = -1  # ignored
+        logits, loss = model(idx, tgt)
+        loss.backward()
+        d.update({"idx" + sfx: idx, "targets" + sfx: tgt, "logits" + sfx: logits,
+                  "loss" + sfx: loss.reshape(1)})
+        for n, t in model.state_dict().items():
+            d["param%s.%s" % (sfx.replace(".", "_"), n)] = t
+        for n, p in model.named_parameters():
+            d["grad%s.%s" % (sfx.replace(".", "_"), n)] = p.grad
+    write_safetensors(os.path.join(out, "gpt_tiny.safetensors"), d, metadata={
+        "vocab_size": "11", "block_size": "8", "n_layer": "2", "n_head": "2", "n_embd": "8"})
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..", "tests", "fixtures")
     os.makedirs(out, exist_ok=True)
@@ -152,6 +199,8 @@ def main():
     gen_clip(out)
     gen_schedule(out)
     gen_attention(out)
+    gen_gpt_block(out)
+    gen_gpt_tiny(out)
     print("fixtures written to", os.path.normpath(out))
 
 
