@@ -60,16 +60,47 @@ static const char *type_meta(ex_opt_type t) {
   return "";
 }
 
+/* default_text formats the value o->dst holds now (before parsing: the default) into buf. */
+static const char *default_text(const ex_opt *o, char *buf, size_t n) {
+  switch (o->type) {
+  case EX_OPT_INT: snprintf(buf, n, "%d", *(const int *)o->dst); break;
+  case EX_OPT_I64: snprintf(buf, n, "%lld", (long long)*(const int64_t *)o->dst); break;
+  case EX_OPT_U64: snprintf(buf, n, "%llu", (unsigned long long)*(const uint64_t *)o->dst); break;
+  case EX_OPT_DOUBLE: snprintf(buf, n, "%g", *(const double *)o->dst); break;
+  case EX_OPT_STRING: { /* control characters shown as C escapes ("\\n") */
+    const char *v = *(const char *const *)o->dst;
+    if (!v) v = "none";
+    size_t k = 0;
+    for (; *v && k + 5 < n; v++) {
+      unsigned char c = (unsigned char)*v;
+      if (c == '\n') k += (size_t)snprintf(buf + k, n - k, "\\n");
+      else if (c == '\t') k += (size_t)snprintf(buf + k, n - k, "\\t");
+      else if (c < 32) k += (size_t)snprintf(buf + k, n - k, "\\x%02x", c);
+      else buf[k++] = (char)c;
+    }
+    buf[k] = '\0';
+    break;
+  }
+  case EX_OPT_FLAG: snprintf(buf, n, "%s", *(const bool *)o->dst ? "on" : "off"); break;
+  }
+  return buf;
+}
+
+/* usage prints the options; with show_defaults each line ends with the option's default. */
 static void usage(const char *about, const ex_opt *opts, int n, const ex_opt *extra, int n_extra,
-                  FILE *f) {
+                  bool show_defaults, FILE *f) {
   fprintf(f, "%s\nusage: %s [options]\n", about ? about : "", g_prog);
   for (int k = 0; k < 2; k++) {
     const ex_opt *o = k ? extra : opts;
     int m = k ? n_extra : n;
     for (int i = 0; i < m; i++) {
-      char left[64];
+      char left[64], dflt[256];
       snprintf(left, sizeof left, "--%s %s", o[i].name, type_meta(o[i].type));
-      fprintf(f, "  %-24s %s\n", left, o[i].help ? o[i].help : "");
+      if (show_defaults)
+        fprintf(f, "  %-24s %s (default: %s)\n", left, o[i].help ? o[i].help : "",
+                default_text(&o[i], dflt, sizeof dflt));
+      else
+        fprintf(f, "  %-24s %s\n", left, o[i].help ? o[i].help : "");
     }
   }
   fprintf(f, "  %-24s %s\n", "--help", "print this help");
@@ -111,29 +142,18 @@ static bool set_value(const ex_opt *o, const char *text) {
   return false;
 }
 
-void ex_args_parse(int argc, char **argv, ex_args *a, const ex_opt *extra, int n_extra,
-                   const char *about) {
+/* parse_tables parses argv against the options of common and extra (exits on --help or bad
+ * input). */
+static void parse_tables(int argc, char **argv, const ex_opt *common, int n_common,
+                         const ex_opt *extra, int n_extra, const char *about, bool show_defaults) {
   if (argc > 0 && argv[0]) {
     const char *slash = strrchr(argv[0], '/');
     g_prog = slash ? slash + 1 : argv[0];
   }
-  const ex_opt common[] = {
-      {"epochs", EX_OPT_INT, &a->epochs, "passes over the training data (default 1)"},
-      {"max-batches", EX_OPT_I64, &a->max_batches, "stop each epoch after N batches (0: all)"},
-      {"batch-size", EX_OPT_I64, &a->batch_size, "samples per batch (default 64)"},
-      {"lr", EX_OPT_DOUBLE, &a->lr, "learning rate"},
-      {"seed", EX_OPT_U64, &a->seed, "initialisation and shuffling seed (default 0)"},
-      {"model", EX_OPT_STRING, &a->model, "model: mlp or cnn (default mlp)"},
-      {"data-dir", EX_OPT_STRING, &a->data_dir,
-       "data directory (default $TD_DATA_DIR, else /usr/share/datasets/fashion-mnist)"},
-      {"threads", EX_OPT_INT, &a->threads, "BLAS threads (0: library default)"},
-      {"device", EX_OPT_STRING, &a->device, "cpu, cuda or cuda:N (default cpu)"},
-  };
-  const int n_common = (int)(sizeof common / sizeof common[0]);
   for (int i = 1; i < argc; i++) {
     const char *arg = argv[i];
     if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
-      usage(about, common, n_common, extra, n_extra, stdout);
+      usage(about, common, n_common, extra, n_extra, show_defaults, stdout);
       exit(0);
     }
     if (strncmp(arg, "--", 2) != 0) {
@@ -177,6 +197,28 @@ void ex_args_parse(int argc, char **argv, ex_args *a, const ex_opt *extra, int n
       exit(2);
     }
   }
+}
+
+void ex_opts_parse(int argc, char **argv, const ex_opt *opts, int n, const char *about) {
+  parse_tables(argc, argv, NULL, 0, opts, n, about, true);
+}
+
+void ex_args_parse(int argc, char **argv, ex_args *a, const ex_opt *extra, int n_extra,
+                   const char *about) {
+  const ex_opt common[] = {
+      {"epochs", EX_OPT_INT, &a->epochs, "passes over the training data (default 1)"},
+      {"max-batches", EX_OPT_I64, &a->max_batches, "stop each epoch after N batches (0: all)"},
+      {"batch-size", EX_OPT_I64, &a->batch_size, "samples per batch (default 64)"},
+      {"lr", EX_OPT_DOUBLE, &a->lr, "learning rate"},
+      {"seed", EX_OPT_U64, &a->seed, "initialisation and shuffling seed (default 0)"},
+      {"model", EX_OPT_STRING, &a->model, "model: mlp or cnn (default mlp)"},
+      {"data-dir", EX_OPT_STRING, &a->data_dir,
+       "data directory (default $TD_DATA_DIR, else /usr/share/datasets/fashion-mnist)"},
+      {"threads", EX_OPT_INT, &a->threads, "BLAS threads (0: library default)"},
+      {"device", EX_OPT_STRING, &a->device, "cpu, cuda or cuda:N (default cpu)"},
+  };
+  const int n_common = (int)(sizeof common / sizeof common[0]);
+  parse_tables(argc, argv, common, n_common, extra, n_extra, about, false);
   if (a->epochs < 0 || a->batch_size <= 0 || a->max_batches < 0 || a->threads < 0) {
     fprintf(stderr, "%s: --epochs, --max-batches and --threads must be >= 0, --batch-size > 0\n",
             g_prog);
@@ -186,6 +228,10 @@ void ex_args_parse(int argc, char **argv, ex_args *a, const ex_opt *extra, int n
 }
 
 int ex_blas_threads(void) { return openblas_get_num_threads(); }
+
+void ex_blas_set_threads(int n) {
+  if (n > 0) openblas_set_num_threads(n);
+}
 
 /* ---- progress bar ---- */
 
