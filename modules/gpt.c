@@ -5,7 +5,8 @@
  * state dict moves between tdist and the PyTorch model of bench/peers/torch/gpt.py unchanged.
  *
  *   CausalSelfAttention  c_attn Linear(C, 3C) -> the [B, T, 3C] projection is viewed as
- *                        [B, T, 3, H, hd] and q, k, v are [B, H, T, hd] views of it (no copy);
+ *                        [B, T, 3, H, hd] and q, k, v are [B, H, T, hd] views of it (unbind and
+ *                        transpose: no copy; one backward node gathers their gradients);
  *                        td_tensor_scaled_dot_product_attention with the causal mask; its output
  *                        is laid out as [B, T, H, hd], so merging the heads back to [B, T, C] is a
  *                        view; c_proj Linear(C, C).
@@ -104,14 +105,12 @@ static td_status one_to_one(const char *who, int n_in, int n_out) {
 
 /* ---- CausalSelfAttention ---- */
 
-/* head_view returns part i (0 = q, 1 = k, 2 = v) of qkv5 [B, T, 3, H, hd] as [B, H, T, hd]. */
-static td_status head_view(const td_tensor *qkv5, int i, td_tensor **out) {
-  td_tensor *part = NULL, *sq = NULL;
-  td_status st = td_tensor_narrow(qkv5, 2, i, 1, &part);
-  if (st == TD_OK) st = td_tensor_squeeze(part, 2, &sq);
-  if (st == TD_OK) st = td_tensor_transpose(sq, 1, 2, out);
-  td_tensor_unref(part);
-  td_tensor_unref(sq);
+/* heads returns q, k, v [B, H, T, hd] as views of qkv5 [B, T, 3, H, hd] (unbind, transpose). */
+static td_status heads(const td_tensor *qkv5, td_tensor **h) {
+  td_tensor *parts[3] = {NULL, NULL, NULL};
+  td_status st = td_tensor_unbind(qkv5, 2, parts);
+  for (int i = 0; i < 3 && st == TD_OK; i++) st = td_tensor_transpose(parts[i], 1, 2, &h[i]);
+  for (int i = 0; i < 3; i++) td_tensor_unref(parts[i]);
   return st;
 }
 
@@ -126,7 +125,7 @@ static td_status attn_forward(td_module *self, td_tensor *const *in, int n_in, t
   td_tensor *y3 = NULL;
   td_status st = td_module_forward(td_module_child(self, "c_attn"), in[0], &qkv);
   if (st == TD_OK) st = td_tensor_reshape(qkv, s5, 5, &qkv5);
-  for (int i = 0; i < 3 && st == TD_OK; i++) st = head_view(qkv5, i, &h[i]);
+  if (st == TD_OK) st = heads(qkv5, h);
   if (st == TD_OK) st = td_tensor_scaled_dot_product_attention(h[0], h[1], h[2], true, NAN, &y);
   if (st == TD_OK) st = td_tensor_transpose(y, 1, 2, &yt);
   if (st == TD_OK) st = td_tensor_reshape(yt, s3, 3, &y3);

@@ -28,111 +28,229 @@
 static inline __attribute__((always_inline)) float exp_float(float x) { return td__expf(x); }
 static inline __attribute__((always_inline)) double exp_double(double x) { return exp(x); }
 
-/* Per-problem scratch: k^T or v^T [max(E, Ev), S], one row of scores, one of dp. */
-static size_t scratch_elems(const td__attn_geom *g) {
-  int64_t w = g->E > g->Ev ? g->E : g->Ev;
-  return (size_t)(w * g->S + 2 * g->S + 1);
+/* Register blocking: R rows at a time; columns in chunks of one 64-byte vector (gcc's vector
+ * extension: one AVX-512 register, two AVX2 or four SSE2 registers, whatever the clone targets),
+ * W elements of T. The score-like products run over chunks of a transposed operand padded with
+ * zeros to SP = S rounded up to 16 columns, so no chunk needs a tail. */
+#define R 4
+#define SPAD 16
+
+typedef float vec_float __attribute__((vector_size(64)));
+typedef double vec_double __attribute__((vector_size(64)));
+typedef int32_t veci_float __attribute__((vector_size(64))); /* comparison masks */
+typedef int64_t veci_double __attribute__((vector_size(64)));
+
+/* The 64-byte vectors are only ever inlined; gcc's note that passing them by value changes the
+ * ABI without AVX-512 does not apply. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+static int64_t padded(int64_t s) { return (s + SPAD - 1) / SPAD * SPAD; }
+
+/* Scratch per problem: the transposed k or v [max(E, Ev), SP], two row blocks [R, SP], and (in
+ * backward) the scaled score gradients DS [L + R, SP] (a last partial block of rows reads R). */
+static size_t scratch_elems(const td__attn_geom *g, bool backward) {
+  int64_t w = g->E > g->Ev ? g->E : g->Ev, sp = padded(g->S);
+  return (size_t)(w * sp + 2 * R * sp + (backward ? (g->L + R) * sp : 0));
 }
 
 #define DEF_ATTENTION(T)                                                                        \
-  /* transpose_rows writes the n x w matrix with rows rs apart into dst [w, n]. */             \
-  static void transpose_rows_##T(const T *src, int64_t rs, int64_t n, int64_t w, T *dst) {    \
-    for (int64_t j = 0; j < n; j++)                                                             \
-      for (int64_t e = 0; e < w; e++) dst[e * n + j] = src[j * rs + e];                        \
+  typedef vec_##T V_##T;                                                                        \
+  enum { W_##T = (int)(sizeof(V_##T) / sizeof(T)) };                                            \
+  static inline __attribute__((always_inline)) V_##T load_##T(const T *p) {                     \
+    V_##T v;                                                                                    \
+    memcpy(&v, p, sizeof v);                                                                    \
+    return v;                                                                                   \
+  }                                                                                             \
+  static inline __attribute__((always_inline)) void store_##T(T *p, V_##T v) {                  \
+    memcpy(p, &v, sizeof v);                                                                    \
+  }                                                                                             \
+  static inline __attribute__((always_inline)) V_##T vmax_##T(V_##T a, V_##T b) {              \
+    veci_##T m = a > b;                                                                         \
+    return (V_##T)(((veci_##T)a & m) | ((veci_##T)b & ~m));                                     \
+  }                                                                                             \
+  static inline __attribute__((always_inline)) T hsum_##T(V_##T v) {                            \
+    T s = 0;                                                                                    \
+    for (int k = 0; k < W_##T; k++) s += v[k];                                                  \
+    return s;                                                                                   \
+  }                                                                                             \
+  /* dot returns sum_{j < n} a[j] b[j] (vector chunks, then a scalar tail). */                  \
+  static inline T dot_##T(const T *a, const T *b, int64_t n) {                                  \
+    V_##T acc = {0};                                                                            \
+    int64_t j = 0;                                                                              \
+    for (; j + W_##T <= n; j += W_##T) acc += load_##T(a + j) * load_##T(b + j);                \
+    T s = hsum_##T(acc);                                                                        \
+    for (; j < n; j++) s += a[j] * b[j];                                                        \
+    return s;                                                                                   \
   }                                                                                             \
                                                                                                 \
-  /* softmax_row turns s[0..n) into probabilities (unnormalised exp) and returns 1/sum. */     \
-  static inline T softmax_row_##T(T *s, int64_t n) {                                            \
-    T m = s[0];                                                                                 \
-    for (int64_t j = 1; j < n; j++) m = s[j] > m ? s[j] : m;                                    \
-    for (int64_t j = 0; j < n; j++) s[j] = exp_##T(s[j] - m);                                   \
-    T l = 0;                                                                                    \
-    for (int64_t j = 0; j < n; j++) l += s[j];                                                  \
-    return (T)1 / l;                                                                            \
+  /* transpose_rows writes the n x w matrix with rows rs apart into dst [w, ld] (ld >= n; the   \
+   * columns n..ld are zeroed). */                                                              \
+  static inline void transpose_rows_##T(const T *src, int64_t rs, int64_t n, int64_t w,        \
+                                        int64_t ld, T *dst) {                                   \
+    for (int64_t j = 0; j < n; j++) {                                                           \
+      const T *row = src + j * rs;                                                              \
+      for (int64_t e = 0; e < w; e++) dst[e * ld + j] = row[e];                                 \
+    }                                                                                           \
+    for (int64_t e = 0; e < w; e++)                                                             \
+      for (int64_t j = n; j < ld; j++) dst[e * ld + j] = 0;                                     \
+  }                                                                                             \
+                                                                                                \
+  /* rows_by_cols: out[r][0..nc*W) = scale * sum_e a[r][e] * bt[e][0..nc*W) for the R rows a[r] \
+   * (E long), bt [E, ld]; out rows ld apart. */                                                \
+  static inline void rows_by_cols_##T(const T *const *a, T scale, const T *bt, int64_t ld,     \
+                                      int64_t E, int64_t nc, T *out) {                          \
+    for (int64_t c = 0; c < nc; c++) {                                                          \
+      V_##T acc[R] = {0};                                                                       \
+      for (int64_t e = 0; e < E; e++) {                                                         \
+        const V_##T b = load_##T(bt + e * ld + c * W_##T);                                      \
+        for (int r = 0; r < R; r++) acc[r] += (a[r][e] * scale) * b;                            \
+      }                                                                                         \
+      for (int r = 0; r < R; r++) store_##T(out + r * ld + c * W_##T, acc[r]);                  \
+    }                                                                                           \
+  }                                                                                             \
+                                                                                                \
+  /* weighted_rows: out[r][0..w) = sum_{j < n} p[r][j] * x_j[0..w) for the R rows of p (ld     \
+   * apart) and the rows x_j = x + j * xrs; only out rows r < nr are written. */                \
+  static inline void weighted_rows_##T(const T *p, int64_t ld, int64_t n, const T *x,          \
+                                       int64_t xrs, int64_t w, int nr, T *const *out) {        \
+    int64_t c = 0;                                                                              \
+    for (; c + W_##T <= w; c += W_##T) {                                                        \
+      V_##T acc[R] = {0};                                                                       \
+      for (int64_t j = 0; j < n; j++) {                                                         \
+        const V_##T xj = load_##T(x + j * xrs + c);                                             \
+        for (int r = 0; r < R; r++) acc[r] += p[r * ld + j] * xj;                               \
+      }                                                                                         \
+      for (int r = 0; r < nr; r++) store_##T(out[r] + c, acc[r]);                               \
+    }                                                                                           \
+    for (int r = 0; r < nr; r++) /* the columns past the last full chunk */                     \
+      for (int64_t k = c; k < w; k++) {                                                         \
+        T acc = 0;                                                                              \
+        for (int64_t j = 0; j < n; j++) acc += p[r * ld + j] * x[j * xrs + k];                  \
+        out[r][k] = acc;                                                                        \
+      }                                                                                         \
+  }                                                                                             \
+                                                                                                \
+  /* column_sums: out[r][0..w) = sum_{i in [i0, L)} m[i][col[r]] * x_i[0..w), for the R columns \
+   * col[r] of m (rows ld apart) and the rows x_i = x + i * xrs; out rows r < nr written. */    \
+  static inline void column_sums_##T(const T *m, int64_t ld, const int64_t *col, int64_t i0,   \
+                                     int64_t L, const T *x, int64_t xrs, int64_t w, int nr,    \
+                                     T *const *out) {                                           \
+    int64_t c = 0;                                                                              \
+    for (; c + W_##T <= w; c += W_##T) {                                                        \
+      V_##T acc[R] = {0};                                                                       \
+      for (int64_t i = i0; i < L; i++) {                                                        \
+        const V_##T xi = load_##T(x + i * xrs + c);                                             \
+        const T *mi = m + i * ld;                                                               \
+        for (int r = 0; r < R; r++) acc[r] += mi[col[r]] * xi;                                  \
+      }                                                                                         \
+      for (int r = 0; r < nr; r++) store_##T(out[r] + c, acc[r]);                               \
+    }                                                                                           \
+    for (int r = 0; r < nr; r++)                                                                \
+      for (int64_t k = c; k < w; k++) {                                                         \
+        T acc = 0;                                                                              \
+        for (int64_t i = i0; i < L; i++) acc += m[i * ld + col[r]] * x[i * xrs + k];           \
+        out[r][k] = acc;                                                                        \
+      }                                                                                         \
+  }                                                                                             \
+                                                                                                \
+  /* softmax_row turns s[0..n) into probabilities and zeroes s[n..nc*W), working on whole     \
+   * vectors: the masked tail is set to -inf first, whose exp is 0. */                          \
+  static inline void softmax_row_##T(T *s, int64_t n, int64_t nc) {                             \
+    const int64_t end = nc * W_##T;                                                             \
+    for (int64_t j = n; j < end; j++) s[j] = -INFINITY;                                         \
+    V_##T m = load_##T(s);                                                                      \
+    for (int64_t c = 1; c < nc; c++) m = vmax_##T(m, load_##T(s + c * W_##T));                  \
+    T mx = m[0];                                                                                \
+    for (int k = 1; k < W_##T; k++) mx = m[k] > mx ? m[k] : mx;                                 \
+    for (int64_t j = 0; j < end; j++) s[j] = exp_##T(s[j] - mx);                                \
+    V_##T acc = {0};                                                                            \
+    for (int64_t c = 0; c < nc; c++) acc += load_##T(s + c * W_##T);                            \
+    const T inv = (T)1 / hsum_##T(acc);                                                         \
+    for (int64_t j = 0; j < end; j++) s[j] *= inv;                                              \
   }                                                                                             \
                                                                                                 \
   TD__CPU_CLONES static void attn_fwd_##T(const td__attn_geom *g, int64_t b, const T *q,      \
                                           const T *k, const T *v, T *y, T *probs, T *scr) {    \
-    const int64_t L = g->L, S = g->S, E = g->E, Ev = g->Ev;                                     \
+    const int64_t L = g->L, S = g->S, E = g->E, Ev = g->Ev, SP = padded(S);                     \
     const T scale = (T)g->scale;                                                                \
-    const T *qb = q + g->off[TD__ATT_Q][b], *kb = k + g->off[TD__ATT_K][b];                    \
-    const T *vb = v + g->off[TD__ATT_V][b];                                                     \
+    const T *qb = q + g->off[TD__ATT_Q][b], *vb = v + g->off[TD__ATT_V][b];                    \
     T *yb = y + g->off[TD__ATT_Y][b];                                                           \
-    T *kt = scr, *s = scr + (g->E > g->Ev ? g->E : g->Ev) * S;                                  \
-    transpose_rows_##T(kb, g->rs[TD__ATT_K], S, E, kt);                                         \
-    for (int64_t i = 0; i < L; i++) {                                                           \
-      int64_t n = g->causal ? (i + 1 < S ? i + 1 : S) : S;                                      \
-      const T *qi = qb + i * g->rs[TD__ATT_Q];                                                  \
-      for (int64_t j = 0; j < n; j++) s[j] = 0;                                                 \
-      for (int64_t e = 0; e < E; e++) {                                                         \
-        const T a = qi[e] * scale, *kr = kt + e * S;                                            \
-        for (int64_t j = 0; j < n; j++) s[j] += a * kr[j];                                      \
+    T *kt = scr, *sblk = scr + (E > Ev ? E : Ev) * SP;                                          \
+    transpose_rows_##T(k + g->off[TD__ATT_K][b], g->rs[TD__ATT_K], S, E, SP, kt);              \
+    for (int64_t i0 = 0; i0 < L; i0 += R) {                                                     \
+      const int nr = (int)(L - i0 < R ? L - i0 : R);                                            \
+      const T *qrows[R];                                                                        \
+      T *yrows[R];                                                                              \
+      int64_t n[R];                                                                             \
+      for (int r = 0; r < R; r++) {                                                             \
+        int64_t i = i0 + (r < nr ? r : nr - 1);                                                 \
+        qrows[r] = qb + i * g->rs[TD__ATT_Q];                                                   \
+        yrows[r] = yb + i * g->rs[TD__ATT_Y];                                                   \
+        n[r] = g->causal ? (i + 1 < S ? i + 1 : S) : S;                                         \
       }                                                                                         \
-      const T inv = softmax_row_##T(s, n);                                                      \
-      for (int64_t j = 0; j < n; j++) s[j] *= inv;                                              \
-      T *yi = yb + i * g->rs[TD__ATT_Y];                                                        \
-      for (int64_t e = 0; e < Ev; e++) yi[e] = 0;                                               \
-      for (int64_t j = 0; j < n; j++) {                                                         \
-        const T p = s[j], *vj = vb + j * g->rs[TD__ATT_V];                                      \
-        for (int64_t e = 0; e < Ev; e++) yi[e] += p * vj[e];                                    \
-      }                                                                                         \
-      if (probs) {                                                                              \
-        T *pi = probs + (b * L + i) * S;                                                        \
-        for (int64_t j = 0; j < n; j++) pi[j] = s[j];                                           \
-        for (int64_t j = n; j < S; j++) pi[j] = 0;                                              \
-      }                                                                                         \
+      const int64_t nmax = n[nr - 1];                                                           \
+      const int64_t nc = (nmax + W_##T - 1) / W_##T;                                            \
+      rows_by_cols_##T(qrows, scale, kt, SP, E, nc, sblk);                                      \
+      for (int r = 0; r < nr; r++) softmax_row_##T(sblk + r * SP, n[r], nc);                    \
+      weighted_rows_##T(sblk, SP, nmax, vb, g->rs[TD__ATT_V], Ev, nr, yrows);                   \
+      if (probs)                                                                                \
+        for (int r = 0; r < nr; r++) {                                                          \
+          T *pi = probs + (b * L + i0 + r) * S;                                                 \
+          for (int64_t j = 0; j < nmax; j++) pi[j] = sblk[r * SP + j];                          \
+          for (int64_t j = nmax; j < S; j++) pi[j] = 0;                                         \
+        }                                                                                       \
     }                                                                                           \
   }                                                                                             \
                                                                                                 \
   TD__CPU_CLONES static void attn_bwd_##T(const td__attn_geom *g, int64_t b, const T *q,      \
                                           const T *k, const T *v, const T *probs, const T *gy, \
                                           T *gq, T *gk, T *gv, T *scr) {                        \
-    const int64_t L = g->L, S = g->S, E = g->E, Ev = g->Ev;                                     \
+    const int64_t L = g->L, S = g->S, E = g->E, Ev = g->Ev, SP = padded(S);                     \
     const T scale = (T)g->scale;                                                                \
-    const int64_t qrs = g->rs[TD__ATT_Q], krs = g->rs[TD__ATT_K], gyrs = g->rs[TD__ATT_GY];    \
     const T *qb = q + g->off[TD__ATT_Q][b], *kb = k + g->off[TD__ATT_K][b];                    \
-    const T *gyb = gy + g->off[TD__ATT_GY][b];                                                  \
-    T *gqb = gq ? gq + g->off[TD__ATT_GQ][b] : NULL;                                            \
-    T *gkb = gk ? gk + g->off[TD__ATT_GK][b] : NULL;                                            \
-    T *gvb = gv ? gv + g->off[TD__ATT_GV][b] : NULL;                                            \
-    T *vt = scr, *dp = scr + (g->E > g->Ev ? g->E : g->Ev) * S;                                 \
-    if (gkb)                                                                                    \
-      for (int64_t j = 0; j < S; j++) memset(gkb + j * g->rs[TD__ATT_GK], 0, E * sizeof(T));   \
-    if (gvb)                                                                                    \
-      for (int64_t j = 0; j < S; j++) memset(gvb + j * g->rs[TD__ATT_GV], 0, Ev * sizeof(T));  \
-    if (gqb || gkb) transpose_rows_##T(v + g->off[TD__ATT_V][b], g->rs[TD__ATT_V], S, Ev, vt);  \
-    for (int64_t i = 0; i < L; i++) {                                                           \
-      int64_t n = g->causal ? (i + 1 < S ? i + 1 : S) : S;                                      \
-      const T *pi = probs + (b * L + i) * S, *gyi = gyb + i * gyrs, *qi = qb + i * qrs;        \
-      if (gvb)                                                                                  \
-        for (int64_t j = 0; j < n; j++) {                                                       \
-          const T p = pi[j];                                                                    \
-          T *gvj = gvb + j * g->rs[TD__ATT_GV];                                                 \
-          for (int64_t e = 0; e < Ev; e++) gvj[e] += p * gyi[e];                                \
+    const T *gyb = gy + g->off[TD__ATT_GY][b], *pb = probs + b * L * S;                         \
+    const int64_t qrs = g->rs[TD__ATT_Q], gyrs = g->rs[TD__ATT_GY];                             \
+    T *vt = scr, *dblk = scr + (E > Ev ? E : Ev) * SP, *ds = dblk + 2 * R * SP;                 \
+    /* pass 1, query rows: dp = gy v^T, ds = p (dp - rowsum(p dp)) * scale, gq = ds k */        \
+    if (gq || gk) {                                                                             \
+      transpose_rows_##T(v + g->off[TD__ATT_V][b], g->rs[TD__ATT_V], S, Ev, SP, vt);           \
+      for (int64_t i0 = 0; i0 < L; i0 += R) {                                                   \
+        const int nr = (int)(L - i0 < R ? L - i0 : R);                                          \
+        const T *gyrows[R];                                                                     \
+        T *gqrows[R];                                                                           \
+        int64_t n[R];                                                                           \
+        for (int r = 0; r < R; r++) {                                                           \
+          int64_t i = i0 + (r < nr ? r : nr - 1);                                               \
+          gyrows[r] = gyb + i * gyrs;                                                           \
+          gqrows[r] = gq ? gq + g->off[TD__ATT_GQ][b] + i * g->rs[TD__ATT_GQ] : NULL;           \
+          n[r] = g->causal ? (i + 1 < S ? i + 1 : S) : S;                                       \
         }                                                                                       \
-      if (!gqb && !gkb) continue;                                                               \
-      for (int64_t j = 0; j < n; j++) dp[j] = 0;                                                \
-      for (int64_t e = 0; e < Ev; e++) {                                                        \
-        const T a = gyi[e], *vr = vt + e * S;                                                   \
-        for (int64_t j = 0; j < n; j++) dp[j] += a * vr[j];                                     \
+        const int64_t nmax = n[nr - 1];                                                         \
+        rows_by_cols_##T(gyrows, (T)1, vt, SP, Ev, (nmax + W_##T - 1) / W_##T, dblk);                   \
+        for (int r = 0; r < nr; r++) {                                                          \
+          const T *pi = pb + (i0 + r) * S, *dp = dblk + r * SP;                                 \
+          T *dsi = ds + (i0 + r) * SP, d = 0;                                                   \
+          d = dot_##T(pi, dp, n[r]);                                                            \
+          for (int64_t j = 0; j < n[r]; j++) dsi[j] = pi[j] * (dp[j] - d) * scale;              \
+          for (int64_t j = n[r]; j < SP; j++) dsi[j] = 0;                                       \
+        }                                                                                       \
+        if (gq) weighted_rows_##T(ds + i0 * SP, SP, nmax, kb, g->rs[TD__ATT_K], E, nr, gqrows); \
       }                                                                                         \
-      T d = 0;                                                                                  \
-      for (int64_t j = 0; j < n; j++) d += pi[j] * dp[j];                                       \
-      for (int64_t j = 0; j < n; j++) dp[j] = pi[j] * (dp[j] - d) * scale; /* scale ds_j */     \
-      if (gqb) {                                                                                \
-        T *gqi = gqb + i * g->rs[TD__ATT_GQ];                                                   \
-        for (int64_t e = 0; e < E; e++) gqi[e] = 0;                                             \
-        for (int64_t j = 0; j < n; j++) {                                                       \
-          const T c = dp[j], *kj = kb + j * krs;                                                \
-          for (int64_t e = 0; e < E; e++) gqi[e] += c * kj[e];                                  \
-        }                                                                                       \
+    }                                                                                           \
+    /* pass 2, key rows: gk_j = sum_i ds_ij q_i, gv_j = sum_i p_ij gy_i (i >= j when causal) */ \
+    for (int64_t j0 = 0; j0 < S && (gk || gv); j0 += R) {                                       \
+      const int nr = (int)(S - j0 < R ? S - j0 : R);                                            \
+      int64_t col[R];                                                                           \
+      T *gkrows[R], *gvrows[R];                                                                 \
+      for (int r = 0; r < R; r++) {                                                             \
+        int64_t j = j0 + (r < nr ? r : nr - 1);                                                 \
+        col[r] = j;                                                                             \
+        gkrows[r] = gk ? gk + g->off[TD__ATT_GK][b] + j * g->rs[TD__ATT_GK] : NULL;             \
+        gvrows[r] = gv ? gv + g->off[TD__ATT_GV][b] + j * g->rs[TD__ATT_GV] : NULL;             \
       }                                                                                         \
-      if (gkb)                                                                                  \
-        for (int64_t j = 0; j < n; j++) {                                                       \
-          const T c = dp[j];                                                                    \
-          T *gkj = gkb + j * g->rs[TD__ATT_GK];                                                 \
-          for (int64_t e = 0; e < E; e++) gkj[e] += c * qi[e];                                  \
-        }                                                                                       \
+      const int64_t i0 = g->causal ? (j0 < L ? j0 : L) : 0;                                     \
+      if (gk) column_sums_##T(ds, SP, col, i0, L, qb, qrs, E, nr, gkrows);                      \
+      if (gv) column_sums_##T(pb, S, col, i0, L, gyb, gyrs, Ev, nr, gvrows);                    \
     }                                                                                           \
   }
 DEF_ATTENTION(float)
@@ -144,7 +262,7 @@ td_status td__cpu_attention(td_dtype dt, const td__attn_geom *g, const void *q, 
     return td_set_error(TD_ERR_DTYPE, "attention: CPU kernel does not support %s",
                         td_dtype_name(dt));
   if (g->nb == 0 || g->L == 0) return TD_OK;
-  void *scr = td__malloc(scratch_elems(g) * td_dtype_size(dt));
+  void *scr = td__calloc(scratch_elems(g, false), td_dtype_size(dt));
   if (!scr) return td_set_error(TD_ERR_NOMEM, "attention: out of memory");
   for (int64_t b = 0; b < g->nb; b++) {
     if (dt == TD_DTYPE_F32) attn_fwd_float(g, b, q, k, v, y, probs, scr);
@@ -161,7 +279,7 @@ td_status td__cpu_attention_backward(td_dtype dt, const td__attn_geom *g, const 
     return td_set_error(TD_ERR_DTYPE, "attention backward: CPU kernel does not support %s",
                         td_dtype_name(dt));
   if (g->nb == 0) return TD_OK;
-  void *scr = td__malloc(scratch_elems(g) * td_dtype_size(dt));
+  void *scr = td__calloc(scratch_elems(g, true), td_dtype_size(dt));
   if (!scr) return td_set_error(TD_ERR_NOMEM, "attention backward: out of memory");
   for (int64_t b = 0; b < g->nb; b++) {
     if (dt == TD_DTYPE_F32) attn_bwd_float(g, b, q, k, v, probs, gy, gq, gk, gv, scr);

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "cpu_math.h"
 #include "tensor_impl.h"
 
 /* ---- memory ----
@@ -266,8 +267,8 @@ static td_status cpu_fill(td_tensor *t, double v) {
 /* ---- binary ---- */
 
 #define BIN_ROW(T, NAME, EXPR)                                                              \
-  static void NAME##_##T(T *o, int64_t so, const T *a, int64_t sa, const T *b, int64_t sb, \
-                         int64_t n) {                                                       \
+  TD__CPU_CLONES static void NAME##_##T(T *o, int64_t so, const T *a, int64_t sa, const T *b, \
+                                        int64_t sb, int64_t n) {                            \
     if (so == 1 && sa == 1 && sb == 1) {                                                    \
       for (int64_t i = 0; i < n; i++) {                                                     \
         T x = a[i], y = b[i];                                                               \
@@ -336,7 +337,25 @@ static td_status cpu_binary(td__binary_op op, const td_tensor *a, const td_tenso
 
 /* ---- unary ---- */
 
-static inline double gelu_d(double x) { return 0.5 * x * (1.0 + erf(x * M_SQRT1_2)); }
+/* GELU (exact, erf form) per element type: float32 through the vectorisable td__erff (PyTorch's
+ * own float approximation), float64 through libm. */
+static inline __attribute__((always_inline)) float gelu_float(float x) {
+  return 0.5f * x * (1.0f + td__erff(x * (float)M_SQRT1_2));
+}
+static inline __attribute__((always_inline)) double gelu_double(double x) {
+  return 0.5 * x * (1.0 + erf(x * M_SQRT1_2));
+}
+/* Its derivative: Phi(x) + x phi(x). */
+static inline __attribute__((always_inline)) float gelu_grad_float(float x) {
+  float cdf = 0.5f * (1.0f + td__erff(x * (float)M_SQRT1_2));
+  float pdf = td__expf(-0.5f * x * x) * 0.3989422804014327f;
+  return cdf + x * pdf;
+}
+static inline __attribute__((always_inline)) double gelu_grad_double(double x) {
+  double cdf = 0.5 * (1.0 + erf(x * M_SQRT1_2));
+  double pdf = exp(-0.5 * x * x) * 0.3989422804014327;
+  return cdf + x * pdf;
+}
 static inline double sigmoid_d(double x) {
   return x >= 0 ? 1.0 / (1.0 + exp(-x)) : exp(x) / (1.0 + exp(x));
 }
@@ -376,7 +395,7 @@ static inline double sigmoid_d(double x) {
         for (int64_t i = 0; i < n; i++) o[i * so] = x[i * sx] > 0 ? x[i * sx] : (T)0;        \
         break;                                                                               \
       case TD__UN_GELU:                                                                      \
-        for (int64_t i = 0; i < n; i++) o[i * so] = (T)gelu_d((double)x[i * sx]);            \
+        for (int64_t i = 0; i < n; i++) o[i * so] = gelu_##T(x[i * sx]);                      \
         break;                                                                               \
       case TD__UN_ABS:                                                                       \
         for (int64_t i = 0; i < n; i++) o[i * so] = x[i * sx] < 0 ? -x[i * sx] : x[i * sx];  \
@@ -386,9 +405,10 @@ static inline double sigmoid_d(double x) {
 UN_ROW(float)
 UN_ROW(double)
 
-/* Contiguous rows get their own instantiation so the loops vectorize. */
-static void un_row_float_any(td__unary_op op, float *o, int64_t so, const float *x, int64_t sx,
-                             int64_t n, double p0, double p1) {
+/* Contiguous rows get their own instantiation so the loops vectorize (per ISA level). */
+TD__CPU_CLONES static void un_row_float_any(td__unary_op op, float *o, int64_t so,
+                                            const float *x, int64_t sx, int64_t n, double p0,
+                                            double p1) {
   if (so == 1 && sx == 1) un_row_float(op, o, 1, x, 1, n, p0, p1);
   else un_row_float(op, o, so, x, sx, n, p0, p1);
 }
@@ -431,9 +451,9 @@ static td_status cpu_unary(td__unary_op op, const td_tensor *x, td_tensor *out, 
 }
 
 #define UNB(T)                                                                                 \
-  static void unb_##T(td__unary_op op, const T *restrict x, const T *restrict y,               \
-                      const T *restrict gy, T *restrict gx, int64_t n,                         \
-                      double p0) {                                                             \
+  TD__CPU_CLONES static void unb_##T(td__unary_op op, const T *restrict x,                     \
+                                     const T *restrict y, const T *restrict gy,                \
+                                     T *restrict gx, int64_t n, double p0) {                   \
     switch (op) {                                                                              \
       case TD__UN_AFFINE:                                                                      \
         for (int64_t i = 0; i < n; i++) gx[i] = gy[i] * (T)p0;                                 \
@@ -467,12 +487,7 @@ static td_status cpu_unary(td__unary_op op, const td_tensor *x, td_tensor *out, 
         }                                                                                      \
         break;                                                                                 \
       case TD__UN_GELU:                                                                        \
-        for (int64_t i = 0; i < n; i++) {                                                      \
-          double xv = x[i];                                                                    \
-          double cdf = 0.5 * (1.0 + erf(xv * M_SQRT1_2));                                      \
-          double pdf = exp(-0.5 * xv * xv) * 0.3989422804014327;                               \
-          gx[i] = (T)((double)gy[i] * (cdf + xv * pdf));                                       \
-        }                                                                                      \
+        for (int64_t i = 0; i < n; i++) gx[i] = gy[i] * gelu_grad_##T(x[i]);                   \
         break;                                                                                 \
       case TD__UN_ABS:                                                                         \
         for (int64_t i = 0; i < n; i++)                                                        \

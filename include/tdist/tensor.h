@@ -177,8 +177,12 @@ TD_API td_status td_tensor_transpose(const td_tensor *t, int d0, int d1, td_tens
 TD_API td_status td_tensor_permute(const td_tensor *t, const int *perm, int ndim,
                                    td_tensor **out);
 TD_API td_status td_tensor_unsqueeze(const td_tensor *t, int dim, td_tensor **out);
-/* td_tensor_squeeze removes dimension dim, which must have size 1. */
+/* td_tensor_squeeze removes dimension dim, which must have size 1 (a view for any layout). */
 TD_API td_status td_tensor_squeeze(const td_tensor *t, int dim, td_tensor **out);
+/* td_tensor_unbind returns the size(dim) slices of t along dim, with dim removed, as views in
+ * outs[0..size(dim)) (PyTorch's unbind, e.g. q, k, v = qkv.unbind(2)); one backward node writes
+ * their gradients into one tensor. New references; on failure outs is untouched. */
+TD_API td_status td_tensor_unbind(const td_tensor *t, int dim, td_tensor **outs);
 /* td_tensor_expand broadcasts size-1 dims to shape (stride 0), adding leading dims as needed. */
 TD_API td_status td_tensor_expand(const td_tensor *t, const int64_t *shape, int ndim,
                                   td_tensor **out);

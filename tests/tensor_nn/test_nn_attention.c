@@ -16,19 +16,17 @@ typedef struct attn_ctx {
   int heads; /* > 0: inputs[0] is a [B, T, 3C] projection split into heads like nanoGPT */
 } attn_ctx;
 
-/* split_heads returns q, k, v [B, H, T, C/H] as strided views of x [B, T, 3C]. */
+/* split_heads returns q, k, v [B, H, T, C/H] as strided views of x [B, T, 3C] (nanoGPT's split,
+ * done with views: [B, T, 3, H, hd], unbind, transpose). */
 static td_status split_heads(const td_tensor *x, int heads, td_tensor **qkv) {
   int64_t B = td_tensor_size(x, 0), T = td_tensor_size(x, 1), C = td_tensor_size(x, 2) / 3;
-  td_status st = TD_OK;
-  for (int i = 0; i < 3 && st == TD_OK; i++) {
-    td_tensor *part = NULL, *v4 = NULL;
-    int64_t shape[4] = {B, T, heads, C / heads};
-    st = td_tensor_narrow(x, 2, i * C, C, &part);
-    if (st == TD_OK) st = td_tensor_reshape(part, shape, 4, &v4);
-    if (st == TD_OK) st = td_tensor_transpose(v4, 1, 2, &qkv[i]);
-    td_tensor_unref(part);
-    td_tensor_unref(v4);
-  }
+  int64_t shape[5] = {B, T, 3, heads, C / heads};
+  td_tensor *x5 = NULL, *parts[3] = {NULL, NULL, NULL};
+  td_status st = td_tensor_reshape(x, shape, 5, &x5);
+  if (st == TD_OK) st = td_tensor_unbind(x5, 2, parts);
+  for (int i = 0; i < 3 && st == TD_OK; i++) st = td_tensor_transpose(parts[i], 1, 2, &qkv[i]);
+  for (int i = 0; i < 3; i++) td_tensor_unref(parts[i]);
+  td_tensor_unref(x5);
   return st;
 }
 
@@ -196,6 +194,9 @@ static void test_attention_output_layout_follows_q(void **state) {
   td_tensor *x = td_test_randn(xs, 3, TD_DTYPE_F32, 61, false), *qkv[3], *y, *yt, *qc;
   TD_ASSERT_OK(split_heads(x, 4, qkv));
   assert_false(td_tensor_is_contiguous(qkv[0]));
+  /* the heads are views of x: no copy was made */
+  assert_ptr_equal(td_tensor_data(qkv[0]), td_tensor_data(x));
+  assert_ptr_equal((char *)td_tensor_data(qkv[1]), (char *)td_tensor_data(x) + 8 * sizeof(float)); /* C = 8 */
   TD_ASSERT_OK(td_tensor_scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], true, NAN, &y));
   const int64_t ys[] = {2, 4, 5, 2};
   nn_expect_shape(y, ys, 4);
