@@ -186,10 +186,16 @@ static inline char *elem_ptr(const td_tensor *t) { return (char *)td_tensor_data
 
 /* ---- copy and fill ---- */
 
-#define COPY_ROW(TD, TS)                                                        \
-  static void copy_row_##TD##_##TS(TD *d, int64_t sd, const TS *s, int64_t ss, \
-                                   int64_t n) {                                 \
-    for (int64_t i = 0; i < n; i++) d[i * sd] = (TD)s[i * ss];                 \
+/* Rows with unit strides on both sides get their own loop, which vectorises (a bias broadcast
+ * into a matrix, slices gathered into one gradient). */
+#define COPY_ROW(TD, TS)                                                             \
+  TD__CPU_CLONES static void copy_row_##TD##_##TS(TD *d, int64_t sd, const TS *s,    \
+                                                  int64_t ss, int64_t n) {           \
+    if (sd == 1 && ss == 1) {                                                        \
+      for (int64_t i = 0; i < n; i++) d[i] = (TD)s[i];                               \
+      return;                                                                        \
+    }                                                                                \
+    for (int64_t i = 0; i < n; i++) d[i * sd] = (TD)s[i * ss];                      \
   }
 COPY_ROW(float, float)
 COPY_ROW(float, double)

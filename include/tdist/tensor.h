@@ -221,6 +221,12 @@ TD_API td_status td_tensor_gelu(const td_tensor *a, td_tensor **out);
  * broadcasting of the batch dims for >= 3-d, 1-d operands promoted and the added dim removed. */
 TD_API td_status td_tensor_matmul(const td_tensor *a, const td_tensor *b, td_tensor **out);
 
+/* td_tensor_linear is torch.nn.functional.linear: y = x W^T + b for x [..., in], weight
+ * [out, in], bias [out] or NULL -> y [..., out], as one GEMM that reads W in place and starts
+ * from the bias (no separate broadcast add). */
+TD_API td_status td_tensor_linear(const td_tensor *x, const td_tensor *weight,
+                                  const td_tensor *bias, td_tensor **out);
+
 /* ---- reductions (differentiable) ---- */
 
 /* td_tensor_sum_all / mean_all reduce every element to a 0-d tensor. */
