@@ -555,16 +555,27 @@ static void generate(td_module *m, const char *vocab, const opts *o, char *out) 
 
 /* ---- main ---- */
 
+/* add_config records the model and, for a training run (trained), the data and the recipe. */
 static void add_config(ex_json *cfg, const opts *o, const td_gpt_config *c, int64_t chars,
-                       td_module *m) {
+                       td_module *m, bool trained) {
   ex_json_str(cfg, "impl", "tdist");
-  ex_json_int(cfg, "steps", o->steps);
-  ex_json_int(cfg, "batch_size", o->batch_size);
   ex_json_int(cfg, "block_size", c->block_size);
   ex_json_int(cfg, "n_layer", c->n_layer);
   ex_json_int(cfg, "n_head", c->n_head);
   ex_json_int(cfg, "n_embd", c->n_embd);
   ex_json_int(cfg, "vocab_size", c->vocab_size);
+  ex_json_int(cfg, "params", td_module_num_parameters(m));
+  ex_json_int(cfg, "seed", (int64_t)o->seed);
+  ex_json_int(cfg, "threads", o->threads);
+  ex_json_int(cfg, "openblas_num_threads", ex_blas_threads());
+  if (o->generate > 0) {
+    ex_json_str(cfg, "load", o->load);
+    ex_json_num(cfg, "temperature", o->temperature);
+    ex_json_int(cfg, "top_k", o->top_k);
+  }
+  if (!trained) return;
+  ex_json_int(cfg, "steps", o->steps);
+  ex_json_int(cfg, "batch_size", o->batch_size);
   ex_json_int(cfg, "corpus_chars", chars);
   ex_json_num(cfg, "lr", o->lr);
   ex_json_num(cfg, "min_lr", o->min_lr);
@@ -574,12 +585,8 @@ static void add_config(ex_json *cfg, const opts *o, const td_gpt_config *c, int6
   ex_json_num(cfg, "grad_clip", o->grad_clip);
   ex_json_int(cfg, "eval_interval", o->eval_interval);
   ex_json_int(cfg, "eval_iters", o->eval_iters);
-  ex_json_int(cfg, "seed", (int64_t)o->seed);
   ex_json_str(cfg, "dtype", o->dtype);
-  ex_json_int(cfg, "threads", o->threads);
-  ex_json_int(cfg, "openblas_num_threads", ex_blas_threads());
   ex_json_bool(cfg, "init", o->init != NULL);
-  ex_json_int(cfg, "params", td_module_num_parameters(m));
 }
 
 int main(int argc, char **argv) {
@@ -644,7 +651,7 @@ int main(int argc, char **argv) {
     ex_json_str(&res, "sample", text);
     free(text);
   }
-  add_config(&cfg, &o, &mc, c.n, m);
+  add_config(&cfg, &o, &mc, c.n, m, o.load == NULL);
   ex_json_num(&res, "wall_s", ex_now_s() - t_start);
   ex_json_num(&res, "peak_rss_mb", ex_peak_rss_mb());
   ex_json_print_result("gpt", &cfg, &res, NULL);

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # install-deps.sh - installs every Debian package tdist needs, idempotently.
-#   scripts/install-deps.sh            build + test dependencies and the Fashion-MNIST data set
-#                                      (iproute2: the multihost tests' network namespaces)
+#   scripts/install-deps.sh            build + test dependencies, the Fashion-MNIST data set and
+#                                      the fortunes text corpus (examples/gpt; plain text files
+#                                      under /usr/share/games/fortunes); iproute2: the multihost
+#                                      tests' network namespaces
 #   scripts/install-deps.sh --torch    also python3-torch (PyTorch peers of the benchmarks and the
 #                                      fixture generator; the library never uses it)
 #   scripts/install-deps.sh --fuzz     also clang and libFuzzer (libclang-rt-dev), for
@@ -11,7 +13,8 @@
 set -euo pipefail
 
 pkgs=(build-essential g++ cmake pkg-config zlib1g-dev libopenblas-dev libcmocka-dev
-      libgrpc-dev libprotobuf-c-dev protobuf-c-compiler dataset-fashion-mnist python3 iproute2)
+      libgrpc-dev libprotobuf-c-dev protobuf-c-compiler dataset-fashion-mnist fortunes python3
+      iproute2)
 for arg in "$@"; do
   case "$arg" in
     --torch) pkgs+=(python3-torch) ;;
