@@ -66,7 +66,7 @@ extra_keys() {
       echo "runs[micro_batches=1].samples_per_s:higher runs[micro_batches=2].samples_per_s:higher" \
         "runs[micro_batches=8].samples_per_s:higher samples_per_s:higher test_accuracy:higher" ;;
     rpc_throughput) echo "us_per_call:lower" ;;
-    gpt) echo "val_loss:lower train_loss:lower" ;;
+    gpt) echo "val_loss:lower train_loss:lower tokens_per_cpu_s:higher" ;;
     rref_ops) echo "proxy_rpc_sync.ops_per_s:higher remote_to_here.us_per_op:lower" ;;
     rpc_bandwidth)
       local k out=""

@@ -13,7 +13,9 @@
  * (initial_accumulator_value).
  *
  * The update of one parameter follows PyTorch's _single_tensor_<kind> function line by line, with
- * the in-place ops of tensor.h; the comments quote the PyTorch lines. All of it runs with grad
+ * the in-place ops of tensor.h; the comments quote the PyTorch lines. Adam and AdamW without
+ * amsgrad first try td_tensor_adam_, the same sequence fused into one pass over contiguous
+ * operands, and fall back to the composed ops where the device has no such kernel. All of it runs with grad
  * mode off. A step first validates every (parameter, gradient) pair and only then updates, so a
  * bad gradient leaves every parameter untouched.
  *
@@ -312,6 +314,15 @@ static td_status adam_update(const td_optim_options *o, slot *s, const td_tensor
   CK(ensure_zeros(s, 0));
   CK(ensure_zeros(s, 1));
   if (o->amsgrad) CK(ensure_zeros(s, 2));
+  if (!o->amsgrad) { /* one fused pass where the device has the kernel */
+    td_adam_args a = {.lr = o->lr, .beta1 = o->beta1, .beta2 = o->beta2, .eps = o->eps,
+                      .weight_decay = o->weight_decay, .decoupled = decoupled,
+                      .maximize = o->maximize, .step = s->step + 1};
+    st = td_tensor_adam_(s->param, g, s->buf[0], s->buf[1], &a);
+    if (st == TD_OK) s->step++;
+    if (st != TD_ERR_UNSUPPORTED) return st;
+    st = TD_OK;
+  }
   CK(effective_grad(o, s->param, g, decoupled ? 0.0 : o->weight_decay, &d));
   s->step++;
   if (decoupled) CK(td_tensor_mul_scalar_(s->param, 1 - o->lr * o->weight_decay));

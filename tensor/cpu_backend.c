@@ -687,4 +687,5 @@ const td__backend td__cpu_backend = {
     .axpy = cpu_axpy,
     .attention = td__cpu_attention,
     .attention_backward = td__cpu_attention_backward,
+    .adam = td__cpu_adam,
 };

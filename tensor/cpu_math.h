@@ -34,6 +34,41 @@
 #define TD__CPU_CLONES
 #endif
 
+/* 64-byte vectors (gcc's vector extension; one AVX-512 register, or two AVX2 / four SSE2 ones in
+ * the other clones) for kernels that reduce: gcc does not vectorise floating-point sums by
+ * itself without -ffast-math (reassociation), so such kernels keep explicit vector
+ * accumulators. Only ever used inside inlined code (the ABI note of -Wpsabi does not apply). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+typedef float td__vf8 __attribute__((vector_size(32)));
+typedef double td__vd8 __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) td__vd8 td__vd8_load_f32(const float *p) {
+  td__vf8 v;
+  memcpy(&v, p, sizeof v);
+  return __builtin_convertvector(v, td__vd8);
+}
+static inline __attribute__((always_inline)) td__vd8 td__vd8_load_f64(const double *p) {
+  td__vd8 v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline __attribute__((always_inline)) void td__vd8_store_f32(float *p, td__vd8 v) {
+  td__vf8 f = __builtin_convertvector(v, td__vf8);
+  memcpy(p, &f, sizeof f);
+}
+static inline __attribute__((always_inline)) void td__vd8_store_f64(double *p, td__vd8 v) {
+  memcpy(p, &v, sizeof v);
+}
+static inline __attribute__((always_inline)) double td__vd8_sum(td__vd8 v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 static inline __attribute__((always_inline)) float td__expf(float x) {
   /* clamp, remembering the underflow (a select, not a branch: the loop stays vectorisable) */
   float under = x < -87.3f ? 0.0f : 1.0f;

@@ -219,6 +219,16 @@ typedef struct td__attn_geom {
   int64_t rs[TD__ATT_N];         /* row strides in elements */
 } td__attn_geom;
 
+/* Per-step constants of the fused Adam kernel (td__backend.adam), from td_tensor_adam_. */
+typedef struct td__adam_consts {
+  double beta1, beta2, eps;
+  double l2;        /* Adam's weight decay added to the gradient (0 for AdamW) */
+  double decay;     /* AdamW's factor on the weights, 1 - lr * weight_decay (1 for Adam) */
+  double step_size; /* lr / (1 - beta1^step) */
+  double bc2_sqrt;  /* sqrt(1 - beta2^step) */
+  bool maximize;
+} td__adam_consts;
+
 typedef struct td__backend {
   const char *name;
   /* Memory. */
@@ -305,6 +315,10 @@ typedef struct td__backend {
   td_status (*attention_backward)(td_dtype dt, const td__attn_geom *g, const void *q,
                                   const void *k, const void *v, const void *probs,
                                   const void *gy, void *gq, void *gk, void *gv);
+  /* Optional (NULL: td_tensor_adam_ reports TD_ERR_UNSUPPORTED and optimizers compose the update
+   * from the elementwise ops): one Adam / AdamW step on contiguous p, g, m, v of one dtype. */
+  td_status (*adam)(td_tensor *p, const td_tensor *g, td_tensor *m, td_tensor *v,
+                    const td__adam_consts *c);
 } td__backend;
 
 /* td__backend_for returns the kernel table for device d, or NULL (with td_set_error) when this

@@ -329,6 +329,20 @@ TD_API td_status td_tensor_addcdiv_(td_tensor *t, const td_tensor *a, const td_t
                                     double value);
 /* td_tensor_maximum_: t = max(t, other). */
 TD_API td_status td_tensor_maximum_(td_tensor *t, const td_tensor *other);
+/* Arguments of td_tensor_adam_: one step of torch.optim.Adam / AdamW (PyTorch 1.13's
+ * single-tensor rule, no amsgrad). */
+typedef struct td_adam_args {
+  double lr, beta1, beta2, eps, weight_decay;
+  bool decoupled; /* AdamW: decay the weights (p *= 1 - lr * wd), not the gradient */
+  bool maximize;  /* ascend */
+  int64_t step;   /* this update's step number, 1 for the first */
+} td_adam_args;
+/* td_tensor_adam_ applies one Adam / AdamW update in place to param, exp_avg and exp_avg_sq from
+ * grad (same shape, dtype and device) in one fused pass. TD_ERR_UNSUPPORTED when the device has
+ * no fused kernel or an operand is not contiguous: the caller then composes the update from the
+ * ops above, as the optimizers of optim.h do. */
+TD_API td_status td_tensor_adam_(td_tensor *param, const td_tensor *grad, td_tensor *exp_avg,
+                                 td_tensor *exp_avg_sq, const td_adam_args *a);
 /* td_tensor_uniform_ / normal_ refill t from g. */
 TD_API td_status td_tensor_uniform_(td_tensor *t, double lo, double hi, td_generator *g);
 TD_API td_status td_tensor_normal_(td_tensor *t, double mean, double std, td_generator *g);

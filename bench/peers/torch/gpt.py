@@ -27,7 +27,8 @@ the same validation loss at the same step and their tokens/s compare like for li
 
 Prints one JSON line with the C example's keys: {"bench": "gpt", "config": {...}, "results":
 {"val_loss", "train_loss", "tokens_per_s", "wall_s", "evals", "batch_hash", ...}}; tokens_per_s
-counts training tokens over the time of the training steps (evaluation excluded). Run with
+counts training tokens over the time of the training steps (evaluation excluded), tokens_per_cpu_s
+over the CPU time they took (all threads). Run with
 /usr/bin/python3 (the interpreter with torch); OPENBLAS_NUM_THREADS is set to --threads when
 missing (Debian's torch uses OpenBLAS, which ignores torch.set_num_threads).
 """
@@ -306,6 +307,7 @@ def main():
                             lr=args.lr, betas=(0.9, args.beta2), eps=1e-8)
     gen = Pcg(args.seed + 1)
     evals, h, train_time, loss_value = [], 0xCBF29CE484222325, 0.0, float("nan")
+    train_cpu = 0.0
     for it in range(args.steps + 1):
         if it % args.eval_interval == 0 or it == args.steps:
             tl, vl = estimate(model, [train, val], args)
@@ -313,7 +315,7 @@ def main():
             print("step %d: train loss %.4f, val loss %.4f" % (it, tl, vl), file=sys.stderr)
         if it == args.steps:
             break
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         lr = nanogpt_get_lr(it, args.warmup, args.steps, args.lr, args.min_lr)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -326,6 +328,7 @@ def main():
         opt.step()
         loss_value = loss.item()
         train_time += time.perf_counter() - t0
+        train_cpu += time.process_time() - c0
     tokens = args.steps * args.batch_size * args.block_size
     out = {
         "bench": "gpt",
@@ -346,6 +349,7 @@ def main():
             "val_loss": evals[-1]["val_loss"], "train_loss": evals[-1]["train_loss"],
             "last_batch_loss": loss_value,
             "tokens_per_s": tokens / train_time if train_time > 0 else None,
+            "tokens_per_cpu_s": tokens / train_cpu if train_cpu > 0 else None,
             "train_s": train_time, "wall_s": time.perf_counter() - t_start,
             "evals": evals, "batch_hash": "%016x" % h,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
