@@ -48,11 +48,12 @@ typedef int64_t veci_double __attribute__((vector_size(64)));
 
 static int64_t padded(int64_t s) { return (s + SPAD - 1) / SPAD * SPAD; }
 
-/* Scratch per problem: the transposed k or v [max(E, Ev), SP], two row blocks [R, SP], and (in
- * backward) the scaled score gradients DS [L + R, SP] (a last partial block of rows reads R). */
+/* Scratch per problem: the transposed k or v [max(E, Ev), SP], two row blocks [R, SP], R packed
+ * rows [R, max(E, Ev)] and (in backward) the scaled score gradients DS [L + R, SP] (a last
+ * partial block of rows reads R). */
 static size_t scratch_elems(const td__attn_geom *g, bool backward) {
   int64_t w = g->E > g->Ev ? g->E : g->Ev, sp = padded(g->S);
-  return (size_t)(w * sp + 2 * R * sp + (backward ? (g->L + R) * sp : 0));
+  return (size_t)(w * sp + 2 * R * sp + R * w + (backward ? (g->L + R) * sp : 0));
 }
 
 #define DEF_ATTENTION(T)                                                                        \
@@ -97,18 +98,41 @@ static size_t scratch_elems(const td__attn_geom *g, bool backward) {
       for (int64_t j = n; j < ld; j++) dst[e * ld + j] = 0;                                     \
   }                                                                                             \
                                                                                                 \
-  /* rows_by_cols: out[r][0..nc*W) = scale * sum_e a[r][e] * bt[e][0..nc*W) for the R rows a[r] \
-   * (E long), bt [E, ld]; out rows ld apart. */                                                \
-  static inline void rows_by_cols_##T(const T *const *a, T scale, const T *bt, int64_t ld,     \
-                                      int64_t E, int64_t nc, T *out) {                          \
-    for (int64_t c = 0; c < nc; c++) {                                                          \
+  /* rows_by_cols: out[r][0..nc*W) = sum_e a[r][e] * bt[e][0..nc*W) for the R packed rows of a \
+   * ([R, E], scale already applied), bt [E, ld]; out rows ld apart. Two chunks at a time keep  \
+   * 2R independent accumulators in flight. */                                                  \
+  static inline void rows_by_cols_##T(const T *a, const T *bt, int64_t ld, int64_t E,          \
+                                      int64_t nc, T *out) {                                     \
+    int64_t c = 0;                                                                              \
+    for (; c + 2 <= nc; c += 2) {                                                               \
+      V_##T acc0[R] = {0}, acc1[R] = {0};                                                       \
+      for (int64_t e = 0; e < E; e++) {                                                         \
+        const T *br = bt + e * ld + c * W_##T;                                                  \
+        const V_##T b0 = load_##T(br), b1 = load_##T(br + W_##T);                               \
+        for (int r = 0; r < R; r++) {                                                           \
+          acc0[r] += a[r * E + e] * b0;                                                         \
+          acc1[r] += a[r * E + e] * b1;                                                         \
+        }                                                                                       \
+      }                                                                                         \
+      for (int r = 0; r < R; r++) {                                                             \
+        store_##T(out + r * ld + c * W_##T, acc0[r]);                                           \
+        store_##T(out + r * ld + (c + 1) * W_##T, acc1[r]);                                     \
+      }                                                                                         \
+    }                                                                                           \
+    if (c < nc) {                                                                               \
       V_##T acc[R] = {0};                                                                       \
       for (int64_t e = 0; e < E; e++) {                                                         \
         const V_##T b = load_##T(bt + e * ld + c * W_##T);                                      \
-        for (int r = 0; r < R; r++) acc[r] += (a[r][e] * scale) * b;                            \
+        for (int r = 0; r < R; r++) acc[r] += a[r * E + e] * b;                                 \
       }                                                                                         \
       for (int r = 0; r < R; r++) store_##T(out + r * ld + c * W_##T, acc[r]);                  \
     }                                                                                           \
+  }                                                                                             \
+                                                                                                \
+  /* pack_rows copies the R rows a[r] (E long) times scale into dst [R, E]. */                  \
+  static inline void pack_rows_##T(const T *const *a, T scale, int64_t E, T *dst) {             \
+    for (int r = 0; r < R; r++)                                                                 \
+      for (int64_t e = 0; e < E; e++) dst[r * E + e] = a[r][e] * scale;                         \
   }                                                                                             \
                                                                                                 \
   /* weighted_rows: out[r][0..w) = sum_{j < n} p[r][j] * x_j[0..w) for the R rows of p (ld     \
@@ -116,6 +140,21 @@ static size_t scratch_elems(const td__attn_geom *g, bool backward) {
   static inline void weighted_rows_##T(const T *p, int64_t ld, int64_t n, const T *x,          \
                                        int64_t xrs, int64_t w, int nr, T *const *out) {        \
     int64_t c = 0;                                                                              \
+    for (; c + 2 * W_##T <= w; c += 2 * W_##T) {                                                \
+      V_##T acc0[R] = {0}, acc1[R] = {0};                                                       \
+      for (int64_t j = 0; j < n; j++) {                                                         \
+        const T *xr = x + j * xrs + c;                                                          \
+        const V_##T x0 = load_##T(xr), x1 = load_##T(xr + W_##T);                               \
+        for (int r = 0; r < R; r++) {                                                           \
+          acc0[r] += p[r * ld + j] * x0;                                                        \
+          acc1[r] += p[r * ld + j] * x1;                                                        \
+        }                                                                                       \
+      }                                                                                         \
+      for (int r = 0; r < nr; r++) {                                                            \
+        store_##T(out[r] + c, acc0[r]);                                                         \
+        store_##T(out[r] + c + W_##T, acc1[r]);                                                 \
+      }                                                                                         \
+    }                                                                                           \
     for (; c + W_##T <= w; c += W_##T) {                                                        \
       V_##T acc[R] = {0};                                                                       \
       for (int64_t j = 0; j < n; j++) {                                                         \
@@ -138,6 +177,21 @@ static size_t scratch_elems(const td__attn_geom *g, bool backward) {
                                      int64_t L, const T *x, int64_t xrs, int64_t w, int nr,    \
                                      T *const *out) {                                           \
     int64_t c = 0;                                                                              \
+    for (; c + 2 * W_##T <= w; c += 2 * W_##T) {                                                \
+      V_##T acc0[R] = {0}, acc1[R] = {0};                                                       \
+      for (int64_t i = i0; i < L; i++) {                                                        \
+        const T *xr = x + i * xrs + c, *mi = m + i * ld;                                        \
+        const V_##T x0 = load_##T(xr), x1 = load_##T(xr + W_##T);                               \
+        for (int r = 0; r < R; r++) {                                                           \
+          acc0[r] += mi[col[r]] * x0;                                                           \
+          acc1[r] += mi[col[r]] * x1;                                                           \
+        }                                                                                       \
+      }                                                                                         \
+      for (int r = 0; r < nr; r++) {                                                            \
+        store_##T(out[r] + c, acc0[r]);                                                         \
+        store_##T(out[r] + c + W_##T, acc1[r]);                                                 \
+      }                                                                                         \
+    }                                                                                           \
     for (; c + W_##T <= w; c += W_##T) {                                                        \
       V_##T acc[R] = {0};                                                                       \
       for (int64_t i = i0; i < L; i++) {                                                        \
@@ -177,7 +231,7 @@ static size_t scratch_elems(const td__attn_geom *g, bool backward) {
     const T scale = (T)g->scale;                                                                \
     const T *qb = q + g->off[TD__ATT_Q][b], *vb = v + g->off[TD__ATT_V][b];                    \
     T *yb = y + g->off[TD__ATT_Y][b];                                                           \
-    T *kt = scr, *sblk = scr + (E > Ev ? E : Ev) * SP;                                          \
+    T *kt = scr, *sblk = scr + (E > Ev ? E : Ev) * SP, *apk = sblk + 2 * R * SP;                \
     transpose_rows_##T(k + g->off[TD__ATT_K][b], g->rs[TD__ATT_K], S, E, SP, kt);              \
     for (int64_t i0 = 0; i0 < L; i0 += R) {                                                     \
       const int nr = (int)(L - i0 < R ? L - i0 : R);                                            \
@@ -192,7 +246,8 @@ static size_t scratch_elems(const td__attn_geom *g, bool backward) {
       }                                                                                         \
       const int64_t nmax = n[nr - 1];                                                           \
       const int64_t nc = (nmax + W_##T - 1) / W_##T;                                            \
-      rows_by_cols_##T(qrows, scale, kt, SP, E, nc, sblk);                                      \
+      pack_rows_##T(qrows, scale, E, apk);                                                      \
+      rows_by_cols_##T(apk, kt, SP, E, nc, sblk);                                               \
       for (int r = 0; r < nr; r++) softmax_row_##T(sblk + r * SP, n[r], nc);                    \
       weighted_rows_##T(sblk, SP, nmax, vb, g->rs[TD__ATT_V], Ev, nr, yrows);                   \
       if (probs)                                                                                \
@@ -212,7 +267,8 @@ static size_t scratch_elems(const td__attn_geom *g, bool backward) {
     const T *qb = q + g->off[TD__ATT_Q][b], *kb = k + g->off[TD__ATT_K][b];                    \
     const T *gyb = gy + g->off[TD__ATT_GY][b], *pb = probs + b * L * S;                         \
     const int64_t qrs = g->rs[TD__ATT_Q], gyrs = g->rs[TD__ATT_GY];                             \
-    T *vt = scr, *dblk = scr + (E > Ev ? E : Ev) * SP, *ds = dblk + 2 * R * SP;                 \
+    T *vt = scr, *dblk = scr + (E > Ev ? E : Ev) * SP, *apk = dblk + 2 * R * SP;                \
+    T *ds = apk + R * (E > Ev ? E : Ev);                                                        \
     /* pass 1, query rows: dp = gy v^T, ds = p (dp - rowsum(p dp)) * scale, gq = ds k */        \
     if (gq || gk) {                                                                             \
       transpose_rows_##T(v + g->off[TD__ATT_V][b], g->rs[TD__ATT_V], S, Ev, SP, vt);           \
@@ -228,7 +284,8 @@ static size_t scratch_elems(const td__attn_geom *g, bool backward) {
           n[r] = g->causal ? (i + 1 < S ? i + 1 : S) : S;                                       \
         }                                                                                       \
         const int64_t nmax = n[nr - 1];                                                         \
-        rows_by_cols_##T(gyrows, (T)1, vt, SP, Ev, (nmax + W_##T - 1) / W_##T, dblk);                   \
+        pack_rows_##T(gyrows, (T)1, Ev, apk);                                                   \
+        rows_by_cols_##T(apk, vt, SP, Ev, (nmax + W_##T - 1) / W_##T, dblk);                    \
         for (int r = 0; r < nr; r++) {                                                          \
           const T *pi = pb + (i0 + r) * S, *dp = dblk + r * SP;                                 \
           T *dsi = ds + (i0 + r) * SP, d = 0;                                                   \

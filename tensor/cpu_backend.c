@@ -520,8 +520,8 @@ static td_status cpu_unary_backward(td__unary_op op, const td_tensor *x, const t
 /* ---- reductions ---- */
 
 #define RSUM(T)                                                                               \
-  static void rsum_##T(const T *x, int64_t outer, int64_t r, int64_t inner, T *out,          \
-                       double *acc) {                                                         \
+  TD__CPU_CLONES static void rsum_##T(const T *x, int64_t outer, int64_t r, int64_t inner,    \
+                                      T *out, double *acc) {                                  \
     for (int64_t o = 0; o < outer; o++) {                                                     \
       const T *xo = x + o * r * inner;                                                        \
       if (inner == 1) {                                                                       \
