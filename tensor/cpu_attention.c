@@ -42,9 +42,10 @@ typedef int64_t veci_double __attribute__((vector_size(64)));
 
 /* The 64-byte vectors are only ever inlined; gcc's note that passing them by value changes the
  * ABI without AVX-512 does not apply. */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi"
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wunknown-warning-option"
 #endif
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 static int64_t padded(int64_t s) { return (s + SPAD - 1) / SPAD * SPAD; }
 

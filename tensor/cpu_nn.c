@@ -16,9 +16,10 @@
 #include "cpu_math.h"
 
 /* The 64-byte vectors of cpu_math.h only live in inlined code. */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi"
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wunknown-warning-option"
 #endif
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 #include <math.h>
 #include <string.h>
