@@ -136,19 +136,23 @@ static size_t scratch_elems(const td__attn_geom *g, bool backward) {
       for (int64_t e = 0; e < E; e++) dst[r * E + e] = a[r][e] * scale;                         \
   }                                                                                             \
                                                                                                 \
-  /* weighted_rows: out[r][0..w) = sum_{j < n} p[r][j] * x_j[0..w) for the R rows of p (ld     \
-   * apart) and the rows x_j = x + j * xrs; only out rows r < nr are written. */                \
-  static inline void weighted_rows_##T(const T *p, int64_t ld, int64_t n, const T *x,          \
-                                       int64_t xrs, int64_t w, int nr, T *const *out) {        \
+  /* combine_rows: out[r][0..w) = sum_{t in [t0, t1)} cb[r][t * cs] * x_t[0..w) for R        \
+   * coefficient sequences cb[r] (stride cs) and the rows x_t = x + t * xrs; out rows r < nr    \
+   * are written. Rows of probabilities times v (cb[r] a row of P, cs 1) and columns of DS or P \
+   * times q or gy (cb[r] a column, cs the row length) are both this. Two chunks at a time. */  \
+  static inline void combine_rows_##T(const T *const *cb, int64_t cs, int64_t t0, int64_t t1,  \
+                                      const T *x, int64_t xrs, int64_t w, int nr,              \
+                                      T *const *out) {                                          \
     int64_t c = 0;                                                                              \
     for (; c + 2 * W_##T <= w; c += 2 * W_##T) {                                                \
       V_##T acc0[R] = {0}, acc1[R] = {0};                                                       \
-      for (int64_t j = 0; j < n; j++) {                                                         \
-        const T *xr = x + j * xrs + c;                                                          \
+      for (int64_t t = t0; t < t1; t++) {                                                       \
+        const T *xr = x + t * xrs + c;                                                          \
         const V_##T x0 = load_##T(xr), x1 = load_##T(xr + W_##T);                               \
         for (int r = 0; r < R; r++) {                                                           \
-          acc0[r] += p[r * ld + j] * x0;                                                        \
-          acc1[r] += p[r * ld + j] * x1;                                                        \
+          const T k = cb[r][t * cs];                                                            \
+          acc0[r] += k * x0;                                                                    \
+          acc1[r] += k * x1;                                                                    \
         }                                                                                       \
       }                                                                                         \
       for (int r = 0; r < nr; r++) {                                                            \
@@ -158,56 +162,23 @@ static size_t scratch_elems(const td__attn_geom *g, bool backward) {
     }                                                                                           \
     for (; c + W_##T <= w; c += W_##T) {                                                        \
       V_##T acc[R] = {0};                                                                       \
-      for (int64_t j = 0; j < n; j++) {                                                         \
-        const V_##T xj = load_##T(x + j * xrs + c);                                             \
-        for (int r = 0; r < R; r++) acc[r] += p[r * ld + j] * xj;                               \
+      for (int64_t t = t0; t < t1; t++) {                                                       \
+        const V_##T xt = load_##T(x + t * xrs + c);                                             \
+        for (int r = 0; r < R; r++) acc[r] += cb[r][t * cs] * xt;                               \
       }                                                                                         \
       for (int r = 0; r < nr; r++) store_##T(out[r] + c, acc[r]);                               \
     }                                                                                           \
     for (int r = 0; r < nr; r++) /* the columns past the last full chunk */                     \
       for (int64_t k = c; k < w; k++) {                                                         \
         T acc = 0;                                                                              \
-        for (int64_t j = 0; j < n; j++) acc += p[r * ld + j] * x[j * xrs + k];                  \
+        for (int64_t t = t0; t < t1; t++) acc += cb[r][t * cs] * x[t * xrs + k];                \
         out[r][k] = acc;                                                                        \
       }                                                                                         \
   }                                                                                             \
                                                                                                 \
-  /* column_sums: out[r][0..w) = sum_{i in [i0, L)} m[i][col[r]] * x_i[0..w), for the R columns \
-   * col[r] of m (rows ld apart) and the rows x_i = x + i * xrs; out rows r < nr written. */    \
-  static inline void column_sums_##T(const T *m, int64_t ld, const int64_t *col, int64_t i0,   \
-                                     int64_t L, const T *x, int64_t xrs, int64_t w, int nr,    \
-                                     T *const *out) {                                           \
-    int64_t c = 0;                                                                              \
-    for (; c + 2 * W_##T <= w; c += 2 * W_##T) {                                                \
-      V_##T acc0[R] = {0}, acc1[R] = {0};                                                       \
-      for (int64_t i = i0; i < L; i++) {                                                        \
-        const T *xr = x + i * xrs + c, *mi = m + i * ld;                                        \
-        const V_##T x0 = load_##T(xr), x1 = load_##T(xr + W_##T);                               \
-        for (int r = 0; r < R; r++) {                                                           \
-          acc0[r] += mi[col[r]] * x0;                                                           \
-          acc1[r] += mi[col[r]] * x1;                                                           \
-        }                                                                                       \
-      }                                                                                         \
-      for (int r = 0; r < nr; r++) {                                                            \
-        store_##T(out[r] + c, acc0[r]);                                                         \
-        store_##T(out[r] + c + W_##T, acc1[r]);                                                 \
-      }                                                                                         \
-    }                                                                                           \
-    for (; c + W_##T <= w; c += W_##T) {                                                        \
-      V_##T acc[R] = {0};                                                                       \
-      for (int64_t i = i0; i < L; i++) {                                                        \
-        const V_##T xi = load_##T(x + i * xrs + c);                                             \
-        const T *mi = m + i * ld;                                                               \
-        for (int r = 0; r < R; r++) acc[r] += mi[col[r]] * xi;                                  \
-      }                                                                                         \
-      for (int r = 0; r < nr; r++) store_##T(out[r] + c, acc[r]);                               \
-    }                                                                                           \
-    for (int r = 0; r < nr; r++)                                                                \
-      for (int64_t k = c; k < w; k++) {                                                         \
-        T acc = 0;                                                                              \
-        for (int64_t i = i0; i < L; i++) acc += m[i * ld + col[r]] * x[i * xrs + k];           \
-        out[r][k] = acc;                                                                        \
-      }                                                                                         \
+  /* row_starts sets cb[r] = m + r * ld: the R rows of a block as coefficient sequences. */     \
+  static inline void row_starts_##T(const T *m, int64_t ld, const T **cb) {                     \
+    for (int r = 0; r < R; r++) cb[r] = m + r * ld;                                             \
   }                                                                                             \
                                                                                                 \
   /* softmax_row turns s[0..n) into probabilities and zeroes s[n..nc*W), working on whole     \
@@ -250,7 +221,9 @@ static size_t scratch_elems(const td__attn_geom *g, bool backward) {
       pack_rows_##T(qrows, scale, E, apk);                                                      \
       rows_by_cols_##T(apk, kt, SP, E, nc, sblk);                                               \
       for (int r = 0; r < nr; r++) softmax_row_##T(sblk + r * SP, n[r], nc);                    \
-      weighted_rows_##T(sblk, SP, nmax, vb, g->rs[TD__ATT_V], Ev, nr, yrows);                   \
+      const T *cb[R];                                                                           \
+      row_starts_##T(sblk, SP, cb);                                                             \
+      combine_rows_##T(cb, 1, 0, nmax, vb, g->rs[TD__ATT_V], Ev, nr, yrows);                    \
       if (probs)                                                                                \
         for (int r = 0; r < nr; r++) {                                                          \
           T *pi = probs + (b * L + i0 + r) * S;                                                 \
@@ -294,23 +267,28 @@ static size_t scratch_elems(const td__attn_geom *g, bool backward) {
           for (int64_t j = 0; j < n[r]; j++) dsi[j] = pi[j] * (dp[j] - d) * scale;              \
           for (int64_t j = n[r]; j < SP; j++) dsi[j] = 0;                                       \
         }                                                                                       \
-        if (gq) weighted_rows_##T(ds + i0 * SP, SP, nmax, kb, g->rs[TD__ATT_K], E, nr, gqrows); \
+        if (gq) {                                                                               \
+          const T *cb[R];                                                                       \
+          row_starts_##T(ds + i0 * SP, SP, cb);                                                 \
+          combine_rows_##T(cb, 1, 0, nmax, kb, g->rs[TD__ATT_K], E, nr, gqrows);                \
+        }                                                                                       \
       }                                                                                         \
     }                                                                                           \
     /* pass 2, key rows: gk_j = sum_i ds_ij q_i, gv_j = sum_i p_ij gy_i (i >= j when causal) */ \
     for (int64_t j0 = 0; j0 < S && (gk || gv); j0 += R) {                                       \
       const int nr = (int)(S - j0 < R ? S - j0 : R);                                            \
-      int64_t col[R];                                                                           \
+      const T *dcol[R], *pcol[R]; /* columns j of DS and P */                                   \
       T *gkrows[R], *gvrows[R];                                                                 \
       for (int r = 0; r < R; r++) {                                                             \
         int64_t j = j0 + (r < nr ? r : nr - 1);                                                 \
-        col[r] = j;                                                                             \
+        dcol[r] = ds + j;                                                                       \
+        pcol[r] = pb + j;                                                                       \
         gkrows[r] = gk ? gk + g->off[TD__ATT_GK][b] + j * g->rs[TD__ATT_GK] : NULL;             \
         gvrows[r] = gv ? gv + g->off[TD__ATT_GV][b] + j * g->rs[TD__ATT_GV] : NULL;             \
       }                                                                                         \
       const int64_t i0 = g->causal ? (j0 < L ? j0 : L) : 0;                                     \
-      if (gk) column_sums_##T(ds, SP, col, i0, L, qb, qrs, E, nr, gkrows);                      \
-      if (gv) column_sums_##T(pb, S, col, i0, L, gyb, gyrs, Ev, nr, gvrows);                    \
+      if (gk) combine_rows_##T(dcol, SP, i0, L, qb, qrs, E, nr, gkrows);                        \
+      if (gv) combine_rows_##T(pcol, S, i0, L, gyb, gyrs, Ev, nr, gvrows);                      \
     }                                                                                           \
   }
 DEF_ATTENTION(float)

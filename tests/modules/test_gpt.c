@@ -101,13 +101,19 @@ static void randomise(td_module *m, uint64_t seed) {
   td_generator_destroy(g);
 }
 
+/* f64_model makes a float64 Block (or whole GPT) of the tiny config; seed != 0 randomises it. */
+static td_module *f64_model(bool whole, uint64_t seed) {
+  td_gpt_config c = tiny_config();
+  td_module *m;
+  TD_ASSERT_OK(whole ? td_gpt_create(&c, NULL, &m) : td_gpt_block_create(&c, NULL, &m));
+  TD_ASSERT_OK(td_module_to_dtype(m, TD_DTYPE_F64));
+  if (seed) randomise(m, seed);
+  return m;
+}
+
 static void test_gpt_block_gradcheck(void **state) {
   (void)state;
-  td_gpt_config c = tiny_config();
-  td_module *b;
-  TD_ASSERT_OK(td_gpt_block_create(&c, NULL, &b));
-  TD_ASSERT_OK(td_module_to_dtype(b, TD_DTYPE_F64));
-  randomise(b, 5);
+  td_module *b = f64_model(false, 5);
   const int64_t xs[] = {2, 4, 8};
   td_tensor *x = td_test_randn(xs, 3, TD_DTYPE_F64, 71, true);
   td_tensor_list ps;
@@ -126,11 +132,7 @@ static void test_gpt_block_gradcheck(void **state) {
  * including the tied embedding / head matrix. */
 static void test_gpt_gradcheck(void **state) {
   (void)state;
-  td_gpt_config c = tiny_config();
-  td_module *m;
-  TD_ASSERT_OK(td_gpt_create(&c, NULL, &m));
-  TD_ASSERT_OK(td_module_to_dtype(m, TD_DTYPE_F64));
-  randomise(m, 6);
+  td_module *m = f64_model(true, 6);
   const int64_t idx_v[] = {1, 4, 10, 0, 3, 3, 7, 2, 9, 5}, tgt_v[] = {4, 10, 0, -1, 3, 7, 2, 9,
                                                                        5, 6};
   const int64_t s[] = {2, 5};
@@ -153,6 +155,17 @@ static void test_gpt_gradcheck(void **state) {
 
 /* ---- PyTorch ---- */
 
+/* fixture_model makes a Block (or a whole GPT) of the tiny config in the fixture's dtype and loads
+ * the fixture's parameters ("param." or "param_f32." keys) into it. */
+static td_module *fixture_model(const td_tensor_list *fx, bool whole, bool f32) {
+  td_gpt_config c = tiny_config();
+  td_module *m;
+  TD_ASSERT_OK(whole ? td_gpt_create(&c, NULL, &m) : td_gpt_block_create(&c, NULL, &m));
+  if (!f32) TD_ASSERT_OK(td_module_to_dtype(m, TD_DTYPE_F64));
+  load_prefixed(m, fx, f32 ? "param_f32." : "param.");
+  return m;
+}
+
 static void test_gpt_block_matches_pytorch(void **state) {
   (void)state;
   td_tensor_list fx;
@@ -160,13 +173,8 @@ static void test_gpt_block_matches_pytorch(void **state) {
   for (int f32 = 0; f32 < 2; f32++) {
     const char *sfx = f32 ? ".f32" : "";
     double rtol = f32 ? 1e-4 : 1e-10, atol = f32 ? 1e-5 : 1e-12;
-    td_gpt_config c = tiny_config();
-    td_module *b;
-    TD_ASSERT_OK(td_gpt_block_create(&c, NULL, &b));
-    if (!f32) TD_ASSERT_OK(td_module_to_dtype(b, TD_DTYPE_F64));
-    char key[96], pfx[32];
-    snprintf(pfx, sizeof pfx, "param%s.", f32 ? "_f32" : "");
-    load_prefixed(b, &fx, pfx);
+    td_module *b = fixture_model(&fx, false, f32);
+    char key[96];
     snprintf(key, sizeof key, "x%s", sfx);
     td_tensor *x = fixture_leaf(&fx, key, true), *y, *w, *sum;
     TD_ASSERT_OK(td_module_forward(b, x, &y));
@@ -178,8 +186,7 @@ static void test_gpt_block_matches_pytorch(void **state) {
     TD_ASSERT_OK(td_tensor_backward(sum));
     snprintf(key, sizeof key, "grad.x%s", sfx);
     fixture_check_grad(key, x, &fx, key, rtol, atol);
-    snprintf(pfx, sizeof pfx, "grad%s.", f32 ? "_f32" : "");
-    check_param_grads(b, &fx, pfx, rtol, atol);
+    check_param_grads(b, &fx, f32 ? "grad_f32." : "grad.", rtol, atol);
     td_tensor_unref(sum);
     td_tensor_unref(w);
     td_tensor_unref(y);
@@ -196,13 +203,8 @@ static void test_gpt_matches_pytorch(void **state) {
   for (int f32 = 0; f32 < 2; f32++) {
     const char *sfx = f32 ? ".f32" : "";
     double rtol = f32 ? 1e-4 : 1e-10, atol = f32 ? 1e-5 : 1e-12;
-    td_gpt_config c = tiny_config();
-    td_module *m;
-    TD_ASSERT_OK(td_gpt_create(&c, NULL, &m));
-    if (!f32) TD_ASSERT_OK(td_module_to_dtype(m, TD_DTYPE_F64));
-    char key[96], pfx[32];
-    snprintf(pfx, sizeof pfx, "param%s.", f32 ? "_f32" : "");
-    load_prefixed(m, &fx, pfx);
+    td_module *m = fixture_model(&fx, true, f32);
+    char key[96];
     snprintf(key, sizeof key, "idx%s", sfx);
     td_tensor *idx = fixture_get(&fx, key);
     snprintf(key, sizeof key, "targets%s", sfx);
@@ -216,8 +218,7 @@ static void test_gpt_matches_pytorch(void **state) {
     TD_ASSERT_OK(td_tensor_item(fixture_get(&fx, key), &want));
     if (fabs(lv - want) > rtol * fabs(want)) fail_msg("loss %.12g, PyTorch %.12g", lv, want);
     TD_ASSERT_OK(td_tensor_backward(loss));
-    snprintf(pfx, sizeof pfx, "grad%s.", f32 ? "_f32" : "");
-    check_param_grads(m, &fx, pfx, rtol, atol);
+    check_param_grads(m, &fx, f32 ? "grad_f32." : "grad.", rtol, atol);
     td_tensor_unref(logits);
     td_tensor_unref(loss);
     td_module_unref(m);
@@ -296,13 +297,7 @@ static void test_gpt_structure_and_init(void **state) {
  * compare with the same model untied (lm_head.weight a separate copy). */
 static void test_gpt_tied_gradient_accumulates(void **state) {
   (void)state;
-  td_gpt_config c = tiny_config();
-  td_module *m, *u;
-  TD_ASSERT_OK(td_gpt_create(&c, NULL, &m));
-  TD_ASSERT_OK(td_module_to_dtype(m, TD_DTYPE_F64));
-  randomise(m, 7);
-  TD_ASSERT_OK(td_gpt_create(&c, NULL, &u));
-  TD_ASSERT_OK(td_module_to_dtype(u, TD_DTYPE_F64));
+  td_module *m = f64_model(true, 7), *u = f64_model(true, 0);
   td_tensor_list sd;
   td_tensor_list_init(&sd);
   TD_ASSERT_OK(td_module_state_dict(m, &sd));
