@@ -76,12 +76,14 @@ static td_status add_child(td_module *m, const char *name, td_module *child) {
   return st;
 }
 
-/* config_copy returns a heap copy of c (the module state). */
-static td_status config_copy(const td_gpt_config *c, td_gpt_config **out) {
-  *out = td__malloc(sizeof **out);
-  if (!*out) return td_set_error(TD_ERR_NOMEM, "gpt: out of memory");
-  **out = *c;
-  return TD_OK;
+/* new_module makes an empty module of type whose state is a copy of c. */
+static td_status new_module(const td_module_type *type, const td_gpt_config *c, td_module **out) {
+  td_gpt_config *s = td__malloc(sizeof *s);
+  if (!s) return td_set_error(TD_ERR_NOMEM, "%s: out of memory", type->name);
+  *s = *c;
+  td_status st = td_module_create(type, s, out);
+  if (st != TD_OK) td__free(s);
+  return st;
 }
 
 static void free_state(void *s) { td__free(s); }
@@ -141,15 +143,9 @@ td_status td_causal_self_attention_create(const td_gpt_config *c, td_generator *
                                           td_module **out) {
   TD_CHECK_ARG(out, "td_causal_self_attention_create: NULL out");
   TD_TRY(check_config("td_causal_self_attention_create", c, false));
-  td_gpt_config *s;
-  TD_TRY(config_copy(c, &s));
   td_module *m = NULL, *ca = NULL, *cp = NULL;
-  td_status st = td_module_create(&attn_type, s, &m);
-  if (st != TD_OK) {
-    td__free(s);
-    return st;
-  }
-  st = make_linear(c->n_embd, 3 * c->n_embd, true, INIT_STD, g, &ca);
+  TD_TRY(new_module(&attn_type, c, &m));
+  td_status st = make_linear(c->n_embd, 3 * c->n_embd, true, INIT_STD, g, &ca);
   if (st == TD_OK) st = add_child(m, "c_attn", ca);
   if (st == TD_OK) st = make_linear(c->n_embd, c->n_embd, true, proj_std(c), g, &cp);
   if (st == TD_OK) st = add_child(m, "c_proj", cp);
@@ -182,15 +178,9 @@ static const td_module_type mlp_type = {"MLP", mlp_forward, free_state};
 td_status td_gpt_mlp_create(const td_gpt_config *c, td_generator *g, td_module **out) {
   TD_CHECK_ARG(out, "td_gpt_mlp_create: NULL out");
   TD_TRY(check_config("td_gpt_mlp_create", c, false));
-  td_gpt_config *s;
-  TD_TRY(config_copy(c, &s));
   td_module *m = NULL, *fc = NULL, *cp = NULL;
-  td_status st = td_module_create(&mlp_type, s, &m);
-  if (st != TD_OK) {
-    td__free(s);
-    return st;
-  }
-  st = make_linear(c->n_embd, 4 * c->n_embd, true, INIT_STD, g, &fc);
+  TD_TRY(new_module(&mlp_type, c, &m));
+  td_status st = make_linear(c->n_embd, 4 * c->n_embd, true, INIT_STD, g, &fc);
   if (st == TD_OK) st = add_child(m, "c_fc", fc);
   if (st == TD_OK) st = make_linear(4 * c->n_embd, c->n_embd, true, proj_std(c), g, &cp);
   if (st == TD_OK) st = add_child(m, "c_proj", cp);
@@ -237,15 +227,9 @@ static td_status make_layer_norm(int64_t C, td_module **out) {
 td_status td_gpt_block_create(const td_gpt_config *c, td_generator *g, td_module **out) {
   TD_CHECK_ARG(out, "td_gpt_block_create: NULL out");
   TD_TRY(check_config("td_gpt_block_create", c, false));
-  td_gpt_config *s;
-  TD_TRY(config_copy(c, &s));
   td_module *m = NULL, *child = NULL;
-  td_status st = td_module_create(&block_type, s, &m);
-  if (st != TD_OK) {
-    td__free(s);
-    return st;
-  }
-  st = make_layer_norm(c->n_embd, &child);
+  TD_TRY(new_module(&block_type, c, &m));
+  td_status st = make_layer_norm(c->n_embd, &child);
   if (st == TD_OK) st = add_child(m, "ln_1", child);
   if (st == TD_OK) st = td_causal_self_attention_create(c, g, &child);
   if (st == TD_OK) st = add_child(m, "attn", child);
@@ -380,15 +364,9 @@ static td_status build_transformer(const td_gpt_config *c, td_generator *g, td_m
 td_status td_gpt_create(const td_gpt_config *c, td_generator *g, td_module **out) {
   TD_CHECK_ARG(out, "td_gpt_create: NULL out");
   TD_TRY(check_config("td_gpt_create", c, true));
-  td_gpt_config *s;
-  TD_TRY(config_copy(c, &s));
   td_module *m = NULL, *tr = NULL, *head = NULL;
-  td_status st = td_module_create(&gpt_type, s, &m);
-  if (st != TD_OK) {
-    td__free(s);
-    return st;
-  }
-  st = build_transformer(c, g, &tr);
+  TD_TRY(new_module(&gpt_type, c, &m));
+  td_status st = build_transformer(c, g, &tr);
   if (st == TD_OK) st = add_child(m, "transformer", tr);
   if (st == TD_OK) st = td_linear_create(c->n_embd, c->vocab_size, false, g, &head);
   if (st == TD_OK) st = add_child(m, "lm_head", head);
