@@ -17,7 +17,9 @@
 # where ratio = ours_median / peer_median of the benchmark's main key (table below), target the
 # ratio the project aims at (null when none) and extra the same figures for secondary keys. Keys
 # are dotted paths into "results"; a list element is chosen by a field, as in
-# echo[bytes=67108864].GBps_both_dirs. Exit status 1 when a run fails or prints no JSON line.
+# echo[bytes=67108864].GBps_both_dirs. Exit status 1 when a run fails or prints no JSON line, or
+# when a key that identifies the workload differs between the programs (gpt: batch_hash; the
+# summary then has "same_batch_hash": false).
 # The script measures; it never asserts a speed (meets_target is informational).
 #
 # bench/compare.sh collectives [RUNS] [-- ARGS...] is a mode of its own with three peers run in
@@ -38,7 +40,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
 
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-  sed -n '2,35p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
   [[ $# -lt 1 ]] && exit 2 || exit 0
 fi
 name="$1"
@@ -68,6 +70,7 @@ main_key() {
     dist_autograd_mlp) echo "steps_per_s higher 2" ;;
     param_server) echo "epoch_wall_s lower 0.5" ;;
     pipeline_split) echo "runs[micro_batches=4].samples_per_s higher -" ;;
+    gpt) echo "tokens_per_s higher 1" ;;
     *) return 1 ;;
   esac
 }
@@ -80,6 +83,7 @@ extra_keys() {
       echo "runs[micro_batches=1].samples_per_s:higher runs[micro_batches=2].samples_per_s:higher" \
         "runs[micro_batches=8].samples_per_s:higher samples_per_s:higher test_accuracy:higher" ;;
     rpc_throughput) echo "us_per_call:lower" ;;
+    gpt) echo "val_loss:lower train_loss:lower tokens_per_cpu_s:higher" ;;
     rref_ops) echo "proxy_rpc_sync.ops_per_s:higher remote_to_here.us_per_op:lower" ;;
     rpc_bandwidth)
       local k out=""
@@ -104,6 +108,14 @@ case "$name" in
     ours="$build/examples/$name"
     ours_cmd=("$build/tools/tdistrun" --standalone --nproc-per-node 3 --no-prefix "$ours") ;;
 esac
+# gpt: the example in one process; both programs start from the same weights, written once by
+# ours (--steps 0 --save) and loaded by both (--init), and run with --threads equal to
+# OPENBLAS_NUM_THREADS unless ARGS set it. Their results.batch_hash must agree (same batches).
+case "$name" in
+  gpt)
+    ours="$build/examples/gpt"
+    ours_cmd=("$ours") ;;
+esac
 peer="$root/bench/peers/torch/$name.py"
 py="${TD_PEER_PYTHON:-/usr/bin/python3}"
 [[ -x "$ours" ]] || { echo "compare.sh: $ours not found (build first, or set TD_BUILD_DIR)" >&2; exit 1; }
@@ -112,6 +124,17 @@ export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
+
+if [[ "$name" == gpt ]]; then
+  [[ " ${args[*]-} " == *" --threads"* ]] || args+=(--threads "$OPENBLAS_NUM_THREADS")
+  if ! "$ours" ${args[@]+"${args[@]}"} --steps 0 --eval-iters 1 --save "$tmp/init.safetensors" \
+       >"$tmp/init.out" 2>&1; then
+    echo "compare.sh: could not write the initial weights:" >&2
+    cat "$tmp/init.out" >&2
+    exit 1
+  fi
+  args+=(--init "$tmp/init.safetensors")
+fi
 
 # run_one LABEL OUTFILE CMD... runs CMD, echoes its last stdout line and appends it to OUTFILE.
 run_one() {
@@ -137,10 +160,19 @@ for ((i = 0; i < runs; i++)); do
   run_one peer "$tmp/peer.jsonl" "$py" "$peer" ${args[@]+"${args[@]}"}
 done
 
+# Keys whose values must be equal in every run of both programs (the comparison is void
+# otherwise): gpt's hash of the training batches.
+same_keys() {
+  case "$1" in
+    gpt) echo "batch_hash" ;;
+    *) echo "" ;;
+  esac
+}
+
 python3 - "$name" "$key" "$direction" "$runs" "$tmp/ours.jsonl" "$tmp/peer.jsonl" \
-  "$OPENBLAS_NUM_THREADS" "$target" "$extras" <<'EOF'
+  "$OPENBLAS_NUM_THREADS" "$target" "$extras" "$(same_keys "$name")" <<'EOF'
 import json, re, statistics, sys
-name, key, direction, runs, ours_f, peer_f, blas, target, extras = sys.argv[1:10]
+name, key, direction, runs, ours_f, peer_f, blas, target, extras, same = sys.argv[1:11]
 
 def lookup(results, path):
     """Follows a dotted path; 'list[field=value]' picks the list element whose field matches."""
@@ -177,9 +209,19 @@ for word in extras.split():
     extra[k] = e
 if extra:
     res["extra"] = extra
+mismatch = []
+for k in same.split():
+    seen = {json.loads(line)["results"].get(k) for f in (ours_f, peer_f) for line in open(f)}
+    res["same_" + k] = len(seen) == 1
+    if len(seen) != 1:
+        mismatch.append("%s differs between runs: %s" % (k, sorted(map(str, seen))))
 print(json.dumps({
     "bench": "compare",
     "config": {"name": name, "runs": int(runs), "key": key, "openblas_num_threads": blas},
     "results": res,
 }), flush=True)
+if mismatch:
+    print("compare.sh: the two programs did not run the same workload: " + "; ".join(mismatch),
+          file=sys.stderr)
+    sys.exit(1)
 EOF

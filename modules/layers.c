@@ -92,19 +92,7 @@ static td_status linear_forward(td_module *self, td_tensor *const *in, int n_in,
                         (long long)s->in, (long long)s->out,
                         td_tensor_shape_str(x, buf, sizeof buf), (long long)s->in);
   }
-  td_tensor *wt = NULL, *y = NULL, *yb = NULL;
-  td_status st = td_tensor_transpose(w, 0, 1, &wt);
-  if (st == TD_OK) st = td_tensor_matmul(x, wt, &y);
-  if (st == TD_OK && b) st = td_tensor_add(y, b, &yb);
-  if (st == TD_OK) {
-    *out = b ? yb : y;
-    if (b) td_tensor_unref(y);
-  } else {
-    td_tensor_unref(y);
-    td_tensor_unref(yb);
-  }
-  td_tensor_unref(wt);
-  return st;
+  return td_tensor_linear(x, w, b, out);
 }
 
 static const td_module_type linear_type = {"Linear", linear_forward, free_state};

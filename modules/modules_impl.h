@@ -6,6 +6,7 @@
  *   layers.c       Linear, Conv2d, MaxPool2d, activations, Dropout, Embedding, LayerNorm,
  *                  Flatten, Sequential.
  *   lstm.c         LSTMCell and the multi-layer LSTM.
+ *   gpt.c          CausalSelfAttention, MLP, Block and GPT (nanoGPT's layout).
  *   json.c         a small strict JSON parser (the subset safetensors headers use).
  *   safetensors.c  safetensors encode/decode and module save/load.
  */

@@ -1,4 +1,5 @@
-/* optim.c - functional optimizers with torch.optim 1.13 semantics.
+/* optim.c - functional optimizers with torch.optim 1.13 semantics, parameter groups, gradient
+ * clipping and the warmup + cosine schedule.
  *
  * Each parameter has a slot with its step count and up to three state tensors whose meaning
  * depends on the kind:
@@ -12,9 +13,14 @@
  * (initial_accumulator_value).
  *
  * The update of one parameter follows PyTorch's _single_tensor_<kind> function line by line, with
- * the in-place ops of tensor.h; the comments quote the PyTorch lines. All of it runs with grad
+ * the in-place ops of tensor.h; the comments quote the PyTorch lines. Adam and AdamW without
+ * amsgrad first try td_tensor_adam_, the same sequence fused into one pass over contiguous
+ * operands, and fall back to the composed ops where the device has no such kernel. All of it runs with grad
  * mode off. A step first validates every (parameter, gradient) pair and only then updates, so a
  * bad gradient leaves every parameter untouched.
+ *
+ * Groups: every slot records its group; a group holds the lr and weight_decay that override the
+ * options for its parameters, and an update reads a copy of the options with those two replaced.
  *
  * Locking: one mutex per optimizer (mu) held for a whole step, set_lr and the accessors. No other
  * library lock is taken while it is held except the tensor layer's internal ones.
@@ -30,13 +36,21 @@ typedef struct slot {
   td_tensor *param;
   td_tensor *buf[3];
   int64_t step;
+  size_t group;
 } slot;
+
+typedef struct group {
+  double lr, weight_decay;
+  size_t n; /* parameters in the group */
+} group;
 
 struct td_optim {
   pthread_mutex_t mu;
   td_optim_options o;
   size_t n;
   slot *slots;
+  size_t n_groups;
+  group *groups;
 };
 
 #define CK(expr)               \
@@ -133,37 +147,84 @@ static td_status full_like(const td_tensor *t, double v, td_tensor **out) {
                         td_tensor_device(t), out);
 }
 
-td_status td_optim_create(const td_optim_options *opts, td_tensor *const *params, size_t n,
-                          td_optim **out) {
-  TD_CHECK_ARG(opts && out, "td_optim_create: NULL options or out");
-  TD_CHECK_ARG(params || n == 0, "td_optim_create: NULL params array");
+void td_optim_group_init(td_optim_group *g, td_tensor *const *params, size_t n) {
+  if (!g) return;
+  g->params = params;
+  g->n = n;
+  g->lr = NAN;
+  g->weight_decay = NAN;
+}
+
+/* check_params validates the parameters of every group: float tensors, none twice. */
+static td_status check_params(const char *k, const td_optim_group *groups, size_t n_groups) {
+  size_t idx = 0;
+  for (size_t gi = 0; gi < n_groups; gi++) {
+    TD_CHECK_ARG(groups[gi].params || groups[gi].n == 0, "%s: group %zu has a NULL params array",
+                 k, gi);
+    for (size_t i = 0; i < groups[gi].n; i++, idx++) {
+      const td_tensor *p = groups[gi].params[i];
+      TD_CHECK_ARG(p, "%s: parameter %zu is NULL", k, idx);
+      td_dtype dt = td_tensor_dtype(p);
+      if (dt != TD_DTYPE_F32 && dt != TD_DTYPE_F64)
+        return td_set_error(TD_ERR_DTYPE, "%s: parameter %zu is %s; optimizers need float "
+                            "parameters", k, idx, td_dtype_name(dt));
+      size_t jdx = 0;
+      for (size_t gj = 0; gj <= gi; gj++)
+        for (size_t j = 0; j < groups[gj].n && jdx < idx; j++, jdx++)
+          TD_CHECK_ARG(groups[gj].params[j] != p,
+                       "%s: parameter %zu is the same tensor as parameter %zu%s", k, idx, jdx,
+                       gj != gi ? " (some parameters appear in more than one group)" : "");
+    }
+  }
+  return TD_OK;
+}
+
+td_status td_optim_create_groups(const td_optim_options *opts, const td_optim_group *groups,
+                                 size_t n_groups, td_optim **out) {
+  TD_CHECK_ARG(opts && out, "td_optim_create_groups: NULL options or out");
+  TD_CHECK_ARG(groups || n_groups == 0, "td_optim_create_groups: NULL groups array");
   TD_TRY(validate(opts));
   const char *k = td_optim_kind_name(opts->kind);
-  for (size_t i = 0; i < n; i++) {
-    TD_CHECK_ARG(params[i], "%s: parameter %zu is NULL", k, i);
-    td_dtype dt = td_tensor_dtype(params[i]);
-    if (dt != TD_DTYPE_F32 && dt != TD_DTYPE_F64)
-      return td_set_error(TD_ERR_DTYPE, "%s: parameter %zu is %s; optimizers need float "
-                          "parameters", k, i, td_dtype_name(dt));
-    for (size_t j = 0; j < i; j++)
-      TD_CHECK_ARG(params[j] != params[i], "%s: parameter %zu is the same tensor as parameter %zu",
-                   k, i, j);
+  size_t n = 0;
+  for (size_t gi = 0; gi < n_groups; gi++) {
+    td_optim_options go = *opts;
+    if (!isnan(groups[gi].lr)) go.lr = groups[gi].lr;
+    if (!isnan(groups[gi].weight_decay)) go.weight_decay = groups[gi].weight_decay;
+    TD_CHECK_ARG(go.lr >= 0, "%s: group %zu: invalid learning rate: %g", k, gi, go.lr);
+    TD_CHECK_ARG(go.weight_decay >= 0, "%s: group %zu: invalid weight_decay value: %g", k, gi,
+                 go.weight_decay);
+    n += groups[gi].n;
   }
+  TD_TRY(check_params(k, groups, n_groups));
   td_optim *o = td__calloc(1, sizeof *o);
   slot *slots = td__calloc(n ? n : 1, sizeof *slots);
-  if (!o || !slots) {
+  group *gs = td__calloc(n_groups ? n_groups : 1, sizeof *gs);
+  if (!o || !slots || !gs) {
     td__free(o);
     td__free(slots);
+    td__free(gs);
     return td_set_error(TD_ERR_NOMEM, "td_optim_create: out of memory");
   }
   o->o = *opts;
   o->n = n;
   o->slots = slots;
+  o->n_groups = n_groups;
+  o->groups = gs;
   pthread_mutex_init(&o->mu, NULL);
-  for (size_t i = 0; i < n; i++) slots[i].param = td_tensor_ref(params[i]);
+  size_t idx = 0;
+  for (size_t gi = 0; gi < n_groups; gi++) {
+    gs[gi].lr = isnan(groups[gi].lr) ? opts->lr : groups[gi].lr;
+    gs[gi].weight_decay =
+        isnan(groups[gi].weight_decay) ? opts->weight_decay : groups[gi].weight_decay;
+    gs[gi].n = groups[gi].n;
+    for (size_t i = 0; i < groups[gi].n; i++, idx++) {
+      slots[idx].param = td_tensor_ref(groups[gi].params[i]);
+      slots[idx].group = gi;
+    }
+  }
   if (opts->kind == TD_OPTIM_ADAGRAD) {
     for (size_t i = 0; i < n; i++) {
-      td_status st = full_like(params[i], opts->initial_accumulator_value, &slots[i].buf[0]);
+      td_status st = full_like(slots[i].param, opts->initial_accumulator_value, &slots[i].buf[0]);
       if (st != TD_OK) {
         td_optim_destroy(o);
         return st;
@@ -174,6 +235,14 @@ td_status td_optim_create(const td_optim_options *opts, td_tensor *const *params
   return TD_OK;
 }
 
+td_status td_optim_create(const td_optim_options *opts, td_tensor *const *params, size_t n,
+                          td_optim **out) {
+  TD_CHECK_ARG(params || n == 0, "td_optim_create: NULL params array");
+  td_optim_group g;
+  td_optim_group_init(&g, params, n);
+  return td_optim_create_groups(opts, &g, 1, out);
+}
+
 void td_optim_destroy(td_optim *o) {
   if (!o) return;
   for (size_t i = 0; i < o->n; i++) {
@@ -181,6 +250,7 @@ void td_optim_destroy(td_optim *o) {
     for (int b = 0; b < 3; b++) td_tensor_unref(o->slots[i].buf[b]);
   }
   td__free(o->slots);
+  td__free(o->groups);
   pthread_mutex_destroy(&o->mu);
   td__free(o);
 }
@@ -244,6 +314,15 @@ static td_status adam_update(const td_optim_options *o, slot *s, const td_tensor
   CK(ensure_zeros(s, 0));
   CK(ensure_zeros(s, 1));
   if (o->amsgrad) CK(ensure_zeros(s, 2));
+  if (!o->amsgrad) { /* one fused pass where the device has the kernel */
+    td_adam_args a = {.lr = o->lr, .beta1 = o->beta1, .beta2 = o->beta2, .eps = o->eps,
+                      .weight_decay = o->weight_decay, .decoupled = decoupled,
+                      .maximize = o->maximize, .step = s->step + 1};
+    st = td_tensor_adam_(s->param, g, s->buf[0], s->buf[1], &a);
+    if (st == TD_OK) s->step++;
+    if (st != TD_ERR_UNSUPPORTED) return st;
+    st = TD_OK;
+  }
   CK(effective_grad(o, s->param, g, decoupled ? 0.0 : o->weight_decay, &d));
   s->step++;
   if (decoupled) CK(td_tensor_mul_scalar_(s->param, 1 - o->lr * o->weight_decay));
@@ -369,8 +448,14 @@ static td_status step_locked(td_optim *o, td_tensor *const *grads) {
     if (grads[i]) TD_TRY(check_grad(o, i, grads[i]));
   bool prev = td_autograd_set_enabled(false);
   td_status st = TD_OK;
-  for (size_t i = 0; i < o->n && st == TD_OK; i++)
-    if (grads[i]) st = update(&o->o, &o->slots[i], grads[i]);
+  for (size_t i = 0; i < o->n && st == TD_OK; i++) {
+    if (!grads[i]) continue;
+    const group *gr = &o->groups[o->slots[i].group];
+    td_optim_options go = o->o;
+    go.lr = gr->lr;
+    go.weight_decay = gr->weight_decay;
+    st = update(&go, &o->slots[i], grads[i]);
+  }
   td_autograd_set_enabled(prev);
   return st;
 }
@@ -444,6 +529,31 @@ td_status td_optim_set_lr(td_optim *o, double lr) {
   TD_CHECK_ARG(lr >= 0, "%s: invalid learning rate: %g", td_optim_kind_name(o->o.kind), lr);
   pthread_mutex_lock(&o->mu);
   o->o.lr = lr;
+  for (size_t i = 0; i < o->n_groups; i++) o->groups[i].lr = lr;
+  pthread_mutex_unlock(&o->mu);
+  return TD_OK;
+}
+
+size_t td_optim_num_groups(const td_optim *o) { return o ? o->n_groups : 0; }
+
+td_status td_optim_group_get(td_optim *o, size_t i, double *lr, double *weight_decay,
+                             size_t *n_params) {
+  TD_CHECK_ARG(o, "td_optim_group_get: NULL optimizer");
+  TD_CHECK_ARG(i < o->n_groups, "td_optim_group_get: group %zu of %zu", i, o->n_groups);
+  pthread_mutex_lock(&o->mu);
+  if (lr) *lr = o->groups[i].lr;
+  if (weight_decay) *weight_decay = o->groups[i].weight_decay;
+  if (n_params) *n_params = o->groups[i].n;
+  pthread_mutex_unlock(&o->mu);
+  return TD_OK;
+}
+
+td_status td_optim_set_group_lr(td_optim *o, size_t i, double lr) {
+  TD_CHECK_ARG(o, "td_optim_set_group_lr: NULL optimizer");
+  TD_CHECK_ARG(i < o->n_groups, "td_optim_set_group_lr: group %zu of %zu", i, o->n_groups);
+  TD_CHECK_ARG(lr >= 0, "%s: invalid learning rate: %g", td_optim_kind_name(o->o.kind), lr);
+  pthread_mutex_lock(&o->mu);
+  o->groups[i].lr = lr;
   pthread_mutex_unlock(&o->mu);
   return TD_OK;
 }
@@ -454,4 +564,83 @@ int64_t td_optim_step_count(td_optim *o, size_t i) {
   int64_t n = o->slots[i].step;
   pthread_mutex_unlock(&o->mu);
   return n;
+}
+
+/* ---- gradient clipping ---- */
+
+/* grad_norm_pow returns sum(|g|^p) (p finite) or max(|g|) (p infinite) of one gradient, through
+ * the device-independent tensor ops (float32 sums accumulate in double inside the kernel). */
+static td_status grad_norm_pow(const td_tensor *g, double p, double *out) {
+  td_tensor *neg = NULL, *a = NULL, *pw = NULL, *flat = NULL, *r = NULL;
+  td_status st = TD_OK;
+  if (p == 2.0) {
+    CK(td_tensor_mul(g, g, &pw));
+    CK(td_tensor_sum_all(pw, &r));
+  } else {
+    CK(td_tensor_neg(g, &neg));
+    CK(td_tensor_maximum(g, neg, &a)); /* |g|, NaN kept */
+    if (isinf(p)) {
+      int64_t n = td_tensor_numel(a);
+      CK(td_tensor_reshape(a, &n, 1, &flat));
+      CK(td_tensor_max(flat, 0, false, &r, NULL));
+    } else {
+      CK(td_tensor_pow_scalar(a, p, &pw));
+      CK(td_tensor_sum_all(pw, &r));
+    }
+  }
+  CK(td_tensor_item(r, out));
+out:
+  td_tensor_unref(neg);
+  td_tensor_unref(a);
+  td_tensor_unref(pw);
+  td_tensor_unref(flat);
+  td_tensor_unref(r);
+  return st;
+}
+
+td_status td_optim_clip_grad_norm(td_optim *o, double max_norm, double norm_type,
+                                  double *total_norm) {
+  TD_CHECK_ARG(o, "td_optim_clip_grad_norm: NULL optimizer");
+  TD_CHECK_ARG(max_norm >= 0, "clip_grad_norm: invalid max_norm %g", max_norm);
+  TD_CHECK_ARG(norm_type > 0, "clip_grad_norm: invalid norm_type %g", norm_type);
+  td_tensor **grads = td__calloc(o->n ? o->n : 1, sizeof *grads);
+  if (!grads) return td_set_error(TD_ERR_NOMEM, "clip_grad_norm: out of memory");
+  bool prev = td_autograd_set_enabled(false);
+  pthread_mutex_lock(&o->mu);
+  td_status st = TD_OK;
+  double acc = 0.0;
+  for (size_t i = 0; i < o->n; i++) {
+    grads[i] = td_tensor_grad(o->slots[i].param);
+    if (!grads[i] || td_tensor_numel(grads[i]) == 0) continue;
+    double v = 0.0;
+    CK(grad_norm_pow(grads[i], norm_type, &v));
+    if (isinf(norm_type)) acc = (v > acc || isnan(v)) ? v : acc;
+    else acc += v;
+  }
+  double total = isinf(norm_type) ? acc : (norm_type == 2.0 ? sqrt(acc) : pow(acc, 1.0 / norm_type));
+  /* clip_coef = max_norm / (total_norm + 1e-6); clamp(max=1.0); g.mul_(clip_coef_clamped). A
+   * factor of exactly 1 leaves the gradients as they are, so it is skipped. */
+  double coef = max_norm / (total + 1e-6);
+  if (!(coef >= 1.0)) {
+    for (size_t i = 0; i < o->n; i++)
+      if (grads[i]) CK(td_tensor_mul_scalar_(grads[i], coef));
+  }
+  if (total_norm) *total_norm = total;
+out:
+  pthread_mutex_unlock(&o->mu);
+  td_autograd_set_enabled(prev);
+  for (size_t i = 0; i < o->n; i++) td_tensor_unref(grads[i]);
+  td__free(grads);
+  return st;
+}
+
+/* ---- schedule ---- */
+
+double td_optim_lr_warmup_cosine(int64_t step, int64_t warmup, int64_t decay_steps, double lr,
+                                 double min_lr) {
+  if (step < warmup) return lr * (double)(step + 1) / (double)(warmup + 1);
+  if (step > decay_steps || decay_steps <= warmup) return min_lr;
+  double ratio = (double)(step - warmup) / (double)(decay_steps - warmup);
+  double coeff = 0.5 * (1.0 + cos(M_PI * ratio));
+  return min_lr + coeff * (lr - min_lr);
 }

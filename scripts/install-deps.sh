@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # install-deps.sh - installs every Debian package tdist needs, idempotently.
-#   scripts/install-deps.sh            build + test dependencies and the Fashion-MNIST data set
-#                                      (iproute2: the multihost tests' network namespaces; Open MPI:
-#                                      the examples' launch matrix and the collectives' MPI peer;
-#                                      python3-matplotlib: scripts/plot.py, tested on the examples'
-#                                      metrics files)
+#   scripts/install-deps.sh            build + test dependencies, the Fashion-MNIST data set and
+#                                      the fortunes text corpus (examples/gpt; plain text files
+#                                      under /usr/share/games/fortunes); iproute2: the multihost
+#                                      tests' network namespaces; Open MPI: the examples' launch
+#                                      matrix and the collectives' MPI peer; python3-matplotlib:
+#                                      scripts/plot.py, tested on the examples' metrics files
 #   scripts/install-deps.sh --torch    also python3-torch (PyTorch peers of the benchmarks and the
 #                                      fixture generator; the library never uses it)
 #   scripts/install-deps.sh --fuzz     also clang and libFuzzer (libclang-rt-dev), for
@@ -15,8 +16,8 @@
 set -euo pipefail
 
 pkgs=(build-essential g++ cmake pkg-config zlib1g-dev libopenblas-dev libcmocka-dev
-      libgrpc-dev libprotobuf-c-dev protobuf-c-compiler libssl-dev dataset-fashion-mnist python3 python3-h2 openssl iproute2
-      openmpi-bin libopenmpi-dev python3-matplotlib)
+      libgrpc-dev libprotobuf-c-dev protobuf-c-compiler libssl-dev dataset-fashion-mnist fortunes
+      python3 python3-h2 openssl iproute2 openmpi-bin libopenmpi-dev python3-matplotlib)
 for arg in "$@"; do
   case "$arg" in
     --torch) pkgs+=(python3-torch) ;;

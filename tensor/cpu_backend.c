@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "cpu_math.h"
 #include "tensor_impl.h"
 
 /* ---- memory ----
@@ -246,11 +247,17 @@ static inline char *elem_ptr(const td_tensor *t) { return (char *)td_tensor_data
 
 /* ---- copy and fill ---- */
 
-/* CONV is the element conversion: a cast, except float -> int64 (td__f2i64). */
-#define COPY_ROW(TD, TS, CONV)                                                  \
-  static void copy_row_##TD##_##TS(TD *d, int64_t sd, const TS *s, int64_t ss, \
-                                   int64_t n) {                                 \
-    for (int64_t i = 0; i < n; i++) d[i * sd] = CONV(s[i * ss]);               \
+/* CONV is the element conversion: a cast, except float -> int64 (td__f2i64). Rows with unit
+ * strides on both sides get their own loop, which vectorises (a bias broadcast into a matrix,
+ * slices gathered into one gradient). */
+#define COPY_ROW(TD, TS, CONV)                                                       \
+  TD__CPU_CLONES static void copy_row_##TD##_##TS(TD *d, int64_t sd, const TS *s,    \
+                                                  int64_t ss, int64_t n) {           \
+    if (sd == 1 && ss == 1) {                                                        \
+      for (int64_t i = 0; i < n; i++) d[i] = CONV(s[i]);                             \
+      return;                                                                        \
+    }                                                                                \
+    for (int64_t i = 0; i < n; i++) d[i * sd] = CONV(s[i * ss]);                    \
   }
 #define CAST_F(v) ((float)(v))
 #define CAST_D(v) ((double)(v))
@@ -331,8 +338,8 @@ static td_status cpu_fill(td_tensor *t, double v) {
 /* ---- binary ---- */
 
 #define BIN_ROW(T, NAME, EXPR)                                                              \
-  static void NAME##_##T(T *o, int64_t so, const T *a, int64_t sa, const T *b, int64_t sb, \
-                         int64_t n) {                                                       \
+  TD__CPU_CLONES static void NAME##_##T(T *o, int64_t so, const T *a, int64_t sa, const T *b, \
+                                        int64_t sb, int64_t n) {                            \
     if (so == 1 && sa == 1 && sb == 1) {                                                    \
       for (int64_t i = 0; i < n; i++) {                                                     \
         T x = a[i], y = b[i];                                                               \
@@ -401,7 +408,25 @@ static td_status cpu_binary(td__binary_op op, const td_tensor *a, const td_tenso
 
 /* ---- unary ---- */
 
-static inline double gelu_d(double x) { return 0.5 * x * (1.0 + erf(x * M_SQRT1_2)); }
+/* GELU (exact, erf form) per element type: float32 through the vectorisable td__erff (PyTorch's
+ * own float approximation), float64 through libm. */
+static inline __attribute__((always_inline)) float gelu_float(float x) {
+  return 0.5f * x * (1.0f + td__erff(x * (float)M_SQRT1_2));
+}
+static inline __attribute__((always_inline)) double gelu_double(double x) {
+  return 0.5 * x * (1.0 + erf(x * M_SQRT1_2));
+}
+/* Its derivative: Phi(x) + x phi(x). */
+static inline __attribute__((always_inline)) float gelu_grad_float(float x) {
+  float cdf = 0.5f * (1.0f + td__erff(x * (float)M_SQRT1_2));
+  float pdf = td__expf(-0.5f * x * x) * 0.3989422804014327f;
+  return cdf + x * pdf;
+}
+static inline __attribute__((always_inline)) double gelu_grad_double(double x) {
+  double cdf = 0.5 * (1.0 + erf(x * M_SQRT1_2));
+  double pdf = exp(-0.5 * x * x) * 0.3989422804014327;
+  return cdf + x * pdf;
+}
 static inline double sigmoid_d(double x) {
   return x >= 0 ? 1.0 / (1.0 + exp(-x)) : exp(x) / (1.0 + exp(x));
 }
@@ -441,7 +466,7 @@ static inline double sigmoid_d(double x) {
         for (int64_t i = 0; i < n; i++) o[i * so] = x[i * sx] > 0 ? x[i * sx] : (T)0;        \
         break;                                                                               \
       case TD__UN_GELU:                                                                      \
-        for (int64_t i = 0; i < n; i++) o[i * so] = (T)gelu_d((double)x[i * sx]);            \
+        for (int64_t i = 0; i < n; i++) o[i * so] = gelu_##T(x[i * sx]);                      \
         break;                                                                               \
       case TD__UN_ABS:                                                                       \
         for (int64_t i = 0; i < n; i++) o[i * so] = x[i * sx] < 0 ? -x[i * sx] : x[i * sx];  \
@@ -451,9 +476,10 @@ static inline double sigmoid_d(double x) {
 UN_ROW(float)
 UN_ROW(double)
 
-/* Contiguous rows get their own instantiation so the loops vectorize. */
-static void un_row_float_any(td__unary_op op, float *o, int64_t so, const float *x, int64_t sx,
-                             int64_t n, double p0, double p1) {
+/* Contiguous rows get their own instantiation so the loops vectorize (per ISA level). */
+TD__CPU_CLONES static void un_row_float_any(td__unary_op op, float *o, int64_t so,
+                                            const float *x, int64_t sx, int64_t n, double p0,
+                                            double p1) {
   if (so == 1 && sx == 1) un_row_float(op, o, 1, x, 1, n, p0, p1);
   else un_row_float(op, o, so, x, sx, n, p0, p1);
 }
@@ -496,9 +522,9 @@ static td_status cpu_unary(td__unary_op op, const td_tensor *x, td_tensor *out, 
 }
 
 #define UNB(T)                                                                                 \
-  static void unb_##T(td__unary_op op, const T *restrict x, const T *restrict y,               \
-                      const T *restrict gy, T *restrict gx, int64_t n,                         \
-                      double p0) {                                                             \
+  TD__CPU_CLONES static void unb_##T(td__unary_op op, const T *restrict x,                     \
+                                     const T *restrict y, const T *restrict gy,                \
+                                     T *restrict gx, int64_t n, double p0) {                   \
     switch (op) {                                                                              \
       case TD__UN_AFFINE:                                                                      \
         for (int64_t i = 0; i < n; i++) gx[i] = gy[i] * (T)p0;                                 \
@@ -532,12 +558,7 @@ static td_status cpu_unary(td__unary_op op, const td_tensor *x, td_tensor *out, 
         }                                                                                      \
         break;                                                                                 \
       case TD__UN_GELU:                                                                        \
-        for (int64_t i = 0; i < n; i++) {                                                      \
-          double xv = x[i];                                                                    \
-          double cdf = 0.5 * (1.0 + erf(xv * M_SQRT1_2));                                      \
-          double pdf = exp(-0.5 * xv * xv) * 0.3989422804014327;                               \
-          gx[i] = (T)((double)gy[i] * (cdf + xv * pdf));                                       \
-        }                                                                                      \
+        for (int64_t i = 0; i < n; i++) gx[i] = gy[i] * gelu_grad_##T(x[i]);                   \
         break;                                                                                 \
       case TD__UN_ABS:                                                                         \
         for (int64_t i = 0; i < n; i++)                                                        \
@@ -564,8 +585,8 @@ static td_status cpu_unary_backward(td__unary_op op, const td_tensor *x, const t
 /* ---- reductions ---- */
 
 #define RSUM(T)                                                                               \
-  static void rsum_##T(const T *x, int64_t outer, int64_t r, int64_t inner, T *out,          \
-                       double *acc) {                                                         \
+  TD__CPU_CLONES static void rsum_##T(const T *x, int64_t outer, int64_t r, int64_t inner,    \
+                                      T *out, double *acc) {                                  \
     for (int64_t o = 0; o < outer; o++) {                                                     \
       const T *xo = x + o * r * inner;                                                        \
       if (inner == 1) {                                                                       \
@@ -741,4 +762,7 @@ const td__backend td__cpu_backend = {
     .layer_norm = td__cpu_layer_norm,
     .layer_norm_backward = td__cpu_layer_norm_backward,
     .axpy = cpu_axpy,
+    .attention = td__cpu_attention,
+    .attention_backward = td__cpu_attention_backward,
+    .adam = td__cpu_adam,
 };

@@ -1,8 +1,8 @@
 /* cpu_kernels.h - CPU kernels of the neural-network entries of the backend table (internal).
  *
- * Implemented in tensor/cpu_nn.c; tensor/cpu_backend.c puts them into td__cpu_backend. Each
- * function has exactly the signature of the td__backend entry of the same name (see
- * tensor_impl.h for the contracts). They handle float32 and float64 (float32 accumulates in
+ * Implemented in tensor/cpu_nn.c (attention: cpu_attention.c, Adam: cpu_optim.c); cpu_backend.c
+ * puts them into td__cpu_backend. Each function has exactly the signature of the td__backend
+ * entry of the same name (see tensor_impl.h for the contracts). They handle float32 and float64 (float32 accumulates in
  * double where sums are long), index_select also int64. Every tensor argument is a CPU tensor
  * whose elements are contiguous from td_tensor_data(); the geometry comes from the explicit
  * outer/r/inner arguments or from the tensors' element counts, not from their shapes.
@@ -38,5 +38,16 @@ td_status td__cpu_layer_norm(const td_tensor *x, const td_tensor *w, const td_te
 td_status td__cpu_layer_norm_backward(const td_tensor *gy, const td_tensor *x, const td_tensor *w,
                                       const td_tensor *mean, const td_tensor *rstd, td_tensor *gx,
                                       td_tensor *gw, td_tensor *gb);
+
+/* cpu_optim.c */
+td_status td__cpu_adam(td_tensor *p, const td_tensor *g, td_tensor *m, td_tensor *v,
+                       const td__adam_consts *c);
+
+/* cpu_attention.c */
+td_status td__cpu_attention(td_dtype dt, const td__attn_geom *g, const void *q, const void *k,
+                            const void *v, void *y, void *probs);
+td_status td__cpu_attention_backward(td_dtype dt, const td__attn_geom *g, const void *q,
+                                     const void *k, const void *v, const void *probs,
+                                     const void *gy, void *gq, void *gk, void *gv);
 
 #endif

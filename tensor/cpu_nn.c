@@ -13,6 +13,13 @@
  * row segments with memcpy when the horizontal stride is 1.
  */
 #include "cpu_kernels.h"
+#include "cpu_math.h"
+
+/* The 64-byte vectors of cpu_math.h only live in inlined code. */
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wunknown-warning-option"
+#endif
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 #include <math.h>
 #include <string.h>
@@ -605,25 +612,41 @@ td_status td__cpu_index_add(td_tensor *gx, int64_t outer, int64_t r, int64_t inn
  *
  * Rows of N elements: mean and biased variance in double (two passes), rstd = 1/sqrt(var + eps),
  * y = (x - mean) * rstd * w + b. Backward with xhat = (x - mean) * rstd and g = gy * w:
- * gx = rstd * (g - mean(g) - xhat * mean(g * xhat)), gw = sum_rows gy * xhat, gb = sum_rows gy. */
+ * gx = rstd * (g - mean(g) - xhat * mean(g * xhat)), gw = sum_rows gy * xhat, gb = sum_rows gy.
+ * Both element types run through vectors of 8 doubles (float32 converted on load), so the sums
+ * vectorise and still accumulate in double; a row's last N % 8 elements go one by one. */
+
+#define LN_V 8
 
 #define DEF_LAYER_NORM(T, SFX)                                                                  \
-  static void layer_norm_##SFX(const T *x, const T *w, const T *b, double eps, int64_t m,      \
-                               int64_t n, T *y, T *mean, T *rstd) {                             \
+  TD__CPU_CLONES static void layer_norm_##SFX(const T *x, const T *w, const T *b, double eps,  \
+                                              int64_t m, int64_t n, T *y, T *mean, T *rstd) {  \
+    const int64_t nv = n - n % LN_V;                                                            \
     for (int64_t r = 0; r < m; r++) {                                                           \
       const T *xr = x + r * n;                                                                  \
       T *yr = y + r * n;                                                                        \
-      double s = 0;                                                                             \
-      for (int64_t j = 0; j < n; j++) s += xr[j];                                               \
-      double mu = s / (double)n, v = 0;                                                         \
-      for (int64_t j = 0; j < n; j++) {                                                         \
-        double d = xr[j] - mu;                                                                  \
-        v += d * d;                                                                             \
+      td__vd8 acc = {0};                                                                        \
+      for (int64_t j = 0; j < nv; j += LN_V) acc += td__vd8_load_##SFX(xr + j);                \
+      double s = td__vd8_sum(acc);                                                              \
+      for (int64_t j = nv; j < n; j++) s += xr[j];                                              \
+      const double mu = s / (double)n;                                                          \
+      td__vd8 vacc = {0};                                                                       \
+      for (int64_t j = 0; j < nv; j += LN_V) {                                                  \
+        td__vd8 d = td__vd8_load_##SFX(xr + j) - mu;                                            \
+        vacc += d * d;                                                                          \
       }                                                                                         \
-      double rs = 1.0 / sqrt(v / (double)n + eps);                                              \
+      double v = td__vd8_sum(vacc);                                                             \
+      for (int64_t j = nv; j < n; j++) v += (xr[j] - mu) * (xr[j] - mu);                        \
+      const double rs = 1.0 / sqrt(v / (double)n + eps);                                        \
       mean[r] = (T)mu;                                                                          \
       rstd[r] = (T)rs;                                                                          \
-      for (int64_t j = 0; j < n; j++) {                                                         \
+      for (int64_t j = 0; j < nv; j += LN_V) {                                                  \
+        td__vd8 o = (td__vd8_load_##SFX(xr + j) - mu) * rs;                                     \
+        if (w) o *= td__vd8_load_##SFX(w + j);                                                  \
+        if (b) o += td__vd8_load_##SFX(b + j);                                                  \
+        td__vd8_store_##SFX(yr + j, o);                                                         \
+      }                                                                                         \
+      for (int64_t j = nv; j < n; j++) {                                                        \
         double o = (xr[j] - mu) * rs;                                                           \
         if (w) o *= w[j];                                                                       \
         if (b) o += b[j];                                                                       \
@@ -634,13 +657,25 @@ td_status td__cpu_index_add(td_tensor *gx, int64_t outer, int64_t r, int64_t inn
 
 /* gwa, gba: n doubles (or NULL) accumulating the parameter gradients. */
 #define DEF_LAYER_NORM_BWD(T, SFX)                                                              \
-  static void layer_norm_bwd_##SFX(const T *gy, const T *x, const T *w, const T *mean,         \
-                                   const T *rstd, int64_t m, int64_t n, T *gx, double *gwa,     \
-                                   double *gba) {                                               \
+  TD__CPU_CLONES static void layer_norm_bwd_##SFX(const T *gy, const T *x, const T *w,         \
+                                                  const T *mean, const T *rstd, int64_t m,     \
+                                                  int64_t n, T *gx, double *gwa,               \
+                                                  double *gba) {                               \
+    const int64_t nv = n - n % LN_V;                                                            \
     for (int64_t r = 0; r < m; r++) {                                                           \
       const T *xr = x + r * n, *gr = gy + r * n;                                                \
-      double mu = mean[r], rs = rstd[r], sg = 0, sgx = 0;                                       \
-      for (int64_t j = 0; j < n; j++) {                                                         \
+      const double mu = mean[r], rs = rstd[r];                                                  \
+      td__vd8 vsg = {0}, vsgx = {0};                                                            \
+      for (int64_t j = 0; j < nv; j += LN_V) {                                                  \
+        td__vd8 xh = (td__vd8_load_##SFX(xr + j) - mu) * rs, gj = td__vd8_load_##SFX(gr + j);  \
+        if (gwa) td__vd8_store_f64(gwa + j, td__vd8_load_f64(gwa + j) + gj * xh);              \
+        if (gba) td__vd8_store_f64(gba + j, td__vd8_load_f64(gba + j) + gj);                   \
+        if (w) gj *= td__vd8_load_##SFX(w + j);                                                 \
+        vsg += gj;                                                                              \
+        vsgx += gj * xh;                                                                        \
+      }                                                                                         \
+      double sg = td__vd8_sum(vsg), sgx = td__vd8_sum(vsgx);                                    \
+      for (int64_t j = nv; j < n; j++) {                                                        \
         double xh = (xr[j] - mu) * rs;                                                          \
         double g = w ? (double)gr[j] * w[j] : (double)gr[j];                                    \
         sg += g;                                                                                \
@@ -652,7 +687,12 @@ td_status td__cpu_index_add(td_tensor *gx, int64_t outer, int64_t r, int64_t inn
       sg /= (double)n;                                                                          \
       sgx /= (double)n;                                                                         \
       T *xo = gx + r * n;                                                                       \
-      for (int64_t j = 0; j < n; j++) {                                                         \
+      for (int64_t j = 0; j < nv; j += LN_V) {                                                  \
+        td__vd8 xh = (td__vd8_load_##SFX(xr + j) - mu) * rs, gj = td__vd8_load_##SFX(gr + j);  \
+        if (w) gj *= td__vd8_load_##SFX(w + j);                                                 \
+        td__vd8_store_##SFX(xo + j, rs * (gj - sg - xh * sgx));                                 \
+      }                                                                                         \
+      for (int64_t j = nv; j < n; j++) {                                                        \
         double xh = (xr[j] - mu) * rs;                                                          \
         double g = w ? (double)gr[j] * w[j] : (double)gr[j];                                    \
         xo[j] = (T)(rs * (g - sg - xh * sgx));                                                  \

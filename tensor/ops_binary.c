@@ -1,11 +1,12 @@
 /* ops_binary.c - broadcasting elementwise binary ops (add, sub, mul, div, maximum) with their
  * backward, and the in-place updates used by optimizers (add_, addcmul_, addcdiv_, maximum_,
- * mul_scalar_).
+ * mul_scalar_, and adam_, the fused Adam / AdamW step).
  *
  * Forward: both operands are viewed with the broadcast shape (stride 0 where broadcast) and the
  * device kernel writes a fresh contiguous result. Backward: each operand's gradient is computed at
  * the broadcast shape and summed back to the operand's shape (td__sum_to).
  */
+#include <math.h>
 #include <string.h>
 
 #include "tensor_impl.h"
@@ -300,4 +301,42 @@ td_status td_tensor_maximum_(td_tensor *t, const td_tensor *other) {
 /* Used by ops_reduce.c for max backward and by tests: raw comparisons. */
 td_status td__binary_raw(int op, const td_tensor *a, const td_tensor *b, td_tensor **out) {
   return binary_raw((td__binary_op)op, a, b, out);
+}
+
+/* ---- fused Adam step ---- */
+
+td_status td_tensor_adam_(td_tensor *param, const td_tensor *grad, td_tensor *exp_avg,
+                          td_tensor *exp_avg_sq, const td_adam_args *a) {
+  TD_CHECK_ARG(param && grad && exp_avg && exp_avg_sq && a, "tensor_adam_: NULL argument");
+  TD_CHECK_ARG(a->step >= 1, "tensor_adam_: step %lld must be >= 1", (long long)a->step);
+  TD_TRY(td__check_float("tensor_adam_", param));
+  const td_tensor *ops[3] = {grad, exp_avg, exp_avg_sq};
+  for (int i = 0; i < 3; i++) {
+    TD_TRY(td__check_same_dtype("tensor_adam_", param, ops[i]));
+    TD_TRY(td__check_same_device("tensor_adam_", param, ops[i]));
+    if (!td_tensor_same_shape(param, ops[i])) {
+      char x[96], y[96];
+      return td_set_error(TD_ERR_SHAPE, "tensor_adam_: operand %s for parameter %s",
+                          td_tensor_shape_str(ops[i], x, sizeof x),
+                          td_tensor_shape_str(param, y, sizeof y));
+    }
+  }
+  const td__backend *be = td__backend_of(param);
+  TD__NEED_KERNEL(be, adam, "tensor_adam_");
+  if (!td_tensor_is_contiguous(param) || !td_tensor_is_contiguous(grad) ||
+      !td_tensor_is_contiguous(exp_avg) || !td_tensor_is_contiguous(exp_avg_sq))
+    return td_set_error(TD_ERR_UNSUPPORTED, "tensor_adam_: the fused kernel needs contiguous "
+                        "operands");
+  double step = (double)a->step;
+  td__adam_consts c = {
+      .beta1 = a->beta1,
+      .beta2 = a->beta2,
+      .eps = a->eps,
+      .l2 = a->decoupled ? 0.0 : a->weight_decay,
+      .decay = a->decoupled ? 1.0 - a->lr * a->weight_decay : 1.0,
+      .step_size = a->lr / (1.0 - pow(a->beta1, step)),
+      .bc2_sqrt = sqrt(1.0 - pow(a->beta2, step)),
+      .maximize = a->maximize,
+  };
+  return be->adam(param, grad, exp_avg, exp_avg_sq, &c);
 }

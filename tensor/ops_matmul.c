@@ -1,9 +1,15 @@
-/* ops_matmul.c - torch.matmul semantics on top of one differentiable batched GEMM (bmm).
+/* ops_matmul.c - torch.matmul semantics on top of one differentiable batched GEMM (bmm), and the
+ * fused linear layer (F.linear).
  *
  * bmm: a [B, M, K] @ b [B, K, N] -> [B, M, N] on contiguous operands, with a backward made of two
  * more GEMMs (ga = g @ b^T, gb = a^T @ g). Everything else - 1-d promotion, flattening the
  * leading dims of `x @ W` into one GEMM, broadcasting batch dims - is composed from views that
  * carry their own backward, so matmul's gradient needs no extra code.
+ *
+ * linear: y = x W^T + b as one GEMM over x's leading dims, reading W [out, in] in place, with the
+ * bias written into the output rows first and accumulated by the GEMM (beta = 1, as PyTorch's
+ * addmm): no separate broadcast add, and no zeroing pass inside BLAS. Backward: gx = gy W,
+ * gW = gy^T x (in W's layout), gb = the column sums of gy.
  */
 #include <string.h>
 
@@ -301,4 +307,149 @@ td_status td_tensor_matmul(const td_tensor *a, const td_tensor *b, td_tensor **o
   td_tensor_unref(b3);
   if (st != TD_OK) return st;
   return reshape_owned(r, oshape, on, out);
+}
+
+/* ---- linear ---- */
+
+typedef struct {
+  td_node base;
+  td_tensor *x, *w; /* x as [M, K] (contiguous), w [N, K] as given (row-major or transposed) */
+  bool tw;          /* w is stored row-major [N, K] (true) or as the transpose of [K, N] */
+  int ndim;         /* x's shape, for gx */
+  int64_t shape[TD_MAX_DIMS];
+} linear_node;
+
+static void linear_release(td_node *self) {
+  linear_node *n = (linear_node *)self;
+  td_tensor_unref(n->x);
+  td_tensor_unref(n->w);
+  n->x = n->w = NULL;
+}
+
+static td_status linear_backward(td_node *self, td_tensor *const *gout, td_tensor **gin) {
+  linear_node *n = (linear_node *)self;
+  if (!n->x) return td_set_error(TD_ERR_STATE, "linear backward: saved tensors released");
+  int64_t M = n->x->shape[0], K = n->x->shape[1], N = n->w->shape[0];
+  int64_t g2s[2] = {M, N};
+  td_tensor *gc = NULL, *g = NULL, *tmp = NULL;
+  td_status st = td__grad_prep(gout[0], n->x->dtype, &gc);
+  if (st == TD_OK) st = td__plain_view(gc, g2s, 2, &g);
+  td_tensor_unref(gc);
+  if (st != TD_OK) return st;
+  const td__backend *be = td__backend_of(g);
+  td_dtype dt = g->dtype;
+  td_device dev = td_tensor_device(g);
+  const void *gd = td_tensor_data(g), *xd = td_tensor_data(n->x), *wd = td_tensor_data(n->w);
+  if (td__node_needs_grad(self, 0)) { /* gx [M, K] = g @ W */
+    st = td__tensor_new(n->shape, n->ndim, dt, dev, &gin[0]);
+    if (st == TD_OK)
+      st = be->gemm(dt, false, !n->tw, M, K, N, 1.0, gd, 0, wd, 0, 0.0, td_tensor_data(gin[0]),
+                    0, 1);
+  }
+  if (st == TD_OK && td__node_needs_grad(self, 1)) {
+    if (n->tw) { /* gW [N, K] = g^T @ x, W's own layout */
+      int64_t sh[2] = {N, K};
+      st = td__tensor_new(sh, 2, dt, dev, &gin[1]);
+      if (st == TD_OK)
+        st = be->gemm(dt, true, false, N, K, M, 1.0, gd, 0, xd, 0, 0.0, td_tensor_data(gin[1]),
+                      0, 1);
+    } else { /* W is the transpose of a [K, N] matrix: gW^T [K, N] = x^T @ g, as that view */
+      int64_t sh[2] = {K, N};
+      st = td__tensor_new(sh, 2, dt, dev, &tmp);
+      if (st == TD_OK)
+        st = be->gemm(dt, true, false, K, N, M, 1.0, xd, 0, gd, 0, 0.0, td_tensor_data(tmp), 0, 1);
+      if (st == TD_OK) st = transposed_view(tmp, &gin[1]);
+      td_tensor_unref(tmp);
+    }
+  }
+  if (st == TD_OK && self->n_inputs > 2 && td__node_needs_grad(self, 2)) { /* gb = column sums */
+    st = td__tensor_new(&N, 1, dt, dev, &gin[2]);
+    if (st == TD_OK) st = be->reduce_sum(g, 1, M, N, gin[2]);
+  }
+  td_tensor_unref(g);
+  return st;
+}
+static const td__node_ops linear_ops = {"LinearBackward", linear_backward, linear_release, NULL};
+
+/* linear_check validates the operands of td_tensor_linear. */
+static td_status linear_check(const td_tensor *x, const td_tensor *w, const td_tensor *b) {
+  TD_TRY(td__check_float("linear", x));
+  TD_TRY(td__check_same_dtype("linear", x, w));
+  TD_TRY(td__check_same_device("linear", x, w));
+  if (b) {
+    TD_TRY(td__check_same_dtype("linear", x, b));
+    TD_TRY(td__check_same_device("linear", x, b));
+  }
+  char a[96], c[96], d[96];
+  if (x->ndim < 1 || w->ndim != 2 || x->shape[x->ndim - 1] != w->shape[1] ||
+      (b && (b->ndim != 1 || b->shape[0] != w->shape[0])))
+    return td_set_error(TD_ERR_SHAPE, "linear: x %s, weight %s, bias %s: expected x [..., in], "
+                        "weight [out, in], bias [out]", td_tensor_shape_str(x, a, sizeof a),
+                        td_tensor_shape_str(w, c, sizeof c),
+                        b ? td_tensor_shape_str(b, d, sizeof d) : "none");
+  return TD_OK;
+}
+
+td_status td_tensor_linear(const td_tensor *x, const td_tensor *w, const td_tensor *b,
+                           td_tensor **out) {
+  TD_CHECK_ARG(x && w && out, "linear: NULL argument");
+  TD_TRY(linear_check(x, w, b));
+  int64_t K = w->shape[1], N = w->shape[0], M = td_tensor_numel(x) / (K ? K : 1);
+  if (K == 0) M = x->ndim == 1 ? 1 : td__shape_numel(x->shape, x->ndim - 1);
+  int64_t s2[2] = {M, K}, os[TD_MAX_DIMS], o2[2] = {M, N};
+  int on = 0;
+  for (int i = 0; i < x->ndim - 1; i++) os[on++] = x->shape[i];
+  os[on++] = N;
+  td_tensor *xc = NULL, *x2 = NULL, *wv = NULL, *y = NULL, *res = NULL;
+  const td__backend *be = td__backend_of(x);
+  bool tw = true;
+  td_status st = td__contig(x, &xc);
+  if (st == TD_OK) st = td__plain_view(xc, s2, 2, &x2);
+  /* W read in place when row-major [N, K] (x W^T: transposed operand) or when it is the
+   * transpose of a row-major [K, N] (plain operand); other layouts are copied */
+  if (st == TD_OK) {
+    bool wt;
+    if (gemm_layout(w, &wt)) {
+      tw = !wt;
+      st = td__tensor_view(w, w->shape, w->strides, 2, w->offset, &wv);
+    } else {
+      st = td__contig(w, &wv);
+    }
+  }
+  if (st == TD_OK) st = td__tensor_new(o2, 2, x->dtype, x->storage->device, &y);
+  double beta = 0.0;
+  if (st == TD_OK && b && M > 0 && N > 0) { /* y rows = b (a broadcast view), then y += x W^T */
+    int64_t es[2] = {M, N}, est[2] = {0, b->strides[0]};
+    td_tensor *bb = NULL;
+    st = td__tensor_view(b, es, est, 2, b->offset, &bb);
+    if (st == TD_OK) st = be->copy(y, bb);
+    td_tensor_unref(bb);
+    beta = 1.0;
+  }
+  if (st == TD_OK)
+    st = be->gemm(x->dtype, false, tw, M, N, K, 1.0, td_tensor_data(x2), 0, td_tensor_data(wv), 0,
+                  beta, td_tensor_data(y), 0, 1);
+  if (st == TD_OK) st = td__plain_view(y, os, on, &res);
+  if (st == TD_OK && (td__needs_grad(x) || td__needs_grad(w) || (b && td__needs_grad(b)))) {
+    const td_tensor *ins[3] = {x, w, b};
+    linear_node *n =
+        (linear_node *)td__record(res, sizeof(linear_node), &linear_ops, ins, b ? 3 : 2, &st);
+    if (n) {
+      n->x = td_tensor_ref(x2);
+      n->w = td_tensor_ref(wv);
+      n->tw = tw;
+      n->ndim = x->ndim;
+      memcpy(n->shape, x->shape, sizeof n->shape);
+    }
+  }
+  td_tensor_unref(xc);
+  td_tensor_unref(x2);
+  td_tensor_unref(wv);
+  td_tensor_unref(y);
+  if (st != TD_OK) {
+    td_tensor_unref(res);
+    return st;
+  }
+  *out = res;
+  return TD_OK;
 }

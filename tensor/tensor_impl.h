@@ -206,6 +206,29 @@ typedef enum td__unary_op {
   TD__UN_ABS,
 } td__unary_op;
 
+/* Geometry of a batch of attention problems (td__backend.attention): problem b of operand X
+ * (one of TD__ATT_*) starts at element off[X][b] of X's data, its rows rs[X] elements apart,
+ * each row contiguous. q is [L, E], k [S, E], v [S, Ev], y and gy [L, Ev] per problem. */
+enum { TD__ATT_Q, TD__ATT_K, TD__ATT_V, TD__ATT_Y, TD__ATT_GY, TD__ATT_GQ, TD__ATT_GK, TD__ATT_GV,
+       TD__ATT_N };
+typedef struct td__attn_geom {
+  int64_t nb, L, S, E, Ev;
+  bool causal;  /* row i sees keys 0..i only */
+  double scale; /* factor on q k^T */
+  const int64_t *off[TD__ATT_N]; /* nb offsets per operand; NULL for operands not used */
+  int64_t rs[TD__ATT_N];         /* row strides in elements */
+} td__attn_geom;
+
+/* Per-step constants of the fused Adam kernel (td__backend.adam), from td_tensor_adam_. */
+typedef struct td__adam_consts {
+  double beta1, beta2, eps;
+  double l2;        /* Adam's weight decay added to the gradient (0 for AdamW) */
+  double decay;     /* AdamW's factor on the weights, 1 - lr * weight_decay (1 for Adam) */
+  double step_size; /* lr / (1 - beta1^step) */
+  double bc2_sqrt;  /* sqrt(1 - beta2^step) */
+  bool maximize;
+} td__adam_consts;
+
 typedef struct td__backend {
   const char *name;
   /* Memory. */
@@ -281,6 +304,21 @@ typedef struct td__backend {
   /* Optional (NULL: ops fall back to unary + binary): y += alpha * x, same shape and dtype, any
    * strides (y may not alias x). The optimizers' hot path. */
   td_status (*axpy)(td_tensor *y, double alpha, const td_tensor *x);
+  /* Optional (NULL: the op reports TD_ERR_UNSUPPORTED): fused scaled-dot-product attention of
+   * g->nb problems, y = softmax(scale q k^T with the causal mask) v; probs (may be NULL) gets
+   * every problem's L x S probabilities, row-major, problems one after another, masked entries
+   * 0. Pointers are element 0 of each tensor. */
+  td_status (*attention)(td_dtype dt, const td__attn_geom *g, const void *q, const void *k,
+                         const void *v, void *y, void *probs);
+  /* Its backward from gy and the saved probs: gq, gk, gv (each may be NULL when not needed) are
+   * written, not accumulated. */
+  td_status (*attention_backward)(td_dtype dt, const td__attn_geom *g, const void *q,
+                                  const void *k, const void *v, const void *probs,
+                                  const void *gy, void *gq, void *gk, void *gv);
+  /* Optional (NULL: td_tensor_adam_ reports TD_ERR_UNSUPPORTED and optimizers compose the update
+   * from the elementwise ops): one Adam / AdamW step on contiguous p, g, m, v of one dtype. */
+  td_status (*adam)(td_tensor *p, const td_tensor *g, td_tensor *m, td_tensor *v,
+                    const td__adam_consts *c);
 } td__backend;
 
 /* td__backend_for returns the kernel table for device d, or NULL (with td_set_error) when this

@@ -1,9 +1,10 @@
-/* views.c - shape-changing views (reshape, narrow, transpose, permute, (un)squeeze, expand),
- * contiguous/clone/detach, each with its backward.
+/* views.c - shape-changing views (reshape, narrow, transpose, permute, (un)squeeze, expand,
+ * unbind), contiguous/clone/detach, each with its backward.
  *
  * A view shares its base's storage; its backward maps the gradient back to the base's geometry:
  * reshape-like views reshape it, permutations apply the inverse permutation, narrow scatters into
- * zeros, expand sums over the broadcast dims.
+ * zeros, expand sums over the broadcast dims, (un)squeeze applies the opposite view, and unbind
+ * (one node with an output per slice) gathers the slices' gradients into one tensor.
  */
 #include <string.h>
 
@@ -63,6 +64,63 @@ static td_status narrow_backward(td_node *self, td_tensor *const *gout, td_tenso
   return TD_OK;
 }
 static const td__node_ops narrow_ops = {"NarrowBackward", narrow_backward, NULL};
+
+/* squeeze / unsqueeze of one dim: the backward is the opposite view of the gradient. */
+typedef struct {
+  td_node base;
+  int dim;
+} dim_node;
+
+static td_status squeeze_backward(td_node *self, td_tensor *const *gout, td_tensor **gin) {
+  return td_tensor_unsqueeze(gout[0], ((dim_node *)self)->dim, &gin[0]);
+}
+static const td__node_ops squeeze_ops = {"SqueezeBackward", squeeze_backward, NULL};
+
+static td_status unsqueeze_backward(td_node *self, td_tensor *const *gout, td_tensor **gin) {
+  return td_tensor_squeeze(gout[0], ((dim_node *)self)->dim, &gin[0]);
+}
+static const td__node_ops unsqueeze_ops = {"UnsqueezeBackward", unsqueeze_backward, NULL};
+
+/* unbind: one node with an output per slice; backward writes every slice's gradient into one
+ * tensor of the input's shape (missing gradients arrive as zeros). */
+typedef struct {
+  td_node base;
+  int ndim, dim;
+  int64_t shape[TD_MAX_DIMS];
+} unbind_node;
+
+/* slice_view returns the plain view of t (contiguous, shape of the unbind input) at index k of
+ * dim, with dim removed. */
+static td_status slice_view(const td_tensor *t, int dim, int64_t k, td_tensor **out) {
+  int64_t shape[TD_MAX_DIMS], strides[TD_MAX_DIMS];
+  int n = 0;
+  for (int i = 0; i < t->ndim; i++) {
+    if (i == dim) continue;
+    shape[n] = t->shape[i];
+    strides[n++] = t->strides[i];
+  }
+  return td__tensor_view(t, shape, strides, n, t->offset + k * t->strides[dim], out);
+}
+
+static td_status unbind_backward(td_node *self, td_tensor *const *gout, td_tensor **gin) {
+  unbind_node *n = (unbind_node *)self;
+  td_tensor *g = NULL;
+  TD_TRY(td__tensor_new(n->shape, n->ndim, gout[0]->dtype, td_tensor_device(gout[0]), &g));
+  td_status st = TD_OK;
+  for (int64_t k = 0; k < n->shape[n->dim] && st == TD_OK; k++) {
+    td_tensor *v = NULL;
+    st = slice_view(g, n->dim, k, &v);
+    if (st == TD_OK) st = td__backend_of(g)->copy(v, gout[k]);
+    td_tensor_unref(v);
+  }
+  if (st != TD_OK) {
+    td_tensor_unref(g);
+    return st;
+  }
+  gin[0] = g;
+  return TD_OK;
+}
+static const td__node_ops unbind_ops = {"UnbindBackward", unbind_backward, NULL};
 
 static td_status identity_backward(td_node *self, td_tensor *const *gout, td_tensor **gin) {
   gin[0] = td_tensor_ref(gout[0]);
@@ -235,12 +293,22 @@ td_status td_tensor_unsqueeze(const td_tensor *t, int dim, td_tensor **out) {
   if (d < 0 || d > t->ndim || t->ndim >= TD_MAX_DIMS)
     return td_set_error(TD_ERR_INVALID, "tensor_unsqueeze: dim %d out of range for %d-d tensor",
                         dim, t->ndim);
-  int64_t shape[TD_MAX_DIMS];
+  int64_t shape[TD_MAX_DIMS], strides[TD_MAX_DIMS];
   int n = 0;
-  for (int i = 0; i < d; i++) shape[n++] = t->shape[i];
-  shape[n++] = 1;
-  for (int i = d; i < t->ndim; i++) shape[n++] = t->shape[i];
-  return td_tensor_reshape(t, shape, n, out);
+  for (int i = 0; i <= t->ndim; i++) {
+    if (i == d) { /* any stride works for a size-1 dim; keep the layout contiguous-looking */
+      shape[n] = 1;
+      strides[n++] = i < t->ndim ? t->strides[i] * t->shape[i] : 1;
+    }
+    if (i < t->ndim) {
+      shape[n] = t->shape[i];
+      strides[n++] = t->strides[i];
+    }
+  }
+  td_node *node;
+  TD_TRY(make_view(t, shape, strides, n, t->offset, &unsqueeze_ops, sizeof(dim_node), out, &node));
+  if (node) ((dim_node *)node)->dim = d;
+  return TD_OK;
 }
 
 td_status td_tensor_squeeze(const td_tensor *t, int dim, td_tensor **out) {
@@ -248,11 +316,52 @@ td_status td_tensor_squeeze(const td_tensor *t, int dim, td_tensor **out) {
   int d = td__norm_dim(dim, t->ndim);
   if (d < 0 || t->ndim == 0 || t->shape[d] != 1)
     return td_set_error(TD_ERR_INVALID, "tensor_squeeze: dim %d is not a size-1 dim", dim);
-  int64_t shape[TD_MAX_DIMS];
+  int64_t shape[TD_MAX_DIMS], strides[TD_MAX_DIMS];
   int n = 0;
-  for (int i = 0; i < t->ndim; i++)
-    if (i != d) shape[n++] = t->shape[i];
-  return td_tensor_reshape(t, shape, n, out);
+  for (int i = 0; i < t->ndim; i++) {
+    if (i == d) continue;
+    shape[n] = t->shape[i];
+    strides[n++] = t->strides[i];
+  }
+  td_node *node;
+  TD_TRY(make_view(t, shape, strides, n, t->offset, &squeeze_ops, sizeof(dim_node), out, &node));
+  if (node) ((dim_node *)node)->dim = d;
+  return TD_OK;
+}
+
+td_status td_tensor_unbind(const td_tensor *t, int dim, td_tensor **outs) {
+  TD_CHECK_ARG(t && outs, "tensor_unbind: NULL argument");
+  int d = td__norm_dim(dim, t->ndim);
+  if (d < 0 || t->ndim == 0)
+    return td_set_error(TD_ERR_INVALID, "tensor_unbind: dim %d out of range for %d-d tensor", dim,
+                        t->ndim);
+  int64_t m = t->shape[d];
+  TD_CHECK_ARG(m <= INT32_MAX, "tensor_unbind: %lld slices", (long long)m);
+  td_node *node = NULL;
+  if (td__needs_grad(t)) {
+    node = td__node_new(sizeof(unbind_node), &unbind_ops, (int)(m ? m : 1), 1);
+    if (!node) return td_set_error(TD_ERR_NOMEM, "tensor_unbind: out of memory");
+    td_status st = td__node_set_next(node, 0, t);
+    if (st != TD_OK) {
+      td_node_unref(node);
+      return st;
+    }
+    unbind_node *n = (unbind_node *)node;
+    n->ndim = t->ndim;
+    n->dim = d;
+    memcpy(n->shape, t->shape, sizeof n->shape);
+  }
+  for (int64_t k = 0; k < m; k++) {
+    td_status st = slice_view(t, d, k, &outs[k]);
+    if (st != TD_OK) {
+      for (int64_t j = 0; j < k; j++) td_tensor_unref(outs[j]);
+      td_node_unref(node);
+      return st;
+    }
+    if (node) td__tensor_set_history(outs[k], node, (int)k);
+  }
+  td_node_unref(node);
+  return TD_OK;
 }
 
 td_status td__expand_view(const td_tensor *t, const int64_t *shape, int ndim, td_tensor **out) {

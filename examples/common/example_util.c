@@ -237,6 +237,17 @@ void ex_args_parse(int argc, char **argv, ex_args *a, const ex_opt *extra, int n
 
 int ex_blas_threads(void) { return openblas_get_num_threads(); }
 
+void ex_blas_set_threads(int n) {
+  if (n > 0) openblas_set_num_threads(n);
+}
+
+void ex_opts_parse(int argc, char **argv, const ex_opt *opts, int n, const char *about) {
+  ex_args a; /* the common options, every one left out */
+  ex_args_init(&a);
+  a.omit = "epochs max-batches batch-size lr seed model data-dir threads device metrics";
+  ex_args_parse(argc, argv, &a, opts, n, about);
+}
+
 /* ---- progress bar ---- */
 
 #define BAR_WIDTH 30

@@ -2,7 +2,9 @@
  *
  *   ex_args / ex_args_parse  the common command-line options (--epochs, --max-batches,
  *                            --batch-size, --lr, --seed, --model, --data-dir, --threads,
- *                            --device, --metrics) plus an example's own options from a table.
+ *                            --device, --metrics) plus an example's own options from a table;
+ *                            ex_opts_parse for an example's own table alone (--help shows the
+ *                            defaults).
  *   ex_progress              a progress bar on standard error: redrawn in place when standard
  *                            error is a terminal, otherwise one line about every 10%.
  *   ex_json                  a tiny JSON builder for the final output line (docs/BENCH.md:
@@ -83,8 +85,16 @@ void ex_args_init(ex_args *a);
 void ex_args_parse(int argc, char **argv, ex_args *a, const ex_opt *extra, int n_extra,
                    const char *about);
 
+/* ex_opts_parse parses argv against opts[0..n) only (no common options), for examples with
+ * their own option set. --help prints `about` and every option with its help text and its
+ * default: the value the option's destination holds when ex_opts_parse is called, so the table
+ * the parser fills is the one the help reports. Bad input exits 2, --help exits 0. */
+void ex_opts_parse(int argc, char **argv, const ex_opt *opts, int n, const char *about);
+
 /* ex_blas_threads returns the thread count BLAS is using (from OpenBLAS), or 0 when unknown. */
 int ex_blas_threads(void);
+/* ex_blas_set_threads sets the BLAS thread count (n > 0; 0 keeps the current one). */
+void ex_blas_set_threads(int n);
 
 /* ---- progress bar ---- */
 

@@ -322,6 +322,51 @@ TD_API td_status td_lstm_forward(td_module *lstm, const td_tensor *x, const td_t
                                  const td_tensor *c0, td_tensor **output, td_tensor **hn,
                                  td_tensor **cn);
 
+/* ---- GPT (nanoGPT's layout) ----
+ * The modules of a GPT-2 style decoder, named like nanoGPT's state_dict keys so that weights
+ * move between tdist and PyTorch through safetensors files. Each create function returns a new
+ * module reference in *out (release with td_module_unref()); weights are float32 on the CPU,
+ * initialised as nanoGPT does (Linear and Embedding weights N(0, 0.02), biases 0, LayerNorm 1/0,
+ * residual projections c_proj.weight N(0, 0.02 / sqrt(2 n_layer))) from g (NULL: the default
+ * generator). There is no dropout (nanoGPT's small recipe uses 0). */
+
+/* Configuration of the GPT modules; fill with td_gpt_config_init(), then set vocab_size. */
+typedef struct td_gpt_config {
+  int64_t vocab_size; /* tokens; required by td_gpt_create (default 0) */
+  int64_t block_size; /* longest context, the size of the position table; default 64 */
+  int n_layer;        /* blocks; default 4 */
+  int n_head;         /* attention heads, must divide n_embd; default 4 */
+  int64_t n_embd;     /* width C; default 128 */
+} td_gpt_config;
+/* td_gpt_config_init sets c to the defaults above (nanoGPT's small CPU recipe). */
+TD_API void td_gpt_config_init(td_gpt_config *c);
+
+/* td_causal_self_attention_create: x [B, T, C] -> [B, T, C]. Children "c_attn" Linear(C, 3C)
+ * and "c_proj" Linear(C, C); the heads are views of the c_attn output and go through
+ * td_tensor_scaled_dot_product_attention with the causal mask (no mask tensor). */
+TD_API td_status td_causal_self_attention_create(const td_gpt_config *c, td_generator *g,
+                                                 td_module **out);
+/* td_gpt_mlp_create: x [B, T, C] -> c_proj(gelu(c_fc(x))), "c_fc" Linear(C, 4C), exact GELU,
+ * "c_proj" Linear(4C, C). */
+TD_API td_status td_gpt_mlp_create(const td_gpt_config *c, td_generator *g, td_module **out);
+/* td_gpt_block_create: the pre-LayerNorm residual block x += attn(ln_1(x)); x += mlp(ln_2(x)),
+ * children "ln_1", "attn", "ln_2", "mlp"; [B, T, C] -> [B, T, C]. */
+TD_API td_status td_gpt_block_create(const td_gpt_config *c, td_generator *g, td_module **out);
+/* td_gpt_create: the whole model, children "transformer" ("wte" Embedding(V, C), "wpe"
+ * Embedding(block_size, C), "h" Sequential of n_layer Blocks, "ln_f" LayerNorm(C)) and
+ * "lm_head" Linear(C, V, no bias) whose weight is the same tensor as transformer.wte.weight
+ * (tied: both uses accumulate into one gradient; the state dict lists both keys, the parameter
+ * list once). Forward (multi): inputs (idx int64 [B, T] with T <= block_size[, targets int64
+ * [B, T]]), outputs (logits [B, T, V][, mean cross-entropy loss over the B*T targets, targets
+ * equal to -1 ignored]). */
+TD_API td_status td_gpt_create(const td_gpt_config *c, td_generator *g, td_module **out);
+/* td_gpt_forward runs a GPT: *logits [B, T, V] and, when loss is not NULL (targets required),
+ * *loss (0-d). New references; release with td_tensor_unref(). THREAD SAFETY: as any forward. */
+TD_API td_status td_gpt_forward(td_module *gpt, const td_tensor *idx, const td_tensor *targets,
+                                td_tensor **logits, td_tensor **loss);
+/* td_gpt_config_get copies a GPT's configuration into *out (TD_ERR_INVALID for other modules). */
+TD_API td_status td_gpt_config_get(const td_module *gpt, td_gpt_config *out);
+
 /* ---- safetensors ---- */
 
 /* Metadata of a safetensors file: the string pairs of "__metadata__". Caller-owned storage;

@@ -1,4 +1,5 @@
-/* optim.h - functional optimizers: SGD, Adam, AdamW, Adagrad and RMSprop.
+/* optim.h - functional optimizers: SGD, Adam, AdamW, Adagrad and RMSprop; parameter groups,
+ * gradient-norm clipping and a warmup + cosine learning-rate schedule.
  *
  * A td_optim owns a list of parameters (references) and the per-parameter state (momentum
  * buffers, moment estimates, step counts). "Functional" means the gradients are an input of the
@@ -7,6 +8,11 @@
  * autograd produces), and td_optim_step() is the convenience form that uses each parameter's
  * `.grad`. A parameter without a gradient is skipped and its state does not advance, as in
  * PyTorch.
+ *
+ * Parameters may come in groups (torch.optim's param_groups), each with its own learning rate and
+ * weight decay, e.g. AdamW with decay on the weight matrices and none on biases and LayerNorm
+ * parameters (td_optim_create_groups). Parameter indices (td_optim_param, td_optim_step_grads,
+ * td_optim_step_count) run over the groups in order.
  *
  * The update rules and defaults are those of torch.optim in PyTorch 1.13 (single-tensor,
  * non-foreach implementations), including weight_decay, maximize, SGD's momentum / dampening /
@@ -88,6 +94,29 @@ typedef struct td_optim td_optim;
  * td_optim_destroy(). */
 TD_API td_status td_optim_create(const td_optim_options *opts, td_tensor *const *params, size_t n,
                                  td_optim **out);
+
+/* One parameter group of td_optim_create_groups: params[0..n) share the learning rate and the
+ * weight decay given here (NAN: the optimizer's options). Fill with td_optim_group_init(). */
+typedef struct td_optim_group {
+  td_tensor *const *params; /* borrowed for the duration of td_optim_create_groups */
+  size_t n;                 /* number of parameters; a group may be empty */
+  double lr;                /* learning rate; NAN (default) inherits opts->lr */
+  double weight_decay;      /* weight decay; NAN (default) inherits opts->weight_decay */
+} td_optim_group;
+
+/* td_optim_group_init sets g to params[0..n) with the learning rate and weight decay inherited. */
+TD_API void td_optim_group_init(td_optim_group *g, td_tensor *const *params, size_t n);
+
+/* td_optim_create_groups makes an optimizer over the parameters of groups[0..n_groups), in that
+ * order, with the options copied from opts and each group's own lr / weight_decay where set
+ * (PyTorch's param_groups: AdamW's decoupled decay then applies per group). A parameter in two
+ * groups, or twice in one, is TD_ERR_INVALID; each group's values are validated like the options.
+ * td_optim_create(opts, params, n, out) is the one-group form. Takes a reference to each
+ * parameter. Release with td_optim_destroy(). THREAD SAFETY: any thread. */
+TD_API td_status td_optim_create_groups(const td_optim_options *opts,
+                                        const td_optim_group *groups, size_t n_groups,
+                                        td_optim **out);
+
 /* td_optim_destroy drops the parameters and the state. NULL does nothing. Must not run
  * concurrently with another call on o. */
 TD_API void td_optim_destroy(td_optim *o);
@@ -110,9 +139,37 @@ TD_API size_t td_optim_num_params(const td_optim *o);
 TD_API td_tensor *td_optim_param(const td_optim *o, size_t i);
 /* td_optim_options_get copies the current options into *out. */
 TD_API void td_optim_options_get(td_optim *o, td_optim_options *out);
-/* td_optim_set_lr changes the learning rate for later steps (for schedules). TD_ERR_INVALID for
- * a negative or NaN lr. */
+/* td_optim_set_lr changes the learning rate of every group (and of the options) for later steps,
+ * as schedules do. TD_ERR_INVALID for a negative or NaN lr. */
 TD_API td_status td_optim_set_lr(td_optim *o, double lr);
+/* td_optim_num_groups returns the number of parameter groups (1 for td_optim_create). */
+TD_API size_t td_optim_num_groups(const td_optim *o);
+/* td_optim_group_get reports group i's learning rate, weight decay and number of parameters
+ * (any pointer may be NULL). TD_ERR_INVALID for an unknown i. */
+TD_API td_status td_optim_group_get(td_optim *o, size_t i, double *lr, double *weight_decay,
+                                    size_t *n_params);
+/* td_optim_set_group_lr changes group i's learning rate only. TD_ERR_INVALID for an unknown i or
+ * a negative or NaN lr. */
+TD_API td_status td_optim_set_group_lr(td_optim *o, size_t i, double lr);
+
+/* td_optim_clip_grad_norm scales the `.grad` of every parameter in place so that their joint
+ * norm is at most max_norm, with torch.nn.utils.clip_grad_norm_'s rule (PyTorch 1.13): the total
+ * norm is the norm_type-norm of the per-gradient norms (norm_type > 0, or INFINITY for the
+ * largest absolute value), and every gradient is multiplied by min(1, max_norm / (total + 1e-6)).
+ * Parameters without a gradient are ignored (total 0 when none has one). A non-finite total is
+ * not an error (as PyTorch's default): the gradients are then scaled by NaN. The sums accumulate
+ * in double. On TD_OK *total_norm (may be NULL) is the norm before clipping. TD_ERR_INVALID for a
+ * negative or NaN max_norm or a norm_type <= 0. THREAD SAFETY: serialised with steps by o's
+ * mutex; the caller must not run backward into these gradients at the same time. */
+TD_API td_status td_optim_clip_grad_norm(td_optim *o, double max_norm, double norm_type,
+                                         double *total_norm);
+
+/* td_optim_lr_warmup_cosine returns the learning rate of step `step` (0-based) in nanoGPT's
+ * schedule: linear warmup lr * (step + 1) / (warmup + 1) for step < warmup, then a cosine decay
+ * from lr to min_lr reached at step decay_steps, then min_lr. decay_steps <= warmup means no
+ * decay phase (min_lr from step warmup on). Pure function; any thread. */
+TD_API double td_optim_lr_warmup_cosine(int64_t step, int64_t warmup, int64_t decay_steps,
+                                        double lr, double min_lr);
 /* td_optim_step_count returns how many times parameter i was updated (0 for an unknown i). */
 TD_API int64_t td_optim_step_count(td_optim *o, size_t i);
 

@@ -200,8 +200,12 @@ TD_API td_status td_tensor_transpose(const td_tensor *t, int d0, int d1, td_tens
 TD_API td_status td_tensor_permute(const td_tensor *t, const int *perm, int ndim,
                                    td_tensor **out);
 TD_API td_status td_tensor_unsqueeze(const td_tensor *t, int dim, td_tensor **out);
-/* td_tensor_squeeze removes dimension dim, which must have size 1. */
+/* td_tensor_squeeze removes dimension dim, which must have size 1 (a view for any layout). */
 TD_API td_status td_tensor_squeeze(const td_tensor *t, int dim, td_tensor **out);
+/* td_tensor_unbind returns the size(dim) slices of t along dim, with dim removed, as views in
+ * outs[0..size(dim)) (PyTorch's unbind, e.g. q, k, v = qkv.unbind(2)); one backward node writes
+ * their gradients into one tensor. New references; on failure outs is untouched. */
+TD_API td_status td_tensor_unbind(const td_tensor *t, int dim, td_tensor **outs);
 /* td_tensor_expand broadcasts size-1 dims to shape (stride 0), adding leading dims as needed. */
 TD_API td_status td_tensor_expand(const td_tensor *t, const int64_t *shape, int ndim,
                                   td_tensor **out);
@@ -239,6 +243,12 @@ TD_API td_status td_tensor_gelu(const td_tensor *a, td_tensor **out);
 /* td_tensor_matmul follows torch.matmul: 1-d x 1-d dot, 2-d x 2-d GEMM, batched with
  * broadcasting of the batch dims for >= 3-d, 1-d operands promoted and the added dim removed. */
 TD_API td_status td_tensor_matmul(const td_tensor *a, const td_tensor *b, td_tensor **out);
+
+/* td_tensor_linear is torch.nn.functional.linear: y = x W^T + b for x [..., in], weight
+ * [out, in], bias [out] or NULL -> y [..., out], as one GEMM that reads W in place and starts
+ * from the bias (no separate broadcast add). */
+TD_API td_status td_tensor_linear(const td_tensor *x, const td_tensor *weight,
+                                  const td_tensor *bias, td_tensor **out);
 
 /* ---- reductions (differentiable) ---- */
 
@@ -301,6 +311,18 @@ TD_API td_status td_tensor_dropout(const td_tensor *x, double p, bool train, td_
 TD_API td_status td_tensor_layer_norm(const td_tensor *x, int normalized_ndim,
                                       const td_tensor *weight, const td_tensor *bias, double eps,
                                       td_tensor **out);
+/* td_tensor_scaled_dot_product_attention is fused attention: y = softmax(scale * q k^T + mask) v
+ * over the last two dims of q [..., L, E], k [..., S, E], v [..., S, Ev] (equal batch dims, e.g.
+ * [B, H, T, hd]; float32 or float64), y [..., L, Ev]. With causal, query i sees keys 0..i only
+ * (the mask is built in, PyTorch 2's is_causal: a lower-triangular mask aligned at the top
+ * left); S must be >= 1 when there are queries. scale NAN means 1/sqrt(E). The L x S scores are
+ * computed row by row and never materialised; backward keeps only the probabilities. Operands
+ * whose last dim is contiguous are read in place (strided heads need no copy), and y is laid out
+ * in q's dim order, so heads of a [B, T, C] tensor give a y whose transpose(1, 2) reshapes to
+ * [B, T, C] as a view. CPU only so far: TD_ERR_UNSUPPORTED on devices without the kernel. */
+TD_API td_status td_tensor_scaled_dot_product_attention(const td_tensor *q, const td_tensor *k,
+                                                        const td_tensor *v, bool causal,
+                                                        double scale, td_tensor **out);
 
 /* ---- joining and indexing (differentiable) ---- */
 
@@ -334,6 +356,20 @@ TD_API td_status td_tensor_addcdiv_(td_tensor *t, const td_tensor *a, const td_t
                                     double value);
 /* td_tensor_maximum_: t = max(t, other). */
 TD_API td_status td_tensor_maximum_(td_tensor *t, const td_tensor *other);
+/* Arguments of td_tensor_adam_: one step of torch.optim.Adam / AdamW (PyTorch 1.13's
+ * single-tensor rule, no amsgrad). */
+typedef struct td_adam_args {
+  double lr, beta1, beta2, eps, weight_decay;
+  bool decoupled; /* AdamW: decay the weights (p *= 1 - lr * wd), not the gradient */
+  bool maximize;  /* ascend */
+  int64_t step;   /* this update's step number, 1 for the first */
+} td_adam_args;
+/* td_tensor_adam_ applies one Adam / AdamW update in place to param, exp_avg and exp_avg_sq from
+ * grad (same shape, dtype and device) in one fused pass. TD_ERR_UNSUPPORTED when the device has
+ * no fused kernel or an operand is not contiguous: the caller then composes the update from the
+ * ops above, as the optimizers of optim.h do. */
+TD_API td_status td_tensor_adam_(td_tensor *param, const td_tensor *grad, td_tensor *exp_avg,
+                                 td_tensor *exp_avg_sq, const td_adam_args *a);
 /* td_tensor_uniform_ / normal_ refill t from g. */
 TD_API td_status td_tensor_uniform_(td_tensor *t, double lo, double hi, td_generator *g);
 TD_API td_status td_tensor_normal_(td_tensor *t, double mean, double std, td_generator *g);

@@ -1,0 +1,677 @@
+/* gpt.c - a character-level GPT trained in one process: nanoGPT's small CPU recipe on the
+ * fortunes corpus that Debian's `fortunes` package installs, with sampling from checkpoints.
+ *
+ *   build/examples/gpt [--steps 2000] [--batch-size 12] [--threads 1] [--save ckpt.safetensors]
+ *   build/examples/gpt --load ckpt.safetensors --generate 500 [--prompt TEXT] [--top-k 20]
+ *
+ * Data: every regular file of --corpus (default /usr/share/games/fortunes; names ending in .dat
+ * and symlinks skipped) in byte order of the names, cleaned byte by byte: a "%" line (the
+ * separator between fortunes) becomes an empty line, a backspace deletes itself and the
+ * character before it (the overstrike markup of a few files), and only newline, tab and
+ * printable ASCII are kept. The vocabulary is the set of remaining bytes (sorted); the first 90%
+ * of the text trains, the rest validates. A batch is --batch-size windows of --block-size tokens
+ * starting at next_u64() % (len - block_size) of a td_generator seeded with --seed + 1 (one
+ * stream for the run); every evaluation reseeds one with --seed + 2 and averages the loss of
+ * --eval-iters batches of each split, so all evaluations see the same batches. The weights are
+ * initialised from a generator seeded with --seed, or loaded with --init.
+ *
+ * Model and recipe: td_gpt_create (4 layers, 4 heads, width 128, context 64, tied embedding /
+ * head), AdamW (lr 1e-3, betas (0.9, 0.99), eps 1e-8) with weight decay 0.1 on the parameters of
+ * two or more dims and none on biases and LayerNorm, nanoGPT's warmup (100 steps) + cosine
+ * schedule down to 1e-4 at the last step, gradient norm clipped to 1.0.
+ *
+ * bench/peers/torch/gpt.py is the same program in PyTorch (same cleaning, the same generator
+ * reimplemented, the weights of `gpt --steps 0 --save FILE` through --init), and
+ * bench/compare.sh gpt runs the two side by side. Both print results.batch_hash, a hash of
+ * every training batch offset, so a comparison can check that they saw the same data.
+ *
+ * Output: progress on stderr, then (generation only) the sampled text, then one JSON line
+ * {"bench": "gpt", "config": {...}, "results": {"val_loss", "train_loss", "tokens_per_s",
+ * "samples_per_s", "wall_s", "evals": [{"step", "train_loss", "val_loss"}], ...}}; tokens_per_s
+ * counts training tokens over the time of the training steps (evaluations excluded),
+ * tokens_per_cpu_s over the CPU time they took.
+ */
+#include <dirent.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "example_util.h"
+#include "tdist/autograd.h"
+#include "tdist/nn.h"
+#include "tdist/optim.h"
+#include "tdist/tensor.h"
+
+/* ---- options: one table is the parser, the help and the defaults ---- */
+
+typedef struct opts {
+  int64_t steps, batch_size, block_size, n_embd, warmup, eval_interval, eval_iters;
+  int n_layer, n_head, threads;
+  double lr, min_lr, weight_decay, beta2, grad_clip, temperature;
+  uint64_t seed;
+  const char *corpus, *init, *save, *load, *dtype, *prompt;
+  int64_t generate, top_k;
+} opts;
+
+static void opts_defaults(opts *o) {
+  memset(o, 0, sizeof *o);
+  *o = (opts){.steps = 2000, .batch_size = 12, .block_size = 64, .n_embd = 128, .warmup = 100,
+              .eval_interval = 250, .eval_iters = 20, .n_layer = 4, .n_head = 4, .threads = 1,
+              .lr = 1e-3, .min_lr = 1e-4, .weight_decay = 0.1, .beta2 = 0.99, .grad_clip = 1.0,
+              .temperature = 0.8, .seed = 1337, .corpus = "/usr/share/games/fortunes",
+              .dtype = "f32", .prompt = "\n", .top_k = 0};
+}
+
+static void opts_parse(int argc, char **argv, opts *o) {
+  const ex_opt table[] = {
+      {"steps", EX_OPT_I64, &o->steps, "training steps"},
+      {"batch-size", EX_OPT_I64, &o->batch_size, "sequences per batch"},
+      {"block-size", EX_OPT_I64, &o->block_size, "context length"},
+      {"n-layer", EX_OPT_INT, &o->n_layer, "transformer blocks"},
+      {"n-head", EX_OPT_INT, &o->n_head, "attention heads"},
+      {"n-embd", EX_OPT_I64, &o->n_embd, "model width"},
+      {"lr", EX_OPT_DOUBLE, &o->lr, "peak learning rate (AdamW)"},
+      {"min-lr", EX_OPT_DOUBLE, &o->min_lr, "learning rate at the end of the cosine"},
+      {"warmup", EX_OPT_I64, &o->warmup, "linear warmup steps"},
+      {"weight-decay", EX_OPT_DOUBLE, &o->weight_decay, "AdamW decay of the >= 2-d weights"},
+      {"beta2", EX_OPT_DOUBLE, &o->beta2, "AdamW beta2 (beta1 is 0.9)"},
+      {"grad-clip", EX_OPT_DOUBLE, &o->grad_clip, "gradient norm limit (0: no clipping)"},
+      {"eval-interval", EX_OPT_I64, &o->eval_interval, "steps between evaluations"},
+      {"eval-iters", EX_OPT_I64, &o->eval_iters, "batches per split and evaluation"},
+      {"seed", EX_OPT_U64, &o->seed, "init seed; batches use seed+1, evaluations seed+2"},
+      {"threads", EX_OPT_INT, &o->threads, "BLAS threads"},
+      {"corpus", EX_OPT_STRING, &o->corpus, "text file, or directory of fortune files"},
+      {"dtype", EX_OPT_STRING, &o->dtype, "f32 or f64"},
+      {"init", EX_OPT_STRING, &o->init, "load the initial weights from this safetensors file"},
+      {"save", EX_OPT_STRING, &o->save, "write the trained model (with its vocabulary) here"},
+      {"load", EX_OPT_STRING, &o->load, "sample from this checkpoint instead of training"},
+      {"generate", EX_OPT_I64, &o->generate, "characters to sample (after training or --load)"},
+      {"prompt", EX_OPT_STRING, &o->prompt, "text the sample starts from"},
+      {"temperature", EX_OPT_DOUBLE, &o->temperature, "sampling temperature"},
+      {"top-k", EX_OPT_I64, &o->top_k, "sample among the k likeliest characters (0: all)"},
+  };
+  ex_opts_parse(argc, argv, table, (int)(sizeof table / sizeof table[0]),
+                "gpt: a character-level GPT (nanoGPT's small recipe) on the fortunes corpus");
+  if (o->steps < 0 || o->batch_size < 1 || o->block_size < 1 || o->n_layer < 1 ||
+      o->n_head < 1 || o->n_embd < 1 || o->n_embd % o->n_head || o->warmup < 0 ||
+      o->eval_interval < 1 || o->eval_iters < 1 || o->threads < 0 || o->generate < 0 ||
+      o->top_k < 0 || !(o->temperature > 0) || !(o->lr >= 0) || !(o->grad_clip >= 0))
+    ex_die("bad option values (see --help): sizes must be positive, n-embd a multiple of "
+           "n-head, temperature > 0");
+  if (strcmp(o->dtype, "f32") && strcmp(o->dtype, "f64")) ex_die("--dtype must be f32 or f64");
+}
+
+/* ---- corpus ---- */
+
+typedef struct corpus {
+  char *text;        /* cleaned text (NUL-terminated) */
+  int64_t n;         /* its length */
+  uint8_t *tok;      /* token ids */
+  int64_t n_train;   /* tokens [0, n_train) train, the rest validate */
+  char vocab[257];   /* id -> byte, NUL-terminated */
+  int nvocab;
+  int stoi[256];     /* byte -> id, -1 when absent */
+} corpus;
+
+/* clean_append appends raw[0..n) cleaned (see the file comment) to *buf (length *len). */
+static void clean_append(const char *raw, size_t n, char **buf, int64_t *len, int64_t *cap) {
+  if ((int64_t)n + 2 > *cap - *len) {
+    *cap = (*len + (int64_t)n + 2) * 2;
+    *buf = realloc(*buf, (size_t)*cap);
+    if (!*buf) ex_die("out of memory reading the corpus");
+  }
+  char *out = *buf;
+  const char *p = raw, *end = raw + n;
+  while (p < end) {
+    const char *e = memchr(p, '\n', (size_t)(end - p));
+    if (!e) e = end;
+    if (e - p == 1 && p[0] == '%') {
+      out[(*len)++] = '\n';
+    } else {
+      for (const char *c = p; c < e; c++) {
+        unsigned char ch = (unsigned char)*c;
+        if (ch == 8) {
+          if (*len > 0 && out[*len - 1] != '\n') (*len)--;
+        } else if (ch == '\t' || (ch >= 32 && ch <= 126)) {
+          out[(*len)++] = (char)ch;
+        }
+      }
+      out[(*len)++] = '\n';
+    }
+    p = e + 1;
+  }
+}
+
+static char *read_file(const char *path, size_t *n) {
+  FILE *f = fopen(path, "rb");
+  if (!f) ex_die("cannot open %s", path);
+  size_t cap = 1 << 16, len = 0;
+  char *b = malloc(cap);
+  for (;;) {
+    if (!b) ex_die("out of memory reading %s", path);
+    len += fread(b + len, 1, cap - len, f);
+    if (len < cap) break;
+    cap *= 2;
+    b = realloc(b, cap);
+  }
+  if (ferror(f)) ex_die("cannot read %s", path);
+  fclose(f);
+  *n = len;
+  return b;
+}
+
+static int cmp_str(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* corpus_files returns the sorted paths to read (count in *n); free each and the array. */
+static char **corpus_files(const char *path, int *n) {
+  struct stat st;
+  if (stat(path, &st) != 0)
+    ex_die("no corpus at %s (scripts/install-deps.sh installs Debian's fortunes package, or pass "
+           "--corpus FILE)", path);
+  char **names = NULL;
+  int cnt = 0, cap = 0;
+  if (!S_ISDIR(st.st_mode)) {
+    names = malloc(sizeof *names);
+    names[cnt++] = strdup(path);
+    *n = cnt;
+    return names;
+  }
+  DIR *d = opendir(path);
+  if (!d) ex_die("cannot list %s", path);
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    size_t l = strlen(e->d_name);
+    if (e->d_name[0] == '.' || (l >= 4 && !strcmp(e->d_name + l - 4, ".dat"))) continue;
+    char full[4096];
+    snprintf(full, sizeof full, "%s/%s", path, e->d_name);
+    struct stat fs;
+    if (lstat(full, &fs) != 0 || !S_ISREG(fs.st_mode)) continue; /* symlinks, directories */
+    if (cnt == cap) {
+      cap = cap ? cap * 2 : 64;
+      names = realloc(names, (size_t)cap * sizeof *names);
+      if (!names) ex_die("out of memory");
+    }
+    names[cnt++] = strdup(full);
+  }
+  closedir(d);
+  qsort(names, (size_t)cnt, sizeof *names, cmp_str);
+  *n = cnt;
+  return names;
+}
+
+static void corpus_load(const char *path, corpus *c) {
+  memset(c, 0, sizeof *c);
+  int nf = 0;
+  char **files = corpus_files(path, &nf);
+  int64_t cap = 0;
+  for (int i = 0; i < nf; i++) {
+    size_t n;
+    char *raw = read_file(files[i], &n);
+    clean_append(raw, n, &c->text, &c->n, &cap);
+    free(raw);
+    free(files[i]);
+  }
+  free(files);
+  if (c->n == 0) ex_die("the corpus at %s is empty", path);
+  c->text[c->n] = '\0';
+  bool seen[256] = {false};
+  for (int64_t i = 0; i < c->n; i++) seen[(unsigned char)c->text[i]] = true;
+  for (int b = 0; b < 256; b++) {
+    c->stoi[b] = seen[b] ? c->nvocab : -1;
+    if (seen[b]) c->vocab[c->nvocab++] = (char)b;
+  }
+  c->tok = malloc((size_t)c->n);
+  if (!c->tok) ex_die("out of memory");
+  for (int64_t i = 0; i < c->n; i++) c->tok[i] = (uint8_t)c->stoi[(unsigned char)c->text[i]];
+  c->n_train = (int64_t)((double)c->n * 0.9);
+}
+
+static void corpus_free(corpus *c) {
+  free(c->text);
+  free(c->tok);
+}
+
+/* ---- batches ---- */
+
+typedef struct batch {
+  td_tensor *x, *y; /* int64 [B, T] */
+} batch;
+
+/* batch_make draws B windows of T + 1 tokens from d[0..len) with g; *hash (may be NULL) folds in
+ * every offset (FNV-1a style, as the peer does). */
+static void batch_make(const uint8_t *d, int64_t len, td_generator *g, int64_t B, int64_t T,
+                       uint64_t *hash, batch *out) {
+  int64_t shape[2] = {B, T};
+  EX_CHECK(td_tensor_empty(shape, 2, TD_DTYPE_I64, td_device_cpu(), &out->x));
+  EX_CHECK(td_tensor_empty(shape, 2, TD_DTYPE_I64, td_device_cpu(), &out->y));
+  int64_t *x = td_tensor_data(out->x), *y = td_tensor_data(out->y);
+  for (int64_t b = 0; b < B; b++) {
+    uint64_t r = td_generator_next_u64(g) % (uint64_t)(len - T);
+    if (hash) *hash = (*hash ^ r) * 0x100000001b3ull;
+    for (int64_t t = 0; t < T; t++) {
+      x[b * T + t] = d[r + t];
+      y[b * T + t] = d[r + t + 1];
+    }
+  }
+}
+
+static void batch_free(batch *b) {
+  td_tensor_unref(b->x);
+  td_tensor_unref(b->y);
+}
+
+/* ---- model, checkpoints ---- */
+
+static td_gpt_config model_config(const opts *o, int nvocab) {
+  td_gpt_config c;
+  td_gpt_config_init(&c);
+  c.vocab_size = nvocab;
+  c.block_size = o->block_size;
+  c.n_layer = o->n_layer;
+  c.n_head = o->n_head;
+  c.n_embd = o->n_embd;
+  return c;
+}
+
+/* load_weights reads a safetensors state dict into m (converted to m's dtype), checking the
+ * vocabulary recorded in the file (when there is one) against vocab (when not NULL). */
+static void load_weights(td_module *m, const char *path, const char *vocab, td_dtype dt) {
+  td_tensor_list sd, conv;
+  td_safetensors_meta meta;
+  td_tensor_list_init(&sd);
+  td_tensor_list_init(&conv);
+  td_safetensors_meta_init(&meta);
+  EX_CHECK(td_safetensors_read(path, &sd, &meta));
+  const char *fv = td_safetensors_meta_get(&meta, "vocab");
+  if (vocab && fv && strcmp(fv, vocab) != 0)
+    ex_die("%s was made for another vocabulary (%zu characters, this corpus has %zu)", path,
+           strlen(fv), strlen(vocab));
+  for (size_t i = 0; i < sd.n; i++) {
+    td_tensor *t;
+    EX_CHECK(td_tensor_to_dtype(sd.tensors[i], dt, &t));
+    EX_CHECK(td_tensor_list_append(&conv, sd.names[i], t));
+    td_tensor_unref(t);
+  }
+  EX_CHECK(td_module_load_state_dict(m, &conv, true));
+  td_tensor_list_fini(&conv);
+  td_tensor_list_fini(&sd);
+  td_safetensors_meta_fini(&meta);
+}
+
+static void save_checkpoint(td_module *m, const char *path, const char *vocab) {
+  td_gpt_config c;
+  EX_CHECK(td_gpt_config_get(m, &c));
+  td_tensor_list sd;
+  td_safetensors_meta meta;
+  td_tensor_list_init(&sd);
+  td_safetensors_meta_init(&meta);
+  EX_CHECK(td_module_state_dict(m, &sd));
+  char v[32];
+  EX_CHECK(td_safetensors_meta_set(&meta, "format", "pt"));
+  EX_CHECK(td_safetensors_meta_set(&meta, "tdist.module", "GPT"));
+  EX_CHECK(td_safetensors_meta_set(&meta, "vocab", vocab));
+#define META_INT(key, val)                              \
+  snprintf(v, sizeof v, "%lld", (long long)(val));      \
+  EX_CHECK(td_safetensors_meta_set(&meta, key, v))
+  META_INT("vocab_size", c.vocab_size);
+  META_INT("block_size", c.block_size);
+  META_INT("n_layer", c.n_layer);
+  META_INT("n_head", c.n_head);
+  META_INT("n_embd", c.n_embd);
+#undef META_INT
+  EX_CHECK(td_safetensors_write(path, &sd, &meta));
+  td_tensor_list_fini(&sd);
+  td_safetensors_meta_fini(&meta);
+}
+
+/* load_checkpoint makes the model a checkpoint describes; *vocab gets a copy of its vocabulary. */
+static td_module *load_checkpoint(const char *path, char **vocab) {
+  td_tensor_list sd;
+  td_safetensors_meta meta;
+  td_tensor_list_init(&sd);
+  td_safetensors_meta_init(&meta);
+  EX_CHECK(td_safetensors_read(path, &sd, &meta));
+  const char *keys[] = {"vocab", "block_size", "n_layer", "n_head", "n_embd"};
+  for (int i = 0; i < 5; i++)
+    if (!td_safetensors_meta_get(&meta, keys[i]))
+      ex_die("%s is not a gpt checkpoint (no \"%s\" in its metadata)", path, keys[i]);
+  td_gpt_config c;
+  td_gpt_config_init(&c);
+  *vocab = strdup(td_safetensors_meta_get(&meta, "vocab"));
+  c.vocab_size = (int64_t)strlen(*vocab);
+  c.block_size = atoll(td_safetensors_meta_get(&meta, "block_size"));
+  c.n_layer = atoi(td_safetensors_meta_get(&meta, "n_layer"));
+  c.n_head = atoi(td_safetensors_meta_get(&meta, "n_head"));
+  c.n_embd = atoll(td_safetensors_meta_get(&meta, "n_embd"));
+  td_dtype dt = sd.n ? td_tensor_dtype(sd.tensors[0]) : TD_DTYPE_F32;
+  td_tensor_list_fini(&sd);
+  td_safetensors_meta_fini(&meta);
+  td_module *m;
+  EX_CHECK(td_gpt_create(&c, NULL, &m));
+  if (dt != TD_DTYPE_F32) EX_CHECK(td_module_to_dtype(m, dt));
+  load_weights(m, path, *vocab, dt);
+  return m;
+}
+
+/* ---- training ---- */
+
+/* make_optimizer: AdamW, decay on parameters of >= 2 dims (weights, embeddings), none on the
+ * others (biases, LayerNorm), as nanoGPT's configure_optimizers. */
+static td_optim *make_optimizer(td_module *m, const opts *o) {
+  td_tensor_list ps;
+  td_tensor_list_init(&ps);
+  EX_CHECK(td_module_parameters(m, &ps));
+  td_tensor **decay = malloc(ps.n * sizeof *decay), **plain = malloc(ps.n * sizeof *plain);
+  size_t nd = 0, np = 0;
+  for (size_t i = 0; i < ps.n; i++) {
+    if (td_tensor_ndim(ps.tensors[i]) >= 2) decay[nd++] = ps.tensors[i];
+    else plain[np++] = ps.tensors[i];
+  }
+  td_optim_options oo;
+  td_optim_options_init(&oo, TD_OPTIM_ADAMW);
+  oo.lr = o->lr;
+  oo.beta1 = 0.9;
+  oo.beta2 = o->beta2;
+  oo.eps = 1e-8;
+  td_optim_group g[2];
+  td_optim_group_init(&g[0], decay, nd);
+  g[0].weight_decay = o->weight_decay;
+  td_optim_group_init(&g[1], plain, np);
+  g[1].weight_decay = 0.0;
+  td_optim *opt;
+  EX_CHECK(td_optim_create_groups(&oo, g, 2, &opt));
+  free(decay);
+  free(plain);
+  td_tensor_list_fini(&ps);
+  return opt;
+}
+
+/* estimate returns the mean loss of eval_iters batches of each split (train, val) from a
+ * generator reseeded with seed + 2, without recording gradients. */
+static void estimate(td_module *m, const corpus *c, const opts *o, double *train, double *val) {
+  bool prev = td_autograd_set_enabled(false);
+  td_generator *g;
+  EX_CHECK(td_generator_create(o->seed + 2, &g));
+  for (int split = 0; split < 2; split++) {
+    const uint8_t *d = split ? c->tok + c->n_train : c->tok;
+    int64_t len = split ? c->n - c->n_train : c->n_train;
+    double total = 0;
+    for (int64_t i = 0; i < o->eval_iters; i++) {
+      batch b;
+      batch_make(d, len, g, o->batch_size, o->block_size, NULL, &b);
+      td_tensor *logits, *loss;
+      double v;
+      EX_CHECK(td_gpt_forward(m, b.x, b.y, &logits, &loss));
+      EX_CHECK(td_tensor_item(loss, &v));
+      total += v;
+      td_tensor_unref(logits);
+      td_tensor_unref(loss);
+      batch_free(&b);
+    }
+    *(split ? val : train) = total / (double)o->eval_iters;
+  }
+  td_generator_destroy(g);
+  td_autograd_set_enabled(prev);
+}
+
+/* cpu_now_s returns the CPU time of this process (all threads), in seconds. */
+static double cpu_now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+typedef struct train_result {
+  double train_loss, val_loss, last_loss, train_s, train_cpu_s;
+  uint64_t hash;
+  ex_json evals;
+} train_result;
+
+static void train(td_module *m, const corpus *c, const opts *o, train_result *r) {
+  td_optim *opt = make_optimizer(m, o);
+  td_generator *g;
+  EX_CHECK(td_generator_create(o->seed + 1, &g));
+  ex_json_array(&r->evals);
+  r->hash = 0xcbf29ce484222325ull;
+  r->train_s = r->train_cpu_s = 0;
+  r->last_loss = NAN;
+  ex_progress p;
+  ex_progress_start(&p, "gpt", o->steps);
+  for (int64_t it = 0;; it++) {
+    if (it % o->eval_interval == 0 || it == o->steps) {
+      estimate(m, c, o, &r->train_loss, &r->val_loss);
+      ex_json e;
+      ex_json_object(&e);
+      ex_json_int(&e, "step", it);
+      ex_json_num(&e, "train_loss", r->train_loss);
+      ex_json_num(&e, "val_loss", r->val_loss);
+      ex_json_child(&r->evals, NULL, &e);
+      ex_json_fini(&e);
+      fprintf(stderr, "%sstep %lld: train loss %.4f, val loss %.4f\n", p.tty ? "\r" : "",
+              (long long)it, r->train_loss, r->val_loss);
+    }
+    if (it == o->steps) break;
+    double t0 = ex_now_s(), c0 = cpu_now_s();
+    EX_CHECK(td_optim_set_lr(opt, td_optim_lr_warmup_cosine(it, o->warmup, o->steps, o->lr,
+                                                            o->min_lr)));
+    batch b;
+    batch_make(c->tok, c->n_train, g, o->batch_size, o->block_size, &r->hash, &b);
+    td_tensor *logits, *loss;
+    EX_CHECK(td_gpt_forward(m, b.x, b.y, &logits, &loss));
+    td_optim_zero_grad(opt);
+    EX_CHECK(td_tensor_backward(loss));
+    if (o->grad_clip > 0) EX_CHECK(td_optim_clip_grad_norm(opt, o->grad_clip, 2.0, NULL));
+    EX_CHECK(td_optim_step(opt));
+    EX_CHECK(td_tensor_item(loss, &r->last_loss));
+    td_tensor_unref(logits);
+    td_tensor_unref(loss);
+    batch_free(&b);
+    r->train_s += ex_now_s() - t0;
+    r->train_cpu_s += cpu_now_s() - c0;
+    ex_progress_update(&p, it + 1, "loss %.4f", r->last_loss);
+  }
+  ex_progress_finish(&p, "val loss %.4f", r->val_loss);
+  td_generator_destroy(g);
+  td_optim_destroy(opt);
+}
+
+/* ---- sampling ---- */
+
+/* sample_next draws the next token from the logits row (V values) with temperature and top-k. */
+static int sample_next(const td_tensor *row, int64_t V, const opts *o, td_generator *g) {
+  double *l = malloc((size_t)V * sizeof *l);
+  for (int64_t i = 0; i < V; i++) {
+    EX_CHECK(td_tensor_get(row, &i, &l[i]));
+    l[i] /= o->temperature;
+  }
+  if (o->top_k > 0 && o->top_k < V) { /* keep the k largest: threshold = k-th largest value */
+    double *s = malloc((size_t)V * sizeof *s);
+    memcpy(s, l, (size_t)V * sizeof *s);
+    for (int64_t i = 0; i < o->top_k; i++) /* partial selection sort, k is small */
+      for (int64_t j = i + 1; j < V; j++)
+        if (s[j] > s[i]) {
+          double t = s[i];
+          s[i] = s[j];
+          s[j] = t;
+        }
+    double th = s[o->top_k - 1];
+    for (int64_t i = 0; i < V; i++)
+      if (l[i] < th) l[i] = -INFINITY;
+    free(s);
+  }
+  double mx = -INFINITY, sum = 0;
+  for (int64_t i = 0; i < V; i++) mx = l[i] > mx ? l[i] : mx;
+  for (int64_t i = 0; i < V; i++) sum += (l[i] = exp(l[i] - mx));
+  double u = td_generator_next_double(g) * sum;
+  int64_t pick = V - 1;
+  for (int64_t i = 0; i < V; i++) {
+    u -= l[i];
+    if (u < 0 && l[i] > 0) {
+      pick = i;
+      break;
+    }
+  }
+  free(l);
+  return (int)pick;
+}
+
+/* generate appends n sampled characters to out (capacity n + 1) from the prompt. */
+static void generate(td_module *m, const char *vocab, const opts *o, char *out) {
+  td_gpt_config c;
+  EX_CHECK(td_gpt_config_get(m, &c));
+  int stoi[256];
+  for (int b = 0; b < 256; b++) stoi[b] = -1;
+  for (int i = 0; vocab[i]; i++) stoi[(unsigned char)vocab[i]] = i;
+  size_t plen = strlen(o->prompt);
+  if (plen == 0) ex_die("--prompt must not be empty");
+  int64_t cap = (int64_t)plen + o->generate, len = 0;
+  int64_t *ctx = malloc((size_t)cap * sizeof *ctx);
+  for (size_t i = 0; i < plen; i++) {
+    int id = stoi[(unsigned char)o->prompt[i]];
+    if (id < 0) ex_die("the prompt has a character the model does not know: 0x%02x",
+                       (unsigned char)o->prompt[i]);
+    ctx[len++] = id;
+  }
+  td_generator *g;
+  EX_CHECK(td_generator_create(o->seed + 3, &g));
+  bool prev = td_autograd_set_enabled(false);
+  for (int64_t k = 0; k < o->generate; k++) {
+    int64_t T = len < c.block_size ? len : c.block_size, shape[2] = {1, T};
+    td_tensor *idx, *logits, *flat, *row;
+    EX_CHECK(td_tensor_from_buffer(ctx + len - T, shape, 2, TD_DTYPE_I64, &idx));
+    EX_CHECK(td_gpt_forward(m, idx, NULL, &logits, NULL));
+    int64_t s2[2] = {T, c.vocab_size};
+    EX_CHECK(td_tensor_reshape(logits, s2, 2, &flat));
+    EX_CHECK(td_tensor_narrow(flat, 0, T - 1, 1, &row));
+    int64_t s1[1] = {c.vocab_size};
+    td_tensor *r1;
+    EX_CHECK(td_tensor_reshape(row, s1, 1, &r1));
+    int id = sample_next(r1, c.vocab_size, o, g);
+    ctx[len++] = id;
+    out[k] = vocab[id];
+    td_tensor *all[] = {idx, logits, flat, row, r1};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) td_tensor_unref(all[i]);
+  }
+  out[o->generate] = '\0';
+  td_autograd_set_enabled(prev);
+  td_generator_destroy(g);
+  free(ctx);
+}
+
+/* ---- main ---- */
+
+/* add_config records the model and, for a training run (trained), the data and the recipe. */
+static void add_config(ex_json *cfg, const opts *o, const td_gpt_config *c, int64_t chars,
+                       td_module *m, bool trained) {
+  ex_json_str(cfg, "impl", "tdist");
+  ex_json_int(cfg, "block_size", c->block_size);
+  ex_json_int(cfg, "n_layer", c->n_layer);
+  ex_json_int(cfg, "n_head", c->n_head);
+  ex_json_int(cfg, "n_embd", c->n_embd);
+  ex_json_int(cfg, "vocab_size", c->vocab_size);
+  ex_json_int(cfg, "params", td_module_num_parameters(m));
+  ex_json_int(cfg, "seed", (int64_t)o->seed);
+  ex_json_int(cfg, "threads", o->threads);
+  ex_json_int(cfg, "openblas_num_threads", ex_blas_threads());
+  if (o->generate > 0) {
+    ex_json_str(cfg, "load", o->load);
+    ex_json_num(cfg, "temperature", o->temperature);
+    ex_json_int(cfg, "top_k", o->top_k);
+  }
+  if (!trained) return;
+  ex_json_int(cfg, "steps", o->steps);
+  ex_json_int(cfg, "batch_size", o->batch_size);
+  ex_json_int(cfg, "corpus_chars", chars);
+  ex_json_num(cfg, "lr", o->lr);
+  ex_json_num(cfg, "min_lr", o->min_lr);
+  ex_json_int(cfg, "warmup", o->warmup);
+  ex_json_num(cfg, "weight_decay", o->weight_decay);
+  ex_json_num(cfg, "beta2", o->beta2);
+  ex_json_num(cfg, "grad_clip", o->grad_clip);
+  ex_json_int(cfg, "eval_interval", o->eval_interval);
+  ex_json_int(cfg, "eval_iters", o->eval_iters);
+  ex_json_str(cfg, "dtype", o->dtype);
+  ex_json_bool(cfg, "init", o->init != NULL);
+}
+
+int main(int argc, char **argv) {
+  opts o;
+  opts_defaults(&o);
+  opts_parse(argc, argv, &o);
+  ex_blas_set_threads(o.threads);
+  double t_start = ex_now_s();
+  td_dtype dt = strcmp(o.dtype, "f64") ? TD_DTYPE_F32 : TD_DTYPE_F64;
+  ex_json cfg, res;
+  ex_json_object(&cfg);
+  ex_json_object(&res);
+  td_module *m = NULL;
+  char *vocab = NULL;
+  corpus c = {0};
+  if (o.load) { /* sampling from a checkpoint */
+    if (o.generate == 0) ex_die("--load samples from a checkpoint: give --generate N too");
+    m = load_checkpoint(o.load, &vocab);
+  } else {
+    corpus_load(o.corpus, &c);
+    if (c.n - c.n_train <= o.block_size + 1)
+      ex_die("the corpus is too short for a validation split of %lld-token windows",
+             (long long)o.block_size);
+    vocab = strdup(c.vocab);
+    td_gpt_config mc = model_config(&o, c.nvocab);
+    td_generator *g;
+    EX_CHECK(td_generator_create(o.seed, &g));
+    EX_CHECK(td_gpt_create(&mc, g, &m));
+    td_generator_destroy(g);
+    if (dt != TD_DTYPE_F32) EX_CHECK(td_module_to_dtype(m, dt));
+    if (o.init) load_weights(m, o.init, vocab, dt);
+    train_result r;
+    train(m, &c, &o, &r);
+    double tokens = (double)o.steps * (double)o.batch_size * (double)o.block_size;
+    ex_json_num(&res, "val_loss", r.val_loss);
+    ex_json_num(&res, "train_loss", r.train_loss);
+    ex_json_num(&res, "last_batch_loss", r.last_loss);
+    ex_json_num(&res, "uniform_loss", log((double)c.nvocab));
+    ex_json_num(&res, "tokens_per_s", r.train_s > 0 ? tokens / r.train_s : NAN);
+    ex_json_num(&res, "samples_per_s",
+                r.train_s > 0 ? (double)o.steps * (double)o.batch_size / r.train_s : NAN);
+    ex_json_num(&res, "train_s", r.train_s);
+    /* training tokens per second of CPU time: on a shared host, less sensitive than tokens_per_s
+     * to other processes taking the CPU (with one thread) */
+    ex_json_num(&res, "tokens_per_cpu_s", r.train_cpu_s > 0 ? tokens / r.train_cpu_s : NAN);
+    ex_json_child(&res, "evals", &r.evals);
+    char h[24];
+    snprintf(h, sizeof h, "%016llx", (unsigned long long)r.hash);
+    ex_json_str(&res, "batch_hash", h);
+    ex_json_fini(&r.evals);
+    if (o.save) save_checkpoint(m, o.save, vocab);
+  }
+  td_gpt_config mc;
+  EX_CHECK(td_gpt_config_get(m, &mc));
+  if (o.generate > 0) {
+    char *text = malloc((size_t)o.generate + 1);
+    double t0 = ex_now_s();
+    generate(m, vocab, &o, text);
+    double dt_gen = ex_now_s() - t0;
+    fputs(o.prompt, stdout);
+    fputs(text, stdout);
+    fputc('\n', stdout);
+    ex_json_int(&res, "generated_chars", o.generate);
+    ex_json_num(&res, "generate_chars_per_s", dt_gen > 0 ? (double)o.generate / dt_gen : NAN);
+    ex_json_str(&res, "sample", text);
+    free(text);
+  }
+  add_config(&cfg, &o, &mc, c.n, m, o.load == NULL);
+  ex_json_num(&res, "wall_s", ex_now_s() - t_start);
+  ex_json_num(&res, "peak_rss_mb", ex_peak_rss_mb());
+  ex_json_print_result("gpt", &cfg, &res, NULL);
+  ex_json_fini(&cfg);
+  ex_json_fini(&res);
+  td_module_unref(m);
+  free(vocab);
+  corpus_free(&c);
+  return 0;
+}
