@@ -40,6 +40,7 @@
 #include <time.h>
 
 #include "example_util.h"
+#include "metrics.h"
 #include "tdist/autograd.h"
 #include "tdist/nn.h"
 #include "tdist/optim.h"
@@ -52,7 +53,7 @@ typedef struct opts {
   int n_layer, n_head, threads;
   double lr, min_lr, weight_decay, beta2, grad_clip, temperature;
   uint64_t seed;
-  const char *corpus, *init, *save, *load, *dtype, *prompt;
+  const char *corpus, *init, *save, *load, *dtype, *prompt, *metrics;
   int64_t generate, top_k;
 } opts;
 
@@ -92,6 +93,8 @@ static void opts_parse(int argc, char **argv, opts *o) {
       {"prompt", EX_OPT_STRING, &o->prompt, "text the sample starts from"},
       {"temperature", EX_OPT_DOUBLE, &o->temperature, "sampling temperature"},
       {"top-k", EX_OPT_I64, &o->top_k, "sample among the k likeliest characters (0: all)"},
+      {"metrics", EX_OPT_STRING, &o->metrics,
+       "write JSON lines of every step and evaluation to FILE (scripts/plot.py draws them)"},
   };
   ex_opts_parse(argc, argv, table, (int)(sizeof table / sizeof table[0]),
                 "gpt: a character-level GPT (nanoGPT's small recipe) on the fortunes corpus");
@@ -454,20 +457,34 @@ static void train(td_module *m, const corpus *c, const opts *o, train_result *r)
       ex_json_fini(&e);
       fprintf(stderr, "%sstep %lld: train loss %.4f, val loss %.4f\n", p.tty ? "\r" : "",
               (long long)it, r->train_loss, r->val_loss);
+      ex_metrics_eval((int)it, "val_loss", r->val_loss); /* "epoch" holds the step here */
     }
     if (it == o->steps) break;
     double t0 = ex_now_s(), c0 = cpu_now_s();
-    EX_CHECK(td_optim_set_lr(opt, td_optim_lr_warmup_cosine(it, o->warmup, o->steps, o->lr,
-                                                            o->min_lr)));
+    double lr = td_optim_lr_warmup_cosine(it, o->warmup, o->steps, o->lr, o->min_lr);
+    EX_CHECK(td_optim_set_lr(opt, lr));
     batch b;
     batch_make(c->tok, c->n_train, g, o->batch_size, o->block_size, &r->hash, &b);
     td_tensor *logits, *loss;
+    double tf = ex_now_s();
     EX_CHECK(td_gpt_forward(m, b.x, b.y, &logits, &loss));
     td_optim_zero_grad(opt);
+    double tb = ex_now_s();
     EX_CHECK(td_tensor_backward(loss));
+    double ts = ex_now_s();
     if (o->grad_clip > 0) EX_CHECK(td_optim_clip_grad_norm(opt, o->grad_clip, 2.0, NULL));
     EX_CHECK(td_optim_step(opt));
     EX_CHECK(td_tensor_item(loss, &r->last_loss));
+    if (ex_metrics_on()) {
+      double now = ex_now_s();
+      ex_phases ph = {0};
+      ex_phases_add(&ph, "batch_s", tf - t0);
+      ex_phases_add(&ph, "forward_s", tb - tf);
+      ex_phases_add(&ph, "backward_s", ts - tb);
+      ex_phases_add(&ph, "step_s", now - ts);
+      ex_metrics_step(0, it, r->last_loss, lr,
+                      (double)(o->batch_size * o->block_size) / (now - t0), &ph);
+    }
     td_tensor_unref(logits);
     td_tensor_unref(loss);
     batch_free(&b);
@@ -629,7 +646,10 @@ int main(int argc, char **argv) {
     if (dt != TD_DTYPE_F32) EX_CHECK(td_module_to_dtype(m, dt));
     if (o.init) load_weights(m, o.init, vocab, dt);
     train_result r;
+    ex_metrics_open(o.metrics, 0, 1, "gpt", "gpt", NULL);
+    ex_metrics_rate_name("tokens_per_s");
     train(m, &c, &o, &r);
+    ex_metrics_close();
     double tokens = (double)o.steps * (double)o.batch_size * (double)o.block_size;
     ex_json_num(&res, "val_loss", r.val_loss);
     ex_json_num(&res, "train_loss", r.train_loss);

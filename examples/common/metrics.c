@@ -12,6 +12,9 @@ static FILE *out;
 static int m_rank;
 static char m_worker[64];
 static double t0;
+static const char *rate_name = "samples_per_s";
+
+void ex_metrics_rate_name(const char *name) { rate_name = name; }
 
 /* run.jsonl -> run.rank1.jsonl; run -> run.rank1 */
 static void rank_path(const char *path, int rank, char *buf, size_t n) {
@@ -94,7 +97,7 @@ void ex_metrics_step(int epoch, int64_t step, double loss, double lr, double sam
   size_t u = (size_t)snprintf(b, sizeof b, "\"epoch\":%d,\"step\":%lld", epoch, (long long)step);
   u = num(b, u, sizeof b, "loss", loss);
   if (!isnan(lr)) u = num(b, u, sizeof b, "lr", lr);
-  if (!isnan(samples_per_s)) u = num(b, u, sizeof b, "samples_per_s", samples_per_s);
+  if (!isnan(samples_per_s)) u = num(b, u, sizeof b, rate_name, samples_per_s);
   for (int i = 0; phases && i < phases->n && u < sizeof b; i++) {
     double v = phases->s[i];
     u += (size_t)snprintf(b + u, sizeof b - u, isfinite(v) ? "%s\"%s\":%.9g" : "%s\"%s\":null",

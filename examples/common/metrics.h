@@ -6,7 +6,8 @@
  * opened its file):
  *   {"kind": "start", "example": ..., "world_size": n, "config": {...}}
  *   {"kind": "step", "epoch": e, "step": s (global, from 0), "loss": x, "lr": x,
- *    "samples_per_s": x, "phases": {"forward_s": x, ...}}     (lr, samples_per_s, phases optional)
+ *    "samples_per_s" or "tokens_per_s": x, "phases": {"forward_s": x, ...}}  (all but loss
+ *    optional)
  *   {"kind": "eval", "epoch": e, "<metric>": x}               (test_accuracy, perplexity, ...)
  *   {"kind": "counters", "rpc": {td_rpc_stats fields}}         (at the end, when an agent ran)
  * Writing is line-buffered and never fails the run: a file that cannot be written is reported once
@@ -25,6 +26,9 @@
  * worker, with a "start" record holding config (may be NULL). */
 void ex_metrics_open(const char *path, int rank, int world_size, const char *worker,
                      const char *example, const ex_json *config);
+/* ex_metrics_rate_name names the throughput field of step records: "samples_per_s" (default)
+ * or, for language models, "tokens_per_s". */
+void ex_metrics_rate_name(const char *name);
 /* ex_metrics_on says whether records are written. */
 bool ex_metrics_on(void);
 

@@ -6,6 +6,7 @@
 #   3. 150 training steps (batch 16) must bring the validation loss below 3.0 nats: the uniform
 #      guess is ln(vocab) = 4.57 and the best context-free (unigram) model of this corpus scores
 #      3.36 on the validation split, so only a model that learned from context passes;
+#      the --metrics file holds a record per step and per evaluation;
 #   4. --load CHECKPOINT --generate 120 prints the prompt and 120 characters of the vocabulary,
 #      the same text as results.sample.
 # Skips (exit 77) when the corpus is missing (Debian's fortunes package,
@@ -37,7 +38,19 @@ cmp -s "$tmp/w7.safetensors" "$tmp/w7again.safetensors" ||
 echo "checkpoint round trip: identical files"
 
 run --steps 150 --batch-size 16 --eval-interval 50 --eval-iters 4 \
-    --save "$tmp/ckpt.safetensors" >"$tmp/train.out"
+    --save "$tmp/ckpt.safetensors" --metrics "$tmp/m.jsonl" >"$tmp/train.out"
+# the metrics file: a record per step (finite loss, tokens/s, phases) and one per evaluation
+python3 - "$tmp/m.jsonl" <<'PY' || fail "metrics file"
+import json, math, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+steps = [r for r in recs if r["kind"] == "step"]
+evals = [r for r in recs if r["kind"] == "eval"]
+assert [r["step"] for r in steps] == list(range(150)), "one step record per step"
+assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and "backward_s" in r["phases"]
+           for r in steps)
+assert [r["epoch"] for r in evals] == [0, 50, 100, 150] and all("val_loss" in r for r in evals)
+print("metrics: 150 steps, 4 evaluations")
+PY
 run --load "$tmp/ckpt.safetensors" --generate 120 --prompt "The " --top-k 20 >"$tmp/gen.out"
 
 python3 - "$tmp" <<'PY'
