@@ -58,7 +58,8 @@ static const char *rop_name(int op) {
 }
 
 void td__op_describe(const td__op_hdr *h, char *buf, size_t n) {
-  const char *dt = h->dtype >= 0 && h->dtype <= 2 ? td_dtype_name((td_dtype)h->dtype) : "?";
+  const char *dt =
+      h->dtype >= 0 && h->dtype < TD_DTYPE_COUNT ? td_dtype_name((td_dtype)h->dtype) : "?";
   unsigned long long seq = (unsigned long long)h->seq, cnt = (unsigned long long)h->count;
   if (h->kind == TD__K_BARRIER) snprintf(buf, n, "barrier (#%llu)", seq);
   else if (h->kind == TD__K_BROADCAST)
@@ -458,6 +459,9 @@ static td_status check_op(td_reduce_op op, td_dtype dt, const char *name) {
     return td_set_error(TD_ERR_INVALID, "%s: unknown reduce op %d", name, (int)op);
   if (op == TD_REDUCE_AVG && dt == TD_DTYPE_I64)
     return td_set_error(TD_ERR_DTYPE, "%s: avg needs a float dtype, got int64", name);
+  if (dt > TD_DTYPE_I64)
+    return td_set_error(TD_ERR_DTYPE, "%s: cannot reduce %s (a transport-only dtype: "
+                        "broadcast and all_gather carry it)", name, td_dtype_name(dt));
   return TD_OK;
 }
 

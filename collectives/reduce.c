@@ -43,6 +43,7 @@ void td__reduce_into(void *dst, const void *src, size_t n, td_dtype dt, td_reduc
       if (mx) MAX_LOOP(int64_t);
       else ADD_LOOP(int64_t);
       break;
+    default: break; /* transport dtypes: refused before any reduction (ops.c, check_op) */
   }
 }
 

@@ -68,6 +68,7 @@ static const char *dtype_code(td_dtype dt) {
     case TD_DTYPE_F32: return "F32";
     case TD_DTYPE_F64: return "F64";
     case TD_DTYPE_I64: return "I64";
+    default: break; /* transport dtypes (tensor.h) are not saved yet */
   }
   return NULL;
 }

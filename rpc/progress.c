@@ -11,8 +11,14 @@
  * td_rpc_shutdown, it keeps running the queue meanwhile, so waiting there cannot deadlock on work
  * only it could run.
  *
+ * A thread's wait pump (thread-local, future.c) names its queue by id, not by address: a pump left
+ * on a thread after its agent was destroyed (from another thread, or before the thread makes a
+ * new agent) finds no live queue with that id and retires, instead of touching freed memory or
+ * running a newer agent's queue on a thread that is not its progress thread. A queue is not freed
+ * while a pump runs it (never destroy an agent from inside one of its own handlers).
+ *
  * THREAD SAFETY: td__agent_submit_user from any thread; td_rpc_progress from one thread at a time
- * (the progress thread). Lock order: the queue's mutex is a leaf.
+ * (the progress thread). Lock order: live_mu, then a queue's mutex (a leaf).
  */
 #include <errno.h>
 #include <pthread.h>
@@ -34,7 +40,31 @@ struct td__hostq {
   item *head, *tail;
   size_t n;
   int efd;
+  uint64_t id;              /* unique in the process, set at creation */
+  int pumping;              /* pumps running this queue now */
+  struct td__hostq *next;   /* in the live list */
 };
+
+static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t live_cv = PTHREAD_COND_INITIALIZER;
+static td__hostq *live;
+static uint64_t live_next_id;
+
+/* Finds the live queue with id and marks a pump running on it (NULL when it is gone). */
+static td__hostq *live_acquire(uint64_t id) {
+  pthread_mutex_lock(&live_mu);
+  td__hostq *q = live;
+  while (q && q->id != id) q = q->next;
+  if (q) q->pumping++;
+  pthread_mutex_unlock(&live_mu);
+  return q;
+}
+
+static void live_release(td__hostq *q) {
+  pthread_mutex_lock(&live_mu);
+  if (--q->pumping == 0) pthread_cond_broadcast(&live_cv);
+  pthread_mutex_unlock(&live_mu);
+}
 
 td_status td__hostq_create(td__hostq **out) {
   td__hostq *q = td__calloc(1, sizeof *q);
@@ -45,6 +75,11 @@ td_status td__hostq_create(td__hostq **out) {
     return td_set_error(TD_ERR_INTERNAL, "rpc: eventfd: %s", strerror(errno));
   }
   pthread_mutex_init(&q->mu, NULL);
+  pthread_mutex_lock(&live_mu);
+  q->id = ++live_next_id;
+  q->next = live;
+  live = q;
+  pthread_mutex_unlock(&live_mu);
   *out = q;
   return TD_OK;
 }
@@ -52,6 +87,12 @@ td_status td__hostq_create(td__hostq **out) {
 /* Runs what is left (the agent is going away) and frees the queue. */
 void td__hostq_destroy(td__hostq *q) {
   if (!q) return;
+  pthread_mutex_lock(&live_mu); /* no pump finds it any more; wait for those running it */
+  td__hostq **pp = &live;
+  while (*pp != q) pp = &(*pp)->next;
+  *pp = q->next;
+  while (q->pumping) pthread_cond_wait(&live_cv, &live_mu);
+  pthread_mutex_unlock(&live_mu);
   while (td__hostq_run(q, -1) > 0) {
   }
   close(q->efd);
@@ -104,11 +145,23 @@ td_status td__agent_submit_user(td_rpc_agent *a, td__task_fn fn, void *arg) {
   return td__threadpool_submit(a->pool, fn, arg);
 }
 
-/* The progress thread's pump for blocking waits (future.c). */
-static void pump(void *ud) { td__hostq_run(((td_rpc_agent *)ud)->hostq, -1); }
+/* The progress thread's pump for blocking waits (future.c); ud is the queue's id. */
+static void pump(void *ud) {
+  td__hostq *q = live_acquire((uint64_t)(uintptr_t)ud);
+  if (!q) { /* its agent is gone: this thread is nobody's progress thread any more */
+    td__future_set_wait_pump(NULL, NULL);
+    return;
+  }
+  td__hostq_run(q, -1);
+  live_release(q);
+}
+
+static void adopt(td_rpc_agent *a) {
+  td__future_set_wait_pump(pump, (void *)(uintptr_t)a->hostq->id);
+}
 
 void td__progress_adopt_thread(td_rpc_agent *a) {
-  if (a->hostq) td__future_set_wait_pump(pump, a);
+  if (a->hostq) adopt(a);
 }
 
 void td__progress_pump(td_rpc_agent *a) {
@@ -122,6 +175,6 @@ int td_rpc_progress(td_rpc_agent *a, int max_items) {
     td_set_error(TD_ERR_STATE, "rpc_progress: the agent does not use host-driven progress");
     return -1;
   }
-  td__future_set_wait_pump(pump, a);
+  adopt(a);
   return td__hostq_run(a->hostq, max_items);
 }

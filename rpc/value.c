@@ -456,7 +456,19 @@ static bool elements_equal(const void *pa, const void *pb, int64_t numel, td_dty
       return true;
     }
     case TD_DTYPE_I64:
-      return memcmp(pa, pb, (size_t)numel * sizeof(int64_t)) == 0;
+    case TD_DTYPE_I32:
+    case TD_DTYPE_U8:
+    case TD_DTYPE_BOOL:
+      return memcmp(pa, pb, (size_t)numel * td_dtype_size(dt)) == 0;
+    case TD_DTYPE_F16:
+    case TD_DTYPE_BF16: { /* by bits: equal, both NaN, or +0 and -0 */
+      const uint16_t *a = pa, *b = pb, inf = dt == TD_DTYPE_F16 ? 0x7c00 : 0x7f80;
+      for (int64_t i = 0; i < numel; i++) {
+        uint16_t x = a[i] & 0x7fff, y = b[i] & 0x7fff;
+        if (!(a[i] == b[i] || (x > inf && y > inf) || (x == 0 && y == 0))) return false;
+      }
+      return true;
+    }
   }
   return false;
 }

@@ -126,7 +126,7 @@ void td__decoder_set_peer(td__decoder *d, int rank) { d->ctx.peer_rank = rank; }
 bool td__decoder_idle(const td__decoder *d) { return d->state == ST_PREFIX && d->have == 0; }
 
 static td_status check_tensor_node(const Tdist__Node *n, size_t *nbytes) {
-  if (n->dtype < 0 || n->dtype > TD_DTYPE_I64) return TD_ERR_FORMAT;
+  if (n->dtype < 0 || n->dtype >= TD_DTYPE_COUNT) return TD_ERR_FORMAT;
   if (n->device > TD__MAX_CUDA_INDEX + 1u) return TD_ERR_FORMAT;
   if (n->n_shape > TD_MAX_DIMS) return TD_ERR_FORMAT;
   uint64_t numel = 1;

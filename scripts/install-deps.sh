@@ -5,9 +5,12 @@
 #                                      under /usr/share/games/fortunes); iproute2: the multihost
 #                                      tests' network namespaces; Open MPI: the examples' launch
 #                                      matrix and the collectives' MPI peer; python3-matplotlib:
-#                                      scripts/plot.py, tested on the examples' metrics files
-#   scripts/install-deps.sh --torch    also python3-torch (PyTorch peers of the benchmarks and the
-#                                      fixture generator; the library never uses it)
+#                                      scripts/plot.py, tested on the examples' metrics files;
+#                                      python3-cffi/-dev/-numpy/-pytest/-venv: the Python binding,
+#                                      its tests and its wheel check
+#   scripts/install-deps.sh --torch    also python3-torch (PyTorch peers of the benchmarks, the
+#                                      fixture generator, the binding's torch tests and its
+#                                      param_server example; the library never uses it)
 #   scripts/install-deps.sh --fuzz     also clang and libFuzzer (libclang-rt-dev), for
 #                                      scripts/fuzz.sh
 #   scripts/install-deps.sh --slurm    also Slurm and munge (slurmctld slurmd slurm-client munge),
@@ -17,7 +20,8 @@ set -euo pipefail
 
 pkgs=(build-essential g++ cmake pkg-config zlib1g-dev libopenblas-dev libcmocka-dev
       libgrpc-dev libprotobuf-c-dev protobuf-c-compiler libssl-dev dataset-fashion-mnist fortunes
-      python3 python3-h2 openssl iproute2 openmpi-bin libopenmpi-dev python3-matplotlib)
+      python3 python3-h2 openssl iproute2 openmpi-bin libopenmpi-dev python3-matplotlib
+      python3-cffi python3-dev python3-numpy python3-pytest python3-venv)
 for arg in "$@"; do
   case "$arg" in
     --torch) pkgs+=(python3-torch) ;;

@@ -262,8 +262,9 @@ td_status td_tensor_set_requires_grad(td_tensor *t, bool requires_grad) {
     return td_set_error(TD_ERR_STATE,
                         "tensor_set_requires_grad: only leaf tensors can change requires_grad "
                         "(this one comes from %s)", td_node_name(t->grad_fn));
-  if (requires_grad && t->dtype == TD_DTYPE_I64)
-    return td_set_error(TD_ERR_DTYPE, "tensor_set_requires_grad: int64 tensors cannot require grad");
+  if (requires_grad && t->dtype != TD_DTYPE_F32 && t->dtype != TD_DTYPE_F64)
+    return td_set_error(TD_ERR_DTYPE, "tensor_set_requires_grad: %s tensors cannot require grad "
+                        "(float32 and float64 only)", td_dtype_name(t->dtype));
   t->requires_grad = requires_grad;
   return TD_OK;
 }
@@ -558,8 +559,9 @@ td_status td_autograd_attach(const td_tensor *t, td_node *node, int output_nr, t
                node->n_outputs);
   if (t->requires_grad)
     return td_set_error(TD_ERR_STATE, "autograd_attach: tensor already requires grad");
-  if (t->dtype == TD_DTYPE_I64)
-    return td_set_error(TD_ERR_DTYPE, "autograd_attach: int64 tensors cannot carry gradients");
+  if (t->dtype != TD_DTYPE_F32 && t->dtype != TD_DTYPE_F64)
+    return td_set_error(TD_ERR_DTYPE, "autograd_attach: %s tensors cannot carry gradients",
+                        td_dtype_name(t->dtype));
   td_tensor *v;
   TD_TRY(td__tensor_view(t, t->shape, t->strides, t->ndim, t->offset, &v));
   td__tensor_set_history(v, node, output_nr);

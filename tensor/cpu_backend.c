@@ -272,6 +272,23 @@ COPY_ROW(int64_t, float, td__f2i64)
 COPY_ROW(int64_t, double, td__f2i64)
 COPY_ROW(int64_t, int64_t, CAST_I)
 
+/* Copies with a transport dtype (tensor.h) on either side: bytes for equal dtypes (NaN payloads
+ * kept), else element by element through double. */
+static void copy_transport(const geom *g, char *db, td_dtype dd, const char *sb, td_dtype sd) {
+  if (dd == sd) {
+    size_t es = td_dtype_size(dd);
+    GEOM_LOOP(g, 2, {
+      for (int64_t i = 0; i < n_; i++)
+        memcpy(db + (size_t)(off_[0] + i * s0_) * es, sb + (size_t)(off_[1] + i * s1_) * es, es);
+    });
+    return;
+  }
+  GEOM_LOOP(g, 2, {
+    for (int64_t i = 0; i < n_; i++)
+      td__store(db, dd, off_[0] + i * s0_, td__load(sb, sd, off_[1] + i * s1_));
+  });
+}
+
 static td_status cpu_copy(td_tensor *dst, const td_tensor *src) {
   if (td_tensor_numel(dst) == 0) return TD_OK;
   if (dst->dtype == src->dtype && td_tensor_is_contiguous(dst) && td_tensor_is_contiguous(src)) {
@@ -283,6 +300,10 @@ static td_status cpu_copy(td_tensor *dst, const td_tensor *src) {
   geom_make(&g, ops, 2);
   char *db = elem_ptr(dst);
   const char *sb = elem_ptr(src);
+  if (dst->dtype > TD_DTYPE_I64 || src->dtype > TD_DTYPE_I64) {
+    copy_transport(&g, db, dst->dtype, sb, src->dtype);
+    return TD_OK;
+  }
 #define COPY_CASE(TD, TS)                                                                \
   GEOM_LOOP(&g, 2, copy_row_##TD##_##TS((TD *)db + off_[0], s0_, (const TS *)sb + off_[1], \
                                         s1_, n_))
@@ -328,6 +349,15 @@ static td_status cpu_fill(td_tensor *t, double v) {
       GEOM_LOOP(&g, 1, {
         int64_t *p = (int64_t *)b + off_[0];
         for (int64_t i = 0; i < n_; i++) p[i * s0_] = iv;
+      });
+      break;
+    }
+    default: { /* transport dtypes: convert once, then copy the element's bytes */
+      char one[8];
+      size_t es = td_dtype_size(t->dtype);
+      td__store(one, t->dtype, 0, v);
+      GEOM_LOOP(&g, 1, {
+        for (int64_t i = 0; i < n_; i++) memcpy(b + (size_t)(off_[0] + i * s0_) * es, one, es);
       });
       break;
     }
@@ -517,6 +547,9 @@ static td_status cpu_unary(td__unary_op op, const td_tensor *x, td_tensor *out, 
         break;
       }
       return td_set_error(TD_ERR_DTYPE, "unary op on int64 tensors is not supported");
+    default: /* transport dtypes: the ops refuse them before (td__check_compute) */
+      return td_set_error(TD_ERR_DTYPE, "unary op on %s tensors is not supported",
+                          td_dtype_name(out->dtype));
   }
   return TD_OK;
 }

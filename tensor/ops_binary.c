@@ -43,6 +43,7 @@ static td_status binary_raw(td__binary_op op, const td_tensor *a, const td_tenso
   TD_CHECK_ARG(a && b && out, "%s: NULL argument", name);
   TD_TRY(td__check_same_device(name, a, b));
   TD_TRY(td__check_same_dtype(name, a, b));
+  TD_TRY(td__check_compute(name, a));
   int64_t shape[TD_MAX_DIMS];
   int nd;
   TD_TRY(td__broadcast_shape(name, a->shape, a->ndim, b->shape, b->ndim, shape, &nd));
@@ -230,6 +231,7 @@ static td_status inplace_operand(const char *name, const td_tensor *t, const td_
   TD_CHECK_ARG(t && other, "%s: NULL tensor", name);
   TD_TRY(td__check_same_device(name, t, other));
   TD_TRY(td__check_same_dtype(name, t, other));
+  TD_TRY(td__check_compute(name, t));
   int64_t shape[TD_MAX_DIMS];
   int nd;
   TD_TRY(td__broadcast_shape(name, t->shape, t->ndim, other->shape, other->ndim, shape, &nd));
@@ -243,6 +245,7 @@ static td_status inplace_operand(const char *name, const td_tensor *t, const td_
 
 td_status td_tensor_mul_scalar_(td_tensor *t, double s) {
   TD_CHECK_ARG(t, "tensor_mul_scalar_: NULL tensor");
+  TD_TRY(td__check_compute("tensor_mul_scalar_", t));
   return td__backend_of(t)->unary(TD__UN_AFFINE, t, t, s, 0.0);
 }
 

@@ -98,6 +98,7 @@ td_status td_tensor_index_select(const td_tensor *t, int dim, const td_tensor *i
     return td_set_error(TD_ERR_DTYPE, "index_select: index must be int64, got %s",
                         td_dtype_name(index->dtype));
   TD_TRY(td__check_same_device("index_select", t, index));
+  TD_TRY(td__check_compute("index_select", t));
   char a[96], b[96];
   const char *ts = td__shape_str(t->shape, t->ndim, a, sizeof a);
   if (index->ndim > 1)
@@ -163,6 +164,7 @@ td_status td_tensor_embedding(const td_tensor *weight, const td_tensor *indices,
     return td_set_error(TD_ERR_DTYPE, "embedding: indices must be int64, got %s",
                         td_dtype_name(indices->dtype));
   TD_TRY(td__check_same_device("embedding", weight, indices));
+  TD_TRY(td__check_compute("embedding", weight));
   char a[96];
   const char *ws = td__shape_str(weight->shape, weight->ndim, a, sizeof a);
   if (weight->ndim != 2)

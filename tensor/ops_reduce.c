@@ -53,6 +53,7 @@ static const td__node_ops sum_ops = {"SumBackward", sum_backward, NULL, NULL};
 td_status td_tensor_sum(const td_tensor *t, const int *dims, int ndims, bool keepdim,
                         td_tensor **out) {
   TD_CHECK_ARG(t && out && (dims || ndims == 0), "sum: NULL argument");
+  TD_TRY(td__check_compute("sum", t));
   bool red[TD_MAX_DIMS] = {false};
   for (int i = 0; i < ndims; i++) {
     int d = td__norm_dim(dims[i], t->ndim);
@@ -229,6 +230,7 @@ static const td__node_ops max_ops = {"MaxBackward", max_backward, max_release, N
 static td_status max_impl(const td_tensor *t, int dim, bool keepdim, td_tensor **values,
                           td_tensor **indices, bool record) {
   TD_CHECK_ARG(t, "max: NULL tensor");
+  TD_TRY(td__check_compute("max", t));
   int d = td__norm_dim(dim, t->ndim);
   if (d < 0 || t->ndim == 0)
     return td_set_error(TD_ERR_INVALID, "max: dim %d out of range for %d-d tensor", dim, t->ndim);

@@ -74,6 +74,7 @@ static td_status unary_op(td__unary_op op, const td_tensor *x, double p0, double
   const unary_info *info = &infos[op];
   TD_CHECK_ARG(x && out, "%s: NULL argument", info->name);
   if (op != TD__UN_AFFINE) TD_TRY(td__check_float(info->name, x));
+  else TD_TRY(td__check_compute(info->name, x));
   td_tensor *y;
   TD_TRY(td__tensor_new_like(x, &y));
   td_status st = td__backend_of(x)->unary(op, x, y, p0, p1);

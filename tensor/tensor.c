@@ -76,20 +76,35 @@ const td__backend *td__backend_of(const td_tensor *t) {
   return td__cuda_backend;
 }
 
-size_t td_dtype_size(td_dtype dt) { return dt == TD_DTYPE_F32 ? 4 : 8; }
+size_t td_dtype_size(td_dtype dt) {
+  switch (dt) {
+    case TD_DTYPE_F64:
+    case TD_DTYPE_I64: return 8;
+    case TD_DTYPE_F32:
+    case TD_DTYPE_I32: return 4;
+    case TD_DTYPE_F16:
+    case TD_DTYPE_BF16: return 2;
+    case TD_DTYPE_U8:
+    case TD_DTYPE_BOOL: return 1;
+  }
+  return 0;
+}
 
 const char *td_dtype_name(td_dtype dt) {
   switch (dt) {
     case TD_DTYPE_F32: return "float32";
     case TD_DTYPE_F64: return "float64";
     case TD_DTYPE_I64: return "int64";
+    case TD_DTYPE_F16: return "float16";
+    case TD_DTYPE_BF16: return "bfloat16";
+    case TD_DTYPE_I32: return "int32";
+    case TD_DTYPE_U8: return "uint8";
+    case TD_DTYPE_BOOL: return "bool";
   }
   return "unknown";
 }
 
-static bool dtype_valid(td_dtype dt) {
-  return dt == TD_DTYPE_F32 || dt == TD_DTYPE_F64 || dt == TD_DTYPE_I64;
-}
+static bool dtype_valid(td_dtype dt) { return (unsigned)dt < TD_DTYPE_COUNT; }
 
 /* ---- generator: PCG-XSL-RR 128/64 ---- */
 
@@ -206,6 +221,14 @@ td_status td__check_same_device(const char *op, const td_tensor *a, const td_ten
                       td_device_str(b->storage->device, db, sizeof db));
 }
 
+td_status td__check_compute(const char *op, const td_tensor *t) {
+  if (t->dtype <= TD_DTYPE_I64) return TD_OK;
+  return td_set_error(TD_ERR_DTYPE,
+                      "%s: %s is a transport-only dtype in tdist (create, view, copy, convert, "
+                      "send); convert to float32, float64 or int64 first (td_tensor_to_dtype)",
+                      op, td_dtype_name(t->dtype));
+}
+
 td_status td__check_float(const char *op, const td_tensor *t) {
   if (t->dtype == TD_DTYPE_F32 || t->dtype == TD_DTYPE_F64) return TD_OK;
   return td_set_error(TD_ERR_DTYPE, "%s: expected a float32 or float64 tensor, got %s", op,
@@ -273,6 +296,9 @@ td_status td__tensor_new(const int64_t *shape, int ndim, td_dtype dt, td_device 
                          td_tensor **out) {
   TD_TRY(check_shape("tensor", shape, ndim));
   if (!dtype_valid(dt)) return td_set_error(TD_ERR_DTYPE, "tensor: invalid dtype %d", (int)dt);
+  if (dt > TD_DTYPE_I64 && dev.type != TD_DEVICE_CPU)
+    return td_set_error(TD_ERR_DTYPE, "tensor: %s tensors live on the CPU only (transport dtype)",
+                        td_dtype_name(dt));
   int64_t numel = td__shape_numel(shape, ndim);
   if (numel > (INT64_MAX / 8))
     return td_set_error(TD_ERR_INVALID, "tensor: %lld elements is too many", (long long)numel);
@@ -457,7 +483,8 @@ static double rand_fn(void *c, int64_t i) {
 td_status td_tensor_uniform(const int64_t *shape, int ndim, double lo, double hi, td_dtype dt,
                             td_device dev, td_generator *g, td_tensor **out) {
   TD_CHECK_ARG(out && g, "tensor_uniform: NULL out or generator");
-  TD_CHECK_ARG(dt != TD_DTYPE_I64, "tensor_uniform: float dtype required");
+  TD_CHECK_ARG(dt == TD_DTYPE_F32 || dt == TD_DTYPE_F64,
+               "tensor_uniform: float32 or float64 required");
   rand_ctx c = {g, lo, hi, false};
   return host_fill_to(shape, ndim, dt, dev, rand_fn, &c, out);
 }
@@ -465,7 +492,8 @@ td_status td_tensor_uniform(const int64_t *shape, int ndim, double lo, double hi
 td_status td_tensor_normal(const int64_t *shape, int ndim, double mean, double std, td_dtype dt,
                            td_device dev, td_generator *g, td_tensor **out) {
   TD_CHECK_ARG(out && g, "tensor_normal: NULL out or generator");
-  TD_CHECK_ARG(dt != TD_DTYPE_I64, "tensor_normal: float dtype required");
+  TD_CHECK_ARG(dt == TD_DTYPE_F32 || dt == TD_DTYPE_F64,
+               "tensor_normal: float32 or float64 required");
   rand_ctx c = {g, mean, std, true};
   return host_fill_to(shape, ndim, dt, dev, rand_fn, &c, out);
 }
@@ -754,7 +782,8 @@ td_status td_tensor_to_dtype(const td_tensor *t, td_dtype dt, td_tensor **out) {
   td_tensor *r;
   TD_TRY(td__tensor_new(t->shape, t->ndim, dt, t->storage->device, &r));
   td_status st = td__backend_of(t)->copy(r, t);
-  if (st == TD_OK && td__needs_grad(t) && dt != TD_DTYPE_I64) st = record_convert(r, t);
+  if (st == TD_OK && td__needs_grad(t) && (dt == TD_DTYPE_F32 || dt == TD_DTYPE_F64))
+    st = record_convert(r, t);
   if (st != TD_OK) {
     td_tensor_unref(r);
     return st;

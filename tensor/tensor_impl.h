@@ -24,6 +24,7 @@
 #define TD_TENSOR_IMPL_H
 
 #include <pthread.h>
+#include <string.h>
 
 #include "../core/core.h"
 #include "../core/refcount.h"
@@ -90,6 +91,10 @@ td_status td__expand_view(const td_tensor *t, const int64_t *shape, int ndim, td
 td_status td__sum_to(const td_tensor *grad, const int64_t *shape, int ndim, td_tensor **out);
 /* td__check_same_device returns TD_ERR_DEVICE naming op when a and b are on different devices. */
 td_status td__check_same_device(const char *op, const td_tensor *a, const td_tensor *b);
+/* td__check_compute returns TD_ERR_DTYPE naming op when t has a transport-only dtype (float16,
+ * bfloat16, int32, uint8, bool: see tensor.h); every op that runs a kernel other than copy and
+ * fill on a tensor not already checked with td__check_float calls it first. */
+td_status td__check_compute(const char *op, const td_tensor *t);
 /* td__check_float returns TD_ERR_DTYPE naming op unless t is float32/float64. */
 td_status td__check_float(const char *op, const td_tensor *t);
 /* td__check_same_dtype returns TD_ERR_DTYPE naming op when dtypes differ. */
@@ -345,12 +350,64 @@ static inline TD__HD int64_t td__f2i64(double v) {
   return v >= -9223372036854775808.0 && v < 9223372036854775808.0 ? (int64_t)v : INT64_MIN;
 }
 
-/* Element access helpers for CPU code. */
+/* Half-precision conversions (host code): IEEE binary16 and bfloat16 <-> float, rounding to
+ * nearest even; NaN stays NaN, overflow gives infinity. */
+static inline float td__bits_f32(uint32_t b) {
+  float f;
+  memcpy(&f, &b, 4);
+  return f;
+}
+static inline uint32_t td__f32_bits(float f) {
+  uint32_t b;
+  memcpy(&b, &f, 4);
+  return b;
+}
+static inline float td__f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0x1f) return td__bits_f32(sign | 0x7f800000u | (man << 13)); /* inf, NaN */
+  if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+    float f = (float)man * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  return td__bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+}
+static inline uint16_t td__f32_to_f16(float f) {
+  uint32_t b = td__f32_bits(f), sign = (b >> 16) & 0x8000u, a = b & 0x7fffffffu;
+  if (a >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0));
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
+  if (a < 0x38800000u) { /* below the smallest normal half: subnormal, in units of 2^-24 */
+    float m = td__bits_f32(a) * 16777216.0f; /* exact; rounding below is to nearest even */
+    uint32_t q = (uint32_t)m;
+    float frac = m - (float)q;
+    if (frac > 0.5f || (frac == 0.5f && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
+  }
+  uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - (112u << 23); /* rebias, round to nearest even */
+  return (uint16_t)(sign | (r >> 13));
+}
+static inline float td__bf16_to_f32(uint16_t h) { return td__bits_f32((uint32_t)h << 16); }
+static inline uint16_t td__f32_to_bf16(float f) {
+  uint32_t b = td__f32_bits(f);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40u); /* quiet NaN */
+  return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+/* td__f2i32 and td__f2u8 convert like td__f2i64 and then wrap to the narrower type (what a
+ * float -> int64 -> int32 conversion gives in PyTorch). */
+static inline int32_t td__f2i32(double v) { return (int32_t)(uint32_t)(uint64_t)td__f2i64(v); }
+static inline uint8_t td__f2u8(double v) { return (uint8_t)(uint64_t)td__f2i64(v); }
+
+/* Element access helpers for CPU code (every dtype, through double: exact for all of them but
+ * int64 values beyond 2^53). */
 static inline double td__load(const void *base, td_dtype dt, int64_t i) {
   switch (dt) {
     case TD_DTYPE_F32: return ((const float *)base)[i];
     case TD_DTYPE_F64: return ((const double *)base)[i];
     case TD_DTYPE_I64: return (double)((const int64_t *)base)[i];
+    case TD_DTYPE_F16: return td__f16_to_f32(((const uint16_t *)base)[i]);
+    case TD_DTYPE_BF16: return td__bf16_to_f32(((const uint16_t *)base)[i]);
+    case TD_DTYPE_I32: return ((const int32_t *)base)[i];
+    case TD_DTYPE_U8: return ((const uint8_t *)base)[i];
+    case TD_DTYPE_BOOL: return ((const uint8_t *)base)[i] != 0;
   }
   return 0;
 }
@@ -359,6 +416,11 @@ static inline void td__store(void *base, td_dtype dt, int64_t i, double v) {
     case TD_DTYPE_F32: ((float *)base)[i] = (float)v; break;
     case TD_DTYPE_F64: ((double *)base)[i] = v; break;
     case TD_DTYPE_I64: ((int64_t *)base)[i] = td__f2i64(v); break;
+    case TD_DTYPE_F16: ((uint16_t *)base)[i] = td__f32_to_f16((float)v); break;
+    case TD_DTYPE_BF16: ((uint16_t *)base)[i] = td__f32_to_bf16((float)v); break;
+    case TD_DTYPE_I32: ((int32_t *)base)[i] = td__f2i32(v); break;
+    case TD_DTYPE_U8: ((uint8_t *)base)[i] = td__f2u8(v); break;
+    case TD_DTYPE_BOOL: ((uint8_t *)base)[i] = v != 0; break;
   }
 }
 

@@ -383,6 +383,7 @@ static ncclDataType_t nccl_dtype(td_dtype dt) {
     case TD_DTYPE_F32: return ncclFloat32;
     case TD_DTYPE_F64: return ncclFloat64;
     case TD_DTYPE_I64: return ncclInt64;
+    default: break; /* transport dtypes never live on a GPU (tensor.h) */
   }
   return ncclFloat32;
 }

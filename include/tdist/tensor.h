@@ -29,11 +29,26 @@ extern "C" {
 /* Maximum number of dimensions of a tensor. */
 #define TD_MAX_DIMS 8
 
+/* Element types. float32, float64 and int64 are computed with; the others (numbers >= 3) exist
+ * for transport and storage - the dtypes other runtimes hand over (PyTorch, numpy): CPU tensors
+ * of them can be created (td_tensor_empty/zeros/full, from_buffer, from_borrowed), viewed, copied
+ * and converted to and from every dtype (td_tensor_to_dtype, td_tensor_copy_: conversions go
+ * through double, float -> integer truncates, -> bool is != 0), read (td_tensor_get, item),
+ * compared (td_tensor_allclose) and sent in RPC values; every other op, autograd and CUDA
+ * placement refuse them with TD_ERR_DTYPE ("<op>: float16 is a transport-only dtype ..."). */
 typedef enum td_dtype {
   TD_DTYPE_F32 = 0,
   TD_DTYPE_F64 = 1,
   TD_DTYPE_I64 = 2,
+  TD_DTYPE_F16 = 3,  /* IEEE 754 binary16 */
+  TD_DTYPE_BF16 = 4, /* bfloat16: the upper half of a float32 (rounded to nearest even) */
+  TD_DTYPE_I32 = 5,
+  TD_DTYPE_U8 = 6,
+  TD_DTYPE_BOOL = 7, /* one byte, 0 or 1 */
 } td_dtype;
+
+/* The number of dtypes (valid dtypes are 0 .. TD_DTYPE_COUNT - 1). */
+#define TD_DTYPE_COUNT 8
 
 typedef enum td_device_type {
   TD_DEVICE_CPU = 0,
@@ -89,9 +104,12 @@ TD_API td_status td_cuda_empty_cache(void);
  * SAFETY: any thread. */
 TD_API td_status td_cuda_memory_info(int device, size_t *in_use, size_t *cached);
 
-/* td_dtype_size returns the size in bytes of one element (4 or 8). */
+/* td_dtype_size returns the size in bytes of one element (1, 2, 4 or 8; 0 for a number that is
+ * no dtype). */
 TD_API size_t td_dtype_size(td_dtype dt);
-/* td_dtype_name returns "float32", "float64" or "int64"; never NULL. */
+/* td_dtype_name returns PyTorch's name of dt: "float32", "float64", "int64", "float16",
+ * "bfloat16", "int32", "uint8", "bool" ("unknown" for a number that is no dtype); never NULL.
+ * Static storage. */
 TD_API const char *td_dtype_name(td_dtype dt);
 
 /* ---- generators ---- */

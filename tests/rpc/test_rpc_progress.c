@@ -127,9 +127,75 @@ static void test_rpc_progress_host_thread_runs_user_code(void **state) {
   if (fails) fail_msg("%d workers failed (codes %d %d)", fails, codes[0], codes[1]);
 }
 
+/* ---- a thread's pump outlives its agent ---- */
+
+static pthread_t c_thread;
+static volatile int c_stop;
+static td_rpc_agent *volatile c_agent;
+
+static td_status fn_on_c_thread(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                                td_future **fut) {
+  (void)c, (void)args, (void)n, (void)fut;
+  *res = td_value_bool(pthread_equal(pthread_self(), c_thread));
+  return TD_OK;
+}
+
+static void *destroy_agent(void *arg) {
+  td_rpc_agent *a = arg;
+  td_rpc_shutdown(a, true, td_test_ms(10000));
+  td_rpc_destroy(a);
+  return NULL;
+}
+
+/* Makes host agent C, then serves its queue until c_stop. */
+static void *serve_c(void *arg) {
+  (void)arg;
+  td_rpc_options o = td_mp_rpc_options("tcp://127.0.0.1:0", 2);
+  o.progress = TD_RPC_PROGRESS_HOST;
+  td_rpc_agent *a = NULL;
+  if (td_rpc_init(NULL, 0, 1, &o, &a) != TD_OK) return NULL;
+  c_agent = a;
+  while (!c_stop) {
+    td_rpc_progress(a, -1);
+    if (fd_readable(td_rpc_progress_fd(a), 1)) td_rpc_progress(a, -1);
+  }
+  td_rpc_shutdown(a, true, td_test_ms(10000));
+  td_rpc_destroy(a);
+  return NULL;
+}
+
+/* This thread was agent A's progress thread; A is destroyed by another thread, and a new host
+ * agent C lives on thread T. A wait on this thread must neither touch A (freed: ASan) nor run C's
+ * queue (C's handlers run on T only, even when C was allocated where A was). */
+static void test_rpc_progress_pump_outlives_its_agent(void **state) {
+  (void)state;
+  TD_ASSERT_OK(td_rpc_register("on_c_thread", fn_on_c_thread, NULL));
+  td_rpc_options o = td_mp_rpc_options("tcp://127.0.0.1:0", 2);
+  o.progress = TD_RPC_PROGRESS_HOST;
+  td_rpc_agent *a = NULL;
+  TD_ASSERT_OK(td_rpc_init(NULL, 0, 1, &o, &a)); /* this thread: A's progress thread */
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, destroy_agent, a), 0);
+  pthread_join(t, NULL);
+  c_stop = 0;
+  assert_int_equal(pthread_create(&c_thread, NULL, serve_c, NULL), 0);
+  TD_TEST_POLL(c_agent != NULL, 30);
+  assert_non_null(c_agent);
+  td_future *f = NULL;
+  TD_ASSERT_OK(td_rpc_async(c_agent, "worker0", "on_c_thread", NULL, 0, NULL, &f));
+  TD_ASSERT_OK(td_future_wait(f, td_test_ms(30000))); /* A's stale pump runs here meanwhile */
+  bool on_c = false;
+  TD_ASSERT_OK(td_value_as_bool(td_future_value(f), &on_c));
+  assert_true(on_c);
+  td_future_unref(f);
+  c_stop = 1;
+  pthread_join(c_thread, NULL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_rpc_progress_host_thread_runs_user_code),
+      cmocka_unit_test(test_rpc_progress_pump_outlives_its_agent),
   };
   return cmocka_run_group_tests_name("rpc_progress", tests, NULL, NULL);
 }
