@@ -5,7 +5,9 @@
  * (AVX-512) levels with TD__CPU_CLONES (gcc's target_clones; the loader picks the best version
  * once, through an ifunc, by ISA level: "arch=<cpu>" clones would dispatch on the exact CPU model
  * and miss newer ones), so one binary runs anywhere and uses the wide units where they exist.
- * Without gcc >= 12 on x86-64 the macro is empty (one baseline version).
+ * Without gcc >= 12 on x86-64 the macro is empty (one baseline version); so it is under TSan:
+ * gcc instruments the ifunc resolvers it generates (__tsan_func_entry), and the loader runs them
+ * while relocating, before libtsan is usable, so every program died before main.
  *
  * Calls into libm (expf, erff) stop gcc from vectorising a loop, so float32 kernels use the
  * branch-free inline functions below instead:
@@ -27,7 +29,7 @@
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && \
-    !defined(TD_NO_CPU_CLONES)
+    !defined(TD_NO_CPU_CLONES) && !defined(__SANITIZE_THREAD__)
 #define TD__CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", \
                                                     "default")))
 #else

@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
@@ -129,14 +130,15 @@ static void test_rpc_progress_host_thread_runs_user_code(void **state) {
 
 /* ---- a thread's pump outlives its agent ---- */
 
-static pthread_t c_thread;
-static volatile int c_stop;
-static td_rpc_agent *volatile c_agent;
+/* Set by serve_c before it publishes c_agent (release), read after (acquire). */
+static pthread_t c_self;
+static atomic_int c_stop;
+static _Atomic(td_rpc_agent *) c_agent;
 
 static td_status fn_on_c_thread(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                                 td_future **fut) {
   (void)c, (void)args, (void)n, (void)fut;
-  *res = td_value_bool(pthread_equal(pthread_self(), c_thread));
+  *res = td_value_bool(pthread_equal(pthread_self(), c_self));
   return TD_OK;
 }
 
@@ -154,8 +156,9 @@ static void *serve_c(void *arg) {
   o.progress = TD_RPC_PROGRESS_HOST;
   td_rpc_agent *a = NULL;
   if (td_rpc_init(NULL, 0, 1, &o, &a) != TD_OK) return NULL;
-  c_agent = a;
-  while (!c_stop) {
+  c_self = pthread_self();
+  atomic_store(&c_agent, a);
+  while (!atomic_load(&c_stop)) {
     td_rpc_progress(a, -1);
     if (fd_readable(td_rpc_progress_fd(a), 1)) td_rpc_progress(a, -1);
   }
@@ -177,18 +180,20 @@ static void test_rpc_progress_pump_outlives_its_agent(void **state) {
   pthread_t t;
   assert_int_equal(pthread_create(&t, NULL, destroy_agent, a), 0);
   pthread_join(t, NULL);
-  c_stop = 0;
+  atomic_store(&c_stop, 0);
+  pthread_t c_thread;
   assert_int_equal(pthread_create(&c_thread, NULL, serve_c, NULL), 0);
-  TD_TEST_POLL(c_agent != NULL, 30);
-  assert_non_null(c_agent);
+  TD_TEST_POLL(atomic_load(&c_agent) != NULL, 30);
+  td_rpc_agent *c = atomic_load(&c_agent);
+  assert_non_null(c);
   td_future *f = NULL;
-  TD_ASSERT_OK(td_rpc_async(c_agent, "worker0", "on_c_thread", NULL, 0, NULL, &f));
+  TD_ASSERT_OK(td_rpc_async(c, "worker0", "on_c_thread", NULL, 0, NULL, &f));
   TD_ASSERT_OK(td_future_wait(f, td_test_ms(30000))); /* A's stale pump runs here meanwhile */
   bool on_c = false;
   TD_ASSERT_OK(td_value_as_bool(td_future_value(f), &on_c));
   assert_true(on_c);
   td_future_unref(f);
-  c_stop = 1;
+  atomic_store(&c_stop, 1);
   pthread_join(c_thread, NULL);
 }
 
