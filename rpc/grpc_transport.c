@@ -64,9 +64,12 @@ static grpc_channel_args *make_args(grpc_arg *buf, int *n, const td__transport *
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_PING_STRIKES, {.integer = 2}};
     /* tdist needs one stream per peer pair plus a few concurrent store calls per connection */
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_CONCURRENT_STREAMS, {.integer = 16}};
-    /* a TCP connection must complete its HTTP/2 handshake quickly */
+    /* a TCP connection must complete its HTTP/2 handshake within the time it has for tdist's
+     * own (TD_RPC_HANDSHAKE_TIMEOUT_MS, 20 s): one knob for how long a connection may take to
+     * prove itself, which busy machines (64 workers on 2 cores, sanitizers) stretch */
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
-                          {.integer = 10000}};
+                          {.integer = (int)(o->handshake_timeout_ms > 0 ? o->handshake_timeout_ms
+                                                                       : 20000)}};
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIME_MS, {.integer = ka}};
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIMEOUT_MS, {.integer = kt}};
   } else {

@@ -2,13 +2,17 @@
  * calls (every worker calls every other worker once, async, then waits for all) and a graceful
  * shutdown, with two worker threads per agent and the default keepalive (stretched by
  * TD_TEST_TIMEOUT_SCALE, and 4x in sanitizer builds). Rank 0 prints the time each phase took. */
+#include <stdio.h>
+#include <stdlib.h>
+
 #include "rpc_test_fns.h"
 #include "test_util.h"
 
 enum { WORLD = 64 };
 
 /* Sanitizer builds run several times slower: 64 of them overload two cores, so live peers answer
- * pings late; the keepalive timeout (default 20 s) is stretched accordingly. */
+ * pings late and finish connection handshakes late; the keepalive timeout and the handshake
+ * timeout (20 s each by default) are stretched accordingly. */
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define SLOWDOWN 4.0
 #else
@@ -22,6 +26,9 @@ static int worker_all_to_all(int rank, int world, const char *method, void *arg)
   o.init_timeout_ms = td_test_ms(200000);
   o.rpc_timeout_ms = td_test_ms(120000);
   o.keepalive_timeout_ms = (int64_t)(o.keepalive_timeout_ms * scale * SLOWDOWN);
+  char hs[32];
+  snprintf(hs, sizeof hs, "%lld", (long long)(20000 * scale * SLOWDOWN));
+  setenv("TD_RPC_HANDSHAKE_TIMEOUT_MS", hs, 1); /* this worker process only */
   td_rpc_agent *a;
   double t0 = td_test_now_s();
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
