@@ -106,6 +106,16 @@ struct td_process_group {
 /* "worker2 (rank 2)" for group rank grank, written into buf (at least 160 bytes). */
 const char *td__pg_who(const td_process_group *pg, int grank, char *buf, size_t n);
 
+/* td__coll_check_same_params compares a fingerprint of params[0..np) (count, dtypes, shapes,
+ * device types) across pg through an all_gather on dev, so every member fails alike on a
+ * mismatch: TD_ERR_SHAPE "<what>: the module of workerN (rank N) has different parameters ...".
+ * Collective. (replicas.c) */
+td_status td__coll_check_same_params(td_process_group *pg, td_tensor *const *params, size_t np,
+                                     td_device dev, const char *what);
+/* td__coll_broadcast_tensor broadcasts t from group rank 0 (through a contiguous copy when t is
+ * not contiguous). Collective. */
+td_status td__coll_broadcast_tensor(td_process_group *pg, td_tensor *t);
+
 /* td__pg_deadline returns the monotonic deadline (ns) of an operation starting now. */
 uint64_t td__pg_deadline(const td_process_group *pg);
 

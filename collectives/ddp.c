@@ -75,61 +75,6 @@ struct td_ddp {
   td_ddp_stats stats;
 };
 
-static uint64_t fnv(uint64_t h, uint64_t v) {
-  for (int i = 0; i < 8; i++) h = (h ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
-  return h;
-}
-
-/* Every member gathers every member's fingerprint, so all of them fail alike on a mismatch. */
-static td_status check_same_params(td_ddp *d, td_device dev) {
-  uint64_t h = 1469598103934665603ull;
-  h = fnv(h, d->params.n);
-  for (size_t i = 0; i < d->params.n; i++) {
-    td_tensor *p = d->params.tensors[i];
-    h = fnv(h, (uint64_t)td_tensor_dtype(p));
-    h = fnv(h, (uint64_t)td_tensor_device(p).type);
-    h = fnv(h, (uint64_t)td_tensor_ndim(p));
-    for (int k = 0; k < td_tensor_ndim(p); k++) h = fnv(h, (uint64_t)td_tensor_shape(p)[k]);
-  }
-  int n = td_process_group_size(d->pg);
-  int64_t one = 1, all = n;
-  td_tensor *mine = NULL, *mine_dev = NULL, *every = NULL, *every_cpu = NULL;
-  int64_t hv = (int64_t)(h >> 1);
-  td_status st = td_tensor_from_buffer(&hv, &one, 1, TD_DTYPE_I64, &mine);
-  if (st == TD_OK) st = td_tensor_to(mine, dev, &mine_dev);
-  if (st == TD_OK) st = td_tensor_empty(&all, 1, TD_DTYPE_I64, dev, &every);
-  if (st == TD_OK) st = td_process_group_all_gather_into_tensor(d->pg, every, mine_dev);
-  if (st == TD_OK) st = td_tensor_to(every, td_device_cpu(), &every_cpu);
-  if (st == TD_OK) {
-    const int64_t *v = td_tensor_data(every_cpu);
-    for (int i = 0; i < n; i++) {
-      if (v[i] != v[0]) {
-        char who[160];
-        st = td_set_error(TD_ERR_SHAPE, "ddp_create: the module of %s has different parameters "
-                          "(count, dtypes or shapes) from group rank 0's",
-                          td__pg_who(d->pg, i, who, sizeof who));
-        break;
-      }
-    }
-  }
-  td_tensor_unref(mine);
-  td_tensor_unref(mine_dev);
-  td_tensor_unref(every);
-  td_tensor_unref(every_cpu);
-  return st;
-}
-
-/* Broadcasts t from group rank 0 (through a contiguous copy when t is not contiguous). */
-static td_status broadcast_tensor(td_process_group *pg, td_tensor *t) {
-  if (td_tensor_is_contiguous(t)) return td_process_group_broadcast(pg, t, 0);
-  td_tensor *c = NULL;
-  TD_TRY(td_tensor_clone(t, &c));
-  td_status st = td_process_group_broadcast(pg, c, 0);
-  if (st == TD_OK) st = td_tensor_copy_(t, c);
-  td_tensor_unref(c);
-  return st;
-}
-
 static void free_buckets(td_ddp *d) {
   for (int k = 0; k < d->nbuckets; k++) {
     td_tensor_unref(d->buckets[k].buf);
@@ -221,9 +166,10 @@ td_status td_ddp_create_ex(td_process_group *pg, td_module *module, const td_ddp
   td_device dev = n ? td_tensor_device(d->params.tensors[0]) : td_device_cpu();
   if (st == TD_OK && pg->backend == TD_PG_BACKEND_NCCL && dev.type != TD_DEVICE_CUDA)
     st = td_set_error(TD_ERR_DEVICE, "ddp_create: an NCCL group needs a module on CUDA");
-  if (st == TD_OK) st = check_same_params(d, dev);
+  if (st == TD_OK)
+    st = td__coll_check_same_params(pg, d->params.tensors, n, dev, "ddp_create");
   if (st == TD_OK) st = td_module_state_dict(module, &sd);
-  for (size_t i = 0; st == TD_OK && i < sd.n; i++) st = broadcast_tensor(pg, sd.tensors[i]);
+  for (size_t i = 0; st == TD_OK && i < sd.n; i++) st = td__coll_broadcast_tensor(pg, sd.tensors[i]);
   if (st == TD_OK) {
     d->order = td__calloc(n ? n : 1, sizeof *d->order);
     d->bucket_of = td__calloc(n ? n : 1, sizeof *d->bucket_of);

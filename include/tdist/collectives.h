@@ -81,6 +81,7 @@
 #include <stdint.h>
 
 #include "tdist/nn.h"
+#include "tdist/optim.h"
 #include "tdist/rpc.h"
 #include "tdist/status.h"
 #include "tdist/tensor.h"
@@ -302,6 +303,71 @@ TD_API td_status td_ddp_get_stats(const td_ddp *ddp, td_ddp_stats *out);
 TD_API int td_ddp_num_buckets(const td_ddp *ddp);
 /* td_ddp_destroy frees ddp and its buckets. NULL does nothing. */
 TD_API void td_ddp_destroy(td_ddp *ddp);
+
+/* ---- sharded data parallelism (ZeRO stages 1 and 2) ----
+ *
+ * A td_zero is an optimizer whose state is split across the group, as DeepSpeed's ZeRO and
+ * torch's ZeroRedundancyOptimizer do: the parameters (every group's, in order) are laid end to
+ * end in one flat index space of P elements, cut into `size` equal shards of S = ceil(P / size)
+ * elements; member r keeps optimizer state (Adam's two moments, SGD's momentum, ...) for shard r
+ * only and updates only those elements. Each td_zero_step:
+ *   1. reduces the gradients: stage 1 all_reduces them (AVG), so every member's .grad holds the
+ *      group average afterwards, as under DDP; stage 2 reduce_scatters them (AVG), so each member
+ *      receives only its shard's average, and clears the parameters' .grads (set to none);
+ *   2. optionally clips by the global gradient norm (max_grad_norm; the norm of the whole
+ *      averaged gradient, summed over the shards), with torch.nn.utils.clip_grad_norm_'s rule;
+ *   3. runs the local optimizer (td_optim, any kind, the groups' lr and weight decay) on its
+ *      shard;
+ *   4. all_gathers the updated shards and writes them into every member's parameters.
+ * The numbers are those of DDP followed by the same optimizer (up to the summation order of the
+ * reduction). Per member: optimizer state for S elements instead of P (Adam: 8S bytes instead of
+ * 8P in float32), with a float copy of the shard (4S) and, during a step, flat buffers of P
+ * elements for the gradient and the gathered parameters. Not done here: stage 3 (parameters
+ * sharded between steps) and gradients reduced during backward (the reduction runs in
+ * td_zero_step, after backward; DDP's overlap is td_ddp_create_ex).
+ *
+ * Parameters: float32 or float64, one dtype and one device for all, CPU or (with an NCCL group)
+ * CUDA. Every member must pass the same parameter layout (checked: TD_ERR_SHAPE naming the member
+ * that differs) and creation copies group rank 0's values to every member. */
+typedef struct td_zero td_zero;
+
+typedef struct td_zero_options {
+  int stage;            /* 1 or 2 (default 2) */
+  double max_grad_norm; /* > 0: clip the averaged gradient to this global 2-norm; 0: no clipping
+                           (default) */
+} td_zero_options;
+/* td_zero_options_init sets stage 2 and no clipping. */
+TD_API void td_zero_options_init(td_zero_options *o);
+
+/* td_zero_create makes a sharded optimizer over the parameters of groups[0..n_groups) (the groups
+ * of td_optim_create_groups: each group's lr and weight decay apply to its parameters' elements)
+ * with optimizer options opts. zopts NULL: the defaults. Collective over pg. Takes a reference to
+ * every parameter; pg must outlive the td_zero. Release with td_zero_destroy(). */
+TD_API td_status td_zero_create(td_process_group *pg, const td_optim_options *opts,
+                                const td_optim_group *groups, size_t n_groups,
+                                const td_zero_options *zopts, td_zero **out);
+/* td_zero_step reduces the gradients (a parameter without .grad counts as zeros), clips, steps
+ * this member's shard and gathers the parameters (see above). Collective over the group; blocks.
+ * Runs with autograd recording off. */
+TD_API td_status td_zero_step(td_zero *z);
+/* td_zero_zero_grad clears the .grad of every parameter (set to none). */
+TD_API void td_zero_zero_grad(td_zero *z);
+/* td_zero_set_lr changes the learning rate of every group for later steps (schedules). */
+TD_API td_status td_zero_set_lr(td_zero *z, double lr);
+/* Sizes and counters of a td_zero. */
+typedef struct td_zero_stats {
+  int stage;
+  int64_t numel;          /* P: elements of all parameters */
+  int64_t shard_numel;    /* S: elements per shard (the last shards may hold padding) */
+  int64_t owned_numel;    /* elements of real parameters in this member's shard (<= S) */
+  size_t optim_params;    /* tensors the local optimizer updates (pieces of parameters) */
+  uint64_t steps;
+  double last_grad_norm;  /* the global norm before clipping at the last step (NAN before the
+                             first step, or without clipping) */
+} td_zero_stats;
+TD_API td_status td_zero_get_stats(const td_zero *z, td_zero_stats *out);
+/* td_zero_destroy frees z (its shard, its optimizer state). NULL does nothing. */
+TD_API void td_zero_destroy(td_zero *z);
 
 #ifdef __cplusplus
 }
