@@ -25,6 +25,14 @@
  * bench/compare.sh gpt runs the two side by side. Both print results.batch_hash, a hash of
  * every training batch offset, so a comparison can check that they saw the same data.
  *
+ * Data parallel: --nproc N (or a launcher's RANK/WORLD_SIZE: tdistrun, srun, mpirun) trains N
+ * replicas, each on its own batch stream (seed + 1 + rank), a global batch of N x --batch-size;
+ * --dp picks how they agree: "ddp" (td_ddp with backward overlap: bucket all_reduces start from
+ * gradient hooks), "zero1" or "zero2" (td_zero: each rank keeps the AdamW state of one shard of
+ * the parameters). Rank 0 evaluates, prints and saves; its JSON adds every rank's peak RSS, the
+ * DDP counters (the share of gradient bytes whose all_reduce started before backward ended) or
+ * the ZeRO shard sizes.
+ *
  * Output: progress on stderr, then (generation only) the sampled text, then one JSON line
  * {"bench": "gpt", "config": {...}, "results": {"val_loss", "train_loss", "tokens_per_s",
  * "samples_per_s", "wall_s", "evals": [{"step", "train_loss", "val_loss"}], ...}}; tokens_per_s
@@ -41,7 +49,9 @@
 
 #include "example_util.h"
 #include "metrics.h"
+#include "ps_common.h"
 #include "tdist/autograd.h"
+#include "tdist/collectives.h"
 #include "tdist/nn.h"
 #include "tdist/optim.h"
 #include "tdist/tensor.h"
@@ -50,10 +60,10 @@
 
 typedef struct opts {
   int64_t steps, batch_size, block_size, n_embd, warmup, eval_interval, eval_iters;
-  int n_layer, n_head, threads;
+  int n_layer, n_head, threads, nproc;
   double lr, min_lr, weight_decay, beta2, grad_clip, temperature;
   uint64_t seed;
-  const char *corpus, *init, *save, *load, *dtype, *prompt, *metrics;
+  const char *corpus, *init, *save, *load, *dtype, *prompt, *metrics, *dp;
   int64_t generate, top_k;
 } opts;
 
@@ -63,7 +73,7 @@ static void opts_defaults(opts *o) {
               .eval_interval = 250, .eval_iters = 20, .n_layer = 4, .n_head = 4, .threads = 1,
               .lr = 1e-3, .min_lr = 1e-4, .weight_decay = 0.1, .beta2 = 0.99, .grad_clip = 1.0,
               .temperature = 0.8, .seed = 1337, .corpus = "/usr/share/games/fortunes",
-              .dtype = "f32", .prompt = "\n", .top_k = 0};
+              .dtype = "f32", .prompt = "\n", .top_k = 0, .nproc = 1, .dp = "ddp"};
 }
 
 static void opts_parse(int argc, char **argv, opts *o) {
@@ -93,6 +103,9 @@ static void opts_parse(int argc, char **argv, opts *o) {
       {"prompt", EX_OPT_STRING, &o->prompt, "text the sample starts from"},
       {"temperature", EX_OPT_DOUBLE, &o->temperature, "sampling temperature"},
       {"top-k", EX_OPT_I64, &o->top_k, "sample among the k likeliest characters (0: all)"},
+      {"nproc", EX_OPT_INT, &o->nproc,
+       "data-parallel replicas to fork when not started by a launcher (RANK unset)"},
+      {"dp", EX_OPT_STRING, &o->dp, "data parallelism: ddp, zero1 or zero2"},
       {"metrics", EX_OPT_STRING, &o->metrics,
        "write JSON lines of every step and evaluation to FILE (scripts/plot.py draws them)"},
   };
@@ -105,6 +118,9 @@ static void opts_parse(int argc, char **argv, opts *o) {
     ex_die("bad option values (see --help): sizes must be positive, n-embd a multiple of "
            "n-head, temperature > 0");
   if (strcmp(o->dtype, "f32") && strcmp(o->dtype, "f64")) ex_die("--dtype must be f32 or f64");
+  if (o->nproc < 1 || o->nproc > 64) ex_die("--nproc must be in 1..64");
+  if (strcmp(o->dp, "ddp") && strcmp(o->dp, "zero1") && strcmp(o->dp, "zero2"))
+    ex_die("--dp must be ddp, zero1 or zero2");
 }
 
 /* ---- corpus ---- */
@@ -365,34 +381,57 @@ static td_module *load_checkpoint(const char *path, char **vocab) {
 
 /* make_optimizer: AdamW, decay on parameters of >= 2 dims (weights, embeddings), none on the
  * others (biases, LayerNorm), as nanoGPT's configure_optimizers. */
-static td_optim *make_optimizer(td_module *m, const opts *o) {
-  td_tensor_list ps;
-  td_tensor_list_init(&ps);
-  EX_CHECK(td_module_parameters(m, &ps));
-  td_tensor **decay = malloc(ps.n * sizeof *decay), **plain = malloc(ps.n * sizeof *plain);
-  size_t nd = 0, np = 0;
-  for (size_t i = 0; i < ps.n; i++) {
-    if (td_tensor_ndim(ps.tensors[i]) >= 2) decay[nd++] = ps.tensors[i];
-    else plain[np++] = ps.tensors[i];
-  }
+typedef struct optim_setup {
   td_optim_options oo;
-  td_optim_options_init(&oo, TD_OPTIM_ADAMW);
-  oo.lr = o->lr;
-  oo.beta1 = 0.9;
-  oo.beta2 = o->beta2;
-  oo.eps = 1e-8;
   td_optim_group g[2];
-  td_optim_group_init(&g[0], decay, nd);
-  g[0].weight_decay = o->weight_decay;
-  td_optim_group_init(&g[1], plain, np);
-  g[1].weight_decay = 0.0;
+  td_tensor_list ps;
+  td_tensor **decay, **plain;
+} optim_setup;
+
+static void optim_setup_make(td_module *m, const opts *o, optim_setup *s) {
+  td_tensor_list_init(&s->ps);
+  EX_CHECK(td_module_parameters(m, &s->ps));
+  s->decay = malloc((s->ps.n + 1) * sizeof *s->decay);
+  s->plain = malloc((s->ps.n + 1) * sizeof *s->plain);
+  if (!s->decay || !s->plain) ex_die("out of memory");
+  size_t nd = 0, np = 0;
+  for (size_t i = 0; i < s->ps.n; i++) {
+    if (td_tensor_ndim(s->ps.tensors[i]) >= 2) s->decay[nd++] = s->ps.tensors[i];
+    else s->plain[np++] = s->ps.tensors[i];
+  }
+  td_optim_options_init(&s->oo, TD_OPTIM_ADAMW);
+  s->oo.lr = o->lr;
+  s->oo.beta1 = 0.9;
+  s->oo.beta2 = o->beta2;
+  s->oo.eps = 1e-8;
+  td_optim_group_init(&s->g[0], s->decay, nd);
+  s->g[0].weight_decay = o->weight_decay;
+  td_optim_group_init(&s->g[1], s->plain, np);
+  s->g[1].weight_decay = 0.0;
+}
+
+static void optim_setup_free(optim_setup *s) {
+  free(s->decay);
+  free(s->plain);
+  td_tensor_list_fini(&s->ps);
+}
+
+static td_optim *make_optimizer(td_module *m, const opts *o) {
+  optim_setup s;
+  optim_setup_make(m, o, &s);
   td_optim *opt;
-  EX_CHECK(td_optim_create_groups(&oo, g, 2, &opt));
-  free(decay);
-  free(plain);
-  td_tensor_list_fini(&ps);
+  EX_CHECK(td_optim_create_groups(&s.oo, s.g, 2, &opt));
+  optim_setup_free(&s);
   return opt;
 }
+
+/* The data-parallel side of a run (NULL members when training alone). */
+typedef struct dp_run {
+  td_process_group *pg; /* NULL: one process */
+  int rank, world;
+  td_ddp *ddp;          /* --dp ddp */
+  td_zero *zero;        /* --dp zero1 / zero2 */
+} dp_run;
 
 /* estimate returns the mean loss of eval_iters batches of each split (train, val) from a
  * generator reseeded with seed + 2, without recording gradients. */
@@ -435,18 +474,37 @@ typedef struct train_result {
   ex_json evals;
 } train_result;
 
-static void train(td_module *m, const corpus *c, const opts *o, train_result *r) {
-  td_optim *opt = make_optimizer(m, o);
+static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, train_result *r) {
+  td_optim *opt = NULL;
+  if (dp->pg && strcmp(o->dp, "ddp")) {
+    optim_setup s;
+    optim_setup_make(m, o, &s);
+    td_zero_options zo;
+    td_zero_options_init(&zo);
+    zo.stage = strcmp(o->dp, "zero1") ? 2 : 1;
+    zo.max_grad_norm = o->grad_clip;
+    EX_CHECK(td_zero_create(dp->pg, &s.oo, s.g, 2, &zo, &dp->zero));
+    optim_setup_free(&s);
+  } else {
+    opt = make_optimizer(m, o);
+  }
+  if (dp->pg && !dp->zero) {
+    td_ddp_options d;
+    td_ddp_options_init(&d);
+    d.overlap = true;
+    EX_CHECK(td_ddp_create_ex(dp->pg, m, &d, &dp->ddp));
+  }
+  bool lead = dp->rank == 0;
   td_generator *g;
-  EX_CHECK(td_generator_create(o->seed + 1, &g));
+  EX_CHECK(td_generator_create(o->seed + 1 + (uint64_t)dp->rank, &g));
   ex_json_array(&r->evals);
   r->hash = 0xcbf29ce484222325ull;
   r->train_s = r->train_cpu_s = 0;
-  r->last_loss = NAN;
+  r->last_loss = r->train_loss = r->val_loss = NAN; /* evaluations: rank 0 only */
   ex_progress p;
-  ex_progress_start(&p, "gpt", o->steps);
+  ex_progress_start(&p, "gpt", lead ? o->steps : 0);
   for (int64_t it = 0;; it++) {
-    if (it % o->eval_interval == 0 || it == o->steps) {
+    if (lead && (it % o->eval_interval == 0 || it == o->steps)) {
       estimate(m, c, o, &r->train_loss, &r->val_loss);
       ex_json e;
       ex_json_object(&e);
@@ -462,18 +520,26 @@ static void train(td_module *m, const corpus *c, const opts *o, train_result *r)
     if (it == o->steps) break;
     double t0 = ex_now_s(), c0 = cpu_now_s();
     double lr = td_optim_lr_warmup_cosine(it, o->warmup, o->steps, o->lr, o->min_lr);
-    EX_CHECK(td_optim_set_lr(opt, lr));
+    if (opt) EX_CHECK(td_optim_set_lr(opt, lr));
+    if (dp->zero) EX_CHECK(td_zero_set_lr(dp->zero, lr));
     batch b;
     batch_make(c->tok, c->n_train, g, o->batch_size, o->block_size, &r->hash, &b);
     td_tensor *logits, *loss;
     double tf = ex_now_s();
     EX_CHECK(td_gpt_forward(m, b.x, b.y, &logits, &loss));
-    td_optim_zero_grad(opt);
+    if (opt) td_optim_zero_grad(opt);
+    if (dp->zero) td_zero_zero_grad(dp->zero);
+    if (dp->ddp) EX_CHECK(td_ddp_prepare(dp->ddp));
     double tb = ex_now_s();
     EX_CHECK(td_tensor_backward(loss));
     double ts = ex_now_s();
-    if (o->grad_clip > 0) EX_CHECK(td_optim_clip_grad_norm(opt, o->grad_clip, 2.0, NULL));
-    EX_CHECK(td_optim_step(opt));
+    if (dp->ddp) EX_CHECK(td_ddp_finish(dp->ddp));
+    if (dp->zero) {
+      EX_CHECK(td_zero_step(dp->zero)); /* reduces, clips, steps its shard, gathers */
+    } else {
+      if (o->grad_clip > 0) EX_CHECK(td_optim_clip_grad_norm(opt, o->grad_clip, 2.0, NULL));
+      EX_CHECK(td_optim_step(opt));
+    }
     EX_CHECK(td_tensor_item(loss, &r->last_loss));
     if (ex_metrics_on()) {
       double now = ex_now_s();
@@ -490,11 +556,51 @@ static void train(td_module *m, const corpus *c, const opts *o, train_result *r)
     batch_free(&b);
     r->train_s += ex_now_s() - t0;
     r->train_cpu_s += cpu_now_s() - c0;
-    ex_progress_update(&p, it + 1, "loss %.4f", r->last_loss);
+    if (lead) ex_progress_update(&p, it + 1, "loss %.4f", r->last_loss);
   }
-  ex_progress_finish(&p, "val loss %.4f", r->val_loss);
+  if (lead) ex_progress_finish(&p, "val loss %.4f", r->val_loss);
   td_generator_destroy(g);
   td_optim_destroy(opt);
+}
+
+/* Adds the data-parallel figures to rank 0's results: every rank's peak RSS, the DDP counters
+ * or the ZeRO sizes. Collective over the group. */
+static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) {
+  int64_t one = 1, all = dp->world;
+  double mine = ex_peak_rss_mb();
+  td_tensor *t = NULL, *every = NULL;
+  EX_CHECK(td_tensor_from_buffer(&mine, &one, 1, TD_DTYPE_F64, &t));
+  EX_CHECK(td_tensor_empty(&all, 1, TD_DTYPE_F64, td_device_cpu(), &every));
+  EX_CHECK(td_process_group_all_gather_into_tensor(dp->pg, every, t));
+  ex_json rss;
+  ex_json_array(&rss);
+  for (int i = 0; i < dp->world; i++)
+    ex_json_num(&rss, NULL, ((const double *)td_tensor_data(every))[i]);
+  ex_json_child(res, "peak_rss_mb_per_rank", &rss);
+  ex_json_fini(&rss);
+  td_tensor_unref(t);
+  td_tensor_unref(every);
+  /* model states in bytes (float32, Adam): parameters 4, gradients 4, moments 8 per element;
+   * ZeRO-1 shards the moments, ZeRO-2 the gradients too (DeepSpeed's accounting) */
+  double psi = (double)params, n = dp->world;
+  double formula = !strcmp(o->dp, "ddp") ? 16 * psi
+                   : !strcmp(o->dp, "zero1") ? 8 * psi + 8 * psi / n : 4 * psi + 12 * psi / n;
+  ex_json_num(res, "model_state_formula_mb", formula / 1048576.0);
+  if (dp->ddp) {
+    td_ddp_stats st;
+    EX_CHECK(td_ddp_get_stats(dp->ddp, &st));
+    ex_json_int(res, "ddp_buckets", td_ddp_num_buckets(dp->ddp));
+    ex_json_num(res, "ddp_bytes_started_in_backward_share",
+                st.bytes_reduced ? (double)st.bytes_started_in_backward / (double)st.bytes_reduced
+                                 : NAN);
+  }
+  if (dp->zero) {
+    td_zero_stats st;
+    EX_CHECK(td_zero_get_stats(dp->zero, &st));
+    ex_json_int(res, "zero_stage", st.stage);
+    ex_json_int(res, "zero_shard_numel", st.shard_numel);
+    ex_json_int(res, "zero_numel", st.numel);
+  }
 }
 
 /* ---- sampling ---- */
@@ -621,6 +727,19 @@ int main(int argc, char **argv) {
   opts_defaults(&o);
   opts_parse(argc, argv, &o);
   ex_blas_set_threads(o.threads);
+  dp_run dp = {.world = 1};
+  td_rpc_agent *agent = NULL;
+  char wname[32] = "gpt";
+  if (!o.load && (o.nproc > 1 || getenv("RANK") || getenv("SLURM_PROCID") ||
+                  getenv("OMPI_COMM_WORLD_RANK"))) {
+    psx_spawn_if_alone(o.nproc); /* a launcher's rank becomes RANK */
+    dp.rank = atoi(getenv("RANK"));
+    snprintf(wname, sizeof wname, "worker%d", dp.rank);
+    EX_CHECK(td_rpc_init_from_env(wname, NULL, &agent));
+    dp.world = td_rpc_world_size(agent);
+    EX_CHECK(td_process_group_create(agent, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT,
+                                     &dp.pg));
+  }
   double t_start = ex_now_s();
   td_dtype dt = strcmp(o.dtype, "f64") ? TD_DTYPE_F32 : TD_DTYPE_F64;
   ex_json cfg, res;
@@ -646,11 +765,12 @@ int main(int argc, char **argv) {
     if (dt != TD_DTYPE_F32) EX_CHECK(td_module_to_dtype(m, dt));
     if (o.init) load_weights(m, o.init, vocab, dt);
     train_result r;
-    ex_metrics_open(o.metrics, 0, 1, "gpt", "gpt", NULL);
+    ex_metrics_open(o.metrics, dp.rank, dp.world, wname, "gpt", NULL);
     ex_metrics_rate_name("tokens_per_s");
-    train(m, &c, &o, &r);
+    train(m, &c, &o, &dp, &r);
     ex_metrics_close();
-    double tokens = (double)o.steps * (double)o.batch_size * (double)o.block_size;
+    /* every replica's tokens */
+    double tokens = (double)o.steps * (double)o.batch_size * (double)o.block_size * dp.world;
     ex_json_num(&res, "val_loss", r.val_loss);
     ex_json_num(&res, "train_loss", r.train_loss);
     ex_json_num(&res, "last_batch_loss", r.last_loss);
@@ -667,11 +787,12 @@ int main(int argc, char **argv) {
     snprintf(h, sizeof h, "%016llx", (unsigned long long)r.hash);
     ex_json_str(&res, "batch_hash", h);
     ex_json_fini(&r.evals);
-    if (o.save) save_checkpoint(m, o.save, vocab);
+    if (dp.pg) dp_results(&dp, &o, td_module_num_parameters(m), &res);
+    if (o.save && dp.rank == 0) save_checkpoint(m, o.save, vocab);
   }
   td_gpt_config mc;
   EX_CHECK(td_gpt_config_get(m, &mc));
-  if (o.generate > 0) {
+  if (o.generate > 0 && dp.rank == 0) {
     char *text = malloc((size_t)o.generate + 1);
     double t0 = ex_now_s();
     generate(m, vocab, &o, text);
@@ -685,13 +806,28 @@ int main(int argc, char **argv) {
     free(text);
   }
   add_config(&cfg, &o, &mc, c.n, m, o.load == NULL);
+  if (dp.pg) {
+    ex_json_int(&cfg, "nproc", dp.world);
+    ex_json_str(&cfg, "dp", o.dp);
+  }
   ex_json_num(&res, "wall_s", ex_now_s() - t_start);
   ex_json_num(&res, "peak_rss_mb", ex_peak_rss_mb());
-  ex_json_print_result("gpt", &cfg, &res, NULL);
+  if (dp.rank == 0) ex_json_print_result("gpt", &cfg, &res, NULL);
   ex_json_fini(&cfg);
   ex_json_fini(&res);
+  int rc = 0;
+  if (dp.pg) {
+    td_ddp_destroy(dp.ddp);
+    td_zero_destroy(dp.zero);
+    td_process_group_destroy(dp.pg);
+    if (td_rpc_shutdown(agent, true, TD_TIMEOUT_DEFAULT) != TD_OK) {
+      fprintf(stderr, "worker%d: shutdown: %s\n", dp.rank, td_last_error());
+      rc = 1;
+    }
+    td_rpc_destroy(agent);
+  }
   td_module_unref(m);
   free(vocab);
   corpus_free(&c);
-  return 0;
+  return dp.pg ? psx_wait_children(rc) : rc;
 }

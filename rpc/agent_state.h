@@ -60,6 +60,7 @@ struct td_rpc_agent {
   char *listen_addr, *init_method;
   char name[128];
   char run_id[128]; /* td_rpc_options.run_id, resolved */
+  uint64_t init_gen; /* td_rpc_init_interrupt's count when init started (rendezvous.c) */
   bool foreign;     /* the store belongs to another run: leave it alone */
   int rank, world;
   peer_info *peers;

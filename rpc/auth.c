@@ -26,12 +26,21 @@
 static EVP_MAC *hmac_alg;
 static pthread_once_t hmac_once = PTHREAD_ONCE_INIT;
 
-static void hmac_fetch(void) { hmac_alg = EVP_MAC_fetch(NULL, "HMAC", NULL); }
+/* libcrypto is told not to clean up at exit: by default its atexit handler frees its state, and a
+ * thread still inside tdist then (an init that a caller gave up on, as Python's Ctrl-C does, or
+ * handlers abandoned by a shutdown) crashed in its next HMAC. The first initialisation decides,
+ * so td__auth_crypto_init runs before anything else of td_rpc_init uses libcrypto. */
+static void hmac_fetch(void) {
+  OPENSSL_init_crypto(OPENSSL_INIT_NO_ATEXIT, NULL);
+  hmac_alg = EVP_MAC_fetch(NULL, "HMAC", NULL);
+}
+
+void td__auth_crypto_init(void) { pthread_once(&hmac_once, hmac_fetch); }
 
 /* HMAC-SHA256 of the concatenation of n parts under key. */
 static td_status hmac(const uint8_t *key, size_t klen, const void *const *parts,
                       const size_t *lens, int n, uint8_t out[TD__AUTH_MAC]) {
-  pthread_once(&hmac_once, hmac_fetch);
+  td__auth_crypto_init();
   if (!hmac_alg) return td_set_error(TD_ERR_INTERNAL, "auth: libcrypto has no HMAC");
   EVP_MAC_CTX *ctx = EVP_MAC_CTX_new(hmac_alg);
   if (!ctx) return td_set_error(TD_ERR_NOMEM, "auth: out of memory");

@@ -61,6 +61,10 @@ typedef struct td__auth {
 /* td__auth_init derives the key from secret (len bytes, at least TD__AUTH_MIN_SECRET); NULL
  * secret: insecure mode. */
 td_status td__auth_init(td__auth *a, const char *secret, size_t len);
+/* td__auth_crypto_init initialises libcrypto without its exit-time cleanup (auth.c) and fetches
+ * HMAC; idempotent, any thread. td_rpc_init calls it first. */
+void td__auth_crypto_init(void);
+
 /* td__auth_random fills out with n cryptographically random bytes (TD_ERR_INTERNAL if the system
  * has none to give). */
 td_status td__auth_random(void *out, size_t n);

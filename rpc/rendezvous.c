@@ -150,18 +150,37 @@ static void rdv_report(td_rpc_agent *a, const char *key, uint64_t started, rdv_p
 
 /* Waits until key exists (target < 0; *v as for td__store_wait_key) or its counter reaches
  * target, by deadline, reporting every TD__RDV_REPORT_MS. */
+/* td_rpc_init_interrupt's count: an init that sees it change gives up */
+static uint64_t init_interrupts;
+
+void td_rpc_init_interrupt(void) { __atomic_add_fetch(&init_interrupts, 1, __ATOMIC_RELEASE); }
+
+static bool init_interrupted(const td_rpc_agent *a) {
+  return __atomic_load_n(&init_interrupts, __ATOMIC_ACQUIRE) != a->init_gen;
+}
+
+/* Waits for the store key in polls of at most RDV_POLL_MS (so td_rpc_init_interrupt is seen),
+ * reporting progress every rdv_report_ms. */
+#define RDV_POLL_MS 250
 static td_status rdv_wait(td_rpc_agent *a, const char *key, int64_t target, uint64_t deadline,
                           rdv_progress *p, uint8_t **v) {
-  uint64_t started = td__now_ns();
+  uint64_t started = td__now_ns(), report = (uint64_t)rdv_report_ms() * 1000000ull;
+  uint64_t next_report = started + report;
   for (;;) {
-    uint64_t now = td__now_ns(), slice = (uint64_t)rdv_report_ms() * 1000000ull;
-    uint64_t until = deadline > now + slice ? now + slice : deadline;
+    if (init_interrupted(a))
+      return td_set_error(TD_ERR_CANCELLED, "rpc init: interrupted (td_rpc_init_interrupt) "
+                          "while waiting for the other workers");
+    uint64_t now = td__now_ns(), poll = (uint64_t)RDV_POLL_MS * 1000000ull;
+    uint64_t until = deadline > now + poll ? now + poll : deadline;
     td__store_set_deadline(&a->sc, until);
     td_status st = target < 0 ? td__store_wait_key(&a->sc, key, until, "abort", v, NULL)
                               : td__store_wait_ge(&a->sc, key, target, until, "abort");
     td__store_set_deadline(&a->sc, deadline);
     if (st != TD_ERR_TIMEOUT || td__now_ns() >= deadline) return st;
-    rdv_report(a, key, started, p);
+    if (td__now_ns() >= next_report) {
+      rdv_report(a, key, started, p);
+      next_report += report;
+    }
   }
 }
 
@@ -490,6 +509,7 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
                             td_rpc_agent **out) {
   td_rpc_agent *a = td__calloc(1, sizeof *a);
   if (!a) return td_set_error(TD_ERR_NOMEM, "rpc_init: out of memory");
+  a->init_gen = __atomic_load_n(&init_interrupts, __ATOMIC_ACQUIRE);
   *out = a;
   pthread_mutex_init(&a->mu, NULL);
   pthread_mutex_init(&a->run_mu, NULL);
@@ -697,6 +717,7 @@ static void init_finish(td_rpc_agent *a) {
 td_status td__rpc_init_impl(const char *name, int rank, int world_size,
                             const td_rpc_options *opts, td_rpc_agent **out) {
   TD_CHECK_ARG(out, "rpc_init: NULL out");
+  td__auth_crypto_init(); /* before gRPC or anything else initialises libcrypto */
   td_rpc_options o;
   init_addr ad = {{0}};
   char defname[32];

@@ -283,6 +283,13 @@ TD_API td_status td_rpc_init(const char *name, int rank, int world_size,
 TD_API td_status td_rpc_init_from_env(const char *name, const td_rpc_options *opts,
                                       td_rpc_agent **out);
 
+/* td_rpc_init_interrupt makes every td_rpc_init / td_rpc_init_from_env that is waiting for the
+ * other workers in this process give up: each returns TD_ERR_CANCELLED within about 0.3 s,
+ * having released what it made. Inits started afterwards are not affected. For hosts that stop
+ * waiting for an init they started on another thread (Python's Ctrl-C): a process must not exit
+ * while a thread is still inside tdist. Any thread; async-signal-safe (one atomic increment). */
+TD_API void td_rpc_init_interrupt(void);
+
 /* td_rpc_get_worker_info fills *out for the worker called name. */
 TD_API td_status td_rpc_get_worker_info(td_rpc_agent *a, const char *name, td_worker_info *out);
 /* td_rpc_get_worker_info_by_rank fills *out for rank. */

@@ -24,6 +24,7 @@ import atexit
 import collections
 import os
 import threading
+import time
 
 from . import _convert, _service, _timeouts, errors
 from ._lib import NULL, check, cstr, ffi, lib, pystr
@@ -226,11 +227,18 @@ def _agent_free():
                                 "shutdown first)", 2)
 
 
+# inits the caller gave up on (their threads' "done" events): _at_exit waits for them (the process must not exit while a
+# thread is inside tdist: libcrypto's exit-time cleanup would pull its state away from under it)
+_abandoned_inits = []
+
+
 def _init_interruptibly(name, rank, world_size, opts, keep):
-    """td_rpc_init on a helper thread while this one waits in slices (Ctrl-C works); an agent
-    whose init finishes after the caller gave up is shut down at once."""
+    """td_rpc_init on a helper thread while this one waits in slices (Ctrl-C works); when the
+    caller gives up, td_rpc_init_interrupt makes the init return within about 0.3 s, and an agent
+    whose init finished meanwhile is shut down at once."""
     res = {"gave_up": False}
     lock = threading.Lock()
+    done = threading.Event()
     cname = ffi.new("char[]", cstr(name)) if name is not None else NULL
 
     def dispose(a):
@@ -238,27 +246,32 @@ def _init_interruptibly(name, rank, world_size, opts, keep):
         lib.td_rpc_destroy(a)
 
     def run():
-        out = ffi.new("td_rpc_agent **")
-        if rank is None:
-            st = lib.td_rpc_init_from_env(cname, opts, out)
-        else:
-            st = lib.td_rpc_init(cname, int(rank), int(world_size), opts, out)
-        with lock:
-            res["st"], res["msg"], res["agent"] = st, _lib_last_error(), out[0]
-            if res["gave_up"] and st == 0:
-                dispose(out[0])
-        del keep[:]  # the options' strings were needed until here
+        try:
+            out = ffi.new("td_rpc_agent **")
+            if rank is None:
+                st = lib.td_rpc_init_from_env(cname, opts, out)
+            else:
+                st = lib.td_rpc_init(cname, int(rank), int(world_size), opts, out)
+            with lock:
+                res["st"], res["msg"], res["agent"] = st, _lib_last_error(), out[0]
+                if res["gave_up"] and st == 0:
+                    dispose(out[0])
+            del keep[:]  # the options' strings were needed until here
+        finally:
+            done.set()
 
     th = threading.Thread(target=run, name="tdist-init", daemon=True)
     th.start()
     try:
-        while th.is_alive():
-            th.join(_timeouts.SLICE_MS / 1000.0)
+        while not done.wait(_timeouts.SLICE_MS / 1000.0):
+            pass
     except BaseException:
         with lock:
             res["gave_up"] = True
             if res.get("st") == 0:
                 dispose(res["agent"])
+        lib.td_rpc_init_interrupt()
+        _abandoned_inits.append(done)
         raise
     if res["st"] != 0:
         raise errors.from_status(res["st"], res["msg"])
@@ -310,7 +323,15 @@ def destroy_agent():
 @atexit.register
 def _at_exit():
     """An agent still running at exit is stopped before the interpreter goes away (so no tdist
-    thread calls into a finalizing interpreter)."""
+    thread calls into a finalizing interpreter), and an interrupted init has returned."""
+    end = time.monotonic() + 5.0
+    for done in _abandoned_inits:
+        # again and again: an interrupt only reaches inits that had started when it was made.
+        # (An Event, not Thread.is_alive: a join interrupted by Ctrl-C can leave the thread
+        # marked stopped while it still runs, in Python 3.11.)
+        while not done.is_set() and time.monotonic() < end:
+            lib.td_rpc_init_interrupt()
+            done.wait(0.05)
     if state.agent is not None and not state.forked:
         lib.td_rpc_shutdown(state.agent, False, 0)
         destroy_agent()

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# test_example_gpt_dp.sh GPT - the GPT example data parallel, 2 forked replicas on 127.0.0.1:
+#   1. --dp ddp, zero1 and zero2 train a small float64 GPT for 30 steps to the same validation
+#      loss as printed (6 significant digits; the three differ only in the summation order of
+#      the reductions), which differs from one process's (so rank 1's batches took part);
+#   2. DDP started at least half of the gradient bytes' all_reduces during backward;
+#   3. ZeRO's shards cover the parameters (2 x shard >= numel) and every rank reports its RSS.
+# Skips (exit 77) without Debian's fortunes corpus. Bounded by `timeout`.
+set -euo pipefail
+gpt="$1"
+corpus="${TD_GPT_CORPUS:-/usr/share/games/fortunes}"
+if [[ ! -e "$corpus" ]]; then
+  echo "SKIP: no corpus at $corpus (install Debian's fortunes package)"
+  exit 77
+fi
+limit=$((120 * ${TD_TEST_TIMEOUT_SCALE:-1}))
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+small=(--corpus "$corpus" --dtype f64 --n-layer 2 --n-head 2 --n-embd 32 --block-size 16
+       --batch-size 4 --steps 30 --warmup 5 --eval-interval 30 --eval-iters 2)
+for dp in ddp zero1 zero2; do
+  timeout "$limit" "$gpt" "${small[@]}" --nproc 2 --dp "$dp" 2>"$tmp/$dp.err" >"$tmp/$dp.out" ||
+    { cat "$tmp/$dp.err"; echo "FAIL: --dp $dp"; exit 1; }
+done
+timeout "$limit" "$gpt" "${small[@]}" 2>/dev/null >"$tmp/one.out"
+python3 - "$tmp" <<'PY'
+import json, sys
+tmp = sys.argv[1]
+def res(name):
+    lines = [l for l in open(f"{tmp}/{name}.out") if l.startswith("{")]
+    assert len(lines) == 1, f"{name}: one JSON line (rank 0's), got {len(lines)}"
+    return json.loads(lines[0])
+r = {k: res(k) for k in ("ddp", "zero1", "zero2", "one")}
+v = {k: r[k]["results"]["val_loss"] for k in r}
+print("val_loss:", v)
+for k in ("zero1", "zero2"):
+    assert abs(v[k] - v["ddp"]) <= 1e-9 * abs(v["ddp"]), f"{k} ends at {v[k]}, ddp at {v['ddp']}"
+assert abs(v["one"] - v["ddp"]) > 1e-6, "one process ends where two do: rank 1's data unused?"
+share = r["ddp"]["results"]["ddp_bytes_started_in_backward_share"]
+assert share >= 0.5, f"DDP started only {share:.2f} of its bytes during backward"
+for k in ("zero1", "zero2"):
+    z = r[k]["results"]
+    assert z["zero_stage"] == int(k[-1]) and 2 * z["zero_shard_numel"] >= z["zero_numel"]
+for k in ("ddp", "zero1", "zero2"):
+    assert r[k]["config"]["nproc"] == 2 and len(r[k]["results"]["peak_rss_mb_per_rank"]) == 2
+print(f"ddp, zero1, zero2 agree; DDP share started in backward {share:.2f}")
+PY
