@@ -116,6 +116,10 @@ td_status td__coll_check_same_params(td_process_group *pg, td_tensor *const *par
  * not contiguous). Collective. */
 td_status td__coll_broadcast_tensor(td_process_group *pg, td_tensor *t);
 
+/* td__coll_grad_assign writes v into p's .grad in place, or gives p a copy of v as its .grad
+ * when it has none (replicas.c). */
+td_status td__coll_grad_assign(td_tensor *p, const td_tensor *v);
+
 /* td__pg_deadline returns the monotonic deadline (ns) of an operation starting now. */
 uint64_t td__pg_deadline(const td_process_group *pg);
 

@@ -214,17 +214,10 @@ static td_status copy_back(td_ddp *d, bucket *b) {
   td_status st = TD_OK;
   for (size_t k = b->first; st == TD_OK && k < b->first + b->count; k++) {
     size_t i = d->order[k];
-    td_tensor *p = d->params.tensors[i];
-    td_tensor *g = td_tensor_grad(p), *s = NULL, *c = NULL;
+    td_tensor *s = NULL;
     st = slice_of(d, b, i, &s);
-    if (st == TD_OK && g) st = td_tensor_copy_(g, s);
-    if (st == TD_OK && !g) {
-      st = td_tensor_clone(s, &c);
-      if (st == TD_OK) st = td_tensor_set_grad(p, c);
-    }
+    if (st == TD_OK) st = td__coll_grad_assign(d->params.tensors[i], s);
     td_tensor_unref(s);
-    td_tensor_unref(c);
-    td_tensor_unref(g);
   }
   return st;
 }

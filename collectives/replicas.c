@@ -1,7 +1,9 @@
 /* replicas.c - what the data-parallel wrappers (ddp.c, zero.c) share: checking that every
- * member holds the same parameters, and starting every member from group rank 0's values.
+ * member holds the same parameters, starting every member from group rank 0's values, and
+ * writing averaged gradients into .grad.
  */
 #include "coll_impl.h"
+#include "tdist/autograd.h"
 
 static uint64_t fnv(uint64_t h, uint64_t v) {
   for (int i = 0; i < 8; i++) h = (h ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
@@ -54,5 +56,14 @@ td_status td__coll_broadcast_tensor(td_process_group *pg, td_tensor *t) {
   td_status st = td_process_group_broadcast(pg, c, 0);
   if (st == TD_OK) st = td_tensor_copy_(t, c);
   td_tensor_unref(c);
+  return st;
+}
+
+td_status td__coll_grad_assign(td_tensor *p, const td_tensor *v) {
+  td_tensor *g = td_tensor_grad(p), *c = NULL;
+  td_status st = g ? td_tensor_copy_(g, v) : td_tensor_clone(v, &c);
+  if (st == TD_OK && !g) st = td_tensor_set_grad(p, c);
+  td_tensor_unref(c);
+  td_tensor_unref(g);
   return st;
 }

@@ -240,16 +240,10 @@ static td_status gather_grads(td_zero *z, td_tensor *gflat) {
 static td_status scatter_grads(td_zero *z, td_tensor *gflat) {
   td_status st = TD_OK;
   for (size_t i = 0; st == TD_OK && i < z->np; i++) {
-    td_tensor *p = z->params[i], *g = td_tensor_grad(p), *s = NULL, *c = NULL;
+    td_tensor *p = z->params[i], *s = NULL;
     st = flat_slice(gflat, z->pos[i], td_tensor_numel(p), p, &s);
-    if (st == TD_OK && g) st = td_tensor_copy_(g, s);
-    if (st == TD_OK && !g) {
-      st = td_tensor_clone(s, &c);
-      if (st == TD_OK) st = td_tensor_set_grad(p, c);
-    }
+    if (st == TD_OK) st = td__coll_grad_assign(p, s);
     td_tensor_unref(s);
-    td_tensor_unref(c);
-    td_tensor_unref(g);
   }
   return st;
 }
