@@ -515,7 +515,7 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
       ex_json_fini(&e);
       fprintf(stderr, "%sstep %lld: train loss %.4f, val loss %.4f\n", p.tty ? "\r" : "",
               (long long)it, r->train_loss, r->val_loss);
-      ex_metrics_eval((int)it, "val_loss", r->val_loss); /* "epoch" holds the step here */
+      ex_metrics_eval_step(it, "val_loss", r->val_loss);
     }
     if (it == o->steps) break;
     double t0 = ex_now_s(), c0 = cpu_now_s();

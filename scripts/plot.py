@@ -7,7 +7,7 @@ Each FILE is read together with its per-rank siblings (run.jsonl, run.rank1.json
 figure has up to four panels, each drawn when the files hold its data:
   - training loss per step, one line per worker (moving average over --smooth steps, raw in
     light colour), one colour per file when several runs are compared;
-  - the evaluation metric after each epoch (test accuracy, perplexity, ...);
+  - the evaluation metric after each epoch, or every few steps (test accuracy, validation loss, ...);
   - throughput (samples/s or tokens/s, moving average) per worker;
   - the mean time of each phase of a step per worker (stacked bars: forward, backward, step ...).
 The output format follows the extension of -o (png, svg, pdf). Needs matplotlib (Debian's
@@ -100,6 +100,7 @@ def main():
         axes[i // cols][i % cols].axis("off")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
+    eval_by = "epoch"
     for ri, (name, recs) in enumerate(runs):
         label_run = f"{name}: " if len(runs) > 1 else ""
         by_worker = {}
@@ -127,9 +128,12 @@ def main():
             for r in recs:
                 if r.get("kind") != "eval":
                     continue
+                if "step" in r:  # programs that count steps (gpt) evaluate every N steps
+                    eval_by = "step"
                 for k, v in r.items():
-                    if k not in ("kind", "rank", "worker", "time_s", "epoch") and finite(v):
-                        metrics.setdefault(k, []).append((r["epoch"], v))
+                    if k not in ("kind", "rank", "worker", "time_s", "epoch", "step") \
+                            and finite(v):
+                        metrics.setdefault(k, []).append((r.get("step", r.get("epoch")), v))
             for mi, (k, pts) in enumerate(sorted(metrics.items())):
                 pts.sort()
                 ax_of["eval"].plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
@@ -167,9 +171,10 @@ def main():
         ax_of["loss"].set_ylabel("training loss")
         ax_of["loss"].set_title(f"training loss (moving average over {args.smooth} steps)")
     if "eval" in ax_of:
-        ax_of["eval"].set_xlabel("epoch")
+        ax_of["eval"].set_xlabel(eval_by)
         ax_of["eval"].xaxis.get_major_locator().set_params(integer=True)
-        ax_of["eval"].set_title("evaluation after each epoch")
+        ax_of["eval"].set_title("evaluation after each epoch" if eval_by == "epoch" else
+                                "evaluation every few steps")
     if "rate" in ax_of:
         ax_of["rate"].set_xlabel("step")
         ax_of["rate"].set_title("throughput per worker")

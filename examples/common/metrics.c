@@ -116,6 +116,14 @@ void ex_metrics_eval(int epoch, const char *metric, double value) {
   emit("eval", b);
 }
 
+void ex_metrics_eval_step(int64_t step, const char *metric, double value) {
+  if (!ex_metrics_on()) return;
+  char b[256];
+  size_t u = (size_t)snprintf(b, sizeof b, "\"step\":%lld", (long long)step);
+  num(b, u, sizeof b, metric, value);
+  emit("eval", b);
+}
+
 void ex_metrics_counters(td_rpc_agent *a) {
   td_rpc_stats s;
   if (!ex_metrics_on() || !a || td_rpc_get_stats(a, &s) != TD_OK) return;

@@ -9,6 +9,7 @@
  *    "samples_per_s" or "tokens_per_s": x, "phases": {"forward_s": x, ...}}  (all but loss
  *    optional)
  *   {"kind": "eval", "epoch": e, "<metric>": x}               (test_accuracy, perplexity, ...)
+ *   {"kind": "eval", "step": s, "<metric>": x}                (ex_metrics_eval_step: gpt)
  *   {"kind": "counters", "rpc": {td_rpc_stats fields}}         (at the end, when an agent ran)
  * Writing is line-buffered and never fails the run: a file that cannot be written is reported once
  * and then ignored. THREAD SAFETY: any thread (one lock).
@@ -47,6 +48,9 @@ void ex_metrics_step(int epoch, int64_t step, double loss, double lr, double sam
                      const ex_phases *phases);
 /* ex_metrics_eval records an evaluation after epoch (1-based count of epochs done). */
 void ex_metrics_eval(int epoch, const char *metric, double value);
+/* ex_metrics_eval_step records an evaluation made before step `step` (programs that count steps,
+ * not epochs: the record holds "step" instead of "epoch"). */
+void ex_metrics_eval_step(int64_t step, const char *metric, double value);
 /* ex_metrics_counters records the agent's counters (td_rpc_get_stats). */
 void ex_metrics_counters(td_rpc_agent *a);
 /* ex_metrics_close flushes and closes the file. */

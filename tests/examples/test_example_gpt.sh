@@ -48,7 +48,7 @@ evals = [r for r in recs if r["kind"] == "eval"]
 assert [r["step"] for r in steps] == list(range(150)), "one step record per step"
 assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and "backward_s" in r["phases"]
            for r in steps)
-assert [r["epoch"] for r in evals] == [0, 50, 100, 150] and all("val_loss" in r for r in evals)
+assert [r["step"] for r in evals] == [0, 50, 100, 150] and all("val_loss" in r for r in evals)
 print("metrics: 150 steps, 4 evaluations")
 PY
 run --load "$tmp/ckpt.safetensors" --generate 120 --prompt "The " --top-k 20 >"$tmp/gen.out"
