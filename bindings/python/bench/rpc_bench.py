@@ -175,6 +175,14 @@ def round_tdist(a):
 
 # ---- torch.distributed.rpc ----
 
+def round_torch_fresh():
+    """One torch round in a new process: torch.distributed.rpc cannot be initialised twice in
+    one process (a second init_rpc fails: "DistAutogradContainer is already initialized")."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-round"] +
+                         sys.argv[1:], check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def round_torch(a):
     import torch
     import torch.distributed.rpc as rpc
@@ -214,6 +222,9 @@ def main():
         serve_tdist(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
         return 0
     rpc_common.pin_environment()
+    torch_round = len(sys.argv) > 1 and sys.argv[1] == "--torch-round"
+    if torch_round:
+        del sys.argv[1]
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=5000)
@@ -227,13 +238,16 @@ def main():
     ap.add_argument("--no-torch", action="store_true", help="measure tdist only")
     a = ap.parse_args()
     a.sizes = [s for s in SIZES if s[0] <= a.max_bytes]
+    if torch_round:
+        print(json.dumps(round_torch(a)))
+        return 0
     ours, theirs = [], []
     for i in range(a.rounds):
         ours.append(round_tdist(a))
         print("rpc_bench: round %d tdist: p50 %.1f us, %.0f calls/s" % (
             i, ours[-1]["p50_us"], ours[-1]["calls_per_s"]), file=sys.stderr)
         if not a.no_torch:
-            theirs.append(round_torch(a))
+            theirs.append(round_torch_fresh())
             print("rpc_bench: round %d torch: p50 %.1f us, %.0f calls/s" % (
                 i, theirs[-1]["p50_us"], theirs[-1]["calls_per_s"]), file=sys.stderr)
     res = {"tdist": median_of(ours)}
