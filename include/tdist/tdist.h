@@ -19,5 +19,6 @@
 #include "tdist/dist_optim.h"
 #include "tdist/remote_module.h"
 #include "tdist/collectives.h"
+#include "tdist/parallel.h"
 
 #endif /* TDIST_TDIST_H */
