@@ -2,7 +2,7 @@
 # test_multihost_slurm.sh - examples/param_server under a private Slurm (scripts/slurm-local.sh):
 # workers started by srun with no launcher, by srun + tdistrun, and by the README's batch script.
 #
-#   test_multihost_slurm.sh PARAM_SERVER TDISTRUN SLURM_LOCAL_SH
+#   test_multihost_slurm.sh PARAM_SERVER TDISTRUN SLURM_LOCAL_SH [GPT_3D]
 #
 # 1. one node (localhost): `srun -n 3 param_server --epochs 1 --max-batches 300`, then
 #    `srun -n 1 tdistrun --nproc-per-node 3 param_server ...` (tdistrun takes its options from
@@ -12,7 +12,9 @@
 #    trainer: 3-7 s of srun on 2 busy cores), run from inside host 1's namespace; every task must
 #    listen on its own host's address; then examples/slurm/param_server.sbatch submitted with
 #    sbatch (a short run, --max-batches 300; about 10 s with scheduling), which must also leave
-#    its checkpoint file.
+#    its checkpoint file; then, given GPT_3D and Debian's fortunes corpus, examples/gpt_3d with
+#    `srun -N 3 --ntasks-per-node=2` as pipeline 3 x tensor 2 (each host one stage, its tensor
+#    pair on the host, activations between hosts): its float64 losses must equal one process's.
 # Each run must exit 0 and print exactly one JSON line (one rank 0: the example must not fork
 # copies of itself under srun) whose test_accuracy is above 0.7 (chance: 0.1) and whose
 # last_loss is below 0.8 * first_loss. After each stop, every daemon the cluster had (pids read
@@ -28,6 +30,7 @@ set -uo pipefail
 PS=${1:?usage: $0 PARAM_SERVER TDISTRUN SLURM_LOCAL_SH}
 TDISTRUN=${2:?usage: $0 PARAM_SERVER TDISTRUN SLURM_LOCAL_SH}
 SL=${3:?usage: $0 PARAM_SERVER TDISTRUN SLURM_LOCAL_SH}
+GPT3D=${4:-}
 ROOT=$(cd "$(dirname "$SL")/.." && pwd)
 SCALE=${TD_TEST_TIMEOUT_SCALE:-1}
 
@@ -195,6 +198,20 @@ for i in 1 2 3; do
   grep -q "^$((i - 1)): .*rpc: listen address 10.77.0.$i (interface eth0)" "$WORK/srun3.log" ||
     fail "[srun3] task $((i - 1)) did not listen on host $i's address 10.77.0.$i"
 done
+# the GPT with pipeline 3 x tensor 2 over the three hosts (the tensor pairs on one host each)
+if [ -n "$GPT3D" ] && [ -e /usr/share/games/fortunes ]; then
+  t0=$EPOCHREALTIME
+  "$SL" run --state "$ST3" timeout -k 10 $((120 * SCALE)) srun -l -N 3 --ntasks-per-node=2 \
+    env OMP_NUM_THREADS=1 "$GPT3D" --dp 1 --pp 3 --tp 2 --n-layer 3 --n-head 2 --n-embd 32 \
+    --block-size 16 --batch-size 6 --micro-batches 3 --steps 10 --dtype f64 --check 9>&- \
+    > "$WORK/gpt3d.log" 2>&1 || { show gpt3d; fail "[gpt3d] srun exited non-zero"; }
+  n=$(grep -c '"bench": "gpt_3d"' "$WORK/gpt3d.log")
+  [ "$n" -eq 1 ] || { show gpt3d; fail "[gpt3d] $n JSON lines (expected one)"; }
+  d=$(json_num "$WORK/gpt3d.log" max_abs_loss_diff_vs_one_process)
+  awk -v d="$d" 'BEGIN { exit !(d != "" && d <= 1e-9) }' ||
+    fail "[gpt3d] losses differ from one process's by $d"
+  echo "PASS[gpt3d]: pp 3 x tp 2 on 3 hosts, max |loss - one process| $d, wall $(since "$t0") s"
+fi
 # the batch script of the README, as submitted on a real cluster (3 nodes, one task each)
 PS="$PS" CKPT="$WORK/ckpt" run_ps sbatch3 "$ST3" sbatch --chdir "$WORK" --cpus-per-task=1 \
   "$ROOT/examples/slurm/param_server.sbatch" --epochs 1 --max-batches 300
@@ -202,4 +219,4 @@ PS="$PS" CKPT="$WORK/ckpt" run_ps sbatch3 "$ST3" sbatch --chdir "$WORK" --cpus-p
 stop "$ST3"
 ip netns list 2> /dev/null | grep -qE '^td-(h[123]|br)( |$)' && fail "namespaces left after stop"
 [ -z "$(ip route show 10.77.0.0/24)" ] || fail "route for 10.77.0.0/24 left after stop"
-echo "PASS: param_server under Slurm (1 node: srun, srun + tdistrun; 3 nodes: srun, sbatch)"
+echo "PASS: param_server under Slurm (1 node: srun, srun + tdistrun; 3 nodes: srun, sbatch${GPT3D:+, gpt_3d})"
