@@ -18,6 +18,11 @@
  *             embedding and tied output head), and their gradients are summed, as Megatron does.
  * Stages own blocks [s L/pp, (s+1) L/pp); the first also the embeddings, the last ln_f and the head.
  *
+ * --sequence-parallel: Megatron's sequence parallelism inside each tensor group (td_tp_gpt_options):
+ * between the tensor-parallel regions a member holds T/tp positions, so the activations that
+ * stages exchange are 1/tp as large too; the whole parameters' gradients are summed over the
+ * tensor group after the schedule (td_tp_sync_sequence_parallel_grads).
+ *
  * Schedule (--schedule): "gpipe" runs every micro-batch forward, then every backward; "1f1b"
  * (PipeDream-flush) runs pp - s - 1 forwards, then alternates one forward and one backward, then
  * the remaining backwards, so a stage holds at most pp - s micro-batches' activations (GPipe: m).
@@ -60,7 +65,7 @@ typedef struct opts {
   double lr, weight_decay;
   uint64_t seed;
   const char *corpus, *dtype, *schedule;
-  bool check;
+  bool check, sequence_parallel;
 } opts;
 
 static void opts_parse(int argc, char **argv, opts *o) {
@@ -86,6 +91,8 @@ static void opts_parse(int argc, char **argv, opts *o) {
       {"threads", EX_OPT_INT, &o->threads, "BLAS threads"},
       {"corpus", EX_OPT_STRING, &o->corpus, "text file, or directory of fortune files"},
       {"dtype", EX_OPT_STRING, &o->dtype, "f32 or f64"},
+      {"sequence-parallel", EX_OPT_FLAG, &o->sequence_parallel,
+       "split the residual stream along the sequence over the tensor group (T % tp == 0)"},
       {"check", EX_OPT_FLAG, &o->check, "also train the whole model in one process and compare"},
   };
   ex_opts_parse(argc, argv, table, (int)(sizeof table / sizeof table[0]),
@@ -104,6 +111,9 @@ static void opts_parse(int argc, char **argv, opts *o) {
   if (strcmp(o->schedule, "gpipe") && strcmp(o->schedule, "1f1b"))
     ex_die("--schedule must be gpipe or 1f1b");
   if (strcmp(o->dtype, "f32") && strcmp(o->dtype, "f64")) ex_die("--dtype must be f32 or f64");
+  if (o->sequence_parallel && o->block_size % o->tp)
+    ex_die("--sequence-parallel splits the context: --block-size %lld must be a multiple of --tp "
+           "%d", (long long)o->block_size, o->tp);
 }
 
 /* ---- the rank layout and its groups ---- */
@@ -178,6 +188,7 @@ typedef struct stage {
   td_tensor_list params;  /* this stage's parameters, with their nanoGPT names */
   td_gpt_config c;
   td_dtype dt;
+  bool sp; /* sequence parallel: activations are [b, T/tp, C] */
 } stage;
 
 /* owned tells whether parameter `name` is used by stage s of pp (of a model of L layers). */
@@ -193,10 +204,13 @@ static bool owned(const char *name, int s, int pp, int L) {
   return false;
 }
 
-static void stage_make(const layout *L, const td_module *whole, stage *st) {
+static void stage_make(const layout *L, const td_module *whole, bool sp, stage *st) {
   memset(st, 0, sizeof *st);
   EX_CHECK(td_gpt_config_get(whole, &st->c));
-  EX_CHECK(td_tp_gpt_from(L->tensor, whole, &st->model));
+  td_tp_gpt_options go;
+  td_tp_gpt_options_init(&go);
+  go.sequence_parallel = st->sp = sp;
+  EX_CHECK(td_tp_gpt_from_ex(L->tensor, whole, &go, &st->model));
   td_module *tr = td_module_child(st->model, "transformer"), *h = td_module_child(tr, "h");
   st->wte = td_module_child(tr, "wte");
   st->wpe = td_module_child(tr, "wpe");
@@ -313,11 +327,13 @@ static void forward(step_ctx *c, int i) {
   const layout *L = c->L;
   stage *st = c->st;
   micro *u = &c->mb[i];
-  int64_t T = td_tensor_size(u->idx, 1), shape[3] = {td_tensor_size(u->idx, 0), T, st->c.n_embd};
+  int64_t T = td_tensor_size(u->idx, 1), Tl = st->sp ? T / L->tp : T, p0 = st->sp ? L->t * Tl : 0;
+  int64_t shape[3] = {td_tensor_size(u->idx, 0), Tl, st->c.n_embd};
   td_tensor *x = NULL, *y = NULL;
-  if (L->s == 0) {
+  if (L->s == 0) { /* with sequence parallelism, this member's positions [p0, p0 + T/tp) */
     td_tensor *pos = NULL, *tok = NULL, *pe = NULL;
-    EX_CHECK(td_tensor_arange(0, (double)T, 1, TD_DTYPE_I64, td_device_cpu(), &pos));
+    EX_CHECK(td_tensor_arange((double)p0, (double)(p0 + Tl), 1, TD_DTYPE_I64, td_device_cpu(),
+                              &pos));
     EX_CHECK(td_module_forward(st->wte, u->idx, &tok));
     EX_CHECK(td_module_forward(st->wpe, pos, &pe));
     EX_CHECK(td_tensor_add(tok, pe, &x));
@@ -495,7 +511,7 @@ int main(int argc, char **argv) {
   td_generator_destroy(g);
   if (dt != TD_DTYPE_F32) EX_CHECK(td_module_to_dtype(whole, dt));
   stage st;
-  stage_make(&L, whole, &st);
+  stage_make(&L, whole, o.sequence_parallel, &st);
   reference ref = {0};
   if (reporter && o.check) reference_make(whole, &o, dt, &ref);
   td_module_unref(whole);
@@ -536,6 +552,15 @@ int main(int argc, char **argv) {
     td_zero_zero_grad(zero);
     run_schedule(&c, o.schedule);
     if (c.peak > peak) peak = c.peak;
+    if (st.sp) { /* the whole parameters' partial gradients, summed over the tensor group */
+      td_module *parts[] = {st.wte, st.wpe, st.ln_f, st.head};
+      for (int b = 0; b < st.n_blocks; b++)
+        EX_CHECK(td_tp_sync_sequence_parallel_grads(L.tensor, st.blocks[b]));
+      for (int k = 0; k < 4; k++) {
+        bool used = k == 0 || k == 1 ? L.s == 0 : L.s == L.pp - 1;
+        if (used) EX_CHECK(td_tp_sync_sequence_parallel_grads(L.tensor, parts[k]));
+      }
+    }
     if (tied) {
       td_tensor *gt = td_tensor_grad(tied);
       if (!gt) ex_die("no gradient for the tied token table");
@@ -592,6 +617,7 @@ int main(int argc, char **argv) {
     ex_json_int(&cfg, "vocab_size", cp.nvocab);
     ex_json_int(&cfg, "steps", o.steps);
     ex_json_str(&cfg, "dtype", o.dtype);
+    ex_json_bool(&cfg, "sequence_parallel", o.sequence_parallel);
     ex_json_child(&res, "losses", &losses);
     ex_json_num(&res, "final_loss", last);
     ex_json_num(&res, "wall_s", wall);

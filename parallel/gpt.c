@@ -23,6 +23,7 @@ typedef struct tp_gpt_state {
   td_process_group *pg;
   td_gpt_config c;
   int64_t vocab_padded;
+  bool sequence_parallel; /* the residual stream split along T (dimension 1) */
 } tp_gpt_state;
 
 static void free_state(void *s) { td__free(s); }
@@ -52,11 +53,12 @@ static td_status attn_forward(td_module *self, td_tensor *const *in, int n_in, t
   int p = td_process_group_size(s->pg);
   int64_t C = s->c.n_embd, H = s->c.n_head / p, hd = s->c.n_embd / s->c.n_head;
   TD_TRY(check_btc("TPCausalSelfAttention", in[0], C));
-  int64_t B = td_tensor_size(in[0], 0), T = td_tensor_size(in[0], 1);
-  int64_t s5[5] = {B, T, 3, H, hd}, s3[3] = {B, T, H * hd};
   td_tensor *qkv = NULL, *qkv5 = NULL, *parts[3] = {NULL}, *h[3] = {NULL}, *y = NULL, *yt = NULL;
   td_tensor *y3 = NULL;
   td_status st = td_module_forward(td_module_child(self, "c_attn"), in[0], &qkv);
+  /* the whole sequence: with sequence parallelism c_attn gathered it */
+  int64_t B = st == TD_OK ? td_tensor_size(qkv, 0) : 0, T = st == TD_OK ? td_tensor_size(qkv, 1) : 0;
+  int64_t s5[5] = {B, T, 3, H, hd}, s3[3] = {B, T, H * hd};
   if (st == TD_OK) st = td_tensor_reshape(qkv, s5, 5, &qkv5);
   if (st == TD_OK) st = td_tensor_unbind(qkv5, 2, parts);
   for (int i = 0; i < 3 && st == TD_OK; i++) st = td_tensor_transpose(parts[i], 1, 2, &h[i]);
@@ -151,10 +153,20 @@ static td_status gpt_forward(td_module *self, td_tensor *const *in, int n_in, td
   TD_CHECK_ARG(n_out == 1 || tgt, "TPGPT.forward: the loss needs targets");
   if (tgt) TD_TRY(check_tokens("targets", tgt, idx, s->c.block_size));
   td_module *tr = td_module_child(self, "transformer");
-  int64_t T = td_tensor_size(idx, 1);
+  int64_t T = td_tensor_size(idx, 1), p0 = 0, pn = T;
+  if (s->sequence_parallel) { /* this member's positions [r T/p, (r+1) T/p) */
+    int p = td_process_group_size(s->pg);
+    if (T % p)
+      return td_set_error(TD_ERR_SHAPE, "TPGPT.forward: sequence length %lld is not divisible by "
+                          "the tensor-parallel size %d (sequence parallelism splits it)",
+                          (long long)T, p);
+    pn = T / p;
+    p0 = td_process_group_rank(s->pg) * pn;
+  }
   td_tensor *pos = NULL, *tok = NULL, *pe = NULL, *x = NULL, *xh = NULL, *xn = NULL;
   td_tensor *logits = NULL, *l2 = NULL, *t1 = NULL, *loss = NULL;
-  td_status st = td_tensor_arange(0, (double)T, 1, TD_DTYPE_I64, td_tensor_device(idx), &pos);
+  td_status st = td_tensor_arange((double)p0, (double)(p0 + pn), 1, TD_DTYPE_I64,
+                                  td_tensor_device(idx), &pos);
   if (st == TD_OK) st = td_module_forward(td_module_child(tr, "wte"), idx, &tok);
   if (st == TD_OK) st = td_module_forward(td_module_child(tr, "wpe"), pos, &pe);
   if (st == TD_OK) st = td_tensor_add(tok, pe, &x);
@@ -326,10 +338,19 @@ static td_status transformer_from(const tp_gpt_state *s, const td_module *full,
   return TD_OK;
 }
 
+void td_tp_gpt_options_init(td_tp_gpt_options *o) {
+  if (o) memset(o, 0, sizeof *o);
+}
+
 td_status td_tp_gpt_from(td_process_group *pg, const td_module *gpt, td_module **out) {
+  return td_tp_gpt_from_ex(pg, gpt, NULL, out);
+}
+
+td_status td_tp_gpt_from_ex(td_process_group *pg, const td_module *gpt,
+                            const td_tp_gpt_options *o, td_module **out) {
   const char *who = "td_tp_gpt_from";
   TD_CHECK_ARG(pg && gpt && out, "%s: NULL argument", who);
-  tp_gpt_state s = {pg, {0}, 0};
+  tp_gpt_state s = {pg, {0}, 0, o && o->sequence_parallel};
   TD_TRY(td_gpt_config_get(gpt, &s.c));
   int p = td_process_group_size(pg);
   if (s.c.n_head % p != 0)
@@ -352,6 +373,7 @@ td_status td_tp_gpt_from(td_process_group *pg, const td_module *gpt, td_module *
     st = td_module_set_parameter(m, "lm_head.weight",
                                  td_module_param(td_module_child(tr, "wte"), "weight"));
   td_generator_destroy(gen);
+  if (st == TD_OK && s.sequence_parallel) st = td_tp_set_sequence_parallel(m, 1);
   if (st != TD_OK) {
     td_module_unref(m);
     return st;

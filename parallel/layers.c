@@ -16,6 +16,13 @@ static void free_layer(void *s) { td__free(s); }
 
 static td_status column_forward(td_module *self, td_tensor *const *in, int n_in, td_tensor **out,
                                 int n_out);
+/* reduce_out sums the members' partial outputs: g, or with sequence parallelism a
+ * reduce-scatter along the sequence dimension. */
+static td_status reduce_out(const td__tp_layer *L, const td_tensor *part, td_tensor **out) {
+  if (L->seq_dim < 0) return td_tp_reduce_from_region(L->pg, part, out);
+  return td_tp_reduce_scatter_to_sequence(L->pg, part, L->seq_dim, out);
+}
+
 static td_status row_forward(td_module *self, td_tensor *const *in, int n_in, td_tensor **out,
                              int n_out);
 static td_status vocab_forward(td_module *self, td_tensor *const *in, int n_in, td_tensor **out,
@@ -129,7 +136,8 @@ static td_status column_forward(td_module *self, td_tensor *const *in, int n_in,
   const td__tp_layer *L = td_module_state(self);
   TD_TRY(check_last("ColumnParallelLinear", in[0], L->in));
   td_tensor *x = NULL, *y = NULL;
-  td_status st = td_tp_copy_to_region(L->pg, in[0], &x);
+  td_status st = L->seq_dim >= 0 ? td_tp_gather_from_sequence(L->pg, in[0], L->seq_dim, &x)
+                                 : td_tp_copy_to_region(L->pg, in[0], &x);
   if (st == TD_OK)
     st = td_tensor_linear(x, td_module_param(self, "weight"), td_module_param(self, "bias"), &y);
   if (st == TD_OK && L->flag) st = td_tp_gather_from_region(L->pg, y, out);
@@ -150,7 +158,7 @@ static td_status row_forward(td_module *self, td_tensor *const *in, int n_in, td
   td_status st = L->flag ? (x = td_tensor_ref(in[0]), TD_OK)
                          : td_tp_scatter_to_region(L->pg, in[0], &x);
   if (st == TD_OK) st = td_tensor_linear(x, td_module_param(self, "weight"), NULL, &part);
-  if (st == TD_OK) st = td_tp_reduce_from_region(L->pg, part, b ? &y : out);
+  if (st == TD_OK) st = reduce_out(L, part, b ? &y : out);
   if (st == TD_OK && b) st = td_tensor_add(y, b, out);
   td_tensor_unref(x);
   td_tensor_unref(part);
@@ -215,7 +223,7 @@ static td_status vocab_forward(td_module *self, td_tensor *const *in, int n_in, 
   td_status st = local_ids(L, ids, td_tensor_dtype(w), &local, &mask);
   if (st == TD_OK) st = td_tensor_embedding(w, local, &e);
   if (st == TD_OK) st = td_tensor_mul(e, mask, &em); /* other members' rows are theirs to give */
-  if (st == TD_OK) st = td_tp_reduce_from_region(L->pg, em, out);
+  if (st == TD_OK) st = reduce_out(L, em, out);
   td_tensor_unref(local);
   td_tensor_unref(mask);
   td_tensor_unref(e);
@@ -229,6 +237,7 @@ static td_status make_layer(const td_module_type *t, const td__tp_layer *L, td_t
   td__tp_layer *s = td__malloc(sizeof *s);
   if (!s) return td_set_error(TD_ERR_NOMEM, "%s: out of memory", t->name);
   *s = *L;
+  s->seq_dim = -1; /* td_tp_set_sequence_parallel turns it on */
   td_module *m = NULL;
   td_status st = td_module_create(t, s, &m);
   if (st != TD_OK) {
@@ -488,5 +497,41 @@ td_status td_tp_clip_grad_norm(td_process_group *pg, td_module *root, double max
   td_tensor_unref(sum);
   td_tensor_list_fini(&l);
   if (st == TD_OK && total_norm) *total_norm = total;
+  return st;
+}
+
+/* ---- sequence parallelism ---- */
+
+static void set_seq(td_module *m, int dim) {
+  if (td__tp_layer_of(m)) ((td__tp_layer *)td_module_state(m))->seq_dim = dim;
+  for (int i = 0; i < td_module_num_children(m); i++) set_seq(td_module_child_at(m, i, NULL), dim);
+}
+
+td_status td_tp_set_sequence_parallel(td_module *root, int seq_dim) {
+  TD_CHECK_ARG(root, "td_tp_set_sequence_parallel: NULL module");
+  TD_CHECK_ARG(seq_dim >= -1, "td_tp_set_sequence_parallel: seq_dim %d (>= 0, or -1 for off)",
+               seq_dim);
+  set_seq(root, seq_dim);
+  return TD_OK;
+}
+
+td_status td_tp_sync_sequence_parallel_grads(td_process_group *pg, td_module *root) {
+  TD_CHECK_ARG(pg && root, "td_tp_sync_sequence_parallel_grads: NULL argument");
+  td_tensor_list l;
+  td_tensor_list_init(&l);
+  td_status st = td_module_parameters(root, &l);
+  for (size_t i = 0; i < l.n && st == TD_OK; i++) {
+    td_tensor *t = l.tensors[i];
+    if (split_of(root, t).dim >= 0) continue;
+    td_tensor *g = td_tensor_grad(t);
+    if (!g) { /* a zero share still takes part: the other members may have one */
+      st = td_tensor_zeros(td_tensor_shape(t), td_tensor_ndim(t), td_tensor_dtype(t),
+                           td_tensor_device(t), &g);
+      if (st == TD_OK) st = td_tensor_set_grad(t, g);
+    }
+    if (st == TD_OK) st = td_process_group_all_reduce(pg, g, TD_REDUCE_SUM);
+    td_tensor_unref(g);
+  }
+  td_tensor_list_fini(&l);
   return st;
 }

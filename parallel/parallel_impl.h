@@ -36,6 +36,9 @@ typedef struct td__tp_layer {
   int64_t in, out;      /* whole Linear sizes; for the embedding: V and D */
   int64_t padded;       /* embedding: V rounded up to a multiple of the group size */
   int64_t start;        /* embedding: first row of this member's slice */
+  int seq_dim;          /* >= 0: sequence parallel along this dimension (the input of a column
+                           layer is all-gathered along it, the output of a row layer or the
+                           embedding reduce-scattered); -1: not (f and g) */
 } td__tp_layer;
 
 /* td__tp_layer_of returns m's layer state when m is a tensor-parallel layer, else NULL. */

@@ -140,6 +140,21 @@ TD_API td_status td_tp_vocab_parallel_cross_entropy(td_process_group *pg, const 
  * names, each tensor the member's slice (or a copy of the whole for LayerNorms, biases of
  * row-parallel layers and the position table). */
 TD_API td_status td_tp_gpt_from(td_process_group *pg, const td_module *gpt, td_module **out);
+/* Options of td_tp_gpt_from_ex; fill with td_tp_gpt_options_init (all off). */
+typedef struct td_tp_gpt_options {
+  /* Megatron's sequence parallelism: between the tensor-parallel regions (LayerNorms, residual
+   * adds, embeddings) each member holds 1/p of the sequence ([B, T/p, C]), so those activations
+   * are split too; the column layers all-gather their input along T and the row layers and the
+   * token table reduce-scatter their output along T instead of f and g (the same bytes move).
+   * T must be divisible by the group size. The whole parameters (LayerNorms, row biases, the
+   * position table) then get a partial gradient on each member: call
+   * td_tp_sync_sequence_parallel_grads after backward, before clipping or stepping. */
+  bool sequence_parallel;
+} td_tp_gpt_options;
+TD_API void td_tp_gpt_options_init(td_tp_gpt_options *o);
+/* td_tp_gpt_from_ex is td_tp_gpt_from with options (NULL: the defaults). */
+TD_API td_status td_tp_gpt_from_ex(td_process_group *pg, const td_module *gpt,
+                                   const td_tp_gpt_options *o, td_module **out);
 /* td_tp_gpt_create is td_gpt_create(c, g) then td_tp_gpt_from (float32). */
 TD_API td_status td_tp_gpt_create(td_process_group *pg, const td_gpt_config *c, td_generator *g,
                                   td_module **out);
@@ -175,6 +190,16 @@ TD_API td_status td_tp_state_dict_full(td_process_group *pg, td_module *root,
 
 /* td_tp_grads_full is the same for the gradients (`.grad`; a parameter without one gives zeros). */
 TD_API td_status td_tp_grads_full(td_process_group *pg, td_module *root, td_tensor_list *out);
+
+/* td_tp_set_sequence_parallel switches every tensor-parallel layer under root to sequence
+ * parallelism along dimension seq_dim (-1: back to f and g): column layers all-gather their
+ * input along it, row layers and vocabulary embeddings reduce-scatter their output along it. */
+TD_API td_status td_tp_set_sequence_parallel(td_module *root, int seq_dim);
+
+/* td_tp_sync_sequence_parallel_grads sums over the group the gradient of every whole (not split)
+ * parameter under root: with sequence parallelism each member computed it from its part of the
+ * sequence. A parameter without a gradient takes part with zeros (and gets them). Collective. */
+TD_API td_status td_tp_sync_sequence_parallel_grads(td_process_group *pg, td_module *root);
 
 /* td_tp_clip_grad_norm clips the gradients of the split model as torch.nn.utils.clip_grad_norm_
  * (norm 2) clips the single-process model's: the squares of the split parameters' gradients are

@@ -7,7 +7,8 @@
 #      micro-batches (1F1B's bound);
 #   2. the same layout with GPipe: the same losses, and every stage held all 4;
 #   3. pipeline 4 with 2 micro-batches (fewer than stages) under tdistrun: the same losses;
-#   4. tensor-parallel 4 with pipeline 2 (8 processes, 8 micro-batches).
+#   4. tensor-parallel 4 with pipeline 2 (8 processes, 8 micro-batches);
+#   5. 2 x 2 x 2 with sequence parallelism: the same losses.
 # Skips (exit 77) without Debian's fortunes corpus. Bounded by `timeout`.
 set -euo pipefail
 gpt3d="$1"
@@ -33,6 +34,7 @@ run gpipe "$gpt3d" "${small[@]}" --dp 2 --pp 2 --tp 2 --micro-batches 4 --schedu
 run pp4 "$tdistrun" --standalone --nproc-per-node 4 "$gpt3d" "${small[@]}" --dp 1 --pp 4 \
   --tp 1 --micro-batches 2
 run tp4 "$gpt3d" "${small[@]}" --dp 1 --pp 2 --tp 4 --micro-batches 8
+run sp "$gpt3d" "${small[@]}" --dp 2 --pp 2 --tp 2 --micro-batches 4 --sequence-parallel
 python3 - "$tmp" <<'PY'
 import json, re, sys
 tmp = sys.argv[1]
@@ -42,7 +44,7 @@ def res(name):
     lines = [l for l in lines if l.startswith("{")]
     assert len(lines) == 1, f"{name}: one JSON line (the reporting rank's), got {len(lines)}"
     return json.loads(lines[0])["results"]
-r = {k: res(k) for k in ("1f1b", "gpipe", "pp4", "tp4")}
+r = {k: res(k) for k in ("1f1b", "gpipe", "pp4", "tp4", "sp")}
 for k, v in r.items():
     d = v["max_abs_loss_diff_vs_one_process"]
     assert len(v["losses"]) == 20, f"{k}: {len(v['losses'])} losses"
@@ -54,7 +56,7 @@ assert r["1f1b"]["peak_live_microbatches_per_stage"] == [2, 1], r["1f1b"]
 assert r["gpipe"]["peak_live_microbatches_per_stage"] == [4, 4], r["gpipe"]
 assert r["pp4"]["peak_live_microbatches_per_stage"] == [2, 2, 2, 1], r["pp4"]
 assert r["tp4"]["peak_live_microbatches_per_stage"] == [2, 1], r["tp4"]
-for k in ("gpipe", "pp4", "tp4"):
+for k in ("gpipe", "pp4", "tp4", "sp"):
     for a, b in zip(r[k]["losses"], r["1f1b"]["losses"]):
         assert abs(a - b) <= 1e-9, f"{k} differs from 1f1b: {a} vs {b}"
 PY
