@@ -27,6 +27,7 @@
 #include "../rpc/agent_impl.h"
 #include "tdist/dist_optim.h"
 #include "tdist/remote_module.h"
+#include "remote_impl.h"
 
 #define MODULE_TYPE "nn.Module"
 
@@ -443,6 +444,7 @@ static void layer_init_once(void) {
   td__rpc_register_internal("__rm_forward", h_forward, NULL);
   td__rpc_register_internal("__rm_train", h_train, NULL);
   td__rpc_register_internal("__rm_info", h_info, NULL);
+  td__pipe_stage_register(); /* pipeline schedules' stages (stage.c) */
 }
 
 /* td__remote_layer_init registers this layer with the agent; td_rpc_init calls it (runtime/init.c)
