@@ -13,6 +13,9 @@
 #ifndef TD_REMOTE_IMPL_H
 #define TD_REMOTE_IMPL_H
 
+#include "tdist/nn.h"
+#include "tdist/tensor.h"
+
 #define TD__PS_STAGE_TYPE "pipe.Stage"
 
 enum {
@@ -26,6 +29,9 @@ enum {
   TD__PS_LAST = 2,      /* the model's last chunk: forward computes the micro-batch's loss */
   TD__PS_LOSS_SHIFT = 2 /* flags >> TD__PS_LOSS_SHIFT is the td_pipe_loss */
 };
+
+/* td__rm_module_device returns the device of m's first parameter (the CPU without parameters). */
+td_device td__rm_module_device(td_module *m);
 
 /* td__pipe_stage_register registers the stage functions and object type (remote layer init). */
 void td__pipe_stage_register(void);

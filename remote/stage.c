@@ -133,15 +133,6 @@ static td_status h_create(td_rpc_ctx *x, td_value *const *args, int n, td_value 
 
 /* ---- running ops ---- */
 
-static td_device module_device(td_module *m) {
-  td_tensor_list ps;
-  td_tensor_list_init(&ps);
-  td_device d = td_device_cpu();
-  if (td_module_parameters(m, &ps) == TD_OK && ps.n > 0) d = td_tensor_device(ps.tensors[0]);
-  td_tensor_list_fini(&ps);
-  return d;
-}
-
 /* loss of micro-batch output y: (y - target)^2 summed, or y summed; times scale. */
 static td_status compute_loss(td_tensor *y, const td_value *target, int kind, double scale,
                               td_tensor **out) {
@@ -191,7 +182,7 @@ static td_status run_forward(ps_stage *s, const ps_op *op, td_tensor **result) {
   if (td_value_as_tensor(op->data, &x) != TD_OK)
     return td_set_error(TD_ERR_INVALID, "pipeline stage: forward input is a %s, expected a tensor",
                         td_value_kind_name(op->data));
-  td_status st = td_tensor_to(x, module_device(m), &xd);
+  td_status st = td_tensor_to(x, td__rm_module_device(m), &xd);
   if (st == TD_OK && !(op->flags & TD__PS_FIRST)) {
     st = td_tensor_detach(xd, &in);
     if (st == TD_OK) st = td_tensor_set_requires_grad(in, true);
@@ -362,6 +353,13 @@ static void reset_locked(ps_stage *s, int64_t run, ps_op **q, int *nq, ps_saved 
   s->busy_s = 0;
 }
 
+/* release_reset fails and frees what reset_locked took out of a stage. */
+static void release_reset(ps_op *stale, int nstale, ps_saved *old, int nold) {
+  if (stale) fail_ops(stale, nstale, "a newer run started");
+  for (int i = 0; i < nold; i++) saved_release(&old[i]);
+  td__free(old);
+}
+
 static td_status parse_op(td_value *const *args, int n, ps_op *op) {
   int64_t v[6];
   if (n != 10) return td_set_error(TD_ERR_FORMAT, "__ps_op: malformed request");
@@ -419,9 +417,7 @@ static td_status h_op(td_rpc_ctx *x, td_value *const *args, int n, td_value **re
     if (!s->running && has_next_locked(s)) s->running = go = true;
   }
   pthread_mutex_unlock(&s->mu);
-  if (stale) fail_ops(stale, nstale, "a newer run started");
-  for (int i = 0; i < nold; i++) saved_release(&old[i]);
-  td__free(old);
+  release_reset(stale, nstale, old, nold);
   if (refuse) {
     td_future_fail(op.reply, TD_ERR_STATE, "pipeline stage: op %lld of run %lld refused: %s",
                    (long long)op.seq, (long long)op.run, refuse);
@@ -452,14 +448,19 @@ static td_status h_abort(td_rpc_ctx *x, td_value *const *args, int n, td_value *
     return td_set_error(TD_ERR_FORMAT, "__ps_abort: malformed request");
   TD_TRY(td_value_as_object(args[0], TD__PS_STAGE_TYPE, &obj));
   ps_stage *s = obj;
-  ps_op *q = NULL;
-  int nq = 0;
+  ps_op *q = NULL, *stale = NULL;
+  ps_saved *old = NULL;
+  int nq = 0, nstale = 0, nold = 0;
   pthread_mutex_lock(&s->mu);
+  /* an abort may overtake the run's first op here: it then opens the run already aborted, so
+   * that op is refused instead of waiting for predecessors that will never be sent */
+  if (run > s->run) reset_locked(s, run, &stale, &nstale, &old, &nold);
   if (run == s->run) {
     s->aborted = true;
     q = take_queue_locked(s, &nq);
   }
   pthread_mutex_unlock(&s->mu);
+  release_reset(stale, nstale, old, nold);
   if (q) fail_ops(q, nq, "the run was aborted by its driver");
   return TD_OK;
 }

@@ -38,19 +38,10 @@ static td_status gate_backward(void *ctx, td_tensor *const *gout, int n_out, td_
 static td_status fn_gated(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                           td_future **fut) {
   (void)n, (void)fut;
-  td_tensor *x, *y, *d, *z;
-  td_node *node;
+  td_tensor *x, *y;
   DA_TRY(td_value_as_tensor(args[0], &x));
   DA_TRY(td_tensor_mul(x, da_param(td_rpc_rank(td_rpc_ctx_agent(c))), &y));
-  DA_TRY(td_node_create_external("GateBackward", 1, &y, 1, gate_backward, NULL, NULL, &node));
-  DA_TRY(td_tensor_detach(y, &d));
-  DA_TRY(td_autograd_attach(d, node, 0, &z));
-  td_node_unref(node);
-  td_tensor_unref(d);
-  td_tensor_unref(y);
-  *res = td_value_tensor(z);
-  td_tensor_unref(z);
-  return TD_OK;
+  return da_reply_through(y, "GateBackward", gate_backward, res);
 }
 
 /* gate_state() -> [reached, open] */
@@ -92,23 +83,6 @@ static td_rpc_agent *start(int rank, int world, const char *method) {
   return a;
 }
 
-static void check_clean(td_rpc_agent *a) {
-  MP_CHECK(td_dist_autograd_current() == NULL);
-  for (int r = 0; r < td_rpc_world_size(a); r++) {
-    td_worker_info wi;
-    MP_CHECK_OK(td_rpc_get_worker_info_by_rank(a, r, &wi));
-    td_value *v;
-    MP_CHECK_OK(td_rpc_sync(a, wi.name, "da_info", NULL, 0, NULL, &v));
-    for (int k = 0; k < 3; k++) {
-      int64_t x = -1;
-      MP_CHECK_OK(td_value_as_int(td_value_list_get(v, (size_t)k), &x));
-      if (x != 0) fprintf(stderr, "rank %d: counter %d is %lld\n", r, k, (long long)x);
-      MP_CHECK(x == 0);
-    }
-    td_value_unref(v);
-  }
-}
-
 static td_tensor *leaf_x(void) {
   double d[DA_D];
   for (int k = 0; k < DA_D; k++) d[k] = 0.5 + 0.25 * k;
@@ -116,17 +90,6 @@ static td_tensor *leaf_x(void) {
   td_tensor *t;
   MP_CHECK_OK(td_tensor_from_buffer(d, shape, 1, TD_DTYPE_F64, &t));
   MP_CHECK_OK(td_tensor_set_requires_grad(t, true));
-  return t;
-}
-
-static td_tensor *call_tensor(td_rpc_agent *a, const char *to, const char *fn, td_value **args,
-                              int n) {
-  td_value *r;
-  MP_CHECK_OK(td_rpc_sync(a, to, fn, args, n, NULL, &r));
-  td_tensor *t;
-  MP_CHECK_OK(td_value_as_tensor(r, &t));
-  td_tensor_ref(t);
-  td_value_unref(r);
   return t;
 }
 
@@ -158,9 +121,9 @@ static grads3 pass(td_rpc_agent *a, bool async) {
   td_dist_autograd_context *ctx;
   MP_CHECK_OK(td_dist_autograd_context_begin(a, &ctx));
   td_value *xv = td_value_tensor(x);
-  td_tensor *y1 = call_tensor(a, "worker1", "mulp", &xv, 1);
+  td_tensor *y1 = da_rpc_tensor(a, "worker1", "mulp", &xv, 1);
   td_value *hargs[3] = {td_value_tensor(y1), td_value_string("worker2"), td_value_string("mulp")};
-  td_tensor *y2 = call_tensor(a, "worker1", "hop", hargs, 3);
+  td_tensor *y2 = da_rpc_tensor(a, "worker1", "hop", hargs, 3);
   td_tensor *y3 = NULL, *loss = NULL;
   MP_CHECK_OK(td_tensor_mul(y2, x, &y3)); /* x used twice: two paths into x's gradient */
   loss = sum_all(y3);
@@ -211,7 +174,7 @@ static int w_parity(int rank, int world, const char *method, void *arg) {
     grads3 *gs[2] = {&s, &as};
     for (int k = 0; k < 2; k++)
       td_tensor_unref(gs[k]->gx), td_tensor_unref(gs[k]->g1), td_tensor_unref(gs[k]->g2);
-    check_clean(a);
+    da_check_clean(a);
   }
   td_mp_finish(a, 60);
   return 0;
@@ -230,14 +193,14 @@ static int w_overlap(int rank, int world, const char *method, void *arg) {
     td_dist_autograd_context *ctx;
     MP_CHECK_OK(td_dist_autograd_context_begin(a, &ctx));
     td_value *xv = td_value_tensor(x);
-    td_tensor *y = call_tensor(a, "worker1", "gated", &xv, 1);
+    td_tensor *y = da_rpc_tensor(a, "worker1", "gated", &xv, 1);
     td_tensor *loss = sum_all(y);
     td_future *f = NULL;
     /* returns while worker1's part waits at the gate */
     MP_CHECK_OK(td_dist_autograd_backward_async(ctx, &loss, 1, false, &f));
     MP_CHECK(!td_future_done(f));
     /* other work meanwhile: a forward RPC in the same context, on another worker */
-    td_tensor *y2 = call_tensor(a, "worker2", "mulp", &xv, 1);
+    td_tensor *y2 = da_rpc_tensor(a, "worker2", "mulp", &xv, 1);
     MP_CHECK(td_tensor_numel(y2) == DA_D);
     td_value *gs = NULL;
     bool reached = false;
@@ -262,7 +225,7 @@ static int w_overlap(int rank, int world, const char *method, void *arg) {
     td_tensor_unref(y), td_tensor_unref(y2), td_tensor_unref(loss), td_tensor_unref(x);
     td_value_unref(xv);
     MP_CHECK_OK(td_dist_autograd_context_end(ctx));
-    check_clean(a);
+    da_check_clean(a);
   }
   td_mp_finish(a, 60);
   return 0;
@@ -290,7 +253,7 @@ static int w_error(int rank, int world, const char *method, void *arg) {
     /* x -> worker1 hop -> worker2 failing: the backward fails two hops away */
     td_value *hargs[3] = {td_value_tensor(x), td_value_string("worker2"),
                           td_value_string("failing")};
-    td_tensor *y = call_tensor(a, "worker1", "hop", hargs, 3);
+    td_tensor *y = da_rpc_tensor(a, "worker1", "hop", hargs, 3);
     td_tensor *loss = sum_all(y);
     f = NULL;
     MP_CHECK_OK(td_dist_autograd_backward_async(ctx, &loss, 1, false, &f));
@@ -304,7 +267,7 @@ static int w_error(int rank, int world, const char *method, void *arg) {
     td_tensor_unref(y), td_tensor_unref(loss), td_tensor_unref(x);
     td_value_unref(xv);
     MP_CHECK_OK(td_dist_autograd_context_end(ctx));
-    check_clean(a);
+    da_check_clean(a);
   }
   td_mp_finish(a, 60);
   return 0;
