@@ -2,7 +2,8 @@
  * - parameter gradients and loss of GPipe, 1F1B and interleaved 1F1B equal (to 1e-10, float64)
  *   those of the unpipelined model run in one process on the whole batch (MSE loss, mean over the
  *   batch), for p = 3 stages (p = 2 workers x v = 2 chunks interleaved) and m = 4 micro-batches,
- *   and for m = 2 < p; gradients accumulate over runs until td_pipe_schedule_zero_grad;
+ *   and for m = 2 < p; gradients accumulate over runs until td_pipe_schedule_zero_grad; a run
+ *   inside the caller's distributed autograd context leaves the context alone;
  * - peak live activations per stage as the stages count them: GPipe m, 1F1B p - s on stage s,
  *   interleaved Megatron's warm-up + 1;
  * - the bubble of stages that only sleep (forward t_f, backward t_b): T / (m (t_f + t_b)) - 1
@@ -20,6 +21,7 @@
 
 #include "mp_util.h"
 #include "test_util.h"
+#include "tdist/dist_autograd.h"
 #include "tdist/nn.h"
 #include "tdist/pipeline.h"
 #include "tdist/remote_module.h"
@@ -295,7 +297,17 @@ static int w_gradients(int rank, int world, const char *method, void *arg) {
       MP_CHECK_OK(td_pipe_schedule_create(a, rm, n, &o, &s));
       td_pipe_stats st;
       double loss = 0;
+      /* the first case runs inside a distributed autograd context, which the run leaves alone */
+      td_dist_autograd_context *ctx = NULL;
+      if (k == 0) MP_CHECK_OK(td_dist_autograd_context_begin(a, &ctx));
       MP_CHECK_OK(td_pipe_schedule_run(s, x, t, &loss, &st));
+      if (ctx) {
+        MP_CHECK(td_dist_autograd_current() == ctx);
+        td_dist_autograd_debug_info di;
+        MP_CHECK_OK(td_dist_autograd_get_debug_info(a, &di));
+        MP_CHECK(di.num_send_functions == 0); /* nothing sent with history */
+        MP_CHECK_OK(td_dist_autograd_context_end(ctx));
+      }
       double worst = compare_grads(rm, &lr, 1.0);
       fprintf(stderr, "%s p=%d v=%d m=%d: loss %.17g (local %.17g), worst gradient difference "
               "%.3g, peak live activations", names[pc->kind], pc->p, pc->v, pc->m, loss, lr.loss,
