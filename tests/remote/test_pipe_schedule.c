@@ -7,9 +7,10 @@
  * - peak live activations per stage as the stages count them: GPipe m, 1F1B p - s on stage s,
  *   interleaved Megatron's warm-up + 1;
  * - the bubble of stages that only sleep (forward t_f, backward t_b): T / (m (t_f + t_b)) - 1
- *   (T: the best of 3 runs) within 10% of (p - 1) / m (GPipe, 1F1B) and (p - 1) / (v m)
+ *   (T: the best of up to 5 runs) within 10% of (p - 1) / m (GPipe, 1F1B) and (p - 1) / (v m)
  *   (interleaved), and the schedule's own measure (stats.bubble) as well; p = 2, m = 4, v = 2
- *   (25% in sanitizer builds);
+ *   (25% in sanitizer builds). Built a second time as test_pipe_bubble (PIPE_BUBBLE_ONLY), run
+ *   alone (RUN_SERIAL): a test running beside it on a 2-CPU host delays the messages;
  * - errors: options refused with clear messages (interleaved m not divisible by p, chunks on the
  *   wrong workers), a chunk whose forward fails on worker2 failing the run with the worker named
  *   and no hang, and the next run on the same workers starting clean.
@@ -376,21 +377,6 @@ static int w_bubble(int rank, int world, const char *method, void *arg) {
       o.loss = TD_PIPE_LOSS_SUM;
       td_pipe_schedule *s = NULL;
       MP_CHECK_OK(td_pipe_schedule_create(a, rm, n, &o, &s));
-      /* best of 3 runs: the schedule is deterministic, a busy host only adds time */
-      td_pipe_stats st, one;
-      for (int r = 0; r < 3; r++) {
-        MP_CHECK_OK(td_pipe_schedule_run(s, x, NULL, NULL, &one));
-        fprintf(stderr, "  %s run %d: T %.4f s\n", names[kind], r, one.wall_s);
-        if (r == 0 || one.wall_s < st.wall_s) st = one;
-      }
-      double ideal = m * (tf + tb) * 1e-3;
-      double bubble = st.wall_s / ideal - 1, want = (double)(p - 1) / (v * m);
-      double rel = fabs(bubble - want) / want;
-      fprintf(stderr, "bubble %s p=%d v=%d m=%d t_f=%lld ms t_b=%lld ms: T %.4f s, measured %.4f, "
-              "predicted %.4f (%.1f%% off); stats.bubble %.4f, busy %.4f/%.4f s, peak live %d/%d\n",
-              names[kind], p, v, m, (long long)tf, (long long)tb, st.wall_s, bubble, want,
-              100 * rel, st.bubble, st.busy_s[0], st.busy_s[1], st.peak_live[0],
-              st.peak_live[1]);
       /* 10% of the predicted bubble. Sanitizer builds slow every message down (ASan: interleaved
        * measured 11.7% off), so they get 25%, and TD_TEST_TIMEOUT_SCALE stretches either. */
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -398,6 +384,23 @@ static int w_bubble(int rank, int world, const char *method, void *arg) {
 #else
       const double tol = 0.10 * td_test_timeout_scale();
 #endif
+      /* the best of up to 5 runs (stopping at the first within the window): the schedule is
+       * deterministic and a busy host only ever adds time, so the fastest run is the estimate */
+      double ideal = m * (tf + tb) * 1e-3, want = (double)(p - 1) / (v * m), bubble = 0, rel = 0;
+      td_pipe_stats st, one;
+      for (int r = 0; r < 5; r++) {
+        MP_CHECK_OK(td_pipe_schedule_run(s, x, NULL, NULL, &one));
+        fprintf(stderr, "  %s run %d: T %.4f s\n", names[kind], r, one.wall_s);
+        if (r == 0 || one.wall_s < st.wall_s) st = one;
+        bubble = st.wall_s / ideal - 1;
+        rel = fabs(bubble - want) / want;
+        if (rel <= tol && fabs(st.bubble - want) / want <= tol) break;
+      }
+      fprintf(stderr, "bubble %s p=%d v=%d m=%d t_f=%lld ms t_b=%lld ms: T %.4f s, measured %.4f, "
+              "predicted %.4f (%.1f%% off); stats.bubble %.4f, busy %.4f/%.4f s, peak live %d/%d\n",
+              names[kind], p, v, m, (long long)tf, (long long)tb, st.wall_s, bubble, want,
+              100 * rel, st.bubble, st.busy_s[0], st.busy_s[1], st.peak_live[0],
+              st.peak_live[1]);
       MP_CHECK(rel <= tol);
       MP_CHECK(fabs(st.bubble - want) / want <= tol);
       td_pipe_schedule_destroy(s);
@@ -538,11 +541,19 @@ static void test_pipe_schedule_orders(void **state) {
 }
 
 int main(void) {
+#ifdef PIPE_BUBBLE_ONLY
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_pipe_schedule_bubble),
+  };
+  (void)test_pipe_schedule_orders, (void)test_pipe_schedule_gradients_match_local;
+  (void)test_pipe_schedule_errors;
+#else
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pipe_schedule_orders),
       cmocka_unit_test(test_pipe_schedule_gradients_match_local),
       cmocka_unit_test(test_pipe_schedule_errors),
-      cmocka_unit_test(test_pipe_schedule_bubble),
   };
+  (void)test_pipe_schedule_bubble;
+#endif
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
