@@ -330,9 +330,21 @@ static td_status h_backward(td_rpc_ctx *x, td_value *const *args, int n, td_valu
   return td__da_join(p.outs, p.n, st, msg, running_dec, s, fut);
 }
 
-static td_status backward_impl(td_dist_autograd_context *c, td_tensor *const *roots, int n,
-                                    bool retain_graph) {
-  TD_CHECK_ARG(c && roots && n > 0, "dist_autograd_backward: invalid argument");
+/* prefix_then prefixes a failed pass's message with "dist_autograd_backward: ". */
+static td_status prefix_then(void *ud, td_future *src, td_value **result, td_future **next) {
+  (void)ud, (void)next, (void)result;
+  if (td_future_status(src) == TD_OK) return TD_OK;
+  return td_set_error(td_future_status(src), "dist_autograd_backward: %s",
+                      td_future_message(src));
+}
+
+/* backward_start checks the arguments, runs the local part on the calling thread and returns in
+ * *out a future completed when every worker's part has finished (the join over the
+ * __dist_backward calls the local part made), or failed with the first error, which names the
+ * worker where it happened. A failure of the checks is returned (nothing started). */
+static td_status backward_start(td_dist_autograd_context *c, td_tensor *const *roots, int n,
+                                bool retain_graph, td_future **out) {
+  TD_CHECK_ARG(c && roots && n > 0 && out, "dist_autograd_backward: invalid argument");
   da_state *s = c->st;
   char b[40];
   pthread_mutex_lock(&c->mu);
@@ -361,23 +373,26 @@ static td_status backward_impl(td_dist_autograd_context *c, td_tensor *const *ro
     td__da_worker_name(s, s->rank, name, sizeof name);
     snprintf(msg, sizeof msg, "%s (rank %d): %s", name, s->rank, td_last_error());
   }
-  if (p.n) {
-    td_future *f = NULL;
-    td_status js = td__da_join(p.outs, p.n, st, msg, NULL, NULL, &f);
-    if (js == TD_OK) {
-      st = td_future_wait(f, -1);
-      if (st != TD_OK) snprintf(msg, sizeof msg, "%s", td_future_message(f));
-      td_future_unref(f);
-    } else if (st == TD_OK) {
-      st = js;
-      snprintf(msg, sizeof msg, "%s", td_last_error());
-    }
-  } else {
-    td__free(p.outs);
-  }
-  running_dec(s);
-  if (st != TD_OK) return td_set_error(st, "dist_autograd_backward: %s", msg);
+  td_future *j = NULL;
+  /* the join takes p.outs (also when p.n == 0) and decrements the running count when done */
+  td_status js = td__da_join(p.outs, p.n, st, msg, running_dec, s, &j);
+  if (js != TD_OK) return js;
+  td_future *f = NULL;
+  js = td_future_then(j, prefix_then, NULL, &f);
+  td_future_unref(j);
+  if (js != TD_OK) return js;
+  *out = f;
   return TD_OK;
+}
+
+static td_status backward_impl(td_dist_autograd_context *c, td_tensor *const *roots, int n,
+                               bool retain_graph) {
+  td_future *f = NULL;
+  TD_TRY(backward_start(c, roots, n, retain_graph, &f));
+  td_status st = td_future_wait(f, TD_TIMEOUT_INFINITE); /* each RPC is bounded by its timeout */
+  if (st != TD_OK) td_set_error(st, "%s", td_future_message(f));
+  td_future_unref(f);
+  return st;
 }
 
 void td__da_backward_register(void) {
@@ -390,5 +405,15 @@ td_status td_dist_autograd_backward(td_dist_autograd_context *c, td_tensor *cons
   uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
   td_status st = backward_impl(c, roots, n, retain_graph);
   if (t0) td__trace_complete("autograd", "dist_autograd backward", t0, td__now_ns(), NULL);
+  return st;
+}
+
+/* The async form: the span of the trace covers the local part only (the rest runs elsewhere). */
+td_status td_dist_autograd_backward_async(td_dist_autograd_context *c, td_tensor *const *roots,
+                                          int n, bool retain_graph, td_future **out) {
+  uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
+  td_status st = backward_start(c, roots, n, retain_graph, out);
+  if (t0) td__trace_complete("autograd", "dist_autograd backward (local part)", t0, td__now_ns(),
+                             NULL);
   return st;
 }

@@ -27,6 +27,7 @@
 #include "../rpc/agent_impl.h"
 #include "tdist/dist_optim.h"
 #include "tdist/remote_module.h"
+#include "remote_impl.h"
 
 #define MODULE_TYPE "nn.Module"
 
@@ -87,7 +88,7 @@ td_status td_remote_device_parse(const char *text, td_remote_device *out) {
 
 /* ---- owner side ---- */
 
-static td_device module_device(td_module *m) {
+td_device td__rm_module_device(td_module *m) {
   td_tensor_list ps;
   td_tensor_list_init(&ps);
   td_device d = td_device_cpu();
@@ -121,7 +122,7 @@ static td_status h_create(td_rpc_ctx *x, td_value *const *args, int n, td_value 
 
 /* run_forward runs m on the tensors of vals[0..n): moved to m's device, output back on the CPU. */
 static td_status run_forward(td_module *m, td_value *const *vals, int n, td_value **res) {
-  td_device dev = module_device(m);
+  td_device dev = td__rm_module_device(m);
   td_tensor **in = td__calloc((size_t)(n ? n : 1), sizeof *in);
   if (!in) return td_set_error(TD_ERR_NOMEM, "remote module: out of memory");
   td_status st = TD_OK;
@@ -279,7 +280,7 @@ static td_status h_info(td_rpc_ctx *x, td_value *const *args, int n, td_value **
   if (n != 1) return td_set_error(TD_ERR_FORMAT, "__rm_info: malformed request");
   TD_TRY(td_value_as_object(args[0], MODULE_TYPE, &m));
   char buf[32];
-  td_device_str(module_device(m), buf, sizeof buf);
+  td_device_str(td__rm_module_device(m), buf, sizeof buf);
   td_value *l = td_value_list();
   td_value *a = td_value_bool(td_module_is_training(m)), *b = td_value_string(buf);
   if (!l || !a || !b || td_value_list_append(l, a) != TD_OK ||
@@ -443,6 +444,7 @@ static void layer_init_once(void) {
   td__rpc_register_internal("__rm_forward", h_forward, NULL);
   td__rpc_register_internal("__rm_train", h_train, NULL);
   td__rpc_register_internal("__rm_info", h_info, NULL);
+  td__pipe_stage_register(); /* pipeline schedules' stages (stage.c) */
 }
 
 /* td__remote_layer_init registers this layer with the agent; td_rpc_init calls it (runtime/init.c)

@@ -101,6 +101,20 @@ TD_API td_dist_autograd_context_id td_dist_autograd_context_get_id(const td_dist
 TD_API td_status td_dist_autograd_backward(td_dist_autograd_context *ctx, td_tensor *const *roots,
                                            int n, bool retain_graph);
 
+/* td_dist_autograd_backward_async is td_dist_autograd_backward without waiting for the other
+ * workers: it checks the arguments and runs the local part of the pass on the calling thread (the
+ * engine over this worker's graph, which sends the gradients of every recv function it reaches),
+ * then returns with *out (new reference) completing with none once every worker's part has
+ * finished, or failing with the first error, whose message names the worker where it happened
+ * ("dist_autograd_backward: worker1 (rank 1): ..."), after the other parts finished. Argument
+ * errors (the same as the sync call's) are returned at once and start nothing. Meanwhile the
+ * caller may make other calls, also in ctx (e.g. the next forward), and may wait on *out with any
+ * timeout; each RPC of the pass is bounded by the agent's rpc timeout, so *out always completes.
+ * Must not be called from a future callback (the local part runs the engine on this thread). */
+TD_API td_status td_dist_autograd_backward_async(td_dist_autograd_context *ctx,
+                                                 td_tensor *const *roots, int n,
+                                                 bool retain_graph, td_future **out);
+
 /* td_dist_autograd_get_gradients returns in *out a new map (a copy) from each leaf tensor of this
  * worker that received a gradient in ctx to that gradient; look gradients up with
  * td_grad_map_get() and release the map with td_grad_map_destroy(). */

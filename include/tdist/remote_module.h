@@ -17,7 +17,8 @@
  * it directly, so activations never pass through the driver; the driver fetches only the last
  * stage's outputs and concatenates them. Micro-batch i enters stage k as soon as stage k-1 has
  * produced it, so the stages work on different micro-batches at once (GPipe's forward schedule);
- * backward runs through distributed autograd in the caller's context.
+ * backward runs through distributed autograd in the caller's context. Schedules that interleave
+ * forward and backward of micro-batches (1F1B, interleaved 1F1B) are in tdist/pipeline.h.
  *
  * td_rpc_init registers this layer's internal RPC functions on every worker, so any worker can
  * host a remote module.

@@ -18,6 +18,7 @@
 #include "tdist/dist_autograd.h"
 #include "tdist/dist_optim.h"
 #include "tdist/remote_module.h"
+#include "tdist/pipeline.h"
 #include "tdist/collectives.h"
 #include "tdist/parallel.h"
 

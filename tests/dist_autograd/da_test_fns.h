@@ -177,14 +177,13 @@ static td_status fail_backward(void *ctx, td_tensor *const *gout, int n_out, td_
   return td_set_error(TD_ERR_INVALID, "boom in FailBackward");
 }
 
-/* failing(x) -> x * 2 whose backward fails */
-static td_status da_failing(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                            td_future **fut) {
-  td_tensor *x, *y, *d, *z;
+/* da_reply_through stores in *res a tensor value equal to y whose gradient goes through a new
+ * external node `name` (backward fn) before reaching y; releases y. */
+static inline td_status da_reply_through(td_tensor *y, const char *name, td_external_backward_fn fn,
+                                         td_value **res) {
+  td_tensor *d, *z;
   td_node *node;
-  DA_TRY(td_value_as_tensor(args[0], &x));
-  DA_TRY(td_tensor_mul_scalar(x, 2.0, &y));
-  DA_TRY(td_node_create_external("FailBackward", 1, &y, 1, fail_backward, NULL, NULL, &node));
+  DA_TRY(td_node_create_external(name, 1, &y, 1, fn, NULL, NULL, &node));
   DA_TRY(td_tensor_detach(y, &d));
   DA_TRY(td_autograd_attach(d, node, 0, &z));
   td_node_unref(node);
@@ -193,6 +192,15 @@ static td_status da_failing(td_rpc_ctx *c, td_value *const *args, int n, td_valu
   *res = td_value_tensor(z);
   td_tensor_unref(z);
   return TD_OK;
+}
+
+/* failing(x) -> x * 2 whose backward fails */
+static td_status da_failing(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                            td_future **fut) {
+  td_tensor *x, *y;
+  DA_TRY(td_value_as_tensor(args[0], &x));
+  DA_TRY(td_tensor_mul_scalar(x, 2.0, &y));
+  return da_reply_through(y, "FailBackward", fail_backward, res);
 }
 
 /* hop(x, worker, fn) -> rpc_sync(worker, fn, x) * 1.5 (a nested call inside the context) */
@@ -211,6 +219,37 @@ static td_status da_hop(td_rpc_ctx *c, td_value *const *args, int n, td_value **
   *res = td_value_tensor(y);
   td_tensor_unref(y);
   return TD_OK;
+}
+
+/* da_check_clean asserts (in a child) that no worker holds a context, a running pass or a send
+ * function. */
+static inline void da_check_clean(td_rpc_agent *a) {
+  MP_CHECK(td_dist_autograd_current() == NULL);
+  for (int r = 0; r < td_rpc_world_size(a); r++) {
+    td_worker_info wi;
+    MP_CHECK_OK(td_rpc_get_worker_info_by_rank(a, r, &wi));
+    td_value *v;
+    MP_CHECK_OK(td_rpc_sync(a, wi.name, "da_info", NULL, 0, NULL, &v));
+    for (int k = 0; k < 3; k++) {
+      int64_t x = -1;
+      MP_CHECK_OK(td_value_as_int(td_value_list_get(v, (size_t)k), &x));
+      if (x != 0) fprintf(stderr, "rank %d: counter %d is %lld\n", r, k, (long long)x);
+      MP_CHECK(x == 0);
+    }
+    td_value_unref(v);
+  }
+}
+
+/* da_rpc_tensor calls fn on worker `to` and returns its tensor result (new reference). */
+static inline td_tensor *da_rpc_tensor(td_rpc_agent *a, const char *to, const char *fn,
+                                       td_value **args, int n) {
+  td_value *r;
+  MP_CHECK_OK(td_rpc_sync(a, to, fn, args, n, NULL, &r));
+  td_tensor *t;
+  MP_CHECK_OK(td_value_as_tensor(r, &t));
+  td_tensor_ref(t);
+  td_value_unref(r);
+  return t;
 }
 
 static inline void da_register_all(void) {

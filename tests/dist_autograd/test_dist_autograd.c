@@ -27,22 +27,7 @@ static td_rpc_agent *start(int rank, int world, const char *method, int threads)
 static void finish(td_rpc_agent *a) { td_mp_finish(a, 60); }
 
 /* Asserts that no worker holds a context, a running pass or a send function. */
-static void check_clean(td_rpc_agent *a) {
-  MP_CHECK(td_dist_autograd_current() == NULL);
-  for (int r = 0; r < td_rpc_world_size(a); r++) {
-    td_worker_info wi;
-    MP_CHECK_OK(td_rpc_get_worker_info_by_rank(a, r, &wi));
-    td_value *v;
-    MP_CHECK_OK(td_rpc_sync(a, wi.name, "da_info", NULL, 0, NULL, &v));
-    for (int k = 0; k < 3; k++) {
-      int64_t x = -1;
-      MP_CHECK_OK(td_value_as_int(td_value_list_get(v, (size_t)k), &x));
-      if (x != 0) fprintf(stderr, "rank %d: counter %d is %lld\n", r, k, (long long)x);
-      MP_CHECK(x == 0);
-    }
-    td_value_unref(v);
-  }
-}
+static void check_clean(td_rpc_agent *a) { da_check_clean(a); }
 
 static td_tensor *tensor_f64(const double *d, const int64_t *shape, int ndim) {
   td_tensor *t;
@@ -329,13 +314,7 @@ static void test_dist_autograd_parity_three_workers(void **state) {
 
 static td_tensor *rpc_tensor(td_rpc_agent *a, const char *to, const char *fn, td_value **args,
                              int n) {
-  td_value *r;
-  MP_CHECK_OK(td_rpc_sync(a, to, fn, args, n, NULL, &r));
-  td_tensor *t;
-  MP_CHECK_OK(td_value_as_tensor(r, &t));
-  td_tensor_ref(t);
-  td_value_unref(r);
-  return t;
+  return da_rpc_tensor(a, to, fn, args, n);
 }
 
 static td_tensor *leaf_x(void) {
