@@ -322,9 +322,23 @@ TD_API void td_ddp_destroy(td_ddp *ddp);
  * The numbers are those of DDP followed by the same optimizer (up to the summation order of the
  * reduction). Per member: optimizer state for S elements instead of P (Adam: 8S bytes instead of
  * 8P in float32), with a float copy of the shard (4S) and, during a step, flat buffers of P
- * elements for the gradient and the gathered parameters. Not done here: stage 3 (parameters
- * sharded between steps) and gradients reduced during backward (the reduction runs in
- * td_zero_step, after backward; DDP's overlap is td_ddp_create_ex).
+ * elements for the gradient and the gathered parameters (one bucket at a time with overlap).
+ * Not done here: stage 3 (parameters sharded between steps).
+ *
+ * Overlap (stage 2, td_zero_options.overlap): the reduction runs during backward. The parameters
+ * are laid out in buckets (bucket_bytes, the first first_bucket_bytes) in the order their
+ * gradients are expected (grad_order, e.g. a module's parameters reversed; default the flat
+ * order reversed); each member owns an equal part of every bucket instead of one contiguous
+ * range. Per pass:
+ *     td_zero_prepare(z);  td_tensor_backward(loss);  td_zero_step(z);
+ * Gradient hooks add each gradient into its bucket and drop the parameter's .grad; when a
+ * bucket is complete (and every bucket before it started) its reduce_scatter starts
+ * asynchronously and its buffer is freed when that ends, so no full gradient outlives backward.
+ * td_zero_step waits for them (a parameter that got no gradient counts as zeros; a gradient that
+ * came after its bucket started, as a tied weight's second one, is reduced again then) and goes
+ * on with 2-4 above. Every member must run the same backward passes. Without td_zero_prepare a
+ * step reduces after backward as without overlap; gradient accumulation: backward passes without
+ * td_zero_prepare accumulate into .grad, and the prepared one adds them.
  *
  * Parameters: float32 or float64, one dtype and one device for all, CPU or (with an NCCL group)
  * CUDA. Every member must pass the same parameter layout (checked: TD_ERR_SHAPE naming the member
@@ -335,8 +349,15 @@ typedef struct td_zero_options {
   int stage;            /* 1 or 2 (default 2) */
   double max_grad_norm; /* > 0: clip the averaged gradient to this global 2-norm; 0: no clipping
                            (default) */
+  bool overlap;         /* stage 2: reduce_scatter during backward (see above); default false */
+  size_t bucket_bytes;  /* overlap: bucket capacity in bytes; 0: 25 MiB */
+  size_t first_bucket_bytes; /* overlap: the first bucket's; 0: 1 MiB */
+  td_tensor *const *grad_order; /* overlap: parameters in the order their gradients are expected
+                           (repeats ignored; the rest follow in reverse flat order); read by
+                           td_zero_create only. Default NULL: the flat order reversed */
+  size_t n_grad_order;
 } td_zero_options;
-/* td_zero_options_init sets stage 2 and no clipping. */
+/* td_zero_options_init sets stage 2, no clipping, no overlap. */
 TD_API void td_zero_options_init(td_zero_options *o);
 
 /* td_zero_create makes a sharded optimizer over the parameters of groups[0..n_groups) (the groups
@@ -346,6 +367,9 @@ TD_API void td_zero_options_init(td_zero_options *o);
 TD_API td_status td_zero_create(td_process_group *pg, const td_optim_options *opts,
                                 const td_optim_group *groups, size_t n_groups,
                                 const td_zero_options *zopts, td_zero **out);
+/* td_zero_prepare arms the gradient hooks for the next backward pass (overlap only: else
+ * TD_ERR_STATE, as a second prepare without a step in between). Not collective. */
+TD_API td_status td_zero_prepare(td_zero *z);
 /* td_zero_step reduces the gradients (a parameter without .grad counts as zeros), clips, steps
  * this member's shard and gathers the parameters (see above). Collective over the group; blocks.
  * Runs with autograd recording off. */
@@ -364,6 +388,11 @@ typedef struct td_zero_stats {
   uint64_t steps;
   double last_grad_norm;  /* the global norm before clipping at the last step (NAN before the
                              first step, or without clipping) */
+  size_t buckets;         /* buckets of the layout (1 without overlap) */
+  uint64_t passes_overlapped;         /* steps that ended an overlapped pass */
+  uint64_t bytes_started_in_backward; /* bucket bytes whose reduce_scatter started in a hook */
+  uint64_t bytes_reduced;             /* bucket bytes of every reduction of every step */
+  uint64_t late_buckets;  /* bucket-passes reduced again for gradients that came late */
 } td_zero_stats;
 TD_API td_status td_zero_get_stats(const td_zero *z, td_zero_stats *out);
 /* td_zero_destroy frees z (its shard, its optimizer state). NULL does nothing. */
