@@ -3,8 +3,12 @@
  * parameters of a single process that averages the members' gradients, clips and steps the
  * same optimizer (float64, 1e-10); each member's optimizer holds only its shard (the shards
  * cut through parameters: 66 elements in 3 shards of 22); stage 1 leaves the group-average
- * gradients in .grad, stage 2 clears them; a member with other parameters is refused on every
- * member; invalid options are refused before any collective. */
+ * gradients in .grad, stage 2 clears them; stage 2 overlapped with backward (buckets
+ * reduce_scattered from gradient hooks) gives the parameters of stage 2 after backward (1e-10),
+ * keeps at most one full gradient through backward, starts every bucket from a hook, and reduces
+ * gradients that come after their bucket started (two backward passes) at the step; a member with
+ * other parameters is refused on every member; invalid options are refused before any
+ * collective. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -168,6 +172,97 @@ static void run_stage(td_process_group *pg, int rank, int stage) {
   td_module_unref(ref);
 }
 
+/* Parameters with a .grad (overlap keeps at most the last one hooked until the step). */
+static int grads_held(td_tensor_list *p) {
+  int n = 0;
+  for (size_t i = 0; i < p->n; i++) {
+    td_tensor *g = td_tensor_grad(p->tensors[i]);
+    n += g != NULL;
+    td_tensor_unref(g);
+  }
+  return n;
+}
+
+/* Stage 2 with overlap against stage 2 after backward: the same parameters (1e-10) and global
+ * norms at every step. twice: two backward passes per step (the second one's gradients all come
+ * after their buckets started, so every bucket is reduced again at the step); else one pass with
+ * the module's parameters reversed as the gradient order. One bucket per parameter. */
+static void run_overlap(td_process_group *pg, int rank, bool twice) {
+  td_module *ma = build(1000 + (uint64_t)rank, false), *mo = build(1000 + (uint64_t)rank, false);
+  td_tensor_list pa, po;
+  td_tensor_list_init(&pa);
+  td_tensor_list_init(&po);
+  MP_CHECK_OK(td_module_parameters(ma, &pa));
+  MP_CHECK_OK(td_module_parameters(mo, &po));
+  td_tensor *w[2], *b[2], *ow[2], *ob[2], *rev[4];
+  td_optim_group g[2], og[2];
+  groups_of(&pa, w, b, g);
+  groups_of(&po, ow, ob, og);
+  for (size_t i = 0; i < 4; i++) rev[i] = po.tensors[3 - i];
+  td_optim_options o;
+  adamw(&o);
+  td_zero_options zo;
+  td_zero_options_init(&zo);
+  zo.max_grad_norm = MAX_NORM;
+  td_zero *za = NULL, *zv = NULL;
+  MP_CHECK_OK(td_zero_create(pg, &o, g, 2, &zo, &za));
+  MP_CHECK(td_zero_prepare(za) == TD_ERR_STATE); /* created without overlap */
+  zo.overlap = true;
+  zo.bucket_bytes = zo.first_bucket_bytes = 1; /* a bucket per parameter */
+  if (!twice) zo.grad_order = rev, zo.n_grad_order = 4;
+  MP_CHECK_OK(td_zero_create(pg, &o, og, 2, &zo, &zv));
+  td_zero_stats sa, sv;
+  MP_CHECK_OK(td_zero_get_stats(zv, &sv));
+  /* W1 35, b1 7, W2 21, b2 3 elements in parts of 12 + 3 + 7 + 1 */
+  MP_CHECK(sv.buckets == 4 && sv.numel == 66 && sv.shard_numel == 23);
+  int64_t owned = sv.owned_numel, one = 1;
+  td_tensor *sum = NULL;
+  MP_CHECK_OK(td_tensor_from_buffer(&owned, &one, 1, TD_DTYPE_I64, &sum));
+  MP_CHECK_OK(td_process_group_all_reduce(pg, sum, TD_REDUCE_SUM));
+  MP_CHECK(*(const int64_t *)td_tensor_data(sum) == 66); /* every element owned exactly once */
+  td_tensor_unref(sum);
+  for (int step = 0; step < STEPS; step++) {
+    backward_on(ma, rank, step);
+    if (twice) backward_on(ma, rank, step + 100);
+    MP_CHECK_OK(td_zero_step(za));
+    MP_CHECK_OK(td_zero_prepare(zv));
+    MP_CHECK(td_zero_prepare(zv) == TD_ERR_STATE);
+    backward_on(mo, rank, step);
+    if (!twice) MP_CHECK(grads_held(&po) <= 1); /* no full gradient kept but the last one */
+    if (twice) backward_on(mo, rank, step + 100);
+    MP_CHECK_OK(td_zero_step(zv));
+    MP_CHECK(grads_held(&po) == 0);
+    MP_CHECK_OK(td_zero_get_stats(za, &sa));
+    MP_CHECK_OK(td_zero_get_stats(zv, &sv));
+    if (!(fabs(sa.last_grad_norm - sv.last_grad_norm) <= 1e-10 * sa.last_grad_norm)) {
+      fprintf(stderr, "[rank %d] step %d: global norm %.17g with overlap, %.17g without\n", rank,
+              step, sv.last_grad_norm, sa.last_grad_norm);
+      MP_CHECK(0);
+    }
+    for (size_t i = 0; i < 4; i++) {
+      if (!close_to(po.tensors[i], pa.tensors[i])) {
+        fprintf(stderr, "[rank %d] step %d%s: parameter %s differs with overlap\n", rank, step,
+                twice ? " (two passes)" : "", po.names[i]);
+        MP_CHECK(0);
+      }
+    }
+  }
+  MP_CHECK(sv.passes_overlapped == STEPS && sv.steps == STEPS);
+  MP_CHECK(sv.bytes_reduced > 0);
+  if (twice) {
+    MP_CHECK(sv.late_buckets == 4 * STEPS);
+  } else {
+    MP_CHECK(sv.late_buckets == 0);
+    MP_CHECK(sv.bytes_started_in_backward * 2 >= sv.bytes_reduced);
+  }
+  td_zero_destroy(za);
+  td_zero_destroy(zv);
+  td_tensor_list_fini(&pa);
+  td_tensor_list_fini(&po);
+  td_module_unref(ma);
+  td_module_unref(mo);
+}
+
 static int worker_zero(int rank, int world, const char *method, void *arg) {
   (void)arg;
   td_rpc_agent *a = coll_join(rank, world, method);
@@ -196,8 +291,14 @@ static int worker_zero(int rank, int world, const char *method, void *arg) {
   td_tensor_list_fini(&po);
   td_module_unref(odd);
 
+  zo.stage = 1;
+  zo.overlap = true; /* overlap is for stage 2 */
+  MP_CHECK(td_zero_create(pg, &o, NULL, 0, &zo, &z) == TD_ERR_INVALID && z == NULL);
+
   run_stage(pg, rank, 1);
   run_stage(pg, rank, 2);
+  run_overlap(pg, rank, false);
+  run_overlap(pg, rank, true);
   td_process_group_destroy(pg);
   coll_leave(a);
   CHECK_NO_LEAKS();
