@@ -45,7 +45,7 @@
 #include "coll_impl.h"
 #include "tdist/autograd.h"
 
-#define DEFAULT_BUCKET_BYTES ((size_t)25 << 20)
+#define DEFAULT_BUCKET_BYTES ((size_t)4 << 20) /* small: a bucket in flight is the full gradient stage 2 holds */
 #define DEFAULT_FIRST_BUCKET_BYTES ((size_t)1 << 20)
 
 typedef struct hook_ctx {
@@ -312,6 +312,7 @@ td_status td_zero_create(td_process_group *pg, const td_optim_options *opts,
   for (size_t k = 0; k < z->nseg; k++) z->stats.owned_numel += z->segs[k].len;
   z->stats.optim_params = z->nseg;
   z->stats.buckets = z->nb;
+  z->stats.overlap = z->zo.overlap;
   z->stats.last_grad_norm = NAN;
   *out = z;
   return TD_OK;

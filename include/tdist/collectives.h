@@ -350,7 +350,8 @@ typedef struct td_zero_options {
   double max_grad_norm; /* > 0: clip the averaged gradient to this global 2-norm; 0: no clipping
                            (default) */
   bool overlap;         /* stage 2: reduce_scatter during backward (see above); default false */
-  size_t bucket_bytes;  /* overlap: bucket capacity in bytes; 0: 25 MiB */
+  size_t bucket_bytes;  /* overlap: bucket capacity in bytes; 0: 4 MiB (smaller than DDP's 25:
+                           buckets being filled or reduced are the full gradient held) */
   size_t first_bucket_bytes; /* overlap: the first bucket's; 0: 1 MiB */
   td_tensor *const *grad_order; /* overlap: parameters in the order their gradients are expected
                            (repeats ignored; the rest follow in reverse flat order); read by
@@ -388,6 +389,7 @@ typedef struct td_zero_stats {
   uint64_t steps;
   double last_grad_norm;  /* the global norm before clipping at the last step (NAN before the
                              first step, or without clipping) */
+  bool overlap;           /* created with overlap */
   size_t buckets;         /* buckets of the layout (1 without overlap) */
   uint64_t passes_overlapped;         /* steps that ended an overlapped pass */
   uint64_t bytes_started_in_backward; /* bucket bytes whose reduce_scatter started in a hook */
