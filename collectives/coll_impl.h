@@ -26,6 +26,7 @@
 #include "../core/core.h"
 #include "../rpc/store.h"
 #include "tdist/collectives.h"
+#include "tdist/optim.h"
 
 #define TD__PG_DEFAULT_TIMEOUT_MS 60000
 
@@ -180,6 +181,7 @@ struct td_zero {
   td__zseg *segs;
   td_tensor **seg;      /* per segment: the 1-D master values (owned) */
   td_optim *opt;        /* over seg (NULL when this member owns no element) */
+  td_optim_kind okind;  /* its kind (checkpoints) */
   td_dtype dt;
   td_device dev;
   /* overlapped passes */

@@ -277,6 +277,7 @@ td_status td_zero_create(td_process_group *pg, const td_optim_options *opts,
   td_zero *z = td__calloc(1, sizeof *z);
   if (!z) return td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
   z->pg = pg;
+  z->okind = opts->kind;
   if (zopts) z->zo = *zopts;
   else td_zero_options_init(&z->zo);
   int64_t P = 0, S = 0;

@@ -397,6 +397,48 @@ typedef struct td_zero_stats {
   uint64_t late_buckets;  /* bucket-passes reduced again for gradients that came late */
 } td_zero_stats;
 TD_API td_status td_zero_get_stats(const td_zero *z, td_zero_stats *out);
+/* ---- ZeRO checkpoints ----
+ *
+ * Shard files: td_zero_save(z, prefix) makes every member write its own file,
+ * "<prefix>.zero-<rank>-of-<world>.safetensors" (td_zero_shard_path), holding for each piece of a
+ * parameter in its shard (flat parameter i, the groups' order; elements [off, off + len) in
+ * row-major order):
+ *     "param.<i>@<off>"          the values (1-D, len elements, the parameters' dtype)
+ *     "param.<i>@<off>.<state>"  the optimizer state under torch.optim's names (AdamW: exp_avg,
+ *                                exp_avg_sq; max_exp_avg_sq with amsgrad; SGD momentum_buffer;
+ *                                Adagrad sum; RMSprop square_avg, momentum_buffer, grad_avg),
+ *                                absent before the first step
+ *     "param.<i>@<off>.step"     the step count (int64, [1])
+ * and the metadata format "tdist.zero.shard", tdist.zero.version "1", world, rank, optimizer
+ * (td_optim_kind_name), numel (P), params (their count), steps (td_zero_stats.steps) and
+ * "param.<i>.shape" ("7,5"; "" for a scalar).
+ * Consolidated file (td_zero_consolidate): the same without the cut, format "tdist.zero.full"
+ * and no world or rank: "param.<i>" (the parameter, its shape), "param.<i>.<state>" (its shape),
+ * "param.<i>.step". PyTorch reads it with safetensors (or 8 bytes of header length, the JSON
+ * header, the data), and "param.<i>" are the model's parameters. */
+
+/* td_zero_shard_path writes "<prefix>.zero-<rank>-of-<world>.safetensors" into buf (n bytes).
+ * TD_ERR_INVALID when it does not fit or rank is not in [0, world). Any thread. */
+TD_API td_status td_zero_shard_path(const char *prefix, int rank, int world, char *buf, size_t n);
+/* td_zero_save writes this member's shard file (see above) through a temporary file renamed into
+ * place. Collective: every member calls it with the same prefix, between steps (TD_ERR_STATE
+ * while a pass is prepared); the members agree on the outcome, so a failure on one (TD_ERR_IO
+ * naming the path) fails every member (the others TD_ERR_STATE). Blocks. */
+TD_API td_status td_zero_save(td_zero *z, const char *prefix);
+/* td_zero_consolidate merges the shard files paths[0..n) of one save (every rank once, any order)
+ * into one consolidated file at out_path. TD_ERR_FORMAT names the file and the problem (another
+ * save's file, a missing or repeated rank, elements not covered exactly once, an unknown tensor).
+ * Not collective; any thread. */
+TD_API td_status td_zero_consolidate(const char *const *paths, size_t n, const char *out_path);
+/* td_zero_load restores parameters, optimizer state and step count from a checkpoint: one
+ * consolidated file (n == 1), or the n shard files of a save at any world size (assembled in
+ * memory). The checkpoint must have this td_zero's parameter count, shapes and optimizer kind
+ * (TD_ERR_SHAPE otherwise, checked before anything changes); stage, overlap, bucket layout and
+ * world size may differ. Every member reads the whole state. Collective, between steps; a failure
+ * on one member fails every member (the others TD_ERR_STATE). Learning rates are not restored
+ * (schedules set them). Blocks. */
+TD_API td_status td_zero_load(td_zero *z, const char *const *paths, size_t n);
+
 /* td_zero_destroy frees z (its shard, its optimizer state). NULL does nothing. */
 TD_API void td_zero_destroy(td_zero *z);
 
