@@ -169,7 +169,7 @@ typedef struct asm_state {
   int64_t np, numel, world;
   td_tensor **value, **state[3], **step; /* per parameter, full (NULL until a segment arrives) */
   uint8_t **covered;                     /* per parameter, per element */
-  int64_t *covered_n;
+  int64_t *covered_n, *state_n[3];       /* per parameter: elements of values, of each state */
   bool *rank_seen;
 } asm_state;
 
@@ -186,6 +186,7 @@ static void asm_fini(asm_state *a) {
   for (int b = 0; b < 3; b++) td__free(a->state[b]);
   td__free(a->covered);
   td__free(a->covered_n);
+  for (int b = 0; b < 3; b++) td__free(a->state_n[b]);
   td__free(a->rank_seen);
   td_safetensors_meta_fini(&a->meta);
 }
@@ -202,7 +203,8 @@ static td_status meta_shape(const td_safetensors_meta *m, int64_t i, const char 
   while (*s) {
     char *end = NULL;
     long long v = strtoll(s, &end, 10);
-    if (end == s || v < 0 || *ndim == 8 || (*end && *end != ','))
+    if (end == s || v < 0 || *ndim == 8 || (*end && *end != ',') ||
+        (v > 0 && *numel > INT64_MAX / v))
       return td_set_error(TD_ERR_FORMAT, "zero checkpoint %s: bad \"%s\"", path, key);
     shape[(*ndim)++] = v;
     *numel *= v;
@@ -228,11 +230,12 @@ static td_status asm_begin(asm_state *a, const td_safetensors_meta *m, const cha
   a->value = td__calloc(np, sizeof *a->value);
   a->step = td__calloc(np, sizeof *a->step);
   for (int b = 0; b < 3; b++) a->state[b] = td__calloc(np, sizeof *a->state[b]);
+  for (int b = 0; b < 3; b++) a->state_n[b] = td__calloc(np, sizeof *a->state_n[b]);
   a->covered = td__calloc(np, sizeof *a->covered);
   a->covered_n = td__calloc(np, sizeof *a->covered_n);
   a->rank_seen = td__calloc((size_t)a->world + 1, sizeof *a->rank_seen);
   if (!a->value || !a->step || !a->state[0] || !a->state[1] || !a->state[2] || !a->covered ||
-      !a->covered_n || !a->rank_seen)
+      !a->covered_n || !a->state_n[0] || !a->state_n[1] || !a->state_n[2] || !a->rank_seen)
     return td_set_error(TD_ERR_NOMEM, "zero checkpoint: out of memory");
   int64_t total = 0;
   for (int64_t i = 0; i < a->np; i++) {
@@ -299,7 +302,7 @@ static td_status asm_tensor(asm_state *a, const char *name, const td_tensor *t, 
   int64_t shape[8];
   int ndim;
   TD_TRY(meta_shape(&a->meta, (int64_t)i, path, shape, &ndim, &pn));
-  if (off + len > pn)
+  if (len > pn || off > pn - len)
     return td_set_error(TD_ERR_FORMAT, "zero checkpoint %s: \"%s\" runs past the %" PRId64
                         " elements of parameter %llu", path, name, pn, i);
   if (!*rest) { /* the values: the coverage is counted on them */
@@ -325,8 +328,10 @@ static td_status asm_tensor(asm_state *a, const char *name, const td_tensor *t, 
     return a->step[i] ? TD_OK : step_tensor(v, &a->step[i]);
   }
   for (int b = 0; b < 3; b++)
-    if (*rest == '.' && state_name(a->kind, b) && !strcmp(rest + 1, state_name(a->kind, b)))
+    if (*rest == '.' && state_name(a->kind, b) && !strcmp(rest + 1, state_name(a->kind, b))) {
+      a->state_n[b][i] += len; /* segments are disjoint (checked on the values) */
       return put(a, &a->state[b][i], (int64_t)i, off, t, path);
+    }
   return td_set_error(TD_ERR_FORMAT, "zero checkpoint %s: unexpected tensor \"%s\"", path, name);
 }
 
@@ -365,8 +370,14 @@ static td_status asm_finish(asm_state *a, td_tensor_list *out, td_safetensors_me
     snprintf(name, sizeof name, "param.%" PRId64, i);
     if (st == TD_OK) st = td_tensor_list_append(out, name, a->value[i]);
     for (int b = 0; st == TD_OK && b < 3; b++) {
-      if (!a->state[b][i]) continue;
-      snprintf(name, sizeof name, "param.%" PRId64 ".%s", i, state_name(a->kind, b));
+      const char *sn = state_name(a->kind, b);
+      if (!a->state[b][i] || !sn) continue;
+      if (a->state_n[b][i] != pn)
+        st = td_set_error(TD_ERR_FORMAT, "zero checkpoint: the files hold %s for %" PRId64 " of "
+                          "the %" PRId64 " elements of parameter %" PRId64, sn,
+                          a->state_n[b][i], pn, i);
+      if (st != TD_OK) break;
+      snprintf(name, sizeof name, "param.%" PRId64 ".%s", i, sn);
       st = td_tensor_list_append(out, name, a->state[b][i]);
     }
     snprintf(name, sizeof name, "param.%" PRId64 ".step", i);

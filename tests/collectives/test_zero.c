@@ -9,7 +9,7 @@
  * gradients that come after their bucket started (two backward passes) at the step; a member with
  * other parameters is refused on every member; invalid options are refused before any
  * collective. Checkpoints: 3 members train 4 steps and save their shards; the shards consolidate
- * (in any order; a missing or repeated rank is refused) into a file whose parameters are the
+ * (in any order; a missing or repeated rank, or a shard missing state, is refused) into a file whose parameters are the
  * model's; 2 members load the consolidated file, 1 member the 3 shard files, and 4 more steps
  * match a process that never stopped (1e-10); a td_zero over other shapes refuses the file.
  * With TD_ZERO_CKPT_DIR the files stay there for check_zero_ckpt.py (PyTorch). */
@@ -110,6 +110,16 @@ static double ref_step(td_module *ref, td_optim *ropt, td_tensor_list *pr, int d
   return total;
 }
 
+/* Every element of the 66 is owned by exactly one member. Collective. */
+static void owned_once(td_process_group *pg, int64_t owned) {
+  int64_t one = 1;
+  td_tensor *sum = NULL;
+  MP_CHECK_OK(td_tensor_from_buffer(&owned, &one, 1, TD_DTYPE_I64, &sum));
+  MP_CHECK_OK(td_process_group_all_reduce(pg, sum, TD_REDUCE_SUM));
+  MP_CHECK(*(const int64_t *)td_tensor_data(sum) == 66);
+  td_tensor_unref(sum);
+}
+
 /* One run of `stage` against the single-process reference. */
 static void run_stage(td_process_group *pg, int rank, int stage) {
   td_module *m = build(1000 + (uint64_t)rank, false), *ref = build(1000, false);
@@ -144,12 +154,7 @@ static void run_stage(td_process_group *pg, int rank, int stage) {
             zs.optim_params, pieces[rank]);
     MP_CHECK(0);
   }
-  int64_t owned = zs.owned_numel, one = 1;
-  td_tensor *sum = NULL;
-  MP_CHECK_OK(td_tensor_from_buffer(&owned, &one, 1, TD_DTYPE_I64, &sum));
-  MP_CHECK_OK(td_process_group_all_reduce(pg, sum, TD_REDUCE_SUM));
-  MP_CHECK(*(const int64_t *)td_tensor_data(sum) == 66); /* every element owned exactly once */
-  td_tensor_unref(sum);
+  owned_once(pg, zs.owned_numel);
 
   for (int step = 0; step < STEPS; step++) {
     td_zero_zero_grad(z);
@@ -232,12 +237,7 @@ static void run_overlap(td_process_group *pg, int rank, bool twice) {
   MP_CHECK_OK(td_zero_get_stats(zv, &sv));
   /* W1 35, b1 7, W2 21, b2 3 elements in parts of 12 + 3 + 7 + 1 */
   MP_CHECK(sv.buckets == 4 && sv.numel == 66 && sv.shard_numel == 23);
-  int64_t owned = sv.owned_numel, one = 1;
-  td_tensor *sum = NULL;
-  MP_CHECK_OK(td_tensor_from_buffer(&owned, &one, 1, TD_DTYPE_I64, &sum));
-  MP_CHECK_OK(td_process_group_all_reduce(pg, sum, TD_REDUCE_SUM));
-  MP_CHECK(*(const int64_t *)td_tensor_data(sum) == 66); /* every element owned exactly once */
-  td_tensor_unref(sum);
+  owned_once(pg, sv.owned_numel);
   for (int step = 0; step < STEPS; step++) {
     backward_on(ma, rank, step);
     if (twice) backward_on(ma, rank, step + 100);
@@ -365,6 +365,27 @@ static void consolidate_on_rank0(const ckpt_arg *c, td_tensor_list *pm) {
   MP_CHECK(td_zero_consolidate(paths, 2, full) == TD_ERR_FORMAT); /* a rank missing */
   MP_CHECK(td_zero_consolidate(paths + 1, 3, full) == TD_ERR_FORMAT); /* rank 0 twice */
   MP_CHECK(strstr(td_last_error(), "rank 0 of 3 appears twice") != NULL);
+  /* a shard whose exp_avg pieces are gone: the others' do not make a whole */
+  char cut[600];
+  ckpt_file(c, "cut.safetensors", cut, sizeof cut);
+  td_tensor_list sl, kept;
+  td_safetensors_meta sm;
+  td_tensor_list_init(&sl);
+  td_tensor_list_init(&kept);
+  td_safetensors_meta_init(&sm);
+  MP_CHECK_OK(td_safetensors_read(sh[1], &sl, &sm));
+  for (size_t k = 0; k < sl.n; k++)
+    if (!strstr(sl.names[k], ".exp_avg") || strstr(sl.names[k], ".exp_avg_sq"))
+      MP_CHECK_OK(td_tensor_list_append(&kept, sl.names[k], sl.tensors[k]));
+  MP_CHECK(kept.n < sl.n);
+  MP_CHECK_OK(td_safetensors_write(cut, &kept, &sm));
+  const char *with_cut[SAVE_WORLD] = {sh[0], cut, sh[2]};
+  MP_CHECK(td_zero_consolidate(with_cut, 3, full) == TD_ERR_FORMAT);
+  MP_CHECK(strstr(td_last_error(), "exp_avg for") != NULL);
+  unlink(cut);
+  td_tensor_list_fini(&sl);
+  td_tensor_list_fini(&kept);
+  td_safetensors_meta_fini(&sm);
   MP_CHECK_OK(td_zero_consolidate(paths, 3, full));
   write_model(pm, model);
   td_tensor_list l;
