@@ -110,6 +110,24 @@ static double ref_step(td_module *ref, td_optim *ropt, td_tensor_list *pr, int d
   return total;
 }
 
+/* A td_zero over the groups of pm (AdamW, clipping); with overlap a bucket per parameter. */
+static td_zero *zero_over(td_process_group *pg, td_tensor_list *pm, int stage, bool overlap) {
+  td_tensor *w[2], *b[2];
+  td_optim_group g[2];
+  groups_of(pm, w, b, g);
+  td_optim_options o;
+  adamw(&o);
+  td_zero_options zo;
+  td_zero_options_init(&zo);
+  zo.stage = stage;
+  zo.max_grad_norm = MAX_NORM;
+  zo.overlap = overlap;
+  zo.bucket_bytes = zo.first_bucket_bytes = 1;
+  td_zero *z = NULL;
+  MP_CHECK_OK(td_zero_create(pg, &o, g, 2, &zo, &z));
+  return z;
+}
+
 /* Every element of the 66 is owned by exactly one member. Collective. */
 static void owned_once(td_process_group *pg, int64_t owned) {
   int64_t one = 1;
@@ -129,18 +147,12 @@ static void run_stage(td_process_group *pg, int rank, int stage) {
   MP_CHECK_OK(td_module_parameters(m, &pm));
   MP_CHECK_OK(td_module_parameters(ref, &pr));
   MP_CHECK(pm.n == 4 && pr.n == 4);
-  td_tensor *w[2], *b[2], *rw[2], *rb[2];
-  td_optim_group g[2], rg[2];
-  groups_of(&pm, w, b, g);
+  td_tensor *rw[2], *rb[2];
+  td_optim_group rg[2];
   groups_of(&pr, rw, rb, rg);
   td_optim_options o;
   adamw(&o);
-  td_zero_options zo;
-  td_zero_options_init(&zo);
-  zo.stage = stage;
-  zo.max_grad_norm = MAX_NORM;
-  td_zero *z = NULL;
-  MP_CHECK_OK(td_zero_create(pg, &o, g, 2, &zo, &z));
+  td_zero *z = zero_over(pg, &pm, stage, false);
   td_optim *ropt = NULL;
   MP_CHECK_OK(td_optim_create_groups(&o, rg, 2, &ropt));
 
@@ -409,23 +421,6 @@ static void consolidate_on_rank0(const ckpt_arg *c, td_tensor_list *pm) {
   }
   td_tensor_list_fini(&l);
   td_safetensors_meta_fini(&meta);
-}
-
-static td_zero *zero_over(td_process_group *pg, td_tensor_list *pm, int stage, bool overlap) {
-  td_tensor *w[2], *b[2];
-  td_optim_group g[2];
-  groups_of(pm, w, b, g);
-  td_optim_options o;
-  adamw(&o);
-  td_zero_options zo;
-  td_zero_options_init(&zo);
-  zo.stage = stage;
-  zo.max_grad_norm = MAX_NORM;
-  zo.overlap = overlap;
-  zo.bucket_bytes = zo.first_bucket_bytes = 1;
-  td_zero *z = NULL;
-  MP_CHECK_OK(td_zero_create(pg, &o, g, 2, &zo, &z));
-  return z;
 }
 
 static int worker_save(int rank, int world, const char *method, void *arg) {
