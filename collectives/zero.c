@@ -28,11 +28,14 @@
  * when every parameter of the next bucket in order has arrived, its reduce_scatter starts
  * asynchronously and the buffer is released when it completes, so buckets start in the same
  * order on every member. A parameter's .grad, accumulated by autograd right after its hook, is
- * dropped at the next hook (or at the step), so no full gradient outlives backward. A gradient
- * that arrives after its bucket started (a parameter used twice, as tied weights are) stays in
- * .grad; the step agrees on such late buckets across the group (an all_reduce MAX of one flag
- * per bucket) and reduce_scatters their late gradients into the shard gradient. A parameter that
- * got no gradient counts as zeros (or its .grad). Hooks run on the thread that runs backward.
+ * dropped at the next hook (or at the step), so no full gradient outlives the step. A gradient
+ * that arrives after its bucket started (a second backward in one pass; autograd sums a leaf's
+ * uses, tied weights included, before its hook runs) stays in .grad; the step agrees on such
+ * late buckets across the group (an all_reduce MAX of one flag per bucket) and reduce_scatters
+ * their late gradients into the shard gradient. A parameter that got no gradient counts as zeros
+ * (or its .grad). Hooks run on the thread that runs backward; the group's worker thread runs the
+ * reduce_scatters and touches only the bucket buffers it was handed and this member's parts of
+ * the shard gradient, which nothing else reads or writes before the step has waited for them.
  *
  * Every member runs the same collectives in the same order, so a member that skips a step is
  * caught by the group's mismatch detection like any other collective.

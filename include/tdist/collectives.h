@@ -333,9 +333,10 @@ TD_API void td_ddp_destroy(td_ddp *ddp);
  *     td_zero_prepare(z);  td_tensor_backward(loss);  td_zero_step(z);
  * Gradient hooks add each gradient into its bucket and drop the parameter's .grad; when a
  * bucket is complete (and every bucket before it started) its reduce_scatter starts
- * asynchronously and its buffer is freed when that ends, so no full gradient outlives backward.
+ * asynchronously and its buffer is freed when that ends, so full gradients exist only in the
+ * buckets being filled or reduced and in the last hooked parameter's .grad (dropped at the step).
  * td_zero_step waits for them (a parameter that got no gradient counts as zeros; a gradient that
- * came after its bucket started, as a tied weight's second one, is reduced again then) and goes
+ * came after its bucket started, from a second backward in the pass, is reduced then) and goes
  * on with 2-4 above. Every member must run the same backward passes. Without td_zero_prepare a
  * step reduces after backward as without overlap; gradient accumulation: backward passes without
  * td_zero_prepare accumulate into .grad, and the prepared one adds them.
