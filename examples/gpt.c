@@ -111,7 +111,8 @@ static void opts_parse(int argc, char **argv, opts *o) {
        "data-parallel replicas to fork when not started by a launcher (RANK unset)"},
       {"dp", EX_OPT_STRING, &o->dp, "data parallelism: ddp, zero1 or zero2"},
       {"bucket-mb", EX_OPT_DOUBLE, &o->bucket_mb,
-       "gradient bucket size of ddp and zero2 in MiB (0: the defaults, ddp 25 MiB, zero2 4 MiB)"},
+       "gradient bucket size of ddp and zero2 in MiB (0: the defaults, ddp 25 MiB, zero2 4 MiB; the "
+       "first bucket holds 1 MiB or less)"},
       {"zero-after-backward", EX_OPT_FLAG, &o->zero_after_backward,
        "zero2: reduce_scatter after backward instead of during it"},
       {"metrics", EX_OPT_STRING, &o->metrics,
@@ -344,6 +345,8 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
     zo.overlap = zo.stage == 2 && !o->zero_after_backward;
     zo.grad_order = rev;
     zo.bucket_bytes = (size_t)(o->bucket_mb * 1048576.0);
+    if (zo.bucket_bytes && zo.bucket_bytes < ((size_t)1 << 20))
+      zo.first_bucket_bytes = zo.bucket_bytes;
     zo.n_grad_order = s.ps.n;
     EX_CHECK(td_zero_create(dp->pg, &s.oo, s.g, 2, &zo, &dp->zero));
     free(rev);
@@ -356,6 +359,7 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
     td_ddp_options_init(&d);
     d.overlap = true;
     if (o->bucket_mb > 0) d.bucket_bytes = (size_t)(o->bucket_mb * 1048576.0);
+    if (d.bucket_bytes < d.first_bucket_bytes) d.first_bucket_bytes = d.bucket_bytes;
     EX_CHECK(td_ddp_create_ex(dp->pg, m, &d, &dp->ddp));
   }
   bool lead = dp->rank == 0;
