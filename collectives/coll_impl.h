@@ -158,6 +158,8 @@ typedef struct td__zbucket {
   size_t ready;     /* parameters whose gradient arrived */
   td_future *work;  /* its reduce_scatter, once started */
   bool late;        /* a gradient arrived after the start: reduced again at the step */
+  int64_t nbytes;   /* its buffer's bytes */
+  struct td_zero *owner;
 } td__zbucket;
 
 /* A piece of a parameter in this member's shard: elements [off, off + len) of parameter param
@@ -192,6 +194,8 @@ struct td_zero {
   size_t pending;       /* parameter whose .grad is dropped at the next hook (np: none) */
   size_t next_bucket;
   td_tensor *sgrad;     /* the pass's shard gradient (S elements) */
+  int64_t inflight;     /* bytes of bucket buffers allocated and not yet reduced (atomic: the
+                           group's worker thread subtracts) */
   td_status hook_st;
   char hook_msg[512];
   td_zero_stats stats;

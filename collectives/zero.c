@@ -153,6 +153,7 @@ static td_status make_buckets(td_zero *z, int64_t *S) {
     b->numel = numel[k];
     b->chunk = numel[k] ? (numel[k] + n - 1) / n : 1;
     b->shard_off = *S;
+    b->owner = z;
     *S += b->chunk;
   }
   td__free(first);
@@ -395,16 +396,34 @@ static td_status reduce_after(td_zero *z, td_tensor *sgrad) {
 
 /* ---- overlap ---- */
 
+/* Bucket buffers of an overlapped pass are counted from allocation until their reduce_scatter
+ * completes (the group's worker thread subtracts them). */
+static td_status pass_buffer(td_zero *z, td__zbucket *b) {
+  if (b->buf) return TD_OK;
+  TD_TRY(bucket_buffer(z, b, &b->buf));
+  b->nbytes = (int64_t)td_tensor_nbytes(b->buf);
+  int64_t now = __atomic_add_fetch(&z->inflight, b->nbytes, __ATOMIC_RELAXED);
+  if (now > (int64_t)z->stats.peak_bucket_bytes) z->stats.peak_bucket_bytes = (uint64_t)now;
+  return TD_OK;
+}
+
+static void bucket_done(td_future *f, void *ctx) {
+  (void)f;
+  td__zbucket *b = ctx;
+  __atomic_sub_fetch(&b->owner->inflight, b->nbytes, __ATOMIC_RELAXED);
+}
+
 /* Starts bucket b's reduce_scatter into this member's part of the shard gradient and lets the
  * queued operation hold the last reference to the bucket's buffer. */
 static td_status start_bucket(td_zero *z, size_t k, bool in_backward) {
   td__zbucket *b = &z->b[k];
-  td_status st = TD_OK;
-  if (!b->buf) st = bucket_buffer(z, b, &b->buf);
+  td_status st = pass_buffer(z, b);
   td_tensor *part = NULL;
   if (st == TD_OK) st = part_of(z, z->sgrad, k, &part);
   if (st == TD_OK)
     st = td_process_group_reduce_scatter_tensor_async(z->pg, part, b->buf, TD_REDUCE_AVG, &b->work);
+  if (st == TD_OK && td_future_on_done(b->work, bucket_done, b) != TD_OK)
+    bucket_done(b->work, b); /* out of memory for the callback: counted as released now */
   if (st == TD_OK) {
     uint64_t bytes = td_tensor_nbytes(b->buf);
     z->stats.bytes_reduced += bytes;
@@ -440,8 +459,7 @@ static td_status hook_body(td_zero *z, size_t i, const td_tensor *grad) {
     b->late = true;
     return TD_OK;
   }
-  td_status st = TD_OK;
-  if (!b->buf) st = bucket_buffer(z, b, &b->buf);
+  td_status st = pass_buffer(z, b);
   td_tensor *s = NULL, *old = NULL;
   if (st == TD_OK) st = slice_of(z, b->buf, i, &s);
   if (st == TD_OK) st = td_tensor_add_(s, grad, 1.0);
@@ -500,7 +518,7 @@ static td_status add_unseen(td_zero *z) {
     if (z->seen[i]) continue;
     td__zbucket *b = &z->b[z->bucket_of[i]];
     td_tensor *g = td_tensor_grad(z->params[i]), *s = NULL;
-    if (!b->buf) st = bucket_buffer(z, b, &b->buf);
+    st = pass_buffer(z, b);
     if (st == TD_OK && g) st = slice_of(z, b->buf, i, &s);
     if (st == TD_OK && g) st = td_tensor_copy_(s, g);
     td_tensor_unref(s);
@@ -563,6 +581,7 @@ static td_status finish_overlap(td_zero *z) {
   if (st == TD_OK) st = agree_late(z);
   for (size_t k = 0; k < z->nb; k++) { /* a failure stops starting but still waits */
     td__zbucket *b = &z->b[k];
+    if (b->buf) __atomic_sub_fetch(&z->inflight, b->nbytes, __ATOMIC_RELAXED); /* never started */
     td_tensor_unref(b->buf);
     b->buf = NULL;
     if (!b->work) continue;

@@ -470,10 +470,12 @@ static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) 
     ex_json_int(res, "zero_shard_numel", st.shard_numel);
     ex_json_int(res, "zero_numel", st.numel);
     ex_json_int(res, "zero_buckets", (int64_t)st.buckets);
-    if (st.overlap)
+    if (st.overlap) {
+      ex_json_num(res, "zero_peak_bucket_mb", (double)st.peak_bucket_bytes / 1048576.0);
       ex_json_num(res, "zero_bytes_started_in_backward_share",
                   st.bytes_reduced ? (double)st.bytes_started_in_backward / (double)st.bytes_reduced
                                    : NAN);
+    }
   }
 }
 

@@ -396,6 +396,8 @@ typedef struct td_zero_stats {
   uint64_t bytes_started_in_backward; /* bucket bytes whose reduce_scatter started in a hook */
   uint64_t bytes_reduced;             /* bucket bytes of every reduction of every step */
   uint64_t late_buckets;  /* bucket-passes reduced again for gradients that came late */
+  uint64_t peak_bucket_bytes; /* overlap: the most bytes of bucket buffers (full gradients)
+                             alive at once, from allocation to the end of their reduce_scatter */
 } td_zero_stats;
 TD_API td_status td_zero_get_stats(const td_zero *z, td_zero_stats *out);
 /* ---- ZeRO checkpoints ----

@@ -283,6 +283,9 @@ static void run_overlap(td_process_group *pg, int rank, bool twice) {
   } else {
     MP_CHECK(sv.late_buckets == 0);
     MP_CHECK(sv.bytes_started_in_backward * 2 >= sv.bytes_reduced);
+    /* buffers of 36 + 9 + 21 + 3 doubles; a step's worth of buckets reduced */
+    MP_CHECK(sv.peak_bucket_bytes > 0 && sv.peak_bucket_bytes <= 69 * 8);
+    MP_CHECK(sv.bytes_reduced == (uint64_t)STEPS * 69 * 8);
   }
   td_zero_destroy(za);
   td_zero_destroy(zv);
