@@ -159,6 +159,7 @@ typedef struct td__zbucket {
   td_future *work;  /* its reduce_scatter, once started */
   bool late;        /* a gradient arrived after the start: reduced again at the step */
   int64_t nbytes;   /* its buffer's bytes */
+  bool released;    /* its bytes no longer counted in owner->inflight (atomic) */
   struct td_zero *owner;
 } td__zbucket;
 
@@ -193,6 +194,7 @@ struct td_zero {
   bool armed;
   size_t pending;       /* parameter whose .grad is dropped at the next hook (np: none) */
   size_t next_bucket;
+  size_t oldest;        /* started buckets [oldest, next_bucket) may still be in flight */
   td_tensor *sgrad;     /* the pass's shard gradient (S elements) */
   int64_t inflight;     /* bytes of bucket buffers allocated and not yet reduced (atomic: the
                            group's worker thread subtracts) */

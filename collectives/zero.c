@@ -33,7 +33,11 @@
  * uses, tied weights included, before its hook runs) stays in .grad; the step agrees on such
  * late buckets across the group (an all_reduce MAX of one flag per bucket) and reduce_scatters
  * their late gradients into the shard gradient. A parameter that got no gradient counts as zeros
- * (or its .grad). Hooks run on the thread that runs backward; the group's worker thread runs the
+ * (or its .grad). With max_inflight_bytes, a hook about to allocate a buffer first waits for
+ * started reduce_scatters, oldest first, until the live buffers fit (a member ahead of the
+ * others would otherwise hold its whole gradient in buckets waiting for them). Buffers are
+ * counted (peak_bucket_bytes) until their reduce_scatter completes, by the worker thread's
+ * future callback or by whoever waited, once. Hooks run on the thread that runs backward; the group's worker thread runs the
  * reduce_scatters and touches only the bucket buffers it was handed and this member's parts of
  * the shard gradient, which nothing else reads or writes before the step has waited for them.
  *
@@ -397,20 +401,43 @@ static td_status reduce_after(td_zero *z, td_tensor *sgrad) {
 /* ---- overlap ---- */
 
 /* Bucket buffers of an overlapped pass are counted from allocation until their reduce_scatter
- * completes (the group's worker thread subtracts them). */
-static td_status pass_buffer(td_zero *z, td__zbucket *b) {
-  if (b->buf) return TD_OK;
-  TD_TRY(bucket_buffer(z, b, &b->buf));
-  b->nbytes = (int64_t)td_tensor_nbytes(b->buf);
-  int64_t now = __atomic_add_fetch(&z->inflight, b->nbytes, __ATOMIC_RELAXED);
-  if (now > (int64_t)z->stats.peak_bucket_bytes) z->stats.peak_bucket_bytes = (uint64_t)now;
-  return TD_OK;
+ * completes: by the group's worker thread (a future callback) or by a hook that waited for it,
+ * whichever comes first (the flag `released`). */
+static void release_bytes(td__zbucket *b) {
+  if (!__atomic_exchange_n(&b->released, true, __ATOMIC_ACQ_REL))
+    __atomic_sub_fetch(&b->owner->inflight, b->nbytes, __ATOMIC_RELAXED);
 }
 
 static void bucket_done(td_future *f, void *ctx) {
   (void)f;
-  td__zbucket *b = ctx;
-  __atomic_sub_fetch(&b->owner->inflight, b->nbytes, __ATOMIC_RELAXED);
+  release_bytes(ctx);
+}
+
+/* With max_inflight_bytes: waits, oldest first, for started buckets until need more bytes fit. */
+static td_status make_room(td_zero *z, int64_t need) {
+  int64_t cap = (int64_t)z->zo.max_inflight_bytes;
+  while (cap && __atomic_load_n(&z->inflight, __ATOMIC_RELAXED) + need > cap &&
+         z->oldest < z->next_bucket) {
+    td__zbucket *b = &z->b[z->oldest++];
+    if (!b->work) continue;
+    td_status st = td_future_wait(b->work, TD_TIMEOUT_INFINITE); /* bounded by the group */
+    if (st != TD_OK) return td_set_error(st, "zero: %s", td_future_message(b->work));
+    release_bytes(b);
+    z->stats.waits_for_room++;
+  }
+  return TD_OK;
+}
+
+static td_status pass_buffer(td_zero *z, td__zbucket *b) {
+  if (b->buf) return TD_OK;
+  int64_t need = b->chunk * td_process_group_size(z->pg) * (int64_t)td_dtype_size(z->dt);
+  TD_TRY(make_room(z, need));
+  TD_TRY(bucket_buffer(z, b, &b->buf));
+  b->nbytes = (int64_t)td_tensor_nbytes(b->buf);
+  b->released = false;
+  int64_t now = __atomic_add_fetch(&z->inflight, b->nbytes, __ATOMIC_RELAXED);
+  if (now > (int64_t)z->stats.peak_bucket_bytes) z->stats.peak_bucket_bytes = (uint64_t)now;
+  return TD_OK;
 }
 
 /* Starts bucket b's reduce_scatter into this member's part of the shard gradient and lets the
@@ -505,6 +532,7 @@ td_status td_zero_prepare(td_zero *z) {
   memset(z->late, 0, z->np * sizeof *z->late);
   z->pending = z->np;
   z->next_bucket = 0;
+  z->oldest = 0;
   z->hook_st = TD_OK;
   z->hook_msg[0] = 0;
   z->armed = true;
@@ -581,13 +609,14 @@ static td_status finish_overlap(td_zero *z) {
   if (st == TD_OK) st = agree_late(z);
   for (size_t k = 0; k < z->nb; k++) { /* a failure stops starting but still waits */
     td__zbucket *b = &z->b[k];
-    if (b->buf) __atomic_sub_fetch(&z->inflight, b->nbytes, __ATOMIC_RELAXED); /* never started */
+    if (b->buf) release_bytes(b); /* never started */
     td_tensor_unref(b->buf);
     b->buf = NULL;
     if (!b->work) continue;
     td_status ws = td_future_wait(b->work, TD_TIMEOUT_INFINITE); /* bounded by the group */
     if (ws != TD_OK && st == TD_OK)
       st = td_set_error(ws, "zero_step: %s", td_future_message(b->work));
+    release_bytes(b); /* counted out now, whether or not its callback has run yet */
     td_future_unref(b->work);
     b->work = NULL;
   }

@@ -68,7 +68,7 @@ typedef struct opts {
   const char *corpus, *init, *save, *load, *dtype, *prompt, *metrics, *dp;
   int64_t generate, top_k;
   bool zero_after_backward;
-  double bucket_mb;
+  double bucket_mb, zero_inflight_mb;
 } opts;
 
 static void opts_defaults(opts *o) {
@@ -77,7 +77,8 @@ static void opts_defaults(opts *o) {
               .eval_interval = 250, .eval_iters = 20, .n_layer = 4, .n_head = 4, .threads = 1,
               .lr = 1e-3, .min_lr = 1e-4, .weight_decay = 0.1, .beta2 = 0.99, .grad_clip = 1.0,
               .temperature = 0.8, .seed = 1337, .corpus = "/usr/share/games/fortunes",
-              .dtype = "f32", .prompt = "\n", .top_k = 0, .nproc = 1, .dp = "ddp"};
+              .dtype = "f32", .prompt = "\n", .top_k = 0, .nproc = 1, .dp = "ddp",
+              .zero_inflight_mb = 8};
 }
 
 static void opts_parse(int argc, char **argv, opts *o) {
@@ -113,6 +114,8 @@ static void opts_parse(int argc, char **argv, opts *o) {
       {"bucket-mb", EX_OPT_DOUBLE, &o->bucket_mb,
        "gradient bucket size of ddp and zero2 in MiB (0: the defaults, ddp 25 MiB, zero2 4 MiB; the "
        "first bucket holds 1 MiB or less)"},
+      {"zero-inflight-mb", EX_OPT_DOUBLE, &o->zero_inflight_mb,
+       "zero2: MiB of gradient buckets in flight before backward waits for the oldest (0: no cap)"},
       {"zero-after-backward", EX_OPT_FLAG, &o->zero_after_backward,
        "zero2: reduce_scatter after backward instead of during it"},
       {"metrics", EX_OPT_STRING, &o->metrics,
@@ -124,7 +127,7 @@ static void opts_parse(int argc, char **argv, opts *o) {
       o->n_head < 1 || o->n_embd < 1 || o->n_embd % o->n_head || o->warmup < 0 ||
       o->eval_interval < 1 || o->eval_iters < 1 || o->threads < 0 || o->generate < 0 ||
       o->top_k < 0 || !(o->temperature > 0) || !(o->lr >= 0) || !(o->grad_clip >= 0) ||
-      !(o->bucket_mb >= 0))
+      !(o->bucket_mb >= 0) || !(o->zero_inflight_mb >= 0))
     ex_die("bad option values (see --help): sizes must be positive, n-embd a multiple of "
            "n-head, temperature > 0");
   if (strcmp(o->dtype, "f32") && strcmp(o->dtype, "f64")) ex_die("--dtype must be f32 or f64");
@@ -348,6 +351,7 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
     if (zo.bucket_bytes && zo.bucket_bytes < ((size_t)1 << 20))
       zo.first_bucket_bytes = zo.bucket_bytes;
     zo.n_grad_order = s.ps.n;
+    zo.max_inflight_bytes = (size_t)(o->zero_inflight_mb * 1048576.0);
     EX_CHECK(td_zero_create(dp->pg, &s.oo, s.g, 2, &zo, &dp->zero));
     free(rev);
     optim_setup_free(&s);

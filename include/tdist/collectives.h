@@ -354,6 +354,11 @@ typedef struct td_zero_options {
   size_t bucket_bytes;  /* overlap: bucket capacity in bytes; 0: 4 MiB (smaller than DDP's 25:
                            buckets being filled or reduced are the full gradient held) */
   size_t first_bucket_bytes; /* overlap: the first bucket's; 0: 1 MiB */
+  size_t max_inflight_bytes; /* overlap: before a bucket's buffer is allocated, a hook waits for
+                           started reduce_scatters (oldest first) until the buffers alive fit in
+                           this many bytes (buffers still filling are never waited for); 0: no
+                           cap (default). A member that runs ahead of the others then waits
+                           for them instead of holding its whole gradient in buckets */
   td_tensor *const *grad_order; /* overlap: parameters in the order their gradients are expected
                            (repeats ignored; the rest follow in reverse flat order); read by
                            td_zero_create only. Default NULL: the flat order reversed */
@@ -398,6 +403,7 @@ typedef struct td_zero_stats {
   uint64_t late_buckets;  /* bucket-passes reduced again for gradients that came late */
   uint64_t peak_bucket_bytes; /* overlap: the most bytes of bucket buffers (full gradients)
                              alive at once, from allocation to the end of their reduce_scatter */
+  uint64_t waits_for_room;    /* overlap: reduce_scatters a hook waited for (max_inflight_bytes) */
 } td_zero_stats;
 TD_API td_status td_zero_get_stats(const td_zero *z, td_zero_stats *out);
 /* ---- ZeRO checkpoints ----

@@ -244,6 +244,7 @@ static void run_overlap(td_process_group *pg, int rank, bool twice) {
   zo.overlap = true;
   zo.bucket_bytes = zo.first_bucket_bytes = 1; /* a bucket per parameter */
   if (!twice) zo.grad_order = rev, zo.n_grad_order = 4;
+  if (!twice) zo.max_inflight_bytes = 1; /* wait for every started bucket before a new one */
   MP_CHECK_OK(td_zero_create(pg, &o, og, 2, &zo, &zv));
   td_zero_stats sa, sv;
   MP_CHECK_OK(td_zero_get_stats(zv, &sv));
@@ -279,12 +280,15 @@ static void run_overlap(td_process_group *pg, int rank, bool twice) {
   MP_CHECK(sv.passes_overlapped == STEPS && sv.steps == STEPS);
   MP_CHECK(sv.bytes_reduced > 0);
   if (twice) {
-    MP_CHECK(sv.late_buckets == 4 * STEPS);
+    MP_CHECK(sv.late_buckets == 4 * STEPS && sv.waits_for_room == 0);
+    MP_CHECK(sv.peak_bucket_bytes > 0 && sv.peak_bucket_bytes <= 69 * 8);
   } else {
     MP_CHECK(sv.late_buckets == 0);
     MP_CHECK(sv.bytes_started_in_backward * 2 >= sv.bytes_reduced);
     /* buffers of 36 + 9 + 21 + 3 doubles; a step's worth of buckets reduced */
-    MP_CHECK(sv.peak_bucket_bytes > 0 && sv.peak_bucket_bytes <= 69 * 8);
+    /* max_inflight_bytes: never two buffers alive, the largest being 36 doubles */
+    MP_CHECK(sv.peak_bucket_bytes > 0 && sv.peak_bucket_bytes <= 36 * 8);
+    MP_CHECK(sv.waits_for_room > 0);
     MP_CHECK(sv.bytes_reduced == (uint64_t)STEPS * 69 * 8);
   }
   td_zero_destroy(za);
