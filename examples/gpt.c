@@ -29,8 +29,8 @@
  * replicas, each on its own batch stream (seed + 1 + rank), a global batch of N x --batch-size;
  * --dp picks how they agree: "ddp" (td_ddp with backward overlap: bucket all_reduces start from
  * gradient hooks), "zero1" or "zero2" (td_zero: each rank keeps the AdamW state of one shard of
- * the parameters; zero2 reduce_scatters gradient buckets from hooks during backward, unless
- * --zero-after-backward). Rank 0 evaluates, prints and saves; its JSON adds every rank's peak RSS, the
+ * the parameters; zero2 reduce_scatters gradient buckets from hooks during backward, at most
+ * --zero-inflight-mb of them in flight, unless --zero-after-backward). Rank 0 evaluates, prints and saves; its JSON adds every rank's peak RSS, the
  * DDP counters (the share of gradient bytes whose all_reduce started before backward ended) or
  * the ZeRO shard sizes.
  *
