@@ -9,6 +9,9 @@
  *   shm_coll.c       the CPU algorithms over that transport;
  *   reduce.c         the element kernels (two-way and n-way reductions, AVG division);
  *   ddp.c            the data-parallel gradient helper;
+ *   replicas.c       what ddp.c and zero.c share (parameter checks, buckets, .grad writes);
+ *   zero.c           ZeRO stages 1 and 2 (sharded optimizer state, stage 2 overlap);
+ *   zero_ckpt.c      ZeRO's sharded checkpoints (save, consolidate, load);
  *   nccl/nccl_backend.c  the NCCL backend (only in builds with NCCL; the only file including
  *                    CUDA or NCCL headers).
  */
@@ -23,6 +26,7 @@
 #include "../core/core.h"
 #include "../rpc/store.h"
 #include "tdist/collectives.h"
+#include "tdist/optim.h"
 
 #define TD__PG_DEFAULT_TIMEOUT_MS 60000
 
@@ -119,6 +123,91 @@ td_status td__coll_broadcast_tensor(td_process_group *pg, td_tensor *t);
 /* td__coll_grad_assign writes v into p's .grad in place, or gives p a copy of v as its .grad
  * when it has none (replicas.c). */
 td_status td__coll_grad_assign(td_tensor *p, const td_tensor *v);
+
+/* A bucket layout (td__coll_plan_buckets): per parameter its bucket and element offset in it;
+ * per bucket its positions [first, first + count) of the order it was planned in and its
+ * elements. Arrays of the caller, each with room for n entries. */
+typedef struct td__coll_bucket_plan {
+  size_t *bucket_of; /* per parameter */
+  int64_t *offset;   /* per parameter */
+  size_t *first, *count; /* per bucket */
+  int64_t *numel;        /* per bucket */
+  size_t nbuckets;
+} td__coll_bucket_plan;
+/* td__coll_plan_buckets packs params, taken in the order order[0..n), into buckets of one dtype
+ * and device and at most cap bytes (the first bucket first_cap; a parameter larger than that gets
+ * a bucket of its own). Deterministic: the same inputs give the same buckets on every member.
+ * (replicas.c, for ddp.c and zero.c) */
+void td__coll_plan_buckets(td_tensor *const *params, const size_t *order, size_t n,
+                           size_t first_cap, size_t cap, td__coll_bucket_plan *plan);
+/* td__coll_bucket_slice returns the view of the flat bucket buffer buf that holds parameter p at
+ * element offset, shaped like p. New reference. */
+td_status td__coll_bucket_slice(td_tensor *buf, int64_t offset, const td_tensor *p,
+                                td_tensor **out);
+
+/* ---- zero.c / zero_ckpt.c ---- */
+
+/* A ZeRO bucket: parameters order[first, first + count) laid end to end (numel elements), padded
+ * to size * chunk; member r owns elements [r * chunk, (r + 1) * chunk) of it, which sit at
+ * shard_off in its shard gradient. */
+typedef struct td__zbucket {
+  size_t first, count;
+  int64_t numel, chunk, shard_off;
+  /* overlapped pass (stage 2 with overlap) */
+  td_tensor *buf;   /* size * chunk elements, from the first gradient to the start; else NULL */
+  size_t ready;     /* parameters whose gradient arrived */
+  td_future *work;  /* its reduce_scatter, once started */
+  bool late;        /* a gradient arrived after the start: reduced again at the step */
+  int64_t nbytes;   /* its buffer's bytes */
+  bool released;    /* its bytes no longer counted in owner->inflight (atomic) */
+  struct td_zero *owner;
+} td__zbucket;
+
+/* A piece of a parameter in this member's shard: elements [off, off + len) of parameter param
+ * (flat, row-major), at shard_off in the shard, in bucket bucket. */
+typedef struct td__zseg {
+  size_t param, bucket;
+  int64_t off, len, shard_off;
+} td__zseg;
+
+struct td_zero {
+  td_process_group *pg;
+  td_zero_options zo;
+  size_t np;
+  td_tensor **params;   /* owned references, in flat order (the groups' order) */
+  size_t *order;        /* bucket layout: order[k] is the parameter at position k */
+  size_t *bucket_of;    /* per parameter */
+  int64_t *offset;      /* per parameter: element offset in its bucket */
+  td__zbucket *b;
+  size_t nb;
+  size_t nseg;
+  td__zseg *segs;
+  td_tensor **seg;      /* per segment: the 1-D master values (owned) */
+  td_optim *opt;        /* over seg (NULL when this member owns no element) */
+  td_optim_kind okind;  /* its kind (checkpoints) */
+  td_dtype dt;
+  td_device dev;
+  /* overlapped passes */
+  void *hctx;           /* per parameter: hook context */
+  int *hook_handle;
+  bool *seen, *late;    /* per parameter, this pass */
+  bool armed;
+  size_t pending;       /* parameter whose .grad is dropped at the next hook (np: none) */
+  size_t next_bucket;
+  size_t oldest;        /* started buckets [oldest, next_bucket) may still be in flight */
+  td_tensor *sgrad;     /* the pass's shard gradient (S elements) */
+  int64_t inflight;     /* bytes of bucket buffers allocated and not yet reduced (atomic: the
+                           group's worker thread subtracts) */
+  td_status hook_st;
+  char hook_msg[512];
+  td_zero_stats stats;
+};
+
+/* td__zero_agree returns TD_OK when every member passes mine == TD_OK (an all_reduce MAX of a
+ * flag), so that a failure on one member fails every member: the member that failed keeps its
+ * status and message, the others get TD_ERR_STATE "<what>: failed on another member".
+ * Collective. (zero.c) */
+td_status td__zero_agree(td_zero *z, td_status mine, const char *what);
 
 /* td__pg_deadline returns the monotonic deadline (ns) of an operation starting now. */
 uint64_t td__pg_deadline(const td_process_group *pg);

@@ -89,34 +89,28 @@ static void free_buckets(td_ddp *d) {
 static td_status make_buckets(td_ddp *d) {
   size_t n = d->params.n;
   free_buckets(d);
-  d->buckets = td__calloc(n ? n : 1, sizeof *d->buckets);
-  if (!d->buckets) return td_set_error(TD_ERR_NOMEM, "ddp_create: out of memory");
-  size_t i = 0;
-  while (i < n) {
-    td_tensor *p0 = d->params.tensors[d->order[i]];
-    td_dtype dt = td_tensor_dtype(p0);
-    td_device dev = td_tensor_device(p0);
-    size_t cap = d->nbuckets == 0 ? d->opts.first_bucket_bytes : d->opts.bucket_bytes;
-    size_t bytes = 0, first = i;
-    int64_t numel = 0;
-    while (i < n) {
-      size_t pi = d->order[i];
-      td_tensor *p = d->params.tensors[pi];
-      size_t nb = td_tensor_nbytes(p);
-      if (td_tensor_dtype(p) != dt || !td_device_equal(td_tensor_device(p), dev)) break;
-      if (i > first && bytes + nb > cap) break;
-      d->offset[pi] = numel;
-      d->bucket_of[pi] = (size_t)d->nbuckets;
-      numel += td_tensor_numel(p);
-      bytes += nb;
-      i++;
-    }
+  size_t m = n ? n : 1;
+  d->buckets = td__calloc(m, sizeof *d->buckets);
+  size_t *first = td__calloc(m, sizeof *first), *count = td__calloc(m, sizeof *count);
+  int64_t *numel = td__calloc(m, sizeof *numel);
+  td_status st = TD_OK;
+  if (!d->buckets || !first || !count || !numel)
+    st = td_set_error(TD_ERR_NOMEM, "ddp_create: out of memory");
+  td__coll_bucket_plan plan = {d->bucket_of, d->offset, first, count, numel, 0};
+  if (st == TD_OK)
+    td__coll_plan_buckets(d->params.tensors, d->order, n, d->opts.first_bucket_bytes,
+                          d->opts.bucket_bytes, &plan);
+  for (size_t k = 0; st == TD_OK && k < plan.nbuckets; k++) {
     bucket *b = &d->buckets[d->nbuckets++];
-    b->first = first;
-    b->count = i - first;
-    TD_TRY(td_tensor_zeros(&numel, 1, dt, dev, &b->buf));
+    b->first = first[k];
+    b->count = count[k];
+    td_tensor *p0 = d->params.tensors[d->order[first[k]]];
+    st = td_tensor_zeros(&numel[k], 1, td_tensor_dtype(p0), td_tensor_device(p0), &b->buf);
   }
-  return TD_OK;
+  td__free(first);
+  td__free(count);
+  td__free(numel);
+  return st;
 }
 
 void td_ddp_options_init(td_ddp_options *o) {
@@ -202,11 +196,7 @@ td_status td_ddp_create(td_process_group *pg, td_module *module, size_t bucket_b
 
 /* The slice of bucket b holding parameter i, shaped like the parameter. New reference. */
 static td_status slice_of(td_ddp *d, bucket *b, size_t i, td_tensor **out) {
-  td_tensor *p = d->params.tensors[i], *flat = NULL;
-  TD_TRY(td_tensor_narrow(b->buf, 0, d->offset[i], td_tensor_numel(p), &flat));
-  td_status st = td_tensor_reshape(flat, td_tensor_shape(p), td_tensor_ndim(p), out);
-  td_tensor_unref(flat);
-  return st;
+  return td__coll_bucket_slice(b->buf, d->offset[i], d->params.tensors[i], out);
 }
 
 /* Copies the bucket's averages into the parameters' .grads (a parameter without one gets one). */

@@ -1,6 +1,6 @@
 /* replicas.c - what the data-parallel wrappers (ddp.c, zero.c) share: checking that every
- * member holds the same parameters, starting every member from group rank 0's values, and
- * writing averaged gradients into .grad.
+ * member holds the same parameters, starting every member from group rank 0's values, laying
+ * parameters out in gradient buckets, and writing averaged gradients into .grad.
  */
 #include "coll_impl.h"
 #include "tdist/autograd.h"
@@ -65,5 +65,44 @@ td_status td__coll_grad_assign(td_tensor *p, const td_tensor *v) {
   if (st == TD_OK && !g) st = td_tensor_set_grad(p, c);
   td_tensor_unref(c);
   td_tensor_unref(g);
+  return st;
+}
+
+void td__coll_plan_buckets(td_tensor *const *params, const size_t *order, size_t n,
+                           size_t first_cap, size_t cap, td__coll_bucket_plan *plan) {
+  size_t i = 0;
+  plan->nbuckets = 0;
+  while (i < n) {
+    td_tensor *p0 = params[order[i]];
+    td_dtype dt = td_tensor_dtype(p0);
+    td_device dev = td_tensor_device(p0);
+    size_t lim = plan->nbuckets == 0 ? first_cap : cap;
+    size_t bytes = 0, first = i;
+    int64_t numel = 0;
+    while (i < n) {
+      size_t pi = order[i];
+      td_tensor *p = params[pi];
+      size_t nb = td_tensor_nbytes(p);
+      if (td_tensor_dtype(p) != dt || !td_device_equal(td_tensor_device(p), dev)) break;
+      if (i > first && bytes + nb > lim) break;
+      plan->offset[pi] = numel;
+      plan->bucket_of[pi] = plan->nbuckets;
+      numel += td_tensor_numel(p);
+      bytes += nb;
+      i++;
+    }
+    plan->first[plan->nbuckets] = first;
+    plan->count[plan->nbuckets] = i - first;
+    plan->numel[plan->nbuckets] = numel;
+    plan->nbuckets++;
+  }
+}
+
+td_status td__coll_bucket_slice(td_tensor *buf, int64_t offset, const td_tensor *p,
+                                td_tensor **out) {
+  td_tensor *flat = NULL;
+  TD_TRY(td_tensor_narrow(buf, 0, offset, td_tensor_numel(p), &flat));
+  td_status st = td_tensor_reshape(flat, td_tensor_shape(p), td_tensor_ndim(p), out);
+  td_tensor_unref(flat);
   return st;
 }

@@ -1,65 +1,69 @@
 /* zero.c - sharded data parallelism, ZeRO stages 1 and 2 (tdist/collectives.h, td_zero_*).
  *
- * Layout: the parameters, in the order of the groups, are laid end to end in a flat index space
- * [0, P); member r owns [r * S, (r + 1) * S) with S = ceil(P / size) (the tail of the last shards
- * is padding, always zero). The part of a parameter that falls in this member's shard is a
- * "segment"; each segment has its own 1-D tensor (a copy of those elements, the master values of
- * this member) and the local td_optim steps the segments, each in the group of its parameter, so
- * per-group learning rates and weight decay hold element by element.
+ * Layout: the parameters are laid out in buckets (td__coll_plan_buckets, shared with DDP); a
+ * bucket of B elements is padded to size * c with c = ceil(B / size), and member r owns its
+ * elements [r * c, (r + 1) * c). Without overlap there is one bucket over the flat order (the
+ * groups' order), so member r owns [r * S, (r + 1) * S) of the flat index space [0, P) with
+ * S = ceil(P / size) (the tail of the last shards is padding, always zero). With overlap the
+ * buckets follow the expected gradient order (td_zero_options.grad_order, else the flat order
+ * reversed) and hold at most bucket_bytes each; a member's shard is its part of every bucket,
+ * end to end. The part of a parameter that falls in this member's shard is a "segment"; each
+ * segment has its own 1-D tensor (a copy of those elements, the master values of this member)
+ * and the local td_optim steps the segments, each in the group of its parameter, so per-group
+ * learning rates and weight decay hold element by element.
  *
  * A step (td_zero_step), with autograd off:
- *   gflat (size * S, zeros) <- every parameter's .grad at its flat position
- *   stage 1: all_reduce(gflat, AVG); .grads <- their slices of gflat;  shard grad = gflat[rS, rS+S)
- *   stage 2: reduce_scatter(shard grad <- gflat, AVG); gflat freed; .grads cleared
+ *   reduction, bucket by bucket (a buffer of size * c zeros <- the parameters' .grads):
+ *     stage 1: all_reduce(buf, AVG); .grads <- their slices; shard grad <- this member's part
+ *     stage 2: reduce_scatter(this member's part of the shard grad <- buf, AVG); .grads cleared
+ *     stage 2 overlapped: done during backward (below); the step waits for it
  *   clipping: sum of squares of the shard grad, all_reduce(SUM) of that one number, scale
  *   td_optim_step_grads(segments, their slices of the shard grad)
- *   pshard (S, zeros) <- segments; all_gather(pflat <- pshard); parameters <- slices of pflat
+ *   per bucket: part (c) <- segments; all_gather(buf <- part); parameters <- slices of buf
+ * Temporary buffers are one bucket at a time; the shard gradient has S elements.
+ *
+ * Overlap (stage 2, td_zero_prepare before backward): a hook on every parameter (it runs as the
+ * gradient is about to be accumulated) adds the gradient (and a .grad left from before the pass)
+ * into the parameter's slice of its bucket's buffer, allocated at the bucket's first gradient;
+ * when every parameter of the next bucket in order has arrived, its reduce_scatter starts
+ * asynchronously and the buffer is released when it completes, so buckets start in the same
+ * order on every member. A parameter's .grad, accumulated by autograd right after its hook, is
+ * dropped at the next hook (or at the step), so no full gradient outlives the step. A gradient
+ * that arrives after its bucket started (a second backward in one pass; autograd sums a leaf's
+ * uses, tied weights included, before its hook runs) stays in .grad; the step agrees on such
+ * late buckets across the group (an all_reduce MAX of one flag per bucket) and reduce_scatters
+ * their late gradients into the shard gradient. A parameter that got no gradient counts as zeros
+ * (or its .grad). With max_inflight_bytes, a hook about to allocate a buffer first waits for
+ * started reduce_scatters, oldest first, until the live buffers fit (a member ahead of the
+ * others would otherwise hold its whole gradient in buckets waiting for them). Buffers are
+ * counted (peak_bucket_bytes) until their reduce_scatter completes, by the worker thread's
+ * future callback or by whoever waited, once. Hooks run on the thread that runs backward; the group's worker thread runs the
+ * reduce_scatters and touches only the bucket buffers it was handed and this member's parts of
+ * the shard gradient, which nothing else reads or writes before the step has waited for them.
+ *
  * Every member runs the same collectives in the same order, so a member that skips a step is
  * caught by the group's mismatch detection like any other collective.
  */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "coll_impl.h"
 #include "tdist/autograd.h"
 
-struct td_zero {
-  td_process_group *pg;
-  td_zero_options zo;
-  size_t np;
-  td_tensor **params; /* owned references, in flat order */
-  int64_t *pos;       /* per parameter: its first flat index */
-  int64_t lo;         /* this member's shard: [lo, lo + S) */
-  size_t nseg;
-  size_t *seg_param;  /* per segment: its parameter */
-  int64_t *seg_pos;   /* per segment: its first flat index */
-  int64_t *seg_len;
-  td_tensor **seg;    /* per segment: the 1-D master values (owned) */
-  td_optim *opt;      /* over seg (NULL when this member owns no element) */
-  td_dtype dt;
-  td_device dev;
-  td_zero_stats stats;
-};
+#define DEFAULT_BUCKET_BYTES ((size_t)4 << 20) /* small: a bucket in flight is the full gradient stage 2 holds */
+#define DEFAULT_FIRST_BUCKET_BYTES ((size_t)1 << 20)
+
+typedef struct hook_ctx {
+  td_zero *z;
+  size_t param;
+} hook_ctx;
 
 void td_zero_options_init(td_zero_options *o) {
   if (!o) return;
   memset(o, 0, sizeof *o);
   o->stage = 2;
-}
-
-/* view[0, len) of t's flat elements starting at start, shaped like `like` when like != NULL */
-static td_status flat_slice(td_tensor *t, int64_t start, int64_t len, const td_tensor *like,
-                            td_tensor **out) {
-  td_tensor *n = NULL;
-  TD_TRY(td_tensor_narrow(t, 0, start, len, &n));
-  if (!like) {
-    *out = n;
-    return TD_OK;
-  }
-  td_status st = td_tensor_reshape(n, td_tensor_shape(like), td_tensor_ndim(like), out);
-  td_tensor_unref(n);
-  return st;
 }
 
 /* t's elements as a flat view (t contiguous) or a flat copy. New reference. */
@@ -94,26 +98,99 @@ static td_status check_params(td_zero *z) {
   return TD_OK;
 }
 
-/* Cuts this member's shard into segments and makes their master copies. */
-static td_status make_segments(td_zero *z, int64_t hi) {
-  z->seg_param = td__calloc(z->np ? z->np : 1, sizeof *z->seg_param);
-  z->seg_pos = td__calloc(z->np ? z->np : 1, sizeof *z->seg_pos);
-  z->seg_len = td__calloc(z->np ? z->np : 1, sizeof *z->seg_len);
-  z->seg = td__calloc(z->np ? z->np : 1, sizeof *z->seg);
-  if (!z->seg_param || !z->seg_pos || !z->seg_len || !z->seg)
-    return td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
+static int seg_cmp(const void *a, const void *b) {
+  const td__zseg *x = a, *y = b;
+  if (x->param != y->param) return x->param < y->param ? -1 : 1;
+  return x->off < y->off ? -1 : x->off > y->off;
+}
+
+/* The bucket order: grad_order's parameters first, then the others in reverse flat order with
+ * overlap; the flat order without. */
+static td_status make_order(td_zero *z) {
+  bool *used = td__calloc(z->np ? z->np : 1, sizeof *used);
+  if (!used) return td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
+  size_t k = 0;
   td_status st = TD_OK;
-  for (size_t i = 0; st == TD_OK && i < z->np; i++) {
-    int64_t a = z->pos[i], b = a + td_tensor_numel(z->params[i]);
-    int64_t s = a > z->lo ? a : z->lo, e = b < hi ? b : hi;
-    if (s >= e) continue;
-    size_t k = z->nseg++;
-    z->seg_param[k] = i;
-    z->seg_pos[k] = s;
-    z->seg_len[k] = e - s;
+  for (size_t j = 0; z->zo.overlap && j < z->zo.n_grad_order; j++) {
+    size_t i = 0;
+    while (i < z->np && z->params[i] != z->zo.grad_order[j]) i++;
+    if (i == z->np) {
+      st = td_set_error(TD_ERR_INVALID, "zero_create: grad_order entry %zu is not one of the "
+                        "groups' parameters", j);
+      break;
+    }
+    if (!used[i]) used[i] = true, z->order[k++] = i; /* a repeat (tied weights) counts once */
+  }
+  for (size_t i = z->np; st == TD_OK && i-- > 0;)
+    if (!used[i] && z->zo.overlap) z->order[k++] = i;
+  for (size_t i = 0; st == TD_OK && !z->zo.overlap && i < z->np; i++) z->order[k++] = i;
+  td__free(used);
+  return st;
+}
+
+/* Lays the parameters out in buckets and gives each bucket its chunk; returns S. */
+static td_status make_buckets(td_zero *z, int64_t *S) {
+  size_t m = z->np ? z->np : 1;
+  z->order = td__calloc(m, sizeof *z->order);
+  z->bucket_of = td__calloc(m, sizeof *z->bucket_of);
+  z->offset = td__calloc(m, sizeof *z->offset);
+  z->b = td__calloc(m, sizeof *z->b);
+  size_t *first = td__calloc(m, sizeof *first), *count = td__calloc(m, sizeof *count);
+  int64_t *numel = td__calloc(m, sizeof *numel);
+  td_status st = TD_OK;
+  if (!z->order || !z->bucket_of || !z->offset || !z->b || !first || !count || !numel)
+    st = td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
+  if (st == TD_OK) st = make_order(z);
+  size_t cap = SIZE_MAX, first_cap = SIZE_MAX;
+  if (z->zo.overlap) {
+    cap = z->zo.bucket_bytes ? z->zo.bucket_bytes : DEFAULT_BUCKET_BYTES;
+    first_cap = z->zo.first_bucket_bytes ? z->zo.first_bucket_bytes : DEFAULT_FIRST_BUCKET_BYTES;
+  }
+  td__coll_bucket_plan plan = {z->bucket_of, z->offset, first, count, numel, 0};
+  if (st == TD_OK) td__coll_plan_buckets(z->params, z->order, z->np, first_cap, cap, &plan);
+  int n = td_process_group_size(z->pg);
+  *S = 0;
+  for (size_t k = 0; st == TD_OK && k < plan.nbuckets; k++) {
+    td__zbucket *b = &z->b[z->nb++];
+    b->first = first[k];
+    b->count = count[k];
+    b->numel = numel[k];
+    b->chunk = numel[k] ? (numel[k] + n - 1) / n : 1;
+    b->shard_off = *S;
+    b->owner = z;
+    *S += b->chunk;
+  }
+  td__free(first);
+  td__free(count);
+  td__free(numel);
+  return st;
+}
+
+/* Cuts this member's part of every bucket into segments (sorted by parameter, then offset) and
+ * makes their master copies. */
+static td_status make_segments(td_zero *z) {
+  size_t m = z->np + z->nb + 1;
+  z->segs = td__calloc(m, sizeof *z->segs);
+  z->seg = td__calloc(m, sizeof *z->seg);
+  if (!z->segs || !z->seg) return td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
+  int64_t r = td_process_group_rank(z->pg);
+  for (size_t k = 0; k < z->nb; k++) {
+    const td__zbucket *b = &z->b[k];
+    int64_t lo = r * b->chunk, hi = lo + b->chunk;
+    for (size_t q = b->first; q < b->first + b->count; q++) {
+      size_t i = z->order[q];
+      int64_t a = z->offset[i], e = a + td_tensor_numel(z->params[i]);
+      int64_t s0 = a > lo ? a : lo, e0 = e < hi ? e : hi;
+      if (s0 < e0)
+        z->segs[z->nseg++] = (td__zseg){i, k, s0 - a, e0 - s0, b->shard_off + (s0 - lo)};
+    }
+  }
+  qsort(z->segs, z->nseg, sizeof *z->segs, seg_cmp);
+  td_status st = TD_OK;
+  for (size_t k = 0; st == TD_OK && k < z->nseg; k++) {
     td_tensor *flat = NULL, *piece = NULL;
-    st = flatten(z->params[i], &flat);
-    if (st == TD_OK) st = td_tensor_narrow(flat, 0, s - a, e - s, &piece);
+    st = flatten(z->params[z->segs[k].param], &flat);
+    if (st == TD_OK) st = td_tensor_narrow(flat, 0, z->segs[k].off, z->segs[k].len, &piece);
     if (st == TD_OK) st = td_tensor_clone(piece, &z->seg[k]);
     td_tensor_unref(piece);
     td_tensor_unref(flat);
@@ -121,33 +198,82 @@ static td_status make_segments(td_zero *z, int64_t hi) {
   return st;
 }
 
-/* The local optimizer over the segments, each in its parameter's group. */
+/* The local optimizer over the segments, each in its parameter's group (segments are sorted by
+ * parameter, so each group's are contiguous). */
 static td_status make_optim(td_zero *z, const td_optim_options *opts,
                             const td_optim_group *groups, size_t n_groups) {
   if (!z->nseg) return TD_OK;
   td_optim_group *sg = td__calloc(n_groups, sizeof *sg);
-  td_tensor **lists = td__calloc(z->nseg, sizeof *lists);
-  if (!sg || !lists) {
-    td__free(sg);
-    td__free(lists);
-    return td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
-  }
+  if (!sg) return td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
   size_t k = 0, first = 0; /* parameters of group g: [first, first + groups[g].n) */
   for (size_t g = 0; g < n_groups; g++) {
     size_t start = k;
-    while (k < z->nseg && z->seg_param[k] < first + groups[g].n) {
-      lists[k] = z->seg[k];
-      k++;
-    }
-    td_optim_group_init(&sg[g], lists + start, k - start);
+    while (k < z->nseg && z->segs[k].param < first + groups[g].n) k++;
+    td_optim_group_init(&sg[g], z->seg + start, k - start);
     sg[g].lr = groups[g].lr;
     sg[g].weight_decay = groups[g].weight_decay;
     first += groups[g].n;
   }
   td_status st = td_optim_create_groups(opts, sg, n_groups, &z->opt);
   td__free(sg);
-  td__free(lists);
   return st;
+}
+
+static td_status grad_hook(void *ctx, const td_tensor *grad, td_tensor **replacement);
+
+/* Overlap: a hook on every parameter. */
+static td_status add_hooks(td_zero *z) {
+  size_t m = z->np ? z->np : 1;
+  hook_ctx *h = td__calloc(m, sizeof *h);
+  z->hctx = h;
+  z->hook_handle = td__calloc(m, sizeof *z->hook_handle);
+  z->seen = td__calloc(m, sizeof *z->seen);
+  z->late = td__calloc(m, sizeof *z->late);
+  if (!h || !z->hook_handle || !z->seen || !z->late)
+    return td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
+  for (size_t i = 0; i < z->np; i++) z->hook_handle[i] = -1;
+  for (size_t i = 0; i < z->np; i++) {
+    h[i] = (hook_ctx){z, i};
+    TD_TRY(td_tensor_register_hook(z->params[i], grad_hook, &h[i], &z->hook_handle[i]));
+  }
+  return TD_OK;
+}
+
+static td_status check_options(const td_zero_options *zo) {
+  if (zo->stage != 1 && zo->stage != 2)
+    return td_set_error(TD_ERR_INVALID, "zero_create: stage %d; 1 (optimizer state) or 2 (also "
+                        "gradients) (stage 3 is not implemented)", zo->stage);
+  if (!(zo->max_grad_norm >= 0) || isinf(zo->max_grad_norm))
+    return td_set_error(TD_ERR_INVALID, "zero_create: max_grad_norm must be finite and >= 0");
+  if (zo->overlap && zo->stage != 2)
+    return td_set_error(TD_ERR_INVALID, "zero_create: overlap needs stage 2 (stage 1 keeps full "
+                        "gradients; for them td_ddp_create_ex overlaps the all_reduce)");
+  if (zo->n_grad_order && !zo->grad_order)
+    return td_set_error(TD_ERR_INVALID, "zero_create: n_grad_order %zu with a NULL grad_order",
+                        zo->n_grad_order);
+  return TD_OK;
+}
+
+/* Takes a reference to every group's parameters into z->params (flat order); *P: elements. */
+static td_status take_params(td_zero *z, const td_optim_group *groups, size_t n_groups,
+                             int64_t *P) {
+  for (size_t g = 0; g < n_groups; g++) {
+    if (groups[g].n && !groups[g].params)
+      return td_set_error(TD_ERR_INVALID, "zero_create: group %zu has no parameter array", g);
+    z->np += groups[g].n;
+  }
+  z->params = td__calloc(z->np ? z->np : 1, sizeof *z->params);
+  if (!z->params) return td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
+  *P = 0;
+  for (size_t g = 0, i = 0; g < n_groups; g++) {
+    for (size_t j = 0; j < groups[g].n; j++, i++) {
+      if (!groups[g].params[j])
+        return td_set_error(TD_ERR_INVALID, "zero_create: group %zu, parameter %zu is NULL", g, j);
+      z->params[i] = td_tensor_ref(groups[g].params[j]);
+      *P += td_tensor_numel(z->params[i]);
+    }
+  }
+  return TD_OK;
 }
 
 td_status td_zero_create(td_process_group *pg, const td_optim_options *opts,
@@ -159,36 +285,12 @@ td_status td_zero_create(td_process_group *pg, const td_optim_options *opts,
   td_zero *z = td__calloc(1, sizeof *z);
   if (!z) return td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
   z->pg = pg;
+  z->okind = opts->kind;
   if (zopts) z->zo = *zopts;
   else td_zero_options_init(&z->zo);
-  td_status st = TD_OK;
-  if (z->zo.stage != 1 && z->zo.stage != 2)
-    st = td_set_error(TD_ERR_INVALID, "zero_create: stage %d; 1 (optimizer state) or 2 (also "
-                      "gradients) (stage 3 is not implemented)", z->zo.stage);
-  else if (!(z->zo.max_grad_norm >= 0) || isinf(z->zo.max_grad_norm))
-    st = td_set_error(TD_ERR_INVALID, "zero_create: max_grad_norm must be finite and >= 0");
-  for (size_t g = 0; st == TD_OK && g < n_groups; g++) {
-    if (groups[g].n && !groups[g].params)
-      st = td_set_error(TD_ERR_INVALID, "zero_create: group %zu has no parameter array", g);
-    z->np += groups[g].n;
-  }
-  if (st == TD_OK) {
-    z->params = td__calloc(z->np ? z->np : 1, sizeof *z->params);
-    z->pos = td__calloc(z->np ? z->np : 1, sizeof *z->pos);
-    if (!z->params || !z->pos) st = td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
-  }
-  int64_t P = 0;
-  for (size_t g = 0, i = 0; st == TD_OK && g < n_groups; g++) {
-    for (size_t j = 0; j < groups[g].n; j++, i++) {
-      if (!groups[g].params[j]) {
-        st = td_set_error(TD_ERR_INVALID, "zero_create: group %zu, parameter %zu is NULL", g, j);
-        break;
-      }
-      z->params[i] = td_tensor_ref(groups[g].params[j]);
-      z->pos[i] = P;
-      P += td_tensor_numel(z->params[i]);
-    }
-  }
+  int64_t P = 0, S = 0;
+  td_status st = check_options(&z->zo);
+  if (st == TD_OK) st = take_params(z, groups, n_groups, &P);
   if (st == TD_OK && z->np) {
     z->dt = td_tensor_dtype(z->params[0]);
     z->dev = td_tensor_device(z->params[0]);
@@ -201,34 +303,50 @@ td_status td_zero_create(td_process_group *pg, const td_optim_options *opts,
   if (st == TD_OK) st = td__coll_check_same_params(pg, z->params, z->np, z->dev, "zero_create");
   for (size_t i = 0; st == TD_OK && i < z->np; i++)
     st = td__coll_broadcast_tensor(pg, z->params[i]);
-  int n = td_process_group_size(pg), r = td_process_group_rank(pg);
-  int64_t S = P ? (P + n - 1) / n : 1;
-  z->lo = (int64_t)r * S;
-  int64_t hi = z->lo + S < P ? z->lo + S : P;
-  if (st == TD_OK) st = make_segments(z, hi);
+  if (st == TD_OK) st = make_buckets(z, &S);
+  if (st == TD_OK) st = make_segments(z);
   td_autograd_set_enabled(prev);
   if (st == TD_OK) st = make_optim(z, opts, groups, n_groups);
+  if (st == TD_OK && z->zo.overlap) st = add_hooks(z);
+  z->zo.grad_order = NULL; /* borrowed for the creation only */
+  z->zo.n_grad_order = 0;
   if (st != TD_OK) {
     td_zero_destroy(z);
     return st;
   }
+  z->pending = z->np;
   z->stats.stage = z->zo.stage;
   z->stats.numel = P;
   z->stats.shard_numel = S;
-  z->stats.owned_numel = hi > z->lo ? hi - z->lo : 0;
+  for (size_t k = 0; k < z->nseg; k++) z->stats.owned_numel += z->segs[k].len;
   z->stats.optim_params = z->nseg;
+  z->stats.buckets = z->nb;
+  z->stats.overlap = z->zo.overlap;
   z->stats.last_grad_norm = NAN;
   *out = z;
   return TD_OK;
 }
 
-/* gflat <- every parameter's .grad at its position (gflat starts as zeros). */
-static td_status gather_grads(td_zero *z, td_tensor *gflat) {
+/* The slice of the bucket buffer buf holding parameter i, shaped like it. New reference. */
+static td_status slice_of(td_zero *z, td_tensor *buf, size_t i, td_tensor **out) {
+  return td__coll_bucket_slice(buf, z->offset[i], z->params[i], out);
+}
+
+static td_status bucket_buffer(td_zero *z, const td__zbucket *b, td_tensor **out) {
+  int64_t all = b->chunk * td_process_group_size(z->pg);
+  return td_tensor_zeros(&all, 1, z->dt, z->dev, out);
+}
+
+/* buf (zeros) <- the .grads of bucket k's parameters (only the late ones when late_only). */
+static td_status fill_bucket(td_zero *z, size_t k, td_tensor *buf, bool late_only) {
+  const td__zbucket *b = &z->b[k];
   td_status st = TD_OK;
-  for (size_t i = 0; st == TD_OK && i < z->np; i++) {
+  for (size_t q = b->first; st == TD_OK && q < b->first + b->count; q++) {
+    size_t i = z->order[q];
+    if (late_only && !z->late[i]) continue;
     td_tensor *g = td_tensor_grad(z->params[i]), *s = NULL;
     if (!g) continue;
-    st = flat_slice(gflat, z->pos[i], td_tensor_numel(z->params[i]), z->params[i], &s);
+    st = slice_of(z, buf, i, &s);
     if (st == TD_OK) st = td_tensor_copy_(s, g);
     td_tensor_unref(s);
     td_tensor_unref(g);
@@ -236,17 +354,279 @@ static td_status gather_grads(td_zero *z, td_tensor *gflat) {
   return st;
 }
 
-/* Stage 1: the averaged gradients go back into the .grads (a parameter without one gets one). */
-static td_status scatter_grads(td_zero *z, td_tensor *gflat) {
+/* Stage 1: the averaged gradients of bucket k go back into the .grads (a parameter without one
+ * gets one). */
+static td_status scatter_grads(td_zero *z, size_t k, td_tensor *buf) {
+  const td__zbucket *b = &z->b[k];
   td_status st = TD_OK;
-  for (size_t i = 0; st == TD_OK && i < z->np; i++) {
-    td_tensor *p = z->params[i], *s = NULL;
-    st = flat_slice(gflat, z->pos[i], td_tensor_numel(p), p, &s);
-    if (st == TD_OK) st = td__coll_grad_assign(p, s);
+  for (size_t q = b->first; st == TD_OK && q < b->first + b->count; q++) {
+    td_tensor *s = NULL;
+    st = slice_of(z, buf, z->order[q], &s);
+    if (st == TD_OK) st = td__coll_grad_assign(z->params[z->order[q]], s);
     td_tensor_unref(s);
   }
   return st;
 }
+
+/* This member's part of bucket k in the shard gradient. New reference. */
+static td_status part_of(td_zero *z, td_tensor *sgrad, size_t k, td_tensor **out) {
+  return td_tensor_narrow(sgrad, 0, z->b[k].shard_off, z->b[k].chunk, out);
+}
+
+/* Without overlap: every bucket from the .grads (stage 1 all_reduce, stage 2 reduce_scatter). */
+static td_status reduce_after(td_zero *z, td_tensor *sgrad) {
+  int r = td_process_group_rank(z->pg);
+  td_status st = TD_OK;
+  for (size_t k = 0; st == TD_OK && k < z->nb; k++) {
+    td_tensor *buf = NULL, *part = NULL, *mine = NULL;
+    st = bucket_buffer(z, &z->b[k], &buf);
+    if (st == TD_OK) st = fill_bucket(z, k, buf, false);
+    if (st == TD_OK) st = part_of(z, sgrad, k, &part);
+    if (z->zo.stage == 1) {
+      if (st == TD_OK) st = td_process_group_all_reduce(z->pg, buf, TD_REDUCE_AVG);
+      if (st == TD_OK) st = scatter_grads(z, k, buf);
+      if (st == TD_OK) st = td_tensor_narrow(buf, 0, r * z->b[k].chunk, z->b[k].chunk, &mine);
+      if (st == TD_OK) st = td_tensor_copy_(part, mine);
+    } else if (st == TD_OK) {
+      st = td_process_group_reduce_scatter_tensor(z->pg, part, buf, TD_REDUCE_AVG);
+    }
+    z->stats.bytes_reduced += td_tensor_nbytes(buf);
+    td_tensor_unref(mine);
+    td_tensor_unref(part);
+    td_tensor_unref(buf);
+  }
+  return st;
+}
+
+/* ---- overlap ---- */
+
+/* Bucket buffers of an overlapped pass are counted from allocation until their reduce_scatter
+ * completes: by the group's worker thread (a future callback) or by a hook that waited for it,
+ * whichever comes first (the flag `released`). */
+static void release_bytes(td__zbucket *b) {
+  if (!__atomic_exchange_n(&b->released, true, __ATOMIC_ACQ_REL))
+    __atomic_sub_fetch(&b->owner->inflight, b->nbytes, __ATOMIC_RELAXED);
+}
+
+static void bucket_done(td_future *f, void *ctx) {
+  (void)f;
+  release_bytes(ctx);
+}
+
+/* With max_inflight_bytes: waits, oldest first, for started buckets until need more bytes fit. */
+static td_status make_room(td_zero *z, int64_t need) {
+  int64_t cap = (int64_t)z->zo.max_inflight_bytes;
+  while (cap && __atomic_load_n(&z->inflight, __ATOMIC_RELAXED) + need > cap &&
+         z->oldest < z->next_bucket) {
+    td__zbucket *b = &z->b[z->oldest++];
+    if (!b->work) continue;
+    td_status st = td_future_wait(b->work, TD_TIMEOUT_INFINITE); /* bounded by the group */
+    if (st != TD_OK) return td_set_error(st, "zero: %s", td_future_message(b->work));
+    release_bytes(b);
+    z->stats.waits_for_room++;
+  }
+  return TD_OK;
+}
+
+static td_status pass_buffer(td_zero *z, td__zbucket *b) {
+  if (b->buf) return TD_OK;
+  int64_t need = b->chunk * td_process_group_size(z->pg) * (int64_t)td_dtype_size(z->dt);
+  TD_TRY(make_room(z, need));
+  TD_TRY(bucket_buffer(z, b, &b->buf));
+  b->nbytes = (int64_t)td_tensor_nbytes(b->buf);
+  b->released = false;
+  int64_t now = __atomic_add_fetch(&z->inflight, b->nbytes, __ATOMIC_RELAXED);
+  if (now > (int64_t)z->stats.peak_bucket_bytes) z->stats.peak_bucket_bytes = (uint64_t)now;
+  return TD_OK;
+}
+
+/* Starts bucket b's reduce_scatter into this member's part of the shard gradient and lets the
+ * queued operation hold the last reference to the bucket's buffer. */
+static td_status start_bucket(td_zero *z, size_t k, bool in_backward) {
+  td__zbucket *b = &z->b[k];
+  td_status st = pass_buffer(z, b);
+  td_tensor *part = NULL;
+  if (st == TD_OK) st = part_of(z, z->sgrad, k, &part);
+  if (st == TD_OK)
+    st = td_process_group_reduce_scatter_tensor_async(z->pg, part, b->buf, TD_REDUCE_AVG, &b->work);
+  if (st == TD_OK && td_future_on_done(b->work, bucket_done, b) != TD_OK)
+    bucket_done(b->work, b); /* out of memory for the callback: counted as released now */
+  if (st == TD_OK) {
+    uint64_t bytes = td_tensor_nbytes(b->buf);
+    z->stats.bytes_reduced += bytes;
+    if (in_backward) z->stats.bytes_started_in_backward += bytes;
+    td_tensor_unref(b->buf);
+    b->buf = NULL;
+  }
+  td_tensor_unref(part);
+  return st;
+}
+
+/* Starts, in bucket order, every bucket whose parameters have all arrived. */
+static td_status start_ready(td_zero *z) {
+  while (z->next_bucket < z->nb && z->b[z->next_bucket].ready == z->b[z->next_bucket].count) {
+    TD_TRY(start_bucket(z, z->next_bucket, true));
+    z->next_bucket++;
+  }
+  return TD_OK;
+}
+
+/* The .grad autograd accumulated after the previous hook is already in its bucket: drop it. */
+static void drop_pending(td_zero *z) {
+  if (z->pending < z->np) (void)td_tensor_set_grad(z->params[z->pending], NULL);
+  z->pending = z->np;
+}
+
+/* The gradient of parameter i is about to be accumulated: add it into its bucket's slice. */
+static td_status hook_body(td_zero *z, size_t i, const td_tensor *grad) {
+  drop_pending(z);
+  td__zbucket *b = &z->b[z->bucket_of[i]];
+  if (b->work) { /* too late for the bucket: kept in .grad, reduced again at the step */
+    z->late[i] = true;
+    b->late = true;
+    return TD_OK;
+  }
+  td_status st = pass_buffer(z, b);
+  td_tensor *s = NULL, *old = NULL;
+  if (st == TD_OK) st = slice_of(z, b->buf, i, &s);
+  if (st == TD_OK) st = td_tensor_add_(s, grad, 1.0);
+  if (st == TD_OK && !z->seen[i]) { /* a .grad from before the pass counts too */
+    old = td_tensor_grad(z->params[i]);
+    if (old) st = td_tensor_add_(s, old, 1.0);
+    z->seen[i] = true;
+    b->ready++;
+  }
+  td_tensor_unref(s);
+  td_tensor_unref(old);
+  z->pending = i;
+  return st == TD_OK ? start_ready(z) : st;
+}
+
+static td_status grad_hook(void *ctx, const td_tensor *grad, td_tensor **replacement) {
+  (void)replacement;
+  hook_ctx *h = ctx;
+  td_zero *z = h->z;
+  if (!z->armed || z->hook_st != TD_OK) return TD_OK;
+  bool prev = td_autograd_set_enabled(false);
+  td_status st = hook_body(z, h->param, grad);
+  td_autograd_set_enabled(prev);
+  if (st != TD_OK) { /* reported by td_zero_step, not by backward */
+    z->hook_st = st;
+    snprintf(z->hook_msg, sizeof z->hook_msg, "%s", td_last_error());
+  }
+  return TD_OK;
+}
+
+td_status td_zero_prepare(td_zero *z) {
+  TD_CHECK_ARG(z, "zero_prepare: NULL td_zero");
+  if (!z->zo.overlap)
+    return td_set_error(TD_ERR_STATE, "zero_prepare: this td_zero was created without overlap "
+                        "(td_zero_options.overlap); td_zero_step reduces after backward");
+  if (z->armed)
+    return td_set_error(TD_ERR_STATE, "zero_prepare: the previous pass was not finished "
+                        "(td_zero_step after every backward)");
+  int64_t S = z->stats.shard_numel ? z->stats.shard_numel : 1;
+  TD_TRY(td_tensor_zeros(&S, 1, z->dt, z->dev, &z->sgrad));
+  for (size_t k = 0; k < z->nb; k++) z->b[k].ready = 0, z->b[k].late = false;
+  memset(z->seen, 0, z->np * sizeof *z->seen);
+  memset(z->late, 0, z->np * sizeof *z->late);
+  z->pending = z->np;
+  z->next_bucket = 0;
+  z->oldest = 0;
+  z->hook_st = TD_OK;
+  z->hook_msg[0] = 0;
+  z->armed = true;
+  return TD_OK;
+}
+
+/* Parameters that got no gradient this pass: their .grad or zeros. */
+static td_status add_unseen(td_zero *z) {
+  td_status st = TD_OK;
+  for (size_t i = 0; st == TD_OK && i < z->np; i++) {
+    if (z->seen[i]) continue;
+    td__zbucket *b = &z->b[z->bucket_of[i]];
+    td_tensor *g = td_tensor_grad(z->params[i]), *s = NULL;
+    st = pass_buffer(z, b);
+    if (st == TD_OK && g) st = slice_of(z, b->buf, i, &s);
+    if (st == TD_OK && g) st = td_tensor_copy_(s, g);
+    td_tensor_unref(s);
+    td_tensor_unref(g);
+    z->seen[i] = true;
+    b->ready++;
+  }
+  return st;
+}
+
+/* Every member learns which buckets are late anywhere (one flag per bucket, all_reduce MAX). */
+static td_status agree_late(td_zero *z) {
+  if (!z->nb) return TD_OK;
+  int64_t nb = (int64_t)z->nb;
+  td_tensor *f = NULL, *fd = NULL, *back = NULL;
+  td_status st = td_tensor_zeros(&nb, 1, TD_DTYPE_I64, td_device_cpu(), &f);
+  if (st == TD_OK) {
+    int64_t *v = td_tensor_data(f);
+    for (size_t k = 0; k < z->nb; k++) v[k] = z->b[k].late;
+    st = td_tensor_to(f, z->dev, &fd);
+  }
+  if (st == TD_OK) st = td_process_group_all_reduce(z->pg, fd, TD_REDUCE_MAX);
+  if (st == TD_OK) st = td_tensor_to(fd, td_device_cpu(), &back);
+  if (st == TD_OK) {
+    const int64_t *v = td_tensor_data(back);
+    for (size_t k = 0; k < z->nb; k++) z->b[k].late = v[k] != 0;
+  }
+  td_tensor_unref(f);
+  td_tensor_unref(fd);
+  td_tensor_unref(back);
+  return st;
+}
+
+/* A late bucket: its late gradients reduce_scattered and added to this member's part. */
+static td_status reduce_late(td_zero *z, size_t k, td_tensor *sgrad) {
+  td_tensor *buf = NULL, *tmp = NULL, *part = NULL;
+  int64_t c = z->b[k].chunk;
+  td_status st = bucket_buffer(z, &z->b[k], &buf);
+  if (st == TD_OK) st = fill_bucket(z, k, buf, true);
+  if (st == TD_OK) st = td_tensor_empty(&c, 1, z->dt, z->dev, &tmp);
+  if (st == TD_OK) st = td_process_group_reduce_scatter_tensor(z->pg, tmp, buf, TD_REDUCE_AVG);
+  if (st == TD_OK) st = part_of(z, sgrad, k, &part);
+  if (st == TD_OK) st = td_tensor_add_(part, tmp, 1.0);
+  if (st == TD_OK) z->stats.late_buckets++, z->stats.bytes_reduced += td_tensor_nbytes(buf);
+  td_tensor_unref(buf);
+  td_tensor_unref(tmp);
+  td_tensor_unref(part);
+  return st;
+}
+
+/* Ends an overlapped pass: starts what is left in order, waits, adds the late gradients. */
+static td_status finish_overlap(td_zero *z) {
+  z->armed = false;
+  td_status st = z->hook_st;
+  if (st != TD_OK) td_set_error(st, "zero_step: inside backward: %s", z->hook_msg);
+  drop_pending(z);
+  if (st == TD_OK) st = add_unseen(z);
+  for (; st == TD_OK && z->next_bucket < z->nb; z->next_bucket++)
+    st = start_bucket(z, z->next_bucket, false);
+  if (st == TD_OK) st = agree_late(z);
+  for (size_t k = 0; k < z->nb; k++) { /* a failure stops starting but still waits */
+    td__zbucket *b = &z->b[k];
+    if (b->buf) release_bytes(b); /* never started */
+    td_tensor_unref(b->buf);
+    b->buf = NULL;
+    if (!b->work) continue;
+    td_status ws = td_future_wait(b->work, TD_TIMEOUT_INFINITE); /* bounded by the group */
+    if (ws != TD_OK && st == TD_OK)
+      st = td_set_error(ws, "zero_step: %s", td_future_message(b->work));
+    release_bytes(b); /* counted out now, whether or not its callback has run yet */
+    td_future_unref(b->work);
+    b->work = NULL;
+  }
+  for (size_t k = 0; st == TD_OK && k < z->nb; k++)
+    if (z->b[k].late) st = reduce_late(z, k, z->sgrad);
+  if (st == TD_OK) z->stats.passes_overlapped++;
+  return st;
+}
+
+/* ---- the step ---- */
 
 static double sum_squares(const td_tensor *t) {
   double s = 0;
@@ -291,62 +671,56 @@ static td_status step_shard(td_zero *z, td_tensor *sgrad) {
   if (!g) return td_set_error(TD_ERR_NOMEM, "zero_step: out of memory");
   td_status st = TD_OK;
   for (size_t k = 0; st == TD_OK && k < z->nseg; k++)
-    st = td_tensor_narrow(sgrad, 0, z->seg_pos[k] - z->lo, z->seg_len[k], &g[k]);
+    st = td_tensor_narrow(sgrad, 0, z->segs[k].shard_off, z->segs[k].len, &g[k]);
   if (st == TD_OK) st = td_optim_step_grads(z->opt, g, z->nseg);
   for (size_t k = 0; k < z->nseg; k++) td_tensor_unref(g[k]);
   td__free(g);
   return st;
 }
 
-/* Every member's updated shard into every member's parameters. */
-static td_status gather_params(td_zero *z) {
-  int n = td_process_group_size(z->pg);
-  int64_t S = z->stats.shard_numel, all = S * n;
-  td_tensor *pshard = NULL, *pflat = NULL;
-  td_status st = td_tensor_zeros(&S, 1, z->dt, z->dev, &pshard);
-  for (size_t k = 0; st == TD_OK && k < z->nseg; k++) {
+/* Every member's updated part of bucket k into every member's parameters. */
+static td_status gather_bucket(td_zero *z, size_t k) {
+  const td__zbucket *b = &z->b[k];
+  td_tensor *part = NULL, *buf = NULL;
+  td_status st = td_tensor_zeros(&b->chunk, 1, z->dt, z->dev, &part);
+  for (size_t j = 0; st == TD_OK && j < z->nseg; j++) {
+    if (z->segs[j].bucket != k) continue;
     td_tensor *s = NULL;
-    st = flat_slice(pshard, z->seg_pos[k] - z->lo, z->seg_len[k], NULL, &s);
-    if (st == TD_OK) st = td_tensor_copy_(s, z->seg[k]);
+    st = td_tensor_narrow(part, 0, z->segs[j].shard_off - b->shard_off, z->segs[j].len, &s);
+    if (st == TD_OK) st = td_tensor_copy_(s, z->seg[j]);
     td_tensor_unref(s);
   }
-  if (st == TD_OK) st = td_tensor_empty(&all, 1, z->dt, z->dev, &pflat);
-  if (st == TD_OK) st = td_process_group_all_gather_into_tensor(z->pg, pflat, pshard);
-  for (size_t i = 0; st == TD_OK && i < z->np; i++) {
+  if (st == TD_OK) st = bucket_buffer(z, b, &buf);
+  if (st == TD_OK) st = td_process_group_all_gather_into_tensor(z->pg, buf, part);
+  for (size_t q = b->first; st == TD_OK && q < b->first + b->count; q++) {
     td_tensor *s = NULL;
-    st = flat_slice(pflat, z->pos[i], td_tensor_numel(z->params[i]), z->params[i], &s);
-    if (st == TD_OK) st = td_tensor_copy_(z->params[i], s);
+    st = slice_of(z, buf, z->order[q], &s);
+    if (st == TD_OK) st = td_tensor_copy_(z->params[z->order[q]], s);
     td_tensor_unref(s);
   }
-  td_tensor_unref(pshard);
-  td_tensor_unref(pflat);
+  td_tensor_unref(part);
+  td_tensor_unref(buf);
   return st;
 }
 
 td_status td_zero_step(td_zero *z) {
   TD_CHECK_ARG(z, "zero_step: NULL td_zero");
-  int n = td_process_group_size(z->pg);
-  int64_t S = z->stats.shard_numel, all = S * n;
   bool prev = td_autograd_set_enabled(false);
-  td_tensor *gflat = NULL, *sgrad = NULL;
-  td_status st = td_tensor_zeros(&all, 1, z->dt, z->dev, &gflat);
-  if (st == TD_OK) st = gather_grads(z, gflat);
-  if (z->zo.stage == 1) {
-    if (st == TD_OK) st = td_process_group_all_reduce(z->pg, gflat, TD_REDUCE_AVG);
-    if (st == TD_OK) st = scatter_grads(z, gflat);
-    if (st == TD_OK) st = td_tensor_narrow(gflat, 0, z->lo, S, &sgrad);
+  td_status st = TD_OK;
+  if (z->armed) {
+    st = finish_overlap(z);
   } else {
-    if (st == TD_OK) st = td_tensor_empty(&S, 1, z->dt, z->dev, &sgrad);
-    if (st == TD_OK) st = td_process_group_reduce_scatter_tensor(z->pg, sgrad, gflat, TD_REDUCE_AVG);
-    td_tensor_unref(gflat); /* the full gradient is not kept: each member holds its shard's */
-    gflat = NULL;
-    if (st == TD_OK) td_zero_zero_grad(z);
+    int64_t S = z->stats.shard_numel ? z->stats.shard_numel : 1;
+    st = td_tensor_zeros(&S, 1, z->dt, z->dev, &z->sgrad);
+    if (st == TD_OK) st = reduce_after(z, z->sgrad);
   }
+  td_tensor *sgrad = z->sgrad;
+  z->sgrad = NULL;
+  if (st == TD_OK && z->zo.stage == 2) td_zero_zero_grad(z); /* no full gradient is kept */
   if (st == TD_OK && z->zo.max_grad_norm > 0) st = clip(z, sgrad);
   if (st == TD_OK) st = step_shard(z, sgrad);
   td_tensor_unref(sgrad);
-  td_tensor_unref(gflat);
-  if (st == TD_OK) st = gather_params(z);
+  for (size_t k = 0; st == TD_OK && k < z->nb; k++) st = gather_bucket(z, k);
   if (st == TD_OK) z->stats.steps++;
   td_autograd_set_enabled(prev);
   return st;
@@ -368,16 +742,47 @@ td_status td_zero_get_stats(const td_zero *z, td_zero_stats *out) {
   return TD_OK;
 }
 
+td_status td__zero_agree(td_zero *z, td_status mine, const char *what) {
+  int64_t one = 1, flag = mine != TD_OK;
+  td_tensor *f = NULL, *fd = NULL, *back = NULL;
+  char msg[512];
+  snprintf(msg, sizeof msg, "%s", td_last_error());
+  td_status st = td_tensor_from_buffer(&flag, &one, 1, TD_DTYPE_I64, &f);
+  if (st == TD_OK) st = td_tensor_to(f, z->dev, &fd);
+  if (st == TD_OK) st = td_process_group_all_reduce(z->pg, fd, TD_REDUCE_MAX);
+  if (st == TD_OK) st = td_tensor_to(fd, td_device_cpu(), &back);
+  bool any = st == TD_OK && *(const int64_t *)td_tensor_data(back) != 0;
+  td_tensor_unref(f);
+  td_tensor_unref(fd);
+  td_tensor_unref(back);
+  if (mine != TD_OK) return td_set_error(mine, "%s", msg);
+  if (st != TD_OK) return st;
+  return any ? td_set_error(TD_ERR_STATE, "%s: failed on another member", what) : TD_OK;
+}
+
 void td_zero_destroy(td_zero *z) {
   if (!z) return;
+  for (size_t k = 0; z->b && k < z->nb; k++) {
+    if (z->b[k].work) td_future_wait(z->b[k].work, TD_TIMEOUT_INFINITE);
+    td_future_unref(z->b[k].work);
+    td_tensor_unref(z->b[k].buf);
+  }
+  for (size_t i = 0; z->hook_handle && i < z->np; i++)
+    if (z->hook_handle[i] >= 0) td_tensor_remove_hook(z->params[i], z->hook_handle[i]);
+  td_tensor_unref(z->sgrad);
   td_optim_destroy(z->opt);
   for (size_t k = 0; z->seg && k < z->nseg; k++) td_tensor_unref(z->seg[k]);
   for (size_t i = 0; z->params && i < z->np; i++) td_tensor_unref(z->params[i]);
   td__free(z->seg);
-  td__free(z->seg_param);
-  td__free(z->seg_pos);
-  td__free(z->seg_len);
+  td__free(z->segs);
+  td__free(z->b);
+  td__free(z->order);
+  td__free(z->bucket_of);
+  td__free(z->offset);
+  td__free(z->hctx);
+  td__free(z->hook_handle);
+  td__free(z->seen);
+  td__free(z->late);
   td__free(z->params);
-  td__free(z->pos);
   td__free(z);
 }

@@ -566,6 +566,60 @@ int64_t td_optim_step_count(td_optim *o, size_t i) {
   return n;
 }
 
+/* ---- state (checkpoints) ---- */
+
+td_status td_optim_state_get(td_optim *o, size_t i, td_tensor *bufs[3], int64_t *step) {
+  TD_CHECK_ARG(o && bufs, "td_optim_state_get: NULL optimizer or bufs");
+  TD_CHECK_ARG(i < o->n, "td_optim_state_get: parameter %zu of %zu", i, o->n);
+  pthread_mutex_lock(&o->mu);
+  for (int b = 0; b < 3; b++) bufs[b] = o->slots[i].buf[b] ? td_tensor_ref(o->slots[i].buf[b]) : NULL;
+  if (step) *step = o->slots[i].step;
+  pthread_mutex_unlock(&o->mu);
+  return TD_OK;
+}
+
+td_status td_optim_state_set(td_optim *o, size_t i, td_tensor *const bufs[3], int64_t step) {
+  TD_CHECK_ARG(o && bufs, "td_optim_state_set: NULL optimizer or bufs");
+  TD_CHECK_ARG(i < o->n, "td_optim_state_set: parameter %zu of %zu", i, o->n);
+  TD_CHECK_ARG(step >= 0, "td_optim_state_set: negative step %lld", (long long)step);
+  const td_tensor *p = o->slots[i].param;
+  for (int b = 0; b < 3; b++) {
+    if (!bufs[b]) continue;
+    char a[96], w[96];
+    if (td_tensor_numel(bufs[b]) != td_tensor_numel(p))
+      return td_set_error(TD_ERR_SHAPE, "td_optim_state_set: state %d of parameter %zu has shape "
+                          "%s; the parameter %s", b, i, td_tensor_shape_str(bufs[b], a, sizeof a),
+                          td_tensor_shape_str(p, w, sizeof w));
+  }
+  td_tensor *nb[3] = {0};
+  td_status st = TD_OK;
+  bool prev = td_autograd_set_enabled(false);
+  for (int b = 0; st == TD_OK && b < 3; b++) { /* copies next to the parameter, in its dtype */
+    if (!bufs[b]) continue;
+    st = full_like(p, 0.0, &nb[b]);
+    td_tensor *moved = NULL, *src = NULL;
+    if (st == TD_OK) st = td_tensor_to(bufs[b], td_tensor_device(p), &moved);
+    if (st == TD_OK) st = td_tensor_reshape(moved, td_tensor_shape(p), td_tensor_ndim(p), &src);
+    if (st == TD_OK) st = td_tensor_copy_(nb[b], src);
+    td_tensor_unref(src);
+    td_tensor_unref(moved);
+  }
+  td_autograd_set_enabled(prev);
+  if (st != TD_OK) {
+    for (int b = 0; b < 3; b++) td_tensor_unref(nb[b]);
+    return st;
+  }
+  pthread_mutex_lock(&o->mu);
+  for (int b = 0; b < 3; b++) {
+    if (!nb[b] && o->o.kind == TD_OPTIM_ADAGRAD && b == 0) continue; /* sum exists from the start */
+    td_tensor_unref(o->slots[i].buf[b]);
+    o->slots[i].buf[b] = nb[b];
+  }
+  o->slots[i].step = step;
+  pthread_mutex_unlock(&o->mu);
+  return TD_OK;
+}
+
 /* ---- gradient clipping ---- */
 
 /* grad_norm_pow returns sum(|g|^p) (p finite) or max(|g|) (p infinite) of one gradient, through

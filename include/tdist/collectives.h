@@ -322,9 +322,24 @@ TD_API void td_ddp_destroy(td_ddp *ddp);
  * The numbers are those of DDP followed by the same optimizer (up to the summation order of the
  * reduction). Per member: optimizer state for S elements instead of P (Adam: 8S bytes instead of
  * 8P in float32), with a float copy of the shard (4S) and, during a step, flat buffers of P
- * elements for the gradient and the gathered parameters. Not done here: stage 3 (parameters
- * sharded between steps) and gradients reduced during backward (the reduction runs in
- * td_zero_step, after backward; DDP's overlap is td_ddp_create_ex).
+ * elements for the gradient and the gathered parameters (one bucket at a time with overlap).
+ * Not done here: stage 3 (parameters sharded between steps).
+ *
+ * Overlap (stage 2, td_zero_options.overlap): the reduction runs during backward. The parameters
+ * are laid out in buckets (bucket_bytes, the first first_bucket_bytes) in the order their
+ * gradients are expected (grad_order, e.g. a module's parameters reversed; default the flat
+ * order reversed); each member owns an equal part of every bucket instead of one contiguous
+ * range. Per pass:
+ *     td_zero_prepare(z);  td_tensor_backward(loss);  td_zero_step(z);
+ * Gradient hooks add each gradient into its bucket and drop the parameter's .grad; when a
+ * bucket is complete (and every bucket before it started) its reduce_scatter starts
+ * asynchronously and its buffer is freed when that ends, so full gradients exist only in the
+ * buckets being filled or reduced and in the last hooked parameter's .grad (dropped at the step).
+ * td_zero_step waits for them (a parameter that got no gradient counts as zeros; a gradient that
+ * came after its bucket started, from a second backward in the pass, is reduced then) and goes
+ * on with 2-4 above. Every member must run the same backward passes. Without td_zero_prepare a
+ * step reduces after backward as without overlap; gradient accumulation: backward passes without
+ * td_zero_prepare accumulate into .grad, and the prepared one adds them.
  *
  * Parameters: float32 or float64, one dtype and one device for all, CPU or (with an NCCL group)
  * CUDA. Every member must pass the same parameter layout (checked: TD_ERR_SHAPE naming the member
@@ -335,8 +350,21 @@ typedef struct td_zero_options {
   int stage;            /* 1 or 2 (default 2) */
   double max_grad_norm; /* > 0: clip the averaged gradient to this global 2-norm; 0: no clipping
                            (default) */
+  bool overlap;         /* stage 2: reduce_scatter during backward (see above); default false */
+  size_t bucket_bytes;  /* overlap: bucket capacity in bytes; 0: 4 MiB (smaller than DDP's 25:
+                           buckets being filled or reduced are the full gradient held) */
+  size_t first_bucket_bytes; /* overlap: the first bucket's; 0: 1 MiB */
+  size_t max_inflight_bytes; /* overlap: before a bucket's buffer is allocated, a hook waits for
+                           started reduce_scatters (oldest first) until the buffers alive fit in
+                           this many bytes (buffers still filling are never waited for); 0: no
+                           cap (default). A member that runs ahead of the others then waits
+                           for them instead of holding its whole gradient in buckets */
+  td_tensor *const *grad_order; /* overlap: parameters in the order their gradients are expected
+                           (repeats ignored; the rest follow in reverse flat order); read by
+                           td_zero_create only. Default NULL: the flat order reversed */
+  size_t n_grad_order;
 } td_zero_options;
-/* td_zero_options_init sets stage 2 and no clipping. */
+/* td_zero_options_init sets stage 2, no clipping, no overlap. */
 TD_API void td_zero_options_init(td_zero_options *o);
 
 /* td_zero_create makes a sharded optimizer over the parameters of groups[0..n_groups) (the groups
@@ -346,6 +374,9 @@ TD_API void td_zero_options_init(td_zero_options *o);
 TD_API td_status td_zero_create(td_process_group *pg, const td_optim_options *opts,
                                 const td_optim_group *groups, size_t n_groups,
                                 const td_zero_options *zopts, td_zero **out);
+/* td_zero_prepare arms the gradient hooks for the next backward pass (overlap only: else
+ * TD_ERR_STATE, as a second prepare without a step in between). Not collective. */
+TD_API td_status td_zero_prepare(td_zero *z);
 /* td_zero_step reduces the gradients (a parameter without .grad counts as zeros), clips, steps
  * this member's shard and gathers the parameters (see above). Collective over the group; blocks.
  * Runs with autograd recording off. */
@@ -364,8 +395,59 @@ typedef struct td_zero_stats {
   uint64_t steps;
   double last_grad_norm;  /* the global norm before clipping at the last step (NAN before the
                              first step, or without clipping) */
+  bool overlap;           /* created with overlap */
+  size_t buckets;         /* buckets of the layout (1 without overlap) */
+  uint64_t passes_overlapped;         /* steps that ended an overlapped pass */
+  uint64_t bytes_started_in_backward; /* bucket bytes whose reduce_scatter started in a hook */
+  uint64_t bytes_reduced;             /* bucket bytes of every reduction of every step */
+  uint64_t late_buckets;  /* bucket-passes reduced again for gradients that came late */
+  uint64_t peak_bucket_bytes; /* overlap: the most bytes of bucket buffers (full gradients)
+                             alive at once, from allocation to the end of their reduce_scatter */
+  uint64_t waits_for_room;    /* overlap: reduce_scatters a hook waited for (max_inflight_bytes) */
 } td_zero_stats;
 TD_API td_status td_zero_get_stats(const td_zero *z, td_zero_stats *out);
+/* ---- ZeRO checkpoints ----
+ *
+ * Shard files: td_zero_save(z, prefix) makes every member write its own file,
+ * "<prefix>.zero-<rank>-of-<world>.safetensors" (td_zero_shard_path), holding for each piece of a
+ * parameter in its shard (flat parameter i, the groups' order; elements [off, off + len) in
+ * row-major order):
+ *     "param.<i>@<off>"          the values (1-D, len elements, the parameters' dtype)
+ *     "param.<i>@<off>.<state>"  the optimizer state under torch.optim's names (AdamW: exp_avg,
+ *                                exp_avg_sq; max_exp_avg_sq with amsgrad; SGD momentum_buffer;
+ *                                Adagrad sum; RMSprop square_avg, momentum_buffer, grad_avg),
+ *                                absent before the first step
+ *     "param.<i>@<off>.step"     the step count (int64, [1])
+ * and the metadata format "tdist.zero.shard", tdist.zero.version "1", world, rank, optimizer
+ * (td_optim_kind_name), numel (P), params (their count), steps (td_zero_stats.steps) and
+ * "param.<i>.shape" ("7,5"; "" for a scalar).
+ * Consolidated file (td_zero_consolidate): the same without the cut, format "tdist.zero.full"
+ * and no world or rank: "param.<i>" (the parameter, its shape), "param.<i>.<state>" (its shape),
+ * "param.<i>.step". PyTorch reads it with safetensors (or 8 bytes of header length, the JSON
+ * header, the data), and "param.<i>" are the model's parameters. */
+
+/* td_zero_shard_path writes "<prefix>.zero-<rank>-of-<world>.safetensors" into buf (n bytes).
+ * TD_ERR_INVALID when it does not fit or rank is not in [0, world). Any thread. */
+TD_API td_status td_zero_shard_path(const char *prefix, int rank, int world, char *buf, size_t n);
+/* td_zero_save writes this member's shard file (see above) through a temporary file renamed into
+ * place. Collective: every member calls it with the same prefix, between steps (TD_ERR_STATE
+ * while a pass is prepared); the members agree on the outcome, so a failure on one (TD_ERR_IO
+ * naming the path) fails every member (the others TD_ERR_STATE). Blocks. */
+TD_API td_status td_zero_save(td_zero *z, const char *prefix);
+/* td_zero_consolidate merges the shard files paths[0..n) of one save (every rank once, any order)
+ * into one consolidated file at out_path. TD_ERR_FORMAT names the file and the problem (another
+ * save's file, a missing or repeated rank, elements not covered exactly once, an unknown tensor).
+ * Not collective; any thread. */
+TD_API td_status td_zero_consolidate(const char *const *paths, size_t n, const char *out_path);
+/* td_zero_load restores parameters, optimizer state and step count from a checkpoint: one
+ * consolidated file (n == 1), or the n shard files of a save at any world size (assembled in
+ * memory). The checkpoint must have this td_zero's parameter count, shapes and optimizer kind
+ * (TD_ERR_SHAPE otherwise, checked before anything changes); stage, overlap, bucket layout and
+ * world size may differ. Every member reads the whole state. Collective, between steps; a failure
+ * on one member fails every member (the others TD_ERR_STATE). Learning rates are not restored
+ * (schedules set them). Blocks. */
+TD_API td_status td_zero_load(td_zero *z, const char *const *paths, size_t n);
+
 /* td_zero_destroy frees z (its shard, its optimizer state). NULL does nothing. */
 TD_API void td_zero_destroy(td_zero *z);
 

@@ -173,6 +173,19 @@ TD_API double td_optim_lr_warmup_cosine(int64_t step, int64_t warmup, int64_t de
 /* td_optim_step_count returns how many times parameter i was updated (0 for an unknown i). */
 TD_API int64_t td_optim_step_count(td_optim *o, size_t i);
 
+/* td_optim_state_get reports parameter i's state for checkpoints: bufs[0..3) receive new
+ * references to its state tensors (NULL where the kind has none or the first update has not
+ * created it yet; see the table in optim.c: Adam(W) exp_avg, exp_avg_sq, max_exp_avg_sq; SGD
+ * momentum_buffer; Adagrad sum; RMSprop square_avg, momentum_buffer, grad_avg), *step (may be
+ * NULL) its step count. The tensors are the live state: copy them before the next step if they
+ * must stay as they are. Release each with td_tensor_unref(). TD_ERR_INVALID for an unknown i. */
+TD_API td_status td_optim_state_get(td_optim *o, size_t i, td_tensor *bufs[3], int64_t *step);
+/* td_optim_state_set replaces parameter i's state with copies of bufs[0..3) (each with the
+ * parameter's element count, any shape, dtype and device: converted to the parameter's; NULL
+ * drops that state, so the next update starts it afresh as PyTorch does) and its step count.
+ * TD_ERR_SHAPE for a wrong element count (nothing changed). Borrowed: bufs are only read. */
+TD_API td_status td_optim_state_set(td_optim *o, size_t i, td_tensor *const bufs[3], int64_t step);
+
 #ifdef __cplusplus
 }
 #endif

@@ -3,13 +3,26 @@
  * parameters of a single process that averages the members' gradients, clips and steps the
  * same optimizer (float64, 1e-10); each member's optimizer holds only its shard (the shards
  * cut through parameters: 66 elements in 3 shards of 22); stage 1 leaves the group-average
- * gradients in .grad, stage 2 clears them; a member with other parameters is refused on every
- * member; invalid options are refused before any collective. */
+ * gradients in .grad, stage 2 clears them; stage 2 overlapped with backward (buckets
+ * reduce_scattered from gradient hooks) gives the parameters of stage 2 after backward (1e-10),
+ * keeps at most one full gradient through backward, starts every bucket from a hook, and reduces
+ * gradients that come after their bucket started (two backward passes) at the step; a member with
+ * other parameters is refused on every member; invalid options are refused before any
+ * collective. Checkpoints: 3 members train 4 steps and save their shards; the shards consolidate
+ * (in any order; a missing or repeated rank, or a shard missing state, is refused) into a file whose parameters are the
+ * model's; 2 members load the consolidated file, 1 member the 3 shard files, and 4 more steps
+ * match a process that never stopped (1e-10); a td_zero over other shapes refuses the file.
+ * With TD_ZERO_CKPT_DIR the files stay there for check_zero_ckpt.py (PyTorch). */
+#include <errno.h>
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -76,6 +89,55 @@ static bool close_to(const td_tensor *a, const td_tensor *b) {
   return ok;
 }
 
+/* The reference step: the average of data ranks [0, data_world)'s gradients, clipped, one
+ * optimizer step in one process. avg (may be NULL) receives copies of the averaged gradients.
+ * Returns the global norm. */
+static double ref_step(td_module *ref, td_optim *ropt, td_tensor_list *pr, int data_world,
+                       int step, td_tensor **avg) {
+  td_optim_zero_grad(ropt);
+  for (int d = 0; d < data_world; d++) backward_on(ref, d, step);
+  for (size_t i = 0; i < pr->n; i++) {
+    td_tensor *gr = td_tensor_grad(pr->tensors[i]);
+    MP_CHECK(gr != NULL);
+    MP_CHECK_OK(td_tensor_mul_scalar_(gr, 1.0 / data_world));
+    if (avg) MP_CHECK_OK(td_tensor_clone(gr, &avg[i]));
+    td_tensor_unref(gr);
+  }
+  double total = 0;
+  MP_CHECK_OK(td_optim_clip_grad_norm(ropt, MAX_NORM, 2.0, &total));
+  MP_CHECK(total > MAX_NORM); /* the clipping is exercised */
+  MP_CHECK_OK(td_optim_step(ropt));
+  return total;
+}
+
+/* A td_zero over the groups of pm (AdamW, clipping); with overlap a bucket per parameter. */
+static td_zero *zero_over(td_process_group *pg, td_tensor_list *pm, int stage, bool overlap) {
+  td_tensor *w[2], *b[2];
+  td_optim_group g[2];
+  groups_of(pm, w, b, g);
+  td_optim_options o;
+  adamw(&o);
+  td_zero_options zo;
+  td_zero_options_init(&zo);
+  zo.stage = stage;
+  zo.max_grad_norm = MAX_NORM;
+  zo.overlap = overlap;
+  zo.bucket_bytes = zo.first_bucket_bytes = 1;
+  td_zero *z = NULL;
+  MP_CHECK_OK(td_zero_create(pg, &o, g, 2, &zo, &z));
+  return z;
+}
+
+/* Every element of the 66 is owned by exactly one member. Collective. */
+static void owned_once(td_process_group *pg, int64_t owned) {
+  int64_t one = 1;
+  td_tensor *sum = NULL;
+  MP_CHECK_OK(td_tensor_from_buffer(&owned, &one, 1, TD_DTYPE_I64, &sum));
+  MP_CHECK_OK(td_process_group_all_reduce(pg, sum, TD_REDUCE_SUM));
+  MP_CHECK(*(const int64_t *)td_tensor_data(sum) == 66);
+  td_tensor_unref(sum);
+}
+
 /* One run of `stage` against the single-process reference. */
 static void run_stage(td_process_group *pg, int rank, int stage) {
   td_module *m = build(1000 + (uint64_t)rank, false), *ref = build(1000, false);
@@ -85,18 +147,12 @@ static void run_stage(td_process_group *pg, int rank, int stage) {
   MP_CHECK_OK(td_module_parameters(m, &pm));
   MP_CHECK_OK(td_module_parameters(ref, &pr));
   MP_CHECK(pm.n == 4 && pr.n == 4);
-  td_tensor *w[2], *b[2], *rw[2], *rb[2];
-  td_optim_group g[2], rg[2];
-  groups_of(&pm, w, b, g);
+  td_tensor *rw[2], *rb[2];
+  td_optim_group rg[2];
   groups_of(&pr, rw, rb, rg);
   td_optim_options o;
   adamw(&o);
-  td_zero_options zo;
-  td_zero_options_init(&zo);
-  zo.stage = stage;
-  zo.max_grad_norm = MAX_NORM;
-  td_zero *z = NULL;
-  MP_CHECK_OK(td_zero_create(pg, &o, g, 2, &zo, &z));
+  td_zero *z = zero_over(pg, &pm, stage, false);
   td_optim *ropt = NULL;
   MP_CHECK_OK(td_optim_create_groups(&o, rg, 2, &ropt));
 
@@ -110,33 +166,15 @@ static void run_stage(td_process_group *pg, int rank, int stage) {
             zs.optim_params, pieces[rank]);
     MP_CHECK(0);
   }
-  int64_t owned = zs.owned_numel, one = 1;
-  td_tensor *sum = NULL;
-  MP_CHECK_OK(td_tensor_from_buffer(&owned, &one, 1, TD_DTYPE_I64, &sum));
-  MP_CHECK_OK(td_process_group_all_reduce(pg, sum, TD_REDUCE_SUM));
-  MP_CHECK(*(const int64_t *)td_tensor_data(sum) == 66); /* every element owned exactly once */
-  td_tensor_unref(sum);
+  owned_once(pg, zs.owned_numel);
 
   for (int step = 0; step < STEPS; step++) {
     td_zero_zero_grad(z);
     backward_on(m, rank, step);
     MP_CHECK_OK(td_zero_step(z));
 
-    /* the reference: average of every member's gradient, clipped, one optimizer step */
-    td_optim_zero_grad(ropt);
-    for (int d = 0; d < WORLD; d++) backward_on(ref, d, step);
     td_tensor *avg[4] = {0};
-    for (size_t i = 0; i < 4; i++) {
-      td_tensor *gr = td_tensor_grad(pr.tensors[i]);
-      MP_CHECK(gr != NULL);
-      MP_CHECK_OK(td_tensor_mul_scalar_(gr, 1.0 / WORLD));
-      MP_CHECK_OK(td_tensor_clone(gr, &avg[i]));
-      td_tensor_unref(gr);
-    }
-    double total = 0;
-    MP_CHECK_OK(td_optim_clip_grad_norm(ropt, MAX_NORM, 2.0, &total));
-    MP_CHECK(total > MAX_NORM); /* the clipping is exercised */
-    MP_CHECK_OK(td_optim_step(ropt));
+    double total = ref_step(ref, ropt, &pr, WORLD, step, avg);
     MP_CHECK_OK(td_zero_get_stats(z, &zs));
     MP_CHECK(zs.steps == (uint64_t)step + 1);
     if (!(fabs(zs.last_grad_norm - total) <= 1e-10 * total)) {
@@ -168,6 +206,99 @@ static void run_stage(td_process_group *pg, int rank, int stage) {
   td_module_unref(ref);
 }
 
+/* Parameters with a .grad (overlap keeps at most the last one hooked until the step). */
+static int grads_held(td_tensor_list *p) {
+  int n = 0;
+  for (size_t i = 0; i < p->n; i++) {
+    td_tensor *g = td_tensor_grad(p->tensors[i]);
+    n += g != NULL;
+    td_tensor_unref(g);
+  }
+  return n;
+}
+
+/* Stage 2 with overlap against stage 2 after backward: the same parameters (1e-10) and global
+ * norms at every step. twice: two backward passes per step (the second one's gradients all come
+ * after their buckets started, so every bucket is reduced again at the step); else one pass with
+ * the module's parameters reversed as the gradient order. One bucket per parameter. */
+static void run_overlap(td_process_group *pg, int rank, bool twice) {
+  td_module *ma = build(1000 + (uint64_t)rank, false), *mo = build(1000 + (uint64_t)rank, false);
+  td_tensor_list pa, po;
+  td_tensor_list_init(&pa);
+  td_tensor_list_init(&po);
+  MP_CHECK_OK(td_module_parameters(ma, &pa));
+  MP_CHECK_OK(td_module_parameters(mo, &po));
+  td_tensor *w[2], *b[2], *ow[2], *ob[2], *rev[4];
+  td_optim_group g[2], og[2];
+  groups_of(&pa, w, b, g);
+  groups_of(&po, ow, ob, og);
+  for (size_t i = 0; i < 4; i++) rev[i] = po.tensors[3 - i];
+  td_optim_options o;
+  adamw(&o);
+  td_zero_options zo;
+  td_zero_options_init(&zo);
+  zo.max_grad_norm = MAX_NORM;
+  td_zero *za = NULL, *zv = NULL;
+  MP_CHECK_OK(td_zero_create(pg, &o, g, 2, &zo, &za));
+  MP_CHECK(td_zero_prepare(za) == TD_ERR_STATE); /* created without overlap */
+  zo.overlap = true;
+  zo.bucket_bytes = zo.first_bucket_bytes = 1; /* a bucket per parameter */
+  if (!twice) zo.grad_order = rev, zo.n_grad_order = 4;
+  if (!twice) zo.max_inflight_bytes = 1; /* wait for every started bucket before a new one */
+  MP_CHECK_OK(td_zero_create(pg, &o, og, 2, &zo, &zv));
+  td_zero_stats sa, sv;
+  MP_CHECK_OK(td_zero_get_stats(zv, &sv));
+  /* W1 35, b1 7, W2 21, b2 3 elements in parts of 12 + 3 + 7 + 1 */
+  MP_CHECK(sv.buckets == 4 && sv.numel == 66 && sv.shard_numel == 23);
+  owned_once(pg, sv.owned_numel);
+  for (int step = 0; step < STEPS; step++) {
+    backward_on(ma, rank, step);
+    if (twice) backward_on(ma, rank, step + 100);
+    MP_CHECK_OK(td_zero_step(za));
+    MP_CHECK_OK(td_zero_prepare(zv));
+    MP_CHECK(td_zero_prepare(zv) == TD_ERR_STATE);
+    backward_on(mo, rank, step);
+    if (!twice) MP_CHECK(grads_held(&po) <= 1); /* no full gradient kept but the last one */
+    if (twice) backward_on(mo, rank, step + 100);
+    MP_CHECK_OK(td_zero_step(zv));
+    MP_CHECK(grads_held(&po) == 0);
+    MP_CHECK_OK(td_zero_get_stats(za, &sa));
+    MP_CHECK_OK(td_zero_get_stats(zv, &sv));
+    if (!(fabs(sa.last_grad_norm - sv.last_grad_norm) <= 1e-10 * sa.last_grad_norm)) {
+      fprintf(stderr, "[rank %d] step %d: global norm %.17g with overlap, %.17g without\n", rank,
+              step, sv.last_grad_norm, sa.last_grad_norm);
+      MP_CHECK(0);
+    }
+    for (size_t i = 0; i < 4; i++) {
+      if (!close_to(po.tensors[i], pa.tensors[i])) {
+        fprintf(stderr, "[rank %d] step %d%s: parameter %s differs with overlap\n", rank, step,
+                twice ? " (two passes)" : "", po.names[i]);
+        MP_CHECK(0);
+      }
+    }
+  }
+  MP_CHECK(sv.passes_overlapped == STEPS && sv.steps == STEPS);
+  MP_CHECK(sv.bytes_reduced > 0);
+  if (twice) {
+    MP_CHECK(sv.late_buckets == 4 * STEPS && sv.waits_for_room == 0);
+    MP_CHECK(sv.peak_bucket_bytes > 0 && sv.peak_bucket_bytes <= 69 * 8);
+  } else {
+    MP_CHECK(sv.late_buckets == 0);
+    MP_CHECK(sv.bytes_started_in_backward * 2 >= sv.bytes_reduced);
+    /* buffers of 36 + 9 + 21 + 3 doubles; a step's worth of buckets reduced */
+    /* max_inflight_bytes: never two buffers alive, the largest being 36 doubles */
+    MP_CHECK(sv.peak_bucket_bytes > 0 && sv.peak_bucket_bytes <= 36 * 8);
+    MP_CHECK(sv.waits_for_room > 0);
+    MP_CHECK(sv.bytes_reduced == (uint64_t)STEPS * 69 * 8);
+  }
+  td_zero_destroy(za);
+  td_zero_destroy(zv);
+  td_tensor_list_fini(&pa);
+  td_tensor_list_fini(&po);
+  td_module_unref(ma);
+  td_module_unref(mo);
+}
+
 static int worker_zero(int rank, int world, const char *method, void *arg) {
   (void)arg;
   td_rpc_agent *a = coll_join(rank, world, method);
@@ -196,12 +327,239 @@ static int worker_zero(int rank, int world, const char *method, void *arg) {
   td_tensor_list_fini(&po);
   td_module_unref(odd);
 
+  zo.stage = 1;
+  zo.overlap = true; /* overlap is for stage 2 */
+  MP_CHECK(td_zero_create(pg, &o, NULL, 0, &zo, &z) == TD_ERR_INVALID && z == NULL);
+
   run_stage(pg, rank, 1);
   run_stage(pg, rank, 2);
+  run_overlap(pg, rank, false);
+  run_overlap(pg, rank, true);
   td_process_group_destroy(pg);
   coll_leave(a);
   CHECK_NO_LEAKS();
   return 0;
+}
+
+/* ---- checkpoints: saved by 3 members, resumed by 2 and by 1 ---- */
+
+enum { SAVE_WORLD = 3, SAVED_STEPS = 4, MORE_STEPS = 4 };
+
+typedef struct ckpt_arg {
+  char dir[400];
+} ckpt_arg;
+
+static void ckpt_file(const ckpt_arg *c, const char *name, char *buf, size_t n) {
+  snprintf(buf, n, "%s/%s", c->dir, name);
+}
+
+static void shard_file(const ckpt_arg *c, int rank, char *buf, size_t n) {
+  char prefix[512];
+  ckpt_file(c, "ckpt", prefix, sizeof prefix);
+  MP_CHECK_OK(td_zero_shard_path(prefix, rank, SAVE_WORLD, buf, n));
+}
+
+/* The model's parameters in the flat order of the td_zero (W1 W2 b1 b2), as "param.<i>". */
+static void write_model(td_tensor_list *pm, const char *path) {
+  static const size_t flat[4] = {0, 2, 1, 3};
+  td_tensor_list l;
+  td_tensor_list_init(&l);
+  for (size_t i = 0; i < 4; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "param.%zu", i);
+    MP_CHECK_OK(td_tensor_list_append(&l, name, pm->tensors[flat[i]]));
+  }
+  MP_CHECK_OK(td_safetensors_write(path, &l, NULL));
+  td_tensor_list_fini(&l);
+}
+
+/* Rank 0 after the save: consolidation, its refusals, and its values against the model's. */
+static void consolidate_on_rank0(const ckpt_arg *c, td_tensor_list *pm) {
+  char sh[SAVE_WORLD][600], full[600], model[600];
+  const char *paths[SAVE_WORLD + 1];
+  for (int r = 0; r < SAVE_WORLD; r++) shard_file(c, r, sh[r], sizeof sh[r]);
+  paths[0] = sh[2], paths[1] = sh[0], paths[2] = sh[1], paths[3] = sh[0]; /* any order */
+  ckpt_file(c, "full.safetensors", full, sizeof full);
+  ckpt_file(c, "model.safetensors", model, sizeof model);
+  MP_CHECK(td_zero_consolidate(paths, 2, full) == TD_ERR_FORMAT); /* a rank missing */
+  MP_CHECK(td_zero_consolidate(paths + 1, 3, full) == TD_ERR_FORMAT); /* rank 0 twice */
+  MP_CHECK(strstr(td_last_error(), "rank 0 of 3 appears twice") != NULL);
+  /* a shard whose exp_avg pieces are gone: the others' do not make a whole */
+  char cut[600];
+  ckpt_file(c, "cut.safetensors", cut, sizeof cut);
+  td_tensor_list sl, kept;
+  td_safetensors_meta sm;
+  td_tensor_list_init(&sl);
+  td_tensor_list_init(&kept);
+  td_safetensors_meta_init(&sm);
+  MP_CHECK_OK(td_safetensors_read(sh[1], &sl, &sm));
+  for (size_t k = 0; k < sl.n; k++)
+    if (!strstr(sl.names[k], ".exp_avg") || strstr(sl.names[k], ".exp_avg_sq"))
+      MP_CHECK_OK(td_tensor_list_append(&kept, sl.names[k], sl.tensors[k]));
+  MP_CHECK(kept.n < sl.n);
+  MP_CHECK_OK(td_safetensors_write(cut, &kept, &sm));
+  const char *with_cut[SAVE_WORLD] = {sh[0], cut, sh[2]};
+  MP_CHECK(td_zero_consolidate(with_cut, 3, full) == TD_ERR_FORMAT);
+  MP_CHECK(strstr(td_last_error(), "exp_avg for") != NULL);
+  unlink(cut);
+  td_tensor_list_fini(&sl);
+  td_tensor_list_fini(&kept);
+  td_safetensors_meta_fini(&sm);
+  MP_CHECK_OK(td_zero_consolidate(paths, 3, full));
+  write_model(pm, model);
+  td_tensor_list l;
+  td_safetensors_meta meta;
+  td_tensor_list_init(&l);
+  td_safetensors_meta_init(&meta);
+  MP_CHECK_OK(td_safetensors_read(full, &l, &meta));
+  MP_CHECK(!strcmp(td_safetensors_meta_get(&meta, "format"), "tdist.zero.full"));
+  static const size_t flat[4] = {0, 2, 1, 3};
+  for (size_t i = 0; i < 4; i++) {
+    char name[48];
+    snprintf(name, sizeof name, "param.%zu", i);
+    td_tensor *v = td_tensor_list_find(&l, name);
+    bool eq = false;
+    MP_CHECK(v != NULL);
+    MP_CHECK_OK(td_tensor_allclose(v, pm->tensors[flat[i]], 0, 0, &eq));
+    MP_CHECK(eq); /* the shards' master values are the model's parameters */
+    snprintf(name, sizeof name, "param.%zu.step", i);
+    v = td_tensor_list_find(&l, name);
+    MP_CHECK(v && *(const int64_t *)td_tensor_data(v) == SAVED_STEPS);
+  }
+  td_tensor_list_fini(&l);
+  td_safetensors_meta_fini(&meta);
+}
+
+static int worker_save(int rank, int world, const char *method, void *arg) {
+  ckpt_arg *c = arg;
+  td_rpc_agent *a = coll_join(rank, world, method);
+  td_process_group *pg = NULL;
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
+  td_module *m = build(1000 + (uint64_t)rank, false);
+  td_tensor_list pm;
+  td_tensor_list_init(&pm);
+  MP_CHECK_OK(td_module_parameters(m, &pm));
+  td_zero *z = zero_over(pg, &pm, 2, true);
+  for (int step = 0; step < SAVED_STEPS; step++) {
+    MP_CHECK_OK(td_zero_prepare(z));
+    backward_on(m, rank, step);
+    MP_CHECK_OK(td_zero_step(z));
+  }
+  char prefix[512];
+  ckpt_file(c, "ckpt", prefix, sizeof prefix);
+  MP_CHECK_OK(td_zero_save(z, prefix));
+  MP_CHECK_OK(td_process_group_barrier(pg));
+  if (rank == 0) consolidate_on_rank0(c, &pm);
+  MP_CHECK_OK(td_process_group_barrier(pg));
+  td_zero_destroy(z);
+  td_tensor_list_fini(&pm);
+  td_module_unref(m);
+  td_process_group_destroy(pg);
+  coll_leave(a);
+  CHECK_NO_LEAKS();
+  return 0;
+}
+
+/* Resumes at world 2 from the consolidated file (stage 2 with overlap) or at world 1 from the
+ * three shard files (stage 1), against one process that runs the saved steps with 3 data ranks
+ * and the rest with `world`. */
+static int worker_resume(int rank, int world, const char *method, void *arg) {
+  ckpt_arg *c = arg;
+  td_rpc_agent *a = coll_join(rank, world, method);
+  td_process_group *pg = NULL;
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
+  char sh[SAVE_WORLD][600], full[600];
+  for (int r = 0; r < SAVE_WORLD; r++) shard_file(c, r, sh[r], sizeof sh[r]);
+  ckpt_file(c, "full.safetensors", full, sizeof full);
+  const char *shards[SAVE_WORLD] = {sh[1], sh[2], sh[0]}, *one[1] = {full};
+
+  /* a td_zero over other parameters is refused, on every member, before anything changes */
+  td_module *odd = build(5, true);
+  td_tensor_list po;
+  td_tensor_list_init(&po);
+  MP_CHECK_OK(td_module_parameters(odd, &po));
+  td_zero *zo = zero_over(pg, &po, 2, false);
+  MP_CHECK(td_zero_load(zo, one, 1) == TD_ERR_SHAPE);
+  td_zero_destroy(zo);
+  td_tensor_list_fini(&po);
+  td_module_unref(odd);
+
+  td_module *m = build(5000 + (uint64_t)rank, false), *ref = build(1000, false);
+  td_tensor_list pm, pr;
+  td_tensor_list_init(&pm);
+  td_tensor_list_init(&pr);
+  MP_CHECK_OK(td_module_parameters(m, &pm));
+  MP_CHECK_OK(td_module_parameters(ref, &pr));
+  td_zero *z = zero_over(pg, &pm, world == 1 ? 1 : 2, world != 1);
+  if (world == 1) MP_CHECK_OK(td_zero_load(z, shards, SAVE_WORLD));
+  else MP_CHECK_OK(td_zero_load(z, one, 1));
+  td_zero_stats zs;
+  MP_CHECK_OK(td_zero_get_stats(z, &zs));
+  MP_CHECK(zs.steps == SAVED_STEPS);
+
+  td_tensor *rw[2], *rb[2];
+  td_optim_group rg[2];
+  groups_of(&pr, rw, rb, rg);
+  td_optim_options o;
+  adamw(&o);
+  td_optim *ropt = NULL;
+  MP_CHECK_OK(td_optim_create_groups(&o, rg, 2, &ropt));
+  for (int step = 0; step < SAVED_STEPS; step++) ref_step(ref, ropt, &pr, SAVE_WORLD, step, NULL);
+  for (int step = SAVED_STEPS; step <= SAVED_STEPS + MORE_STEPS; step++) {
+    for (size_t i = 0; i < 4; i++) {
+      if (!close_to(pm.tensors[i], pr.tensors[i])) {
+        fprintf(stderr, "[rank %d of %d] step %d: parameter %s differs from the uninterrupted "
+                "run\n", rank, world, step, pm.names[i]);
+        MP_CHECK(0);
+      }
+    }
+    if (step == SAVED_STEPS + MORE_STEPS) break;
+    td_zero_zero_grad(z); /* stage 1 leaves the averages in .grad */
+    if (world != 1) MP_CHECK_OK(td_zero_prepare(z));
+    backward_on(m, rank, step);
+    MP_CHECK_OK(td_zero_step(z));
+    ref_step(ref, ropt, &pr, world, step, NULL);
+  }
+  td_zero_destroy(z);
+  td_optim_destroy(ropt);
+  td_tensor_list_fini(&pm);
+  td_tensor_list_fini(&pr);
+  td_module_unref(m);
+  td_module_unref(ref);
+  td_process_group_destroy(pg);
+  coll_leave(a);
+  CHECK_NO_LEAKS();
+  return 0;
+}
+
+/* TD_ZERO_CKPT_DIR keeps the files there (for check_zero_ckpt.py); else a temporary folder. */
+static void test_zero_checkpoint_resumes_at_other_world_size(void **state) {
+  (void)state;
+  ckpt_arg c;
+  const char *keep = getenv("TD_ZERO_CKPT_DIR");
+  if (keep) {
+    snprintf(c.dir, sizeof c.dir, "%s", keep);
+    if (mkdir(c.dir, 0700) != 0 && errno != EEXIST) fail_msg("mkdir %s: %s", c.dir, strerror(errno));
+  } else {
+    snprintf(c.dir, sizeof c.dir, "/tmp/td_zero_ckpt_XXXXXX");
+    if (!mkdtemp(c.dir)) fail_msg("mkdtemp: %s", strerror(errno));
+  }
+  int codes[SAVE_WORLD];
+  int fails = td_mp_run(SAVE_WORLD, worker_save, &c, 90, codes);
+  if (!fails) fails = td_mp_run(2, worker_resume, &c, 90, codes);
+  if (!fails) fails = td_mp_run(1, worker_resume, &c, 90, codes);
+  if (!keep) {
+    char p[600], prefix[512];
+    ckpt_file(&c, "ckpt", prefix, sizeof prefix);
+    for (int r = 0; r < SAVE_WORLD; r++)
+      if (td_zero_shard_path(prefix, r, SAVE_WORLD, p, sizeof p) == TD_OK) unlink(p);
+    ckpt_file(&c, "full.safetensors", p, sizeof p);
+    unlink(p);
+    ckpt_file(&c, "model.safetensors", p, sizeof p);
+    unlink(p);
+    rmdir(c.dir);
+  }
+  if (fails) fail_msg("%d workers failed", fails);
 }
 
 static void test_zero_stages_match_ddp_with_sharded_state(void **state) {
@@ -214,6 +572,7 @@ static void test_zero_stages_match_ddp_with_sharded_state(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_zero_stages_match_ddp_with_sharded_state),
+      cmocka_unit_test(test_zero_checkpoint_resumes_at_other_world_size),
   };
   return cmocka_run_group_tests_name("zero", tests, NULL, NULL);
 }

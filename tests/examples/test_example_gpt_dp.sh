@@ -4,7 +4,9 @@
 #      loss as printed (6 significant digits; the three differ only in the summation order of
 #      the reductions), which differs from one process's (so rank 1's batches took part);
 #   2. DDP started at least half of the gradient bytes' all_reduces during backward;
-#   3. ZeRO's shards cover the parameters (2 x shard >= numel) and every rank reports its RSS.
+#   3. ZeRO's shards cover the parameters (2 x shard >= numel) and every rank reports its RSS;
+#   4. zero2 (reduce_scatter from gradient hooks, 1 KiB buckets) started at least half of its
+#      bytes during backward and ends where zero2 --zero-after-backward does.
 # Skips (exit 77) without Debian's fortunes corpus. Bounded by `timeout`.
 set -euo pipefail
 gpt="$1"
@@ -19,9 +21,13 @@ trap 'rm -rf "$tmp"' EXIT
 small=(--corpus "$corpus" --dtype f64 --n-layer 2 --n-head 2 --n-embd 32 --block-size 16
        --batch-size 4 --steps 30 --warmup 5 --eval-interval 30 --eval-iters 2)
 for dp in ddp zero1 zero2; do
-  timeout "$limit" "$gpt" "${small[@]}" --nproc 2 --dp "$dp" 2>"$tmp/$dp.err" >"$tmp/$dp.out" ||
-    { cat "$tmp/$dp.err"; echo "FAIL: --dp $dp"; exit 1; }
+  extra=()
+  [[ $dp == zero2 ]] && extra=(--bucket-mb 0.001)
+  timeout "$limit" "$gpt" "${small[@]}" --nproc 2 --dp "$dp" "${extra[@]}" 2>"$tmp/$dp.err" \
+    >"$tmp/$dp.out" || { cat "$tmp/$dp.err"; echo "FAIL: --dp $dp"; exit 1; }
 done
+timeout "$limit" "$gpt" "${small[@]}" --nproc 2 --dp zero2 --zero-after-backward \
+  2>"$tmp/zero2a.err" >"$tmp/zero2a.out" || { cat "$tmp/zero2a.err"; echo "FAIL: zero2a"; exit 1; }
 timeout "$limit" "$gpt" "${small[@]}" 2>/dev/null >"$tmp/one.out"
 python3 - "$tmp" <<'PY'
 import json, sys
@@ -30,10 +36,10 @@ def res(name):
     lines = [l for l in open(f"{tmp}/{name}.out") if l.startswith("{")]
     assert len(lines) == 1, f"{name}: one JSON line (rank 0's), got {len(lines)}"
     return json.loads(lines[0])
-r = {k: res(k) for k in ("ddp", "zero1", "zero2", "one")}
+r = {k: res(k) for k in ("ddp", "zero1", "zero2", "zero2a", "one")}
 v = {k: r[k]["results"]["val_loss"] for k in r}
 print("val_loss:", v)
-for k in ("zero1", "zero2"):
+for k in ("zero1", "zero2", "zero2a"):
     assert abs(v[k] - v["ddp"]) <= 1e-9 * abs(v["ddp"]), f"{k} ends at {v[k]}, ddp at {v['ddp']}"
 assert abs(v["one"] - v["ddp"]) > 1e-6, "one process ends where two do: rank 1's data unused?"
 share = r["ddp"]["results"]["ddp_bytes_started_in_backward_share"]
@@ -43,5 +49,10 @@ for k in ("zero1", "zero2"):
     assert z["zero_stage"] == int(k[-1]) and 2 * z["zero_shard_numel"] >= z["zero_numel"]
 for k in ("ddp", "zero1", "zero2"):
     assert r[k]["config"]["nproc"] == 2 and len(r[k]["results"]["peak_rss_mb_per_rank"]) == 2
-print(f"ddp, zero1, zero2 agree; DDP share started in backward {share:.2f}")
+zs = r["zero2"]["results"]
+assert zs["zero_buckets"] > 1, "zero2 with 1 KiB buckets has one bucket"
+assert zs["zero_bytes_started_in_backward_share"] >= 0.5, zs
+assert r["zero2a"]["results"]["zero_buckets"] == 1
+print(f"ddp, zero1, zero2 (overlapped and not) agree; DDP share started in backward {share:.2f}, "
+      f"ZeRO-2 {zs['zero_bytes_started_in_backward_share']:.2f} over {zs['zero_buckets']} buckets")
 PY

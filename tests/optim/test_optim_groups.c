@@ -1,5 +1,5 @@
-/* test_optim_groups.c - parameter groups, gradient-norm clipping and the warmup + cosine
- * schedule: API and misuse, and PyTorch 1.13 references from scripts/gen_gpt_fixtures.py
+/* test_optim_groups.c - parameter groups, gradient-norm clipping, the warmup + cosine
+ * schedule and the state accessors for checkpoints: API and misuse, and PyTorch 1.13 references from scripts/gen_gpt_fixtures.py
  * (optim_adamw_groups, optim_clip, optim_schedule). */
 #include <math.h>
 #include <stdio.h>
@@ -116,6 +116,56 @@ static void test_optim_groups_accessors(void **state) {
   td_tensor_unref(a);
   td_tensor_unref(b);
   td_tensor_unref(c);
+}
+
+/* State for checkpoints: an AdamW whose state and step count are copied from another continues
+ * exactly as the other does (the bias correction needs the step); a wrong element count is
+ * refused and changes nothing; a dropped state restarts from zeros. */
+static void test_optim_state_get_set_continues_a_run(void **state) {
+  (void)state;
+  double v[] = {1, -2, 3}, gv[] = {0.5, 0.25, -1};
+  td_tensor *a = vec(v, 3, true), *b = vec(v, 3, true), *g = vec(gv, 3, false);
+  td_optim_options o;
+  td_optim_options_init(&o, TD_OPTIM_ADAMW);
+  o.lr = 0.1;
+  td_optim *oa = NULL, *ob = NULL;
+  TD_ASSERT_OK(td_optim_create(&o, &a, 1, &oa));
+  TD_ASSERT_OK(td_optim_create(&o, &b, 1, &ob));
+  td_tensor *bufs[3] = {0};
+  int64_t step = -1;
+  TD_ASSERT_OK(td_optim_state_get(oa, 0, bufs, &step));
+  assert_true(!bufs[0] && !bufs[1] && !bufs[2] && step == 0); /* created by the first update */
+  for (int i = 0; i < 3; i++) TD_ASSERT_OK(td_optim_step_grads(oa, &g, 1));
+  TD_ASSERT_OK(td_optim_state_get(oa, 0, bufs, &step));
+  assert_true(bufs[0] && bufs[1] && !bufs[2] && step == 3);
+  TD_ASSERT_OK(td_tensor_copy_(b, a));
+  double four[] = {1, 2, 3, 4};
+  td_tensor *wrong = vec(four, 4, false), *bad[3] = {wrong, NULL, NULL};
+  TD_ASSERT_STATUS(td_optim_state_set(ob, 0, bad, 3), TD_ERR_SHAPE);
+  assert_int_equal(td_optim_step_count(ob, 0), 0);
+  TD_ASSERT_OK(td_optim_state_set(ob, 0, bufs, step));
+  assert_int_equal(td_optim_step_count(ob, 0), 3);
+  TD_ASSERT_OK(td_optim_step_grads(oa, &g, 1));
+  TD_ASSERT_OK(td_optim_step_grads(ob, &g, 1));
+  td_test_assert_close("resumed AdamW", b, a, 0, 0);
+  /* the copies are the optimizer's own: changing the source does not reach it */
+  TD_ASSERT_OK(td_tensor_zero_(bufs[0]));
+  td_tensor *nb[3] = {0};
+  TD_ASSERT_OK(td_optim_state_get(ob, 0, nb, NULL));
+  assert_true(nb[0] && nb[0] != bufs[0]);
+  for (int i = 0; i < 3; i++) td_tensor_unref(nb[i]);
+  td_tensor *none[3] = {0};
+  TD_ASSERT_OK(td_optim_state_set(ob, 0, none, 0));
+  TD_ASSERT_OK(td_optim_state_get(ob, 0, nb, &step));
+  assert_true(!nb[0] && !nb[1] && step == 0);
+  TD_ASSERT_STATUS(td_optim_state_get(ob, 1, nb, NULL), TD_ERR_INVALID);
+  for (int i = 0; i < 3; i++) td_tensor_unref(bufs[i]);
+  td_tensor_unref(wrong);
+  td_optim_destroy(oa);
+  td_optim_destroy(ob);
+  td_tensor_unref(a);
+  td_tensor_unref(b);
+  td_tensor_unref(g);
 }
 
 static void test_optim_groups_misuse(void **state) {
@@ -268,6 +318,7 @@ int main(void) {
       cmocka_unit_test(test_optim_groups_adamw_matches_pytorch),
       cmocka_unit_test(test_optim_groups_accessors),
       cmocka_unit_test(test_optim_groups_misuse),
+      cmocka_unit_test(test_optim_state_get_set_continues_a_run),
       cmocka_unit_test(test_optim_clip_grad_norm_matches_pytorch),
       cmocka_unit_test(test_optim_clip_grad_norm_edges),
       cmocka_unit_test(test_optim_lr_warmup_cosine_matches_nanogpt),
