@@ -185,6 +185,7 @@ struct td_zero {
   td_tensor **seg;      /* per segment: the 1-D master values (owned) */
   td_optim *opt;        /* over seg (NULL when this member owns no element) */
   td_optim_kind okind;  /* its kind (checkpoints) */
+  double *norm_w;       /* per parameter: weight of its squares in the clipping norm, or NULL */
   td_dtype dt;
   td_device dev;
   /* overlapped passes */

@@ -245,6 +245,11 @@ static td_status check_options(const td_zero_options *zo) {
                         "gradients) (stage 3 is not implemented)", zo->stage);
   if (!(zo->max_grad_norm >= 0) || isinf(zo->max_grad_norm))
     return td_set_error(TD_ERR_INVALID, "zero_create: max_grad_norm must be finite and >= 0");
+  if (zo->norm_weights)
+    for (size_t i = 0; i < zo->n_norm_weights; i++)
+      if (!(zo->norm_weights[i] >= 0) || isinf(zo->norm_weights[i]))
+        return td_set_error(TD_ERR_INVALID, "zero_create: norm_weights[%zu] = %g must be finite "
+                            "and >= 0", i, zo->norm_weights[i]);
   if (zo->overlap && zo->stage != 2)
     return td_set_error(TD_ERR_INVALID, "zero_create: overlap needs stage 2 (stage 1 keeps full "
                         "gradients; for them td_ddp_create_ex overlaps the all_reduce)");
@@ -291,6 +296,16 @@ td_status td_zero_create(td_process_group *pg, const td_optim_options *opts,
   int64_t P = 0, S = 0;
   td_status st = check_options(&z->zo);
   if (st == TD_OK) st = take_params(z, groups, n_groups, &P);
+  if (st == TD_OK && z->zo.norm_weights) {
+    if (z->zo.n_norm_weights != z->np)
+      st = td_set_error(TD_ERR_INVALID, "zero_create: %zu norm weights for %zu parameters",
+                        z->zo.n_norm_weights, z->np);
+    else if (!(z->norm_w = td__calloc(z->np ? z->np : 1, sizeof *z->norm_w)))
+      st = td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
+    else
+      memcpy(z->norm_w, z->zo.norm_weights, z->np * sizeof *z->norm_w);
+  }
+  z->zo.norm_weights = NULL; /* the caller's array: read here only */
   if (st == TD_OK && z->np) {
     z->dt = td_tensor_dtype(z->params[0]);
     z->dev = td_tensor_device(z->params[0]);
@@ -642,25 +657,54 @@ static double sum_squares(const td_tensor *t) {
 }
 
 /* Clips the shard gradient by the global norm (every member computes the same coefficient). */
-static td_status clip(td_zero *z, td_tensor *sgrad) {
-  td_tensor *cpu = NULL, *one = NULL, *one_dev = NULL, *back = NULL;
-  td_status st = td_tensor_to(sgrad, td_device_cpu(), &cpu);
-  double local = st == TD_OK ? sum_squares(cpu) : 0, total = 0;
+/* weighted_squares: the squares of the shard gradient, each segment's weighted by its
+ * parameter's norm weight. */
+static double weighted_squares(const td_zero *z, const td_tensor *cpu) {
+  double s = 0;
+  bool f64 = td_tensor_dtype(cpu) == TD_DTYPE_F64;
+  for (size_t k = 0; k < z->nseg; k++) {
+    const td__zseg *g = &z->segs[k];
+    double part = 0;
+    for (int64_t i = g->shard_off; i < g->shard_off + g->len; i++) {
+      double v = f64 ? ((const double *)td_tensor_data(cpu))[i]
+                     : (double)((const float *)td_tensor_data(cpu))[i];
+      part += v * v;
+    }
+    s += z->norm_w[g->param] * part;
+  }
+  return s;
+}
+
+/* sum_over sums the double in *v over pg (on the group's device for NCCL). */
+static td_status sum_over(td_zero *z, td_process_group *pg, double *v) {
+  td_tensor *one = NULL, *dev = NULL, *back = NULL;
   int64_t n1 = 1;
-  if (st == TD_OK) st = td_tensor_from_buffer(&local, &n1, 1, TD_DTYPE_F64, &one);
-  if (st == TD_OK) st = td_tensor_to(one, z->dev, &one_dev);
-  if (st == TD_OK) st = td_process_group_all_reduce(z->pg, one_dev, TD_REDUCE_SUM);
-  if (st == TD_OK) st = td_tensor_to(one_dev, td_device_cpu(), &back);
+  td_device d = td_process_group_backend(pg) == TD_PG_BACKEND_NCCL ? z->dev : td_device_cpu();
+  td_status st = td_tensor_from_buffer(v, &n1, 1, TD_DTYPE_F64, &one);
+  if (st == TD_OK) st = td_tensor_to(one, d, &dev);
+  if (st == TD_OK) st = td_process_group_all_reduce(pg, dev, TD_REDUCE_SUM);
+  if (st == TD_OK) st = td_tensor_to(dev, td_device_cpu(), &back);
+  if (st == TD_OK) *v = *(const double *)td_tensor_data(back);
+  td_tensor_unref(one);
+  td_tensor_unref(dev);
+  td_tensor_unref(back);
+  return st;
+}
+
+static td_status clip(td_zero *z, td_tensor *sgrad) {
+  td_tensor *cpu = NULL;
+  td_status st = td_tensor_to(sgrad, td_device_cpu(), &cpu);
+  double sq = st != TD_OK ? 0 : z->norm_w ? weighted_squares(z, cpu) : sum_squares(cpu);
+  double total = 0;
+  if (st == TD_OK) st = sum_over(z, z->pg, &sq);
+  if (st == TD_OK && z->zo.norm_group) st = sum_over(z, z->zo.norm_group, &sq);
   if (st == TD_OK) {
-    total = sqrt(*(const double *)td_tensor_data(back));
+    total = sqrt(sq);
     z->stats.last_grad_norm = total;
     double coef = z->zo.max_grad_norm / (total + 1e-6);
     if (coef < 1.0 || isnan(coef)) st = td_tensor_mul_scalar_(sgrad, coef);
   }
   td_tensor_unref(cpu);
-  td_tensor_unref(one);
-  td_tensor_unref(one_dev);
-  td_tensor_unref(back);
   return st;
 }
 
@@ -775,6 +819,7 @@ void td_zero_destroy(td_zero *z) {
   for (size_t i = 0; z->params && i < z->np; i++) td_tensor_unref(z->params[i]);
   td__free(z->seg);
   td__free(z->segs);
+  td__free(z->norm_w);
   td__free(z->b);
   td__free(z->order);
   td__free(z->bucket_of);

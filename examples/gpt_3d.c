@@ -33,8 +33,17 @@
  * takes rows [d B/dp, (d+1) B/dp) and cuts them into --micro-batches equal micro-batches. The loss
  * of a micro-batch is scaled by 1/m and ZeRO averages over dp, so the gradient is the one-process
  * gradient of the mean loss over the global batch. AdamW with a constant learning rate (--lr),
- * weight decay on the >= 2-d weights, no clipping (the distributed optimizer's clipping would need
- * the norm over the tensor and pipeline groups as well; not done).
+ * weight decay on the >= 2-d weights, clipping as below.
+ *
+ * Clipping (--grad-clip, 1.0): by the whole model's gradient norm, as one process clips: ZeRO sums
+ * the squares over the data group and then over the data rank's model group (every stage and
+ * tensor rank), each element counted once (td_zero_options.norm_weights: 1/tp for whole tensors,
+ * 1/2 for the token table held by the first and the last stage).
+ *
+ * Checkpoints: --save DIR writes every (stage, tensor rank)'s ZeRO shards (td_zero_save: master
+ * values, AdamW state, step count) as DIR/stage<s>-tp<t>.zero-<d>-of-<dp>.safetensors; --resume DIR
+ * loads them (td_zero_load: any dp, the same pp and tp), replays the batch stream to the saved
+ * step and trains on to --steps.
  *
  * --check: the reporting rank (last stage, data rank 0, tensor rank 0) also trains the whole
  * model in one process on the same global batches and reports the largest difference of the
@@ -43,10 +52,13 @@
  * Output: progress on stderr, one JSON line from the reporting rank: {"bench": "gpt_3d", "config",
  * "results": {"losses", "final_loss", "tokens_per_s", "peak_live_microbatches_per_stage", ...}}.
  */
+#include <errno.h>
+#include <glob.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "example_util.h"
 #include "ps_common.h"
@@ -62,16 +74,16 @@
 typedef struct opts {
   int64_t steps, batch_size, block_size, n_embd, micro_batches;
   int n_layer, n_head, dp, pp, tp, threads;
-  double lr, weight_decay;
+  double lr, weight_decay, grad_clip;
   uint64_t seed;
-  const char *corpus, *dtype, *schedule;
+  const char *corpus, *dtype, *schedule, *save, *resume;
   bool check, sequence_parallel;
 } opts;
 
 static void opts_parse(int argc, char **argv, opts *o) {
   *o = (opts){.steps = 20, .batch_size = 8, .block_size = 32, .n_embd = 64, .micro_batches = 4,
               .n_layer = 4, .n_head = 4, .dp = 2, .pp = 2, .tp = 2, .threads = 1, .lr = 1e-3,
-              .weight_decay = 0.1, .seed = 1337, .corpus = "/usr/share/games/fortunes",
+              .weight_decay = 0.1, .grad_clip = 1.0, .seed = 1337, .corpus = "/usr/share/games/fortunes",
               .dtype = "f32", .schedule = "1f1b"};
   const ex_opt table[] = {
       {"dp", EX_OPT_INT, &o->dp, "data-parallel size"},
@@ -87,6 +99,11 @@ static void opts_parse(int argc, char **argv, opts *o) {
       {"n-embd", EX_OPT_I64, &o->n_embd, "model width"},
       {"lr", EX_OPT_DOUBLE, &o->lr, "learning rate (AdamW, constant)"},
       {"weight-decay", EX_OPT_DOUBLE, &o->weight_decay, "AdamW decay of the >= 2-d weights"},
+      {"grad-clip", EX_OPT_DOUBLE, &o->grad_clip,
+       "clip the whole model's gradient norm (over every group) to this; 0: no clipping"},
+      {"save", EX_OPT_STRING, &o->save, "at the end, write the checkpoint (ZeRO shards) into DIR"},
+      {"resume", EX_OPT_STRING, &o->resume,
+       "continue from the checkpoint in DIR (same pp and tp; any dp) up to --steps in all"},
       {"seed", EX_OPT_U64, &o->seed, "init seed; batches use seed+1"},
       {"threads", EX_OPT_INT, &o->threads, "BLAS threads"},
       {"corpus", EX_OPT_STRING, &o->corpus, "text file, or directory of fortune files"},
@@ -100,7 +117,8 @@ static void opts_parse(int argc, char **argv, opts *o) {
   if (o->dp < 1 || o->pp < 1 || o->tp < 1 || o->dp * o->pp * o->tp > 64)
     ex_die("--dp, --pp, --tp must be >= 1 with a product of at most 64");
   if (o->steps < 0 || o->micro_batches < 1 || o->block_size < 1 || o->n_embd < 1 ||
-      o->n_head < 1 || o->n_embd % o->n_head || o->threads < 0 || !(o->lr >= 0))
+      o->n_head < 1 || o->n_embd % o->n_head || o->threads < 0 || !(o->lr >= 0) ||
+      !(o->grad_clip >= 0))
     ex_die("bad option values (see --help)");
   if (o->n_layer < o->pp || o->n_layer % o->pp)
     ex_die("--n-layer %d must be a multiple of --pp %d (each stage takes n-layer/pp blocks)",
@@ -121,6 +139,7 @@ static void opts_parse(int argc, char **argv, opts *o) {
 typedef struct layout {
   int dp, pp, tp, rank, d, s, t; /* sizes, this rank and its coordinates */
   td_process_group *world, *tensor, *data, *emb;
+  td_process_group *model; /* every stage and tensor rank of this data rank (clipping's norm) */
   td_process_group *fwd_prev, *fwd_next, *bwd_prev, *bwd_next; /* pipeline neighbours */
 } layout;
 
@@ -155,6 +174,12 @@ static void layout_make(td_rpc_agent *a, const opts *o, layout *L) {
       for (int d = 0; d < L->dp; d++) r[d] = rank_of(L, s, d, t);
       group(a, r, L->dp, &L->data);
     }
+  for (int d = 0; d < L->dp; d++) {
+    int n = 0;
+    for (int s = 0; s < L->pp; s++)
+      for (int t = 0; t < L->tp; t++) r[n++] = rank_of(L, s, d, t);
+    group(a, r, n, &L->model);
+  }
   for (int d = 0; d < L->dp; d++)
     for (int t = 0; t < L->tp; t++) {
       for (int s = 0; s + 1 < L->pp; s++) {
@@ -173,7 +198,7 @@ static void layout_make(td_rpc_agent *a, const opts *o, layout *L) {
 
 static void layout_free(layout *L) {
   td_process_group *all[] = {L->fwd_prev, L->fwd_next, L->bwd_prev, L->bwd_next,
-                             L->emb,      L->data,     L->tensor,   L->world};
+                             L->emb,      L->data,     L->tensor,   L->model, L->world};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
     if (all[i]) td_process_group_destroy(all[i]);
 }
@@ -457,17 +482,29 @@ static void reference_make(const td_module *whole_src, const opts *o, td_dtype d
   td_tensor_list_fini(&l);
 }
 
-static double reference_step(reference *r, const batch *b) {
+static double reference_step(reference *r, const batch *b, double clip) {
   td_tensor *logits = NULL, *loss = NULL;
   td_optim_zero_grad(r->opt);
   EX_CHECK(td_gpt_forward(r->model, b->x, b->y, &logits, &loss));
   EX_CHECK(td_tensor_backward(loss));
+  if (clip > 0) EX_CHECK(td_optim_clip_grad_norm(r->opt, clip, 2.0, NULL));
   EX_CHECK(td_optim_step(r->opt));
   double v = 0;
   EX_CHECK(td_tensor_item(loss, &v));
   td_tensor_unref(logits);
   td_tensor_unref(loss);
   return v;
+}
+
+/* resume loads the ZeRO shards saved under prefix (any data-parallel size). */
+static void resume(td_zero *z, const char *prefix) {
+  char pat[4200];
+  snprintf(pat, sizeof pat, "%s.zero-*-of-*.safetensors", prefix);
+  glob_t g;
+  if (glob(pat, 0, NULL, &g) != 0 || g.gl_pathc == 0)
+    ex_die("no checkpoint %s (saved with other --pp/--tp, or not saved)", pat);
+  EX_CHECK(td_zero_load(z, (const char *const *)g.gl_pathv, g.gl_pathc));
+  globfree(&g);
 }
 
 /* ---- main ---- */
@@ -524,10 +561,39 @@ int main(int argc, char **argv) {
   td_zero_options zo;
   td_zero_options_init(&zo);
   zo.stage = 1;
+  /* clipping by the whole model's norm: squares summed over the data rank's model group, each
+   * element once (whole tensors are on every tensor rank, the tied table on two stages) */
+  size_t np = og[0].n + og[1].n;
+  double *w = calloc(np + 1, sizeof *w);
+  if (!w) ex_die("out of memory");
+  for (size_t k = 0, i = 0; k < 2; k++)
+    for (size_t j = 0; j < og[k].n; j++, i++) {
+      td_tp_split sp;
+      EX_CHECK(td_tp_param_split(st.model, og[k].params[j], &sp));
+      w[i] = sp.dim < 0 ? 1.0 / L.tp : 1.0;
+      if (L.emb && td_tensor_list_find(&st.params, "transformer.wte.weight") == og[k].params[j])
+        w[i] *= 0.5;
+    }
+  zo.max_grad_norm = o.grad_clip;
+  zo.norm_group = L.model;
+  zo.norm_weights = w;
+  zo.n_norm_weights = np;
   td_zero *zero = NULL;
   EX_CHECK(td_zero_create(L.data, &oo, og, 2, &zo, &zero));
+  free(w);
   free(bufs[0]);
   free(bufs[1]);
+  char prefix[4096];
+  int64_t first = 0; /* steps already done (a resumed run) */
+  if (o.resume) {
+    snprintf(prefix, sizeof prefix, "%s/stage%d-tp%d", o.resume, L.s, L.t);
+    resume(zero, prefix);
+    td_zero_stats zs;
+    EX_CHECK(td_zero_get_stats(zero, &zs));
+    first = (int64_t)zs.steps;
+    if (first > o.steps) ex_die("the checkpoint in %s is at step %lld, past --steps %lld",
+                                o.resume, (long long)first, (long long)o.steps);
+  }
   td_tensor *tied = L.emb ? td_tensor_list_find(&st.params, "transformer.wte.weight") : NULL;
 
   td_generator *bg = NULL;
@@ -540,8 +606,14 @@ int main(int argc, char **argv) {
   double max_diff = 0, t0 = ex_now_s(), last = NAN;
   int peak = 0;
   ex_progress p;
-  ex_progress_start(&p, "gpt_3d", reporter ? o.steps : 0);
-  for (int64_t it = 0; it < o.steps; it++) {
+  for (int64_t it = 0; it < first; it++) { /* the batches the checkpoint's steps saw */
+    batch b;
+    global_batch(&cp, bg, &o, &b);
+    if (reporter && o.check) reference_step(&ref, &b, o.grad_clip);
+    batch_free(&b);
+  }
+  ex_progress_start(&p, "gpt_3d", reporter ? o.steps - first : 0);
+  for (int64_t it = first; it < o.steps; it++) {
     batch b;
     global_batch(&cp, bg, &o, &b);
     for (int i = 0; i < m; i++) {
@@ -579,10 +651,10 @@ int main(int argc, char **argv) {
     if (reporter) {
       ex_json_num(&losses, NULL, last);
       if (o.check) {
-        double rl = reference_step(&ref, &b);
+        double rl = reference_step(&ref, &b, o.grad_clip);
         if (!(fabs(rl - last) <= max_diff)) max_diff = fabs(rl - last);
       }
-      ex_progress_update(&p, it + 1, "loss %.4f", last);
+      ex_progress_update(&p, it + 1 - first, "loss %.4f", last);
     }
     for (int i = 0; i < m; i++) {
       td_tensor_unref(mb[i].idx);
@@ -591,6 +663,13 @@ int main(int argc, char **argv) {
     batch_free(&b);
   }
   double wall = ex_now_s() - t0;
+  if (o.save) {
+    if (mkdir(o.save, 0700) != 0 && errno != EEXIST) ex_die("cannot make %s", o.save);
+    snprintf(prefix, sizeof prefix, "%s/stage%d-tp%d", o.save, L.s, L.t);
+    EX_CHECK(td_zero_save(zero, prefix));
+    if (reporter) fprintf(stderr, "gpt_3d: checkpoint of step %lld in %s\n", (long long)o.steps,
+                          o.save);
+  }
   if (reporter) ex_progress_finish(&p, "loss %.4f", last);
 
   /* every stage's peak of live micro-batches, gathered to every rank (MAX over a [pp] vector) */
@@ -617,12 +696,14 @@ int main(int argc, char **argv) {
     ex_json_int(&cfg, "vocab_size", cp.nvocab);
     ex_json_int(&cfg, "steps", o.steps);
     ex_json_str(&cfg, "dtype", o.dtype);
+    ex_json_num(&cfg, "grad_clip", o.grad_clip);
     ex_json_bool(&cfg, "sequence_parallel", o.sequence_parallel);
     ex_json_child(&res, "losses", &losses);
     ex_json_num(&res, "final_loss", last);
+    ex_json_int(&res, "first_step", first);
     ex_json_num(&res, "wall_s", wall);
     ex_json_num(&res, "tokens_per_s",
-                wall > 0 ? (double)(o.steps * o.batch_size * o.block_size) / wall : 0);
+                wall > 0 ? (double)((o.steps - first) * o.batch_size * o.block_size) / wall : 0);
     ex_json_array(&pk);
     for (int s = 0; s < L.pp; s++)
       ex_json_num(&pk, NULL, ((const double *)td_tensor_data(peaks))[s]);

@@ -363,6 +363,17 @@ typedef struct td_zero_options {
                            (repeats ignored; the rest follow in reverse flat order); read by
                            td_zero_create only. Default NULL: the flat order reversed */
   size_t n_grad_order;
+  /* Clipping a model split over other groups too (tensor and pipeline parallelism): the norm is
+   * then the model's, not this data-parallel replica part's. norm_group: the members holding the
+   * other parts (the same data rank's model-parallel group); the sum of squares is also summed
+   * over it. norm_weights[i] (for parameter i, the groups' flat order; n_norm_weights must be the
+   * parameter count): the weight of its squares, 1 for a parameter whose elements no other
+   * member of norm_group holds, 1/k for one held whole by k of them (a LayerNorm repeated over a
+   * tensor group, a tied table on two stages), so that each element counts once. Read by
+   * td_zero_create only. Default NULL: the data-parallel group alone, weights 1. */
+  td_process_group *norm_group;
+  const double *norm_weights;
+  size_t n_norm_weights;
 } td_zero_options;
 /* td_zero_options_init sets stage 2, no clipping, no overlap. */
 TD_API void td_zero_options_init(td_zero_options *o);

@@ -8,7 +8,12 @@
 #   2. the same layout with GPipe: the same losses, and every stage held all 4;
 #   3. pipeline 4 with 2 micro-batches (fewer than stages) under tdistrun: the same losses;
 #   4. tensor-parallel 4 with pipeline 2 (8 processes, 8 micro-batches);
-#   5. 2 x 2 x 2 with sequence parallelism: the same losses.
+#   5. 2 x 2 x 2 with sequence parallelism: the same losses;
+#   6. 2 x 2 x 2 for 10 steps saving its checkpoint, then resumed with dp 1 (4 processes) to step
+#      20: the resumed steps' losses equal the uninterrupted one-process run's (the reference
+#      replays the first 10 steps), and the final loss is the uninterrupted 3D run's.
+# Every run clips the gradient norm at 1.0 (the default) by the whole model's norm, as the
+# one-process reference does.
 # Skips (exit 77) without Debian's fortunes corpus. Bounded by `timeout`.
 set -euo pipefail
 gpt3d="$1"
@@ -35,6 +40,10 @@ run pp4 "$tdistrun" --standalone --nproc-per-node 4 "$gpt3d" "${small[@]}" --dp 
   --tp 1 --micro-batches 2
 run tp4 "$gpt3d" "${small[@]}" --dp 1 --pp 2 --tp 4 --micro-batches 8
 run sp "$gpt3d" "${small[@]}" --dp 2 --pp 2 --tp 2 --micro-batches 4 --sequence-parallel
+small10=("${small[@]}")
+small10[${#small10[@]}-2]=10 # --steps 10
+run save "$gpt3d" "${small10[@]}" --dp 2 --pp 2 --tp 2 --micro-batches 4 --save "$tmp/ck"
+run resume "$gpt3d" "${small[@]}" --dp 1 --pp 2 --tp 2 --micro-batches 4 --resume "$tmp/ck"
 python3 - "$tmp" <<'PY'
 import json, re, sys
 tmp = sys.argv[1]
@@ -45,6 +54,13 @@ def res(name):
     assert len(lines) == 1, f"{name}: one JSON line (the reporting rank's), got {len(lines)}"
     return json.loads(lines[0])["results"]
 r = {k: res(k) for k in ("1f1b", "gpipe", "pp4", "tp4", "sp")}
+sv, rs = res("save"), res("resume")
+assert len(sv["losses"]) == 10 and sv["first_step"] == 0, sv
+assert rs["first_step"] == 10 and len(rs["losses"]) == 10, rs
+assert rs["max_abs_loss_diff_vs_one_process"] <= 1e-9, rs
+for a, b in zip(sv["losses"] + rs["losses"], r["1f1b"]["losses"]):
+    assert abs(a - b) <= 1e-9, f"saved + resumed {a} vs uninterrupted {b}"
+print(f"resume: steps 10..20 from a dp 2 checkpoint at dp 1, final {rs['final_loss']:.6f}")
 for k, v in r.items():
     d = v["max_abs_loss_diff_vs_one_process"]
     assert len(v["losses"]) == 20, f"{k}: {len(v['losses'])} losses"
