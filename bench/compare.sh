@@ -20,7 +20,9 @@
 # echo[bytes=67108864].GBps_both_dirs. Exit status 1 when a run fails or prints no JSON line, or
 # when a key that identifies the workload differs between the programs (gpt: batch_hash; the
 # summary then has "same_batch_hash": false).
-# The script measures; it never asserts a speed (meets_target is informational).
+# A key a program does not report (a list element it lacks: PyTorch 1.13's pipeline has no 1F1B)
+# gives that side null and no ratio. The script measures; it never asserts a speed (meets_target
+# is informational).
 #
 # bench/compare.sh collectives [RUNS] [-- ARGS...] is a mode of its own with three peers run in
 # the same invocation, interleaved (ours, gloo, MPI shm, MPI tcp, ours, ...): torch.distributed
@@ -71,6 +73,7 @@ main_key() {
     param_server) echo "epoch_wall_s lower 0.5" ;;
     pipeline_split) echo "runs[micro_batches=4].samples_per_s higher -" ;;
     gpt) echo "tokens_per_s higher 1" ;;
+    pipeline_schedules) echo "schedules[schedule=gpipe].samples_per_s higher -" ;;
     *) return 1 ;;
   esac
 }
@@ -84,6 +87,7 @@ extra_keys() {
         "runs[micro_batches=8].samples_per_s:higher samples_per_s:higher test_accuracy:higher" ;;
     rpc_throughput) echo "us_per_call:lower" ;;
     gpt) echo "val_loss:lower train_loss:lower tokens_per_cpu_s:higher" ;;
+    pipeline_schedules) echo "schedules[schedule=1f1b].samples_per_s:higher" ;;
     rref_ops) echo "proxy_rpc_sync.ops_per_s:higher remote_to_here.us_per_op:lower" ;;
     rpc_bandwidth)
       local k out=""
@@ -115,6 +119,11 @@ case "$name" in
   gpt)
     ours="$build/examples/gpt"
     ours_cmd=("$ours") ;;
+  # pipeline_schedules: gpt_3d in 2 stages with each schedule (bench/pipeline_schedules.sh); the
+  # peer (PyTorch 1.13's Pipe) has GPipe only, so 1F1B's line has no peer figure.
+  pipeline_schedules)
+    ours="$build/examples/gpt_3d"
+    ours_cmd=("$here/pipeline_schedules.sh" "$build") ;;
 esac
 peer="$root/bench/peers/torch/$name.py"
 py="${TD_PEER_PYTHON:-/usr/bin/python3}"
@@ -183,16 +192,20 @@ def lookup(results, path):
             v = v[part]
             continue
         field, want = m.group(2), m.group(3)
-        v = next(e for e in v[m.group(1)] if str(e[field]) == want)
+        v = next((e for e in v[m.group(1)] if str(e[field]) == want), None)
+        if v is None:
+            return None  # the program has no such element (a peer without that schedule)
     return float(v)
 
 def values(path, k):
-    return [lookup(json.loads(line)["results"], k) for line in open(path)]
+    vs = [lookup(json.loads(line)["results"], k) for line in open(path)]
+    return [v for v in vs if v is not None]
 
 def summary(k, higher):
     ours, peer = values(ours_f, k), values(peer_f, k)
-    mo, mp = statistics.median(ours), statistics.median(peer)
-    return {"ours_median": mo, "peer_median": mp, "ratio": mo / mp if mp else None,
+    mo = statistics.median(ours) if ours else None
+    mp = statistics.median(peer) if peer else None
+    return {"ours_median": mo, "peer_median": mp, "ratio": mo / mp if mp and mo else None,
             "higher_is_better": higher, "ours": ours, "peer": peer}
 
 res = summary(key, direction == "higher")

@@ -603,7 +603,7 @@ int main(int argc, char **argv) {
   micro *mb = calloc((size_t)m, sizeof *mb);
   ex_json losses;
   ex_json_array(&losses);
-  double max_diff = 0, t0 = ex_now_s(), last = NAN;
+  double max_diff = 0, t0 = ex_now_s(), t1 = NAN, last = NAN;
   int peak = 0;
   ex_progress p;
   for (int64_t it = 0; it < first; it++) { /* the batches the checkpoint's steps saw */
@@ -661,8 +661,9 @@ int main(int argc, char **argv) {
       td_tensor_unref(mb[i].tgt);
     }
     batch_free(&b);
+    if (it == first) t1 = ex_now_s(); /* the steps after the first (warm-up) are timed apart */
   }
-  double wall = ex_now_s() - t0;
+  double wall = ex_now_s() - t0, wall1 = ex_now_s() - t1;
   if (o.save) {
     if (mkdir(o.save, 0700) != 0 && errno != EEXIST) ex_die("cannot make %s", o.save);
     snprintf(prefix, sizeof prefix, "%s/stage%d-tp%d", o.save, L.s, L.t);
@@ -702,6 +703,9 @@ int main(int argc, char **argv) {
     ex_json_num(&res, "final_loss", last);
     ex_json_int(&res, "first_step", first);
     ex_json_num(&res, "wall_s", wall);
+    int64_t after = o.steps - first - 1;
+    ex_json_num(&res, "samples_per_s_after_first_step",
+                after > 0 && wall1 > 0 ? (double)(after * o.batch_size) / wall1 : 0);
     ex_json_num(&res, "tokens_per_s",
                 wall > 0 ? (double)((o.steps - first) * o.batch_size * o.block_size) / wall : 0);
     ex_json_array(&pk);
