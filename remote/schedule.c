@@ -260,15 +260,19 @@ static void op_done(td_future *f, void *ud) {
 
 static const char *op_name(const run_op *o) { return o->kind == TD__PS_FORWARD ? "forward" : "backward"; }
 
-/* fail records the run's first error and asks every stage to drop the run's queued ops. */
+/* fail records the run's first error and asks every stage to drop the run's queued ops. A stage
+ * that failed an op refuses its later queued ops (TD_ERR_CANCELLED), and those replies may reach
+ * the driver before the failure's own: a root cause replaces a recorded refusal. */
 static void fail(run *r, td_status st, const char *fmt, ...) TD_PRINTF(3, 4);
 static void fail(run *r, td_status st, const char *fmt, ...) {
-  if (r->st != TD_OK) return;
+  bool first = r->st == TD_OK;
+  if (!first && !(r->st == TD_ERR_CANCELLED && st != TD_ERR_CANCELLED)) return;
   r->st = st;
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(r->msg, sizeof r->msg, fmt, ap);
   va_end(ap);
+  if (!first) return; /* the stages were told already */
   td_value *idv = td_value_int(r->id);
   for (int w = 0; w < r->p && idv; w++)
     if (td_rref_rpc_async(r->s->stages[w], "__ps_abort", &idv, 1, NULL, &r->aborts[w]) != TD_OK)

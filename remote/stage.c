@@ -419,8 +419,12 @@ static td_status h_op(td_rpc_ctx *x, td_value *const *args, int n, td_value **re
   pthread_mutex_unlock(&s->mu);
   release_reset(stale, nstale, old, nold);
   if (refuse) {
-    td_future_fail(op.reply, TD_ERR_STATE, "pipeline stage: op %lld of run %lld refused: %s",
-                   (long long)op.seq, (long long)op.run, refuse);
+    /* refused after the run's failure: TD_ERR_CANCELLED, which the driver ranks below the failure
+     * itself (the replies may arrive in either order) */
+    bool after_failure = strcmp(refuse, "an earlier op of the run failed") == 0;
+    td_future_fail(op.reply, after_failure ? TD_ERR_CANCELLED : TD_ERR_STATE,
+                   "pipeline stage: op %lld of run %lld refused: %s", (long long)op.seq,
+                   (long long)op.run, refuse);
     op_release(&op);
     return TD_OK;
   }
