@@ -175,21 +175,45 @@ static td_status mlp_forward(td_module *self, td_tensor *const *in, int n_in, td
 
 static const td_module_type mlp_type = {"MLP", mlp_forward, free_state};
 
-td_status td_gpt_mlp_create(const td_gpt_config *c, td_generator *g, td_module **out) {
-  TD_CHECK_ARG(out, "td_gpt_mlp_create: NULL out");
-  TD_TRY(check_config("td_gpt_mlp_create", c, false));
-  td_module *m = NULL, *fc = NULL, *cp = NULL;
-  TD_TRY(new_module(&mlp_type, c, &m));
-  td_status st = make_linear(c->n_embd, 4 * c->n_embd, true, INIT_STD, g, &fc);
-  if (st == TD_OK) st = add_child(m, "c_fc", fc);
-  if (st == TD_OK) st = make_linear(4 * c->n_embd, c->n_embd, true, proj_std(c), g, &cp);
-  if (st == TD_OK) st = add_child(m, "c_proj", cp);
+/* assemble makes a module of type t (state: a copy of c) with the named children (new
+ * references). */
+static td_status assemble(const td_module_type *t, const td_gpt_config *c,
+                          const char *const *names, td_module *const *children, int n,
+                          td_module **out) {
+  td_module *m = NULL;
+  TD_TRY(new_module(t, c, &m));
+  td_status st = TD_OK;
+  for (int i = 0; i < n && st == TD_OK; i++) {
+    TD_CHECK_ARG(children[i], "%s: NULL child \"%s\"", t->name, names[i]);
+    st = td_module_register_module(m, names[i], children[i]);
+  }
   if (st != TD_OK) {
     td_module_unref(m);
     return st;
   }
   *out = m;
   return TD_OK;
+}
+
+td_status td_gpt_mlp_assemble(const td_gpt_config *c, td_module *c_fc, td_module *c_proj,
+                              td_module **out) {
+  TD_CHECK_ARG(out, "td_gpt_mlp_assemble: NULL out");
+  TD_TRY(check_config("td_gpt_mlp_assemble", c, false));
+  const char *names[2] = {"c_fc", "c_proj"};
+  td_module *ch[2] = {c_fc, c_proj};
+  return assemble(&mlp_type, c, names, ch, 2, out);
+}
+
+td_status td_gpt_mlp_create(const td_gpt_config *c, td_generator *g, td_module **out) {
+  TD_CHECK_ARG(out, "td_gpt_mlp_create: NULL out");
+  TD_TRY(check_config("td_gpt_mlp_create", c, false));
+  td_module *fc = NULL, *cp = NULL;
+  td_status st = make_linear(c->n_embd, 4 * c->n_embd, true, INIT_STD, g, &fc);
+  if (st == TD_OK) st = make_linear(4 * c->n_embd, c->n_embd, true, proj_std(c), g, &cp);
+  if (st == TD_OK) st = td_gpt_mlp_assemble(c, fc, cp, out);
+  td_module_unref(fc);
+  td_module_unref(cp);
+  return st;
 }
 
 /* ---- Block ---- */
@@ -224,25 +248,26 @@ static td_status make_layer_norm(int64_t C, td_module **out) {
   return td_layer_norm_create(&C, 1, 1e-5, true, out);
 }
 
+td_status td_gpt_block_assemble(const td_gpt_config *c, td_module *ln_1, td_module *attn,
+                                td_module *ln_2, td_module *mlp, td_module **out) {
+  TD_CHECK_ARG(out, "td_gpt_block_assemble: NULL out");
+  TD_TRY(check_config("td_gpt_block_assemble", c, false));
+  const char *names[4] = {"ln_1", "attn", "ln_2", "mlp"};
+  td_module *ch[4] = {ln_1, attn, ln_2, mlp};
+  return assemble(&block_type, c, names, ch, 4, out);
+}
+
 td_status td_gpt_block_create(const td_gpt_config *c, td_generator *g, td_module **out) {
   TD_CHECK_ARG(out, "td_gpt_block_create: NULL out");
   TD_TRY(check_config("td_gpt_block_create", c, false));
-  td_module *m = NULL, *child = NULL;
-  TD_TRY(new_module(&block_type, c, &m));
-  td_status st = make_layer_norm(c->n_embd, &child);
-  if (st == TD_OK) st = add_child(m, "ln_1", child);
-  if (st == TD_OK) st = td_causal_self_attention_create(c, g, &child);
-  if (st == TD_OK) st = add_child(m, "attn", child);
-  if (st == TD_OK) st = make_layer_norm(c->n_embd, &child);
-  if (st == TD_OK) st = add_child(m, "ln_2", child);
-  if (st == TD_OK) st = td_gpt_mlp_create(c, g, &child);
-  if (st == TD_OK) st = add_child(m, "mlp", child);
-  if (st != TD_OK) {
-    td_module_unref(m);
-    return st;
-  }
-  *out = m;
-  return TD_OK;
+  td_module *ch[4] = {NULL, NULL, NULL, NULL};
+  td_status st = make_layer_norm(c->n_embd, &ch[0]);
+  if (st == TD_OK) st = td_causal_self_attention_create(c, g, &ch[1]);
+  if (st == TD_OK) st = make_layer_norm(c->n_embd, &ch[2]);
+  if (st == TD_OK) st = td_gpt_mlp_create(c, g, &ch[3]);
+  if (st == TD_OK) st = td_gpt_block_assemble(c, ch[0], ch[1], ch[2], ch[3], out);
+  for (int i = 0; i < 4; i++) td_module_unref(ch[i]);
+  return st;
 }
 
 /* ---- GPT ---- */

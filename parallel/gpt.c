@@ -4,8 +4,9 @@
  *                          member's output is [q, k, v] of its n_head/p heads; attention over
  *                          those heads; c_proj RowParallelLinear(C, C) on the member's head
  *                          outputs, summed over the group (g), plus the bias.
- *   TPMLP                  c_fc ColumnParallelLinear(C, 4C) -> GELU -> c_proj RowParallelLinear.
- *   TPBlock                x + attn(ln_1(x)), then + mlp(ln_2(x)); LayerNorms whole.
+ *   MLP, Block             nn.h's (td_gpt_mlp_assemble, td_gpt_block_assemble) over c_fc
+ *                          ColumnParallelLinear(C, 4C), c_proj RowParallelLinear(4C, C), and the
+ *                          attention above; LayerNorms whole.
  *   TPGPT                  transformer.{wte VocabParallelEmbedding, wpe Embedding, h, ln_f} and
  *                          lm_head ColumnParallelLinear whose weight is wte's slice (tying); the
  *                          loss is the vocabulary-parallel cross entropy of the member's logits.
@@ -71,43 +72,6 @@ static td_status attn_forward(td_module *self, td_tensor *const *in, int n_in, t
   return st;
 }
 
-static td_status mlp_forward(td_module *self, td_tensor *const *in, int n_in, td_tensor **out,
-                             int n_out) {
-  TD_TRY(one_to_one("TPMLP", n_in, n_out));
-  const tp_gpt_state *s = td_module_state(self);
-  TD_TRY(check_btc("TPMLP", in[0], s->c.n_embd));
-  td_tensor *h = NULL, *a = NULL;
-  td_status st = td_module_forward(td_module_child(self, "c_fc"), in[0], &h);
-  if (st == TD_OK) st = td_tensor_gelu(h, &a);
-  if (st == TD_OK) st = td_module_forward(td_module_child(self, "c_proj"), a, out);
-  td_tensor_unref(h);
-  td_tensor_unref(a);
-  return st;
-}
-
-static td_status residual(td_module *self, const char *norm, const char *f, const td_tensor *x,
-                          td_tensor **out) {
-  td_tensor *n = NULL, *y = NULL;
-  td_status st = td_module_forward(td_module_child(self, norm), x, &n);
-  if (st == TD_OK) st = td_module_forward(td_module_child(self, f), n, &y);
-  if (st == TD_OK) st = td_tensor_add(x, y, out);
-  td_tensor_unref(n);
-  td_tensor_unref(y);
-  return st;
-}
-
-static td_status block_forward(td_module *self, td_tensor *const *in, int n_in, td_tensor **out,
-                               int n_out) {
-  TD_TRY(one_to_one("TPBlock", n_in, n_out));
-  const tp_gpt_state *s = td_module_state(self);
-  TD_TRY(check_btc("TPBlock", in[0], s->c.n_embd));
-  td_tensor *x1 = NULL;
-  td_status st = residual(self, "ln_1", "attn", in[0], &x1);
-  if (st == TD_OK) st = residual(self, "ln_2", "mlp", x1, out);
-  td_tensor_unref(x1);
-  return st;
-}
-
 static td_status dict_forward(td_module *self, td_tensor *const *in, int n_in, td_tensor **out,
                               int n_out) {
   return td_set_error(TD_ERR_UNSUPPORTED, "ModuleDict has no forward (call its children)");
@@ -117,8 +81,6 @@ static td_status gpt_forward(td_module *self, td_tensor *const *in, int n_in, td
                              int n_out);
 
 static const td_module_type attn_type = {"TPCausalSelfAttention", attn_forward, free_state};
-static const td_module_type mlp_type = {"TPMLP", mlp_forward, free_state};
-static const td_module_type block_type = {"TPBlock", block_forward, free_state};
 static const td_module_type dict_type = {"ModuleDict", dict_forward, NULL};
 static const td_module_type gpt_type = {"TPGPT", gpt_forward, free_state};
 
@@ -259,46 +221,35 @@ static td_status child_from(const td_module *full, const char *path, td_module *
   return TD_OK;
 }
 
-/* pair_from makes a module of type t with children (n1: column-parallel cut of full.n1 with
- * stride, n2: row-parallel cut of full.n2 taking the parallel input). */
-static td_status pair_from(const td_module_type *t, const tp_gpt_state *s, const td_module *full,
-                           const char *n1, int stride, const char *n2, td_module **out) {
-  td_module *m = NULL, *a = NULL, *b = NULL;
-  TD_TRY(new_module(t, s, &m));
+/* pair_from cuts full.n1 into a column-parallel layer (its output dimension in `stride` parts)
+ * and full.n2 into a row-parallel one taking the parallel input. */
+static td_status pair_from(const tp_gpt_state *s, const td_module *full, const char *n1,
+                           int stride, const char *n2, td_module **col, td_module **row) {
   td_status st = td__tp_linear_from(s->pg, td_module_child(full, n1), TD__TP_COLUMN, false, stride,
-                                    0, &a);
-  if (st == TD_OK) st = add_child(m, n1, a);
+                                    0, col);
   if (st == TD_OK)
-    st = td__tp_linear_from(s->pg, td_module_child(full, n2), TD__TP_ROW, true, 1, 0, &b);
-  if (st == TD_OK) st = add_child(m, n2, b);
-  if (st != TD_OK) {
-    td_module_unref(m);
-    return st;
-  }
-  *out = m;
-  return TD_OK;
+    st = td__tp_linear_from(s->pg, td_module_child(full, n2), TD__TP_ROW, true, 1, 0, row);
+  return st;
 }
 
+/* block_from splits one Block: nn.h's Block and MLP over the parallel layers (their forwards only
+ * route through the children), and the attention of this file (its heads are the member's). */
 static td_status block_from(const tp_gpt_state *s, const td_module *full, td_generator *gen,
                             td_module **out) {
-  td_module *m = NULL, *child = NULL;
-  TD_TRY(new_module(&block_type, s, &m));
-  td_status st = whole_copy(td_module_child(full, "ln_1"), gen, &child);
-  if (st == TD_OK) st = add_child(m, "ln_1", child);
-  if (st == TD_OK)
-    st = pair_from(&attn_type, s, td_module_child(full, "attn"), "c_attn", 3, "c_proj", &child);
-  if (st == TD_OK) st = add_child(m, "attn", child);
-  if (st == TD_OK) st = whole_copy(td_module_child(full, "ln_2"), gen, &child);
-  if (st == TD_OK) st = add_child(m, "ln_2", child);
-  if (st == TD_OK)
-    st = pair_from(&mlp_type, s, td_module_child(full, "mlp"), "c_fc", 1, "c_proj", &child);
-  if (st == TD_OK) st = add_child(m, "mlp", child);
-  if (st != TD_OK) {
-    td_module_unref(m);
-    return st;
-  }
-  *out = m;
-  return TD_OK;
+  td_module *ln1 = NULL, *ln2 = NULL, *attn = NULL, *mlp = NULL, *a = NULL, *b = NULL;
+  td_module *fc = NULL, *proj = NULL;
+  td_status st = whole_copy(td_module_child(full, "ln_1"), gen, &ln1);
+  if (st == TD_OK) st = whole_copy(td_module_child(full, "ln_2"), gen, &ln2);
+  if (st == TD_OK) st = pair_from(s, td_module_child(full, "attn"), "c_attn", 3, "c_proj", &a, &b);
+  if (st == TD_OK) st = new_module(&attn_type, s, &attn);
+  if (st == TD_OK) st = td_module_register_module(attn, "c_attn", a);
+  if (st == TD_OK) st = td_module_register_module(attn, "c_proj", b);
+  if (st == TD_OK) st = pair_from(s, td_module_child(full, "mlp"), "c_fc", 1, "c_proj", &fc, &proj);
+  if (st == TD_OK) st = td_gpt_mlp_assemble(&s->c, fc, proj, &mlp);
+  if (st == TD_OK) st = td_gpt_block_assemble(&s->c, ln1, attn, ln2, mlp, out);
+  td_module *all[] = {ln1, ln2, attn, mlp, a, b, fc, proj};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) td_module_unref(all[i]);
+  return st;
 }
 
 static td_status transformer_from(const tp_gpt_state *s, const td_module *full,

@@ -352,6 +352,13 @@ TD_API td_status td_gpt_mlp_create(const td_gpt_config *c, td_generator *g, td_m
 /* td_gpt_block_create: the pre-LayerNorm residual block x += attn(ln_1(x)); x += mlp(ln_2(x)),
  * children "ln_1", "attn", "ln_2", "mlp"; [B, T, C] -> [B, T, C]. */
 TD_API td_status td_gpt_block_create(const td_gpt_config *c, td_generator *g, td_module **out);
+/* td_gpt_mlp_assemble and td_gpt_block_assemble make an MLP or a Block from given children
+ * (each [..., C] in and out where the layout above says so; any module types, e.g. the
+ * tensor-parallel layers of parallel.h). They take a new reference to each child. */
+TD_API td_status td_gpt_mlp_assemble(const td_gpt_config *c, td_module *c_fc, td_module *c_proj,
+                                     td_module **out);
+TD_API td_status td_gpt_block_assemble(const td_gpt_config *c, td_module *ln_1, td_module *attn,
+                                       td_module *ln_2, td_module *mlp, td_module **out);
 /* td_gpt_create: the whole model, children "transformer" ("wte" Embedding(V, C), "wpe"
  * Embedding(block_size, C), "h" Sequential of n_layer Blocks, "ln_f" LayerNorm(C)) and
  * "lm_head" Linear(C, V, no bias) whose weight is the same tensor as transformer.wte.weight
