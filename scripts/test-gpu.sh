@@ -13,6 +13,11 @@
 #
 # usage: scripts/test-gpu.sh      (build dir ${TD_BUILD_DIR:-build-gpu}; the full output of every
 #                                  test and example goes to <build dir>/test-gpu.log)
+#        TD_PREBUILT=1 scripts/test-gpu.sh   uses the build dir as it is: no package install, no
+#                                  build (for a GPU machine without the -dev packages or a network,
+#                                  given a CUDA build made elsewhere and its libraries on
+#                                  LD_LIBRARY_PATH)
+#        TD_CTEST_ARGS="-j4"             extra ctest arguments (e.g. to run the gpu tests at once)
 # Exit status 0 when everything passed. Unlike scripts/test.sh, a gpu test program that skips as a
 # whole counts as a failure here: on a machine with a GPU that means something is wrong. (Parts
 # that need a second GPU skip with a message inside a passing program; the summary lists them.)
@@ -26,16 +31,21 @@ if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L 2>/dev/null | grep -q '
 fi
 ngpu=$(nvidia-smi -L | grep -c '^GPU ')
 
-scripts/install-deps.sh || exit 1
-TD_BUILD_DIR="$dir" TD_WITH_CUDA=ON TD_CMAKE_ARGS="${TD_CMAKE_ARGS:-}" scripts/build.sh || exit 1
+if [ "${TD_PREBUILT:-0}" != 1 ]; then
+  scripts/install-deps.sh || exit 1
+  TD_BUILD_DIR="$dir" TD_WITH_CUDA=ON TD_CMAKE_ARGS="${TD_CMAKE_ARGS:-}" scripts/build.sh || exit 1
+elif [ ! -f "$dir/CTestTestfile.cmake" ]; then
+  echo "test-gpu.sh: TD_PREBUILT=1 but $dir holds no build" >&2
+  exit 1
+fi
 log="$dir/test-gpu.log"
 : >"$log"
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 
 echo "== gpu tests (ctest -L gpu) =="
-ctest --test-dir "$dir" -L gpu -V >>"$log" 2>&1
+ctest --test-dir "$dir" -L gpu -V ${TD_CTEST_ARGS:-} >>"$log" 2>&1
 echo "== CUDA tests that run without a GPU as well =="
-ctest --test-dir "$dir" -V \
+ctest --test-dir "$dir" -V ${TD_CTEST_ARGS:-} \
   -R '^(test_cuda_devices|test_cuda_host|test_numerics|test_collectives_nccl_setup)$' >>"$log" 2>&1
 
 # run_example NAME ARGS...: a short run; its JSON result line goes to $dir/NAME.json.

@@ -2,9 +2,13 @@
  * GEMM, the runtime's device count (for the probe child of tensor/devices.c) and registration
  * (td__cuda_backend). Memory comes from the caching allocator in cuda_alloc.cu.
  *
- * cuBLAS: one handle per device, created on first use under the handle lock and never changed
- * afterwards (default stream, host pointer mode, default math, i.e. no TF32), so threads share
- * it without further locking, as the cuBLAS documentation allows.
+ * cuBLAS: one handle per (host thread, device), as PyTorch keeps them. With one handle per device
+ * shared by every thread, the parameter server example failed its first backward on an H100 with
+ * cuBLAS 13 in 6 of 6 runs (CUBLAS_STATUS_INTERNAL_ERROR: the server's RPC threads ran two
+ * trainers' passes); per-thread handles passed 6 of 6. The cuBLAS documentation advises against
+ * sharing a handle between threads. A thread creates its handle on first use
+ * (default stream, host pointer mode, default math, i.e. no TF32); when the thread ends its
+ * handles go to a free list that later threads take from, so short-lived threads do not leak them.
  *
  * Lock order: blas_mu is a leaf (never held while calling out of this file).
  */
@@ -141,26 +145,55 @@ td_status cu_copy_d2h(int device, void *dst, const void *src, size_t nbytes) {
 /* ---- cuBLAS GEMM ---- */
 
 std::mutex blas_mu;
-std::vector<cublasHandle_t> *blas_handles; /* index = device; never destroyed */
+/* Handles of ended threads, per device, for reuse; never destroyed (threads may end during exit). */
+std::vector<std::vector<cublasHandle_t>> *blas_free;
 
+/* This thread's handles (index = device); returned to blas_free when the thread ends. */
+struct thread_blas {
+  std::vector<cublasHandle_t> h;
+  ~thread_blas() {
+    std::lock_guard<std::mutex> lock(blas_mu);
+    for (size_t d = 0; d < h.size(); d++) {
+      if (!h[d]) continue;
+      try {
+        if (!blas_free) blas_free = new std::vector<std::vector<cublasHandle_t>>();
+        if (blas_free->size() <= d) blas_free->resize(d + 1);
+        (*blas_free)[d].push_back(h[d]);
+      } catch (...) {
+        /* out of host memory at thread exit: the handle is lost, nothing else */
+      }
+    }
+  }
+};
+thread_local thread_blas my_blas;
+
+/* blas_handle returns this thread's handle for device (the current device): a free one of an ended
+ * thread, else a new one. */
 td_status blas_handle(int device, cublasHandle_t *out) {
-  std::lock_guard<std::mutex> lock(blas_mu);
+  std::vector<cublasHandle_t> &mine = my_blas.h;
+  if ((size_t)device < mine.size() && mine[(size_t)device]) {
+    *out = mine[(size_t)device];
+    return TD_OK;
+  }
+  cublasHandle_t h = nullptr;
   try {
-    if (!blas_handles) blas_handles = new std::vector<cublasHandle_t>();
-    if ((size_t)device >= blas_handles->size()) blas_handles->resize((size_t)device + 1, nullptr);
+    if ((size_t)device >= mine.size()) mine.resize((size_t)device + 1, nullptr);
+    std::lock_guard<std::mutex> lock(blas_mu);
+    if (blas_free && (size_t)device < blas_free->size() && !(*blas_free)[(size_t)device].empty()) {
+      h = (*blas_free)[(size_t)device].back();
+      (*blas_free)[(size_t)device].pop_back();
+    }
   } catch (...) {
     return td_set_error(TD_ERR_NOMEM, "cuda gemm: out of host memory");
   }
-  cublasHandle_t &h = (*blas_handles)[(size_t)device];
   if (!h) {
     cublasStatus_t s = cublasCreate(&h); /* binds the handle to the current device */
-    if (s != CUBLAS_STATUS_SUCCESS) {
-      h = nullptr;
+    if (s != CUBLAS_STATUS_SUCCESS)
       return td_set_error(s == CUBLAS_STATUS_ALLOC_FAILED ? TD_ERR_NOMEM : TD_ERR_INTERNAL,
                           "cuda gemm: cublasCreate on cuda:%d failed: %s", device,
                           cublasGetStatusString(s));
-    }
   }
+  mine[(size_t)device] = h;
   *out = h;
   return TD_OK;
 }

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# gpu-bundle.sh - packs a CUDA build for a bare GPU machine that has the NVIDIA driver, the CUDA
+# toolkit (cuBLAS) and NCCL but none of tdist's other libraries, no -dev packages and no network.
+#
+# usage: scripts/gpu-bundle.sh BUILD_DIR OUT.tar.xz
+#   BUILD_DIR: a build made with TD_WITH_CUDA=ON inside the checkout (e.g. build-gpu).
+# The archive holds the build (executables, libtdist, CTest files; no object files), every shared
+# library its programs need that is not part of glibc, the CUDA driver, cuBLAS, NCCL or libstdc++
+# (those come from the GPU machine, whose versions are the same or newer), the Fashion-MNIST files,
+# and `run.sh`. On the GPU machine, from the checkout's root (same layout as here):
+#   tar -xJf OUT.tar.xz && bash gpu-bundle/run.sh     (runs scripts/test-gpu.sh on the build)
+# CTest files name absolute paths: run.sh links this checkout's path on the GPU machine to the
+# path it had here when the two differ.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:?usage: gpu-bundle.sh BUILD_DIR OUT.tar.xz}
+out=${2:?usage: gpu-bundle.sh BUILD_DIR OUT.tar.xz}
+[ -f "$build/CTestTestfile.cmake" ] || { echo "gpu-bundle.sh: $build holds no build" >&2; exit 1; }
+build=$(cd "$build" && pwd)
+root=$(pwd)
+case "$build" in "$root"/*) ;; *) echo "gpu-bundle.sh: $build is not inside $root" >&2; exit 1 ;; esac
+rel=${build#"$root"/}
+
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/gpu-bundle/lib" "$stage/gpu-bundle/data"
+
+# The build without object files and archives of objects.
+tar -C "$root" --exclude='*.o' --exclude='*.a' --exclude='CMakeFiles' -cf - "$rel" |
+  tar -C "$stage" -xf -
+
+# Shared libraries of every ELF program and library in the build.
+skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|libpthread\.so|librt\.so|libresolv\.so|libutil\.so|libcuda\.so|libcublas|libcublasLt|libnccl|libstdc\+\+|libgcc_s)'
+find "$build" -type f \( -perm -u+x -o -name '*.so*' \) ! -path '*/CMakeFiles/*' -print0 |
+  while IFS= read -r -d '' f; do
+    file -b "$f" | grep -q '^ELF' || continue
+    ldd "$f" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// { print $1, $3 }'
+  done | sort -u | while read -r name path; do
+    if ! [[ $name =~ $skip ]]; then cp -L "$path" "$stage/gpu-bundle/lib/$name"; fi
+  done
+
+data=${TD_DATA_DIR:-/usr/share/datasets/fashion-mnist}
+cp "$data"/*-ubyte.gz "$stage/gpu-bundle/data/"
+
+cat >"$stage/gpu-bundle/run.sh" <<EOF
+#!/usr/bin/env bash
+# Written by scripts/gpu-bundle.sh: runs scripts/test-gpu.sh on the packed build.
+set -uo pipefail
+here=\$(pwd)
+if [ "\$here" != "$root" ]; then
+  mkdir -p "\$(dirname "$root")" && ln -sfn "\$here" "$root"
+fi
+libs="\$here/gpu-bundle/lib"
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [ -d "\$d" ] && libs="\$libs:\$d"
+done
+for n in libcublas.so.13 libnccl.so.2; do
+  if ! ldconfig -p | grep -q "\$n" && ! ls /usr/local/cuda/lib64/\$n >/dev/null 2>&1; then
+    f=\$(find /usr /opt -name "\$n" -print -quit 2>/dev/null)
+    [ -n "\$f" ] && libs="\$libs:\$(dirname "\$f")"
+  fi
+done
+export LD_LIBRARY_PATH="\$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+export TD_DATA_DIR="\$here/gpu-bundle/data"
+echo "LD_LIBRARY_PATH=\$LD_LIBRARY_PATH"
+missing=\$(ldd "$rel/examples/train_local" | grep 'not found' || true)
+[ -z "\$missing" ] || echo "gpu-bundle: libraries not found: \$missing"
+TD_PREBUILT=1 TD_BUILD_DIR="$rel" scripts/test-gpu.sh
+EOF
+chmod +x "$stage/gpu-bundle/run.sh"
+tar -C "$stage" -cJf "$out" "$rel" gpu-bundle
+du -h "$out"
