@@ -202,7 +202,32 @@ struct td_zero {
   td_status hook_st;
   char hook_msg[512];
   td_zero_stats stats;
+  /* stage 3 (zero3.c) */
+  size_t nu;             /* units; their buckets are b[0..nu) (unit nu-1-k is bucket k) */
+  struct td__zunit *u;
+  int *unit_of;          /* per parameter: its unit, or -1 */
+  bool pinned;           /* td_zero_gather_params: units stay gathered */
+  int64_t live_bytes;    /* bytes of unit parameters gathered now */
 };
+
+/* ---- zero3.c: stage 3 ---- */
+
+/* td__zero3_plan lays out the buckets of a stage-3 td_zero (one per unit, last unit first, then
+ * the other parameters in buckets of bucket_bytes) and returns S. z->params set; units from
+ * z->zo. */
+td_status td__zero3_plan(td_zero *z, int64_t *S);
+/* td__zero3_start sets the units' forward hooks and frees their parameters (after the segments
+ * were made from them). */
+td_status td__zero3_start(td_zero *z);
+/* td__zero3_unit_ready: bucket k's gradients are all in (a hook): frees its unit's parameters. */
+void td__zero3_unit_ready(td_zero *z, size_t k);
+/* td__zero3_end_pass waits for gathers in flight and frees every gathered unit (unless pinned):
+ * at a step, after the reduction. */
+td_status td__zero3_end_pass(td_zero *z);
+/* td__zero3_param_live: parameter i has memory now (always, outside stage 3). */
+bool td__zero3_param_live(const td_zero *z, size_t i);
+/* td__zero3_destroy clears the hooks and frees the units (parameters' memory restored). */
+void td__zero3_destroy(td_zero *z);
 
 /* td__zero_agree returns TD_OK when every member passes mine == TD_OK (an all_reduce MAX of a
  * flag), so that a failure on one member fails every member: the member that failed keeps its

@@ -240,9 +240,15 @@ static td_status add_hooks(td_zero *z) {
 }
 
 static td_status check_options(const td_zero_options *zo) {
-  if (zo->stage != 1 && zo->stage != 2)
-    return td_set_error(TD_ERR_INVALID, "zero_create: stage %d; 1 (optimizer state) or 2 (also "
-                        "gradients) (stage 3 is not implemented)", zo->stage);
+  if (zo->stage < 1 || zo->stage > 3)
+    return td_set_error(TD_ERR_INVALID, "zero_create: stage %d; 1 (optimizer state), 2 (also "
+                        "gradients) or 3 (also parameters)", zo->stage);
+  if (zo->stage == 3 && (!zo->units || !zo->n_units))
+    return td_set_error(TD_ERR_INVALID, "zero_create: stage 3 needs units (td_zero_options.units: "
+                        "the modules whose parameters are gathered together, e.g. the blocks)");
+  if (zo->stage != 3 && zo->n_units)
+    return td_set_error(TD_ERR_INVALID, "zero_create: units are for stage 3 (stage %d given)",
+                        zo->stage);
   if (!(zo->max_grad_norm >= 0) || isinf(zo->max_grad_norm))
     return td_set_error(TD_ERR_INVALID, "zero_create: max_grad_norm must be finite and >= 0");
   if (zo->norm_weights)
@@ -250,7 +256,7 @@ static td_status check_options(const td_zero_options *zo) {
       if (!(zo->norm_weights[i] >= 0) || isinf(zo->norm_weights[i]))
         return td_set_error(TD_ERR_INVALID, "zero_create: norm_weights[%zu] = %g must be finite "
                             "and >= 0", i, zo->norm_weights[i]);
-  if (zo->overlap && zo->stage != 2)
+  if (zo->overlap && zo->stage == 1)
     return td_set_error(TD_ERR_INVALID, "zero_create: overlap needs stage 2 (stage 1 keeps full "
                         "gradients; for them td_ddp_create_ex overlaps the all_reduce)");
   if (zo->n_grad_order && !zo->grad_order)
@@ -295,6 +301,7 @@ td_status td_zero_create(td_process_group *pg, const td_optim_options *opts,
   else td_zero_options_init(&z->zo);
   int64_t P = 0, S = 0;
   td_status st = check_options(&z->zo);
+  if (z->zo.stage == 3) z->zo.overlap = true; /* stage 3 reduces during backward */
   if (st == TD_OK) st = take_params(z, groups, n_groups, &P);
   if (st == TD_OK && z->zo.norm_weights) {
     if (z->zo.n_norm_weights != z->np)
@@ -318,13 +325,15 @@ td_status td_zero_create(td_process_group *pg, const td_optim_options *opts,
   if (st == TD_OK) st = td__coll_check_same_params(pg, z->params, z->np, z->dev, "zero_create");
   for (size_t i = 0; st == TD_OK && i < z->np; i++)
     st = td__coll_broadcast_tensor(pg, z->params[i]);
-  if (st == TD_OK) st = make_buckets(z, &S);
+  if (st == TD_OK) st = z->zo.stage == 3 ? td__zero3_plan(z, &S) : make_buckets(z, &S);
   if (st == TD_OK) st = make_segments(z);
   td_autograd_set_enabled(prev);
   if (st == TD_OK) st = make_optim(z, opts, groups, n_groups);
   if (st == TD_OK && z->zo.overlap) st = add_hooks(z);
+  if (st == TD_OK && z->zo.stage == 3) st = td__zero3_start(z);
   z->zo.grad_order = NULL; /* borrowed for the creation only */
   z->zo.n_grad_order = 0;
+  z->zo.units = NULL;
   if (st != TD_OK) {
     td_zero_destroy(z);
     return st;
@@ -510,6 +519,7 @@ static td_status hook_body(td_zero *z, size_t i, const td_tensor *grad) {
     if (old) st = td_tensor_add_(s, old, 1.0);
     z->seen[i] = true;
     b->ready++;
+    if (b->ready == b->count) td__zero3_unit_ready(z, z->bucket_of[i]); /* stage 3 */
   }
   td_tensor_unref(s);
   td_tensor_unref(old);
@@ -760,11 +770,15 @@ td_status td_zero_step(td_zero *z) {
   }
   td_tensor *sgrad = z->sgrad;
   z->sgrad = NULL;
-  if (st == TD_OK && z->zo.stage == 2) td_zero_zero_grad(z); /* no full gradient is kept */
+  if (z->nu) { /* stage 3: gathers in flight waited for, units freed */
+    td_status es = td__zero3_end_pass(z);
+    if (st == TD_OK) st = es;
+  }
+  if (st == TD_OK && z->zo.stage >= 2) td_zero_zero_grad(z); /* no full gradient is kept */
   if (st == TD_OK && z->zo.max_grad_norm > 0) st = clip(z, sgrad);
   if (st == TD_OK) st = step_shard(z, sgrad);
   td_tensor_unref(sgrad);
-  for (size_t k = 0; st == TD_OK && k < z->nb; k++) st = gather_bucket(z, k);
+  for (size_t k = z->nu; st == TD_OK && k < z->nb; k++) st = gather_bucket(z, k); /* units: at use */
   if (st == TD_OK) z->stats.steps++;
   td_autograd_set_enabled(prev);
   return st;
@@ -813,6 +827,7 @@ void td_zero_destroy(td_zero *z) {
   }
   for (size_t i = 0; z->hook_handle && i < z->np; i++)
     if (z->hook_handle[i] >= 0) td_tensor_remove_hook(z->params[i], z->hook_handle[i]);
+  td__zero3_destroy(z);
   td_tensor_unref(z->sgrad);
   td_optim_destroy(z->opt);
   for (size_t k = 0; z->seg && k < z->nseg; k++) td_tensor_unref(z->seg[k]);

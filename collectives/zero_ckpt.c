@@ -520,6 +520,7 @@ static td_status load_full(td_zero *z, const td_tensor_list *l, const td_safeten
   for (size_t k = 0; st == TD_OK && k < z->nseg; k++) st = load_segment(z, k, l);
   for (size_t i = 0; st == TD_OK && i < z->np; i++) {
     td_tensor *moved = NULL;
+    if (!td__zero3_param_live(z, i)) continue; /* stage 3: gathered from the segments at use */
     snprintf(name, sizeof name, "param.%zu", i);
     st = td_tensor_to(td_tensor_list_find(l, name), z->dev, &moved);
     if (st == TD_OK) st = td_tensor_copy_(z->params[i], moved);

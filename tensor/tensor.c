@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "tensor_impl.h"
+#include "storage.h"
 
 #ifndef TD_HAVE_CUDA
 const td__backend *td__cuda_backend = NULL;
@@ -829,4 +830,33 @@ out:
   td__free(x);
   td__free(y);
   return st;
+}
+
+/* ---- releasing and restoring storage (storage.h) ---- */
+
+td_status td__tensor_storage_release(td_tensor *t) {
+  TD_CHECK_ARG(t, "tensor_storage_release: NULL tensor");
+  td__storage *s = t->storage;
+  if (!s->data) return TD_OK;
+  size_t want = (size_t)td__shape_numel(t->shape, t->ndim) * td_dtype_size(t->dtype);
+  if (s->borrowed || t->offset != 0 || s->nbytes != want || !td_tensor_is_contiguous(t))
+    return td_set_error(TD_ERR_INVALID, "tensor_storage_release: the tensor must own its storage "
+                        "whole (contiguous, offset 0, not borrowed)");
+  const td__backend *be = s->device.type == TD_DEVICE_CPU ? &td__cpu_backend : td__cuda_backend;
+  be->free(s->device.index, s->data);
+  s->data = NULL;
+  return TD_OK;
+}
+
+td_status td__tensor_storage_restore(td_tensor *t) {
+  TD_CHECK_ARG(t, "tensor_storage_restore: NULL tensor");
+  td__storage *s = t->storage;
+  if (s->data || !s->nbytes) return TD_OK;
+  const td__backend *be = td__backend_for(s->device);
+  if (!be) return TD_ERR_DEVICE;
+  return be->alloc(s->device.index, s->nbytes, &s->data);
+}
+
+bool td__tensor_storage_live(const td_tensor *t) {
+  return t && (t->storage->data || !t->storage->nbytes);
 }

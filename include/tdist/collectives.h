@@ -304,7 +304,7 @@ TD_API int td_ddp_num_buckets(const td_ddp *ddp);
 /* td_ddp_destroy frees ddp and its buckets. NULL does nothing. */
 TD_API void td_ddp_destroy(td_ddp *ddp);
 
-/* ---- sharded data parallelism (ZeRO stages 1 and 2) ----
+/* ---- sharded data parallelism (ZeRO stages 1, 2 and 3) ----
  *
  * A td_zero is an optimizer whose state is split across the group, as DeepSpeed's ZeRO and
  * torch's ZeroRedundancyOptimizer do: the parameters (every group's, in order) are laid end to
@@ -323,7 +323,6 @@ TD_API void td_ddp_destroy(td_ddp *ddp);
  * reduction). Per member: optimizer state for S elements instead of P (Adam: 8S bytes instead of
  * 8P in float32), with a float copy of the shard (4S) and, during a step, flat buffers of P
  * elements for the gradient and the gathered parameters (one bucket at a time with overlap).
- * Not done here: stage 3 (parameters sharded between steps).
  *
  * Overlap (stage 2, td_zero_options.overlap): the reduction runs during backward. The parameters
  * are laid out in buckets (bucket_bytes, the first first_bucket_bytes) in the order their
@@ -341,13 +340,27 @@ TD_API void td_ddp_destroy(td_ddp *ddp);
  * step reduces after backward as without overlap; gradient accumulation: backward passes without
  * td_zero_prepare accumulate into .grad, and the prepared one adds them.
  *
+ * Stage 3 (FSDP's full sharding): stage 2 with overlap, and the parameters of the units
+ * (td_zero_options.units) are sharded between uses too: each unit is one bucket, its parameters'
+ * memory is freed (the tensors stay: shapes, hooks, names), and each member keeps only its part
+ * of them (the master values it steps). Forward hooks on each unit all_gather its parameters
+ * into their tensors before its forward and free them after; a node on the unit's output gathers
+ * them again when backward reaches the unit; once every parameter of the unit has its gradient,
+ * the bucket's reduce_scatter starts and the parameters are freed. With prefetch, starting unit
+ * u's forward also starts unit u+1's all_gather (backward: u-1's). Parameters outside the units
+ * stay whole on every member (their gradients and optimizer state sharded as at stage 2). Per
+ * pass: td_zero_prepare(z); forward; td_tensor_backward(loss); td_zero_step(z). A forward
+ * without backward (evaluation) gathers and frees the same way. Every member must run the same
+ * forwards and backwards (each gather is a collective). Between steps the units' parameters have
+ * no memory: read them through td_zero_gather_params.
+ *
  * Parameters: float32 or float64, one dtype and one device for all, CPU or (with an NCCL group)
  * CUDA. Every member must pass the same parameter layout (checked: TD_ERR_SHAPE naming the member
  * that differs) and creation copies group rank 0's values to every member. */
 typedef struct td_zero td_zero;
 
 typedef struct td_zero_options {
-  int stage;            /* 1 or 2 (default 2) */
+  int stage;            /* 1, 2 or 3 (default 2) */
   double max_grad_norm; /* > 0: clip the averaged gradient to this global 2-norm; 0: no clipping
                            (default) */
   bool overlap;         /* stage 2: reduce_scatter during backward (see above); default false */
@@ -374,6 +387,14 @@ typedef struct td_zero_options {
   td_process_group *norm_group;
   const double *norm_weights;
   size_t n_norm_weights;
+  /* Stage 3 (see below): the units, modules whose parameters are gathered together (a GPT's
+   * blocks, say), in the order forward runs them. Every unit parameter must be one of the
+   * groups' parameters, in one unit only, and used by no module outside its unit. Read by
+   * td_zero_create only; the units must outlive the td_zero (it sets their forward hooks). */
+  td_module *const *units;
+  size_t n_units;
+  bool no_prefetch; /* stage 3: gather a unit only when it runs (default: the next unit's
+                       all_gather starts as a unit starts, in forward and in backward) */
 } td_zero_options;
 /* td_zero_options_init sets stage 2, no clipping, no overlap. */
 TD_API void td_zero_options_init(td_zero_options *o);
@@ -392,6 +413,12 @@ TD_API td_status td_zero_prepare(td_zero *z);
  * this member's shard and gathers the parameters (see above). Collective over the group; blocks.
  * Runs with autograd recording off. */
 TD_API td_status td_zero_step(td_zero *z);
+/* td_zero_gather_params (stage 3) gathers every unit's parameters into their tensors and keeps
+ * them until td_zero_release_params (to save or inspect the model; a forward in between leaves
+ * them gathered). Collective. Other stages: TD_OK, nothing to do. */
+TD_API td_status td_zero_gather_params(td_zero *z);
+/* td_zero_release_params frees what td_zero_gather_params gathered. Not collective. */
+TD_API td_status td_zero_release_params(td_zero *z);
 /* td_zero_zero_grad clears the .grad of every parameter (set to none). */
 TD_API void td_zero_zero_grad(td_zero *z);
 /* td_zero_set_lr changes the learning rate of every group for later steps (schedules). */
@@ -415,6 +442,10 @@ typedef struct td_zero_stats {
   uint64_t peak_bucket_bytes; /* overlap: the most bytes of bucket buffers (full gradients)
                              alive at once, from allocation to the end of their reduce_scatter */
   uint64_t waits_for_room;    /* overlap: reduce_scatters a hook waited for (max_inflight_bytes) */
+  size_t units;               /* stage 3: units */
+  uint64_t unit_gathers;      /* stage 3: all_gathers of a unit's parameters */
+  uint64_t prefetched;        /* stage 3: of those, started ahead of the unit (prefetch) */
+  uint64_t peak_unit_bytes;   /* stage 3: the most bytes of unit parameters gathered at once */
 } td_zero_stats;
 TD_API td_status td_zero_get_stats(const td_zero *z, td_zero_stats *out);
 /* ---- ZeRO checkpoints ----

@@ -117,6 +117,21 @@ TD_API td_status td_module_forward(td_module *m, const td_tensor *x, td_tensor *
 TD_API td_status td_module_forward_multi(td_module *m, td_tensor *const *inputs, int n_inputs,
                                          td_tensor **outputs, int n_outputs);
 
+/* Forward hooks: one pair per module, set by the layer that manages it (ZeRO stage 3 gathers a
+ * unit's parameters before its forward and frees them after). pre runs before the module's
+ * forward (an error stops the forward and is returned); post runs after it, also when it failed
+ * (st is its status; outputs are then untouched), and may replace outputs[i] (release the old
+ * reference, store a new one); its error is returned (outputs released). Both run on the thread
+ * calling forward, for td_module_forward and td_module_forward_multi alike. */
+typedef td_status (*td_module_pre_hook_fn)(void *ctx, td_module *m);
+typedef td_status (*td_module_post_hook_fn)(void *ctx, td_module *m, td_status st,
+                                            td_tensor **outputs, int n_outputs);
+/* td_module_set_forward_hooks sets m's hooks (either may be NULL); pre == post == NULL clears
+ * them. TD_ERR_STATE when m already has hooks (one owner at a time: clear first). Not while m
+ * runs forward on another thread. */
+TD_API td_status td_module_set_forward_hooks(td_module *m, td_module_pre_hook_fn pre,
+                                             td_module_post_hook_fn post, void *ctx);
+
 /* ---- building modules (for user-defined types) ---- */
 
 /* td_module_register_parameter adds a parameter named name (no '.', unique among m's parameters,

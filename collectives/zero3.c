@@ -1,0 +1,387 @@
+/* zero3.c - ZeRO stage 3: the units' parameters sharded between uses (tdist/collectives.h).
+ *
+ * A stage-3 td_zero is a stage-2 td_zero with overlap (zero.c does the gradient buckets, the
+ * clipping, the shard step and the checkpoints) whose first buckets are the units, one bucket
+ * each, last unit first (the order backward finishes them); the other parameters follow in
+ * ordinary buckets and stay whole on every member. Each member's master values of its part of
+ * every bucket (zero.c's segments) are the only copy of a unit's parameters between uses.
+ *
+ * A unit's parameters are "gathered" (their tensors have memory holding the current values) or
+ * "free" (td__tensor_storage_release: no memory; the tensor objects live on, so modules,
+ * autograd's saved tensors and hooks keep pointing at them). Gathering: this member's part of
+ * the unit's bucket (a copy of its segments) is all_gathered asynchronously into a bucket-sized
+ * buffer; when the unit needs it, the buffer is waited for and copied into the re-allocated
+ * tensors. Gathers run on the group's worker thread in the order they are started, which is the
+ * same on every member because every member runs the same forwards and backwards.
+ *
+ * When (all on the thread running forward / backward):
+ *   pre-forward hook of unit u:  start u+1's gather (prefetch), gather u (wait)
+ *   post-forward hook of unit u: put an identity node on u's outputs (autograd on, an output
+ *                                requires grad), free u
+ *   identity node's backward:    start u-1's gather (prefetch), gather u (wait); grads unchanged
+ *   gradient hook (zero.c) completing u's bucket: free u (every node that read u's parameters
+ *                                has run: each produced one of their gradients)
+ *   td_zero_step, after the reduction: wait for gathers in flight (stale after the step), free
+ *                                every unit still gathered (a pass without td_zero_prepare)
+ * A prefetch is only started for a unit that is free and not already being gathered, and only
+ * while autograd decides the same thing on every member, so the sequence of collectives stays
+ * identical across members.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../tensor/storage.h"
+#include "coll_impl.h"
+#include "tdist/autograd.h"
+
+typedef struct td__zunit {
+  td_zero *z;
+  size_t index;     /* unit index (forward order) */
+  size_t bucket;    /* its bucket */
+  td_module *m;     /* borrowed: the caller keeps it alive */
+  bool gathered;
+  td_future *work;  /* gather in flight, or NULL */
+  td_tensor *buf;   /* its all_gather's output while in flight */
+  bool prefetch;    /* work was started ahead of the unit */
+  bool hooked;      /* its forward hooks are ours */
+  int64_t nbytes;   /* bytes of its parameters */
+} td__zunit;
+
+/* ---- layout ---- */
+
+td_status td__zero3_plan(td_zero *z, int64_t *S) {
+  size_t m = z->np ? z->np : 1;
+  z->nu = z->zo.n_units;
+  z->order = td__calloc(m, sizeof *z->order);
+  z->bucket_of = td__calloc(m, sizeof *z->bucket_of);
+  z->offset = td__calloc(m, sizeof *z->offset);
+  z->b = td__calloc(m + z->nu, sizeof *z->b);
+  z->unit_of = td__calloc(m, sizeof *z->unit_of);
+  z->u = td__calloc(z->nu ? z->nu : 1, sizeof *z->u);
+  size_t *first = td__calloc(m, sizeof *first), *count = td__calloc(m, sizeof *count);
+  int64_t *numel = td__calloc(m, sizeof *numel);
+  td_status st = TD_OK;
+  if (!z->order || !z->bucket_of || !z->offset || !z->b || !z->unit_of || !z->u || !first ||
+      !count || !numel)
+    st = td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
+  for (size_t i = 0; st == TD_OK && i < z->np; i++) z->unit_of[i] = -1;
+  /* which unit each parameter belongs to */
+  for (size_t u = 0; st == TD_OK && u < z->nu; u++) {
+    td_module *um = z->zo.units[u];
+    if (!um) {
+      st = td_set_error(TD_ERR_INVALID, "zero_create: units[%zu] is NULL", u);
+      break;
+    }
+    td_tensor_list l;
+    td_tensor_list_init(&l);
+    st = td_module_parameters(um, &l);
+    if (st == TD_OK && l.n == 0)
+      st = td_set_error(TD_ERR_INVALID, "zero_create: units[%zu] (%s) has no parameters", u,
+                        td_module_type_name(um));
+    for (size_t j = 0; st == TD_OK && j < l.n; j++) {
+      size_t i = 0;
+      while (i < z->np && z->params[i] != l.tensors[j]) i++;
+      if (i == z->np)
+        st = td_set_error(TD_ERR_INVALID, "zero_create: parameter '%s' of units[%zu] is not one "
+                          "of the groups' parameters", l.names[j], u);
+      else if (z->unit_of[i] >= 0)
+        st = td_set_error(TD_ERR_INVALID, "zero_create: parameter '%s' of units[%zu] is also in "
+                          "units[%d] (a unit's parameters belong to it alone)", l.names[j], u,
+                          z->unit_of[i]);
+      else
+        z->unit_of[i] = (int)u;
+    }
+    td_tensor_list_fini(&l);
+  }
+  /* the order: units last to first (parameters reversed), then the others reversed */
+  size_t k = 0;
+  for (size_t u = z->nu; st == TD_OK && u-- > 0;)
+    for (size_t i = z->np; i-- > 0;)
+      if (z->unit_of[i] == (int)u) z->order[k++] = i;
+  size_t n_unit_params = k;
+  for (size_t i = z->np; st == TD_OK && i-- > 0;)
+    if (z->unit_of[i] < 0) z->order[k++] = i;
+  int n = td_process_group_size(z->pg);
+  *S = 0;
+  size_t pos = 0;
+  /* one bucket per unit (no cap), then the rest with the caps */
+  for (size_t q = 0; st == TD_OK && q <= z->nu; q++) {
+    size_t len = 0;
+    size_t cap = SIZE_MAX, first_cap = SIZE_MAX;
+    if (q < z->nu) {
+      int unit = z->unit_of[z->order[pos]];
+      while (pos + len < n_unit_params && z->unit_of[z->order[pos + len]] == unit) len++;
+    } else {
+      len = z->np - pos;
+      cap = z->zo.bucket_bytes ? z->zo.bucket_bytes : ((size_t)4 << 20);
+      first_cap = cap;
+    }
+    if (!len) continue;
+    td__coll_bucket_plan plan = {z->bucket_of, z->offset, first, count, numel, 0};
+    td__coll_plan_buckets(z->params, z->order + pos, len, first_cap, cap, &plan);
+    for (size_t j = 0; j < plan.nbuckets; j++) {
+      td__zbucket *b = &z->b[z->nb];
+      b->first = pos + first[j];
+      b->count = count[j];
+      b->numel = numel[j];
+      b->chunk = numel[j] ? (numel[j] + n - 1) / n : 1;
+      b->shard_off = *S;
+      b->owner = z;
+      *S += b->chunk;
+      for (size_t r = b->first; r < b->first + b->count; r++)
+        z->bucket_of[z->order[r]] = z->nb;
+      z->nb++;
+    }
+    pos += len;
+  }
+  for (size_t u = 0; st == TD_OK && u < z->nu; u++) {
+    size_t bk = z->nu - 1 - u;
+    z->u[u] = (td__zunit){z, u, bk, z->zo.units[u], true, NULL, NULL, false, false,
+                          z->b[bk].numel * (int64_t)td_dtype_size(z->dt)};
+  }
+  td__free(first);
+  td__free(count);
+  td__free(numel);
+  return st;
+}
+
+/* ---- gathering and freeing ---- */
+
+static td_status unit_free(td_zero *z, td__zunit *u) {
+  if (!u->gathered || z->pinned) return TD_OK;
+  const td__zbucket *b = &z->b[u->bucket];
+  for (size_t q = b->first; q < b->first + b->count; q++)
+    TD_TRY(td__tensor_storage_release(z->params[z->order[q]]));
+  u->gathered = false;
+  z->live_bytes -= u->nbytes;
+  return TD_OK;
+}
+
+/* Starts unit u's all_gather (this member's segments of its bucket -> u->buf). */
+static td_status gather_start(td_zero *z, td__zunit *u, bool prefetch) {
+  if (u->gathered || u->work) return TD_OK;
+  const td__zbucket *b = &z->b[u->bucket];
+  td_tensor *part = NULL;
+  int64_t all = b->chunk * td_process_group_size(z->pg);
+  bool prev = td_autograd_set_enabled(false);
+  td_status st = td_tensor_zeros(&b->chunk, 1, z->dt, z->dev, &part);
+  for (size_t j = 0; st == TD_OK && j < z->nseg; j++) {
+    if (z->segs[j].bucket != u->bucket) continue;
+    td_tensor *s = NULL;
+    st = td_tensor_narrow(part, 0, z->segs[j].shard_off - b->shard_off, z->segs[j].len, &s);
+    if (st == TD_OK) st = td_tensor_copy_(s, z->seg[j]);
+    td_tensor_unref(s);
+  }
+  if (st == TD_OK) st = td_tensor_empty(&all, 1, z->dt, z->dev, &u->buf);
+  if (st == TD_OK)
+    st = td_process_group_all_gather_into_tensor_async(z->pg, u->buf, part, &u->work);
+  td_autograd_set_enabled(prev);
+  td_tensor_unref(part);
+  if (st != TD_OK) {
+    td_tensor_unref(u->buf);
+    u->buf = NULL;
+    return st;
+  }
+  u->prefetch = prefetch;
+  z->stats.unit_gathers++;
+  if (prefetch) z->stats.prefetched++;
+  return TD_OK;
+}
+
+/* Waits for u's gather (starting it if needed) and copies it into the parameters. */
+static td_status unit_gather(td_zero *z, td__zunit *u) {
+  if (u->gathered) return TD_OK;
+  TD_TRY(gather_start(z, u, false));
+  td_status st = td_future_wait(u->work, TD_TIMEOUT_INFINITE); /* bounded by the group */
+  if (st != TD_OK)
+    st = td_set_error(st, "zero: gathering the parameters of units[%zu] (%s): %s", u->index,
+                      td_module_type_name(u->m), td_future_message(u->work));
+  td_future_unref(u->work);
+  u->work = NULL;
+  const td__zbucket *b = &z->b[u->bucket];
+  bool prev = td_autograd_set_enabled(false);
+  for (size_t q = b->first; st == TD_OK && q < b->first + b->count; q++) {
+    size_t i = z->order[q];
+    td_tensor *s = NULL;
+    st = td__tensor_storage_restore(z->params[i]);
+    if (st == TD_OK) st = td__coll_bucket_slice(u->buf, z->offset[i], z->params[i], &s);
+    if (st == TD_OK) st = td_tensor_copy_(z->params[i], s);
+    td_tensor_unref(s);
+  }
+  td_autograd_set_enabled(prev);
+  td_tensor_unref(u->buf);
+  u->buf = NULL;
+  if (st != TD_OK) { /* leave it free: half-copied values must not be used */
+    for (size_t q = b->first; q < b->first + b->count; q++)
+      (void)td__tensor_storage_release(z->params[z->order[q]]);
+    return st;
+  }
+  u->gathered = true;
+  z->live_bytes += u->nbytes;
+  if (z->live_bytes > (int64_t)z->stats.peak_unit_bytes)
+    z->stats.peak_unit_bytes = (uint64_t)z->live_bytes;
+  return TD_OK;
+}
+
+static td_status prefetch(td_zero *z, size_t u) {
+  if (z->zo.no_prefetch || u >= z->nu) return TD_OK;
+  return gather_start(z, &z->u[u], true);
+}
+
+/* ---- hooks ---- */
+
+typedef struct unit_node_ctx {
+  td_zero *z;
+  size_t u;
+} unit_node_ctx;
+
+/* Backward reached the unit's output: its parameters are needed again. */
+static td_status unit_backward(void *ctx, td_tensor *const *grad_outputs, int n_outputs,
+                               td_tensor **grad_inputs, int n_inputs) {
+  unit_node_ctx *c = ctx;
+  td_zero *z = c->z;
+  td_status st = c->u > 0 ? prefetch(z, c->u - 1) : TD_OK;
+  if (st == TD_OK) st = unit_gather(z, &z->u[c->u]);
+  if (st != TD_OK) return st;
+  for (int i = 0; i < n_inputs; i++)
+    grad_inputs[i] = i < n_outputs && grad_outputs[i] ? td_tensor_ref(grad_outputs[i]) : NULL;
+  return TD_OK;
+}
+
+static td_status pre_forward(void *ctx, td_module *m) {
+  (void)m;
+  td__zunit *u = ctx;
+  TD_TRY(prefetch(u->z, u->index + 1));
+  return unit_gather(u->z, u);
+}
+
+/* The outputs that require grad go through one identity node that gathers the unit in backward. */
+static td_status wrap_outputs(td__zunit *u, td_tensor **outputs, int n_outputs) {
+  td_tensor *in[16];
+  int idx[16], n = 0;
+  for (int i = 0; i < n_outputs && n < 16; i++)
+    if (outputs[i] && td_tensor_requires_grad(outputs[i])) idx[n] = i, in[n++] = outputs[i];
+  if (!n) return TD_OK;
+  unit_node_ctx *c = td__calloc(1, sizeof *c);
+  if (!c) return td_set_error(TD_ERR_NOMEM, "zero: out of memory");
+  c->z = u->z;
+  c->u = u->index;
+  td_node *node = NULL;
+  td_status st = td_node_create_external("ZeroUnitGather", n, in, n, unit_backward, c, td__free,
+                                         &node);
+  td_tensor *wrapped[16] = {0};
+  for (int k = 0; st == TD_OK && k < n; k++) {
+    td_tensor *d = NULL;
+    st = td_tensor_detach(in[k], &d);
+    if (st == TD_OK) st = td_autograd_attach(d, node, k, &wrapped[k]);
+    td_tensor_unref(d);
+  }
+  td_node_unref(node);
+  for (int k = 0; k < n; k++) {
+    if (st != TD_OK) {
+      td_tensor_unref(wrapped[k]);
+      continue;
+    }
+    td_tensor_unref(outputs[idx[k]]);
+    outputs[idx[k]] = wrapped[k];
+  }
+  return st;
+}
+
+static td_status post_forward(void *ctx, td_module *m, td_status fst, td_tensor **outputs,
+                              int n_outputs) {
+  (void)m;
+  td__zunit *u = ctx;
+  td_status st = TD_OK;
+  if (fst == TD_OK && td_autograd_is_enabled()) st = wrap_outputs(u, outputs, n_outputs);
+  td_status fs = unit_free(u->z, u);
+  return st != TD_OK ? st : fs;
+}
+
+/* ---- lifecycle ---- */
+
+td_status td__zero3_start(td_zero *z) {
+  for (size_t u = 0; u < z->nu; u++) {
+    td_status st = td_module_set_forward_hooks(z->u[u].m, pre_forward, post_forward, &z->u[u]);
+    if (st != TD_OK) return td__error_prefix(st, "zero_create: units[%zu]", u);
+    z->u[u].hooked = true;
+  }
+  z->live_bytes = 0;
+  for (size_t u = 0; u < z->nu; u++) z->live_bytes += z->u[u].nbytes;
+  z->stats.units = z->nu;
+  z->stats.peak_unit_bytes = 0;
+  for (size_t u = 0; u < z->nu; u++) TD_TRY(unit_free(z, &z->u[u]));
+  return TD_OK;
+}
+
+void td__zero3_unit_ready(td_zero *z, size_t k) {
+  if (k >= z->nu) return;
+  (void)unit_free(z, &z->u[z->nu - 1 - k]);
+}
+
+td_status td__zero3_end_pass(td_zero *z) {
+  td_status st = TD_OK;
+  for (size_t u = 0; u < z->nu; u++) {
+    td__zunit *un = &z->u[u];
+    if (un->work) { /* a prefetch nobody used: its values are about to be stale */
+      td_status ws = td_future_wait(un->work, TD_TIMEOUT_INFINITE);
+      if (ws != TD_OK && st == TD_OK)
+        st = td_set_error(ws, "zero_step: a gather of units[%zu]: %s", u,
+                          td_future_message(un->work));
+      td_future_unref(un->work);
+      un->work = NULL;
+      td_tensor_unref(un->buf);
+      un->buf = NULL;
+    }
+    td_status fs = unit_free(z, un);
+    if (fs != TD_OK && st == TD_OK) st = fs;
+  }
+  return st;
+}
+
+bool td__zero3_param_live(const td_zero *z, size_t i) {
+  return td__tensor_storage_live(z->params[i]);
+}
+
+td_status td_zero_gather_params(td_zero *z) {
+  TD_CHECK_ARG(z, "zero_gather_params: NULL td_zero");
+  if (!z->nu) return TD_OK;
+  td_status st = TD_OK;
+  for (size_t u = 0; st == TD_OK && u < z->nu; u++) st = gather_start(z, &z->u[u], false);
+  for (size_t u = 0; st == TD_OK && u < z->nu; u++) st = unit_gather(z, &z->u[u]);
+  if (st == TD_OK) z->pinned = true;
+  return st;
+}
+
+td_status td_zero_release_params(td_zero *z) {
+  TD_CHECK_ARG(z, "zero_release_params: NULL td_zero");
+  z->pinned = false;
+  td_status st = TD_OK;
+  for (size_t u = 0; u < z->nu; u++) {
+    if (z->u[u].work) continue; /* in flight: freed when the pass or the step ends */
+    td_status fs = unit_free(z, &z->u[u]);
+    if (fs != TD_OK && st == TD_OK) st = fs;
+  }
+  return st;
+}
+
+void td__zero3_destroy(td_zero *z) {
+  for (size_t u = 0; z->u && u < z->nu; u++) {
+    td__zunit *un = &z->u[u];
+    if (un->hooked) (void)td_module_set_forward_hooks(un->m, NULL, NULL, NULL);
+    if (un->work) td_future_wait(un->work, TD_TIMEOUT_INFINITE);
+    td_future_unref(un->work);
+    td_tensor_unref(un->buf);
+    /* give the tensors memory again (zeros): the modules outlive this td_zero */
+    if (!un->gathered) {
+      const td__zbucket *b = &z->b[un->bucket];
+      for (size_t q = b->first; q < b->first + b->count; q++) {
+        td_tensor *p = z->params[z->order[q]];
+        if (td__tensor_storage_restore(p) == TD_OK) (void)td_tensor_zero_(p);
+      }
+    }
+  }
+  td__free(z->u);
+  td__free(z->unit_of);
+}
