@@ -203,7 +203,8 @@ struct td_zero {
   char hook_msg[512];
   td_zero_stats stats;
   /* stage 3 (zero3.c) */
-  size_t nu;             /* units; their buckets are b[0..nu) (unit nu-1-k is bucket k) */
+  size_t nu;             /* units */
+  size_t nub;            /* their buckets: b[0..nub), the last unit's first */
   struct td__zunit *u;
   int *unit_of;          /* per parameter: its unit, or -1 */
   bool pinned;           /* td_zero_gather_params: units stay gathered */
@@ -212,8 +213,8 @@ struct td_zero {
 
 /* ---- zero3.c: stage 3 ---- */
 
-/* td__zero3_plan lays out the buckets of a stage-3 td_zero (one per unit, last unit first, then
- * the other parameters in buckets of bucket_bytes) and returns S. z->params set; units from
+/* td__zero3_plan lays out the buckets of a stage-3 td_zero (each unit's parameters in buckets of
+ * bucket_bytes of their own, last unit first, then the other parameters) and returns S. z->params set; units from
  * z->zo. */
 td_status td__zero3_plan(td_zero *z, int64_t *S);
 /* td__zero3_start sets the units' forward hooks and frees their parameters (after the segments

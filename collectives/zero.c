@@ -778,7 +778,7 @@ td_status td_zero_step(td_zero *z) {
   if (st == TD_OK && z->zo.max_grad_norm > 0) st = clip(z, sgrad);
   if (st == TD_OK) st = step_shard(z, sgrad);
   td_tensor_unref(sgrad);
-  for (size_t k = z->nu; st == TD_OK && k < z->nb; k++) st = gather_bucket(z, k); /* units: at use */
+  for (size_t k = z->nub; st == TD_OK && k < z->nb; k++) st = gather_bucket(z, k); /* units: at use */
   if (st == TD_OK) z->stats.steps++;
   td_autograd_set_enabled(prev);
   return st;

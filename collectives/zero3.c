@@ -1,9 +1,10 @@
 /* zero3.c - ZeRO stage 3: the units' parameters sharded between uses (tdist/collectives.h).
  *
  * A stage-3 td_zero is a stage-2 td_zero with overlap (zero.c does the gradient buckets, the
- * clipping, the shard step and the checkpoints) whose first buckets are the units, one bucket
- * each, last unit first (the order backward finishes them); the other parameters follow in
- * ordinary buckets and stay whole on every member. Each member's master values of its part of
+ * clipping, the shard step and the checkpoints) whose first buckets are the units' (each unit's
+ * parameters in buckets of bucket_bytes of their own), last unit first (the order backward
+ * finishes them); the other parameters follow in ordinary buckets and stay whole on every
+ * member. Each member's master values of its part of
  * every bucket (zero.c's segments) are the only copy of a unit's parameters between uses.
  *
  * A unit's parameters are "gathered" (their tensors have memory holding the current values) or
@@ -37,15 +38,16 @@
 
 typedef struct td__zunit {
   td_zero *z;
-  size_t index;     /* unit index (forward order) */
-  size_t bucket;    /* its bucket */
-  td_module *m;     /* borrowed: the caller keeps it alive */
+  size_t index;       /* unit index (forward order) */
+  size_t b0, nbk;     /* its buckets: z->b[b0 .. b0 + nbk) */
+  td_module *m;       /* borrowed: the caller keeps it alive */
   bool gathered;
-  td_future *work;  /* gather in flight, or NULL */
-  td_tensor *buf;   /* its all_gather's output while in flight */
-  bool prefetch;    /* work was started ahead of the unit */
-  bool hooked;      /* its forward hooks are ours */
-  int64_t nbytes;   /* bytes of its parameters */
+  bool started;       /* its all_gathers are in flight */
+  td_future **work;   /* per bucket: the all_gather in flight */
+  td_tensor **buf;    /* per bucket: its output while in flight */
+  bool hooked;        /* its forward hooks are ours */
+  size_t ready;       /* buckets whose gradients are all in, this pass */
+  int64_t nbytes;     /* bytes of its parameters */
 } td__zunit;
 
 /* ---- layout ---- */
@@ -56,7 +58,7 @@ td_status td__zero3_plan(td_zero *z, int64_t *S) {
   z->order = td__calloc(m, sizeof *z->order);
   z->bucket_of = td__calloc(m, sizeof *z->bucket_of);
   z->offset = td__calloc(m, sizeof *z->offset);
-  z->b = td__calloc(m + z->nu, sizeof *z->b);
+  z->b = td__calloc(m, sizeof *z->b);
   z->unit_of = td__calloc(m, sizeof *z->unit_of);
   z->u = td__calloc(z->nu ? z->nu : 1, sizeof *z->u);
   size_t *first = td__calloc(m, sizeof *first), *count = td__calloc(m, sizeof *count);
@@ -105,21 +107,24 @@ td_status td__zero3_plan(td_zero *z, int64_t *S) {
   int n = td_process_group_size(z->pg);
   *S = 0;
   size_t pos = 0;
-  /* one bucket per unit (no cap), then the rest with the caps */
+  /* each unit's parameters in buckets of their own (bucket_bytes), then the rest */
+  size_t cap = z->zo.bucket_bytes ? z->zo.bucket_bytes : ((size_t)4 << 20);
   for (size_t q = 0; st == TD_OK && q <= z->nu; q++) {
     size_t len = 0;
-    size_t cap = SIZE_MAX, first_cap = SIZE_MAX;
+    int unit = -1;
     if (q < z->nu) {
-      int unit = z->unit_of[z->order[pos]];
+      unit = z->unit_of[z->order[pos]];
       while (pos + len < n_unit_params && z->unit_of[z->order[pos + len]] == unit) len++;
     } else {
       len = z->np - pos;
-      cap = z->zo.bucket_bytes ? z->zo.bucket_bytes : ((size_t)4 << 20);
-      first_cap = cap;
     }
     if (!len) continue;
     td__coll_bucket_plan plan = {z->bucket_of, z->offset, first, count, numel, 0};
-    td__coll_plan_buckets(z->params, z->order + pos, len, first_cap, cap, &plan);
+    td__coll_plan_buckets(z->params, z->order + pos, len, cap, cap, &plan);
+    if (unit >= 0) {
+      z->u[unit].b0 = z->nb;
+      z->u[unit].nbk = plan.nbuckets;
+    }
     for (size_t j = 0; j < plan.nbuckets; j++) {
       td__zbucket *b = &z->b[z->nb];
       b->first = pos + first[j];
@@ -134,11 +139,19 @@ td_status td__zero3_plan(td_zero *z, int64_t *S) {
       z->nb++;
     }
     pos += len;
+    if (q + 1 == z->nu) z->nub = z->nb;
   }
   for (size_t u = 0; st == TD_OK && u < z->nu; u++) {
-    size_t bk = z->nu - 1 - u;
-    z->u[u] = (td__zunit){z, u, bk, z->zo.units[u], true, NULL, NULL, false, false,
-                          z->b[bk].numel * (int64_t)td_dtype_size(z->dt)};
+    td__zunit *un = &z->u[u];
+    un->z = z;
+    un->index = u;
+    un->m = z->zo.units[u];
+    un->gathered = true;
+    un->work = td__calloc(un->nbk, sizeof *un->work);
+    un->buf = td__calloc(un->nbk, sizeof *un->buf);
+    if (!un->work || !un->buf) st = td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
+    for (size_t k = un->b0; k < un->b0 + un->nbk; k++)
+      un->nbytes += z->b[k].numel * (int64_t)td_dtype_size(z->dt);
   }
   td__free(first);
   td__free(count);
@@ -148,73 +161,106 @@ td_status td__zero3_plan(td_zero *z, int64_t *S) {
 
 /* ---- gathering and freeing ---- */
 
-static td_status unit_free(td_zero *z, td__zunit *u) {
-  if (!u->gathered || z->pinned) return TD_OK;
-  const td__zbucket *b = &z->b[u->bucket];
+/* Frees the memory of every parameter of bucket k. */
+static td_status free_bucket(td_zero *z, size_t k) {
+  const td__zbucket *b = &z->b[k];
   for (size_t q = b->first; q < b->first + b->count; q++)
     TD_TRY(td__tensor_storage_release(z->params[z->order[q]]));
+  return TD_OK;
+}
+
+static td_status unit_free(td_zero *z, td__zunit *u) {
+  if (!u->gathered || z->pinned) return TD_OK;
+  for (size_t k = u->b0; k < u->b0 + u->nbk; k++) TD_TRY(free_bucket(z, k));
   u->gathered = false;
   z->live_bytes -= u->nbytes;
   return TD_OK;
 }
 
-/* Starts unit u's all_gather (this member's segments of its bucket -> u->buf). */
-static td_status gather_start(td_zero *z, td__zunit *u, bool prefetch) {
-  if (u->gathered || u->work) return TD_OK;
-  const td__zbucket *b = &z->b[u->bucket];
+/* Starts bucket k's all_gather: this member's segments of it -> *buf. */
+static td_status gather_bucket_start(td_zero *z, size_t k, td_tensor **buf, td_future **work) {
+  const td__zbucket *b = &z->b[k];
   td_tensor *part = NULL;
   int64_t all = b->chunk * td_process_group_size(z->pg);
-  bool prev = td_autograd_set_enabled(false);
   td_status st = td_tensor_zeros(&b->chunk, 1, z->dt, z->dev, &part);
   for (size_t j = 0; st == TD_OK && j < z->nseg; j++) {
-    if (z->segs[j].bucket != u->bucket) continue;
+    if (z->segs[j].bucket != k) continue;
     td_tensor *s = NULL;
     st = td_tensor_narrow(part, 0, z->segs[j].shard_off - b->shard_off, z->segs[j].len, &s);
     if (st == TD_OK) st = td_tensor_copy_(s, z->seg[j]);
     td_tensor_unref(s);
   }
-  if (st == TD_OK) st = td_tensor_empty(&all, 1, z->dt, z->dev, &u->buf);
-  if (st == TD_OK)
-    st = td_process_group_all_gather_into_tensor_async(z->pg, u->buf, part, &u->work);
-  td_autograd_set_enabled(prev);
+  if (st == TD_OK) st = td_tensor_empty(&all, 1, z->dt, z->dev, buf);
+  if (st == TD_OK) st = td_process_group_all_gather_into_tensor_async(z->pg, *buf, part, work);
   td_tensor_unref(part);
   if (st != TD_OK) {
-    td_tensor_unref(u->buf);
-    u->buf = NULL;
+    td_tensor_unref(*buf);
+    *buf = NULL;
+  }
+  return st;
+}
+
+/* Waits for bucket j of u's all_gather and drops it (its output too). */
+static td_status gather_bucket_wait(td__zunit *u, size_t j) {
+  if (!u->work[j]) return TD_OK;
+  td_status st = td_future_wait(u->work[j], TD_TIMEOUT_INFINITE); /* bounded by the group */
+  if (st != TD_OK)
+    st = td_set_error(st, "zero: gathering the parameters of units[%zu] (%s): %s", u->index,
+                      td_module_type_name(u->m), td_future_message(u->work[j]));
+  td_future_unref(u->work[j]);
+  u->work[j] = NULL;
+  return st;
+}
+
+/* Starts unit u's all_gathers, one per bucket (a failure waits for those already started). */
+static td_status gather_start(td_zero *z, td__zunit *u, bool prefetch) {
+  if (u->gathered || u->started) return TD_OK;
+  bool prev = td_autograd_set_enabled(false);
+  td_status st = TD_OK;
+  size_t j = 0;
+  for (; st == TD_OK && j < u->nbk; j++)
+    st = gather_bucket_start(z, u->b0 + j, &u->buf[j], &u->work[j]);
+  td_autograd_set_enabled(prev);
+  if (st != TD_OK) {
+    for (size_t i = 0; i < j; i++) {
+      (void)gather_bucket_wait(u, i);
+      td_tensor_unref(u->buf[i]);
+      u->buf[i] = NULL;
+    }
     return st;
   }
-  u->prefetch = prefetch;
+  u->started = true;
   z->stats.unit_gathers++;
   if (prefetch) z->stats.prefetched++;
   return TD_OK;
 }
 
-/* Waits for u's gather (starting it if needed) and copies it into the parameters. */
+/* Waits for u's gathers (starting them if needed) and copies them into the parameters, bucket by
+ * bucket (each bucket's buffer dropped as soon as it is copied). */
 static td_status unit_gather(td_zero *z, td__zunit *u) {
   if (u->gathered) return TD_OK;
   TD_TRY(gather_start(z, u, false));
-  td_status st = td_future_wait(u->work, TD_TIMEOUT_INFINITE); /* bounded by the group */
-  if (st != TD_OK)
-    st = td_set_error(st, "zero: gathering the parameters of units[%zu] (%s): %s", u->index,
-                      td_module_type_name(u->m), td_future_message(u->work));
-  td_future_unref(u->work);
-  u->work = NULL;
-  const td__zbucket *b = &z->b[u->bucket];
+  td_status st = TD_OK;
   bool prev = td_autograd_set_enabled(false);
-  for (size_t q = b->first; st == TD_OK && q < b->first + b->count; q++) {
-    size_t i = z->order[q];
-    td_tensor *s = NULL;
-    st = td__tensor_storage_restore(z->params[i]);
-    if (st == TD_OK) st = td__coll_bucket_slice(u->buf, z->offset[i], z->params[i], &s);
-    if (st == TD_OK) st = td_tensor_copy_(z->params[i], s);
-    td_tensor_unref(s);
+  for (size_t j = 0; j < u->nbk; j++) {
+    td_status ws = gather_bucket_wait(u, j);
+    if (st == TD_OK) st = ws;
+    const td__zbucket *b = &z->b[u->b0 + j];
+    for (size_t q = b->first; st == TD_OK && q < b->first + b->count; q++) {
+      size_t i = z->order[q];
+      td_tensor *s = NULL;
+      st = td__tensor_storage_restore(z->params[i]);
+      if (st == TD_OK) st = td__coll_bucket_slice(u->buf[j], z->offset[i], z->params[i], &s);
+      if (st == TD_OK) st = td_tensor_copy_(z->params[i], s);
+      td_tensor_unref(s);
+    }
+    td_tensor_unref(u->buf[j]);
+    u->buf[j] = NULL;
   }
   td_autograd_set_enabled(prev);
-  td_tensor_unref(u->buf);
-  u->buf = NULL;
+  u->started = false;
   if (st != TD_OK) { /* leave it free: half-copied values must not be used */
-    for (size_t q = b->first; q < b->first + b->count; q++)
-      (void)td__tensor_storage_release(z->params[z->order[q]]);
+    for (size_t k = u->b0; k < u->b0 + u->nbk; k++) (void)free_bucket(z, k);
     return st;
   }
   u->gathered = true;
@@ -222,6 +268,19 @@ static td_status unit_gather(td_zero *z, td__zunit *u) {
   if (z->live_bytes > (int64_t)z->stats.peak_unit_bytes)
     z->stats.peak_unit_bytes = (uint64_t)z->live_bytes;
   return TD_OK;
+}
+
+/* Drops u's gathers in flight (waited for: their values are about to be stale). */
+static td_status gather_drop(td__zunit *u) {
+  td_status st = TD_OK;
+  for (size_t j = 0; u->started && j < u->nbk; j++) {
+    td_status ws = gather_bucket_wait(u, j);
+    if (st == TD_OK) st = ws;
+    td_tensor_unref(u->buf[j]);
+    u->buf[j] = NULL;
+  }
+  u->started = false;
+  return st;
 }
 
 static td_status prefetch(td_zero *z, size_t u) {
@@ -316,26 +375,23 @@ td_status td__zero3_start(td_zero *z) {
 }
 
 void td__zero3_unit_ready(td_zero *z, size_t k) {
-  if (k >= z->nu) return;
-  (void)unit_free(z, &z->u[z->nu - 1 - k]);
+  for (size_t u = 0; u < z->nu; u++) {
+    td__zunit *un = &z->u[u];
+    if (k < un->b0 || k >= un->b0 + un->nbk) continue;
+    if (++un->ready == un->nbk) (void)unit_free(z, un);
+    return;
+  }
 }
 
 td_status td__zero3_end_pass(td_zero *z) {
   td_status st = TD_OK;
   for (size_t u = 0; u < z->nu; u++) {
     td__zunit *un = &z->u[u];
-    if (un->work) { /* a prefetch nobody used: its values are about to be stale */
-      td_status ws = td_future_wait(un->work, TD_TIMEOUT_INFINITE);
-      if (ws != TD_OK && st == TD_OK)
-        st = td_set_error(ws, "zero_step: a gather of units[%zu]: %s", u,
-                          td_future_message(un->work));
-      td_future_unref(un->work);
-      un->work = NULL;
-      td_tensor_unref(un->buf);
-      un->buf = NULL;
-    }
+    td_status ds = gather_drop(un);
+    if (ds != TD_OK && st == TD_OK) st = td__error_prefix(ds, "zero_step");
     td_status fs = unit_free(z, un);
     if (fs != TD_OK && st == TD_OK) st = fs;
+    un->ready = 0;
   }
   return st;
 }
@@ -359,7 +415,7 @@ td_status td_zero_release_params(td_zero *z) {
   z->pinned = false;
   td_status st = TD_OK;
   for (size_t u = 0; u < z->nu; u++) {
-    if (z->u[u].work) continue; /* in flight: freed when the pass or the step ends */
+    if (z->u[u].started) continue; /* in flight: freed when the pass or the step ends */
     td_status fs = unit_free(z, &z->u[u]);
     if (fs != TD_OK && st == TD_OK) st = fs;
   }
@@ -370,17 +426,17 @@ void td__zero3_destroy(td_zero *z) {
   for (size_t u = 0; z->u && u < z->nu; u++) {
     td__zunit *un = &z->u[u];
     if (un->hooked) (void)td_module_set_forward_hooks(un->m, NULL, NULL, NULL);
-    if (un->work) td_future_wait(un->work, TD_TIMEOUT_INFINITE);
-    td_future_unref(un->work);
-    td_tensor_unref(un->buf);
+    if (un->work && un->buf) (void)gather_drop(un);
     /* give the tensors memory again (zeros): the modules outlive this td_zero */
-    if (!un->gathered) {
-      const td__zbucket *b = &z->b[un->bucket];
+    for (size_t k = un->b0; !un->gathered && k < un->b0 + un->nbk; k++) {
+      const td__zbucket *b = &z->b[k];
       for (size_t q = b->first; q < b->first + b->count; q++) {
         td_tensor *p = z->params[z->order[q]];
         if (td__tensor_storage_restore(p) == TD_OK) (void)td_tensor_zero_(p);
       }
     }
+    td__free(un->work);
+    td__free(un->buf);
   }
   td__free(z->u);
   td__free(z->unit_of);

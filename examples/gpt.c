@@ -30,7 +30,10 @@
  * --dp picks how they agree: "ddp" (td_ddp with backward overlap: bucket all_reduces start from
  * gradient hooks), "zero1" or "zero2" (td_zero: each rank keeps the AdamW state of one shard of
  * the parameters; zero2 reduce_scatters gradient buckets from hooks during backward, at most
- * --zero-inflight-mb of them in flight, unless --zero-after-backward). Rank 0 evaluates, prints and saves; its JSON adds every rank's peak RSS, the
+ * --zero-inflight-mb of them in flight, unless --zero-after-backward) or "zero3" (zero2 and each
+ * block's parameters sharded too: gathered before the block's forward and backward, freed after,
+ * the next block's prefetched; every rank then runs the evaluations, which gather too). Rank 0
+ * evaluates, prints and saves; its JSON adds every rank's peak RSS, the
  * DDP counters (the share of gradient bytes whose all_reduce started before backward ended) or
  * the ZeRO shard sizes.
  *
@@ -110,7 +113,7 @@ static void opts_parse(int argc, char **argv, opts *o) {
       {"top-k", EX_OPT_I64, &o->top_k, "sample among the k likeliest characters (0: all)"},
       {"nproc", EX_OPT_INT, &o->nproc,
        "data-parallel replicas to fork when not started by a launcher (RANK unset)"},
-      {"dp", EX_OPT_STRING, &o->dp, "data parallelism: ddp, zero1 or zero2"},
+      {"dp", EX_OPT_STRING, &o->dp, "data parallelism: ddp, zero1, zero2 or zero3"},
       {"bucket-mb", EX_OPT_DOUBLE, &o->bucket_mb,
        "gradient bucket size of ddp and zero2 in MiB (0: the defaults, ddp 25 MiB, zero2 4 MiB; the "
        "first bucket holds 1 MiB or less)"},
@@ -132,8 +135,9 @@ static void opts_parse(int argc, char **argv, opts *o) {
            "n-head, temperature > 0");
   if (strcmp(o->dtype, "f32") && strcmp(o->dtype, "f64")) ex_die("--dtype must be f32 or f64");
   if (o->nproc < 1 || o->nproc > 64) ex_die("--nproc must be in 1..64");
-  if (strcmp(o->dp, "ddp") && strcmp(o->dp, "zero1") && strcmp(o->dp, "zero2"))
-    ex_die("--dp must be ddp, zero1 or zero2");
+  if (strcmp(o->dp, "ddp") && strcmp(o->dp, "zero1") && strcmp(o->dp, "zero2") &&
+      strcmp(o->dp, "zero3"))
+    ex_die("--dp must be ddp, zero1, zero2 or zero3");
 }
 
 /* ---- model, checkpoints ---- */
@@ -282,7 +286,12 @@ typedef struct dp_run {
   td_process_group *pg; /* NULL: one process */
   int rank, world;
   td_ddp *ddp;          /* --dp ddp */
-  td_zero *zero;        /* --dp zero1 / zero2 */
+  td_zero *zero;        /* --dp zero1 / zero2 / zero3 */
+  /* memory (MiB): resident before the model was made, the peak until training starts (model,
+   * optimizer, sharding set up), and whether the peak was reset there (else the training peak
+   * below is the whole run's) */
+  double rss_before_model, peak_setup;
+  bool peak_reset;
 } dp_run;
 
 /* estimate returns the mean loss of eval_iters batches of each split (train, val) from a
@@ -332,6 +341,21 @@ static bool zero_overlaps(const td_zero *z) {
   return st.overlap;
 }
 
+/* record_eval keeps and prints one evaluation (rank 0). */
+static void record_eval(train_result *r, const ex_progress *p, int64_t it, double tl, double vl) {
+  r->train_loss = tl, r->val_loss = vl;
+  ex_json e;
+  ex_json_object(&e);
+  ex_json_int(&e, "step", it);
+  ex_json_num(&e, "train_loss", tl);
+  ex_json_num(&e, "val_loss", vl);
+  ex_json_child(&r->evals, NULL, &e);
+  ex_json_fini(&e);
+  fprintf(stderr, "%sstep %lld: train loss %.4f, val loss %.4f\n", p->tty ? "\r" : "",
+          (long long)it, tl, vl);
+  ex_metrics_eval_step(it, "val_loss", vl);
+}
+
 static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, train_result *r) {
   td_optim *opt = NULL;
   if (dp->pg && strcmp(o->dp, "ddp")) {
@@ -339,8 +363,18 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
     optim_setup_make(m, o, &s);
     td_zero_options zo;
     td_zero_options_init(&zo);
-    zo.stage = strcmp(o->dp, "zero1") ? 2 : 1;
+    zo.stage = !strcmp(o->dp, "zero1") ? 1 : !strcmp(o->dp, "zero2") ? 2 : 3;
     zo.max_grad_norm = o->grad_clip;
+    /* stage 3: the blocks are the units (the embeddings, tied to the head, and ln_f stay whole) */
+    td_module *h = td_module_child(td_module_child(m, "transformer"), "h");
+    size_t nb = 0;
+    td_module *blocks[256];
+    char name[16];
+    for (; nb < 256; nb++) {
+      snprintf(name, sizeof name, "%zu", nb);
+      if (!(blocks[nb] = td_module_child(h, name))) break;
+    }
+    if (zo.stage == 3) zo.units = blocks, zo.n_units = nb;
     /* stage 2 overlaps with backward; gradients arrive roughly in reverse module order */
     td_tensor **rev = malloc((s.ps.n + 1) * sizeof *rev);
     if (!rev) ex_die("out of memory");
@@ -367,6 +401,8 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
     EX_CHECK(td_ddp_create_ex(dp->pg, m, &d, &dp->ddp));
   }
   bool lead = dp->rank == 0;
+  dp->peak_setup = ex_peak_rss_mb();
+  dp->peak_reset = ex_reset_peak_rss(); /* the training peak from here */
   td_generator *g;
   EX_CHECK(td_generator_create(o->seed + 1 + (uint64_t)dp->rank, &g));
   ex_json_array(&r->evals);
@@ -376,18 +412,12 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
   ex_progress p;
   ex_progress_start(&p, "gpt", lead ? o->steps : 0);
   for (int64_t it = 0;; it++) {
-    if (lead && (it % o->eval_interval == 0 || it == o->steps)) {
-      estimate(m, c, o, &r->train_loss, &r->val_loss);
-      ex_json e;
-      ex_json_object(&e);
-      ex_json_int(&e, "step", it);
-      ex_json_num(&e, "train_loss", r->train_loss);
-      ex_json_num(&e, "val_loss", r->val_loss);
-      ex_json_child(&r->evals, NULL, &e);
-      ex_json_fini(&e);
-      fprintf(stderr, "%sstep %lld: train loss %.4f, val loss %.4f\n", p.tty ? "\r" : "",
-              (long long)it, r->train_loss, r->val_loss);
-      ex_metrics_eval_step(it, "val_loss", r->val_loss);
+    /* zero3: every rank runs the evaluation forwards (they gather the blocks: collective) */
+    bool evaluates = lead || (dp->zero && !strcmp(o->dp, "zero3"));
+    if (evaluates && (it % o->eval_interval == 0 || it == o->steps)) {
+      double tl = NAN, vl = NAN;
+      estimate(m, c, o, &tl, &vl);
+      if (lead) record_eval(r, &p, it, tl, vl);
     }
     if (it == o->steps) break;
     double t0 = ex_now_s(), c0 = cpu_now_s();
@@ -439,25 +469,37 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
 /* Adds the data-parallel figures to rank 0's results: every rank's peak RSS, the DDP counters
  * or the ZeRO sizes. Collective over the group. */
 static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) {
-  int64_t one = 1, all = dp->world;
-  double mine = ex_peak_rss_mb();
+  enum { K = 3 };
+  int64_t k = K, all = (int64_t)K * dp->world;
+  double train_peak = ex_peak_rss_mb();
+  double mine[K] = {train_peak > dp->peak_setup ? train_peak : dp->peak_setup, train_peak,
+                    dp->rss_before_model};
   td_tensor *t = NULL, *every = NULL;
-  EX_CHECK(td_tensor_from_buffer(&mine, &one, 1, TD_DTYPE_F64, &t));
+  EX_CHECK(td_tensor_from_buffer(mine, &k, 1, TD_DTYPE_F64, &t));
   EX_CHECK(td_tensor_empty(&all, 1, TD_DTYPE_F64, td_device_cpu(), &every));
   EX_CHECK(td_process_group_all_gather_into_tensor(dp->pg, every, t));
-  ex_json rss;
-  ex_json_array(&rss);
-  for (int i = 0; i < dp->world; i++)
-    ex_json_num(&rss, NULL, ((const double *)td_tensor_data(every))[i]);
-  ex_json_child(res, "peak_rss_mb_per_rank", &rss);
-  ex_json_fini(&rss);
+  const double *v = td_tensor_data(every);
+  /* the run's peak; the training peak (from the first step on: the model building's transients
+   * left out); what training added to the process as it was before the model existed */
+  static const char *keys[] = {"peak_rss_mb_per_rank", "peak_rss_train_mb_per_rank",
+                               "train_memory_mb_per_rank"};
+  for (int j = 0; j < K; j++) {
+    if (j > 0 && !dp->peak_reset) break;
+    ex_json rss;
+    ex_json_array(&rss);
+    for (int i = 0; i < dp->world; i++)
+      ex_json_num(&rss, NULL, j < 2 ? v[K * i + j] : v[K * i + 1] - v[K * i + 2]);
+    ex_json_child(res, keys[j], &rss);
+    ex_json_fini(&rss);
+  }
   td_tensor_unref(t);
   td_tensor_unref(every);
   /* model states in bytes (float32, Adam): parameters 4, gradients 4, moments 8 per element;
    * ZeRO-1 shards the moments, ZeRO-2 the gradients too (DeepSpeed's accounting) */
   double psi = (double)params, n = dp->world;
   double formula = !strcmp(o->dp, "ddp") ? 16 * psi
-                   : !strcmp(o->dp, "zero1") ? 8 * psi + 8 * psi / n : 4 * psi + 12 * psi / n;
+                   : !strcmp(o->dp, "zero1") ? 8 * psi + 8 * psi / n
+                   : !strcmp(o->dp, "zero2") ? 4 * psi + 12 * psi / n : 16 * psi / n;
   ex_json_num(res, "model_state_formula_mb", formula / 1048576.0);
   if (dp->ddp) {
     td_ddp_stats st;
@@ -474,6 +516,12 @@ static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) 
     ex_json_int(res, "zero_shard_numel", st.shard_numel);
     ex_json_int(res, "zero_numel", st.numel);
     ex_json_int(res, "zero_buckets", (int64_t)st.buckets);
+    if (st.stage == 3) {
+      ex_json_int(res, "zero_units", (int64_t)st.units);
+      ex_json_num(res, "zero_peak_unit_mb", (double)st.peak_unit_bytes / 1048576.0);
+      ex_json_int(res, "zero_unit_gathers", (int64_t)st.unit_gathers);
+      ex_json_int(res, "zero_unit_gathers_prefetched", (int64_t)st.prefetched);
+    }
     if (st.overlap) {
       ex_json_num(res, "zero_peak_bucket_mb", (double)st.peak_bucket_bytes / 1048576.0);
       ex_json_num(res, "zero_bytes_started_in_backward_share",
@@ -640,6 +688,7 @@ int main(int argc, char **argv) {
     td_gpt_config mc = model_config(&o, c.nvocab);
     td_generator *g;
     EX_CHECK(td_generator_create(o.seed, &g));
+    dp.rss_before_model = ex_rss_mb();
     EX_CHECK(td_gpt_create(&mc, g, &m));
     td_generator_destroy(g);
     if (dt != TD_DTYPE_F32) EX_CHECK(td_module_to_dtype(m, dt));
@@ -668,6 +717,8 @@ int main(int argc, char **argv) {
     ex_json_str(&res, "batch_hash", h);
     ex_json_fini(&r.evals);
     if (dp.pg) dp_results(&dp, &o, td_module_num_parameters(m), &res);
+    /* zero3: the blocks' parameters back into the model (after the memory was measured) */
+    if (dp.zero) EX_CHECK(td_zero_gather_params(dp.zero));
     if (o.save && dp.rank == 0) save_checkpoint(m, o.save, vocab);
   }
   td_gpt_config mc;
@@ -691,7 +742,7 @@ int main(int argc, char **argv) {
     ex_json_str(&cfg, "dp", o.dp);
   }
   ex_json_num(&res, "wall_s", ex_now_s() - t_start);
-  ex_json_num(&res, "peak_rss_mb", ex_peak_rss_mb());
+  ex_json_num(&res, "peak_rss_mb", fmax(dp.peak_setup, ex_peak_rss_mb()));
   if (dp.rank == 0) ex_json_print_result("gpt", &cfg, &res, NULL);
   ex_json_fini(&cfg);
   ex_json_fini(&res);

@@ -498,10 +498,37 @@ double ex_now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* A "Vm...:  <n> kB" line of /proc/self/status in MiB, or -1. */
+static double status_mb(const char *key) {
+  FILE *f = fopen("/proc/self/status", "r");
+  if (!f) return -1;
+  char line[256];
+  double v = -1;
+  size_t n = strlen(key);
+  while (fgets(line, sizeof line, f))
+    if (strncmp(line, key, n) == 0 && line[n] == ':') {
+      v = strtod(line + n + 1, NULL) / 1024.0;
+      break;
+    }
+  fclose(f);
+  return v;
+}
+
 double ex_peak_rss_mb(void) {
+  double hwm = status_mb("VmHWM"); /* follows ex_reset_peak_rss, unlike getrusage */
+  if (hwm >= 0) return hwm;
   struct rusage ru;
   if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
   return (double)ru.ru_maxrss / 1024.0; /* Linux reports KiB */
+}
+
+double ex_rss_mb(void) { return status_mb("VmRSS"); }
+
+bool ex_reset_peak_rss(void) {
+  FILE *f = fopen("/proc/self/clear_refs", "w");
+  if (!f) return false;
+  bool ok = fputs("5", f) >= 0;
+  return fclose(f) == 0 && ok;
 }
 
 /* ---- loss windows ---- */

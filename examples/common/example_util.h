@@ -161,8 +161,14 @@ void ex_json_print_result(const char *bench, const ex_json *config, const ex_jso
 
 /* ex_now_s returns a monotonic clock in seconds. */
 double ex_now_s(void);
-/* ex_peak_rss_mb returns the peak resident set size of this process in MiB (getrusage). */
+/* ex_peak_rss_mb returns the peak resident set size of this process in MiB (VmHWM of
+ * /proc/self/status, else getrusage). */
 double ex_peak_rss_mb(void);
+/* ex_rss_mb returns the resident set size now in MiB (VmRSS), or -1. */
+double ex_rss_mb(void);
+/* ex_reset_peak_rss starts the peak over from the resident set size now (Linux: "5" into
+ * /proc/self/clear_refs); false when that is not possible. */
+bool ex_reset_peak_rss(void);
 
 /* ---- training loss at the start and at the end ---- */
 

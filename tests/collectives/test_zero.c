@@ -299,7 +299,8 @@ static void run_overlap(td_process_group *pg, int rank, bool twice) {
   td_module_unref(mo);
 }
 
-/* Stage 3 with each Linear a unit against the single-process reference: the same parameters
+/* Stage 3 with each Linear a unit (in one bucket, or with prefetch in a bucket per parameter)
+ * against the single-process reference: the same parameters
  * (1e-10) and global norms at every step; between steps the units' parameters have no memory;
  * a forward gathers one unit at a time (the other is freed before or prefetched into a buffer)
  * and 4 gathers run per step, 2 of them prefetched; an evaluation forward without autograd
@@ -325,13 +326,14 @@ static void run_stage3(td_process_group *pg, int rank, bool prefetch) {
   zo.units = units;
   zo.n_units = 2;
   zo.no_prefetch = !prefetch;
+  if (prefetch) zo.bucket_bytes = 1; /* a bucket per parameter: two per unit */
   td_zero *z = NULL;
   MP_CHECK_OK(td_zero_create(pg, &o, g, 2, &zo, &z));
   td_optim *ropt = NULL;
   MP_CHECK_OK(td_optim_create_groups(&o, rg, 2, &ropt));
   td_zero_stats zs;
   MP_CHECK_OK(td_zero_get_stats(z, &zs));
-  MP_CHECK(zs.stage == 3 && zs.units == 2 && zs.buckets == 2 && zs.overlap);
+  MP_CHECK(zs.stage == 3 && zs.units == 2 && zs.buckets == (prefetch ? 4u : 2u) && zs.overlap);
   owned_once(pg, zs.owned_numel);
   for (size_t i = 0; i < 4; i++) MP_CHECK(td_tensor_data(pm.tensors[i]) == NULL); /* freed */
 
