@@ -96,14 +96,37 @@ td_status td__zero3_plan(td_zero *z, int64_t *S) {
     }
     td_tensor_list_fini(&l);
   }
-  /* the order: units last to first (parameters reversed), then the others reversed */
+  /* the order gradients arrive in: units last to first, each unit's parameters in reverse
+   * module order (not the groups' order: that puts a block's biases and norms, its first and
+   * last gradients, in one bucket that completes only when the whole unit has); then the others
+   * in grad_order, then reversed */
   size_t k = 0;
-  for (size_t u = z->nu; st == TD_OK && u-- > 0;)
-    for (size_t i = z->np; i-- > 0;)
-      if (z->unit_of[i] == (int)u) z->order[k++] = i;
+  for (size_t u = z->nu; st == TD_OK && u-- > 0;) {
+    td_tensor_list l;
+    td_tensor_list_init(&l);
+    st = td_module_parameters(z->zo.units[u], &l);
+    for (size_t j = l.n; st == TD_OK && j-- > 0;)
+      for (size_t i = 0; i < z->np; i++)
+        if (z->params[i] == l.tensors[j]) {
+          z->order[k++] = i;
+          break;
+        }
+    td_tensor_list_fini(&l);
+  }
   size_t n_unit_params = k;
-  for (size_t i = z->np; st == TD_OK && i-- > 0;)
-    if (z->unit_of[i] < 0) z->order[k++] = i;
+  for (size_t j = 0; st == TD_OK && j < z->zo.n_grad_order; j++)
+    for (size_t i = 0; i < z->np; i++)
+      if (z->params[i] == z->zo.grad_order[j] && z->unit_of[i] < 0) {
+        bool dup = false;
+        for (size_t q = n_unit_params; q < k; q++) dup |= z->order[q] == i;
+        if (!dup) z->order[k++] = i;
+        break;
+      }
+  for (size_t i = z->np; st == TD_OK && i-- > 0;) {
+    bool placed = z->unit_of[i] >= 0;
+    for (size_t q = n_unit_params; !placed && q < k; q++) placed = z->order[q] == i;
+    if (!placed) z->order[k++] = i;
+  }
   int n = td_process_group_size(z->pg);
   *S = 0;
   size_t pos = 0;

@@ -374,7 +374,9 @@ typedef struct td_zero_options {
                            for them instead of holding its whole gradient in buckets */
   td_tensor *const *grad_order; /* overlap: parameters in the order their gradients are expected
                            (repeats ignored; the rest follow in reverse flat order); read by
-                           td_zero_create only. Default NULL: the flat order reversed */
+                           td_zero_create only. Default NULL: the flat order reversed. Stage 3:
+                           for the parameters outside the units (each unit's own follow its
+                           module's parameter order reversed) */
   size_t n_grad_order;
   /* Clipping a model split over other groups too (tensor and pipeline parallelism): the norm is
    * then the model's, not this data-parallel replica part's. norm_group: the members holding the
