@@ -211,6 +211,10 @@ struct td_zero {
   int64_t live_bytes;    /* bytes of unit parameters gathered now */
 };
 
+/* td__zero_bucket_part returns this member's part of bucket k (chunk elements: its segments'
+ * master values, zeros in the padding), what the all_gathers of the parameters send. (zero.c) */
+td_status td__zero_bucket_part(td_zero *z, size_t k, td_tensor **out);
+
 /* ---- zero3.c: stage 3 ---- */
 
 /* td__zero3_plan lays out the buckets of a stage-3 td_zero (each unit's parameters in buckets of

@@ -732,18 +732,28 @@ static td_status step_shard(td_zero *z, td_tensor *sgrad) {
   return st;
 }
 
+td_status td__zero_bucket_part(td_zero *z, size_t k, td_tensor **out) {
+  const td__zbucket *b = &z->b[k];
+  td_status st = td_tensor_zeros(&b->chunk, 1, z->dt, z->dev, out);
+  for (size_t j = 0; st == TD_OK && j < z->nseg; j++) {
+    if (z->segs[j].bucket != k) continue;
+    td_tensor *s = NULL;
+    st = td_tensor_narrow(*out, 0, z->segs[j].shard_off - b->shard_off, z->segs[j].len, &s);
+    if (st == TD_OK) st = td_tensor_copy_(s, z->seg[j]);
+    td_tensor_unref(s);
+  }
+  if (st != TD_OK) {
+    td_tensor_unref(*out);
+    *out = NULL;
+  }
+  return st;
+}
+
 /* Every member's updated part of bucket k into every member's parameters. */
 static td_status gather_bucket(td_zero *z, size_t k) {
   const td__zbucket *b = &z->b[k];
   td_tensor *part = NULL, *buf = NULL;
-  td_status st = td_tensor_zeros(&b->chunk, 1, z->dt, z->dev, &part);
-  for (size_t j = 0; st == TD_OK && j < z->nseg; j++) {
-    if (z->segs[j].bucket != k) continue;
-    td_tensor *s = NULL;
-    st = td_tensor_narrow(part, 0, z->segs[j].shard_off - b->shard_off, z->segs[j].len, &s);
-    if (st == TD_OK) st = td_tensor_copy_(s, z->seg[j]);
-    td_tensor_unref(s);
-  }
+  td_status st = td__zero_bucket_part(z, k, &part);
   if (st == TD_OK) st = bucket_buffer(z, b, &buf);
   if (st == TD_OK) st = td_process_group_all_gather_into_tensor(z->pg, buf, part);
   for (size_t q = b->first; st == TD_OK && q < b->first + b->count; q++) {

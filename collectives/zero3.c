@@ -202,17 +202,9 @@ static td_status unit_free(td_zero *z, td__zunit *u) {
 
 /* Starts bucket k's all_gather: this member's segments of it -> *buf. */
 static td_status gather_bucket_start(td_zero *z, size_t k, td_tensor **buf, td_future **work) {
-  const td__zbucket *b = &z->b[k];
   td_tensor *part = NULL;
-  int64_t all = b->chunk * td_process_group_size(z->pg);
-  td_status st = td_tensor_zeros(&b->chunk, 1, z->dt, z->dev, &part);
-  for (size_t j = 0; st == TD_OK && j < z->nseg; j++) {
-    if (z->segs[j].bucket != k) continue;
-    td_tensor *s = NULL;
-    st = td_tensor_narrow(part, 0, z->segs[j].shard_off - b->shard_off, z->segs[j].len, &s);
-    if (st == TD_OK) st = td_tensor_copy_(s, z->seg[j]);
-    td_tensor_unref(s);
-  }
+  int64_t all = z->b[k].chunk * td_process_group_size(z->pg);
+  td_status st = td__zero_bucket_part(z, k, &part);
   if (st == TD_OK) st = td_tensor_empty(&all, 1, z->dt, z->dev, buf);
   if (st == TD_OK) st = td_process_group_all_gather_into_tensor_async(z->pg, *buf, part, work);
   td_tensor_unref(part);
