@@ -141,11 +141,9 @@ static td_status make_buckets(td_zero *z, int64_t *S) {
   if (!z->order || !z->bucket_of || !z->offset || !z->b || !first || !count || !numel)
     st = td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
   if (st == TD_OK) st = make_order(z);
-  size_t cap = SIZE_MAX, first_cap = SIZE_MAX;
-  if (z->zo.overlap) {
-    cap = z->zo.bucket_bytes ? z->zo.bucket_bytes : DEFAULT_BUCKET_BYTES;
+  size_t cap = z->zo.bucket_bytes ? z->zo.bucket_bytes : DEFAULT_BUCKET_BYTES, first_cap = cap;
+  if (z->zo.overlap)
     first_cap = z->zo.first_bucket_bytes ? z->zo.first_bucket_bytes : DEFAULT_FIRST_BUCKET_BYTES;
-  }
   td__coll_bucket_plan plan = {z->bucket_of, z->offset, first, count, numel, 0};
   if (st == TD_OK) td__coll_plan_buckets(z->params, z->order, z->np, first_cap, cap, &plan);
   int n = td_process_group_size(z->pg);
@@ -167,7 +165,8 @@ static td_status make_buckets(td_zero *z, int64_t *S) {
 }
 
 /* Cuts this member's part of every bucket into segments (sorted by parameter, then offset) and
- * makes their master copies. */
+ * makes their master values: views of the parameters at stages 1 and 2 (the parameter memory
+ * every member keeps anyway), copies at stage 3 (the parameters are freed between uses). */
 static td_status make_segments(td_zero *z) {
   size_t m = z->np + z->nb + 1;
   z->segs = td__calloc(m, sizeof *z->segs);
@@ -188,10 +187,14 @@ static td_status make_segments(td_zero *z) {
   qsort(z->segs, z->nseg, sizeof *z->segs, seg_cmp);
   td_status st = TD_OK;
   for (size_t k = 0; st == TD_OK && k < z->nseg; k++) {
-    td_tensor *flat = NULL, *piece = NULL;
-    st = flatten(z->params[z->segs[k].param], &flat);
+    td_tensor *p = z->params[z->segs[k].param], *flat = NULL, *piece = NULL;
+    /* stages 1 and 2: the parameter's own elements (a view: stepping it updates them in place);
+     * stage 3, or a parameter that is not contiguous: a copy */
+    bool view = z->zo.stage < 3 && td_tensor_is_contiguous(p);
+    st = flatten(p, &flat);
     if (st == TD_OK) st = td_tensor_narrow(flat, 0, z->segs[k].off, z->segs[k].len, &piece);
-    if (st == TD_OK) st = td_tensor_clone(piece, &z->seg[k]);
+    if (st == TD_OK && view) z->seg[k] = td_tensor_ref(piece);
+    else if (st == TD_OK) st = td_tensor_clone(piece, &z->seg[k]);
     td_tensor_unref(piece);
     td_tensor_unref(flat);
   }
@@ -397,25 +400,23 @@ static td_status part_of(td_zero *z, td_tensor *sgrad, size_t k, td_tensor **out
   return td_tensor_narrow(sgrad, 0, z->b[k].shard_off, z->b[k].chunk, out);
 }
 
-/* Without overlap: every bucket from the .grads (stage 1 all_reduce, stage 2 reduce_scatter). */
+/* Without overlap: every bucket from the .grads, one bucket buffer at a time. Stage 1
+ * all_reduces into the .grads (sgrad NULL: the segments' gradients are read from them); stage 2
+ * reduce_scatters into the shard gradient. */
 static td_status reduce_after(td_zero *z, td_tensor *sgrad) {
-  int r = td_process_group_rank(z->pg);
   td_status st = TD_OK;
   for (size_t k = 0; st == TD_OK && k < z->nb; k++) {
-    td_tensor *buf = NULL, *part = NULL, *mine = NULL;
+    td_tensor *buf = NULL, *part = NULL;
     st = bucket_buffer(z, &z->b[k], &buf);
     if (st == TD_OK) st = fill_bucket(z, k, buf, false);
-    if (st == TD_OK) st = part_of(z, sgrad, k, &part);
     if (z->zo.stage == 1) {
       if (st == TD_OK) st = td_process_group_all_reduce(z->pg, buf, TD_REDUCE_AVG);
       if (st == TD_OK) st = scatter_grads(z, k, buf);
-      if (st == TD_OK) st = td_tensor_narrow(buf, 0, r * z->b[k].chunk, z->b[k].chunk, &mine);
-      if (st == TD_OK) st = td_tensor_copy_(part, mine);
-    } else if (st == TD_OK) {
-      st = td_process_group_reduce_scatter_tensor(z->pg, part, buf, TD_REDUCE_AVG);
+    } else {
+      if (st == TD_OK) st = part_of(z, sgrad, k, &part);
+      if (st == TD_OK) st = td_process_group_reduce_scatter_tensor(z->pg, part, buf, TD_REDUCE_AVG);
     }
     z->stats.bytes_reduced += td_tensor_nbytes(buf);
-    td_tensor_unref(mine);
     td_tensor_unref(part);
     td_tensor_unref(buf);
   }
@@ -701,18 +702,59 @@ static td_status sum_over(td_zero *z, td_process_group *pg, double *v) {
   return st;
 }
 
+/* Segment k's gradient: its slice of the shard gradient, or (stage 1: sgrad NULL) of its
+ * parameter's averaged .grad. New reference. */
+static td_status seg_grad(td_zero *z, td_tensor *sgrad, size_t k, td_tensor **out) {
+  const td__zseg *g = &z->segs[k];
+  if (sgrad) return td_tensor_narrow(sgrad, 0, g->shard_off, g->len, out);
+  td_tensor *grad = td_tensor_grad(z->params[g->param]), *flat = NULL;
+  if (!grad) return td_set_error(TD_ERR_STATE, "zero_step: parameter %zu lost its .grad during "
+                                 "the step", g->param);
+  td_status st = flatten(grad, &flat);
+  if (st == TD_OK) st = td_tensor_narrow(flat, 0, g->off, g->len, out);
+  td_tensor_unref(flat);
+  td_tensor_unref(grad);
+  return st;
+}
+
+/* Stage 1: the (weighted) squares of this member's segments of the averaged .grads. */
+static td_status seg_squares(td_zero *z, double *sq) {
+  td_status st = TD_OK;
+  *sq = 0;
+  for (size_t k = 0; st == TD_OK && k < z->nseg; k++) {
+    td_tensor *g = NULL, *cpu = NULL;
+    st = seg_grad(z, NULL, k, &g);
+    if (st == TD_OK) st = td_tensor_to(g, td_device_cpu(), &cpu);
+    if (st == TD_OK) *sq += (z->norm_w ? z->norm_w[z->segs[k].param] : 1.0) * sum_squares(cpu);
+    td_tensor_unref(g);
+    td_tensor_unref(cpu);
+  }
+  return st;
+}
+
 static td_status clip(td_zero *z, td_tensor *sgrad) {
   td_tensor *cpu = NULL;
-  td_status st = td_tensor_to(sgrad, td_device_cpu(), &cpu);
-  double sq = st != TD_OK ? 0 : z->norm_w ? weighted_squares(z, cpu) : sum_squares(cpu);
-  double total = 0;
+  double sq = 0, total = 0;
+  td_status st = TD_OK;
+  if (sgrad) {
+    st = td_tensor_to(sgrad, td_device_cpu(), &cpu);
+    if (st == TD_OK) sq = z->norm_w ? weighted_squares(z, cpu) : sum_squares(cpu);
+  } else {
+    st = seg_squares(z, &sq);
+  }
   if (st == TD_OK) st = sum_over(z, z->pg, &sq);
   if (st == TD_OK && z->zo.norm_group) st = sum_over(z, z->zo.norm_group, &sq);
   if (st == TD_OK) {
     total = sqrt(sq);
     z->stats.last_grad_norm = total;
     double coef = z->zo.max_grad_norm / (total + 1e-6);
-    if (coef < 1.0 || isnan(coef)) st = td_tensor_mul_scalar_(sgrad, coef);
+    bool scale = coef < 1.0 || isnan(coef);
+    if (scale && sgrad) st = td_tensor_mul_scalar_(sgrad, coef);
+    for (size_t i = 0; scale && !sgrad && st == TD_OK && i < z->np; i++) { /* every .grad */
+      td_tensor *g = td_tensor_grad(z->params[i]);
+      if (g) st = td_tensor_mul_scalar_(g, coef);
+      td_tensor_unref(g);
+    }
   }
   td_tensor_unref(cpu);
   return st;
@@ -724,8 +766,7 @@ static td_status step_shard(td_zero *z, td_tensor *sgrad) {
   td_tensor **g = td__calloc(z->nseg, sizeof *g);
   if (!g) return td_set_error(TD_ERR_NOMEM, "zero_step: out of memory");
   td_status st = TD_OK;
-  for (size_t k = 0; st == TD_OK && k < z->nseg; k++)
-    st = td_tensor_narrow(sgrad, 0, z->segs[k].shard_off, z->segs[k].len, &g[k]);
+  for (size_t k = 0; st == TD_OK && k < z->nseg; k++) st = seg_grad(z, sgrad, k, &g[k]);
   if (st == TD_OK) st = td_optim_step_grads(z->opt, g, z->nseg);
   for (size_t k = 0; k < z->nseg; k++) td_tensor_unref(g[k]);
   td__free(g);
@@ -775,7 +816,7 @@ td_status td_zero_step(td_zero *z) {
     st = finish_overlap(z);
   } else {
     int64_t S = z->stats.shard_numel ? z->stats.shard_numel : 1;
-    st = td_tensor_zeros(&S, 1, z->dt, z->dev, &z->sgrad);
+    if (z->zo.stage > 1) st = td_tensor_zeros(&S, 1, z->dt, z->dev, &z->sgrad);
     if (st == TD_OK) st = reduce_after(z, z->sgrad);
   }
   td_tensor *sgrad = z->sgrad;

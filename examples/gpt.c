@@ -292,6 +292,9 @@ typedef struct dp_run {
    * below is the whole run's) */
   double rss_before_model, peak_setup;
   bool peak_reset;
+  /* the CPU allocator's bytes (MiB, td_cpu_memory_info) in use before the model was made and at
+   * the start of training: tensor memory, the figure the model-state formulas count */
+  double tensors_before_model, tensors_at_start;
 } dp_run;
 
 /* estimate returns the mean loss of eval_iters batches of each split (train, val) from a
@@ -403,6 +406,8 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
   bool lead = dp->rank == 0;
   dp->peak_setup = ex_peak_rss_mb();
   dp->peak_reset = ex_reset_peak_rss(); /* the training peak from here */
+  dp->tensors_at_start = ex_tensor_mb(false);
+  td_cpu_reset_peak_memory();
   td_generator *g;
   EX_CHECK(td_generator_create(o->seed + 1 + (uint64_t)dp->rank, &g));
   ex_json_array(&r->evals);
@@ -469,28 +474,36 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
 /* Adds the data-parallel figures to rank 0's results: every rank's peak RSS, the DDP counters
  * or the ZeRO sizes. Collective over the group. */
 static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) {
-  enum { K = 3 };
+  enum { K = 6 };
   int64_t k = K, all = (int64_t)K * dp->world;
   double train_peak = ex_peak_rss_mb();
   double mine[K] = {train_peak > dp->peak_setup ? train_peak : dp->peak_setup, train_peak,
-                    dp->rss_before_model};
+                    dp->rss_before_model, ex_tensor_mb(true), dp->tensors_before_model,
+                    dp->tensors_at_start};
   td_tensor *t = NULL, *every = NULL;
   EX_CHECK(td_tensor_from_buffer(mine, &k, 1, TD_DTYPE_F64, &t));
   EX_CHECK(td_tensor_empty(&all, 1, TD_DTYPE_F64, td_device_cpu(), &every));
   EX_CHECK(td_process_group_all_gather_into_tensor(dp->pg, every, t));
   const double *v = td_tensor_data(every);
-  /* the run's peak; the training peak (from the first step on: the model building's transients
-   * left out); what training added to the process as it was before the model existed */
+  /* RSS: the run's peak; the training peak (from the first step on: the model building's
+   * transients left out); what training added to the process as it was before the model existed.
+   * Tensors (the CPU allocator): the training peak less what was in use before the model
+   * existed (model states + activations + buffers: what the formulas count), and the model
+   * states at rest when training starts. */
   static const char *keys[] = {"peak_rss_mb_per_rank", "peak_rss_train_mb_per_rank",
-                               "train_memory_mb_per_rank"};
-  for (int j = 0; j < K; j++) {
-    if (j > 0 && !dp->peak_reset) break;
-    ex_json rss;
-    ex_json_array(&rss);
-    for (int i = 0; i < dp->world; i++)
-      ex_json_num(&rss, NULL, j < 2 ? v[K * i + j] : v[K * i + 1] - v[K * i + 2]);
-    ex_json_child(res, keys[j], &rss);
-    ex_json_fini(&rss);
+                               "train_memory_mb_per_rank", "train_tensor_peak_mb_per_rank",
+                               "tensors_at_start_mb_per_rank"};
+  for (int j = 0; j < 5; j++) {
+    if ((j == 1 || j == 2) && !dp->peak_reset) continue;
+    ex_json arr;
+    ex_json_array(&arr);
+    for (int i = 0; i < dp->world; i++) {
+      const double *r = v + K * i;
+      double x = j < 2 ? r[j] : j == 2 ? r[1] - r[2] : j == 3 ? r[3] - r[4] : r[5] - r[4];
+      ex_json_num(&arr, NULL, x);
+    }
+    ex_json_child(res, keys[j], &arr);
+    ex_json_fini(&arr);
   }
   td_tensor_unref(t);
   td_tensor_unref(every);
@@ -689,6 +702,7 @@ int main(int argc, char **argv) {
     td_generator *g;
     EX_CHECK(td_generator_create(o.seed, &g));
     dp.rss_before_model = ex_rss_mb();
+    dp.tensors_before_model = ex_tensor_mb(false);
     EX_CHECK(td_gpt_create(&mc, g, &m));
     td_generator_destroy(g);
     if (dt != TD_DTYPE_F32) EX_CHECK(td_module_to_dtype(m, dt));

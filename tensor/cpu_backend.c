@@ -55,6 +55,33 @@ static struct {
   bool inited;
 } cache = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
+/* Bytes handed out (page-rounded block sizes, headers not counted) and their high-water mark,
+ * for td_cpu_memory_info: the figure PyTorch calls memory_allocated / max_memory_allocated. */
+static size_t mem_in_use, mem_peak;
+
+static void account_alloc(size_t sz) {
+  size_t now = __atomic_add_fetch(&mem_in_use, sz, __ATOMIC_RELAXED);
+  size_t peak = __atomic_load_n(&mem_peak, __ATOMIC_RELAXED);
+  while (now > peak &&
+         !__atomic_compare_exchange_n(&mem_peak, &peak, now, true, __ATOMIC_RELAXED,
+                                      __ATOMIC_RELAXED)) {
+  }
+}
+
+void td_cpu_memory_info(size_t *in_use, size_t *peak, size_t *cached) {
+  if (in_use) *in_use = __atomic_load_n(&mem_in_use, __ATOMIC_RELAXED);
+  if (peak) *peak = __atomic_load_n(&mem_peak, __ATOMIC_RELAXED);
+  if (cached) {
+    pthread_mutex_lock(&cache.mu);
+    *cached = cache.total;
+    pthread_mutex_unlock(&cache.mu);
+  }
+}
+
+void td_cpu_reset_peak_memory(void) {
+  __atomic_store_n(&mem_peak, __atomic_load_n(&mem_in_use, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+}
+
 static void cache_init_locked(void) {
   if (cache.inited) return;
   const char *e = getenv("TD_CPU_CACHE_MB");
@@ -102,6 +129,7 @@ static td_status cpu_alloc(int dev, size_t nbytes, void **out) {
         cache.counts[i]--;
         cache.total -= sz;
         pthread_mutex_unlock(&cache.mu);
+        account_alloc(sz);
         *out = (char *)b + HDR;
         return TD_OK;
       }
@@ -118,6 +146,7 @@ static td_status cpu_alloc(int dev, size_t nbytes, void **out) {
       return td_set_error(TD_ERR_NOMEM, "cpu: cannot allocate %zu bytes", nbytes);
     ((blk *)p)->size = sz;
   }
+  account_alloc(sz);
   *out = (char *)p + HDR;
   return TD_OK;
 }
@@ -137,6 +166,7 @@ static void cpu_free(int dev, void *ptr) {
   if (!ptr) return;
   char *p = (char *)ptr - HDR;
   size_t word = ((blk *)p)->size, sz = word & ~(size_t)1;
+  __atomic_sub_fetch(&mem_in_use, sz, __ATOMIC_RELAXED);
   if (sz >= CACHE_MIN) {
     pthread_mutex_lock(&cache.mu);
     cache_init_locked();

@@ -524,6 +524,12 @@ double ex_peak_rss_mb(void) {
 
 double ex_rss_mb(void) { return status_mb("VmRSS"); }
 
+double ex_tensor_mb(bool peak) {
+  size_t in_use, max;
+  td_cpu_memory_info(&in_use, &max, NULL);
+  return (double)(peak ? max : in_use) / 1048576.0;
+}
+
 bool ex_reset_peak_rss(void) {
   FILE *f = fopen("/proc/self/clear_refs", "w");
   if (!f) return false;

@@ -169,6 +169,9 @@ double ex_rss_mb(void);
 /* ex_reset_peak_rss starts the peak over from the resident set size now (Linux: "5" into
  * /proc/self/clear_refs); false when that is not possible. */
 bool ex_reset_peak_rss(void);
+/* ex_tensor_mb returns the CPU allocator's bytes in use (peak false) or its peak (true) in MiB
+ * (td_cpu_memory_info). */
+double ex_tensor_mb(bool peak);
 
 /* ---- training loss at the start and at the end ---- */
 

@@ -103,6 +103,16 @@ TD_API td_status td_cuda_empty_cache(void);
  * for a device that does not exist; TD_ERR_UNSUPPORTED without CUDA in the build. THREAD
  * SAFETY: any thread. */
 TD_API td_status td_cuda_memory_info(int device, size_t *in_use, size_t *cached);
+/* td_cpu_memory_info reports the CPU allocator's bytes: *in_use (the blocks held by tensors and
+ * by tdist's own buffers, each rounded up to 4 KiB: torch.cuda.memory_allocated's figure for
+ * host memory), *peak (the most in use since the process started or td_cpu_reset_peak_memory)
+ * and *cached (freed blocks kept for reuse, TD_CPU_CACHE_MB). Library code, thread stacks and
+ * malloc's own state are not counted: RSS is larger. Any pointer may be NULL. THREAD SAFETY: any
+ * thread. */
+TD_API void td_cpu_memory_info(size_t *in_use, size_t *peak, size_t *cached);
+/* td_cpu_reset_peak_memory sets the peak to the bytes in use now, like
+ * torch.cuda.reset_peak_memory_stats. THREAD SAFETY: any thread. */
+TD_API void td_cpu_reset_peak_memory(void);
 
 /* td_dtype_size returns the size in bytes of one element (1, 2, 4 or 8; 0 for a number that is
  * no dtype). */

@@ -110,8 +110,10 @@ static double ref_step(td_module *ref, td_optim *ropt, td_tensor_list *pr, int d
   return total;
 }
 
-/* A td_zero over the groups of pm (AdamW, clipping); with overlap a bucket per parameter. */
-static td_zero *zero_over(td_process_group *pg, td_tensor_list *pm, int stage, bool overlap) {
+/* A td_zero over the groups of pm (AdamW, clipping); per_param: a bucket per parameter, else
+ * the default bucket size (one bucket for these 66 elements). */
+static td_zero *zero_over(td_process_group *pg, td_tensor_list *pm, int stage, bool overlap,
+                          bool per_param) {
   td_tensor *w[2], *b[2];
   td_optim_group g[2];
   groups_of(pm, w, b, g);
@@ -122,7 +124,7 @@ static td_zero *zero_over(td_process_group *pg, td_tensor_list *pm, int stage, b
   zo.stage = stage;
   zo.max_grad_norm = MAX_NORM;
   zo.overlap = overlap;
-  zo.bucket_bytes = zo.first_bucket_bytes = 1;
+  if (per_param) zo.bucket_bytes = zo.first_bucket_bytes = 1;
   td_zero *z = NULL;
   MP_CHECK_OK(td_zero_create(pg, &o, g, 2, &zo, &z));
   return z;
@@ -138,8 +140,9 @@ static void owned_once(td_process_group *pg, int64_t owned) {
   td_tensor_unref(sum);
 }
 
-/* One run of `stage` against the single-process reference. */
-static void run_stage(td_process_group *pg, int rank, int stage) {
+/* One run of `stage` (after backward) against the single-process reference; per_param: a bucket
+ * per parameter in the flat order, else one bucket. */
+static void run_stage(td_process_group *pg, int rank, int stage, bool per_param) {
   td_module *m = build(1000 + (uint64_t)rank, false), *ref = build(1000, false);
   td_tensor_list pm, pr;
   td_tensor_list_init(&pm);
@@ -152,18 +155,21 @@ static void run_stage(td_process_group *pg, int rank, int stage) {
   groups_of(&pr, rw, rb, rg);
   td_optim_options o;
   adamw(&o);
-  td_zero *z = zero_over(pg, &pm, stage, false);
+  td_zero *z = zero_over(pg, &pm, stage, false, per_param);
   td_optim *ropt = NULL;
   MP_CHECK_OK(td_optim_create_groups(&o, rg, 2, &ropt));
 
-  /* the flat order is the groups' order: W1 W2 | b1 b2 = 35 + 21 + 7 + 3; shards of 22 */
+  /* the flat order is the groups' order: W1 W2 | b1 b2 = 35 + 21 + 7 + 3; shards of 22 in one
+   * bucket; per parameter, chunks of 12 + 7 + 3 + 1 (the last member owns 11 + 7 + 1 + 1) */
   td_zero_stats zs;
   MP_CHECK_OK(td_zero_get_stats(z, &zs));
-  MP_CHECK(zs.stage == stage && zs.numel == 66 && zs.shard_numel == 22 && zs.owned_numel == 22);
+  MP_CHECK(zs.stage == stage && zs.numel == 66 && zs.buckets == (per_param ? 4u : 1u));
+  MP_CHECK(zs.shard_numel == (per_param ? 23 : 22));
+  MP_CHECK(zs.owned_numel == (per_param ? (rank == 2 ? 20 : 23) : 22));
   static const size_t pieces[WORLD] = {1, 2, 3}; /* W1 | W1 W2 | W2 b1 b2 */
-  if (zs.optim_params != pieces[rank]) {
+  if (zs.optim_params != (per_param ? 4 : pieces[rank])) {
     fprintf(stderr, "[rank %d] the local optimizer holds %zu pieces, want %zu\n", rank,
-            zs.optim_params, pieces[rank]);
+            zs.optim_params, per_param ? 4 : pieces[rank]);
     MP_CHECK(0);
   }
   owned_once(pg, zs.owned_numel);
@@ -189,8 +195,9 @@ static void run_stage(td_process_group *pg, int rank, int stage) {
         MP_CHECK(0);
       }
       td_tensor *gm = td_tensor_grad(pm.tensors[i]);
-      if (stage == 1) {
-        MP_CHECK(gm != NULL && close_to(gm, avg[i])); /* the group average, before clipping */
+      if (stage == 1) { /* the group average, clipped as torch's clip_grad_norm_ leaves it */
+        MP_CHECK_OK(td_tensor_mul_scalar_(avg[i], MAX_NORM / (total + 1e-6)));
+        MP_CHECK(gm != NULL && close_to(gm, avg[i]));
       } else {
         MP_CHECK(gm == NULL); /* stage 2 keeps no full gradient */
       }
@@ -489,8 +496,10 @@ static int worker_zero(int rank, int world, const char *method, void *arg) {
   zo.overlap = true; /* overlap is for stage 2 */
   MP_CHECK(td_zero_create(pg, &o, NULL, 0, &zo, &z) == TD_ERR_INVALID && z == NULL);
 
-  run_stage(pg, rank, 1);
-  run_stage(pg, rank, 2);
+  run_stage(pg, rank, 1, false);
+  run_stage(pg, rank, 2, false);
+  run_stage(pg, rank, 1, true);
+  run_stage(pg, rank, 2, true);
   run_overlap(pg, rank, false);
   run_overlap(pg, rank, true);
   run_stage3(pg, rank, true);
@@ -599,7 +608,7 @@ static int worker_save(int rank, int world, const char *method, void *arg) {
   td_tensor_list pm;
   td_tensor_list_init(&pm);
   MP_CHECK_OK(td_module_parameters(m, &pm));
-  td_zero *z = zero_over(pg, &pm, 2, true);
+  td_zero *z = zero_over(pg, &pm, 2, true, true);
   for (int step = 0; step < SAVED_STEPS; step++) {
     MP_CHECK_OK(td_zero_prepare(z));
     backward_on(m, rank, step);
@@ -638,7 +647,7 @@ static int worker_resume(int rank, int world, const char *method, void *arg) {
   td_tensor_list po;
   td_tensor_list_init(&po);
   MP_CHECK_OK(td_module_parameters(odd, &po));
-  td_zero *zo = zero_over(pg, &po, 2, false);
+  td_zero *zo = zero_over(pg, &po, 2, false, true);
   MP_CHECK(td_zero_load(zo, one, 1) == TD_ERR_SHAPE);
   td_zero_destroy(zo);
   td_tensor_list_fini(&po);
@@ -650,7 +659,7 @@ static int worker_resume(int rank, int world, const char *method, void *arg) {
   td_tensor_list_init(&pr);
   MP_CHECK_OK(td_module_parameters(m, &pm));
   MP_CHECK_OK(td_module_parameters(ref, &pr));
-  td_zero *z = zero_over(pg, &pm, world == 1 ? 1 : 2, world != 1);
+  td_zero *z = zero_over(pg, &pm, world == 1 ? 1 : 2, world != 1, true);
   if (world == 1) MP_CHECK_OK(td_zero_load(z, shards, SAVE_WORLD));
   else MP_CHECK_OK(td_zero_load(z, one, 1));
   td_zero_stats zs;
