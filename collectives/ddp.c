@@ -67,6 +67,8 @@ struct td_ddp {
   int *hook_handle;
   bool armed, no_sync, rebuilt;
   bool *seen;        /* per parameter: its gradient arrived in this pass */
+  size_t pending;    /* gradient_as_bucket_view: the parameter whose .grad autograd set after its
+                        hook (already in its slice; dropped at the next hook), or params.n */
   size_t *arrival;   /* the first pass's arrival order (parameter indices) */
   size_t narrived;
   int next_bucket;   /* the next bucket to start, in order */
@@ -199,16 +201,36 @@ static td_status slice_of(td_ddp *d, bucket *b, size_t i, td_tensor **out) {
   return td__coll_bucket_slice(b->buf, d->offset[i], d->params.tensors[i], out);
 }
 
-/* Copies the bucket's averages into the parameters' .grads (a parameter without one gets one). */
+/* Whether g is the bucket slice s itself (gradient_as_bucket_view). */
+static bool aliases(const td_tensor *g, const td_tensor *s) {
+  return g && td_tensor_data(g) == td_tensor_data(s);
+}
+
+/* Copies the bucket's averages into the parameters' .grads (a parameter without one gets one);
+ * gradient_as_bucket_view: makes each .grad the slice itself. */
 static td_status copy_back(td_ddp *d, bucket *b) {
   td_status st = TD_OK;
   for (size_t k = b->first; st == TD_OK && k < b->first + b->count; k++) {
     size_t i = d->order[k];
-    td_tensor *s = NULL;
+    td_tensor *s = NULL, *g = NULL;
     st = slice_of(d, b, i, &s);
-    if (st == TD_OK) st = td__coll_grad_assign(d->params.tensors[i], s);
+    if (st == TD_OK && d->opts.gradient_as_bucket_view) {
+      g = td_tensor_grad(d->params.tensors[i]);
+      if (!aliases(g, s)) st = td_tensor_set_grad(d->params.tensors[i], s);
+    } else if (st == TD_OK) {
+      st = td__coll_grad_assign(d->params.tensors[i], s);
+    }
+    td_tensor_unref(g);
     td_tensor_unref(s);
   }
+  return st;
+}
+
+/* Slice s <- parameter i's .grad, or zeros without one (nothing to copy when it is s). */
+static td_status fill_slice(td_ddp *d, size_t i, td_tensor *s) {
+  td_tensor *g = td_tensor_grad(d->params.tensors[i]);
+  td_status st = aliases(g, s) ? TD_OK : g ? td_tensor_copy_(s, g) : td_tensor_zero_(s);
+  td_tensor_unref(g);
   return st;
 }
 
@@ -216,11 +238,10 @@ static td_status sync_bucket(td_ddp *d, bucket *b) {
   td_status st = TD_OK;
   for (size_t k = b->first; st == TD_OK && k < b->first + b->count; k++) {
     size_t i = d->order[k];
-    td_tensor *g = td_tensor_grad(d->params.tensors[i]), *s = NULL;
+    td_tensor *s = NULL;
     st = slice_of(d, b, i, &s);
-    if (st == TD_OK) st = g ? td_tensor_copy_(s, g) : td_tensor_zero_(s);
+    if (st == TD_OK) st = fill_slice(d, i, s);
     td_tensor_unref(s);
-    td_tensor_unref(g);
   }
   if (st == TD_OK) st = td_process_group_all_reduce(d->pg, b->buf, TD_REDUCE_AVG);
   if (st == TD_OK) st = copy_back(d, b);
@@ -242,8 +263,45 @@ static td_status start_ready(td_ddp *d) {
   return TD_OK;
 }
 
+/* gradient_as_bucket_view: the .grad autograd set after the previous hook is in its slice. */
+static void drop_pending(td_ddp *d) {
+  if (d->pending < d->params.n) (void)td_tensor_set_grad(d->params.tensors[d->pending], NULL);
+  d->pending = d->params.n;
+}
+
+/* gradient_as_bucket_view: the slice is what .grad will be, so the gradient is added there and
+ * the parameter's .grad is cleared before autograd accumulates (it then only adopts the incoming
+ * tensor, dropped at the next hook): no full-size gradient exists beside the buckets. */
+static td_status hook_body_view(td_ddp *d, size_t i, const td_tensor *grad) {
+  bucket *b = &d->buckets[d->bucket_of[i]];
+  drop_pending(d);
+  if (b->work)
+    return td_set_error(TD_ERR_STATE, "ddp: parameter %zu got a second gradient after its "
+                        "bucket's all_reduce started (a second backward in one pass); with "
+                        "gradient_as_bucket_view sum the losses and call backward once", i);
+  td_tensor *old = td_tensor_grad(d->params.tensors[i]), *s = NULL;
+  td_status st = slice_of(d, b, i, &s);
+  if (st == TD_OK && (d->seen[i] || aliases(old, s))) {
+    st = td_tensor_add_(s, grad, 1.0);
+  } else if (st == TD_OK) {
+    st = td_tensor_copy_(s, grad);
+    if (st == TD_OK && old) st = td_tensor_add_(s, old, 1.0);
+  }
+  if (st == TD_OK) st = td_tensor_set_grad(d->params.tensors[i], NULL);
+  td_tensor_unref(s);
+  td_tensor_unref(old);
+  if (st != TD_OK) return st;
+  d->pending = i;
+  if (d->seen[i]) return TD_OK;
+  d->seen[i] = true;
+  if (!d->rebuilt && d->narrived < d->params.n) d->arrival[d->narrived++] = i;
+  b->ready++;
+  return start_ready(d);
+}
+
 /* The gradient of parameter i is about to be accumulated: its slice gets what .grad will hold. */
 static td_status hook_body(td_ddp *d, size_t i, const td_tensor *grad) {
+  if (d->opts.gradient_as_bucket_view) return hook_body_view(d, i, grad);
   bucket *b = &d->buckets[d->bucket_of[i]];
   if (d->seen[i]) { /* a second gradient in one pass: reduce this bucket again at finish */
     b->dirty = true;
@@ -294,6 +352,7 @@ td_status td_ddp_prepare(td_ddp *d) {
     d->buckets[k].dirty = false;
   }
   memset(d->seen, 0, d->params.n * sizeof *d->seen);
+  d->pending = d->params.n;
   d->next_bucket = 0;
   d->hook_st = TD_OK;
   d->hook_msg[0] = 0;
@@ -329,6 +388,17 @@ static td_status rebuild(td_ddp *d) {
     for (size_t j = 0; j < n; j++) d->order[j] = (size_t)v[j];
     st = make_buckets(d);
   }
+  /* gradient_as_bucket_view: the .grads move into the new buckets (the old ones go with them) */
+  for (int k = 0; st == TD_OK && d->opts.gradient_as_bucket_view && k < d->nbuckets; k++) {
+    bucket *b = &d->buckets[k];
+    for (size_t q = b->first; st == TD_OK && q < b->first + b->count; q++) {
+      td_tensor *s = NULL;
+      st = slice_of(d, b, d->order[q], &s);
+      if (st == TD_OK) st = fill_slice(d, d->order[q], s);
+      if (st == TD_OK) st = td_tensor_set_grad(d->params.tensors[d->order[q]], s);
+      td_tensor_unref(s);
+    }
+  }
   td_tensor_unref(back);
   td_tensor_unref(dev_ord);
   td_tensor_unref(ord);
@@ -346,6 +416,7 @@ td_status td_ddp_finish(td_ddp *d) {
   bool prev = td_autograd_set_enabled(false);
   td_status st = d->hook_st;
   if (st != TD_OK) td_set_error(st, "ddp_finish: inside backward: %s", d->hook_msg);
+  drop_pending(d);
   /* parameters that got no gradient this pass */
   for (size_t i = 0; st == TD_OK && i < d->params.n; i++) {
     if (d->seen[i]) continue;
@@ -358,11 +429,10 @@ td_status td_ddp_finish(td_ddp *d) {
       break;
     }
     bucket *b = &d->buckets[d->bucket_of[i]];
-    td_tensor *s = NULL, *g = td_tensor_grad(d->params.tensors[i]);
+    td_tensor *s = NULL;
     st = slice_of(d, b, i, &s);
-    if (st == TD_OK) st = g ? td_tensor_copy_(s, g) : td_tensor_zero_(s);
+    if (st == TD_OK) st = fill_slice(d, i, s);
     td_tensor_unref(s);
-    td_tensor_unref(g);
     d->seen[i] = true;
     d->stats.unused_parameters++;
     if (st == TD_OK && !b->work) b->ready++;

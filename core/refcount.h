@@ -40,6 +40,16 @@ static inline bool td__ref_dec(td__refcnt *r) {
   return after == 0;
 }
 
+/* td__ref_try_inc adds one unless the count is already zero (the object is being destroyed):
+ * how a weak pointer kept under a lock is turned into a reference. */
+static inline bool td__ref_try_inc(td__refcnt *r) {
+  int64_t n = __atomic_load_n(&r->n, __ATOMIC_RELAXED);
+  while (n > 0)
+    if (__atomic_compare_exchange_n(&r->n, &n, n + 1, true, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+      return true;
+  return false;
+}
+
 static inline int64_t td__ref_get(const td__refcnt *r) {
   return __atomic_load_n(&r->n, __ATOMIC_ACQUIRE);
 }

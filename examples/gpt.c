@@ -399,6 +399,7 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
     td_ddp_options d;
     td_ddp_options_init(&d);
     d.overlap = true;
+    d.gradient_as_bucket_view = true; /* the gradients live in the buckets: no second copy */
     if (o->bucket_mb > 0) d.bucket_bytes = (size_t)(o->bucket_mb * 1048576.0);
     if (d.bucket_bytes < d.first_bucket_bytes) d.first_bucket_bytes = d.bucket_bytes;
     EX_CHECK(td_ddp_create_ex(dp->pg, m, &d, &dp->ddp));

@@ -141,6 +141,11 @@ void td_node_unref(td_node *n) {
       n = NULL;
       continue;
     }
+    if (n->leaf) { /* the leaf's weak pointer to this AccumulateGrad node */
+      pthread_mutex_lock(&n->leaf->grad_mu);
+      if (n->leaf->grad_acc == n) n->leaf->grad_acc = NULL;
+      pthread_mutex_unlock(&n->leaf->grad_mu);
+    }
     if (n->ops->release_saved) n->ops->release_saved(n);
     if (n->ops->destroy) n->ops->destroy(n);
     for (int i = 0; i < n->n_inputs; i++) {
@@ -199,14 +204,29 @@ td_status td__node_set_next(td_node *node, int i, const td_tensor *input) {
     e->input_nr = input->output_nr;
     return TD_OK;
   }
-  td_node *acc = td__node_new(sizeof(td_node), &accumulate_ops, 1, 0);
-  if (!acc) return td_set_error(TD_ERR_NOMEM, "autograd: out of memory");
-  acc->leaf = td_tensor_ref((td_tensor *)input);
+  /* a leaf has one AccumulateGrad node while any graph uses it: its uses' gradients are summed
+   * by the engine before the leaf's hooks run and .grad is updated, once per backward */
+  td_tensor *leaf = (td_tensor *)input;
+  pthread_mutex_lock(&leaf->grad_mu);
+  td_node *acc = leaf->grad_acc;
+  if (acc && td__ref_try_inc(&acc->rc)) {
+    pthread_mutex_unlock(&leaf->grad_mu);
+    e->node = acc;
+    return TD_OK;
+  }
+  acc = td__node_new(sizeof(td_node), &accumulate_ops, 1, 0);
+  if (!acc) {
+    pthread_mutex_unlock(&leaf->grad_mu);
+    return td_set_error(TD_ERR_NOMEM, "autograd: out of memory");
+  }
+  acc->leaf = td_tensor_ref(leaf);
   acc->outs[0].valid = true;
   acc->outs[0].ndim = input->ndim;
   memcpy(acc->outs[0].shape, input->shape, sizeof input->shape);
   acc->outs[0].dtype = input->dtype;
   acc->outs[0].device = input->storage->device;
+  leaf->grad_acc = acc;
+  pthread_mutex_unlock(&leaf->grad_mu);
   e->node = acc;
   return TD_OK;
 }

@@ -63,9 +63,12 @@ struct td_tensor {
   bool requires_grad;
   td_node *grad_fn; /* owned reference or NULL (leaf) */
   int output_nr;
-  pthread_mutex_t grad_mu; /* guards grad and hooks */
+  pthread_mutex_t grad_mu; /* guards grad, hooks and grad_acc */
   td_tensor *grad;         /* leaf gradient (owned) or NULL */
   td__hook *hooks;         /* leaf hooks */
+  td_node *grad_acc;       /* leaf: its AccumulateGrad node while one exists (no reference: the
+                              node holds the leaf and clears this as it dies), so every use of the
+                              leaf feeds one node, as PyTorch's grad_accumulator_ */
 };
 
 /* td__tensor_new allocates a contiguous tensor with fresh storage on dev. */

@@ -266,6 +266,14 @@ typedef struct td_ddp_options {
                                 false (td_ddp_sync_gradients after backward) */
   bool find_unused_parameters; /* overlap: a parameter without a gradient in a pass counts as
                                   zeros (else td_ddp_finish fails naming it). Default false */
+  bool gradient_as_bucket_view; /* as PyTorch's: after a reduction each .grad is a view of its
+                                  bucket slice instead of a copy, so the gradients take no memory
+                                  beside the buckets (one copy of the gradient instead of two).
+                                  With overlap the hooks also clear each .grad as its gradient
+                                  enters the bucket, so .grads read during backward are absent; a
+                                  second gradient for a parameter after its bucket started (two
+                                  backwards in one pass) is an error instead of a re-reduction.
+                                  Values are the same as without. Default false */
 } td_ddp_options;
 TD_API void td_ddp_options_init(td_ddp_options *o);
 

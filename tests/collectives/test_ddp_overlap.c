@@ -3,7 +3,9 @@
  * fed the same data (before and after the buckets are rebuilt in arrival order), the buckets'
  * all-reduces start during backward (counters), no_sync accumulates locally and the next pass
  * averages the sums, a parameter without a gradient fails the pass naming it unless
- * find_unused_parameters (then it counts as zeros). */
+ * find_unused_parameters (then it counts as zeros). All of it again with gradient_as_bucket_view:
+ * the same bits, the .grads are views of the buckets (neighbours in memory), and a second
+ * backward in one pass fails naming the parameter. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -74,8 +76,28 @@ static void same_grads(td_module *a, td_module *b, const char *what) {
   td_tensor_list_fini(&pb);
 }
 
+/* Parameters whose .grad ends exactly where another one's begins: views of one bucket (separate
+ * allocations never touch: the allocator puts a header before each block). */
+static size_t grads_adjacent(td_module *m) {
+  td_tensor_list p;
+  td_tensor_list_init(&p);
+  MP_CHECK_OK(td_module_parameters(m, &p));
+  size_t n = 0;
+  for (size_t i = 0; i < p.n; i++) {
+    td_tensor *gi = td_tensor_grad(p.tensors[i]);
+    for (size_t j = 0; gi && j < p.n; j++) {
+      td_tensor *gj = td_tensor_grad(p.tensors[j]);
+      if (gj && (const char *)td_tensor_data(gi) + td_tensor_nbytes(gi) == td_tensor_data(gj)) n++;
+      td_tensor_unref(gj);
+    }
+    td_tensor_unref(gi);
+  }
+  td_tensor_list_fini(&p);
+  return n;
+}
+
 static int worker_overlap(int rank, int world, const char *method, void *arg) {
-  (void)arg;
+  bool view = *(const bool *)arg;
   td_rpc_agent *a = coll_join(rank, world, method);
   td_process_group *pg = NULL;
   MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
@@ -86,6 +108,7 @@ static int worker_overlap(int rank, int world, const char *method, void *arg) {
   o.overlap = true;
   o.bucket_bytes = 2 * (WIDTH * WIDTH + WIDTH) * 8; /* two layers a bucket */
   o.first_bucket_bytes = (WIDTH * WIDTH + WIDTH) * 8;
+  o.gradient_as_bucket_view = view;
   td_ddp *dover = NULL, *dplain = NULL;
   MP_CHECK_OK(td_ddp_create_ex(pg, over, &o, &dover));
   MP_CHECK_OK(td_ddp_create(pg, plain, 0, &dplain));
@@ -93,14 +116,19 @@ static int worker_overlap(int rank, int world, const char *method, void *arg) {
 
   for (int step = 0; step < 3; step++) { /* step 0 rebuilds the buckets after it */
     uint64_t seed = 100 * (uint64_t)step + (uint64_t)rank;
-    td_module_zero_grad(over);
-    td_module_zero_grad(plain);
+    if (step != 2) { /* step 2 adds to the averages of step 1 (with views: into the buckets) */
+      td_module_zero_grad(over);
+      td_module_zero_grad(plain);
+    }
     MP_CHECK_OK(td_ddp_prepare(dover));
     backward_on(over, seed);
     MP_CHECK_OK(td_ddp_finish(dover));
     backward_on(plain, seed);
     MP_CHECK_OK(td_ddp_sync_gradients(dplain));
     same_grads(over, plain, "pass");
+    size_t adj = grads_adjacent(over), nb = (size_t)td_ddp_num_buckets(dover);
+    MP_CHECK(view ? adj >= 2 * LAYERS - nb : adj == 0);
+    MP_CHECK(grads_adjacent(plain) == 0);
   }
   td_ddp_stats s;
   MP_CHECK_OK(td_ddp_get_stats(dover, &s));
@@ -143,6 +171,14 @@ static int worker_overlap(int rank, int world, const char *method, void *arg) {
   td_tensor_unref(y);
   td_tensor_unref(l);
   td_tensor_unref(x);
+  if (view) { /* two backwards in one pass: the second one's gradients find their buckets started */
+    td_module_zero_grad(over);
+    MP_CHECK_OK(td_ddp_prepare(dover));
+    backward_on(over, 700);
+    backward_on(over, 701);
+    MP_CHECK(td_ddp_finish(dover) == TD_ERR_STATE);
+    MP_CHECK(strstr(td_last_error(), "second gradient after its bucket's all_reduce started"));
+  }
   td_ddp_destroy(dover);
 
   o.find_unused_parameters = true;
@@ -181,13 +217,23 @@ static int worker_overlap(int rank, int world, const char *method, void *arg) {
 static void test_ddp_overlap_matches_after_backward(void **state) {
   (void)state;
   int codes[3];
-  int fails = td_mp_run(3, worker_overlap, NULL, 120, codes);
+  bool view = false;
+  int fails = td_mp_run(3, worker_overlap, &view, 120, codes);
+  if (fails) fail_msg("%d workers failed", fails);
+}
+
+static void test_ddp_gradient_as_bucket_view_matches_after_backward(void **state) {
+  (void)state;
+  int codes[3];
+  bool view = true;
+  int fails = td_mp_run(3, worker_overlap, &view, 120, codes);
   if (fails) fail_msg("%d workers failed", fails);
 }
 
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_ddp_overlap_matches_after_backward),
+      cmocka_unit_test(test_ddp_gradient_as_bucket_view_matches_after_backward),
   };
   return cmocka_run_group_tests_name("ddp_overlap", tests, NULL, NULL);
 }

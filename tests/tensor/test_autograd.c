@@ -105,6 +105,44 @@ static void test_autograd_hooks(void **state) {
   td_tensor_unref(x);
 }
 
+static td_status count_hook(void *ctx, const td_tensor *grad, td_tensor **rep) {
+  (void)grad;
+  (void)rep;
+  (*(int *)ctx)++;
+  return TD_OK;
+}
+
+/* A leaf used by three ops (two products and a transposed view, as a GPT's tied embedding and
+ * head) has one AccumulateGrad node: its hook runs once per backward, on the summed gradient, and
+ * .grad is written once. After the graph is gone a new graph gets a new node. */
+static void test_autograd_leaf_used_twice_accumulates_once(void **state) {
+  double wv[4] = {1, 2, 3, 4};
+  int64_t s[1] = {4}, s2[2] = {2, 2};
+  td_tensor *w = td_test_tensor(wv, s, 1, F64, true);
+  int calls = 0;
+  TD_ASSERT_OK(td_tensor_register_hook(w, count_hook, &calls, NULL));
+  for (int round = 0; round < 2; round++) {
+    td_tensor *a, *wr, *wt, *b, *c, *sa, *sb, *sc, *ab, *l;
+    TD_ASSERT_OK(td_tensor_mul_scalar(w, 3.0, &a));
+    TD_ASSERT_OK(td_tensor_reshape(w, s2, 2, &wr));
+    TD_ASSERT_OK(td_tensor_transpose(wr, 0, 1, &wt));
+    TD_ASSERT_OK(td_tensor_mul_scalar(wt, 5.0, &b));
+    TD_ASSERT_OK(td_tensor_mul(w, w, &c));
+    TD_ASSERT_OK(td_tensor_sum_all(a, &sa));
+    TD_ASSERT_OK(td_tensor_sum_all(b, &sb));
+    TD_ASSERT_OK(td_tensor_sum_all(c, &sc));
+    TD_ASSERT_OK(td_tensor_add(sa, sb, &ab));
+    TD_ASSERT_OK(td_tensor_add(ab, sc, &l));
+    TD_ASSERT_OK(td_tensor_set_grad(w, NULL));
+    TD_ASSERT_OK(td_tensor_backward(l));
+    assert_int_equal(calls, round + 1);
+    for (int i = 0; i < 4; i++) assert_true(grad_at(w, i) == 3.0 + 5.0 + 2.0 * wv[i]);
+    td_tensor *t[] = {a, wr, wt, b, c, sa, sb, sc, ab, l};
+    for (size_t k = 0; k < sizeof t / sizeof *t; k++) td_tensor_unref(t[k]);
+  }
+  td_tensor_unref(w);
+}
+
 /* An external node standing for "the rest of the graph on another worker": it receives the
  * gradient of an attached tensor and records it. */
 typedef struct {
@@ -295,6 +333,7 @@ int main(void) {
       cmocka_unit_test(test_autograd_accumulate_and_retain),
       cmocka_unit_test(test_autograd_grad_map),
       cmocka_unit_test(test_autograd_hooks),
+      cmocka_unit_test(test_autograd_leaf_used_twice_accumulates_once),
       cmocka_unit_test(test_autograd_external_recv),
       cmocka_unit_test(test_autograd_external_send_resume),
       cmocka_unit_test(test_autograd_no_grad),
