@@ -209,6 +209,7 @@ struct td_zero {
   int *unit_of;          /* per parameter: its unit, or -1 */
   bool pinned;           /* td_zero_gather_params: units stay gathered */
   int64_t live_bytes;    /* bytes of unit parameters gathered now */
+  int64_t gather_bytes;  /* bytes of all_gather output buffers alive now (gathers in flight) */
 };
 
 /* td__zero_bucket_part returns this member's part of bucket k (chunk elements: its segments'

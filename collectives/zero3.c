@@ -192,6 +192,19 @@ static td_status free_bucket(td_zero *z, size_t k) {
   return TD_OK;
 }
 
+/* Counts the bytes stage 3 holds beyond the shards (peak_gather_bytes) after an increase. */
+static void note_held(td_zero *z) {
+  int64_t held = z->live_bytes + z->gather_bytes;
+  if (held > (int64_t)z->stats.peak_gather_bytes) z->stats.peak_gather_bytes = (uint64_t)held;
+}
+
+/* Drops buffer *buf of a gather (counted out). */
+static void drop_buf(td_zero *z, td_tensor **buf) {
+  if (*buf) z->gather_bytes -= (int64_t)td_tensor_nbytes(*buf);
+  td_tensor_unref(*buf);
+  *buf = NULL;
+}
+
 static td_status unit_free(td_zero *z, td__zunit *u) {
   if (!u->gathered || z->pinned) return TD_OK;
   for (size_t k = u->b0; k < u->b0 + u->nbk; k++) TD_TRY(free_bucket(z, k));
@@ -211,6 +224,9 @@ static td_status gather_bucket_start(td_zero *z, size_t k, td_tensor **buf, td_f
   if (st != TD_OK) {
     td_tensor_unref(*buf);
     *buf = NULL;
+  } else {
+    z->gather_bytes += (int64_t)td_tensor_nbytes(*buf);
+    note_held(z);
   }
   return st;
 }
@@ -239,8 +255,7 @@ static td_status gather_start(td_zero *z, td__zunit *u, bool prefetch) {
   if (st != TD_OK) {
     for (size_t i = 0; i < j; i++) {
       (void)gather_bucket_wait(u, i);
-      td_tensor_unref(u->buf[i]);
-      u->buf[i] = NULL;
+      drop_buf(z, &u->buf[i]);
     }
     return st;
   }
@@ -256,6 +271,7 @@ static td_status unit_gather(td_zero *z, td__zunit *u) {
   if (u->gathered) return TD_OK;
   TD_TRY(gather_start(z, u, false));
   td_status st = TD_OK;
+  int64_t restored = 0; /* parameter bytes given memory so far (counted in live_bytes) */
   bool prev = td_autograd_set_enabled(false);
   for (size_t j = 0; j < u->nbk; j++) {
     td_status ws = gather_bucket_wait(u, j);
@@ -265,21 +281,26 @@ static td_status unit_gather(td_zero *z, td__zunit *u) {
       size_t i = z->order[q];
       td_tensor *s = NULL;
       st = td__tensor_storage_restore(z->params[i]);
+      if (st == TD_OK) {
+        int64_t nb = (int64_t)td_tensor_nbytes(z->params[i]);
+        restored += nb, z->live_bytes += nb;
+        note_held(z);
+      }
       if (st == TD_OK) st = td__coll_bucket_slice(u->buf[j], z->offset[i], z->params[i], &s);
       if (st == TD_OK) st = td_tensor_copy_(z->params[i], s);
       td_tensor_unref(s);
     }
-    td_tensor_unref(u->buf[j]);
-    u->buf[j] = NULL;
+    drop_buf(z, &u->buf[j]);
   }
   td_autograd_set_enabled(prev);
   u->started = false;
   if (st != TD_OK) { /* leave it free: half-copied values must not be used */
     for (size_t k = u->b0; k < u->b0 + u->nbk; k++) (void)free_bucket(z, k);
+    z->live_bytes -= restored;
     return st;
   }
   u->gathered = true;
-  z->live_bytes += u->nbytes;
+  z->live_bytes += u->nbytes - restored; /* u->nbytes == restored: its parameters */
   if (z->live_bytes > (int64_t)z->stats.peak_unit_bytes)
     z->stats.peak_unit_bytes = (uint64_t)z->live_bytes;
   return TD_OK;
@@ -291,8 +312,7 @@ static td_status gather_drop(td__zunit *u) {
   for (size_t j = 0; u->started && j < u->nbk; j++) {
     td_status ws = gather_bucket_wait(u, j);
     if (st == TD_OK) st = ws;
-    td_tensor_unref(u->buf[j]);
-    u->buf[j] = NULL;
+    drop_buf(u->z, &u->buf[j]);
   }
   u->started = false;
   return st;
@@ -385,6 +405,7 @@ td_status td__zero3_start(td_zero *z) {
   for (size_t u = 0; u < z->nu; u++) z->live_bytes += z->u[u].nbytes;
   z->stats.units = z->nu;
   z->stats.peak_unit_bytes = 0;
+  z->gather_bytes = 0;
   for (size_t u = 0; u < z->nu; u++) TD_TRY(unit_free(z, &z->u[u]));
   return TD_OK;
 }

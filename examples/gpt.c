@@ -295,6 +295,7 @@ typedef struct dp_run {
   /* the CPU allocator's bytes (MiB, td_cpu_memory_info) in use before the model was made and at
    * the start of training: tensor memory, the figure the model-state formulas count */
   double tensors_before_model, tensors_at_start;
+  double activations; /* tensor memory a training forward added (first step): saved activations */
 } dp_run;
 
 /* estimate returns the mean loss of eval_iters batches of each split (train, val) from a
@@ -434,7 +435,9 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
     batch_make(c->tok, c->n_train, g, o->batch_size, o->block_size, &r->hash, &b);
     td_tensor *logits, *loss;
     double tf = ex_now_s();
+    double before_fwd = ex_tensor_mb(false);
     EX_CHECK(td_gpt_forward(m, b.x, b.y, &logits, &loss));
+    if (it == 0) dp->activations = ex_tensor_mb(false) - before_fwd;
     if (opt) td_optim_zero_grad(opt);
     if (dp->zero) td_zero_zero_grad(dp->zero);
     if (dp->ddp) EX_CHECK(td_ddp_prepare(dp->ddp));
@@ -475,12 +478,12 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
 /* Adds the data-parallel figures to rank 0's results: every rank's peak RSS, the DDP counters
  * or the ZeRO sizes. Collective over the group. */
 static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) {
-  enum { K = 6 };
+  enum { K = 7 };
   int64_t k = K, all = (int64_t)K * dp->world;
   double train_peak = ex_peak_rss_mb();
   double mine[K] = {train_peak > dp->peak_setup ? train_peak : dp->peak_setup, train_peak,
                     dp->rss_before_model, ex_tensor_mb(true), dp->tensors_before_model,
-                    dp->tensors_at_start};
+                    dp->tensors_at_start, dp->activations};
   td_tensor *t = NULL, *every = NULL;
   EX_CHECK(td_tensor_from_buffer(mine, &k, 1, TD_DTYPE_F64, &t));
   EX_CHECK(td_tensor_empty(&all, 1, TD_DTYPE_F64, td_device_cpu(), &every));
@@ -493,14 +496,20 @@ static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) 
    * states at rest when training starts. */
   static const char *keys[] = {"peak_rss_mb_per_rank", "peak_rss_train_mb_per_rank",
                                "train_memory_mb_per_rank", "train_tensor_peak_mb_per_rank",
-                               "tensors_at_start_mb_per_rank"};
-  for (int j = 0; j < 5; j++) {
+                               "tensors_at_start_mb_per_rank", "activations_mb_per_rank"};
+  double peak = 0, act = 0; /* the worst rank's tensor peak and activations */
+  for (int i = 0; i < dp->world; i++) {
+    peak = fmax(peak, v[K * i + 3] - v[K * i + 4]);
+    act = fmax(act, v[K * i + 6]);
+  }
+  for (int j = 0; j < 6; j++) {
     if ((j == 1 || j == 2) && !dp->peak_reset) continue;
     ex_json arr;
     ex_json_array(&arr);
     for (int i = 0; i < dp->world; i++) {
       const double *r = v + K * i;
-      double x = j < 2 ? r[j] : j == 2 ? r[1] - r[2] : j == 3 ? r[3] - r[4] : r[5] - r[4];
+      double x = j < 2 ? r[j] : j == 2 ? r[1] - r[2] : j == 3 ? r[3] - r[4] : j == 4 ? r[5] - r[4]
+                                                                              : r[6];
       ex_json_num(&arr, NULL, x);
     }
     ex_json_child(res, keys[j], &arr);
@@ -515,6 +524,11 @@ static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) 
                    : !strcmp(o->dp, "zero1") ? 8 * psi + 8 * psi / n
                    : !strcmp(o->dp, "zero2") ? 4 * psi + 12 * psi / n : 16 * psi / n;
   ex_json_num(res, "model_state_formula_mb", formula / 1048576.0);
+  /* what the formulas leave out, as measured: activations, and the buffers the layout holds
+   * beyond the model states (ZeRO-2/3: gradient buckets in flight; ZeRO-3: full-size parameters
+   * of gathered units and of prefetches; DDP's buckets are its gradients, ZeRO-1 reduces one
+   * bucket at a time) */
+  double buffers = 0;
   if (dp->ddp) {
     td_ddp_stats st;
     EX_CHECK(td_ddp_get_stats(dp->ddp, &st));
@@ -526,6 +540,7 @@ static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) 
   if (dp->zero) {
     td_zero_stats st;
     EX_CHECK(td_zero_get_stats(dp->zero, &st));
+    buffers = (double)(st.peak_bucket_bytes + st.peak_gather_bytes);
     ex_json_int(res, "zero_stage", st.stage);
     ex_json_int(res, "zero_shard_numel", st.shard_numel);
     ex_json_int(res, "zero_numel", st.numel);
@@ -533,6 +548,7 @@ static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) 
     if (st.stage == 3) {
       ex_json_int(res, "zero_units", (int64_t)st.units);
       ex_json_num(res, "zero_peak_unit_mb", (double)st.peak_unit_bytes / 1048576.0);
+      ex_json_num(res, "zero_peak_gather_mb", (double)st.peak_gather_bytes / 1048576.0);
       ex_json_int(res, "zero_unit_gathers", (int64_t)st.unit_gathers);
       ex_json_int(res, "zero_unit_gathers_prefetched", (int64_t)st.prefetched);
     }
@@ -543,6 +559,11 @@ static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) 
                                    : NAN);
     }
   }
+  double expected = formula / 1048576.0 + buffers / 1048576.0 + act;
+  ex_json_num(res, "layout_buffers_mb", buffers / 1048576.0);
+  ex_json_num(res, "expected_tensor_peak_mb", expected);
+  ex_json_num(res, "tensor_peak_over_formula", peak / (formula / 1048576.0));
+  ex_json_num(res, "tensor_peak_over_expected", peak / expected);
 }
 
 /* ---- sampling ---- */

@@ -456,6 +456,9 @@ typedef struct td_zero_stats {
   uint64_t unit_gathers;      /* stage 3: all_gathers of a unit's parameters */
   uint64_t prefetched;        /* stage 3: of those, started ahead of the unit (prefetch) */
   uint64_t peak_unit_bytes;   /* stage 3: the most bytes of unit parameters gathered at once */
+  uint64_t peak_gather_bytes; /* stage 3: the most bytes held at once by gathered units and by
+                                 the output buffers of gathers in flight (prefetches): the
+                                 full-size parameter memory stage 3 adds to its shards */
 } td_zero_stats;
 TD_API td_status td_zero_get_stats(const td_zero *z, td_zero_stats *out);
 /* ---- ZeRO checkpoints ----
