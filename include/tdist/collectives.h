@@ -316,9 +316,10 @@ TD_API void td_ddp_destroy(td_ddp *ddp);
  *
  * A td_zero is an optimizer whose state is split across the group, as DeepSpeed's ZeRO and
  * torch's ZeroRedundancyOptimizer do: the parameters (every group's, in order) are laid end to
- * end in one flat index space of P elements, cut into `size` equal shards of S = ceil(P / size)
- * elements; member r keeps optimizer state (Adam's two moments, SGD's momentum, ...) for shard r
- * only and updates only those elements. Each td_zero_step:
+ * end in buckets of at most bucket_bytes (P elements in all); each bucket is cut into `size`
+ * equal parts and member r's parts of every bucket are its shard (S ~ P / size elements);
+ * member r keeps optimizer state (Adam's two moments, SGD's momentum, ...) for its shard only
+ * and updates only those elements. Each td_zero_step:
  *   1. reduces the gradients: stage 1 all_reduces them (AVG), so every member's .grad holds the
  *      group average afterwards, as under DDP; stage 2 reduce_scatters them (AVG), so each member
  *      receives only its shard's average, and clears the parameters' .grads (set to none);
@@ -329,8 +330,12 @@ TD_API void td_ddp_destroy(td_ddp *ddp);
  *   4. all_gathers the updated shards and writes them into every member's parameters.
  * The numbers are those of DDP followed by the same optimizer (up to the summation order of the
  * reduction). Per member: optimizer state for S elements instead of P (Adam: 8S bytes instead of
- * 8P in float32), with a float copy of the shard (4S) and, during a step, flat buffers of P
- * elements for the gradient and the gathered parameters (one bucket at a time with overlap).
+ * 8P in float32); stages 1 and 2 step the parameters' own elements (no copy of the shard),
+ * stage 2 keeps the shard's averaged gradient (S elements) and stage 1 reads the averaged
+ * .grads; reductions and gathers go through one bucket buffer at a time (bucket_bytes).
+ * With clipping, stage 1 leaves the .grads clipped, as torch.nn.utils.clip_grad_norm_ does.
+ * Without overlap the buckets follow the flat order, so with buckets of at least P elements
+ * member r owns one contiguous range.
  *
  * Overlap (stage 2, td_zero_options.overlap): the reduction runs during backward. The parameters
  * are laid out in buckets (bucket_bytes, the first first_bucket_bytes) in the order their
@@ -372,8 +377,9 @@ typedef struct td_zero_options {
   double max_grad_norm; /* > 0: clip the averaged gradient to this global 2-norm; 0: no clipping
                            (default) */
   bool overlap;         /* stage 2: reduce_scatter during backward (see above); default false */
-  size_t bucket_bytes;  /* overlap: bucket capacity in bytes; 0: 4 MiB (smaller than DDP's 25:
-                           buckets being filled or reduced are the full gradient held) */
+  size_t bucket_bytes;  /* bucket capacity in bytes; 0: 4 MiB (smaller than DDP's 25: buckets
+                           being filled or reduced are the full gradient held). Without overlap:
+                           the size of the reduction and gather buffers of a step */
   size_t first_bucket_bytes; /* overlap: the first bucket's; 0: 1 MiB */
   size_t max_inflight_bytes; /* overlap: before a bucket's buffer is allocated, a hook waits for
                            started reduce_scatters (oldest first) until the buffers alive fit in
