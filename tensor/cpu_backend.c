@@ -39,6 +39,7 @@
 #define CACHE_BINS 64
 #define HUGE_MIN (4u << 20)
 #define HUGE_ALIGN (2u << 20)
+#define HUGE_PAGE_HDR 4096u /* the small page before a huge block's data, holding its header */
 
 /* The header of a block: its size, and the free-list link while cached. */
 typedef struct blk {
@@ -101,21 +102,24 @@ static bool huge_pages_wanted(void) {
   return v;
 }
 
-/* A mapping of at least total bytes that starts on a 2 MiB boundary and covers whole huge pages
- * (the header shares the first one), advised to use huge pages. NULL when out of memory. */
-static void *huge_map(size_t total) {
-  size_t len = (total + HUGE_ALIGN - 1) / HUGE_ALIGN * HUGE_ALIGN;
-  char *p = mmap(NULL, len + HUGE_ALIGN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
-                 0);
+/* A block of sz bytes (a multiple of 4096) whose data starts on a 2 MiB boundary, advised to
+ * use huge pages, with its header at the end of the 4 KiB page just before: the header never
+ * spills into a huge page of its own and the tail that does not fill a huge page stays in small
+ * pages, so RSS grows by what the data touches (a 4 MiB tensor once cost three huge pages, 6 MiB,
+ * when the header sat in front of it). Returns the header, NULL when out of memory. */
+static void *huge_map(size_t sz) {
+  size_t want = HUGE_PAGE_HDR + sz;
+  char *p = mmap(NULL, want + HUGE_ALIGN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                 -1, 0);
   if (p == MAP_FAILED) return NULL;
-  uintptr_t start = ((uintptr_t)p + HUGE_ALIGN - 1) & ~(uintptr_t)(HUGE_ALIGN - 1);
-  size_t head = start - (uintptr_t)p, tail = HUGE_ALIGN - head;
-  if (head) munmap(p, head);
-  if (tail) munmap((char *)start + len, tail);
+  uintptr_t data = ((uintptr_t)p + HUGE_PAGE_HDR + HUGE_ALIGN - 1) & ~(uintptr_t)(HUGE_ALIGN - 1);
+  char *first = (char *)data - HUGE_PAGE_HDR, *end = (char *)data + sz;
+  if (first > p) munmap(p, (size_t)(first - p));
+  if (p + want + HUGE_ALIGN > end) munmap(end, (size_t)(p + want + HUGE_ALIGN - end));
 #ifdef MADV_HUGEPAGE
-  madvise((void *)start, len, MADV_HUGEPAGE);
+  madvise((void *)data, sz, MADV_HUGEPAGE);
 #endif
-  return (void *)start;
+  return (char *)data - HDR;
 }
 
 static td_status cpu_alloc(int dev, size_t nbytes, void **out) {
@@ -138,7 +142,7 @@ static td_status cpu_alloc(int dev, size_t nbytes, void **out) {
   }
   void *p = NULL;
   if (sz >= HUGE_MIN && huge_pages_wanted()) {
-    p = huge_map(sz + HDR);
+    p = huge_map(sz);
     if (!p) return td_set_error(TD_ERR_NOMEM, "cpu: cannot allocate %zu bytes", nbytes);
     ((blk *)p)->size = sz | 1; /* low bit: mapped on its own (sizes are multiples of 4096) */
   } else {
@@ -154,9 +158,8 @@ static td_status cpu_alloc(int dev, size_t nbytes, void **out) {
 /* Returns a block to the system. */
 static void block_release(char *p) {
   size_t word = ((blk *)p)->size;
-  if (word & 1) {
-    size_t len = ((word & ~(size_t)1) + HDR + HUGE_ALIGN - 1) / HUGE_ALIGN * HUGE_ALIGN;
-    munmap(p, len);
+  if (word & 1) { /* huge_map's layout: one small page, then the data */
+    munmap(p + HDR - HUGE_PAGE_HDR, HUGE_PAGE_HDR + (word & ~(size_t)1));
   } else {
     free(p);
   }
