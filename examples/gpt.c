@@ -517,12 +517,13 @@ static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) 
   }
   td_tensor_unref(t);
   td_tensor_unref(every);
-  /* model states in bytes (float32, Adam): parameters 4, gradients 4, moments 8 per element;
-   * ZeRO-1 shards the moments, ZeRO-2 the gradients too (DeepSpeed's accounting) */
-  double psi = (double)params, n = dp->world;
-  double formula = !strcmp(o->dp, "ddp") ? 16 * psi
-                   : !strcmp(o->dp, "zero1") ? 8 * psi + 8 * psi / n
-                   : !strcmp(o->dp, "zero2") ? 4 * psi + 12 * psi / n : 16 * psi / n;
+  /* model states in bytes (Adam, e bytes an element: 4 for float32, 8 for float64): parameters e,
+   * gradients e, moments 2e per element, 16 bytes in float32; ZeRO-1 shards the moments, ZeRO-2
+   * the gradients too, ZeRO-3 the parameters too (DeepSpeed's accounting) */
+  double psi = (double)params, n = dp->world, e = strcmp(o->dtype, "f64") ? 4 : 8;
+  double formula = !strcmp(o->dp, "ddp") ? 4 * e * psi
+                   : !strcmp(o->dp, "zero1") ? 2 * e * psi + 2 * e * psi / n
+                   : !strcmp(o->dp, "zero2") ? e * psi + 3 * e * psi / n : 4 * e * psi / n;
   ex_json_num(res, "model_state_formula_mb", formula / 1048576.0);
   /* what the formulas leave out, as measured: activations, and the buffers the layout holds
    * beyond the model states (ZeRO-2/3: gradient buckets in flight; ZeRO-3: full-size parameters

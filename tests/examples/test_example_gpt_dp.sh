@@ -9,7 +9,9 @@
 #      bytes during backward and ends where zero2 --zero-after-backward does;
 #   5. zero3 (the blocks as units) gathered the blocks with prefetch: per step 2 gathers per
 #      block (forward, backward) plus the evaluations', at least half of them prefetched,
-#      and never held more than one block's parameters at once.
+#      and never held more than one block's parameters at once;
+#   6. memory (a 1.6M-parameter float64 model): every layout's tensor-memory peak in training is
+#      within 15% of its model-state formula plus the activations and buffers it measured.
 # Skips (exit 77) without Debian's fortunes corpus. Bounded by `timeout`.
 set -euo pipefail
 gpt="$1"
@@ -32,6 +34,13 @@ done
 timeout "$limit" "$gpt" "${small[@]}" --nproc 2 --dp zero2 --zero-after-backward \
   2>"$tmp/zero2a.err" >"$tmp/zero2a.out" || { cat "$tmp/zero2a.err"; echo "FAIL: zero2a"; exit 1; }
 timeout "$limit" "$gpt" "${small[@]}" 2>/dev/null >"$tmp/one.out"
+# memory: a model big enough that page rounding does not count (1.6M parameters, float64)
+mem=(--corpus "$corpus" --dtype f64 --n-layer 2 --n-head 4 --n-embd 256 --block-size 16
+     --batch-size 4 --steps 2 --eval-interval 100 --eval-iters 1 --nproc 2)
+for dp in ddp zero1 zero2 zero3; do
+  timeout "$limit" "$gpt" "${mem[@]}" --dp "$dp" 2>"$tmp/mem_$dp.err" >"$tmp/mem_$dp.out" ||
+    { cat "$tmp/mem_$dp.err"; echo "FAIL: memory run --dp $dp"; exit 1; }
+done
 python3 - "$tmp" <<'PY'
 import json, sys
 tmp = sys.argv[1]
@@ -66,6 +75,13 @@ assert z3["zero_unit_gathers"] == want, (z3["zero_unit_gathers"], want)
 assert z3["zero_unit_gathers_prefetched"] * 2 >= want, z3
 one_block = 4 * r["zero3"]["config"]["n_embd"] ** 2 * 3 * 8  # about 12 n_embd^2 doubles
 assert 0 < z3["zero_peak_unit_mb"] * 1048576 < 1.5 * one_block, z3
+# 6. the tensor-memory peak in training is the model-state formula plus the activations and
+#    buffers measured (within 15%)
+for k in ("ddp", "zero1", "zero2", "zero3"):
+    m = res(f"mem_{k}")["results"]
+    print(f"{k}: tensor peak {max(m['train_tensor_peak_mb_per_rank']):.1f} MB, formula "
+          f"{m['model_state_formula_mb']:.1f}, expected {m['expected_tensor_peak_mb']:.1f}")
+    assert 0.9 <= m["tensor_peak_over_expected"] <= 1.15, (k, m)
 print(f"ddp, zero1, zero2 (overlapped and not) agree; DDP share started in backward {share:.2f}, "
       f"ZeRO-2 {zs['zero_bytes_started_in_backward_share']:.2f} over {zs['zero_buckets']} buckets")
 PY
