@@ -25,6 +25,14 @@ the same validation loss at the same step and their tokens/s compare like for li
            --steps 2000; the mean loss of --eval-iters 20 batches on each split at step 0, every
            --eval-interval 250 steps and after the last step.
 
+Data parallel, as the C example's --nproc N --dp ddp|zero1: N processes forked here (torch.
+multiprocessing, gloo over 127.0.0.1, rendezvous through a file in a temporary directory), each
+drawing its own batches (generator seeded with --seed + 1 + rank, as the C example), the model in
+torch's DistributedDataParallel (25 MiB buckets, gradient_as_bucket_view=True as the C example's
+DDP), and for zero1 torch's ZeroRedundancyOptimizer over AdamW. Rank 0 evaluates (on the module
+under DDP, so the others do not wait for it in a collective) and prints; tokens_per_s counts every
+rank's training tokens over rank 0's training time, and batch_hash is rank 0's batches'.
+
 Prints one JSON line with the C example's keys: {"bench": "gpt", "config": {...}, "results":
 {"val_loss", "train_loss", "tokens_per_s", "wall_s", "evals", "batch_hash", ...}}; tokens_per_s
 counts training tokens over the time of the training steps (evaluation excluded), tokens_per_cpu_s
@@ -260,6 +268,18 @@ def estimate(model, splits, args):
 
 
 def main():
+    args = parse_args()
+    if args.nproc == 1:
+        train_rank(0, args, None)
+        return
+    import tempfile
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(train_rank, args=(args, os.path.join(tmp, "rendezvous")),
+                           nprocs=args.nproc, join=True, start_method="fork")
+
+
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch-size", type=int, default=12)
@@ -280,8 +300,16 @@ def main():
     ap.add_argument("--corpus", default=DEFAULT_CORPUS)
     ap.add_argument("--init", default=None)
     ap.add_argument("--dtype", choices=["f32", "f64"], default="f32")
-    args = ap.parse_args()
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--dp", choices=["ddp", "zero1"], default="ddp")
+    return ap.parse_args()
 
+
+def train_rank(rank, args, rendezvous):
+    import torch.distributed as dist
+    if rendezvous:
+        dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank,
+                                world_size=args.nproc)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
@@ -302,15 +330,26 @@ def main():
         model.load_state_dict(sd, strict=True)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, args.beta2), eps=1e-8)
-    gen = Pcg(args.seed + 1)
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    hyper = {"lr": args.lr, "betas": (0.9, args.beta2), "eps": 1e-8}
+    module = model  # what evaluations run
+    if rendezvous:
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    if rendezvous and args.dp == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                      weight_decay=args.weight_decay, **hyper)
+        opt.add_param_group(groups[1])
+    else:
+        opt = torch.optim.AdamW(groups, **hyper)
+    gen = Pcg(args.seed + 1 + rank)
     evals, h, train_time, loss_value = [], 0xCBF29CE484222325, 0.0, float("nan")
     train_cpu = 0.0
     for it in range(args.steps + 1):
-        if it % args.eval_interval == 0 or it == args.steps:
-            tl, vl = estimate(model, [train, val], args)
+        if rank == 0 and (it % args.eval_interval == 0 or it == args.steps):
+            tl, vl = estimate(module, [train, val], args)
             evals.append({"step": it, "train_loss": tl, "val_loss": vl})
             print("step %d: train loss %.4f, val loss %.4f" % (it, tl, vl), file=sys.stderr)
         if it == args.steps:
@@ -329,7 +368,10 @@ def main():
         loss_value = loss.item()
         train_time += time.perf_counter() - t0
         train_cpu += time.process_time() - c0
-    tokens = args.steps * args.batch_size * args.block_size
+    if rank != 0:
+        dist.destroy_process_group()
+        return
+    tokens = args.steps * args.batch_size * args.block_size * args.nproc  # every rank's
     out = {
         "bench": "gpt",
         "config": {
@@ -342,7 +384,8 @@ def main():
             "eval_iters": args.eval_iters, "seed": args.seed, "dtype": args.dtype,
             "threads": args.threads, "torch_num_threads": torch.get_num_threads(),
             "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
-            "init": args.init is not None,
+            "init": args.init is not None, "nproc": args.nproc,
+            "dp": args.dp if rendezvous else None,
             "params": sum(p.numel() for p in model.parameters()),
         },
         "results": {
@@ -356,6 +399,8 @@ def main():
         },
     }
     print(json.dumps(out), flush=True)
+    if rendezvous:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
