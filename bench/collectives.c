@@ -171,6 +171,12 @@ static int world(const cfg *c, int p, result *out, int n) {
     exit(1);
   }
   pid_t kids[64];
+  /* the workers' job secret (a new one unless the environment gives one; it uses no gRPC, so
+   * this process stays fork-safe) */
+  if (td_rpc_secret_ensure_env() != TD_OK) {
+    fprintf(stderr, "collectives: %s\n", td_last_error());
+    return p;
+  }
   fflush(stdout);
   fflush(stderr);
   for (int r = 0; r < p; r++) {

@@ -23,16 +23,35 @@
  *     into the .grads. A parameter whose gradient arrives twice in one pass (its bucket already on
  *     its way) has its bucket reduced again from the final .grads. After the first pass the
  *     buckets are rebuilt once in the order the gradients arrived on group rank 0 (broadcast, so
- *     every member builds the same buckets). td_ddp_no_sync(d, true) turns the hooks into no-ops
- *     for gradient accumulation. Results are those of the after-backward averaging: the same
- *     values in the same all_reduce per element.
+ *     every member builds the same buckets). Results are those of the after-backward averaging:
+ *     the same values in the same all_reduce per element.
+ *
+ * Gradient accumulation (td_ddp_no_sync): a pass prepared while no_sync is set (the setting is
+ * read by td_ddp_prepare) reduces nothing and its finish does not communicate; the first pass
+ * prepared without it reduces the sum of the window once. Where the window's gradients live:
+ *   - default: in .grad (the hooks do nothing; autograd accumulates), and the reducing pass's
+ *     hooks put .grad + the incoming gradient into the slices as usual;
+ *   - gradient_as_bucket_view: in the buckets. The hooks of a no_sync pass add each gradient
+ *     into its slice and clear the .grad (as the reducing pass's hooks do), without marking
+ *     anything ready, so the window holds one copy of the gradient (the buckets) instead of
+ *     .grads beside them; acc[i] says parameter i's slice holds window gradients, so the
+ *     reducing pass adds to it (its first gradient would otherwise overwrite the slice).
+ * Either way a parameter that got gradients in the window but none in the reducing pass is no
+ * unused parameter. td_ddp_sync_gradients under no_sync reduces nothing either.
+ *
+ * Compressed reduction (td_ddp_options.reduce_dtype bfloat16 / float16, PyTorch's reduce_dtype
+ * and bf16_compress_hook): a bucket's all_reduce sends a 16-bit copy made when it starts (the
+ * collectives accumulate 16-bit sums in float32, reduce.c) and its average is read back into the
+ * float32 bucket when it lands, so every .grad holds a 16-bit value in float32 storage and the
+ * optimizer keeps float32 state. Half the bytes on the wire, one rounding of each gradient and
+ * of its average.
  * Copies run with grad mode off. Hooks run on the thread that runs backward; nothing here is
  * shared with other threads but the group's queue (which has its own lock).
  */
 #include <stdio.h>
 #include <string.h>
 
-#include "coll_impl.h"
+#include "replicas.h"
 #include "tdist/autograd.h"
 
 #define DEFAULT_BUCKET_BYTES ((size_t)25 << 20)
@@ -41,6 +60,7 @@
 
 typedef struct bucket {
   td_tensor *buf; /* flat [numel] on the parameters' device */
+  td_tensor *comm; /* reduce_dtype: the 16-bit copy being reduced (NULL otherwise) */
   size_t first, count; /* positions [first, first + count) of order[] */
   size_t ready;        /* overlapped pass: parameters ready */
   td_future *work;     /* overlapped pass: its all_reduce, once started */
@@ -66,7 +86,10 @@ struct td_ddp {
   hook_ctx *hctx;
   int *hook_handle;
   bool armed, no_sync, rebuilt;
+  bool pass_sync;    /* the armed pass reduces (no_sync was clear at td_ddp_prepare) */
   bool *seen;        /* per parameter: its gradient arrived in this pass */
+  bool *acc;         /* per parameter: it got gradients in no_sync passes since the last
+                        reduction (gradient_as_bucket_view: they are in its slice) */
   size_t pending;    /* gradient_as_bucket_view: the parameter whose .grad autograd set after its
                         hook (already in its slice; dropped at the next hook), or params.n */
   size_t *arrival;   /* the first pass's arrival order (parameter indices) */
@@ -80,6 +103,7 @@ struct td_ddp {
 static void free_buckets(td_ddp *d) {
   for (int k = 0; k < d->nbuckets; k++) {
     td_tensor_unref(d->buckets[k].buf);
+    td_tensor_unref(d->buckets[k].comm);
     td_future_unref(d->buckets[k].work);
   }
   td__free(d->buckets);
@@ -130,7 +154,8 @@ static td_status add_hooks(td_ddp *d) {
   d->hook_handle = td__calloc(n ? n : 1, sizeof *d->hook_handle);
   d->seen = td__calloc(n ? n : 1, sizeof *d->seen);
   d->arrival = td__calloc(n ? n : 1, sizeof *d->arrival);
-  if (!d->hctx || !d->hook_handle || !d->seen || !d->arrival)
+  d->acc = td__calloc(n ? n : 1, sizeof *d->acc);
+  if (!d->hctx || !d->hook_handle || !d->seen || !d->arrival || !d->acc)
     return td_set_error(TD_ERR_NOMEM, "ddp_create: out of memory");
   for (size_t i = 0; i < n; i++) {
     d->hctx[i] = (hook_ctx){d, i};
@@ -160,8 +185,12 @@ td_status td_ddp_create_ex(td_process_group *pg, td_module *module, const td_ddp
   td_status st = td_module_parameters(module, &d->params);
   size_t n = d->params.n;
   td_device dev = n ? td_tensor_device(d->params.tensors[0]) : td_device_cpu();
-  if (st == TD_OK && pg->backend == TD_PG_BACKEND_NCCL && dev.type != TD_DEVICE_CUDA)
+  if (st == TD_OK && td_process_group_backend(pg) == TD_PG_BACKEND_NCCL && dev.type != TD_DEVICE_CUDA)
     st = td_set_error(TD_ERR_DEVICE, "ddp_create: an NCCL group needs a module on CUDA");
+  td_dtype rd = d->opts.reduce_dtype;
+  if (st == TD_OK && (rd == TD_DTYPE_BF16 || rd == TD_DTYPE_F16) && dev.type != TD_DEVICE_CPU)
+    st = td_set_error(TD_ERR_UNSUPPORTED, "ddp_create: reduce_dtype %s needs CPU parameters "
+                      "(16-bit CUDA tensors are not supported yet)", td_dtype_name(rd));
   if (st == TD_OK)
     st = td__coll_check_same_params(pg, d->params.tensors, n, dev, "ddp_create");
   if (st == TD_OK) st = td_module_state_dict(module, &sd);
@@ -234,6 +263,33 @@ static td_status fill_slice(td_ddp *d, size_t i, td_tensor *s) {
   return st;
 }
 
+/* compressed tells whether buckets travel in a 16-bit reduce_dtype. */
+static bool compressed(const td_ddp *d, const bucket *b) {
+  td_dtype r = d->opts.reduce_dtype;
+  return (r == TD_DTYPE_BF16 || r == TD_DTYPE_F16) && td_tensor_dtype(b->buf) != r;
+}
+
+/* reduce_start starts bucket b's all_reduce (AVG): of the bucket itself, or of a 16-bit copy
+ * (reduce_dtype), which reduce_land reads back into the bucket once *work completed. */
+static td_status reduce_start(td_ddp *d, bucket *b, td_future **work) {
+  td_tensor *t = b->buf;
+  if (compressed(d, b)) {
+    td_tensor_unref(b->comm);
+    b->comm = NULL;
+    TD_TRY(td_tensor_to_dtype(b->buf, d->opts.reduce_dtype, &b->comm));
+    t = b->comm;
+  }
+  return td_process_group_all_reduce_async(d->pg, t, TD_REDUCE_AVG, work);
+}
+
+static td_status reduce_land(bucket *b) {
+  if (!b->comm) return TD_OK;
+  td_status st = td_tensor_copy_(b->buf, b->comm); /* float32 <- 16 bits: exact */
+  td_tensor_unref(b->comm);
+  b->comm = NULL;
+  return st;
+}
+
 static td_status sync_bucket(td_ddp *d, bucket *b) {
   td_status st = TD_OK;
   for (size_t k = b->first; st == TD_OK && k < b->first + b->count; k++) {
@@ -243,7 +299,13 @@ static td_status sync_bucket(td_ddp *d, bucket *b) {
     if (st == TD_OK) st = fill_slice(d, i, s);
     td_tensor_unref(s);
   }
-  if (st == TD_OK) st = td_process_group_all_reduce(d->pg, b->buf, TD_REDUCE_AVG);
+  td_future *f = NULL;
+  if (st == TD_OK) st = reduce_start(d, b, &f);
+  if (st == TD_OK) st = td_future_wait(f, TD_TIMEOUT_INFINITE); /* bounded by the group */
+  if (st == TD_OK && (st = td_future_status(f)) != TD_OK)
+    st = td_set_error(st, "%s", td_future_message(f));
+  td_future_unref(f);
+  if (st == TD_OK) st = reduce_land(b);
   if (st == TD_OK) st = copy_back(d, b);
   return st;
 }
@@ -255,7 +317,7 @@ static td_status start_ready(td_ddp *d) {
   while (d->next_bucket < d->nbuckets) {
     bucket *b = &d->buckets[d->next_bucket];
     if (b->ready < b->count) break;
-    TD_TRY(td_process_group_all_reduce_async(d->pg, b->buf, TD_REDUCE_AVG, &b->work));
+    TD_TRY(reduce_start(d, b, &b->work));
     d->stats.buckets_started_in_backward++;
     d->stats.bytes_started_in_backward += td_tensor_nbytes(b->buf);
     d->next_bucket++;
@@ -269,19 +331,14 @@ static void drop_pending(td_ddp *d) {
   d->pending = d->params.n;
 }
 
-/* gradient_as_bucket_view: the slice is what .grad will be, so the gradient is added there and
- * the parameter's .grad is cleared before autograd accumulates (it then only adopts the incoming
- * tensor, dropped at the next hook): no full-size gradient exists beside the buckets. */
-static td_status hook_body_view(td_ddp *d, size_t i, const td_tensor *grad) {
-  bucket *b = &d->buckets[d->bucket_of[i]];
-  drop_pending(d);
-  if (b->work)
-    return td_set_error(TD_ERR_STATE, "ddp: parameter %zu got a second gradient after its "
-                        "bucket's all_reduce started (a second backward in one pass); with "
-                        "gradient_as_bucket_view sum the losses and call backward once", i);
+/* gradient_as_bucket_view: parameter i's slice <- what .grad will hold (the slice plus grad when
+ * it already holds this pass's or the window's gradients or is the .grad itself; else grad plus
+ * the .grad), then the .grad is cleared before autograd accumulates (it then only adopts the
+ * incoming tensor, dropped at the next hook). */
+static td_status add_to_slice(td_ddp *d, bucket *b, size_t i, const td_tensor *grad) {
   td_tensor *old = td_tensor_grad(d->params.tensors[i]), *s = NULL;
   td_status st = slice_of(d, b, i, &s);
-  if (st == TD_OK && (d->seen[i] || aliases(old, s))) {
+  if (st == TD_OK && (d->seen[i] || d->acc[i] || aliases(old, s))) {
     st = td_tensor_add_(s, grad, 1.0);
   } else if (st == TD_OK) {
     st = td_tensor_copy_(s, grad);
@@ -292,6 +349,22 @@ static td_status hook_body_view(td_ddp *d, size_t i, const td_tensor *grad) {
   td_tensor_unref(old);
   if (st != TD_OK) return st;
   d->pending = i;
+  if (!d->pass_sync) d->acc[i] = true;
+  return TD_OK;
+}
+
+/* gradient_as_bucket_view: the slice is what .grad will be, so the gradient is added there and
+ * the parameter's .grad is cleared before autograd accumulates: no full-size gradient exists
+ * beside the buckets, in a reducing pass or in a no_sync one. */
+static td_status hook_body_view(td_ddp *d, size_t i, const td_tensor *grad) {
+  bucket *b = &d->buckets[d->bucket_of[i]];
+  drop_pending(d);
+  if (b->work)
+    return td_set_error(TD_ERR_STATE, "ddp: parameter %zu got a second gradient after its "
+                        "bucket's all_reduce started (a second backward in one pass); with "
+                        "gradient_as_bucket_view sum the losses and call backward once", i);
+  TD_TRY(add_to_slice(d, b, i, grad));
+  if (!d->pass_sync) return TD_OK; /* accumulating: nothing is ready */
   if (d->seen[i]) return TD_OK;
   d->seen[i] = true;
   if (!d->rebuilt && d->narrived < d->params.n) d->arrival[d->narrived++] = i;
@@ -302,6 +375,10 @@ static td_status hook_body_view(td_ddp *d, size_t i, const td_tensor *grad) {
 /* The gradient of parameter i is about to be accumulated: its slice gets what .grad will hold. */
 static td_status hook_body(td_ddp *d, size_t i, const td_tensor *grad) {
   if (d->opts.gradient_as_bucket_view) return hook_body_view(d, i, grad);
+  if (!d->pass_sync) { /* accumulating: autograd adds the gradient into .grad */
+    d->acc[i] = true;
+    return TD_OK;
+  }
   bucket *b = &d->buckets[d->bucket_of[i]];
   if (d->seen[i]) { /* a second gradient in one pass: reduce this bucket again at finish */
     b->dirty = true;
@@ -328,7 +405,7 @@ static td_status grad_hook(void *ctx, const td_tensor *grad, td_tensor **replace
   (void)replacement;
   hook_ctx *h = ctx;
   td_ddp *d = h->d;
-  if (!d->armed || d->no_sync) return TD_OK;
+  if (!d->armed) return TD_OK;
   bool prev = td_autograd_set_enabled(false);
   td_status st = hook_body(d, h->param, grad);
   td_autograd_set_enabled(prev);
@@ -356,6 +433,7 @@ td_status td_ddp_prepare(td_ddp *d) {
   d->next_bucket = 0;
   d->hook_st = TD_OK;
   d->hook_msg[0] = 0;
+  d->pass_sync = !d->no_sync;
   d->armed = true;
   return TD_OK;
 }
@@ -412,15 +490,24 @@ td_status td_ddp_finish(td_ddp *d) {
     return td_set_error(TD_ERR_STATE, "ddp_finish: no pass was prepared (td_ddp_prepare before "
                         "backward)");
   d->armed = false;
-  if (d->no_sync) return TD_OK; /* gradient accumulation: nothing reduced this pass */
-  bool prev = td_autograd_set_enabled(false);
   td_status st = d->hook_st;
   if (st != TD_OK) td_set_error(st, "ddp_finish: inside backward: %s", d->hook_msg);
   drop_pending(d);
+  if (!d->pass_sync) { /* gradient accumulation: nothing reduced this pass */
+    if (st == TD_OK) d->stats.passes_accumulated++;
+    return st;
+  }
+  bool prev = td_autograd_set_enabled(false);
   /* parameters that got no gradient this pass */
   for (size_t i = 0; st == TD_OK && i < d->params.n; i++) {
     if (d->seen[i]) continue;
-    if (!d->opts.find_unused_parameters) {
+    if (d->acc[i] && d->opts.gradient_as_bucket_view) { /* the window's sum is in its slice */
+      bucket *b = &d->buckets[d->bucket_of[i]];
+      d->seen[i] = true;
+      if (!b->work) b->ready++;
+      continue;
+    }
+    if (!d->opts.find_unused_parameters && !d->acc[i]) {
       char shp[96];
       st = td_set_error(TD_ERR_STATE, "ddp_finish: parameter %zu (shape %s) got no gradient in "
                         "this pass; if the model leaves parameters unused, create the td_ddp with "
@@ -431,16 +518,16 @@ td_status td_ddp_finish(td_ddp *d) {
     bucket *b = &d->buckets[d->bucket_of[i]];
     td_tensor *s = NULL;
     st = slice_of(d, b, i, &s);
-    if (st == TD_OK) st = fill_slice(d, i, s);
+    if (st == TD_OK) st = fill_slice(d, i, s); /* .grad: the window's sum, or none */
     td_tensor_unref(s);
     d->seen[i] = true;
-    d->stats.unused_parameters++;
+    if (!d->acc[i]) d->stats.unused_parameters++;
     if (st == TD_OK && !b->work) b->ready++;
   }
   /* what is left starts now, still in order (a failure stops starting but still waits) */
   while (st == TD_OK && d->next_bucket < d->nbuckets) {
     bucket *b = &d->buckets[d->next_bucket++];
-    st = td_process_group_all_reduce_async(d->pg, b->buf, TD_REDUCE_AVG, &b->work);
+    st = reduce_start(d, b, &b->work);
   }
   for (int k = 0; k < d->nbuckets; k++) {
     bucket *b = &d->buckets[k];
@@ -450,10 +537,12 @@ td_status td_ddp_finish(td_ddp *d) {
     if (ws != TD_OK && st == TD_OK) st = td_set_error(ws, "ddp_finish: %s", td_future_message(b->work));
     td_future_unref(b->work);
     b->work = NULL;
+    if (st == TD_OK) st = reduce_land(b);
     if (st == TD_OK && b->dirty) st = sync_bucket(d, b); /* from the final .grads */
     else if (st == TD_OK) st = copy_back(d, b);
   }
   d->stats.passes++;
+  memset(d->acc, 0, d->params.n * sizeof *d->acc); /* the window is reduced */
   if (st == TD_OK && !d->rebuilt) st = rebuild(d);
   td_autograd_set_enabled(prev);
   return st;
@@ -471,6 +560,10 @@ td_status td_ddp_get_stats(const td_ddp *d, td_ddp_stats *out) {
 
 td_status td_ddp_sync_gradients(td_ddp *d) {
   TD_CHECK_ARG(d, "ddp_sync_gradients: NULL ddp");
+  if (d->no_sync) { /* gradient accumulation: the .grads keep their sums */
+    d->stats.passes_accumulated++;
+    return TD_OK;
+  }
   bool prev = td_autograd_set_enabled(false);
   td_status st = TD_OK;
   for (int k = 0; st == TD_OK && k < d->nbuckets; k++) st = sync_bucket(d, &d->buckets[k]);
@@ -491,6 +584,7 @@ void td_ddp_destroy(td_ddp *d) {
   td__free(d->hook_handle);
   td__free(d->seen);
   td__free(d->arrival);
+  td__free(d->acc);
   td__free(d->order);
   td__free(d->bucket_of);
   td__free(d->offset);

@@ -3,6 +3,7 @@
  * parameters out in gradient buckets, and writing averaged gradients into .grad.
  */
 #include "coll_impl.h"
+#include "replicas.h"
 #include "tdist/autograd.h"
 
 static uint64_t fnv(uint64_t h, uint64_t v) {

@@ -17,6 +17,9 @@
  * Each byte crosses memory about once per reader (two copies with the shared buffers), with two
  * or three synchronisations per operation whatever its size. Reductions combine members 0, 1,
  * ..., n-1 in that order as everywhere else, so results are bit-identical on every member.
+ *
+ * This is the CMA entry of the backend table (td__coll_cma): it serves when the shared-memory
+ * backend does and every member proved at setup that it can read the others' memory.
  */
 #include <string.h>
 
@@ -57,8 +60,8 @@ static td_status peers_alloc(const td_process_group *pg, const char ***out) {
   return *out ? TD_OK : td_set_error(TD_ERR_NOMEM, "collective: out of memory");
 }
 
-td_status td__cma_broadcast(td_process_group *pg, const td__op_hdr *h, void *data, size_t nbytes,
-                            int root, uint64_t dl) {
+static td_status cma_broadcast(td_process_group *pg, const td__op_hdr *h, void *data,
+                               size_t nbytes, int root, uint64_t dl) {
   const char **peer = NULL;
   TD_TRY(peers_alloc(pg, &peer));
   td_status st = cma_begin(pg, h, data, peer, NULL, NULL, dl);
@@ -80,8 +83,8 @@ static void copy_own(void *arg) {
   if (c->n && c->dst != c->src) memmove(c->dst, c->src, c->n);
 }
 
-td_status td__cma_all_gather(td_process_group *pg, const td__op_hdr *h, td__chunk *outs,
-                             const void *in, size_t nbytes, uint64_t dl) {
+static td_status cma_all_gather(td_process_group *pg, const td__op_hdr *h, td__chunk *outs,
+                                const void *in, size_t nbytes, uint64_t dl) {
   const char **peer = NULL;
   TD_TRY(peers_alloc(pg, &peer));
   own_copy oc = {outs[pg->rank].p, in, nbytes};
@@ -123,9 +126,9 @@ static td_status reduce_from_peers(td_process_group *pg, const td__op_hdr *h, co
   return st;
 }
 
-td_status td__cma_reduce_scatter(td_process_group *pg, const td__op_hdr *h, void *out,
-                                 const char *in, size_t count, td_dtype dt, td_reduce_op op,
-                                 uint64_t dl) {
+static td_status cma_reduce_scatter(td_process_group *pg, const td__op_hdr *h, void *out,
+                                    const char *in, size_t count, td_dtype dt, td_reduce_op op,
+                                    uint64_t dl) {
   int n = pg->size, r = pg->rank;
   size_t nb = count * td_dtype_size(dt);
   /* an output inside another slot of our input would change it while the others read it */
@@ -149,8 +152,8 @@ td_status td__cma_reduce_scatter(td_process_group *pg, const td__op_hdr *h, void
   return st;
 }
 
-td_status td__cma_all_reduce(td_process_group *pg, const td__op_hdr *h, void *vdata, size_t count,
-                             td_dtype dt, td_reduce_op op, uint64_t dl) {
+static td_status cma_all_reduce(td_process_group *pg, const td__op_hdr *h, void *vdata,
+                                size_t count, td_dtype dt, td_reduce_op op, uint64_t dl) {
   int n = pg->size, r = pg->rank;
   size_t es = td_dtype_size(dt), base = count / (size_t)n, rem = count % (size_t)n;
   char *data = vdata;
@@ -172,3 +175,40 @@ td_status td__cma_all_reduce(td_process_group *pg, const td__op_hdr *h, void *vd
   td__free(peer);
   return st;
 }
+
+/* ---- the backend ---- */
+
+static td_status cma_run(td_process_group *pg, const td__op *op, const td__op_hdr *h,
+                         uint64_t dl) {
+  td_dtype dt = (td_dtype)h->dtype;
+  void *data = td_tensor_data(op->t);
+  switch (h->algo) {
+    case TD__A_CMA_RSAG: return cma_all_reduce(pg, h, data, h->count, dt, op->rop, dl);
+    case TD__A_CMA_BCAST: return cma_broadcast(pg, h, data, td_tensor_nbytes(op->t), op->root, dl);
+    case TD__A_CMA_GATHER: {
+      td__op_gather_slots(op, pg->size, pg->slot_chunks);
+      return cma_all_gather(pg, h, pg->slot_chunks, data, td_tensor_nbytes(op->t), dl);
+    }
+    case TD__A_CMA_SCATTER: /* the concatenated input only (the chooser's condition) */
+      return cma_reduce_scatter(pg, h, data, td_tensor_data(op->whole), h->count, dt, op->rop,
+                                dl);
+    default:
+      return td_set_error(TD_ERR_INTERNAL, "collectives: %s is not a single-copy algorithm",
+                          td__algo_name(h->algo));
+  }
+}
+
+/* Serves when the shared-memory backend does and every member could read every other's memory. */
+static td_status cma_setup(td_process_group *pg, uint64_t deadline, bool *serves) {
+  (void)deadline;
+  *serves = pg->shm && td__shm_cma(pg->shm);
+  return TD_OK;
+}
+
+/* The segment, its failure flag and teardown belong to the shared-memory backend. */
+const td__coll_backend td__coll_cma = {
+    .name = "cma",
+    .setup = cma_setup,
+    .run = cma_run,
+    .avg_is_sum = true,
+};

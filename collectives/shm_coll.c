@@ -53,18 +53,12 @@ static td_status finish_round(td_process_group *pg, uint64_t k, int who, const t
   return first ? td__shm_check_headers(pg, k, h) : TD_OK;
 }
 
-static td_status srcs_alloc(const td_process_group *pg, const void ***out) {
-  *out = td__malloc((size_t)pg->size * sizeof **out);
-  return *out ? TD_OK : td_set_error(TD_ERR_NOMEM, "collective: out of memory");
-}
-
 static td_status all_reduce_direct(td_process_group *pg, const td__op_hdr *h, char *data,
                                    size_t count, td_dtype dt, td_reduce_op op, uint64_t dl) {
   td__shm *s = pg->shm;
   size_t nb = count * td_dtype_size(dt);
   uint64_t k = td__shm_next_round(s);
-  const void **srcs = NULL;
-  TD_TRY(srcs_alloc(pg, &srcs));
+  const void **srcs = pg->slot_srcs;
   td_status st = begin_round(pg, k, h, true, dl);
   if (st == TD_OK) {
     if (nb) memcpy(td__shm_buf(s, pg->rank, k), data, nb);
@@ -74,7 +68,6 @@ static td_status all_reduce_direct(td_process_group *pg, const td__op_hdr *h, ch
     for (int j = 0; j < pg->size; j++) srcs[j] = td__shm_buf(s, j, k);
     td__reduce_n(data, srcs, pg->size, count, dt, op);
   }
-  td__free(srcs);
   return st;
 }
 
@@ -109,15 +102,13 @@ td_status td__shm_all_reduce(td_process_group *pg, const td__op_hdr *h, void *da
                              td_dtype dt, td_reduce_op op, bool direct, uint64_t dl) {
   if (direct) return all_reduce_direct(pg, h, data, count, dt, op, dl);
   size_t es = td_dtype_size(dt), per = td__shm_buf_bytes(pg->shm) / es;
-  const void **srcs = NULL;
-  TD_TRY(srcs_alloc(pg, &srcs));
+  const void **srcs = pg->slot_srcs;
   td_status st = TD_OK;
   size_t np = pieces(count, per);
   for (size_t q = 0; st == TD_OK && q < np; q++) {
     size_t off = q * per, len = count - off < per ? count - off : per;
     st = rsag_piece(pg, h, (char *)data + off * es, count ? len : 0, dt, op, q == 0, srcs, dl);
   }
-  td__free(srcs);
   return st;
 }
 
@@ -180,8 +171,7 @@ td_status td__shm_reduce_scatter(td_process_group *pg, const td__op_hdr *h, void
     TD_TRY(td__pg_scratch(pg, nb));
     dst = (char *)pg->scratch;
   }
-  const void **srcs = NULL;
-  TD_TRY(srcs_alloc(pg, &srcs));
+  const void **srcs = pg->slot_srcs;
   td_status st = TD_OK;
   for (size_t q = 0; st == TD_OK && q < np; q++) {
     size_t off = q * per, len = count ? (count - off < per ? count - off : per) : 0;
@@ -197,7 +187,6 @@ td_status td__shm_reduce_scatter(td_process_group *pg, const td__op_hdr *h, void
       srcs[j] = j == r ? ins[r] + off * es : td__shm_buf(s, j, k) + (size_t)r * per * es;
     td__reduce_n(dst + off * es, srcs, n, len, dt, op);
   }
-  td__free(srcs);
   if (st == TD_OK && alias && nb) memcpy(out, dst, nb);
   return st;
 }
@@ -207,3 +196,40 @@ td_status td__shm_barrier(td_process_group *pg, const td__op_hdr *h, uint64_t dl
   TD_TRY(begin_round(pg, k, h, true, dl));
   return finish_round(pg, k, -1, h, true, dl);
 }
+
+/* ---- the backend ---- */
+
+static td_status shm_run(td_process_group *pg, const td__op *op, const td__op_hdr *h,
+                         uint64_t dl) {
+  td_dtype dt = (td_dtype)h->dtype;
+  void *data = op->kind == TD__K_BARRIER ? NULL : td_tensor_data(op->t);
+  switch (h->algo) {
+    case TD__A_SHM_DIRECT:
+    case TD__A_SHM_RSAG:
+      return td__shm_all_reduce(pg, h, data, h->count, dt, op->rop, h->algo == TD__A_SHM_DIRECT,
+                                dl);
+    case TD__A_SHM_BCAST:
+      return td__shm_broadcast(pg, h, data, td_tensor_nbytes(op->t), op->root, dl);
+    case TD__A_SHM_GATHER: {
+      td__op_gather_slots(op, pg->size, pg->slot_chunks);
+      return td__shm_all_gather(pg, h, pg->slot_chunks, data, td_tensor_nbytes(op->t), dl);
+    }
+    case TD__A_SHM_SCATTER: {
+      td__op_scatter_slots(op, pg->size, pg->slot_ins);
+      return td__shm_reduce_scatter(pg, h, data, pg->slot_ins, h->count, dt, op->rop, dl);
+    }
+    case TD__A_SHM_BARRIER: return td__shm_barrier(pg, h, dl);
+    default:
+      return td_set_error(TD_ERR_INTERNAL, "collectives: %s is not a shared-memory algorithm",
+                          td__algo_name(h->algo));
+  }
+}
+
+const td__coll_backend td__coll_shm = {
+    .name = "shm",
+    .setup = td__shm_setup,
+    .fail = td__shm_fail,
+    .destroy = td__shm_destroy,
+    .run = shm_run,
+    .avg_is_sum = true,
+};

@@ -1,5 +1,6 @@
 /* shm_impl.h - the round protocol of the same-host shared-memory transport, shared by shm.c (the
- * segment, posting, waiting, liveness) and shm_coll.c (the algorithms).
+ * segment, posting, waiting, liveness), shm_coll.c (the staged algorithms: the shared-memory
+ * backend) and shm_cma.c (the single-copy algorithms: the CMA backend).
  *
  * The segment holds a control block per member and two round buffers per member. An operation is
  * a sequence of rounds, numbered by one counter that runs on across operations (every member runs
@@ -19,6 +20,38 @@
 #define TD_COLLECTIVES_SHM_IMPL_H
 
 #include "coll_impl.h"
+
+/* ---- shm.c: the transport (setup, teardown, failure) ---- */
+
+/* td__shm_setup decides, collectively with the other members (through the store), whether every
+ * member runs on this host and can map one shared segment; sets pg->shm (and pg->shm_buf_bytes,
+ * pg->shm_crowded) and *serves, or leaves them unset (then the ring serves). Fails only when the
+ * store does, the deadline passes, or TD_COLL_ALGO demands shared memory that cannot be had. */
+td_status td__shm_setup(td_process_group *pg, uint64_t deadline, bool *serves);
+void td__shm_destroy(td_process_group *pg);
+/* td__shm_fail tells the other members' waits that this group failed (after the failure was
+ * recorded in the store). */
+void td__shm_fail(td_process_group *pg);
+/* td__shm_buf_bytes is the size of one member's buffer for one round. */
+size_t td__shm_buf_bytes(const td__shm *s);
+/* td__shm_cma: every member can read every other's memory (probed at setup). */
+bool td__shm_cma(const td__shm *s);
+
+/* ---- shm_coll.c: the algorithms over the rounds (pg->mu held; h: this member's numbered
+ * header, checked against every member's in the first round). direct: all_reduce in one round
+ * (the message must fit one buffer). ---- */
+td_status td__shm_all_reduce(td_process_group *pg, const td__op_hdr *h, void *data, size_t count,
+                             td_dtype dt, td_reduce_op op, bool direct, uint64_t dl);
+td_status td__shm_broadcast(td_process_group *pg, const td__op_hdr *h, void *data, size_t nbytes,
+                            int root, uint64_t dl);
+td_status td__shm_all_gather(td_process_group *pg, const td__op_hdr *h, td__chunk *outs,
+                             const void *in, size_t nbytes, uint64_t dl);
+td_status td__shm_reduce_scatter(td_process_group *pg, const td__op_hdr *h, void *out,
+                                 const char *const *ins, size_t count, td_dtype dt,
+                                 td_reduce_op op, uint64_t dl);
+td_status td__shm_barrier(td_process_group *pg, const td__op_hdr *h, uint64_t dl);
+
+/* ---- shm.c: the round protocol ---- */
 
 /* td__shm_next_round returns the number of this member's next round (not yet posted). */
 uint64_t td__shm_next_round(const td__shm *s);

@@ -182,7 +182,7 @@ td_status td__work_run(td_process_group *pg, const td__op *op, td_future **out) 
   if (run_inline(w, op, &st)) return st;
   td_future *f = NULL;
   TD_TRY(enqueue(w, op, &f));
-  st = td_future_wait(f, -1); /* bounded: every queued operation has a deadline */
+  st = td_future_wait(f, TD_TIMEOUT_INFINITE); /* bounded: every queued operation has a deadline */
   td_future_unref(f);
   return st;
 }

@@ -29,4 +29,22 @@ int td__trace_pid(void);
 int64_t td__trace_test_skew(void);
 int td__trace_tid(void);
 
+/* Memory bounds of the recorder (core/trace.c): the events held in all threads' buffers before
+ * they are written to the trace file (TD_TRACE_MAX_EVENTS overrides the default), the bytes one
+ * thread's buffer holds before it is written, the depth of open td_trace_begin spans per thread
+ * (deeper ones are skipped with their ends, and counted as dropped). */
+#define TD__TRACE_DEFAULT_MAX_EVENTS 100000
+#define TD__TRACE_THREAD_BYTES (1u << 20)
+#define TD__TRACE_MAX_DEPTH 1024
+
+/* What the recorder holds now (for tests): events in buffers, bytes allocated for them, buffers
+ * of live threads, events dropped this session, and the cap in force. */
+typedef struct td__trace_counts {
+  size_t events_held, bytes_held;
+  int live_buffers;
+  uint64_t dropped;
+  size_t max_events;
+} td__trace_counts;
+void td__trace_counts_get(td__trace_counts *out);
+
 #endif

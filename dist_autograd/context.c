@@ -399,7 +399,7 @@ td_status td_dist_autograd_context_end(td_dist_autograd_context *c) {
   td_future *f = NULL;
   td_status st = td_dist_autograd_context_end_async(c, &f);
   if (st == TD_OK && f) {
-    st = td_future_wait(f, -1);
+    st = td_future_wait(f, TD_TIMEOUT_INFINITE);
     char b[40];
     if (st != TD_OK)
       td_set_error(st, "dist_autograd_context_end: cleanup of context %s: %s",

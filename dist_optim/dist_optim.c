@@ -276,7 +276,7 @@ td_status td_dist_optimizer_create(td_rpc_agent *a, const td_optim_options *opts
     td_future *f;
     st = td_rref_creation_future(o->owners[i], &f);
     if (st == TD_OK) {
-      st = td_future_wait(f, -1);
+      st = td_future_wait(f, TD_TIMEOUT_INFINITE);
       if (st != TD_OK)
         td_set_error(st, "dist_optimizer_create: on %s: %s", td_rref_owner_name(o->owners[i]),
                      td_future_message(f));
@@ -307,7 +307,7 @@ td_status td_dist_optimizer_set_lr(td_dist_optimizer *o, double lr) {
     st = td_rref_rpc_async(o->owners[i], "__dist_optim_set_lr", &lv, 1, NULL, &fs[i]);
     if (st == TD_OK) started++;
   }
-  td_status wst = started ? td_future_wait_all(fs, started, -1) : TD_OK;
+  td_status wst = started ? td_future_wait_all(fs, started, TD_TIMEOUT_INFINITE) : TD_OK;
   if (st == TD_OK) st = wst;
   for (int i = 0; i < started; i++) td_future_unref(fs[i]);
   td__free(fs);
@@ -351,7 +351,7 @@ static td_status optimizer_step_impl(td_dist_optimizer *o, td_dist_autograd_cont
   }
   if (st != TD_OK) snprintf(msg, sizeof msg, "%s", td_last_error());
   for (int i = 0; i < nf; i++) {
-    td_status s = td_future_wait(fs[i], -1);
+    td_status s = td_future_wait(fs[i], TD_TIMEOUT_INFINITE);
     if (s != TD_OK && st == TD_OK) {
       st = s;
       snprintf(msg, sizeof msg, "%s", td_future_message(fs[i]));
@@ -377,7 +377,8 @@ void td_dist_optimizer_destroy(td_dist_optimizer *o) {
 td_status td_dist_module_parameter_rrefs(td_rref *module_rref, td_timeout_ms timeout_ms,
                                          td_value **out) {
   TD_CHECK_ARG(module_rref && out, "dist_module_parameter_rrefs: NULL argument");
-  td_rpc_call_opts co = {timeout_ms};
+  td_rpc_call_opts co = TD_RPC_CALL_OPTS_INIT;
+  co.timeout_ms = timeout_ms;
   return td_rref_rpc_sync(module_rref, "__dist_param_rrefs", NULL, 0, &co, out);
 }
 

@@ -35,6 +35,7 @@
 #include "example_util.h"
 #include "metrics.h"
 #include "ps_common.h"
+#include "watchdog.h"
 #include "tdist/optim.h"
 #include "tdist/rpc.h"
 
@@ -343,7 +344,7 @@ static int run_trainer(td_rpc_agent *a, const ex_args *args, int trainers) {
       td_value *uargs[3] = {grads, td_value_double(lv), td_value_int(td_tensor_size(x, 0))};
       td_future *f = NULL;
       EX_CHECK(td_rpc_async(a, "worker0", "bps_update", uargs, 3, NULL, &f));
-      EX_CHECK(td_future_wait(f, -1));
+      EX_CHECK(td_future_wait(f, TD_TIMEOUT_INFINITE));
       EX_CHECK(td_future_status(f));
       load_params(&params, td_future_value(f));
       td_future_unref(f);
@@ -392,6 +393,7 @@ int main(int argc, char **argv) {
   snprintf(name, sizeof name, "worker%d", rank);
   EX_CHECK(td_rpc_register("bps_get_params", bps_get_params, NULL));
   EX_CHECK(td_rpc_register("bps_update", bps_update, NULL));
+  ex_watchdog_register(); /* on by default: a lost worker stops the job (watchdog.h) */
   int world = atoi(getenv("WORLD_SIZE") ? getenv("WORLD_SIZE") : "0");
   if (world < 2) ex_die("batch_ps needs at least 2 processes (a server and a trainer)");
   td_mnist *train = NULL, *test = NULL;
@@ -400,11 +402,13 @@ int main(int argc, char **argv) {
   td_rpc_options_init(&ro);
   td_rpc_agent *agent = NULL;
   EX_CHECK(td_rpc_init_from_env(name, &ro, &agent));
+  ex_watchdog_start(agent, NULL);
   ex_metrics_open(a.metrics, rank, world, name, "batch_ps", NULL);
   int rc = rank == 0 ? run_server(&a, world - 1, momentum, t_start)
                      : run_trainer(agent, &a, world - 1);
   ex_metrics_counters(agent);
   ex_metrics_close();
+  ex_watchdog_stop(); /* before leaving: a worker that left is not lost */
   if (td_rpc_shutdown(agent, true, TD_TIMEOUT_DEFAULT) != TD_OK) {
     fprintf(stderr, "worker%d: shutdown: %s\n", rank, td_last_error());
     if (!rc) rc = 1;

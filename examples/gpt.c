@@ -37,6 +37,29 @@
  * DDP counters (the share of gradient bytes whose all_reduce started before backward ended) or
  * the ZeRO shard sizes.
  *
+ * --activation-checkpointing full|selective (td_gpt_set_activation_checkpointing): every block
+ * keeps only its input and runs again in backward, or every attention core is recomputed; the
+ * training is the same bits (results.losses_hash hashes every step's loss). In one process the
+ * JSON adds the activation memory measured by probes before training (see activation_probe): the
+ * model's peak over a forward + backward, one block's, the head's, and with full checkpointing
+ * the formula (stored block inputs + the larger of one block's and the head's peak) and the ratio.
+ * Gradient accumulation: --grad-accum K makes each optimizer step K micro-batches of
+ * --batch-size windows, drawn one after the other from the batch stream, so a step sees exactly
+ * the windows of a run with K x --batch-size (the same batch_hash, and losses equal to rounding);
+ * each micro-batch's loss is divided by K (the caller's share of the convention, as in PyTorch)
+ * and the replicas reduce once per step: DDP and ZeRO stages 2/3 run the first K-1 backward
+ * passes under td_ddp_no_sync / td_zero_no_sync (gradients kept in the buckets), ZeRO-1 lets
+ * .grad accumulate. Evaluations draw their batches the same way (K micro-batches per batch).
+ * tokens_per_s counts every micro-batch.
+ *
+ * Loss scaling: --loss-scale dynamic (td_grad_scaler: init --loss-scale-init, 65536; doubled after
+ * --loss-scale-growth-interval good steps, halved and the step skipped on an inf or a NaN), a
+ * number (a constant scale, overflowing steps still skipped) or none; the default ("auto",
+ * loss_scale_default) is dynamic for float16 compute and none otherwise. The scaled loss is
+ * backpropagated, gradients are unscaled before clipping; with DDP the found_inf decision is
+ * agreed over the group (td_grad_scaler_set_process_group), with ZeRO by td_zero_step_scaled.
+ * The JSON reports skipped_steps and the final loss_scale.
+ *
  * Output: progress on stderr, then (generation only) the sampled text, then one JSON line
  * {"bench": "gpt", "config": {...}, "results": {"val_loss", "train_loss", "tokens_per_s",
  * "samples_per_s", "wall_s", "evals": [{"step", "train_loss", "val_loss"}], ...}}; tokens_per_s
@@ -68,10 +91,15 @@ typedef struct opts {
   int n_layer, n_head, threads, nproc;
   double lr, min_lr, weight_decay, beta2, grad_clip, temperature;
   uint64_t seed;
-  const char *corpus, *init, *save, *load, *dtype, *prompt, *metrics, *dp;
+  const char *corpus, *init, *save, *load, *dtype, *prompt, *metrics, *dp, *ckpt;
+  const char *reduce_dtype; /* ddp: the buckets' dtype on the wire (f32, bf16, f16) */
   int64_t generate, top_k;
   bool zero_after_backward;
   double bucket_mb, zero_inflight_mb;
+  int64_t grad_accum;      /* micro-batches per optimizer step */
+  const char *loss_scale;  /* auto, dynamic, none or a number */
+  double loss_scale_init;  /* dynamic: the first scale */
+  int64_t loss_scale_growth_interval;
 } opts;
 
 static void opts_defaults(opts *o) {
@@ -81,13 +109,24 @@ static void opts_defaults(opts *o) {
               .lr = 1e-3, .min_lr = 1e-4, .weight_decay = 0.1, .beta2 = 0.99, .grad_clip = 1.0,
               .temperature = 0.8, .seed = 1337, .corpus = "/usr/share/games/fortunes",
               .dtype = "f32", .prompt = "\n", .top_k = 0, .nproc = 1, .dp = "ddp",
-              .zero_inflight_mb = 8};
+              .zero_inflight_mb = 8, .grad_accum = 1, .loss_scale = "auto", .reduce_dtype = "f32",
+              .loss_scale_init = 65536, .loss_scale_growth_interval = 2000, .ckpt = "none"};
+}
+
+/* loss_scale_default: the --loss-scale of "auto" for a compute dtype: dynamic scaling where
+ * gradients underflow (float16), none where the exponent range is float32's or wider (bfloat16,
+ * float32, float64), as PyTorch's recipes do. */
+static const char *loss_scale_default(const char *dtype) {
+  return !strcmp(dtype, "f16") ? "dynamic" : "none";
 }
 
 static void opts_parse(int argc, char **argv, opts *o) {
   const ex_opt table[] = {
       {"steps", EX_OPT_I64, &o->steps, "training steps"},
-      {"batch-size", EX_OPT_I64, &o->batch_size, "sequences per batch"},
+      {"batch-size", EX_OPT_I64, &o->batch_size,
+       "sequences per micro-batch (a step trains on grad-accum x this)"},
+      {"grad-accum", EX_OPT_I64, &o->grad_accum,
+       "micro-batches of --batch-size per optimizer step (gradient accumulation, one reduction)"},
       {"block-size", EX_OPT_I64, &o->block_size, "context length"},
       {"n-layer", EX_OPT_INT, &o->n_layer, "transformer blocks"},
       {"n-head", EX_OPT_INT, &o->n_head, "attention heads"},
@@ -103,7 +142,9 @@ static void opts_parse(int argc, char **argv, opts *o) {
       {"seed", EX_OPT_U64, &o->seed, "init seed; batches use seed+1, evaluations seed+2"},
       {"threads", EX_OPT_INT, &o->threads, "BLAS threads"},
       {"corpus", EX_OPT_STRING, &o->corpus, "text file, or directory of fortune files"},
-      {"dtype", EX_OPT_STRING, &o->dtype, "f32 or f64"},
+      {"dtype", EX_OPT_STRING, &o->dtype,
+       "compute dtype: f32, f64, or bf16 / f16 (autocast: float32 weights and optimizer state, "
+       "16-bit matmuls and attention)"},
       {"init", EX_OPT_STRING, &o->init, "load the initial weights from this safetensors file"},
       {"save", EX_OPT_STRING, &o->save, "write the trained model (with its vocabulary) here"},
       {"load", EX_OPT_STRING, &o->load, "sample from this checkpoint instead of training"},
@@ -121,6 +162,17 @@ static void opts_parse(int argc, char **argv, opts *o) {
        "zero2: MiB of gradient buckets in flight before backward waits for the oldest (0: no cap)"},
       {"zero-after-backward", EX_OPT_FLAG, &o->zero_after_backward,
        "zero2: reduce_scatter after backward instead of during it"},
+      {"activation-checkpointing", EX_OPT_STRING, &o->ckpt,
+       "recompute activations in backward: none, full (every block keeps only its input) or "
+       "selective (every attention core)"},
+      {"reduce-dtype", EX_OPT_STRING, &o->reduce_dtype,
+       "ddp: the dtype gradients travel in: f32 (the gradients' own), or bf16 / f16 (half the "
+       "bytes, float32 accumulation, float32 .grads)"},
+      {"loss-scale", EX_OPT_STRING, &o->loss_scale,
+       "auto (dynamic for f16, else none), dynamic, none, or a constant scale"},
+      {"loss-scale-init", EX_OPT_DOUBLE, &o->loss_scale_init, "dynamic loss scaling's first scale"},
+      {"loss-scale-growth-interval", EX_OPT_I64, &o->loss_scale_growth_interval,
+       "dynamic loss scaling: good steps in a row before the scale doubles"},
       {"metrics", EX_OPT_STRING, &o->metrics,
        "write JSON lines of every step and evaluation to FILE (scripts/plot.py draws them)"},
   };
@@ -130,14 +182,35 @@ static void opts_parse(int argc, char **argv, opts *o) {
       o->n_head < 1 || o->n_embd < 1 || o->n_embd % o->n_head || o->warmup < 0 ||
       o->eval_interval < 1 || o->eval_iters < 1 || o->threads < 0 || o->generate < 0 ||
       o->top_k < 0 || !(o->temperature > 0) || !(o->lr >= 0) || !(o->grad_clip >= 0) ||
-      !(o->bucket_mb >= 0) || !(o->zero_inflight_mb >= 0))
+      !(o->bucket_mb >= 0) || !(o->zero_inflight_mb >= 0) || o->grad_accum < 1)
     ex_die("bad option values (see --help): sizes must be positive, n-embd a multiple of "
            "n-head, temperature > 0");
-  if (strcmp(o->dtype, "f32") && strcmp(o->dtype, "f64")) ex_die("--dtype must be f32 or f64");
+  if (strcmp(o->dtype, "f32") && strcmp(o->dtype, "f64") && strcmp(o->dtype, "bf16") &&
+      strcmp(o->dtype, "f16"))
+    ex_die("--dtype must be f32, f64, bf16 or f16");
   if (o->nproc < 1 || o->nproc > 64) ex_die("--nproc must be in 1..64");
+  if (!strcmp(o->loss_scale, "auto")) o->loss_scale = loss_scale_default(o->dtype);
+  char *end = NULL;
+  double v = strtod(o->loss_scale, &end);
+  if (strcmp(o->loss_scale, "dynamic") && strcmp(o->loss_scale, "none") &&
+      (end == o->loss_scale || *end || !(v > 0) || v > 3.4e38))
+    ex_die("--loss-scale must be auto, dynamic, none or a positive number (a float32)");
   if (strcmp(o->dp, "ddp") && strcmp(o->dp, "zero1") && strcmp(o->dp, "zero2") &&
       strcmp(o->dp, "zero3"))
     ex_die("--dp must be ddp, zero1, zero2 or zero3");
+  if (strcmp(o->ckpt, "none") && strcmp(o->ckpt, "full") && strcmp(o->ckpt, "selective"))
+    ex_die("--activation-checkpointing must be none, full or selective");
+  if (strcmp(o->reduce_dtype, "f32") && strcmp(o->reduce_dtype, "bf16") &&
+      strcmp(o->reduce_dtype, "f16"))
+    ex_die("--reduce-dtype must be f32, bf16 or f16");
+  if (strcmp(o->reduce_dtype, "f32") && strcmp(o->dp, "ddp"))
+    ex_die("--reduce-dtype bf16/f16 is a ddp option (ZeRO reduces in the gradients' dtype)");
+}
+
+static td_checkpoint_mode ckpt_mode(const opts *o) {
+  return !strcmp(o->ckpt, "full")        ? TD_CHECKPOINT_FULL
+         : !strcmp(o->ckpt, "selective") ? TD_CHECKPOINT_SELECTIVE
+                                         : TD_CHECKPOINT_NONE;
 }
 
 /* ---- model, checkpoints ---- */
@@ -299,7 +372,8 @@ typedef struct dp_run {
 } dp_run;
 
 /* estimate returns the mean loss of eval_iters batches of each split (train, val) from a
- * generator reseeded with seed + 2, without recording gradients. */
+ * generator reseeded with seed + 2, without recording gradients; a batch is grad_accum
+ * micro-batches (the windows of one batch of grad_accum x batch_size). */
 static void estimate(td_module *m, const corpus *c, const opts *o, double *train, double *val) {
   bool prev = td_autograd_set_enabled(false);
   td_generator *g;
@@ -308,8 +382,8 @@ static void estimate(td_module *m, const corpus *c, const opts *o, double *train
     const uint8_t *d = split ? c->tok + c->n_train : c->tok;
     int64_t len = split ? c->n - c->n_train : c->n_train;
     double total = 0;
-    for (int64_t i = 0; i < o->eval_iters; i++) {
-      batch b;
+    for (int64_t i = 0; i < o->eval_iters * o->grad_accum; i++) {
+      batch b; /* a batch of grad_accum x batch_size windows, in micro-batches */
       batch_make(d, len, g, o->batch_size, o->block_size, NULL, &b);
       td_tensor *logits, *loss;
       double v;
@@ -320,10 +394,121 @@ static void estimate(td_module *m, const corpus *c, const opts *o, double *train
       td_tensor_unref(loss);
       batch_free(&b);
     }
-    *(split ? val : train) = total / (double)o->eval_iters;
+    *(split ? val : train) = total / (double)(o->eval_iters * o->grad_accum);
   }
   td_generator_destroy(g);
   td_autograd_set_enabled(prev);
+}
+
+/* ---- activation memory (one process) ----
+ * The CPU allocator's peak over one forward + backward, less what was in use before it, with the
+ * parameters' gradients allocated by a first pass (the measured pass adds into them in place, so
+ * they do not count): the activations, the backward's transient gradients and each parameter's
+ * incoming gradient before it is added. Measured on a probe batch (its own generator: the training
+ * batches stay the same) for the model as configured, for one block alone (not checkpointed, on a
+ * [B, T, C] input) and for the model's head alone (a GPT without blocks: embeddings, ln_f, the tied
+ * head, the cross entropy). With full checkpointing the model's peak should be
+ *   the blocks' stored inputs (n_layer [B, T, C] tensors) + max(one block's peak, the head's peak):
+ * the inputs stay until each block's backward, and a block's recompute and backward, or the head's
+ * backward, run on top of them one at a time. */
+typedef struct act_probe {
+  double forward_mb;    /* what the model's forward kept */
+  double peak_mb;       /* the model's forward + backward */
+  double block_peak_mb; /* one block, not checkpointed */
+  double head_peak_mb;  /* the GPT without blocks */
+  double inputs_mb;     /* n_layer [B, T, C] tensors as the allocator counts them (4 KiB pages) */
+} act_probe;
+
+typedef struct probe_ctx {
+  td_module *m;   /* the model, a block or the head */
+  const batch *b; /* tokens (model, head) */
+  td_tensor *x;   /* the block's input (requires grad), or NULL */
+  double kept_mb; /* set by each pass: what its forward kept */
+  td_dtype ac;    /* bf16 / f16: the forward in an autocast scope of it (as the model's) */
+} probe_ctx;
+
+static void probe_pass(probe_ctx *c) {
+  double before = ex_tensor_mb(false);
+  td_tensor *out = NULL, *loss = NULL;
+  bool ac = c->ac == TD_DTYPE_BF16 || c->ac == TD_DTYPE_F16;
+  if (ac) EX_CHECK(td_autocast_begin(c->ac));
+  if (c->x) {
+    EX_CHECK(td_module_forward(c->m, c->x, &out));
+    EX_CHECK(td_tensor_sum_all(out, &loss));
+  } else {
+    EX_CHECK(td_gpt_forward(c->m, c->b->x, c->b->y, &out, &loss));
+  }
+  if (ac) td_autocast_end(); /* a scope per forward: its weight casts go with it */
+  c->kept_mb = ex_tensor_mb(false) - before;
+  EX_CHECK(td_tensor_backward(loss));
+  td_tensor_unref(out);
+  td_tensor_unref(loss);
+}
+
+/* The second of two passes' peak over what was in use before it (MiB). */
+static double probe_peak(probe_ctx *c) {
+  probe_pass(c);
+  double before = ex_tensor_mb(false);
+  td_cpu_reset_peak_memory();
+  probe_pass(c);
+  return ex_tensor_mb(true) - before;
+}
+
+static void activation_probe(td_module *m, const corpus *c, const opts *o, td_dtype dt,
+                             act_probe *ap) {
+  td_generator *g;
+  EX_CHECK(td_generator_create(o->seed + 4, &g));
+  batch b;
+  batch_make(c->tok, c->n_train, g, o->batch_size, o->block_size, NULL, &b);
+  td_dtype ac = !strcmp(o->dtype, "bf16")  ? TD_DTYPE_BF16
+                : !strcmp(o->dtype, "f16") ? TD_DTYPE_F16
+                                           : TD_DTYPE_F32; /* the model's own autocast */
+  probe_ctx pm = {m, &b, NULL, 0, TD_DTYPE_F32};
+  ap->peak_mb = probe_peak(&pm);
+  ap->forward_mb = pm.kept_mb;
+  td_module_zero_grad(m);
+  /* one block as it is without checkpointing */
+  td_module *blk = td_module_child(td_module_child(td_module_child(m, "transformer"), "h"), "0");
+  td_module *attn = td_module_child(blk, "attn");
+  td_checkpoint_mode mb = td_module_get_checkpoint(blk), ma = td_module_get_checkpoint(attn);
+  EX_CHECK(td_module_set_checkpoint(blk, TD_CHECKPOINT_NONE));
+  EX_CHECK(td_module_set_checkpoint(attn, TD_CHECKPOINT_NONE));
+  int64_t shape[3] = {o->batch_size, o->block_size, o->n_embd};
+  td_tensor *x;
+  EX_CHECK(td_tensor_uniform(shape, 3, -1, 1, dt, td_device_cpu(), g, &x));
+  EX_CHECK(td_tensor_set_requires_grad(x, true));
+  probe_ctx pb = {blk, NULL, x, 0, ac};
+  ap->block_peak_mb = probe_peak(&pb);
+  EX_CHECK(td_module_set_checkpoint(blk, mb));
+  EX_CHECK(td_module_set_checkpoint(attn, ma));
+  td_module_zero_grad(blk);
+  td_tensor_unref(x);
+  /* the head: the same GPT without blocks */
+  td_gpt_config hc = model_config(o, c->nvocab);
+  hc.n_layer = 0;
+  td_module *head;
+  EX_CHECK(td_gpt_create(&hc, g, &head));
+  if (dt != TD_DTYPE_F32) EX_CHECK(td_module_to_dtype(head, dt));
+  probe_ctx ph = {head, &b, NULL, 0, ac};
+  ap->head_peak_mb = probe_peak(&ph);
+  td_module_unref(head);
+  double bytes = (double)(o->batch_size * o->block_size * o->n_embd) * (double)td_dtype_size(dt);
+  ap->inputs_mb = o->n_layer * ceil(bytes / 4096.0) * 4096.0 / 1048576.0;
+  batch_free(&b);
+  td_generator_destroy(g);
+}
+
+/* activation_json adds the probes' figures (MiB) and, with full checkpointing, the formula. */
+static void activation_json(const act_probe *ap, const opts *o, ex_json *res) {
+  ex_json_num(res, "activation_peak_mb", ap->peak_mb);
+  ex_json_num(res, "probe_forward_kept_mb", ap->forward_mb);
+  ex_json_num(res, "block_activation_peak_mb", ap->block_peak_mb);
+  ex_json_num(res, "head_activation_peak_mb", ap->head_peak_mb);
+  ex_json_num(res, "stored_block_inputs_mb", ap->inputs_mb);
+  if (ckpt_mode(o) != TD_CHECKPOINT_FULL) return;
+  double f = ap->inputs_mb + fmax(ap->block_peak_mb, ap->head_peak_mb);
+  ex_json_num(res, "activation_formula_mb", f);
+  ex_json_num(res, "activation_peak_over_formula", ap->peak_mb / f);
 }
 
 /* cpu_now_s returns the CPU time of this process (all threads), in seconds. */
@@ -336,7 +521,11 @@ static double cpu_now_s(void) {
 typedef struct train_result {
   double train_loss, val_loss, last_loss, train_s, train_cpu_s;
   uint64_t hash;
+  uint64_t loss_hash; /* the bits of every step's training loss on this rank (FNV-1a) */
   ex_json evals;
+  double grad_norm;       /* the last step's gradient norm before clipping (NAN without) */
+  uint64_t skipped_steps; /* loss scaling: steps skipped for an inf or a NaN */
+  double loss_scale;      /* loss scaling: the final scale (NAN without) */
 } train_result;
 
 static bool zero_overlaps(const td_zero *z) {
@@ -358,6 +547,91 @@ static void record_eval(train_result *r, const ex_progress *p, int64_t it, doubl
   fprintf(stderr, "%sstep %lld: train loss %.4f, val loss %.4f\n", p->tty ? "\r" : "",
           (long long)it, tl, vl);
   ex_metrics_eval_step(it, "val_loss", vl);
+}
+
+/* make_scaler returns the loss scaler of --loss-scale (NULL for none); with DDP its found_inf is
+ * agreed over the group (ZeRO agrees in td_zero_step_scaled). */
+static td_grad_scaler *make_scaler(const opts *o, const dp_run *dp) {
+  if (!strcmp(o->loss_scale, "none")) return NULL;
+  td_grad_scaler_options so;
+  td_grad_scaler_options_init(&so);
+  if (!strcmp(o->loss_scale, "dynamic")) {
+    so.init_scale = o->loss_scale_init;
+    so.growth_interval = o->loss_scale_growth_interval;
+  } else {
+    so.dynamic = false;
+    so.init_scale = strtod(o->loss_scale, NULL);
+  }
+  td_grad_scaler *sc = NULL;
+  EX_CHECK(td_grad_scaler_create(&so, &sc));
+  if (dp->ddp) EX_CHECK(td_grad_scaler_set_process_group(sc, dp->pg));
+  return sc;
+}
+
+typedef struct step_times {
+  double batch_s, forward_s, backward_s;
+} step_times;
+
+/* micro_step runs micro-batch k of the step's grad_accum: draws its windows (after the previous
+ * micro-batch's, so a step draws the windows of one grad_accum x batch_size batch), forward,
+ * clears the gradients before the step's first backward, and backpropagates its share of the
+ * step's mean loss (loss / grad_accum, times the loss scale); DDP and ZeRO keep the gradients of
+ * all but the last micro-batch local (no_sync) and reduce the sum once. Returns the
+ * micro-batch's mean loss. */
+static double micro_step(td_module *m, const corpus *c, const opts *o, dp_run *dp, td_optim *opt,
+                         td_grad_scaler *sc, td_generator *g, int64_t k, bool measure,
+                         uint64_t *hash, step_times *t) {
+  double t0 = ex_now_s();
+  batch b;
+  batch_make(c->tok, c->n_train, g, o->batch_size, o->block_size, hash, &b);
+  td_tensor *logits = NULL, *loss = NULL, *share = NULL, *scaled = NULL;
+  double tf = ex_now_s();
+  double before_fwd = ex_tensor_mb(false);
+  EX_CHECK(td_gpt_forward(m, b.x, b.y, &logits, &loss));
+  if (measure) dp->activations = ex_tensor_mb(false) - before_fwd;
+  if (k == 0 && opt) td_optim_zero_grad(opt);
+  if (k == 0 && dp->zero) td_zero_zero_grad(dp->zero);
+  bool last = k == o->grad_accum - 1;
+  if (dp->ddp) td_ddp_no_sync(dp->ddp, !last);
+  if (dp->zero) td_zero_no_sync(dp->zero, !last);
+  if (dp->ddp) EX_CHECK(td_ddp_prepare(dp->ddp));
+  if (dp->zero && zero_overlaps(dp->zero)) EX_CHECK(td_zero_prepare(dp->zero));
+  td_tensor *obj = loss;
+  if (o->grad_accum > 1) EX_CHECK(td_tensor_mul_scalar(loss, 1.0 / (double)o->grad_accum, &share));
+  if (share) obj = share;
+  if (sc) EX_CHECK(td_grad_scaler_scale(sc, obj, &scaled));
+  if (scaled) obj = scaled;
+  double tb = ex_now_s();
+  EX_CHECK(td_tensor_backward(obj));
+  if (dp->ddp) EX_CHECK(td_ddp_finish(dp->ddp));
+  double v = NAN;
+  EX_CHECK(td_tensor_item(loss, &v));
+  td_tensor *all[] = {logits, loss, share, scaled};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) td_tensor_unref(all[i]);
+  batch_free(&b);
+  t->batch_s += tf - t0, t->forward_s += tb - tf, t->backward_s += ex_now_s() - tb;
+  return v;
+}
+
+/* optimizer_step: ZeRO reduces, unscales (agreeing on overflows), clips, steps its shard and
+ * gathers; the local optimizer (one process, DDP) is unscaled, clipped and stepped unless the
+ * scaler found an inf or a NaN; then the scaler's rule. Returns the gradient norm before
+ * clipping (NAN without clipping). */
+static double optimizer_step(const opts *o, dp_run *dp, td_optim *opt, td_grad_scaler *sc) {
+  double norm = NAN;
+  if (dp->zero) {
+    EX_CHECK(td_zero_step_scaled(dp->zero, sc));
+    td_zero_stats zs;
+    EX_CHECK(td_zero_get_stats(dp->zero, &zs));
+    norm = zs.last_grad_norm;
+  } else {
+    if (sc) EX_CHECK(td_grad_scaler_unscale_(sc, opt)); /* before clipping */
+    if (o->grad_clip > 0) EX_CHECK(td_optim_clip_grad_norm(opt, o->grad_clip, 2.0, &norm));
+    if (sc) EX_CHECK(td_grad_scaler_step(sc, opt, NULL));
+    else EX_CHECK(td_optim_step(opt));
+  }
+  if (sc) EX_CHECK(td_grad_scaler_update(sc));
+  return norm;
 }
 
 static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, train_result *r) {
@@ -401,10 +675,13 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
     td_ddp_options_init(&d);
     d.overlap = true;
     d.gradient_as_bucket_view = true; /* the gradients live in the buckets: no second copy */
+    if (strcmp(o->reduce_dtype, "f32"))
+      d.reduce_dtype = o->reduce_dtype[0] == 'b' ? TD_DTYPE_BF16 : TD_DTYPE_F16;
     if (o->bucket_mb > 0) d.bucket_bytes = (size_t)(o->bucket_mb * 1048576.0);
     if (d.bucket_bytes < d.first_bucket_bytes) d.first_bucket_bytes = d.bucket_bytes;
     EX_CHECK(td_ddp_create_ex(dp->pg, m, &d, &dp->ddp));
   }
+  td_grad_scaler *sc = make_scaler(o, dp);
   bool lead = dp->rank == 0;
   dp->peak_setup = ex_peak_rss_mb();
   dp->peak_reset = ex_reset_peak_rss(); /* the training peak from here */
@@ -413,8 +690,9 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
   td_generator *g;
   EX_CHECK(td_generator_create(o->seed + 1 + (uint64_t)dp->rank, &g));
   ex_json_array(&r->evals);
-  r->hash = 0xcbf29ce484222325ull;
+  r->hash = r->loss_hash = 0xcbf29ce484222325ull;
   r->train_s = r->train_cpu_s = 0;
+  r->grad_norm = NAN;
   r->last_loss = r->train_loss = r->val_loss = NAN; /* evaluations: rank 0 only */
   ex_progress p;
   ex_progress_start(&p, "gpt", lead ? o->steps : 0);
@@ -431,46 +709,38 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
     double lr = td_optim_lr_warmup_cosine(it, o->warmup, o->steps, o->lr, o->min_lr);
     if (opt) EX_CHECK(td_optim_set_lr(opt, lr));
     if (dp->zero) EX_CHECK(td_zero_set_lr(dp->zero, lr));
-    batch b;
-    batch_make(c->tok, c->n_train, g, o->batch_size, o->block_size, &r->hash, &b);
-    td_tensor *logits, *loss;
-    double tf = ex_now_s();
-    double before_fwd = ex_tensor_mb(false);
-    EX_CHECK(td_gpt_forward(m, b.x, b.y, &logits, &loss));
-    if (it == 0) dp->activations = ex_tensor_mb(false) - before_fwd;
-    if (opt) td_optim_zero_grad(opt);
-    if (dp->zero) td_zero_zero_grad(dp->zero);
-    if (dp->ddp) EX_CHECK(td_ddp_prepare(dp->ddp));
-    if (dp->zero && zero_overlaps(dp->zero)) EX_CHECK(td_zero_prepare(dp->zero));
-    double tb = ex_now_s();
-    EX_CHECK(td_tensor_backward(loss));
+    step_times tm = {0};
+    double sum = 0; /* the step's loss: the mean of its micro-batches' */
+    for (int64_t k = 0; k < o->grad_accum; k++)
+      sum += micro_step(m, c, o, dp, opt, sc, g, k, it == 0 && k == 0, &r->hash, &tm);
     double ts = ex_now_s();
-    if (dp->ddp) EX_CHECK(td_ddp_finish(dp->ddp));
-    if (dp->zero) {
-      EX_CHECK(td_zero_step(dp->zero)); /* reduces, clips, steps its shard, gathers */
-    } else {
-      if (o->grad_clip > 0) EX_CHECK(td_optim_clip_grad_norm(opt, o->grad_clip, 2.0, NULL));
-      EX_CHECK(td_optim_step(opt));
-    }
-    EX_CHECK(td_tensor_item(loss, &r->last_loss));
+    r->grad_norm = optimizer_step(o, dp, opt, sc);
+    r->last_loss = sum / (double)o->grad_accum;
+    ex_hash_double(&r->loss_hash, r->last_loss);
     if (ex_metrics_on()) {
       double now = ex_now_s();
       ex_phases ph = {0};
-      ex_phases_add(&ph, "batch_s", tf - t0);
-      ex_phases_add(&ph, "forward_s", tb - tf);
-      ex_phases_add(&ph, "backward_s", ts - tb);
+      ex_phases_add(&ph, "batch_s", tm.batch_s);
+      ex_phases_add(&ph, "forward_s", tm.forward_s);
+      ex_phases_add(&ph, "backward_s", tm.backward_s);
       ex_phases_add(&ph, "step_s", now - ts);
       ex_metrics_step(0, it, r->last_loss, lr,
-                      (double)(o->batch_size * o->block_size) / (now - t0), &ph);
+                      (double)(o->grad_accum * o->batch_size * o->block_size) / (now - t0), &ph);
     }
-    td_tensor_unref(logits);
-    td_tensor_unref(loss);
-    batch_free(&b);
     r->train_s += ex_now_s() - t0;
     r->train_cpu_s += cpu_now_s() - c0;
     if (lead) ex_progress_update(&p, it + 1, "loss %.4f", r->last_loss);
   }
   if (lead) ex_progress_finish(&p, "val loss %.4f", r->val_loss);
+  r->skipped_steps = 0;
+  r->loss_scale = NAN;
+  if (sc) {
+    td_grad_scaler_stats st;
+    EX_CHECK(td_grad_scaler_get_stats(sc, &st));
+    r->skipped_steps = st.skipped_steps;
+    r->loss_scale = td_grad_scaler_get_scale(sc);
+  }
+  td_grad_scaler_destroy(sc);
   td_generator_destroy(g);
   td_optim_destroy(opt);
 }
@@ -664,6 +934,7 @@ static void add_config(ex_json *cfg, const opts *o, const td_gpt_config *c, int6
   ex_json_int(cfg, "params", td_module_num_parameters(m));
   ex_json_int(cfg, "seed", (int64_t)o->seed);
   ex_json_int(cfg, "threads", o->threads);
+  ex_json_str(cfg, "activation_checkpointing", o->ckpt);
   ex_json_int(cfg, "openblas_num_threads", ex_blas_threads());
   if (o->generate > 0) {
     ex_json_str(cfg, "load", o->load);
@@ -673,6 +944,8 @@ static void add_config(ex_json *cfg, const opts *o, const td_gpt_config *c, int6
   if (!trained) return;
   ex_json_int(cfg, "steps", o->steps);
   ex_json_int(cfg, "batch_size", o->batch_size);
+  ex_json_int(cfg, "grad_accum", o->grad_accum);
+  ex_json_str(cfg, "loss_scale", o->loss_scale);
   ex_json_int(cfg, "corpus_chars", chars);
   ex_json_num(cfg, "lr", o->lr);
   ex_json_num(cfg, "min_lr", o->min_lr);
@@ -683,6 +956,8 @@ static void add_config(ex_json *cfg, const opts *o, const td_gpt_config *c, int6
   ex_json_int(cfg, "eval_interval", o->eval_interval);
   ex_json_int(cfg, "eval_iters", o->eval_iters);
   ex_json_str(cfg, "dtype", o->dtype);
+  ex_json_str(cfg, "reduce_dtype", o->reduce_dtype);
+  ex_json_str(cfg, "param_dtype", strcmp(o->dtype, "f64") ? "f32" : "f64");
   ex_json_bool(cfg, "init", o->init != NULL);
 }
 
@@ -730,20 +1005,30 @@ int main(int argc, char **argv) {
     td_generator_destroy(g);
     if (dt != TD_DTYPE_F32) EX_CHECK(td_module_to_dtype(m, dt));
     if (o.init) load_weights(m, o.init, vocab, dt);
+    if (!strcmp(o.dtype, "bf16") || !strcmp(o.dtype, "f16")) /* autocast: float32 weights */
+      EX_CHECK(td_module_set_autocast(m, true, o.dtype[1] == 'f' ? TD_DTYPE_BF16 : TD_DTYPE_F16));
+    EX_CHECK(td_gpt_set_activation_checkpointing(m, ckpt_mode(&o)));
+    act_probe ap = {0};
+    if (!dp.pg) activation_probe(m, &c, &o, dt, &ap);
     train_result r;
     ex_metrics_open(o.metrics, dp.rank, dp.world, wname, "gpt", NULL);
     ex_metrics_rate_name("tokens_per_s");
     train(m, &c, &o, &dp, &r);
     ex_metrics_close();
-    /* every replica's tokens */
-    double tokens = (double)o.steps * (double)o.batch_size * (double)o.block_size * dp.world;
+    /* every replica's tokens, every micro-batch */
+    double tokens = (double)o.steps * (double)o.grad_accum * (double)o.batch_size *
+                    (double)o.block_size * dp.world;
     ex_json_num(&res, "val_loss", r.val_loss);
     ex_json_num(&res, "train_loss", r.train_loss);
     ex_json_num(&res, "last_batch_loss", r.last_loss);
     ex_json_num(&res, "uniform_loss", log((double)c.nvocab));
     ex_json_num(&res, "tokens_per_s", r.train_s > 0 ? tokens / r.train_s : NAN);
     ex_json_num(&res, "samples_per_s",
-                r.train_s > 0 ? (double)o.steps * (double)o.batch_size / r.train_s : NAN);
+                r.train_s > 0 ? (double)o.steps * (double)(o.grad_accum * o.batch_size) / r.train_s
+                              : NAN);
+    ex_json_num(&res, "last_grad_norm", r.grad_norm); /* before clipping; null without */
+    ex_json_int(&res, "skipped_steps", (int64_t)r.skipped_steps);
+    ex_json_num(&res, "loss_scale", r.loss_scale); /* null without loss scaling */
     ex_json_num(&res, "train_s", r.train_s);
     /* training tokens per second of CPU time: on a shared host, less sensitive than tokens_per_s
      * to other processes taking the CPU (with one thread) */
@@ -752,8 +1037,17 @@ int main(int argc, char **argv) {
     char h[24];
     snprintf(h, sizeof h, "%016llx", (unsigned long long)r.hash);
     ex_json_str(&res, "batch_hash", h);
+    snprintf(h, sizeof h, "%016llx", (unsigned long long)r.loss_hash);
+    ex_json_str(&res, "losses_hash", h); /* equal bits: the same training, step for step */
     ex_json_fini(&r.evals);
-    if (dp.pg) dp_results(&dp, &o, td_module_num_parameters(m), &res);
+    if (dp.pg) {
+      dp_results(&dp, &o, td_module_num_parameters(m), &res);
+    } else { /* the CPU allocator's figures (tensor memory; MiB): training peak less what was in
+                use before the model existed, and what the first training forward added */
+      ex_json_num(&res, "tensor_peak_mb", ex_tensor_mb(true) - dp.tensors_before_model);
+      ex_json_num(&res, "activations_mb", dp.activations);
+      activation_json(&ap, &o, &res);
+    }
     /* zero3: the blocks' parameters back into the model (after the memory was measured) */
     if (dp.zero) EX_CHECK(td_zero_gather_params(dp.zero));
     if (o.save && dp.rank == 0) save_checkpoint(m, o.save, vocab);

@@ -47,6 +47,7 @@
 #include "example_util.h"
 #include "metrics.h"
 #include "ps_common.h"
+#include "watchdog.h"
 #include "tdist/collectives.h"
 #include "tdist/dist_autograd.h"
 #include "tdist/dist_optim.h"
@@ -396,6 +397,7 @@ int main(int argc, char **argv) {
   ex_handout_init(&handout);
   ex_reports_init(&reports, report_slots, MAX_EPOCHS + 1, NFIELDS, TRAIN_S);
   EX_CHECK(td_rpc_register("hy_report", hy_report, NULL));
+  ex_watchdog_register(); /* on by default: a lost worker stops the job (watchdog.h) */
   td_rpc_options ro;
   td_rpc_options_init(&ro);
   /* trainers' inputs arrive on the server's device; its outputs come back to their CPU */
@@ -406,6 +408,7 @@ int main(int argc, char **argv) {
   }
   td_rpc_agent *agent = NULL;
   EX_CHECK(td_rpc_init_from_env(name, &ro, &agent));
+  ex_watchdog_start(agent, NULL);
   int world = td_rpc_world_size(agent);
   if (world < 2 || world > 65) ex_die("hybrid needs 2..65 processes (a server and trainers)");
   int trainers = world - 1;
@@ -433,6 +436,7 @@ int main(int argc, char **argv) {
   ex_handout_fini(&handout); /* every trainer reported its last epoch: none asks again */
   ex_metrics_counters(agent);
   ex_metrics_close();
+  ex_watchdog_stop(); /* before leaving: a worker that left is not lost */
   if (td_rpc_shutdown(agent, true, TD_TIMEOUT_DEFAULT) != TD_OK) {
     fprintf(stderr, "worker%d: shutdown: %s\n", rank, td_last_error());
     if (!rc) rc = 1;

@@ -30,8 +30,8 @@
  * cuda:N} makes their batches arrive there, the logits come back to their CPU and the gradients
  * go back to the GPU, where the optimizer steps; the server evaluates there too.
  *
- * Checkpoints and the failure watchdog (--checkpoint-dir, --keepalive-ms, ...) live in
- * common/ps_ft.c; this file only calls its hooks.
+ * Checkpoints and the failure watchdog (on by default; --checkpoint-dir, --keepalive-ms, ...) live
+ * in common/ps_ft.c and common/watchdog.c; this file only calls their hooks.
  *
  * Output: progress on standard error (trainer 1 draws a bar; the server prints a line per epoch),
  * then rank 0 prints the JSON line (docs/BENCH.md): test_accuracy, samples_per_s, wall_s,
@@ -51,6 +51,7 @@
 #include "metrics.h"
 #include "ps_common.h"
 #include "ps_ft.h"
+#include "watchdog.h"
 #include "tdist/dist_autograd.h"
 #include "tdist/dist_optim.h"
 #include "tdist/rpc.h"
@@ -147,6 +148,7 @@ static int run_server(const ex_args *args, const recipe *rc, int trainers, doubl
   int64_t samples = 0;
   int e0 = (int)psft_resume_epoch();
   for (int e = e0; e < args->epochs; e++) {
+    ex_watchdog_note_step(e, -1); /* for the line a lost trainer makes the server print */
     const double *v = wait_slot(e + 1, trainers)->v;
     if (e + 1 == args->epochs) psft_watchdog_stop(); /* the trainers may leave after this sync */
     double mean_loss = v[BATCHES] > 0 ? v[LOSS_SUM] / v[BATCHES] : NAN;
@@ -420,8 +422,10 @@ int main(int argc, char **argv) {
     psft_watchdog_start(agent, &fo, trainer_lost);
     status = run_server(&a, &rc, trainers, t_start);
   } else {
+    psft_watchdog_start(agent, &fo, NULL);
     status = run_trainer(agent, &a, &rc, &fo, trainers);
   }
+  psft_watchdog_stop(); /* before leaving: a worker that left is not lost */
   ex_handout_fini(&ps.model_rref); /* every trainer is past its last ps_sync */
   ex_metrics_counters(agent);
   ex_metrics_close();

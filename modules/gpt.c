@@ -18,6 +18,12 @@
  *                        the sharing, td_module_parameters lists it once). "transformer" is a
  *                        ModuleDict-like container without a forward of its own.
  *
+ * Activation checkpointing (td_gpt_set_activation_checkpointing): full mode checkpoints each
+ * Block (its input is what it keeps); selective mode checkpoints each attention module's core,
+ * the region from q, k, v to the attention output (td_module_checkpoint_region), so backward
+ * recomputes the [B, H, T, T] probabilities instead of keeping them (Megatron-LM's selective
+ * recompute).
+ *
  * Initialisation is nanoGPT's _init_weights: Linear and Embedding weights N(0, 0.02), biases 0,
  * LayerNorm 1 / 0, and every c_proj.weight N(0, 0.02 / sqrt(2 n_layer)). Dropout is not built in
  * (nanoGPT's small CPU recipe trains with dropout 0).
@@ -116,6 +122,13 @@ static td_status heads(const td_tensor *qkv5, td_tensor **h) {
   return st;
 }
 
+/* The attention core, the region selective checkpointing recomputes: q, k, v -> y. */
+static td_status sdpa_region(void *ctx, td_tensor *const *in, int n_in, td_tensor **out,
+                             int n_out) {
+  (void)ctx, (void)n_in, (void)n_out;
+  return td_tensor_scaled_dot_product_attention(in[0], in[1], in[2], true, NAN, &out[0]);
+}
+
 static td_status attn_forward(td_module *self, td_tensor *const *in, int n_in, td_tensor **out,
                               int n_out) {
   TD_TRY(one_to_one("CausalSelfAttention", n_in, n_out));
@@ -128,7 +141,9 @@ static td_status attn_forward(td_module *self, td_tensor *const *in, int n_in, t
   td_status st = td_module_forward(td_module_child(self, "c_attn"), in[0], &qkv);
   if (st == TD_OK) st = td_tensor_reshape(qkv, s5, 5, &qkv5);
   if (st == TD_OK) st = heads(qkv5, h);
-  if (st == TD_OK) st = td_tensor_scaled_dot_product_attention(h[0], h[1], h[2], true, NAN, &y);
+  if (st == TD_OK)
+    st = td_module_checkpoint_region(self, "CausalSelfAttention.attention", sdpa_region, NULL, h,
+                                     3, &y, 1);
   if (st == TD_OK) st = td_tensor_transpose(y, 1, 2, &yt);
   if (st == TD_OK) st = td_tensor_reshape(yt, s3, 3, &y3);
   if (st == TD_OK) st = td_module_forward(td_module_child(self, "c_proj"), y3, out);
@@ -417,6 +432,32 @@ td_status td_gpt_forward(td_module *gpt, const td_tensor *idx, const td_tensor *
   TD_TRY(td_module_forward_multi(gpt, in, targets ? 2 : 1, res, loss ? 2 : 1));
   *logits = res[0];
   if (loss) *loss = res[1];
+  return TD_OK;
+}
+
+td_status td_gpt_set_activation_checkpointing(td_module *gpt, td_checkpoint_mode mode) {
+  TD_CHECK_ARG(gpt, "td_gpt_set_activation_checkpointing: NULL module");
+  TD_CHECK_ARG(mode == TD_CHECKPOINT_NONE || mode == TD_CHECKPOINT_FULL ||
+                   mode == TD_CHECKPOINT_SELECTIVE,
+               "td_gpt_set_activation_checkpointing: unknown mode %d", (int)mode);
+  td_module *h = td_module_child(td_module_child(gpt, "transformer"), "h");
+  if (!h)
+    return td_set_error(TD_ERR_INVALID, "td_gpt_set_activation_checkpointing: %s has no "
+                        "transformer.h (not a GPT)", td_module_type_name(gpt));
+  int n = td_module_num_children(h);
+  for (int i = 0; i < n; i++) { /* everything checked before anything changes */
+    const char *name = NULL;
+    td_module *block = td_module_child_at(h, i, &name);
+    if (!td_module_child(block, "attn"))
+      return td_set_error(TD_ERR_INVALID, "td_gpt_set_activation_checkpointing: block "
+                          "transformer.h.%s (%s) has no attn", name, td_module_type_name(block));
+  }
+  for (int i = 0; i < n; i++) {
+    td_module *block = td_module_child_at(h, i, NULL);
+    TD_TRY(td_module_set_checkpoint(block, mode == TD_CHECKPOINT_FULL ? mode : TD_CHECKPOINT_NONE));
+    TD_TRY(td_module_set_checkpoint(td_module_child(block, "attn"),
+                                    mode == TD_CHECKPOINT_SELECTIVE ? mode : TD_CHECKPOINT_NONE));
+  }
   return TD_OK;
 }
 

@@ -99,7 +99,10 @@ td_status td__nn_new_param(const int64_t *shape, int ndim, td_tensor **out) {
 td_status td__nn_check_input(const char *module, const td_tensor *x, const td_tensor *ref) {
   TD_CHECK_ARG(x, "%s.forward: NULL input tensor", module);
   if (!ref) return TD_OK;
-  if (td_tensor_dtype(x) != td_tensor_dtype(ref))
+  /* under autocast the ops convert floating inputs themselves (tensor.h) */
+  bool converted = td_autocast_dtype(NULL) && td_dtype_is_float(td_tensor_dtype(x)) &&
+                   td_dtype_is_float(td_tensor_dtype(ref));
+  if (td_tensor_dtype(x) != td_tensor_dtype(ref) && !converted)
     return td_set_error(TD_ERR_DTYPE, "%s.forward: input is %s but the parameters are %s",
                         module, td_dtype_name(td_tensor_dtype(x)),
                         td_dtype_name(td_tensor_dtype(ref)));

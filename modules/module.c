@@ -14,41 +14,18 @@
  * Lock order: reg_mu is a leaf (modules themselves have no lock: see each declaration in nn.h
  * for which calls may run concurrently).
  *
- * Also here: td_tensor_list, the caller-owned list used for parameters and state dicts.
+ * Also here: td_tensor_list, the caller-owned list used for parameters and state dicts. Forward
+ * (hooks, activation checkpointing) is in forward.c.
  */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "../core/refcount.h"
 #include "modules_impl.h"
 
-typedef struct slot {
-  char *name;
-  td_tensor *t;
-} slot;
-
-typedef struct child_slot {
-  char *name;
-  td_module *m;
-} child_slot;
-
-struct td_module {
-  td__refcnt rc;
-  const td_module_type *type;
-  void *state;
-  bool training;
-  slot *params;
-  int n_params, cap_params;
-  slot *buffers;
-  int n_buffers, cap_buffers;
-  child_slot *children;
-  int n_children, cap_children;
-  td_module_pre_hook_fn pre_hook; /* td_module_set_forward_hooks */
-  td_module_post_hook_fn post_hook;
-  void *hook_ctx;
-};
+typedef td__mslot slot;
+typedef td__mchild child_slot;
 
 /* ---- td_tensor_list ---- */
 
@@ -134,6 +111,7 @@ void td_module_unref(td_module *m) {
   td__free(m->params);
   td__free(m->buffers);
   td__free(m->children);
+  td__free(m->hooks);
   if (m->type->destroy && m->state) m->type->destroy(m->state);
   td__free(m);
 }
@@ -141,57 +119,6 @@ void td_module_unref(td_module *m) {
 const char *td_module_type_name(const td_module *m) { return m ? m->type->name : "(null)"; }
 const td_module_type *td_module_get_type(const td_module *m) { return m ? m->type : NULL; }
 void *td_module_state(const td_module *m) { return m ? m->state : NULL; }
-
-/* ---- forward ---- */
-
-td_status td_module_set_forward_hooks(td_module *m, td_module_pre_hook_fn pre,
-                                      td_module_post_hook_fn post, void *ctx) {
-  TD_CHECK_ARG(m, "td_module_set_forward_hooks: NULL module");
-  if ((pre || post) && (m->pre_hook || m->post_hook))
-    return td_set_error(TD_ERR_STATE, "td_module_set_forward_hooks: %s already has forward hooks "
-                        "(clear them first)", m->type->name);
-  m->pre_hook = pre;
-  m->post_hook = post;
-  m->hook_ctx = pre || post ? ctx : NULL;
-  return TD_OK;
-}
-
-/* The type's forward between the module's hooks. */
-static td_status run_forward(td_module *m, td_tensor *const *inputs, int n_inputs,
-                             td_tensor **outputs, int n_outputs) {
-  if (!m->pre_hook && !m->post_hook)
-    return m->type->forward(m, inputs, n_inputs, outputs, n_outputs);
-  if (m->pre_hook) TD_TRY(m->pre_hook(m->hook_ctx, m));
-  td_status st = m->type->forward(m, inputs, n_inputs, outputs, n_outputs);
-  if (!m->post_hook) return st;
-  char msg[512] = "";
-  if (st != TD_OK) snprintf(msg, sizeof msg, "%s", td_last_error());
-  td_status hs = m->post_hook(m->hook_ctx, m, st, outputs, n_outputs);
-  if (st != TD_OK) return td_set_error(st, "%s", msg); /* the forward's own failure first */
-  if (hs != TD_OK)
-    for (int i = 0; i < n_outputs; i++) {
-      td_tensor_unref(outputs[i]);
-      outputs[i] = NULL;
-    }
-  return hs;
-}
-
-td_status td_module_forward_multi(td_module *m, td_tensor *const *inputs, int n_inputs,
-                                  td_tensor **outputs, int n_outputs) {
-  TD_CHECK_ARG(m, "td_module_forward: NULL module");
-  TD_CHECK_ARG(n_inputs >= 0 && (inputs || n_inputs == 0),
-               "%s.forward: NULL inputs array", m->type->name);
-  TD_CHECK_ARG(outputs && n_outputs > 0, "%s.forward: NULL outputs array", m->type->name);
-  return run_forward(m, inputs, n_inputs, outputs, n_outputs);
-}
-
-td_status td_module_forward(td_module *m, const td_tensor *x, td_tensor **y) {
-  TD_CHECK_ARG(m, "td_module_forward: NULL module");
-  TD_CHECK_ARG(x, "%s.forward: NULL input", m->type->name);
-  TD_CHECK_ARG(y, "%s.forward: NULL output", m->type->name);
-  td_tensor *in[1] = {(td_tensor *)x};
-  return run_forward(m, in, 1, y, 1);
-}
 
 /* ---- registration ---- */
 

@@ -2,6 +2,8 @@
  *
  *   module.c       the td_module object: refcount, parameters, buffers, children, dotted names,
  *                  state dicts, train/eval, devices, the factory registry, td_tensor_list.
+ *   forward.c      forward: its autocast scope, the hooks around it and activation
+ *                  checkpointing.
  *   init.c         the default generator and torch.nn.init-style initialisers.
  *   layers.c       Linear, Conv2d, MaxPool2d, activations, Dropout, Embedding, LayerNorm,
  *                  Flatten, Sequential.
@@ -14,7 +16,47 @@
 #define TD_MODULES_IMPL_H
 
 #include "../core/core.h"
+#include "../core/refcount.h"
 #include "tdist/nn.h"
+
+/* ---- the module object (module.c; forward.c runs it) ---- */
+
+typedef struct td__mslot {
+  char *name;
+  td_tensor *t;
+} td__mslot;
+
+typedef struct td__mchild {
+  char *name;
+  td_module *m;
+} td__mchild;
+
+/* One entry of a module's forward hooks (td_module_add_forward_hooks). */
+typedef struct td__mhook {
+  int handle;
+  td_module_pre_hook_fn pre;
+  td_module_post_hook_fn post;
+  void *ctx;
+  bool legacy; /* set by td_module_set_forward_hooks */
+} td__mhook;
+
+struct td_module {
+  td__refcnt rc;
+  const td_module_type *type;
+  void *state;
+  bool training;
+  td__mslot *params;
+  int n_params, cap_params;
+  td__mslot *buffers;
+  int n_buffers, cap_buffers;
+  td__mchild *children;
+  int n_children, cap_children;
+  td__mhook *hooks; /* forward hooks, in registration order */
+  int n_hooks, cap_hooks;
+  td_checkpoint_mode ckpt; /* td_module_set_checkpoint; default TD_CHECKPOINT_NONE */
+  bool autocast;           /* td_module_set_autocast: forward inside a scope of autocast_dt */
+  td_dtype autocast_dt;
+};
 
 /* td__module_param_at returns m's i-th own parameter in registration order (borrowed), or NULL. */
 td_tensor *td__module_param_at(const td_module *m, int i);

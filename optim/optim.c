@@ -166,8 +166,10 @@ static td_status check_params(const char *k, const td_optim_group *groups, size_
       TD_CHECK_ARG(p, "%s: parameter %zu is NULL", k, idx);
       td_dtype dt = td_tensor_dtype(p);
       if (dt != TD_DTYPE_F32 && dt != TD_DTYPE_F64)
-        return td_set_error(TD_ERR_DTYPE, "%s: parameter %zu is %s; optimizers need float "
-                            "parameters", k, idx, td_dtype_name(dt));
+        return td_set_error(TD_ERR_DTYPE, "%s: parameter %zu is %s; optimizers keep float32 or "
+                            "float64 parameters and state (for 16-bit compute, keep float32 "
+                            "weights and use autocast: td_autocast_begin)", k, idx,
+                            td_dtype_name(dt));
       size_t jdx = 0;
       for (size_t gj = 0; gj <= gi; gj++)
         for (size_t j = 0; j < groups[gj].n && jdx < idx; j++, jdx++)

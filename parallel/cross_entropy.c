@@ -98,6 +98,16 @@ td_status td_tp_vocab_parallel_cross_entropy(td_process_group *pg, const td_tens
                                              const td_tensor *target, int64_t vocab_size,
                                              int64_t ignore_index, td_tensor **out) {
   const char *who = "td_tp_vocab_parallel_cross_entropy";
+  td_dtype ldt = logits ? td_tensor_dtype(logits) : TD_DTYPE_F32;
+  if (td_autocast_dtype(NULL) && (ldt == TD_DTYPE_BF16 || ldt == TD_DTYPE_F16)) {
+    /* a loss: computed in float32 under autocast, as td_tensor_cross_entropy (tensor.h) */
+    td_tensor *l32 = NULL;
+    TD_TRY(td_tensor_to_dtype(logits, TD_DTYPE_F32, &l32));
+    td_status st = td_tp_vocab_parallel_cross_entropy(pg, l32, target, vocab_size, ignore_index,
+                                                      out);
+    td_tensor_unref(l32);
+    return st;
+  }
   TD_TRY(check(pg, logits, target, vocab_size, ignore_index, who));
   TD_CHECK_ARG(out, "%s: NULL out", who);
   int r = td_process_group_rank(pg);

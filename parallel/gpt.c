@@ -47,6 +47,13 @@ static td_status check_btc(const char *who, const td_tensor *x, int64_t C) {
 
 /* ---- attention, MLP, block ---- */
 
+/* The attention core over the member's heads (selective activation checkpointing's region). */
+static td_status sdpa_region(void *ctx, td_tensor *const *in, int n_in, td_tensor **out,
+                             int n_out) {
+  (void)ctx, (void)n_in, (void)n_out;
+  return td_tensor_scaled_dot_product_attention(in[0], in[1], in[2], true, NAN, &out[0]);
+}
+
 static td_status attn_forward(td_module *self, td_tensor *const *in, int n_in, td_tensor **out,
                               int n_out) {
   TD_TRY(one_to_one("TPCausalSelfAttention", n_in, n_out));
@@ -63,7 +70,9 @@ static td_status attn_forward(td_module *self, td_tensor *const *in, int n_in, t
   if (st == TD_OK) st = td_tensor_reshape(qkv, s5, 5, &qkv5);
   if (st == TD_OK) st = td_tensor_unbind(qkv5, 2, parts);
   for (int i = 0; i < 3 && st == TD_OK; i++) st = td_tensor_transpose(parts[i], 1, 2, &h[i]);
-  if (st == TD_OK) st = td_tensor_scaled_dot_product_attention(h[0], h[1], h[2], true, NAN, &y);
+  if (st == TD_OK)
+    st = td_module_checkpoint_region(self, "TPCausalSelfAttention.attention", sdpa_region, NULL,
+                                     h, 3, &y, 1);
   if (st == TD_OK) st = td_tensor_transpose(y, 1, 2, &yt);
   if (st == TD_OK) st = td_tensor_reshape(yt, s3, 3, &y3);
   if (st == TD_OK) st = td_module_forward(td_module_child(self, "c_proj"), y3, out);

@@ -110,7 +110,7 @@ static td_status forward(td_pipeline *p, td_tensor *x, int micro_batches, td_ten
   /* Fetch the last stage's outputs (all in flight at once), then wait for them in order. */
   for (int i = 0; i < m && st == TD_OK; i++) st = td_rref_to_here_async(last[i], TD_TIMEOUT_DEFAULT, &fetch[i]);
   for (int i = 0; i < m && st == TD_OK; i++) {
-    td_future_wait(fetch[i], -1);
+    td_future_wait(fetch[i], TD_TIMEOUT_INFINITE);
     st = td_future_status(fetch[i]);
     td_tensor *t = NULL;
     if (st != TD_OK) {

@@ -332,7 +332,8 @@ td_status td_remote_module_create(td_rpc_agent *a, const char *remote_device,
   if (st != TD_OK) return st;
   td_future *f = NULL;
   st = td_rref_creation_future(r, &f);
-  if (st == TD_OK && (st = td_future_wait(f, -1)) == TD_OK) st = td_future_status(f);
+  if (st == TD_OK && (st = td_future_wait(f, TD_TIMEOUT_INFINITE)) == TD_OK)
+    st = td_future_status(f);
   if (st != TD_OK && f)
     td_set_error(st, "remote_module_create('%s', '%s'): %s", remote_device, factory,
                  td_future_message(f));

@@ -14,19 +14,37 @@
 td__threadpool *td__agent_pool(td_rpc_agent *a) { return a->pool; }
 const td__store_client *td__agent_store(td_rpc_agent *a) { return &a->sc; }
 const char *td__agent_listen_addr(td_rpc_agent *a) { return a->listen_addr; }
+const td__auth *td__agent_auth(td_rpc_agent *a) { return &a->auth; }
+bool td__agent_tls(td_rpc_agent *a) { return a->tls; }
+void td__agent_count_refused(td_rpc_agent *a) {
+  __atomic_add_fetch(&a->cnt.refused_by_layers, 1, __ATOMIC_RELAXED);
+}
 
 void td_rpc_options_init(td_rpc_options *o) {
   memset(o, 0, sizeof *o);
+  o->magic = TD_RPC_OPTIONS_MAGIC;
   o->num_worker_threads = 16;
   o->rpc_timeout_ms = TD__RPC_DEFAULT_TIMEOUT_MS;
   o->init_timeout_ms = TD__RPC_DEFAULT_INIT_TIMEOUT_MS;
   o->listen_addr = NULL; /* chosen at init: td__choose_address */
-  o->keepalive_ms = 2000;
+  o->keepalive_ms = 0; /* automatic: 2000, longer in large groups (rendezvous.c) */
   o->keepalive_timeout_ms = 20000;
   o->busy_poll_us = -1;
   o->direct_copy = -1;
   o->max_message_bytes = TD_RPC_DEFAULT_MAX_MESSAGE;
   o->memory_quota_bytes = 1ull << 30;
+}
+
+void td_rpc_call_opts_init(td_rpc_call_opts *o) { *o = (td_rpc_call_opts)TD_RPC_CALL_OPTS_INIT; }
+
+td_status td__call_opts_timeout(const td_rpc_call_opts *opts, const char *who,
+                                td_timeout_ms *out) {
+  if (opts && opts->magic != TD_RPC_CALL_OPTS_MAGIC)
+    return td_set_error(TD_ERR_INVALID, "%s: td_rpc_call_opts not initialised: use "
+                        "TD_RPC_CALL_OPTS_INIT or td_rpc_call_opts_init(), then set its fields "
+                        "(a zeroed struct would read as TD_TIMEOUT_ZERO: expired at once)", who);
+  *out = opts ? opts->timeout_ms : TD_TIMEOUT_DEFAULT;
+  return TD_OK;
 }
 
 td_status td_rpc_secret_generate(char *out, size_t n) {
@@ -64,8 +82,8 @@ td_status td_rpc_get_stats(td_rpc_agent *a, td_rpc_stats *out) {
   out->pool_saturated = LOAD(pool_saturated);
   out->handler_ns = LOAD(handler_ns);
   out->sync_wait_ns = LOAD(sync_wait_ns);
+  out->refused_connections = td__transport_refused(a->tr) + LOAD(refused_by_layers);
 #undef LOAD
-  out->refused_connections = td__transport_refused(a->tr);
   out->calls_pending = __atomic_load_n(&a->pending_out, __ATOMIC_ACQUIRE);
   out->requests_active = __atomic_load_n(&a->active_in, __ATOMIC_ACQUIRE);
   out->pool_pending = (int64_t)td__threadpool_pending(a->pool);

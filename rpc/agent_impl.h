@@ -80,6 +80,12 @@ typedef struct td__rpc_middleware {
   void (*leave)(td__mw_scope *scope);
 } td__rpc_middleware;
 td_status td__rpc_set_middleware(const td__rpc_middleware *mw);
+/* td__rpc_enter_ctx / td__rpc_leave_ctx: the middleware's enter / leave for work that runs a
+ * request's function later, on another thread (the RRef layer's remote() and proxy calls whose
+ * arguments or target were not ready yet), so it runs inside the request's distributed autograd
+ * context (ctx_id 0: nothing). */
+void td__rpc_enter_ctx(td_rpc_agent *a, uint64_t ctx_id, const char *fn, td__mw_scope *scope);
+void td__rpc_leave_ctx(td_rpc_agent *a, uint64_t ctx_id, td__mw_scope *scope);
 
 /* An argument gate (set by the RRef layer) runs before a user function: it returns in *wait (new
  * reference) a future that completes when the arguments are ready to use - every RRef among them
@@ -104,6 +110,23 @@ const td__store_client *td__agent_store(td_rpc_agent *a);
 /* td__agent_listen_addr returns the address the agent's server listens on (chosen at init unless
  * set: TD_SOCKET_IFNAME, else the route toward the master, else loopback). Borrowed; valid until td_rpc_destroy. */
 const char *td__agent_listen_addr(td_rpc_agent *a);
+
+/* td__agent_auth returns the agent's group authentication (auth.h: the key derived from the job
+ * secret, or insecure mode). Borrowed; immutable; valid until td_rpc_destroy. */
+const struct td__auth *td__agent_auth(td_rpc_agent *a);
+/* td__agent_tls: the agent's gRPC connections run mutual TLS (upper layers with connections of
+ * their own, the collectives' ring, encrypt theirs then). */
+bool td__agent_tls(td_rpc_agent *a);
+/* td__agent_count_refused adds one to the agent's refused connections (td_rpc_stats): upper
+ * layers with connections of their own (the collectives' ring) count the strangers they drop. */
+void td__agent_count_refused(td_rpc_agent *a);
+
+/* td__call_opts_timeout reads the timeout of call options (NULL: TD_TIMEOUT_DEFAULT) into *out;
+ * TD_ERR_INVALID naming `who` when opts was not filled by TD_RPC_CALL_OPTS_INIT (its magic), so
+ * every function that takes td_rpc_call_opts refuses a zeroed struct the same way, before it
+ * sends anything. */
+td_status td__call_opts_timeout(const td_rpc_call_opts *opts, const char *who,
+                                td_timeout_ms *out);
 
 /* The agent's init proper; the public td_rpc_init / td_rpc_init_from_env (runtime/init.c) first
  * register every upper layer, then call these. */

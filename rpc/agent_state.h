@@ -85,6 +85,7 @@ struct td_rpc_agent {
     uint64_t requests_received, requests_failed, requests_rejected;
     uint64_t requests_expired, pool_saturated;
     uint64_t handler_ns, sync_wait_ns;
+    uint64_t refused_by_layers; /* td__agent_count_refused: strangers upper layers dropped */
   } cnt;
   /* handlers running on pool threads now (serve.c), to name them when the pool is saturated or
    * shutdown abandons them; guarded by run_mu */
@@ -97,6 +98,7 @@ struct td_rpc_agent {
   int64_t busy_poll_us; /* resolved td_rpc_options.busy_poll_us */
   /* group authentication (auth.h): the key, our session with the store, rank 0's sessions */
   td__auth auth;
+  bool tls; /* every gRPC connection runs mutual TLS (td_rpc_options.tls_*) */
   td__auth_client store_auth;
   td__auth_sessions *sessions;
   bool trace_owned; /* this agent started tracing (TD_TRACE): its shutdown writes the file */
@@ -107,6 +109,11 @@ struct td_rpc_agent {
   bool direct_on;
   bool *direct_cand; /* [world]: same host, both enabled, we can read it */
   int direct_peers;  /* peers that read our frames directly */
+  /* Requests that arrive before init has finished (peers may call as soon as they passed the
+   * ready barrier) wait here, in arrival order, until td__serve_start (serve.c); guarded by mu.
+   * serving is read without mu on the hot path (atomic). */
+  bool serving;
+  struct request *held_head, *held_tail;
 };
 
 /* An incoming request, from its arrival to its reply (serve.c). */
@@ -120,6 +127,7 @@ typedef struct request {
   uint64_t started_ns;  /* when its handler started (while on the running list) */
   struct request *run_prev, *run_next;
   bool gated; /* its arguments passed the argument gate (agent_impl.h) */
+  struct request *held_next; /* on the agent's held list (before init finished) */
 } request;
 
 /* The id of a call's trace flow: unique in the group (the caller's rank, then its call id). */
@@ -179,6 +187,11 @@ void td__serve_tick(void *ud);
 /* td__serve_running writes into buf (n bytes) the handlers running on this worker's threads now
  * ("'fn' called by name (rank r), running 1.5 s; ...") and returns how many there are. */
 int td__serve_running(td_rpc_agent *a, char *buf, size_t n);
+/* td__serve_start lets requests run: those held since before init finished first (the end of
+ * init, once every layer's hook ran). td__serve_drop_held answers the held ones with an error
+ * (a failed init). */
+void td__serve_start(td_rpc_agent *a);
+void td__serve_drop_held(td_rpc_agent *a, const char *why);
 /* td__serve_local runs a call to self (id already pending) on the pool; fn and args are copied. */
 void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *const *args,
                      int nargs, int64_t timeout_ms, uint64_t ctx_id);
@@ -208,10 +221,18 @@ void td__hostq_destroy(td__hostq *q);
 void td__progress_adopt_thread(td_rpc_agent *a);
 /* Runs what is queued (host mode; no-op otherwise). */
 void td__progress_pump(td_rpc_agent *a);
+/* The same, only when called on the progress thread (the graceful barrier: a shutdown called on
+ * another thread leaves the queue to the progress thread). */
+void td__progress_pump_if_owner(td_rpc_agent *a);
 
 /* ---- rendezvous.c ---- */
 /* td__agent_set_abort makes every worker still in rendezvous fail with why. */
 void td__agent_set_abort(td_rpc_agent *a, const char *why);
+/* td__rdv_read_all waits for every rank's record under prefix ("worker/" ... "worker/<N-1>") and
+ * gives them (NUL-terminated) in a few store requests; free with td__rdv_free_all. */
+td_status td__rdv_read_all(td_rpc_agent *a, const char *prefix, uint64_t deadline, char ***vals,
+                          size_t **lens);
+void td__rdv_free_all(td_rpc_agent *a, char **vals, size_t *lens);
 /* td__agent_free releases what init built (after the transport and pool are gone). */
 void td__agent_free(td_rpc_agent *a);
 

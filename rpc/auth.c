@@ -85,6 +85,17 @@ td_status td__auth_init(td__auth *a, const char *secret, size_t len) {
   return TD_OK;
 }
 
+td_status td__auth_derive(const td__auth *a, const char *label, const void *ctx, size_t n,
+                          td__auth *out) {
+  memset(out, 0, sizeof *out);
+  if (!a->secure) return TD_OK; /* insecure stays insecure: zero MACs, unchecked */
+  const void *parts[] = {"tdist/1 derive ", label, ctx};
+  size_t lens[] = {15, strlen(label) + 1, n};
+  TD_TRY(hmac(a->key, TD__AUTH_KEY, parts, lens, 3, out->key));
+  out->secure = true;
+  return TD_OK;
+}
+
 td_status td__auth_read_file(const char *path, bool private_file, size_t max, char **out,
                              size_t *len) {
   int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);

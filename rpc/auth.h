@@ -65,6 +65,13 @@ td_status td__auth_init(td__auth *a, const char *secret, size_t len);
  * HMAC; idempotent, any thread. td_rpc_init calls it first. */
 void td__auth_crypto_init(void);
 
+/* td__auth_derive makes out a key of its own for one purpose and context: K' = HMAC(K,
+ * "tdist/1 derive " | label | NUL | ctx[0..n)), so that a handshake made under it proves
+ * knowledge of the job secret *and* binds the peers to that context (the collectives' ring:
+ * label "ring", ctx the group's id, size and member ranks): a handshake captured in one group
+ * or one position fails in any other. Insecure in, insecure out. */
+td_status td__auth_derive(const td__auth *a, const char *label, const void *ctx, size_t n,
+                          td__auth *out);
 /* td__auth_random fills out with n cryptographically random bytes (TD_ERR_INTERNAL if the system
  * has none to give). */
 td_status td__auth_random(void *out, size_t n);

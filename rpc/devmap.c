@@ -130,18 +130,13 @@ static td_status devmap_entry(td_rpc_agent *a, int q, int i, char *line, const i
 /* Reads every worker's record, checks every map, keeps this worker's maps (see above). */
 td_status td__devmap_setup(td_rpc_agent *a, uint64_t deadline) {
   int w = a->world;
-  char **recs = td__calloc((size_t)w, sizeof *recs);
+  char **recs = NULL;
+  size_t *lens = NULL;
+  TD_TRY(td__rdv_read_all(a, "devmap/", deadline, &recs, &lens));
   int *counts = td__calloc((size_t)w, sizeof *counts);
   td__devmap *maps = td__calloc((size_t)w, sizeof *maps);
-  td_status st = recs && counts && maps ? TD_OK : td_set_error(TD_ERR_NOMEM, "rpc init: out of "
-                                                                 "memory");
+  td_status st = counts && maps ? TD_OK : td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
   for (int r = 0; r < w && st == TD_OK; r++) {
-    char key[64];
-    uint8_t *v = NULL;
-    snprintf(key, sizeof key, "devmap/%d", r);
-    st = td__store_wait_key(&a->sc, key, deadline, "abort", &v, NULL);
-    if (st != TD_OK) break;
-    recs[r] = (char *)v;
     char *end;
     long c = strtol(recs[r], &end, 10);
     if (*end != '\n' || c < 0 || c > TD__MAX_CUDA_INDEX + 1) {
@@ -176,8 +171,7 @@ td_status td__devmap_setup(td_rpc_agent *a, uint64_t deadline) {
       maps[r] = (td__devmap){0};
     }
   }
-  for (int r = 0; recs && r < w; r++) td__free(recs[r]);
-  td__free(recs);
+  td__rdv_free_all(a, recs, lens);
   td__free(counts);
   td__free(maps);
   if (st == TD_OK && a->opts.num_device_maps)

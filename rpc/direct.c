@@ -3,9 +3,11 @@
  *
  * A receiver copies large tensors straight out of the sender's memory (process_vm_readv) when
  * both run on one host: one copy instead of socket write + read + decode copy, and no HTTP/2
- * framing or flow control. At init every worker publishes direct/<r> = "pid nonce address
- * boot-id host" ("-" when disabled); each probes the peers on its host (same advertised host and
- * boot id) by reading their nonce from their memory, accepts direct-copy frames from those it
+ * framing or flow control. At init every worker publishes direct/<r> = its same-host record
+ * (core/samehost.h: pid, nonce and its address, boot id, pid namespace, advertised host; "-" when
+ * disabled, the probe the collectives' shared memory uses too); each probes the peers on its host
+ * (same host, boot id and pid namespace) by reading their nonce from their memory, accepts
+ * direct-copy frames from those it
  * could read, and publishes directok/<r> (one '0'/'1' per rank); after the ready barrier each
  * learns which peers can read it. Reading another process's memory needs the same user and no
  * ptrace restriction (Yama scope 0, or 1 for a descendant): where the probe fails the peer simply
@@ -30,6 +32,7 @@
 
 #include "agent_state.h"
 #include "../core/netaddr.h"
+#include "../core/samehost.h"
 
 /* ---- descriptors ---- */
 
@@ -167,73 +170,97 @@ bool td__direct_wanted(const td_rpc_options *o) {
 }
 
 td_status td__direct_publish(td_rpc_agent *a) {
-  char key[64], val[512], bid[64];
-  td__boot_id(bid, sizeof bid);
-  a->direct_on = a->direct_on && strcmp(bid, "-") != 0;
-  int n;
+  char key[64], val[512], host[256];
   snprintf(key, sizeof key, "direct/%d", a->rank);
   if (a->direct_on) {
-    a->direct_nonce = td__now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)a;
-    char host[256];
+    a->direct_nonce = td__samehost_nonce(a);
     td__addr_host(a->peers[a->rank].info.address, host, sizeof host);
-    n = snprintf(val, sizeof val, "%d %llu %llu %s %s", (int)getpid(),
-                 (unsigned long long)a->direct_nonce,
-                 (unsigned long long)(uintptr_t)&a->direct_nonce, bid, host);
+    a->direct_on = td__samehost_record(host, &a->direct_nonce, val, sizeof val);
   } else {
-    n = snprintf(val, sizeof val, "-");
+    snprintf(val, sizeof val, "-");
   }
-  return td__store_set(&a->sc, key, val, (size_t)n);
+  return td__store_set(&a->sc, key, val, strlen(val));
 }
 
-static bool probe_peer(int pid, uint64_t addr, uint64_t nonce) {
-#if defined(__linux__)
-  uint64_t got = 0;
-  struct iovec l = {&got, sizeof got}, r = {(void *)(uintptr_t)addr, sizeof got};
-  return process_vm_readv(pid, &l, 1, &r, 1, 0) == (ssize_t)sizeof got && got == nonce;
-#else
-  (void)pid; (void)addr; (void)nonce;
+/* "directok/<rank>": the ranks this worker reads directly, as ascending ranges "a-b,c,..." (""
+ * for none): a few bytes for a whole host, where a byte per rank made every worker read N^2. */
+static td_status ranks_encode(const bool *on, int n, char **out) {
+  size_t cap = 64, len = 0;
+  char *b = td__malloc(cap);
+  if (!b) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+  b[0] = 0;
+  for (int r = 0; r < n; r++) {
+    if (!on[r]) continue;
+    int e = r;
+    while (e + 1 < n && on[e + 1]) e++;
+    if (cap - len < 32) {
+      char *nb = td__realloc(b, cap * 2);
+      if (!nb) {
+        td__free(b);
+        return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+      }
+      b = nb;
+      cap *= 2;
+    }
+    len += (size_t)snprintf(b + len, cap - len, len ? ",%d" : "%d", r);
+    if (e > r) len += (size_t)snprintf(b + len, cap - len, "-%d", e);
+    r = e;
+  }
+  *out = b;
+  return TD_OK;
+}
+
+/* Whether rank is in a ranges list of ranks_encode (a malformed list holds nothing). */
+static bool ranks_has(const char *s, int rank) {
+  while (*s) {
+    char *end;
+    long a = strtol(s, &end, 10), b = a;
+    if (end == s) return false;
+    if (*end == '-') {
+      const char *q = end + 1;
+      b = strtol(q, &end, 10);
+      if (end == q) return false;
+    }
+    if (rank >= a && rank <= b) return true;
+    if (*end != ',' && *end) return false;
+    s = *end ? end + 1 : end;
+  }
   return false;
-#endif
 }
 
 td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
   a->direct_cand = td__calloc((size_t)a->world, sizeof *a->direct_cand);
   int *pids = td__calloc((size_t)a->world, sizeof *pids);
-  char *ok = td__malloc((size_t)a->world + 1);
-  if (!a->direct_cand || !pids || !ok) {
+  if (!a->direct_cand || !pids) {
     td__free(pids);
-    td__free(ok);
     return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
   }
-  memset(ok, '0', (size_t)a->world);
-  ok[a->world] = 0;
-  char bid[64], host[256];
-  td__boot_id(bid, sizeof bid);
-  td__addr_host(a->peers[a->rank].info.address, host, sizeof host);
-  td_status st = TD_OK;
-  for (int r = 0; a->direct_on && r < a->world && st == TD_OK; r++) {
-    if (r == a->rank) continue;
-    char key[64];
-    uint8_t *v = NULL;
-    snprintf(key, sizeof key, "direct/%d", r);
-    st = td__store_wait_key(&a->sc, key, deadline, "abort", &v, NULL);
-    if (st != TD_OK) break;
-    int pid;
-    unsigned long long nonce, addr;
-    char pbid[64], phost[256];
-    if (sscanf((char *)v, "%d %llu %llu %63s %255s", &pid, &nonce, &addr, pbid, phost) == 5 &&
-        strcmp(pbid, bid) == 0 && strcmp(phost, host) == 0 && probe_peer(pid, addr, nonce)) {
-      a->direct_cand[r] = true;
-      ok[r] = '1';
-      pids[r] = pid; /* only rank r, on its authenticated stream, may name it */
-    }
-    td__free(v);
+  td__host_rec me = {0};
+  if (a->direct_on) {
+    char mine[512], host[256];
+    td__addr_host(a->peers[a->rank].info.address, host, sizeof host);
+    a->direct_on = td__samehost_record(host, &a->direct_nonce, mine, sizeof mine) &&
+                   td__samehost_parse(mine, &me);
   }
+  char **recs = NULL;
+  size_t *lens = NULL;
+  td_status st = a->direct_on ? td__rdv_read_all(a, "direct/", deadline, &recs, &lens) : TD_OK;
+  for (int r = 0; a->direct_on && st == TD_OK && r < a->world; r++) {
+    td__host_rec peer;
+    if (r != a->rank && td__samehost_parse(recs[r], &peer) && td__samehost_same(&me, &peer) &&
+        td__samehost_readable(&peer)) {
+      a->direct_cand[r] = true;
+      pids[r] = peer.pid; /* only rank r, on its authenticated stream, may name it */
+    }
+  }
+  td__rdv_free_all(a, recs, lens);
   if (st == TD_OK) st = td__transport_allow_direct(a->tr, pids, a->world);
+  char *ok = NULL;
+  if (st == TD_OK) st = ranks_encode(a->direct_cand, a->world, &ok);
   if (st == TD_OK) {
     char key[64];
     snprintf(key, sizeof key, "directok/%d", a->rank);
-    st = td__store_set(&a->sc, key, ok, (size_t)a->world);
+    st = td__store_set(&a->sc, key, ok, strlen(ok));
   }
   td__free(pids);
   td__free(ok);
@@ -244,20 +271,17 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
 td_status td__direct_learn(td_rpc_agent *a, uint64_t deadline) {
   bool *to = td__calloc((size_t)a->world, sizeof *to);
   if (!to) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
-  td_status st = TD_OK;
-  for (int r = 0; r < a->world && st == TD_OK; r++) {
-    if (r == a->rank || !a->direct_cand[r]) continue;
-    char key[64];
-    uint8_t *v = NULL;
-    size_t n = 0;
-    snprintf(key, sizeof key, "directok/%d", r);
-    st = td__store_wait_key(&a->sc, key, deadline, "abort", &v, &n);
-    if (st == TD_OK && n > (size_t)a->rank && v[a->rank] == '1') {
-      to[r] = true;
-      a->direct_peers++;
-    }
-    td__free(v);
+  bool any = false;
+  for (int r = 0; r < a->world; r++) any |= a->direct_cand[r];
+  char **oks = NULL;
+  size_t *lens = NULL;
+  td_status st = any ? td__rdv_read_all(a, "directok/", deadline, &oks, &lens) : TD_OK;
+  for (int r = 0; any && st == TD_OK && r < a->world; r++) {
+    if (r == a->rank || !a->direct_cand[r] || !ranks_has(oks[r], a->rank)) continue;
+    to[r] = true;
+    a->direct_peers++;
   }
+  td__rdv_free_all(a, oks, lens);
   if (st == TD_OK && a->direct_peers) st = td__transport_direct_to(a->tr, to, a->world);
   td__free(to);
   if (st == TD_OK && a->direct_peers)

@@ -30,6 +30,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../core/flight_impl.h"
 #include "../core/refcount.h"
 #include "future_impl.h"
 
@@ -64,6 +65,11 @@ struct td_future {
   td_value *value; /* owned; td_value_none() when completed with NULL */
   cb_node *cb_head, *cb_tail;
   watch_node *watchers;
+  /* what a wait on it waits for, in the flight recorder: set once by the call that made it,
+   * before the future is shared (fl_peer -1: not a call's future) */
+  int32_t fl_peer;
+  uint64_t fl_id;
+  char fl_name[TD__FLIGHT_NAME];
 };
 
 /* ---- clocks ---- */
@@ -102,6 +108,7 @@ td_future *td_future_create(void) {
   if (cond_init_monotonic(&f->cv)) goto fail_mu;
   td__ref_init(&f->rc);
   f->status = TD_ERR_STATE;
+  f->fl_peer = -1;
   return f;
 fail_mu:
   pthread_mutex_destroy(&f->mu);
@@ -296,6 +303,14 @@ static int cond_wait_pumped(pthread_cond_t *cv, pthread_mutex_t *mu,
   return 0;
 }
 
+void td__future_set_flight(td_future *f, int peer, uint64_t call_id, const char *fn) {
+  f->fl_peer = peer;
+  f->fl_id = call_id;
+  snprintf(f->fl_name, sizeof f->fl_name, "%s", fn);
+}
+
+/* A wait that blocks is an open record of the flight recorder while it lasts; one that ends by
+ * its deadline, or by its call's (TD_ERR_TIMEOUT), asks for a dump while still open. */
 td_status td_future_wait(td_future *f, td_timeout_ms timeout_ms) {
   TD_CHECK_ARG(f, "future_wait: NULL future");
   TD_CHECK_ARG(td__timeout_valid(timeout_ms), "future_wait: invalid timeout %lld",
@@ -303,11 +318,26 @@ td_status td_future_wait(td_future *f, td_timeout_ms timeout_ms) {
   struct timespec deadline;
   if (timeout_ms > 0) deadline = deadline_after(timeout_ms);
   pthread_mutex_lock(&f->mu);
+  bool blocked = !f->done && timeout_ms != 0;
+  td__flight_ev ev = {.kind = TD__FL_WAIT_BEGIN, .peer = f->fl_peer, .a = f->fl_id,
+                      .b = (uint64_t)timeout_ms};
+  if (blocked) td__flight_push(&ev, f->fl_name);
   while (!f->done && timeout_ms != 0) {
     if (cond_wait_pumped(&f->cv, &f->mu, timeout_ms < 0 ? NULL : &deadline) == ETIMEDOUT) break;
   }
   bool done = f->done;
   pthread_mutex_unlock(&f->mu);
+  if (blocked) {
+    if (!done || f->status == TD_ERR_TIMEOUT) {
+      char what[120];
+      snprintf(what, sizeof what, "deadline of the wait for %s%s",
+               f->fl_peer >= 0 ? "call " : "a future", f->fl_peer >= 0 ? f->fl_name : "");
+      td__flight_deadline(what);
+    }
+    ev.kind = TD__FL_WAIT_END;
+    ev.b = done ? (uint64_t)f->status : (uint64_t)TD_ERR_TIMEOUT;
+    td__flight_pop(&ev, f->fl_name);
+  }
   if (!done)
     return td_set_error(TD_ERR_TIMEOUT, "future_wait: not done after %lld ms",
                         (long long)timeout_ms);

@@ -24,6 +24,9 @@ td_status td__future_on_done_light(td_future *f, td_future_cb cb, void *ctx);
  * already done, TD_ERR_INVALID for a NULL f or st == TD_OK. Callbacks run on this thread. */
 td_status td__future_fail_msg(td_future *f, td_status st, const char *msg);
 
+/* td__future_set_flight names what a wait on f waits for in the flight recorder: call call_id
+ * of fn on worker peer. Called once, before f is shared. */
+void td__future_set_flight(td_future *f, int peer, uint64_t call_id, const char *fn);
 /* td__future_set_wait_pump makes pump(ud) run on this thread while it blocks in td_future_wait or
  * td_future_wait_all (every few milliseconds and before each wait), so a thread that must run
  * queued work (host-driven progress) cannot deadlock waiting for it. NULL clears it. */

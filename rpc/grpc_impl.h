@@ -220,7 +220,11 @@ struct td__transport {
   grpc_channel_credentials *chan_creds; /* TLS: shared by every channel; NULL: insecure */
 };
 
-/* Server streams that may be in their handshake at once; more are refused at once. */
+/* Server streams that may be in their handshake at once: at least this many, and twice the
+ * world, so that every member opening its stream at start-up fits (at 96 and 128 workers a fixed
+ * 64 refused members' streams and the job died). When the slots are full, a new stream takes the
+ * slot of the oldest stream still in its handshake (a member answers in milliseconds; a stranger
+ * holding half-open handshakes is what is oldest), so strangers cannot keep members out. */
 #define TD__MAX_UNAUTH_STREAMS 64
 
 

@@ -666,10 +666,33 @@ static void handle_conn_send(td__conn *c, bool success) {
   pthread_mutex_unlock(&c->mu);
 }
 
+/* The server stream that has been in its handshake longest (new reference), or NULL. Poller. */
+static td__conn *oldest_in_handshake(td__transport *t) {
+  td__conn *o = NULL;
+  pthread_mutex_lock(&t->mu);
+  for (td__conn *c = t->live; c; c = c->next_live)
+    if (!c->client && c->unauth_counted && (!o || c->born_ns < o->born_ns)) o = c;
+  if (o) td__conn_ref(o);
+  pthread_mutex_unlock(&t->mu);
+  return o;
+}
+
 void td__grpc_stream_accept(td__transport *t, grpc_call *call) {
   char *peer = grpc_call_get_peer(call);
+  int cap = t->opts.world * 2 > TD__MAX_UNAUTH_STREAMS ? t->opts.world * 2
+                                                        : TD__MAX_UNAUTH_STREAMS;
   pthread_mutex_lock(&t->mu);
-  bool room = t->unauth < TD__MAX_UNAUTH_STREAMS;
+  bool full = t->unauth >= cap;
+  pthread_mutex_unlock(&t->mu);
+  if (full) { /* the oldest handshake gives its slot up */
+    td__conn *o = oldest_in_handshake(t);
+    if (o) {
+      handshake_failed(o, "did not finish its handshake before newer streams needed the slot");
+      td__conn_unref(o);
+    }
+  }
+  pthread_mutex_lock(&t->mu);
+  bool room = t->unauth < cap;
   if (room) t->unauth++;
   pthread_mutex_unlock(&t->mu);
   td__conn *c = room ? conn_new(t, false, -1) : NULL;

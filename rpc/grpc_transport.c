@@ -80,8 +80,13 @@ static grpc_channel_args *make_args(grpc_arg *buf, int *n, const td__transport *
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, {.integer = 100}};
     /* gRPC reads this one as the least time a connection attempt (TCP + HTTP/2 handshake) may
      * take, not as a backoff: at 100 ms, attempts to a busy peer (64 workers on 2 cores) failed
-     * "timed out before receiving SETTINGS frame" and so did the calls. Keep gRPC's 20 s. */
-    buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, {.integer = 20000}};
+     * "timed out before receiving SETTINGS frame" and so did the calls. It is the client's half
+     * of the handshake knob above (TD_RPC_HANDSHAKE_TIMEOUT_MS, 20 s like gRPC's default): with
+     * a fixed 20 s, 64 sanitizer-built workers on 2 cores still lost connection attempts that
+     * the servers, given longer, would have finished. */
+    buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
+                          {.integer = (int)(o->handshake_timeout_ms > 0 ? o->handshake_timeout_ms
+                                                                       : 20000)}};
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, {.integer = 1000}};
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_ENABLE_RETRIES, {.integer = 0}};
     /* each peer gets its own TCP connection even when addresses repeat across channels */

@@ -9,7 +9,9 @@
  * keeps its threads. A thread that calls td_rpc_progress (or td_rpc_init in this mode) becomes
  * the progress thread: when it blocks in td_future_wait / td_future_wait_all, or in a graceful
  * td_rpc_shutdown, it keeps running the queue meanwhile, so waiting there cannot deadlock on work
- * only it could run.
+ * only it could run. A graceful shutdown called on another thread (tdist.asyncio runs it in the
+ * loop's executor while the loop keeps running the queue) leaves the queue to the progress thread:
+ * handlers never run on a thread the program did not give them.
  *
  * A thread's wait pump (thread-local, future.c) names its queue by id, not by address: a pump left
  * on a thread after its agent was destroyed (from another thread, or before the thread makes a
@@ -43,6 +45,8 @@ struct td__hostq {
   uint64_t id;              /* unique in the process, set at creation */
   int pumping;              /* pumps running this queue now */
   struct td__hostq *next;   /* in the live list */
+  pthread_t owner;          /* the progress thread (the last to adopt the queue); guarded by mu */
+  int has_owner;
 };
 
 static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -157,7 +161,12 @@ static void pump(void *ud) {
 }
 
 static void adopt(td_rpc_agent *a) {
-  td__future_set_wait_pump(pump, (void *)(uintptr_t)a->hostq->id);
+  td__hostq *q = a->hostq;
+  td__future_set_wait_pump(pump, (void *)(uintptr_t)q->id);
+  pthread_mutex_lock(&q->mu);
+  q->owner = pthread_self();
+  q->has_owner = 1;
+  pthread_mutex_unlock(&q->mu);
 }
 
 void td__progress_adopt_thread(td_rpc_agent *a) {
@@ -166,6 +175,15 @@ void td__progress_adopt_thread(td_rpc_agent *a) {
 
 void td__progress_pump(td_rpc_agent *a) {
   if (a->hostq) td__hostq_run(a->hostq, -1);
+}
+
+void td__progress_pump_if_owner(td_rpc_agent *a) {
+  td__hostq *q = a->hostq;
+  if (!q) return;
+  pthread_mutex_lock(&q->mu);
+  bool mine = q->has_owner && pthread_equal(q->owner, pthread_self());
+  pthread_mutex_unlock(&q->mu);
+  if (mine) td__hostq_run(q, -1);
 }
 
 int td_rpc_progress_fd(const td_rpc_agent *a) { return a && a->hostq ? a->hostq->efd : -1; }

@@ -187,4 +187,20 @@ void td__rpc_set_arg_gate(td__arg_gate_fn fn) { __atomic_store_n(&arg_gate, fn, 
 
 td__arg_gate_fn td__rpc_arg_gate(void) { return __atomic_load_n(&arg_gate, __ATOMIC_ACQUIRE); }
 
+void td__rpc_enter_ctx(td_rpc_agent *a, uint64_t ctx_id, const char *fn, td__mw_scope *scope) {
+  *scope = (td__mw_scope){0};
+  const td__rpc_middleware *mw = ctx_id ? td__mw_get() : NULL;
+  if (!mw) return;
+  td__msg m = {0};
+  m.ctx_id = ctx_id;
+  m.fn = (char *)fn;
+  mw->enter(a, &m, scope);
+}
+
+void td__rpc_leave_ctx(td_rpc_agent *a, uint64_t ctx_id, td__mw_scope *scope) {
+  (void)a;
+  const td__rpc_middleware *mw = ctx_id ? td__mw_get() : NULL;
+  if (mw) mw->leave(scope);
+}
+
 _Thread_local bool td__rpc_inline_thread;

@@ -7,6 +7,8 @@
  *   publish   worker/<r> = name + address, registry/<r>, direct/<r>, devmap/<r>
  *   join      the joined counter reaches the world size
  *   read      every worker's record: names (unique), registries, device maps, direct-copy probe
+ *             (each kind of record of all N workers in one range request per 4096 ranks or
+ *             1 MiB, td__rdv_read_all: O(N) store requests for the group, not O(N^2))
  *   ready     everybody has read everything before anybody proceeds
  *   passed    rank 0 returns only once everybody is past "ready", so it cannot take the store away
  *             (by shutting down right after init) while someone still polls it
@@ -22,6 +24,7 @@
 
 #include "agent_state.h"
 #include "../core/cpus.h"
+#include "../core/flight_impl.h"
 #include "../core/trace_impl.h"
 #include "tdist/trace.h"
 #include "../core/netaddr.h"
@@ -40,55 +43,114 @@ void td__agent_set_abort(td_rpc_agent *a, const char *why) {
   td__store_set(&a->sc, "abort", why, strlen(why));
 }
 
-static td_status parse_peers(td_rpc_agent *a, uint64_t deadline) {
+/* Workers of one group often serve different functions (a parameter server and its trainers, C
+ * and Python workers): that is normal, and a call to a function its callee lacks fails at once
+ * naming both. So the differences are one DEBUG line: how many of this worker's functions each
+ * other worker lacks, with the first few names. */
+static void log_registry_differences(td_rpc_agent *a) {
+  if (td_log_get_level() > TD_LOG_DEBUG) return;
+  peer_info *me = &a->peers[a->rank];
+  char line[900];
+  size_t used = 0;
+  int peers = 0;
+  line[0] = 0;
   for (int r = 0; r < a->world; r++) {
-    char key[64];
-    uint8_t *v = NULL;
-    size_t n = 0;
-    snprintf(key, sizeof key, "worker/%d", r);
-    TD_TRY(td__store_wait_key(&a->sc, key, deadline, "abort", &v, &n));
-    /* "name\taddress" */
-    char *tab = strchr((char *)v, '\t');
-    if (!tab) {
-      td__free(v);
-      return td_set_error(TD_ERR_FORMAT, "rpc init: bad worker record for rank %d", r);
+    if (r == a->rank) continue;
+    peer_info *p = &a->peers[r];
+    int missing = 0;
+    char names[200] = "";
+    size_t nu = 0;
+    for (int i = 0; i < me->nfns; i++) {
+      if (td__agent_peer_has_fn(p, me->fns[i]) || strncmp(me->fns[i], "__", 2) == 0) continue;
+      if (missing < 3 && nu < sizeof names)
+        nu += (size_t)snprintf(names + nu, sizeof names - nu, "%s'%s'", missing ? ", " : "",
+                               me->fns[i]);
+      missing++;
     }
-    *tab = 0;
-    snprintf(a->peers[r].info.name, sizeof a->peers[r].info.name, "%s", (char *)v);
-    snprintf(a->peers[r].info.address, sizeof a->peers[r].info.address, "%s", tab + 1);
-    a->peers[r].info.id = r;
-    td__free(v);
-    snprintf(key, sizeof key, "registry/%d", r);
-    TD_TRY(td__store_wait_key(&a->sc, key, deadline, "abort", &v, &n));
-    a->peers[r].fns_blob = (char *)v;
-    int cnt = 0;
-    for (size_t i = 0; i < n; i++) cnt += v[i] == '\n';
-    a->peers[r].fns = td__calloc((size_t)(cnt ? cnt : 1), sizeof(char *));
-    if (!a->peers[r].fns) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
-    char *p = (char *)v;
-    for (int i = 0; i < cnt; i++) {
-      char *nl = strchr(p, '\n');
-      *nl = 0;
-      a->peers[r].fns[i] = p;
-      p = nl + 1;
-    }
-    a->peers[r].nfns = cnt;
+    if (!missing) continue;
+    peers++;
+    if (used < sizeof line)
+      used += (size_t)snprintf(line + used, sizeof line - used, "%s%s lacks %d (%s%s)",
+                               used ? "; " : "", p->info.name, missing, names,
+                               missing > 3 ? ", ..." : "");
   }
+  if (peers)
+    td_log(TD_LOG_DEBUG, "rpc: %s: %d of %d other workers lack functions registered here: %s",
+           a->name, peers, a->world - 1, line);
+}
+
+td_status td__rdv_read_all(td_rpc_agent *a, const char *prefix, uint64_t deadline, char ***vals,
+                          size_t **lens) {
+  *vals = td__calloc((size_t)a->world, sizeof **vals);
+  *lens = td__calloc((size_t)a->world, sizeof **lens);
+  td_status st = *vals && *lens ? td__store_wait_range(&a->sc, prefix, 0, a->world, deadline,
+                                                       "abort", (uint8_t **)*vals, *lens)
+                                : td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+  if (st != TD_OK) {
+    td__free(*vals);
+    td__free(*lens);
+    *vals = NULL;
+    *lens = NULL;
+  }
+  return st;
+}
+
+void td__rdv_free_all(td_rpc_agent *a, char **vals, size_t *lens) {
+  for (int r = 0; vals && r < a->world; r++) td__free(vals[r]);
+  td__free(vals);
+  td__free(lens);
+}
+
+/* Rank r's "name\taddress" record. */
+static td_status peer_record(td_rpc_agent *a, int r, char *v) {
+  char *tab = strchr(v, '\t');
+  if (!tab) return td_set_error(TD_ERR_FORMAT, "rpc init: bad worker record for rank %d", r);
+  *tab = 0;
+  snprintf(a->peers[r].info.name, sizeof a->peers[r].info.name, "%s", v);
+  snprintf(a->peers[r].info.address, sizeof a->peers[r].info.address, "%s", tab + 1);
+  a->peers[r].info.id = r;
+  return TD_OK;
+}
+
+/* Rank r's registry snapshot (one function name per line); the peer keeps the blob. */
+static td_status peer_functions(td_rpc_agent *a, int r, char *v, size_t n) {
+  a->peers[r].fns_blob = v;
+  int cnt = 0;
+  for (size_t i = 0; i < n; i++) cnt += v[i] == '\n';
+  a->peers[r].fns = td__calloc((size_t)(cnt ? cnt : 1), sizeof(char *));
+  if (!a->peers[r].fns) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+  char *p = v;
+  for (int i = 0; i < cnt; i++) {
+    char *nl = strchr(p, '\n');
+    *nl = 0;
+    a->peers[r].fns[i] = p;
+    p = nl + 1;
+  }
+  a->peers[r].nfns = cnt;
+  return TD_OK;
+}
+
+/* Reads every worker's record and registry, a few requests in all (td__store_wait_range). */
+static td_status parse_peers(td_rpc_agent *a, uint64_t deadline) {
+  char **recs, **regs;
+  size_t *rl, *gl;
+  TD_TRY(td__rdv_read_all(a, "worker/", deadline, &recs, &rl));
+  td_status st = td__rdv_read_all(a, "registry/", deadline, &regs, &gl);
+  for (int r = 0; r < a->world && st == TD_OK; r++) {
+    st = peer_record(a, r, recs[r]);
+    if (st != TD_OK) break;
+    st = peer_functions(a, r, regs[r], gl[r]);
+    regs[r] = NULL; /* the peer's now, whatever happened */
+  }
+  td__rdv_free_all(a, recs, rl);
+  td__rdv_free_all(a, regs, gl);
+  TD_TRY(st);
   for (int r = 0; r < a->world; r++)
     for (int q = r + 1; q < a->world; q++)
       if (strcmp(a->peers[r].info.name, a->peers[q].info.name) == 0)
         return td_set_error(TD_ERR_EXISTS, "rpc init: ranks %d and %d both use the name '%s'", r,
                             q, a->peers[r].info.name);
-  /* compare registries with ours */
-  peer_info *me = &a->peers[a->rank];
-  for (int r = 0; r < a->world; r++) {
-    if (r == a->rank) continue;
-    peer_info *p = &a->peers[r];
-    for (int i = 0; i < me->nfns; i++)
-      if (!td__agent_peer_has_fn(p, me->fns[i]))
-        td_log(TD_LOG_WARN, "rpc: %s (rank %d) has no function '%s' (registered on %s)",
-               p->info.name, r, me->fns[i], a->name);
-  }
+  log_registry_differences(a);
   return TD_OK;
 }
 
@@ -298,13 +360,26 @@ static td_status rdv_passed(td_rpc_agent *a, uint64_t deadline) {
 static td_status rendezvous(td_rpc_agent *a) {
   uint64_t deadline = td__deadline_ns(a->opts.init_timeout_ms);
   td__store_set_deadline(&a->sc, deadline); /* no store call outlives the init deadline */
+  uint64_t t[6];
+  t[0] = td__now_ns();
   TD_TRY(rdv_check_world(a, deadline));
   TD_TRY(rdv_claim(a));
   TD_TRY(rdv_publish(a));
+  t[1] = td__now_ns();
   TD_TRY(rdv_join(a, deadline));
+  t[2] = td__now_ns();
   TD_TRY(rdv_read(a, deadline));
+  t[3] = td__now_ns();
   TD_TRY(rdv_ready(a, deadline));
-  return rdv_passed(a, deadline);
+  t[4] = td__now_ns();
+  TD_TRY(rdv_passed(a, deadline));
+  t[5] = td__now_ns();
+  /* where a large group's start-up goes (docs/ARCHITECTURE.md, "Start-up of large groups") */
+  td_log(TD_LOG_DEBUG, "rpc: %s: rendezvous phases (ms): publish %.1f, join %.1f, read %.1f, "
+         "ready %.1f, passed %.1f", a->name, (double)(t[1] - t[0]) / 1e6,
+         (double)(t[2] - t[1]) / 1e6, (double)(t[3] - t[2]) / 1e6, (double)(t[4] - t[3]) / 1e6,
+         (double)(t[5] - t[4]) / 1e6);
+  return TD_OK;
 }
 
 /* busy_poll_window resolves td_rpc_options.busy_poll_us once every worker's address is known:
@@ -387,12 +462,73 @@ static td_status parse_master(const char *init_method, char *host, size_t hn, in
   return TD_OK;
 }
 
+static const char *env2(const char *a, const char *b, const char *c) {
+  const char *v = getenv(a);
+  if (v && *v) return v;
+  v = b ? getenv(b) : NULL;
+  if (v && *v) return v;
+  v = c ? getenv(c) : NULL;
+  return v && *v ? v : NULL;
+}
+
+/* The "tcp://host:port" of rank 0's store from the environment (what init_method "env://" or
+ * NULL means): MASTER_ADDR, else the first host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST;
+ * MASTER_PORT, else a port per Slurm job or per Open MPI job. With defaults (td_rpc_init_from_env)
+ * a missing address is loopback and a missing port 29500; without (td_rpc_init, PyTorch's env://)
+ * they are an error that says what to set. */
+static td_status master_from_env(bool defaults, char *method, size_t n) {
+  char host[300];
+  const char *ma = getenv("MASTER_ADDR");
+  if (!ma || !*ma) {
+    const char *nl = getenv("SLURM_STEP_NODELIST");
+    if (!nl || !*nl) nl = getenv("SLURM_JOB_NODELIST");
+    ma = defaults ? "127.0.0.1" : NULL;
+    if (nl && *nl) { /* a malformed list is an error, not a silent loopback */
+      TD_TRY(td__slurm_first_host(nl, host, sizeof host));
+      ma = host;
+    }
+  }
+  const char *mp = getenv("MASTER_PORT");
+  long port = mp && *mp ? strtol(mp, NULL, 10) : defaults ? 29500 : -1;
+  const char *job = getenv("SLURM_JOB_ID");
+  const char *ompi = getenv("PMIX_NAMESPACE");
+  if (!ompi || !*ompi) ompi = getenv("OMPI_MCA_ess_base_jobid");
+  if (!(mp && *mp) && job && *job) { /* under Slurm: a port per job (core/netaddr.h) */
+    int jp;
+    TD_TRY(td__slurm_port(job, &jp));
+    port = jp;
+  } else if (!(mp && *mp) && ompi && *ompi && getenv("OMPI_COMM_WORLD_RANK")) {
+    port = td__job_port(ompi); /* under mpirun: a port per job too */
+  }
+  if (!ma || port == -1)
+    return td_set_error(TD_ERR_INVALID, "rpc_init: no init_method given (or \"env://\") and "
+                        "%s%s%s not set: set MASTER_ADDR and MASTER_PORT (rank 0's host and a "
+                        "free port, as torchrun and tdistrun do), or give init_method "
+                        "\"tcp://host:port\"", ma ? "" : "MASTER_ADDR",
+                        !ma && port == -1 ? " and " : "", port == -1 ? "MASTER_PORT" : "");
+  if (port <= 0 || port > 65535)
+    return td_set_error(TD_ERR_INVALID, "rpc_init: bad MASTER_PORT '%s'", mp ? mp : "");
+  snprintf(method, n, strchr(ma, ':') ? "tcp://[%s]:%ld" : "tcp://%s:%ld", ma, port);
+  return TD_OK;
+}
+
 /* Where rank 0 and this worker are: parsed from init_method, the listen address chosen. */
 typedef struct init_addr {
+  char method[400]; /* init_method read from the environment */
   char mhost[256];
   int mport;
   char chosen[128];
 } init_addr;
+
+/* Refuses options not filled by td_rpc_options_init: their zeroes would be a 0 ms rpc timeout
+ * (every call expiring at once), no message size limit, no busy polling, no direct copy. */
+static td_status options_check(const td_rpc_options *opts, const char *who) {
+  if (opts && opts->magic != TD_RPC_OPTIONS_MAGIC)
+    return td_set_error(TD_ERR_INVALID, "%s: td_rpc_options not initialised: use "
+                        "td_rpc_options_init(), then set its fields (a zeroed struct would mean "
+                        "a 0 ms rpc timeout: every call expiring at once)", who);
+  return TD_OK;
+}
 
 /* Phase 1: check the arguments, apply defaults, pick the listen address. */
 static td_status init_options(const char **name, char *defname, size_t dn, int rank,
@@ -401,6 +537,7 @@ static td_status init_options(const char **name, char *defname, size_t dn, int r
   if (world_size < 1) return td_set_error(TD_ERR_INVALID, "rpc_init: world size %d < 1", world_size);
   if (rank < 0 || rank >= world_size)
     return td_set_error(TD_ERR_INVALID, "rpc_init: rank %d outside [0, %d)", rank, world_size);
+  TD_TRY(options_check(opts, "rpc_init"));
   if (opts) *o = *opts;
   else td_rpc_options_init(o);
   if (o->num_device_maps < 0 || (o->num_device_maps > 0 && !o->device_maps))
@@ -415,7 +552,10 @@ static td_status init_options(const char **name, char *defname, size_t dn, int r
   o->rpc_timeout_ms = td__timeout_resolve(o->rpc_timeout_ms, TD__RPC_DEFAULT_TIMEOUT_MS);
   o->init_timeout_ms = td__timeout_resolve(o->init_timeout_ms, TD__RPC_DEFAULT_INIT_TIMEOUT_MS);
   o->keepalive_timeout_ms = td__timeout_resolve(o->keepalive_timeout_ms, 20000);
-  if (o->keepalive_ms <= 0) o->keepalive_ms = 2000;
+  /* every stream pings every keepalive_ms: with a stream to each of N-1 peers that is N^2 pings
+   * for the group, so past 64 peers the interval grows to keep each worker at ~32 pings/s (256
+   * workers on one 2-CPU host spent the machine on pings and declared live peers dead) */
+  if (o->keepalive_ms <= 0) o->keepalive_ms = world_size > 65 ? (world_size - 1) * 2000 / 64 : 2000;
   if (!*name) {
     snprintf(defname, dn, "worker%d", rank);
     *name = defname;
@@ -423,8 +563,10 @@ static td_status init_options(const char **name, char *defname, size_t dn, int r
   if (!valid_name(*name))
     return td_set_error(TD_ERR_INVALID, "rpc_init: invalid worker name '%s' (use 1-127 letters, "
                         "digits, '_', '-', '.', ':')", *name);
-  if (!o->init_method)
-    return td_set_error(TD_ERR_INVALID, "rpc_init: no init_method (tcp://host:port) given");
+  if (!o->init_method || strcmp(o->init_method, "env://") == 0) {
+    TD_TRY(master_from_env(false, ad->method, sizeof ad->method));
+    o->init_method = ad->method;
+  }
   TD_TRY(parse_master(o->init_method, ad->mhost, sizeof ad->mhost, &ad->mport));
   if (!o->listen_addr) { /* TD_SOCKET_IFNAME, else the route toward the master, else loopback */
     TD_TRY(td__choose_address(ad->mhost, getenv("TD_SOCKET_IFNAME"), ad->chosen,
@@ -435,6 +577,29 @@ static td_status init_options(const char **name, char *defname, size_t dn, int r
     return td_set_error(TD_ERR_INVALID, "rpc_init: port 0 in init_method works only for a world "
                         "of one worker (the others could not find rank 0)");
   return TD_OK;
+}
+
+/* no_secret_error says how to give the workers a secret, in the words of the launcher that
+ * started this one: under srun and mpirun the user must make it (no launcher process exists that
+ * could, and nothing public about a job, such as its id, may be the key), so the message gives
+ * the line to paste. */
+static td_status no_secret_error(void) {
+  static const char make[] = "export TD_RPC_SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | "
+                             "tr -d ' \\n')";
+  const char *slurm = getenv("SLURM_JOB_ID"), *ompi = getenv("OMPI_COMM_WORLD_RANK");
+  if (slurm && *slurm)
+    return td_set_error(TD_ERR_AUTH, "rpc_init: no job secret: under srun, run `%s` before srun "
+                        "(srun passes it to every task; sbatch scripts: see "
+                        "examples/slurm/param_server.sbatch), or set TD_RPC_SECRET_FILE to a "
+                        "file of mode 0600 every node sees", make);
+  if (ompi && *ompi)
+    return td_set_error(TD_ERR_AUTH, "rpc_init: no job secret: under mpirun, run `%s` and pass "
+                        "it on with `mpirun -x TD_RPC_SECRET ...`, or set TD_RPC_SECRET_FILE to a "
+                        "file of mode 0600 every node sees", make);
+  return td_set_error(TD_ERR_AUTH, "rpc_init: no job secret: start the workers with tdistrun "
+                      "(it gives them one), or give every worker the same secret: `%s` in the "
+                      "shell that starts them (or TD_RPC_SECRET_FILE, a file only you can read), "
+                      "or set TD_RPC_INSECURE=1 to run without authentication", make);
 }
 
 /* The job secret: the option, TD_RPC_SECRET, TD_RPC_SECRET_FILE, a random one for a world of
@@ -464,10 +629,7 @@ static td_status init_auth(td_rpc_agent *a, const td_rpc_options *o) {
     td_log(TD_LOG_WARN, "rpc: %s runs WITHOUT authentication (TD_RPC_INSECURE): anyone who can "
            "reach its port can join the group, call its functions and read the store", a->name);
   } else {
-    st = td_set_error(TD_ERR_AUTH, "rpc_init: no job secret: start the workers with tdistrun "
-                      "(it gives them one), or give every worker the same secret in TD_RPC_SECRET "
-                      "or TD_RPC_SECRET_FILE (a file only you can read), or set TD_RPC_INSECURE=1 "
-                      "to run without authentication");
+    st = no_secret_error();
   }
   if (owned) {
     memset(owned, 0, strlen(owned));
@@ -604,6 +766,7 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   td__tls tls;
   bool tls_on;
   TD_TRY(init_tls(o, &tls, &tls_on));
+  a->tls = tls_on;
   td__transport_opts to = {.host = a->listen_addr,
                            .port = a->rank == 0 ? ad->mport : 0,
                            .keepalive_ms = o->keepalive_ms,
@@ -644,6 +807,8 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   a->sc.tr = a->tr;
   a->sc.call_timeout_ms = o->init_timeout_ms;
   a->sc.wait_for_ready = true;
+  /* N workers polling a wait: at most about 4,000 requests a second at the store (or 50 ms) */
+  a->sc.max_backoff_ms = a->world / 4 > 50 ? a->world / 4 : 50;
   format_addr(a->peers[a->rank].info.address, sizeof a->peers[a->rank].info.address,
               a->listen_addr, port);
   return TD_OK;
@@ -675,12 +840,28 @@ static void rendezvous_failed(td_rpc_agent *a, td_status st) {
 /* Tracing (TD_TRACE=DIR starts it for the whole program): name this process's track, and
  * estimate this clock's offset to rank 0's from a few exchanges with its store, keeping the one
  * with the shortest round trip (its half is the residual uncertainty). */
+/* The flight recorder (always on) learns who this process is and the names of the others, and
+ * shares the clock estimate, which its dumps need as much as traces do. */
+static void init_flight(td_rpc_agent *a) {
+  td__flight_set_process(a->rank, a->name, a->world);
+  char *names = td__calloc((size_t)a->world, sizeof a->peers[0].info.name);
+  if (names) {
+    for (int i = 0; i < a->world; i++)
+      memcpy(names + (size_t)i * sizeof a->peers[0].info.name, a->peers[i].info.name,
+             sizeof a->peers[0].info.name);
+    td__flight_set_workers(names, sizeof a->peers[0].info.name, a->world);
+    td__free(names);
+  }
+  td__flight_start();
+}
+
 static void init_trace(td_rpc_agent *a) {
   const char *dir = getenv("TD_TRACE");
   if (dir && *dir && !td_trace_enabled() && td_trace_start(dir) == TD_OK) a->trace_owned = true;
-  if (!td_trace_enabled()) return;
-  td__trace_set_process(a->rank, a->name);
-  if (a->rank == 0) return;
+  init_flight(a);
+  bool flight = td__flight_state > 0;
+  if (td_trace_enabled()) td__trace_set_process(a->rank, a->name);
+  if ((!td_trace_enabled() && !flight) || a->rank == 0) return;
   int64_t best_rtt = INT64_MAX, offset = 0;
   for (int i = 0; i < 8; i++) {
     int64_t skew = td__trace_test_skew(), server, t0 = (int64_t)td__now_ns() + skew;
@@ -692,6 +873,7 @@ static void init_trace(td_rpc_agent *a) {
     }
   }
   td__trace_set_clock(offset, best_rtt / 2);
+  td__flight_set_clock(offset, best_rtt / 2);
 }
 
 /* Phase 5: the group is known: settle the store client, busy polling, upper layers' hooks. */
@@ -712,6 +894,7 @@ static void init_finish(td_rpc_agent *a) {
     if (hs[i].on_init) hs[i].on_init(a);
   td_log(TD_LOG_INFO, "rpc: %s (rank %d of %d) listening on %s", a->name, a->rank, a->world,
          a->peers[a->rank].info.address);
+  td__serve_start(a); /* requests that arrived meanwhile run now, on a complete agent */
 }
 
 td_status td__rpc_init_impl(const char *name, int rank, int world_size,
@@ -734,6 +917,7 @@ td_status td__rpc_init_impl(const char *name, int rank, int world_size,
   char msg[1024];
   snprintf(msg, sizeof msg, "%s", td_last_error());
   if (a) {
+    td__serve_drop_held(a, msg);
     td__transport_shutdown(a->tr);
     td__threadpool_destroy(a->pool);
     a->pool = NULL;
@@ -746,17 +930,9 @@ td_status td__rpc_init_impl(const char *name, int rank, int world_size,
 
 /* ---- from the environment (torchrun, Slurm, Open MPI) ---- */
 
-static const char *env2(const char *a, const char *b, const char *c) {
-  const char *v = getenv(a);
-  if (v && *v) return v;
-  v = b ? getenv(b) : NULL;
-  if (v && *v) return v;
-  v = c ? getenv(c) : NULL;
-  return v && *v ? v : NULL;
-}
-
 td_status td__rpc_init_from_env_impl(const char *name, const td_rpc_options *opts,
                                      td_rpc_agent **out) {
+  TD_TRY(options_check(opts, "rpc_init_from_env"));
   const char *rs = env2("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK");
   const char *ws = env2("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE");
   if (!rs || !ws)
@@ -770,33 +946,9 @@ td_status td__rpc_init_from_env_impl(const char *name, const td_rpc_options *opt
   td_rpc_options o;
   if (opts) o = *opts;
   else td_rpc_options_init(&o);
-  char method[400], host[300];
-  if (!o.init_method) {
-    const char *ma = getenv("MASTER_ADDR");
-    if (!ma || !*ma) {
-      const char *nl = getenv("SLURM_STEP_NODELIST");
-      if (!nl || !*nl) nl = getenv("SLURM_JOB_NODELIST");
-      ma = "127.0.0.1";
-      if (nl && *nl) { /* a malformed list is an error, not a silent loopback */
-        TD_TRY(td__slurm_first_host(nl, host, sizeof host));
-        ma = host;
-      }
-    }
-    const char *mp = getenv("MASTER_PORT");
-    long port = mp && *mp ? strtol(mp, NULL, 10) : 29500;
-    const char *job = getenv("SLURM_JOB_ID");
-    const char *ompi = getenv("PMIX_NAMESPACE");
-    if (!ompi || !*ompi) ompi = getenv("OMPI_MCA_ess_base_jobid");
-    if (!(mp && *mp) && job && *job) { /* under Slurm: a port per job (core/netaddr.h) */
-      int jp;
-      TD_TRY(td__slurm_port(job, &jp));
-      port = jp;
-    } else if (!(mp && *mp) && ompi && *ompi && getenv("OMPI_COMM_WORLD_RANK")) {
-      port = td__job_port(ompi); /* under mpirun: a port per job too */
-    }
-    if (port <= 0 || port > 65535)
-      return td_set_error(TD_ERR_INVALID, "rpc_init_from_env: bad MASTER_PORT '%s'", mp);
-    snprintf(method, sizeof method, strchr(ma, ':') ? "tcp://[%s]:%ld" : "tcp://%s:%ld", ma, port);
+  char method[400];
+  if (!o.init_method || strcmp(o.init_method, "env://") == 0) {
+    TD_TRY(master_from_env(true, method, sizeof method));
     o.init_method = method;
   }
   return td__rpc_init_impl(name, (int)rank, (int)world, &o, out);

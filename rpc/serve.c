@@ -7,14 +7,17 @@
  * value, an error, or a future; for a future the reply is sent from its completion callback, so
  * no pool thread waits for nested calls. Remote errors are prefixed "name (rank r): ". A reply
  * that cannot be encoded becomes an error reply saying why. Replies (and errors for malformed
- * requests) count as served for the graceful shutdown's totals.
+ * requests) count as served for the graceful shutdown's totals. Requests that arrive while this
+ * worker still finishes its init are held until it has (hold_until_started).
  *
- * Lock order: none taken here beyond the transport's (td__conn_send) and call.c's (a->mu).
+ * Lock order: none taken here beyond the transport's (td__conn_send) and a->mu (call.c's, and the
+ * held list here, never held across a dispatch).
  */
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "../core/flight_impl.h"
 #include "../core/trace_impl.h"
 #include "agent_state.h"
 
@@ -257,7 +260,12 @@ static void run_request(void *arg) {
   td_clear_error();
   uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
   running_add(r);
+  td__flight_ev fl = {.kind = TD__FL_HANDLER_START, .peer = r->msg.from_rank, .a = r->msg.id};
+  td__flight_push(&fl, r->msg.fn);
   td_status st = reg.fn(&ctx, r->msg.values, r->msg.nvalues, &result, &fut);
+  fl.kind = TD__FL_HANDLER_END;
+  fl.x = (uint8_t)st;
+  td__flight_pop(&fl, r->msg.fn);
   running_remove(r);
   __atomic_add_fetch(&a->cnt.handler_ns, td__now_ns() - r->started_ns, __ATOMIC_RELAXED);
   if (t0) trace_handler(r, t0);
@@ -285,6 +293,8 @@ static void run_request(void *arg) {
  * ours; time on the wire only makes the handler's view a little generous). */
 static void arrived(request *r) {
   r->arrived_ns = td__now_ns();
+  td__flight_record(&(td__flight_ev){.kind = TD__FL_RPC_RECV, .peer = r->msg.from_rank,
+                                     .a = r->msg.id}, r->msg.fn);
   if (r->msg.timeout_ms > 0)
     r->deadline_ns = r->arrived_ns + (uint64_t)r->msg.timeout_ms * 1000000u;
 }
@@ -355,6 +365,68 @@ static bool run_inline(const td__reg *reg, const td__msg *m) {
          (treg.flags & TD_RPC_INLINE);
 }
 
+/* A request from a peer: on this (network) thread when its function is TD_RPC_INLINE, else on
+ * the pool or the host's progress thread. */
+static void dispatch(request *r) {
+  td__reg reg;
+  if (td__reg_find(r->msg.fn, &reg) && run_inline(&reg, &r->msg)) {
+    bool was = td__rpc_inline_thread;
+    td__rpc_inline_thread = true;
+    run_request(r);
+    td__rpc_inline_thread = was;
+    return;
+  }
+  if (submit_request(r->a, r) != TD_OK)
+    reply_error(r, false, TD_ERR_STATE, "the agent is shutting down");
+}
+
+/* Peers may call this worker as soon as they passed the ready barrier, while it still finishes
+ * its init (the layers' hooks: RRef state, host progress, tracing). Such requests wait on the held
+ * list until td__serve_start, so every handler finds the agent complete (a handler may use it the
+ * moment it runs, before td_rpc_init has even returned to the program). True when r was held. */
+static bool hold_until_started(request *r) {
+  td_rpc_agent *a = r->a;
+  if (__atomic_load_n(&a->serving, __ATOMIC_ACQUIRE)) return false;
+  pthread_mutex_lock(&a->mu);
+  bool held = !a->serving;
+  if (held) {
+    r->held_next = NULL;
+    if (a->held_tail) a->held_tail->held_next = r;
+    else a->held_head = r;
+    a->held_tail = r;
+  }
+  pthread_mutex_unlock(&a->mu);
+  return held;
+}
+
+static request *take_held(td_rpc_agent *a, bool start) {
+  pthread_mutex_lock(&a->mu);
+  request *r = a->held_head;
+  a->held_head = a->held_tail = NULL;
+  if (start) __atomic_store_n(&a->serving, true, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&a->mu);
+  return r;
+}
+
+void td__serve_start(td_rpc_agent *a) {
+  int n = 0;
+  for (request *r = take_held(a, true), *next; r; r = next, n++) {
+    next = r->held_next;
+    dispatch(r);
+  }
+  if (n)
+    td_log(TD_LOG_DEBUG, "rpc: %s: %d request%s that arrived during init now run", a->name, n,
+           n == 1 ? "" : "s");
+}
+
+void td__serve_drop_held(td_rpc_agent *a, const char *why) {
+  for (request *r = take_held(a, false), *next; r; r = next) {
+    next = r->held_next;
+    reply_error(r, false, TD_ERR_STATE, "'%s' not run: this worker's init failed: %s", r->msg.fn,
+                why);
+  }
+}
+
 void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
   td_rpc_agent *a = ud;
   /* the sender is the rank the stream's handshake proved, whatever the frame claims; requests
@@ -382,15 +454,7 @@ void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
     arrived(r);
     __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
     TD__COUNT(a, requests_received);
-    td__reg reg;
-    if (td__reg_find(r->msg.fn, &reg) && run_inline(&reg, &r->msg)) {
-      td__rpc_inline_thread = true;
-      run_request(r);
-      td__rpc_inline_thread = false;
-      return;
-    }
-    if (submit_request(a, r) != TD_OK)
-      reply_error(r, false, TD_ERR_STATE, "the agent is shutting down");
+    if (!hold_until_started(r)) dispatch(r);
     return;
   }
   td_value *v = NULL;

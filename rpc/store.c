@@ -1,8 +1,14 @@
 /* store.c - rendezvous key-value store: the server-side map and the client operations.
  *
- * The map is a small open hash table of string -> bytes under one mutex; the server handles each
- * request on the transport's poller thread without blocking. Clients issue one unary call per
- * operation; waits poll with backoff.
+ * The map is an open-addressing hash table of string -> bytes (linear probing, at most half
+ * full, capacity a power of two, each slot keeping its key's hash) under one mutex; the server
+ * handles each request on the transport's poller thread without blocking. Every operation
+ * touches one probe run: a delete uses backward-shift deletion (the entries after the hole that
+ * may move back do, so no lookup meets an empty slot before its key) instead of tombstones or a
+ * rebuild, so it costs O(1) expected and the table holds only live keys; only an insert that
+ * doubles the table touches every entry (amortised O(1)). The table never shrinks: its size
+ * follows the most keys held at once. Clients issue one unary call per operation; waits poll with
+ * backoff.
  */
 #include "store.h"
 
@@ -17,16 +23,20 @@
 #include "tdist.pb-c.h"
 
 typedef struct kv {
-  char *key;
+  char *key; /* NULL: an empty slot */
   uint8_t *val;
   size_t len;
+  size_t hash; /* str_hash(key) */
 } kv;
 
 struct td__store {
   pthread_mutex_t mu;
   kv *tab;
   size_t cap, len;
-  uint64_t bytes; /* keys and values held */
+  uint64_t bytes;        /* keys and values held */
+  uint64_t moves; /* entries moved to another slot, by growth or by deletes (tests) */
+  /* requests served; gets that found their key; range requests that returned values (tests) */
+  uint64_t requests, gets_found, ranges_found;
 };
 
 static size_t str_hash(const char *s) {
@@ -61,18 +71,19 @@ static kv *find(td__store *s, const char *key, bool insert) {
     if (!nt) return NULL;
     for (size_t i = 0; i < s->cap; i++) {
       if (!s->tab[i].key) continue;
-      size_t j = str_hash(s->tab[i].key) & (nc - 1);
+      size_t j = s->tab[i].hash & (nc - 1);
       while (nt[j].key) j = (j + 1) & (nc - 1);
       nt[j] = s->tab[i];
+      s->moves++;
     }
     td__free(s->tab);
     s->tab = nt;
     s->cap = nc;
   }
   if (!s->cap) return NULL;
-  size_t j = str_hash(key) & (s->cap - 1);
+  size_t h = str_hash(key), j = h & (s->cap - 1);
   while (s->tab[j].key) {
-    if (strcmp(s->tab[j].key, key) == 0) return &s->tab[j];
+    if (s->tab[j].hash == h && strcmp(s->tab[j].key, key) == 0) return &s->tab[j];
     j = (j + 1) & (s->cap - 1);
   }
   if (!insert) return NULL;
@@ -80,8 +91,38 @@ static kv *find(td__store *s, const char *key, bool insert) {
   if (!s->tab[j].key) return NULL;
   s->tab[j].val = NULL;
   s->tab[j].len = 0;
+  s->tab[j].hash = h;
   s->len++;
   return &s->tab[j];
+}
+
+/* Removes the entry at slot i by backward-shift deletion: walking the probe run after the hole,
+ * each entry whose home slot is not cyclically in (hole, its slot] moves into the hole, which
+ * moves to where it was. The run ends at the first empty slot; with the table at most half full
+ * that is a few slots on average. mu held. */
+static void remove_at(td__store *s, size_t i) {
+  size_t m = s->cap - 1;
+  s->bytes -= strlen(s->tab[i].key) + s->tab[i].len;
+  td__free(s->tab[i].key);
+  td__free(s->tab[i].val);
+  for (size_t j = (i + 1) & m; s->tab[j].key; j = (j + 1) & m) {
+    size_t home = s->tab[j].hash & m;
+    bool stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+    if (stays) continue;
+    s->tab[i] = s->tab[j];
+    s->moves++;
+    i = j;
+  }
+  s->tab[i] = (kv){0};
+  s->len--;
+}
+
+void td__store_stats_get(td__store *s, td__store_stats *out) {
+  pthread_mutex_lock(&s->mu);
+  *out = (td__store_stats){.keys = s->len, .slots = s->cap, .bytes = s->bytes,
+                             .moves = s->moves, .requests = s->requests,
+                             .gets_found = s->gets_found, .ranges_found = s->ranges_found};
+  pthread_mutex_unlock(&s->mu);
 }
 
 static bool set_val(td__store *s, kv *e, const void *v, size_t n) {
@@ -123,6 +164,60 @@ td_status td__store_local_set(td__store *s, const char *key, const void *v, size
   return ok ? TD_OK : td_set_error(TD_ERR_NOMEM, "store: out of memory");
 }
 
+/* What a range reply points into (freed after packing). */
+typedef struct range_buf {
+  uint8_t *buf;
+  ProtobufCBinaryData *vals;
+} range_buf;
+
+/* Op 7: copies the values of prefix+first, prefix+first+1, ... while they exist, at most count of
+ * them (TD__STORE_RANGE_MAX) and, past the first, at most TD__STORE_RANGE_BYTES in all, so one
+ * reply stays far below a message's limit whatever the values. mu held. */
+static td_status range_get(td__store *s, const char *prefix, int32_t first, int32_t count,
+                           Tdist__StoreReply *rep, range_buf *rg) {
+  if (first < 0 || count < 0 || strlen(prefix) > TD__STORE_MAX_KEY - 12)
+    return td_set_error(TD_ERR_INVALID, "store: bad range (first %d, count %d)", first, count);
+  if (count > TD__STORE_RANGE_MAX) count = TD__STORE_RANGE_MAX;
+  char key[TD__STORE_MAX_KEY + 1];
+  size_t total = 0;
+  int n = 0;
+  for (; n < count && first + (int64_t)n <= INT32_MAX; n++) {
+    snprintf(key, sizeof key, "%s%d", prefix, first + n);
+    kv *e = find(s, key, false);
+    if (!e || (n > 0 && total + e->len > TD__STORE_RANGE_BYTES)) break;
+    total += e->len;
+  }
+  rg->vals = td__calloc((size_t)(n ? n : 1), sizeof *rg->vals);
+  rg->buf = td__malloc(total ? total : 1);
+  if (!rg->vals || !rg->buf) return td_set_error(TD_ERR_NOMEM, "store: out of memory");
+  size_t off = 0;
+  for (int i = 0; i < n; i++) {
+    snprintf(key, sizeof key, "%s%d", prefix, first + i);
+    kv *e = find(s, key, false);
+    if (e->len) memcpy(rg->buf + off, e->val, e->len);
+    rg->vals[i] = (ProtobufCBinaryData){e->len, rg->buf + off};
+    off += e->len;
+  }
+  rep->n_values = (size_t)n;
+  rep->values = rg->vals;
+  rep->number = n;
+  rep->found = n == count;
+  return TD_OK;
+}
+
+/* The abort key a polling request names: whether it is set, and to what. mu held. */
+static td_status watch_get(td__store *s, const char *key, Tdist__StoreReply *rep,
+                           uint8_t **copy) {
+  kv *e = find(s, key, false);
+  if (!e) return TD_OK;
+  *copy = td__malloc(e->len + 1);
+  if (!*copy) return td_set_error(TD_ERR_NOMEM, "store: out of memory");
+  memcpy(*copy, e->val, e->len);
+  rep->watched = true;
+  rep->watch_value = (ProtobufCBinaryData){e->len, *copy};
+  return TD_OK;
+}
+
 td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t **reply,
                            size_t *reply_len) {
   Tdist__StoreRequest *r = tdist__store_request__unpack(NULL, len, req);
@@ -130,8 +225,10 @@ td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t
   Tdist__StoreReply rep = TDIST__STORE_REPLY__INIT;
   td_status st = TD_OK;
   char num[32];
-  uint8_t *copy = NULL;
+  uint8_t *copy = NULL, *watch_copy = NULL;
+  range_buf rg = {0};
   pthread_mutex_lock(&s->mu);
+  s->requests++;
   const char *key = r->key ? r->key : "";
   switch (r->op) {
     case 1: { /* set */
@@ -146,6 +243,7 @@ td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t
     case 4: { /* check */
       kv *e = find(s, key, false);
       rep.found = e != NULL;
+      s->gets_found += e && r->op == 2;
       if (e && r->op == 2) {
         copy = td__malloc(e->len + 1);
         if (!copy) {
@@ -178,34 +276,20 @@ td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t
       rep.number = (int64_t)td__now_ns();
       rep.found = true;
       break;
-    case 5: { /* delete */
+    case 5: { /* delete: found tells whether the key was there */
       kv *e = find(s, key, false);
-      if (e) {
-        /* rebuild without the entry (deletes are rare) */
-        s->bytes -= strlen(e->key) + e->len;
-        td__free(e->key);
-        td__free(e->val);
-        e->key = NULL;
-        s->len--;
-        kv *old = s->tab;
-        size_t oc = s->cap;
-        s->tab = NULL;
-        s->cap = s->len = 0;
-        for (size_t i = 0; i < oc; i++) {
-          if (!old[i].key) continue;
-          kv *ne = find(s, old[i].key, true);
-          if (ne) {
-            td__free(ne->key);
-            *ne = old[i];
-          }
-        }
-        td__free(old);
-        rep.found = true;
-      }
+      if (e) remove_at(s, (size_t)(e - s->tab));
+      rep.found = e != NULL;
       break;
     }
+    case 7: /* range */
+      st = range_get(s, key, r->first, r->count, &rep, &rg);
+      s->ranges_found += rep.n_values > 0;
+      break;
     default: st = td_set_error(TD_ERR_INVALID, "store: unknown operation %u", r->op);
   }
+  if (st == TD_OK && r->watch_key && r->watch_key[0] && r->op != 5 && r->op != 6)
+    st = watch_get(s, r->watch_key, &rep, &watch_copy);
   pthread_mutex_unlock(&s->mu);
   tdist__store_request__free_unpacked(r, NULL);
   if (st == TD_OK) {
@@ -219,6 +303,9 @@ td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t
     }
   }
   td__free(copy);
+  td__free(watch_copy);
+  td__free(rg.buf);
+  td__free(rg.vals);
   return st;
 }
 
@@ -273,16 +360,23 @@ static td_status call(const td__store_client *c, Tdist__StoreRequest *r, Tdist__
   return TD_OK;
 }
 
-td_status td__store_set(const td__store_client *c, const char *key, const void *v, size_t n) {
+td_status td__store_set_watch(const td__store_client *c, const char *key, const void *v,
+                              size_t n, const char *watch_key, bool *watched) {
   Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
   r.op = 1;
   r.key = (char *)key;
   r.value.data = (uint8_t *)v;
   r.value.len = n;
+  r.watch_key = (char *)(watch_key ? watch_key : "");
   Tdist__StoreReply *rep;
   TD_TRY(call(c, &r, &rep));
+  if (watched) *watched = rep->watched;
   tdist__store_reply__free_unpacked(rep, NULL);
   return TD_OK;
+}
+
+td_status td__store_set(const td__store_client *c, const char *key, const void *v, size_t n) {
+  return td__store_set_watch(c, key, v, n, NULL, NULL);
 }
 
 td_status td__store_get(const td__store_client *c, const char *key, uint8_t **v, size_t *n,
@@ -320,6 +414,17 @@ td_status td__store_add(const td__store_client *c, const char *key, int64_t delt
   return TD_OK;
 }
 
+td_status td__store_delete(const td__store_client *c, const char *key, bool *existed) {
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = 5;
+  r.key = (char *)key;
+  Tdist__StoreReply *rep;
+  TD_TRY(call(c, &r, &rep));
+  if (existed) *existed = rep->found;
+  tdist__store_reply__free_unpacked(rep, NULL);
+  return TD_OK;
+}
+
 td_status td__store_now(const td__store_client *c, int64_t *server_ns) {
   Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
   r.op = 6;
@@ -337,44 +442,137 @@ static void sleep_ms(int64_t ms) {
   }
 }
 
-static td_status check_abort(const td__store_client *c, const char *abort_key) {
-  if (!abort_key) return TD_OK;
-  uint8_t *v = NULL;
-  bool found = false;
-  TD_TRY(td__store_get(c, abort_key, &v, NULL, &found));
-  if (!found) return TD_OK;
-  td_status st = td_set_error(TD_ERR_REMOTE, "%s", (const char *)v);
-  td__free(v);
-  return st;
+/* A polling request's abort check, folded into it (the abort key as its watch_key): the message
+ * the worker that gave up left there. */
+static td_status reply_aborted(const Tdist__StoreReply *rep) {
+  if (!rep->watched) return TD_OK;
+  int n = rep->watch_value.len > 1000 ? 1000 : (int)rep->watch_value.len;
+  return td_set_error(TD_ERR_REMOTE, "%.*s", n, (const char *)rep->watch_value.data);
+}
+
+/* One poll: op (2 get or 3 add of 0) on key, with the abort check; *rep the reply. */
+static td_status poll_once(const td__store_client *c, uint32_t op, const char *key,
+                           const char *abort_key, Tdist__StoreReply **rep) {
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = op;
+  r.key = (char *)key;
+  r.watch_key = (char *)(abort_key ? abort_key : "");
+  return call(c, &r, rep);
+}
+
+static td_status poll_wait(const td__store_client *c, int64_t *backoff, uint64_t deadline_ns) {
+  if (td__now_ns() >= deadline_ns) return TD_ERR_TIMEOUT;
+  sleep_ms(*backoff);
+  int64_t most = c->max_backoff_ms > 0 ? c->max_backoff_ms : 50;
+  *backoff = *backoff * 2 > most ? most : *backoff * 2;
+  return TD_OK;
 }
 
 td_status td__store_wait_ge(const td__store_client *c, const char *key, int64_t target,
                             uint64_t deadline_ns, const char *abort_key) {
   int64_t backoff = 1;
   for (;;) {
-    int64_t cur;
-    TD_TRY(td__store_add(c, key, 0, &cur));
-    if (cur >= target) return TD_OK;
-    TD_TRY(check_abort(c, abort_key));
-    if (td__now_ns() >= deadline_ns)
+    Tdist__StoreReply *rep;
+    TD_TRY(poll_once(c, 3, key, abort_key, &rep));
+    int64_t cur = rep->number;
+    td_status st = cur >= target ? TD_OK : reply_aborted(rep);
+    bool done = cur >= target || st != TD_OK;
+    tdist__store_reply__free_unpacked(rep, NULL);
+    if (done) return st;
+    if (poll_wait(c, &backoff, deadline_ns) != TD_OK)
       return td_set_error(TD_ERR_TIMEOUT, "store: timed out waiting for '%s' to reach %lld (now "
                           "%lld)", key, (long long)target, (long long)cur);
-    sleep_ms(backoff);
-    backoff = backoff * 2 > 50 ? 50 : backoff * 2;
   }
+}
+
+/* Copies a reply's bytes to a malloc'd NUL-terminated buffer. */
+static td_status dup_bytes(const ProtobufCBinaryData *b, uint8_t **v, size_t *n) {
+  uint8_t *p = td__malloc(b->len + 1);
+  if (!p) return td_set_error(TD_ERR_NOMEM, "store: out of memory");
+  if (b->len) memcpy(p, b->data, b->len);
+  p[b->len] = 0;
+  *v = p;
+  if (n) *n = b->len;
+  return TD_OK;
 }
 
 td_status td__store_wait_key(const td__store_client *c, const char *key, uint64_t deadline_ns,
                              const char *abort_key, uint8_t **v, size_t *n) {
   int64_t backoff = 1;
   for (;;) {
-    bool found = false;
-    TD_TRY(td__store_get(c, key, v, n, &found));
-    if (found) return TD_OK;
-    TD_TRY(check_abort(c, abort_key));
-    if (td__now_ns() >= deadline_ns)
+    Tdist__StoreReply *rep;
+    TD_TRY(poll_once(c, 2, key, abort_key, &rep));
+    td_status st = rep->found ? (v ? dup_bytes(&rep->value, v, n) : TD_OK) : reply_aborted(rep);
+    bool done = rep->found || st != TD_OK;
+    tdist__store_reply__free_unpacked(rep, NULL);
+    if (done) return st;
+    if (poll_wait(c, &backoff, deadline_ns) != TD_OK)
       return td_set_error(TD_ERR_TIMEOUT, "store: timed out waiting for key '%s'", key);
-    sleep_ms(backoff);
-    backoff = backoff * 2 > 50 ? 50 : backoff * 2;
   }
+}
+
+/* Takes the values of one range reply into vals/lens from index *got on. */
+static td_status range_take(const Tdist__StoreReply *rep, int count, int *got, uint8_t **vals,
+                            size_t *lens) {
+  if (rep->n_values > (size_t)(count - *got))
+    return td_set_error(TD_ERR_FORMAT, "store: a range reply with more values than asked");
+  for (size_t i = 0; i < rep->n_values; i++, (*got)++)
+    TD_TRY(dup_bytes(&rep->values[i], &vals[*got], &lens[*got]));
+  return TD_OK;
+}
+
+td_status td__store_range(const td__store_client *c, const char *prefix, int first, int count,
+                          uint8_t **vals, size_t *lens, int *got) {
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = 7;
+  r.key = (char *)prefix;
+  r.first = first;
+  r.count = count;
+  Tdist__StoreReply *rep;
+  *got = 0;
+  TD_TRY(call(c, &r, &rep));
+  td_status st = range_take(rep, count, got, vals, lens);
+  tdist__store_reply__free_unpacked(rep, NULL);
+  for (int i = 0; st != TD_OK && i < *got; i++) {
+    td__free(vals[i]);
+    vals[i] = NULL;
+  }
+  if (st != TD_OK) *got = 0;
+  return st;
+}
+
+td_status td__store_wait_range(const td__store_client *c, const char *prefix, int first,
+                               int count, uint64_t deadline_ns, const char *abort_key,
+                               uint8_t **vals, size_t *lens) {
+  int64_t backoff = 1;
+  int got = 0;
+  td_status st = TD_OK;
+  while (got < count && st == TD_OK) {
+    Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+    r.op = 7;
+    r.key = (char *)prefix;
+    r.first = first + got;
+    r.count = count - got;
+    r.watch_key = (char *)(abort_key ? abort_key : "");
+    Tdist__StoreReply *rep;
+    if ((st = call(c, &r, &rep)) != TD_OK) break;
+    int n = 0;
+    st = range_take(rep, count - got, &n, vals + got, lens + got);
+    got += n;
+    if (st == TD_OK && n == 0) st = reply_aborted(rep);
+    tdist__store_reply__free_unpacked(rep, NULL);
+    if (st != TD_OK || n > 0) {
+      backoff = 1; /* progress: ask for the rest at once */
+      continue;
+    }
+    if (poll_wait(c, &backoff, deadline_ns) != TD_OK)
+      st = td_set_error(TD_ERR_TIMEOUT, "store: timed out waiting for key '%s%d'", prefix,
+                        first + got);
+  }
+  if (st != TD_OK)
+    for (int i = 0; i < got; i++) {
+      td__free(vals[i]);
+      vals[i] = NULL;
+    }
+  return st;
 }

@@ -2,8 +2,14 @@
  * the transport's unary method /tdist.Store/Op, and its client operations.
  *
  * Keys are strings, values are bytes; `add` treats a value as a decimal int64 counter. Clients
- * wait by polling with exponential backoff (1 ms doubling to 50 ms), which keeps the server free
- * of parked calls. Used for worker discovery, barriers and graceful shutdown.
+ * wait by polling with exponential backoff (1 ms doubling to 50 ms, or max_backoff_ms), which keeps the server free
+ * of parked calls; a poll asks about the abort key in the same request. Used for worker discovery, barriers and graceful shutdown.
+ *
+ * Deleting a key (td__store_delete, PyTorch's Store.delete_key) makes it absent as if never set:
+ * a get finds nothing, an add starts again from 0, a wait that had not yet seen the key goes on
+ * waiting until it is set again or its deadline passes (waits poll, so a key set and deleted
+ * between two polls is never seen), and td__store_wait_ge on a deleted counter waits for the
+ * counter rebuilt from 0 (its poll, an add of 0, recreates the key with "0").
  */
 #ifndef TD_RPC_STORE_H
 #define TD_RPC_STORE_H
@@ -21,6 +27,10 @@ typedef struct td__store td__store;
 #define TD__STORE_MAX_VALUE (4u << 20)
 #define TD__STORE_MAX_KEYS 1000000
 #define TD__STORE_MAX_BYTES (256ull << 20)
+/* One range reply carries at most this many values and, past its first value, this many bytes
+ * of them (far below a message's limit). */
+#define TD__STORE_RANGE_MAX 4096
+#define TD__STORE_RANGE_BYTES (1u << 20)
 
 td_status td__store_create(td__store **out);
 void td__store_destroy(td__store *s);
@@ -30,6 +40,18 @@ td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t
 
 /* Sets key directly in the server's map (rank 0's own setup). */
 td_status td__store_local_set(td__store *s, const char *key, const void *v, size_t n);
+
+/* The server's table (for tests): keys held, slots allocated, bytes of keys and values, the work
+ * done moving entries to other slots in all (a growth moves every entry, a delete the few of its
+ * probe run), and counts of requests. */
+typedef struct td__store_stats {
+  size_t keys, slots;
+  uint64_t bytes, moves;
+  uint64_t requests;     /* served */
+  uint64_t gets_found;   /* gets that found their key */
+  uint64_t ranges_found; /* range requests that returned values */
+} td__store_stats;
+void td__store_stats_get(td__store *s, td__store_stats *out);
 
 typedef struct td__store_client {
   td__transport *tr;
@@ -41,16 +63,24 @@ typedef struct td__store_client {
    * left), none at all once it passed. Read and written atomically (td__store_set_deadline). */
   uint64_t deadline_ns;
   bool wait_for_ready; /* keep trying to reach a server that is not up yet (rendezvous) */
+  /* the longest sleep between two polls of a wait (0: 50 ms); large groups set it longer, so
+   * the polls of N waiting workers stay a bounded load on the server */
+  int64_t max_backoff_ms;
 } td__store_client;
 
 /* td__store_set_deadline bounds every later call of c (any thread) by deadline_ns (0: none). */
 void td__store_set_deadline(td__store_client *c, uint64_t deadline_ns);
 
 td_status td__store_set(const td__store_client *c, const char *key, const void *v, size_t n);
+/* td__store_set_watch sets key and says in the same request whether watch_key exists. */
+td_status td__store_set_watch(const td__store_client *c, const char *key, const void *v,
+                              size_t n, const char *watch_key, bool *watched);
 /* *v is malloc'd (NUL-terminated for convenience) when *found. */
 td_status td__store_get(const td__store_client *c, const char *key, uint8_t **v, size_t *n,
                         bool *found);
 td_status td__store_add(const td__store_client *c, const char *key, int64_t delta, int64_t *out);
+/* td__store_delete removes key; *existed (may be NULL) tells whether it was there. */
+td_status td__store_delete(const td__store_client *c, const char *key, bool *existed);
 /* td__store_now reads the store server's monotonic clock (ns). */
 td_status td__store_now(const td__store_client *c, int64_t *server_ns);
 /* td__store_wait_ge waits until the counter at key is >= target or deadline_ns (monotonic)
@@ -61,5 +91,18 @@ td_status td__store_wait_ge(const td__store_client *c, const char *key, int64_t 
 /* td__store_wait_key waits until key exists; *v as for get. */
 td_status td__store_wait_key(const td__store_client *c, const char *key, uint64_t deadline_ns,
                              const char *abort_key, uint8_t **v, size_t *n);
+/* td__store_range reads, in one request, the values of prefix+first, prefix+first+1, ... that
+ * exist one after another (at most count, and the reply's limits): *got of them, as for
+ * td__store_wait_range. */
+td_status td__store_range(const td__store_client *c, const char *prefix, int first, int count,
+                          uint8_t **vals, size_t *lens, int *got);
+/* td__store_wait_range waits until the keys prefix+first .. prefix+(first+count-1) (decimal
+ * suffixes) all exist and gives their values: vals[i] malloc'd and NUL-terminated, lens[i] its
+ * length (nothing is left allocated on failure). It reads many keys per request (op 7: up to
+ * TD__STORE_RANGE_MAX values and TD__STORE_RANGE_BYTES bytes), so reading the records of N
+ * workers costs about N / 4096 requests instead of N; a timeout names the first missing key. */
+td_status td__store_wait_range(const td__store_client *c, const char *prefix, int first,
+                               int count, uint64_t deadline_ns, const char *abort_key,
+                               uint8_t **vals, size_t *lens);
 
 #endif

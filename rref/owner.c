@@ -195,6 +195,13 @@ void td__rref_handle_release(td__rref_ctx *c, td__rref_entry *e) {
   entry_release(c, e, drop);
 }
 
+bool td__rref_entry_pending(td__rref_ctx *c, td__rref_entry *e) {
+  pthread_mutex_lock(&c->mu);
+  bool pending = e->live && e->state == TD__RREF_PENDING;
+  pthread_mutex_unlock(&c->mu);
+  return pending;
+}
+
 td_status td__rref_entry_read(td__rref_ctx *c, td__rref_entry *e, td_value **out) {
   td_status st = TD_OK;
   pthread_mutex_lock(&c->mu);
@@ -220,6 +227,7 @@ typedef struct invoke {
   int nargs;
   td__rref_entry *target; /* reference or NULL: its value goes first */
   td__rref_entry *dest;   /* reference or NULL: __rref_remote's new entry */
+  uint64_t ctx_id;        /* the request's distributed autograd context (0: none) */
   td_future *out;         /* NULL or the outcome of a proxy call */
 } invoke;
 
@@ -319,16 +327,21 @@ static void invoke_run(invoke *iv) {
   }
 }
 
-static void invoke_task(void *arg) { invoke_run(arg); }
-
-/* The target's value is ready (or failed): run on the pool, never on the completing thread. */
-static void target_ready(td_future *f, void *arg) {
+/* A deferred run (on the pool): inside the request's distributed autograd context, as the
+ * handler would have run it. */
+static void invoke_task(void *arg) {
   invoke *iv = arg;
+  td_rpc_agent *a = iv->c->agent;
+  uint64_t ctx_id = iv->ctx_id;
+  td__mw_scope scope;
+  td__rpc_enter_ctx(a, ctx_id, iv->fn, &scope);
+  invoke_run(iv); /* frees iv */
+  td__rpc_leave_ctx(a, ctx_id, &scope);
+}
+
+/* Runs iv on the pool (or host progress), never on the thread completing a future. */
+static void invoke_submit(invoke *iv) {
   td__rref_ctx *c = iv->c;
-  if (td_future_status(f) != TD_OK) {
-    invoke_finish(iv, td_future_status(f), NULL, td_future_message(f));
-    return;
-  }
   td_status st = TD_ERR_STATE;
   pthread_mutex_lock(&c->mu);
   if (!c->closed) {
@@ -348,17 +361,49 @@ static void target_ready(td_future *f, void *arg) {
   if (st != TD_OK) invoke_finish(iv, TD_ERR_STATE, NULL, "rref: the agent has shut down");
 }
 
-static void invoke_start(invoke *iv) {
-  if (!iv->target) {
-    invoke_run(iv);
+/* The target's value is ready (or failed). */
+static void target_ready(td_future *f, void *arg) {
+  invoke *iv = arg;
+  if (td_future_status(f) != TD_OK) {
+    invoke_finish(iv, td_future_status(f), NULL, td_future_message(f));
     return;
   }
-  pthread_mutex_lock(&iv->c->mu);
-  int state = iv->target->state;
-  pthread_mutex_unlock(&iv->c->mu);
-  if (state != TD__RREF_PENDING) {
-    invoke_run(iv); /* a failed target reports its creation error */
+  invoke_submit(iv);
+}
+
+/* Once the arguments are usable: runs iv when its target's value is there, else once it is
+ * (here when this is the handler's pool thread, else through the pool). */
+static void invoke_after_args(invoke *iv, bool on_pool) {
+  int state = TD__RREF_READY;
+  if (iv->target) {
+    pthread_mutex_lock(&iv->c->mu);
+    state = iv->target->state;
+    pthread_mutex_unlock(&iv->c->mu);
+  }
+  if (state != TD__RREF_PENDING) { /* a failed target reports its creation error */
+    if (on_pool) invoke_run(iv);
+    else invoke_submit(iv);
   } else if (td_future_on_done(iv->target->ready, target_ready, iv) != TD_OK) {
+    invoke_finish(iv, TD_ERR_NOMEM, NULL, "rref: out of memory");
+  }
+}
+
+static void args_ready(td_future *f, void *arg) {
+  td_future_unref(f);
+  invoke_after_args(arg, false);
+}
+
+/* As td_rpc_sync's requests (rpc/serve.c), a function started by remote() or a proxy call waits
+ * until every RRef among its arguments is confirmed by its owner (or, here on the owner, has its
+ * value): td__rref_args_gate, without holding a pool thread meanwhile. */
+static void invoke_start(invoke *iv) {
+  td_future *wait = NULL;
+  if (td__rref_args_gate(iv->args, iv->nargs, &wait) != TD_OK) {
+    invoke_finish(iv, TD_ERR_NOMEM, NULL, "rref: out of memory");
+  } else if (!wait) {
+    invoke_after_args(iv, true);
+  } else if (td_future_on_done(wait, args_ready, iv) != TD_OK) {
+    td_future_unref(wait);
     invoke_finish(iv, TD_ERR_NOMEM, NULL, "rref: out of memory");
   }
 }
@@ -377,6 +422,7 @@ static invoke *invoke_new(td__rref_ctx *c, td_rpc_ctx *x, const td__reg *reg, co
   iv->reg = *reg;
   snprintf(iv->fn, sizeof iv->fn, "%s", fn);
   iv->caller_rank = td_rpc_ctx_caller_rank(x);
+  iv->ctx_id = x->ctx_id;
   snprintf(iv->caller, sizeof iv->caller, "%s", td_rpc_ctx_caller_name(x));
   for (int i = 0; i < nargs; i++) a[i] = td_value_ref(args[i]);
   iv->args = a;

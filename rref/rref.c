@@ -176,7 +176,8 @@ td_status td__rref_call(td__rref_ctx *c, int to, const char *fn, td_value *const
   }
   c->senders++;
   pthread_mutex_unlock(&c->mu);
-  td_rpc_call_opts o = {timeout_ms};
+  td_rpc_call_opts o = TD_RPC_CALL_OPTS_INIT;
+  o.timeout_ms = timeout_ms;
   td_status st = td_rpc_async(c->agent, td__rref_name(c, to), fn, args, nargs, &o, out);
   pthread_mutex_lock(&c->mu);
   if (--c->senders == 0 && c->closed) pthread_cond_broadcast(&c->cv);
@@ -224,12 +225,17 @@ static td_status hook_shutdown(td_rpc_agent *a, bool graceful) {
   char report[1024];
   int leaks = td__rref_ctx_close(c, graceful, report, sizeof report);
   td_status st = TD_OK;
-  if (leaks) {
+  /* RRefs a program still holds when it shuts down are normal (PyTorch's shutdown releases
+   * them too): the agent drops them, and says so at DEBUG. Strict mode (tests, TD_RREF_STRICT=1)
+   * calls them leaks: a warning, and td_rpc_shutdown fails. */
+  if (leaks && strict_now()) {
     td_log(TD_LOG_WARN, "rref: %s: %d RRef%s leaked at shutdown: %s", c->names[c->rank], leaks,
            leaks == 1 ? "" : "s", report);
-    if (strict_now())
-      st = td_set_error(TD_ERR_STATE, "rref: %s: %d RRef%s leaked at shutdown (strict mode): %s",
-                        c->names[c->rank], leaks, leaks == 1 ? "" : "s", report);
+    st = td_set_error(TD_ERR_STATE, "rref: %s: %d RRef%s leaked at shutdown (strict mode): %s",
+                      c->names[c->rank], leaks, leaks == 1 ? "" : "s", report);
+  } else if (leaks) {
+    td_log(TD_LOG_DEBUG, "rref: %s: %d RRef%s still referenced at shutdown, released: %s",
+           c->names[c->rank], leaks, leaks == 1 ? "" : "s", report);
   }
   td__rref_ctx_unref(c);
   return st;
@@ -532,7 +538,7 @@ static void free_argv(td_value **argv, int n) {
 }
 
 static td_status remote_start(td__rref_ctx *c, int owner, td_rref *target, const char *fn,
-                              td_value *const *args, int nargs, const td_rpc_call_opts *opts,
+                              td_value *const *args, int nargs, td_timeout_ms timeout_ms,
                               td_rref **out) {
   for (int i = 0; i < nargs; i++) TD_CHECK_ARG(args[i], "remote: argument %d is NULL", i);
   uint64_t id = td__rref_next_id(c);
@@ -560,8 +566,7 @@ static td_status remote_start(td__rref_ctx *c, int owner, td_rref *target, const
   creation *cr = st == TD_OK ? td__calloc(1, sizeof *cr) : NULL;
   td_future *f = NULL;
   if (cr) {
-    td_timeout_ms to = opts ? opts->timeout_ms : TD_TIMEOUT_DEFAULT;
-    st = td__rref_call(c, owner, "__rref_remote", argv, nargs + 2, to, &f);
+    st = td__rref_call(c, owner, "__rref_remote", argv, nargs + 2, timeout_ms, &f);
   } else if (st == TD_OK) {
     st = td_set_error(TD_ERR_NOMEM, "remote: out of memory");
   }
@@ -598,11 +603,13 @@ td_status td_remote(td_rpc_agent *a, const char *to, const char *fn, td_value *c
                     int nargs, const td_rpc_call_opts *opts, td_rref **out) {
   TD_CHECK_ARG(a && to && fn && out && nargs >= 0 && (args || nargs == 0),
                "remote: invalid argument");
+  td_timeout_ms tmo;
+  TD_TRY(td__call_opts_timeout(opts, "remote", &tmo));
   td_worker_info wi;
   TD_TRY(td_rpc_get_worker_info(a, to, &wi));
   td__rref_ctx *c;
   TD_TRY(td__rref_ctx_get(a, true, &c));
-  td_status st = remote_start(c, wi.id, NULL, fn, args, nargs, opts, out);
+  td_status st = remote_start(c, wi.id, NULL, fn, args, nargs, tmo, out);
   td__rref_ctx_unref(c);
   return st;
 }
@@ -611,8 +618,10 @@ td_status td_rref_remote(td_rref *r, const char *fn, td_value *const *args, int 
                          const td_rpc_call_opts *opts, td_rref **out) {
   TD_CHECK_ARG(r && fn && out && nargs >= 0 && (args || nargs == 0),
                "rref_remote: invalid argument");
+  td_timeout_ms tmo;
+  TD_TRY(td__call_opts_timeout(opts, "rref_remote", &tmo));
   TD_TRY(creation_error(r));
-  return remote_start(r->ctx, r->owner, r, fn, args, nargs, opts, out);
+  return remote_start(r->ctx, r->owner, r, fn, args, nargs, tmo, out);
 }
 
 td_status td_rref_create_local(td_rpc_agent *a, td_value *value, td_rref **out) {
@@ -730,6 +739,14 @@ td_status td_rref_local_value(td_rref *r, td_value **out) {
     return td_set_error(TD_ERR_STATE, "rref local_value: %s is owned by %s (rank %d), not by "
                         "this worker; use td_rref_to_here", td_rref_to_string(r, s, sizeof s),
                         td_rref_owner_name(r), r->owner);
+  /* as PyTorch's OwnerRRef: wait for the value being created, within the agent's rpc timeout */
+  if (td__rref_entry_pending(r->ctx, r->entry) && r->created && r->ctx->agent) {
+    td_timeout_ms to = td_rpc_get_default_timeout(r->ctx->agent);
+    if (td_future_wait(r->created, to) == TD_ERR_TIMEOUT)
+      return td_set_error(TD_ERR_TIMEOUT, "rref local_value: %s: its value was not created "
+                          "within the rpc timeout (%lld ms)", td_rref_to_string(r, s, sizeof s),
+                          (long long)to);
+  }
   return td__rref_entry_read(r->ctx, r->entry, out);
 }
 
@@ -747,12 +764,13 @@ td_status td_rref_rpc_async(td_rref *r, const char *fn, td_value *const *args, i
   TD_CHECK_ARG(r && fn && out && nargs >= 0 && (args || nargs == 0),
                "rref_rpc_async: invalid argument");
   for (int i = 0; i < nargs; i++) TD_CHECK_ARG(args[i], "rref_rpc_async: argument %d is NULL", i);
+  td_timeout_ms to;
+  TD_TRY(td__call_opts_timeout(opts, "rref_rpc_async", &to));
   TD_TRY(creation_error(r));
   int64_t h[2] = {(int64_t)r->id, (int64_t)r->fork};
   td_value **argv;
   TD_TRY(build_argv(int_list(h, 2), fn, args, nargs, &argv));
   td_future *f = NULL;
-  td_timeout_ms to = opts ? opts->timeout_ms : TD_TIMEOUT_DEFAULT;
   td_status st = td__rref_call(r->ctx, r->owner, "__rref_call", argv, nargs + 2, to, &f);
   free_argv(argv, nargs + 2);
   TD_TRY(st);
@@ -871,9 +889,7 @@ static void gate_collect(const td_value *v, gate *g, int depth) {
 /* As PyTorch waits for a request's pending user RRefs: *wait completes when every RRef among the
  * arguments is confirmed by its owner and, on the owner, when its value exists (a failed
  * creation ends the wait too: the function sees the failure when it uses that RRef). */
-static td_status rref_arg_gate(td_rpc_agent *a, td_value *const *args, int nargs,
-                               td_future **wait) {
-  (void)a;
+td_status td__rref_args_gate(td_value *const *args, int nargs, td_future **wait) {
   *wait = NULL;
   gate *g = td__calloc(1, sizeof *g);
   if (!g || !(g->all = td_future_create())) {
@@ -889,6 +905,12 @@ static td_status rref_arg_gate(td_rpc_agent *a, td_value *const *args, int nargs
     *wait = NULL;
   }
   return TD_OK;
+}
+
+static td_status rref_arg_gate(td_rpc_agent *a, td_value *const *args, int nargs,
+                               td_future **wait) {
+  (void)a;
+  return td__rref_args_gate(args, nargs, wait);
 }
 
 /* ---- registration with the agent (from td_rpc_init) ---- */

@@ -146,6 +146,8 @@ td_status td__rref_entry_new_local(td__rref_ctx *c, uint64_t id, td_value *value
 td_status td__rref_owner_add_fork(td__rref_ctx *c, td__rref_entry *e, uint64_t f);
 /* td__rref_handle_release drops an owner handle's hold on e. */
 void td__rref_handle_release(td__rref_ctx *c, td__rref_entry *e);
+/* td__rref_entry_pending: the entry's value is still being created. */
+bool td__rref_entry_pending(td__rref_ctx *c, td__rref_entry *e);
 /* td__rref_entry_read: the entry's value (new reference) or its error. */
 td_status td__rref_entry_read(td__rref_ctx *c, td__rref_entry *e, td_value **out);
 /* td__rref_fail_entry fails a pending entry (a self-remote that could not be sent). */
@@ -157,6 +159,10 @@ int td__rref_ctx_close(td__rref_ctx *c, bool report, char *buf, size_t n);
 
 /* User side (rref.c). */
 void td__rref_user_register(void);
+/* td__rref_args_gate: *wait (NULL when nothing is pending) completes once every RRef among args
+ * (lists and dicts searched) is confirmed by its owner and, on the owner, has its value or failed
+ * (PyTorch waits for a request's pending user RRefs before running its function). rref.c. */
+td_status td__rref_args_gate(td_value *const *args, int nargs, td_future **wait);
 
 /* Opaque objects (util.c). */
 void td__rref_objects_init(void);

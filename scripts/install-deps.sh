@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # install-deps.sh - installs every Debian package tdist needs, idempotently.
-#   scripts/install-deps.sh            build + test dependencies, the Fashion-MNIST data set and
+#   scripts/install-deps.sh            build + test dependencies (libdnnl-dev: oneDNN, the bfloat16
+#                                      GEMM of CPU autocast), the Fashion-MNIST data set and
 #                                      the fortunes text corpus (examples/gpt; plain text files
 #                                      under /usr/share/games/fortunes); iproute2: the multihost
 #                                      tests' network namespaces; Open MPI: the examples' launch
@@ -18,7 +19,7 @@
 #   scripts/install-deps.sh --mpi      accepted for old scripts (Open MPI is a test dependency now)
 set -euo pipefail
 
-pkgs=(build-essential g++ cmake pkg-config zlib1g-dev libopenblas-dev libcmocka-dev
+pkgs=(build-essential g++ cmake pkg-config zlib1g-dev libopenblas-dev libdnnl-dev libcmocka-dev
       libgrpc-dev libprotobuf-c-dev protobuf-c-compiler libssl-dev dataset-fashion-mnist fortunes
       python3 python3-h2 openssl iproute2 openmpi-bin libopenmpi-dev python3-matplotlib
       python3-cffi python3-dev python3-numpy python3-pytest python3-venv)

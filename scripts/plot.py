@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """plot.py - draws the examples' metrics files (--metrics FILE, JSON lines) as pictures.
 
     scripts/plot.py RUN.jsonl [MORE.jsonl ...] -o run.png [--title TEXT] [--smooth N]
@@ -11,7 +11,10 @@ figure has up to four panels, each drawn when the files hold its data:
   - throughput (samples/s or tokens/s, moving average) per worker;
   - the mean time of each phase of a step per worker (stacked bars: forward, backward, step ...).
 The output format follows the extension of -o (png, svg, pdf). Needs matplotlib (Debian's
-python3-matplotlib); uses the non-interactive Agg backend, so it runs without a display.
+python3-matplotlib, for /usr/bin/python3, which the first line names); run by another
+interpreter without matplotlib (`python3 scripts/plot.py` with a pyenv or conda python first in
+PATH), it runs itself again with /usr/bin/python3. Uses the non-interactive Agg backend, so it
+runs without a display.
 """
 import argparse
 import glob
@@ -20,7 +23,16 @@ import math
 import os
 import sys
 
-import matplotlib
+DEBIAN_PYTHON = "/usr/bin/python3"
+try:
+    import matplotlib
+except ImportError:
+    if os.path.realpath(sys.executable) != os.path.realpath(DEBIAN_PYTHON) and \
+            os.access(DEBIAN_PYTHON, os.X_OK) and not os.environ.get("TD_PLOT_REEXEC"):
+        os.environ["TD_PLOT_REEXEC"] = "1"
+        os.execv(DEBIAN_PYTHON, [DEBIAN_PYTHON] + sys.argv)
+    sys.exit("plot.py: matplotlib is missing: install Debian's python3-matplotlib "
+             "(scripts/install-deps.sh) and run with /usr/bin/python3")
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -6,11 +6,18 @@
 #   scripts/slurm-local.sh start [--nodes 1|3] [--state DIR]   start a cluster (default 1 node)
 #   scripts/slurm-local.sh stop [--state DIR]                  stop it and remove its state
 #   scripts/slurm-local.sh status [--state DIR]                daemons and sinfo
-#   scripts/slurm-local.sh env [--state DIR]                   prints `export SLURM_CONF=...`
+#   scripts/slurm-local.sh env [--state DIR]                   prints the environment plain srun
+#                                                              needs: `export SLURM_CONF=...` and
+#                                                              a new job secret, TD_RPC_SECRET
+#                                                              (use: eval "$(... env)")
 #   scripts/slurm-local.sh run [--state DIR] CMD [ARGS...]     runs a client (srun, sinfo, ...)
 #                                                              where it can reach the cluster
+#                                                              (in this environment: srun needs
+#                                                              TD_RPC_SECRET from env's output;
+#                                                              sbatch scripts make their own)
 # Example:
 #   scripts/slurm-local.sh start --nodes 3
+#   eval "$(scripts/slurm-local.sh env)"
 #   scripts/slurm-local.sh run srun -N 3 --ntasks-per-node=1 build/examples/param_server --epochs 1
 #   scripts/slurm-local.sh stop
 #
@@ -298,7 +305,17 @@ cmd_start() {
   wait_idle "$NODES"
   trap - ERR
   log "$NODES node(s) idle; state in $S"
+  print_env
+}
+
+# new_secret prints a new random job secret (64 hex characters): srun starts no launcher that
+# could make one, and tdist refuses a group without one (docs/SECURITY.md).
+new_secret() { head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
+
+# print_env prints the environment a plain srun in this shell needs.
+print_env() {
   echo "export SLURM_CONF=$S/slurm.conf"
+  echo "export TD_RPC_SECRET=$(new_secret)"
 }
 
 # ---- stop ----
@@ -389,7 +406,7 @@ cmd_status() {
 
 cmd_env() {
   resolve_state || die "no cluster (run '$0 start')"
-  echo "export SLURM_CONF=$S/slurm.conf"
+  print_env
   if [ "$NODES" = 3 ]; then
     echo "# 3 nodes: clients must run in host 1's namespace: $0 run srun ..."
   fi

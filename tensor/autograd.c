@@ -7,7 +7,9 @@
  * gradients are accumulated by AccumulateGrad nodes, into the leaf's `.grad` under the leaf's
  * grad_mu, or into the caller's td_grad_map under the map's lock. Each pass is single-threaded on
  * the caller's thread and keeps all its bookkeeping in local tables, so passes on different
- * threads are independent except at the leaves.
+ * threads are independent except at the leaves. A node's backward may run a nested pass (a
+ * checkpoint's recompute): each thread keeps the options of its innermost running pass
+ * (pass_opts), which td__autograd_pass_opts returns to it.
  *
  * Lock order: node->mu and tensor->grad_mu and map->mu are leaves (never held together, and
  * never held while running user hooks or op backward functions).
@@ -18,10 +20,13 @@
 #include "tensor_impl.h"
 
 static _Thread_local bool grad_disabled;
+static _Thread_local const td_backward_opts *pass_opts; /* the innermost pass on this thread */
 static uint64_t next_seq;
 static int next_hook_handle;
 
 bool td_autograd_is_enabled(void) { return !grad_disabled; }
+
+const td_backward_opts *td__autograd_pass_opts(void) { return pass_opts; }
 
 bool td_autograd_set_enabled(bool enabled) {
   bool prev = !grad_disabled;
@@ -282,9 +287,9 @@ td_status td_tensor_set_requires_grad(td_tensor *t, bool requires_grad) {
     return td_set_error(TD_ERR_STATE,
                         "tensor_set_requires_grad: only leaf tensors can change requires_grad "
                         "(this one comes from %s)", td_node_name(t->grad_fn));
-  if (requires_grad && t->dtype != TD_DTYPE_F32 && t->dtype != TD_DTYPE_F64)
+  if (requires_grad && !td_dtype_is_float(t->dtype))
     return td_set_error(TD_ERR_DTYPE, "tensor_set_requires_grad: %s tensors cannot require grad "
-                        "(float32 and float64 only)", td_dtype_name(t->dtype));
+                        "(float dtypes only)", td_dtype_name(t->dtype));
   t->requires_grad = requires_grad;
   return TD_OK;
 }
@@ -579,7 +584,7 @@ td_status td_autograd_attach(const td_tensor *t, td_node *node, int output_nr, t
                node->n_outputs);
   if (t->requires_grad)
     return td_set_error(TD_ERR_STATE, "autograd_attach: tensor already requires grad");
-  if (t->dtype != TD_DTYPE_F32 && t->dtype != TD_DTYPE_F64)
+  if (!td_dtype_is_float(t->dtype))
     return td_set_error(TD_ERR_DTYPE, "autograd_attach: %s tensors cannot carry gradients",
                         td_dtype_name(t->dtype));
   td_tensor *v;
@@ -833,6 +838,9 @@ static td_status run_pass(root_spec *roots, int n, const td_backward_opts *opts)
   p.opts = opts;
   td_status st = TD_OK;
   bool prev = td_autograd_set_enabled(false);
+  const td_backward_opts *outer = pass_opts; /* a nested pass (a recompute) restores it */
+  pass_opts = opts;
+  bool prev_ac = td__autocast_suspend(); /* nodes compute in the dtypes their forward saw */
   for (int i = 0; i < n && st == TD_OK; i++)
     if (roots[i].node) st = discover(&p, roots[i].node);
   for (int i = 0; i < n && st == TD_OK; i++) {
@@ -854,6 +862,8 @@ static td_status run_pass(root_spec *roots, int n, const td_backward_opts *opts)
   entry *e;
   while (st == TD_OK && (e = heap_pop(&p)) != NULL) st = run_node(&p, e);
   pass_free(&p);
+  pass_opts = outer;
+  td__autocast_resume(prev_ac);
   td_autograd_set_enabled(prev);
   return st;
 }

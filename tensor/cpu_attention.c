@@ -22,6 +22,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "cpu_half.h"
 #include "cpu_kernels.h"
 #include "cpu_math.h"
 
@@ -294,12 +295,119 @@ static size_t scratch_elems(const td__attn_geom *g, bool backward) {
 DEF_ATTENTION(float)
 DEF_ATTENTION(double)
 
+/* ---- bfloat16 / float16: each problem's rows converted to float32, the float32 kernel, the
+ * results rounded back (probabilities too: the backward reads them back into float32, as
+ * PyTorch's bfloat16 softmax output is read by its backward) ---- */
+
+typedef struct {
+  float *q, *k, *v, *y, *p, *gy, *gq, *gk, *gv;
+  void *scr;
+} half_bufs;
+
+static void half_bufs_free(half_bufs *h) {
+  float *all[9] = {h->q, h->k, h->v, h->y, h->p, h->gy, h->gq, h->gk, h->gv};
+  for (int i = 0; i < 9; i++) td__free(all[i]);
+  td__free(h->scr);
+}
+
+static td_status half_bufs_alloc(const td__attn_geom *g, bool backward, half_bufs *h) {
+  memset(h, 0, sizeof *h);
+  int64_t L = g->L, S = g->S, E = g->E, Ev = g->Ev;
+  int64_t n[9] = {L * E, S * E, S * Ev, L * Ev, L * S, backward ? L * Ev : 0, backward ? L * E : 0,
+                  backward ? S * E : 0, backward ? S * Ev : 0};
+  float **slot[9] = {&h->q, &h->k, &h->v, &h->y, &h->p, &h->gy, &h->gq, &h->gk, &h->gv};
+  for (int i = 0; i < 9; i++) {
+    if (!n[i] && i >= 5) continue;
+    *slot[i] = td__malloc((size_t)(n[i] > 0 ? n[i] : 1) * sizeof(float));
+    if (!*slot[i]) goto nomem;
+  }
+  h->scr = td__calloc(scratch_elems(g, backward), sizeof(float));
+  if (!h->scr) goto nomem;
+  return TD_OK;
+nomem:
+  half_bufs_free(h);
+  return td_set_error(TD_ERR_NOMEM, "attention: out of memory");
+}
+
+/* Rows of problem b of operand X (n rows of w elements) into / out of a contiguous float block. */
+static void rows_in(td_dtype dt, const td__attn_geom *g, int x, int64_t b, const void *base,
+                    int64_t n, int64_t w, float *d) {
+  const uint16_t *p = (const uint16_t *)base + g->off[x][b];
+  for (int64_t i = 0; i < n; i++) td__half_load(dt, d + i * w, p + i * g->rs[x], 1, w);
+}
+static void rows_out(td_dtype dt, const td__attn_geom *g, int x, int64_t b, void *base, int64_t n,
+                     int64_t w, const float *s) {
+  uint16_t *p = (uint16_t *)base + g->off[x][b];
+  for (int64_t i = 0; i < n; i++) td__half_store(dt, p + i * g->rs[x], 1, s + i * w, w);
+}
+
+/* The geometry of one contiguous float32 problem. */
+static void one_problem(const td__attn_geom *g, td__attn_geom *g1, const int64_t *zero) {
+  *g1 = *g;
+  g1->nb = 1;
+  int64_t w[TD__ATT_N] = {g->E, g->E, g->Ev, g->Ev, g->Ev, g->E, g->E, g->Ev};
+  for (int x = 0; x < TD__ATT_N; x++) {
+    g1->off[x] = zero;
+    g1->rs[x] = w[x];
+  }
+}
+
+/* operands_in converts problem b's q, k and v rows into h's float32 blocks. */
+static void operands_in(td_dtype dt, const td__attn_geom *g, int64_t b, const void *q,
+                        const void *k, const void *v, half_bufs *h) {
+  rows_in(dt, g, TD__ATT_Q, b, q, g->L, g->E, h->q);
+  rows_in(dt, g, TD__ATT_K, b, k, g->S, g->E, h->k);
+  rows_in(dt, g, TD__ATT_V, b, v, g->S, g->Ev, h->v);
+}
+
+static const int64_t zero_off[1] = {0};
+
+static td_status attention_half(td_dtype dt, const td__attn_geom *g, const void *q, const void *k,
+                                 const void *v, void *y, void *probs) {
+  half_bufs h;
+  TD_TRY(half_bufs_alloc(g, false, &h));
+  td__attn_geom g1;
+  one_problem(g, &g1, zero_off);
+  int64_t L = g->L, S = g->S, Ev = g->Ev;
+  for (int64_t b = 0; b < g->nb; b++) {
+    operands_in(dt, g, b, q, k, v, &h);
+    attn_fwd_float(&g1, 0, h.q, h.k, h.v, h.y, probs ? h.p : NULL, h.scr);
+    rows_out(dt, g, TD__ATT_Y, b, y, L, Ev, h.y);
+    if (probs) td__half_store(dt, (uint16_t *)probs + b * L * S, 1, h.p, L * S);
+  }
+  half_bufs_free(&h);
+  return TD_OK;
+}
+
+static td_status attention_backward_half(td_dtype dt, const td__attn_geom *g, const void *q,
+                                         const void *k, const void *v, const void *probs,
+                                         const void *gy, void *gq, void *gk, void *gv) {
+  half_bufs h;
+  TD_TRY(half_bufs_alloc(g, true, &h));
+  td__attn_geom g1;
+  one_problem(g, &g1, zero_off);
+  int64_t L = g->L, S = g->S, E = g->E, Ev = g->Ev;
+  for (int64_t b = 0; b < g->nb; b++) {
+    operands_in(dt, g, b, q, k, v, &h);
+    rows_in(dt, g, TD__ATT_GY, b, gy, L, Ev, h.gy);
+    td__half_load(dt, h.p, (const uint16_t *)probs + b * L * S, 1, L * S);
+    attn_bwd_float(&g1, 0, h.q, h.k, h.v, h.p, h.gy, gq ? h.gq : NULL, gk ? h.gk : NULL,
+                   gv ? h.gv : NULL, h.scr);
+    if (gq) rows_out(dt, g, TD__ATT_GQ, b, gq, L, E, h.gq);
+    if (gk) rows_out(dt, g, TD__ATT_GK, b, gk, S, E, h.gk);
+    if (gv) rows_out(dt, g, TD__ATT_GV, b, gv, S, Ev, h.gv);
+  }
+  half_bufs_free(&h);
+  return TD_OK;
+}
+
 td_status td__cpu_attention(td_dtype dt, const td__attn_geom *g, const void *q, const void *k,
                             const void *v, void *y, void *probs) {
+  if (g->nb == 0 || g->L == 0) return TD_OK;
+  if (td__dtype_is_half(dt)) return attention_half(dt, g, q, k, v, y, probs);
   if (dt != TD_DTYPE_F32 && dt != TD_DTYPE_F64)
     return td_set_error(TD_ERR_DTYPE, "attention: CPU kernel does not support %s",
                         td_dtype_name(dt));
-  if (g->nb == 0 || g->L == 0) return TD_OK;
   void *scr = td__calloc(scratch_elems(g, false), td_dtype_size(dt));
   if (!scr) return td_set_error(TD_ERR_NOMEM, "attention: out of memory");
   for (int64_t b = 0; b < g->nb; b++) {
@@ -313,10 +421,12 @@ td_status td__cpu_attention(td_dtype dt, const td__attn_geom *g, const void *q, 
 td_status td__cpu_attention_backward(td_dtype dt, const td__attn_geom *g, const void *q,
                                      const void *k, const void *v, const void *probs,
                                      const void *gy, void *gq, void *gk, void *gv) {
+  if (g->nb == 0) return TD_OK;
+  if (td__dtype_is_half(dt))
+    return attention_backward_half(dt, g, q, k, v, probs, gy, gq, gk, gv);
   if (dt != TD_DTYPE_F32 && dt != TD_DTYPE_F64)
     return td_set_error(TD_ERR_DTYPE, "attention backward: CPU kernel does not support %s",
                         td_dtype_name(dt));
-  if (g->nb == 0) return TD_OK;
   void *scr = td__calloc(scratch_elems(g, true), td_dtype_size(dt));
   if (!scr) return td_set_error(TD_ERR_NOMEM, "attention backward: out of memory");
   for (int64_t b = 0; b < g->nb; b++) {

@@ -3,7 +3,9 @@
  *
  * Elementwise kernels walk any strided geometry: dims are first coalesced (adjacent dims that are
  * contiguous in every operand merge), then the innermost dim runs as a tight loop and the outer
- * dims as an odometer. Float32 sums accumulate in double. GEMM goes to OpenBLAS.
+ * dims as an odometer. Float32 sums accumulate in double. GEMM goes to OpenBLAS (bfloat16 and
+ * float16: cpu_gemm_lowp.c). The 16-bit dtypes run the float32 row functions on chunks converted
+ * on the stack (cpu_half.c), so each result is the float32 result rounded once.
  *
  * Lock order: cache.mu (the allocator's cache of freed blocks) is a leaf; kernels take no lock.
  */
@@ -15,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_half.h"
 #include "cpu_kernels.h"
 #include "cpu_math.h"
 #include "tensor_impl.h"
@@ -304,12 +307,27 @@ COPY_ROW(double, int64_t, CAST_D)
 COPY_ROW(int64_t, float, td__f2i64)
 COPY_ROW(int64_t, double, td__f2i64)
 COPY_ROW(int64_t, int64_t, CAST_I)
+TD__CPU_CLONES static void copy_row_u16(uint16_t *d, int64_t sd, const uint16_t *s, int64_t ss,
+                                        int64_t n) {
+  if (sd == 1 && ss == 1) {
+    memcpy(d, s, (size_t)n * 2);
+  } else if (sd == 1 && ss == 0) {
+    for (int64_t i = 0; i < n; i++) d[i] = s[0];
+  } else {
+    for (int64_t i = 0; i < n; i++) d[i * sd] = s[i * ss];
+  }
+}
 
 /* Copies with a transport dtype (tensor.h) on either side: bytes for equal dtypes (NaN payloads
  * kept), else element by element through double. */
 static void copy_transport(const geom *g, char *db, td_dtype dd, const char *sb, td_dtype sd) {
   if (dd == sd) {
     size_t es = td_dtype_size(dd);
+    if (es == 2) { /* the 16-bit floats: typed rows (a bias broadcast into a matrix) */
+      GEOM_LOOP(g, 2, copy_row_u16((uint16_t *)db + off_[0], s0_, (const uint16_t *)sb + off_[1],
+                                   s1_, n_));
+      return;
+    }
     GEOM_LOOP(g, 2, {
       for (int64_t i = 0; i < n_; i++)
         memcpy(db + (size_t)(off_[0] + i * s0_) * es, sb + (size_t)(off_[1] + i * s1_) * es, es);
@@ -334,6 +352,12 @@ static td_status cpu_copy(td_tensor *dst, const td_tensor *src) {
   char *db = elem_ptr(dst);
   const char *sb = elem_ptr(src);
   if (dst->dtype > TD_DTYPE_I64 || src->dtype > TD_DTYPE_I64) {
+    size_t de = td_dtype_size(dst->dtype), se = td_dtype_size(src->dtype);
+    if (td__half_copy_pair(dst->dtype, src->dtype)) {
+      GEOM_LOOP(&g, 2, td__half_copy_row(dst->dtype, db + (size_t)off_[0] * de, s0_, src->dtype,
+                                         sb + (size_t)off_[1] * se, s1_, n_));
+      return TD_OK;
+    }
     copy_transport(&g, db, dst->dtype, sb, src->dtype);
     return TD_OK;
   }
@@ -442,6 +466,21 @@ typedef void (*bin_row_f)(void *, int64_t, const void *, int64_t, const void *, 
    (bin_row_f)b_max_##T, (bin_row_f)b_min_##T, (bin_row_f)b_eq_##T, (bin_row_f)b_gt_##T}
 static const bin_row_f bin_rows[3][8] = {BIN_TABLE(float), BIN_TABLE(double), BIN_TABLE(int64_t)};
 
+/* One strided row of a 16-bit binary op: chunks of both operands are converted to float32 (a
+ * broadcast operand, stride 0, once per chunk), the float32 row function runs, the result is
+ * rounded back. out may alias a or b: each chunk is read before it is written. */
+static void half_bin_row(bin_row_f f, td_dtype dt, uint16_t *o, int64_t so, const uint16_t *a,
+                         int64_t sa, const uint16_t *b, int64_t sb, int64_t n) {
+  float fa[TD__HALF_CHUNK], fb[TD__HALF_CHUNK], fo[TD__HALF_CHUNK];
+  for (int64_t i0 = 0; i0 < n; i0 += TD__HALF_CHUNK) {
+    int64_t m = n - i0 < TD__HALF_CHUNK ? n - i0 : TD__HALF_CHUNK;
+    td__half_load(dt, fa, a + i0 * sa, sa, sa ? m : 1);
+    td__half_load(dt, fb, b + i0 * sb, sb, sb ? m : 1);
+    f(fo, 1, fa, sa ? 1 : 0, fb, sb ? 1 : 0, m);
+    td__half_store(dt, o + i0 * so, so, fo, m);
+  }
+}
+
 static td_status cpu_binary(td__binary_op op, const td_tensor *a, const td_tensor *b,
                             td_tensor *out) {
   if (td_tensor_numel(out) == 0) return TD_OK;
@@ -460,6 +499,14 @@ static td_status cpu_binary(td__binary_op op, const td_tensor *a, const td_tenso
   const td_tensor *ops[3] = {out, a, b};
   geom g;
   geom_make(&g, ops, 3);
+  if (td__dtype_is_half(out->dtype)) {
+    td_dtype dt = out->dtype;
+    uint16_t *ob = (uint16_t *)elem_ptr(out);
+    const uint16_t *ab = (const uint16_t *)elem_ptr(a), *bb = (const uint16_t *)elem_ptr(b);
+    GEOM_LOOP(&g, 3, half_bin_row(bin_rows[0][op], dt, ob + off_[0], s0_, ab + off_[1], s1_,
+                                  bb + off_[2], s2_, n_));
+    return TD_OK;
+  }
   bin_row_f f = bin_rows[out->dtype][op];
   size_t es = td_dtype_size(out->dtype);
   char *ob = elem_ptr(out);
@@ -569,6 +616,22 @@ static td_status cpu_unary(td__unary_op op, const td_tensor *x, td_tensor *out, 
       GEOM_LOOP(&g, 2, un_row_double_any(op, (double *)ob + off_[0], s0_,
                                          (const double *)xb + off_[1], s1_, n_, p0, p1));
       break;
+    case TD_DTYPE_BF16:
+    case TD_DTYPE_F16: {
+      float fx[TD__HALF_CHUNK], fo[TD__HALF_CHUNK];
+      td_dtype dt = out->dtype;
+      GEOM_LOOP(&g, 2, {
+        uint16_t *o = (uint16_t *)ob + off_[0];
+        const uint16_t *xi = (const uint16_t *)xb + off_[1];
+        for (int64_t i0 = 0; i0 < n_; i0 += TD__HALF_CHUNK) {
+          int64_t m = n_ - i0 < TD__HALF_CHUNK ? n_ - i0 : TD__HALF_CHUNK;
+          td__half_load(dt, fx, xi + i0 * s1_, s1_, m);
+          un_row_float_any(op, fo, 1, fx, 1, m, p0, p1);
+          td__half_store(dt, o + i0 * s0_, s0_, fo, m);
+        }
+      });
+      break;
+    }
     case TD_DTYPE_I64:
       if (op == TD__UN_AFFINE && p0 == (double)(int64_t)p0 && p1 == (double)(int64_t)p1) {
         int64_t a = (int64_t)p0, b = (int64_t)p1;
@@ -643,7 +706,20 @@ static td_status cpu_unary_backward(td__unary_op op, const td_tensor *x, const t
     unb_float(op, xp, yp, td_tensor_data(gy), td_tensor_data(gx), n, p0);
   else if (gx->dtype == TD_DTYPE_F64)
     unb_double(op, xp, yp, td_tensor_data(gy), td_tensor_data(gx), n, p0);
-  else
+  else if (td__dtype_is_half(gx->dtype)) {
+    float fx[TD__HALF_CHUNK], fy[TD__HALF_CHUNK], fg[TD__HALF_CHUNK], fo[TD__HALF_CHUNK];
+    td_dtype dt = gx->dtype;
+    const uint16_t *x16 = xp, *y16 = yp, *g16 = td_tensor_data(gy);
+    uint16_t *o16 = td_tensor_data(gx);
+    for (int64_t i0 = 0; i0 < n; i0 += TD__HALF_CHUNK) {
+      int64_t m = n - i0 < TD__HALF_CHUNK ? n - i0 : TD__HALF_CHUNK;
+      if (x16) td__half_load(dt, fx, x16 + i0, 1, m);
+      if (y16) td__half_load(dt, fy, y16 + i0, 1, m);
+      td__half_load(dt, fg, g16 + i0, 1, m);
+      unb_float(op, x16 ? fx : NULL, y16 ? fy : NULL, fg, fo, m, p0);
+      td__half_store(dt, o16 + i0, 1, fo, m);
+    }
+  } else
     return td_set_error(TD_ERR_DTYPE, "unary backward on int64");
   return TD_OK;
 }
@@ -672,6 +748,41 @@ static td_status cpu_unary_backward(td__unary_op op, const td_tensor *x, const t
 RSUM(float)
 RSUM(double)
 
+/* Sums of 16-bit elements: chunks converted to float32, accumulated in double like float32's. */
+TD__CPU_CLONES static void acc_row(double *restrict acc, const float *restrict f, int64_t m) {
+  for (int64_t i = 0; i < m; i++) acc[i] += f[i];
+}
+static void rsum_half(td_dtype dt, const uint16_t *x, int64_t outer, int64_t r, int64_t inner,
+                      uint16_t *out, double *acc) {
+  float f[TD__HALF_CHUNK];
+  for (int64_t o = 0; o < outer; o++) {
+    const uint16_t *xo = x + o * r * inner;
+    if (inner == 1) {
+      double s = 0;
+      for (int64_t k0 = 0; k0 < r; k0 += TD__HALF_CHUNK) {
+        int64_t m = r - k0 < TD__HALF_CHUNK ? r - k0 : TD__HALF_CHUNK;
+        td__half_load(dt, f, xo + k0, 1, m);
+        for (int64_t i = 0; i < m; i++) s += f[i];
+      }
+      float fs = (float)s;
+      td__half_store(dt, out + o, 1, &fs, 1);
+      continue;
+    }
+    for (int64_t i = 0; i < inner; i++) acc[i] = 0;
+    for (int64_t k = 0; k < r; k++)
+      for (int64_t i0 = 0; i0 < inner; i0 += TD__HALF_CHUNK) {
+        int64_t m = inner - i0 < TD__HALF_CHUNK ? inner - i0 : TD__HALF_CHUNK;
+        td__half_load(dt, f, xo + k * inner + i0, 1, m);
+        acc_row(acc + i0, f, m);
+      }
+    for (int64_t i0 = 0; i0 < inner; i0 += TD__HALF_CHUNK) {
+      int64_t m = inner - i0 < TD__HALF_CHUNK ? inner - i0 : TD__HALF_CHUNK;
+      for (int64_t i = 0; i < m; i++) f[i] = (float)acc[i0 + i];
+      td__half_store(dt, out + o * inner + i0, 1, f, m);
+    }
+  }
+}
+
 static td_status cpu_reduce_sum(const td_tensor *x, int64_t outer, int64_t r, int64_t inner,
                                 td_tensor *out) {
   if (x->dtype == TD_DTYPE_I64) {
@@ -687,7 +798,9 @@ static td_status cpu_reduce_sum(const td_tensor *x, int64_t outer, int64_t r, in
   }
   double *acc = td__malloc((size_t)(inner > 0 ? inner : 1) * sizeof(double));
   if (!acc) return td_set_error(TD_ERR_NOMEM, "sum: out of memory");
-  if (x->dtype == TD_DTYPE_F32)
+  if (td__dtype_is_half(x->dtype))
+    rsum_half(x->dtype, td_tensor_data(x), outer, r, inner, td_tensor_data(out), acc);
+  else if (x->dtype == TD_DTYPE_F32)
     rsum_float(td_tensor_data(x), outer, r, inner, td_tensor_data(out), acc);
   else
     rsum_double(td_tensor_data(x), outer, r, inner, td_tensor_data(out), acc);
@@ -738,6 +851,8 @@ static td_status cpu_gemm(td_dtype dt, bool ta, bool tb, int64_t m, int64_t n, i
                           double beta, void *c, int64_t sc, int64_t batch) {
   if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX)
     return td_set_error(TD_ERR_INVALID, "matmul: dimension too large for BLAS");
+  if (td__dtype_is_half(dt))
+    return td__cpu_gemm_lowp(dt, ta, tb, m, n, k, alpha, a, sa, b, sb, beta, c, sc, batch);
   int lda = (int)(ta ? m : k), ldb = (int)(tb ? k : n), ldc = (int)n;
   if (m == 0 || n == 0) return TD_OK;
   for (int64_t i = 0; i < batch; i++) {
@@ -772,6 +887,25 @@ static td_status cpu_axpy(td_tensor *y, double alpha, const td_tensor *x) {
   int64_t n = td_tensor_numel(y);
   if (n == 0) return TD_OK;
   if (y->dtype == TD_DTYPE_I64) return td_set_error(TD_ERR_DTYPE, "axpy: int64 is not supported");
+  if (td__dtype_is_half(y->dtype)) { /* y + alpha x as float32 chunks, rounded once */
+    const td_tensor *ops[2] = {y, x};
+    geom g;
+    geom_make(&g, ops, 2);
+    uint16_t *yb = td_tensor_data(y);
+    const uint16_t *xb = td_tensor_data(x);
+    float fy[TD__HALF_CHUNK], fx[TD__HALF_CHUNK], a = (float)alpha;
+    td_dtype dt = y->dtype;
+    GEOM_LOOP(&g, 2, {
+      for (int64_t i0 = 0; i0 < n_; i0 += TD__HALF_CHUNK) {
+        int64_t m = n_ - i0 < TD__HALF_CHUNK ? n_ - i0 : TD__HALF_CHUNK;
+        td__half_load(dt, fy, yb + off_[0] + i0 * s0_, s0_, m);
+        td__half_load(dt, fx, xb + off_[1] + i0 * s1_, s1_, m);
+        for (int64_t i = 0; i < m; i++) fy[i] += a * fx[i];
+        td__half_store(dt, yb + off_[0] + i0 * s0_, s0_, fy, m);
+      }
+    });
+    return TD_OK;
+  }
   if (td_tensor_is_contiguous(y) && td_tensor_is_contiguous(x) && n <= INT32_MAX) {
     if (y->dtype == TD_DTYPE_F32)
       cblas_saxpy((int)n, (float)alpha, td_tensor_data(x), 1, td_tensor_data(y), 1);

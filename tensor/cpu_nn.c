@@ -12,6 +12,7 @@
  * contiguous memory with no per-element calls (except exp/log/sqrt); im2col copies whole valid
  * row segments with memcpy when the horizontal stride is 1.
  */
+#include "cpu_half.h"
 #include "cpu_kernels.h"
 #include "cpu_math.h"
 
@@ -160,6 +161,8 @@ td_status td__cpu_softmax(const td_tensor *x, int64_t outer, int64_t r, int64_t 
     case TD_DTYPE_F64:
       softmax_f64(td_tensor_data(x), td_tensor_data(y), outer, r, inner, logsm, tmp);
       break;
+    case TD_DTYPE_BF16:
+    case TD_DTYPE_F16: st = td__half_softmax(x, outer, r, inner, logsm, y); break;
     default: st = UNSUPPORTED(logsm ? "log_softmax" : "softmax", x->dtype);
   }
   td__free(tmp);
@@ -184,6 +187,8 @@ td_status td__cpu_softmax_backward(const td_tensor *y, const td_tensor *gy, int6
       softmax_bwd_f64(td_tensor_data(y), td_tensor_data(gy), td_tensor_data(gx), outer, r, inner,
                       logsm, tmp);
       break;
+    case TD_DTYPE_BF16:
+    case TD_DTYPE_F16: st = td__half_softmax_backward(y, gy, outer, r, inner, logsm, gx); break;
     default: st = UNSUPPORTED("softmax backward", y->dtype);
   }
   td__free(tmp);
@@ -249,6 +254,8 @@ td_status td__cpu_nll(const td_tensor *logp, const td_tensor *target, int64_t ig
     case TD_DTYPE_F64:
       return nll_f64(td_tensor_data(logp), td_tensor_data(target), n, c, ignore_index,
                      td_tensor_data(losses), count);
+    case TD_DTYPE_BF16:
+    case TD_DTYPE_F16: return td__half_nll(logp, target, ignore_index, losses, count);
     default: return UNSUPPORTED("nll_loss", logp->dtype);
   }
 }
@@ -265,6 +272,8 @@ td_status td__cpu_nll_backward(const td_tensor *target, const td_tensor *gl, int
     case TD_DTYPE_F64:
       return nll_bwd_f64(td_tensor_data(target), td_tensor_data(gl), n, c, ignore_index,
                          td_tensor_data(gx));
+    case TD_DTYPE_BF16:
+    case TD_DTYPE_F16: return td__half_nll_backward(target, gl, ignore_index, gx);
     default: return UNSUPPORTED("nll_loss backward", gx->dtype);
   }
 }
@@ -355,6 +364,8 @@ td_status td__cpu_im2col(td_dtype dt, const void *x, int64_t c, int64_t h, int64
   switch (dt) {
     case TD_DTYPE_F32: im2col_f32(x, c, h, w, kh, kw, sh, sw, ph, pw, col); return TD_OK;
     case TD_DTYPE_F64: im2col_f64(x, c, h, w, kh, kw, sh, sw, ph, pw, col); return TD_OK;
+    case TD_DTYPE_BF16:
+    case TD_DTYPE_F16: return td__half_im2col(dt, x, c, h, w, kh, kw, sh, sw, ph, pw, col);
     default: return UNSUPPORTED("im2col", dt);
   }
 }
@@ -367,6 +378,8 @@ td_status td__cpu_col2im(td_dtype dt, const void *col, int64_t c, int64_t h, int
   switch (dt) {
     case TD_DTYPE_F32: col2im_f32(col, c, h, w, kh, kw, sh, sw, ph, pw, gx); return TD_OK;
     case TD_DTYPE_F64: col2im_f64(col, c, h, w, kh, kw, sh, sw, ph, pw, gx); return TD_OK;
+    case TD_DTYPE_BF16:
+    case TD_DTYPE_F16: return td__half_col2im(dt, col, c, h, w, kh, kw, sh, sw, ph, pw, gx);
     default: return UNSUPPORTED("col2im", dt);
   }
 }
@@ -522,6 +535,8 @@ td_status td__cpu_max_pool2d(const td_tensor *x, int kh, int kw, int sh, int sw,
     case TD_DTYPE_F64:
       maxpool_f64(td_tensor_data(x), planes, h, w, kh, kw, sh, sw, oh, ow, td_tensor_data(y), ip);
       return TD_OK;
+    case TD_DTYPE_BF16:
+    case TD_DTYPE_F16: return td__half_max_pool2d(x, kh, kw, sh, sw, y, idx);
     default: return UNSUPPORTED("max_pool2d", x->dtype);
   }
 }
@@ -538,6 +553,8 @@ td_status td__cpu_max_pool2d_backward(const td_tensor *gy, const td_tensor *idx,
     case TD_DTYPE_F64:
       return maxpool_bwd_f64(td_tensor_data(gy), td_tensor_data(idx), planes, hw, ohw,
                              td_tensor_data(gx));
+    case TD_DTYPE_BF16:
+    case TD_DTYPE_F16: return td__half_max_pool2d_backward(gy, idx, gx);
     default: return UNSUPPORTED("max_pool2d backward", gx->dtype);
   }
 }
@@ -567,8 +584,10 @@ td_status td__cpu_index_select(const td_tensor *x, int64_t outer, int64_t r, int
       char *d = dst + (size_t)(o * m) * es;
       if (es == 8)
         for (int64_t j = 0; j < m; j++) memcpy(d + (size_t)j * 8, s + (size_t)ix[j] * 8, 8);
-      else
+      else if (es == 4)
         for (int64_t j = 0; j < m; j++) memcpy(d + (size_t)j * 4, s + (size_t)ix[j] * 4, 4);
+      else
+        for (int64_t j = 0; j < m; j++) memcpy(d + (size_t)j * es, s + (size_t)ix[j] * es, es);
     }
     return TD_OK;
   }
@@ -604,6 +623,8 @@ td_status td__cpu_index_add(td_tensor *gx, int64_t outer, int64_t r, int64_t inn
     case TD_DTYPE_F64:
       index_add_f64(td_tensor_data(gx), outer, r, inner, ix, m, td_tensor_data(g));
       return TD_OK;
+    case TD_DTYPE_BF16:
+    case TD_DTYPE_F16: return td__half_index_add(gx, outer, r, inner, index, g);
     default: return UNSUPPORTED("index_add", gx->dtype);
   }
 }
@@ -721,6 +742,8 @@ td_status td__cpu_layer_norm(const td_tensor *x, const td_tensor *w, const td_te
       layer_norm_f64(td_tensor_data(x), opt_data(w), opt_data(b), eps, m, n, td_tensor_data(y),
                      td_tensor_data(mean), td_tensor_data(rstd));
       return TD_OK;
+    case TD_DTYPE_BF16:
+    case TD_DTYPE_F16: return td__half_layer_norm(x, w, b, eps, y, mean, rstd);
     default: return UNSUPPORTED("layer_norm", x->dtype);
   }
 }
@@ -731,6 +754,8 @@ td_status td__cpu_layer_norm_backward(const td_tensor *gy, const td_tensor *x, c
   int64_t m = td_tensor_numel(mean);
   int64_t n = m > 0 ? td_tensor_numel(x) / m : (gw ? td_tensor_numel(gw)
                                                    : gb ? td_tensor_numel(gb) : 0);
+  if (x->dtype == TD_DTYPE_BF16 || x->dtype == TD_DTYPE_F16)
+    return td__half_layer_norm_backward(gy, x, w, mean, rstd, gx, gw, gb);
   if (x->dtype != TD_DTYPE_F32 && x->dtype != TD_DTYPE_F64)
     return UNSUPPORTED("layer_norm backward", x->dtype);
   double *acc = NULL;

@@ -175,6 +175,9 @@ td_status td_tensor_scaled_dot_product_attention(const td_tensor *q, const td_te
                                                  const td_tensor *v, bool causal, double scale,
                                                  td_tensor **out) {
   TD_CHECK_ARG(q && k && v && out, "scaled_dot_product_attention: NULL argument");
+  TD__AUTOCAST(true, 3, (q, k, v),
+               td_tensor_scaled_dot_product_attention(ac_t[0], ac_t[1], ac_t[2], causal, scale,
+                                                      out));
   td__attn_geom g;
   memset(&g, 0, sizeof g);
   TD_TRY(check_args(q, k, v, &g));

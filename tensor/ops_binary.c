@@ -3,7 +3,10 @@
  * mul_scalar_, and adam_, the fused Adam / AdamW step).
  *
  * Forward: both operands are viewed with the broadcast shape (stride 0 where broadcast) and the
- * device kernel writes a fresh contiguous result. Backward: each operand's gradient is computed at
+ * device kernel writes a fresh contiguous result. Two floating operands of different dtypes
+ * compute in the wider one (td__promote_float: bfloat16 + float32 -> float32, what autocast's
+ * residual additions need): the narrower one is converted first, differentiably, so its gradient
+ * comes back in its own dtype. Backward: each operand's gradient is computed at
  * the broadcast shape and summed back to the operand's shape (td__sum_to).
  */
 #include <math.h>
@@ -36,11 +39,48 @@ static const char *bin_name(td__binary_op op) {
   return "binary";
 }
 
+/* promoted converts a and b to their common floating dtype when both are floating and differ
+ * (*ac, *bc: new references, or NULL when nothing was converted); conversions record history
+ * when grad mode is on. */
+static td_status promoted(const td_tensor *a, const td_tensor *b, td_tensor **ac,
+                          td_tensor **bc) {
+  *ac = *bc = NULL;
+  if (!a || !b || a->dtype == b->dtype || !td_dtype_is_float(a->dtype) ||
+      !td_dtype_is_float(b->dtype))
+    return TD_OK;
+  td_dtype dt = td__promote_float(a->dtype, b->dtype);
+  td_status st = TD_OK;
+  if (a->dtype != dt) st = td_tensor_to_dtype(a, dt, ac);
+  if (st == TD_OK && b->dtype != dt) st = td_tensor_to_dtype(b, dt, bc);
+  if (st != TD_OK) {
+    td_tensor_unref(*ac);
+    *ac = NULL;
+  }
+  return st;
+}
+
+static td_status binary_raw(td__binary_op op, const td_tensor *a, const td_tensor *b,
+                            td_tensor **out);
+
+static td_status binary_raw_promoted(td__binary_op op, const td_tensor *a, const td_tensor *b,
+                                     td_tensor **out) {
+  td_tensor *ac, *bc;
+  bool prev = td_autograd_set_enabled(false);
+  td_status st = promoted(a, b, &ac, &bc);
+  td_autograd_set_enabled(prev);
+  if (st == TD_OK) st = binary_raw(op, ac ? ac : a, bc ? bc : b, out);
+  td_tensor_unref(ac);
+  td_tensor_unref(bc);
+  return st;
+}
+
 /* Computes op(a, b) into a new tensor without recording history. */
 static td_status binary_raw(td__binary_op op, const td_tensor *a, const td_tensor *b,
                             td_tensor **out) {
   const char *name = bin_name(op);
   TD_CHECK_ARG(a && b && out, "%s: NULL argument", name);
+  if (a->dtype != b->dtype && td_dtype_is_float(a->dtype) && td_dtype_is_float(b->dtype))
+    return binary_raw_promoted(op, a, b, out);
   TD_TRY(td__check_same_device(name, a, b));
   TD_TRY(td__check_same_dtype(name, a, b));
   TD_TRY(td__check_compute(name, a));
@@ -173,6 +213,15 @@ static const td__node_ops max_ops = {"MaximumBackward", binary_backward, binary_
 static td_status binary_op(td__binary_op op, const td__node_ops *ops, const td_tensor *a,
                            const td_tensor *b, td_tensor **out) {
   TD_CHECK_ARG(out, "%s: NULL out", bin_name(op));
+  if (a && b && a->dtype != b->dtype && td_dtype_is_float(a->dtype) &&
+      td_dtype_is_float(b->dtype)) {
+    td_tensor *ac, *bc;
+    td_status st = promoted(a, b, &ac, &bc);
+    if (st == TD_OK) st = binary_op(op, ops, ac ? ac : a, bc ? bc : b, out);
+    td_tensor_unref(ac);
+    td_tensor_unref(bc);
+    return st;
+  }
   td_tensor *r = NULL;
   TD_TRY(binary_raw(op, a, b, &r));
   if (td__needs_grad2(a, b)) {

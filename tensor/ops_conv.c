@@ -235,6 +235,8 @@ static td_status conv_check(const td_tensor *x, const td_tensor *w, const td_ten
 td_status td_tensor_conv2d(const td_tensor *x, const td_tensor *w, const td_tensor *bias,
                            int stride_h, int stride_w, int pad_h, int pad_w, td_tensor **out) {
   if (!out) return td_set_error(TD_ERR_INVALID, "conv2d: NULL out");
+  TD__AUTOCAST(true, 3, (x, w, bias),
+               td_tensor_conv2d(ac_t[0], ac_t[1], ac_t[2], stride_h, stride_w, pad_h, pad_w, out));
   conv_geom g;
   TD_TRY(conv_check(x, w, bias, stride_h, stride_w, pad_h, pad_w, &g));
   const td__backend *be = td__backend_of(x);

@@ -215,6 +215,7 @@ static td_status reshape_owned(td_tensor *t, const int64_t *shape, int nd, td_te
 
 td_status td_tensor_matmul(const td_tensor *a, const td_tensor *b, td_tensor **out) {
   TD_CHECK_ARG(a && b && out, "matmul: NULL argument");
+  TD__AUTOCAST(true, 2, (a, b), td_tensor_matmul(ac_t[0], ac_t[1], out));
   TD_TRY(td__check_same_device("matmul", a, b));
   TD_TRY(td__check_same_dtype("matmul", a, b));
   TD_TRY(td__check_float("matmul", a));
@@ -393,6 +394,7 @@ static td_status linear_check(const td_tensor *x, const td_tensor *w, const td_t
 td_status td_tensor_linear(const td_tensor *x, const td_tensor *w, const td_tensor *b,
                            td_tensor **out) {
   TD_CHECK_ARG(x && w && out, "linear: NULL argument");
+  TD__AUTOCAST(true, 3, (x, w, b), td_tensor_linear(ac_t[0], ac_t[1], ac_t[2], out));
   TD_TRY(linear_check(x, w, b));
   int64_t K = w->shape[1], N = w->shape[0], M = td_tensor_numel(x) / (K ? K : 1);
   if (K == 0) M = x->ndim == 1 ? 1 : td__shape_numel(x->shape, x->ndim - 1);

@@ -103,6 +103,8 @@ static td_status ln_check_param(const char *what, const td_tensor *x, int pnd,
 td_status td_tensor_layer_norm(const td_tensor *x, int normalized_ndim, const td_tensor *weight,
                                const td_tensor *bias, double eps, td_tensor **out) {
   if (!x || !out) return td_set_error(TD_ERR_INVALID, "layer_norm: NULL argument");
+  TD__AUTOCAST(false, 3, (x, weight, bias),
+               td_tensor_layer_norm(ac_t[0], normalized_ndim, ac_t[1], ac_t[2], eps, out));
   TD_TRY(td__check_float("layer_norm", x));
   if (normalized_ndim < 1 || normalized_ndim > x->ndim) {
     char a[96];
@@ -188,9 +190,13 @@ static td_status make_mask(const td_tensor *x, double p, td_generator *g, td_ten
   if (x->dtype == TD_DTYPE_F32) {
     float *d = td_tensor_data(mask), kf = (float)keep;
     for (int64_t i = 0; i < n; i++) d[i] = p >= 1.0 || td_generator_next_double(g) < p ? 0.0f : kf;
-  } else {
+  } else if (x->dtype == TD_DTYPE_F64) {
     double *d = td_tensor_data(mask);
     for (int64_t i = 0; i < n; i++) d[i] = p >= 1.0 || td_generator_next_double(g) < p ? 0.0 : keep;
+  } else { /* the 16-bit floats: the same draws, the scale rounded to the dtype */
+    void *d = td_tensor_data(mask);
+    for (int64_t i = 0; i < n; i++)
+      td__store(d, x->dtype, i, p >= 1.0 || td_generator_next_double(g) < p ? 0.0 : keep);
   }
   *out = mask;
   return TD_OK;
@@ -208,6 +214,7 @@ td_status td_tensor_dropout(const td_tensor *x, double p, bool train, td_generat
   }
   if (!g && p < 1.0) return td_set_error(TD_ERR_INVALID, "dropout: NULL generator in training");
   td_tensor *mask = NULL, *dmask = NULL;
+  if (g) td__rng_note(g); /* a checkpointed region replays the draw */
   td_status st = make_mask(x, p, g, &mask);
   if (st == TD_OK) st = td_tensor_to(mask, td_tensor_device(x), &dmask);
   if (st == TD_OK) st = td_tensor_mul(x, dmask, out);

@@ -53,6 +53,7 @@ static const td__node_ops sum_ops = {"SumBackward", sum_backward, NULL, NULL};
 td_status td_tensor_sum(const td_tensor *t, const int *dims, int ndims, bool keepdim,
                         td_tensor **out) {
   TD_CHECK_ARG(t && out && (dims || ndims == 0), "sum: NULL argument");
+  TD__AUTOCAST(false, 1, (t), td_tensor_sum(ac_t[0], dims, ndims, keepdim, out));
   TD_TRY(td__check_compute("sum", t));
   bool red[TD_MAX_DIMS] = {false};
   for (int i = 0; i < ndims; i++) {
@@ -137,6 +138,7 @@ td_status td_tensor_sum_all(const td_tensor *t, td_tensor **out) {
 td_status td_tensor_mean(const td_tensor *t, const int *dims, int ndims, bool keepdim,
                          td_tensor **out) {
   TD_CHECK_ARG(t && out, "mean: NULL argument");
+  TD__AUTOCAST(false, 1, (t), td_tensor_mean(ac_t[0], dims, ndims, keepdim, out));
   TD_TRY(td__check_float("mean", t));
   td_tensor *s;
   TD_TRY(td_tensor_sum(t, dims, ndims, keepdim, &s));

@@ -111,10 +111,12 @@ out:
 }
 
 td_status td_tensor_softmax(const td_tensor *t, int dim, td_tensor **out) {
+  TD__AUTOCAST(false, 1, (t), td_tensor_softmax(ac_t[0], dim, out));
   return softmax_impl("softmax", t, dim, false, out);
 }
 
 td_status td_tensor_log_softmax(const td_tensor *t, int dim, td_tensor **out) {
+  TD__AUTOCAST(false, 1, (t), td_tensor_log_softmax(ac_t[0], dim, out));
   return softmax_impl("log_softmax", t, dim, true, out);
 }
 
@@ -210,6 +212,7 @@ static const td__node_ops nll_ops = {
 td_status td_tensor_nll_loss(const td_tensor *logp, const td_tensor *target, td_reduction red,
                              int64_t ignore_index, td_tensor **out) {
   if (!out) return td_set_error(TD_ERR_INVALID, "nll_loss: NULL out");
+  TD__AUTOCAST(false, 1, (logp), td_tensor_nll_loss(ac_t[0], target, red, ignore_index, out));
   int64_t n = 0, c = 0;
   TD_TRY(nll_check("nll_loss", logp, target, red, &n, &c));
   const td__backend *be = td__backend_of(logp);
@@ -267,6 +270,8 @@ out:
 td_status td_tensor_cross_entropy(const td_tensor *logits, const td_tensor *target,
                                   td_reduction red, int64_t ignore_index, td_tensor **out) {
   if (!out) return td_set_error(TD_ERR_INVALID, "cross_entropy: NULL out");
+  TD__AUTOCAST(false, 1, (logits),
+               td_tensor_cross_entropy(ac_t[0], target, red, ignore_index, out));
   int64_t n = 0, c = 0;
   TD_TRY(nll_check("cross_entropy", logits, target, red, &n, &c));
   td_tensor *lp;
@@ -279,6 +284,7 @@ td_status td_tensor_cross_entropy(const td_tensor *logits, const td_tensor *targ
 td_status td_tensor_mse_loss(const td_tensor *a, const td_tensor *b, td_reduction red,
                              td_tensor **out) {
   if (!a || !b || !out) return td_set_error(TD_ERR_INVALID, "mse_loss: NULL argument");
+  TD__AUTOCAST(false, 2, (a, b), td_tensor_mse_loss(ac_t[0], ac_t[1], red, out));
   if (red != TD_REDUCTION_MEAN && red != TD_REDUCTION_SUM && red != TD_REDUCTION_NONE)
     return td_set_error(TD_ERR_INVALID, "mse_loss: unknown reduction %d", (int)red);
   TD_TRY(td__check_float("mse_loss", a));

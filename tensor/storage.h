@@ -1,5 +1,5 @@
 /* storage.h - internals of tensor/tensor.c for the layers that shard parameters between uses
- * (ZeRO stage 3 in collectives/zero3.c): free the memory behind a tensor while the tensor object
+ * (ZeRO stage 3 in zero/zero3.c): free the memory behind a tensor while the tensor object
  * (its shape, autograd identity, hooks and the references other objects hold) lives on, and
  * allocate it again. Never installed.
  *

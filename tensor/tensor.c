@@ -107,6 +107,16 @@ const char *td_dtype_name(td_dtype dt) {
 
 static bool dtype_valid(td_dtype dt) { return (unsigned)dt < TD_DTYPE_COUNT; }
 
+td_dtype td__promote_float(td_dtype a, td_dtype b) {
+  if (a == b) return a;
+  if (a == TD_DTYPE_F64 || b == TD_DTYPE_F64) return TD_DTYPE_F64;
+  return TD_DTYPE_F32; /* float32 with a 16-bit float, or the two 16-bit floats */
+}
+
+bool td_dtype_is_float(td_dtype dt) {
+  return dt == TD_DTYPE_F32 || dt == TD_DTYPE_F64 || dt == TD_DTYPE_BF16 || dt == TD_DTYPE_F16;
+}
+
 /* ---- generator: PCG-XSL-RR 128/64 ---- */
 
 struct td_generator {
@@ -143,6 +153,16 @@ td_status td_generator_create(uint64_t seed, td_generator **out) {
 }
 
 void td_generator_destroy(td_generator *g) { td__free(g); }
+
+td_status td__generator_clone(const td_generator *g, td_generator **out) {
+  td_generator *c = td__malloc(sizeof *c);
+  if (!c) return td_set_error(TD_ERR_NOMEM, "generator: out of memory");
+  *c = *g;
+  *out = c;
+  return TD_OK;
+}
+
+void td__generator_copy_state(td_generator *dst, const td_generator *src) { *dst = *src; }
 
 static double gen_normal(td_generator *g) {
   if (g->has_spare) {
@@ -223,17 +243,17 @@ td_status td__check_same_device(const char *op, const td_tensor *a, const td_ten
 }
 
 td_status td__check_compute(const char *op, const td_tensor *t) {
-  if (t->dtype <= TD_DTYPE_I64) return TD_OK;
+  if (t->dtype <= TD_DTYPE_BF16) return TD_OK;
   return td_set_error(TD_ERR_DTYPE,
                       "%s: %s is a transport-only dtype in tdist (create, view, copy, convert, "
-                      "send); convert to float32, float64 or int64 first (td_tensor_to_dtype)",
+                      "send); convert to a float dtype or int64 first (td_tensor_to_dtype)",
                       op, td_dtype_name(t->dtype));
 }
 
 td_status td__check_float(const char *op, const td_tensor *t) {
-  if (t->dtype == TD_DTYPE_F32 || t->dtype == TD_DTYPE_F64) return TD_OK;
-  return td_set_error(TD_ERR_DTYPE, "%s: expected a float32 or float64 tensor, got %s", op,
-                      td_dtype_name(t->dtype));
+  if (td_dtype_is_float(t->dtype)) return TD_OK;
+  return td_set_error(TD_ERR_DTYPE, "%s: expected a float tensor (float32, float64, bfloat16 or "
+                      "float16), got %s", op, td_dtype_name(t->dtype));
 }
 
 td_status td__check_same_dtype(const char *op, const td_tensor *a, const td_tensor *b) {
@@ -484,8 +504,8 @@ static double rand_fn(void *c, int64_t i) {
 td_status td_tensor_uniform(const int64_t *shape, int ndim, double lo, double hi, td_dtype dt,
                             td_device dev, td_generator *g, td_tensor **out) {
   TD_CHECK_ARG(out && g, "tensor_uniform: NULL out or generator");
-  TD_CHECK_ARG(dt == TD_DTYPE_F32 || dt == TD_DTYPE_F64,
-               "tensor_uniform: float32 or float64 required");
+  TD_CHECK_ARG(td_dtype_is_float(dt), "tensor_uniform: a float dtype is required");
+  td__rng_note(g);
   rand_ctx c = {g, lo, hi, false};
   return host_fill_to(shape, ndim, dt, dev, rand_fn, &c, out);
 }
@@ -493,8 +513,8 @@ td_status td_tensor_uniform(const int64_t *shape, int ndim, double lo, double hi
 td_status td_tensor_normal(const int64_t *shape, int ndim, double mean, double std, td_dtype dt,
                            td_device dev, td_generator *g, td_tensor **out) {
   TD_CHECK_ARG(out && g, "tensor_normal: NULL out or generator");
-  TD_CHECK_ARG(dt == TD_DTYPE_F32 || dt == TD_DTYPE_F64,
-               "tensor_normal: float32 or float64 required");
+  TD_CHECK_ARG(td_dtype_is_float(dt), "tensor_normal: a float dtype is required");
+  td__rng_note(g);
   rand_ctx c = {g, mean, std, true};
   return host_fill_to(shape, ndim, dt, dev, rand_fn, &c, out);
 }
@@ -510,6 +530,7 @@ static td_status refill(td_tensor *t, rand_ctx *c) {
 td_status td_tensor_uniform_(td_tensor *t, double lo, double hi, td_generator *g) {
   TD_CHECK_ARG(t && g, "tensor_uniform_: NULL tensor or generator");
   TD_TRY(td__check_float("tensor_uniform_", t));
+  td__rng_note(g);
   rand_ctx c = {g, lo, hi, false};
   return refill(t, &c);
 }
@@ -517,6 +538,7 @@ td_status td_tensor_uniform_(td_tensor *t, double lo, double hi, td_generator *g
 td_status td_tensor_normal_(td_tensor *t, double mean, double std, td_generator *g) {
   TD_CHECK_ARG(t && g, "tensor_normal_: NULL tensor or generator");
   TD_TRY(td__check_float("tensor_normal_", t));
+  td__rng_note(g);
   rand_ctx c = {g, mean, std, true};
   return refill(t, &c);
 }
@@ -783,7 +805,7 @@ td_status td_tensor_to_dtype(const td_tensor *t, td_dtype dt, td_tensor **out) {
   td_tensor *r;
   TD_TRY(td__tensor_new(t->shape, t->ndim, dt, t->storage->device, &r));
   td_status st = td__backend_of(t)->copy(r, t);
-  if (st == TD_OK && td__needs_grad(t) && (dt == TD_DTYPE_F32 || dt == TD_DTYPE_F64))
+  if (st == TD_OK && td__needs_grad(t) && td_dtype_is_float(dt))
     st = record_convert(r, t);
   if (st != TD_OK) {
     td_tensor_unref(r);

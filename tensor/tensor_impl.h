@@ -100,6 +100,41 @@ td_status td__check_same_device(const char *op, const td_tensor *a, const td_ten
 td_status td__check_compute(const char *op, const td_tensor *t);
 /* td__check_float returns TD_ERR_DTYPE naming op unless t is float32/float64. */
 td_status td__check_float(const char *op, const td_tensor *t);
+/* Autocast (tensor/autocast.c). td__autocast_lower returns in *out t converted to this thread's
+ * autocast dtype when autocast is on and t is a floating CPU tensor of another dtype (weights
+ * through the per-scope cache), else a new reference to t (NULL for NULL). td__autocast_f32 does
+ * the same for the float32 ops: a 16-bit t becomes float32 while autocast is on. */
+td_status td__autocast_lower(const td_tensor *t, td_tensor **out);
+td_status td__autocast_f32(const td_tensor *t, td_tensor **out);
+/* td__autocast_suspend turns autocast off on this thread until td__autocast_resume(previous
+ * value) (the engine, around backward functions). */
+bool td__autocast_suspend(void);
+void td__autocast_resume(bool prev);
+/* td__autocast_args converts the n tensors of in (NULL entries allowed) for an op entered under
+ * autocast: to the autocast dtype (lower) or to float32 (!lower). out[i] gets a new reference
+ * (NULL for NULL); *changed tells whether any tensor was converted. On failure nothing is held. */
+td_status td__autocast_args(bool lower, const td_tensor *const *in, td_tensor **out, int n,
+                            bool *changed);
+/* TD__AUTOCAST(lower, n, (a, b, ...), CALL): at an op's entry, when autocast is on and converts
+ * any of the n listed tensors, runs CALL with them replaced by the converted ones (CALL names them
+ * ac_t[0], ac_t[1], ...: normally the op itself again) and returns its status. */
+#define TD__AUTOCAST(lower, n, ARGS, CALL)                                                    \
+  do {                                                                                        \
+    if (td_autocast_dtype(NULL)) {                                                            \
+      const td_tensor *ac_in[n] = {TD__UNPAREN ARGS};                                         \
+      td_tensor *ac_t[n];                                                                     \
+      bool ac_changed = false;                                                                \
+      td_status ac_st = td__autocast_args(lower, ac_in, ac_t, n, &ac_changed);                \
+      if (ac_st != TD_OK) return ac_st;                                                       \
+      if (ac_changed) ac_st = CALL;                                                           \
+      for (int ac_i = 0; ac_i < (n); ac_i++) td_tensor_unref(ac_t[ac_i]);                     \
+      if (ac_changed) return ac_st;                                                           \
+    }                                                                                         \
+  } while (0)
+#define TD__UNPAREN(...) __VA_ARGS__
+/* td__promote_float returns the dtype two floating dtypes compute in: the wider one; bfloat16
+ * with float16 gives float32 (neither holds the other). */
+td_dtype td__promote_float(td_dtype a, td_dtype b);
 /* td__check_same_dtype returns TD_ERR_DTYPE naming op when dtypes differ. */
 td_status td__check_same_dtype(const char *op, const td_tensor *a, const td_tensor *b);
 /* td__shape_str formats a shape "[2, 3]" into buf. */
@@ -168,6 +203,22 @@ void td__tensor_set_history(td_tensor *out, td_node *node, int output_nr);
  * failure, in which case *st is set (st is left alone otherwise). */
 td_node *td__record(td_tensor *out, size_t size, const td__node_ops *ops,
                     const td_tensor *const *inputs, int n_inputs, td_status *st);
+
+/* td__autograd_pass_opts returns the options of the innermost backward pass running on this
+ * thread (NULL when none runs, or when it runs with the defaults). A nested pass started from a
+ * node's backward (a checkpoint's recompute) takes its gradient map from here. */
+const td_backward_opts *td__autograd_pass_opts(void);
+
+/* ---- activation checkpointing (checkpoint.c) ---- */
+
+/* td__rng_note tells the checkpointed regions running forward on this thread (if any) that an op
+ * is about to draw from g, so each records g's state before its first draw (for the replay).
+ * Every op that draws from a td_generator calls it first (td_tensor_dropout, the random fills). */
+void td__rng_note(td_generator *g);
+/* td__generator_clone makes a generator in g's exact state; td__generator_copy_state sets dst's
+ * state to src's (tensor.c, where the generator's layout lives). */
+td_status td__generator_clone(const td_generator *g, td_generator **out);
+void td__generator_copy_state(td_generator *dst, const td_generator *src);
 
 /* td__contig returns a new reference to t when it is contiguous, else a contiguous copy made
  * through the backend (no autograd history). */
@@ -353,47 +404,8 @@ static inline TD__HD int64_t td__f2i64(double v) {
   return v >= -9223372036854775808.0 && v < 9223372036854775808.0 ? (int64_t)v : INT64_MIN;
 }
 
-/* Half-precision conversions (host code): IEEE binary16 and bfloat16 <-> float, rounding to
- * nearest even; NaN stays NaN, overflow gives infinity. */
-static inline float td__bits_f32(uint32_t b) {
-  float f;
-  memcpy(&f, &b, 4);
-  return f;
-}
-static inline uint32_t td__f32_bits(float f) {
-  uint32_t b;
-  memcpy(&b, &f, 4);
-  return b;
-}
-static inline float td__f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  if (exp == 0x1f) return td__bits_f32(sign | 0x7f800000u | (man << 13)); /* inf, NaN */
-  if (exp == 0) { /* zero or subnormal: man * 2^-24 */
-    float f = (float)man * 5.9604644775390625e-8f;
-    return sign ? -f : f;
-  }
-  return td__bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
-}
-static inline uint16_t td__f32_to_f16(float f) {
-  uint32_t b = td__f32_bits(f), sign = (b >> 16) & 0x8000u, a = b & 0x7fffffffu;
-  if (a >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0));
-  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
-  if (a < 0x38800000u) { /* below the smallest normal half: subnormal, in units of 2^-24 */
-    float m = td__bits_f32(a) * 16777216.0f; /* exact; rounding below is to nearest even */
-    uint32_t q = (uint32_t)m;
-    float frac = m - (float)q;
-    if (frac > 0.5f || (frac == 0.5f && (q & 1u))) q++;
-    return (uint16_t)(sign | q);
-  }
-  uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - (112u << 23); /* rebias, round to nearest even */
-  return (uint16_t)(sign | (r >> 13));
-}
-static inline float td__bf16_to_f32(uint16_t h) { return td__bits_f32((uint32_t)h << 16); }
-static inline uint16_t td__f32_to_bf16(float f) {
-  uint32_t b = td__f32_bits(f);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40u); /* quiet NaN */
-  return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
+#include "half_convert.h"
+
 /* td__f2i32 and td__f2u8 convert like td__f2i64 and then wrap to the narrower type (what a
  * float -> int64 -> int32 conversion gives in PyTorch). */
 static inline int32_t td__f2i32(double v) { return (int32_t)(uint32_t)(uint64_t)td__f2i64(v); }

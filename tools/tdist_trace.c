@@ -2,10 +2,13 @@
  * tracing wrote into DIR (TD_TRACE=DIR, see tdist/trace.h) into one Chrome trace / Perfetto JSON
  * timeline: one process track per worker (named "worker0 (rank 0)"), every timestamp moved onto
  * rank 0's clock with the offset the worker estimated at rendezvous, flow arrows from each call to
- * its handler kept. The merged file's otherData lists each worker's offset and residual.
+ * its handler kept. The merged file's otherData lists each worker's offset and residual, and the
+ * events it dropped (said on stderr too when there were any).
  *
  * Plain C, no library: it relies on the shape core/trace.c writes (one event per line; the
  * otherData line last) and only rewrites the "ts" field of each event line.
+ *
+ * `tdist-trace why-hung DIR` reads flight recorder dumps instead (tools/why_hung.c).
  *
  * Exit status: 0 merged, 1 an error (said on stderr), 2 usage.
  */
@@ -16,15 +19,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "why_hung.h"
+
 typedef struct worker {
   char path[1024];
   int rank;
   char name[160];
   long long offset_ns, residual_ns;
+  long long dropped; /* events the worker could not record ("dropped_events"; absent: 0) */
 } worker;
 
 static int usage(void) {
-  fprintf(stderr, "usage: tdist-trace merge DIR [-o OUT]   (OUT defaults to DIR/run.json)\n");
+  fprintf(stderr, "usage: tdist-trace merge DIR [-o OUT]   (OUT defaults to DIR/run.json)\n"
+                  "       tdist-trace why-hung DIR         (reads the *.flight dumps in DIR)\n");
   return 2;
 }
 
@@ -47,6 +54,8 @@ static int read_meta(worker *w) {
     w->name[k] = 0;
     w->offset_ns = atoll(o + 18);
     w->residual_ns = atoll(s + 20);
+    const char *d = strstr(p, "\"dropped_events\":");
+    w->dropped = d ? atoll(d + 17) : 0;
     found = 0;
   }
   fclose(f);
@@ -86,6 +95,7 @@ static int cmp_rank(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
+  if (argc >= 2 && strcmp(argv[1], "why-hung") == 0) return td_why_hung_main(argc, argv);
   if (argc < 3 || strcmp(argv[1], "merge") != 0) return usage();
   const char *dir = argv[2];
   char outpath[1100];
@@ -149,16 +159,21 @@ int main(int argc, char **argv) {
   fputs("\n],\n\"displayTimeUnit\":\"ns\",\n\"otherData\":{\"tdist_workers\":[", out);
   for (int i = 0; i < n; i++)
     fprintf(out, "%s{\"rank\":%d,\"name\":\"%s\",\"clock_offset_ns\":%lld,"
-            "\"clock_residual_ns\":%lld}",
-            i ? "," : "", ws[i].rank, ws[i].name, ws[i].offset_ns, ws[i].residual_ns);
+            "\"clock_residual_ns\":%lld,\"dropped_events\":%lld}",
+            i ? "," : "", ws[i].rank, ws[i].name, ws[i].offset_ns, ws[i].residual_ns,
+            ws[i].dropped);
   fputs("]}}\n", out);
   if (fclose(out) != 0 || rename(tmp, outpath) != 0) {
     fprintf(stderr, "tdist-trace: cannot write %s: %s\n", outpath, strerror(errno));
     return 1;
   }
   long long worst = 0;
-  for (int i = 0; i < n; i++)
+  for (int i = 0; i < n; i++) {
     if (ws[i].residual_ns > worst) worst = ws[i].residual_ns;
+    if (ws[i].dropped)
+      fprintf(stderr, "tdist-trace: %s (rank %d) dropped %lld events: its timeline is incomplete\n",
+              ws[i].name, ws[i].rank, ws[i].dropped);
+  }
   fprintf(stderr, "tdist-trace: merged %d workers into %s (clock alignment within %.1f us)\n", n,
           outpath, (double)worst * 1e-3);
   free(ws);

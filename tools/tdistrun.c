@@ -37,7 +37,16 @@
  *
  * Invariants. tdistrun signals only pids it spawned and only while they are unreaped, so a pid
  * cannot have been recycled by then. Every spawned worker is reaped (waitpid by pid) before an
- * attempt ends; nothing but workers is ever forked. The first failure seen (in rank order within one
+ * attempt ends; nothing but workers is ever forked, and `tdist-trace why-hung` once a hang is
+ * found (--hang-timeout), waited for by its pid.
+ *
+ * Hangs (--hang-timeout S): the workers' flight recorders (the library's, core/flight.c) write
+ * how many events they recorded into TD_FLIGHT_PROGRESS_DIR/.progress.<pid> every second; when
+ * none of those numbers moves for S seconds (a worker that never wrote one counts as not
+ * moving), every worker gets SIGUSR1 and dumps into TD_FLIGHT_DIR, tdistrun prints `tdist-trace
+ * why-hung`'s report and stops the group (exit status 3, no restart). A phase longer than S in
+ * which no worker calls into tdist (a long local computation) looks like a hang: pick S above
+ * it. The first failure seen (in rank order within one
  * sweep) is the one reported.
  *
  * Under srun (SLURM_NODEID and SLURM_STEP_NUM_NODES or SLURM_NNODES set, no --standalone), the
@@ -55,6 +64,7 @@
 #endif
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -71,6 +81,7 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -80,6 +91,9 @@
 extern char **environ;
 
 #define EXIT_USAGE 2
+#define EXIT_HUNG 3
+#define HANG_CHECK_MS 500  /* how often --hang-timeout reads the workers' progress */
+#define HANG_DUMP_MS 3000  /* after SIGUSR1, how long the workers get to write their dumps */
 #define MAX_NPROC 4096     /* workers per node */
 #define MAX_LINE (1 << 20) /* bytes; longer lines are cut */
 #define READ_CHUNK 65536   /* bytes per read() */
@@ -100,6 +114,7 @@ typedef struct options {
   bool prefix;           /* default true; --no-prefix clears it */
   const char *rdzv_id;   /* --rdzv-id; NULL: see ensure_run_id */
   bool summary;          /* --summary: a per-worker table at the end */
+  double hang_timeout_s; /* --hang-timeout: no progress for this long is a hang; 0: off */
   char **argv;           /* PROGRAM ARGS..., NULL-terminated */
 } options;
 
@@ -134,6 +149,10 @@ static void usage(FILE *f) {
     "  --summary             at the end, print a table of this node's workers: calls made and\n"
     "                        failed, requests served, bytes sent and received, time in\n"
     "                        handlers and blocked in synchronous calls, restarts\n"
+    "  --hang-timeout S      when no worker's flight recorder moves for S seconds, SIGUSR1\n"
+    "                        every worker (each dumps it into TD_FLIGHT_DIR, else a new\n"
+    "                        directory in ${TMPDIR:-/tmp}), print `tdist-trace why-hung`'s\n"
+    "                        report and stop the job with exit status 3 (no restart)\n"
     "  -h, --help            show this text\n"
     "  --                    end of options\n"
     "\n"
@@ -152,7 +171,7 @@ static void usage(FILE *f) {
     "them.\n"
     "\n"
     "Exit status: 0 all workers succeeded, 1 a worker failed, 128+N stopped by signal N,\n"
-    "2 usage error, 126/127 PROGRAM could not be executed/found.\n");
+    "2 usage error, 3 hung (--hang-timeout), 126/127 PROGRAM could not be executed/found.\n");
 }
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -309,6 +328,10 @@ static int parse_args(int argc, char **argv, options *o) {
     } else if (strcmp(name, "stop-timeout") == 0) {
       if (!parse_seconds(val, &o->stop_timeout_s))
         return usage_error("--stop-timeout must be a number of seconds in 0..86400, got '%s'",
+                           val);
+    } else if (strcmp(name, "hang-timeout") == 0) {
+      if (!parse_seconds(val, &o->hang_timeout_s) || o->hang_timeout_s <= 0)
+        return usage_error("--hang-timeout must be a number of seconds in (0, 86400], got '%s'",
                            val);
     } else {
       return usage_error("unknown option '--%s'", name);
@@ -492,7 +515,8 @@ typedef struct worker {
 } worker;
 
 typedef struct attempt_result {
-  enum { ATTEMPT_OK, ATTEMPT_FAILED, ATTEMPT_SIGNALLED, ATTEMPT_SPAWN_ERROR, ATTEMPT_ERROR } kind;
+  enum { ATTEMPT_OK, ATTEMPT_FAILED, ATTEMPT_SIGNALLED, ATTEMPT_SPAWN_ERROR, ATTEMPT_ERROR,
+         ATTEMPT_HUNG } kind;
   int failed;  /* index of the failed worker (ATTEMPT_FAILED) */
   int wstatus; /* its wait status */
   int spawn_errno;
@@ -645,6 +669,147 @@ static int free_port(void) {
   return port;
 }
 
+/* ---- --hang-timeout ---- */
+
+/* The job's dump directory (TD_FLIGHT_DIR, exported to the workers), set by hang_setup. */
+static char g_flight_dir[1100];
+
+/* hang_setup gives the workers a dump directory (TD_FLIGHT_DIR, or a new one) and asks their
+ * flight recorders for progress files there (TD_FLIGHT_PROGRESS_DIR). Returns -1 to go on, or an
+ * exit status. */
+static int hang_setup(const options *o) {
+  if (o->hang_timeout_s <= 0) return -1;
+  const char *d = getenv("TD_FLIGHT_DIR");
+  if (d && *d) {
+    snprintf(g_flight_dir, sizeof g_flight_dir, "%s", d);
+    mkdir(g_flight_dir, 0777);
+  } else {
+    const char *t = getenv("TMPDIR");
+    snprintf(g_flight_dir, sizeof g_flight_dir, "%s/tdistrun-flight-XXXXXX", t && *t ? t : "/tmp");
+    if (!mkdtemp(g_flight_dir)) {
+      perror("tdistrun: cannot create a directory for the flight recorder's dumps");
+      return 1;
+    }
+  }
+  if (setenv("TD_FLIGHT_DIR", g_flight_dir, 1) != 0 ||
+      setenv("TD_FLIGHT_PROGRESS_DIR", g_flight_dir, 1) != 0) {
+    perror("tdistrun: setenv");
+    return 1;
+  }
+  return -1;
+}
+
+typedef struct hang_watch {
+  int64_t last_move_ms;  /* when a worker's progress last moved (or the attempt started) */
+  int64_t next_check_ms;
+  int64_t report_at_ms;  /* after SIGUSR1: when to read the dumps at the latest; -1: not hung */
+  struct timespec signalled; /* CLOCK_REALTIME of the SIGUSR1s (dumps' mtimes compare to it) */
+  int signalled_n;       /* workers signalled */
+  long long *seen;       /* per worker: its last progress, -1 before its file exists */
+} hang_watch;
+
+/* The dumps in the job's directory written since t (each worker's replaces its older one). */
+static int fresh_dumps(const struct timespec *t) {
+  DIR *d = opendir(g_flight_dir);
+  int n = 0;
+  struct dirent *e;
+  while (d && (e = readdir(d))) {
+    size_t l = strlen(e->d_name);
+    if (e->d_name[0] == '.' || l < 8 || strcmp(e->d_name + l - 7, ".flight") != 0) continue;
+    char p[1400];
+    struct stat st;
+    snprintf(p, sizeof p, "%s/%s", g_flight_dir, e->d_name);
+    if (stat(p, &st) == 0 && (st.st_mtim.tv_sec > t->tv_sec ||
+                              (st.st_mtim.tv_sec == t->tv_sec && st.st_mtim.tv_nsec >= t->tv_nsec)))
+      n++;
+  }
+  if (d) closedir(d);
+  return n;
+}
+
+/* A worker's progress (records its flight recorder claimed), -1 when it wrote none yet. */
+static long long read_progress(pid_t pid) {
+  char p[1200], b[32];
+  snprintf(p, sizeof p, "%s/.progress.%d", g_flight_dir, (int)pid);
+  int fd = open(p, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  ssize_t r = pread(fd, b, sizeof b - 1, 0);
+  close(fd);
+  if (r <= 0) return -1;
+  b[r] = 0;
+  return atoll(b);
+}
+
+/* hang_due tells whether no running worker's progress moved for --hang-timeout. The clock runs
+ * only once every running worker has written progress (its library is up): start-up has its own
+ * deadline (the rendezvous'), and a slow start is not a hang. */
+static bool hang_due(const options *o, hang_watch *h, const worker *ws, int n, int64_t t) {
+  if (t < h->next_check_ms) return false;
+  h->next_check_ms = t + HANG_CHECK_MS;
+  bool all = true;
+  for (int i = 0; i < n; i++) {
+    if (!ws[i].running) continue;
+    long long v = read_progress(ws[i].pid);
+    if (v != h->seen[i]) h->seen[i] = v, h->last_move_ms = t;
+    all = all && v >= 0;
+  }
+  if (!all) h->last_move_ms = t;
+  return t - h->last_move_ms >= (int64_t)(o->hang_timeout_s * 1000);
+}
+
+/* hang_report runs `tdist-trace why-hung` (beside this program) on the dumps, its report on our
+ * stdout; it reads local files only, so it is waited for without a bound. */
+static void hang_report(const options *o) {
+  char tool[4200];
+  ssize_t k = readlink("/proc/self/exe", tool, sizeof tool - 16);
+  if (k <= 0) k = 0;
+  tool[k] = 0;
+  char *slash = strrchr(tool, '/');
+  snprintf(slash ? slash + 1 : tool, sizeof tool - (size_t)(slash ? slash + 1 - tool : 0),
+           "tdist-trace");
+  fprintf(stderr, "tdistrun: no worker made progress for %g s; their flight recorders are in %s\n",
+          o->hang_timeout_s, g_flight_dir);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t p = fork();
+  if (p == 0) {
+    execl(tool, tool, "why-hung", g_flight_dir, (char *)NULL);
+    _exit(127);
+  }
+  int st = 0;
+  while (p > 0 && waitpid(p, &st, 0) < 0 && errno == EINTR) {
+  }
+  if (p < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0)
+    fprintf(stderr, "tdistrun: %s why-hung %s did not run to the end\n", tool, g_flight_dir);
+}
+
+/* hang_step watches for a hang (--hang-timeout) while the group runs: once due, every worker
+ * gets SIGUSR1 and up to HANG_DUMP_MS to dump (less once every one has); then the report, and
+ * the group stops. Returns true when the group must stop now. */
+static bool hang_step(const options *o, hang_watch *h, worker *ws, int n) {
+  int64_t t = now_ms();
+  if (h->report_at_ms < 0) {
+    if (!hang_due(o, h, ws, n, t)) return false;
+    clock_gettime(CLOCK_REALTIME, &h->signalled);
+    h->signalled.tv_sec -= 1; /* file times may trail the clock by a tick: count generously */
+    h->signalled_n = 0;
+    for (int i = 0; i < n; i++) h->signalled_n += ws[i].running;
+    signal_running(ws, n, SIGUSR1);
+    h->report_at_ms = t + HANG_DUMP_MS;
+    h->next_check_ms = t + 100;
+    return false;
+  }
+  if (t < h->report_at_ms && t < h->next_check_ms) return false;
+  h->next_check_ms = t + 100;
+  int alive = 0;
+  for (int i = 0; i < n; i++) alive += ws[i].running;
+  /* read them now when every worker has dumped, or none is left to (the loop ends with them) */
+  if (t < h->report_at_ms && alive > 0 && fresh_dumps(&h->signalled) < h->signalled_n)
+    return false;
+  hang_report(o);
+  return true;
+}
+
 /* run_attempt starts the group, supervises it until every worker is reaped and its output
  * drained, and says how it ended. */
 static attempt_result run_attempt(const options *o, int attempt, int port) {
@@ -663,6 +828,13 @@ static attempt_result run_attempt(const options *o, int attempt, int port) {
   int sigs_seen = 0;
   bool sweep = true;     /* reap on this pass: set by SIGCHLD wake-ups and every monitor_ms */
   int64_t next_sweep = 0; /* when the fallback sweep is due */
+  hang_watch hang = {.last_move_ms = now_ms(), .report_at_ms = -1,
+                     .seen = malloc((size_t)n * sizeof(long long))};
+  if (!hang.seen) {
+    fprintf(stderr, "tdistrun: out of memory\n");
+    exit(1);
+  }
+  for (int i = 0; i < n; i++) hang.seen[i] = -1;
 
   for (int i = 0; i < n; i++) {
     worker *w = &ws[i];
@@ -716,7 +888,8 @@ static attempt_result run_attempt(const options *o, int attempt, int port) {
       w->running = false; /* reaped (or ECHILD, which cannot happen: we never reap others) */
       w->wstatus = r < 0 ? 0 : st;
       running--;
-      if (r > 0 && failed_status(st) && !stopping) {
+      /* a worker that dies of the SIGUSR1 of a hang (no handler) is part of the hang's report */
+      if (r > 0 && failed_status(st) && !stopping && hang.report_at_ms < 0) {
         res.kind = ATTEMPT_FAILED;
         res.failed = i;
         res.wstatus = st;
@@ -726,6 +899,15 @@ static attempt_result run_attempt(const options *o, int attempt, int port) {
       }
     }
     sweep = false;
+    /* 2b. A hang (--hang-timeout): dumps, the report, then the group stops (also when workers
+     *     died of the SIGUSR1 meanwhile). */
+    if (o->hang_timeout_s > 0 && !stopping && (running > 0 || hang.report_at_ms >= 0) &&
+        hang_step(o, &hang, ws, n)) {
+      res.kind = ATTEMPT_HUNG;
+      stopping = true;
+      kill_at = now_ms() + (int64_t)(o->stop_timeout_s * 1000);
+      signal_running(ws, n, SIGTERM);
+    }
     /* 3. Escalate after the grace period. */
     int64_t t = now_ms();
     if (stopping && !killed && running > 0 && t >= kill_at) {
@@ -784,6 +966,7 @@ static attempt_result run_attempt(const options *o, int attempt, int port) {
   free(ws);
   free(pfds);
   free(pstreams);
+  free(hang.seen);
   return res;
 }
 
@@ -942,6 +1125,8 @@ int main(int argc, char **argv) {
 /* run supervises the attempts; returns tdistrun's exit status. */
 static int run(const options *o_) {
   options o = *o_;
+  int hs = hang_setup(&o);
+  if (hs >= 0) return hs;
   if (install_signals() != 0) {
     perror("tdistrun: signal setup");
     return 1;
@@ -970,6 +1155,10 @@ static int run(const options *o_) {
       return 128 + sig;
     }
     if (r.kind == ATTEMPT_OK) return 0;
+    if (r.kind == ATTEMPT_HUNG) {
+      fprintf(stderr, "tdistrun: stopped the hung job (exit status %d, no restart)\n", EXIT_HUNG);
+      return EXIT_HUNG;
+    }
     char what[96];
     describe_status(r.wstatus, what, sizeof what);
     int rank = o.node_rank * o.nproc + r.failed;

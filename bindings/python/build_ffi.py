@@ -123,6 +123,7 @@ td_status td_future_status(const td_future *f);
 const char *td_future_message(const td_future *f);
 td_value *td_future_value(const td_future *f);
 td_status td_future_on_done(td_future *f, td_future_cb cb, void *ctx);
+td_status td_future_wait_all(td_future *const *fs, int n, int64_t timeout);
 
 /* the agent */
 typedef struct td_rpc_agent td_rpc_agent;
@@ -155,6 +156,7 @@ typedef struct td_rpc_stats {
   ...;
 } td_rpc_stats;
 typedef struct td_rpc_call_opts { int64_t timeout_ms; ...; } td_rpc_call_opts;
+void td_rpc_call_opts_init(td_rpc_call_opts *o);
 typedef struct td_rpc_ctx td_rpc_ctx;
 typedef td_status (*td_rpc_fn)(td_rpc_ctx *ctx, td_value *const *args, int nargs,
                                td_value **result, td_future **async_result);
@@ -264,11 +266,20 @@ size_t tdpy_take_releases(uintptr_t *out, size_t max);
 size_t tdpy_release_pending(void);
 int tdpy_take_log(int *level, char *buf, size_t n, uint64_t *dropped);
 size_t tdpy_grad_map_items(td_grad_map *m, td_tensor **keys, td_tensor **grads, size_t max);
+td_status tdpy_rpc_async(td_rpc_agent *a, const char *to, const char *fn, td_value **args,
+                         int nargs, int64_t timeout_ms, td_future **out);
+td_status tdpy_future_outcome(td_future *f, td_value **value);
+typedef struct tdpy_scalar_t { int kind; int64_t i; double d; } tdpy_scalar_t;
+tdpy_scalar_t tdpy_scalar(const td_value *v);
 
 /* Python code that tdist calls (cffi takes the GIL) */
 extern "Python" td_status tdpy_dispatch(td_rpc_ctx *, td_value *const *, int, td_value **,
                                         td_future **);
-extern "Python" void tdpy_future_done(td_future *, void *);
+extern "Python" void tdpy_drain_callbacks(void);
+extern "Python" void tdpy_run_callback_now(uintptr_t);
+void tdpy_future_done(td_future *f, void *ctx);
+int tdpy_cb_next(td_future **f, uintptr_t *key);
+int tdpy_cb_reacquire(void);
 """
 
 GLUE = r"""
@@ -321,19 +332,16 @@ static void tdpy_push_release(uintptr_t key) {
     tdpy_rel = p;
     tdpy_rel_cap = cap;
   }
-  tdpy_rel[tdpy_rel_n++] = key;
+  tdpy_rel[tdpy_rel_n] = key;
+  __atomic_store_n(&tdpy_rel_n, tdpy_rel_n + 1, __ATOMIC_RELAXED);
   if (tdpy_rel_n == 1) tdpy_rel_first_ms = tdpy_now_ms();
   if ((tdpy_rel_n == 1 && tdpy_svc_idle) || tdpy_rel_n == TDPY_RELEASE_BATCH)
     pthread_cond_signal(&tdpy_cv);
   pthread_mutex_unlock(&tdpy_mu);
 }
 
-static size_t tdpy_release_pending(void) {
-  pthread_mutex_lock(&tdpy_mu);
-  size_t n = tdpy_rel_n;
-  pthread_mutex_unlock(&tdpy_mu);
-  return n;
-}
+/* A hint (no lock): the hot paths call it per call and drain when it is non-zero. */
+static size_t tdpy_release_pending(void) { return __atomic_load_n(&tdpy_rel_n, __ATOMIC_RELAXED); }
 
 /* td_tensor_release_fn of buffers borrowed from Python objects: ctx is the object's key. */
 static void tdpy_release(void *ctx, void *data) {
@@ -412,7 +420,7 @@ static size_t tdpy_take_releases(uintptr_t *out, size_t max) {
   pthread_mutex_lock(&tdpy_mu);
   size_t n = tdpy_rel_n < max ? tdpy_rel_n : max;
   if (n) memcpy(out, tdpy_rel + (tdpy_rel_n - n), n * sizeof *out);
-  tdpy_rel_n -= n;
+  __atomic_store_n(&tdpy_rel_n, tdpy_rel_n - n, __ATOMIC_RELAXED);
   pthread_mutex_unlock(&tdpy_mu);
   return n;
 }
@@ -437,6 +445,108 @@ static size_t tdpy_grad_map_items(td_grad_map *m, td_tensor **keys, td_tensor **
   tdpy_items it = {keys, grads, 0, max};
   td_grad_map_foreach(m, tdpy_collect, &it);
   return it.n;
+}
+
+/* Python future callbacks, combined. A future's completion runs tdpy_future_done on whatever
+ * thread completes it (a pool thread, mostly); instead of every such thread waiting for the GIL
+ * (16 pool threads convoying on it cost a third of the binding's calls/s), the completion is
+ * queued, and only a thread that finds nobody draining the queue enters Python
+ * (tdpy_drain_callbacks) and runs the queued callbacks in order. Before each callback the
+ * draining role is given up (tdpy_cb_next) and taken back afterwards only if it is still free
+ * (tdpy_cb_reacquire): a callback that blocks never holds the others up, since the next
+ * completion then starts a drainer of its own. Lock order: tdpy_cb_mu is a leaf. */
+typedef struct { td_future *f; uintptr_t key; } tdpy_cb;
+static pthread_mutex_t tdpy_cb_mu = PTHREAD_MUTEX_INITIALIZER;
+static tdpy_cb *tdpy_cbq;
+static size_t tdpy_cb_head, tdpy_cb_n, tdpy_cb_cap;
+static int tdpy_cb_draining;
+
+static void tdpy_drain_callbacks(void);
+static void tdpy_run_callback_now(uintptr_t key);
+
+/* td_future_cb of the binding's futures: ctx is the callback's key. */
+static void tdpy_future_done(td_future *f, void *ctx) {
+  pthread_mutex_lock(&tdpy_cb_mu);
+  if (tdpy_cb_n == tdpy_cb_cap) {
+    size_t cap = tdpy_cb_cap ? tdpy_cb_cap * 2 : 64;
+    tdpy_cb *q = malloc(cap * sizeof *q);
+    if (!q) { /* out of memory: this one runs here, without the queue */
+      pthread_mutex_unlock(&tdpy_cb_mu);
+      tdpy_run_callback_now((uintptr_t)ctx);
+      return;
+    }
+    for (size_t i = 0; i < tdpy_cb_n; i++) q[i] = tdpy_cbq[(tdpy_cb_head + i) % tdpy_cb_cap];
+    free(tdpy_cbq);
+    tdpy_cbq = q;
+    tdpy_cb_cap = cap;
+    tdpy_cb_head = 0;
+  }
+  tdpy_cbq[(tdpy_cb_head + tdpy_cb_n++) % tdpy_cb_cap] = (tdpy_cb){td_future_ref(f), (uintptr_t)ctx};
+  int drain = !tdpy_cb_draining;
+  if (drain) tdpy_cb_draining = 1;
+  pthread_mutex_unlock(&tdpy_cb_mu);
+  if (drain) tdpy_drain_callbacks(); /* takes the GIL */
+}
+
+/* The drainer's next callback (1; *f a reference for the caller), giving the role up either
+ * way; 0 when the queue is empty. */
+static int tdpy_cb_next(td_future **f, uintptr_t *key) {
+  pthread_mutex_lock(&tdpy_cb_mu);
+  int got = tdpy_cb_n > 0;
+  if (got) {
+    *f = tdpy_cbq[tdpy_cb_head].f;
+    *key = tdpy_cbq[tdpy_cb_head].key;
+    tdpy_cb_head = (tdpy_cb_head + 1) % tdpy_cb_cap;
+    tdpy_cb_n--;
+  }
+  tdpy_cb_draining = 0;
+  pthread_mutex_unlock(&tdpy_cb_mu);
+  return got;
+}
+
+/* After a callback: takes the role back (1) when nobody took it and callbacks wait. */
+static int tdpy_cb_reacquire(void) {
+  pthread_mutex_lock(&tdpy_cb_mu);
+  int take = !tdpy_cb_draining && tdpy_cb_n > 0;
+  if (take) tdpy_cb_draining = 1;
+  pthread_mutex_unlock(&tdpy_cb_mu);
+  return take;
+}
+
+/* The binding's hot paths in one C call each (every cffi call releases and takes the GIL). */
+
+/* td_rpc_async with a timeout instead of an options struct; releases the argument values (the
+ * binding's own new references) whatever the outcome. */
+static td_status tdpy_rpc_async(td_rpc_agent *a, const char *to, const char *fn, td_value **args,
+                                int nargs, int64_t timeout_ms, td_future **out) {
+  td_rpc_call_opts o = TD_RPC_CALL_OPTS_INIT;
+  o.timeout_ms = timeout_ms;
+  td_status st = td_rpc_async(a, to, fn, args, nargs, &o, out);
+  for (int i = 0; i < nargs; i++) td_value_unref(args[i]);
+  return st;
+}
+
+/* The status of done future f, and on success its value (borrowed; NULL for none) in *value. */
+static td_status tdpy_future_outcome(td_future *f, td_value **value) {
+  td_status st = td_future_status(f);
+  *value = st == TD_OK ? td_future_value(f) : NULL;
+  return st;
+}
+
+/* v's kind, with an int's or bool's value in .i and a double's in .d (one call for the
+ * scalars; returned by value, so threads share no scratch). */
+typedef struct tdpy_scalar_t { int kind; int64_t i; double d; } tdpy_scalar_t;
+
+static tdpy_scalar_t tdpy_scalar(const td_value *v) {
+  tdpy_scalar_t s = {(int)td_value_kind_of(v), 0, 0.0};
+  if (s.kind == TD_VALUE_INT) td_value_as_int(v, &s.i);
+  else if (s.kind == TD_VALUE_DOUBLE) td_value_as_double(v, &s.d);
+  else if (s.kind == TD_VALUE_BOOL) {
+    bool b = false;
+    td_value_as_bool(v, &b);
+    s.i = b;
+  }
+  return s;
 }
 
 static int tdpy_take_log(int *level, char *buf, size_t n, uint64_t *dropped) {

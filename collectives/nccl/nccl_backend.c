@@ -63,8 +63,6 @@ struct td__nccl {
 
 void (*td__nccl_test_before_enqueue)(td_process_group *pg, const char *what);
 
-int td__nccl_device(const td__nccl *c) { return c ? c->device : -1; }
-
 static td_status cuda_err(cudaError_t e, const char *what) {
   cudaGetLastError();
   return td_set_error(TD_ERR_DEVICE, "nccl backend: %s: %s", what, cudaGetErrorString(e));
@@ -247,7 +245,7 @@ static td_status ring_all_gather(td_process_group *pg, const void *mine, size_t 
   memcpy(all + (size_t)r * sz, mine, sz);
   for (int s = 0; s < n - 1; s++) {
     int so = ((r - s) % n + n) % n, ro = ((r - s - 1) % n + n) % n;
-    TD_TRY(td__pg_xchg(pg, all + (size_t)so * sz, sz, all + (size_t)ro * sz, sz, deadline, what));
+    TD_TRY(td__ring_xchg(pg, all + (size_t)so * sz, sz, all + (size_t)ro * sz, sz, deadline, what));
   }
   return TD_OK;
 }
@@ -317,7 +315,9 @@ static td_status init_comm(td_process_group *pg, td__nccl *c, uint64_t deadline)
   return TD_OK;
 }
 
-td_status td__nccl_create(td_process_group *pg, td__nccl **out) {
+static void nccl_free(td__nccl *c);
+
+static td_status nccl_create(td_process_group *pg, td__nccl **out) {
   td__nccl *c = td__calloc(1, sizeof *c);
   ready_rec *recs = td__calloc((size_t)pg->size, sizeof *recs);
   td_status st = TD_OK;
@@ -342,14 +342,14 @@ td_status td__nccl_create(td_process_group *pg, td__nccl **out) {
 out:
   td__free(recs);
   if (st != TD_OK) {
-    td__nccl_destroy(c);
+    nccl_free(c);
     return st;
   }
   *out = c;
   return TD_OK;
 }
 
-void td__nccl_destroy(td__nccl *c) {
+static void nccl_free(td__nccl *c) {
   if (!c) return;
   int prev = -1;
   if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
@@ -383,6 +383,8 @@ static ncclDataType_t nccl_dtype(td_dtype dt) {
     case TD_DTYPE_F32: return ncclFloat32;
     case TD_DTYPE_F64: return ncclFloat64;
     case TD_DTYPE_I64: return ncclInt64;
+    case TD_DTYPE_BF16: return ncclBfloat16;
+    case TD_DTYPE_F16: return ncclFloat16;
     default: break; /* transport dtypes never live on a GPU (tensor.h) */
   }
   return ncclFloat32;
@@ -397,7 +399,7 @@ static td_status nccl_op(td_reduce_op op, td_dtype dt, ncclRedOp_t *rop, ncclDat
     case TD_REDUCE_SUM: *rop = ncclSum; return TD_OK;
     case TD_REDUCE_MAX:
       *rop = ncclMax;
-      if (dt != TD_DTYPE_I64) {
+      if (dt == TD_DTYPE_F32 || dt == TD_DTYPE_F64) { /* 16-bit floats: NCCL's own max */
         *keys = true;
         *ty = dt == TD_DTYPE_F32 ? ncclInt32 : ncclInt64;
       }
@@ -434,7 +436,7 @@ static td_status finish(td_process_group *pg, ncclResult_t r, const char *what) 
   return wait_comm(pg, pg->nccl, what, true, td__pg_deadline(pg));
 }
 
-td_status td__nccl_all_reduce(td_process_group *pg, td_tensor *t, td_reduce_op op) {
+static td_status nccl_all_reduce(td_process_group *pg, td_tensor *t, td_reduce_op op) {
   ncclRedOp_t rop = ncclSum;
   ncclDataType_t ty = ncclFloat32;
   bool keys = false;
@@ -454,7 +456,7 @@ td_status td__nccl_all_reduce(td_process_group *pg, td_tensor *t, td_reduce_op o
   return st;
 }
 
-td_status td__nccl_broadcast(td_process_group *pg, td_tensor *t, int root) {
+static td_status nccl_broadcast(td_process_group *pg, td_tensor *t, int root) {
   TD_TRY(enter(pg, "broadcast"));
   void *p = td_tensor_data(t);
   return finish(pg, ncclBroadcast(p, p, (size_t)td_tensor_numel(t),
@@ -462,15 +464,15 @@ td_status td__nccl_broadcast(td_process_group *pg, td_tensor *t, int root) {
                                   cudaStreamLegacy), "broadcast");
 }
 
-td_status td__nccl_all_gather(td_process_group *pg, void *out, const void *in, size_t count,
-                              td_dtype dt) {
+static td_status nccl_all_gather(td_process_group *pg, void *out, const void *in,
+                                 size_t count, td_dtype dt) {
   TD_TRY(enter(pg, "all_gather"));
   return finish(pg, ncclAllGather(in, out, count, nccl_dtype(dt), pg->nccl->comm,
                                   cudaStreamLegacy), "all_gather");
 }
 
-td_status td__nccl_reduce_scatter(td_process_group *pg, void *out, const void *in, size_t count,
-                                  td_dtype dt, td_reduce_op op) {
+static td_status nccl_reduce_scatter(td_process_group *pg, void *out, const void *in,
+                                     size_t count, td_dtype dt, td_reduce_op op) {
   ncclRedOp_t rop = ncclSum;
   ncclDataType_t ty = ncclFloat32;
   bool keys = false;
@@ -498,3 +500,90 @@ td_status td__nccl_reduce_scatter(td_process_group *pg, void *out, const void *i
   td_tensor_unref(tmp); /* the allocator reuses it only after the queued work (one stream) */
   return st;
 }
+
+/* ---- the backend ---- */
+
+/* NCCL works on single buffers: the list forms go through a temporary. */
+static td_status run_op(td_process_group *pg, const td__op *op) {
+  td_dtype dt = td_tensor_dtype(op->t);
+  int64_t numel = td_tensor_numel(op->t);
+  switch (op->kind) {
+    case TD__K_ALL_REDUCE: return nccl_all_reduce(pg, op->t, op->rop);
+    case TD__K_BROADCAST: return nccl_broadcast(pg, op->t, op->root);
+    case TD__K_ALL_GATHER: {
+      if (op->whole)
+        return nccl_all_gather(pg, td_tensor_data(op->whole), td_tensor_data(op->t),
+                                   (size_t)numel, dt);
+      int64_t shape[1] = {numel * pg->size};
+      td_tensor *tmp = NULL;
+      TD_TRY(td_tensor_empty(shape, 1, dt, td_tensor_device(op->t), &tmp));
+      td_status st = nccl_all_gather(pg, td_tensor_data(tmp), td_tensor_data(op->t),
+                                         (size_t)numel, dt);
+      for (int i = 0; st == TD_OK && i < pg->size; i++) {
+        td_tensor *v = NULL, *v2 = NULL;
+        st = td_tensor_narrow(tmp, 0, numel * i, numel, &v);
+        if (st == TD_OK)
+          st = td_tensor_reshape(v, td_tensor_shape(op->list[i]), td_tensor_ndim(op->list[i]),
+                                 &v2);
+        if (st == TD_OK) st = td_tensor_copy_(op->list[i], v2);
+        td_tensor_unref(v);
+        td_tensor_unref(v2);
+      }
+      td_tensor_unref(tmp);
+      return st;
+    }
+    case TD__K_REDUCE_SCATTER: {
+      if (op->whole)
+        return nccl_reduce_scatter(pg, td_tensor_data(op->t), td_tensor_data(op->whole),
+                                       (size_t)numel, dt, op->rop);
+      td_tensor **flat = td__calloc((size_t)pg->size, sizeof *flat), *cat = NULL;
+      if (!flat) return td_set_error(TD_ERR_NOMEM, "reduce_scatter: out of memory");
+      int64_t shape[1] = {-1};
+      td_status st = TD_OK;
+      for (int i = 0; st == TD_OK && i < pg->size; i++)
+        st = td_tensor_reshape(op->list[i], shape, 1, &flat[i]);
+      if (st == TD_OK) st = td_tensor_cat(flat, pg->size, 0, &cat);
+      if (st == TD_OK)
+        st = nccl_reduce_scatter(pg, td_tensor_data(op->t), td_tensor_data(cat),
+                                     (size_t)numel, dt, op->rop);
+      for (int i = 0; i < pg->size; i++) td_tensor_unref(flat[i]);
+      td__free(flat);
+      td_tensor_unref(cat);
+      return st;
+    }
+    default: return TD_OK;
+  }
+}
+
+/* NCCL groups check the header on the host-side ring first: NCCL itself would read past a
+ * smaller buffer or hang on a mismatch. */
+static td_status nccl_run(td_process_group *pg, const td__op *op, const td__op_hdr *h,
+                          uint64_t dl) {
+  if (pg->size > 1) TD_TRY(td__ring_check(pg, h, dl));
+  return run_op(pg, op);
+}
+
+static td_status nccl_setup(td_process_group *pg, uint64_t deadline, bool *serves) {
+  (void)deadline; /* the group's own: td__pg_deadline at the start of create */
+  *serves = false;
+  if (pg->backend != TD_PG_BACKEND_NCCL) return TD_OK;
+  TD_TRY(nccl_create(pg, &pg->nccl));
+  pg->nccl_device = pg->nccl->device;
+  *serves = true;
+  return TD_OK;
+}
+
+static void nccl_destroy(td_process_group *pg) {
+  nccl_free(pg->nccl);
+  pg->nccl = NULL;
+}
+
+/* No fail entry: a waiting member watches the ring and the store's failure record itself
+ * (wait_comm). */
+const td__coll_backend td__coll_nccl = {
+    .name = "nccl",
+    .setup = nccl_setup,
+    .destroy = nccl_destroy,
+    .run = nccl_run,
+    .avg_is_sum = false,
+};

@@ -16,6 +16,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "watchdog.h"
+
 /* OpenBLAS thread control (cblas.h declares these; the library links OpenBLAS). */
 void openblas_set_num_threads(int num_threads);
 int openblas_get_num_threads(void);
@@ -39,6 +41,11 @@ _Noreturn void ex_die(const char *fmt, ...) {
   va_start(ap, fmt);
   fprintf(stderr, "%s: ", g_prog);
   vfprintf(stderr, fmt, ap);
+  char where[96]; /* which step failed, for a job that stopped on a lost worker */
+  const char *rank = getenv("RANK");
+  if (ex_watchdog_where(where, sizeof where))
+    fprintf(stderr, " (this worker%s%s%s was %s)", rank ? ", rank " : "", rank ? rank : "",
+            rank ? "," : "", where);
   fputc('\n', stderr);
   va_end(ap);
   exit(1);
@@ -530,6 +537,12 @@ double ex_tensor_mb(bool peak) {
   return (double)(peak ? max : in_use) / 1048576.0;
 }
 
+void ex_hash_double(uint64_t *h, double v) {
+  uint64_t bits;
+  memcpy(&bits, &v, sizeof bits);
+  for (int k = 0; k < 8; k++) *h = (*h ^ ((bits >> (8 * k)) & 0xff)) * 0x100000001b3ull;
+}
+
 bool ex_reset_peak_rss(void) {
   FILE *f = fopen("/proc/self/clear_refs", "w");
   if (!f) return false;
@@ -671,7 +684,8 @@ td_value *ex_report_send(td_rpc_agent *a, const char *fn, int slot, const double
     td_value *x = td_value_double(v[i]);
     if (!x || td_value_list_append(args[1], x) != TD_OK) ex_die("out of memory");
   }
-  td_rpc_call_opts co = {.timeout_ms = TD_TIMEOUT_INFINITE};
+  td_rpc_call_opts co = TD_RPC_CALL_OPTS_INIT;
+  co.timeout_ms = TD_TIMEOUT_INFINITE;
   td_value *res = NULL;
   EX_CHECK(td_rpc_sync(a, "worker0", fn, args, 2, &co, &res));
   td_value_unref(args[0]);

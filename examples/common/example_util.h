@@ -172,6 +172,9 @@ bool ex_reset_peak_rss(void);
 /* ex_tensor_mb returns the CPU allocator's bytes in use (peak false) or its peak (true) in MiB
  * (td_cpu_memory_info). */
 double ex_tensor_mb(bool peak);
+/* ex_hash_double folds the 8 bytes of v's bits into the FNV-1a hash *h (start from
+ * 0xcbf29ce484222325): two runs whose hashes of every loss agree computed the same bits. */
+void ex_hash_double(uint64_t *h, double v);
 
 /* ---- training loss at the start and at the end ---- */
 

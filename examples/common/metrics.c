@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "watchdog.h"
+
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static FILE *out;
 static int m_rank;
@@ -92,6 +94,7 @@ static size_t num(char *buf, size_t used, size_t n, const char *key, double v) {
 
 void ex_metrics_step(int epoch, int64_t step, double loss, double lr, double samples_per_s,
                      const ex_phases *phases) {
+  ex_watchdog_note_step(epoch, step); /* for the line a lost worker makes it print */
   if (!ex_metrics_on()) return;
   char b[1024];
   size_t u = (size_t)snprintf(b, sizeof b, "\"epoch\":%d,\"step\":%lld", epoch, (long long)step);

@@ -1,4 +1,5 @@
-/* ps_ft.c - checkpoints, resuming and the watchdog of the parameter-server example (see ps_ft.h).
+/* ps_ft.c - checkpoints, resuming and the watchdog of the parameter-server example (see ps_ft.h;
+ * the pings themselves are watchdog.c's).
  *
  * Lock order: ft.mu is a leaf (held while a checkpoint is written: the trainers all wait at the
  * barrier meanwhile, so nothing changes the parameters); on_fail runs with it released.
@@ -15,9 +16,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "watchdog.h"
+
 static struct {
   pthread_mutex_t mu;
-  pthread_cond_t cv;
   /* the server's checkpoints; path[0] == 0 without */
   char path[4096];
   td_module *model;
@@ -30,12 +32,8 @@ static struct {
   int failed;
   char failed_msg[640];
   void (*on_fail)(const char *msg);
-  /* the watchdog */
-  pthread_t thread;
-  bool running, stop;
-  td_rpc_agent *agent;
-  int64_t interval_ms, timeout_ms;
-} ft = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+  int dying; /* psft_die_failed ran */
+} ft = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 /* ---- options ---- */
 
@@ -52,11 +50,11 @@ void psft_options_init(psft_options *o, ex_opt opts[PSFT_NOPTS]) {
        "global steps (batches of every trainer) between checkpoints (0: 100 with "
        "--checkpoint-dir)"},
       {"keepalive-ms", EX_OPT_I64, &o->keepalive_ms,
-       "RPC keepalive interval, at which the server also pings its trainers (0: the agent's, "
-       "no pings; env TD_KEEPALIVE_MS)"},
+       "RPC keepalive interval, at which the watchdog also pings (0: 2000; env "
+       "TD_KEEPALIVE_MS; TD_WATCHDOG=0 turns the watchdog off)"},
       {"keepalive-timeout-ms", EX_OPT_I64, &o->keepalive_timeout_ms,
-       "how long a keepalive may go unanswered before the peer is failed (0: the agent's; env "
-       "TD_KEEPALIVE_TIMEOUT_MS)"},
+       "how long a keepalive or a ping may go unanswered before the peer is failed (0: 20000; "
+       "env TD_KEEPALIVE_TIMEOUT_MS)"},
   };
   memcpy(opts, tab, sizeof tab);
 }
@@ -215,17 +213,10 @@ static td_status ps_ckpt(td_rpc_ctx *c, td_value *const *args, int n, td_value *
 
 /* ---- failure detection ---- */
 
-/* ps_ping() -> none: the server's liveness probe of a trainer. */
-static td_status ps_ping(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
-                         td_future **fut) {
-  *res = td_value_none();
-  return TD_OK;
-}
-
 void psft_register(void) {
   EX_CHECK(td_rpc_register("ps_resume", ps_resume, NULL));
   EX_CHECK(td_rpc_register("ps_ckpt", ps_ckpt, NULL));
-  EX_CHECK(td_rpc_register("ps_ping", ps_ping, NULL));
+  ex_watchdog_register();
 }
 
 td_status psft_check_alive(void) {
@@ -247,86 +238,29 @@ static void fail(const char *msg) {
 }
 
 _Noreturn void psft_die_failed(void) {
-  fprintf(stderr, "param_server: %s; stopping\n", ft.failed_msg);
-  fflush(stderr);
+  if (!__atomic_exchange_n(&ft.dying, 1, __ATOMIC_ACQ_REL)) { /* main thread or watchdog: once */
+    fprintf(stderr, "param_server: %s; stopping\n", ft.failed_msg);
+    fflush(stderr);
+  }
   struct timespec ts = {1, 0};
   nanosleep(&ts, NULL);
   _exit(1);
 }
 
-/* wait_interval sleeps one ping interval; false once the watchdog is told to stop. */
-static bool wait_interval(void) {
-  struct timespec dl;
-  clock_gettime(CLOCK_REALTIME, &dl);
-  dl.tv_sec += ft.interval_ms / 1000;
-  dl.tv_nsec += (ft.interval_ms % 1000) * 1000000L;
-  if (dl.tv_nsec >= 1000000000L) {
-    dl.tv_sec++;
-    dl.tv_nsec -= 1000000000L;
-  }
-  pthread_mutex_lock(&ft.mu);
-  while (!ft.stop && pthread_cond_timedwait(&ft.cv, &ft.mu, &dl) == 0) {
-  }
-  bool go_on = !ft.stop;
-  pthread_mutex_unlock(&ft.mu);
-  return go_on;
-}
-
-/* watchdog pings every trainer each interval; a ping that fails (the agent's keepalive declared
- * the trainer unreachable, or no answer within interval + keepalive timeout) is a failure. It is
- * a thread of its own: it may wait, handlers may not. */
-static void *watchdog(void *arg) {
-  (void)arg;
-  td_future *f[64];
-  int n = ft.trainers < 64 ? ft.trainers : 64;
-  while (wait_interval()) {
-    td_rpc_call_opts co = {.timeout_ms = ft.interval_ms + ft.timeout_ms};
-    for (int r = 0; r < n; r++) {
-      char to[32], msg[640];
-      snprintf(to, sizeof to, "worker%d", r + 1);
-      f[r] = NULL;
-      if (td_rpc_async(ft.agent, to, "ps_ping", NULL, 0, &co, &f[r]) != TD_OK) {
-        snprintf(msg, sizeof msg, "%s (rank %d) failed: %s", to, r + 1, td_last_error());
-        fail(msg);
-      }
-    }
-    for (int r = 0; r < n; r++) {
-      if (!f[r]) continue;
-      td_future_wait(f[r], -1);
-      pthread_mutex_lock(&ft.mu);
-      bool stopping = ft.stop;
-      pthread_mutex_unlock(&ft.mu);
-      if (td_future_status(f[r]) != TD_OK && !stopping) {
-        char msg[640];
-        snprintf(msg, sizeof msg, "worker%d (rank %d) failed: %s", r + 1, r + 1,
-                 td_future_message(f[r]));
-        fail(msg);
-      }
-      td_future_unref(f[r]);
-    }
-  }
-  return NULL;
+/* watchdog_failed: the examples' watchdog lost a worker (msg names it): fail what the trainers
+ * wait on, tell the example, and stop the server. */
+static void watchdog_failed(const char *msg) {
+  fail(msg);
+  psft_die_failed();
 }
 
 void psft_watchdog_start(td_rpc_agent *a, const psft_options *o, void (*on_fail)(const char *msg)) {
   ft.on_fail = on_fail;
-  if (o->keepalive_ms <= 0 && o->keepalive_timeout_ms <= 0) return;
-  ft.agent = a;
-  ft.interval_ms = o->keepalive_ms > 0 ? o->keepalive_ms : 2000;
-  ft.timeout_ms = o->keepalive_timeout_ms > 0 ? o->keepalive_timeout_ms : 20000;
-  if (pthread_create(&ft.thread, NULL, watchdog, NULL) != 0) ex_die("cannot start the watchdog");
-  ft.running = true;
+  ex_watchdog_configure(o->keepalive_ms, o->keepalive_timeout_ms);
+  ex_watchdog_start(a, on_fail ? watchdog_failed : NULL);
 }
 
-void psft_watchdog_stop(void) {
-  if (!ft.running) return;
-  pthread_mutex_lock(&ft.mu);
-  ft.stop = true;
-  pthread_cond_broadcast(&ft.cv);
-  pthread_mutex_unlock(&ft.mu);
-  pthread_join(ft.thread, NULL);
-  ft.running = false;
-}
+void psft_watchdog_stop(void) { ex_watchdog_stop(); }
 
 /* ---- trainers ---- */
 
@@ -363,7 +297,8 @@ void psft_trainer_before_batch(td_rpc_agent *a, const psft_trainer *t, int epoch
   int64_t g = (int64_t)epoch * t->nb + b, g0 = t->start_epoch * t->nb + t->start_step;
   if (t->every <= 0 || g <= g0 || g % t->every) return;
   td_value *v[3] = {td_value_int(epoch), td_value_int(b), td_value_int(t->nb)};
-  td_rpc_call_opts co = {.timeout_ms = TD_TIMEOUT_INFINITE}; /* waits for the slowest trainer */
+  td_rpc_call_opts co = TD_RPC_CALL_OPTS_INIT;
+  co.timeout_ms = TD_TIMEOUT_INFINITE; /* waits for the slowest trainer */
   td_value *r = NULL;
   EX_CHECK(td_rpc_sync(a, "worker0", "ps_ckpt", v, 3, &co, &r));
   td_value_unref(r);

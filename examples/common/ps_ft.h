@@ -12,13 +12,13 @@
  * trainers ("ps_resume") continue from the recorded epoch and step. The optimizer's momentum is
  * not saved: a resumed run restarts it from zero.
  *
- * Failures (--keepalive-ms / --keepalive-timeout-ms, or TD_KEEPALIVE_MS /
- * TD_KEEPALIVE_TIMEOUT_MS): the RPC agent uses those keepalive settings and the server pings every
- * trainer at that interval ("ps_ping"); a trainer that stops answering (its host cut off) is
- * declared failed within the keepalive timeout: the example's on_fail callback fails the calls the
- * trainers wait on with a message naming it, and the server exits with status 1, so a launcher
- * can restart the group.
- *
+ * Failures: the examples' watchdog (watchdog.h), on by default, pings: the server every
+ * trainer, each trainer the server, every --keepalive-ms (TD_KEEPALIVE_MS, default 2000); a
+ * worker that died fails its ping at once, one that hangs within --keepalive-timeout-ms
+ * (TD_KEEPALIVE_TIMEOUT_MS, default 20000; the agent uses both settings too). On the server the
+ * example's on_fail callback then fails the calls the trainers wait on with a message naming the
+ * lost worker, and the server exits with status 1, so a launcher can restart the group; a
+ * trainer that loses the server prints the line and exits 1. TD_WATCHDOG=0 turns it off.
  * THREAD SAFETY: the psft_server_* and psft_watchdog_* calls from the server's main thread, the
  * psft_trainer_* calls from a trainer's main thread; psft_check_alive from any thread.
  * Lock order: the module's state (ft.mu) is a leaf; on_fail runs with no lock of this file held.
@@ -39,7 +39,7 @@
 typedef struct psft_options {
   const char *ckpt_dir;   /* NULL: no checkpoints */
   int64_t ckpt_every;     /* global steps between checkpoints; 0 with a dir: 100 */
-  int64_t keepalive_ms;   /* 0: the agent's default, and no watchdog */
+  int64_t keepalive_ms;   /* 0: the default, 2000 */
   int64_t keepalive_timeout_ms;
 } psft_options;
 
@@ -50,7 +50,8 @@ void psft_options_init(psft_options *o, ex_opt opts[PSFT_NOPTS]);
 /* psft_options_apply checks the parsed options (dies with a message on a bad one) and sets the
  * agent's keepalive settings in *ro. */
 void psft_options_apply(psft_options *o, td_rpc_options *ro);
-/* psft_register registers ps_resume, ps_ckpt and ps_ping (every worker, before td_rpc_init). */
+/* psft_register registers ps_resume, ps_ckpt and the watchdog's functions (every worker, before
+ * td_rpc_init). */
 void psft_register(void);
 
 /* ---- the server (rank 0) ---- */
@@ -65,8 +66,9 @@ int64_t psft_resume_epoch(void);
 /* psft_server_results adds resumed_from_epoch / _step / _global_step to the JSON results of a
  * resumed run. */
 void psft_server_results(ex_json *results);
-/* psft_watchdog_start starts pinging the trainers when keepalive options were given; on_fail
- * runs once, with the failure message, when one is lost. */
+/* psft_watchdog_start starts the watchdog (every worker, after td_rpc_init; unless TD_WATCHDOG=0).
+ * On the server on_fail runs once, with the failure message, when a trainer is lost, and the
+ * server exits 1; trainers pass NULL (a lost server: the line and exit 1). */
 void psft_watchdog_start(td_rpc_agent *a, const psft_options *o, void (*on_fail)(const char *msg));
 /* psft_watchdog_stop ends the pings (before the trainers may leave). Safe to call twice. */
 void psft_watchdog_stop(void);

@@ -11,6 +11,10 @@
  * received tensor the output of such a node, and td_autograd_backward_node() to continue a
  * backward pass from a node with gradients that arrived from elsewhere.
  *
+ * Activation checkpointing (td_checkpoint): a function run without recording in forward, kept as
+ * its inputs only, and run again with recording in backward (a nested backward pass through the
+ * recomputed graph, which inherits the outer pass's gradient map).
+ *
  * THREAD SAFETY: grad mode is per thread. Several threads may run backward passes at once over
  * graphs that share leaf tensors: accumulation into a leaf's `.grad` and into a td_grad_map is
  * serialised per tensor / per map. Two concurrent passes through the same non-leaf nodes need
@@ -143,6 +147,77 @@ typedef td_status (*td_grad_hook_fn)(void *ctx, const td_tensor *grad, td_tensor
  * *handle identifies it for td_tensor_remove_hook(). Hooks run in registration order. */
 TD_API td_status td_tensor_register_hook(td_tensor *t, td_grad_hook_fn fn, void *ctx, int *handle);
 TD_API td_status td_tensor_remove_hook(td_tensor *t, int handle);
+
+/* ---- activation checkpointing (torch.utils.checkpoint) ---- */
+
+/* td_checkpoint_fn computes outputs[0..n_outputs) from inputs[0..n_inputs) (entries may be NULL
+ * where the caller passes NULL). It must store a new reference in every output on TD_OK. It runs
+ * twice: once in forward with grad mode off, and again in backward with grad mode on (the
+ * recompute); both runs must compute the same thing (same shapes, same ops, same generators). */
+typedef td_status (*td_checkpoint_fn)(void *ctx, td_tensor *const *inputs, int n_inputs,
+                                      td_tensor **outputs, int n_outputs);
+
+/* Options of td_checkpoint; zero them (or pass NULL) for the defaults. */
+typedef struct td_checkpoint_opts {
+  /* Names the region in its node ("CheckpointBackward"), in errors and for
+   * td_checkpoint_current(). Copied. Default NULL: "checkpoint". */
+  const char *name;
+  /* The function reads leaves that require grad besides its inputs (a module's parameters):
+   * record the node even when no input requires grad, so those leaves get their gradients.
+   * Default false: as torch.utils.checkpoint, outputs require grad only when an input does. */
+  bool reads_params;
+  /* Called once with ctx when nothing needs it any more: when the node dies, at return when no
+   * node was recorded, or when the call fails. Default NULL: ctx outlives the backward. */
+  void (*release)(void *ctx);
+} td_checkpoint_opts;
+
+/* td_checkpoint runs fn(ctx, inputs, ...) with grad mode off and keeps only what it needs to run
+ * it again: detached views of the inputs (sharing their storage: no copy; they must not be
+ * modified in place before backward) and the states of the generators fn drew from. The float
+ * outputs become outputs of one node, "CheckpointBackward", whose edges are the inputs that
+ * require grad. Its backward re-runs fn with grad mode on over detached inputs, with each
+ * generator set back to the state it had when fn first drew from it (td_tensor_dropout and the
+ * random fills record this; draws made directly with td_generator_next_* are not seen), then
+ * backpropagates the outputs' incoming gradients through that recomputed graph and returns the
+ * inputs' gradients; afterwards each generator gets back the state it had before the recompute.
+ * Leaves that fn reads (parameters) accumulate during that inner pass as in any backward (their
+ * hooks run then: DDP and ZeRO see each gradient once), into `.grad`, or into the grad_map of
+ * the backward pass running the node (a distributed autograd context's), which the inner pass
+ * inherits. Outputs that received no gradient are not backpropagated. The result is the
+ * gradient of the same computation without checkpointing, bit for bit when every use of each
+ * input is inside the region (a GPT block's input; otherwise its partial gradients are added in
+ * another order: equal up to rounding). Differences: an input fn does not use gets a zero
+ * gradient rather than none (the node has an edge to it); a leaf read inside the region and also
+ * outside it (or in two regions) gets its gradient in two parts, so its hooks run twice in one
+ * backward (as with PyTorch's reentrant checkpoint).
+ * Nothing is checkpointed when grad mode is off, or when no input requires grad and
+ * opts->reads_params is false: fn then runs once, directly (recording as usual when grad mode is
+ * on), with ctx released at return. While fn runs (forward or recompute)
+ * RPCs from this thread are refused (TD_ERR_STATE naming the region: a recompute would repeat
+ * them). Non-float outputs are returned as fn made them. On failure (fn's error prefixed with
+ * the region's name, a NULL output, invalid arguments: TD_ERR_INVALID) outputs are untouched.
+ * THREAD SAFETY: fn runs on the calling thread, the recompute on the thread running backward;
+ * a generator fn uses must not be used by another thread during the recompute, and must outlive
+ * the node. */
+TD_API td_status td_checkpoint(td_checkpoint_fn fn, void *ctx, td_tensor *const *inputs,
+                               int n_inputs, td_tensor **outputs, int n_outputs,
+                               const td_checkpoint_opts *opts);
+
+/* What the innermost checkpointed region on this thread is doing. */
+typedef enum td_checkpoint_phase {
+  TD_CHECKPOINT_PHASE_NONE = 0,  /* no checkpointed function runs on this thread */
+  TD_CHECKPOINT_PHASE_FORWARD,   /* its first run, grad mode off */
+  TD_CHECKPOINT_PHASE_RECOMPUTE, /* its run again in backward, grad mode on */
+} td_checkpoint_phase;
+
+/* td_checkpoint_current returns the phase of the innermost checkpointed region running on this
+ * thread and, when name is not NULL, its name in *name (NULL when none; borrowed, valid while the
+ * region runs). */
+TD_API td_checkpoint_phase td_checkpoint_current(const char **name);
+/* td_checkpoint_is_recomputing returns true while any enclosing checkpointed region on this
+ * thread is being recomputed: the forward running now repeats one that already ran (module hooks
+ * use it to skip work done once per step, e.g. ZeRO-3's prefetch of the next unit). */
+TD_API bool td_checkpoint_is_recomputing(void);
 
 #ifdef __cplusplus
 }

@@ -39,8 +39,13 @@
  *         (single-copy reads for every operation but barrier).
  *       TD_COLL_SHM_DIRECT_MAX (bytes, 65536): the one-round all_reduce limit.
  *       TD_COLL_CMA=0: no single-copy reads. TD_COLL_SHM_BUF (bytes): one member's round buffer
- *       (default 1 MiB, less beyond 32 members). TD_COLL_YIELD_US (200), TD_COLL_SPIN_US (0):
- *       how long a waiting member yields the CPU, and spins before that, before it sleeps.
+ *       (default 1 MiB, less beyond 32 members). TD_COLL_YIELD_US (200): how long a waiting
+ *       member yields the CPU before it sleeps. TD_COLL_SPIN_US: how long it spins before
+ *       yielding (default: adaptive, up to 5 us, when the members do not outnumber the CPUs; a
+ *       wait that outlasts its spin makes the next ones yield at once; never when crowded).
+ *       TD_COLL_ENCRYPT = 1 | 0: the TCP ring encrypts its data (AES-256-GCM records under a key
+ *       per connection; needs the job secret). Default: on when the agent runs with TLS, else
+ *       off. Members must agree (those that do not fail the ring handshake).
  *   - TD_PG_BACKEND_NCCL: contiguous CUDA tensors on the group's device, through NCCL. Only in
  *     builds with NCCL; otherwise creating such a group is TD_ERR_UNSUPPORTED. The device is the
  *     process's, the same in every group of the process: the one of td_cuda_set_device(), else
@@ -274,6 +279,11 @@ typedef struct td_ddp_options {
                                   second gradient for a parameter after its bucket started (two
                                   backwards in one pass) is an error instead of a re-reduction.
                                   Values are the same as without. Default false */
+  td_dtype reduce_dtype; /* the dtype the buckets travel in (PyTorch's reduce_dtype):
+                            TD_DTYPE_BF16 or TD_DTYPE_F16 send a 16-bit copy of each bucket
+                            (half the bytes), reduced with float32 accumulation, and read the
+                            average back into the float32 buckets; any other value (the default,
+                            TD_DTYPE_F32) reduces in the gradients' own dtype. CPU groups only */
 } td_ddp_options;
 TD_API void td_ddp_options_init(td_ddp_options *o);
 
@@ -294,9 +304,21 @@ TD_API td_status td_ddp_prepare(td_ddp *ddp);
  * averages into the .grads (a parameter without .grad gets one). Collective over the group;
  * blocks. Errors of the hooks (they cannot fail backward itself) are returned here. */
 TD_API td_status td_ddp_finish(td_ddp *ddp);
-/* td_ddp_no_sync: while set, passes reduce nothing (gradients accumulate locally in .grad, as
- * under PyTorch's no_sync()); the first pass after it is cleared averages the accumulated sums.
- * Every member must use the same passes. */
+/* td_ddp_no_sync: gradient accumulation, PyTorch's no_sync(). A pass prepared (td_ddp_prepare)
+ * while it is set reduces nothing and its td_ddp_finish does not communicate; the gradients
+ * accumulate locally: in .grad, or with gradient_as_bucket_view in the buckets themselves (the
+ * hooks add them there and clear .grad, so the window holds one copy of the gradient). The
+ * first pass prepared after it is cleared averages the window's sum, once. K micro-batches per
+ * optimizer step, one reduction:
+ *     for (k = 0; k < K; k++) {
+ *       td_ddp_no_sync(ddp, k < K - 1);
+ *       td_ddp_prepare(ddp);  forward;  td_tensor_backward(loss / K);  td_ddp_finish(ddp);
+ *     }
+ *     optimizer step; zero_grad
+ * The caller divides each micro-batch's loss by K (as PyTorch users do), so the result is the
+ * gradient of the mean loss over the K micro-batches of every member. Without overlap,
+ * td_ddp_sync_gradients under no_sync reduces nothing either. A parameter that got gradients in
+ * the window is not "unused" in the reducing pass. Every member must use the same passes. */
 TD_API void td_ddp_no_sync(td_ddp *ddp, bool no_sync);
 /* Counters of a td_ddp since creation. */
 typedef struct td_ddp_stats {
@@ -305,8 +327,18 @@ typedef struct td_ddp_stats {
   uint64_t bytes_started_in_backward;   /* their bytes */
   uint64_t bytes_reduced;               /* bytes of every bucket of every pass */
   uint64_t unused_parameters;           /* parameter-passes without a gradient */
+  uint64_t passes_accumulated;          /* passes (or td_ddp_sync_gradients calls) under
+                                           td_ddp_no_sync: gradients kept, nothing reduced */
 } td_ddp_stats;
 TD_API td_status td_ddp_get_stats(const td_ddp *ddp, td_ddp_stats *out);
+/* td_grad_scaler_set_process_group makes found_inf of s (tdist/optim.h) a decision agreed over
+ * pg: the first td_grad_scaler_found_inf / _step / _update of an iteration runs an all_reduce MAX
+ * of the flag, so every member skips the same steps and keeps the same scale (with DDP the
+ * averaged gradients are alike anyway; the agreement also covers gradients changed after the
+ * reduction, and costs one 8-byte all_reduce per step). pg NULL: no agreement. pg must outlive
+ * the scaler's use of it. Not collective itself. */
+TD_API td_status td_grad_scaler_set_process_group(td_grad_scaler *s, td_process_group *pg);
+
 /* td_ddp_num_buckets returns the number of buckets (for tests and tuning). */
 TD_API int td_ddp_num_buckets(const td_ddp *ddp);
 /* td_ddp_destroy frees ddp and its buckets. NULL does nothing. */
@@ -350,8 +382,24 @@ TD_API void td_ddp_destroy(td_ddp *ddp);
  * td_zero_step waits for them (a parameter that got no gradient counts as zeros; a gradient that
  * came after its bucket started, from a second backward in the pass, is reduced then) and goes
  * on with 2-4 above. Every member must run the same backward passes. Without td_zero_prepare a
- * step reduces after backward as without overlap; gradient accumulation: backward passes without
- * td_zero_prepare accumulate into .grad, and the prepared one adds them.
+ * step reduces after backward as without overlap (a .grad left from a backward without
+ * td_zero_prepare is added to the next prepared pass's buckets).
+ *
+ * Gradient accumulation, K micro-batches per step with one reduction (td_zero_no_sync):
+ *     td_zero_zero_grad(z);
+ *     for (k = 0; k < K; k++) {
+ *       td_zero_no_sync(z, k < K - 1);
+ *       td_zero_prepare(z);  forward;  td_tensor_backward(loss / K);   (prepare: overlap only)
+ *     }
+ *     td_zero_step(z);
+ * The caller divides each micro-batch's loss by K. Stage 1 and stage 2 without overlap need no
+ * td_zero_no_sync: backward passes accumulate into .grad and the step reduces once. With overlap
+ * (stage 2 and 3) the passes prepared under no_sync add their gradients into the bucket buffers
+ * without reducing them (and drop .grad, and stage 3 still frees each unit after its backward):
+ * during the window each member holds the model's whole local gradient in its buckets (P
+ * elements, the price of one reduction instead of K; max_inflight_bytes cannot bound it), and the
+ * last pass, prepared with no_sync cleared, adds its gradients and reduce_scatters each bucket as
+ * it completes, overlapped with that backward.
  *
  * Stage 3 (FSDP's full sharding): stage 2 with overlap, and the parameters of the units
  * (td_zero_options.units) are sharded between uses too: each unit is one bucket, its parameters'
@@ -423,19 +471,36 @@ TD_API td_status td_zero_create(td_process_group *pg, const td_optim_options *op
                                 const td_optim_group *groups, size_t n_groups,
                                 const td_zero_options *zopts, td_zero **out);
 /* td_zero_prepare arms the gradient hooks for the next backward pass (overlap only: else
- * TD_ERR_STATE, as a second prepare without a step in between). Not collective. */
+ * TD_ERR_STATE, as a second prepare without a step in between, unless the previous pass was
+ * prepared under td_zero_no_sync: it ends there, keeping its gradients). Reports the failure of
+ * a no_sync pass's hooks. Not collective. */
 TD_API td_status td_zero_prepare(td_zero *z);
+/* td_zero_no_sync: while set, passes prepared (td_zero_prepare) accumulate their gradients in the
+ * buckets and reduce nothing (see "Gradient accumulation" above); td_zero_step refuses to run
+ * (TD_ERR_STATE). Read by td_zero_prepare. Every member must use the same passes. */
+TD_API void td_zero_no_sync(td_zero *z, bool no_sync);
 /* td_zero_step reduces the gradients (a parameter without .grad counts as zeros), clips, steps
  * this member's shard and gathers the parameters (see above). Collective over the group; blocks.
  * Runs with autograd recording off. */
 TD_API td_status td_zero_step(td_zero *z);
+/* td_zero_step_scaled is td_zero_step for a loss scaled by s (tdist/optim.h, td_grad_scaler):
+ * after the reduction the gradients this member holds (its shard's; stage 1: the averaged .grads)
+ * are divided by s's scale and checked for infs and NaNs, and found_inf is agreed over the group
+ * and norm_group (an all_reduce MAX: at stages 2 and 3 a member sees only its shard); on an inf
+ * or a NaN every member skips the clipping, the shard step and the gathers, so the parameters
+ * stay as they were, equal everywhere (td_zero_stats.skipped_steps counts it). The caller then
+ * calls td_grad_scaler_update(s). s NULL: td_zero_step. Collective; blocks. */
+TD_API td_status td_zero_step_scaled(td_zero *z, td_grad_scaler *s);
 /* td_zero_gather_params (stage 3) gathers every unit's parameters into their tensors and keeps
  * them until td_zero_release_params (to save or inspect the model; a forward in between leaves
  * them gathered). Collective. Other stages: TD_OK, nothing to do. */
 TD_API td_status td_zero_gather_params(td_zero *z);
 /* td_zero_release_params frees what td_zero_gather_params gathered. Not collective. */
 TD_API td_status td_zero_release_params(td_zero *z);
-/* td_zero_zero_grad clears the .grad of every parameter (set to none). */
+/* td_zero_zero_grad clears the .grad of every parameter (set to none) and drops the gradients
+ * that passes under td_zero_no_sync accumulated in the buckets and no step has reduced (as
+ * PyTorch's zero_grad drops what no_sync accumulated in .grad); a no_sync pass still prepared
+ * ends. Not collective (every member should do the same). */
 TD_API void td_zero_zero_grad(td_zero *z);
 /* td_zero_set_lr changes the learning rate of every group for later steps (schedules). */
 TD_API td_status td_zero_set_lr(td_zero *z, double lr);
@@ -446,9 +511,12 @@ typedef struct td_zero_stats {
   int64_t shard_numel;    /* S: elements per shard (the last shards may hold padding) */
   int64_t owned_numel;    /* elements of real parameters in this member's shard (<= S) */
   size_t optim_params;    /* tensors the local optimizer updates (pieces of parameters) */
-  uint64_t steps;
+  uint64_t steps;         /* steps taken (loss scaling's skipped steps not counted) */
+  uint64_t skipped_steps; /* td_zero_step_scaled calls that skipped the step (found_inf) */
+  uint64_t passes_accumulated; /* passes prepared under td_zero_no_sync */
   double last_grad_norm;  /* the global norm before clipping at the last step (NAN before the
-                             first step, or without clipping) */
+                             first step, without clipping, or after a step loss scaling
+                             skipped) */
   bool overlap;           /* created with overlap */
   size_t buckets;         /* buckets of the layout (1 without overlap) */
   uint64_t passes_overlapped;         /* steps that ended an overlapped pass */

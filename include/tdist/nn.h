@@ -15,7 +15,9 @@
  * n_out); td_module_forward(m, x, &y) is its one-in, one-out form (what Sequential chains). Richer
  * modules also get a typed wrapper (td_lstm_forward). Outputs follow the tensor.h convention: on
  * TD_OK each out[i] holds a new reference, on failure out is untouched and td_last_error() says
- * which module and which shape was wrong.
+ * which module and which shape was wrong. Around every forward run the module's hook entries
+ * (td_module_add_forward_hooks); a module may be checkpointed (td_module_set_checkpoint: its
+ * forward keeps only its inputs and runs again in backward, see td_checkpoint in autograd.h).
  *
  * Initialisation follows PyTorch 1.13's defaults (see each constructor). Every constructor takes
  * a td_generator; NULL means the process-wide default generator of this layer (deterministic,
@@ -117,20 +119,79 @@ TD_API td_status td_module_forward(td_module *m, const td_tensor *x, td_tensor *
 TD_API td_status td_module_forward_multi(td_module *m, td_tensor *const *inputs, int n_inputs,
                                          td_tensor **outputs, int n_outputs);
 
-/* Forward hooks: one pair per module, set by the layer that manages it (ZeRO stage 3 gathers a
- * unit's parameters before its forward and frees them after). pre runs before the module's
- * forward (an error stops the forward and is returned); post runs after it, also when it failed
- * (st is its status; outputs are then untouched), and may replace outputs[i] (release the old
- * reference, store a new one); its error is returned (outputs released). Both run on the thread
- * calling forward, for td_module_forward and td_module_forward_multi alike. */
+/* Forward hooks. Layers that manage a module watch its forward through hooks: ZeRO stage 3
+ * gathers a unit's parameters before its forward and frees them after. pre runs before the
+ * module's forward (an error stops the forward and is returned); post runs after it, also when it
+ * failed (st is its status; outputs are then untouched), and may replace outputs[i] (release the
+ * old reference, store a new one); its error is returned (outputs released). */
 typedef td_status (*td_module_pre_hook_fn)(void *ctx, td_module *m);
 typedef td_status (*td_module_post_hook_fn)(void *ctx, td_module *m, td_status st,
                                             td_tensor **outputs, int n_outputs);
-/* td_module_set_forward_hooks sets m's hooks (either may be NULL); pre == post == NULL clears
- * them. TD_ERR_STATE when m already has hooks (one owner at a time: clear first). Not while m
- * runs forward on another thread. */
+/* td_module_add_forward_hooks adds an entry (pre, post, ctx) to m's forward hooks (either
+ * function may be NULL, not both) and stores its handle in *handle (may be NULL) for
+ * td_module_remove_forward_hooks. A module has any number of entries, each layer its own: the pre
+ * hooks run in registration order before the forward, the post hooks in registration order after
+ * it (as PyTorch's module hooks). When a pre hook fails the forward does not run, the post hooks
+ * of the entries before it run with that failure, and it is returned. Hooks run on the thread
+ * calling forward, for td_module_forward and td_module_forward_multi alike, and again when
+ * activation checkpointing recomputes the module's forward in backward (then
+ * td_checkpoint_is_recomputing() is true; a hook that must act once per forward checks it).
+ * A hook must not add or remove m's hooks. Not while m runs forward on another thread. */
+TD_API td_status td_module_add_forward_hooks(td_module *m, td_module_pre_hook_fn pre,
+                                             td_module_post_hook_fn post, void *ctx,
+                                             int *handle);
+/* td_module_remove_forward_hooks removes the entry handle. TD_ERR_NOT_FOUND when m has no entry
+ * by that handle. Not while m runs forward on another thread. */
+TD_API td_status td_module_remove_forward_hooks(td_module *m, int handle);
+/* td_module_set_forward_hooks is the single-owner form of earlier versions: it sets the one
+ * entry this call manages (pre == post == NULL removes it), which runs among the added entries
+ * in registration order. TD_ERR_STATE when it already set one (clear it first). */
 TD_API td_status td_module_set_forward_hooks(td_module *m, td_module_pre_hook_fn pre,
                                              td_module_post_hook_fn post, void *ctx);
+
+/* td_module_set_autocast makes m's forward (td_module_forward, td_module_forward_multi) run
+ * inside an autocast scope (tensor.h): enabled with dt TD_DTYPE_BF16 or TD_DTYPE_F16 computes in
+ * that dtype, enabled with TD_DTYPE_F32 or TD_DTYPE_F64 forces full precision inside (a part that
+ * must stay float32 within an autocast model); enabled false clears the setting (the forward runs
+ * in whatever scope its caller has). The parameters keep their dtype: float32 master weights with
+ * 16-bit compute. The setting travels with the thread that calls forward, so a module run by a
+ * pipeline stage or an RPC handler computes as configured. TD_ERR_DTYPE for another dtype. Not
+ * while m runs forward on another thread. */
+TD_API td_status td_module_set_autocast(td_module *m, bool enabled, td_dtype dt);
+
+/* ---- activation checkpointing ---- */
+
+/* How a module's forward keeps what its backward needs. */
+typedef enum td_checkpoint_mode {
+  TD_CHECKPOINT_NONE = 0,  /* everything the ops save (the default) */
+  TD_CHECKPOINT_FULL,      /* only the inputs: the whole forward runs again in backward
+                            * (td_checkpoint over the module's forward, hooks included) */
+  TD_CHECKPOINT_SELECTIVE, /* only the regions its type marks with td_module_checkpoint_region
+                            * run again (Megatron-LM's selective recompute: the GPT attention
+                            * modules mark their scaled-dot-product core, whose probabilities are
+                            * the large, cheap part) */
+} td_checkpoint_mode;
+
+/* td_module_set_checkpoint sets m's mode (m alone, not its children). With FULL, a forward with
+ * grad mode on goes through td_checkpoint: the module's pre hooks, then its type's forward
+ * without recording, then its post hooks; in backward, the hooks and the forward run again with
+ * recording over the saved inputs, and the incoming gradients flow through that graph; the
+ * parameters accumulate then (their hooks run during backward, as without checkpointing). The
+ * gradients are bit for bit those of the forward without checkpointing. With SELECTIVE, a forward
+ * with grad mode on that marks no region fails with TD_ERR_UNSUPPORTED (its type does not know
+ * selective recompute). A checkpointed forward must not make RPCs (refused, see td_checkpoint)
+ * and must draw random numbers only through td_tensor_dropout and the random fills. Not while m
+ * runs forward. */
+TD_API td_status td_module_set_checkpoint(td_module *m, td_checkpoint_mode mode);
+/* td_module_get_checkpoint returns m's mode (TD_CHECKPOINT_NONE for NULL). */
+TD_API td_checkpoint_mode td_module_get_checkpoint(const td_module *m);
+/* td_module_checkpoint_region is for module types' forwards: it runs fn(ctx, inputs, ...) into
+ * outputs as part of m's forward, through td_checkpoint (named name, or m's type name when NULL)
+ * when m's mode is TD_CHECKPOINT_SELECTIVE, directly otherwise. ctx must outlive the backward (the
+ * GPT attention passes none: its region reads only its inputs). */
+TD_API td_status td_module_checkpoint_region(td_module *m, const char *name, td_checkpoint_fn fn,
+                                             void *ctx, td_tensor *const *inputs, int n_inputs,
+                                             td_tensor **outputs, int n_outputs);
 
 /* ---- building modules (for user-defined types) ---- */
 
@@ -386,6 +447,12 @@ TD_API td_status td_gpt_create(const td_gpt_config *c, td_generator *g, td_modul
  * *loss (0-d). New references; release with td_tensor_unref(). THREAD SAFETY: as any forward. */
 TD_API td_status td_gpt_forward(td_module *gpt, const td_tensor *idx, const td_tensor *targets,
                                 td_tensor **logits, td_tensor **loss);
+/* td_gpt_set_activation_checkpointing sets how a GPT's blocks keep their activations: FULL
+ * checkpoints every block (transformer.h.<i>: its input is all it keeps), SELECTIVE every block's
+ * attention core (transformer.h.<i>.attn), NONE neither. Works on any module laid out as the GPT
+ * (the tensor-parallel GPT of parallel.h too); TD_ERR_INVALID, with nothing changed, for a module
+ * without transformer.h or a block without attn. */
+TD_API td_status td_gpt_set_activation_checkpointing(td_module *gpt, td_checkpoint_mode mode);
 /* td_gpt_config_get copies a GPT's configuration into *out (TD_ERR_INVALID for other modules). */
 TD_API td_status td_gpt_config_get(const td_module *gpt, td_gpt_config *out);
 

@@ -1,5 +1,6 @@
 /* optim.h - functional optimizers: SGD, Adam, AdamW, Adagrad and RMSprop; parameter groups,
- * gradient-norm clipping and a warmup + cosine learning-rate schedule.
+ * gradient-norm clipping, a warmup + cosine learning-rate schedule, and dynamic loss scaling
+ * (td_grad_scaler, at the end).
  *
  * A td_optim owns a list of parameters (references) and the per-parameter state (momentum
  * buffers, moment estimates, step counts). "Functional" means the gradients are an input of the
@@ -32,6 +33,7 @@
 #include <stdint.h>
 
 #include "tdist/autograd.h"
+#include "tdist/nn.h"
 #include "tdist/status.h"
 #include "tdist/tensor.h"
 
@@ -185,6 +187,125 @@ TD_API td_status td_optim_state_get(td_optim *o, size_t i, td_tensor *bufs[3], i
  * drops that state, so the next update starts it afresh as PyTorch does) and its step count.
  * TD_ERR_SHAPE for a wrong element count (nothing changed). Borrowed: bufs are only read. */
 TD_API td_status td_optim_state_set(td_optim *o, size_t i, td_tensor *const bufs[3], int64_t step);
+
+/* ---- dynamic loss scaling (mixed precision) ----
+ *
+ * td_grad_scaler is PyTorch's GradScaler (torch.cuda.amp, 1.13): float16 gradients underflow
+ * where float32 ones do not, so the loss is multiplied by a large scale before backward and the
+ * gradients divided by it before the step; a step whose gradients overflowed (an inf or a NaN)
+ * is skipped and the scale halved, and after growth_interval steps in a row without one the
+ * scale doubles. One iteration, every call in this order:
+ *
+ *     td_grad_scaler_scale(s, loss, &scaled);  td_tensor_backward(scaled);
+ *     td_grad_scaler_unscale_(s, opt);          (optional; needed before clipping)
+ *     td_optim_clip_grad_norm(opt, 1.0, 2.0, NULL);
+ *     td_grad_scaler_step(s, opt, &stepped);    (the optimizer's step unless found_inf)
+ *     td_grad_scaler_update(s);                 (the scale rule; ends the iteration)
+ *
+ * Data parallelism: every replica must skip the same steps, so found_inf is a decision taken
+ * once per iteration through an agreement (td_grad_scaler_set_agreement; tdist/collectives.h's
+ * td_grad_scaler_set_process_group makes it an all_reduce MAX over a process group, and
+ * td_zero_step_scaled agrees over the td_zero's groups itself, since each ZeRO member sees only
+ * its shard of the gradient). Without an agreement the decision is this process's alone.
+ * With gradient accumulation the scale multiplies each micro-batch's loss (divided by the
+ * micro-batch count first); one update per optimizer step.
+ *
+ * Precision: the scale is held as a float32 value (PyTorch's tensor); its powers of two make
+ * scaling and unscaling exact, so a run that never overflows computes, in float32 or float64,
+ * the same numbers as one without scaling (up to values that underflow without it).
+ *
+ * THREAD SAFETY: not locked; one thread uses a scaler at a time. The calls block only when the
+ * agreement does (a collective). */
+typedef struct td_grad_scaler td_grad_scaler;
+
+typedef struct td_grad_scaler_options {
+  double init_scale;       /* the first scale: default 65536 (2^16); > 0, a finite float32 */
+  double growth_factor;    /* dynamic: the scale's factor after growth_interval good steps (2) */
+  double backoff_factor;   /* dynamic: its factor after a step with an inf or a NaN (0.5) */
+  int64_t growth_interval; /* dynamic: good steps in a row before the scale grows (2000) */
+  bool dynamic;            /* true (default): the rule above; false: the scale stays init_scale
+                              (steps with an inf or a NaN are still skipped), as Megatron's
+                              constant scaler */
+} td_grad_scaler_options;
+/* td_grad_scaler_options_init sets PyTorch's defaults (65536, 2, 0.5, 2000, dynamic). */
+TD_API void td_grad_scaler_options_init(td_grad_scaler_options *o);
+
+/* td_grad_scaler_create makes a scaler (opts NULL: the defaults). TD_ERR_INVALID for an
+ * init_scale that is not a positive finite float32, or, when dynamic, a growth_factor <= 1, a
+ * backoff_factor outside (0, 1) or a growth_interval < 1. Release with td_grad_scaler_destroy. */
+TD_API td_status td_grad_scaler_create(const td_grad_scaler_options *opts, td_grad_scaler **out);
+/* td_grad_scaler_destroy frees s. NULL does nothing. */
+TD_API void td_grad_scaler_destroy(td_grad_scaler *s);
+
+/* td_grad_scaler_scale returns loss * scale in *out (a new reference, differentiable: its
+ * backward gives the scaled gradients). */
+TD_API td_status td_grad_scaler_scale(td_grad_scaler *s, const td_tensor *loss, td_tensor **out);
+/* td_grad_scaler_unscale_ divides the .grad of every parameter of opt by the scale, in place,
+ * and records whether any held an inf or a NaN (before the division, as PyTorch checks).
+ * TD_ERR_STATE when called twice for opt in one iteration, or after the iteration's found_inf
+ * was decided (unscale every optimizer before the first step). */
+TD_API td_status td_grad_scaler_unscale_(td_grad_scaler *s, td_optim *opt);
+/* td_grad_scaler_unscale_grads_ is the same for gradients the caller holds (a sharded
+ * optimizer's shard, say): grads[0..n) divided in place (NULL entries skipped), the inf check
+ * recorded. May be called several times per iteration, until found_inf is decided
+ * (TD_ERR_STATE after). Borrowed: the tensors are only written. */
+TD_API td_status td_grad_scaler_unscale_grads_(td_grad_scaler *s, td_tensor *const *grads,
+                                               size_t n);
+
+/* An agreement on found_inf: *found_inf holds this process's flag on entry and, on TD_OK, the
+ * flag every replica acts on (the OR over the replicas). Runs once per iteration, at the first
+ * td_grad_scaler_found_inf (or step, or update); collective for the replicas that share it. */
+typedef td_status (*td_grad_scaler_agree_fn)(void *ctx, bool *found_inf);
+/* td_grad_scaler_set_agreement sets (fn NULL: removes) the agreement of later iterations; ctx
+ * is borrowed and must outlive the scaler's use of it. */
+TD_API void td_grad_scaler_set_agreement(td_grad_scaler *s, td_grad_scaler_agree_fn fn,
+                                         void *ctx);
+/* td_grad_scaler_found_inf reports whether this iteration's gradients held an inf or a NaN: the
+ * first call of an iteration takes the decision (through the agreement, when one is set), the
+ * later ones return it. TD_ERR_STATE when nothing was unscaled in this iteration. */
+TD_API td_status td_grad_scaler_found_inf(td_grad_scaler *s, bool *found);
+/* td_grad_scaler_found_inf_ex is td_grad_scaler_found_inf with agreement fn (ctx; NULL: this
+ * process's flag) instead of the one set, for code that agrees over its own groups
+ * (td_zero_step_scaled). Once decided, the decision stands whatever fn is given. */
+TD_API td_status td_grad_scaler_found_inf_ex(td_grad_scaler *s, td_grad_scaler_agree_fn fn,
+                                             void *ctx, bool *found);
+/* td_grad_scaler_step unscales opt's gradients if td_grad_scaler_unscale_ did not, takes the
+ * iteration's decision and steps opt unless found_inf; *stepped (may be NULL) tells which.
+ * TD_ERR_STATE when called twice for opt in one iteration. */
+TD_API td_status td_grad_scaler_step(td_grad_scaler *s, td_optim *opt, bool *stepped);
+/* td_grad_scaler_update applies the rule (see td_grad_scaler_options) from the iteration's
+ * decision and ends the iteration. TD_ERR_STATE when nothing was unscaled since the last update
+ * (PyTorch: "No inf checks were recorded prior to update"). */
+TD_API td_status td_grad_scaler_update(td_grad_scaler *s);
+/* td_grad_scaler_get_scale returns the current scale (NAN for NULL). */
+TD_API double td_grad_scaler_get_scale(const td_grad_scaler *s);
+
+typedef struct td_grad_scaler_stats {
+  uint64_t updates;       /* iterations ended by td_grad_scaler_update */
+  uint64_t skipped_steps; /* of those, iterations whose found_inf was true (no step taken) */
+  uint64_t backoffs, growths; /* scale changes (dynamic) */
+} td_grad_scaler_stats;
+TD_API td_status td_grad_scaler_get_stats(const td_grad_scaler *s, td_grad_scaler_stats *out);
+
+/* The state a checkpoint keeps (PyTorch's GradScaler.state_dict: scale and _growth_tracker). */
+typedef struct td_grad_scaler_state {
+  double scale;
+  int64_t growth_tracker; /* good steps in a row since the scale last changed */
+} td_grad_scaler_state;
+TD_API td_status td_grad_scaler_get_state(const td_grad_scaler *s, td_grad_scaler_state *out);
+/* td_grad_scaler_set_state restores it (between iterations: TD_ERR_STATE after an unscale and
+ * before the update; TD_ERR_INVALID for a scale that is not a positive finite float32 or a
+ * negative tracker). */
+TD_API td_status td_grad_scaler_set_state(td_grad_scaler *s, const td_grad_scaler_state *in);
+/* td_grad_scaler_state_dict appends PyTorch's five entries as 0-d tensors named prefix + "scale",
+ * "growth_factor", "backoff_factor" (float64), "growth_interval", "_growth_tracker" (int64) to
+ * *out (prefix may be NULL), for a safetensors checkpoint beside the model's tensors. */
+TD_API td_status td_grad_scaler_state_dict(const td_grad_scaler *s, const char *prefix,
+                                           td_tensor_list *out);
+/* td_grad_scaler_load_state_dict restores them from sd: scale and _growth_tracker are required,
+ * the three others optional (validated as at creation; nothing changes on an error). */
+TD_API td_status td_grad_scaler_load_state_dict(td_grad_scaler *s, const char *prefix,
+                                                const td_tensor_list *sd);
 
 #ifdef __cplusplus
 }

@@ -60,8 +60,22 @@ typedef struct td_rpc_device_map_entry {
 /* The default of td_rpc_options.max_message_bytes: a 2 GiB tensor fits. */
 #define TD_RPC_DEFAULT_MAX_MESSAGE ((2ull << 30) + (64ull << 20))
 
+/* Option structs whose zero values would mean something else than their defaults (a 0 ms
+ * timeout: every call expiring at once) start with a field `magic` that only their initialiser
+ * sets: td_rpc_options_init() for td_rpc_options, TD_RPC_CALL_OPTS_INIT or td_rpc_call_opts_init()
+ * for td_rpc_call_opts. A struct not filled by it (`= {0}`, memset, or written field by field)
+ * is refused with TD_ERR_INVALID and a message naming the initialiser, before anything is sent.
+ * Set fields after the initialiser; never set magic by hand. */
+#define TD_RPC_OPTIONS_MAGIC 0x74645231u   /* "tdR1" */
+#define TD_RPC_CALL_OPTS_MAGIC 0x74644331u /* "tdC1" */
+
+/* Fill with td_rpc_options_init(), then set what differs. */
 typedef struct td_rpc_options {
-  /* "tcp://host:port" of rank 0's store, or NULL to use MASTER_ADDR/MASTER_PORT. */
+  /* Set by td_rpc_options_init (TD_RPC_OPTIONS_MAGIC); anything else is refused. */
+  uint32_t magic;
+  /* "tcp://host:port" of rank 0's store; NULL or "env://" (PyTorch's default) read MASTER_ADDR
+   * and MASTER_PORT (Slurm's first node and a port per Slurm or Open MPI job as fallbacks;
+   * td_rpc_init fails naming what is missing, td_rpc_init_from_env defaults to 127.0.0.1:29500). */
   const char *init_method;
   /* Threads running registered functions. Default 16. */
   int num_worker_threads;
@@ -77,8 +91,11 @@ typedef struct td_rpc_options {
    * exact), else the interface of the route toward the master, else loopback (the choice is
    * logged at INFO; loopback whenever the master is loopback). */
   const char *listen_addr;
-  /* Keepalive ping interval for peer connections, ms. Default 2000. A peer whose process died is
-   * detected at once (its connection closes); keepalive catches hung peers and cut links. */
+  /* Keepalive ping interval for peer connections, ms. Default (0) 2000, or 2000 * (world - 1) / 64
+   * in groups of more than 65 workers (each worker pings every peer it has a stream to, so the
+   * group's pings grow as N^2; this keeps each worker at about 32 a second). A peer whose process
+   * died is detected at once (its connection closes); keepalive catches hung peers and cut
+   * links. */
   int64_t keepalive_ms;
   /* How long a keepalive ping may stay unanswered before the peer is declared gone and every call
    * waiting on it fails, ms (> 0; TD_TIMEOUT_DEFAULT gives the default; ZERO and INFINITE are
@@ -197,7 +214,8 @@ TD_API int td_rpc_progress_fd(const td_rpc_agent *a);
  * a time. */
 TD_API int td_rpc_progress(td_rpc_agent *a, int max_items);
 
-/* td_rpc_options_init fills o with the defaults. */
+/* td_rpc_options_init fills o with the defaults (and its magic: a td_rpc_options not filled by
+ * it is refused by td_rpc_init and td_rpc_init_from_env). */
 TD_API void td_rpc_options_init(td_rpc_options *o);
 
 /* td_rpc_secret_generate writes a new random job secret (64 hexadecimal characters and a NUL) into
@@ -266,7 +284,11 @@ TD_API td_status td_rpc_register_ex(const char *name, td_rpc_fn fn, void *user_d
 TD_API td_status td_rpc_unregister(const char *name);
 
 /* td_rpc_init joins the group as worker `name` (NULL: "worker<rank>"). Blocks until every worker
- * has joined or opts->init_timeout_ms passes. Invalid or duplicate names, a rank outside
+ * has joined or opts->init_timeout_ms passes. Rank 0's store is opts->init_method, or MASTER_ADDR /
+ * MASTER_PORT from the environment (see td_rpc_options.init_method). Other workers may call this
+ * one as soon as they have joined: their requests wait until this init has finished (every layer
+ * ready), then run, possibly before td_rpc_init has returned here; a handler gets the agent from
+ * td_rpc_ctx_agent. Invalid or duplicate names, a rank outside
  * [0, world_size) or taken twice, a world size that differs from rank 0's and a bad device map
  * (see td_rpc_options.device_maps) are errors. Returns
  * the agent in *out; release with td_rpc_shutdown() then td_rpc_destroy(). */
@@ -304,18 +326,33 @@ TD_API int64_t td_rpc_busy_poll_us(const td_rpc_agent *a);
 /* td_rpc_direct_copy_peers returns how many peers copy tensors directly from this worker. */
 TD_API int td_rpc_direct_copy_peers(const td_rpc_agent *a);
 
+/* Options of one call. Fill with TD_RPC_CALL_OPTS_INIT (or td_rpc_call_opts_init), then set what
+ * differs:
+ *   td_rpc_call_opts o = TD_RPC_CALL_OPTS_INIT;
+ *   o.timeout_ms = 500;
+ * A struct not filled so (`td_rpc_call_opts o = {0}`, `{.timeout_ms = 500}`) fails the call at
+ * once with TD_ERR_INVALID ("td_rpc_call_opts not initialised: use TD_RPC_CALL_OPTS_INIT"), and
+ * nothing is sent: a zeroed timeout would otherwise read as TD_TIMEOUT_ZERO, expired at once. */
 typedef struct td_rpc_call_opts {
+  /* Set by the initialiser (TD_RPC_CALL_OPTS_MAGIC); anything else is refused. */
+  uint32_t magic;
   /* The call's timeout (tdist/timeout.h): TD_TIMEOUT_DEFAULT is the agent's rpc timeout as it is
    * when the call starts, TD_TIMEOUT_INFINITE none, TD_TIMEOUT_ZERO fails the call at once with
    * TD_ERR_TIMEOUT. It travels with the request: the callee drops a request whose deadline passed
-   * while it was queued, and its handler can read the deadline (td_rpc_ctx_deadline_ns). */
+   * while it was queued, and its handler can read what is left of it
+   * (td_rpc_ctx_time_left_ms). */
   td_timeout_ms timeout_ms;
 } td_rpc_call_opts;
-/* TD_RPC_CALL_OPTS_INIT initialises a td_rpc_call_opts with the defaults. */
-#define TD_RPC_CALL_OPTS_INIT {TD_TIMEOUT_DEFAULT}
+/* TD_RPC_CALL_OPTS_INIT initialises a td_rpc_call_opts with the defaults (timeout
+ * TD_TIMEOUT_DEFAULT). */
+#define TD_RPC_CALL_OPTS_INIT {TD_RPC_CALL_OPTS_MAGIC, TD_TIMEOUT_DEFAULT}
+/* td_rpc_call_opts_init does the same as TD_RPC_CALL_OPTS_INIT (for bindings, which cannot use
+ * macros). */
+TD_API void td_rpc_call_opts_init(td_rpc_call_opts *o);
 
 /* td_rpc_async calls fn on worker `to` with args[0..nargs) (borrowed; not to be modified
- * afterwards) and returns at once with a future (new reference) in *out. opts may be NULL. A CUDA
+ * afterwards) and returns at once with a future (new reference) in *out. opts may be NULL (the
+ * defaults); one not filled by TD_RPC_CALL_OPTS_INIT is TD_ERR_INVALID, nothing sent. A CUDA
  * tensor on a device that the device map toward `to` does not cover fails the call at once with
  * TD_ERR_DEVICE (see td_rpc_options.device_maps). */
 TD_API td_status td_rpc_async(td_rpc_agent *a, const char *to, const char *fn,

@@ -94,10 +94,10 @@ TD_API td_status td_rref_to_here(td_rref *r, td_timeout_ms timeout, td_value **o
  * owner it completes when the value has been created (the timeout is not applied there). */
 TD_API td_status td_rref_to_here_async(td_rref *r, td_timeout_ms timeout, td_future **out);
 
-/* td_rref_local_value returns the value (new reference) on the owner without waiting.
- * TD_ERR_STATE on a user RRef (the message names the owner), while the value is still being
- * created (wait on the creation future first), or after shutdown; the creation error when the
- * creation failed. */
+/* td_rref_local_value returns the value (new reference) on the owner. While the value is still
+ * being created it waits for it, at most the agent's rpc timeout (TD_ERR_TIMEOUT then), as
+ * PyTorch's local_value does on an owner. TD_ERR_STATE on a user RRef (the message names the
+ * owner) or after shutdown; the creation error when the creation failed. */
 TD_API td_status td_rref_local_value(td_rref *r, td_value **out);
 
 /* td_rref_owner returns the owner's rank (-1 for NULL). */
@@ -187,8 +187,10 @@ TD_API const char *td_value_object_type(const td_value *v);
 TD_API td_status td_rref_debug_table(td_rpc_agent *a, td_value **out);
 
 /* td_rref_set_strict turns leak reports into errors (process-wide): a graceful td_rpc_shutdown that
- * finds owned RRefs with live users or handles, or user RRefs not released, returns TD_ERR_STATE
- * naming them (after releasing them). Also on when the environment has TD_RREF_STRICT=1. */
+ * finds owned RRefs with live users or handles, or user RRefs not released, logs a warning and
+ * returns TD_ERR_STATE naming them (after releasing them). Also on when the environment has
+ * TD_RREF_STRICT=1. Off (the default), RRefs the program still holds at shutdown are released as
+ * PyTorch's shutdown does, and listed at DEBUG level only. */
 TD_API void td_rref_set_strict(bool on);
 
 #ifdef __cplusplus

@@ -29,13 +29,19 @@ extern "C" {
 /* Maximum number of dimensions of a tensor. */
 #define TD_MAX_DIMS 8
 
-/* Element types. float32, float64 and int64 are computed with; the others (numbers >= 3) exist
- * for transport and storage - the dtypes other runtimes hand over (PyTorch, numpy): CPU tensors
- * of them can be created (td_tensor_empty/zeros/full, from_buffer, from_borrowed), viewed, copied
- * and converted to and from every dtype (td_tensor_to_dtype, td_tensor_copy_: conversions go
- * through double, float -> integer truncates, -> bool is != 0), read (td_tensor_get, item),
- * compared (td_tensor_allclose) and sent in RPC values; every other op, autograd and CUDA
- * placement refuse them with TD_ERR_DTYPE ("<op>: float16 is a transport-only dtype ..."). */
+/* Element types. float32, float64, bfloat16 and float16 are computed with (the floating dtypes:
+ * td_dtype_is_float), int64 too where integers make sense (indices, counts, arithmetic). The
+ * two 16-bit floats are CPU dtypes so far (a CUDA tensor of them is refused with TD_ERR_DTYPE):
+ * their kernels load into float32, compute there (matrix products accumulate in float32; sums,
+ * softmax, layer norm and losses read them into float32) and round the result to nearest even.
+ * Most programs use them through autocast (td_autocast_begin below: float32 weights, 16-bit
+ * compute) rather than as parameters. int32, uint8 and bool (numbers >= 5) exist for transport
+ * and storage - the dtypes other runtimes hand over (PyTorch, numpy): CPU tensors of them can be
+ * created (td_tensor_empty/zeros/full, from_buffer, from_borrowed), viewed, copied and converted
+ * to and from every dtype (td_tensor_to_dtype, td_tensor_copy_: float -> integer truncates,
+ * -> bool is != 0), read (td_tensor_get, item), compared (td_tensor_allclose) and sent in RPC
+ * values; every other op, autograd and CUDA placement refuse them with TD_ERR_DTYPE ("<op>: int32
+ * is a transport-only dtype ..."). */
 typedef enum td_dtype {
   TD_DTYPE_F32 = 0,
   TD_DTYPE_F64 = 1,
@@ -121,6 +127,49 @@ TD_API size_t td_dtype_size(td_dtype dt);
  * "bfloat16", "int32", "uint8", "bool" ("unknown" for a number that is no dtype); never NULL.
  * Static storage. */
 TD_API const char *td_dtype_name(td_dtype dt);
+/* td_dtype_is_float returns true for float32, float64, bfloat16 and float16: the dtypes that can
+ * require grad. */
+TD_API bool td_dtype_is_float(td_dtype dt);
+
+/* ---- mixed precision (autocast) ----
+ *
+ * An autocast scope makes this thread's ops compute in a 16-bit float while the tensors a program
+ * holds (parameters, optimizer state) stay float32, as torch.autocast does:
+ *   - matmul, linear, conv2d and scaled_dot_product_attention cast their floating inputs to the
+ *     scope's dtype and compute there (products accumulate in float32); the result has the
+ *     scope's dtype;
+ *   - softmax, log_softmax, layer_norm, the losses (cross_entropy, nll_loss, mse_loss), sum and
+ *     mean cast 16-bit inputs to float32 and return float32;
+ *   - every other op runs in its inputs' dtype, and binary ops of two floating dtypes compute in
+ *     the wider one (bfloat16 + float32 -> float32; bfloat16 + float16 -> float32).
+ * The casts are differentiable: a float32 weight's gradient arrives in float32. The cast of a
+ * leaf that requires grad (a weight) is made once per outermost scope and reused by every op that
+ * reads the weight in that scope (cleared when the outermost scope ends), so a forward pass
+ * converts each weight once. Backward passes ignore autocast (each node computes in the dtypes its
+ * forward saw), so calling backward inside or outside the scope gives the same gradients.
+ *
+ *   td_autocast_begin(TD_DTYPE_BF16);
+ *   td_module_forward(model, x, &logits);  td_tensor_cross_entropy(logits, y, ..., &loss);
+ *   td_autocast_end();
+ *   td_tensor_backward(loss, NULL);  td_optim_step(opt);
+ *
+ * Modules can carry the setting themselves (td_module_set_autocast in nn.h), which is what a
+ * pipeline stage or an RPC handler (other threads) needs. */
+/* td_autocast_begin opens an autocast scope on this thread computing in dt (TD_DTYPE_BF16 or
+ * TD_DTYPE_F16), or, with TD_DTYPE_F32 or TD_DTYPE_F64, a scope with autocast off (a region that
+ * must run in full precision inside an autocast scope). Scopes nest (at most 64 deep); close each
+ * with td_autocast_end. TD_ERR_DTYPE for another dtype, TD_ERR_STATE past 64. THREAD SAFETY:
+ * per thread. */
+TD_API td_status td_autocast_begin(td_dtype dt);
+/* td_autocast_end closes the innermost scope; closing the outermost one releases the cached weight
+ * casts. Does nothing without an open scope. */
+TD_API void td_autocast_end(void);
+/* td_autocast_dtype returns true when autocast is on for this thread and then stores its dtype in
+ * *dt (dt may be NULL). */
+TD_API bool td_autocast_dtype(td_dtype *dt);
+/* td_autocast_cache_stats reports this thread's weight-cast cache: *casts made since the outermost
+ * scope opened and *hits (reuses). Either pointer may be NULL. For tests and tuning. */
+TD_API void td_autocast_cache_stats(int64_t *casts, int64_t *hits);
 
 /* ---- generators ---- */
 

@@ -11,8 +11,9 @@
  *                         collectives; a future has no default of its own: it waits without limit)
  *
  * Any other negative value is TD_ERR_INVALID. An option struct's initialiser
- * (td_rpc_options_init) fills its timeouts with their documented values; a struct of call options
- * written by hand should say TD_TIMEOUT_DEFAULT rather than 0, which means "expire now".
+ * (td_rpc_options_init, TD_RPC_CALL_OPTS_INIT) fills its timeouts with their documented values,
+ * and the structs whose timeouts 0 would silently expire refuse to be used without it (tdist/rpc.h,
+ * TD_RPC_OPTIONS_MAGIC): a zeroed struct is an error, not a deadline.
  */
 #ifndef TDIST_TIMEOUT_H
 #define TDIST_TIMEOUT_H

@@ -20,7 +20,7 @@ extern "C" {
 #endif
 
 #define TD_VERSION_MAJOR 0
-#define TD_VERSION_MINOR 1
+#define TD_VERSION_MINOR 2
 #define TD_VERSION_PATCH 0
 
 #define TD__VERSION_STR_(x) #x

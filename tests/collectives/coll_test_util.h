@@ -60,6 +60,12 @@ static inline double coll_scale(void) {
 /* Element i of a tensor of n doubles, converted to dt. */
 static inline td_tensor *coll_tensor(const double *v, int64_t n, td_dtype dt) {
   td_tensor *t = NULL;
+  if (dt == TD_DTYPE_BF16 || dt == TD_DTYPE_F16) { /* through float64: rounded to nearest */
+    td_tensor *d = coll_tensor(v, n, TD_DTYPE_F64);
+    MP_CHECK_OK(td_tensor_to_dtype(d, dt, &t));
+    td_tensor_unref(d);
+    return t;
+  }
   MP_CHECK_OK(td_tensor_empty(&n, 1, dt, td_device_cpu(), &t));
   for (int64_t i = 0; i < n; i++) {
     if (dt == TD_DTYPE_F32) ((float *)td_tensor_data(t))[i] = (float)v[i];
@@ -75,6 +81,12 @@ static inline double coll_elem(const td_tensor *t, int64_t i) {
   switch (td_tensor_dtype(t)) {
     case TD_DTYPE_F32: return (double)((const float *)p)[i];
     case TD_DTYPE_F64: return ((const double *)p)[i];
+    case TD_DTYPE_BF16: {
+      uint32_t b = (uint32_t)((const uint16_t *)p)[i] << 16;
+      float f;
+      memcpy(&f, &b, sizeof f);
+      return (double)f;
+    }
     default: return (double)((const int64_t *)p)[i];
   }
 }

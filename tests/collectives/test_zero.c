@@ -12,7 +12,12 @@
  * (in any order; a missing or repeated rank, or a shard missing state, is refused) into a file whose parameters are the
  * model's; 2 members load the consolidated file, 1 member the 3 shard files, and 4 more steps
  * match a process that never stopped (1e-10); a td_zero over other shapes refuses the file.
- * With TD_ZERO_CKPT_DIR the files stay there for check_zero_ckpt.py (PyTorch). */
+ * With TD_ZERO_CKPT_DIR the files stay there for check_zero_ckpt.py (PyTorch).
+ * Stage 3 with activation checkpointing (2 members, a tiny GPT whose blocks are the units): every
+ * block checkpointed (float64 and float32), every attention core, or the whole stack of blocks
+ * as one region (whose recompute gathers each unit in its pre-forward hook, the units' identity
+ * nodes being then inside the region): 3 steps give the plain GPT's parameters bit for bit, with
+ * as many unit gathers and prefetches as without checkpointing. */
 #include <errno.h>
 #include <math.h>
 #include <setjmp.h>
@@ -464,6 +469,112 @@ static void run_stage3(td_process_group *pg, int rank, bool prefetch) {
   td_module_unref(ref);
 }
 
+/* ---- stage 3: a unit with more outputs than any fixed table ---- */
+
+enum { FAN = 40 }; /* outputs of the unit: more than the 16 wrap_outputs once handled */
+
+/* Fan: outputs[i] = x * w[i] for a 2-element input x and a FAN-element parameter w. */
+static td_status fan_forward(td_module *self, td_tensor *const *inputs, int n_inputs,
+                             td_tensor **outputs, int n_outputs) {
+  if (n_inputs != 1 || n_outputs != FAN)
+    return td_set_error(TD_ERR_INVALID, "Fan: 1 input and %d outputs", FAN);
+  td_tensor *w = NULL;
+  td_status st = td_module_get_parameter(self, "w", &w);
+  if (st != TD_OK) return st;
+  int i = 0;
+  for (; st == TD_OK && i < FAN; i++) {
+    td_tensor *wi = NULL;
+    st = td_tensor_narrow(w, 0, i, 1, &wi);
+    if (st == TD_OK) st = td_tensor_mul(inputs[0], wi, &outputs[i]);
+    td_tensor_unref(wi);
+  }
+  if (st != TD_OK)
+    for (int k = 0; k < i - 1; k++) td_tensor_unref(outputs[k]), outputs[k] = NULL;
+  td_tensor_unref(w);
+  return st;
+}
+
+static const td_module_type fan_type = {"Fan", fan_forward, NULL};
+
+/* Every output of a 40-output unit goes through the unit's gather in backward (the x gradient
+ * reads w, which is freed between forward and backward), and one SGD step matches the formula:
+ * loss = sum_i (i + 1) * sum(x * w[i]) with x = [rank + 1, 1] gives dw[i] = (i + 1)(rank + 2),
+ * averaged over the members, and dx = sum_i (i + 1) w[i] in both entries. */
+static void run_stage3_many_outputs(td_process_group *pg, int rank, int world) {
+  td_module *fan = NULL;
+  MP_CHECK_OK(td_module_create(&fan_type, NULL, &fan));
+  int64_t wn = FAN, xn = 2;
+  td_tensor *w = NULL;
+  MP_CHECK_OK(td_tensor_full(&wn, 1, 0.0, TD_DTYPE_F64, td_device_cpu(), &w));
+  double *wd = td_tensor_data(w), w0[FAN];
+  for (int i = 0; i < FAN; i++) wd[i] = w0[i] = 0.5 + 0.01 * i;
+  MP_CHECK_OK(td_module_register_parameter(fan, "w", w));
+  td_optim_options o;
+  td_optim_options_init(&o, TD_OPTIM_SGD);
+  o.lr = 0.1;
+  td_zero_options zo;
+  td_zero_options_init(&zo);
+  zo.stage = 3;
+  zo.units = &fan;
+  zo.n_units = 1;
+  td_optim_group g;
+  td_optim_group_init(&g, &w, 1);
+  td_zero *z = NULL;
+  MP_CHECK_OK(td_zero_create(pg, &o, &g, 1, &zo, &z));
+  MP_CHECK(td_tensor_data(w) == NULL); /* freed until its forward */
+
+  double xv[2] = {rank + 1.0, 1.0};
+  td_tensor *x = NULL, *outs[FAN] = {0}, *loss = NULL;
+  MP_CHECK_OK(td_tensor_from_buffer(xv, &xn, 1, TD_DTYPE_F64, &x));
+  MP_CHECK_OK(td_tensor_set_requires_grad(x, true));
+  MP_CHECK_OK(td_zero_prepare(z));
+  MP_CHECK_OK(td_module_forward_multi(fan, &x, 1, outs, FAN));
+  MP_CHECK(td_tensor_data(w) == NULL); /* freed after it */
+  for (int i = 0; i < FAN; i++) {
+    const td_node *fn = td_tensor_grad_fn(outs[i]);
+    if (!fn || strcmp(td_node_name(fn), "ZeroUnitGather") != 0) {
+      fprintf(stderr, "[rank %d] output %d of %d: grad_fn %s, want ZeroUnitGather\n", rank, i,
+              FAN, fn ? td_node_name(fn) : "(none)");
+      MP_CHECK(0);
+    }
+    td_tensor *s = NULL, *si = NULL, *sum = NULL;
+    MP_CHECK_OK(td_tensor_sum_all(outs[i], &s));
+    MP_CHECK_OK(td_tensor_mul_scalar(s, i + 1.0, &si));
+    if (loss) MP_CHECK_OK(td_tensor_add(loss, si, &sum));
+    td_tensor_unref(loss);
+    loss = sum ? sum : td_tensor_ref(si);
+    td_tensor_unref(s);
+    td_tensor_unref(si);
+    td_tensor_unref(outs[i]);
+  }
+  MP_CHECK_OK(td_tensor_backward(loss));
+  td_tensor *gxt = td_tensor_grad(x);
+  MP_CHECK(gxt != NULL);
+  const double *gx = td_tensor_data(gxt);
+  double want_gx = 0;
+  for (int i = 0; i < FAN; i++) want_gx += (i + 1.0) * w0[i];
+  MP_CHECK(fabs(gx[0] - want_gx) <= 1e-12 * want_gx && fabs(gx[1] - want_gx) <= 1e-12 * want_gx);
+  td_tensor_unref(gxt);
+  MP_CHECK_OK(td_zero_step(z));
+  MP_CHECK_OK(td_zero_gather_params(z));
+  double mean_r2 = 0; /* the average of rank + 2 */
+  for (int r = 0; r < world; r++) mean_r2 += (r + 2.0) / world;
+  wd = td_tensor_data(w);
+  for (int i = 0; i < FAN; i++) {
+    double want = w0[i] - 0.1 * (i + 1.0) * mean_r2;
+    if (fabs(wd[i] - want) > 1e-12) {
+      fprintf(stderr, "[rank %d] w[%d] = %.17g after the step, want %.17g\n", rank, i, wd[i], want);
+      MP_CHECK(0);
+    }
+  }
+  MP_CHECK_OK(td_zero_release_params(z));
+  td_tensor_unref(loss);
+  td_tensor_unref(x);
+  td_zero_destroy(z);
+  td_tensor_unref(w);
+  td_module_unref(fan);
+}
+
 static int worker_zero(int rank, int world, const char *method, void *arg) {
   (void)arg;
   td_rpc_agent *a = coll_join(rank, world, method);
@@ -504,6 +615,7 @@ static int worker_zero(int rank, int world, const char *method, void *arg) {
   run_overlap(pg, rank, true);
   run_stage3(pg, rank, true);
   run_stage3(pg, rank, false);
+  run_stage3_many_outputs(pg, rank, world);
   td_process_group_destroy(pg);
   coll_leave(a);
   CHECK_NO_LEAKS();
@@ -701,6 +813,111 @@ static int worker_resume(int rank, int world, const char *method, void *arg) {
   return 0;
 }
 
+/* ---- stage 3 with activation checkpointing ---- */
+
+/* ZeRO-3 over the GPT m, its blocks the units (AdamW, decay on the matrices, clipping). */
+static td_zero *zero3_gpt(td_process_group *pg, td_module *m, td_tensor_list *ps) {
+  td_tensor_list_init(ps);
+  MP_CHECK_OK(td_module_parameters(m, ps));
+  td_tensor *w[64], *b[64];
+  size_t nw = 0, nb = 0;
+  for (size_t i = 0; i < ps->n && nw < 64 && nb < 64; i++) {
+    if (td_tensor_ndim(ps->tensors[i]) >= 2) w[nw++] = ps->tensors[i];
+    else b[nb++] = ps->tensors[i];
+  }
+  td_optim_group g[2];
+  td_optim_group_init(&g[0], w, nw);
+  g[0].weight_decay = DECAY;
+  td_optim_group_init(&g[1], b, nb);
+  td_optim_options o;
+  adamw(&o);
+  td_module *h = td_module_child(td_module_child(m, "transformer"), "h"), *units[3];
+  for (int i = 0; i < 3; i++) units[i] = td_module_child_at(h, i, NULL);
+  td_zero_options zo;
+  td_zero_options_init(&zo);
+  zo.stage = 3;
+  zo.max_grad_norm = 1.0;
+  zo.units = units;
+  zo.n_units = 3;
+  td_zero *z = NULL;
+  MP_CHECK_OK(td_zero_create(pg, &o, g, 2, &zo, &z));
+  return z;
+}
+
+static void zero3_gpt_step(td_zero *z, td_module *m, int rank, int step, int regions) {
+  int64_t s[2] = {2, 8}, v[16], t[16];
+  for (int i = 0; i < 16; i++) {
+    v[i] = (int64_t)((7 * step + 3 * rank + 5 * i) % 13);
+    t[i] = (v[i] * 2 + 1) % 13;
+  }
+  td_tensor *idx = NULL, *tgt = NULL, *logits = NULL, *loss = NULL;
+  MP_CHECK_OK(td_tensor_from_buffer(v, s, 2, TD_DTYPE_I64, &idx));
+  MP_CHECK_OK(td_tensor_from_buffer(t, s, 2, TD_DTYPE_I64, &tgt));
+  td_zero_zero_grad(z);
+  MP_CHECK_OK(td_zero_prepare(z));
+  MP_CHECK_OK(td_gpt_forward(m, idx, tgt, &logits, &loss));
+  MP_CHECK(td_test_count_nodes(loss, "CheckpointBackward") == regions);
+  MP_CHECK_OK(td_tensor_backward(loss));
+  MP_CHECK_OK(td_zero_step(z));
+  td_tensor_unref(idx), td_tensor_unref(tgt), td_tensor_unref(logits), td_tensor_unref(loss);
+}
+
+static int worker_zero3_checkpoint(int rank, int world, const char *method, void *arg) {
+  (void)arg;
+  td_rpc_agent *a = coll_join(rank, world, method);
+  td_process_group *pg = NULL;
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
+  /* 0, 1: every block (float64, float32); 2: every attention core; 3: the stack of blocks */
+  for (int k = 0; k < 4; k++) {
+    td_dtype dt = k == 1 ? TD_DTYPE_F32 : TD_DTYPE_F64;
+    td_module *plain = td_test_tiny_gpt(dt, 3, 3), *ck = td_test_tiny_gpt(dt, 3, 3);
+    td_module *h = td_module_child(td_module_child(ck, "transformer"), "h");
+    if (k < 3)
+      MP_CHECK_OK(td_gpt_set_activation_checkpointing(ck, k == 2 ? TD_CHECKPOINT_SELECTIVE
+                                                                 : TD_CHECKPOINT_FULL));
+    else
+      MP_CHECK_OK(td_module_set_checkpoint(h, TD_CHECKPOINT_FULL));
+    td_tensor_list pp, pc;
+    td_zero *zp = zero3_gpt(pg, plain, &pp), *zc = zero3_gpt(pg, ck, &pc);
+    for (int step = 0; step < 3; step++) {
+      zero3_gpt_step(zp, plain, rank, step, 0);
+      zero3_gpt_step(zc, ck, rank, step, k < 3 ? 3 : 1);
+      MP_CHECK_OK(td_zero_gather_params(zp));
+      MP_CHECK_OK(td_zero_gather_params(zc));
+      for (size_t i = 0; i < pp.n; i++)
+        if (memcmp(td_tensor_data(pp.tensors[i]), td_tensor_data(pc.tensors[i]),
+                   td_tensor_nbytes(pp.tensors[i])) != 0) {
+          fprintf(stderr, "[rank %d] zero3 + checkpointing (case %d) step %d: parameter %s "
+                  "differs from the plain run\n", rank, k, step, pp.names[i]);
+          MP_CHECK(0);
+        }
+      MP_CHECK_OK(td_zero_release_params(zp));
+      MP_CHECK_OK(td_zero_release_params(zc));
+    }
+    td_zero_stats sp, sc;
+    MP_CHECK_OK(td_zero_get_stats(zp, &sp));
+    MP_CHECK_OK(td_zero_get_stats(zc, &sc));
+    if (sc.unit_gathers != sp.unit_gathers || sc.prefetched != sp.prefetched) {
+      fprintf(stderr, "[rank %d] zero3 + checkpointing (case %d): %llu gathers (%llu prefetched), "
+              "plain %llu (%llu)\n", rank, k, (unsigned long long)sc.unit_gathers,
+              (unsigned long long)sc.prefetched, (unsigned long long)sp.unit_gathers,
+              (unsigned long long)sp.prefetched);
+      MP_CHECK(0);
+    }
+    td_zero_destroy(zp), td_zero_destroy(zc);
+    td_tensor_list_fini(&pp), td_tensor_list_fini(&pc);
+    td_module_unref(plain), td_module_unref(ck);
+  }
+  td_process_group_destroy(pg);
+  coll_leave(a);
+  return 0;
+}
+
+static void test_zero3_checkpointed_gpt_matches_plain(void **state) {
+  (void)state;
+  TD_MP_RUN(2, worker_zero3_checkpoint, NULL, 90);
+}
+
 /* TD_ZERO_CKPT_DIR keeps the files there (for check_zero_ckpt.py); else a temporary folder. */
 static void test_zero_checkpoint_resumes_at_other_world_size(void **state) {
   (void)state;
@@ -742,6 +959,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_zero_stages_match_ddp_with_sharded_state),
       cmocka_unit_test(test_zero_checkpoint_resumes_at_other_world_size),
+      cmocka_unit_test(test_zero3_checkpointed_gpt_matches_plain),
   };
   return cmocka_run_group_tests_name("zero", tests, NULL, NULL);
 }

@@ -171,3 +171,51 @@ const char *td_test_source_path(const char *rel, char *buf, size_t n) {
   return buf;
 }
 
+
+int td_test_count_nodes(const td_tensor *root, const char *name) {
+  enum { CAP = 4096 };
+  const td_node **seen = calloc(CAP, sizeof *seen), **stack = calloc(CAP, sizeof *stack);
+  int nseen = 0, sp = 0, count = 0;
+  if (!seen || !stack) abort();
+  if (td_tensor_grad_fn(root)) stack[sp++] = td_tensor_grad_fn(root);
+  while (sp) {
+    const td_node *n = stack[--sp];
+    bool dup = false;
+    for (int i = 0; i < nseen && !dup; i++) dup = seen[i] == n;
+    if (dup) continue;
+    if (nseen == CAP) abort(); /* a test graph, small by construction */
+    seen[nseen++] = n;
+    if (strcmp(td_node_name(n), name) == 0) count++;
+    for (int i = 0; i < td_node_num_inputs(n); i++) {
+      td_node *c = td_node_next(n, i);
+      if (c && sp < CAP) stack[sp++] = c;
+    }
+  }
+  free(seen);
+  free(stack);
+  return count;
+}
+
+bool td_test_same_bits(const td_tensor *a, const td_tensor *b) {
+  if (!a || !b || !td_tensor_same_shape(a, b) || td_tensor_dtype(a) != td_tensor_dtype(b))
+    return false;
+  td_tensor *ca = NULL, *cb = NULL;
+  bool eq = td_tensor_contiguous(a, &ca) == TD_OK && td_tensor_contiguous(b, &cb) == TD_OK &&
+            memcmp(td_tensor_data(ca), td_tensor_data(cb), td_tensor_nbytes(ca)) == 0;
+  td_tensor_unref(ca);
+  td_tensor_unref(cb);
+  return eq;
+}
+
+td_module *td_test_tiny_gpt(td_dtype dt, int n_layer, uint64_t seed) {
+  td_gpt_config c;
+  td_gpt_config_init(&c);
+  c.vocab_size = 13, c.block_size = 8, c.n_layer = n_layer, c.n_head = 2, c.n_embd = 16;
+  td_generator *g = NULL;
+  td_module *m = NULL;
+  MP_CHECK_OK(td_generator_create(seed, &g));
+  MP_CHECK_OK(td_gpt_create(&c, g, &m));
+  td_generator_destroy(g);
+  if (dt != TD_DTYPE_F32) MP_CHECK_OK(td_module_to_dtype(m, dt));
+  return m;
+}

@@ -13,6 +13,7 @@
 
 #include "mp_util.h"
 #include "tdist/autograd.h"
+#include "tdist/nn.h"
 #include "tdist/status.h"
 #include "tdist/tensor.h"
 
@@ -70,6 +71,19 @@ void td_test_assert_close(const char *what, const td_tensor *a, const td_tensor 
       skip();                                                                                 \
     }                                                                                         \
   } while (0)
+
+/* td_test_same_bits returns true when a and b have the same dtype, shape and element bits (any
+ * strides), false otherwise (also when either is NULL). */
+bool td_test_same_bits(const td_tensor *a, const td_tensor *b);
+
+/* td_test_tiny_gpt returns a new GPT (vocabulary 13, context 8, n_layer blocks of 2 heads, width
+ * 16) initialised from a generator seeded with seed, converted to dt. Exits the process
+ * (MP_CHECK) on failure: usable in workers. */
+td_module *td_test_tiny_gpt(td_dtype dt, int n_layer, uint64_t seed);
+
+/* td_test_count_nodes returns how many distinct nodes named name (td_node_name) the backward
+ * graph of root reaches (root's grad_fn included). */
+int td_test_count_nodes(const td_tensor *root, const char *name);
 
 /* td_test_source_path writes TD_SOURCE_DIR/rel into buf and returns buf. */
 const char *td_test_source_path(const char *rel, char *buf, size_t n);

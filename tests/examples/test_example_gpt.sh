@@ -8,7 +8,10 @@
 #      3.36 on the validation split, so only a model that learned from context passes;
 #      the --metrics file holds a record per step and per evaluation;
 #   4. --load CHECKPOINT --generate 120 prints the prompt and 120 characters of the vocabulary,
-#      the same text as results.sample.
+#      the same text as results.sample;
+#   5. the same 150 steps with --dtype bf16 and --dtype f16 (autocast, float32 weights): every
+#      evaluation within 2% of the float32 run's, and the bf16 run's checkpoint holds float32
+#      tensors.
 # Skips (exit 77) when the corpus is missing (Debian's fortunes package,
 # scripts/install-deps.sh). Bounded by `timeout` (TD_TEST_TIMEOUT_SCALE scales it).
 set -euo pipefail
@@ -52,6 +55,10 @@ assert [r["step"] for r in evals] == [0, 50, 100, 150] and all("val_loss" in r f
 print("metrics: 150 steps, 4 evaluations")
 PY
 run --load "$tmp/ckpt.safetensors" --generate 120 --prompt "The " --top-k 20 >"$tmp/gen.out"
+run --steps 150 --batch-size 16 --eval-interval 50 --eval-iters 4 --dtype bf16 \
+    --save "$tmp/bf16.safetensors" >"$tmp/bf16.out" 2>/dev/null
+run --steps 150 --batch-size 16 --eval-interval 50 --eval-iters 4 --dtype f16 >"$tmp/f16.out" \
+    2>/dev/null
 
 python3 - "$tmp" <<'PY'
 import json, math, sys
@@ -86,5 +93,27 @@ if not text.startswith("The " + sample):
 if any(not (c in "\n\t" or " " <= c <= "~") for c in sample):
     sys.exit("FAIL: the sample has characters outside the vocabulary")
 print("sample:", repr(sample[:60]))
+for d in ("bf16", "f16"):
+    low = last_json(f"{d}.out")
+    if low["config"]["dtype"] != d or low["config"]["param_dtype"] != "f32":
+        sys.exit(f"FAIL: {d}: config says dtype {low['config']['dtype']}, params "
+                 f"{low['config']['param_dtype']}")
+    diff = 0.0
+    for a, b in zip(low["results"]["evals"], res["evals"]):
+        for k in ("train_loss", "val_loss"):
+            diff = max(diff, abs(a[k] - b[k]))
+            if not abs(a[k] - b[k]) <= 0.02 * b[k]:
+                sys.exit(f"FAIL: {d} {k} at step {a['step']}: {a[k]:.4f} vs float32 {b[k]:.4f}")
+    if diff < 1e-5:  # identical to float32: the 16-bit compute did not happen
+        sys.exit(f"FAIL: {d} run equals the float32 run (largest difference {diff:.2g})")
+    print(f"{d}: val loss {low['results']['val_loss']:.5f} (float32 {v:.5f}; largest eval "
+          f"difference {diff:.2g}), {low['results']['tokens_per_s']:.0f} tokens/s")
+raw = open(f"{tmp}/bf16.safetensors", "rb").read()
+n = int.from_bytes(raw[:8], "little")
+hdr = json.loads(raw[8:8 + n])
+dts = {t["dtype"] for k, t in hdr.items() if k != "__metadata__"}
+if dts != {"F32"}:
+    sys.exit(f"FAIL: the bf16 run saved tensors of dtypes {dts}, expected float32 master weights")
+print("bf16 checkpoint: float32 tensors")
 PY
 echo PASS

@@ -11,7 +11,12 @@
 #   5. 2 x 2 x 2 with sequence parallelism: the same losses;
 #   6. 2 x 2 x 2 for 10 steps saving its checkpoint, then resumed with dp 1 (4 processes) to step
 #      20: the resumed steps' losses equal the uninterrupted one-process run's (the reference
-#      replays the first 10 steps), and the final loss is the uninterrupted 3D run's.
+#      replays the first 10 steps), and the final loss is the uninterrupted 3D run's;
+#   7. 2 x 2 x 2 with --dtype bf16 (autocast; float32 weights): --check passes its bf16 tolerance
+#      (the run exits 0) and the losses stay within 2% of the float64 run's.
+#   8. 2 x 2 x 2 1F1B with activation checkpointing, every block (full) or every attention core
+#      (selective): the same bits as 1F1B without it (results.losses_hash), and a micro-batch's
+#      forward keeps less on every stage (full: at most half).
 # Every run clips the gradient norm at 1.0 (the default) by the whole model's norm, as the
 # one-process reference does.
 # Skips (exit 77) without Debian's fortunes corpus. Bounded by `timeout`.
@@ -40,10 +45,18 @@ run pp4 "$tdistrun" --standalone --nproc-per-node 4 "$gpt3d" "${small[@]}" --dp 
   --tp 1 --micro-batches 2
 run tp4 "$gpt3d" "${small[@]}" --dp 1 --pp 2 --tp 4 --micro-batches 8
 run sp "$gpt3d" "${small[@]}" --dp 2 --pp 2 --tp 2 --micro-batches 4 --sequence-parallel
+run ckfull "$gpt3d" "${small[@]}" --dp 2 --pp 2 --tp 2 --micro-batches 4 --schedule 1f1b \
+  --activation-checkpointing full
+run cksel "$gpt3d" "${small[@]}" --dp 2 --pp 2 --tp 2 --micro-batches 4 --schedule 1f1b \
+  --activation-checkpointing selective
 small10=("${small[@]}")
 small10[${#small10[@]}-2]=10 # --steps 10
 run save "$gpt3d" "${small10[@]}" --dp 2 --pp 2 --tp 2 --micro-batches 4 --save "$tmp/ck"
 run resume "$gpt3d" "${small[@]}" --dp 1 --pp 2 --tp 2 --micro-batches 4 --resume "$tmp/ck"
+bf16=("${small[@]}")
+bf16[3]=bf16 # --dtype bf16
+run bf16 "$gpt3d" "${bf16[@]}" --dp 2 --pp 2 --tp 2 --micro-batches 4
+grep -q -- "--check passed" "$tmp/bf16.err" || { tail -n 5 "$tmp/bf16.err"; echo "FAIL: bf16 verdict"; exit 1; }
 python3 - "$tmp" <<'PY'
 import json, re, sys
 tmp = sys.argv[1]
@@ -53,7 +66,12 @@ def res(name):
     lines = [l for l in lines if l.startswith("{")]
     assert len(lines) == 1, f"{name}: one JSON line (the reporting rank's), got {len(lines)}"
     return json.loads(lines[0])["results"]
-r = {k: res(k) for k in ("1f1b", "gpipe", "pp4", "tp4", "sp")}
+r = {k: res(k) for k in ("1f1b", "gpipe", "pp4", "tp4", "sp", "ckfull", "cksel")}
+b16 = res("bf16")
+for a, b in zip(b16["losses"], r["1f1b"]["losses"]):
+    assert abs(a - b) <= 0.02 * b, f"bf16 loss {a} vs float64 {b}: more than 2% apart"
+print(f"bf16: losses {b16['losses'][0]:.5f} -> {b16['losses'][-1]:.5f}, "
+      f"max |diff| vs one process {b16['max_abs_loss_diff_vs_one_process']:.3g}")
 sv, rs = res("save"), res("resume")
 assert len(sv["losses"]) == 10 and sv["first_step"] == 0, sv
 assert rs["first_step"] == 10 and len(rs["losses"]) == 10, rs
@@ -75,4 +93,11 @@ assert r["tp4"]["peak_live_microbatches_per_stage"] == [2, 1], r["tp4"]
 for k in ("gpipe", "pp4", "tp4", "sp"):
     for a, b in zip(r[k]["losses"], r["1f1b"]["losses"]):
         assert abs(a - b) <= 1e-9, f"{k} differs from 1f1b: {a} vs {b}"
+base = r["1f1b"]
+for k, most in (("ckfull", 0.5), ("cksel", 1.0)):
+    assert r[k]["losses_hash"] == base["losses_hash"], (k, r[k]["losses_hash"], base["losses_hash"])
+    kept, was = r[k]["forward_kept_mb_per_stage"], base["forward_kept_mb_per_stage"]
+    print(f"{k}: the same bits as 1f1b; a micro-batch's forward keeps {kept} MB per stage "
+          f"(without checkpointing {was})")
+    assert all(a < most * b for a, b in zip(kept, was)), (k, kept, was)
 PY

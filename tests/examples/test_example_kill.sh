@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # test_example_kill.sh TDISTRUN EXAMPLE ARGS... - starts EXAMPLE with 3 processes as
-# TD_EXAMPLE_LAUNCH says (launch_lib.sh: tdistrun, self or mpirun), kills rank 1's process with
-# SIGKILL once training is under way, and checks that the whole job ends non-zero within
+# TD_EXAMPLE_LAUNCH says (launch_lib.sh: tdistrun, self, mpirun, srun or bare), kills rank 1's process
+# with SIGKILL once training is under way, and checks that the whole job ends non-zero within
 # TD_EXAMPLE_KILL_LIMIT seconds (default 22: the agent's 20 s keepalive timeout + 2 s; scaled by
 # TD_TEST_TIMEOUT_SCALE), that its output names rank 1, and that no process of the job is left.
-# Skips (77) without Fashion-MNIST unless TD_EXAMPLE_NO_MNIST=1. Ends only processes it started
+# srun (with --kill-on-bad-exit=0) and bare (3 separate processes that nothing supervises) leave
+# the survivors running: there each must end by itself (the examples' watchdog, no flag), and
+# bare checks each one's exit status and its own output.
+# Skips (77) without Fashion-MNIST unless TD_EXAMPLE_NO_MNIST=1, and without the file
+# TD_EXAMPLE_NEEDS when that is set (gpt's corpus). Ends only processes it started
 # (rank 1 by pid; leftovers, which fail the test, by pid).
 set -euo pipefail
 tdistrun="$1"
@@ -15,11 +19,19 @@ if [[ "${TD_EXAMPLE_NO_MNIST:-0}" != 1 && ! -e "$data_dir/train-images-idx3-ubyt
   echo "SKIP: no Fashion-MNIST in $data_dir"
   exit 77
 fi
+if [[ -n "${TD_EXAMPLE_NEEDS:-}" && ! -e "$TD_EXAMPLE_NEEDS" ]]; then
+  echo "SKIP: no $TD_EXAMPLE_NEEDS"
+  exit 77
+fi
 # shellcheck source=launch_lib.sh
 source "$(dirname "$0")/launch_lib.sh"
 method="${TD_EXAMPLE_LAUNCH:-tdistrun}"
 scale="${TD_TEST_TIMEOUT_SCALE:-1}"
 limit=$(( ${TD_EXAMPLE_KILL_LIMIT:-22} * scale ))
+if [[ "$method" == bare ]]; then
+  kill_bare "$example" "$limit" "$scale" "$@"
+  exit $?
+fi
 out="$(mktemp)"
 launch_cmd "$method" "$tdistrun" "$example" "$@"
 "${LAUNCH_CMD[@]}" >"$out" 2>&1 &
@@ -46,7 +58,7 @@ if [[ -z "$victim" ]] || ! kill -0 "$root" 2>/dev/null; then
   exit 1
 fi
 sleep 1
-mapfile -t all < <(descendants "$root")
+mapfile -t all < <(job_pids "$method" "$root")
 echo "killing rank 1 (pid $victim) of $(basename "$example") under $method"
 start=$(date +%s.%N)
 kill -9 "$victim"

@@ -15,6 +15,11 @@
  * - errors: options refused with clear messages (interleaved m not divisible by p, chunks on the
  *   wrong workers), a chunk whose forward fails on worker2 failing the run with the worker named
  *   and no hang, and the next run on the same workers starting clean.
+ * - activation checkpointing in the stages: 1F1B over GPT-block chunks with Dropout (p = 2,
+ *   m = 4, two runs), the chunks checkpointed whole (float64, float32) or at their attention core,
+ *   gives the loss and gradients of the same schedule without checkpointing, bit for bit (1F1B
+ *   runs the next micro-batch's forward, drawing new masks, before a backward recomputes: the
+ *   replay restores the recorded generator states);
  * The op orders themselves are checked in one process (every op once, dependencies satisfiable). */
 #include <math.h>
 #include <stdio.h>
@@ -136,6 +141,66 @@ static td_status fail_factory(void *ctx, const void *args, td_module **out) {
   return td_module_create(&failing_type, NULL, out);
 }
 
+/* Forwards of checkpointed chunks on this worker whose output's graph holds a checkpointed region
+ * (counted by a post hook on the chunk; ps_ckpt_outputs returns it). */
+static int ckpt_outputs;
+
+static td_status count_ckpt_hook(void *ctx, td_module *m, td_status st, td_tensor **out, int n) {
+  (void)ctx, (void)m, (void)n;
+  if (st == TD_OK && !td_checkpoint_is_recomputing() &&
+      td_test_count_nodes(out[0], "CheckpointBackward") > 0)
+    __atomic_add_fetch(&ckpt_outputs, 1, __ATOMIC_RELAXED);
+  return TD_OK;
+}
+
+static td_status fn_ckpt_outputs(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                                 td_future **fut) {
+  (void)c, (void)args, (void)n, (void)fut;
+  *res = td_value_int(__atomic_load_n(&ckpt_outputs, __ATOMIC_RELAXED));
+  return *res ? TD_OK : td_set_error(TD_ERR_NOMEM, "out of memory");
+}
+
+/* Factory "ps_gpt": [last, seed, mode (0 none, 1 the whole chunk, 2 its attention core), f32]:
+ * Sequential(GPT Block (C = 8, 2 heads), Dropout(0.25)[, Linear(8, 8) for the last chunk]). */
+enum { GT = 4, GC = 8 };
+static td_status gpt_chunk_factory(void *ctx, const void *args, td_module **out) {
+  (void)ctx;
+  const td_value *v = args;
+  bool last, f32;
+  int64_t seed, mode;
+  if (!v || td_value_as_bool(td_value_list_get(v, 0), &last) != TD_OK ||
+      td_value_as_int(td_value_list_get(v, 1), &seed) != TD_OK ||
+      td_value_as_int(td_value_list_get(v, 2), &mode) != TD_OK ||
+      td_value_as_bool(td_value_list_get(v, 3), &f32) != TD_OK)
+    return td_set_error(TD_ERR_INVALID, "ps_gpt: expected [last, seed, mode, f32]");
+  td_gpt_config c;
+  td_gpt_config_init(&c);
+  c.block_size = GT, c.n_layer = 2, c.n_head = 2, c.n_embd = GC;
+  td_generator *g = NULL;
+  td_module *seq = NULL, *blk = NULL, *dr = NULL, *lin = NULL;
+  TRY(td_generator_create((uint64_t)seed, &g));
+  td_status st = td_sequential_create(&seq);
+  if (st == TD_OK) st = td_gpt_block_create(&c, g, &blk);
+  if (st == TD_OK) st = td_dropout_create(0.25, g, &dr);
+  if (st == TD_OK && last) st = td_linear_create(GC, GC, true, g, &lin);
+  if (st == TD_OK) st = td_sequential_append(seq, blk);
+  if (st == TD_OK) st = td_sequential_append(seq, dr);
+  if (st == TD_OK && last) st = td_sequential_append(seq, lin);
+  if (st == TD_OK && !f32) st = td_module_to_dtype(seq, TD_DTYPE_F64);
+  if (st == TD_OK && mode == 1) st = td_module_set_checkpoint(seq, TD_CHECKPOINT_FULL);
+  if (st == TD_OK && mode == 2)
+    st = td_module_set_checkpoint(td_module_child(blk, "attn"), TD_CHECKPOINT_SELECTIVE);
+  if (st == TD_OK && mode) st = td_module_add_forward_hooks(seq, NULL, count_ckpt_hook, NULL, NULL);
+  td_module_unref(blk), td_module_unref(dr), td_module_unref(lin);
+  td_generator_destroy(g);
+  if (st != TD_OK) {
+    td_module_unref(seq);
+    return st;
+  }
+  *out = seq;
+  return TD_OK;
+}
+
 /* ps_dotgrads(module) -> [.grad of each parameter, or none] */
 static td_status fn_dotgrads(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                              td_future **fut) {
@@ -163,7 +228,9 @@ static td_rpc_agent *start(int rank, int world, const char *method) {
   td_module_factory_register("ps_chunk", chunk_factory, NULL);
   td_module_factory_register("ps_sleep", sleep_factory, NULL);
   td_module_factory_register("ps_fail", fail_factory, NULL);
+  td_module_factory_register("ps_gpt", gpt_chunk_factory, NULL);
   td_rpc_register("ps_dotgrads", fn_dotgrads, NULL);
+  td_rpc_register("ps_ckpt_outputs", fn_ckpt_outputs, NULL);
   td_rref_set_strict(true);
   td_rpc_options o = td_mp_rpc_options(method, 4);
   td_rpc_agent *a;
@@ -352,6 +419,122 @@ static int w_gradients(int rank, int world, const char *method, void *arg) {
 static void test_pipe_schedule_gradients_match_local(void **state) {
   (void)state;
   TD_MP_RUN(4, w_gradients, NULL, 180);
+}
+
+/* ---- activation checkpointing in the stages ---- */
+
+static td_value *gpt_args(bool last, int64_t seed, int64_t mode, bool f32) {
+  td_value *l = td_value_list();
+  MP_CHECK(l);
+  MP_CHECK_OK(td_value_list_append(l, td_value_bool(last)));
+  MP_CHECK_OK(td_value_list_append(l, td_value_int(seed)));
+  MP_CHECK_OK(td_value_list_append(l, td_value_int(mode)));
+  MP_CHECK_OK(td_value_list_append(l, td_value_bool(f32)));
+  return l;
+}
+
+/* The gradients of rm's chunks as lists (ps_dotgrads), chunk after chunk. */
+static td_value *dotgrads(td_remote_module **rm, int n) {
+  td_value *all = td_value_list();
+  for (int c = 0; c < n; c++) {
+    td_value *gl = NULL;
+    MP_CHECK_OK(td_rref_rpc_sync(td_remote_module_rref(rm[c]), "ps_dotgrads", NULL, 0, NULL, &gl));
+    MP_CHECK_OK(td_value_list_append(all, gl));
+  }
+  return all;
+}
+
+/* The ps_ckpt_outputs counts of workers 1 and 2, summed. */
+static int64_t ckpt_outputs_of(td_rpc_agent *a) {
+  int64_t total = 0;
+  for (int w = 1; w <= 2; w++) {
+    char name[16];
+    snprintf(name, sizeof name, "worker%d", w);
+    td_value *r = NULL;
+    int64_t v = 0;
+    MP_CHECK_OK(td_rpc_sync(a, name, "ps_ckpt_outputs", NULL, 0, NULL, &r));
+    MP_CHECK_OK(td_value_as_int(r, &v));
+    td_value_unref(r);
+    total += v;
+  }
+  return total;
+}
+
+/* Two dotgrads() results hold the same gradients, bit for bit. */
+static bool same_grad_bits(const td_value *a, const td_value *b) {
+  if (td_value_list_len(a) != td_value_list_len(b)) return false;
+  for (size_t c = 0; c < td_value_list_len(a); c++) {
+    const td_value *la = td_value_list_get(a, c), *lb = td_value_list_get(b, c);
+    if (td_value_list_len(la) != td_value_list_len(lb)) return false;
+    for (size_t i = 0; i < td_value_list_len(la); i++) {
+      td_tensor *ga = NULL, *gb = NULL;
+      if (td_value_as_tensor(td_value_list_get(la, i), &ga) != TD_OK ||
+          td_value_as_tensor(td_value_list_get(lb, i), &gb) != TD_OK ||
+          td_tensor_nbytes(ga) != td_tensor_nbytes(gb) ||
+          memcmp(td_tensor_data(ga), td_tensor_data(gb), td_tensor_nbytes(ga)) != 0) {
+        fprintf(stderr, "chunk %zu parameter %zu: gradients differ\n", c, i);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+static int w_checkpoint(int rank, int world, const char *method, void *arg) {
+  (void)arg;
+  td_rpc_agent *a = start(rank, world, method);
+  if (rank == 0) {
+    /* (mode, f32): every chunk whole in float64 and float32, the attention core in float64 */
+    const int64_t cases[3][2] = {{1, 0}, {1, 1}, {2, 0}};
+    for (int k = 0; k < 3; k++) {
+      bool f32 = cases[k][1];
+      int64_t s3[3] = {N, GT, GC};
+      double xd[N * GT * GC], td[N * GT * GC];
+      for (int i = 0; i < N * GT * GC; i++) xd[i] = cos(0.41 * i + 0.3), td[i] = sin(0.29 * i);
+      td_tensor *x = NULL, *t = NULL, *x64 = NULL, *t64 = NULL;
+      MP_CHECK_OK(td_tensor_from_buffer(xd, s3, 3, TD_DTYPE_F64, &x64));
+      MP_CHECK_OK(td_tensor_from_buffer(td, s3, 3, TD_DTYPE_F64, &t64));
+      MP_CHECK_OK(td_tensor_to_dtype(x64, f32 ? TD_DTYPE_F32 : TD_DTYPE_F64, &x));
+      MP_CHECK_OK(td_tensor_to_dtype(t64, f32 ? TD_DTYPE_F32 : TD_DTYPE_F64, &t));
+      td_value *grads[2] = {NULL, NULL};
+      double losses[2][2];
+      int64_t counted = -ckpt_outputs_of(a);
+      for (int ck = 0; ck < 2; ck++) {
+        td_remote_module *rm[2];
+        for (int c = 0; c < 2; c++)
+          rm[c] = remote(a, c ? "worker2/cpu" : "worker1/cpu", "ps_gpt",
+                         gpt_args(c == 1, 300 + c, ck ? cases[k][0] : 0, f32));
+        td_pipe_options o;
+        td_pipe_options_init(&o);
+        o.schedule = TD_PIPE_1F1B, o.micro_batches = M;
+        td_pipe_schedule *s = NULL;
+        MP_CHECK_OK(td_pipe_schedule_create(a, rm, 2, &o, &s));
+        for (int run = 0; run < 2; run++) /* new masks each run; gradients add up */
+          MP_CHECK_OK(td_pipe_schedule_run(s, x, t, &losses[ck][run], NULL));
+        grads[ck] = dotgrads(rm, 2);
+        td_pipe_schedule_destroy(s);
+        for (int c = 0; c < 2; c++) td_remote_module_destroy(rm[c]);
+      }
+      counted += ckpt_outputs_of(a);
+      MP_CHECK(counted == 2 * 2 * M); /* every forward of a checkpointed chunk (2 runs) */
+      fprintf(stderr, "1f1b, %s, %s: losses %.17g %.17g (plain %.17g %.17g)\n",
+              cases[k][0] == 1 ? "chunks checkpointed" : "attention checkpointed",
+              f32 ? "float32" : "float64", losses[1][0], losses[1][1], losses[0][0], losses[0][1]);
+      MP_CHECK(losses[0][0] == losses[1][0] && losses[0][1] == losses[1][1]);
+      MP_CHECK(losses[0][0] != losses[0][1]); /* the second run drew other masks */
+      MP_CHECK(same_grad_bits(grads[0], grads[1])); /* every gradient, bit for bit */
+      td_value_unref(grads[0]), td_value_unref(grads[1]);
+      td_tensor *all[] = {x, t, x64, t64};
+      for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) td_tensor_unref(all[i]);
+    }
+  }
+  td_mp_finish(a, 60);
+  return 0;
+}
+
+static void test_pipe_schedule_checkpointed_stages_match_plain(void **state) {
+  (void)state;
+  TD_MP_RUN(3, w_checkpoint, NULL, 120);
 }
 
 /* ---- bubble ---- */
@@ -547,12 +730,13 @@ int main(void) {
       cmocka_unit_test(test_pipe_schedule_bubble),
   };
   (void)test_pipe_schedule_orders, (void)test_pipe_schedule_gradients_match_local;
-  (void)test_pipe_schedule_errors;
+  (void)test_pipe_schedule_errors, (void)test_pipe_schedule_checkpointed_stages_match_plain;
 #else
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pipe_schedule_orders),
       cmocka_unit_test(test_pipe_schedule_gradients_match_local),
       cmocka_unit_test(test_pipe_schedule_errors),
+      cmocka_unit_test(test_pipe_schedule_checkpointed_stages_match_plain),
   };
   (void)test_pipe_schedule_bubble;
 #endif

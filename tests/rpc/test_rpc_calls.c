@@ -105,7 +105,8 @@ static int worker_calls(int rank, int world, const char *method, void *arg) {
 
     /* per-call timeout; the late reply is dropped and the agent keeps working */
     td_value *ms = td_value_int(400);
-    td_rpc_call_opts co = {.timeout_ms = 50};
+    td_rpc_call_opts co = TD_RPC_CALL_OPTS_INIT;
+    co.timeout_ms = 50;
     double t0 = td_test_now_s();
     MP_CHECK(td_rpc_sync(a, "worker1", "slow", &ms, 1, &co, &r) == TD_ERR_TIMEOUT);
     double el = td_test_now_s() - t0;
@@ -126,7 +127,11 @@ static int worker_calls(int rank, int world, const char *method, void *arg) {
     MP_CHECK_OK(td_rpc_sync(a, "worker1", "slow", &ms150, 1, NULL, &r));
     td_value_unref(r);
     /* the one timeout rule (tdist/timeout.h): ZERO expires at once, other negatives are invalid */
-    td_rpc_call_opts zero = {TD_TIMEOUT_ZERO}, invalid = {-3}, inf = {TD_TIMEOUT_INFINITE};
+    td_rpc_call_opts zero = TD_RPC_CALL_OPTS_INIT, invalid = TD_RPC_CALL_OPTS_INIT,
+                     inf = TD_RPC_CALL_OPTS_INIT;
+    zero.timeout_ms = TD_TIMEOUT_ZERO;
+    invalid.timeout_ms = -3;
+    inf.timeout_ms = TD_TIMEOUT_INFINITE;
     td_future *nf = NULL;
     MP_CHECK(td_rpc_async(a, "worker1", "slow", &ms150, 1, &zero, &nf) == TD_ERR_TIMEOUT && !nf);
     MP_CHECK(td_rpc_async(a, "worker1", "slow", &ms150, 1, &invalid, &nf) == TD_ERR_INVALID && !nf);
@@ -171,6 +176,80 @@ static int worker_calls(int rank, int world, const char *method, void *arg) {
 
 static void test_rpc_calls(void **state) {
   TD_MP_RUN(3, worker_calls, NULL, 90);
+}
+
+/* ---- option structs not filled by their initialiser ---- */
+
+static int hits; /* calls of "hits" that ran in this process */
+
+static td_status fn_hits(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                         td_future **fut) {
+  (void)c, (void)args, (void)n, (void)fut;
+  *res = td_value_int(__atomic_add_fetch(&hits, 1, __ATOMIC_RELAXED));
+  return TD_OK;
+}
+
+static bool says_not_initialised(const char *type, const char *init) {
+  char want[160];
+  snprintf(want, sizeof want, "%s not initialised: use %s", type, init);
+  return strstr(td_last_error(), want) != NULL;
+}
+
+static int worker_uninit_opts(int rank, int world, const char *method, void *arg) {
+  (void)arg;
+  MP_CHECK_OK(td_rpc_register("hits", fn_hits, NULL));
+  /* a zeroed td_rpc_options (its 0 ms timeouts) is refused before anything starts */
+  td_rpc_options zo;
+  memset(&zo, 0, sizeof zo);
+  zo.init_method = method;
+  td_rpc_agent *a = NULL;
+  MP_CHECK(td_rpc_init(NULL, rank, world, &zo, &a) == TD_ERR_INVALID && !a);
+  MP_CHECK(says_not_initialised("td_rpc_options", "td_rpc_options_init()"));
+  MP_CHECK(td_rpc_init_from_env(NULL, &zo, &a) == TD_ERR_INVALID && !a);
+  MP_CHECK(says_not_initialised("td_rpc_options", "td_rpc_options_init()"));
+  td_rpc_options o = td_mp_rpc_options(method, 4);
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  if (rank == 0) {
+    td_rpc_stats before, after;
+    MP_CHECK_OK(td_rpc_get_stats(a, &before));
+    /* zeroed, and written field by field: refused, nothing sent, no future */
+    td_rpc_call_opts zeroed = {0}, by_hand = {.timeout_ms = td_test_ms(10000)};
+    td_future *f = NULL;
+    td_value *r = NULL;
+    MP_CHECK(td_rpc_async(a, "worker1", "hits", NULL, 0, &zeroed, &f) == TD_ERR_INVALID && !f);
+    MP_CHECK(says_not_initialised("td_rpc_call_opts", "TD_RPC_CALL_OPTS_INIT"));
+    MP_CHECK(td_rpc_sync(a, "worker1", "hits", NULL, 0, &zeroed, &r) == TD_ERR_INVALID && !r);
+    MP_CHECK(says_not_initialised("td_rpc_call_opts", "TD_RPC_CALL_OPTS_INIT"));
+    MP_CHECK(td_rpc_sync(a, "worker1", "hits", NULL, 0, &by_hand, &r) == TD_ERR_INVALID && !r);
+    MP_CHECK(says_not_initialised("td_rpc_call_opts", "TD_RPC_CALL_OPTS_INIT"));
+    MP_CHECK_OK(td_rpc_get_stats(a, &after));
+    MP_CHECK(after.calls_started == before.calls_started);
+    /* initialised (the macro, then the function): the calls run, the first is the first there */
+    td_rpc_call_opts co = TD_RPC_CALL_OPTS_INIT;
+    co.timeout_ms = td_test_ms(10000);
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "hits", NULL, 0, &co, &r));
+    int64_t n = 0;
+    MP_CHECK_OK(td_value_as_int(r, &n));
+    MP_CHECK(n == 1);
+    td_value_unref(r);
+    td_rpc_call_opts_init(&co);
+    MP_CHECK(co.timeout_ms == TD_TIMEOUT_DEFAULT);
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "hits", NULL, 0, &co, &r));
+    MP_CHECK_OK(td_value_as_int(r, &n));
+    MP_CHECK(n == 2);
+    td_value_unref(r);
+  }
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(30000)));
+  td_rpc_destroy(a);
+  return 0;
+}
+
+/* td_rpc_options and td_rpc_call_opts not filled by their initialisers (`{0}`, memset, fields
+ * set by hand) are refused with a message naming the initialiser, before anything is sent; the
+ * initialised ones work. */
+static void test_rpc_uninitialised_options_refused(void **state) {
+  (void)state;
+  TD_MP_RUN(2, worker_uninit_opts, NULL, 90);
 }
 
 /* ---- busy polling: the option, the environment override and the automatic choice ---- */
@@ -320,6 +399,7 @@ static void test_rpc_direct_copy(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_rpc_calls),
+      cmocka_unit_test(test_rpc_uninitialised_options_refused),
       cmocka_unit_test(test_rpc_busy_poll),
       cmocka_unit_test(test_rpc_direct_copy),
   };

@@ -6,9 +6,12 @@
  *   - a graceful shutdown returns by its deadline + 1 s although a handler runs for a minute,
  *     naming the abandoned handler, and the process still exits cleanly;
  *   - init returns by its deadline when rank 0 dies during the rendezvous, reports what it waits
- *     for while waiting, and does not claim that nobody joined.
+ *     for while waiting, and does not claim that nobody joined;
+ *   - 4000 calls that share a deadline all fail with TD_ERR_TIMEOUT promptly after it (the timer
+ *     used to fail 64 per 10 ms tick: 0.6 s late).
  * Windows a test expects to EXPIRE (a 300 ms call timeout, a 1.5 s shutdown deadline) are the
  * behaviour under test and not scaled; slack for slow machines is. */
+#include <poll.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -106,7 +109,45 @@ static td_status fn_stats(td_rpc_ctx *c, td_value *const *args, int n, td_value 
   return TD_OK;
 }
 
+/* "hold": an async handler whose reply waits until "release" (every held request at once). */
+static pthread_mutex_t held_mu = PTHREAD_MUTEX_INITIALIZER;
+static td_future **held;
+static int nheld, capheld;
+
+static td_status fn_hold(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                         td_future **fut) {
+  (void)c, (void)args, (void)n, (void)res;
+  td_future *f = td_future_create();
+  if (!f) return TD_ERR_NOMEM;
+  pthread_mutex_lock(&held_mu);
+  if (nheld == capheld) {
+    capheld = capheld ? 2 * capheld : 1024;
+    held = realloc(held, (size_t)capheld * sizeof *held);
+  }
+  held[nheld++] = td_future_ref(f);
+  pthread_mutex_unlock(&held_mu);
+  *fut = f;
+  return TD_OK;
+}
+
+static td_status fn_release(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                            td_future **fut) {
+  (void)c, (void)args, (void)n, (void)fut;
+  pthread_mutex_lock(&held_mu);
+  int k = nheld;
+  for (int i = 0; i < nheld; i++) {
+    td_future_complete(held[i], td_value_none());
+    td_future_unref(held[i]);
+  }
+  nheld = 0;
+  pthread_mutex_unlock(&held_mu);
+  *res = td_value_int(k);
+  return TD_OK;
+}
+
 static void register_all(void) {
+  MP_CHECK_OK(td_rpc_register("hold", fn_hold, NULL));
+  MP_CHECK_OK(td_rpc_register("release", fn_release, NULL));
   MP_CHECK_OK(td_rpc_register("until_cancelled", fn_until_cancelled, NULL));
   MP_CHECK_OK(td_rpc_register("report", fn_report, NULL));
   MP_CHECK_OK(td_rpc_register("time_left", fn_time_left, NULL));
@@ -143,7 +184,8 @@ static int worker_deadline(int rank, int world, const char *method, void *arg) {
   (void)arg;
   td_rpc_agent *a = start(rank, world, method, 4);
   if (rank == 1) {
-    td_rpc_call_opts co = {.timeout_ms = 300};
+    td_rpc_call_opts co = TD_RPC_CALL_OPTS_INIT;
+    co.timeout_ms = 300;
     td_value *r = NULL;
     td_status st = td_rpc_sync(a, "worker0", "until_cancelled", NULL, 0, &co, &r);
     /* the handler returns as the timeout passes: its reply may beat the caller's own timer */
@@ -204,6 +246,43 @@ static void test_rpc_handler_cancelled_when_caller_dies(void **state) {
   TD_MP_RUN(2, worker_caller_dies, NULL, 60);
 }
 
+/* ---- a burst of calls sharing a deadline fails together ---- */
+
+static int worker_burst(int rank, int world, const char *method, void *arg) {
+  (void)arg;
+  td_rpc_agent *a = start(rank, world, method, 4);
+  if (rank == 1) {
+    enum { N = 4000 };
+    td_future **fs = calloc(N, sizeof *fs);
+    MP_CHECK(fs != NULL);
+    td_rpc_call_opts co = TD_RPC_CALL_OPTS_INIT;
+    co.timeout_ms = 300; /* expected to expire: not scaled */
+    for (int i = 0; i < N; i++)
+      MP_CHECK_OK(td_rpc_async(a, "worker0", "hold", NULL, 0, &co, &fs[i]));
+    double sent = td_test_now_s();
+    for (int i = 0; i < N; i++) {
+      (void)td_future_wait(fs[i], td_test_ms(30000)); /* returns the outcome: TD_ERR_TIMEOUT */
+      MP_CHECK(td_future_done(fs[i]) && td_future_status(fs[i]) == TD_ERR_TIMEOUT);
+    }
+    double late_ms = (td_test_now_s() - sent) * 1000 - 300;
+    fprintf(stderr, "%d calls with one deadline: the last failed %.0f ms after the last call's "
+            "deadline\n", N, late_ms);
+    MP_CHECK(late_ms <= (double)td_test_ms(300));
+    for (int i = 0; i < N; i++) td_future_unref(fs[i]);
+    free(fs);
+    td_value *r = NULL;
+    MP_CHECK_OK(td_rpc_sync(a, "worker0", "release", NULL, 0, NULL, &r));
+    td_value_unref(r);
+  }
+  td_mp_finish(a, 30);
+  return 0;
+}
+
+static void test_rpc_burst_of_timeouts_fails_together(void **state) {
+  (void)state;
+  TD_MP_RUN(2, worker_burst, NULL, 90);
+}
+
 /* ---- expired requests are dropped before they run ---- */
 
 static int worker_expired(int rank, int world, const char *method, void *arg) {
@@ -213,7 +292,8 @@ static int worker_expired(int rank, int world, const char *method, void *arg) {
     td_future *blocker, *fs[5];
     MP_CHECK_OK(td_rpc_async(a, "worker0", "block", NULL, 0, NULL, &blocker));
     td_test_sleep_ms(100); /* "block" holds worker0's only thread */
-    td_rpc_call_opts co = {.timeout_ms = 150};
+    td_rpc_call_opts co = TD_RPC_CALL_OPTS_INIT;
+    co.timeout_ms = 150;
     for (int i = 0; i < 5; i++)
       MP_CHECK_OK(td_rpc_async(a, "worker0", "count", NULL, 0, &co, &fs[i]));
     for (int i = 0; i < 5; i++) {
@@ -281,11 +361,19 @@ static void test_rpc_shutdown_deadline_holds_with_stuck_handler(void **state) {
 /* ---- init: rank 0 dies during the rendezvous ---- */
 
 static char logged[4096];
+/* the write end of a pipe to rank 0: rank 1 writes a byte once it has reported who is missing */
+static int reported_fd = -1;
 static void keep_log(td_log_level level, const char *msg, void *ud) {
   (void)ud;
   if (level == TD_LOG_INFO && strstr(msg, "rpc init:") && strlen(logged) + strlen(msg) + 2 < sizeof logged) {
     strcat(logged, msg);
     strcat(logged, "\n");
+    if (reported_fd >= 0 && strstr(msg, "still missing ranks")) {
+      ssize_t w = write(reported_fd, "r", 1);
+      (void)w;
+      close(reported_fd);
+      reported_fd = -1;
+    }
   }
 }
 
@@ -296,19 +384,24 @@ static void *rank0_init(void *arg) {
 }
 
 static int worker_rank0_dies(int rank, int world, const char *method, void *arg) {
-  (void)arg;
+  const int *pipefd = arg;
   setenv("TD_RPC_INIT_REPORT_MS", "300", 1);
   td_log_set_level(TD_LOG_INFO);
   td_log_set_handler(keep_log, NULL);
   td_rpc_options o = td_mp_rpc_options(method, 2);
   o.init_timeout_ms = 2500; /* must expire: not scaled */
   if (rank == 0) {
-    /* rank 2 never starts; rank 0 dies 800 ms into the rendezvous */
+    /* rank 2 never starts; rank 0 dies once rank 1 has said, at least once, whom it waits for
+     * (not at a fixed time: on a loaded machine rank 1 may reach the wait late), or after 2 s */
+    close(pipefd[1]);
     pthread_t th;
     MP_CHECK(pthread_create(&th, NULL, rank0_init, &o) == 0);
-    td_test_sleep_ms(800);
+    struct pollfd pfd = {.fd = pipefd[0], .events = POLLIN};
+    (void)poll(&pfd, 1, 2000);
     _exit(0);
   }
+  close(pipefd[0]);
+  reported_fd = pipefd[1];
   td_rpc_agent *a = NULL;
   double t0 = td_test_now_s();
   td_status st = td_rpc_init(NULL, rank, 3, &o, &a);
@@ -329,7 +422,11 @@ static int worker_rank0_dies(int rank, int world, const char *method, void *arg)
 
 static void test_rpc_init_deadline_when_rank0_dies(void **state) {
   (void)state;
-  TD_MP_RUN(2, worker_rank0_dies, NULL, 60);
+  int pipefd[2];
+  assert_int_equal(pipe(pipefd), 0);
+  TD_MP_RUN(2, worker_rank0_dies, pipefd, 60);
+  close(pipefd[0]);
+  close(pipefd[1]);
 }
 
 /* ---- init: interrupted by another thread ---- */
@@ -376,6 +473,7 @@ static void test_rpc_init_interrupt_ends_the_wait(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_rpc_handler_sees_caller_deadline),
+      cmocka_unit_test(test_rpc_burst_of_timeouts_fails_together),
       cmocka_unit_test(test_rpc_init_interrupt_ends_the_wait),
       cmocka_unit_test(test_rpc_handler_cancelled_when_caller_dies),
       cmocka_unit_test(test_rpc_expired_requests_dropped_unrun),

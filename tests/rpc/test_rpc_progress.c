@@ -2,7 +2,8 @@
  * polls td_rpc_progress_fd() and runs td_rpc_progress() gets its registered functions and the
  * callbacks of its call futures run on that thread; a blocking call made on that thread while a
  * nested call back into it is pending does not deadlock; the fd is readable exactly while work is
- * queued; the default mode has no fd. */
+ * queued; the default mode has no fd; a graceful shutdown called on another thread (as
+ * tdist.asyncio does) leaves the queue to the progress thread. */
 #include <poll.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -128,6 +129,61 @@ static void test_rpc_progress_host_thread_runs_user_code(void **state) {
   if (fails) fail_msg("%d workers failed (codes %d %d)", fails, codes[0], codes[1]);
 }
 
+/* ---- a graceful shutdown on another thread ---- */
+
+static atomic_int shut_done;
+static td_status shut_status;
+
+static void *shut_down(void *arg) {
+  shut_status = td_rpc_shutdown(arg, true, td_test_ms(30000));
+  atomic_store(&shut_done, 1);
+  return NULL;
+}
+
+static int worker_shutdown_elsewhere(int rank, int world, const char *method, void *arg) {
+  (void)arg;
+  register_test_fns();
+  MP_CHECK_OK(td_rpc_register("on_host", fn_on_host, NULL));
+  td_rpc_options o = td_mp_rpc_options(method, 4);
+  if (rank == 1) o.progress = TD_RPC_PROGRESS_HOST;
+  host_thread = pthread_self();
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  if (rank == 0) {
+    /* rank 1 is in its graceful shutdown (on a thread of its own) while these arrive */
+    for (int i = 0; i < 60; i++) {
+      td_value *r = NULL;
+      MP_CHECK_OK(td_rpc_sync(a, "worker1", "on_host", NULL, 0, NULL, &r));
+      bool on_host = false;
+      MP_CHECK_OK(td_value_as_bool(r, &on_host));
+      MP_CHECK(on_host);
+      td_value_unref(r);
+      td_test_sleep_ms(5);
+    }
+    MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(30000)));
+  } else {
+    pthread_t s;
+    MP_CHECK(pthread_create(&s, NULL, shut_down, a) == 0);
+    /* a busy host: it gets to the queue every 10 ms (the shutdown thread's barrier polls more
+     * often: before the fix it ran the handlers it found) */
+    while (!atomic_load(&shut_done)) {
+      td_test_sleep_ms(10);
+      td_rpc_progress(a, -1);
+    }
+    pthread_join(s, NULL);
+    MP_CHECK_OK(shut_status);
+  }
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rpc_progress_shutdown_on_another_thread(void **state) {
+  (void)state;
+  int codes[2];
+  int fails = td_mp_run(2, worker_shutdown_elsewhere, NULL, 120, codes);
+  if (fails) fail_msg("%d workers failed (codes %d %d)", fails, codes[0], codes[1]);
+}
+
 /* ---- a thread's pump outlives its agent ---- */
 
 /* Set by serve_c before it publishes c_agent (release), read after (acquire). */
@@ -200,6 +256,8 @@ static void test_rpc_progress_pump_outlives_its_agent(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_rpc_progress_host_thread_runs_user_code),
+      /* before the in-process test: its forks must not inherit a running agent's threads */
+      cmocka_unit_test(test_rpc_progress_shutdown_on_another_thread),
       cmocka_unit_test(test_rpc_progress_pump_outlives_its_agent),
   };
   return cmocka_run_group_tests_name("rpc_progress", tests, NULL, NULL);

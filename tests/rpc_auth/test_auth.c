@@ -376,8 +376,22 @@ static void test_auth_agent_needs_a_secret(void **state) {
   o.init_method = "tcp://127.0.0.1:1";
   o.init_timeout_ms = 500;
   td_rpc_agent *a = NULL;
+  unsetenv("SLURM_JOB_ID");
+  unsetenv("OMPI_COMM_WORLD_RANK");
   assert_int_equal(td_rpc_init("w0", 0, 2, &o, &a), TD_ERR_AUTH);
   assert_non_null(strstr(td_last_error(), "TD_RPC_SECRET"));
+  assert_non_null(strstr(td_last_error(), "tdistrun"));
+  assert_null(a);
+  /* under srun and mpirun the message gives the line to paste, in that launcher's words */
+  setenv("SLURM_JOB_ID", "4242", 1);
+  assert_int_equal(td_rpc_init("w0", 0, 2, &o, &a), TD_ERR_AUTH);
+  assert_non_null(strstr(td_last_error(), "export TD_RPC_SECRET=$(head -c 32 /dev/urandom"));
+  assert_non_null(strstr(td_last_error(), "before srun"));
+  unsetenv("SLURM_JOB_ID");
+  setenv("OMPI_COMM_WORLD_RANK", "0", 1);
+  assert_int_equal(td_rpc_init("w0", 0, 2, &o, &a), TD_ERR_AUTH);
+  assert_non_null(strstr(td_last_error(), "mpirun -x TD_RPC_SECRET"));
+  unsetenv("OMPI_COMM_WORLD_RANK");
   assert_null(a);
   /* a world of one needs none */
   o.init_method = "tcp://127.0.0.1:0";

@@ -225,7 +225,8 @@ static td_status rt_arrive(td_rpc_ctx *c, td_value *const *args, int n, td_value
 static td_status rt_blocking_probe(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
                                    td_future **fut) {
   td_value *x = td_value_int(1), *y = td_value_int(2), *xs[2] = {x, y}, *v = NULL;
-  td_rpc_call_opts o = {.timeout_ms = td_test_ms(10000)};
+  td_rpc_call_opts o = TD_RPC_CALL_OPTS_INIT;
+  o.timeout_ms = td_test_ms(10000);
   td_status st = td_rpc_sync(td_rpc_ctx_agent(c), td_rpc_ctx_caller_name(c), "add", xs, 2, &o, &v);
   td_value_unref(v);
   td_value_unref(x);

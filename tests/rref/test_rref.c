@@ -175,12 +175,32 @@ static int worker_errors(int rank, int world, const char *method, void *arg) {
 
     /* creation timeout: stored on the RRef */
     td_value *slow = td_value_int(1500);
-    td_rpc_call_opts opts = {200};
+    td_rpc_call_opts opts = TD_RPC_CALL_OPTS_INIT;
+    opts.timeout_ms = 200;
     MP_CHECK_OK(td_remote(a, "worker1", "slow", &slow, 1, &opts, &r));
     MP_CHECK(td_rref_to_here(r, td_test_ms(10000), &v) == TD_ERR_TIMEOUT);
     MP_CHECK(strstr(td_last_error(), "RRef creation failed") != NULL);
     MP_CHECK(strstr(td_last_error(), "timed out") != NULL);
     td_rref_unref(r);
+
+    /* call options not filled by TD_RPC_CALL_OPTS_INIT: refused, nothing sent, no RRef */
+    td_rpc_stats before, after;
+    MP_CHECK_OK(td_rpc_get_stats(a, &before));
+    td_rpc_call_opts zeroed = {0};
+    r = NULL;
+    MP_CHECK(td_remote(a, "worker1", "slow", &slow, 1, &zeroed, &r) == TD_ERR_INVALID && !r);
+    MP_CHECK(strstr(td_last_error(), "td_rpc_call_opts not initialised: use "
+                                     "TD_RPC_CALL_OPTS_INIT") != NULL);
+    td_rref *lr;
+    MP_CHECK_OK(td_rref_create_local(a, slow, &lr));
+    MP_CHECK(td_rref_remote(lr, "echo", NULL, 0, &zeroed, &r) == TD_ERR_INVALID && !r);
+    MP_CHECK(strstr(td_last_error(), "not initialised") != NULL);
+    v = NULL;
+    MP_CHECK(td_rref_rpc_sync(lr, "echo", NULL, 0, &zeroed, &v) == TD_ERR_INVALID && !v);
+    MP_CHECK(strstr(td_last_error(), "not initialised") != NULL);
+    MP_CHECK_OK(td_rpc_get_stats(a, &after));
+    MP_CHECK(after.calls_started == before.calls_started);
+    td_rref_unref(lr);
 
     /* to_here timeout on a slow (but fine) creation; a later to_here gets the value */
     MP_CHECK_OK(td_remote(a, "worker1", "slow", &slow, 1, NULL, &r));
@@ -194,7 +214,10 @@ static int worker_errors(int rank, int world, const char *method, void *arg) {
     /* to_here timeout on the owner (a self remote) */
     MP_CHECK_OK(td_remote(a, "worker0", "slow", &slow, 1, NULL, &r));
     MP_CHECK(td_rref_to_here(r, 100, &v) == TD_ERR_TIMEOUT);
-    MP_CHECK(td_rref_local_value(r, &v) == TD_ERR_STATE);
+    /* local_value on the owner waits for the value being created (PyTorch's OwnerRRef) */
+    MP_CHECK_OK(td_rref_local_value(r, &v));
+    MP_CHECK(as_int(v) == 1500);
+    td_value_unref(v);
     MP_CHECK_OK(td_rref_to_here(r, td_test_ms(10000), &v));
     MP_CHECK(as_int(v) == 1500);
     td_value_unref(v);
@@ -431,6 +454,32 @@ static int worker_forks(int rank, int world, const char *method, void *arg) {
     td_value_unref(v);
     TD_TEST_POLL((counter_stats(a, "worker2", &made, &destroyed), destroyed == 1), 5);
     MP_CHECK(made == 1 && destroyed == 1);
+
+    /* (4) as (1) and (1b), for functions started by remote() (PyTorch's
+     * test_user_rrefs_confirmed_remote): on the owner, given an RRef whose value is still being
+     * made (500 ms), it starts once the value exists; on another worker, given a fork the owner
+     * accepts 200 ms late, once the owner confirmed it */
+    td_rref *late, *fork, *res;
+    MP_CHECK_OK(td_remote(a, "worker1", "make_counter", (td_value *[]){zero, ms}, 2, NULL, &late));
+    td_value *lv = td_value_rref(late);
+    MP_CHECK_OK(td_remote(a, "worker1", "ready_at_entry", &lv, 1, NULL, &res));
+    MP_CHECK_OK(td_rref_to_here(res, td_test_ms(10000), &v));
+    MP_CHECK(td_value_equal(td_value_list_get(v, 0), td_value_bool(true)));
+    MP_CHECK(td_value_equal(td_value_list_get(v, 1), td_value_bool(true)));
+    td_value_unref(v);
+    td_rref_unref(res);
+    MP_CHECK_OK(td_rref_remote(late, "counter_get", NULL, 0, NULL, &fork));
+    td_value *fv = td_value_rref(fork);
+    MP_CHECK_OK(td_remote(a, "worker2", "ready_at_entry", &fv, 1, NULL, &res));
+    MP_CHECK_OK(td_rref_to_here(res, td_test_ms(10000), &v));
+    MP_CHECK(td_value_equal(td_value_list_get(v, 0), td_value_bool(true)));
+    td_value_unref(v);
+    td_rref_unref(res);
+    td_value_unref(fv);
+    td_rref_unref(fork);
+    td_value_unref(lv);
+    td_rref_unref(late);
+    TD_TEST_POLL((counter_stats(a, "worker1", &made, &destroyed), destroyed == made), 5);
     td_value_unref(zero);
     td_value_unref(ms);
   }
@@ -599,7 +648,8 @@ typedef struct cb_probe {
 static void creation_cb(td_future *f, void *arg) {
   cb_probe *p = arg;
   td_value *x = td_value_int(20), *y = td_value_int(22), *xs[2] = {x, y}, *v = NULL;
-  td_rpc_call_opts o = {.timeout_ms = td_test_ms(10000)};
+  td_rpc_call_opts o = TD_RPC_CALL_OPTS_INIT;
+  o.timeout_ms = td_test_ms(10000);
   td_status st = td_rpc_sync(p->a, "worker1", "add", xs, 2, &o, &v);
   int64_t sum = -1;
   if (st == TD_OK) td_value_as_int(v, &sum);

@@ -1,6 +1,7 @@
 /* test_rref_unit.c - in-process tests of the RRef layer: opaque object values (registry,
  * destructors, refusal to travel), and a world of one worker (port 0) exercising local RRefs,
- * remotes to self, proxies, the debug table and strict leak reports. */
+ * remotes to self, proxies, the debug table and strict leak reports; outside strict mode, RRefs
+ * still held at shutdown are released quietly (one DEBUG line, no warning). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -60,10 +61,15 @@ static size_t owned_count(td_rpc_agent *a) {
   return n;
 }
 
+static bool fns_registered;
+
+static void register_once(void) {
+  if (!fns_registered) rt_register_all();
+  fns_registered = true;
+}
+
 static void test_rref_world_of_one(void **state) {
-  static bool registered;
-  if (!registered) rt_register_all();
-  registered = true;
+  register_once();
   td_rref_set_strict(true);
   td_rpc_agent *a = solo();
   td_value *x = td_value_int(5), *v;
@@ -135,10 +141,55 @@ static void test_rref_world_of_one(void **state) {
   td_rpc_destroy(a);
 }
 
+/* log lines captured by test_rref_held_at_shutdown_not_strict */
+static char log_seen[4096];
+static int log_warnings;
+static void capture(td_log_level level, const char *msg, void *ud) {
+  (void)ud;
+  if (level >= TD_LOG_WARN) log_warnings++;
+  size_t n = strlen(log_seen);
+  snprintf(log_seen + n, sizeof log_seen - n, "%d:%s\n", (int)level, msg);
+}
+
+static void test_rref_held_at_shutdown_not_strict(void **state) {
+  register_once();
+  td_rref_set_strict(false);
+  unsetenv("TD_RREF_STRICT");
+  td_rpc_agent *a = solo();
+  int64_t before = rt_counters_destroyed;
+  td_rref *r, *local;
+  TD_ASSERT_OK(td_remote(a, "solo", "make_counter", NULL, 0, NULL, &r));
+  td_future *cf;
+  TD_ASSERT_OK(td_rref_creation_future(r, &cf));
+  TD_ASSERT_OK(td_future_wait(cf, td_test_ms(10000)));
+  td_future_unref(cf);
+  td_value *x = td_value_int(3);
+  TD_ASSERT_OK(td_rref_create_local(a, x, &local));
+  td_value_unref(x);
+  td_log_level was = td_log_get_level();
+  td_log_set_level(TD_LOG_DEBUG);
+  log_seen[0] = 0;
+  log_warnings = 0;
+  td_log_set_handler(capture, NULL);
+  /* the program still holds both: a normal shutdown, quiet at the default level */
+  td_status st = td_rpc_shutdown(a, true, td_test_ms(10000));
+  td_log_set_handler(NULL, NULL);
+  td_log_set_level(was);
+  TD_ASSERT_OK(st);
+  assert_int_equal(log_warnings, 0);
+  assert_non_null(strstr(log_seen, "2 RRefs still referenced at shutdown, released"));
+  assert_null(strstr(log_seen, "leaked"));
+  assert_int_equal(rt_counters_destroyed, before + 1); /* released all the same */
+  td_rref_unref(r);
+  td_rref_unref(local);
+  td_rpc_destroy(a);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_object_values),
       cmocka_unit_test(test_rref_world_of_one),
+      cmocka_unit_test(test_rref_held_at_shutdown_not_strict),
   };
   return cmocka_run_group_tests_name("rref_unit", tests, NULL, NULL);
 }

@@ -8,6 +8,12 @@
  * make. At the end each rank writes RUN_DIR/<rank>.json: {"secret_fn_calls", "echo_calls",
  * "echo_failures", "echo_max_ms", "refused", "rss_kb"} and shuts down gracefully; exit status 0
  * when that succeeded.
+ *
+ * With TD_TARGET_RING=1 (test_outsider_ring.py) the workers also form a CPU process group once
+ * RUN_DIR/pg_go exists (rank 1 waits for RUN_DIR/pg_go1 instead, so that the test can attack the
+ * listener of rank 1's right neighbour, rank 2, before rank 1 connects), write RUN_DIR/<rank>.pg,
+ * run all_reduces of known values over the TCP ring (the workers run with TD_COLL_ALGO=ring) and
+ * report "pg_ok" (group created, every result exact) and "pg_ops" in their JSON.
  */
 #include <stdatomic.h>
 #include <stdio.h>
@@ -17,6 +23,40 @@
 #include <unistd.h>
 
 #include "tdist/tdist.h"
+
+/* ring_phase forms the group and runs all_reduces whose exact sums are known: every element of
+ * member r is r + 1 + i % 7 (small integers: float32 sums are exact). Returns the ops that were
+ * exact, -1 when the group could not be formed. */
+static int ring_phase(td_rpc_agent *a, const char *dir, int rank) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/pg_go%s", dir, rank == 1 ? "1" : "");
+  while (access(path, F_OK) != 0) usleep(20000);
+  td_process_group *pg = NULL;
+  if (td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, 60000, &pg) != TD_OK) {
+    fprintf(stderr, "target_worker: process group: %s\n", td_last_error());
+    return -1;
+  }
+  snprintf(path, sizeof path, "%s/%d.pg", dir, rank);
+  FILE *f = fopen(path, "w");
+  if (f) fclose(f);
+  int world = td_process_group_size(pg), good = 0;
+  int64_t sizes[2] = {4096, 1 << 18};
+  for (int op = 0; op < 10; op++) {
+    int64_t n = sizes[op % 2];
+    td_tensor *t = NULL;
+    if (td_tensor_empty(&n, 1, TD_DTYPE_F32, td_device_cpu(), &t) != TD_OK) break;
+    float *d = td_tensor_data(t);
+    for (int64_t i = 0; i < n; i++) d[i] = (float)(rank + 1 + i % 7);
+    bool ok = td_process_group_all_reduce(pg, t, TD_REDUCE_SUM) == TD_OK;
+    for (int64_t i = 0; ok && i < n; i++)
+      ok = d[i] == (float)(world * (world + 1) / 2 + world * (i % 7));
+    if (!ok) fprintf(stderr, "target_worker: all_reduce %d not exact: %s\n", op, td_last_error());
+    good += ok;
+    td_tensor_unref(t);
+  }
+  td_process_group_destroy(pg);
+  return good;
+}
 
 static atomic_long secret_calls;
 
@@ -104,6 +144,8 @@ int main(int argc, char **argv) {
   fclose(f);
   rename(tmp, path);
 
+  int pg_ops = getenv("TD_TARGET_RING") ? ring_phase(a, dir, rank) : 0;
+
   snprintf(path, sizeof path, "%s/stop", dir);
   long calls = 0, failures = 0;
   double worst = 0;
@@ -131,9 +173,11 @@ int main(int argc, char **argv) {
   if (!f) return 1;
   fprintf(f,
           "{\"secret_fn_calls\": %ld, \"echo_calls\": %ld, \"echo_failures\": %ld, "
-          "\"echo_max_ms\": %.1f, \"refused\": %llu, \"rss_kb\": %ld}\n",
+          "\"echo_max_ms\": %.1f, \"refused\": %llu, \"rss_kb\": %ld, \"pg_ops\": %d, "
+          "\"pg_ok\": %s}\n",
           atomic_load(&secret_calls), calls, failures, worst,
-          (unsigned long long)st.refused_connections, rss_kb());
+          (unsigned long long)st.refused_connections, rss_kb(), pg_ops,
+          pg_ops == 10 ? "true" : "false");
   fclose(f);
   rename(tmp, path);
   td_status s = td_rpc_shutdown(a, true, 30000);

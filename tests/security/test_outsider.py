@@ -11,6 +11,8 @@ HTTP/2 and gRPC by hand (python3-h2), tries as an outsider (no secret):
     while the group is still starting;
   - to exhaust memory: thousands of idle streams on many connections, a gRPC message declaring
     3 GiB and never finished, a ping flood;
+  - to keep members out by holding every handshake slot with idle streams (a member's new stream
+    must still get in);
 and, as a malicious member (with the secret):
   - to claim another rank inside its frames;
   - to make one worker read a third worker's memory (a direct-copy descriptor naming its pid);
@@ -514,6 +516,16 @@ def main():
         grew = (rss_kb(pid1) - base) / 1024
         check(grew < 100 * mem, f"{opened} idle streams on 20 connections: rank 1 grew {grew:.0f} MB (bound {100 * mem})")
         check(ended > 0, f"streams beyond the limits were refused ({ended} ended by the server)")
+        # a member's new stream gets its handshake slot while strangers hold half-open ones (it
+        # takes the oldest's slot; before, it was refused while the slots were full)
+        try:
+            mc, _ = member_stream(a1, key_of(g.secret), 0, 1)
+            mc.close()
+            joined = True
+        except AssertionError as e:
+            print(f"member stream: {e}", flush=True)
+            joined = False
+        check(joined, f"a member's new stream completes its handshake beside {opened} strangers' streams")
         for cc in conns:
             cc.close()
 

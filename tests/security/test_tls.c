@@ -1,7 +1,9 @@
 /* test_tls.c - optional mutual TLS: a group whose members carry certificates of the job's CA
- * works (calls, tensors, the store); a worker with a certificate of another CA, or without TLS,
+ * works (calls, tensors, the store, and a process group whose TCP ring is then encrypted: no
+ * byte it sends shows the tensors' values); a worker with a certificate of another CA, or without TLS,
  * cannot join it; half a TLS configuration is refused at once. Certificates are made with the
  * openssl command line tool (skipped without it). */
+#define _GNU_SOURCE /* memmem */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -16,6 +18,16 @@
 #include "mp_util.h"
 #include "tdist/tdist.h"
 #include "test_util.h"
+
+/* The ring's test hook (collectives/ring.c): every byte it sends to the right. */
+extern void (*td__ring_test_sent)(td_process_group *pg, const void *p, size_t n);
+static long ring_sent, ring_clear;
+static void watch_ring(td_process_group *pg, const void *p, size_t n) {
+  (void)pg;
+  float v = 1.5f;
+  ring_sent += (long)n;
+  if (memmem(p, n, &v, sizeof v)) ring_clear++;
+}
 
 static char dir[64];
 static char good_cert[128], good_key[128], ca[128], rogue_cert[128], rogue_key[128];
@@ -114,6 +126,16 @@ static int worker_tls(int rank, int world, const char *method, void *arg) {
   MP_CHECK(td_value_equal(v, r));
   td_value_unref(r);
   td_value_unref(v);
+  /* a process group of TLS workers encrypts its ring (TD_COLL_ALGO=ring: not shared memory) */
+  setenv("TD_COLL_ALGO", "ring", 1);
+  td__ring_test_sent = watch_ring;
+  td_process_group *pg = NULL;
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
+  MP_CHECK_OK(td_process_group_all_reduce(pg, t, TD_REDUCE_SUM));
+  for (int64_t i = 0; i < shape[0]; i++) MP_CHECK(((const float *)td_tensor_data(t))[i] == 3.0f);
+  MP_CHECK(ring_sent >= shape[0] * 2 && ring_clear == 0);
+  td_process_group_destroy(pg);
+  td__ring_test_sent = NULL;
   td_tensor_unref(t);
   MP_CHECK_OK(td_rpc_shutdown(a, true, (int64_t)(30000 * td_test_timeout_scale())));
   td_rpc_destroy(a);

@@ -1,7 +1,9 @@
-/* test_dtypes.c - the transport dtypes (float16, bfloat16, int32, uint8, bool): sizes and names,
- * creation, views, copies, conversions to and from every dtype with the exact bit patterns of
- * IEEE binary16 / bfloat16 rounding, element reads, comparisons, and the clear TD_ERR_DTYPE that
- * every computing op, autograd and CUDA placement give them. */
+/* test_dtypes.c - the dtypes beyond float32/float64/int64 (float16, bfloat16, int32, uint8,
+ * bool): sizes and names, creation, views, copies, conversions to and from every dtype with the
+ * exact bit patterns of IEEE binary16 / bfloat16 rounding, element reads, comparisons, the clear
+ * TD_ERR_DTYPE that every computing op and autograd give the transport-only ones (int32, uint8,
+ * bool), and CUDA placement refused for all of them. (The 16-bit floats' arithmetic:
+ * test_half.c.) */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -11,6 +13,8 @@
 static const td_dtype transport[] = {TD_DTYPE_F16, TD_DTYPE_BF16, TD_DTYPE_I32, TD_DTYPE_U8,
                                      TD_DTYPE_BOOL};
 #define NT ((int)(sizeof transport / sizeof transport[0]))
+static const td_dtype transport_only[] = {TD_DTYPE_I32, TD_DTYPE_U8, TD_DTYPE_BOOL};
+#define NTO ((int)(sizeof transport_only / sizeof transport_only[0]))
 
 static void test_dtype_sizes_and_names(void **state) {
   (void)state;
@@ -181,11 +185,11 @@ static void test_dtype_create_view_copy(void **state) {
   }
 }
 
-/* Ops that compute refuse transport dtypes with TD_ERR_DTYPE naming the op and the dtype. */
+/* Ops that compute refuse transport-only dtypes with TD_ERR_DTYPE naming the op and the dtype. */
 static void test_dtype_ops_refused(void **state) {
   (void)state;
-  for (int k = 0; k < NT; k++) {
-    td_dtype dt = transport[k];
+  for (int k = 0; k < NTO; k++) {
+    td_dtype dt = transport_only[k];
     const char *name = td_dtype_name(dt);
     int64_t shape[2] = {2, 2}, ish[1] = {1};
     td_tensor *a = NULL, *i64 = NULL, *r = NULL, *v = NULL;
@@ -225,23 +229,39 @@ static void test_dtype_ops_refused(void **state) {
     TD_ASSERT_STATUS(td_tensor_uniform(shape, 2, 0, 1, dt, td_device_cpu(), g, &r),
                      TD_ERR_INVALID);
     td_generator_destroy(g);
-    /* No CUDA placement, with or without CUDA in the build. */
-    TD_ASSERT_STATUS(td_tensor_empty(shape, 2, dt, td_device_cuda(0), &r), TD_ERR_DTYPE);
-    TD_ASSERT_STATUS(td_tensor_to(a, td_device_cuda(0), &r), TD_ERR_DTYPE);
-    assert_null(r);
     td_tensor_unref(i64), td_tensor_unref(a);
   }
 }
 
-/* Converting a tensor that requires grad to a transport dtype gives a plain tensor (no history
- * that could send gradients through a dtype autograd does not handle). */
+/* No CUDA placement for any of them, with or without CUDA in the build. */
+static void test_dtype_cuda_refused(void **state) {
+  (void)state;
+  for (int k = 0; k < NT; k++) {
+    td_dtype dt = transport[k];
+    int64_t shape[2] = {2, 2};
+    td_tensor *a = NULL, *r = NULL;
+    TD_ASSERT_OK(td_tensor_zeros(shape, 2, dt, td_device_cpu(), &a));
+    TD_ASSERT_STATUS(td_tensor_empty(shape, 2, dt, td_device_cuda(0), &r), TD_ERR_DTYPE);
+    TD_ASSERT_STATUS(td_tensor_to(a, td_device_cuda(0), &r), TD_ERR_DTYPE);
+    assert_null(r);
+    td_tensor_unref(a);
+  }
+}
+
+/* Converting a tensor that requires grad to a transport-only dtype gives a plain tensor (no
+ * history that could send gradients through a dtype autograd does not handle); to a 16-bit float
+ * the conversion is differentiable. */
 static void test_dtype_conversion_cuts_history(void **state) {
   (void)state;
   int64_t shape[1] = {3};
   td_tensor *x = td_test_randn(shape, 1, TD_DTYPE_F32, 7, true), *h = NULL;
-  TD_ASSERT_OK(td_tensor_to_dtype(x, TD_DTYPE_F16, &h));
+  TD_ASSERT_OK(td_tensor_to_dtype(x, TD_DTYPE_I32, &h));
   assert_false(td_tensor_requires_grad(h));
   assert_null(td_tensor_grad_fn(h));
+  td_tensor_unref(h);
+  TD_ASSERT_OK(td_tensor_to_dtype(x, TD_DTYPE_F16, &h));
+  assert_true(td_tensor_requires_grad(h));
+  assert_string_equal(td_node_name(td_tensor_grad_fn(h)), "ToCopyBackward");
   td_tensor_unref(h), td_tensor_unref(x);
 }
 
@@ -254,6 +274,7 @@ int main(void) {
       cmocka_unit_test(test_dtype_conversion_matrix),
       cmocka_unit_test(test_dtype_create_view_copy),
       cmocka_unit_test(test_dtype_ops_refused),
+      cmocka_unit_test(test_dtype_cuda_refused),
       cmocka_unit_test(test_dtype_conversion_cuts_history),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,6 +1,9 @@
 /* test_trace.c - the trace recorder (tdist/trace.h): nothing is recorded while it is off; spans
  * from several threads, nested and with strings that need escaping, end up in a file that is one
- * JSON document in the Chrome trace format; a second session starts clean. */
+ * JSON document in the Chrome trace format; a second session starts clean. Memory stays bounded:
+ * past TD_TRACE_MAX_EVENTS the events go to the file (all of them, still one valid document);
+ * deep nesting writes each span with its own begin and end; an exiting thread's buffer is freed
+ * (its events written first); a forked child does not inherit the session. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -15,6 +18,8 @@
 #include "tdist/collectives.h"
 #include "tdist/rpc.h"
 #include "tdist/trace.h"
+#include "core/trace_impl.h"
+#include "mp_util.h"
 #include "test_util.h"
 
 static char *slurp(const char *path) {
@@ -145,10 +150,236 @@ static void test_trace_records_collectives(void **state) {
   assert_int_equal(system(cmd), 0);
 }
 
+/* ---- bounds ---- */
+
+/* Finds the one event named name in text: returns how many there are, and the first's ts and dur
+ * (microseconds). */
+static int span_of(const char *text, const char *name, double *ts, double *dur) {
+  char needle[128];
+  snprintf(needle, sizeof needle, "\"name\":\"%s\"", name);
+  int n = 0;
+  for (const char *p = text; (p = strstr(p, needle)); p++) {
+    const char *bol = p;
+    while (bol > text && bol[-1] != '\n') bol--;
+    const char *t = strstr(bol, "\"ts\":"), *d = strstr(bol, "\"dur\":");
+    if (n++ == 0) {
+      *ts = t ? strtod(t + 5, NULL) : -1;
+      *dur = d ? strtod(d + 6, NULL) : -1;
+    }
+  }
+  return n;
+}
+
+static char *session_file(const char *dir) {
+  char path[128];
+  snprintf(path, sizeof path, "%s/pid%d.trace.json", dir, (int)getpid());
+  assert_true(valid_json(path));
+  char *text = slurp(path);
+  assert_non_null(text);
+  return text;
+}
+
+static void remove_dir(const char *dir) {
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
+#define CAP_EVENTS 1000
+#define CAP_PER_THREAD 10000
+#define CAP_THREADS 3
+
+typedef struct peak {
+  size_t events, bytes;
+} peak;
+
+/* Records CAP_PER_THREAD spans, sampling the recorder's holdings every 50. */
+static void *many_spans(void *arg) {
+  peak *pk = arg;
+  for (int i = 0; i < CAP_PER_THREAD; i++) {
+    td_trace_begin("cap", NULL);
+    td_trace_end();
+    if (i % 50 == 0) {
+      td__trace_counts c;
+      td__trace_counts_get(&c);
+      if (c.events_held > pk->events) pk->events = c.events_held;
+      if (c.bytes_held > pk->bytes) pk->bytes = c.bytes_held;
+    }
+  }
+  return NULL;
+}
+
+/* 30,000 spans under a cap of 1,000 events: the recorder never holds more than the cap (plus the
+ * one event each other thread may add while the buffers are being written), and the file still
+ * has every span, one valid document, nothing dropped. */
+static void test_trace_events_over_cap_stay_bounded(void **state) {
+  (void)state;
+  char dir[] = "/tmp/td_trace_XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  char cap[16];
+  snprintf(cap, sizeof cap, "%d", CAP_EVENTS);
+  setenv("TD_TRACE_MAX_EVENTS", cap, 1);
+  TD_ASSERT_OK(td_trace_start(dir));
+  unsetenv("TD_TRACE_MAX_EVENTS");
+  td__trace_counts c;
+  td__trace_counts_get(&c);
+  assert_int_equal(c.max_events, CAP_EVENTS);
+  pthread_t th[CAP_THREADS];
+  peak pk[CAP_THREADS];
+  memset(pk, 0, sizeof pk);
+  for (int i = 0; i < CAP_THREADS; i++)
+    assert_int_equal(pthread_create(&th[i], NULL, many_spans, &pk[i]), 0);
+  for (int i = 0; i < CAP_THREADS; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < CAP_THREADS; i++) {
+    assert_true(pk[i].events <= CAP_EVENTS + CAP_THREADS);
+    assert_true(pk[i].bytes <= (2u << 20)); /* 30,000 events held would be about 4 MB */
+  }
+  TD_ASSERT_OK(td_trace_stop());
+  td__trace_counts_get(&c);
+  assert_int_equal(c.events_held, 0);
+  char *text = session_file(dir);
+  assert_int_equal(count(text, "\"name\":\"cap\""), CAP_THREADS * CAP_PER_THREAD);
+  assert_int_equal(count(text, "\"dropped_events\":0}"), 1);
+  free(text);
+  remove_dir(dir);
+}
+
+/* 100 nested spans are 100 spans, each inside its parent; 1,030 nested ones keep the outer 1,024
+ * (TD__TRACE_MAX_DEPTH) and skip the innermost six with their own ends (counted as dropped), so
+ * the outer spans still end at their own td_trace_end. */
+static void test_trace_deep_nesting_gives_matched_spans(void **state) {
+  (void)state;
+  char dir[] = "/tmp/td_trace_XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  TD_ASSERT_OK(td_trace_start(dir));
+  char name[32];
+  for (int i = 0; i < 100; i++) {
+    snprintf(name, sizeof name, "d%d", i);
+    td_trace_begin(name, NULL);
+  }
+  for (int i = 0; i < 100; i++) td_trace_end();
+  int deep = TD__TRACE_MAX_DEPTH + 6;
+  for (int i = 0; i < deep; i++) {
+    snprintf(name, sizeof name, "e%d", i);
+    td_trace_begin(name, NULL);
+    if (i == deep - 1) td_trace_instant("bottom", NULL);
+  }
+  for (int i = 0; i < deep; i++) {
+    if (i == deep - TD__TRACE_MAX_DEPTH) td_trace_instant("skipped_closed", NULL);
+    td_trace_end();
+  }
+  td_trace_begin("after", NULL); /* the thread's nesting is back at the top */
+  td_trace_end();
+  TD_ASSERT_OK(td_trace_stop());
+  char *text = session_file(dir);
+  double ts[100], dur[100];
+  for (int i = 0; i < 100; i++) {
+    snprintf(name, sizeof name, "d%d", i);
+    assert_int_equal(span_of(text, name, &ts[i], &dur[i]), 1);
+    if (i) { /* inside its parent */
+      assert_true(ts[i] >= ts[i - 1]);
+      assert_true(ts[i] + dur[i] <= ts[i - 1] + dur[i - 1]);
+    }
+  }
+  for (int i = 0; i < deep; i++) {
+    snprintf(name, sizeof name, "e%d", i);
+    double t, d;
+    assert_int_equal(span_of(text, name, &t, &d), i < TD__TRACE_MAX_DEPTH ? 1 : 0);
+  }
+  /* the innermost kept span ends at its own end, after the skipped ones' ends */
+  double tb, db, tc, dc, ti, di;
+  assert_int_equal(span_of(text, "skipped_closed", &tc, &dc), 1);
+  snprintf(name, sizeof name, "e%d", TD__TRACE_MAX_DEPTH - 1);
+  assert_int_equal(span_of(text, name, &ti, &di), 1);
+  assert_int_equal(span_of(text, "bottom", &tb, &db), 1);
+  assert_true(ti <= tb && ti + di >= tc);
+  assert_int_equal(span_of(text, "after", &tb, &db), 1);
+  assert_int_equal(count(text, "\"dropped_events\":6}"), 1);
+  free(text);
+  remove_dir(dir);
+}
+
+static void *exiting(void *arg) {
+  (void)arg;
+  for (int i = 0; i < 10; i++) {
+    td_trace_begin("exiting", NULL);
+    td_trace_end();
+  }
+  return NULL;
+}
+
+/* A thread that recorded and exits gives its buffer back (after writing its events). */
+static void test_trace_thread_exit_frees_buffer(void **state) {
+  (void)state;
+  char dir[] = "/tmp/td_trace_XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  TD_ASSERT_OK(td_trace_start(dir));
+  td_trace_instant("main", NULL); /* this thread's buffer exists before the count */
+  td__trace_counts before, after;
+  td__trace_counts_get(&before);
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, exiting, NULL), 0);
+  pthread_join(th, NULL);
+  td__trace_counts_get(&after);
+  assert_int_equal(after.live_buffers, before.live_buffers);
+  assert_int_equal(after.events_held, before.events_held); /* its events left with it */
+  TD_ASSERT_OK(td_trace_stop());
+  char *text = session_file(dir);
+  assert_int_equal(count(text, "\"name\":\"exiting\""), 10);
+  free(text);
+  remove_dir(dir);
+}
+
+/* In a forked child (TD_MP_RUN): tracing is off, the parent's events are not there, and a
+ * session of its own writes its own file. */
+static int forked_child(int rank, int world, const char *method, void *arg) {
+  (void)rank, (void)world, (void)method;
+  const char *dir = arg;
+  MP_CHECK(!td_trace_enabled());
+  MP_CHECK_OK(td_trace_start(dir));
+  td_trace_begin("child", NULL);
+  td_trace_end();
+  MP_CHECK_OK(td_trace_stop());
+  char path[128];
+  snprintf(path, sizeof path, "%s/pid%d.trace.json", dir, (int)getpid());
+  char *text = slurp(path);
+  MP_CHECK(text && count(text, "\"name\":\"child\"") == 1);
+  MP_CHECK(count(text, "\"name\":\"parent_before\"") == 0);
+  MP_CHECK(count(text, "\"name\":\"thread_name\"") == 1);
+  free(text);
+  MP_CHECK(valid_json(path));
+  return 0;
+}
+
+/* A process that forks while tracing keeps its session to itself: the child starts untraced and
+ * may trace on its own; the parent's file has its events only, before and after the fork. */
+static void test_trace_fork_child_starts_untraced(void **state) {
+  (void)state;
+  char dir[] = "/tmp/td_trace_XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  TD_ASSERT_OK(td_trace_start(dir));
+  td_trace_begin("parent_before", NULL);
+  td_trace_end();
+  TD_MP_RUN(1, forked_child, dir, 30);
+  td_trace_begin("parent_after", NULL);
+  td_trace_end();
+  TD_ASSERT_OK(td_trace_stop());
+  char *text = session_file(dir);
+  assert_int_equal(count(text, "\"name\":\"parent_before\""), 1);
+  assert_int_equal(count(text, "\"name\":\"parent_after\""), 1);
+  assert_int_equal(count(text, "\"name\":\"child\""), 0);
+  free(text);
+  remove_dir(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_trace_records_spans_from_threads),
       cmocka_unit_test(test_trace_records_collectives),
+      cmocka_unit_test(test_trace_events_over_cap_stay_bounded),
+      cmocka_unit_test(test_trace_deep_nesting_gives_matched_spans),
+      cmocka_unit_test(test_trace_thread_exit_frees_buffer),
+      cmocka_unit_test(test_trace_fork_child_starts_untraced),
   };
   return cmocka_run_group_tests_name("trace", tests, NULL, NULL);
 }

@@ -252,6 +252,14 @@ def batch_hash(h, ix):
     return h
 
 
+def autocast(args):
+    """The forward's precision scope: bf16 autocast, or nothing."""
+    if args.dtype == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    import contextlib
+    return contextlib.nullcontext()
+
+
 @torch.no_grad()
 def estimate(model, splits, args):
     model.eval()
@@ -261,7 +269,8 @@ def estimate(model, splits, args):
         total = 0.0
         for _ in range(args.eval_iters):
             x, y, _ = get_batch(data, gen, args.batch_size, args.block_size)
-            total += model(x, y)[1].item()
+            with autocast(args):
+                total += model(x, y)[1].item()
         out.append(total / args.eval_iters)
     model.train()
     return out
@@ -299,7 +308,10 @@ def parse_args():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--corpus", default=DEFAULT_CORPUS)
     ap.add_argument("--init", default=None)
-    ap.add_argument("--dtype", choices=["f32", "f64"], default="f32")
+    ap.add_argument("--dtype", choices=["f32", "f64", "bf16"], default="f32",
+                    help="bf16: torch.autocast('cpu', dtype=torch.bfloat16) around every forward "
+                         "(float32 weights, as the C example's --dtype bf16); PyTorch 1.13's CPU "
+                         "autocast has no float16")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--dp", choices=["ddp", "zero1"], default="ddp")
     return ap.parse_args()
@@ -360,7 +372,8 @@ def train_rank(rank, args, rendezvous):
             g["lr"] = lr
         x, y, ix = get_batch(train, gen, args.batch_size, args.block_size)
         h = batch_hash(h, ix)
-        _, loss = model(x, y)
+        with autocast(args):
+            _, loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)

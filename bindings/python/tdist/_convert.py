@@ -118,6 +118,8 @@ def to_value(obj, strict=True):
         return _dict(obj, strict)
     if isinstance(obj, np.ndarray):  # a subclass: its own memory, the object kept alive
         return _tensor_value(_tensor.borrow_numpy(obj))
+    if RREF_CLASS is not None and isinstance(obj, RREF_CLASS):  # tdist.torch_rpc.RRef
+        return _new(lib.td_value_rref(obj._r))
     if strict:
         raise TypeError(
             "tdist cannot send a %s: only None, bool, int, float, str, bytes, list, tuple, "
@@ -172,23 +174,23 @@ def tensor_out(t):
     return _tensor.numpy_view(t)
 
 
+_K_INT, _K_NONE, _K_BOOL, _K_DOUBLE = (lib.TD_VALUE_INT, lib.TD_VALUE_NONE, lib.TD_VALUE_BOOL,
+                                       lib.TD_VALUE_DOUBLE)
+PLAIN = frozenset((type(None), bool, int, float, str, bytes, list, dict))  # never awaitable
+
+
 def from_value(v):
     """The Python object for td_value* v (borrowed)."""
-    k = lib.td_value_kind_of(v)
-    if k == lib.TD_VALUE_INT:
-        p = ffi.new("int64_t *")
-        lib.td_value_as_int(v, p)
-        return p[0]
-    if k == lib.TD_VALUE_NONE:
+    s = lib.tdpy_scalar(v)
+    k = s.kind
+    if k == _K_INT:
+        return s.i
+    if k == _K_NONE:
         return None
-    if k == lib.TD_VALUE_BOOL:
-        p = ffi.new("bool *")
-        lib.td_value_as_bool(v, p)
-        return bool(p[0])
-    if k == lib.TD_VALUE_DOUBLE:
-        p = ffi.new("double *")
-        lib.td_value_as_double(v, p)
-        return p[0]
+    if k == _K_BOOL:
+        return bool(s.i)
+    if k == _K_DOUBLE:
+        return s.d
     if k == lib.TD_VALUE_STRING:
         s, n = ffi.new("char **"), ffi.new("size_t *")
         lib.td_value_as_string(v, s, n)
@@ -229,6 +231,18 @@ def _ext(v):
 def register_object_type():
     """Registers "python.object" with tdist (at init_rpc; idempotent)."""
     check(lib.td_object_type_register(PYOBJ, OBJECT_DESTROY))
+
+
+def values_list(args, strict=True):
+    """[new td_value*] for a call's arguments (released on failure)."""
+    vals = []
+    try:
+        for a in args:
+            vals.append(to_value(a, strict))
+    except BaseException:
+        release_values(vals)
+        raise
+    return vals
 
 
 def values_array(args, strict=True):

@@ -14,6 +14,10 @@ class State:
         self.tensor_type = "auto"   # "auto", "numpy" or "torch"
         self.forked = False         # this process is a fork() child of one that ran tdist
         self.pending_interrupt = None  # KeyboardInterrupt caught in a handler (host mode)
+        # init_rpc is under way: the first handler (which may run before td_rpc_init has returned
+        # to Python, see rpc.init_rpc) or the init thread, whichever comes first, publishes the
+        # agent (rpc._publish)
+        self.starting = False
 
 
 state = State()

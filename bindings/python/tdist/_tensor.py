@@ -13,8 +13,9 @@ memory too. What callers get is chosen by init_rpc(tensor_type=...): "numpy", "t
 "auto" (torch when the program has imported torch, else numpy). Tensors that require grad
 (distributed autograd) come back as tdist.Tensor, which keeps their autograd history.
 
-Dtypes: float32, float64, int64 (tdist computes with these), float16, bfloat16 (torch only:
-numpy has none), int32, uint8, bool (transported as they are; tdist's ops refuse them).
+Dtypes: float32, float64, int64, float16 and bfloat16 (tdist computes with these; bfloat16 reaches
+Python as torch tensors or tdist.Tensor: numpy has none), int32, uint8, bool (transported as they
+are; tdist's ops refuse them).
 """
 import sys
 

@@ -9,8 +9,11 @@ tdist.InvalidArgumentError a ValueError, ...), so code can catch either.
 A failure that happened on another worker - the remote function raised, or refused the call -
 has a message with that worker's prefix ("worker1 (rank 1): ..."); it raises a class deriving from both
 tdist.RemoteError and the status's class (a ValueError raised remotely is caught by
-`except tdist.RemoteError` and by `except ValueError`). Only the exception's type name and text
-cross (never a pickled exception): "worker1 (rank 1): 'fn' failed: ValueError: bad input".
+`except tdist.RemoteError` and by `except ValueError`). When a Python function raised a built-in
+exception, the class also derives from that built-in (a remote TypeError is a TypeError, a remote
+KeyError a KeyError). Only the exception's type name and text cross (never a pickled exception):
+"worker1 (rank 1): 'fn' failed: ValueError: bad input". tdist.torch_rpc keeps user exception
+classes too, with the remote traceback (it sends exceptions as data).
 
 The other way round, an exception raised by a registered Python function becomes the status of
 the reply (status_of) and the text "<Type>: <message> (at file:line in function)".
@@ -50,6 +53,9 @@ class Error(Exception):
     @property
     def status_name(self):
         return STATUS_NAMES.get(self.status, "TD_UNKNOWN")
+
+    def __str__(self):
+        return self.message  # also for classes that mix in KeyError (whose str() quotes)
 
 
 class InvalidArgumentError(Error, ValueError):
@@ -148,12 +154,37 @@ def _remote_class(cls):
     return rc
 
 
+# "... 'fn' failed: KeyError: ..." - what a Python handler's exception looks like (describe())
+_RAISED_RE = re.compile(r"failed: ([A-Za-z_][A-Za-z0-9_]*): ")
+_KEEP = {}  # (tdist class, built-in) -> the class deriving from both
+
+
+def _with_builtin(cls, message):
+    """cls, also deriving from the built-in exception a Python handler raised (named in the
+    message), when there is one and the two can be combined."""
+    m = _RAISED_RE.search(message)
+    b = getattr(builtins, m.group(1), None) if m else None
+    if not (isinstance(b, type) and issubclass(b, Exception)) or issubclass(cls, b):
+        return cls
+    key = (cls, b)
+    if key not in _KEEP:
+        try:
+            _KEEP[key] = type(cls.__name__.replace("Error", "") + b.__name__, (cls, b),
+                              {"status": cls.status, "__module__": __name__})
+        except TypeError:  # incompatible layouts (e.g. UnicodeError's): the tdist class alone
+            _KEEP[key] = cls
+    return _KEEP[key]
+
+
 def from_status(status, message):
     """The exception for a failed td_status and its message."""
     cls = _BY_STATUS.get(int(status), Error)
     if _REMOTE_RE.search(message):  # "<worker> (rank r): ..." came from there
-        cls = _remote_class(cls)
-    return cls(message, int(status))
+        cls = _with_builtin(_remote_class(cls), message)
+    try:
+        return cls(message, int(status))
+    except TypeError:  # a built-in whose constructor wants more (rare): the tdist class alone
+        return _remote_class(_BY_STATUS.get(int(status), Error))(message, int(status))
 
 
 def status_of(exc):

@@ -29,7 +29,7 @@ import time
 from . import _convert, _service, _timeouts, errors
 from ._lib import NULL, check, cstr, ffi, lib, pystr
 from ._state import agent as _agent, state
-from .futures import Future, wait_ptr
+from .futures import Future, value_of, wait_ptr
 
 WorkerInfo = collections.namedtuple("WorkerInfo", "name id address")
 WorkerInfo.__doc__ = "A worker's name, rank (id) and the address its server listens on."
@@ -82,7 +82,12 @@ def unregister(name):
 
 def current_caller():
     """The (name, rank) of the worker whose request this thread is serving, or None."""
-    return getattr(_local, "caller", None)
+    c = getattr(_local, "caller", None)
+    if c is None or type(c) is CallerInfo:
+        return c
+    c = _local.caller = CallerInfo(pystr(lib.td_rpc_ctx_caller_name(c)),
+                                   lib.td_rpc_ctx_caller_rank(c))  # made when asked for
+    return c
 
 
 def _dispatch_onerror(exc, value, tb):
@@ -94,14 +99,17 @@ def tdpy_dispatch(ctx, args, nargs, result, async_result):
     """Runs a registered Python function for a request (GIL held by cffi)."""
     prev = getattr(_local, "caller", None)
     try:
-        _service.maybe_drain()
+        if state.agent is None and state.starting:
+            _publish(lib.td_rpc_ctx_agent(ctx))
+        if lib.tdpy_release_pending():
+            _service.maybe_drain()
         fn = _by_key[int(ffi.cast("uintptr_t", lib.td_rpc_ctx_user_data(ctx)))]
-        _local.caller = CallerInfo(pystr(lib.td_rpc_ctx_caller_name(ctx)),
-                                   lib.td_rpc_ctx_caller_rank(ctx))
+        _local.caller = ctx  # current_caller() makes the CallerInfo if it is asked for
         out = fn(*[_convert.from_value(args[i]) for i in range(nargs)])
-        if type(out) is Future:
+        t = type(out)
+        if t is Future:
             async_result[0] = lib.td_future_ref(out._f)
-        elif hasattr(out, "__await__") and hasattr(out, "send"):
+        elif t not in _convert.PLAIN and hasattr(out, "__await__") and hasattr(out, "send"):
             async_result[0] = lib.td_future_ref(_from_coroutine(out)._f)
         else:
             result[0] = _convert.to_value(out, strict=False)
@@ -173,9 +181,10 @@ def init_rpc(name=None, rank=None, world_size=None, *, rpc_backend_options=None,
              tensor_type="auto", backend=None):
     """Joins the group as worker `name` (None: "worker<rank>") and returns its WorkerInfo.
 
-    rank and world_size: both given, or both None to read RANK / WORLD_SIZE / MASTER_ADDR /
-    MASTER_PORT (as tdistrun and torchrun set them; Slurm and Open MPI variables as fallbacks).
-    init_method: "tcp://host:port" of rank 0's store (default: MASTER_ADDR/MASTER_PORT).
+    rank and world_size: both given, or both None to read RANK / WORLD_SIZE (as tdistrun and
+    torchrun set them; Slurm and Open MPI variables as fallbacks).
+    init_method: "tcp://host:port" of rank 0's store; None or "env://" (default) read
+    MASTER_ADDR / MASTER_PORT from the environment, whether or not rank is given.
     secret: the group's shared secret (default: TD_RPC_SECRET / TD_RPC_SECRET_FILE from the
     environment; docs/SECURITY.md). rpc_timeout: default per-call timeout in seconds (0: none;
     default 60). init_timeout: seconds to wait for every worker (default 120).
@@ -198,8 +207,6 @@ def init_rpc(name=None, rank=None, world_size=None, *, rpc_backend_options=None,
             num_worker_threads = getattr(o, "num_worker_threads", None)
         if rpc_timeout is None:
             rpc_timeout = getattr(o, "rpc_timeout", None)
-    if init_method == "env://":
-        init_method = None
     keep = []
     opts = ffi.new("td_rpc_options *")
     _options(opts, keep, init_method=init_method, secret=secret, rpc_timeout=rpc_timeout,
@@ -207,16 +214,29 @@ def init_rpc(name=None, rank=None, world_size=None, *, rpc_backend_options=None,
              listen_addr=listen_addr, insecure=insecure, progress=progress)
     _setup_logging()
     _convert.register_object_type()
-    a = _init_interruptibly(name, rank, world_size, opts, keep)
-    state.agent = a
     state.host_progress = progress == "host"
     state.tensor_type = tensor_type
+    a = _init_interruptibly(name, rank, world_size, opts, keep)
     if state.host_progress:
         lib.td_rpc_progress(a, 0)  # this thread becomes the progress thread (runs nothing yet)
-    me = get_worker_info()
-    state.name, state.rank, state.world_size = me.name, me.id, lib.td_rpc_world_size(a)
+    return get_worker_info()
+
+
+def _publish(a):
+    """Makes td_rpc_agent* a the process's agent (GIL held; idempotent). Called by the init
+    thread as soon as td_rpc_init returns, or earlier by the first handler: other workers may
+    call this one as soon as they have joined, and tdist runs their requests once this worker's
+    init is complete in C - possibly before td_rpc_init has returned here - so a handler must
+    find the agent in place (tdist.get_worker_info(), nested calls, RRefs)."""
+    if state.agent is not None or not state.starting:
+        return
+    wi = ffi.new("td_worker_info *")
+    check(lib.td_rpc_self(a, wi))
+    state.name, state.rank = ffi.string(wi.name).decode(), wi.id
+    state.world_size = lib.td_rpc_world_size(a)
+    state.agent = a
+    state.starting = False
     _guard_fork(True)
-    return me
 
 
 def _agent_free():
@@ -256,10 +276,13 @@ def _init_interruptibly(name, rank, world_size, opts, keep):
                 res["st"], res["msg"], res["agent"] = st, _lib_last_error(), out[0]
                 if res["gave_up"] and st == 0:
                     dispose(out[0])
+                elif st == 0:
+                    _publish(out[0])  # at once, not when the waiting thread next wakes
             del keep[:]  # the options' strings were needed until here
         finally:
             done.set()
 
+    state.starting = True
     th = threading.Thread(target=run, name="tdist-init", daemon=True)
     th.start()
     try:
@@ -268,14 +291,26 @@ def _init_interruptibly(name, rank, world_size, opts, keep):
     except BaseException:
         with lock:
             res["gave_up"] = True
+            state.starting = False
             if res.get("st") == 0:
+                if state.agent == res["agent"]:
+                    _unpublish()
                 dispose(res["agent"])
         lib.td_rpc_init_interrupt()
         _abandoned_inits.append(done)
         raise
     if res["st"] != 0:
+        state.starting = False
         raise errors.from_status(res["st"], res["msg"])
+    _publish(res["agent"])  # done by the init thread already, unless its publication failed
+    state.starting = False
     return res["agent"]
+
+
+def _unpublish():
+    state.agent = None
+    _guard_fork(False)
+    state.name, state.rank, state.world_size = None, -1, 0
 
 
 def _lib_last_error():
@@ -292,7 +327,7 @@ def _setup_logging():
 
 def shutdown(graceful=True, timeout=None):
     """Leaves the group. graceful (default): waits until every worker has called shutdown and
-    no work is outstanding anywhere (timeout seconds, default 60), then tears down;
+    no work is outstanding anywhere (timeout seconds, default 60, 0: no limit), then tears down;
     otherwise fails everything outstanding at once. The graceful wait is not interruptible by
     Ctrl-C (it is bounded by the timeout)."""
     _agent()
@@ -305,18 +340,23 @@ def shutdown(graceful=True, timeout=None):
 
 
 def stop_agent(graceful, timeout):
-    """td_rpc_shutdown of the agent; returns its status (the message in td_last_error)."""
+    """td_rpc_shutdown of the agent (timeout seconds; None: 60; 0: no limit); returns its status
+    (the message in td_last_error)."""
     a = _agent()
-    ms = _timeouts.SHUTDOWN_DEFAULT_MS if timeout is None else max(1, int(timeout * 1000))
+    if timeout is None:
+        ms = _timeouts.SHUTDOWN_DEFAULT_MS
+    elif timeout == 0:
+        ms = _timeouts.NO_TIMEOUT_MS
+    else:
+        ms = max(1, int(timeout * 1000))
     return lib.td_rpc_shutdown(a, bool(graceful), ms)
 
 
 def destroy_agent():
-    a, state.agent = state.agent, None
-    _guard_fork(False)
+    a = state.agent
+    _unpublish()
     if a is not None:
         lib.td_rpc_destroy(a)
-    state.name, state.rank, state.world_size = None, -1, 0
     _service.drain()
 
 
@@ -400,6 +440,7 @@ def _call_opts(timeout):
     if timeout is _timeouts.UNSET or timeout is None:
         return NULL
     o = ffi.new("td_rpc_call_opts *")
+    lib.td_rpc_call_opts_init(o)  # a zeroed struct is refused
     o.timeout_ms = _timeouts.call_ms(timeout)
     return o
 
@@ -410,32 +451,47 @@ def _no_kwargs(kwargs):
                         "convention every worker, C included, understands)")
 
 
+def _start(to, func, args, kwargs, timeout):
+    """td_rpc_async: the new td_future* (owned by the caller)."""
+    if kwargs:
+        _no_kwargs(kwargs)
+    a = state.agent
+    if a is None:
+        a = _agent()  # raises
+    if lib.tdpy_release_pending():
+        _service.maybe_drain()
+    to_b = _name_cache.get(to) if type(to) is str else None
+    if to_b is None:
+        to_b = _to_name(to)
+    fn_b = _name_cache.get(func) if type(func) is str else None
+    if fn_b is None:
+        fn_b = _fn_name(func)
+    ms = _timeouts.AGENT_DEFAULT_MS if timeout is _timeouts.UNSET else _timeouts.call_ms(timeout)
+    vals = _convert.values_list(args) if args else []
+    out = ffi.new("td_future **")
+    # tdpy_rpc_async releases the values, whatever happens
+    check(lib.tdpy_rpc_async(a, to_b, fn_b, ffi.new("td_value *[]", vals) if vals else NULL,
+                             len(vals), ms, out))
+    return out[0]
+
+
 def rpc_async(to, func, args=None, kwargs=None, timeout=_timeouts.UNSET):
     """Calls func (a registered function or its name) on worker `to` (name, rank or
     WorkerInfo) with args; returns a tdist.Future at once. timeout in seconds (0: none;
     default: the agent's)."""
-    _no_kwargs(kwargs)
-    a = _agent()
-    _service.maybe_drain()
-    vals, argv = _convert.values_array(args or ())
-    out = ffi.new("td_future **")
-    try:
-        st = lib.td_rpc_async(a, _to_name(to), _fn_name(func), argv, len(vals),
-                              _call_opts(timeout), out)
-    finally:
-        _convert.release_values(vals)
-    check(st)
-    return Future(_ptr=out[0])
+    return Future(_ptr=_start(to, func, args, kwargs, timeout))
 
 
 def rpc_sync(to, func, args=None, kwargs=None, timeout=_timeouts.UNSET):
     """rpc_async(...).wait(): blocks until the result arrives and returns it (raises the
     call's failure). Ctrl-C interrupts the wait (the call itself goes on and its result is
     dropped)."""
-    f = rpc_async(to, func, args, kwargs, timeout)
-    if not wait_ptr(f._f, None):
-        raise errors.InternalError("rpc_sync: wait ended early", 16)
-    return f.value()
+    f = _start(to, func, args, kwargs, timeout)
+    try:
+        wait_ptr(f, None)
+        return value_of(f)
+    finally:
+        lib.td_future_unref(f)
 
 
 def remote(to, func, args=None, kwargs=None, timeout=_timeouts.UNSET):
@@ -520,7 +576,14 @@ def set_default_timeout(timeout):
 
 
 def get_default_timeout():
+    """The default per-call timeout in seconds (0.0: none)."""
     return _timeouts.seconds(lib.td_rpc_get_default_timeout(_agent()))
+
+
+def get_rpc_timeout():
+    """The default per-call timeout in seconds (0.0: none): torch.distributed.rpc's name for
+    get_default_timeout."""
+    return get_default_timeout()
 
 
 def generate_secret():

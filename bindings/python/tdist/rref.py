@@ -46,9 +46,16 @@ class RRef:
         return f.value()
 
     def local_value(self):
-        """The value on the owner, without waiting (raises on a user RRef)."""
+        """The value on the owner (raises on a user RRef). An owner RRef whose value is still
+        being made (remote() to this worker) is waited for, as in PyTorch."""
         out = ffi.new("td_value **")
-        check(lib.td_rref_local_value(self._r, out))
+        st = lib.td_rref_local_value(self._r, out)
+        if st == errors.StateError.status and lib.td_rref_is_owner(self._r):
+            f = self.creation_future()
+            if not f.done():
+                wait_ptr(f._f, None)
+                st = lib.td_rref_local_value(self._r, out)
+        check(st)
         try:
             return _convert.from_value(out[0])
         finally:
@@ -111,6 +118,7 @@ class _Proxy:
         opts = NULL
         if self._timeout is not _timeouts.UNSET and self._timeout is not None:
             opts = ffi.new("td_rpc_call_opts *")
+            lib.td_rpc_call_opts_init(opts)  # a zeroed struct is refused
             opts.timeout_ms = _timeouts.call_ms(self._timeout)
         try:
             if self._mode == "remote":

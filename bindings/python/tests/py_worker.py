@@ -2,7 +2,11 @@
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TD_RPC_SECRET) as "py<rank>", serves the functions
 below until every worker called shutdown, and exits 0 (1 on any failure).
 
-Options: --host (host-driven progress under an asyncio loop, tdist.asyncio), --tensor-type T.
+Options: --host (host-driven progress under an asyncio loop, tdist.asyncio), --tensor-type T,
+--call-at-start WORKER:FN (the moment init returns, call FN() on WORKER and exit 1 unless it
+returns this worker's name: handlers that run while their worker's init finishes),
+--hold-rref WORKER:CLS (make an object there with remote() and still hold it at shutdown),
+--register NAME (one more function only this worker serves).
 """
 import argparse
 import asyncio
@@ -100,19 +104,42 @@ async def run_host(name, tensor_type):
     await tdist.asyncio.shutdown()
 
 
+@tdist.register
+def py_whoami():
+    """This worker's name, from the agent (tdist.get_worker_info() inside a handler)."""
+    return tdist.get_worker_info().name
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--tensor-type", default="auto")
+    ap.add_argument("--call-at-start")
+    ap.add_argument("--hold-rref")
+    ap.add_argument("--register")
     a = ap.parse_args()
     if a.tensor_type == "torch":
         import torch  # noqa: F401
+    if a.register:
+        tdist.register(py_echo, name=a.register)
     name = "py" + os.environ["RANK"]
     if a.host:
         asyncio.run(run_host(name, a.tensor_type))
-    else:
-        tdist.init_rpc(name, tensor_type=a.tensor_type)
-        tdist.shutdown()
+        return 0
+    tdist.init_rpc(name, tensor_type=a.tensor_type)
+    held = None
+    if a.call_at_start:
+        to, fn = a.call_at_start.split(":")
+        got = tdist.rpc_sync(to, fn, ())
+        if got != to:
+            print("call-at-start: %s returned %r" % (fn, got), flush=True)
+            return 1
+    if a.hold_rref:
+        to, cls = a.hold_rref.split(":")
+        held = tdist.remote(to, cls, (1,))
+        held.rpc_sync().get()
+    tdist.shutdown()
+    del held
     return 0
 
 

@@ -26,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coll_impl.h"
+#include "zero_impl.h"
 #include "tdist/autograd.h"
 #include "tdist/nn.h"
 

@@ -19,9 +19,16 @@
  *   pre-forward hook of unit u:  start u+1's gather (prefetch), gather u (wait)
  *   post-forward hook of unit u: put an identity node on u's outputs (autograd on, an output
  *                                requires grad), free u
+ *   the same hooks when activation checkpointing recomputes u's forward in backward: gather u
+ *                                if it is free (the identity node on the region's outputs
+ *                                gathered it when the region is u), prefetch u+1 only if its
+ *                                gradients are not all in (a region spanning units), keep u
+ *                                after (its backward follows at once)
  *   identity node's backward:    start u-1's gather (prefetch), gather u (wait); grads unchanged
  *   gradient hook (zero.c) completing u's bucket: free u (every node that read u's parameters
- *                                has run: each produced one of their gradients)
+ *                                has run: each produced one of their gradients); the count of
+ *                                complete buckets restarts at each td_zero_prepare, so the passes
+ *                                of a gradient-accumulation window free their units too
  *   td_zero_step, after the reduction: wait for gathers in flight (stale after the step), free
  *                                every unit still gathered (a pass without td_zero_prepare)
  * A prefetch is only started for a unit that is free and not already being gathered, and only
@@ -33,7 +40,7 @@
 #include <string.h>
 
 #include "../tensor/storage.h"
-#include "coll_impl.h"
+#include "zero_impl.h"
 #include "tdist/autograd.h"
 
 typedef struct td__zunit {
@@ -45,7 +52,7 @@ typedef struct td__zunit {
   bool started;       /* its all_gathers are in flight */
   td_future **work;   /* per bucket: the all_gather in flight */
   td_tensor **buf;    /* per bucket: its output while in flight */
-  bool hooked;        /* its forward hooks are ours */
+  int hook;           /* handle of our forward hooks on m (0: none) */
   size_t ready;       /* buckets whose gradients are all in, this pass */
   int64_t nbytes;     /* bytes of its parameters */
 } td__zunit;
@@ -346,25 +353,42 @@ static td_status unit_backward(void *ctx, td_tensor *const *grad_outputs, int n_
 static td_status pre_forward(void *ctx, td_module *m) {
   (void)m;
   td__zunit *u = ctx;
-  TD_TRY(prefetch(u->z, u->index + 1));
-  return unit_gather(u->z, u);
+  td_zero *z = u->z;
+  size_t next = u->index + 1;
+  /* a recompute (activation checkpointing) runs in backward: the next unit is needed only when
+   * its gradients are not all in yet (a region spanning several units recomputes them in order) */
+  bool done = next < z->nu && z->u[next].ready == z->u[next].nbk;
+  if (!td_checkpoint_is_recomputing() || !done) TD_TRY(prefetch(z, next));
+  return unit_gather(z, u);
 }
 
-/* The outputs that require grad go through one identity node that gathers the unit in backward. */
+/* The outputs that require grad go through one identity node that gathers the unit in backward
+ * (any number of them: the arrays are sized by n_outputs). */
 static td_status wrap_outputs(td__zunit *u, td_tensor **outputs, int n_outputs) {
-  td_tensor *in[16];
-  int idx[16], n = 0;
-  for (int i = 0; i < n_outputs && n < 16; i++)
+  if (n_outputs <= 0) return TD_OK;
+  td_tensor **in = td__calloc((size_t)n_outputs, sizeof *in);
+  td_tensor **wrapped = td__calloc((size_t)n_outputs, sizeof *wrapped);
+  int *idx = td__calloc((size_t)n_outputs, sizeof *idx);
+  unit_node_ctx *c = NULL;
+  td_status st = TD_OK;
+  int n = 0;
+  if (!in || !wrapped || !idx) {
+    st = td_set_error(TD_ERR_NOMEM, "zero: out of memory (%d unit outputs)", n_outputs);
+    goto out;
+  }
+  for (int i = 0; i < n_outputs; i++)
     if (outputs[i] && td_tensor_requires_grad(outputs[i])) idx[n] = i, in[n++] = outputs[i];
-  if (!n) return TD_OK;
-  unit_node_ctx *c = td__calloc(1, sizeof *c);
-  if (!c) return td_set_error(TD_ERR_NOMEM, "zero: out of memory");
+  if (!n) goto out;
+  c = td__calloc(1, sizeof *c);
+  if (!c) {
+    st = td_set_error(TD_ERR_NOMEM, "zero: out of memory");
+    goto out;
+  }
   c->z = u->z;
   c->u = u->index;
   td_node *node = NULL;
-  td_status st = td_node_create_external("ZeroUnitGather", n, in, n, unit_backward, c, td__free,
-                                         &node);
-  td_tensor *wrapped[16] = {0};
+  st = td_node_create_external("ZeroUnitGather", n, in, n, unit_backward, c, td__free, &node);
+  c = NULL; /* the node owns it, or freed it on failure */
   for (int k = 0; st == TD_OK && k < n; k++) {
     td_tensor *d = NULL;
     st = td_tensor_detach(in[k], &d);
@@ -380,6 +404,10 @@ static td_status wrap_outputs(td__zunit *u, td_tensor **outputs, int n_outputs) 
     td_tensor_unref(outputs[idx[k]]);
     outputs[idx[k]] = wrapped[k];
   }
+out:
+  td__free(in);
+  td__free(wrapped);
+  td__free(idx);
   return st;
 }
 
@@ -389,7 +417,8 @@ static td_status post_forward(void *ctx, td_module *m, td_status fst, td_tensor 
   td__zunit *u = ctx;
   td_status st = TD_OK;
   if (fst == TD_OK && td_autograd_is_enabled()) st = wrap_outputs(u, outputs, n_outputs);
-  td_status fs = unit_free(u->z, u);
+  /* a recompute's backward follows at once: the gradient hook completing the unit frees it */
+  td_status fs = td_checkpoint_is_recomputing() ? TD_OK : unit_free(u->z, u);
   return st != TD_OK ? st : fs;
 }
 
@@ -397,9 +426,9 @@ static td_status post_forward(void *ctx, td_module *m, td_status fst, td_tensor 
 
 td_status td__zero3_start(td_zero *z) {
   for (size_t u = 0; u < z->nu; u++) {
-    td_status st = td_module_set_forward_hooks(z->u[u].m, pre_forward, post_forward, &z->u[u]);
+    td_status st = td_module_add_forward_hooks(z->u[u].m, pre_forward, post_forward, &z->u[u],
+                                               &z->u[u].hook);
     if (st != TD_OK) return td__error_prefix(st, "zero_create: units[%zu]", u);
-    z->u[u].hooked = true;
   }
   z->live_bytes = 0;
   for (size_t u = 0; u < z->nu; u++) z->live_bytes += z->u[u].nbytes;
@@ -417,6 +446,10 @@ void td__zero3_unit_ready(td_zero *z, size_t k) {
     if (++un->ready == un->nbk) (void)unit_free(z, un);
     return;
   }
+}
+
+void td__zero3_begin_pass(td_zero *z) {
+  for (size_t u = 0; u < z->nu; u++) z->u[u].ready = 0;
 }
 
 td_status td__zero3_end_pass(td_zero *z) {
@@ -461,7 +494,7 @@ td_status td_zero_release_params(td_zero *z) {
 void td__zero3_destroy(td_zero *z) {
   for (size_t u = 0; z->u && u < z->nu; u++) {
     td__zunit *un = &z->u[u];
-    if (un->hooked) (void)td_module_set_forward_hooks(un->m, NULL, NULL, NULL);
+    if (un->hook) (void)td_module_remove_forward_hooks(un->m, un->hook);
     if (un->work && un->buf) (void)gather_drop(un);
     /* give the tensors memory again (zeros): the modules outlive this td_zero */
     for (size_t k = un->b0; !un->gathered && k < un->b0 + un->nbk; k++) {

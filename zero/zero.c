@@ -41,6 +41,26 @@
  * reduce_scatters and touches only the bucket buffers it was handed and this member's parts of
  * the shard gradient, which nothing else reads or writes before the step has waited for them.
  *
+ * Gradient accumulation (td_zero_no_sync): a pass prepared while no_sync is set runs the same
+ * hooks (each gradient added into its bucket's buffer, the .grad dropped, stage 3's units freed
+ * once their buckets are complete) but starts no reduce_scatter; the buffers, allocated at the
+ * window's first gradients, keep the sum of the window's passes, and the next pass prepared
+ * without no_sync adds its gradients and starts each bucket as it completes, as any overlapped
+ * pass: one reduction per window, overlapped with the last backward. So at stages 2 and 3 the
+ * window's gradient lives in the bucket buffers (the full gradient of the model, P elements,
+ * held locally until the last pass: the price of one reduction instead of K; nothing in .grad,
+ * no second copy); max_inflight_bytes cannot apply while the window is open. A td_zero_step
+ * after a no_sync pass (no_sync cleared) reduces the window after backward. Stage 1 and stage 2
+ * without overlap need nothing: backward passes accumulate into .grad and the step reduces once.
+ * td_zero_zero_grad drops a window's buffers (as it drops .grads), and a step under no_sync is
+ * refused.
+ *
+ * Loss scaling (td_zero_step_scaled): after the reduction the shard gradient (stage 1: the
+ * averaged .grads) is unscaled by the td_grad_scaler, and found_inf is agreed over the group (and
+ * norm_group) with an all_reduce MAX of one flag, since at stages 2 and 3 each member sees only
+ * its shard's gradients: on an inf or a NaN anywhere every member skips clipping, the shard step
+ * and the gathers alike, so the parameters stay equal everywhere.
+ *
  * Every member runs the same collectives in the same order, so a member that skips a step is
  * caught by the group's mismatch detection like any other collective.
  */
@@ -49,7 +69,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coll_impl.h"
+#include "zero_impl.h"
 #include "tdist/autograd.h"
 
 #define DEFAULT_BUCKET_BYTES ((size_t)4 << 20) /* small: a bucket in flight is the full gradient stage 2 holds */
@@ -93,7 +113,7 @@ static td_status check_params(td_zero *z) {
         return td_set_error(TD_ERR_INVALID, "zero_create: parameter %zu appears twice "
                             "(positions %zu and %zu)", i, j, i);
   }
-  if (z->pg->backend == TD_PG_BACKEND_NCCL && z->np && z->dev.type != TD_DEVICE_CUDA)
+  if (td_process_group_backend(z->pg) == TD_PG_BACKEND_NCCL && z->np && z->dev.type != TD_DEVICE_CUDA)
     return td_set_error(TD_ERR_DEVICE, "zero_create: an NCCL group needs parameters on CUDA");
   return TD_OK;
 }
@@ -321,7 +341,7 @@ td_status td_zero_create(td_process_group *pg, const td_optim_options *opts,
     z->dev = td_tensor_device(z->params[0]);
   } else {
     z->dt = TD_DTYPE_F32;
-    z->dev = pg->backend == TD_PG_BACKEND_NCCL ? td_device_cuda(0) : td_device_cpu();
+    z->dev = td_process_group_backend(pg) == TD_PG_BACKEND_NCCL ? td_device_cuda(0) : td_device_cpu();
   }
   if (st == TD_OK) st = check_params(z);
   bool prev = td_autograd_set_enabled(false);
@@ -525,7 +545,12 @@ static td_status hook_body(td_zero *z, size_t i, const td_tensor *grad) {
   td_tensor_unref(s);
   td_tensor_unref(old);
   z->pending = i;
-  return st == TD_OK ? start_ready(z) : st;
+  if (st != TD_OK) return st;
+  if (!z->pass_sync) { /* accumulating: the buffers keep the window's sum, nothing starts */
+    z->window = true;
+    return TD_OK;
+  }
+  return start_ready(z);
 }
 
 static td_status grad_hook(void *ctx, const td_tensor *grad, td_tensor **replacement) {
@@ -543,16 +568,35 @@ static td_status grad_hook(void *ctx, const td_tensor *grad, td_tensor **replace
   return TD_OK;
 }
 
+/* The pass's shard gradient (S elements of zeros), made by the pass that reduces. */
+static td_status make_sgrad(td_zero *z) {
+  if (z->sgrad) return TD_OK;
+  int64_t S = z->stats.shard_numel ? z->stats.shard_numel : 1;
+  return td_tensor_zeros(&S, 1, z->dt, z->dev, &z->sgrad);
+}
+
+/* Ends a no_sync pass (its gradients stay in the buckets); reports a failure of its hooks. */
+static td_status end_accumulating(td_zero *z, const char *what) {
+  drop_pending(z);
+  z->armed = false;
+  if (z->hook_st != TD_OK)
+    return td_set_error(z->hook_st, "%s: inside the previous backward: %s", what, z->hook_msg);
+  return TD_OK;
+}
+
 td_status td_zero_prepare(td_zero *z) {
   TD_CHECK_ARG(z, "zero_prepare: NULL td_zero");
   if (!z->zo.overlap)
     return td_set_error(TD_ERR_STATE, "zero_prepare: this td_zero was created without overlap "
                         "(td_zero_options.overlap); td_zero_step reduces after backward");
-  if (z->armed)
+  if (z->armed && z->pass_sync)
     return td_set_error(TD_ERR_STATE, "zero_prepare: the previous pass was not finished "
-                        "(td_zero_step after every backward)");
-  int64_t S = z->stats.shard_numel ? z->stats.shard_numel : 1;
-  TD_TRY(td_tensor_zeros(&S, 1, z->dt, z->dev, &z->sgrad));
+                        "(td_zero_step after every backward, or td_zero_no_sync before it)");
+  if (z->armed) TD_TRY(end_accumulating(z, "zero_prepare"));
+  z->pass_sync = !z->no_sync;
+  if (z->pass_sync) TD_TRY(make_sgrad(z));
+  else z->stats.passes_accumulated++;
+  td__zero3_begin_pass(z);
   for (size_t k = 0; k < z->nb; k++) z->b[k].ready = 0, z->b[k].late = false;
   memset(z->seen, 0, z->np * sizeof *z->seen);
   memset(z->late, 0, z->np * sizeof *z->late);
@@ -565,6 +609,10 @@ td_status td_zero_prepare(td_zero *z) {
   return TD_OK;
 }
 
+void td_zero_no_sync(td_zero *z, bool no_sync) {
+  if (z) z->no_sync = no_sync;
+}
+
 /* Parameters that got no gradient this pass: their .grad or zeros. */
 static td_status add_unseen(td_zero *z) {
   td_status st = TD_OK;
@@ -572,9 +620,9 @@ static td_status add_unseen(td_zero *z) {
     if (z->seen[i]) continue;
     td__zbucket *b = &z->b[z->bucket_of[i]];
     td_tensor *g = td_tensor_grad(z->params[i]), *s = NULL;
-    st = pass_buffer(z, b);
+    st = pass_buffer(z, b); /* zeros, or the window's sum */
     if (st == TD_OK && g) st = slice_of(z, b->buf, i, &s);
-    if (st == TD_OK && g) st = td_tensor_copy_(s, g);
+    if (st == TD_OK && g) st = td_tensor_add_(s, g, 1.0);
     td_tensor_unref(s);
     td_tensor_unref(g);
     z->seen[i] = true;
@@ -623,12 +671,17 @@ static td_status reduce_late(td_zero *z, size_t k, td_tensor *sgrad) {
   return st;
 }
 
-/* Ends an overlapped pass: starts what is left in order, waits, adds the late gradients. */
+/* Ends an overlapped pass: starts what is left in order, waits, adds the late gradients. A
+ * no_sync pass (the last of a window, no_sync cleared since) has started nothing: everything
+ * starts here. */
 static td_status finish_overlap(td_zero *z) {
   z->armed = false;
   td_status st = z->hook_st;
   if (st != TD_OK) td_set_error(st, "zero_step: inside backward: %s", z->hook_msg);
   drop_pending(z);
+  if (st == TD_OK && !z->pass_sync) st = make_sgrad(z);
+  z->pass_sync = true;
+  z->window = false;
   if (st == TD_OK) st = add_unseen(z);
   for (; st == TD_OK && z->next_bucket < z->nb; z->next_bucket++)
     st = start_bucket(z, z->next_bucket, false);
@@ -808,8 +861,37 @@ static td_status gather_bucket(td_zero *z, size_t k) {
   return st;
 }
 
-td_status td_zero_step(td_zero *z) {
+/* Loss scaling: this member's reduced gradients divided by the scale, then found_inf agreed
+ * over the group and norm_group (every member skips alike). */
+static td_status agree_found_inf(void *ctx, bool *found) {
+  td_zero *z = ctx;
+  TD_TRY(td__coll_any(z->pg, z->dev, found));
+  return z->zo.norm_group ? td__coll_any(z->zo.norm_group, z->dev, found) : TD_OK;
+}
+
+static td_status unscale(td_zero *z, td_grad_scaler *s, td_tensor *sgrad, bool *skip) {
+  td_status st = TD_OK;
+  if (sgrad) {
+    st = td_grad_scaler_unscale_grads_(s, &sgrad, 1);
+  } else { /* stage 1: the averaged .grads */
+    td_tensor **g = td__calloc(z->np ? z->np : 1, sizeof *g);
+    if (!g) return td_set_error(TD_ERR_NOMEM, "zero_step: out of memory");
+    for (size_t i = 0; i < z->np; i++) g[i] = td_tensor_grad(z->params[i]);
+    st = td_grad_scaler_unscale_grads_(s, g, z->np);
+    for (size_t i = 0; i < z->np; i++) td_tensor_unref(g[i]);
+    td__free(g);
+  }
+  if (st == TD_OK) st = td_grad_scaler_found_inf_ex(s, agree_found_inf, z, skip);
+  return st;
+}
+
+td_status td_zero_step(td_zero *z) { return td_zero_step_scaled(z, NULL); }
+
+td_status td_zero_step_scaled(td_zero *z, td_grad_scaler *scaler) {
   TD_CHECK_ARG(z, "zero_step: NULL td_zero");
+  if (z->no_sync)
+    return td_set_error(TD_ERR_STATE, "zero_step: td_zero_no_sync is set: clear it before the "
+                        "last pass of the accumulation window (its gradients are not reduced)");
   bool prev = td_autograd_set_enabled(false);
   td_status st = TD_OK;
   if (z->armed) {
@@ -825,18 +907,34 @@ td_status td_zero_step(td_zero *z) {
     td_status es = td__zero3_end_pass(z);
     if (st == TD_OK) st = es;
   }
+  bool skip = false; /* loss scaling: an inf or a NaN somewhere in the group's gradients */
+  if (st == TD_OK && scaler) st = unscale(z, scaler, sgrad, &skip);
   if (st == TD_OK && z->zo.stage >= 2) td_zero_zero_grad(z); /* no full gradient is kept */
-  if (st == TD_OK && z->zo.max_grad_norm > 0) st = clip(z, sgrad);
-  if (st == TD_OK) st = step_shard(z, sgrad);
+  if (st == TD_OK && !skip && z->zo.max_grad_norm > 0) st = clip(z, sgrad);
+  if (st == TD_OK && !skip) st = step_shard(z, sgrad);
   td_tensor_unref(sgrad);
-  for (size_t k = z->nub; st == TD_OK && k < z->nb; k++) st = gather_bucket(z, k); /* units: at use */
-  if (st == TD_OK) z->stats.steps++;
+  for (size_t k = z->nub; st == TD_OK && !skip && k < z->nb; k++)
+    st = gather_bucket(z, k); /* units: at use */
+  if (st == TD_OK && !skip) z->stats.steps++;
+  if (st == TD_OK && skip) z->stats.skipped_steps++, z->stats.last_grad_norm = NAN;
   td_autograd_set_enabled(prev);
   return st;
 }
 
 void td_zero_zero_grad(td_zero *z) {
-  for (size_t i = 0; z && i < z->np; i++) (void)td_tensor_set_grad(z->params[i], NULL);
+  if (!z) return;
+  for (size_t i = 0; i < z->np; i++) (void)td_tensor_set_grad(z->params[i], NULL);
+  if (z->armed && !z->pass_sync) z->armed = false, z->pending = z->np; /* a no_sync pass ends */
+  if (z->window && !z->armed) { /* the window's gradients are dropped with the .grads */
+    for (size_t k = 0; k < z->nb; k++) {
+      td__zbucket *b = &z->b[k];
+      if (!b->buf || b->work) continue;
+      release_bytes(b);
+      td_tensor_unref(b->buf);
+      b->buf = NULL;
+    }
+    z->window = false;
+  }
 }
 
 td_status td_zero_set_lr(td_zero *z, double lr) {
@@ -852,18 +950,10 @@ td_status td_zero_get_stats(const td_zero *z, td_zero_stats *out) {
 }
 
 td_status td__zero_agree(td_zero *z, td_status mine, const char *what) {
-  int64_t one = 1, flag = mine != TD_OK;
-  td_tensor *f = NULL, *fd = NULL, *back = NULL;
   char msg[512];
   snprintf(msg, sizeof msg, "%s", td_last_error());
-  td_status st = td_tensor_from_buffer(&flag, &one, 1, TD_DTYPE_I64, &f);
-  if (st == TD_OK) st = td_tensor_to(f, z->dev, &fd);
-  if (st == TD_OK) st = td_process_group_all_reduce(z->pg, fd, TD_REDUCE_MAX);
-  if (st == TD_OK) st = td_tensor_to(fd, td_device_cpu(), &back);
-  bool any = st == TD_OK && *(const int64_t *)td_tensor_data(back) != 0;
-  td_tensor_unref(f);
-  td_tensor_unref(fd);
-  td_tensor_unref(back);
+  bool any = mine != TD_OK;
+  td_status st = td__coll_any(z->pg, z->dev, &any);
   if (mine != TD_OK) return td_set_error(mine, "%s", msg);
   if (st != TD_OK) return st;
   return any ? td_set_error(TD_ERR_STATE, "%s: failed on another member", what) : TD_OK;

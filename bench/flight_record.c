@@ -1,0 +1,87 @@
+/* flight_record.c - what the always-on flight recorder costs (core/flight.c): nanoseconds per
+ * recorded event on one thread and on several threads at once (they share the ring's claim
+ * counter), and per push + pop of an open record (what a blocking wait adds). No PyTorch peer:
+ * PyTorch's flight recorder covers NCCL collectives only and has no CPU-side counterpart to time.
+ *
+ *   build/bench/flight_record [--events N] [--threads T]
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/core.h"
+#include "core/flight_impl.h"
+
+static long events = 2000000;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void *record_loop(void *arg) {
+  (void)arg;
+  for (long i = 0; i < events; i++)
+    td__flight_record(&(td__flight_ev){.kind = TD__FL_RPC_SEND, .peer = 1, .a = (uint64_t)i},
+                      "bench_fn");
+  return NULL;
+}
+
+/* ns per event with t threads recording at once (each records `events`). */
+static double run_threads(int t) {
+  pthread_t th[64];
+  double t0 = now_s();
+  for (int i = 0; i < t; i++) pthread_create(&th[i], NULL, record_loop, NULL);
+  for (int i = 0; i < t; i++) pthread_join(th[i], NULL);
+  return (now_s() - t0) * 1e9 / (double)events; /* wall time per event of one thread */
+}
+
+/* ns per td__now_ns(), the clock read every record makes (for scale). */
+static double run_clock(void) {
+  volatile uint64_t sink = 0;
+  double t0 = now_s();
+  for (long i = 0; i < events; i++) sink += td__now_ns();
+  (void)sink;
+  return (now_s() - t0) * 1e9 / (double)events;
+}
+
+static double run_push_pop(void) {
+  td__flight_ev e = {.kind = TD__FL_WAIT_BEGIN, .peer = 1};
+  double t0 = now_s();
+  for (long i = 0; i < events; i++) {
+    e.kind = TD__FL_WAIT_BEGIN;
+    e.a = (uint64_t)i;
+    td__flight_push(&e, "bench_fn");
+    e.kind = TD__FL_WAIT_END;
+    td__flight_pop(&e, "bench_fn");
+  }
+  return (now_s() - t0) * 1e9 / (double)events;
+}
+
+int main(int argc, char **argv) {
+  int threads = 2;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--events") == 0 && i + 1 < argc) events = atol(argv[++i]);
+    else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) threads = atoi(argv[++i]);
+    else {
+      fprintf(stderr, "usage: flight_record [--events N] [--threads T]\n");
+      return 2;
+    }
+  }
+  if (events < 1 || threads < 1 || threads > 64) {
+    fprintf(stderr, "flight_record: --events >= 1 and --threads 1..64\n");
+    return 2;
+  }
+  run_threads(1); /* warm-up: the ring's pages, the thread's slot */
+  double one = run_threads(1), many = run_threads(threads), pp = run_push_pop();
+  double clk = run_clock();
+  printf("{\"bench\": \"flight_record\", \"config\": {\"impl\": \"tdist\", \"events\": %ld, "
+         "\"threads\": %d, \"ring_records\": %u}, \"results\": {\"ns_per_event_1_thread\": %.1f, "
+         "\"ns_per_event_n_threads\": %.1f, \"ns_per_push_pop\": %.1f, "
+         "\"ns_per_clock_read\": %.1f}}\n",
+         events, threads, TD__FLIGHT_RING, one, many, pp, clk);
+  return 0;
+}

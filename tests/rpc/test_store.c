@@ -1,0 +1,421 @@
+/* test_store.c - the rendezvous store's delete (rpc/store.c): the server's table through its
+ * request handler (the "network" is a direct call), then the client over a one-worker agent.
+ * A delete says whether the key existed and leaves it absent as if never set; set/delete cycles
+ * keep the table at the size of the keys alive, every lookup right, and each delete's work to a
+ * few entries (no rebuild); waiters on a deleted key wait for it to be set again. Range reads
+ * (op 7) give consecutive keys' values within their limits, and a group's rendezvous reads every
+ * worker's records in a few of them. */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cmocka.h>
+
+#include "core/core.h"
+#include "mp_util.h"
+#include "rpc/agent_impl.h"
+#include "rpc/agent_state.h"
+#include "rpc/store.h"
+#include "tdist.pb-c.h"
+#include "tdist/rpc.h"
+#include "test_util.h"
+
+/* One request to the server: *found and the value (val: NUL-terminated, at most 63 bytes) as the
+ * reply says. */
+static void req(td__store *s, uint32_t op, const char *key, const char *value, bool *found,
+                   char *val) {
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = op;
+  r.key = (char *)key;
+  if (value) {
+    r.value.data = (uint8_t *)value;
+    r.value.len = strlen(value);
+  }
+  uint8_t buf[1024], *rep = NULL;
+  size_t n = tdist__store_request__pack(&r, buf), rl = 0;
+  TD_ASSERT_OK(td__store_handle(s, buf, n, &rep, &rl));
+  Tdist__StoreReply *p = tdist__store_reply__unpack(NULL, rl, rep);
+  assert_non_null(p);
+  if (found) *found = p->found;
+  if (val) {
+    assert_true(p->value.len < 64);
+    memcpy(val, p->value.data, p->value.len);
+    val[p->value.len] = 0;
+  }
+  tdist__store_reply__free_unpacked(p, NULL);
+  td__free(rep);
+}
+
+enum { SET = 1, GET = 2, ADD = 3, CHECK = 4, DEL = 5 };
+
+/* Adds delta to the counter at key on the server; returns the new value. */
+static int64_t add(td__store *s, const char *key, int64_t delta) {
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = ADD;
+  r.key = (char *)key;
+  r.delta = delta;
+  uint8_t buf[1024], *rep = NULL;
+  size_t rl = 0;
+  TD_ASSERT_OK(td__store_handle(s, buf, tdist__store_request__pack(&r, buf), &rep, &rl));
+  Tdist__StoreReply *p = tdist__store_reply__unpack(NULL, rl, rep);
+  assert_non_null(p);
+  int64_t num = p->number;
+  tdist__store_reply__free_unpacked(p, NULL);
+  td__free(rep);
+  return num;
+}
+
+static void test_store_delete_reports_whether_key_existed(void **state) {
+  (void)state;
+  td__store *s;
+  TD_ASSERT_OK(td__store_create(&s));
+  bool found;
+  char v[64];
+  req(s, SET, "a", "1", NULL, NULL);
+  req(s, SET, "b", "22", NULL, NULL);
+  req(s, DEL, "a", NULL, &found, NULL);
+  assert_true(found);
+  req(s, GET, "a", NULL, &found, NULL);
+  assert_false(found);
+  req(s, CHECK, "a", NULL, &found, NULL);
+  assert_false(found);
+  req(s, DEL, "a", NULL, &found, NULL); /* already gone */
+  assert_false(found);
+  req(s, DEL, "never", NULL, &found, NULL);
+  assert_false(found);
+  req(s, GET, "b", NULL, &found, v);
+  assert_true(found);
+  assert_string_equal(v, "22");
+  /* a deleted counter starts again from 0 */
+  assert_int_equal(add(s, "c", 5), 5);
+  req(s, DEL, "c", NULL, &found, NULL);
+  assert_true(found);
+  assert_int_equal(add(s, "c", 1), 1);
+  req(s, DEL, "c", NULL, NULL, NULL);
+  req(s, DEL, "b", NULL, &found, NULL);
+  assert_true(found);
+  td__store_stats st;
+  td__store_stats_get(s, &st);
+  assert_int_equal(st.keys, 0);
+  assert_int_equal(st.bytes, 0); /* keys and values all given back */
+  td__store_destroy(s);
+}
+
+#define LIVE 1000
+#define CYCLES 50000
+
+static void key_of(char *k, size_t n, int i) { snprintf(k, n, "key/%d", i); }
+
+/* A window of LIVE keys slides over CYCLES keys (set key i, delete key i - LIVE), so the keys
+ * alive sit in probe runs that deleted keys crossed: every delete finds its key, the table keeps
+ * its size, every live key keeps its value, deleted keys stay gone, and the deletes together
+ * move a few entries each (a rebuild per delete would move all LIVE of them every time). */
+static void test_store_set_delete_cycles_stay_bounded(void **state) {
+  (void)state;
+  td__store *s;
+  TD_ASSERT_OK(td__store_create(&s));
+  char k[32], v[64], want[32];
+  bool found;
+  td__store_stats before, after;
+  for (int i = 0; i < CYCLES; i++) {
+    if (i == LIVE) td__store_stats_get(s, &before);
+    key_of(k, sizeof k, i);
+    snprintf(want, sizeof want, "v%d", i);
+    req(s, SET, k, want, NULL, NULL);
+    if (i < LIVE) continue;
+    key_of(k, sizeof k, i - LIVE);
+    req(s, DEL, k, NULL, &found, NULL);
+    assert_true(found);
+  }
+  td__store_stats_get(s, &after);
+  assert_int_equal(after.keys, LIVE);
+  assert_int_equal(after.slots, before.slots);
+  assert_true(after.moves - before.moves <= 4u * (CYCLES - LIVE));
+  for (int i = CYCLES - LIVE; i < CYCLES; i++) {
+    key_of(k, sizeof k, i);
+    snprintf(want, sizeof want, "v%d", i);
+    req(s, GET, k, NULL, &found, v);
+    assert_true(found);
+    assert_string_equal(v, want);
+  }
+  for (int i = 0; i < CYCLES - LIVE; i += 97) {
+    key_of(k, sizeof k, i);
+    req(s, GET, k, NULL, &found, NULL);
+    assert_false(found);
+  }
+  td__store_destroy(s);
+}
+
+typedef struct waiter {
+  const td__store_client *c;
+  td_status st;
+  char value[64];
+} waiter;
+
+static void *wait_for_w(void *arg) {
+  waiter *w = arg;
+  uint8_t *v = NULL;
+  size_t n = 0;
+  w->st = td__store_wait_key(w->c, "w", td__now_ns() + (uint64_t)td_test_ms(10000) * 1000000u,
+                             NULL, &v, &n);
+  if (w->st == TD_OK) snprintf(w->value, sizeof w->value, "%s", (const char *)v);
+  td__free(v);
+  return NULL;
+}
+
+/* A one-worker agent: its store client talks to its own server over loopback. */
+static td_rpc_agent *solo_agent(void) {
+  td_rpc_options o;
+  td_rpc_options_init(&o);
+  o.init_method = "tcp://127.0.0.1:0";
+  td_rpc_agent *a;
+  TD_ASSERT_OK(td_rpc_init("solo", 0, 1, &o, &a));
+  return a;
+}
+
+/* Through the client: delete says whether the key existed; a wait on a deleted key does not see
+ * its old value: it times out, or returns the value set after the delete. */
+static void test_store_client_delete_and_waiters(void **state) {
+  (void)state;
+  td_rpc_agent *a = solo_agent();
+  const td__store_client *c = td__agent_store(a);
+  bool existed = true, found = true;
+  TD_ASSERT_OK(td__store_delete(c, "w", &existed));
+  assert_false(existed);
+  TD_ASSERT_OK(td__store_set(c, "w", "old", 3));
+  TD_ASSERT_OK(td__store_delete(c, "w", &existed));
+  assert_true(existed);
+  TD_ASSERT_OK(td__store_get(c, "w", NULL, NULL, &found));
+  assert_false(found);
+  /* a window that must expire: not scaled */
+  uint8_t *v = NULL;
+  size_t n;
+  assert_int_equal(td__store_wait_key(c, "w", td__now_ns() + 100000000u, NULL, &v, &n),
+                   TD_ERR_TIMEOUT);
+  waiter w = {.c = c};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, wait_for_w, &w), 0);
+  TD_ASSERT_OK(td__store_set(c, "w", "new", 3));
+  pthread_join(th, NULL);
+  TD_ASSERT_OK(w.st);
+  assert_string_equal(w.value, "new");
+  /* a counter waited on after its delete counts again from 0 */
+  int64_t cur;
+  TD_ASSERT_OK(td__store_add(c, "n", 5, &cur));
+  TD_ASSERT_OK(td__store_delete(c, "n", NULL));
+  assert_int_equal(td__store_wait_ge(c, "n", 1, td__now_ns() + 100000000u, NULL),
+                   TD_ERR_TIMEOUT);
+  TD_ASSERT_OK(td__store_add(c, "n", 1, &cur));
+  assert_int_equal(cur, 1);
+  TD_ASSERT_OK(td_rpc_shutdown(a, true, TD_TIMEOUT_DEFAULT));
+  td_rpc_destroy(a);
+}
+
+/* One range request to the server: the reply (free with tdist__store_reply__free_unpacked). */
+static Tdist__StoreReply *range(td__store *s, const char *prefix, int first, int count,
+                                const char *watch) {
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = 7;
+  r.key = (char *)prefix;
+  r.first = first;
+  r.count = count;
+  r.watch_key = (char *)(watch ? watch : "");
+  uint8_t buf[1024], *rep = NULL;
+  size_t rl = 0;
+  TD_ASSERT_OK(td__store_handle(s, buf, tdist__store_request__pack(&r, buf), &rep, &rl));
+  Tdist__StoreReply *p = tdist__store_reply__unpack(NULL, rl, rep);
+  td__free(rep);
+  assert_non_null(p);
+  return p;
+}
+
+static void assert_value(const Tdist__StoreReply *p, size_t i, const char *want) {
+  assert_true(i < p->n_values);
+  assert_int_equal(p->values[i].len, strlen(want));
+  assert_memory_equal(p->values[i].data, want, strlen(want));
+}
+
+/* A range gives the values of prefix+first, prefix+first+1, ... while they exist, in order; the
+ * first missing key ends it; the watched key comes with it. */
+static void test_store_range_reads_consecutive_keys(void **state) {
+  (void)state;
+  td__store *s;
+  TD_ASSERT_OK(td__store_create(&s));
+  char k[32], v[32];
+  for (int i = 0; i < 10; i++) {
+    if (i == 5) continue;
+    snprintf(k, sizeof k, "p/%d", i);
+    snprintf(v, sizeof v, "v%d", i * 11);
+    req(s, SET, k, v, NULL, NULL);
+  }
+  req(s, SET, "p/x", "not a rank", NULL, NULL);
+  Tdist__StoreReply *p = range(s, "p/", 0, 10, NULL);
+  assert_int_equal(p->n_values, 5);
+  assert_int_equal(p->number, 5);
+  assert_false(p->found); /* not all ten */
+  assert_false(p->watched);
+  for (int i = 0; i < 5; i++) {
+    snprintf(v, sizeof v, "v%d", i * 11);
+    assert_value(p, (size_t)i, v);
+  }
+  tdist__store_reply__free_unpacked(p, NULL);
+  p = range(s, "p/", 6, 4, "p/x");
+  assert_int_equal(p->n_values, 4);
+  assert_true(p->found);
+  assert_value(p, 3, "v99");
+  assert_true(p->watched);
+  assert_int_equal(p->watch_value.len, 10);
+  tdist__store_reply__free_unpacked(p, NULL);
+  p = range(s, "p/", 5, 3, "nothing");
+  assert_int_equal(p->n_values, 0);
+  assert_false(p->watched);
+  tdist__store_reply__free_unpacked(p, NULL);
+  p = range(s, "q/", 0, 3, NULL);
+  assert_int_equal(p->n_values, 0);
+  tdist__store_reply__free_unpacked(p, NULL);
+  /* a bad range is refused */
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = 7;
+  r.key = (char *)"p/";
+  r.first = -1;
+  r.count = 2;
+  uint8_t buf[256], *rep = NULL;
+  size_t rl = 0;
+  assert_int_equal(td__store_handle(s, buf, tdist__store_request__pack(&r, buf), &rep, &rl),
+                   TD_ERR_INVALID);
+  td__store_destroy(s);
+}
+
+/* One reply holds at most TD__STORE_RANGE_MAX values and, past its first, TD__STORE_RANGE_BYTES
+ * bytes of them (a value alone larger than that still comes, by itself). */
+static void test_store_range_reply_is_bounded(void **state) {
+  (void)state;
+  td__store *s;
+  TD_ASSERT_OK(td__store_create(&s));
+  char k[32];
+  for (int i = 0; i < TD__STORE_RANGE_MAX + 10; i++) {
+    snprintf(k, sizeof k, "n/%d", i);
+    req(s, SET, k, "1", NULL, NULL);
+  }
+  Tdist__StoreReply *p = range(s, "n/", 0, TD__STORE_RANGE_MAX + 10, NULL);
+  assert_int_equal(p->n_values, TD__STORE_RANGE_MAX);
+  tdist__store_reply__free_unpacked(p, NULL);
+  size_t big = TD__STORE_RANGE_BYTES / 2 + 1, huge = TD__STORE_RANGE_BYTES + 5;
+  char *b = malloc(huge + 1);
+  assert_non_null(b);
+  memset(b, 'x', huge);
+  b[huge] = 0;
+  TD_ASSERT_OK(td__store_local_set(s, "b/0", b, huge));
+  TD_ASSERT_OK(td__store_local_set(s, "b/1", b, big));
+  TD_ASSERT_OK(td__store_local_set(s, "b/2", b, big));
+  p = range(s, "b/", 0, 3, NULL);
+  assert_int_equal(p->n_values, 1); /* the huge one alone */
+  assert_int_equal(p->values[0].len, huge);
+  tdist__store_reply__free_unpacked(p, NULL);
+  p = range(s, "b/", 1, 2, NULL);
+  assert_int_equal(p->n_values, 1); /* two halves and a byte are past the budget */
+  tdist__store_reply__free_unpacked(p, NULL);
+  free(b);
+  td__store_destroy(s);
+}
+
+typedef struct setter {
+  const td__store_client *c;
+} setter;
+
+static void *set_later(void *arg) {
+  setter *t = arg;
+  char k[32], v[32];
+  for (int i = 0; i < 6; i++) {
+    struct timespec ts = {0, 2000000};
+    nanosleep(&ts, NULL);
+    snprintf(k, sizeof k, "late/%d", i);
+    snprintf(v, sizeof v, "value %d", i);
+    td__store_set(t->c, k, v, strlen(v));
+  }
+  return NULL;
+}
+
+/* Through the client: a range wait returns once every key exists (set one by one meanwhile), a
+ * timeout names the first missing key and leaves nothing allocated, an abort key ends it. */
+static void test_store_client_wait_range(void **state) {
+  (void)state;
+  td_rpc_agent *a = solo_agent();
+  const td__store_client *c = td__agent_store(a);
+  setter t = {c};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, set_later, &t), 0);
+  uint8_t *vals[6] = {0};
+  size_t lens[6];
+  uint64_t dl = td__now_ns() + (uint64_t)td_test_ms(10000) * 1000000u;
+  TD_ASSERT_OK(td__store_wait_range(c, "late/", 0, 6, dl, NULL, vals, lens));
+  pthread_join(th, NULL);
+  for (int i = 0; i < 6; i++) {
+    char want[32];
+    snprintf(want, sizeof want, "value %d", i);
+    assert_string_equal((char *)vals[i], want);
+    assert_int_equal(lens[i], strlen(want));
+    td__free(vals[i]);
+    vals[i] = NULL;
+  }
+  assert_int_equal(td__store_wait_range(c, "late/", 4, 4, td__now_ns() + 50000000u, NULL, vals,
+                                        lens), TD_ERR_TIMEOUT);
+  assert_non_null(strstr(td_last_error(), "'late/6'"));
+  for (int i = 0; i < 4; i++) assert_null(vals[i]);
+  TD_ASSERT_OK(td__store_set(c, "stop", "gave up", 7));
+  dl = td__now_ns() + (uint64_t)td_test_ms(10000) * 1000000u;
+  assert_int_equal(td__store_wait_range(c, "late/", 4, 4, dl, "stop", vals, lens),
+                   TD_ERR_REMOTE);
+  assert_non_null(strstr(td_last_error(), "gave up"));
+  TD_ASSERT_OK(td_rpc_shutdown(a, true, TD_TIMEOUT_DEFAULT));
+  td_rpc_destroy(a);
+}
+
+enum { GROUP = 12 };
+
+/* Rank 0 serves the store: after init, its counts say how the group read each other's records:
+ * a handful of range requests per worker, and (nearly) no single gets; reading them key by key
+ * took 5 gets per worker and peer (GROUP^2 * 5 = 720 here). */
+static int worker_counts(int rank, int world, const char *method, void *arg) {
+  (void)arg;
+  td_rpc_options o = td_mp_rpc_options(method, 2);
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  if (rank == 0) {
+    td__store_stats st;
+    td__store_stats_get(a->store, &st);
+    fprintf(stderr, "store after init of %d workers: %llu requests, %llu gets found, %llu ranges "
+            "with values\n", world, (unsigned long long)st.requests,
+            (unsigned long long)st.gets_found, (unsigned long long)st.ranges_found);
+    MP_CHECK(st.gets_found <= 3u * (unsigned)world);
+    MP_CHECK(st.ranges_found >= 5u * (unsigned)world); /* worker, registry, devmap, direct, ok */
+    MP_CHECK(st.ranges_found <= 10u * (unsigned)world);
+  }
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(30000)));
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rendezvous_reads_records_in_range_requests(void **state) {
+  (void)state;
+  TD_MP_RUN(GROUP, worker_counts, NULL, 60);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      /* first: its workers are forked, before this process starts gRPC for its own agents */
+      cmocka_unit_test(test_rendezvous_reads_records_in_range_requests),
+      cmocka_unit_test(test_store_delete_reports_whether_key_existed),
+      cmocka_unit_test(test_store_set_delete_cycles_stay_bounded),
+      cmocka_unit_test(test_store_client_delete_and_waiters),
+      cmocka_unit_test(test_store_range_reads_consecutive_keys),
+      cmocka_unit_test(test_store_range_reply_is_bounded),
+      cmocka_unit_test(test_store_client_wait_range),
+  };
+  return cmocka_run_group_tests_name("store", tests, NULL, NULL);
+}

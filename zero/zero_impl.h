@@ -1,0 +1,119 @@
+/* zero_impl.h - ZeRO's internals, shared by zero.c (stages 1 and 2, the step, overlap),
+ * zero3.c (stage 3: units gathered around their forward and backward) and zero_ckpt.c (sharded
+ * checkpoints). ZeRO is a layer above collectives/ (the public process-group API and replicas.h)
+ * and optim/ (the optimizer over the shard); nothing below it calls into it.
+ */
+#ifndef TD_ZERO_IMPL_H
+#define TD_ZERO_IMPL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../collectives/replicas.h"
+#include "../core/core.h"
+#include "tdist/collectives.h"
+#include "tdist/optim.h"
+
+
+/* A ZeRO bucket: parameters order[first, first + count) laid end to end (numel elements), padded
+ * to size * chunk; member r owns elements [r * chunk, (r + 1) * chunk) of it, which sit at
+ * shard_off in its shard gradient. */
+typedef struct td__zbucket {
+  size_t first, count;
+  int64_t numel, chunk, shard_off;
+  /* overlapped pass (stage 2 with overlap) */
+  td_tensor *buf;   /* size * chunk elements, from the first gradient to the start; else NULL */
+  size_t ready;     /* parameters whose gradient arrived */
+  td_future *work;  /* its reduce_scatter, once started */
+  bool late;        /* a gradient arrived after the start: reduced again at the step */
+  int64_t nbytes;   /* its buffer's bytes */
+  bool released;    /* its bytes no longer counted in owner->inflight (atomic) */
+  struct td_zero *owner;
+} td__zbucket;
+
+/* A piece of a parameter in this member's shard: elements [off, off + len) of parameter param
+ * (flat, row-major), at shard_off in the shard, in bucket bucket. */
+typedef struct td__zseg {
+  size_t param, bucket;
+  int64_t off, len, shard_off;
+} td__zseg;
+
+struct td_zero {
+  td_process_group *pg;
+  td_zero_options zo;
+  size_t np;
+  td_tensor **params;   /* owned references, in flat order (the groups' order) */
+  size_t *order;        /* bucket layout: order[k] is the parameter at position k */
+  size_t *bucket_of;    /* per parameter */
+  int64_t *offset;      /* per parameter: element offset in its bucket */
+  td__zbucket *b;
+  size_t nb;
+  size_t nseg;
+  td__zseg *segs;
+  td_tensor **seg;      /* per segment: the 1-D master values (owned) */
+  td_optim *opt;        /* over seg (NULL when this member owns no element) */
+  td_optim_kind okind;  /* its kind (checkpoints) */
+  double *norm_w;       /* per parameter: weight of its squares in the clipping norm, or NULL */
+  td_dtype dt;
+  td_device dev;
+  /* overlapped passes */
+  void *hctx;           /* per parameter: hook context */
+  int *hook_handle;
+  bool *seen, *late;    /* per parameter, this pass */
+  bool armed;
+  bool no_sync;         /* td_zero_no_sync: passes prepared now accumulate */
+  bool pass_sync;       /* the armed pass reduces (else it accumulates into the buckets) */
+  bool window;          /* bucket buffers hold gradients of no_sync passes not reduced yet */
+  size_t pending;       /* parameter whose .grad is dropped at the next hook (np: none) */
+  size_t next_bucket;
+  size_t oldest;        /* started buckets [oldest, next_bucket) may still be in flight */
+  td_tensor *sgrad;     /* the pass's shard gradient (S elements) */
+  int64_t inflight;     /* bytes of bucket buffers allocated and not yet reduced (atomic: the
+                           group's worker thread subtracts) */
+  td_status hook_st;
+  char hook_msg[512];
+  td_zero_stats stats;
+  /* stage 3 (zero3.c) */
+  size_t nu;             /* units */
+  size_t nub;            /* their buckets: b[0..nub), the last unit's first */
+  struct td__zunit *u;
+  int *unit_of;          /* per parameter: its unit, or -1 */
+  bool pinned;           /* td_zero_gather_params: units stay gathered */
+  int64_t live_bytes;    /* bytes of unit parameters gathered now */
+  int64_t gather_bytes;  /* bytes of all_gather output buffers alive now (gathers in flight) */
+};
+
+/* td__zero_bucket_part returns this member's part of bucket k (chunk elements: its segments'
+ * master values, zeros in the padding), what the all_gathers of the parameters send. (zero.c) */
+td_status td__zero_bucket_part(td_zero *z, size_t k, td_tensor **out);
+
+/* ---- zero3.c: stage 3 ---- */
+
+/* td__zero3_plan lays out the buckets of a stage-3 td_zero (each unit's parameters in buckets of
+ * bucket_bytes of their own, last unit first, then the other parameters) and returns S. z->params set; units from
+ * z->zo. */
+td_status td__zero3_plan(td_zero *z, int64_t *S);
+/* td__zero3_start sets the units' forward hooks and frees their parameters (after the segments
+ * were made from them). */
+td_status td__zero3_start(td_zero *z);
+/* td__zero3_unit_ready: bucket k's gradients are all in (a hook): frees its unit's parameters. */
+void td__zero3_unit_ready(td_zero *z, size_t k);
+/* td__zero3_begin_pass: a pass is prepared; each unit's count of complete buckets restarts (so a
+ * unit is freed once per backward, also in the passes of a gradient-accumulation window). */
+void td__zero3_begin_pass(td_zero *z);
+/* td__zero3_end_pass waits for gathers in flight and frees every gathered unit (unless pinned):
+ * at a step, after the reduction. */
+td_status td__zero3_end_pass(td_zero *z);
+/* td__zero3_param_live: parameter i has memory now (always, outside stage 3). */
+bool td__zero3_param_live(const td_zero *z, size_t i);
+/* td__zero3_destroy clears the hooks and frees the units (parameters' memory restored). */
+void td__zero3_destroy(td_zero *z);
+
+/* td__zero_agree returns TD_OK when every member passes mine == TD_OK (an all_reduce MAX of a
+ * flag), so that a failure on one member fails every member: the member that failed keeps its
+ * status and message, the others get TD_ERR_STATE "<what>: failed on another member".
+ * Collective. (zero.c) */
+td_status td__zero_agree(td_zero *z, td_status mine, const char *what);
+
+#endif
