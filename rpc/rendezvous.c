@@ -879,13 +879,16 @@ static void init_trace(td_rpc_agent *a) {
 /* Phase 5: the group is known: settle the store client, busy polling, upper layers' hooks. */
 static void init_finish(td_rpc_agent *a) {
   td__progress_adopt_thread(a); /* host mode: the thread that joined drives progress */
-  init_trace(a);
   a->opts.device_maps = NULL; /* borrowed: read at init only */
   a->opts.num_device_maps = 0;
   a->sc.call_timeout_ms = 10000;
   td__store_set_deadline(&a->sc, 0);
   snprintf(a->sc.owner, sizeof a->sc.owner, "%s (rank 0)", a->peers[0].info.name);
   a->sc.wait_for_ready = false; /* from now on a missing rank 0 is a failure, not a late start */
+  /* After the line above: the group is complete, so rank 0 may already have finished and left
+   * (a non-graceful shutdown does not wait for anyone); a clock exchange waiting for its store
+   * to come back would then hang this init until its deadline. */
+  init_trace(a);
   a->busy_poll_us = busy_poll_window(a, a->opts.busy_poll_us);
   td__transport_set_busy_poll(a->tr, a->busy_poll_us);
   td__agent_hooks hs[TD__MAX_AGENT_HOOKS];
