@@ -694,12 +694,15 @@ static td_status h_fork(td_rpc_ctx *x, td_value *const *args, int n, td_value **
     if (ok) m = NULL;
     td_value_unref(hdr);
     td_value_unref(m);
-    if (ok) td__rref_control(c, (int)h[2], "__rref_confirm", args2, NULL);
+    /* the parent's __rref_fork is answered once the child has the confirmation (or it was given
+     * up): a parent whose fork notice fails tells the child itself (rref.c, fork_notice_done),
+     * so a child never waits for a confirmation that an owner that died could not send */
+    if (ok) td__rref_control_ex(c, (int)h[2], "__rref_confirm", args2, NULL, fut);
     else td_value_unref(args2);
   }
   td__free(emsg);
   td__rref_ctx_unref(c);
-  if (st == TD_OK) *res = td_value_none();
+  if (st == TD_OK && !*fut) *res = td_value_none();
   return st;
 }
 

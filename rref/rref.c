@@ -381,6 +381,57 @@ static bool int_list_get(const td_value *l, int64_t *xs, int n) {
   return true;
 }
 
+/* A fork of a user RRef: the owner confirms it to the child once the parent's __rref_fork notice
+ * reaches it, and the notice is answered once the child has that confirmation. When the notice
+ * fails instead (the owner died or is unreachable, after the control message's retries), nobody
+ * else would ever tell the child, whose functions wait for the confirmation (the argument gate)
+ * and whose fetches would wait for the owner: the parent sends the child the failure itself. A
+ * failure that reaches a child already confirmed is ignored there (h_confirm confirms once). */
+typedef struct fork_watch_t {
+  td__rref_ctx *c; /* reference */
+  uint64_t id, fork;
+  int child, owner;
+} fork_watch_t;
+
+static void fork_notice_done(td_future *f, void *arg) {
+  fork_watch_t *w = arg;
+  td_status st = td_future_status(f);
+  if (st != TD_OK && w->child != w->c->rank) {
+    char idb[48], msg[700];
+    snprintf(msg, sizeof msg,
+             "rref: the owner %s (rank %d) of RRef %s could not be told of this worker's copy, so "
+             "it was never confirmed: %s",
+             td__rref_name(w->c, w->owner), w->owner, td__rref_id_str(w->id, idb, sizeof idb),
+             td_future_message(f));
+    int64_t h[3] = {(int64_t)w->id, (int64_t)w->fork, st};
+    td_value *hdr = int_list(h, 3), *args = td_value_list(), *m = td_value_string(msg);
+    bool ok = hdr && args && m && td_value_list_append(args, hdr) == TD_OK;
+    if (ok) hdr = NULL;
+    ok = ok && td_value_list_append(args, m) == TD_OK;
+    if (ok) m = NULL;
+    td_value_unref(hdr);
+    td_value_unref(m);
+    if (ok) td__rref_control(w->c, w->child, "__rref_confirm", args, NULL);
+    else td_value_unref(args);
+  }
+  td__rref_ctx_unref(w->c);
+  td__free(w);
+}
+
+/* Watches notice (taken) for the fork `fork` of r given to rank child. */
+static void fork_watch(td__rref_ctx *c, td_rref *r, uint64_t fork, int child, td_future *notice) {
+  fork_watch_t *w = notice ? td__calloc(1, sizeof *w) : NULL;
+  if (w) {
+    td__ref_inc(&c->rc);
+    *w = (fork_watch_t){c, r->id, fork, child, r->owner};
+    if (td_future_on_done(notice, fork_notice_done, w) != TD_OK) {
+      td__rref_ctx_unref(c);
+      td__free(w);
+    }
+  }
+  td_future_unref(notice);
+}
+
 static td_status ext_to_wire(void *obj, td__wire_ctx *w, td_value **out) {
   td_rref *r = obj;
   td__rref_ctx *c = r->ctx;
@@ -398,10 +449,13 @@ static td_status ext_to_wire(void *obj, td__wire_ctx *w, td_value **out) {
     td_value *hdr = int_list(h, 4);
     if (!hdr) return td_set_error(TD_ERR_NOMEM, "rref: out of memory");
     __atomic_add_fetch(&r->children, 1, __ATOMIC_ACQ_REL);
-    td_status st = td__rref_control(c, r->owner, "__rref_fork", hdr, td_rref_ref(r));
+    td_future *notice = NULL;
+    td_status st = td__rref_control_ex(c, r->owner, "__rref_fork", hdr, td_rref_ref(r), &notice);
     if (st != TD_OK) {
+      td_future_unref(notice);
       return td__error_prefix(st, "rref: cannot fork %s", td_rref_to_string(r, s, sizeof s));
     }
+    fork_watch(c, r, f, w->peer_rank, notice);
   }
   int64_t v[5] = {(int64_t)r->id, (int64_t)f, r->owner, c->rank, confirmed};
   *out = int_list(v, 5);

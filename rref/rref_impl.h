@@ -127,6 +127,12 @@ td_status td__rref_call(td__rref_ctx *c, int to, const char *fn, td_value *const
  * children count decremented) once the message is acknowledged or given up. Returns the first
  * attempt's synchronous failure (everything has been released then). */
 td_status td__rref_control(td__rref_ctx *c, int to, const char *fn, td_value *arg, td_rref *hold);
+/* td__rref_control_ex is td__rref_control that also reports how the message ended: *outcome (may
+ * be NULL; a new reference, set even when the first attempt fails synchronously) completes with
+ * no value once the receiver acknowledged it, or fails with the last attempt's error when it was
+ * given up. */
+td_status td__rref_control_ex(td__rref_ctx *c, int to, const char *fn, td_value *arg, td_rref *hold,
+                              td_future **outcome);
 
 /* Builds outcome values: [0, value] (takes value; NULL means none) or [status, message]. */
 td_value *td__rref_outcome_ok(td_value *value);

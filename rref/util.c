@@ -223,6 +223,7 @@ typedef struct ctl {
   char fn[32];
   td_value *args;
   td_rref *hold;
+  td_future *outcome; /* completed (or failed) when the message ends; may be NULL */
   int attempt;
   uint64_t due_ns;
   struct ctl *next;
@@ -236,7 +237,13 @@ static bool timer_ok;
 
 static td_status ctl_send(ctl *m);
 
-static void ctl_finish(ctl *m) {
+/* Ends m: its outcome (st, msg) goes to m->outcome, its references are released. */
+static void ctl_finish(ctl *m, td_status st, const char *msg) {
+  if (m->outcome) {
+    if (st == TD_OK) td_future_complete(m->outcome, NULL);
+    else td__future_fail_msg(m->outcome, st, msg);
+    td_future_unref(m->outcome);
+  }
   if (m->hold) {
     __atomic_sub_fetch(&m->hold->children, 1, __ATOMIC_ACQ_REL);
     td_rref_unref(m->hold);
@@ -313,7 +320,7 @@ static void ctl_done(td_future *f, void *arg) {
   }
   if (st != TD_OK)
     td_log(TD_LOG_DEBUG, "rref: %s to rank %d failed: %s", m->fn, m->to, td_future_message(f));
-  ctl_finish(m);
+  ctl_finish(m, st, st == TD_OK ? NULL : td_future_message(f));
 }
 
 static td_status ctl_send(ctl *m) {
@@ -323,24 +330,42 @@ static td_status ctl_send(ctl *m) {
     char why[600];
     snprintf(why, sizeof why, "%s", td_last_error());
     td_log(TD_LOG_DEBUG, "rref: cannot send %s to rank %d: %s", m->fn, m->to, why);
-    ctl_finish(m);
+    ctl_finish(m, st, why);
     return td_set_error(st, "%s", why);
   }
-  if (td_future_on_done(f, ctl_done, m) != TD_OK) ctl_finish(m);
+  if (td_future_on_done(f, ctl_done, m) != TD_OK)
+    ctl_finish(m, TD_ERR_NOMEM, "rref: out of memory waiting for a control message's reply");
   td_future_unref(f);
   return TD_OK;
 }
 
 td_status td__rref_control(td__rref_ctx *c, int to, const char *fn, td_value *args,
                            td_rref *hold) {
+  return td__rref_control_ex(c, to, fn, args, hold, NULL);
+}
+
+td_status td__rref_control_ex(td__rref_ctx *c, int to, const char *fn, td_value *args,
+                              td_rref *hold, td_future **outcome) {
+  if (outcome) *outcome = NULL;
   ctl *m = args ? td__calloc(1, sizeof *m) : NULL;
-  if (!m) {
+  td_future *out = m && outcome ? td_future_create() : NULL;
+  if (!m || (outcome && !out)) {
+    td__free(m);
     if (hold) {
       __atomic_sub_fetch(&hold->children, 1, __ATOMIC_ACQ_REL);
       td_rref_unref(hold);
     }
     td_value_unref(args);
-    return td_set_error(TD_ERR_NOMEM, "rref: out of memory sending %s", fn);
+    td_status st = td_set_error(TD_ERR_NOMEM, "rref: out of memory sending %s", fn);
+    if (out) {
+      td__future_fail_msg(out, st, td_last_error());
+      *outcome = out;
+    }
+    return st;
+  }
+  if (out) {
+    m->outcome = td_future_ref(out);
+    *outcome = out;
   }
   td__ref_inc(&c->rc);
   m->c = c;

@@ -547,6 +547,89 @@ static int worker_chain(int rank, int world, const char *method, void *arg) {
 
 static void test_rref_fork_chain_to_owner(void **state) { TD_MP_RUN(4, worker_chain, NULL, 120); }
 
+/* ---- a fork whose owner dies before it could confirm it ---- */
+
+static volatile int fork_owner_let_go; /* rank 2: set by let_go */
+
+static void *die_later(void *arg) {
+  (void)arg;
+  td_test_sleep_ms(300);
+  _exit(0); /* as a crash would: no shutdown, the connections just close */
+}
+
+/* die_soon(): this process ends 300 ms from now */
+static td_status fn_die_soon(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                             td_future **fut) {
+  pthread_t t;
+  if (pthread_create(&t, NULL, die_later, NULL) != 0)
+    return td_set_error(TD_ERR_INTERNAL, "die_soon: no thread");
+  pthread_detach(t);
+  *res = td_value_none();
+  return TD_OK;
+}
+
+static td_status fn_let_go(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                           td_future **fut) {
+  fork_owner_let_go = 1;
+  *res = td_value_none();
+  return TD_OK;
+}
+
+/* worker0 forks an RRef owned by worker1 to worker2 while worker1 accepts forks 1.5 s late, and
+ * worker1 dies meanwhile: the owner never confirms worker2's copy. worker0's fork notice fails,
+ * so worker0 tells worker2, whose function (gated on the confirmation) then runs and fails
+ * naming the owner, instead of waiting forever (which hung a pipeline whose first stage died). */
+static int worker_fork_owner_dies(int rank, int world, const char *method, void *arg) {
+  if (rank == 1) setenv("TD_RREF_TEST_FORK_DELAY_MS", "1500", 1);
+  MP_CHECK_OK(td_rpc_register("die_soon", fn_die_soon, NULL));
+  MP_CHECK_OK(td_rpc_register("let_go", fn_let_go, NULL));
+  rt_register_all();
+  td_rpc_options o = td_mp_rpc_options(method, 4);
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  if (rank == 0) {
+    td_value *x = td_value_int(1), *y = td_value_int(2), *v = NULL;
+    td_rref *r;
+    MP_CHECK_OK(td_remote(a, "worker1", "add", (td_value *[]){x, y}, 2, NULL, &r));
+    td_value_unref(x);
+    td_value_unref(y);
+    MP_CHECK_OK(td_rref_to_here(r, td_test_ms(10000), &v)); /* created and confirmed */
+    MP_CHECK(as_int(v) == 3);
+    td_value_unref(v);
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "die_soon", NULL, 0, NULL, &v));
+    td_value_unref(v);
+    td_value *rv = td_value_rref(r);
+    td_rpc_call_opts co = TD_RPC_CALL_OPTS_INIT;
+    co.timeout_ms = td_test_ms(15000);
+    double t0 = td_test_now_s();
+    td_status st = td_rpc_sync(a, "worker2", "here", &rv, 1, &co, &v);
+    double took = td_test_now_s() - t0;
+    fprintf(stderr, "worker2's call ended after %.2f s: %s: %s\n", took, td_status_name(st),
+            td_last_error());
+    MP_CHECK(st != TD_OK && st != TD_ERR_TIMEOUT);
+    MP_CHECK(strstr(td_last_error(), "worker1 (rank 1)") != NULL);
+    MP_CHECK(strstr(td_last_error(), "never confirmed") != NULL);
+    MP_CHECK(took < td_test_s(10.0));
+    td_value_unref(rv);
+    td_rref_unref(r);
+    MP_CHECK_OK(td_rpc_sync(a, "worker2", "let_go", NULL, 0, NULL, &v));
+    td_value_unref(v);
+  } else if (rank == 1) {
+    td_test_sleep_ms(td_test_ms(30000)); /* ended by die_soon */
+    _exit(1);
+  } else {
+    TD_TEST_POLL(fork_owner_let_go, 30);
+    MP_CHECK(fork_owner_let_go);
+  }
+  MP_CHECK_OK(td_rpc_shutdown(a, false, 0)); /* worker1 is gone: no graceful barrier */
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rref_fork_owner_dies_before_confirming(void **state) {
+  TD_MP_RUN(3, worker_fork_owner_dies, NULL, 60);
+}
+
 /* ---- 1000 RRefs created, forked and released concurrently by 3 workers ---- */
 
 static int worker_stress(int rank, int world, const char *method, void *arg) {
@@ -739,6 +822,7 @@ int main(void) {
       cmocka_unit_test(test_rref_proxies_on_objects),
       cmocka_unit_test(test_rref_fork_orderings),
       cmocka_unit_test(test_rref_fork_chain_to_owner),
+      cmocka_unit_test(test_rref_fork_owner_dies_before_confirming),
       cmocka_unit_test(test_rref_stress_1000_concurrent),
       cmocka_unit_test(test_rref_strict_mode_reports_leaks),
       cmocka_unit_test(test_rref_dispatch_inline_pool_and_callbacks),
