@@ -7,7 +7,8 @@ under torch.distributed.rpc (examples/torch_tutorials/reference.json, written by
 
 Where a program is deterministic (one trainer; the server updates in fixed order) the losses
 must equal PyTorch's to float32 rounding; the pipeline sums micro-batches' gradients in any
-order (either library), so its later losses agree to 1e-3 (runs of PyTorch differ by 2e-4); in
+order (either library): it runs two micro-batches, whose sum does not depend on the order, so
+its losses too equal PyTorch's (with eight, runs of either library differed by up to 9%); in
 RPC + DDP the two trainers update the server's embedding without waiting for each other, so only
 the first step is fixed - there DDP must keep the trainers' Linear layers identical, and the
 losses stay in PyTorch's range. Under ASan (CI's sanitizer stage) the two heaviest, the pipeline
@@ -59,8 +60,7 @@ heavy = pytest.mark.skipif(ASAN, reason="time: the sanitizer stage runs the ligh
 def test_rref_pipeline_tutorial():
     got, ref = run("pipeline")[0]["losses"], REF["pipeline"][0]["losses"]
     assert len(got) == len(ref) == 3
-    assert close(got[0], ref[0], 1e-6)
-    assert all(close(a, b, 1e-3) for a, b in zip(got, ref)), (got, ref)
+    assert all(close(a, b, 1e-6) for a, b in zip(got, ref)), (got, ref)
 
 
 @heavy

@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TUTORIALS = {
     "ps": ("ps.py", ["--batches", "10"]),
     "rnn": ("rnn.py", ["--epochs", "2"]),
-    "pipeline": ("pipeline.py", ["--split", "4"]),
+    "pipeline": ("pipeline.py", ["--split", "16"]),
     "batch_ps": ("batch_ps.py", []),
     "ddp_rpc": ("ddp_rpc.py", ["--epochs", "1"]),
 }
