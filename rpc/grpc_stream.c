@@ -100,6 +100,7 @@ static bool q_push(td__conn *c, grpc_slice s);
 static void start_send(td__conn *c);
 static void conn_close_locked(td__conn *c, grpc_status_code code, const char *why);
 static void lane_control(void *ud, uint64_t type, const uint8_t *body, size_t len);
+static void lane_ask(td__conn *c);
 static void unauth_done(td__conn *c);
 static void feed_message(td__conn *c);
 static void bulk_task(void *arg);
@@ -544,19 +545,33 @@ static td__decoder *lane_decoder(td__conn *c) {
   return d;
 }
 
-/* Server, once the handshake proved the peer: offer a lane when it runs on this host. Caller
- * holds c->mu. */
+/* Client, once the handshake proved the server: ask for a lane when the server runs on this host
+ * (the server never sends a control frame unasked). Caller holds c->mu. */
+static void lane_ask(td__conn *c) {
+  if (c->t->lanes && !c->lane && !c->closed && td__lanes_knows(c->t->lanes, td__conn_peer(c)))
+    push_control(c, TD__LANE_ASK, NULL, 0);
+}
+
+/* Server, asked by the client: offer a lane when the client runs on this host. Caller holds
+ * c->mu. */
 static void lane_offer(td__conn *c) {
   td__transport *t = c->t;
-  if (!t->lanes || c->lane || c->closed) return;
+  if (!t->lanes || c->lane || c->closed) {
+    push_control(c, TD__LANE_DECLINE, NULL, 0);
+    return;
+  }
   td__decoder *d = lane_decoder(c);
-  if (!d) return;
+  if (!d) {
+    push_control(c, TD__LANE_DECLINE, NULL, 0);
+    return;
+  }
   uint8_t body[TD__LANE_CTRL_MAX];
   size_t len = 0;
   td__lane *l = NULL;
   td__conn_ref(c); /* the lane's */
   if (td__lane_offer(t->lanes, td__conn_peer(c), d, c, body, &len, &l) != TD_OK || !l) {
     td__conn_unref(c);
+    push_control(c, TD__LANE_DECLINE, NULL, 0);
     return;
   }
   c->lane = l;
@@ -584,6 +599,10 @@ static void lane_control(void *ud, uint64_t type, const uint8_t *body, size_t le
     return;
   }
   switch (type) {
+    case TD__LANE_ASK:
+      if (c->client || l) break;
+      lane_offer(c);
+      break;
     case TD__LANE_OFFER: {
       if (!c->client || l) break;
       td__decoder *d = t->lanes ? lane_decoder(c) : NULL;
@@ -729,6 +748,7 @@ static void handle_handshake(td__conn *c, grpc_byte_buffer *bb) {
       if (st == TD_OK) {
         c->hs_out_len = TD__HS_PROOF_LEN;
         c->auth = AUTH_DONE; /* the PROOF, then the frames queued meanwhile */
+        lane_ask(c);         /* and the request for a lane, when the peer runs on this host */
         if (!c->send_inflight) start_send(c);
       }
       break;
@@ -746,7 +766,6 @@ static void handle_handshake(td__conn *c, grpc_byte_buffer *bb) {
         __atomic_store_n(&c->peer, rank, __ATOMIC_RELEASE);
         td__decoder_set_peer(c->dec, rank);
         c->auth = AUTH_DONE;
-        lane_offer(c); /* its first frame, when the peer runs on this host */
       }
       break;
     default: td_set_error(TD_ERR_AUTH, "auth: unexpected handshake message"); break;

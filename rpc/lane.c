@@ -1080,6 +1080,8 @@ void td__lanes_set_spin(td__lanes *ls, int64_t ns) {
   if (ls) __atomic_store_n(&ls->spin_ns, ns > 0 ? ns : 0, __ATOMIC_RELAXED);
 }
 
+bool td__lanes_knows(td__lanes *ls, int rank) { return pid_for(ls, rank) > 0; }
+
 int td__lanes_up(const td__lanes *ls) { return ls ? __atomic_load_n(&ls->up, __ATOMIC_RELAXED) : 0; }
 
 void td__lanes_sweep(td__lanes *ls) {

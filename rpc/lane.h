@@ -9,7 +9,9 @@
  * the protocol, the doorbell and the bounds, and docs/ARCHITECTURE.md ("Same-host lane").
  *
  * Set-up, driven by control frames (TD__FRAME_MAGIC_LANE) on the authenticated gRPC stream:
- *   server: OFFER {secret, socket name}  - after the stream's handshake
+ *   client: ASK                          - after the stream's handshake, when the server's
+ *                                          process is known on this host
+ *   server: OFFER {secret, socket name}
  *   client: connects to the socket (its owner must be the verified pid of the server's rank),
  *           sends the secret with the lane memfd and its doorbell; ATTACH
  *   server: accepts only the verified pid of the client's rank proving the secret, maps the
@@ -41,6 +43,7 @@ enum {
   TD__LANE_READY = 3,
   TD__LANE_SWITCH = 4,
   TD__LANE_DECLINE = 5,
+  TD__LANE_ASK = 6,
 };
 #define TD__LANE_CTRL_MAX 128 /* longest control body */
 
@@ -72,6 +75,8 @@ td_status td__lanes_set_pids(td__lanes *ls, const int *pid_of, int world);
 void td__lanes_set_spin(td__lanes *ls, int64_t ns);
 /* Lanes carrying frames now (both directions switched). THREAD SAFETY: any thread. */
 int td__lanes_up(const td__lanes *ls);
+/* Whether rank has a known process on this host (a lane may be asked for). */
+bool td__lanes_knows(td__lanes *ls, int rank);
 /* Closes the connections strangers left on the socket (poller, about once a second). */
 void td__lanes_sweep(td__lanes *ls);
 
