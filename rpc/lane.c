@@ -264,6 +264,11 @@ int64_t td__ring_consume(td__ring_ctl *r, const uint8_t *data, uint64_t *head, t
   return (int64_t)done;
 }
 
+void td__lane_rings(td__lane *l, td__ring_ctl **tx, td__ring_ctl **rx) {
+  *tx = l->tx;
+  *rx = l->rx;
+}
+
 /* ---- sending (l->txmu held) ---- */
 
 static void msg_free(td__lane_msg *m) {

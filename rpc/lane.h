@@ -136,5 +136,8 @@ uint64_t *td__ring_head_word(td__ring_ctl *r);
  * else the bytes consumed. */
 int64_t td__ring_consume(td__ring_ctl *r, const uint8_t *data, uint64_t *head, td__decoder *dec,
                          uint64_t max);
+/* The control blocks of a lane's rings as this side sees them (NULL before it is mapped): for
+ * tests that play a hostile peer. */
+void td__lane_rings(td__lane *l, td__ring_ctl **tx, td__ring_ctl **rx);
 
 #endif
