@@ -315,13 +315,6 @@ static void poll_before_wait(td_future *f, td_timeout_ms timeout_ms) {
       else if (now - last > (uint64_t)w) break;
     }
     poller.leave(poller.ud);
-    static uint64_t xn, xdone, xns;
-    xn++;
-    if (td_future_done(f)) xdone++;
-    xns += td__now_ns() - t0;
-    if (getenv("XP_DEBUG") && xn % 1000 == 0)
-      fprintf(stderr, "poll: %llu waits, %llu done, mean %.1f us\n", (unsigned long long)xn,
-              (unsigned long long)xdone, (double)xns / (double)xn / 1000.0);
   }
   pthread_rwlock_unlock(&poller_lock);
 }

@@ -893,6 +893,8 @@ static void init_finish(td_rpc_agent *a) {
   init_trace(a);
   a->busy_poll_us = busy_poll_window(a, a->opts.busy_poll_us);
   td__transport_set_busy_poll(a->tr, a->busy_poll_us);
+  /* the pool's handlers and callbacks follow each other closely under load as replies do */
+  td__threadpool_set_spin(a->pool, a->busy_poll_us * 1000);
   td__agent_hooks hs[TD__MAX_AGENT_HOOKS];
   int nh = td__agent_hooks_get(hs);
   for (int i = 0; i < nh; i++)
