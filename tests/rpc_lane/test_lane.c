@@ -220,6 +220,13 @@ static void on_failed(void *ud, const char *why) {
 }
 
 /* A process's lanes where rank `rank` is the process pid. */
+static int failed_count(watch *w) {
+  pthread_mutex_lock(&w->mu);
+  int n = w->failed;
+  pthread_mutex_unlock(&w->mu);
+  return n;
+}
+
 static td__lanes *make_lanes(watch *w, int rank, int pid) {
   td__lanes_opts o = {on_refused, on_failed, NULL, w};
   td__lanes *ls = NULL;
@@ -405,7 +412,7 @@ static void test_lane_frames_then_corrupt_ring(void **state) {
   td__lane_rings(cl, &tx, &rx);
   __atomic_store_n(td__ring_tail_word(tx), *td__ring_tail_word(tx) + TD__LANE_RING + 1,
                    __ATOMIC_RELEASE);
-  for (int k = 0; k < 5000 && !ws.failed; k++) usleep(1000);
+  for (int k = 0; k < 5000 && !failed_count(&ws); k++) usleep(1000);
   pthread_mutex_lock(&ws.mu);
   assert_int_equal(ws.failed, 1);
   assert_non_null(strstr(ws.failed_why, "out of range"));
