@@ -286,8 +286,13 @@ void td__future_set_wait_pump(void (*pump)(void *ud), void *ud) {
   wait_pump_ud = ud;
 }
 
-/* The wait poller (td__future_set_wait_poller): read-locked while a waiter uses it. */
+/* The wait poller (td__future_set_wait_poller): read-locked while a waiter uses it; a writer
+ * (removing it) goes first, so waiters that keep coming cannot hold it off. */
+#ifdef PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP
+static pthread_rwlock_t poller_lock = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
+#else
 static pthread_rwlock_t poller_lock = PTHREAD_RWLOCK_INITIALIZER;
+#endif
 static td__wait_poller poller;
 
 void td__future_set_wait_poller(const td__wait_poller *p, void *ud) {
