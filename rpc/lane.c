@@ -1024,7 +1024,7 @@ static void wait_leave(void *ud) {
   FULL_FENCE();
   bool work = has_work(ls);
   pthread_mutex_unlock(&ls->rx_mu);
-  if (work || __atomic_load_n(&ls->waiters, __ATOMIC_SEQ_CST) > 0) kick_self(ls);
+  if (work) kick_self(ls);
 }
 
 static int64_t wait_window(void *ud) {
