@@ -439,19 +439,19 @@ static int worker_lane(int rank, int world, const char *method, void *arg) {
   int to = (rank + 1) % world;
   char peer[32];
   snprintf(peer, sizeof peer, "worker%d", to);
-  /* calls in flight while the lane is set up (10 at a time, so the switch falls among them):
-   * they arrive in the order they were sent */
-  enum { N = 300 };
+  /* calls kept in flight (a sliding window of 64) while the lane is set up, so the switch falls
+   * among calls still travelling on the stream: they arrive in the order they were sent */
+  enum { N = 300, W = 64 };
   td_future *fs[N];
-  for (int i = 0; i < N; i++) {
+  for (int i = 0; i < N + W; i++) {
+    if (i >= W) {
+      MP_CHECK_OK(td_future_wait(fs[i - W], td_test_ms(30000)));
+      td_future_unref(fs[i - W]);
+    }
+    if (i >= N) continue;
     td_value *v = td_value_int(i + 1);
     MP_CHECK_OK(td_rpc_async(a, peer, "lane_seq", &v, 1, NULL, &fs[i]));
     td_value_unref(v);
-    if (i % 10 == 9)
-      for (int j = i - 9; j <= i; j++) {
-        MP_CHECK_OK(td_future_wait(fs[j], td_test_ms(30000)));
-        td_future_unref(fs[j]);
-      }
   }
   /* both streams of the pair (ours and the peer's) switched */
   if (k->expect_on) TD_TEST_POLL(td_rpc_shm_lanes(a) == 2, 30);
