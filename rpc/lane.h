@@ -22,7 +22,8 @@
  * only after it has read that frame from the stream, so frames keep their order per direction.
  *
  * All in rpc/lane.c. THREAD SAFETY: set-up functions run on the transport's poller thread;
- * td__lane_send from any thread; the lane thread calls the decoder's callbacks.
+ * td__lane_send from any thread; the decoders' callbacks run on the lane thread, or on a thread
+ * about to block in td_future_wait that drives the receive side meanwhile (one at a time).
  */
 #ifndef TD_RPC_LANE_H
 #define TD_RPC_LANE_H
