@@ -6,7 +6,7 @@
  *                never sleep, so no wake-up is measured: the kernel's socket path only)
  *   --mode shm   a shared page; each side spins on a sequence word the other writes (the cost
  *                of a cache line crossing cores, and of sharing a CPU when they must)
- * Spinning sides yield their CPU every 32 empty polls, as tdist's lane does: on a machine with
+ * Spinning sides yield their CPU every 8 empty polls, as tdist's lane does: on a machine with
  * fewer free CPUs than spinning threads the other side may need it.
  *
  * Output: one JSON line
@@ -36,7 +36,7 @@ static uint64_t now_ns(void) {
 }
 
 static void relax(unsigned *idle) {
-  if (++*idle % 32 == 0) sched_yield();
+  if (++*idle % 8 == 0) sched_yield();
 #if defined(__x86_64__) || defined(__i386__)
   else __builtin_ia32_pause();
 #endif
