@@ -24,6 +24,11 @@
 # gives that side null and no ratio. The script measures; it never asserts a speed (meets_target
 # is informational).
 #
+# For rpc_latency the same invocation also measures the floors under a same-host call, each RUNS
+# times interleaved with the others: a unix socket and a shared page bounced by two processes
+# (bench/peers/floor/pingpong, spinning reads) and UCX's ucx_perftest (shared memory, when
+# installed); results.floors = {NAME: {"p50_us_median", "runs", "ours_over_floor"}}.
+#
 # bench/compare.sh collectives [RUNS] [-- ARGS...] is a mode of its own with three peers run in
 # the same invocation, interleaved (ours, gloo, MPI shm, MPI tcp, ours, ...): torch.distributed
 # gloo (bench/peers/torch/collectives.py) and Open MPI over shared memory and over TCP
@@ -42,7 +47,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
 
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-  sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,41p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
   [[ $# -lt 1 ]] && exit 2 || exit 0
 fi
 name="$1"
@@ -164,10 +169,52 @@ run_one() {
   echo "$line" >>"$out"
 }
 
+# rpc_latency: the floors under a same-host call, interleaved with the runs: two processes
+# bouncing 8 bytes over a unix socket with spinning reads and over a shared page
+# (bench/peers/floor/pingpong), and UCX's ucx_perftest (tag_lat, round trip = twice its one-way
+# p50) when it is installed (Debian: ucx-utils). The summary gets results.floors.
+floors=()
+if [[ "$name" == rpc_latency ]]; then
+  pp="$build/bench/peers/floor/pingpong"
+  [[ -x "$pp" ]] && floors+=(unix_spin shm_spin)
+  command -v ucx_perftest >/dev/null 2>&1 && floors+=(ucx)
+  [[ ${#floors[@]} -eq 0 ]] && echo "compare.sh: no floor peer (build the pingpong target)" >&2
+  command -v ucx_perftest >/dev/null 2>&1 ||
+    echo "compare.sh: ucx_perftest not installed: no UCX floor (apt-get install ucx-utils)" >&2
+fi
+
+# ucx_line prints one JSON line with ucx_perftest's shared-memory round trip.
+ucx_line() {
+  local port
+  port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  ucx_perftest -t tag_lat -p "$port" -n 20000 -s 8 >"$tmp/ucx_srv.out" 2>&1 &
+  local srv=$!
+  sleep 0.3
+  local out
+  out="$(ucx_perftest 127.0.0.1 -t tag_lat -p "$port" -n 20000 -s 8 2>&1 | grep '^Final:' || true)"
+  wait "$srv" || true
+  [[ -n "$out" ]] || return 1
+  awk '{printf "{\"bench\": \"ucx_perftest\", \"config\": {\"test\": \"tag_lat\", \"bytes\": 8}, \"results\": {\"p50_us\": %.3f, \"one_way_p50_us\": %s}}\n", 2 * $3, $3}' <<<"$out"
+}
+
+run_floors() {
+  local f
+  for f in ${floors[@]+"${floors[@]}"}; do
+    case "$f" in
+      unix_spin) run_one floor "$tmp/floor_$f.jsonl" "$pp" --mode unix ;;
+      shm_spin) run_one floor "$tmp/floor_$f.jsonl" "$pp" --mode shm ;;
+      ucx) run_one floor "$tmp/floor_$f.jsonl" ucx_line ;;
+    esac
+  done
+}
+
 for ((i = 0; i < runs; i++)); do
   run_one ours "$tmp/ours.jsonl" "${ours_cmd[@]}" ${args[@]+"${args[@]}"}
   run_one peer "$tmp/peer.jsonl" "$py" "$peer" ${args[@]+"${args[@]}"}
+  run_floors
 done
+floor_files=""
+for f in ${floors[@]+"${floors[@]}"}; do floor_files+="$f=$tmp/floor_$f.jsonl "; done
 
 # Keys whose values must be equal in every run of both programs (the comparison is void
 # otherwise): gpt's hash of the training batches.
@@ -179,9 +226,9 @@ same_keys() {
 }
 
 python3 - "$name" "$key" "$direction" "$runs" "$tmp/ours.jsonl" "$tmp/peer.jsonl" \
-  "$OPENBLAS_NUM_THREADS" "$target" "$extras" "$(same_keys "$name")" <<'EOF'
+  "$OPENBLAS_NUM_THREADS" "$target" "$extras" "$(same_keys "$name")" "$floor_files" <<'EOF'
 import json, re, statistics, sys
-name, key, direction, runs, ours_f, peer_f, blas, target, extras, same = sys.argv[1:11]
+name, key, direction, runs, ours_f, peer_f, blas, target, extras, same, floor_files = sys.argv[1:12]
 
 def lookup(results, path):
     """Follows a dotted path; 'list[field=value]' picks the list element whose field matches."""
@@ -222,6 +269,15 @@ for word in extras.split():
     extra[k] = e
 if extra:
     res["extra"] = extra
+floors = {}
+for word in floor_files.split():
+    fname, path = word.split("=", 1)
+    vs = values(path, key)
+    m = statistics.median(vs) if vs else None
+    floors[fname] = {"p50_us_median": m, "runs": vs,
+                     "ours_over_floor": res["ours_median"] / m if m and res["ours_median"] else None}
+if floors:
+    res["floors"] = floors
 mismatch = []
 for k in same.split():
     seen = {json.loads(line)["results"].get(k) for f in (ours_f, peer_f) for line in open(f)}

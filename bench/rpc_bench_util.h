@@ -259,6 +259,14 @@ static inline void rb_start_auth(rb_pair *p, int threads, rb_security sec) {
 /* rb_start: rb_start_auth with authentication on (the default of every tdist group). */
 static inline void rb_start(rb_pair *p, int threads) { rb_start_auth(p, threads, RB_SECRET); }
 
+/* rb_path names the path rank 0's frames to rank 1 took so far: "lane" when most went through the
+ * same-host lane (td_rpc_options.shm_lane), else "grpc". */
+static inline const char *rb_path(rb_pair *p) {
+  td_rpc_traffic tr;
+  if (td_rpc_get_peer_traffic(p->agent, 1, &tr) != TD_OK) return "grpc";
+  return tr.lane_frames_sent > tr.frames_sent ? "lane" : "grpc";
+}
+
 /* rb_finish stops both workers. Returns 0 when both shut down cleanly. */
 static inline int rb_finish(rb_pair *p) {
   char b = 1;

@@ -41,7 +41,7 @@ static void one_call(rb_pair *p, int64_t i) {
 
 /* One measurement on a prepared pair: warm-up calls, then calls timed one by one into us[]. */
 static void measure(rb_pair *pp, long long warmup, long long calls, double *us, double *wall,
-                    long long *busy_poll_us) {
+                    long long *busy_poll_us, const char **path) {
   rb_pair p = *pp;
   rb_begin(&p);
   *busy_poll_us = (long long)td_rpc_busy_poll_us(p.agent);
@@ -53,6 +53,7 @@ static void measure(rb_pair *pp, long long warmup, long long calls, double *us, 
     us[i] = (double)(rb_now_ns() - s) * 1e-3;
   }
   *wall += (double)(rb_now_ns() - t0) * 1e-9;
+  *path = rb_path(&p);
   if (rb_finish(&p) != 0) {
     fprintf(stderr, "rpc_latency: a worker did not shut down cleanly\n");
     exit(1);
@@ -93,6 +94,7 @@ int main(int argc, char **argv) {
   RB_CHECK(td_rpc_register_ex("bench_echo", fn_echo, NULL, pool_handler ? 0 : TD_RPC_INLINE));
   double *us[3] = {NULL, NULL, NULL}, wall[3] = {0, 0, 0};
   long long n[3] = {0, 0, 0}, busy_poll_us = 0;
+  const char *path = "grpc";
   int rounds = only < 0 ? 2 : 1;
   long long per = calls / rounds > 0 ? calls / rounds : 1;
   for (int m = 0; m < 3; m++) {
@@ -108,7 +110,9 @@ int main(int argc, char **argv) {
   for (int r = 0; r < rounds; r++)
     for (int m = 0; m < 3; m++) {
       if (only >= 0 && m != only) continue;
-      measure(&pairs[r][m], warmup, per, us[m] + n[m], &wall[m], &busy_poll_us);
+      const char *pm = "grpc";
+      measure(&pairs[r][m], warmup, per, us[m] + n[m], &wall[m], &busy_poll_us, &pm);
+      if (m == (only >= 0 ? only : RB_SECRET)) path = pm;
       n[m] += per;
     }
   double p50[3], p90[3], p99[3], mean[3], cps[3];
@@ -133,14 +137,14 @@ int main(int argc, char **argv) {
              "\"tls_p50_vs_insecure\": %.4f}",
              p50[RB_INSECURE], p99[RB_INSECURE], cps[RB_INSECURE], p50[RB_TLS], p99[RB_TLS],
              cps[RB_TLS], p50[RB_SECRET] / p50[RB_INSECURE], p50[RB_TLS] / p50[RB_INSECURE]);
-  printf("{\"bench\": \"rpc_latency\", \"config\": {\"impl\": \"tdist\", \"transport\": \"grpc\", "
+  printf("{\"bench\": \"rpc_latency\", \"config\": {\"impl\": \"tdist\", \"transport\": \"%s\", "
          "\"world_size\": 2, \"handler\": \"%s\", \"security\": \"%s\", \"busy_poll_us\": %lld, "
          "\"threads\": %lld, \"warmup_calls\": %lld, \"calls\": %lld, "
          "\"payload\": \"int64\", \"openblas_num_threads\": %s}, "
          "\"results\": {\"p50_us\": %.3f, \"p90_us\": %.3f, \"p99_us\": %.3f, "
          "\"min_us\": %.3f, \"max_us\": %.3f, \"mean_us\": %.3f, \"calls_per_s\": %.1f, "
          "\"wall_s\": %.4f%s}}\n",
-         pool_handler ? "pool" : "inline", rb_security_names[main_m], busy_poll_us, threads,
+         path, pool_handler ? "pool" : "inline", rb_security_names[main_m], busy_poll_us, threads,
          warmup, n[main_m], rb_blas_threads(blas, sizeof blas), p50[main_m], p90[main_m],
          p99[main_m], us[main_m][0], us[main_m][n[main_m] - 1], mean[main_m], cps[main_m],
          wall[main_m], sec_json);

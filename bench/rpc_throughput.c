@@ -135,8 +135,10 @@ static double run_round(rb_pair *p, tp_round *r, td_value *arg, long long total,
 }
 
 /* One measurement on a prepared pair: a warm-up round and a timed one; returns the timed wall. */
+static const char *path = "grpc"; /* the path the main mode's calls took (rb_path) */
+
 static double measure(rb_pair *pp, td_value *arg, long long warmup, long long calls,
-                      long long inflight, long long *busy_poll_us) {
+                      long long inflight, long long *busy_poll_us, bool main_mode) {
   rb_pair p = *pp;
   static tp_round rounds[64]; /* outlive the agents (see tp_round); 2 per measurement */
   static int used;
@@ -150,6 +152,7 @@ static double measure(rb_pair *pp, td_value *arg, long long warmup, long long ca
   *busy_poll_us = (long long)td_rpc_busy_poll_us(p.agent);
   if (warmup > 0) run_round(&p, &r[0], arg, warmup, inflight);
   double wall = run_round(&p, &r[1], arg, calls, inflight);
+  if (main_mode) path = rb_path(&p);
   if (rb_finish(&p) != 0) { /* no callback runs after this */
     fprintf(stderr, "rpc_throughput: a worker did not shut down cleanly\n");
     exit(1);
@@ -204,7 +207,8 @@ int main(int argc, char **argv) {
   for (int r = 0; r < rounds; r++)
     for (int m = 0; m < 3; m++) {
       if (only >= 0 && m != only) continue;
-      wall[m] += measure(&pairs[r][m], arg, warmup, per, inflight, &busy_poll_us);
+      wall[m] += measure(&pairs[r][m], arg, warmup, per, inflight, &busy_poll_us,
+                         m == (only >= 0 ? only : RB_SECRET));
       n[m] += per;
     }
   double cps[3];
@@ -218,12 +222,12 @@ int main(int argc, char **argv) {
              cps[RB_INSECURE], cps[RB_TLS], cps[RB_SECRET] / cps[RB_INSECURE],
              cps[RB_TLS] / cps[RB_INSECURE]);
   printf("{\"bench\": \"rpc_throughput\", \"config\": {\"impl\": \"tdist\", \"transport\": "
-         "\"grpc\", \"world_size\": 2, \"handler\": \"%s\", \"security\": \"%s\", "
+         "\"%s\", \"world_size\": 2, \"handler\": \"%s\", \"security\": \"%s\", "
          "\"busy_poll_us\": %lld, \"threads\": %lld, \"warmup_calls\": %lld, "
          "\"calls\": %lld, \"inflight\": %lld, \"payload\": \"int64\", "
          "\"openblas_num_threads\": %s}, "
          "\"results\": {\"calls_per_s\": %.1f, \"us_per_call\": %.3f, \"wall_s\": %.4f%s}}\n",
-         pool_handler ? "pool" : "inline", rb_security_names[main_m], busy_poll_us, threads,
+         path, pool_handler ? "pool" : "inline", rb_security_names[main_m], busy_poll_us, threads,
          warmup, n[main_m], inflight, rb_blas_threads(blas, sizeof blas), cps[main_m],
          wall[main_m] / (double)n[main_m] * 1e6, wall[main_m], sec_json);
   fflush(stdout);

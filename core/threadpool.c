@@ -10,6 +10,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
@@ -33,21 +34,53 @@ struct td__threadpool {
   int nthreads;
   size_t max_queued; /* the longest the queue has been (td__threadpool_load) */
   pthread_t *threads;
+  /* Spinning (td__threadpool_set_spin): one idle worker at a time polls for this long before it
+   * sleeps, so tasks that follow each other closely are taken without waking a thread. */
+  int64_t spin_ns;  /* atomic; 0: none */
+  bool spinning;    /* under mu: a worker spins now (submit need not signal) */
+  size_t hint;      /* atomic copy of queued, for the spinner */
 };
 
 static _Thread_local td__threadpool *current_pool;
+
+/* The spinning worker: polls (mu released) until a task is queued or the window ends. Caller
+ * holds mu; returns with it held. */
+static void spin_wait(td__threadpool *p, uint64_t spin) {
+  p->spinning = true;
+  pthread_mutex_unlock(&p->mu);
+  uint64_t t0 = td__now_ns();
+  unsigned idle = 0;
+  while (!__atomic_load_n(&p->hint, __ATOMIC_ACQUIRE) && td__now_ns() - t0 < spin) {
+    if (++idle % 32 == 0) sched_yield(); /* a runnable thread on this CPU goes first */
+#if defined(__x86_64__) || defined(__i386__)
+    else __builtin_ia32_pause();
+#endif
+  }
+  pthread_mutex_lock(&p->mu);
+  p->spinning = false;
+}
 
 static void *worker_main(void *arg) {
   td__threadpool *p = arg;
   current_pool = p;
   pthread_mutex_lock(&p->mu);
   for (;;) {
-    while (!p->head && !p->stopping) pthread_cond_wait(&p->cv_work, &p->mu);
+    while (!p->head && !p->stopping) {
+      uint64_t spin = (uint64_t)__atomic_load_n(&p->spin_ns, __ATOMIC_RELAXED);
+      if (spin && !p->spinning) {
+        spin_wait(p, spin);
+        if (p->head || p->stopping) break;
+      }
+      pthread_cond_wait(&p->cv_work, &p->mu);
+    }
     if (!p->head && p->stopping) break;
     task *t = p->head;
     p->head = t->next;
     if (!p->head) p->tail = NULL;
     p->queued--;
+    __atomic_store_n(&p->hint, p->queued, __ATOMIC_RELEASE);
+    /* submits skipped the signal while a worker spun: pass the rest on */
+    if (p->queued) pthread_cond_signal(&p->cv_work);
     p->running++;
     pthread_mutex_unlock(&p->mu);
     t->fn(t->arg);
@@ -116,8 +149,9 @@ td_status td__threadpool_submit(td__threadpool *p, td__task_fn fn, void *arg) {
   else p->head = t;
   p->tail = t;
   p->queued++;
+  __atomic_store_n(&p->hint, p->queued, __ATOMIC_RELEASE);
   if (p->queued > p->max_queued) p->max_queued = p->queued;
-  pthread_cond_signal(&p->cv_work);
+  if (!p->spinning) pthread_cond_signal(&p->cv_work); /* else the spinner takes it */
   pthread_mutex_unlock(&p->mu);
   return TD_OK;
 }
@@ -127,6 +161,10 @@ size_t td__threadpool_pending(td__threadpool *p) {
   size_t n = p->queued + p->running;
   pthread_mutex_unlock(&p->mu);
   return n;
+}
+
+void td__threadpool_set_spin(td__threadpool *p, int64_t ns) {
+  if (p) __atomic_store_n(&p->spin_ns, ns > 0 ? ns : 0, __ATOMIC_RELAXED);
 }
 
 int td__threadpool_is_worker(td__threadpool *p) { return p && current_pool == p; }

@@ -29,6 +29,10 @@ size_t td__threadpool_pending(td__threadpool *p);
 
 /* True when the calling thread is one of p's workers. */
 int td__threadpool_is_worker(td__threadpool *p);
+/* td__threadpool_set_spin lets one idle worker at a time poll for new tasks for ns nanoseconds
+ * before it sleeps (0, the default: workers sleep at once), so a task submitted soon after the
+ * last one finished needs no wake-up. THREAD SAFETY: any thread. */
+void td__threadpool_set_spin(td__threadpool *p, int64_t ns);
 
 /* td__threadpool_load reads how many tasks run and wait now, and the pool's size (any out may be
  * NULL). */

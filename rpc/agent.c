@@ -31,6 +31,7 @@ void td_rpc_options_init(td_rpc_options *o) {
   o->keepalive_timeout_ms = 20000;
   o->busy_poll_us = -1;
   o->direct_copy = -1;
+  o->shm_lane = -1;
   o->max_message_bytes = TD_RPC_DEFAULT_MAX_MESSAGE;
   o->memory_quota_bytes = 1ull << 30;
 }
@@ -103,6 +104,9 @@ int td_rpc_rank(const td_rpc_agent *a) { return a ? a->rank : -1; }
 int td_rpc_world_size(const td_rpc_agent *a) { return a ? a->world : 0; }
 int64_t td_rpc_busy_poll_us(const td_rpc_agent *a) { return a ? a->busy_poll_us : 0; }
 int td_rpc_direct_copy_peers(const td_rpc_agent *a) { return a ? a->direct_peers : 0; }
+int td_rpc_shm_lanes(const td_rpc_agent *a) {
+  return a && a->tr ? td__transport_lanes_up(a->tr) : 0;
+}
 
 td_status td_rpc_set_default_timeout(td_rpc_agent *a, td_timeout_ms t) {
   TD_CHECK_ARG(a && td__timeout_valid(t), "rpc_set_default_timeout: invalid timeout %lld",

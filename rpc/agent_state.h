@@ -107,6 +107,7 @@ struct td_rpc_agent {
   /* same-host direct copy (direct.c) */
   uint64_t direct_nonce; /* peers read it from our memory to prove they can */
   bool direct_on;
+  bool lane_on; /* same-host lanes wanted (td_rpc_options.shm_lane, TD_RPC_SHM_LANE) */
   bool *direct_cand; /* [world]: same host, both enabled, we can read it */
   int direct_peers;  /* peers that read our frames directly */
   /* Requests that arrive before init has finished (peers may call as soon as they passed the
@@ -199,6 +200,8 @@ void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *con
 /* ---- direct.c ---- */
 /* Whether this worker offers direct copy (option, TD_RPC_DIRECT_COPY, platform). */
 bool td__direct_wanted(const td_rpc_options *o);
+/* Whether this worker offers same-host lanes (option, TD_RPC_SHM_LANE, platform). */
+bool td__lane_wanted(const td_rpc_options *o);
 /* Rendezvous steps, in this order: publish before the join barrier, probe after it, learn after
  * the ready barrier. */
 td_status td__direct_publish(td_rpc_agent *a);

@@ -169,13 +169,28 @@ bool td__direct_wanted(const td_rpc_options *o) {
 #endif
 }
 
+bool td__lane_wanted(const td_rpc_options *o) {
+#if defined(__linux__)
+  if (o->shm_lane == 0) return false;
+  if (o->shm_lane > 0) return true;
+  const char *e = getenv("TD_RPC_SHM_LANE");
+  return !(e && strcmp(e, "0") == 0);
+#else
+  (void)o;
+  return false;
+#endif
+}
+
+/* The same-host record is published when either same-host path is wanted. */
 td_status td__direct_publish(td_rpc_agent *a) {
   char key[64], val[512], host[256];
   snprintf(key, sizeof key, "direct/%d", a->rank);
-  if (a->direct_on) {
+  if (a->direct_on || a->lane_on) {
     a->direct_nonce = td__samehost_nonce(a);
     td__addr_host(a->peers[a->rank].info.address, host, sizeof host);
-    a->direct_on = td__samehost_record(host, &a->direct_nonce, val, sizeof val);
+    bool ok = td__samehost_record(host, &a->direct_nonce, val, sizeof val);
+    a->direct_on &= ok;
+    a->lane_on &= ok;
   } else {
     snprintf(val, sizeof val, "-");
   }
@@ -228,33 +243,47 @@ static bool ranks_has(const char *s, int rank) {
   return false;
 }
 
+/* Same-host lanes: rank r's stream may move to a lane when r's record names this host, boot and
+ * pid namespace; the lane's socket then accepts only r's published pid, proving the secret sent
+ * on r's authenticated stream (rpc/lane.c). Reading r's memory is not needed (lanes work where
+ * the kernel forbids cross-memory reads), but when r is readable the pid is also the one direct
+ * copy verified. */
 td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
   a->direct_cand = td__calloc((size_t)a->world, sizeof *a->direct_cand);
   int *pids = td__calloc((size_t)a->world, sizeof *pids);
-  if (!a->direct_cand || !pids) {
+  int *lane_pids = td__calloc((size_t)a->world, sizeof *lane_pids);
+  if (!a->direct_cand || !pids || !lane_pids) {
     td__free(pids);
+    td__free(lane_pids);
     return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
   }
   td__host_rec me = {0};
-  if (a->direct_on) {
+  if (a->direct_on || a->lane_on) {
     char mine[512], host[256];
     td__addr_host(a->peers[a->rank].info.address, host, sizeof host);
-    a->direct_on = td__samehost_record(host, &a->direct_nonce, mine, sizeof mine) &&
-                   td__samehost_parse(mine, &me);
+    bool ok = td__samehost_record(host, &a->direct_nonce, mine, sizeof mine) &&
+              td__samehost_parse(mine, &me);
+    a->direct_on &= ok;
+    a->lane_on &= ok;
   }
+  bool share = a->direct_on || a->lane_on;
   char **recs = NULL;
   size_t *lens = NULL;
-  td_status st = a->direct_on ? td__rdv_read_all(a, "direct/", deadline, &recs, &lens) : TD_OK;
-  for (int r = 0; a->direct_on && st == TD_OK && r < a->world; r++) {
+  td_status st = share ? td__rdv_read_all(a, "direct/", deadline, &recs, &lens) : TD_OK;
+  for (int r = 0; share && st == TD_OK && r < a->world; r++) {
     td__host_rec peer;
-    if (r != a->rank && td__samehost_parse(recs[r], &peer) && td__samehost_same(&me, &peer) &&
-        td__samehost_readable(&peer)) {
+    if (r == a->rank || !td__samehost_parse(recs[r], &peer) || !td__samehost_same(&me, &peer))
+      continue;
+    if (a->lane_on) lane_pids[r] = peer.pid;
+    if (a->direct_on && td__samehost_readable(&peer)) {
       a->direct_cand[r] = true;
       pids[r] = peer.pid; /* only rank r, on its authenticated stream, may name it */
     }
   }
   td__rdv_free_all(a, recs, lens);
   if (st == TD_OK) st = td__transport_allow_direct(a->tr, pids, a->world);
+  if (st == TD_OK && a->lane_on) st = td__transport_allow_lane(a->tr, lane_pids, a->world);
+  td__free(lane_pids);
   char *ok = NULL;
   if (st == TD_OK) st = ranks_encode(a->direct_cand, a->world, &ok);
   if (st == TD_OK) {

@@ -286,6 +286,44 @@ void td__future_set_wait_pump(void (*pump)(void *ud), void *ud) {
   wait_pump_ud = ud;
 }
 
+/* The wait poller (td__future_set_wait_poller): read-locked while a waiter uses it; a writer
+ * (removing it) goes first, so waiters that keep coming cannot hold it off. */
+#ifdef PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP
+static pthread_rwlock_t poller_lock = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
+#else
+static pthread_rwlock_t poller_lock = PTHREAD_RWLOCK_INITIALIZER;
+#endif
+static td__wait_poller poller;
+
+void td__future_set_wait_poller(const td__wait_poller *p, void *ud) {
+  pthread_rwlock_wrlock(&poller_lock);
+  if (p) poller = *p;
+  else if (poller.ud == ud) memset(&poller, 0, sizeof poller);
+  pthread_rwlock_unlock(&poller_lock);
+}
+
+/* Before blocking on f: drive the poller while it makes progress or its window lasts, for at
+ * most timeout_ms (< 0: none) and never longer than 10 ms in all (then the lane's own thread
+ * takes over again). */
+static void poll_before_wait(td_future *f, td_timeout_ms timeout_ms) {
+  if (wait_pump || pthread_rwlock_tryrdlock(&poller_lock) != 0) return;
+  int64_t w = poller.poll ? poller.window_ns(poller.ud) : 0;
+  if (w > 0) {
+    poller.enter(poller.ud);
+    uint64_t t0 = td__now_ns(), last = t0;
+    uint64_t cap = timeout_ms > 0 && timeout_ms < 10 ? (uint64_t)timeout_ms * 1000000u
+                                                      : 10000000u;
+    while (!td_future_done(f)) {
+      uint64_t now = td__now_ns();
+      if (now - t0 > cap) break;
+      if (poller.poll(poller.ud)) last = now;
+      else if (now - last > (uint64_t)w) break;
+    }
+    poller.leave(poller.ud);
+  }
+  pthread_rwlock_unlock(&poller_lock);
+}
+
 /* Waits on cv until *deadline (NULL: no deadline), in slices of 2 ms with the pump run between
  * them when this thread has one. Caller holds mu. Returns ETIMEDOUT at the deadline. */
 static int cond_wait_pumped(pthread_cond_t *cv, pthread_mutex_t *mu,
@@ -317,6 +355,7 @@ td_status td_future_wait(td_future *f, td_timeout_ms timeout_ms) {
                (long long)timeout_ms);
   struct timespec deadline;
   if (timeout_ms > 0) deadline = deadline_after(timeout_ms);
+  if (timeout_ms != 0 && !td_future_done(f)) poll_before_wait(f, timeout_ms);
   pthread_mutex_lock(&f->mu);
   bool blocked = !f->done && timeout_ms != 0;
   td__flight_ev ev = {.kind = TD__FL_WAIT_BEGIN, .peer = f->fl_peer, .a = f->fl_id,

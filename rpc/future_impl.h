@@ -32,4 +32,20 @@ void td__future_set_flight(td_future *f, int peer, uint64_t call_id, const char 
  * queued work (host-driven progress) cannot deadlock waiting for it. NULL clears it. */
 void td__future_set_wait_pump(void (*pump)(void *ud), void *ud);
 
+/* A process-wide source of progress that a thread about to block in td_future_wait drives itself
+ * for a short window (rpc/lane.c: the receive side of the same-host lanes), so that a reply is
+ * taken by the thread waiting for it instead of by a thread that must then wake it. enter and
+ * leave bracket a waiter's polling; poll returns true when it made progress; window_ns is how
+ * long a waiter keeps polling without progress (0: do not poll). */
+typedef struct td__wait_poller {
+  void (*enter)(void *ud);
+  bool (*poll)(void *ud);
+  void (*leave)(void *ud);
+  int64_t (*window_ns)(void *ud);
+  void *ud;
+} td__wait_poller;
+/* td__future_set_wait_poller installs p (copied), or with p NULL removes the poller whose ud is
+ * ud (once it returns, no thread uses it any more). */
+void td__future_set_wait_poller(const td__wait_poller *p, void *ud);
+
 #endif

@@ -38,6 +38,7 @@
 #include "../core/threadpool.h"
 #include "auth.h"
 #include "direct.h"
+#include "lane.h"
 #include "transport.h"
 
 /* ThreadSanitizer does not see the synchronisation inside gRPC (an uninstrumented library):
@@ -142,6 +143,10 @@ struct td__conn {
   struct td__conn *next_live;
   /* direct-copy frames sent and not yet acknowledged: their tensors stay alive until then */
   td__direct_acks acks;
+  /* the same-host lane (lane.h) once offered or joined (c->mu; set on the poller), and its
+   * decoder (owned by the lane, used by the lane thread) */
+  td__lane *lane;
+  td__decoder *lane_dec;
   /* authentication (auth.h): nothing is decoded before it, nothing but the handshake is sent */
   td__hs hs;
   int auth;                        /* AUTH_* */
@@ -218,6 +223,7 @@ struct td__transport {
   bool tls;                        /* mutual TLS on every connection (opts.tls) */
   char tls_name[256];              /* the name certificates are checked for */
   grpc_channel_credentials *chan_creds; /* TLS: shared by every channel; NULL: insecure */
+  td__lanes *lanes; /* same-host lanes (opts.lane and the platform allow them); NULL: none */
 };
 
 /* Server streams that may be in their handshake at once: at least this many, and twice the
@@ -252,6 +258,9 @@ void td__grpc_stream_accept(td__transport *t, grpc_call *call);
 void td__grpc_stream_event(tag *tg, bool success);
 /* Marks c closed and drops queued data. Caller holds c->mu. */
 void td__grpc_conn_mark_closed(td__conn *c);
+/* Callbacks of the transport's lanes (td__lanes_opts). */
+void td__grpc_lane_failed(void *conn, const char *why);
+void td__grpc_lane_release(void *conn);
 
 /* ---- grpc_unary.c ---- */
 void td__grpc_unary_accept(td__transport *t, grpc_call *call, const char *method);

@@ -18,6 +18,10 @@ td__conn *td__conn_ref(td__conn *c) {
 
 void td__conn_unref(td__conn *c) {
   if (!c || !td__ref_dec(&c->rc)) return;
+  if (c->lane) {
+    td__lane_close(c->lane);
+    td__lane_unref(c->lane);
+  }
   td__direct_acks_clear(&c->acks);
   for (size_t i = 0; i < c->qlen; i++) grpc_slice_unref(c->q[(c->qhead + i) % c->qcap]);
   td__free(c->q);
@@ -73,6 +77,20 @@ static void on_dec_msg(void *ud, td__msg *m) {
   c->t->cbs.on_msg(c->t->cbs.ud, c, m);
 }
 
+/* A frame that came through the lane (lane thread). */
+static void on_lane_msg(void *ud, td__msg *m) {
+  td__conn *c = ud;
+  td_rpc_traffic *tr = traffic_of(c);
+  if (tr) {
+    uint64_t bytes;
+    bool direct;
+    td__decoder_last_frame(c->lane_dec, &bytes, &direct);
+    count(direct ? &tr->direct_frames_received : &tr->lane_frames_received, 1);
+    count(direct ? &tr->direct_bytes_received : &tr->lane_bytes_received, bytes);
+  }
+  c->t->cbs.on_msg(c->t->cbs.ud, c, m);
+}
+
 static void on_dec_bad(void *ud, uint64_t id, td_status st, const char *why) {
   td__conn *c = ud;
   if (c->t->cbs.on_bad) c->t->cbs.on_bad(c->t->cbs.ud, c, id, st, why);
@@ -80,6 +98,9 @@ static void on_dec_bad(void *ud, uint64_t id, td_status st, const char *why) {
 
 static bool q_push(td__conn *c, grpc_slice s);
 static void start_send(td__conn *c);
+static void conn_close_locked(td__conn *c, grpc_status_code code, const char *why);
+static void lane_control(void *ud, uint64_t type, const uint8_t *body, size_t len);
+static void lane_ask(td__conn *c);
 static void unauth_done(td__conn *c);
 static void feed_message(td__conn *c);
 static void bulk_task(void *arg);
@@ -105,6 +126,13 @@ static void direct_send_ack(void *ud, uint64_t token) {
   if (c->closed) {
     pthread_mutex_unlock(&c->mu);
     td__free(a);
+    return;
+  }
+  if (c->lane && td__lane_tx_on(c->lane)) {
+    td__lane_msg m = {.head = a, .head_len = TD__FRAME_PREFIX};
+    if (td__lane_send(c->lane, &m) == TD_ERR_FORMAT)
+      conn_close_locked(c, GRPC_STATUS_INVALID_ARGUMENT, td_last_error());
+    pthread_mutex_unlock(&c->mu);
     return;
   }
   grpc_slice s = td__grpc_owned_slice(a, TD__FRAME_PREFIX, td__grpc_free_head, a);
@@ -158,7 +186,7 @@ static td__conn *conn_new(td__transport *t, bool client, int peer) {
     return NULL;
   }
   static const td__direct_hooks hooks = {direct_allowed, direct_send_ack, direct_acked,
-                                         direct_offload};
+                                         direct_offload, lane_control};
   td__decoder_set_direct(c->dec, &hooks);
   return c;
 }
@@ -275,6 +303,41 @@ static bool q_push(td__conn *c, grpc_slice s) {
   return true;
 }
 
+/* Sends f through c's lane (c->mu held, the lane switched on): its bytes go straight into the
+ * ring when they fit, so the calling thread hands nothing to another. desc: a direct-copy
+ * descriptor to send after the head (taken over), or NULL. */
+static td_status lane_send(td__conn *c, td__frame *f, uint8_t *desc, size_t desc_len) {
+  td__lane_msg m = {.head = f->head, .head_len = f->head_len, .extra = desc,
+                    .extra_len = desc_len};
+  f->head = NULL;
+  if (!desc) {
+    m.tensors = f->tensors;
+    m.ntensors = f->ntensors;
+    f->tensors = NULL;
+    f->ntensors = 0;
+  }
+  uint64_t bytes = m.head_len + (desc ? 0 : f->payload_len);
+  td__frame_clear(f);
+  td_status st = td__lane_send(c->lane, &m);
+  if (st == TD_ERR_FORMAT) {
+    char why[300];
+    snprintf(why, sizeof why, "%s", td_last_error());
+    td_log(TD_LOG_WARN, "rpc: closing the stream %s rank %d: %s", c->client ? "to" : "from",
+           td__conn_peer(c), why);
+    conn_close_locked(c, GRPC_STATUS_INVALID_ARGUMENT, why);
+    return td_set_error(TD_ERR_UNAVAILABLE, "connection to rank %d is closed: %s",
+                        td__conn_peer(c), why);
+  }
+  if (st != TD_OK) return st;
+  td_rpc_traffic *tr = traffic_of(c);
+  if (tr && !desc) {
+    count(&tr->lane_frames_sent, 1);
+    count(&tr->lane_bytes_sent, bytes);
+  }
+  c->nsent++;
+  return TD_OK;
+}
+
 td_status td__conn_send(td__conn *c, td__frame *f) {
   td_status st = TD_OK;
   pthread_mutex_lock(&c->mu);
@@ -283,6 +346,7 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
     td__frame_clear(f);
     return td_set_error(TD_ERR_UNAVAILABLE, "connection to rank %d is closed", td__conn_peer(c));
   }
+  bool lane = c->lane && td__lane_tx_on(c->lane);
   /* same host: the peer copies the tensors out of our memory; they stay alive until its ack */
   direct_to *dc = __atomic_load_n(&c->t->direct_to, __ATOMIC_ACQUIRE);
   int peer = td__conn_peer(c);
@@ -293,7 +357,7 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
     uint64_t token = td__direct_acks_peek(&c->acks);
     /* everything that can fail comes before the first push: a half-queued frame would corrupt
      * the stream */
-    bool ok = td__direct_acks_reserve(&c->acks) && q_reserve(c, 2) &&
+    bool ok = td__direct_acks_reserve(&c->acks) && (lane || q_reserve(c, 2)) &&
               td__direct_encode(f, token, c->t->self_pid, &desc, &dl) == TD_OK;
     if (ok) {
       td_rpc_traffic *tr = traffic_of(c);
@@ -301,18 +365,27 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
         count(&tr->direct_frames_sent, 1);
         count(&tr->direct_bytes_sent, f->payload_len);
       }
-      q_push(c, td__grpc_owned_slice(f->head, f->head_len, td__grpc_free_head, f->head));
-      f->head = NULL;
-      q_push(c, td__grpc_owned_slice(desc, dl, td__grpc_free_head, desc));
       td__direct_acks_add(&c->acks, f->tensors, f->ntensors);
       f->tensors = NULL;
       f->ntensors = 0;
-      c->nsent++;
-      if (!c->send_inflight) start_send(c);
+      if (lane) {
+        st = lane_send(c, f, desc, dl);
+      } else {
+        q_push(c, td__grpc_owned_slice(f->head, f->head_len, td__grpc_free_head, f->head));
+        f->head = NULL;
+        q_push(c, td__grpc_owned_slice(desc, dl, td__grpc_free_head, desc));
+        c->nsent++;
+        if (!c->send_inflight) start_send(c);
+      }
     } else {
       st = td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory queueing a frame");
     }
     td__frame_clear(f);
+    pthread_mutex_unlock(&c->mu);
+    return st;
+  }
+  if (lane) {
+    st = lane_send(c, f, NULL, 0);
     pthread_mutex_unlock(&c->mu);
     return st;
   }
@@ -350,6 +423,7 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
 /* Marks c closed and drops queued data. Caller holds c->mu. */
 void td__grpc_conn_mark_closed(td__conn *c) {
   c->closed = true;
+  if (c->lane) td__lane_close(c->lane);
   for (size_t i = 0; i < c->qlen; i++) grpc_slice_unref(c->q[(c->qhead + i) % c->qcap]);
   c->qlen = 0;
   c->qhead = 0;
@@ -442,6 +516,156 @@ td_status td__transport_connect(td__transport *t, int peer_rank, const char *add
   return TD_OK;
 }
 
+/* ---- the same-host lane (lane.h): set-up through control frames on this stream ---- */
+
+/* Queues a lane control frame on the gRPC stream. Caller holds c->mu. */
+static void push_control(td__conn *c, uint64_t type, const uint8_t *body, size_t len) {
+  uint8_t *b = td__malloc(TD__FRAME_PREFIX + len);
+  if (!b) return; /* the peer's half-made lane waits until the stream ends */
+  td__put_u32(b, TD__FRAME_MAGIC_LANE);
+  td__put_u32(b + 4, 0);
+  td__put_u64(b + 8, len);
+  td__put_u64(b + 16, type);
+  if (len) memcpy(b + TD__FRAME_PREFIX, body, len);
+  grpc_slice s = td__grpc_owned_slice(b, TD__FRAME_PREFIX + len, td__grpc_free_head, b);
+  if (!q_push(c, s)) grpc_slice_unref(s);
+  else if (!c->send_inflight) start_send(c);
+}
+
+/* The decoder of a lane of c: frames counted as lane traffic, direct copies as on the stream,
+ * no control frames (they travel on the stream only). */
+static td__decoder *lane_decoder(td__conn *c) {
+  static const td__direct_hooks hooks = {direct_allowed, direct_send_ack, direct_acked, NULL,
+                                         NULL};
+  td__wire_ctx wctx = {c->t->opts.agent, td__conn_peer(c), c->t->opts.self_rank};
+  td__decoder *d = NULL;
+  if (td__decoder_create(&wctx, c->t->opts.max_message, on_lane_msg, on_dec_bad, c, &d) != TD_OK)
+    return NULL;
+  td__decoder_set_direct(d, &hooks);
+  return d;
+}
+
+/* Client, once the handshake proved the server: ask for a lane when the server runs on this host
+ * (the server never sends a control frame unasked). Caller holds c->mu. */
+static void lane_ask(td__conn *c) {
+  if (c->t->lanes && !c->lane && !c->closed && td__lanes_knows(c->t->lanes, td__conn_peer(c)))
+    push_control(c, TD__LANE_ASK, NULL, 0);
+}
+
+/* Server, asked by the client: offer a lane when the client runs on this host. Caller holds
+ * c->mu. */
+static void lane_offer(td__conn *c) {
+  td__transport *t = c->t;
+  if (!t->lanes || c->lane || c->closed) {
+    push_control(c, TD__LANE_DECLINE, NULL, 0);
+    return;
+  }
+  td__decoder *d = lane_decoder(c);
+  if (!d) {
+    push_control(c, TD__LANE_DECLINE, NULL, 0);
+    return;
+  }
+  uint8_t body[TD__LANE_CTRL_MAX];
+  size_t len = 0;
+  td__lane *l = NULL;
+  td__conn_ref(c); /* the lane's */
+  if (td__lane_offer(t->lanes, td__conn_peer(c), d, c, body, &len, &l) != TD_OK || !l) {
+    td__conn_unref(c);
+    push_control(c, TD__LANE_DECLINE, NULL, 0);
+    return;
+  }
+  c->lane = l;
+  c->lane_dec = d;
+  push_control(c, TD__LANE_OFFER, body, len);
+}
+
+static void lane_drop(td__conn *c) {
+  td__lane_close(c->lane);
+  td__lane_unref(c->lane);
+  c->lane = NULL;
+  c->lane_dec = NULL;
+}
+
+/* A control frame from the peer (poller thread). Messages out of turn are ignored: the stream
+ * keeps working either way. */
+static void lane_control(void *ud, uint64_t type, const uint8_t *body, size_t len) {
+  td__conn *c = ud;
+  td__transport *t = c->t;
+  pthread_mutex_lock(&c->mu);
+  td__lane *l = c->lane;
+  bool on = l && td__lane_tx_on(l);
+  if (c->closed) {
+    pthread_mutex_unlock(&c->mu);
+    return;
+  }
+  switch (type) {
+    case TD__LANE_ASK:
+      if (c->client || l) break;
+      lane_offer(c);
+      break;
+    case TD__LANE_OFFER: {
+      if (!c->client || l) break;
+      td__decoder *d = t->lanes ? lane_decoder(c) : NULL;
+      td__lane *nl = NULL;
+      td_status st = TD_ERR_UNAVAILABLE;
+      if (d) {
+        td__conn_ref(c);
+        st = td__lane_join(t->lanes, td__conn_peer(c), body, len, d, c, &nl);
+        if (st != TD_OK) td__conn_unref(c);
+      }
+      if (st == TD_OK) {
+        c->lane = nl;
+        c->lane_dec = d;
+        push_control(c, TD__LANE_ATTACH, NULL, 0);
+      } else {
+        if (t->lanes)
+          td_log(TD_LOG_DEBUG, "rpc: no lane to rank %d: %s", td__conn_peer(c), td_last_error());
+        push_control(c, TD__LANE_DECLINE, NULL, 0);
+      }
+      break;
+    }
+    case TD__LANE_ATTACH:
+      if (c->client || !l || on) break;
+      if (td__lane_accept(l) == TD_OK) {
+        /* READY is this side's last frame on the stream; what follows goes to the lane */
+        push_control(c, TD__LANE_READY, NULL, 0);
+        td__lane_start_tx(l);
+      } else {
+        td_log(TD_LOG_DEBUG, "rpc: no lane from rank %d: %s", td__conn_peer(c), td_last_error());
+        lane_drop(c);
+        push_control(c, TD__LANE_DECLINE, NULL, 0);
+      }
+      break;
+    case TD__LANE_READY:
+      if (!c->client || !l || on) break;
+      if (td__lane_ready(l) == TD_OK) {
+        /* the peer's frames after READY are in the lane; ours after SWITCH will be */
+        push_control(c, TD__LANE_SWITCH, NULL, 0);
+        td__lane_start_tx(l);
+        td__lane_start_rx(l);
+      } else {
+        /* the server already sends through the lane: without it the stream is broken */
+        char why[300];
+        snprintf(why, sizeof why, "%s", td_last_error());
+        td_log(TD_LOG_WARN, "rpc: closing the stream to rank %d: %s", td__conn_peer(c), why);
+        conn_close_locked(c, GRPC_STATUS_INTERNAL, why);
+      }
+      break;
+    case TD__LANE_SWITCH:
+      if (c->client || !l || !on) break;
+      td__lane_start_rx(l);
+      break;
+    case TD__LANE_DECLINE:
+      if (l && !on) lane_drop(c);
+      break;
+    default: break;
+  }
+  pthread_mutex_unlock(&c->mu);
+}
+
+void td__grpc_lane_failed(void *conn, const char *why) { td__conn_close(conn, why); }
+void td__grpc_lane_release(void *conn) { td__conn_unref(conn); }
+
 /* ---- events (poller thread) ---- */
 
 static void notify_closed(td__conn *c, td_status st, const char *why) {
@@ -524,6 +748,7 @@ static void handle_handshake(td__conn *c, grpc_byte_buffer *bb) {
       if (st == TD_OK) {
         c->hs_out_len = TD__HS_PROOF_LEN;
         c->auth = AUTH_DONE; /* the PROOF, then the frames queued meanwhile */
+        lane_ask(c);         /* and the request for a lane, when the peer runs on this host */
         if (!c->send_inflight) start_send(c);
       }
       break;

@@ -366,6 +366,7 @@ static void *poller_main(void *arg) {
       if (now >= t->next_sweep_ns) {
         t->next_sweep_ns = now + 1000000000ull;
         td__grpc_sweep(t, now);
+        td__lanes_sweep(t->lanes);
       }
     }
   }
@@ -402,7 +403,16 @@ td_status td__transport_direct_to(td__transport *t, const bool *to, int world) {
 
 void td__transport_set_busy_poll(td__transport *t, int64_t us) {
   __atomic_store_n(&t->busy_poll_ns, us > 0 ? us * 1000 : 0, __ATOMIC_RELAXED);
+  td__lanes_set_spin(t->lanes, us > 0 ? us * 1000 : 0);
 }
+
+td_status td__transport_allow_lane(td__transport *t, const int *pid_of, int world) {
+  return t->lanes ? td__lanes_set_pids(t->lanes, pid_of, world) : TD_OK;
+}
+
+int td__transport_lanes_up(td__transport *t) { return td__lanes_up(t->lanes); }
+
+static void lane_refused(void *ud, const char *why) { td__grpc_refused(ud, "unix:lane", why); }
 
 /* ---- lifecycle ---- */
 
@@ -489,6 +499,13 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
     t->slots[i].t = (tag){TAG_NEW_CALL, &t->slots[i]};
     post_slot(t, &t->slots[i]);
   }
+  if (o->lane) {
+    td__lanes_opts lo = {lane_refused, td__grpc_lane_failed, td__grpc_lane_release, t};
+    if (td__lanes_create(&lo, &t->lanes) != TD_OK) {
+      td_log(TD_LOG_DEBUG, "rpc transport: no same-host lanes: %s", td_last_error());
+      t->lanes = NULL;
+    }
+  }
   if (pthread_create(&t->poller, NULL, poller_main, t) != 0) {
     t->poller_started = false;
     td__transport_shutdown(t);
@@ -531,6 +548,8 @@ void td__transport_shutdown(td__transport *t) {
     td__conn_unref(list[i]);
   }
   td__free(list);
+  /* the lane thread stops delivering (every lane's stream is closed now) */
+  td__lanes_stop(t->lanes);
   /* copies already handed to the bulk thread finish (their streams are closed: nothing new
    * starts) */
   td__threadpool_shutdown(t->bulk);
@@ -592,6 +611,7 @@ void td__transport_destroy(td__transport *t) {
   td__free(t->host);
   td__free(t->direct_from);
   td__free(t->direct_to);
+  td__lanes_destroy(t->lanes);
   pthread_mutex_destroy(&t->refusals.mu);
   pthread_mutex_destroy(&t->mu);
   pthread_cond_destroy(&t->cv);

@@ -681,6 +681,7 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
   o->init_method = a->init_method;
   a->opts = *o;
   a->direct_on = td__direct_wanted(o);
+  a->lane_on = td__lane_wanted(o);
   snprintf(a->name, sizeof a->name, "%s", name);
   a->rank = rank;
   a->world = world_size;
@@ -783,6 +784,7 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
                                            << 20,
                            .stall_timeout_ms = env_ms("TD_RPC_STALL_TIMEOUT_MS",
                                                       3 * o->keepalive_timeout_ms),
+                           .lane = a->lane_on,
                            .tls = tls_on ? &tls : NULL};
   td__transport_cbs cbs = {a, td__serve_msg, td__serve_bad, td__serve_closed, td__serve_unary,
                            td__serve_tick};
@@ -891,6 +893,8 @@ static void init_finish(td_rpc_agent *a) {
   init_trace(a);
   a->busy_poll_us = busy_poll_window(a, a->opts.busy_poll_us);
   td__transport_set_busy_poll(a->tr, a->busy_poll_us);
+  /* the pool's handlers and callbacks follow each other closely under load as replies do */
+  td__threadpool_set_spin(a->pool, a->busy_poll_us * 1000);
   td__agent_hooks hs[TD__MAX_AGENT_HOOKS];
   int nh = td__agent_hooks_get(hs);
   for (int i = 0; i < nh; i++)

@@ -399,20 +399,31 @@ static bool hold_until_started(request *r) {
   return held;
 }
 
-static request *take_held(td_rpc_agent *a, bool start) {
+static request *take_held(td_rpc_agent *a) {
   pthread_mutex_lock(&a->mu);
   request *r = a->held_head;
   a->held_head = a->held_tail = NULL;
-  if (start) __atomic_store_n(&a->serving, true, __ATOMIC_RELEASE);
   pthread_mutex_unlock(&a->mu);
   return r;
 }
 
+/* The held requests run in arrival order, and so do those that arrive while they run: serving
+ * is switched on only once the list is found empty, so no request that arrives meanwhile can
+ * overtake a held one (a lane's thread and the network thread deliver a peer's requests one after
+ * the other, but without this the first request after the switch ran before the held ones). */
 void td__serve_start(td_rpc_agent *a) {
   int n = 0;
-  for (request *r = take_held(a, true), *next; r; r = next, n++) {
-    next = r->held_next;
-    dispatch(r);
+  for (;;) {
+    pthread_mutex_lock(&a->mu);
+    request *r = a->held_head;
+    a->held_head = a->held_tail = NULL;
+    if (!r) __atomic_store_n(&a->serving, true, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&a->mu);
+    if (!r) break;
+    for (request *next; r; r = next, n++) {
+      next = r->held_next;
+      dispatch(r);
+    }
   }
   if (n)
     td_log(TD_LOG_DEBUG, "rpc: %s: %d request%s that arrived during init now run", a->name, n,
@@ -420,7 +431,7 @@ void td__serve_start(td_rpc_agent *a) {
 }
 
 void td__serve_drop_held(td_rpc_agent *a, const char *why) {
-  for (request *r = take_held(a, false), *next; r; r = next) {
+  for (request *r = take_held(a), *next; r; r = next) {
     next = r->held_next;
     reply_error(r, false, TD_ERR_STATE, "'%s' not run: this worker's init failed: %s", r->msg.fn,
                 why);

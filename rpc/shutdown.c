@@ -216,7 +216,9 @@ static void write_summary(td_rpc_agent *a) {
           a->name, a->rank, (unsigned long long)s.calls_started,
           (unsigned long long)s.calls_failed, (unsigned long long)s.calls_timed_out,
           (unsigned long long)s.requests_received, (unsigned long long)s.requests_failed,
-          (unsigned long long)s.traffic.bytes_sent, (unsigned long long)s.traffic.bytes_received,
+          /* frames move over the gRPC stream or the same-host lane: both are "sent" */
+          (unsigned long long)(s.traffic.bytes_sent + s.traffic.lane_bytes_sent),
+          (unsigned long long)(s.traffic.bytes_received + s.traffic.lane_bytes_received),
           (unsigned long long)s.traffic.direct_bytes_sent,
           (unsigned long long)s.traffic.direct_bytes_received, (double)s.handler_ns * 1e-9,
           (double)s.sync_wait_ns * 1e-9);

@@ -67,6 +67,9 @@ typedef struct td__transport_opts {
   /* A frame whose bytes stop arriving for this long is dropped and its stream closed (ms; default
    * 3 x keepalive_timeout_ms). */
   int64_t stall_timeout_ms;
+  /* Same-host lanes (lane.h): streams with a peer on this host move their frames through shared
+   * memory once td__transport_allow_lane named the peer's process. */
+  bool lane;
 } td__transport_opts;
 
 /* Starts the server and the poller thread; *bound_port gets the port actually bound. */
@@ -88,6 +91,11 @@ void td__transport_destroy(td__transport *t);
  * stay referenced until the peer's ack. */
 td_status td__transport_allow_direct(td__transport *t, const int *pid_of, int world);
 td_status td__transport_direct_to(td__transport *t, const bool *to, int world);
+/* td__transport_allow_lane: streams with rank r may move to a same-host lane whose socket peer is
+ * process pid_of[r] (0: never). Once, at init; no-op without lanes. td__transport_lanes_up: the
+ * lanes carrying frames now. */
+td_status td__transport_allow_lane(td__transport *t, const int *pid_of, int world);
+int td__transport_lanes_up(td__transport *t);
 
 /* td__transport_traffic adds up the traffic with rank (or with every rank when rank < 0) into
  * *out (a td_rpc_traffic). THREAD SAFETY: any thread. */

@@ -24,6 +24,9 @@
 #define TD__FRAME_MAGIC_DIRECT 0x32464454u /* "TDF2" */
 /* Ack of a direct-copy frame: prefix only (header_len 0, payload_len 0, id = the token). */
 #define TD__FRAME_MAGIC_ACK 0x31414454u /* "TDA1" */
+/* Same-host lane control (rpc/lane.h), on the gRPC stream only: id = the message, payload = its
+ * body of at most 128 bytes, no header. */
+#define TD__FRAME_MAGIC_LANE 0x314c4454u /* "TDL1" */
 #define TD__FRAME_PREFIX 24
 #define TD__MAX_HEADER (64u << 20) /* envelopes above 64 MiB are refused */
 #define TD__MAX_DEPTH 512          /* deepest value tree accepted */
@@ -134,6 +137,9 @@ typedef struct td__direct_hooks {
    * arranges for td__decoder_resume to run on another thread, then feeds the rest. NULL: copies
    * run inline. */
   void (*offload)(void *ud);
+  /* Optional: a lane control frame arrived (type = its id, body up to 128 bytes). NULL: such a
+   * frame corrupts the stream. */
+  void (*lane_control)(void *ud, uint64_t type, const uint8_t *body, size_t len);
 } td__direct_hooks;
 void td__decoder_set_direct(td__decoder *d, const td__direct_hooks *h);
 

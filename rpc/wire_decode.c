@@ -18,7 +18,8 @@
 #include "tdist/autograd.h"
 #include "wire.h"
 
-enum { ST_PREFIX, ST_HEADER, ST_PAYLOAD, ST_SKIP, ST_DESC, ST_WAIT };
+enum { ST_PREFIX, ST_HEADER, ST_PAYLOAD, ST_SKIP, ST_DESC, ST_WAIT, ST_CTRL };
+#define CTRL_MAX 128 /* longest lane control body (rpc/lane.h) */
 /* What a paused decoder waits to do on another thread: a direct copy's read, or the placement of
  * tensors on the CUDA devices their nodes name (a host-to-device copy queued behind whatever
  * the device is busy with). */
@@ -56,6 +57,7 @@ struct td__decoder {
   uint8_t *desc;     /* its descriptor, payload_len bytes */
   td_status reject_st; /* TD_OK, or why the frame is refused (reported once the token is read) */
   char reject[256];
+  uint8_t ctrl[CTRL_MAX]; /* a lane control frame's body */
 };
 
 td_status td__decoder_create(const td__wire_ctx *ctx, uint64_t max_message_bytes,
@@ -545,6 +547,16 @@ static td_status feed_prefix(td__decoder *d, const uint8_t **p, size_t *n) {
     if (d->has_hooks && d->hooks.acked) d->hooks.acked(d->ud, d->id);
     return TD_OK;
   }
+  if (magic == TD__FRAME_MAGIC_LANE) {
+    if (d->header_len || d->payload_len > CTRL_MAX || !d->has_hooks || !d->hooks.lane_control)
+      return td_set_error(TD_ERR_FORMAT, "rpc: stream corrupt (unexpected lane control frame)");
+    d->state = ST_CTRL;
+    if (d->payload_len == 0) {
+      d->state = ST_PREFIX;
+      d->hooks.lane_control(d->ud, d->id, d->ctrl, 0);
+    }
+    return TD_OK;
+  }
   if (magic != TD__FRAME_MAGIC && magic != TD__FRAME_MAGIC_DIRECT)
     return td_set_error(TD_ERR_FORMAT, "rpc: stream corrupt (bad frame magic 0x%08x)", magic);
   d->direct = magic == TD__FRAME_MAGIC_DIRECT;
@@ -638,6 +650,19 @@ static void feed_desc(td__decoder *d, const uint8_t **p, size_t *n) {
   if (d->have == d->payload_len) finish_direct(d);
 }
 
+static void feed_ctrl(td__decoder *d, const uint8_t **p, size_t *n) {
+  size_t take = (size_t)d->payload_len - d->have;
+  if (take > *n) take = *n;
+  memcpy(d->ctrl + d->have, *p, take);
+  d->have += take;
+  *p += take;
+  *n -= take;
+  if (d->have < d->payload_len) return;
+  d->have = 0;
+  d->state = ST_PREFIX;
+  d->hooks.lane_control(d->ud, d->id, d->ctrl, (size_t)d->payload_len);
+}
+
 static void feed_skip(td__decoder *d, const uint8_t **p, size_t *n) {
   uint64_t take = d->skip_left < *n ? d->skip_left : *n;
   d->skip_left -= take;
@@ -659,6 +684,7 @@ td_status td__decoder_feed_some(td__decoder *d, const uint8_t *p, size_t n, size
       case ST_PAYLOAD: feed_payload(d, &p, &n); break;
       case ST_DESC: feed_desc(d, &p, &n); break;
       case ST_SKIP: feed_skip(d, &p, &n); break;
+      case ST_CTRL: feed_ctrl(d, &p, &n); break;
       default: break;
     }
     if (st != TD_OK) {

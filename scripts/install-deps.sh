@@ -11,7 +11,8 @@
 #                                      its tests and its wheel check
 #   scripts/install-deps.sh --torch    also python3-torch (PyTorch peers of the benchmarks, the
 #                                      fixture generator, the binding's torch tests and its
-#                                      param_server example; the library never uses it)
+#                                      param_server example; the library never uses it) and
+#                                      ucx-utils (ucx_perftest, a floor peer of rpc_latency)
 #   scripts/install-deps.sh --fuzz     also clang and libFuzzer (libclang-rt-dev), for
 #                                      scripts/fuzz.sh
 #   scripts/install-deps.sh --slurm    also Slurm and munge (slurmctld slurmd slurm-client munge),
@@ -25,7 +26,7 @@ pkgs=(build-essential g++ cmake pkg-config zlib1g-dev libopenblas-dev libdnnl-de
       python3-cffi python3-dev python3-numpy python3-pytest python3-venv)
 for arg in "$@"; do
   case "$arg" in
-    --torch) pkgs+=(python3-torch) ;;
+    --torch) pkgs+=(python3-torch ucx-utils) ;;
     --fuzz) pkgs+=(clang libclang-rt-dev) ;;
     --slurm) pkgs+=(slurmctld slurmd slurm-client munge) ;;
     --mpi) ;;

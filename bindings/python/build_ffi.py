@@ -144,6 +144,7 @@ typedef struct td_rpc_options {
 typedef struct td_rpc_traffic {
   uint64_t frames_sent, bytes_sent, frames_received, bytes_received;
   uint64_t direct_frames_sent, direct_bytes_sent, direct_frames_received, direct_bytes_received;
+  uint64_t lane_frames_sent, lane_bytes_sent, lane_frames_received, lane_bytes_received;
 } td_rpc_traffic;
 typedef struct td_rpc_stats {
   td_rpc_traffic traffic;

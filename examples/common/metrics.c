@@ -137,7 +137,8 @@ void ex_metrics_counters(td_rpc_agent *a) {
            "\"requests_rejected\":%llu,\"requests_expired\":%llu,\"pool_saturated\":%llu,"
            "\"refused_connections\":%llu,\"frames_sent\":%llu,\"bytes_sent\":%llu,"
            "\"frames_received\":%llu,\"bytes_received\":%llu,\"direct_bytes_sent\":%llu,"
-           "\"direct_bytes_received\":%llu}",
+           "\"direct_bytes_received\":%llu,\"lane_frames_sent\":%llu,\"lane_bytes_sent\":%llu,"
+           "\"lane_frames_received\":%llu,\"lane_bytes_received\":%llu}",
            (unsigned long long)s.calls_started, (unsigned long long)s.calls_succeeded,
            (unsigned long long)s.calls_failed, (unsigned long long)s.calls_timed_out,
            (unsigned long long)s.requests_received, (unsigned long long)s.requests_failed,
@@ -147,7 +148,11 @@ void ex_metrics_counters(td_rpc_agent *a) {
            (unsigned long long)s.traffic.frames_received,
            (unsigned long long)s.traffic.bytes_received,
            (unsigned long long)s.traffic.direct_bytes_sent,
-           (unsigned long long)s.traffic.direct_bytes_received);
+           (unsigned long long)s.traffic.direct_bytes_received,
+           (unsigned long long)s.traffic.lane_frames_sent,
+           (unsigned long long)s.traffic.lane_bytes_sent,
+           (unsigned long long)s.traffic.lane_frames_received,
+           (unsigned long long)s.traffic.lane_bytes_received);
   emit("counters", b);
 }
 

@@ -121,6 +121,12 @@ typedef struct td_rpc_options {
    * by the sender until the receiver has copied it: as with the stream, do not modify a tensor in
    * place while a call that carries it is in flight. */
   int direct_copy;
+  /* Same-host lane: frames between two workers on one host move through shared memory (a pair
+   * of rings in a memfd handed over a unix socket, polled, with a futex doorbell) instead of
+   * their gRPC stream, once the stream's authenticated handshake is done and the peer's process
+   * proved itself on the socket. -1 (default) = on unless TD_RPC_SHM_LANE=0; 0 = off; 1 = on.
+   * Streams with other hosts, and where the lane cannot be set up, keep using gRPC. */
+  int shm_lane;
   /* Device maps for CUDA tensors, PyTorch's set_device_map semantics (docs/DEVICE_MAPS.md):
    * entries {worker, from, to} in any order; a tensor on `from` here arrives on `to` at `worker`,
    * replies follow the caller's map in reverse. Borrowed: read during td_rpc_init only, which
@@ -165,11 +171,14 @@ typedef struct td_rpc_options {
 } td_rpc_options;
 
 /* Traffic with one peer (or all of them), by path: frames and bytes (envelope + tensor bytes)
- * through the stream, and those whose tensors went by same-host direct copy (the receiver read
- * them from the sender's memory; bytes counts those tensor bytes). */
+ * through the gRPC stream, those whose tensors went by same-host direct copy (the receiver read
+ * them from the sender's memory; bytes counts those tensor bytes; their small descriptor went
+ * through the stream or the lane), and those through the same-host lane
+ * (td_rpc_options.shm_lane). */
 typedef struct td_rpc_traffic {
   uint64_t frames_sent, bytes_sent, frames_received, bytes_received;
   uint64_t direct_frames_sent, direct_bytes_sent, direct_frames_received, direct_bytes_received;
+  uint64_t lane_frames_sent, lane_bytes_sent, lane_frames_received, lane_bytes_received;
 } td_rpc_traffic;
 
 /* An agent's counters since init (monotonic), and a few gauges (now). */
@@ -325,6 +334,9 @@ TD_API int td_rpc_world_size(const td_rpc_agent *a);
 TD_API int64_t td_rpc_busy_poll_us(const td_rpc_agent *a);
 /* td_rpc_direct_copy_peers returns how many peers copy tensors directly from this worker. */
 TD_API int td_rpc_direct_copy_peers(const td_rpc_agent *a);
+/* td_rpc_shm_lanes returns how many streams of this worker run over a same-host lane now (both
+ * directions switched; td_rpc_options.shm_lane). THREAD SAFETY: any thread. */
+TD_API int td_rpc_shm_lanes(const td_rpc_agent *a);
 
 /* Options of one call. Fill with TD_RPC_CALL_OPTS_INIT (or td_rpc_call_opts_init), then set what
  * differs:

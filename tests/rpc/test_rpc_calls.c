@@ -374,10 +374,12 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
     MP_CHECK(tr.direct_bytes_sent >= big);
     MP_CHECK(tr.direct_frames_received >= (N / 5) * 3);
     MP_CHECK(tr.direct_bytes_received >= big);
-    MP_CHECK(tr.bytes_sent < big / 8); /* only frames under 32 KiB of tensors */
+    /* only frames under 32 KiB of tensors, through the stream or the same-host lane */
+    MP_CHECK(tr.bytes_sent + tr.lane_bytes_sent < big / 8);
   } else {
     MP_CHECK(tr.direct_frames_sent == 0 && tr.direct_frames_received == 0);
-    MP_CHECK(tr.bytes_sent >= big && tr.bytes_received >= big);
+    MP_CHECK(tr.bytes_sent + tr.lane_bytes_sent >= big &&
+             tr.bytes_received + tr.lane_bytes_received >= big);
   }
   td_rpc_stats st;
   MP_CHECK_OK(td_rpc_get_stats(a, &st));
@@ -396,12 +398,127 @@ static void test_rpc_direct_copy(void **state) {
   }
 }
 
+/* ---- same-host lane: on by default between local workers, off by option or environment; every
+ * frame after the switch goes through it, in order, including frames larger than its ring ---- */
+
+typedef struct lane_case {
+  int option;      /* td_rpc_options.shm_lane */
+  const char *env; /* TD_RPC_SHM_LANE, or NULL */
+  bool expect_on;
+} lane_case;
+
+/* seq(i): TD_RPC_INLINE; fails unless i is one more than the last i it saw from this caller
+ * (frames delivered in the order they were sent, across the stream-to-lane switch). */
+static int64_t lane_seq_last[8];
+static td_status fn_seq(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                        td_future **fut) {
+  (void)fut;
+  int64_t v;
+  int from = td_rpc_ctx_caller_rank(c);
+  if (n != 1 || td_value_as_int(args[0], &v) != TD_OK || from < 0 || from >= 8)
+    return td_set_error(TD_ERR_INVALID, "seq: bad call");
+  if (v != lane_seq_last[from] + 1)
+    return td_set_error(TD_ERR_STATE, "seq: got %lld after %lld", (long long)v,
+                        (long long)lane_seq_last[from]);
+  lane_seq_last[from] = v;
+  *res = td_value_int(v);
+  return TD_OK;
+}
+
+static int worker_lane(int rank, int world, const char *method, void *arg) {
+  const lane_case *k = arg;
+  register_test_fns();
+  MP_CHECK_OK(td_rpc_register_ex("lane_seq", fn_seq, NULL, TD_RPC_INLINE));
+  if (k->env) setenv("TD_RPC_SHM_LANE", k->env, 1);
+  else unsetenv("TD_RPC_SHM_LANE");
+  td_rpc_options o = td_mp_rpc_options(method, 4);
+  o.shm_lane = k->option;
+  o.direct_copy = 0; /* every tensor byte goes through the path under test */
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  int to = (rank + 1) % world;
+  char peer[32];
+  snprintf(peer, sizeof peer, "worker%d", to);
+  /* calls kept in flight (a sliding window of 64) while the lane is set up, so the switch falls
+   * among calls still travelling on the stream: they arrive in the order they were sent */
+  enum { N = 300, W = 64 };
+  td_future *fs[N];
+  for (int i = 0; i < N + W; i++) {
+    if (i >= W) {
+      MP_CHECK_OK(td_future_wait(fs[i - W], td_test_ms(30000)));
+      td_future_unref(fs[i - W]);
+    }
+    if (i >= N) continue;
+    td_value *v = td_value_int(i + 1);
+    MP_CHECK_OK(td_rpc_async(a, peer, "lane_seq", &v, 1, NULL, &fs[i]));
+    td_value_unref(v);
+  }
+  /* both streams of the pair (ours and the peer's) switched */
+  if (k->expect_on) TD_TEST_POLL(td_rpc_shm_lanes(a) == 2, 30);
+  /* then one call at a time, with tensors from one float to more than the ring holds
+   * (256 KiB), which cross it in pieces */
+  td_rpc_traffic before;
+  MP_CHECK_OK(td_rpc_get_peer_traffic(a, to, &before));
+  int64_t sizes[] = {1, 1000, 70000, 300000};
+  for (int i = 0; i < 40; i++) {
+    int64_t n = sizes[i % 4];
+    td_tensor *t;
+    MP_CHECK_OK(td_tensor_arange((double)i, (double)i + (double)n, 1, TD_DTYPE_F32,
+                                 td_device_cpu(), &t));
+    td_value *v = td_value_tensor(t), *r = NULL;
+    td_tensor_unref(t);
+    MP_CHECK_OK(td_rpc_sync(a, peer, "echo", &v, 1, NULL, &r));
+    td_value_unref(v);
+    MP_CHECK_OK(td_value_as_tensor(r, &t));
+    MP_CHECK(td_tensor_numel(t) == n);
+    const float *p = td_tensor_data(t);
+    for (int64_t j = 0; j < n; j += 331) MP_CHECK(p[j] == (float)(i + j));
+    MP_CHECK(p[n - 1] == (float)(i + n - 1));
+    td_value_unref(r);
+  }
+  td_rpc_traffic tr;
+  MP_CHECK_OK(td_rpc_get_peer_traffic(a, to, &tr));
+  if (k->expect_on) {
+    MP_CHECK(td_rpc_shm_lanes(a) >= 1);
+    /* after the switch nothing of ours went through the stream */
+    if (tr.frames_sent != before.frames_sent)
+      fprintf(stderr, "stream frames %llu -> %llu, lane %llu -> %llu, lanes %d\n",
+              (unsigned long long)before.frames_sent, (unsigned long long)tr.frames_sent,
+              (unsigned long long)before.lane_frames_sent, (unsigned long long)tr.lane_frames_sent,
+              td_rpc_shm_lanes(a));
+    MP_CHECK(tr.frames_sent == before.frames_sent);
+    MP_CHECK(tr.lane_frames_sent - before.lane_frames_sent >= 40);
+    MP_CHECK(tr.lane_frames_received - before.lane_frames_received >= 40);
+  } else {
+    MP_CHECK(td_rpc_shm_lanes(a) == 0);
+    MP_CHECK(tr.lane_frames_sent == 0 && tr.lane_frames_received == 0);
+    MP_CHECK(tr.frames_sent >= N + 40);
+  }
+  td_rpc_stats st;
+  MP_CHECK_OK(td_rpc_get_stats(a, &st));
+  MP_CHECK(st.calls_failed == 0 && st.requests_failed == 0 && st.requests_rejected == 0);
+  MP_CHECK(st.traffic.lane_frames_sent == tr.lane_frames_sent); /* one peer */
+  /* graceful shutdown balances sent and served across both paths */
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(30000)));
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rpc_shm_lane(void **state) {
+  const lane_case cases[] = {{-1, NULL, true}, {0, NULL, false}, {-1, "0", false},
+                             {1, "0", true}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    TD_MP_RUN(2, worker_lane, (void *)&cases[i], 60);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_rpc_calls),
       cmocka_unit_test(test_rpc_uninitialised_options_refused),
       cmocka_unit_test(test_rpc_busy_poll),
       cmocka_unit_test(test_rpc_direct_copy),
+      cmocka_unit_test(test_rpc_shm_lane),
   };
   return cmocka_run_group_tests_name("rpc_calls", tests, NULL, NULL);
 }

@@ -136,14 +136,24 @@ static int worker_killed(int rank, int world, const char *method, void *arg) {
     MP_CHECK(td_test_now_s() - t0 < td_test_s(5));
   } else {
     pid_t victim = remote_pid(a, "worker1");
+    /* the calls below go through the same-host lane (on by default): its death must fail them
+     * as promptly as the stream's */
+    td_value *r = NULL;
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "echo", NULL, 0, NULL, &r));
+    td_value_unref(r);
+    TD_TEST_POLL(td_rpc_shm_lanes(a) >= 1, 30);
+    MP_CHECK(td_rpc_shm_lanes(a) >= 1);
+    td_rpc_traffic tr0, tr1;
+    MP_CHECK_OK(td_rpc_get_peer_traffic(a, 1, &tr0));
     /* in flight: a 20 s handler (delivered: the echo behind it on the same stream came back) */
     td_value *ms = td_value_int(20000);
     td_future *slow = NULL, *die = NULL;
     MP_CHECK_OK(td_rpc_async(a, "worker1", "slow", &ms, 1, NULL, &slow));
     td_value_unref(ms);
-    td_value *r = NULL;
     MP_CHECK_OK(td_rpc_sync(a, "worker1", "echo", NULL, 0, NULL, &r));
     td_value_unref(r);
+    MP_CHECK_OK(td_rpc_get_peer_traffic(a, 1, &tr1));
+    MP_CHECK(tr1.lane_frames_sent - tr0.lane_frames_sent == 2 && tr1.frames_sent == tr0.frames_sent);
     double t0 = td_test_now_s();
     if (mode == KILL_EXTERNAL) {
       MP_CHECK(kill(victim, SIGKILL) == 0);

@@ -566,7 +566,8 @@ def get_stats():
         "calls_pending", "requests_active", "pool_pending")}
     out["traffic"] = {k: getattr(s.traffic, k) for k in (
         "frames_sent", "bytes_sent", "frames_received", "bytes_received", "direct_frames_sent",
-        "direct_bytes_sent", "direct_frames_received", "direct_bytes_received")}
+        "direct_bytes_sent", "direct_frames_received", "direct_bytes_received",
+        "lane_frames_sent", "lane_bytes_sent", "lane_frames_received", "lane_bytes_received")}
     return out
 
 

@@ -1,0 +1,1148 @@
+/* lane.c - the same-host lane: shared-memory rings carrying a stream's frames, their hand-over
+ * through a unix socket, the doorbell and the lane thread (lane.h).
+ *
+ * Memory. A lane is one sealed memfd the client creates (F_SEAL_SHRINK | F_SEAL_GROW, so neither
+ * side can truncate it under the other's mapping and make it fault):
+ *   [page 0: header, two ring control blocks][ring 0 data: client -> server][ring 1 data]
+ * A ring is a single-producer single-consumer byte ring with free-running 64-bit positions: the
+ * producer publishes tail (release) after writing, the consumer publishes head after reading.
+ * Frames are written as bytes, so one larger than the ring goes through in pieces and the
+ * receiving decoder (which accepts any chunking) never needs it whole.
+ *
+ * Hostile peer. Everything in the shared pages is the peer's to scribble on, so each side keeps
+ * its own positions privately and only publishes them; what it reads from the peer (the other
+ * position) is checked before use: a consumer accepts tail - head in [0, ring] and a producer
+ * head within [tail - ring, tail], anything else closes the stream. Bytes are fed to the stream's
+ * ordinary decoder, which copies each byte into private memory before it looks at it (prefix,
+ * envelope, descriptor, tensor storage), so bytes changing under it cannot make it read out of
+ * bounds, and which bounds what a frame may make it allocate exactly as on the gRPC stream. The
+ * lane thread takes at most 256 KiB from one ring before it looks at the others, and sleeps with
+ * a timeout, so no peer can hold it. Received file descriptors must be sealed memfds of exactly
+ * the expected size.
+ *
+ * Doorbell. Each process has a page (a sealed memfd) whose first word is a futex its lane thread
+ * sleeps on; it hands the page to every lane peer. The lane thread polls its rings while there is
+ * work and for the busy-poll window after it (the transport's adaptive window: off when the host
+ * has more workers than CPUs), then sleeps: it reads the bell, sets "consumer sleeping" on every
+ * ring it reads (and "producer waiting" on rings it waits to write), re-checks them, and waits on
+ * the bell (futex, 100 ms at most). A producer publishes tail, fences, and rings the peer's bell
+ * (increment + FUTEX_WAKE) only when the flag is set: while both sides poll, a frame costs no
+ * system call. A consumer does the same for a waiting producer after it frees room.
+ *
+ * Hand-over (lane.h has the message order). The socket has an abstract name, so no file is left
+ * behind; anyone on the host may connect, so a connection counts only when SO_PEERCRED names the
+ * process verified for the offering stream's rank (its same-host record) AND it presents the
+ * 32-byte secret the server sent on that authenticated stream. Everything else is closed and
+ * counted as refused. The client checks the listening end the same way (SO_PEERCRED of a
+ * connected socket is the listener's), so a squatter on the name gets nothing.
+ *
+ * Lock order: (the stream's c->mu), then l->txmu; ls->mu is a leaf.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* memfd_create, SCM_CREDENTIALS / ucred, accept4 */
+#endif
+#include "lane.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../core/refcount.h"
+#include "../core/samehost.h"
+#include "future_impl.h"
+
+#define LANE_MAGIC "TDLANE1"
+#define HDR_BYTES 4096u
+#define MAP_BYTES ((size_t)HDR_BYTES + 2u * TD__LANE_RING)
+#define BELL_BYTES 4096u
+#define JOIN_MAGIC 0x4a4c4454u /* "TDLJ": client -> server on the socket, with 2 fds */
+#define BELL_MAGIC 0x424c4454u /* "TDLB": server -> client, with 1 fd */
+#define RX_BUDGET (256u << 10) /* most bytes taken from one ring before looking at the others */
+#define SLEEP_MS 100
+
+struct td__ring_ctl {
+  _Alignas(64) uint64_t tail;  /* producer */
+  uint32_t producer_waiting;   /* producer: wake me when head moves */
+  _Alignas(64) uint64_t head;  /* consumer */
+  uint32_t consumer_sleeping;  /* consumer: wake me when tail moves */
+  _Alignas(64) char end[1];
+};
+
+typedef struct lane_hdr {
+  char magic[8];
+  uint32_t version, ring_bytes;
+  _Alignas(128) td__ring_ctl ring[2];
+} lane_hdr;
+
+_Static_assert(sizeof(lane_hdr) <= HDR_BYTES, "lane header fits its page");
+
+enum { L_OFFERED = 1, L_JOINED, L_ACCEPTED, L_CLOSED };
+
+/* A frame (or its rest) waiting for room in the ring. */
+typedef struct txq {
+  struct txq *next;
+  td__lane_msg m;
+  int part;     /* 0 head, 1 extra, 2.. tensor part-2 */
+  size_t off;   /* bytes of that part already written */
+} txq;
+
+struct td__lane {
+  td__refcnt rc;
+  td__lanes *ls;
+  int peer;
+  bool server;
+  int state; /* atomic: L_* */
+  uint8_t secret[TD__LANE_SECRET];
+  int sock; /* server: a stashed accepted connection; client: ours until READY */
+  uint8_t *map;
+  uint32_t *peer_bell; /* the peer's doorbell page, once known */
+  td__ring_ctl *tx, *rx;
+  uint8_t *tx_data, *rx_data;
+  /* send side, under txmu */
+  pthread_mutex_t txmu;
+  bool tx_on; /* atomic */
+  uint64_t tx_tail;
+  txq *q_head, *q_tail;
+  int qlen; /* atomic: frames queued */
+  /* receive side: the lane thread only */
+  bool rx_on;          /* atomic: the thread reads it */
+  uint64_t rx_head;
+  td__decoder *dec;
+  void *ud;
+  bool failed;
+  bool counted; /* atomic: counted in ls->up */
+  struct td__lane *next; /* ls->lanes (ls->mu) */
+};
+
+struct td__lanes {
+  td__lanes_opts o;
+  int listen_fd;
+  struct sockaddr_un addr;
+  socklen_t addr_len;
+  char name[64]; /* the abstract name without its leading NUL */
+  int bell_fd;
+  uint32_t *bell;
+  pthread_mutex_t mu;
+  td__lane *lanes; /* every lane not yet dropped (ls->mu) */
+  int nlanes;      /* (ls->mu) */
+  int up;          /* atomic: both directions switched */
+  uint32_t gen;    /* atomic: bumped when the thread's set changes */
+  int *pid_of;     /* atomic pointer; [world] */
+  int world;
+  int64_t spin_ns; /* atomic */
+  bool sleeping;   /* atomic: the lane thread waits on its bell */
+  int waiters;     /* atomic: threads polling in td_future_wait */
+  /* the receive side, driven by whoever holds rx_mu (the lane thread or a waiter) */
+  pthread_mutex_t rx_mu;
+  td__lane **set; /* lanes that receive or send (references) */
+  int nset, setcap;
+  uint32_t set_gen; /* ls->gen when set was built */
+  bool stop;       /* atomic */
+  pthread_t thread;
+  bool started;
+};
+
+/* ---- small helpers ---- */
+
+/* A full barrier between a store and a later load (the doorbell's check). ThreadSanitizer does
+ * not support fences: there a sequentially consistent read-modify-write stands in (the doorbell's
+ * 100 ms sleep bounds what a lost wake-up could cost anyway). */
+#if defined(__SANITIZE_THREAD__)
+#define LANE_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define LANE_TSAN 1
+#endif
+#endif
+#ifdef LANE_TSAN
+static int fence_word;
+#define FULL_FENCE() ((void)__atomic_fetch_add(&fence_word, 0, __ATOMIC_SEQ_CST))
+#else
+#define FULL_FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+#endif
+
+static long futex(uint32_t *w, int op, uint32_t val, const struct timespec *ts) {
+  return syscall(SYS_futex, w, op, val, ts, NULL, 0);
+}
+
+static void ring_bell(uint32_t *bell) {
+  __atomic_add_fetch(bell, 1, __ATOMIC_SEQ_CST);
+  futex(bell, FUTEX_WAKE, 1, NULL);
+}
+
+static void kick_self(td__lanes *ls) {
+  __atomic_add_fetch(ls->bell, 1, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(&ls->sleeping, __ATOMIC_SEQ_CST)) futex(ls->bell, FUTEX_WAKE, 1, NULL);
+}
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+/* A memfd of n bytes that can neither shrink nor grow, mapped shared. */
+static int sealed_memfd(const char *name, size_t n, uint8_t **map) {
+  int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return -1;
+  if (ftruncate(fd, (off_t)n) != 0 ||
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    close(fd);
+    return -1;
+  }
+  void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    close(fd);
+    return -1;
+  }
+  *map = p;
+  return fd;
+}
+
+/* Maps a descriptor received from a peer: a sealed memfd of exactly n bytes, or NULL. */
+static uint8_t *map_received(int fd, size_t n, const char **why) {
+  struct stat sb;
+  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode) || (uint64_t)sb.st_size != n) {
+    *why = "the shared memory has the wrong kind or size";
+    return NULL;
+  }
+  int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {
+    *why = "the shared memory is not sealed against resizing";
+    return NULL;
+  }
+  void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    *why = "cannot map the shared memory";
+    return NULL;
+  }
+  return p;
+}
+
+static bool secret_eq(const uint8_t *a, const uint8_t *b) {
+  uint8_t d = 0;
+  for (int i = 0; i < TD__LANE_SECRET; i++) d |= (uint8_t)(a[i] ^ b[i]);
+  return d == 0;
+}
+
+static int pid_for(td__lanes *ls, int rank) {
+  int *p = __atomic_load_n(&ls->pid_of, __ATOMIC_ACQUIRE);
+  return p && rank >= 0 && rank < ls->world ? p[rank] : 0;
+}
+
+/* ---- the ring ---- */
+
+size_t td__ring_ctl_size(void) { return sizeof(td__ring_ctl); }
+uint64_t *td__ring_tail_word(td__ring_ctl *r) { return &r->tail; }
+uint64_t *td__ring_head_word(td__ring_ctl *r) { return &r->head; }
+
+int64_t td__ring_readable(const td__ring_ctl *r, uint64_t head) {
+  uint64_t tail = __atomic_load_n(&r->tail, __ATOMIC_ACQUIRE);
+  uint64_t avail = tail - head; /* wraps to a huge number when tail is behind head */
+  return avail > TD__LANE_RING ? -1 : (int64_t)avail;
+}
+
+int64_t td__ring_writable(const td__ring_ctl *r, uint64_t tail) {
+  uint64_t head = __atomic_load_n(&r->head, __ATOMIC_ACQUIRE);
+  uint64_t used = tail - head;
+  return used > TD__LANE_RING ? -1 : (int64_t)(TD__LANE_RING - used);
+}
+
+int64_t td__ring_consume(td__ring_ctl *r, const uint8_t *data, uint64_t *head, td__decoder *dec,
+                         uint64_t max) {
+  int64_t avail = td__ring_readable(r, *head);
+  if (avail < 0) {
+    td_set_error(TD_ERR_FORMAT, "lane ring corrupt (the peer's write position is out of range)");
+    return -1;
+  }
+  uint64_t n = (uint64_t)avail < max ? (uint64_t)avail : max;
+  uint64_t done = 0;
+  while (done < n) {
+    size_t off = (size_t)((*head + done) % TD__LANE_RING);
+    size_t piece = TD__LANE_RING - off;
+    if (piece > n - done) piece = (size_t)(n - done);
+    if (td__decoder_feed(dec, data + off, piece) != TD_OK) return -1;
+    done += piece;
+  }
+  *head += done;
+  __atomic_store_n(&r->head, *head, __ATOMIC_RELEASE);
+  return (int64_t)done;
+}
+
+void td__lane_rings(td__lane *l, td__ring_ctl **tx, td__ring_ctl **rx) {
+  *tx = l->tx;
+  *rx = l->rx;
+}
+
+/* ---- sending (l->txmu held) ---- */
+
+static void msg_free(td__lane_msg *m) {
+  td__free(m->head);
+  td__free(m->extra);
+  for (int i = 0; i < m->ntensors; i++) td_tensor_unref(m->tensors[i]);
+  td__free(m->tensors);
+  memset(m, 0, sizeof *m);
+}
+
+static void part_of(const td__lane_msg *m, int part, const uint8_t **p, size_t *n) {
+  if (part == 0) {
+    *p = m->head;
+    *n = m->head_len;
+  } else if (part == 1) {
+    *p = m->extra;
+    *n = m->extra ? m->extra_len : 0;
+  } else {
+    td_tensor *t = m->tensors[part - 2];
+    *p = td_tensor_data(t);
+    *n = td_tensor_nbytes(t);
+  }
+}
+
+/* Copies what fits of m (from part/off) into the ring; true when m is all written. Publishes the
+ * new tail; *wrote tells whether anything moved. -1 room: corrupt. */
+static int write_msg(td__lane *l, td__lane_msg *m, int *part, size_t *off, bool *wrote) {
+  int64_t room = td__ring_writable(l->tx, l->tx_tail);
+  if (room < 0) return -1;
+  int nparts = 2 + m->ntensors;
+  while (*part < nparts) {
+    const uint8_t *p;
+    size_t n;
+    part_of(m, *part, &p, &n);
+    while (*off < n && room > 0) {
+      size_t pos = (size_t)(l->tx_tail % TD__LANE_RING);
+      size_t k = TD__LANE_RING - pos;
+      if (k > n - *off) k = n - *off;
+      if ((int64_t)k > room) k = (size_t)room;
+      memcpy(l->tx_data + pos, p + *off, k);
+      *off += k;
+      l->tx_tail += k;
+      room -= (int64_t)k;
+      *wrote = true;
+    }
+    if (*off < n) break;
+    (*part)++;
+    *off = 0;
+  }
+  if (*wrote) __atomic_store_n(&l->tx->tail, l->tx_tail, __ATOMIC_RELEASE);
+  return *part == nparts ? 1 : 0;
+}
+
+/* After publishing: ring the peer when it sleeps. */
+static void tx_notify(td__lane *l) {
+  FULL_FENCE();
+  if (__atomic_load_n(&l->tx->consumer_sleeping, __ATOMIC_RELAXED) && l->peer_bell)
+    ring_bell(l->peer_bell);
+}
+
+/* Writes queued frames while there is room (txmu held). Returns true when something moved. */
+static bool drain_locked(td__lane *l, bool *corrupt) {
+  bool wrote = false;
+  while (l->q_head) {
+    txq *e = l->q_head;
+    int r = write_msg(l, &e->m, &e->part, &e->off, &wrote);
+    if (r < 0) {
+      *corrupt = true;
+      break;
+    }
+    if (r == 0) break;
+    l->q_head = e->next;
+    if (!l->q_head) l->q_tail = NULL;
+    __atomic_sub_fetch(&l->qlen, 1, __ATOMIC_RELEASE);
+    msg_free(&e->m);
+    td__free(e);
+  }
+  return wrote;
+}
+
+td_status td__lane_send(td__lane *l, td__lane_msg *m) {
+  pthread_mutex_lock(&l->txmu);
+  if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) {
+    pthread_mutex_unlock(&l->txmu);
+    msg_free(m);
+    return td_set_error(TD_ERR_UNAVAILABLE, "the lane to rank %d is closed", l->peer);
+  }
+  bool wrote = false, corrupt = false;
+  int part = 0;
+  size_t off = 0;
+  int r = 0;
+  /* in order: behind anything queued, else straight into the ring (no thread hand-off) */
+  if (!l->q_head) {
+    r = write_msg(l, m, &part, &off, &wrote);
+    if (r < 0) corrupt = true;
+  }
+  if (r == 1) {
+    msg_free(m);
+  } else if (!corrupt) {
+    txq *e = td__calloc(1, sizeof *e);
+    if (!e) {
+      /* a frame half in the ring cannot be taken back: the stream is unusable */
+      pthread_mutex_unlock(&l->txmu);
+      msg_free(m);
+      if (wrote) /* half a frame is in the ring and cannot be taken back */
+        return td_set_error(TD_ERR_FORMAT, "rpc lane: out of memory in the middle of a frame");
+      return td_set_error(TD_ERR_NOMEM, "rpc lane: out of memory queueing a frame");
+    }
+    e->m = *m;
+    memset(m, 0, sizeof *m);
+    e->part = part;
+    e->off = off;
+    if (l->q_tail) l->q_tail->next = e;
+    else l->q_head = e;
+    l->q_tail = e;
+    __atomic_add_fetch(&l->qlen, 1, __ATOMIC_RELEASE);
+  } else {
+    msg_free(m);
+  }
+  pthread_mutex_unlock(&l->txmu);
+  if (corrupt)
+    return td_set_error(TD_ERR_FORMAT, "lane ring corrupt (the peer's read position is out of "
+                        "range)");
+  if (wrote) tx_notify(l);
+  if (r != 1) kick_self(l->ls); /* the lane thread writes the rest as room frees up */
+  return TD_OK;
+}
+
+/* ---- lifecycle of one lane ---- */
+
+static td__lane *lane_new(td__lanes *ls, int peer, bool server, td__decoder *dec, void *ud) {
+  td__lane *l = td__calloc(1, sizeof *l);
+  if (!l) return NULL;
+  td__ref_init(&l->rc);
+  l->ls = ls;
+  l->peer = peer;
+  l->server = server;
+  l->sock = -1;
+  l->dec = dec;
+  l->ud = ud;
+  pthread_mutex_init(&l->txmu, NULL);
+  return l;
+}
+
+/* Points the lane at its rings (client: producer of ring 0; server: of ring 1). */
+static void lane_bind(td__lane *l) {
+  lane_hdr *h = (lane_hdr *)l->map;
+  int t = l->server ? 1 : 0;
+  l->tx = &h->ring[t];
+  l->rx = &h->ring[1 - t];
+  l->tx_data = l->map + HDR_BYTES + (size_t)t * TD__LANE_RING;
+  l->rx_data = l->map + HDR_BYTES + (size_t)(1 - t) * TD__LANE_RING;
+  /* our own positions start where the peer left them at zero; never read back afterwards */
+  l->tx_tail = 0;
+  l->rx_head = 0;
+}
+
+td__lane *td__lane_ref(td__lane *l) {
+  if (l) td__ref_inc(&l->rc);
+  return l;
+}
+
+void td__lane_unref(td__lane *l) {
+  if (!l || !td__ref_dec(&l->rc)) return;
+  for (txq *e = l->q_head, *n; e; e = n) {
+    n = e->next;
+    msg_free(&e->m);
+    td__free(e);
+  }
+  if (l->sock >= 0) close(l->sock);
+  if (l->map) munmap(l->map, MAP_BYTES);
+  if (l->peer_bell) munmap(l->peer_bell, BELL_BYTES);
+  td__decoder_destroy(l->dec);
+  pthread_mutex_destroy(&l->txmu);
+  td__free(l);
+}
+
+static void lanes_add(td__lanes *ls, td__lane *l) {
+  pthread_mutex_lock(&ls->mu);
+  l->next = ls->lanes;
+  ls->lanes = td__lane_ref(l);
+  ls->nlanes++;
+  pthread_mutex_unlock(&ls->mu);
+}
+
+void td__lane_close(td__lane *l) {
+  if (!l) return;
+  pthread_mutex_lock(&l->txmu);
+  int was = __atomic_exchange_n(&l->state, L_CLOSED, __ATOMIC_ACQ_REL);
+  __atomic_store_n(&l->tx_on, false, __ATOMIC_RELEASE);
+  for (txq *e = l->q_head, *n; e; e = n) {
+    n = e->next;
+    msg_free(&e->m);
+    td__free(e);
+  }
+  l->q_head = l->q_tail = NULL;
+  __atomic_store_n(&l->qlen, 0, __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&l->txmu);
+  (void)was;
+  if (__atomic_exchange_n(&l->counted, false, __ATOMIC_ACQ_REL))
+    __atomic_sub_fetch(&l->ls->up, 1, __ATOMIC_RELAXED);
+  __atomic_add_fetch(&l->ls->gen, 1, __ATOMIC_RELEASE);
+  kick_self(l->ls); /* the thread drops it */
+}
+
+static void lane_fail(td__lane *l, const char *why) {
+  if (l->failed) return;
+  l->failed = true;
+  td_log(TD_LOG_WARN, "rpc: closing the stream %s rank %d: %s", l->server ? "from" : "to",
+         l->peer, why);
+  td__lane_close(l);
+  if (l->ls->o.failed) l->ls->o.failed(l->ud, why);
+}
+
+bool td__lane_tx_on(const td__lane *l) { return __atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE); }
+
+/* Both directions on: the lane counts as up (once). Poller thread. */
+static void count_up(td__lane *l) {
+  if (__atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE) && __atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) &&
+      __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) != L_CLOSED &&
+      !__atomic_exchange_n(&l->counted, true, __ATOMIC_ACQ_REL))
+    __atomic_add_fetch(&l->ls->up, 1, __ATOMIC_RELAXED);
+}
+
+void td__lane_start_tx(td__lane *l) {
+  __atomic_store_n(&l->tx_on, true, __ATOMIC_RELEASE);
+  count_up(l);
+  __atomic_add_fetch(&l->ls->gen, 1, __ATOMIC_RELEASE);
+  kick_self(l->ls);
+}
+
+void td__lane_start_rx(td__lane *l) {
+  __atomic_store_n(&l->rx_on, true, __ATOMIC_RELEASE);
+  count_up(l);
+  __atomic_add_fetch(&l->ls->gen, 1, __ATOMIC_RELEASE);
+  kick_self(l->ls);
+}
+
+/* ---- set-up ---- */
+
+td_status td__lane_offer(td__lanes *ls, int peer, td__decoder *dec, void *ud, uint8_t *body,
+                         size_t *len, td__lane **out) {
+  *out = NULL;
+  if (pid_for(ls, peer) <= 0) {
+    td__decoder_destroy(dec);
+    return TD_OK;
+  }
+  pthread_mutex_lock(&ls->mu);
+  bool full = ls->nlanes >= TD__LANE_MAX;
+  pthread_mutex_unlock(&ls->mu);
+  if (full) {
+    td__decoder_destroy(dec);
+    return TD_OK;
+  }
+  td__lane *l = lane_new(ls, peer, true, dec, ud);
+  if (!l) {
+    td__decoder_destroy(dec);
+    return td_set_error(TD_ERR_NOMEM, "rpc lane: out of memory");
+  }
+  for (int i = 0; i < TD__LANE_SECRET; i += 8) {
+    uint64_t v = td__samehost_nonce(l);
+    memcpy(l->secret + i, &v, 8);
+  }
+  l->state = L_OFFERED;
+  /* body: secret, name length (1 byte), abstract name */
+  size_t nl = strlen(ls->name);
+  memcpy(body, l->secret, TD__LANE_SECRET);
+  body[TD__LANE_SECRET] = (uint8_t)nl;
+  memcpy(body + TD__LANE_SECRET + 1, ls->name, nl);
+  *len = TD__LANE_SECRET + 1 + nl;
+  lanes_add(ls, l);
+  *out = l;
+  return TD_OK;
+}
+
+/* Reads an OFFER body: the secret and the socket address. */
+static bool parse_offer(const uint8_t *body, size_t len, uint8_t *secret, struct sockaddr_un *a,
+                        socklen_t *alen) {
+  if (len < TD__LANE_SECRET + 2) return false;
+  size_t nl = body[TD__LANE_SECRET];
+  if (nl == 0 || nl > 60 || len != TD__LANE_SECRET + 1 + nl) return false;
+  memcpy(secret, body, TD__LANE_SECRET);
+  memset(a, 0, sizeof *a);
+  a->sun_family = AF_UNIX;
+  a->sun_path[0] = 0; /* abstract */
+  memcpy(a->sun_path + 1, body + TD__LANE_SECRET + 1, nl);
+  *alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + nl);
+  return true;
+}
+
+static int peer_pid(int fd) {
+  struct ucred cr;
+  socklen_t n = sizeof cr;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &n) != 0 || n != sizeof cr) return -1;
+  return (int)cr.pid;
+}
+
+/* Sends magic (u32) and an optional secret with fds over fd, all at once. */
+static bool send_with_fds(int fd, uint32_t magic, const uint8_t *secret, const int *fds, int nfd) {
+  uint8_t buf[4 + TD__LANE_SECRET];
+  td__put_u32(buf, magic);
+  size_t n = 4;
+  if (secret) {
+    memcpy(buf + 4, secret, TD__LANE_SECRET);
+    n += TD__LANE_SECRET;
+  }
+  struct iovec iov = {buf, n};
+  union {
+    struct cmsghdr h;
+    char b[CMSG_SPACE(2 * sizeof(int))];
+  } cm;
+  memset(&cm, 0, sizeof cm);
+  struct msghdr mh = {0};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = cm.b;
+  mh.msg_controllen = CMSG_SPACE((size_t)nfd * sizeof(int));
+  struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN((size_t)nfd * sizeof(int));
+  memcpy(CMSG_DATA(c), fds, (size_t)nfd * sizeof(int));
+  return sendmsg(fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)n;
+}
+
+/* Receives magic + payload (want bytes in all) and up to 2 fds without waiting. Returns the
+ * number of fds (their descriptors in fds), -1 when nothing is there yet, -2 when malformed. */
+static int recv_with_fds(int fd, uint8_t *buf, size_t want, int *fds) {
+  struct iovec iov = {buf, want};
+  union {
+    struct cmsghdr h;
+    char b[CMSG_SPACE(4 * sizeof(int))];
+  } cm;
+  struct msghdr mh = {0};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = cm.b;
+  mh.msg_controllen = sizeof cm.b;
+  ssize_t got = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return -1;
+  int n = 0;
+  for (struct cmsghdr *c = got >= 0 ? CMSG_FIRSTHDR(&mh) : NULL; c; c = CMSG_NXTHDR(&mh, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < k; i++) {
+      int x;
+      memcpy(&x, CMSG_DATA(c) + i * sizeof(int), sizeof x);
+      if (n < 2) fds[n++] = x;
+      else close(x);
+    }
+  }
+  if (got != (ssize_t)want || (mh.msg_flags & (MSG_CTRUNC | MSG_TRUNC))) {
+    for (int i = 0; i < n; i++) close(fds[i]);
+    return -2;
+  }
+  return n;
+}
+
+td_status td__lane_join(td__lanes *ls, int peer, const uint8_t *body, size_t len,
+                        td__decoder *dec, void *ud, td__lane **out) {
+  *out = NULL;
+  uint8_t secret[TD__LANE_SECRET];
+  struct sockaddr_un sa;
+  socklen_t salen;
+  int want = pid_for(ls, peer);
+  if (want <= 0 || !parse_offer(body, len, secret, &sa, &salen)) {
+    td__decoder_destroy(dec);
+    return td_set_error(TD_ERR_UNAVAILABLE, want <= 0 ? "rank %d is not known on this host"
+                        : "malformed lane offer from rank %d", peer);
+  }
+  td__lane *l = lane_new(ls, peer, false, dec, ud);
+  if (!l) {
+    td__decoder_destroy(dec);
+    return td_set_error(TD_ERR_NOMEM, "rpc lane: out of memory");
+  }
+  const char *why = NULL;
+  int mfd = -1;
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0 || connect(fd, (struct sockaddr *)&sa, salen) != 0) why = "cannot connect";
+  int got = why ? -1 : peer_pid(fd);
+  if (!why && got != want) why = "the socket is not held by the verified process";
+  if (!why && (mfd = sealed_memfd("tdist-lane", MAP_BYTES, &l->map)) < 0)
+    why = "cannot create the shared memory";
+  if (!why) {
+    lane_hdr *h = (lane_hdr *)l->map;
+    memcpy(h->magic, LANE_MAGIC, sizeof LANE_MAGIC);
+    h->version = 1;
+    h->ring_bytes = TD__LANE_RING;
+    lane_bind(l);
+    int fds[2] = {mfd, ls->bell_fd};
+    if (!send_with_fds(fd, JOIN_MAGIC, secret, fds, 2)) why = "cannot hand the lane over";
+  }
+  if (mfd >= 0) close(mfd);
+  if (why) {
+    if (fd >= 0) close(fd);
+    td__lane_unref(l);
+    return td_set_error(TD_ERR_UNAVAILABLE, "lane to rank %d: %s", peer, why);
+  }
+  l->sock = fd;
+  l->state = L_JOINED;
+  lanes_add(ls, l);
+  *out = l;
+  return TD_OK;
+}
+
+/* The offered lane of the process pid (ls->mu held), or NULL. */
+static td__lane *offered_to(td__lanes *ls, int pid) {
+  for (td__lane *l = ls->lanes; l; l = l->next)
+    if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_OFFERED && pid_for(ls, l->peer) == pid)
+      return l;
+  return NULL;
+}
+
+static void refuse(td__lanes *ls, const char *why) {
+  if (ls->o.refused) ls->o.refused(ls->o.refused_ud, why);
+}
+
+/* Server: reads the client's hand-over from l->sock (a connection from its verified process).
+ * True when done (accepted or refused); false when its bytes are not there yet. */
+static bool take_handover(td__lanes *ls, td__lane *l) {
+  uint8_t buf[4 + TD__LANE_SECRET];
+  int fds[2] = {-1, -1};
+  int n = recv_with_fds(l->sock, buf, sizeof buf, fds);
+  if (n == -1) return false;
+  const char *why = NULL;
+  if (n != 2 || td__get_u32(buf) != JOIN_MAGIC) why = "malformed lane hand-over";
+  else if (!secret_eq(buf + 4, l->secret)) why = "wrong lane secret";
+  uint8_t *map = NULL, *bell = NULL;
+  if (!why) map = map_received(fds[0], MAP_BYTES, &why);
+  if (!why) bell = map_received(fds[1], BELL_BYTES, &why);
+  if (!why && memcmp(((lane_hdr *)map)->magic, LANE_MAGIC, sizeof LANE_MAGIC) != 0)
+    why = "not a lane";
+  if (!why && !send_with_fds(l->sock, BELL_MAGIC, NULL, &ls->bell_fd, 1))
+    why = "cannot answer the hand-over";
+  for (int i = 0; i < n; i++) close(fds[i]);
+  close(l->sock);
+  l->sock = -1;
+  if (why) {
+    if (map) munmap(map, MAP_BYTES);
+    if (bell) munmap(bell, BELL_BYTES);
+    char msg[160];
+    snprintf(msg, sizeof msg, "lane socket: %s (from the process of rank %d)", why, l->peer);
+    refuse(ls, msg);
+    __atomic_store_n(&l->state, L_CLOSED, __ATOMIC_RELEASE);
+    return true;
+  }
+  l->map = map;
+  l->peer_bell = (uint32_t *)bell;
+  lane_bind(l);
+  __atomic_store_n(&l->state, L_ACCEPTED, __ATOMIC_RELEASE);
+  return true;
+}
+
+/* Accepts every waiting connection: one from the verified process of an offered lane is kept
+ * on that lane; any other is closed and counted. */
+static void accept_all(td__lanes *ls) {
+  for (int i = 0; i < 256; i++) {
+    int fd = accept4(ls->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) return;
+    int pid = peer_pid(fd);
+    pthread_mutex_lock(&ls->mu);
+    td__lane *l = pid > 0 ? offered_to(ls, pid) : NULL;
+    if (l) {
+      if (l->sock >= 0) close(l->sock);
+      l->sock = fd;
+      td__lane_ref(l);
+    }
+    pthread_mutex_unlock(&ls->mu);
+    if (!l) {
+      close(fd);
+      char msg[120];
+      snprintf(msg, sizeof msg, "lane socket: a connection from process %d, which was offered "
+               "no lane", pid);
+      refuse(ls, msg);
+      continue;
+    }
+    take_handover(ls, l);
+    td__lane_unref(l);
+  }
+}
+
+td_status td__lane_accept(td__lane *l) {
+  td__lanes *ls = l->ls;
+  accept_all(ls);
+  if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_OFFERED && l->sock >= 0)
+    take_handover(ls, l);
+  if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) != L_ACCEPTED) {
+    td__lane_close(l);
+    return td_set_error(TD_ERR_UNAVAILABLE, "lane from rank %d: no valid hand-over", l->peer);
+  }
+  return TD_OK;
+}
+
+td_status td__lane_ready(td__lane *l) {
+  uint8_t buf[4];
+  int fds[2] = {-1, -1};
+  int n = l->sock >= 0 ? recv_with_fds(l->sock, buf, sizeof buf, fds) : -2;
+  const char *why = NULL;
+  uint8_t *bell = NULL;
+  if (n != 1 || td__get_u32(buf) != BELL_MAGIC) why = "no doorbell came with READY";
+  else bell = map_received(fds[0], BELL_BYTES, &why);
+  for (int i = 0; i < n; i++) close(fds[i]);
+  if (l->sock >= 0) close(l->sock);
+  l->sock = -1;
+  if (why) {
+    td__lane_close(l);
+    return td_set_error(TD_ERR_UNAVAILABLE, "lane to rank %d: %s", l->peer, why);
+  }
+  l->peer_bell = (uint32_t *)bell;
+  __atomic_store_n(&l->state, L_ACCEPTED, __ATOMIC_RELEASE);
+  return TD_OK;
+}
+
+/* ---- receiving: the lane thread, or a thread waiting for a future ----
+ *
+ * The receive side of every lane (the set, the decoders) is driven by whoever holds ls->rx_mu:
+ * the lane thread, or a thread about to block in td_future_wait (the wait poller, registered
+ * while the busy-poll window is on): that thread takes the reply it waits for itself, with no
+ * wake-up of a sleeping thread in between. While a waiter polls, the lane thread sleeps; the last
+ * waiter to leave hands the rings back to the sleeping thread (doorbell flags set, re-checked). */
+
+/* A closed lane leaves: its stream reference goes back (it may free the stream, which drops
+ * its own reference to the lane), then the list's reference. */
+static void lane_release(td__lane *l) {
+  void *ud = l->ud;
+  l->ud = NULL;
+  if (ud && l->ls->o.release) l->ls->o.release(ud);
+  td__lane_unref(l);
+}
+
+/* Reads what the peer wrote; true when something was consumed. rx_mu held. */
+static bool poll_rx(td__lane *l) {
+  if (!__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) || l->failed) return false;
+  int64_t got = td__ring_consume(l->rx, l->rx_data, &l->rx_head, l->dec, RX_BUDGET);
+  if (got < 0) {
+    char why[300];
+    snprintf(why, sizeof why, "%s", td_last_error());
+    lane_fail(l, why);
+    return false;
+  }
+  if (got == 0) return false;
+  /* room freed: wake a producer that waits for it */
+  FULL_FENCE();
+  if (__atomic_load_n(&l->rx->producer_waiting, __ATOMIC_RELAXED) && l->peer_bell)
+    ring_bell(l->peer_bell);
+  return true;
+}
+
+static bool poll_tx(td__lane *l) {
+  if (!__atomic_load_n(&l->qlen, __ATOMIC_ACQUIRE)) return false;
+  bool corrupt = false;
+  pthread_mutex_lock(&l->txmu);
+  bool wrote = drain_locked(l, &corrupt);
+  pthread_mutex_unlock(&l->txmu);
+  if (corrupt) lane_fail(l, "lane ring corrupt (the peer's read position is out of range)");
+  if (wrote) tx_notify(l);
+  return wrote;
+}
+
+/* Work there is now (rx_mu held, after the sleep flags are set). */
+static bool has_work(td__lanes *ls) {
+  if (__atomic_load_n(&ls->gen, __ATOMIC_ACQUIRE) != ls->set_gen) return true;
+  for (int i = 0; i < ls->nset; i++) {
+    td__lane *l = ls->set[i];
+    if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) return true;
+    if (__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) && !l->failed &&
+        td__ring_readable(l->rx, l->rx_head) != 0)
+      return true;
+    if (__atomic_load_n(&l->qlen, __ATOMIC_ACQUIRE) && __atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE) &&
+        td__ring_writable(l->tx, l->tx_tail) != 0)
+      return true;
+  }
+  return false;
+}
+
+/* The doorbell flags of every ring (rx_mu held): 1 asks the peers to ring when they write (or,
+ * for rings with queued frames, when they free room). */
+static void set_flags(td__lanes *ls, uint32_t v) {
+  for (int i = 0; i < ls->nset; i++) {
+    td__lane *l = ls->set[i];
+    if (__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE))
+      __atomic_store_n(&l->rx->consumer_sleeping, v, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE))
+      __atomic_store_n(&l->tx->producer_waiting,
+                       v && __atomic_load_n(&l->qlen, __ATOMIC_ACQUIRE) ? 1 : 0,
+                       __ATOMIC_SEQ_CST);
+  }
+}
+
+/* Rebuilds the set of lanes that receive or send (rx_mu held); drops closed ones. */
+static void refresh(td__lanes *ls) {
+  td__lane *drop = NULL;
+  ls->set_gen = __atomic_load_n(&ls->gen, __ATOMIC_ACQUIRE);
+  pthread_mutex_lock(&ls->mu);
+  for (int i = 0; i < ls->nset; i++) td__lane_unref(ls->set[i]);
+  int n = 0;
+  for (td__lane **p = &ls->lanes; *p;) {
+    td__lane *l = *p;
+    if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) {
+      *p = l->next;
+      ls->nlanes--;
+      l->next = drop;
+      drop = l;
+      continue;
+    }
+    if (__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) ||
+        __atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE)) {
+      if (n == ls->setcap) {
+        int nc = ls->setcap ? ls->setcap * 2 : 16;
+        td__lane **ns = td__realloc(ls->set, (size_t)nc * sizeof *ns);
+        if (!ns) {
+          ls->set_gen--; /* try again on the next pass */
+          break;
+        }
+        ls->set = ns;
+        ls->setcap = nc;
+      }
+      ls->set[n++] = td__lane_ref(l);
+    }
+    p = &l->next;
+  }
+  ls->nset = n;
+  pthread_mutex_unlock(&ls->mu);
+  while (drop) {
+    td__lane *l = drop;
+    drop = l->next;
+    lane_release(l);
+  }
+}
+
+/* One pass over every lane (rx_mu held); true when something moved. */
+static bool pass(td__lanes *ls) {
+  if (__atomic_load_n(&ls->gen, __ATOMIC_ACQUIRE) != ls->set_gen) refresh(ls);
+  bool busy = false;
+  for (int i = 0; i < ls->nset; i++) {
+    busy |= poll_rx(ls->set[i]);
+    busy |= poll_tx(ls->set[i]);
+  }
+  return busy;
+}
+
+static void idle_relax(unsigned *idle);
+
+static void lane_sleep(td__lanes *ls) {
+  pthread_mutex_lock(&ls->rx_mu);
+  uint32_t v = __atomic_load_n(ls->bell, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&ls->sleeping, true, __ATOMIC_SEQ_CST);
+  /* while threads wait on futures they poll; the last to leave sets the flags (wait_leave) */
+  bool polled = __atomic_load_n(&ls->waiters, __ATOMIC_SEQ_CST) > 0;
+  if (!polled) set_flags(ls, 1);
+  FULL_FENCE();
+  bool work = (!polled && has_work(ls)) || __atomic_load_n(&ls->stop, __ATOMIC_ACQUIRE);
+  pthread_mutex_unlock(&ls->rx_mu);
+  if (!work) {
+    struct timespec ts = {0, SLEEP_MS * 1000000L};
+    futex(ls->bell, FUTEX_WAIT, v, &ts);
+  }
+  __atomic_store_n(&ls->sleeping, false, __ATOMIC_SEQ_CST);
+  pthread_mutex_lock(&ls->rx_mu);
+  set_flags(ls, 0);
+  pthread_mutex_unlock(&ls->rx_mu);
+}
+
+static void *lane_main(void *arg) {
+  td__lanes *ls = arg;
+  uint64_t last = 0;
+  unsigned idle = 0;
+  while (!__atomic_load_n(&ls->stop, __ATOMIC_ACQUIRE)) {
+    if (__atomic_load_n(&ls->waiters, __ATOMIC_ACQUIRE) > 0) {
+      lane_sleep(ls); /* a waiting thread polls meanwhile */
+      last = 0;
+      continue;
+    }
+    pthread_mutex_lock(&ls->rx_mu);
+    bool busy = pass(ls);
+    pthread_mutex_unlock(&ls->rx_mu);
+    if (busy) {
+      idle = 0;
+      last = 0;
+      continue;
+    }
+    uint64_t spin = (uint64_t)__atomic_load_n(&ls->spin_ns, __ATOMIC_RELAXED);
+    uint64_t now = td__now_ns();
+    if (!last) last = now;
+    if (spin && now - last < spin) {
+      idle_relax(&idle); /* a runnable thread on this CPU goes first now and then */
+      continue;
+    }
+    lane_sleep(ls);
+    last = 0;
+  }
+  return NULL;
+}
+
+/* ---- the wait poller (future_impl.h) ---- */
+
+static void wait_enter(void *ud) {
+  td__lanes *ls = ud;
+  __atomic_add_fetch(&ls->waiters, 1, __ATOMIC_SEQ_CST);
+  /* the waiter polls: peers need not ring (the lane thread clears the flags when it wakes) */
+  if (pthread_mutex_trylock(&ls->rx_mu) == 0) {
+    set_flags(ls, 0);
+    pthread_mutex_unlock(&ls->rx_mu);
+  }
+}
+
+/* Every 8 empty polls a poller lets a runnable thread on its CPU go first: on a machine with
+ * fewer CPUs than busy threads the peer it waits for may be that thread (measured on the 2-vCPU
+ * VM under load: never yielding, runs where the two landed on one CPU took 73 us a call instead
+ * of 7; yielding every 256 polls 60-73 us, every 32 about 16, every 1 to 8 about 11-13). */
+static void idle_relax(unsigned *idle) {
+  if (++*idle % 8 == 0) sched_yield();
+  else cpu_relax();
+}
+
+static _Thread_local unsigned waiter_idle;
+
+static bool wait_poll(void *ud) {
+  td__lanes *ls = ud;
+  if (pthread_mutex_trylock(&ls->rx_mu) != 0) {
+    idle_relax(&waiter_idle);
+    return false;
+  }
+  bool busy = pass(ls);
+  pthread_mutex_unlock(&ls->rx_mu);
+  if (!busy) idle_relax(&waiter_idle);
+  return busy;
+}
+
+static void wait_leave(void *ud) {
+  td__lanes *ls = ud;
+  if (__atomic_sub_fetch(&ls->waiters, 1, __ATOMIC_SEQ_CST) > 0) return;
+  if (!__atomic_load_n(&ls->sleeping, __ATOMIC_SEQ_CST)) return;
+  /* the lane thread sleeps without the flags: set them, and wake it if work slipped in */
+  pthread_mutex_lock(&ls->rx_mu);
+  set_flags(ls, 1);
+  FULL_FENCE();
+  bool work = has_work(ls);
+  pthread_mutex_unlock(&ls->rx_mu);
+  if (work) kick_self(ls);
+}
+
+static int64_t wait_window(void *ud) {
+  td__lanes *ls = ud;
+  return __atomic_load_n(&ls->up, __ATOMIC_RELAXED) > 0
+             ? __atomic_load_n(&ls->spin_ns, __ATOMIC_RELAXED)
+             : 0;
+}
+
+/* ---- the process's part ---- */
+
+td_status td__lanes_create(const td__lanes_opts *o, td__lanes **out) {
+  td__lanes *ls = td__calloc(1, sizeof *ls);
+  if (!ls) return td_set_error(TD_ERR_NOMEM, "rpc lane: out of memory");
+  ls->o = *o;
+  ls->listen_fd = ls->bell_fd = -1;
+  ls->set_gen = (uint32_t)-1;
+  pthread_mutex_init(&ls->mu, NULL);
+  pthread_mutex_init(&ls->rx_mu, NULL);
+  const char *why = NULL;
+  uint8_t *bell = NULL;
+  ls->bell_fd = sealed_memfd("tdist-bell", BELL_BYTES, &bell);
+  ls->bell = (uint32_t *)bell;
+  if (ls->bell_fd < 0) why = "cannot create the doorbell";
+  if (!why) {
+    snprintf(ls->name, sizeof ls->name, "tdist-lane-%d-%016llx", (int)getpid(),
+             (unsigned long long)td__samehost_nonce(ls));
+    memset(&ls->addr, 0, sizeof ls->addr);
+    ls->addr.sun_family = AF_UNIX;
+    size_t nl = strlen(ls->name);
+    memcpy(ls->addr.sun_path + 1, ls->name, nl);
+    ls->addr_len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + nl);
+    ls->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (ls->listen_fd < 0 || bind(ls->listen_fd, (struct sockaddr *)&ls->addr, ls->addr_len) != 0 ||
+        listen(ls->listen_fd, 128) != 0)
+      why = "cannot listen on a unix socket";
+  }
+  if (!why) {
+    if (pthread_create(&ls->thread, NULL, lane_main, ls) != 0) why = "cannot start its thread";
+    else {
+      pthread_setname_np(ls->thread, "td-lane");
+      ls->started = true;
+      td__wait_poller wp = {wait_enter, wait_poll, wait_leave, wait_window, ls};
+      td__future_set_wait_poller(&wp, ls);
+    }
+  }
+  if (why) {
+    char msg[200];
+    snprintf(msg, sizeof msg, "rpc lane: %s: %s", why, strerror(errno));
+    td__lanes_destroy(ls);
+    return td_set_error(TD_ERR_UNAVAILABLE, "%s", msg);
+  }
+  *out = ls;
+  return TD_OK;
+}
+
+td_status td__lanes_set_pids(td__lanes *ls, const int *pid_of, int world) {
+  int *p = td__calloc((size_t)(world > 0 ? world : 1), sizeof *p);
+  if (!p) return td_set_error(TD_ERR_NOMEM, "rpc lane: out of memory");
+  if (world) memcpy(p, pid_of, (size_t)world * sizeof *p);
+  ls->world = world;
+  int *none = NULL;
+  if (!__atomic_compare_exchange_n(&ls->pid_of, &none, p, false, __ATOMIC_ACQ_REL,
+                                   __ATOMIC_ACQUIRE)) {
+    td__free(p);
+    return td_set_error(TD_ERR_STATE, "rpc lane: already configured");
+  }
+  return TD_OK;
+}
+
+void td__lanes_set_spin(td__lanes *ls, int64_t ns) {
+  if (ls) __atomic_store_n(&ls->spin_ns, ns > 0 ? ns : 0, __ATOMIC_RELAXED);
+}
+
+bool td__lanes_knows(td__lanes *ls, int rank) { return pid_for(ls, rank) > 0; }
+
+int td__lanes_up(const td__lanes *ls) { return ls ? __atomic_load_n(&ls->up, __ATOMIC_RELAXED) : 0; }
+
+void td__lanes_sweep(td__lanes *ls) {
+  if (ls) accept_all(ls);
+}
+
+void td__lanes_stop(td__lanes *ls) {
+  if (!ls) return;
+  td__future_set_wait_poller(NULL, ls); /* no waiter polls from here on */
+  if (ls->started) {
+    __atomic_store_n(&ls->stop, true, __ATOMIC_RELEASE);
+    kick_self(ls);
+    pthread_join(ls->thread, NULL);
+    ls->started = false;
+  }
+  /* every lane leaves (their streams are closed or closing): the streams' references go back */
+  pthread_mutex_lock(&ls->mu);
+  td__lane *all = ls->lanes;
+  ls->lanes = NULL;
+  ls->nlanes = 0;
+  pthread_mutex_unlock(&ls->mu);
+  while (all) {
+    td__lane *l = all;
+    all = l->next;
+    td__lane_close(l);
+    lane_release(l);
+  }
+}
+
+void td__lanes_destroy(td__lanes *ls) {
+  if (!ls) return;
+  td__lanes_stop(ls);
+  if (ls->listen_fd >= 0) close(ls->listen_fd);
+  if (ls->bell) munmap(ls->bell, BELL_BYTES);
+  if (ls->bell_fd >= 0) close(ls->bell_fd);
+  td__free(ls->pid_of);
+  pthread_mutex_lock(&ls->rx_mu);
+  for (int i = 0; i < ls->nset; i++) td__lane_unref(ls->set[i]);
+  td__free(ls->set);
+  pthread_mutex_unlock(&ls->rx_mu);
+  pthread_mutex_destroy(&ls->rx_mu);
+  pthread_mutex_destroy(&ls->mu);
+  td__free(ls);
+}

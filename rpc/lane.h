@@ -1,0 +1,144 @@
+/* lane.h - the same-host lane (internal): frames between two workers on one host move through
+ * shared memory instead of the gRPC stream they were authenticated on.
+ *
+ * A lane belongs to one stream (td__conn): a memfd holding two byte rings (client -> server and
+ * server -> client) that carry the stream's ordinary frames (wire.h), decoded by a decoder of the
+ * lane's own. Each process has one td__lanes: a unix listening socket (abstract name) through
+ * which lanes are handed over, a doorbell page (a memfd with a futex word) that its peers ring,
+ * and one thread that polls every lane's receive ring and drains send queues. See rpc/lane.c for
+ * the protocol, the doorbell and the bounds, and docs/ARCHITECTURE.md ("Same-host lane").
+ *
+ * Set-up, driven by control frames (TD__FRAME_MAGIC_LANE) on the authenticated gRPC stream:
+ *   client: ASK                          - after the stream's handshake, when the server's
+ *                                          process is known on this host
+ *   server: OFFER {secret, socket name}
+ *   client: connects to the socket (its owner must be the verified pid of the server's rank),
+ *           sends the secret with the lane memfd and its doorbell; ATTACH
+ *   server: accepts only the verified pid of the client's rank proving the secret, maps the
+ *           lane, answers with its doorbell; READY (its own frames go to the lane from here)
+ *   client: takes the server's doorbell; SWITCH (its frames go to the lane from here)
+ * Either side may answer DECLINE instead; the stream then stays the only path. Each side's last
+ * frame on the stream before its switch is its READY / SWITCH, and the receiver reads the lane
+ * only after it has read that frame from the stream, so frames keep their order per direction.
+ *
+ * All in rpc/lane.c. THREAD SAFETY: set-up functions run on the transport's poller thread;
+ * td__lane_send from any thread; the decoders' callbacks run on the lane thread, or on a thread
+ * about to block in td_future_wait that drives the receive side meanwhile (one at a time).
+ */
+#ifndef TD_RPC_LANE_H
+#define TD_RPC_LANE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "wire.h"
+
+#define TD__LANE_RING (256u << 10) /* bytes in each direction's ring */
+#define TD__LANE_MAX 64            /* lanes one process holds at once (memory: 516 KiB each) */
+#define TD__LANE_SECRET 32
+
+/* Control messages (the id of a TD__FRAME_MAGIC_LANE frame). */
+enum {
+  TD__LANE_OFFER = 1,
+  TD__LANE_ATTACH = 2,
+  TD__LANE_READY = 3,
+  TD__LANE_SWITCH = 4,
+  TD__LANE_DECLINE = 5,
+  TD__LANE_ASK = 6,
+};
+#define TD__LANE_CTRL_MAX 128 /* longest control body */
+
+typedef struct td__lanes td__lanes;
+typedef struct td__lane td__lane;
+
+typedef struct td__lanes_opts {
+  /* A connection attempt on the socket was refused (a stranger, a wrong secret): counted with
+   * the transport's refusals. Called on the poller thread. */
+  void (*refused)(void *ud, const char *why);
+  /* The lane of ud (a stream) failed (corrupt ring, peer misbehaving): close the stream. Called
+   * on the lane thread. */
+  void (*failed)(void *ud, const char *why);
+  /* A lane holds a reference on its stream (ud, given by the caller of _offer / _join) until the
+   * lane is closed and dropped; this gives it back. Any thread. */
+  void (*release)(void *ud);
+  void *refused_ud;
+} td__lanes_opts;
+
+/* td__lanes_create opens the socket and the doorbell and starts the lane thread. */
+td_status td__lanes_create(const td__lanes_opts *o, td__lanes **out);
+/* td__lanes_stop stops the thread (lanes still open are dropped); td__lanes_destroy frees. */
+void td__lanes_stop(td__lanes *ls);
+void td__lanes_destroy(td__lanes *ls);
+/* td__lanes_set_pids: a lane is made with rank r only when its socket peer is pid_of[r] (0:
+ * never). Once, at init. */
+td_status td__lanes_set_pids(td__lanes *ls, const int *pid_of, int world);
+/* The busy-poll window of the lane thread after its last work (ns; 0: sleep at once). */
+void td__lanes_set_spin(td__lanes *ls, int64_t ns);
+/* Lanes carrying frames now (both directions switched). THREAD SAFETY: any thread. */
+int td__lanes_up(const td__lanes *ls);
+/* Whether rank has a known process on this host (a lane may be asked for). */
+bool td__lanes_knows(td__lanes *ls, int rank);
+/* Closes the connections strangers left on the socket (poller, about once a second). */
+void td__lanes_sweep(td__lanes *ls);
+
+/* ---- one lane (the stream's side; dec: the lane's decoder, taken over; ud: the stream, whose
+ * reference the lane takes over on TD_OK with a lane, and gives back through release) ---- */
+/* Server, after the handshake: a lane offered to rank peer; body (TD__LANE_CTRL_MAX bytes) gets
+ * the OFFER, *len its length. NULL lane when not possible (no pid for peer, lane limit). */
+td_status td__lane_offer(td__lanes *ls, int peer, td__decoder *dec, void *ud, uint8_t *body,
+                         size_t *len, td__lane **out);
+/* Client, on an OFFER: connects and hands the lane over; then send ATTACH. */
+td_status td__lane_join(td__lanes *ls, int peer, const uint8_t *body, size_t len,
+                        td__decoder *dec, void *ud, td__lane **out);
+/* Server, on ATTACH: takes the lane from the socket (then send READY and switch). */
+td_status td__lane_accept(td__lane *l);
+/* Client, on READY: takes the server's doorbell (then send SWITCH and switch). */
+td_status td__lane_ready(td__lane *l);
+/* Starts receiving (after the peer's READY / SWITCH was read from the stream). */
+void td__lane_start_rx(td__lane *l);
+/* Sends go to the lane from now on. */
+void td__lane_start_tx(td__lane *l);
+bool td__lane_tx_on(const td__lane *l);
+
+/* A frame for td__lane_send: a head buffer (td__malloc'd), an optional second buffer (a direct
+ * copy's descriptor), then tensor bytes (references). */
+typedef struct td__lane_msg {
+  uint8_t *head;
+  size_t head_len;
+  uint8_t *extra;
+  size_t extra_len;
+  td_tensor **tensors; /* td__malloc'd array of references */
+  int ntensors;
+} td__lane_msg;
+/* td__lane_send writes m into the ring, or queues what does not fit for the lane thread. Takes
+ * ownership of m's buffers and references in every case. TD_ERR_UNAVAILABLE when closed,
+ * TD_ERR_NOMEM when nothing was sent, TD_ERR_FORMAT when the lane is broken (the peer corrupted
+ * the ring, or part of the frame went out before memory ran out): close the stream. */
+td_status td__lane_send(td__lane *l, td__lane_msg *m);
+/* Closes the lane (no more sends; the thread drops it). Safe to call twice. */
+void td__lane_close(td__lane *l);
+td__lane *td__lane_ref(td__lane *l);
+void td__lane_unref(td__lane *l);
+
+/* ---- the ring (exposed for tests of its bounds) ---- */
+typedef struct td__ring_ctl td__ring_ctl;
+/* td__ring_readable: bytes the consumer at private position head may read, or -1 when the
+ * producer's published tail is out of range (corrupt: the lane must close). */
+int64_t td__ring_readable(const td__ring_ctl *r, uint64_t head);
+/* td__ring_writable: room for the producer at private position tail, or -1 when the consumer's
+ * published head is out of range. */
+int64_t td__ring_writable(const td__ring_ctl *r, uint64_t tail);
+/* The size of a ring control block, its tail and head words (tests forge them). */
+size_t td__ring_ctl_size(void);
+uint64_t *td__ring_tail_word(td__ring_ctl *r);
+uint64_t *td__ring_head_word(td__ring_ctl *r);
+/* td__ring_consume feeds up to max readable bytes of ring (data of TD__LANE_RING bytes) at
+ * *head to dec and advances *head; -1 with td_last_error when the ring or a frame is corrupt,
+ * else the bytes consumed. */
+int64_t td__ring_consume(td__ring_ctl *r, const uint8_t *data, uint64_t *head, td__decoder *dec,
+                         uint64_t max);
+/* The control blocks of a lane's rings as this side sees them (NULL before it is mapped): for
+ * tests that play a hostile peer. */
+void td__lane_rings(td__lane *l, td__ring_ctl **tx, td__ring_ctl **rx);
+
+#endif

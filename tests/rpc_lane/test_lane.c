@@ -1,0 +1,442 @@
+/* test_lane.c - the same-host lane (rpc/lane.c) inside one process, playing both ends and a
+ * hostile peer: the ring's bounds (a peer's out-of-range positions, garbage bytes, huge declared
+ * lengths), the hand-over refusing strangers (another process, a wrong secret, memory that is
+ * not sealed or has the wrong size, garbage), and frames through an established lane (order,
+ * frames larger than the ring) until a corrupt ring closes it.
+ */
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "rpc/lane.h"
+#include "rpc/wire.h"
+#include "test_util.h"
+
+static const td__wire_ctx ctx = {NULL, 0, 1};
+
+/* ---- a sink for decoded frames (filled on the lane thread) ---- */
+
+typedef struct sink {
+  pthread_mutex_t mu;
+  uint64_t ids[4096];
+  int n, bad;
+  td_status bad_st;
+  int64_t last_numel;
+  float last_tail; /* the last element of the last tensor received */
+} sink;
+
+static void sink_on_msg(void *ud, td__msg *m) {
+  sink *s = ud;
+  pthread_mutex_lock(&s->mu);
+  if (s->n < 4096) s->ids[s->n] = m->id;
+  s->n++;
+  td_tensor *t;
+  if (m->nvalues == 1 && td_value_as_tensor(m->values[0], &t) == TD_OK) {
+    s->last_numel = td_tensor_numel(t);
+    s->last_tail = ((const float *)td_tensor_data(t))[s->last_numel - 1];
+  }
+  pthread_mutex_unlock(&s->mu);
+  td__msg_clear(m);
+}
+
+static void sink_on_bad(void *ud, uint64_t id, td_status st, const char *why) {
+  (void)id;
+  (void)why;
+  sink *s = ud;
+  pthread_mutex_lock(&s->mu);
+  s->bad++;
+  s->bad_st = st;
+  pthread_mutex_unlock(&s->mu);
+}
+
+static int sink_count(sink *s) {
+  pthread_mutex_lock(&s->mu);
+  int n = s->n;
+  pthread_mutex_unlock(&s->mu);
+  return n;
+}
+
+static td__decoder *new_decoder(sink *s, uint64_t max) {
+  td__decoder *d = NULL;
+  TD_ASSERT_OK(td__decoder_create(&ctx, max, sink_on_msg, sink_on_bad, s, &d));
+  return d;
+}
+
+/* A request frame with id and, when numel > 0, one float tensor 0..numel-1. */
+static void encode(uint64_t id, int64_t numel, td__frame *f) {
+  td_value *v = NULL;
+  if (numel > 0) {
+    td_tensor *t;
+    TD_ASSERT_OK(td_tensor_arange(0, (double)numel, 1, TD_DTYPE_F32, td_device_cpu(), &t));
+    v = td_value_tensor(t);
+    td_tensor_unref(t);
+  } else {
+    v = td_value_int((int64_t)id);
+  }
+  td__msg m = {.id = id, .kind = TD__MSG_REQUEST, .fn = "f", .values = &v, .nvalues = 1};
+  td__wire_ctx c = ctx;
+  TD_ASSERT_OK(td__wire_encode(&m, &c, f));
+  td_value_unref(v);
+}
+
+/* The frame's bytes in one buffer (*n of them). */
+static uint8_t *flatten(td__frame *f, size_t *n) {
+  size_t len = f->head_len;
+  for (int i = 0; i < f->ntensors; i++) len += td_tensor_nbytes(f->tensors[i]);
+  uint8_t *b = malloc(len), *p = b;
+  assert_non_null(b);
+  memcpy(p, f->head, f->head_len);
+  p += f->head_len;
+  for (int i = 0; i < f->ntensors; i++) {
+    memcpy(p, td_tensor_data(f->tensors[i]), td_tensor_nbytes(f->tensors[i]));
+    p += td_tensor_nbytes(f->tensors[i]);
+  }
+  *n = len;
+  return b;
+}
+
+/* ---- the ring against a hostile peer ---- */
+
+static void test_lane_ring_bounds(void **state) {
+  (void)state;
+  td__ring_ctl *r = aligned_alloc(64, (td__ring_ctl_size() + 63) / 64 * 64);
+  uint8_t *data = calloc(1, TD__LANE_RING);
+  assert_non_null(r);
+  assert_non_null(data);
+  memset(r, 0, td__ring_ctl_size());
+  uint64_t *tail = td__ring_tail_word(r), *headw = td__ring_head_word(r);
+
+  /* what a consumer accepts from the producer: 0..RING bytes ahead of its own head */
+  *tail = TD__LANE_RING;
+  assert_int_equal(td__ring_readable(r, 0), TD__LANE_RING);
+  *tail = TD__LANE_RING + 1;
+  assert_int_equal(td__ring_readable(r, 0), -1);
+  *tail = 999; /* behind the consumer */
+  assert_int_equal(td__ring_readable(r, 1000), -1);
+  *tail = UINT64_MAX;
+  assert_int_equal(td__ring_readable(r, 0), -1);
+  /* what a producer accepts from the consumer: a head within the last RING bytes it wrote */
+  *headw = 200;
+  assert_int_equal(td__ring_writable(r, 100), -1); /* ahead of the producer */
+  *headw = 100 + 1 - TD__LANE_RING - 1;             /* more than a ring behind: wraps */
+  assert_int_equal(td__ring_writable(r, 100), -1);
+  *headw = 100;
+  assert_int_equal(td__ring_writable(r, 100), TD__LANE_RING);
+
+  /* a corrupt tail: nothing consumed, the shared head not moved, an error for the stream */
+  sink s = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  td__decoder *d = new_decoder(&s, 1u << 20);
+  uint64_t head = 1000;
+  *headw = 1000;
+  *tail = 1000 + TD__LANE_RING + 7;
+  assert_int_equal(td__ring_consume(r, data, &head, d, UINT64_MAX), -1);
+  assert_int_equal(head, 1000);
+  assert_int_equal(*headw, 1000);
+  assert_non_null(strstr(td_last_error(), "out of range"));
+
+  /* two frames written across the end of the ring arrive whole, in order */
+  td__frame f1 = {0}, f2 = {0};
+  encode(41, 0, &f1);
+  encode(42, 300, &f2);
+  size_t n1, n2;
+  uint8_t *b1 = flatten(&f1, &n1), *b2 = flatten(&f2, &n2);
+  head = 5ull * TD__LANE_RING - 7; /* positions run free: any multiple of the ring, minus 7 */
+  *headw = head;
+  uint64_t pos = head;
+  for (size_t i = 0; i < n1; i++, pos++) data[pos % TD__LANE_RING] = b1[i];
+  for (size_t i = 0; i < n2; i++, pos++) data[pos % TD__LANE_RING] = b2[i];
+  *tail = pos;
+  /* at most max bytes a pass: a peer that keeps writing cannot hold the reader */
+  assert_int_equal(td__ring_consume(r, data, &head, d, 10), 10);
+  assert_int_equal(td__ring_consume(r, data, &head, d, UINT64_MAX), (int64_t)(n1 + n2 - 10));
+  assert_int_equal(head, pos);
+  assert_int_equal(*headw, pos);
+  assert_int_equal(s.n, 2);
+  assert_int_equal(s.ids[0], 41);
+  assert_int_equal(s.ids[1], 42);
+  assert_int_equal(s.last_numel, 300);
+  assert_true(s.last_tail == 299.0f);
+  assert_int_equal(td__ring_consume(r, data, &head, d, UINT64_MAX), 0); /* empty */
+
+  /* a frame declaring 2^40 bytes: skipped by id (nothing allocated), the ring goes on */
+  uint8_t pre[TD__FRAME_PREFIX];
+  td__put_u32(pre, TD__FRAME_MAGIC);
+  td__put_u32(pre + 4, 16);
+  td__put_u64(pre + 8, 1ull << 40);
+  td__put_u64(pre + 16, 77);
+  for (size_t i = 0; i < sizeof pre; i++, pos++) data[pos % TD__LANE_RING] = pre[i];
+  *tail = pos;
+  assert_int_equal(td__ring_consume(r, data, &head, d, UINT64_MAX), (int64_t)sizeof pre);
+  assert_int_equal(s.bad, 1);
+  assert_int_equal(s.bad_st, TD_ERR_INVALID);
+  td__decoder_destroy(d);
+
+  /* garbage: the stream is corrupt (the lane closes) */
+  d = new_decoder(&s, 1u << 20);
+  for (int i = 0; i < 24; i++, pos++) data[pos % TD__LANE_RING] = 0xab;
+  *tail = pos;
+  assert_int_equal(td__ring_consume(r, data, &head, d, UINT64_MAX), -1);
+  assert_non_null(strstr(td_last_error(), "corrupt"));
+  td__decoder_destroy(d);
+  td__frame_clear(&f1);
+  td__frame_clear(&f2);
+  free(b1);
+  free(b2);
+  free(data);
+  free(r);
+}
+
+/* ---- the hand-over ---- */
+
+typedef struct watch {
+  pthread_mutex_t mu;
+  int refused;
+  char why[256];
+  int failed;
+  char failed_why[256];
+} watch;
+
+static void on_refused(void *ud, const char *why) {
+  watch *w = ud;
+  pthread_mutex_lock(&w->mu);
+  w->refused++;
+  snprintf(w->why, sizeof w->why, "%s", why);
+  pthread_mutex_unlock(&w->mu);
+}
+
+static void on_failed(void *ud, const char *why) {
+  watch *w = ud;
+  pthread_mutex_lock(&w->mu);
+  w->failed++;
+  snprintf(w->failed_why, sizeof w->failed_why, "%s", why);
+  pthread_mutex_unlock(&w->mu);
+}
+
+/* A process's lanes where rank `rank` is the process pid. */
+static int failed_count(watch *w) {
+  pthread_mutex_lock(&w->mu);
+  int n = w->failed;
+  pthread_mutex_unlock(&w->mu);
+  return n;
+}
+
+static td__lanes *make_lanes(watch *w, int rank, int pid) {
+  td__lanes_opts o = {on_refused, on_failed, NULL, w};
+  td__lanes *ls = NULL;
+  TD_ASSERT_OK(td__lanes_create(&o, &ls));
+  int pids[2] = {0, 0};
+  pids[rank] = pid;
+  TD_ASSERT_OK(td__lanes_set_pids(ls, pids, 2));
+  return ls;
+}
+
+/* The hand-over as lane.c's client sends it (rpc/lane.c: "TDLJ", secret, 2 descriptors). */
+#define JOIN_MAGIC 0x4a4c4454u
+#define MAP_BYTES ((size_t)4096 + 2u * TD__LANE_RING)
+
+static int connect_offer(const uint8_t *body, size_t len) {
+  size_t nl = body[TD__LANE_SECRET];
+  assert_int_equal(len, TD__LANE_SECRET + 1 + nl);
+  struct sockaddr_un a;
+  memset(&a, 0, sizeof a);
+  a.sun_family = AF_UNIX;
+  memcpy(a.sun_path + 1, body + TD__LANE_SECRET + 1, nl);
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  assert_int_equal(connect(fd, (struct sockaddr *)&a,
+                           (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + nl)), 0);
+  return fd;
+}
+
+/* A memfd of n bytes, sealed against resizing or not. */
+static int memfd(size_t n, bool sealed) {
+  int fd = memfd_create("test-lane", MFD_ALLOW_SEALING);
+  assert_true(fd >= 0);
+  assert_int_equal(ftruncate(fd, (off_t)n), 0);
+  if (sealed) assert_int_equal(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  return fd;
+}
+
+static void send_join(int fd, const uint8_t *secret, int lane_fd, int bell_fd, bool with_fds) {
+  uint8_t buf[4 + TD__LANE_SECRET];
+  td__put_u32(buf, JOIN_MAGIC);
+  memcpy(buf + 4, secret, TD__LANE_SECRET);
+  struct iovec iov = {buf, sizeof buf};
+  union {
+    struct cmsghdr h;
+    char b[CMSG_SPACE(2 * sizeof(int))];
+  } cm;
+  memset(&cm, 0, sizeof cm);
+  struct msghdr mh = {0};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  if (with_fds) {
+    mh.msg_control = cm.b;
+    mh.msg_controllen = sizeof cm.b;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(2 * sizeof(int));
+    int fds[2] = {lane_fd, bell_fd};
+    memcpy(CMSG_DATA(c), fds, sizeof fds);
+  }
+  assert_int_equal(sendmsg(fd, &mh, 0), (ssize_t)sizeof buf);
+}
+
+enum { H_STRANGER, H_WRONG_SECRET, H_UNSEALED, H_WRONG_SIZE, H_GARBAGE };
+
+/* One offer answered by a forged hand-over of kind h: refused, counted, and the lane closed. */
+static void forged(td__lanes *srv, watch *w, int h, const char *want) {
+  sink s = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  uint8_t body[TD__LANE_CTRL_MAX];
+  size_t len = 0;
+  td__lane *l = NULL;
+  TD_ASSERT_OK(td__lane_offer(srv, 1, new_decoder(&s, 0), NULL, body, &len, &l));
+  assert_non_null(l);
+  uint8_t secret[TD__LANE_SECRET];
+  memcpy(secret, body, sizeof secret);
+  if (h == H_WRONG_SECRET) secret[5] ^= 1;
+  int lane_fd = memfd(h == H_WRONG_SIZE ? MAP_BYTES - 4096 : MAP_BYTES, h != H_UNSEALED);
+  int bell_fd = memfd(4096, true);
+  if (h == H_STRANGER) { /* another process, with everything else right */
+    pid_t c = fork();
+    assert_true(c >= 0);
+    if (c == 0) {
+      int fd = connect_offer(body, len);
+      send_join(fd, secret, lane_fd, bell_fd, true);
+      _exit(0);
+    }
+    int status;
+    assert_int_equal(waitpid(c, &status, 0), c);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  } else {
+    int fd = connect_offer(body, len);
+    if (h == H_GARBAGE) assert_int_equal(write(fd, "0123456789abcdef0123456789abcdef0123", 36), 36);
+    else send_join(fd, secret, lane_fd, bell_fd, true);
+    close(fd);
+  }
+  close(lane_fd);
+  close(bell_fd);
+  int before = w->refused;
+  TD_ASSERT_STATUS(td__lane_accept(l), TD_ERR_UNAVAILABLE);
+  pthread_mutex_lock(&w->mu);
+  assert_int_equal(w->refused, before + 1);
+  if (!strstr(w->why, want)) fail_msg("refusal '%s' lacks '%s'", w->why, want);
+  pthread_mutex_unlock(&w->mu);
+  td__lane_unref(l);
+}
+
+static void test_lane_handover_refuses_strangers(void **state) {
+  (void)state;
+  watch w = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  td__lanes *srv = make_lanes(&w, 1, (int)getpid());
+  forged(srv, &w, H_STRANGER, "offered no lane");
+  forged(srv, &w, H_WRONG_SECRET, "wrong lane secret");
+  forged(srv, &w, H_UNSEALED, "not sealed");
+  forged(srv, &w, H_WRONG_SIZE, "wrong kind or size");
+  forged(srv, &w, H_GARBAGE, "malformed");
+  /* a client whose rank is not known on this host gets no lane from an offer */
+  watch wc = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  td__lanes *cli = make_lanes(&wc, 0, 0);
+  sink s = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  uint8_t body[TD__LANE_CTRL_MAX];
+  size_t len = 0;
+  td__lane *l = NULL, *c = NULL;
+  TD_ASSERT_OK(td__lane_offer(srv, 1, new_decoder(&s, 0), NULL, body, &len, &l));
+  TD_ASSERT_STATUS(td__lane_join(cli, 0, body, len, new_decoder(&s, 0), NULL, &c),
+                   TD_ERR_UNAVAILABLE);
+  assert_null(c);
+  td__lane_close(l);
+  td__lane_unref(l);
+  td__lanes_destroy(cli);
+  td__lanes_destroy(srv);
+}
+
+/* ---- an established lane ---- */
+
+static void test_lane_frames_then_corrupt_ring(void **state) {
+  (void)state;
+  watch ws = {.mu = PTHREAD_MUTEX_INITIALIZER}, wc = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  td__lanes *srv = make_lanes(&ws, 1, (int)getpid()), *cli = make_lanes(&wc, 0, (int)getpid());
+  td__lanes_set_spin(srv, 20000);
+  sink ss = {.mu = PTHREAD_MUTEX_INITIALIZER}, sc = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  uint8_t body[TD__LANE_CTRL_MAX];
+  size_t len = 0;
+  td__lane *sl = NULL, *cl = NULL;
+  TD_ASSERT_OK(td__lane_offer(srv, 1, new_decoder(&ss, 1u << 24), &ws, body, &len, &sl));
+  TD_ASSERT_OK(td__lane_join(cli, 0, body, len, new_decoder(&sc, 1u << 24), &wc, &cl));
+  TD_ASSERT_OK(td__lane_accept(sl));
+  td__lane_start_tx(sl);
+  TD_ASSERT_OK(td__lane_ready(cl));
+  td__lane_start_tx(cl);
+  td__lane_start_rx(cl);
+  td__lane_start_rx(sl);
+  assert_int_equal(td__lanes_up(srv), 1);
+  assert_int_equal(td__lanes_up(cli), 1);
+  /* 2000 small frames and one of 4 MiB (16 rings' worth), in order */
+  enum { N = 2000 };
+  for (int i = 0; i < N; i++) {
+    td__frame f = {0};
+    encode((uint64_t)i + 1, i == N / 2 ? (1 << 20) : 0, &f);
+    td__lane_msg m = {.head = f.head, .head_len = f.head_len, .tensors = f.tensors,
+                      .ntensors = f.ntensors};
+    f.head = NULL;
+    f.tensors = NULL;
+    f.ntensors = 0;
+    TD_ASSERT_OK(td__lane_send(cl, &m));
+  }
+  for (int k = 0; k < 5000 && sink_count(&ss) < N; k++) usleep(1000);
+  assert_int_equal(sink_count(&ss), N);
+  for (int i = 0; i < N; i++) assert_int_equal(ss.ids[i], (uint64_t)i + 1);
+  assert_int_equal(ss.last_numel, 1 << 20);
+  assert_true(ss.last_tail == (float)((1 << 20) - 1));
+  assert_int_equal(ss.bad, 0);
+  /* and back */
+  td__frame f = {0};
+  encode(9, 0, &f);
+  td__lane_msg m = {.head = f.head, .head_len = f.head_len};
+  TD_ASSERT_OK(td__lane_send(sl, &m));
+  for (int k = 0; k < 5000 && sink_count(&sc) < 1; k++) usleep(1000);
+  assert_int_equal(sink_count(&sc), 1);
+  assert_int_equal(sc.ids[0], 9);
+  /* the client scribbles a write position out of range: the server closes the lane (and would
+   * close its stream) instead of reading past the ring */
+  td__ring_ctl *tx, *rx;
+  td__lane_rings(cl, &tx, &rx);
+  __atomic_store_n(td__ring_tail_word(tx), *td__ring_tail_word(tx) + TD__LANE_RING + 1,
+                   __ATOMIC_RELEASE);
+  for (int k = 0; k < 5000 && !failed_count(&ws); k++) usleep(1000);
+  pthread_mutex_lock(&ws.mu);
+  assert_int_equal(ws.failed, 1);
+  assert_non_null(strstr(ws.failed_why, "out of range"));
+  pthread_mutex_unlock(&ws.mu);
+  TD_ASSERT_STATUS(td__lane_send(sl, &m), TD_ERR_UNAVAILABLE); /* closed */
+  /* a consumer scribbling its read position makes the producer's next send fail */
+  td__lane_rings(sl, &tx, &rx);
+  __atomic_store_n(td__ring_head_word(rx), *td__ring_head_word(rx) + 8, __ATOMIC_RELEASE);
+  encode(10, 0, &f);
+  td__lane_msg m2 = {.head = f.head, .head_len = f.head_len};
+  TD_ASSERT_STATUS(td__lane_send(cl, &m2), TD_ERR_FORMAT);
+  td__lane_close(cl);
+  td__lane_close(sl);
+  td__lane_unref(cl);
+  td__lane_unref(sl);
+  td__lanes_destroy(cli);
+  td__lanes_destroy(srv);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_lane_ring_bounds),
+      cmocka_unit_test(test_lane_handover_refuses_strangers),
+      cmocka_unit_test(test_lane_frames_then_corrupt_ring),
+  };
+  return cmocka_run_group_tests_name("lane", tests, NULL, NULL);
+}
