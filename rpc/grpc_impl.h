@@ -261,6 +261,7 @@ void td__grpc_conn_mark_closed(td__conn *c);
 /* Callbacks of the transport's lanes (td__lanes_opts). */
 void td__grpc_lane_failed(void *conn, const char *why);
 void td__grpc_lane_release(void *conn);
+void td__grpc_lane_offload(void *conn, td__lane *l);
 
 /* ---- grpc_unary.c ---- */
 void td__grpc_unary_accept(td__transport *t, grpc_call *call, const char *method);

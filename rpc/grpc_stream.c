@@ -532,11 +532,12 @@ static void push_control(td__conn *c, uint64_t type, const uint8_t *body, size_t
   else if (!c->send_inflight) start_send(c);
 }
 
-/* The decoder of a lane of c: frames counted as lane traffic, direct copies as on the stream,
- * no control frames (they travel on the stream only). */
+/* The decoder of a lane of c: frames counted as lane traffic, direct copies as on the stream
+ * (large ones on the bulk thread: td__grpc_lane_offload), no control frames (they travel on the
+ * stream only). */
 static td__decoder *lane_decoder(td__conn *c) {
-  static const td__direct_hooks hooks = {direct_allowed, direct_send_ack, direct_acked, NULL,
-                                         NULL};
+  static const td__direct_hooks hooks = {direct_allowed, direct_send_ack, direct_acked,
+                                         direct_offload, NULL};
   td__wire_ctx wctx = {c->t->opts.agent, td__conn_peer(c), c->t->opts.self_rank};
   td__decoder *d = NULL;
   if (td__decoder_create(&wctx, c->t->opts.max_message, on_lane_msg, on_dec_bad, c, &d) != TD_OK)
@@ -665,6 +666,35 @@ static void lane_control(void *ud, uint64_t type, const uint8_t *body, size_t le
 
 void td__grpc_lane_failed(void *conn, const char *why) { td__conn_close(conn, why); }
 void td__grpc_lane_release(void *conn) { td__conn_unref(conn); }
+
+typedef struct lane_bulk {
+  td__conn *c; /* references */
+  td__lane *l;
+} lane_bulk;
+
+static void lane_bulk_task(void *arg) {
+  lane_bulk *b = arg;
+  td__lane_resume(b->l);
+  td__lane_unref(b->l);
+  td__conn_unref(b->c);
+  td__free(b);
+}
+
+/* A lane's decoder paused for a large copy: the bulk thread makes it, as for the stream
+ * (feed_message), holding the stream whose callbacks deliver the frame. */
+void td__grpc_lane_offload(void *conn, td__lane *l) {
+  td__conn *c = conn;
+  lane_bulk *b = td__malloc(sizeof *b);
+  if (b) {
+    b->c = td__conn_ref(c);
+    b->l = l;
+    if (td__threadpool_submit(c->t->bulk, lane_bulk_task, b) == TD_OK) return;
+    td__conn_unref(c);
+    td__free(b);
+  }
+  td__lane_resume(l); /* shutting down (or out of memory): copy here */
+  td__lane_unref(l);
+}
 
 /* ---- events (poller thread) ---- */
 

@@ -500,7 +500,8 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
     post_slot(t, &t->slots[i]);
   }
   if (o->lane) {
-    td__lanes_opts lo = {lane_refused, td__grpc_lane_failed, td__grpc_lane_release, t};
+    td__lanes_opts lo = {lane_refused, td__grpc_lane_failed, td__grpc_lane_release,
+                         td__grpc_lane_offload, t};
     if (td__lanes_create(&lo, &t->lanes) != TD_OK) {
       td_log(TD_LOG_DEBUG, "rpc transport: no same-host lanes: %s", td_last_error());
       t->lanes = NULL;

@@ -119,6 +119,7 @@ struct td__lane {
   /* receive side: the lane thread only */
   bool rx_on;          /* atomic: the thread reads it */
   uint64_t rx_head;
+  bool rx_paused; /* atomic: the decoder waits for td__lane_resume on another thread */
   td__decoder *dec;
   void *ud;
   bool failed;
@@ -273,8 +274,10 @@ int64_t td__ring_consume(td__ring_ctl *r, const uint8_t *data, uint64_t *head, t
     size_t off = (size_t)((*head + done) % TD__LANE_RING);
     size_t piece = TD__LANE_RING - off;
     if (piece > n - done) piece = (size_t)(n - done);
-    if (td__decoder_feed(dec, data + off, piece) != TD_OK) return -1;
-    done += piece;
+    size_t used = 0;
+    if (td__decoder_feed_some(dec, data + off, piece, &used) != TD_OK) return -1;
+    done += used;
+    if (td__decoder_paused(dec)) break; /* the rest waits for td__decoder_resume */
   }
   *head += done;
   __atomic_store_n(&r->head, *head, __ATOMIC_RELEASE);
@@ -818,13 +821,22 @@ static void lane_release(td__lane *l) {
 
 /* Reads what the peer wrote; true when something was consumed. rx_mu held. */
 static bool poll_rx(td__lane *l) {
-  if (!__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) || l->failed) return false;
+  if (!__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) || l->failed ||
+      __atomic_load_n(&l->rx_paused, __ATOMIC_ACQUIRE))
+    return false;
   int64_t got = td__ring_consume(l->rx, l->rx_data, &l->rx_head, l->dec, RX_BUDGET);
   if (got < 0) {
     char why[300];
     snprintf(why, sizeof why, "%s", td_last_error());
     lane_fail(l, why);
     return false;
+  }
+  if (td__decoder_paused(l->dec)) {
+    /* a large copy: another thread makes it, as the gRPC stream's do, so the lanes of every other
+     * peer (and the calls waiting on them) do not wait for it */
+    __atomic_store_n(&l->rx_paused, true, __ATOMIC_RELEASE);
+    if (l->ls->o.offload && l->ud) l->ls->o.offload(l->ud, td__lane_ref(l));
+    else td__lane_resume(l);
   }
   if (got == 0) return false;
   /* room freed: wake a producer that waits for it */
@@ -845,6 +857,12 @@ static bool poll_tx(td__lane *l) {
   return wrote;
 }
 
+void td__lane_resume(td__lane *l) {
+  td__decoder_resume(l->dec);
+  __atomic_store_n(&l->rx_paused, false, __ATOMIC_RELEASE);
+  kick_self(l->ls); /* the rest of the ring */
+}
+
 /* Work there is now (rx_mu held, after the sleep flags are set). */
 static bool has_work(td__lanes *ls) {
   if (__atomic_load_n(&ls->gen, __ATOMIC_ACQUIRE) != ls->set_gen) return true;
@@ -852,6 +870,7 @@ static bool has_work(td__lanes *ls) {
     td__lane *l = ls->set[i];
     if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) return true;
     if (__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) && !l->failed &&
+        !__atomic_load_n(&l->rx_paused, __ATOMIC_ACQUIRE) &&
         td__ring_readable(l->rx, l->rx_head) != 0)
       return true;
     if (__atomic_load_n(&l->qlen, __ATOMIC_ACQUIRE) && __atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE) &&

@@ -61,6 +61,12 @@ typedef struct td__lanes_opts {
   /* A lane holds a reference on its stream (ud, given by the caller of _offer / _join) until the
    * lane is closed and dropped; this gives it back. Any thread. */
   void (*release)(void *ud);
+  /* The lane's decoder paused for a large direct copy (or a frame going to a CUDA device): run
+   * td__lane_resume(l) on another thread (the transport's bulk thread), holding what ud needs
+   * meanwhile; the lane's reference l is the callee's to give back after td__lane_resume. The
+   * lane reads nothing more of its ring until then, and the lane thread serves the other lanes.
+   * Called on the receiving thread. */
+  void (*offload)(void *ud, td__lane *l);
   void *refused_ud;
 } td__lanes_opts;
 
@@ -115,6 +121,9 @@ typedef struct td__lane_msg {
  * TD_ERR_NOMEM when nothing was sent, TD_ERR_FORMAT when the lane is broken (the peer corrupted
  * the ring, or part of the frame went out before memory ran out): close the stream. */
 td_status td__lane_send(td__lane *l, td__lane_msg *m);
+/* td__lane_resume finishes the paused frame of l's decoder (the copy, its delivery) on the
+ * calling thread, then lets the lane read its ring again. See td__lanes_opts.offload. */
+void td__lane_resume(td__lane *l);
 /* Closes the lane (no more sends; the thread drops it). Safe to call twice. */
 void td__lane_close(td__lane *l);
 td__lane *td__lane_ref(td__lane *l);
@@ -134,7 +143,8 @@ uint64_t *td__ring_tail_word(td__ring_ctl *r);
 uint64_t *td__ring_head_word(td__ring_ctl *r);
 /* td__ring_consume feeds up to max readable bytes of ring (data of TD__LANE_RING bytes) at
  * *head to dec and advances *head; -1 with td_last_error when the ring or a frame is corrupt,
- * else the bytes consumed. */
+ * else the bytes consumed. It stops early where dec pauses (td__decoder_paused): the rest stays
+ * in the ring. */
 int64_t td__ring_consume(td__ring_ctl *r, const uint8_t *data, uint64_t *head, td__decoder *dec,
                          uint64_t max);
 /* The control blocks of a lane's rings as this side sees them (NULL before it is mapped): for

@@ -228,7 +228,7 @@ static int failed_count(watch *w) {
 }
 
 static td__lanes *make_lanes(watch *w, int rank, int pid) {
-  td__lanes_opts o = {on_refused, on_failed, NULL, w};
+  td__lanes_opts o = {on_refused, on_failed, NULL, NULL, w};
   td__lanes *ls = NULL;
   TD_ASSERT_OK(td__lanes_create(&o, &ls));
   int pids[2] = {0, 0};
