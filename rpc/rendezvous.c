@@ -844,6 +844,7 @@ static void rendezvous_failed(td_rpc_agent *a, td_status st) {
  * shares the clock estimate, which its dumps need as much as traces do. */
 static void init_flight(td_rpc_agent *a) {
   td__flight_set_process(a->rank, a->name, a->world);
+  td__flight_set_pool(a->opts.num_worker_threads);
   char *names = td__calloc((size_t)a->world, sizeof a->peers[0].info.name);
   if (names) {
     for (int i = 0; i < a->world; i++)

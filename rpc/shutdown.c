@@ -18,6 +18,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../core/flight_impl.h"
 #include "agent_state.h"
 #include "tdist/trace.h"
 
@@ -243,8 +244,18 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, td_timeout_ms timeout_
   td_status st = TD_OK;
   char msg[1024] = "";
   if (graceful) {
+    /* a blocking wait on the whole group: open in the flight recorder (why-hung follows this
+     * worker's outstanding calls from it), dumped while open when it times out */
+    td__flight_ev fl = {.kind = TD__FL_SCOPE_BEGIN, .peer = -1,
+                        .c = td__flight_timeout_field(td__timeout_resolve(
+                            timeout_ms, td_rpc_get_default_timeout(a)))};
+    td__flight_push(&fl, "rpc_shutdown");
     st = barrier(a, deadline, hard);
     if (st != TD_OK) snprintf(msg, sizeof msg, "%s", td_last_error());
+    if (st == TD_ERR_TIMEOUT) td__flight_deadline("deadline of the graceful rpc_shutdown");
+    fl.kind = TD__FL_SCOPE_END;
+    fl.x = (uint8_t)st;
+    td__flight_pop(&fl, "rpc_shutdown");
   }
   td__agent_hooks hs[TD__MAX_AGENT_HOOKS];
   int nh = td__agent_hooks_get(hs);
