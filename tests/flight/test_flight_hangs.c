@@ -151,7 +151,7 @@ static void test_flight_names_a_dead_rank(void **state) {
   TD_MP_RUN(3, worker_coll, &mode, 60);
   const char *r = why_hung((const char *const[]){
       "culprit: worker2 (rank 2) never entered all_reduce #2",
-      "it left no dump (dead, or stopped)", "worker2 (rank 2): no dump", NULL});
+      "it left no dump: dead: its process", "worker2 (rank 2): no dump: dead", NULL});
   assert_null(strstr(r, "culprit: worker0"));
   assert_null(strstr(r, "culprit: worker1"));
 }
@@ -210,7 +210,7 @@ static void test_flight_names_an_rpc_cycle_through_an_exhausted_pool(void **stat
   (void)state;
   TD_MP_RUN(2, worker_cycle, NULL, 60);
   why_hung((const char *const[]){
-      "worker0 (rank 0) thread", "waits on a call:",
+      "worker0 (rank 0) thread", "is waiting on call outer #",
       "worker1 (rank 1) received inner #", "but never started it: its handler threads are busy "
       "with handler outer (from worker0 (rank 0))",
       "culprit: a cycle of RPC waits: worker1 (rank 1) in handler outer waits on mid -> worker0 "
