@@ -323,11 +323,14 @@ static td__flight_ev wait_ev(const td_future *f, td_timeout_ms timeout_ms) {
                          .c = td__flight_timeout_field(timeout_ms)};
 }
 
-/* A wait that ends by its deadline, or by its call's (TD_ERR_TIMEOUT), asks for a dump while its
- * record is still open. */
+/* A wait that ends by its deadline, by its call's (TD_ERR_TIMEOUT), or by the loss of the worker
+ * it waits on (TD_ERR_UNAVAILABLE) asks for a dump while its record is still open. */
+static bool wait_dumps(td_status st) { return st == TD_ERR_TIMEOUT || st == TD_ERR_UNAVAILABLE; }
+
 static void wait_expired(const td_future *f) {
   char what[120];
-  snprintf(what, sizeof what, "deadline of the wait for %s%s",
+  bool lost = f->done && f->status == TD_ERR_UNAVAILABLE;
+  snprintf(what, sizeof what, "%s of the wait for %s%s", lost ? "peer lost" : "deadline",
            f->fl_peer >= 0 ? "call " : "a future", f->fl_peer >= 0 ? f->fl_name : "");
   td__flight_deadline(what);
 }
@@ -350,7 +353,7 @@ td_status td_future_wait(td_future *f, td_timeout_ms timeout_ms) {
   bool done = f->done;
   pthread_mutex_unlock(&f->mu);
   if (blocked) {
-    if (!done || f->status == TD_ERR_TIMEOUT) wait_expired(f);
+    if (!done || wait_dumps(f->status)) wait_expired(f);
     ev.kind = TD__FL_WAIT_END;
     ev.b = done ? (uint64_t)f->status : (uint64_t)TD_ERR_TIMEOUT;
     td__flight_pop(&ev, f->fl_name);
@@ -579,7 +582,7 @@ td_status td_future_wait_all(td_future *const *fs, int n, td_timeout_ms timeout_
   pthread_cond_destroy(&w.cv);
   pthread_mutex_destroy(&w.mu);
   td__free(nodes);
-  if (r == 0 || (r < 0 && td_future_status(fs[failed]) == TD_ERR_TIMEOUT))
+  if (r == 0 || (r < 0 && wait_dumps(td_future_status(fs[failed]))))
     wait_expired(fs[r == 0 ? first : failed]);
   ev.kind = TD__FL_WAIT_END;
   ev.b = r > 0 ? TD_OK : r < 0 ? (uint64_t)td_future_status(fs[failed]) : (uint64_t)TD_ERR_TIMEOUT;

@@ -267,6 +267,18 @@ static const char *about(int kind, unsigned long long id, char *buf, size_t n) {
   return buf;
 }
 
+/* about() for a call: an RRef request goes to the RRef's owner (__rref_confirm goes from it). */
+static const char *about_call(const job *j, const char *fn, int callee, int kind,
+                              unsigned long long id, char *buf, size_t n) {
+  char w[200];
+  about(kind, id, buf, n);
+  if (kind == SUBJ_RREF && strncmp(fn, "__rref_", 7) == 0 && strcmp(fn, "__rref_confirm") != 0) {
+    size_t l = strlen(buf);
+    snprintf(buf + l, n - l, " (owned by %s)", who(j, callee, w, sizeof w));
+  }
+  return buf;
+}
+
 static void describe_coll(const rec *r, char *buf, size_t n) {
   const char *dt = r->x < sizeof dtype_names / sizeof *dtype_names ? dtype_names[r->x] : "?";
   const char *al = r->y < sizeof algo_names / sizeof *algo_names ? algo_names[r->y] : "?";
@@ -299,7 +311,8 @@ static void describe(const job *j, const rec *r, char *buf, size_t n) {
       if (r->x == 1) snprintf(set, sizeof set, " (td_future_wait_all of %u, first not done)", r->c);
       if (r->peer >= 0)
         snprintf(buf, n, "waiting on call %s #%llu to %s%s%s", r->name, r->a,
-                 who(j, r->peer, w, sizeof w), about(r->y, r->b, ab, sizeof ab), set);
+                 who(j, r->peer, w, sizeof w),
+                 about_call(j, r->name, r->peer, r->y, r->b, ab, sizeof ab), set);
       else snprintf(buf, n, "waiting on a future%s%s", about(r->y, r->b, ab, sizeof ab), set);
       break;
     }
@@ -725,7 +738,7 @@ static node queued(const job *j, const call *c, const dump *p, int depth, char *
       const call *x = &fk[i];
       if (x->callee != u->peer || strncmp(x->name, "__rref_fork", sizeof x->name) != 0) continue;
       printf("    %s sent %s #%llu to %s%s, still unanswered\n", who(j, parent->rank, b, sizeof b),
-             x->name, x->id, o, about(x->sk, x->sid, ab, sizeof ab));
+             x->name, x->id, o, about_call(j, x->name, x->callee, x->sk, x->sid, ab, sizeof ab));
       return follow_call(j, x, depth + 1, end, n);
     }
     snprintf(end, n, "%s never confirmed %s to %s (no outstanding fork recorded)", o, rs, a);
@@ -742,7 +755,7 @@ static node follow_call(const job *j, const call *c, int depth, char *end, size_
   int caller = c->from->rank;
   const dump *p = dump_of(j, c->callee);
   who(j, c->callee, a, sizeof a);
-  about(c->sk, c->sid, ab, sizeof ab);
+  about_call(j, c->name, c->callee, c->sk, c->sid, ab, sizeof ab);
   if (depth > 16) {
     snprintf(end, n, "the chain is too long to follow");
     return none;
@@ -777,7 +790,7 @@ static node follow_call(const job *j, const call *c, int depth, char *end, size_
     call next[1];
     if (pending_calls(p, sk, he->b, next, 1)) {
       printf("    %s's call %s #%llu to %s%s is %s\n", a, next[0].name, next[0].id,
-             who(j, next[0].callee, f, sizeof f), about(next[0].sk, next[0].sid, ab, sizeof ab),
+             who(j, next[0].callee, f, sizeof f), about_call(j, next[0].name, next[0].callee, next[0].sk, next[0].sid, ab, sizeof ab),
              find_ev(p, K_RPC_DONE, next[0].callee, next[0].id) ? "the one that failed"
                                                                : "outstanding");
       return follow_call(j, &next[0], depth + 1, end, n);
@@ -819,7 +832,7 @@ static bool waited_call(const job *j, node cur, call *out, char *end, size_t n) 
       char c[200], ab[120];
       printf("    %s thread %d: %s; its pending call: %s #%llu to %s%s\n", a, cur.tid, b,
              out->name, out->id, who(j, out->callee, c, sizeof c),
-             about(out->sk, out->sid, ab, sizeof ab));
+             about_call(j, out->name, out->callee, out->sk, out->sid, ab, sizeof ab));
       return true;
     }
   }
@@ -886,18 +899,22 @@ static void report_rpc(const job *j) {
       /* chains start at threads that are not handlers themselves (the callers at the top) */
       if (o->depth != 0 || (o->kind != K_WAIT_BEGIN && o->kind != K_SCOPE_BEGIN)) continue;
       const rec *in = innermost(d, o->tid);
-      char a[200], b[400], ab[120], c[200];
-      describe(j, in, b, sizeof b);
-      printf("%s thread %d is %s:\n", who(j, d->rank, a, sizeof a), o->tid, b);
+      char a[200], b[400], b2[400], ab[120], c[200];
+      describe(j, o, b, sizeof b);
+      describe(j, in, b2, sizeof b2);
+      printf("%s thread %d is %s%s%s:\n", who(j, d->rank, a, sizeof a), o->tid, b,
+             in != o ? ", " : "", in != o ? b2 : "");
       if (in->kind == K_SCOPE_BEGIN && strcmp(in->name, "rpc_shutdown") == 0) {
         call pc[4];
         int np = pending_calls(d, -1, 0, pc, 4);
         for (int q = 0; q < np; q++) { /* shutdown waits for every outstanding call */
           printf("  outstanding call %s #%llu to %s%s:\n", pc[q].name, pc[q].id,
-                 who(j, pc[q].callee, c, sizeof c), about(pc[q].sk, pc[q].sid, ab, sizeof ab));
+                 who(j, pc[q].callee, c, sizeof c), about_call(j, pc[q].name, pc[q].callee, pc[q].sk, pc[q].sid, ab, sizeof ab));
           report_chain(j, (node){d, o->tid}, &pc[q]);
         }
-        if (np) continue;
+        if (!np)
+          printf("  no outstanding call of its own: it waits for the other workers' work\n");
+        continue;
       }
       report_chain(j, (node){d, o->tid}, NULL);
     }
