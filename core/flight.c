@@ -252,6 +252,23 @@ td__flight_subj td__flight_open_subject(void) {
   return (td__flight_subj){s->stack[s->depth - 1].y, s->stack[s->depth - 1].b};
 }
 
+static td__wait_totals totals;
+
+void td__flight_count_wait(uint64_t ns) {
+  __atomic_add_fetch(&totals.wait_ns, ns, __ATOMIC_RELAXED);
+}
+
+void td__flight_count_coll(uint64_t ns) {
+  __atomic_add_fetch(&totals.coll_ns, ns, __ATOMIC_RELAXED);
+  __atomic_add_fetch(&totals.coll_n, 1, __ATOMIC_RELAXED);
+}
+
+void td__flight_wait_totals(td__wait_totals *out) {
+  out->wait_ns = __atomic_load_n(&totals.wait_ns, __ATOMIC_RELAXED);
+  out->coll_ns = __atomic_load_n(&totals.coll_ns, __ATOMIC_RELAXED);
+  out->coll_n = __atomic_load_n(&totals.coll_n, __ATOMIC_RELAXED);
+}
+
 uint64_t td__flight_claimed(void) { return __atomic_load_n(&claimed, __ATOMIC_ACQUIRE); }
 
 /* Claim i's record if it is still in the ring and complete. */

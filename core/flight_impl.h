@@ -133,6 +133,17 @@ static inline uint32_t td__flight_timeout_field(int64_t ms) {
   return ms < 0 || ms >= (int64_t)UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
 }
 
+/* Process-wide totals for tdistrun --summary (kept whether or not the recorder is on):
+ * td__flight_count_wait adds a blocking wait of ns (td_future_wait and td_future_wait_all when
+ * they block, a collective run on the caller's thread); td__flight_count_coll adds a collective's
+ * time from entry to exit on this member (where it ran). Relaxed atomic additions. */
+typedef struct td__wait_totals {
+  uint64_t wait_ns, coll_ns, coll_n;
+} td__wait_totals;
+void td__flight_count_wait(uint64_t ns);
+void td__flight_count_coll(uint64_t ns);
+void td__flight_wait_totals(td__wait_totals *out);
+
 /* td__flight_deadline is called by a thread whose blocking call reached its deadline (or failed
  * while blocked), before it closes its open record, with what happened (the dump's reason): it
  * dumps when a dump directory is set

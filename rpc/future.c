@@ -346,6 +346,7 @@ td_status td_future_wait(td_future *f, td_timeout_ms timeout_ms) {
   pthread_mutex_lock(&f->mu);
   bool blocked = !f->done && timeout_ms != 0;
   td__flight_ev ev = wait_ev(f, timeout_ms);
+  uint64_t t0 = blocked ? td__now_ns() : 0;
   if (blocked) td__flight_push(&ev, f->fl_name);
   while (!f->done && timeout_ms != 0) {
     if (cond_wait_pumped(&f->cv, &f->mu, timeout_ms < 0 ? NULL : &deadline) == ETIMEDOUT) break;
@@ -353,6 +354,7 @@ td_status td_future_wait(td_future *f, td_timeout_ms timeout_ms) {
   bool done = f->done;
   pthread_mutex_unlock(&f->mu);
   if (blocked) {
+    td__flight_count_wait(td__now_ns() - t0);
     if (!done || wait_dumps(f->status)) wait_expired(f);
     ev.kind = TD__FL_WAIT_END;
     ev.b = done ? (uint64_t)f->status : (uint64_t)TD_ERR_TIMEOUT;
@@ -556,6 +558,7 @@ td_status td_future_wait_all(td_future *const *fs, int n, td_timeout_ms timeout_
   ev.x = 1;
   ev.c = (uint32_t)n;
   td__flight_push(&ev, fs[first]->fl_name);
+  uint64_t t0 = td__now_ns();
   bool timed_out = false;
   for (;;) {
     r = scan(fs, n, &failed);
@@ -579,6 +582,7 @@ td_status td_future_wait_all(td_future *const *fs, int n, td_timeout_ms timeout_
     if (nodes[i].next) nodes[i].next->prev = nodes[i].prev;
     pthread_mutex_unlock(&f->mu);
   }
+  td__flight_count_wait(td__now_ns() - t0);
   pthread_cond_destroy(&w.cv);
   pthread_mutex_destroy(&w.mu);
   td__free(nodes);

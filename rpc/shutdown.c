@@ -221,6 +221,12 @@ static void write_summary(td_rpc_agent *a) {
           (unsigned long long)s.traffic.direct_bytes_sent,
           (unsigned long long)s.traffic.direct_bytes_received, (double)s.handler_ns * 1e-9,
           (double)s.sync_wait_ns * 1e-9);
+  /* every blocking wait of the process (futures, RRef fetches, distributed backward, collectives
+   * on the caller's thread), and its time inside collectives (straggler scores) */
+  td__wait_totals w;
+  td__flight_wait_totals(&w);
+  fprintf(f, "wait_s %.3f\ncoll_s %.3f\ncoll_ops %llu\n", (double)w.wait_ns * 1e-9,
+          (double)w.coll_ns * 1e-9, (unsigned long long)w.coll_n);
   if (fclose(f) == 0) rename(tmp, path);
   else unlink(tmp);
 }

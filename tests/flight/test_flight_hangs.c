@@ -257,6 +257,45 @@ static void test_flight_tdistrun_hang_timeout_reports_and_stops(void **state) {
     if (try_s_ != TD_OK) return try_s_; \
   } while (0)
 
+/* ---- tdistrun --summary: waits and stragglers ---- */
+
+/* The summary's row of rank (whitespace-separated columns) into cols; the number of columns. */
+static int summary_row(const char *err, int rank, char cols[][64], int max) {
+  const char *p = strstr(err, "summary of node 0");
+  while (p && (p = strchr(p, '\n'))) {
+    char line[512];
+    p++;
+    snprintf(line, sizeof line, "%.*s", (int)strcspn(p, "\n"), p);
+    int n = 0;
+    for (char *save = NULL, *w = strtok_r(line, " ", &save); w && n < max;
+         w = strtok_r(NULL, " ", &save))
+      snprintf(cols[n++], 64, "%s", w);
+    if (n > 1 && cols[0][0] >= '0' && cols[0][0] <= '9' && atoi(cols[0]) == rank) return n;
+  }
+  return 0;
+}
+
+static void test_flight_tdistrun_summary_counts_every_wait_and_the_straggler(void **state) {
+  (void)state;
+  char run[] = TDISTRUN_PATH, worker[] = SUMMARY_WORKER_PATH;
+  char *argv[] = {run, "--standalone", "--nproc-per-node", "2", "--summary", worker, NULL};
+  td_proc p;
+  assert_int_equal(td_proc_spawn(&p, run, argv, NULL, true), 0);
+  assert_int_equal(td_proc_finish(&p, 60), 0);
+  char r0[16][64], r1[16][64];
+  int n0 = summary_row(p.err, 0, r0, 16), n1 = summary_row(p.err, 1, r1, 16);
+  /* rank worker calls failed served sent recv handlers waiting coll straggler */
+  bool ok = WIFEXITED(p.status) && WEXITSTATUS(p.status) == 0 && n0 == 11 && n1 == 11;
+  /* rank 0 waited ~0.5 s in collectives and ~0.6 s on futures and an RRef fetch (no td_rpc_sync) */
+  ok = ok && atof(r0[8]) >= 1.0;
+  /* rank 1 came ~0.1 s late to each of 5 all_reduces: the others waited ~0.5 s for it */
+  ok = ok && atof(r1[10]) >= 0.35 && atof(r0[10]) == 0.0;
+  if (!ok || getenv("TD_FLIGHT_TEST_PRINT"))
+    fprintf(stderr, "tdistrun status %#x\nstderr:\n%s\n", p.status, p.err);
+  td_proc_free(&p);
+  assert_true(ok);
+}
+
 /* ---- the matrix's harness: a job in the background, dumped as tdistrun would ----
  * The job runs in a child (td_mp_run there); this process waits for the deadline dumps of the
  * workers that wait (`waiters`), sends SIGUSR1 to the workers stuck in their own code (`stuck`,
@@ -709,6 +748,9 @@ int main(void) {
                                       setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_flight_tdistrun_hang_timeout_reports_and_stops,
                                       setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(
+          test_flight_tdistrun_summary_counts_every_wait_and_the_straggler, setup_dir,
+          teardown_dir),
       cmocka_unit_test_setup_teardown(test_flight_names_collectives_called_in_different_orders,
                                       setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_flight_names_a_stopped_rank, setup_dir, teardown_dir),
