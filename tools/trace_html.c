@@ -361,7 +361,7 @@ static void write_flows(const trace *tr, FILE *o) {
       const ev *f = &tr->e[k];
       if (f->ph != 'f' || f->id != s->id || f->track < 0) continue;
       fprintf(o, "<line class=\"flow\" data-t=\"%.3f\" data-t2=\"%.3f\" x1=\"%.2f\" y1=\"%.1f\" "
-              "x2=\"%.2f\" y2=\"%.1f\"/>\n", s->ts - tr->t0, f->ts - tr->t0, px(tr, s->ts),
+              "x2=\"%.2f\" y2=\"%.1f\" stroke=\"#c00\" stroke-opacity=\"0.6\"/>\n", s->ts - tr->t0, f->ts - tr->t0, px(tr, s->ts),
               tr->t[s->track].y + ROW_PX / 2.0, px(tr, f->ts), tr->t[f->track].y + ROW_PX / 2.0);
       break;
     }
@@ -420,7 +420,15 @@ static int write_page(const trace *tr, const char *src, FILE *o) {
   fprintf(o, "<svg id=\"tl\" width=\"%d\" height=\"%.0f\" "
           "data-label=\"%d\" data-width=\"%d\" data-span=\"%.3f\">\n",
           LABEL_PX + WIDTH_PX + 20, height, LABEL_PX, WIDTH_PX, span);
-  fputs("<g id=\"axis\"></g>\n", o);
+  fputs("<g id=\"axis\">", o); /* drawn again by the script as it zooms */
+  double step = 1;
+  while (span / step > 10) step *= 10;
+  while (span / step < 4) step /= 2;
+  for (double u = 0; u <= span; u += step)
+    fprintf(o, "<line x1=\"%.2f\" x2=\"%.2f\" y1=\"22\" y2=\"32\" stroke=\"#666\"/>"
+            "<text x=\"%.2f\" y=\"18\">%.3f ms</text>", px(tr, tr->t0 + u), px(tr, tr->t0 + u),
+            px(tr, tr->t0 + u) + 2, u * 1e-3);
+  fputs("</g>\n", o);
   for (int t = 0; t < tr->nt; t++) {
     fprintf(o, "<rect x=\"0\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"%s\"/>", tr->t[t].y - 4,
             LABEL_PX + WIDTH_PX + 20, tr->t[t].rows * ROW_PX + 8, t % 2 ? "#f4f4f4" : "#fafafa");
