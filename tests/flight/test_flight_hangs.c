@@ -334,6 +334,63 @@ static void stall(const char *mark) {
   TD_TEST_POLL(has_file("release"), RELEASE_S);
 }
 
+/* ---- a dump never waits on the network thread ---- */
+
+/* spin (worker1, TD_RPC_INLINE: it runs on the network thread): holds that thread, breaking the
+ * inline contract on purpose, until the test has its dumps */
+static td_status fn_spin(td_rpc_ctx *ctx, td_value *const *args, int n, td_value **res,
+                         td_future **fut) {
+  (void)ctx, (void)args, (void)n, (void)fut;
+  make_file("spinning");
+  TD_TEST_POLL(has_file("unspin"), RELEASE_S);
+  *res = td_value_none();
+  return TD_OK;
+}
+
+static int worker_spin(int rank, int world, const char *im, void *arg) {
+  (void)arg;
+  MP_CHECK_OK(td_rpc_register_ex("spin", fn_spin, NULL, TD_RPC_INLINE));
+  td_rpc_agent *a = join(rank, world, im, 2);
+  td_future *f = NULL;
+  if (rank == 0) MP_CHECK_OK(td_rpc_async(a, "worker1", "spin", NULL, 0, NULL, &f));
+  if (rank == 1) {
+    TD_TEST_POLL(has_file("spinning"), 30);
+    MP_CHECK(has_file("spinning"));
+    /* the network thread is stuck: SIGUSR1 and td_debug_dump still write dumps */
+    MP_CHECK(raise(SIGUSR1) == 0);
+    TD_TEST_POLL(own_dump(1), 10);
+    MP_CHECK(own_dump(1));
+    char p[600];
+    snprintf(p, sizeof p, "%s/worker1.flight", dir);
+    MP_CHECK(unlink(p) == 0);
+    MP_CHECK_OK(td_debug_dump("while the network thread spins"));
+    MP_CHECK(own_dump(1));
+    MP_CHECK(has_file("spinning") && !has_file("unspin")); /* it was held all along */
+    make_file("unspin");
+  }
+  if (rank == 0) {
+    MP_CHECK_OK(td_future_wait(f, TD_TIMEOUT_INFINITE));
+    td_future_unref(f);
+  }
+  td_mp_finish(a, 30);
+  return 0;
+}
+
+static void test_flight_dumps_while_the_network_thread_is_stuck(void **state) {
+  (void)state;
+  TD_MP_RUN(2, worker_spin, NULL, 60);
+  char p[600];
+  snprintf(p, sizeof p, "%s/worker1.flight", dir);
+  FILE *f = fopen(p, "r");
+  char text[1 << 16] = "";
+  size_t got = f ? fread(text, 1, sizeof text - 1, f) : 0;
+  if (f) fclose(f);
+  text[got] = 0;
+  assert_non_null(strstr(text, "reason while the network thread spins\n"));
+  assert_non_null(strstr(text, " handler_start 0 ")); /* spin's open record (from rank 0) */
+  assert_non_null(strstr(text, " spin\n"));
+}
+
 typedef struct hang_case {
   int world;
   td_mp_fn fn;
@@ -734,7 +791,9 @@ static void test_flight_names_the_dead_owner_of_an_optimizer_step(void **state) 
       "is in dist_optim_step, in context 0:", "waiting on call __rref_call #",
       "to worker1 (rank 1), about RRef 0:", "(owned by worker1 (rank 1))",
       "culprit: worker1 (rank 1) left no dump: dead: its process",
-      "it never answered __rref_call #", NULL});
+      "it never answered __rref_call #",
+      /* what its peers recorded of it: when it was last heard from, the calls its death failed */
+      "peers: last heard from at ", "call to it failed with its connection lost", NULL});
 }
 
 int main(void) {
@@ -747,6 +806,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_flight_names_an_rpc_cycle_through_an_exhausted_pool,
                                       setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_flight_tdistrun_hang_timeout_reports_and_stops,
+                                      setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_flight_dumps_while_the_network_thread_is_stuck,
                                       setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(
           test_flight_tdistrun_summary_counts_every_wait_and_the_straggler, setup_dir,
