@@ -352,7 +352,11 @@ static int worker_spin(int rank, int world, const char *im, void *arg) {
   MP_CHECK_OK(td_rpc_register_ex("spin", fn_spin, NULL, TD_RPC_INLINE));
   td_rpc_agent *a = join(rank, world, im, 2);
   td_future *f = NULL;
-  if (rank == 0) MP_CHECK_OK(td_rpc_async(a, "worker1", "spin", NULL, 0, NULL, &f));
+  if (rank == 1) make_file("ready"); /* its init needs the network thread: done first */
+  if (rank == 0) {
+    TD_TEST_POLL(has_file("ready"), 30);
+    MP_CHECK_OK(td_rpc_async(a, "worker1", "spin", NULL, 0, NULL, &f));
+  }
   if (rank == 1) {
     TD_TEST_POLL(has_file("spinning"), 30);
     MP_CHECK(has_file("spinning"));
@@ -793,7 +797,7 @@ static void test_flight_names_the_dead_owner_of_an_optimizer_step(void **state) 
       "culprit: worker1 (rank 1) left no dump: dead: its process",
       "it never answered __rref_call #",
       /* what its peers recorded of it: when it was last heard from, the calls its death failed */
-      "peers: last heard from at ", "call to it failed with its connection lost", NULL});
+      "peers: last heard from at ", "to it failed with its connection lost", NULL});
 }
 
 int main(void) {
