@@ -860,7 +860,7 @@ static void init_trace(td_rpc_agent *a) {
   const char *dir = getenv("TD_TRACE");
   if (dir && *dir && !td_trace_enabled() && td_trace_start(dir) == TD_OK) a->trace_owned = true;
   init_flight(a);
-  bool flight = td__flight_state > 0;
+  bool flight = __atomic_load_n(&td__flight_state, __ATOMIC_ACQUIRE) > 0; /* set by any thread */
   if (td_trace_enabled()) td__trace_set_process(a->rank, a->name);
   if ((!td_trace_enabled() && !flight) || a->rank == 0) return;
   int64_t best_rtt = INT64_MAX, offset = 0;
