@@ -114,17 +114,29 @@ static void test_trace_records_spans_from_threads(void **state) {
 
 /* A collective is one span of category "collective" named after the operation, with its size
  * and algorithm (a group of one worker runs the local algorithm). */
-static void test_trace_records_collectives(void **state) {
-  (void)state;
-  char dir[] = "/tmp/td_trace_XXXXXX";
-  assert_non_null(mkdtemp(dir));
+/* A one-worker agent "solo" on 127.0.0.1 and its process group. */
+static td_rpc_agent *solo_start(td_process_group **pg) {
   td_rpc_options o;
   td_rpc_options_init(&o);
   o.init_method = "tcp://127.0.0.1:0";
   td_rpc_agent *a;
   TD_ASSERT_OK(td_rpc_init("solo", 0, 1, &o, &a));
+  TD_ASSERT_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, pg));
+  return a;
+}
+
+static void solo_finish(td_rpc_agent *a, td_process_group *pg) {
+  td_process_group_destroy(pg);
+  TD_ASSERT_OK(td_rpc_shutdown(a, true, TD_TIMEOUT_DEFAULT));
+  td_rpc_destroy(a);
+}
+
+static void test_trace_records_collectives(void **state) {
+  (void)state;
+  char dir[] = "/tmp/td_trace_XXXXXX";
+  assert_non_null(mkdtemp(dir));
   td_process_group *pg;
-  TD_ASSERT_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
+  td_rpc_agent *a = solo_start(&pg);
   float v[4] = {1, 2, 3, 4};
   int64_t shape[1] = {4};
   td_tensor *t;
@@ -134,9 +146,7 @@ static void test_trace_records_collectives(void **state) {
   TD_ASSERT_OK(td_process_group_barrier(pg));
   TD_ASSERT_OK(td_trace_stop());
   td_tensor_unref(t);
-  td_process_group_destroy(pg);
-  TD_ASSERT_OK(td_rpc_shutdown(a, true, TD_TIMEOUT_DEFAULT));
-  td_rpc_destroy(a);
+  solo_finish(a, pg);
   char path[128];
   snprintf(path, sizeof path, "%s/pid%d.trace.json", dir, (int)getpid());
   char *text = slurp(path);
@@ -404,13 +414,8 @@ static void test_trace_html_page_of_a_merged_run(void **state) {
   assert_non_null(mkdtemp(dir));
   td_rpc_register("echo_fn", fn_echo, NULL);
   TD_ASSERT_OK(td_trace_start(dir)); /* before init: the agent names its track */
-  td_rpc_options o;
-  td_rpc_options_init(&o);
-  o.init_method = "tcp://127.0.0.1:0";
-  td_rpc_agent *a;
-  TD_ASSERT_OK(td_rpc_init("solo", 0, 1, &o, &a));
   td_process_group *pg;
-  TD_ASSERT_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
+  td_rpc_agent *a = solo_start(&pg);
   float v[4] = {1, 2, 3, 4};
   int64_t shape[1] = {4};
   td_tensor *t;
@@ -423,9 +428,7 @@ static void test_trace_html_page_of_a_merged_run(void **state) {
   td_trace_instant("checkpoint_mark", "user");
   td_trace_end();
   td_tensor_unref(t);
-  td_process_group_destroy(pg);
-  TD_ASSERT_OK(td_rpc_shutdown(a, true, TD_TIMEOUT_DEFAULT));
-  td_rpc_destroy(a);
+  solo_finish(a, pg);
   TD_ASSERT_OK(td_trace_stop());
   char json[160], html[160];
   snprintf(json, sizeof json, "%s/run.json", dir);
