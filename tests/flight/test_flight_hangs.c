@@ -8,7 +8,13 @@
  *   - an RPC cycle through an exhausted pool: worker0 calls outer on worker1 (one handler thread),
  *     outer calls mid on worker0, mid calls inner on worker1, which waits behind outer;
  *   - tdistrun --hang-timeout on a job whose rank 1 never enters a barrier (deadline 60 s): the
- *     launcher sees no progress, SIGUSR1s the workers, prints the report and exits with 3.
+ *     launcher sees no progress, SIGUSR1s the workers, prints the report and exits with 3;
+ *   - collectives in different orders on two groups; a SIGSTOPped rank; nested calls exhausting
+ *     the callee's pool; an unconfirmed RRef at shutdown; a lost distributed backward hop; an
+ *     optimizer step whose parameters' owner is SIGKILLed while it waits (explained by its peers'
+ *     records);
+ *   - a dump while the network thread is stuck; tdistrun --summary's waiting time and straggler
+ *     scores.
  * The deadlines are the hangs under test: they do not scale (CONTRIBUTING, "Timing"). The matrix's
  * other cases (below, "the matrix's harness") run the job in the background and dump the stuck
  * workers from outside, as tdistrun --hang-timeout does. */
@@ -402,6 +408,7 @@ typedef struct hang_case {
   const char *const *waiters; /* dump at their own deadline */
   const char *const *stuck;   /* dumped by SIGUSR1 */
   const char *stopped;        /* a worker that SIGSTOPs itself (continued at the end) */
+  int killed;                 /* workers that end killed by a signal (not a failure) */
 } hang_case;
 
 static bool all_dumped(const char *const *names) {
@@ -420,7 +427,7 @@ static const char *run_case(const hang_case *hc, const char *const *words) {
   fflush(NULL);
   pid_t job = fork();
   assert_true(job >= 0);
-  if (job == 0) _exit(td_mp_run(hc->world, hc->fn, hc->arg, 60, NULL) == 0 ? 0 : 1);
+  if (job == 0) _exit(td_mp_run(hc->world, hc->fn, hc->arg, 60, NULL) == hc->killed ? 0 : 1);
   TD_TEST_POLL(all_dumped(hc->waiters), 30);
   double t_dumped = td_test_now_s(); /* the waiters' deadline has just passed */
   bool ok = all_dumped(hc->waiters);
@@ -748,12 +755,13 @@ static bool arrived(const char *fn) {
 }
 
 /* doom (worker1, one handler thread): holds the pool until an RRef call (the optimizer's step)
- * has arrived behind it, then the whole process dies without a word */
+ * has arrived behind it, then the whole process is SIGKILLed: no dump, no word */
 static td_status fn_doom(td_rpc_ctx *ctx, td_value *const *args, int n, td_value **res,
                          td_future **fut) {
   (void)ctx, (void)args, (void)n, (void)res, (void)fut;
   TD_TEST_POLL(arrived("__rref_call"), RELEASE_S);
-  _exit(0);
+  raise(SIGKILL);
+  return TD_ERR_INTERNAL;
 }
 
 static int worker_optim(int rank, int world, const char *im, void *arg) {
@@ -762,7 +770,7 @@ static int worker_optim(int rank, int world, const char *im, void *arg) {
   td_rpc_register("doom", fn_doom, NULL);
   td_rpc_agent *a = join(rank, world, im, rank == 1 ? 1 : 2);
   if (rank == 1) {
-    TD_TEST_POLL(false, RELEASE_S); /* until it dies in doom */
+    TD_TEST_POLL(false, RELEASE_S); /* until it is killed in doom */
     _exit(1);
   }
   td_rref *p;
@@ -789,7 +797,7 @@ static int worker_optim(int rank, int world, const char *im, void *arg) {
 static void test_flight_names_the_dead_owner_of_an_optimizer_step(void **state) {
   (void)state;
   const char *const waiters[] = {"worker0", NULL};
-  hang_case hc = {2, worker_optim, NULL, waiters, NULL, NULL};
+  hang_case hc = {2, worker_optim, NULL, waiters, NULL, NULL, 1};
   run_case(&hc, (const char *const[]){
       "worker1 (rank 1): no dump: dead: its process",
       "is in dist_optim_step, in context 0:", "waiting on call __rref_call #",
