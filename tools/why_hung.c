@@ -482,12 +482,17 @@ static void report_rpc(const job *j) {
       /* chains start at threads that are not handlers themselves (the callers at the top) */
       if (o->depth != 0 || (o->kind != K_WAIT_BEGIN && o->kind != K_SCOPE_BEGIN)) continue;
       const rec *in = td__wh_innermost(d, o->tid);
+      bool shutdown = in->kind == K_SCOPE_BEGIN && strcmp(in->name, "rpc_shutdown") == 0;
+      if (in->kind != K_WAIT_BEGIN && in->kind != K_SCOPE_BEGIN) continue; /* e.g. a collective */
+      if (!(in->kind == K_WAIT_BEGIN && in->peer >= 0) && !shutdown &&
+          !stack_subject(d, o->tid))
+        continue; /* a wait on a future nothing says more about (the listing shows it) */
       char a[200], b[400], b2[400], ab[120], c[200];
       td__wh_describe(j, o, b, sizeof b);
       td__wh_describe(j, in, b2, sizeof b2);
       printf("%s thread %d is %s%s%s:\n", td__wh_who(j, d->rank, a, sizeof a), o->tid, b,
              in != o ? ", " : "", in != o ? b2 : "");
-      if (in->kind == K_SCOPE_BEGIN && strcmp(in->name, "rpc_shutdown") == 0) {
+      if (shutdown) {
         call pc[4];
         int np = pending_calls(d, -1, 0, pc, 4);
         for (int q = 0; q < np; q++) { /* shutdown waits for every outstanding call */

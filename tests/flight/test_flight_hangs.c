@@ -457,7 +457,7 @@ static const char *run_case(const hang_case *hc, const char *const *words) {
       ok = false;
     }
   /* printed, not asserted (a figure, not a test): the report's delay after the deadline dumps */
-  fprintf(stderr, "why-hung report %.2f s after the waiting workers' deadline dumps\n",
+  fprintf(stderr, "why-hung report %.3f s after the waiting workers' deadline dumps\n",
           td_test_now_s() - t_dumped);
   if (!ok || getenv("TD_FLIGHT_TEST_PRINT")) fprintf(stderr, "why-hung report:\n%s\n", report);
   make_file("release");
