@@ -383,7 +383,14 @@ static node follow_call(const job *j, const call *c, int depth, char *end, size_
     return none;
   }
   if (he) {
-    snprintf(end, n, "%s finished %s #%llu: its reply is lost or late", a, c->name, c->id);
+    /* a reply sent moments before the caller's dump is on its way, not a cause */
+    double age = td__wh_rel_s(j, c->from, c->from->now) - td__wh_rel_s(j, p, he->ts);
+    if (age < 1.0)
+      snprintf(end, n, "note: %s finished %s #%llu %.3f s before the caller's dump: its reply was "
+               "on its way", a, c->name, c->id, age);
+    else
+      snprintf(end, n, "%s finished %s #%llu %.3f s before the caller's dump: its reply is lost or "
+               "late", a, c->name, c->id, age);
     return none;
   }
   if (find_ev(p, K_RPC_RECV, caller, c->id)) return queued(j, c, p, depth, end, n);
@@ -468,7 +475,7 @@ static void report_chain(const job *j, node start, const call *first) {
     }
     cur = have ? follow_call(j, &c, 0, end, sizeof end) : (node){NULL, 0};
     if (!cur.d) {
-      printf("culprit: %s\n", end);
+      printf("%s%s\n", strncmp(end, "note: ", 6) == 0 ? "" : "culprit: ", end);
       return;
     }
   }

@@ -334,6 +334,16 @@ static void make_file(const char *name) {
   if (f) fclose(f);
 }
 
+/* This process's flight recorder holds the arrival of a call of fn. */
+static bool arrived(const char *fn) {
+  static td__flight_rec snap[TD__FLIGHT_RING];
+  size_t n = td__flight_snapshot(snap, TD__FLIGHT_RING);
+  for (size_t i = 0; i < n; i++)
+    if (snap[i].kind == TD__FL_RPC_RECV && strncmp(snap[i].name, fn, TD__FLIGHT_NAME) == 0)
+      return true;
+  return false;
+}
+
 /* User code stuck until the test has looked at the dumps (bounded). */
 static void stall(const char *mark) {
   if (mark) make_file(mark);
@@ -409,6 +419,7 @@ typedef struct hang_case {
   const char *const *stuck;   /* dumped by SIGUSR1 */
   const char *stopped;        /* a worker that SIGSTOPs itself (continued at the end) */
   int killed;                 /* workers that end killed by a signal (not a failure) */
+  const char *const *ready;   /* files in DIR the stuck workers make once stuck */
 } hang_case;
 
 static bool all_dumped(const char *const *names) {
@@ -422,16 +433,28 @@ static bool all_dumped(const char *const *names) {
 
 /* Runs the case and its why-hung report, which must hold every word of words (the report is
  * returned in static storage); asserts the job then ended well. */
-static const char *run_case(const hang_case *hc, const char *const *words) {
-  static char report[1 << 16];
-  fflush(NULL);
-  pid_t job = fork();
-  assert_true(job >= 0);
-  if (job == 0) _exit(td_mp_run(hc->world, hc->fn, hc->arg, 60, NULL) == hc->killed ? 0 : 1);
-  TD_TEST_POLL(all_dumped(hc->waiters), 30);
-  double t_dumped = td_test_now_s(); /* the waiters' deadline has just passed */
-  bool ok = all_dumped(hc->waiters);
-  if (!ok) fprintf(stderr, "run_case: the waiting workers did not all dump\n");
+/* This worker's process is stopped (state T), as SIGSTOP leaves it. */
+static bool is_stopped(const char *name) {
+  char p[64], st[512] = "";
+  snprintf(p, sizeof p, "/proc/%d/stat", proc_pid(name));
+  FILE *f = fopen(p, "r");
+  size_t got = f ? fread(st, 1, sizeof st - 1, f) : 0;
+  if (f) fclose(f);
+  st[got] = 0;
+  const char *q = strrchr(st, ')');
+  return q && q[1] == ' ' && q[2] == 'T';
+}
+
+/* Dumps the stuck workers (SIGUSR1, as tdistrun does) and runs why-hung into report; whether it
+ * ran and holds every word (the missing one said on stderr when last is set). */
+static bool dump_and_report(const hang_case *hc, const char *const *words, char *report,
+                            size_t n, bool last) {
+  char f[600];
+  for (int i = 0; hc->stuck && hc->stuck[i]; i++) { /* a fresh dump from each */
+    snprintf(f, sizeof f, "%s/%s.flight", dir, hc->stuck[i]);
+    unlink(f);
+  }
+  bool ok = true;
   for (int i = 0; ok && hc->stuck && hc->stuck[i]; i++) {
     int pid = 0;
     TD_TEST_POLL((pid = proc_pid(hc->stuck[i])) > 0, 10);
@@ -444,7 +467,7 @@ static const char *run_case(const hang_case *hc, const char *const *words) {
   td_proc p;
   report[0] = 0;
   if (ok && td_proc_spawn(&p, tool, argv, NULL, false) == 0 && td_proc_finish(&p, 30) == 0) {
-    snprintf(report, sizeof report, "%s", p.out ? p.out : "");
+    snprintf(report, n, "%s", p.out ? p.out : "");
     ok = WIFEXITED(p.status) && WEXITSTATUS(p.status) == 0;
     if (p.err && p.err[0]) fprintf(stderr, "%s", p.err);
     td_proc_free(&p);
@@ -453,9 +476,41 @@ static const char *run_case(const hang_case *hc, const char *const *words) {
   }
   for (int i = 0; ok && words[i]; i++)
     if (!strstr(report, words[i])) {
-      fprintf(stderr, "why-hung report lacks: %s\n", words[i]);
+      if (last) fprintf(stderr, "why-hung report lacks: %s\n", words[i]);
       ok = false;
     }
+  return ok;
+}
+
+/* Runs the case and its why-hung report, which must hold every word of words (the report is
+ * returned in static storage); asserts the job then ended well. The stuck workers are dumped
+ * once the case's ready marks exist; a worker a moment away from its stuck state (between its
+ * mark and its wait) is dumped again, twice at most, as a person would run why-hung again. */
+static const char *run_case(const hang_case *hc, const char *const *words) {
+  static char report[1 << 16];
+  fflush(NULL);
+  pid_t job = fork();
+  assert_true(job >= 0);
+  if (job == 0) _exit(td_mp_run(hc->world, hc->fn, hc->arg, 60, NULL) == hc->killed ? 0 : 1);
+  TD_TEST_POLL(all_dumped(hc->waiters), 30);
+  double t_dumped = td_test_now_s(); /* the waiters' deadline has just passed */
+  bool ok = all_dumped(hc->waiters);
+  if (!ok) fprintf(stderr, "run_case: the waiting workers did not all dump\n");
+  for (int i = 0; ok && hc->ready && hc->ready[i]; i++) {
+    TD_TEST_POLL(has_file(hc->ready[i]), 30);
+    ok = has_file(hc->ready[i]);
+  }
+  if (ok && hc->stopped) {
+    TD_TEST_POLL(is_stopped(hc->stopped), 30);
+    ok = is_stopped(hc->stopped);
+  }
+  bool found = false;
+  for (int attempt = 0; ok && !found && attempt < 3; attempt++) {
+    if (attempt) td_test_sleep_ms(200);
+    found = dump_and_report(hc, words, report, sizeof report, attempt == 2 || !hc->stuck);
+    if (!hc->stuck) break; /* nothing to dump again: the deadline dumps are what they are */
+  }
+  ok = ok && found;
   /* printed, not asserted (a figure, not a test): the report's delay after the deadline dumps */
   fprintf(stderr, "why-hung report %.3f s after the waiting workers' deadline dumps\n",
           td_test_now_s() - t_dumped);
@@ -546,11 +601,25 @@ static td_status fn_inner_self(td_rpc_ctx *ctx, td_value *const *args, int n, td
   return TD_OK;
 }
 
-/* nest (on worker1, 2 handler threads): a blocking call to worker1 itself from a handler */
+/* nest (on worker1, 2 handler threads): a blocking call to worker1 itself from a handler; marks
+ * nest1 and nest2 say both are about to wait */
 static td_status fn_nest(td_rpc_ctx *ctx, td_value *const *args, int n, td_value **res,
                          td_future **fut) {
   (void)args, (void)n, (void)fut;
-  return call_on(ctx, "worker1", "inner_self", res);
+  static int count;
+  char mark[16];
+  snprintf(mark, sizeof mark, "nest%d", __atomic_add_fetch(&count, 1, __ATOMIC_RELAXED));
+  td_rpc_call_opts o = TD_RPC_CALL_OPTS_INIT;
+  o.timeout_ms = NESTED_MS;
+  td_future *f = NULL;
+  TRY(td_rpc_async(td_rpc_ctx_agent(ctx), "worker1", "inner_self", NULL, 0, &o, &f));
+  make_file(mark);
+  td_status st = td_future_wait(f, TD_TIMEOUT_INFINITE);
+  td_value *v = st == TD_OK ? td_future_value(f) : NULL;
+  if (st == TD_OK) *res = v ? td_value_ref(v) : td_value_none();
+  if (st != TD_OK) td_set_error(st, "%s", td_future_message(f));
+  td_future_unref(f);
+  return st;
 }
 
 static int worker_nested(int rank, int world, const char *im, void *arg) {
@@ -573,7 +642,8 @@ static int worker_nested(int rank, int world, const char *im, void *arg) {
 static void test_flight_names_nested_calls_exhausting_a_pool(void **state) {
   (void)state;
   const char *const waiters[] = {"worker0", NULL}, *const stuck[] = {"worker1", NULL};
-  hang_case hc = {2, worker_nested, NULL, waiters, stuck, NULL};
+  const char *const ready[] = {"nest1", "nest2", NULL};
+  hang_case hc = {2, worker_nested, NULL, waiters, stuck, NULL, 0, ready};
   run_case(&hc, (const char *const[]){
       "(td_future_wait_all of 2, first not done)",
       "culprit: worker1 (rank 1)'s handler pool is exhausted by nested calls: all 2 of its "
@@ -633,6 +703,9 @@ static int worker_unconfirmed(int rank, int world, const char *im, void *arg) {
     MP_CHECK_OK(td_rpc_async(a, "worker1", "stall", NULL, 0, NULL, &f));
   }
   TD_TEST_POLL(has_file("sent"), 30);
+  /* the requests are where the hang needs them before the deadline starts */
+  if (rank == 1) TD_TEST_POLL(arrived("__rref_fork"), 30);
+  if (rank == 2) TD_TEST_POLL(arrived("take"), 30);
   MP_CHECK(td_rpc_shutdown(a, true, HANG_MS) == TD_ERR_TIMEOUT);
   td_future_unref(f);
   td_rref_unref(r);
@@ -661,7 +734,7 @@ static void test_flight_names_the_owner_of_an_unconfirmed_rref_at_shutdown(void 
 
 static td_status stall_hook(void *ctx, const td_tensor *grad, td_tensor **replacement) {
   (void)ctx, (void)grad, (void)replacement;
-  stall(NULL); /* worker2's backward never ends (until the test has seen the dumps) */
+  stall("hooked"); /* worker2's backward never ends (until the test has seen the dumps) */
   return TD_OK;
 }
 
@@ -719,7 +792,8 @@ static int worker_backward(int rank, int world, const char *im, void *arg) {
 static void test_flight_follows_a_lost_backward_hop(void **state) {
   (void)state;
   const char *const waiters[] = {"worker0", NULL}, *const stuck[] = {"worker1", "worker2", NULL};
-  hang_case hc = {3, worker_backward, NULL, waiters, stuck, NULL};
+  const char *const ready[] = {"hooked", NULL};
+  hang_case hc = {3, worker_backward, NULL, waiters, stuck, NULL, 0, ready};
   run_case(&hc, (const char *const[]){
       "is in dist_backward, in context 0:",
       "its pending call: __dist_backward #", "to worker1 (rank 1), in context 0:",
@@ -744,15 +818,6 @@ static td_status fn_param(td_rpc_ctx *ctx, td_value *const *args, int n, td_valu
   return st;
 }
 
-/* This process's flight recorder holds the arrival of a call of fn. */
-static bool arrived(const char *fn) {
-  static td__flight_rec snap[TD__FLIGHT_RING];
-  size_t n = td__flight_snapshot(snap, TD__FLIGHT_RING);
-  for (size_t i = 0; i < n; i++)
-    if (snap[i].kind == TD__FL_RPC_RECV && strncmp(snap[i].name, fn, TD__FLIGHT_NAME) == 0)
-      return true;
-  return false;
-}
 
 /* doom (worker1, one handler thread): holds the pool until an RRef call (the optimizer's step)
  * has arrived behind it, then the whole process is SIGKILLed: no dump, no word */
