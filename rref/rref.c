@@ -285,6 +285,9 @@ static td_status user_new(td__rref_ctx *c, uint64_t id, uint64_t fork, int owner
     td_future_unref(f);
     return td_set_error(TD_ERR_NOMEM, "rref: out of memory");
   }
+  /* a wait on it waits for the owner (the value's creation, or this fork's confirmation) */
+  td__future_set_flight(f, -1, 0, "rref_created");
+  td__future_set_flight_subject(f, TD__FL_SUBJ_RREF, id);
   r->created = f;
   early_confirm *ec = NULL;
   pthread_mutex_lock(&c->mu);

@@ -285,6 +285,26 @@ static const rec *unconfirmed_fork(const dump *d) {
 
 static node follow_call(const job *j, const call *c, int depth, char *end, size_t n);
 
+/* The parent's outstanding __rref_fork for the unconfirmed fork of RRef id that d holds: false
+ * when d holds none, or its parent left no dump or no such call. */
+static bool fork_of(const job *j, const dump *d, unsigned long long id, call *out) {
+  for (int i = d->nev - 1; i >= 0; i--) {
+    const rec *u = &d->ev[i];
+    if (u->kind != K_RREF_FORK || u->x != 1 || u->a != id) continue;
+    const dump *parent = td__wh_dump_of(j, (int)u->c);
+    call fk[4];
+    memset(fk, 0, sizeof fk);
+    int k = parent ? pending_calls(parent, SUBJ_RREF, id, fk, 4) : 0;
+    for (int q = 0; q < k && q < 4; q++)
+      if (fk[q].callee == u->peer && strncmp(fk[q].name, "__rref_fork", sizeof fk[q].name) == 0) {
+        *out = fk[q];
+        return true;
+      }
+    return false;
+  }
+  return false;
+}
+
 /* A call received but never started: the handler threads are busy (the next link is one of them,
  * or the pool is exhausted by calls queued behind their own handlers), or the request waits for
  * the confirmation of an RRef among its arguments (the next link is the fork's parent). */
@@ -423,6 +443,14 @@ static bool waited_call(const job *j, node cur, call *out, char *end, size_t n) 
       printf("    %s thread %d: %s; its pending call: %s #%llu to %s%s\n", a, cur.tid, b,
              out->name, out->id, td__wh_who(j, out->callee, c, sizeof c),
              td__wh_about_call(j, out->name, out->callee, out->sk, out->sid, ab, sizeof ab));
+      return true;
+    }
+    if (s && s->y == SUBJ_RREF && fork_of(j, cur.d, s->b, out)) { /* waits for a confirmation */
+      char c[200], o[200];
+      printf("    %s thread %d: %s; the RRef's owner %s has not confirmed this worker's fork: "
+             "its parent %s sent %s #%llu\n", a, cur.tid, b,
+             td__wh_who(j, out->callee, o, sizeof o), td__wh_who(j, out->from->rank, c, sizeof c),
+             out->name, out->id);
       return true;
     }
   }

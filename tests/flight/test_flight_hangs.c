@@ -730,6 +730,48 @@ static void test_flight_names_the_owner_of_an_unconfirmed_rref_at_shutdown(void 
       "unconfirmed: worker2 (rank 2) holds RRef 0:", NULL});
 }
 
+/* ---- an RRef fetch waiting on its value's creation ---- */
+
+/* stall_make (worker1): the function creating an RRef's value, stuck in user code */
+static td_status fn_stall_make(td_rpc_ctx *ctx, td_value *const *args, int n, td_value **res,
+                               td_future **fut) {
+  (void)ctx, (void)args, (void)n, (void)fut;
+  stall("making");
+  *res = td_value_int(1);
+  return TD_OK;
+}
+
+static int worker_fetch(int rank, int world, const char *im, void *arg) {
+  (void)arg;
+  td_rpc_register("stall_make", fn_stall_make, NULL);
+  td_rpc_agent *a = join(rank, world, im, 2);
+  if (rank == 0) {
+    td_rref *r = NULL;
+    td_future *f = NULL;
+    MP_CHECK_OK(td_remote(a, "worker1", "stall_make", NULL, 0, NULL, &r));
+    /* the fetch (the owner answers once the value exists) is what this thread waits on */
+    MP_CHECK_OK(td_rref_to_here_async(r, HANG_MS, &f));
+    MP_CHECK(td_future_wait(f, TD_TIMEOUT_INFINITE) == TD_ERR_TIMEOUT);
+    td_future_unref(f);
+    td_rref_unref(r);
+  }
+  td_mp_finish(a, 30);
+  return 0;
+}
+
+static void test_flight_follows_an_rref_fetch_to_its_owner(void **state) {
+  (void)state;
+  const char *const waiters[] = {"worker0", NULL}, *const stuck[] = {"worker1", NULL};
+  const char *const ready[] = {"making", NULL};
+  hang_case hc = {2, worker_fetch, NULL, waiters, stuck, NULL, 0, ready};
+  run_case(&hc, (const char *const[]){
+      "waiting on call __rref_fetch #", "to worker1 (rank 1), about RRef 0:",
+      "(owned by worker1 (rank 1))", "worker1 (rank 1) finished handler __rref_fetch #",
+      "its reply waits on a future about RRef 0:",
+      "culprit: worker1 (rank 1) thread", "is running stall_make for worker0 (rank 0), about RRef 0:",
+      "and waits on no other worker", NULL});
+}
+
 /* ---- a lost distributed-autograd hop ---- */
 
 static td_status stall_hook(void *ctx, const td_tensor *grad, td_tensor **replacement) {
@@ -896,6 +938,8 @@ int main(void) {
                                       teardown_dir),
       cmocka_unit_test_setup_teardown(test_flight_names_the_owner_of_an_unconfirmed_rref_at_shutdown,
                                       setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_flight_follows_an_rref_fetch_to_its_owner, setup_dir,
+                                      teardown_dir),
       cmocka_unit_test_setup_teardown(test_flight_follows_a_lost_backward_hop, setup_dir,
                                       teardown_dir),
       cmocka_unit_test_setup_teardown(test_flight_names_the_dead_owner_of_an_optimizer_step,
