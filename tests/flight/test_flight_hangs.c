@@ -10,9 +10,9 @@
  *   - tdistrun --hang-timeout on a job whose rank 1 never enters a barrier (deadline 60 s): the
  *     launcher sees no progress, SIGUSR1s the workers, prints the report and exits with 3;
  *   - collectives in different orders on two groups; a SIGSTOPped rank; nested calls exhausting
- *     the callee's pool; an unconfirmed RRef at shutdown; a lost distributed backward hop; an
- *     optimizer step whose parameters' owner is SIGKILLed while it waits (explained by its peers'
- *     records);
+ *     the callee's pool; an unconfirmed RRef at shutdown; an RRef fetch whose value's creation is
+ *     stuck; a lost distributed backward hop; an optimizer step whose parameters' owner is
+ *     SIGKILLed while it waits (explained by its peers' records);
  *   - a dump while the network thread is stuck; tdistrun --summary's waiting time and straggler
  *     scores.
  * The deadlines are the hangs under test: they do not scale (CONTRIBUTING, "Timing"). The matrix's
