@@ -488,6 +488,7 @@ static bool dump_and_report(const hang_case *hc, const char *const *words, char 
  * mark and its wait) is dumped again, twice at most, as a person would run why-hung again. */
 static const char *run_case(const hang_case *hc, const char *const *words) {
   static char report[1 << 16];
+  report[0] = 0;
   fflush(NULL);
   pid_t job = fork();
   assert_true(job >= 0);
@@ -601,14 +602,19 @@ static td_status fn_inner_self(td_rpc_ctx *ctx, td_value *const *args, int n, td
   return TD_OK;
 }
 
-/* nest (on worker1, 2 handler threads): a blocking call to worker1 itself from a handler; marks
- * nest1 and nest2 say both are about to wait */
+/* nest (on worker1, 2 handler threads): a blocking call to worker1 itself from a handler, made
+ * once both handler threads are in nest (so that no thread is left to run the nested calls,
+ * whatever else the pool ran first); marks nest1 and nest2 say both are about to wait */
 static td_status fn_nest(td_rpc_ctx *ctx, td_value *const *args, int n, td_value **res,
                          td_future **fut) {
   (void)args, (void)n, (void)fut;
   static int count;
+  int k = __atomic_add_fetch(&count, 1, __ATOMIC_RELAXED);
   char mark[16];
-  snprintf(mark, sizeof mark, "nest%d", __atomic_add_fetch(&count, 1, __ATOMIC_RELAXED));
+  snprintf(mark, sizeof mark, "in%d", k);
+  make_file(mark);
+  TD_TEST_POLL(has_file("in1") && has_file("in2"), RELEASE_S);
+  snprintf(mark, sizeof mark, "nest%d", k);
   td_rpc_call_opts o = TD_RPC_CALL_OPTS_INIT;
   o.timeout_ms = NESTED_MS;
   td_future *f = NULL;
@@ -632,7 +638,9 @@ static int worker_nested(int rank, int world, const char *im, void *arg) {
     o.timeout_ms = HANG_MS;
     td_future *fs[2];
     for (int i = 0; i < 2; i++) MP_CHECK_OK(td_rpc_async(a, "worker1", "nest", NULL, 0, &o, &fs[i]));
-    MP_CHECK(td_future_wait_all(fs, 2, TD_TIMEOUT_INFINITE) == TD_ERR_TIMEOUT);
+    td_status st = td_future_wait_all(fs, 2, TD_TIMEOUT_INFINITE);
+    if (st != TD_ERR_TIMEOUT) fprintf(stderr, "nested: %s: %s\n", td_status_str(st), td_last_error());
+    MP_CHECK(st == TD_ERR_TIMEOUT);
     for (int i = 0; i < 2; i++) td_future_unref(fs[i]);
   }
   td_mp_finish(a, 30);
