@@ -327,16 +327,15 @@ static td__flight_ev wait_ev(const td_future *f, td_timeout_ms timeout_ms) {
  * it waits on (TD_ERR_UNAVAILABLE) asks for a dump while its record is still open. */
 static bool wait_dumps(td_status st) { return st == TD_ERR_TIMEOUT || st == TD_ERR_UNAVAILABLE; }
 
-static void wait_expired(const td_future *f) {
+static void wait_expired(const td_future *f, bool lost) {
   char what[120];
-  bool lost = f->done && f->status == TD_ERR_UNAVAILABLE;
   snprintf(what, sizeof what, "%s of the wait for %s%s", lost ? "peer lost" : "deadline",
            f->fl_peer >= 0 ? "call " : "a future", f->fl_peer >= 0 ? f->fl_name : "");
   td__flight_deadline(what);
 }
 
-/* A wait that blocks is an open record of the flight recorder while it lasts; one that ends by
- * its deadline, or by its call's (TD_ERR_TIMEOUT), asks for a dump while still open. */
+/* A wait that blocks is an open record of the flight recorder while it lasts (and counts in the
+ * process's waiting time); one that ends as wait_dumps says asks for a dump while still open. */
 td_status td_future_wait(td_future *f, td_timeout_ms timeout_ms) {
   TD_CHECK_ARG(f, "future_wait: NULL future");
   TD_CHECK_ARG(td__timeout_valid(timeout_ms), "future_wait: invalid timeout %lld",
@@ -355,7 +354,7 @@ td_status td_future_wait(td_future *f, td_timeout_ms timeout_ms) {
   pthread_mutex_unlock(&f->mu);
   if (blocked) {
     td__flight_count_wait(td__now_ns() - t0);
-    if (!done || wait_dumps(f->status)) wait_expired(f);
+    if (!done || wait_dumps(f->status)) wait_expired(f, done && f->status == TD_ERR_UNAVAILABLE);
     ev.kind = TD__FL_WAIT_END;
     ev.b = done ? (uint64_t)f->status : (uint64_t)TD_ERR_TIMEOUT;
     td__flight_pop(&ev, f->fl_name);
@@ -586,10 +585,11 @@ td_status td_future_wait_all(td_future *const *fs, int n, td_timeout_ms timeout_
   pthread_cond_destroy(&w.cv);
   pthread_mutex_destroy(&w.mu);
   td__free(nodes);
-  if (r == 0 || (r < 0 && wait_dumps(td_future_status(fs[failed]))))
-    wait_expired(fs[r == 0 ? first : failed]);
+  td_status fst = r < 0 ? td_future_status(fs[failed]) : TD_OK;
+  if (r == 0 || (r < 0 && wait_dumps(fst)))
+    wait_expired(fs[r == 0 ? first : failed], fst == TD_ERR_UNAVAILABLE);
   ev.kind = TD__FL_WAIT_END;
-  ev.b = r > 0 ? TD_OK : r < 0 ? (uint64_t)td_future_status(fs[failed]) : (uint64_t)TD_ERR_TIMEOUT;
+  ev.b = r > 0 ? TD_OK : r < 0 ? (uint64_t)fst : (uint64_t)TD_ERR_TIMEOUT;
   td__flight_pop(&ev, fs[first]->fl_name);
   if (r != 0) return scan_result(fs, r, failed);
   return td_set_error(TD_ERR_TIMEOUT, "future_wait_all: not all done after %lld ms",
