@@ -407,7 +407,8 @@ static int run_tool(char *const argv[]) {
 /* A small traced run (a call to itself, an all_reduce, a user span with a name that needs escaping
  * in HTML, an instant) merged and rendered by `tdist-trace html`: one page, self-contained (no
  * script, style or image from anywhere, no URL), holding every event of the run with its
- * worker's track, and a script node can parse (when node is installed). */
+ * worker's track, and a script that draws, zooms, pans and resets the timeline
+ * (tests/trace/page_script_check.js, when node is installed). */
 static void test_trace_html_page_of_a_merged_run(void **state) {
   (void)state;
   char dir[] = "/tmp/td_trace_XXXXXX";
@@ -456,17 +457,9 @@ static void test_trace_html_page_of_a_merged_run(void **state) {
   assert_null(strstr(page, "src="));
   assert_null(strstr(page, "href="));
   assert_null(strstr(page, "@import"));
-  if (access("/usr/bin/node", X_OK) == 0) { /* the script parses */
-    char js[160];
-    snprintf(js, sizeof js, "%s/page.js", dir);
-    const char *b = strstr(page, "<script>\n"), *e = b ? strstr(b, "</script>") : NULL;
-    assert_non_null(e);
-    FILE *f = fopen(js, "w");
-    assert_non_null(f);
-    fwrite(b + 9, 1, (size_t)(e - b - 9), f);
-    fclose(f);
-    char node[] = "/usr/bin/node", check[] = "--check";
-    assert_int_equal(run_tool((char *const[]){node, check, js, NULL}), 0);
+  if (access("/usr/bin/node", X_OK) == 0) { /* the script runs, zooms, pans and resets */
+    char node[] = "/usr/bin/node", check[] = TD_SOURCE_DIR "/tests/trace/page_script_check.js";
+    assert_int_equal(run_tool((char *const[]){node, check, html, NULL}), 0);
   }
   free(page);
   remove_dir(dir);
