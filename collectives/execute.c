@@ -169,6 +169,7 @@ static td_status execute(td_process_group *pg, const td__op *op, td__algo *chose
   pthread_mutex_lock(&pg->mu);
   td_status st = TD_OK;
   td__flight_ev fl = {0};
+  uint64_t t0 = 0;
   if (pg->broken) {
     st = td_set_error(TD_ERR_STATE, "%s: process group %llu is broken by an earlier failure: %s",
                       name, (unsigned long long)pg->id, pg->broken_msg ? pg->broken_msg : "");
@@ -181,6 +182,7 @@ static td_status execute(td_process_group *pg, const td__op *op, td__algo *chose
   td__op_header(op, ++pg->seq, a, &h);
   fl = flight_ev(pg, op, &h);
   td__flight_push(&fl, name);
+  t0 = td__now_ns();
   if (a == TD__A_LOCAL) {
     st = run_local(op);
     goto out;
@@ -198,6 +200,7 @@ static td_status execute(td_process_group *pg, const td__op *op, td__algo *chose
       (op->kind == TD__K_ALL_REDUCE || op->kind == TD__K_REDUCE_SCATTER))
     td__divide(td_tensor_data(op->t), h.count, (td_dtype)h.dtype, pg->size);
 out:
+  if (t0) td__flight_count_coll(td__now_ns() - t0); /* --summary's straggler scores */
   if (fl.kind) flight_leave(&fl, st, name);
   pthread_mutex_unlock(&pg->mu);
   return st;

@@ -23,6 +23,7 @@
 #include <pthread.h>
 
 #include "coll_impl.h"
+#include "../core/flight_impl.h"
 
 typedef struct item {
   td__op op; /* with references to its tensors and its own copy of the list */
@@ -179,7 +180,11 @@ td_status td__work_run(td_process_group *pg, const td__op *op, td_future **out) 
   td__work *w = pg->work;
   if (out) return enqueue(w, op, out);
   td_status st;
-  if (run_inline(w, op, &st)) return st;
+  uint64_t t0 = td__now_ns();
+  if (run_inline(w, op, &st)) { /* the caller waited in it (a queued one: in td_future_wait) */
+    td__flight_count_wait(td__now_ns() - t0);
+    return st;
+  }
   td_future *f = NULL;
   TD_TRY(enqueue(w, op, &f));
   st = td_future_wait(f, TD_TIMEOUT_INFINITE); /* bounded: every queued operation has a deadline */

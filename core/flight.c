@@ -63,12 +63,13 @@ typedef struct open_slot {
 static open_slot slots[TD__FLIGHT_THREADS];
 static __thread open_slot *my_slot;
 static __thread int32_t my_tid;
+static __thread td__flight_subj my_subject;
 static pthread_key_t slot_key;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 /* process identity, guarded by meta_mu */
 static pthread_mutex_t meta_mu = PTHREAD_MUTEX_INITIALIZER;
-static int proc_rank = -1, proc_world = 0;
+static int proc_rank = -1, proc_world = 0, proc_pool = 0;
 static char proc_name[128];
 static int64_t clock_offset, clock_residual;
 static char *worker_names; /* world entries of worker_stride bytes */
@@ -103,7 +104,7 @@ static void fork_child(void) {
   memset(ring, 0, (size_t)n * sizeof ring[0]);
   claimed = 0;
   memset(slots, 0, sizeof slots);
-  my_slot = NULL, my_tid = 0;
+  my_slot = NULL, my_tid = 0, my_subject = (td__flight_subj){0};
   pthread_setspecific(slot_key, NULL);
   last_deadline_dump_ns = 0;
   if (progress_fd >= 0) close(progress_fd); /* the parent's file, not ours */
@@ -226,6 +227,48 @@ void td__flight_pop(const td__flight_ev *end, const char *name) {
   slot_end(s);
 }
 
+td__flight_subj td__flight_subject_set(td__flight_subj s) {
+  td__flight_subj prev = my_subject;
+  my_subject = s;
+  return prev;
+}
+
+td__flight_subj td__flight_subject(void) { return my_subject; }
+
+void td__flight_annotate(td__flight_subj subj) {
+  open_slot *s = my_slot;
+  if (!s || s->depth <= 0 || s->depth > TD__FLIGHT_OPEN_DEPTH) return;
+  td__flight_rec r = s->stack[s->depth - 1]; /* this thread's own writes: a plain read */
+  r.b = subj.id;
+  r.y = subj.kind;
+  slot_begin(s);
+  rec_store(&s->stack[s->depth - 1], &r);
+  slot_end(s);
+}
+
+td__flight_subj td__flight_open_subject(void) {
+  open_slot *s = my_slot;
+  if (!s || s->depth <= 0 || s->depth > TD__FLIGHT_OPEN_DEPTH) return (td__flight_subj){0};
+  return (td__flight_subj){s->stack[s->depth - 1].y, s->stack[s->depth - 1].b};
+}
+
+static td__wait_totals totals;
+
+void td__flight_count_wait(uint64_t ns) {
+  __atomic_add_fetch(&totals.wait_ns, ns, __ATOMIC_RELAXED);
+}
+
+void td__flight_count_coll(uint64_t ns) {
+  __atomic_add_fetch(&totals.coll_ns, ns, __ATOMIC_RELAXED);
+  __atomic_add_fetch(&totals.coll_n, 1, __ATOMIC_RELAXED);
+}
+
+void td__flight_wait_totals(td__wait_totals *out) {
+  out->wait_ns = __atomic_load_n(&totals.wait_ns, __ATOMIC_RELAXED);
+  out->coll_ns = __atomic_load_n(&totals.coll_ns, __ATOMIC_RELAXED);
+  out->coll_n = __atomic_load_n(&totals.coll_n, __ATOMIC_RELAXED);
+}
+
 uint64_t td__flight_claimed(void) { return __atomic_load_n(&claimed, __ATOMIC_ACQUIRE); }
 
 /* Claim i's record if it is still in the ring and complete. */
@@ -255,6 +298,12 @@ void td__flight_set_process(int rank, const char *name, int world) {
   proc_rank = rank;
   proc_world = world;
   snprintf(proc_name, sizeof proc_name, "%s", name ? name : "");
+  pthread_mutex_unlock(&meta_mu);
+}
+
+void td__flight_set_pool(int threads) {
+  pthread_mutex_lock(&meta_mu);
+  proc_pool = threads;
   pthread_mutex_unlock(&meta_mu);
 }
 
@@ -305,8 +354,10 @@ void td__flight_group_remove(uint64_t id) {
 
 const char *td__flight_kind_name(int kind) {
   static const char *const names[TD__FL_KIND_COUNT] = {
-      "none",     "coll_enter",    "coll_exit",   "rpc_send",   "rpc_done", "rpc_recv",
-      "handler_start", "handler_end", "wait_begin", "wait_end", "dump"};
+      "none",         "coll_enter",  "coll_exit",   "rpc_send",   "rpc_done",
+      "rpc_recv",     "handler_start", "handler_end", "wait_begin", "wait_end",
+      "dump",         "scope_begin", "scope_end",   "rref_fork",  "rref_confirm",
+      "rref_delete",  "bwd_send",    "bwd_recv"};
   return kind >= 0 && kind < TD__FL_KIND_COUNT ? names[kind] : "?";
 }
 
@@ -390,7 +441,8 @@ static void out_header(out_buf *o, const char *reason) {
   snprintf(rs, sizeof rs, "%s", reason ? reason : "");
   for (char *p = rs; *p; p++)
     if (*p == '\n' || *p == '\r') *p = ' ';
-  outf(o, "reason %s\nclaimed %llu\n", rs, (unsigned long long)td__flight_claimed());
+  outf(o, "reason %s\nclaimed %llu\npool %d\n", rs, (unsigned long long)td__flight_claimed(),
+       proc_pool);
   for (int i = 0; i < worker_count; i++) {
     char w[140];
     outf(o, "worker %d %s\n", i, word(worker_names + (size_t)i * worker_stride, w, sizeof w));
@@ -530,8 +582,53 @@ static void *dumper_main(void *arg) {
   }
 }
 
+/* This process's start time in clock ticks since boot (field 22 of /proc/self/stat), which tells
+ * a reused pid from the process that wrote the .proc file; 0 when unreadable. */
+static unsigned long long start_ticks(void) {
+  char b[1024];
+  int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+  ssize_t n = fd >= 0 ? read(fd, b, sizeof b - 1) : -1;
+  if (fd >= 0) close(fd);
+  if (n <= 0) return 0;
+  b[n] = 0;
+  char *p = strrchr(b, ')'); /* the command name may hold spaces: fields count from after it */
+  unsigned long long t = 0;
+  for (int field = 2; p && *p; p++)
+    if (*p == ' ' && ++field == 22) {
+      t = strtoull(p + 1, NULL, 10);
+      break;
+    }
+  return t;
+}
+
+/* DIR/<name>.proc: "pid P", "host H", "start T" (written once per process at start, when a dump
+ * directory is set): why-hung looks up a worker that left no dump. */
+static void write_proc_file(void) {
+  char path[700], tmp[760], host[256] = "-";
+  if (!td__flight_dump_path(path, sizeof path, false)) return;
+  size_t l = strlen(path);
+  if (l < 7 || strcmp(path + l - 7, ".flight") != 0) return;
+  snprintf(path + l - 7, sizeof path - (l - 7), ".proc");
+  char *slash = strrchr(path, '/');
+  *slash = 0;
+  int rc = make_dir(path);
+  *slash = '/';
+  snprintf(tmp, sizeof tmp, "%s.tmp%d", path, (int)getpid());
+  int fd = rc == 0 ? open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666) : -1;
+  if (fd < 0) return;
+  gethostname(host, sizeof host - 1);
+  host[sizeof host - 1] = 0;
+  char b[400];
+  int k = snprintf(b, sizeof b, "pid %d\nhost %s\nstart %llu\n", (int)getpid(), host,
+                   start_ticks());
+  bool ok = write(fd, b, (size_t)k) == k;
+  if (close(fd) != 0) ok = false;
+  if (!ok || rename(tmp, path) != 0) unlink(tmp);
+}
+
 void td__flight_start(void) {
   if (!flight_on()) return;
+  write_proc_file();
   pthread_mutex_lock(&meta_mu);
   if (__atomic_load_n(&dumper_pid, __ATOMIC_RELAXED) == getpid()) goto out;
   struct sigaction old;

@@ -2,18 +2,38 @@
  * td_debug_dump, td_debug_set_dump_dir).
  *
  * Always on (TD_FLIGHT=0 turns it off): every layer records what it starts and ends at its one
- * choke point (collectives/execute.c, rpc/call.c, rpc/serve.c, rpc/future.c) as fixed-size binary
+ * choke point (collectives/execute.c, rpc/call.c, rpc/serve.c, rpc/future.c, rpc/shutdown.c; RRef
+ * forks, confirmations and deletes in rref/, backward hops in dist_autograd/) as fixed-size binary
  * records in a process-wide ring of TD__FLIGHT_RING records. Blocking states are also pushed on a
  * small per-thread stack of open records ("open waits"), so a dump says what every thread waits
  * in now even after the ring has wrapped past the record that began the wait.
  *
- * Record fields by kind (peer: a global rank unless said otherwise; name: up to 15 bytes):
+ * Record fields by kind (peer: a global rank unless said otherwise; name: up to 15 bytes; subject:
+ * b = the id of what the operation is about, y = its kind, td__flight_subj_kind):
  *   COLL_ENTER / COLL_EXIT  peer = group id, a = sequence, b = bytes, c = element count,
  *                           x = dtype, y = algorithm (td__algo), name = op kind; EXIT's x = status
- *   RPC_SEND / RPC_DONE     peer = callee, a = call id, name = function; DONE's x = status
- *   RPC_RECV                peer = caller, a = call id, name = function (arrived, maybe queued)
- *   HANDLER_START / _END    peer = caller, a = call id, name = function
- *   WAIT_BEGIN / WAIT_END   peer = callee (-1: a future not from a call), a = call id, name = fn
+ *   RPC_SEND / RPC_DONE     peer = callee, a = call id, name = function, SEND: subject, c = timeout
+ *                           in ms (UINT32_MAX: none); DONE's x = status
+ *   RPC_RECV                peer = caller, a = call id, name = function, subject (arrived, maybe
+ *                           queued)
+ *   HANDLER_START / _END    peer = caller, a = call id, name = function, START: subject (set by
+ *                           the handler with td__flight_annotate); END: x = status, y = 1 when
+ *                           the handler returned a future (the reply waits on it), b and c = the
+ *                           subject's id and kind
+ *   WAIT_BEGIN / WAIT_END   peer = callee (-1: a future not from a call), a = call id, name = fn,
+ *                           subject, c = timeout in ms (UINT32_MAX: none) or, for
+ *                           td_future_wait_all, x = 1 and c = the number of futures (the record
+ *                           names the first one not done); END's b = status
+ *   SCOPE_BEGIN / _END      a blocking operation made of other waits: name = what
+ *                           ("dist_backward", "dist_optim_step", "rpc_shutdown"), subject
+ *   RREF_FORK               peer = owner, a = RRef id, b = fork id, c = the other worker (the
+ *                           child the fork is sent to, or the parent it came from), x = 0 sent to
+ *                           the owner, 1 received (an unconfirmed user RRef), 2 added by the owner
+ *   RREF_CONFIRM            peer = owner, a = RRef id, b = fork id, x = status (a user's fork
+ *                           accepted by its owner)
+ *   RREF_DELETE             peer = owner, a = RRef id, b = fork id (a user RRef released)
+ *   BWD_SEND / BWD_RECV     a distributed backward hop: peer = the other worker, a = context id,
+ *                           b = autograd message id, c = number of gradients
  *   DUMP                    a = 1 for an explicit request, name = the reason's start
  */
 #ifndef TD_CORE_FLIGHT_IMPL_H
@@ -40,8 +60,27 @@ typedef enum td__flight_kind {
   TD__FL_WAIT_BEGIN,
   TD__FL_WAIT_END,
   TD__FL_DUMP,
+  TD__FL_SCOPE_BEGIN,
+  TD__FL_SCOPE_END,
+  TD__FL_RREF_FORK,
+  TD__FL_RREF_CONFIRM,
+  TD__FL_RREF_DELETE,
+  TD__FL_BWD_SEND,
+  TD__FL_BWD_RECV,
   TD__FL_KIND_COUNT
 } td__flight_kind;
+
+/* What a record is about (its y field where the kind has a subject; the id in b). */
+typedef enum td__flight_subj_kind {
+  TD__FL_SUBJ_NONE = 0,
+  TD__FL_SUBJ_RREF = 1, /* an RRef id */
+  TD__FL_SUBJ_CTX = 2   /* a distributed autograd context id */
+} td__flight_subj_kind;
+
+typedef struct td__flight_subj {
+  uint8_t kind;
+  uint64_t id;
+} td__flight_subj;
 
 /* One record: eight 64-bit words, so readers copy it word by word with atomic loads (a dump runs
  * beside the writers). stamp is the claim index + 1 once the record is complete, 0 while it is
@@ -77,6 +116,34 @@ void td__flight_record(const td__flight_ev *e, const char *name);
 void td__flight_push(const td__flight_ev *e, const char *name);
 void td__flight_pop(const td__flight_ev *end, const char *name);
 
+/* The calling thread's subject: calls it makes while set carry it (rpc/call.c reads it at the
+ * send, and tags the call's future with it). td__flight_subject_set returns the previous one, to
+ * be restored with td__flight_subject_set(prev) when the calls are made. */
+td__flight_subj td__flight_subject_set(td__flight_subj s);
+td__flight_subj td__flight_subject(void);
+
+/* td__flight_annotate sets the subject of the calling thread's innermost open record (a handler
+ * that learns from its arguments which RRef or context it serves). */
+void td__flight_annotate(td__flight_subj s);
+/* td__flight_open_subject returns the subject of the calling thread's innermost open record. */
+td__flight_subj td__flight_open_subject(void);
+
+/* td__flight_timeout_field maps a timeout in ms to a record's c field (UINT32_MAX: none). */
+static inline uint32_t td__flight_timeout_field(int64_t ms) {
+  return ms < 0 || ms >= (int64_t)UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
+}
+
+/* Process-wide totals for tdistrun --summary (kept whether or not the recorder is on):
+ * td__flight_count_wait adds a blocking wait of ns (td_future_wait and td_future_wait_all when
+ * they block, a collective run on the caller's thread); td__flight_count_coll adds a collective's
+ * time from entry to exit on this member (where it ran). Relaxed atomic additions. */
+typedef struct td__wait_totals {
+  uint64_t wait_ns, coll_ns, coll_n;
+} td__wait_totals;
+void td__flight_count_wait(uint64_t ns);
+void td__flight_count_coll(uint64_t ns);
+void td__flight_wait_totals(td__wait_totals *out);
+
 /* td__flight_deadline is called by a thread whose blocking call reached its deadline (or failed
  * while blocked), before it closes its open record, with what happened (the dump's reason): it
  * dumps when a dump directory is set
@@ -89,6 +156,8 @@ void td__flight_deadline(const char *what);
  * rank 0 (ns to add to local times) with its uncertainty; the names of all workers (world of
  * them, stride bytes apart); the process groups this worker is a member of. */
 void td__flight_set_process(int rank, const char *name, int world);
+/* The RPC agent's handler threads (the dump's "pool" line: why-hung tells an exhausted pool). */
+void td__flight_set_pool(int threads);
 void td__flight_set_clock(int64_t offset_ns, int64_t residual_ns);
 void td__flight_set_workers(const char *names, size_t stride, int world);
 void td__flight_group_add(uint64_t id, int grank, int size, const int *ranks);
@@ -96,7 +165,9 @@ void td__flight_group_remove(uint64_t id);
 
 /* td__flight_start installs the SIGUSR1 handler (when the program left SIGUSR1 at its default)
  * and starts the dumper thread it wakes. Idempotent per process (a forked child starts its own).
- * Called by td_rpc_init. */
+ * With a dump directory set it also writes DIR/<worker name>.proc (pid, host, the process's start
+ * time), by which why-hung tells a worker without a dump dead from stopped. Called by
+ * td_rpc_init. */
 void td__flight_start(void);
 
 /* Writes a dump now on the calling thread into the dump directory (explicit: the default one when

@@ -215,10 +215,15 @@ static td_status recv_backward(void *ctx, td_tensor *const *gout, int n_out, td_
     td__da_worker_name(r->st, r->peer, name, sizeof name);
     /* gradients retrace the tensors' path: back along a request with the map its replies use
      * (PyTorch: the reverse device map), back along a reply with our own map */
+    /* a backward hop: the call carries the context as its subject in the flight recorder */
+    td__flight_record(&(td__flight_ev){.kind = TD__FL_BWD_SEND, .peer = r->peer, .a = r->ctx_id,
+                                       .b = r->msg_id, .c = (uint32_t)n_out}, "__dist_backward");
+    td__flight_subj prev = td__flight_subject_set((td__flight_subj){TD__FL_SUBJ_CTX, r->ctx_id});
     st = r->from_request ? td__rpc_async_reply_map(r->st->agent, name, "__dist_backward", args, 4,
                                                    NULL, &p->outs[p->n])
                          : td_rpc_async(r->st->agent, name, "__dist_backward", args, 4, NULL,
                                         &p->outs[p->n]);
+    td__flight_subject_set(prev);
     if (st == TD_OK) p->n++;
   }
   for (int i = 0; i < 4; i++) td_value_unref(args[i]);
@@ -291,6 +296,11 @@ static td_status h_backward(td_rpc_ctx *x, td_value *const *args, int n, td_valu
       td_value_as_int(args[1], &msg_id) != TD_OK || td_value_as_bool(args[2], &retain) != TD_OK ||
       td_value_kind_of(args[3]) != TD_VALUE_LIST)
     return td_set_error(TD_ERR_FORMAT, "__dist_backward: malformed request");
+  td__flight_annotate((td__flight_subj){TD__FL_SUBJ_CTX, (uint64_t)ctx_id});
+  td__flight_record(&(td__flight_ev){.kind = TD__FL_BWD_RECV, .peer = td_rpc_ctx_caller_rank(x),
+                                     .a = (uint64_t)ctx_id, .b = (uint64_t)msg_id,
+                                     .c = (uint32_t)td_value_list_len(args[3])},
+                    "__dist_backward");
   da_state *s = td__da_state_of(td_rpc_ctx_agent(x));
   if (!s) return td_set_error(TD_ERR_NOMEM, "dist_autograd: out of memory");
   char b1[40], b2[40];
@@ -388,10 +398,20 @@ static td_status backward_start(td_dist_autograd_context *c, td_tensor *const *r
 static td_status backward_impl(td_dist_autograd_context *c, td_tensor *const *roots, int n,
                                bool retain_graph) {
   td_future *f = NULL;
-  TD_TRY(backward_start(c, roots, n, retain_graph, &f));
-  td_status st = td_future_wait(f, TD_TIMEOUT_INFINITE); /* each RPC is bounded by its timeout */
-  if (st != TD_OK) td_set_error(st, "%s", td_future_message(f));
-  td_future_unref(f);
+  /* the whole pass is one open record about the context: why-hung follows its hops from it */
+  td__flight_ev fl = {.kind = TD__FL_SCOPE_BEGIN, .peer = -1, .b = c ? c->id : 0,
+                      .y = TD__FL_SUBJ_CTX, .c = UINT32_MAX};
+  td__flight_push(&fl, "dist_backward");
+  td_status st = backward_start(c, roots, n, retain_graph, &f);
+  if (st == TD_OK) {
+    td__future_set_flight_subject(f, TD__FL_SUBJ_CTX, c->id);
+    st = td_future_wait(f, TD_TIMEOUT_INFINITE); /* each RPC is bounded by its timeout */
+    if (st != TD_OK) td_set_error(st, "%s", td_future_message(f));
+    td_future_unref(f);
+  }
+  fl.kind = TD__FL_SCOPE_END;
+  fl.x = (uint8_t)st;
+  td__flight_pop(&fl, "dist_backward");
   return st;
 }
 

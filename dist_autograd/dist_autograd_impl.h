@@ -13,6 +13,7 @@
 #include <pthread.h>
 
 #include "../core/core.h"
+#include "../core/flight_impl.h"
 #include "../core/refcount.h"
 #include "../rpc/agent_impl.h"
 #include "../rpc/value_impl.h"

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "../core/core.h"
+#include "../core/flight_impl.h"
 #include "../rpc/agent_impl.h"
 #include "../core/trace_impl.h"
 #include "tdist/dist_optim.h"
@@ -404,10 +405,18 @@ void td__dist_optim_layer_init(void) {
   pthread_once(&once, layer_init_once);
 }
 
-/* A distributed optimizer step, as one span in traces. */
+/* A distributed optimizer step, as one span in traces and one open record of the flight recorder
+ * about the context (the owners' steps are the calls it waits on). */
 td_status td_dist_optimizer_step(td_dist_optimizer *o, td_dist_autograd_context *ctx) {
   uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
+  uint64_t id = ctx ? td_dist_autograd_context_get_id(ctx).v : 0;
+  td__flight_ev fl = {.kind = TD__FL_SCOPE_BEGIN, .peer = -1, .b = id, .y = TD__FL_SUBJ_CTX,
+                      .c = UINT32_MAX};
+  td__flight_push(&fl, "dist_optim_step");
   td_status st = optimizer_step_impl(o, ctx);
+  fl.kind = TD__FL_SCOPE_END;
+  fl.x = (uint8_t)st;
+  td__flight_pop(&fl, "dist_optim_step");
   if (t0) td__trace_complete("optim", "dist_optimizer step", t0, td__now_ns(), NULL);
   return st;
 }

@@ -538,8 +538,14 @@ static td_status rpc_async(td_rpc_agent *a, const char *to, const char *fn,
   td__conn *conn = td__conn_ref(c.p->conn);
   c.p->traced = traced;
   if (traced) trace_send(&c, id); /* before the reply can complete it */
+  /* what the call is about: the caller's subject (an RRef, a backward hop), else the distributed
+   * autograd context the middleware attached */
+  td__flight_subj subj = td__flight_subject();
+  if (!subj.kind && c.m.ctx_id) subj = (td__flight_subj){TD__FL_SUBJ_CTX, c.m.ctx_id};
+  td__future_set_flight_subject(c.fut, subj.kind, subj.id);
   td__flight_record(&(td__flight_ev){.kind = TD__FL_RPC_SEND, .peer = c.peer, .a = id,
-                                     .b = (uint64_t)c.timeout_ms}, fn);
+                                     .b = subj.id, .y = subj.kind,
+                                     .c = td__flight_timeout_field(c.timeout_ms)}, fn);
   if (call_register(&c)) call_dispatch(&c, id, conn);
   td__conn_unref(conn);
   *out = c.fut;

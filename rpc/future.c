@@ -70,6 +70,8 @@ struct td_future {
   int32_t fl_peer;
   uint64_t fl_id;
   char fl_name[TD__FLIGHT_NAME];
+  uint8_t fl_subj_kind; /* td__flight_subj_kind of what it is about */
+  uint64_t fl_subj_id;
 };
 
 /* ---- clocks ---- */
@@ -347,8 +349,31 @@ void td__future_set_flight(td_future *f, int peer, uint64_t call_id, const char 
   snprintf(f->fl_name, sizeof f->fl_name, "%s", fn);
 }
 
-/* A wait that blocks is an open record of the flight recorder while it lasts; one that ends by
- * its deadline, or by its call's (TD_ERR_TIMEOUT), asks for a dump while still open. */
+void td__future_set_flight_subject(td_future *f, int kind, uint64_t id) {
+  f->fl_subj_kind = (uint8_t)kind;
+  f->fl_subj_id = id;
+}
+
+/* The open record of a wait on f. */
+static td__flight_ev wait_ev(const td_future *f, td_timeout_ms timeout_ms) {
+  return (td__flight_ev){.kind = TD__FL_WAIT_BEGIN, .peer = f->fl_peer, .a = f->fl_id,
+                         .b = f->fl_subj_id, .y = f->fl_subj_kind,
+                         .c = td__flight_timeout_field(timeout_ms)};
+}
+
+/* A wait that ends by its deadline, by its call's (TD_ERR_TIMEOUT), or by the loss of the worker
+ * it waits on (TD_ERR_UNAVAILABLE) asks for a dump while its record is still open. */
+static bool wait_dumps(td_status st) { return st == TD_ERR_TIMEOUT || st == TD_ERR_UNAVAILABLE; }
+
+static void wait_expired(const td_future *f, bool lost) {
+  char what[120];
+  snprintf(what, sizeof what, "%s of the wait for %s%s", lost ? "peer lost" : "deadline",
+           f->fl_peer >= 0 ? "call " : "a future", f->fl_peer >= 0 ? f->fl_name : "");
+  td__flight_deadline(what);
+}
+
+/* A wait that blocks is an open record of the flight recorder while it lasts (and counts in the
+ * process's waiting time); one that ends as wait_dumps says asks for a dump while still open. */
 td_status td_future_wait(td_future *f, td_timeout_ms timeout_ms) {
   TD_CHECK_ARG(f, "future_wait: NULL future");
   TD_CHECK_ARG(td__timeout_valid(timeout_ms), "future_wait: invalid timeout %lld",
@@ -358,8 +383,8 @@ td_status td_future_wait(td_future *f, td_timeout_ms timeout_ms) {
   if (timeout_ms != 0 && !td_future_done(f)) poll_before_wait(f, timeout_ms);
   pthread_mutex_lock(&f->mu);
   bool blocked = !f->done && timeout_ms != 0;
-  td__flight_ev ev = {.kind = TD__FL_WAIT_BEGIN, .peer = f->fl_peer, .a = f->fl_id,
-                      .b = (uint64_t)timeout_ms};
+  td__flight_ev ev = wait_ev(f, timeout_ms);
+  uint64_t t0 = blocked ? td__now_ns() : 0;
   if (blocked) td__flight_push(&ev, f->fl_name);
   while (!f->done && timeout_ms != 0) {
     if (cond_wait_pumped(&f->cv, &f->mu, timeout_ms < 0 ? NULL : &deadline) == ETIMEDOUT) break;
@@ -367,12 +392,8 @@ td_status td_future_wait(td_future *f, td_timeout_ms timeout_ms) {
   bool done = f->done;
   pthread_mutex_unlock(&f->mu);
   if (blocked) {
-    if (!done || f->status == TD_ERR_TIMEOUT) {
-      char what[120];
-      snprintf(what, sizeof what, "deadline of the wait for %s%s",
-               f->fl_peer >= 0 ? "call " : "a future", f->fl_peer >= 0 ? f->fl_name : "");
-      td__flight_deadline(what);
-    }
+    td__flight_count_wait(td__now_ns() - t0);
+    if (!done || wait_dumps(f->status)) wait_expired(f, done && f->status == TD_ERR_UNAVAILABLE);
     ev.kind = TD__FL_WAIT_END;
     ev.b = done ? (uint64_t)f->status : (uint64_t)TD_ERR_TIMEOUT;
     td__flight_pop(&ev, f->fl_name);
@@ -476,6 +497,12 @@ td_status td_future_then(td_future *f, td_future_then_fn fn, void *ctx, td_futur
     td__free(t);
     return td_set_error(TD_ERR_NOMEM, "future_then: out of memory");
   }
+  /* a wait on the chained future waits for what f waits for (fields set before f was shared) */
+  g->fl_peer = f->fl_peer;
+  g->fl_id = f->fl_id;
+  memcpy(g->fl_name, f->fl_name, sizeof g->fl_name);
+  g->fl_subj_kind = f->fl_subj_kind;
+  g->fl_subj_id = f->fl_subj_id;
   t->out = td_future_ref(g);
   t->fn = fn;
   t->ctx = ctx;
@@ -558,6 +585,18 @@ td_status td_future_wait_all(td_future *const *fs, int n, td_timeout_ms timeout_
     pthread_mutex_unlock(&f->mu);
   }
 
+  /* one open record for the set, naming its first future not done yet */
+  int first = 0;
+  for (int i = 0; i < n; i++)
+    if (nodes[i].linked) {
+      first = i;
+      break;
+    }
+  td__flight_ev ev = wait_ev(fs[first], timeout_ms);
+  ev.x = 1;
+  ev.c = (uint32_t)n;
+  td__flight_push(&ev, fs[first]->fl_name);
+  uint64_t t0 = td__now_ns();
   bool timed_out = false;
   for (;;) {
     r = scan(fs, n, &failed);
@@ -581,9 +620,16 @@ td_status td_future_wait_all(td_future *const *fs, int n, td_timeout_ms timeout_
     if (nodes[i].next) nodes[i].next->prev = nodes[i].prev;
     pthread_mutex_unlock(&f->mu);
   }
+  td__flight_count_wait(td__now_ns() - t0);
   pthread_cond_destroy(&w.cv);
   pthread_mutex_destroy(&w.mu);
   td__free(nodes);
+  td_status fst = r < 0 ? td_future_status(fs[failed]) : TD_OK;
+  if (r == 0 || (r < 0 && wait_dumps(fst)))
+    wait_expired(fs[r == 0 ? first : failed], fst == TD_ERR_UNAVAILABLE);
+  ev.kind = TD__FL_WAIT_END;
+  ev.b = r > 0 ? TD_OK : r < 0 ? (uint64_t)fst : (uint64_t)TD_ERR_TIMEOUT;
+  td__flight_pop(&ev, fs[first]->fl_name);
   if (r != 0) return scan_result(fs, r, failed);
   return td_set_error(TD_ERR_TIMEOUT, "future_wait_all: not all done after %lld ms",
                       (long long)timeout_ms);

@@ -27,6 +27,10 @@ td_status td__future_fail_msg(td_future *f, td_status st, const char *msg);
 /* td__future_set_flight names what a wait on f waits for in the flight recorder: call call_id
  * of fn on worker peer. Called once, before f is shared. */
 void td__future_set_flight(td_future *f, int peer, uint64_t call_id, const char *fn);
+/* td__future_set_flight_subject adds what the wait is about (td__flight_subj_kind and id, e.g. the
+ * RRef a fetch reads); like td__future_set_flight, before the future is waited on. A future made
+ * by td_future_then inherits its source's call and subject. */
+void td__future_set_flight_subject(td_future *f, int kind, uint64_t id);
 /* td__future_set_wait_pump makes pump(ud) run on this thread while it blocks in td_future_wait or
  * td_future_wait_all (every few milliseconds and before each wait), so a thread that must run
  * queued work (host-driven progress) cannot deadlock waiting for it. NULL clears it. */

@@ -846,6 +846,7 @@ static void rendezvous_failed(td_rpc_agent *a, td_status st) {
  * shares the clock estimate, which its dumps need as much as traces do. */
 static void init_flight(td_rpc_agent *a) {
   td__flight_set_process(a->rank, a->name, a->world);
+  td__flight_set_pool(a->opts.num_worker_threads);
   char *names = td__calloc((size_t)a->world, sizeof a->peers[0].info.name);
   if (names) {
     for (int i = 0; i < a->world; i++)
@@ -861,7 +862,7 @@ static void init_trace(td_rpc_agent *a) {
   const char *dir = getenv("TD_TRACE");
   if (dir && *dir && !td_trace_enabled() && td_trace_start(dir) == TD_OK) a->trace_owned = true;
   init_flight(a);
-  bool flight = td__flight_state > 0;
+  bool flight = __atomic_load_n(&td__flight_state, __ATOMIC_ACQUIRE) > 0; /* set by any thread */
   if (td_trace_enabled()) td__trace_set_process(a->rank, a->name);
   if ((!td_trace_enabled() && !flight) || a->rank == 0) return;
   int64_t best_rtt = INT64_MAX, offset = 0;

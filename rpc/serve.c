@@ -260,11 +260,16 @@ static void run_request(void *arg) {
   td_clear_error();
   uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
   running_add(r);
-  td__flight_ev fl = {.kind = TD__FL_HANDLER_START, .peer = r->msg.from_rank, .a = r->msg.id};
+  td__flight_ev fl = {.kind = TD__FL_HANDLER_START, .peer = r->msg.from_rank, .a = r->msg.id,
+                      .b = r->msg.ctx_id, .y = r->msg.ctx_id ? TD__FL_SUBJ_CTX : 0};
   td__flight_push(&fl, r->msg.fn);
   td_status st = reg.fn(&ctx, r->msg.values, r->msg.nvalues, &result, &fut);
   fl.kind = TD__FL_HANDLER_END;
   fl.x = (uint8_t)st;
+  fl.y = st == TD_OK && fut; /* the reply waits on the returned future */
+  td__flight_subj subj = td__flight_open_subject(); /* as the handler annotated it */
+  fl.b = subj.id;
+  fl.c = subj.kind;
   td__flight_pop(&fl, r->msg.fn);
   running_remove(r);
   __atomic_add_fetch(&a->cnt.handler_ns, td__now_ns() - r->started_ns, __ATOMIC_RELAXED);
@@ -294,7 +299,8 @@ static void run_request(void *arg) {
 static void arrived(request *r) {
   r->arrived_ns = td__now_ns();
   td__flight_record(&(td__flight_ev){.kind = TD__FL_RPC_RECV, .peer = r->msg.from_rank,
-                                     .a = r->msg.id}, r->msg.fn);
+                                     .a = r->msg.id, .b = r->msg.ctx_id,
+                                     .y = r->msg.ctx_id ? TD__FL_SUBJ_CTX : 0}, r->msg.fn);
   if (r->msg.timeout_ms > 0)
     r->deadline_ns = r->arrived_ns + (uint64_t)r->msg.timeout_ms * 1000000u;
 }

@@ -18,6 +18,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../core/flight_impl.h"
 #include "agent_state.h"
 #include "tdist/trace.h"
 
@@ -222,6 +223,12 @@ static void write_summary(td_rpc_agent *a) {
           (unsigned long long)s.traffic.direct_bytes_sent,
           (unsigned long long)s.traffic.direct_bytes_received, (double)s.handler_ns * 1e-9,
           (double)s.sync_wait_ns * 1e-9);
+  /* every blocking wait of the process (futures, RRef fetches, distributed backward, collectives
+   * on the caller's thread), and its time inside collectives (straggler scores) */
+  td__wait_totals w;
+  td__flight_wait_totals(&w);
+  fprintf(f, "wait_s %.3f\ncoll_s %.3f\ncoll_ops %llu\n", (double)w.wait_ns * 1e-9,
+          (double)w.coll_ns * 1e-9, (unsigned long long)w.coll_n);
   if (fclose(f) == 0) rename(tmp, path);
   else unlink(tmp);
 }
@@ -245,8 +252,18 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, td_timeout_ms timeout_
   td_status st = TD_OK;
   char msg[1024] = "";
   if (graceful) {
+    /* a blocking wait on the whole group: open in the flight recorder (why-hung follows this
+     * worker's outstanding calls from it), dumped while open when it times out */
+    td__flight_ev fl = {.kind = TD__FL_SCOPE_BEGIN, .peer = -1,
+                        .c = td__flight_timeout_field(td__timeout_resolve(
+                            timeout_ms, td_rpc_get_default_timeout(a)))};
+    td__flight_push(&fl, "rpc_shutdown");
     st = barrier(a, deadline, hard);
     if (st != TD_OK) snprintf(msg, sizeof msg, "%s", td_last_error());
+    if (st == TD_ERR_TIMEOUT) td__flight_deadline("deadline of the graceful rpc_shutdown");
+    fl.kind = TD__FL_SCOPE_END;
+    fl.x = (uint8_t)st;
+    td__flight_pop(&fl, "rpc_shutdown");
   }
   td__agent_hooks hs[TD__MAX_AGENT_HOOKS];
   int nh = td__agent_hooks_get(hs);

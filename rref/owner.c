@@ -19,6 +19,7 @@
 #include <time.h>
 
 #include "rref_impl.h"
+#include "../core/flight_impl.h"
 
 /* ---- entries (ctx->mu held unless said otherwise) ---- */
 
@@ -308,7 +309,18 @@ static void invoke_run(invoke *iv) {
   td_value *res = NULL;
   td_future *fut = NULL;
   td_clear_error();
+  /* open while the user function runs on this pool thread, about the RRef it creates (or the one
+   * it was called through): a wait on that RRef leads here */
+  const td__rref_entry *about = iv->dest ? iv->dest : iv->target;
+  td__flight_ev fl = {.kind = TD__FL_HANDLER_START, .peer = iv->caller_rank,
+                      .b = about ? about->id : 0, .y = about ? TD__FL_SUBJ_RREF : 0};
+  td__flight_push(&fl, iv->fn);
   td_status st = iv->reg.fn(&x, argv, iv->nargs + extra, &res, &fut);
+  fl.kind = TD__FL_HANDLER_END;
+  fl.x = (uint8_t)st;
+  fl.c = fl.y;
+  fl.y = st == TD_OK && fut;
+  td__flight_pop(&fl, iv->fn);
   if (iv->target) td_value_unref(argv[0]);
   td__free(argv);
   if (st != TD_OK) {
@@ -439,6 +451,11 @@ static bool hdr_get(const td_value *l, int64_t *xs, int n) {
   return true;
 }
 
+/* The running handler serves RRef id (the flight recorder's record of it says so). */
+static void annotate(int64_t id) {
+  td__flight_annotate((td__flight_subj){TD__FL_SUBJ_RREF, (uint64_t)id});
+}
+
 static td_status ctx_of(td_rpc_ctx *x, td__rref_ctx **c) {
   return td__rref_ctx_get(td_rpc_ctx_agent(x), true, c);
 }
@@ -523,6 +540,7 @@ static td_status h_remote(td_rpc_ctx *x, td_value *const *args, int n, td_value 
   const char *fn;
   if (n < 2 || !hdr_get(args[0], h, 3) || td_value_as_string(args[1], &fn, NULL) != TD_OK)
     return td_set_error(TD_ERR_FORMAT, "__rref_remote: malformed request");
+  annotate(h[0]);
   td__rref_ctx *c;
   TD_TRY(ctx_of(x, &c));
   bool dup = false, nomem = false;
@@ -583,6 +601,7 @@ static td_status h_call(td_rpc_ctx *x, td_value *const *args, int n, td_value **
   const char *fn;
   if (n < 2 || !hdr_get(args[0], h, 2) || td_value_as_string(args[1], &fn, NULL) != TD_OK)
     return td_set_error(TD_ERR_FORMAT, "__rref_call: malformed request");
+  annotate(h[0]);
   td__rref_ctx *c;
   TD_TRY(ctx_of(x, &c));
   td__reg reg;
@@ -624,6 +643,7 @@ static td_status h_fetch(td_rpc_ctx *x, td_value *const *args, int n, td_value *
   int64_t h[2];
   if (n != 1 || !hdr_get(args[0], h, 2))
     return td_set_error(TD_ERR_FORMAT, "__rref_fetch: malformed request");
+  annotate(h[0]);
   td__rref_ctx *c;
   TD_TRY(ctx_of(x, &c));
   td__rref_entry *e = entry_hold(c, (uint64_t)h[0], (uint64_t)h[1]);
@@ -652,6 +672,7 @@ static td_status h_fork(td_rpc_ctx *x, td_value *const *args, int n, td_value **
   int64_t h[4];
   if (n != 1 || !hdr_get(args[0], h, 4))
     return td_set_error(TD_ERR_FORMAT, "__rref_fork: malformed request");
+  annotate(h[0]);
   int64_t delay = fork_delay_ms();
   if (delay) {
     struct timespec ts = {delay / 1000, (long)(delay % 1000) * 1000000L};
@@ -739,6 +760,7 @@ static td_status h_delete(td_rpc_ctx *x, td_value *const *args, int n, td_value 
   int64_t h[2];
   if (n != 1 || !hdr_get(args[0], h, 2))
     return td_set_error(TD_ERR_FORMAT, "__rref_delete: malformed request");
+  annotate(h[0]);
   td__rref_ctx *c;
   TD_TRY(ctx_of(x, &c));
   uint64_t f = (uint64_t)h[1];

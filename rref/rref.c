@@ -49,6 +49,7 @@
 #include <string.h>
 
 #include "rref_impl.h"
+#include "../core/flight_impl.h"
 #include "../core/trace_impl.h"
 
 /* ---- per-agent contexts ---- */
@@ -167,6 +168,19 @@ const char *td__rref_name(const td__rref_ctx *c, int rank) {
   return rank >= 0 && rank < c->world ? c->names[rank] : "?";
 }
 
+/* The RRef a request is about, for the flight recorder: every RRef request starts with a header
+ * list whose first integer is the RRef id ([id, ...], or [[id, ...], ...] for __rref_confirm). */
+static uint64_t request_rref_id(td_value *const *args, int nargs) {
+  const td_value *v = nargs > 0 ? args[0] : NULL;
+  for (int depth = 0; depth < 2 && td_value_kind_of(v) == TD_VALUE_LIST; depth++) {
+    v = td_value_list_len(v) ? td_value_list_get(v, 0) : NULL;
+    int64_t id;
+    if (td_value_kind_of(v) == TD_VALUE_INT && td_value_as_int(v, &id) == TD_OK)
+      return (uint64_t)id;
+  }
+  return 0;
+}
+
 td_status td__rref_call(td__rref_ctx *c, int to, const char *fn, td_value *const *args, int nargs,
                         td_timeout_ms timeout_ms, td_future **out) {
   pthread_mutex_lock(&c->mu);
@@ -178,7 +192,10 @@ td_status td__rref_call(td__rref_ctx *c, int to, const char *fn, td_value *const
   pthread_mutex_unlock(&c->mu);
   td_rpc_call_opts o = TD_RPC_CALL_OPTS_INIT;
   o.timeout_ms = timeout_ms;
+  uint64_t id = request_rref_id(args, nargs);
+  td__flight_subj prev = td__flight_subject_set((td__flight_subj){id ? TD__FL_SUBJ_RREF : 0, id});
   td_status st = td_rpc_async(c->agent, td__rref_name(c, to), fn, args, nargs, &o, out);
+  td__flight_subject_set(prev);
   pthread_mutex_lock(&c->mu);
   if (--c->senders == 0 && c->closed) pthread_cond_broadcast(&c->cv);
   pthread_mutex_unlock(&c->mu);
@@ -268,6 +285,9 @@ static td_status user_new(td__rref_ctx *c, uint64_t id, uint64_t fork, int owner
     td_future_unref(f);
     return td_set_error(TD_ERR_NOMEM, "rref: out of memory");
   }
+  /* a wait on it waits for the owner (the value's creation, or this fork's confirmation) */
+  td__future_set_flight(f, -1, 0, "rref_created");
+  td__future_set_flight_subject(f, TD__FL_SUBJ_RREF, id);
   r->created = f;
   early_confirm *ec = NULL;
   pthread_mutex_lock(&c->mu);
@@ -287,6 +307,15 @@ static td_status user_new(td__rref_ctx *c, uint64_t id, uint64_t fork, int owner
   return TD_OK;
 }
 
+/* An RRef event for the flight recorder (core/flight_impl.h: RREF_FORK, _CONFIRM, _DELETE). */
+static void flight_rref(int kind, int owner, uint64_t id, uint64_t fork, int other, int x) {
+  td__flight_record(&(td__flight_ev){.kind = (uint16_t)kind, .peer = owner, .a = id, .b = fork,
+                                     .c = (uint32_t)other, .x = (uint8_t)x},
+                    kind == TD__FL_RREF_FORK ? "__rref_fork" : kind == TD__FL_RREF_CONFIRM
+                                                                   ? "__rref_confirm"
+                                                                   : "__rref_delete");
+}
+
 static void rref_destroy(td_rref *r) {
   td__rref_ctx *c = r->ctx;
   if (r->entry) {
@@ -299,6 +328,7 @@ static void rref_destroy(td_rref *r) {
     closed = c->closed;
     pthread_mutex_unlock(&c->mu);
     if (!closed) {
+      flight_rref(TD__FL_RREF_DELETE, r->owner, r->id, r->fork, -1, 0);
       int64_t h[2] = {(int64_t)r->id, (int64_t)r->fork};
       td_value *hdr = int_list(h, 2);
       if (hdr) td__rref_control(c, r->owner, "__rref_delete", hdr, NULL);
@@ -442,6 +472,7 @@ static td_status ext_to_wire(void *obj, td__wire_ctx *w, td_value **out) {
   TD_TRY(creation_error(r));
   uint64_t f = td__rref_next_id(c);
   bool confirmed = r->entry != NULL;
+  flight_rref(TD__FL_RREF_FORK, r->owner, r->id, f, w->peer_rank, r->entry ? 2 : 0);
   if (r->entry) {
     TD_TRY(td__rref_owner_add_fork(c, r->entry, f));
   } else {
@@ -475,6 +506,7 @@ static td_status ext_from_wire(const td_value *repr, td__wire_ctx *w, void **obj
   } else if (v[2] == c->rank) {
     st = td__rref_owner_handle(c, (uint64_t)v[0], (uint64_t)v[1], &r);
   } else {
+    if (!v[4]) flight_rref(TD__FL_RREF_FORK, (int)v[2], (uint64_t)v[0], (uint64_t)v[1], (int)v[3], 1);
     st = user_new(c, (uint64_t)v[0], (uint64_t)v[1], (int)v[2], v[4] != 0, &r);
   }
   td__rref_ctx_unref(c);
@@ -864,6 +896,8 @@ static td_status h_confirm(td_rpc_ctx *x, td_value *const *args, int n, td_value
   TD_TRY(td__rref_ctx_get(td_rpc_ctx_agent(x), true, &c));
   uint64_t fork = (uint64_t)h[1];
   td_status st = (td_status)h[2];
+  td__flight_annotate((td__flight_subj){TD__FL_SUBJ_RREF, (uint64_t)h[0]});
+  flight_rref(TD__FL_RREF_CONFIRM, td_rpc_ctx_caller_rank(x), (uint64_t)h[0], fork, -1, st);
   td_future *f = NULL;
   early_confirm *ec = NULL;
   pthread_mutex_lock(&c->mu);

@@ -8,6 +8,7 @@
  * Plain C, no library: it relies on the shape core/trace.c writes (one event per line; the
  * otherData line last) and only rewrites the "ts" field of each event line.
  *
+ * `tdist-trace html RUN.json` renders a merged trace as a self-contained page (tools/trace_html.c);
  * `tdist-trace why-hung DIR` reads flight recorder dumps instead (tools/why_hung.c).
  *
  * Exit status: 0 merged, 1 an error (said on stderr), 2 usage.
@@ -19,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "trace_html.h"
 #include "why_hung.h"
 
 typedef struct worker {
@@ -31,6 +33,8 @@ typedef struct worker {
 
 static int usage(void) {
   fprintf(stderr, "usage: tdist-trace merge DIR [-o OUT]   (OUT defaults to DIR/run.json)\n"
+                  "       tdist-trace html RUN.json [-o OUT.html]   (a self-contained timeline "
+                  "page)\n"
                   "       tdist-trace why-hung DIR         (reads the *.flight dumps in DIR)\n");
   return 2;
 }
@@ -96,6 +100,7 @@ static int cmp_rank(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
   if (argc >= 2 && strcmp(argv[1], "why-hung") == 0) return td_why_hung_main(argc, argv);
+  if (argc >= 2 && strcmp(argv[1], "html") == 0) return td_trace_html_main(argc, argv);
   if (argc < 3 || strcmp(argv[1], "merge") != 0) return usage();
   const char *dir = argv[2];
   char outpath[1100];

@@ -148,7 +148,9 @@ static void usage(FILE *f) {
     "  --no-prefix           pass worker output through without the \"[rank]: \" prefix\n"
     "  --summary             at the end, print a table of this node's workers: calls made and\n"
     "                        failed, requests served, bytes sent and received, time in\n"
-    "                        handlers and blocked in synchronous calls, restarts\n"
+    "                        handlers, blocked in any wait (futures, RRef fetches, distributed\n"
+    "                        backward, collectives) and inside collectives, a straggler score\n"
+    "                        (about how long the others waited for it in collectives), restarts\n"
     "  --hang-timeout S      when no worker's flight recorder moves for S seconds, SIGUSR1\n"
     "                        every worker (each dumps it into TD_FLIGHT_DIR, else a new\n"
     "                        directory in ${TMPDIR:-/tmp}), print `tdist-trace why-hung`'s\n"
@@ -1076,15 +1078,33 @@ static const char *summary_value(const char *text, const char *key, char *buf, s
   return buf;
 }
 
+/* One worker's line of the summary: the keys below, read from its file ("-" when absent). */
+enum { SK_NAME, SK_CALLS, SK_FAILED, SK_SERVED, SK_SENT, SK_RECV, SK_HANDLER, SK_WAIT,
+       SK_DIRECT_RECV, SK_DIRECT_SENT, SK_COLL, SK_COUNT };
+static const char *const summary_keys[SK_COUNT] = {
+    "name",   "calls",     "calls_failed",          "requests",          "bytes_sent",
+    "bytes_received", "handler_s", "wait_s", "direct_bytes_received", "direct_bytes_sent",
+    "coll_s"};
+
+/* The table: per worker, calls made and failed, requests served, megabytes out and in (streams
+ * plus same-host copies), seconds in handlers, seconds blocked in any wait (futures, RRef
+ * fetches, distributed backward, collectives), seconds inside collectives, and the straggler
+ * score: how much less time it spent inside collectives than the node's worker that spent the
+ * most, i.e. about how long the others waited for it to arrive (a synchronous collective ends at
+ * the same moment on every member, so who enters last waits least). */
 static void summary_print(const options *o, int restarts) {
   if (!o->summary || !g_summary_dir[0]) return;
   fprintf(stderr, "tdistrun: summary of node %d (%d restart%s; workers that never shut their agent "
           "down show '-')\n", o->node_rank, restarts, restarts == 1 ? "" : "s");
-  fprintf(stderr, "  %5s %-16s %9s %7s %9s %11s %11s %11s %10s\n", "rank", "worker", "calls",
-          "failed", "served", "sent MB", "recv MB", "handlers s", "in sync s");
-  for (int l = 0; l < o->nproc; l++) {
+  fprintf(stderr, "  %5s %-16s %9s %7s %9s %11s %11s %11s %10s %9s %11s\n", "rank", "worker",
+          "calls", "failed", "served", "sent MB", "recv MB", "handlers s", "waiting s", "coll s",
+          "straggler s");
+  char(*v)[SK_COUNT][160] = calloc((size_t)(o->nproc > 0 ? o->nproc : 1), sizeof *v);
+  bool *have = calloc((size_t)(o->nproc > 0 ? o->nproc : 1), sizeof *have);
+  double most_coll = 0;
+  for (int l = 0; v && have && l < o->nproc; l++) {
     int rank = o->node_rank * o->nproc + l;
-    char path[128], text[4096] = "", v[10][160];
+    char path[128], text[4096] = "";
     snprintf(path, sizeof path, "%s/%d.txt", g_summary_dir, rank);
     FILE *f = fopen(path, "r");
     if (f) {
@@ -1093,20 +1113,26 @@ static void summary_print(const options *o, int restarts) {
       fclose(f);
       unlink(path);
     }
-    const char *keys[10] = {"name", "calls", "calls_failed", "requests", "bytes_sent",
-                            "bytes_received", "handler_s", "sync_wait_s", "direct_bytes_received",
-                            "direct_bytes_sent"};
-    for (int k = 0; k < 10; k++) summary_value(text, keys[k], v[k], sizeof v[k]);
-    /* bytes over the streams plus same-host direct copies */
-    double mb_out = f ? (atof(v[4]) + atof(v[9])) / 1e6 : 0;
-    double mb_in = f ? (atof(v[5]) + atof(v[8])) / 1e6 : 0;
-    if (f)
-      fprintf(stderr, "  %5d %-16.16s %9s %7s %9s %11.1f %11.1f %11s %10s\n", rank, v[0], v[1],
-              v[2], v[3], mb_out, mb_in, v[6], v[7]);
-    else
-      fprintf(stderr, "  %5d %-16s %9s %7s %9s %11s %11s %11s %10s\n", rank, "-", "-", "-", "-",
-              "-", "-", "-", "-");
+    have[l] = f != NULL;
+    for (int k = 0; k < SK_COUNT; k++) summary_value(text, summary_keys[k], v[l][k], 160);
+    if (have[l] && atof(v[l][SK_COLL]) > most_coll) most_coll = atof(v[l][SK_COLL]);
   }
+  for (int l = 0; v && have && l < o->nproc; l++) {
+    int rank = o->node_rank * o->nproc + l;
+    if (!have[l]) {
+      fprintf(stderr, "  %5d %-16s %9s %7s %9s %11s %11s %11s %10s %9s %11s\n", rank, "-", "-",
+              "-", "-", "-", "-", "-", "-", "-", "-");
+      continue;
+    }
+    /* bytes over the streams plus same-host direct copies */
+    double mb_out = (atof(v[l][SK_SENT]) + atof(v[l][SK_DIRECT_SENT])) / 1e6;
+    double mb_in = (atof(v[l][SK_RECV]) + atof(v[l][SK_DIRECT_RECV])) / 1e6;
+    fprintf(stderr, "  %5d %-16.16s %9s %7s %9s %11.1f %11.1f %11s %10s %9s %11.3f\n", rank,
+            v[l][SK_NAME], v[l][SK_CALLS], v[l][SK_FAILED], v[l][SK_SERVED], mb_out, mb_in,
+            v[l][SK_HANDLER], v[l][SK_WAIT], v[l][SK_COLL], most_coll - atof(v[l][SK_COLL]));
+  }
+  free(v);
+  free(have);
   rmdir(g_summary_dir);
 }
 

@@ -23,7 +23,7 @@ rows = {}
 for l in lines[start + 2:start + 5]:
     f = l.split()
     rows[int(f[0])] = dict(zip(["rank", "worker", "calls", "failed", "served", "sent", "recv",
-                                "handlers", "sync"], f))
+                                "handlers", "waiting", "coll", "straggler"], f))
 assert sorted(rows) == [0, 1, 2], rows
 assert rows[0]["worker"] == "master" and int(rows[0]["calls"]) > 10, rows[0]
 for r in (1, 2):

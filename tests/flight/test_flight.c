@@ -192,6 +192,59 @@ static void test_flight_dump_round_trip(void **state) {
   td__flight_group_remove(7);
 }
 
+/* Subjects: the thread's subject is set and restored around calls; a handler's annotation
+ * rewrites its open record's subject (what the dump shows); td__flight_start leaves a .proc file
+ * with this pid; the summary's totals add up. */
+static void test_flight_subjects_annotations_and_process_file(void **state) {
+  (void)state;
+  td__flight_set_process(2, "worker2", 3);
+  td__flight_subj rref = {TD__FL_SUBJ_RREF, ((uint64_t)1 << 48) | 7};
+  td__flight_subj prev = td__flight_subject_set(rref);
+  assert_int_equal(prev.kind, TD__FL_SUBJ_NONE);
+  assert_int_equal(td__flight_subject().id, rref.id);
+  td__flight_subject_set(prev);
+  assert_int_equal(td__flight_subject().kind, TD__FL_SUBJ_NONE);
+
+  td__flight_ev h = {.kind = TD__FL_HANDLER_START, .peer = 1, .a = 9};
+  td__flight_push(&h, "__rref_fork");
+  assert_int_equal(td__flight_open_subject().kind, TD__FL_SUBJ_NONE);
+  td__flight_annotate(rref);
+  td__flight_subj got = td__flight_open_subject();
+  assert_int_equal(got.kind, TD__FL_SUBJ_RREF);
+  assert_int_equal(got.id, rref.id);
+  assert_int_equal(td_debug_dump("subjects"), TD_OK);
+  char path[600];
+  snprintf(path, sizeof path, "%s/worker2.flight", dir);
+  char *t = read_text(path);
+  assert_non_null(t);
+  char want[200]; /* open 0 TS TID handler_start 1 9 <id> 0 0 1 __rref_fork */
+  snprintf(want, sizeof want, " handler_start 1 9 %llu 0 0 1 __rref_fork\n",
+           (unsigned long long)rref.id);
+  assert_non_null(strstr(t, want));
+  assert_non_null(strstr(t, "\npool "));
+  h.kind = TD__FL_HANDLER_END;
+  td__flight_pop(&h, "__rref_fork");
+
+  td__flight_start();
+  snprintf(path, sizeof path, "%s/worker2.proc", dir);
+  t = read_text(path);
+  assert_non_null(t);
+  char pid_line[32];
+  snprintf(pid_line, sizeof pid_line, "pid %d\n", (int)getpid());
+  assert_non_null(strstr(t, pid_line));
+  assert_non_null(strstr(t, "\nhost "));
+  assert_non_null(strstr(t, "\nstart "));
+
+  td__wait_totals w0, w1;
+  td__flight_wait_totals(&w0);
+  td__flight_count_wait(1000);
+  td__flight_count_coll(300);
+  td__flight_wait_totals(&w1);
+  assert_int_equal(w1.wait_ns - w0.wait_ns, 1000);
+  assert_int_equal(w1.coll_ns - w0.coll_ns, 300);
+  assert_int_equal(w1.coll_n - w0.coll_n, 1);
+}
+
 static void test_flight_deadline_dumps_need_a_dir_and_keep_the_first(void **state) {
   (void)state;
   char path[600];
@@ -230,6 +283,8 @@ int main(void) {
       cmocka_unit_test(test_flight_ring_wraps_keeping_newest),
       cmocka_unit_test(test_flight_concurrent_writers_leave_no_torn_record),
       cmocka_unit_test_setup_teardown(test_flight_dump_round_trip, setup_dir, teardown_dir),
+      cmocka_unit_test_setup_teardown(test_flight_subjects_annotations_and_process_file,
+                                      setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_flight_deadline_dumps_need_a_dir_and_keep_the_first,
                                       setup_dir, teardown_dir),
       cmocka_unit_test_setup_teardown(test_flight_sigusr1_dumps_from_the_dumper_thread, setup_dir,

@@ -8,7 +8,8 @@ traces with tdist-trace and checks the merged timeline:
     server's handlers, distributed backward passes and optimizer steps;
   - causality survives the merge: every handler starts after its caller's send, in merged time
     (within the clock alignment's residual), although rank 1 pretends its clock runs 5 s ahead
-    (TD_TRACE_TEST_SKEW_NS): the offsets estimated at rendezvous must undo it.
+    (TD_TRACE_TEST_SKEW_NS): the offsets estimated at rendezvous must undo it;
+  - `tdist-trace html` renders it as one self-contained page with every worker and event.
 
     check_trace.py TDISTRUN PARAM_SERVER TDIST_TRACE
 """
@@ -79,6 +80,18 @@ try:
             if e["ph"] == "f" and e["id"] in starts and e["ts"] + residual + 1.0 < starts[e["id"]]]
     check(not late, f"every handler starts after its caller's send in merged time "
           f"({len(starts)} calls; {len(late)} out of order beyond {residual:.1f} us)")
+    # the offline page of the same run: every worker's track and the kinds of events above
+    page = os.path.join(work, "run.html")
+    h = subprocess.run([merge, "html", out, "-o", page], capture_output=True, text=True, timeout=60)
+    check(h.returncode == 0, f"tdist-trace html ({h.stderr.strip()})")
+    text = open(page).read() if h.returncode == 0 else ""
+    check(all(f"{names[p]}: thread" in text for p in names), "the page has every worker's track")
+    check(text.count('<g class="ev"') >= len([e for e in ev if e["ph"] in ("X", "b", "i")]),
+          "the page draws every span, call and instant")
+    check("[handler]" in text and "[autograd]" in text and "[optim]" in text,
+          "the page holds handlers, backward passes and optimizer steps")
+    check("http:" not in text and "https:" not in text and "src=" not in text,
+          "the page is self-contained")
 finally:
     shutil.rmtree(work, ignore_errors=True)
 if fails:

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -113,17 +114,29 @@ static void test_trace_records_spans_from_threads(void **state) {
 
 /* A collective is one span of category "collective" named after the operation, with its size
  * and algorithm (a group of one worker runs the local algorithm). */
-static void test_trace_records_collectives(void **state) {
-  (void)state;
-  char dir[] = "/tmp/td_trace_XXXXXX";
-  assert_non_null(mkdtemp(dir));
+/* A one-worker agent "solo" on 127.0.0.1 and its process group. */
+static td_rpc_agent *solo_start(td_process_group **pg) {
   td_rpc_options o;
   td_rpc_options_init(&o);
   o.init_method = "tcp://127.0.0.1:0";
   td_rpc_agent *a;
   TD_ASSERT_OK(td_rpc_init("solo", 0, 1, &o, &a));
+  TD_ASSERT_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, pg));
+  return a;
+}
+
+static void solo_finish(td_rpc_agent *a, td_process_group *pg) {
+  td_process_group_destroy(pg);
+  TD_ASSERT_OK(td_rpc_shutdown(a, true, TD_TIMEOUT_DEFAULT));
+  td_rpc_destroy(a);
+}
+
+static void test_trace_records_collectives(void **state) {
+  (void)state;
+  char dir[] = "/tmp/td_trace_XXXXXX";
+  assert_non_null(mkdtemp(dir));
   td_process_group *pg;
-  TD_ASSERT_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT, &pg));
+  td_rpc_agent *a = solo_start(&pg);
   float v[4] = {1, 2, 3, 4};
   int64_t shape[1] = {4};
   td_tensor *t;
@@ -133,9 +146,7 @@ static void test_trace_records_collectives(void **state) {
   TD_ASSERT_OK(td_process_group_barrier(pg));
   TD_ASSERT_OK(td_trace_stop());
   td_tensor_unref(t);
-  td_process_group_destroy(pg);
-  TD_ASSERT_OK(td_rpc_shutdown(a, true, TD_TIMEOUT_DEFAULT));
-  td_rpc_destroy(a);
+  solo_finish(a, pg);
   char path[128];
   snprintf(path, sizeof path, "%s/pid%d.trace.json", dir, (int)getpid());
   char *text = slurp(path);
@@ -372,6 +383,88 @@ static void test_trace_fork_child_starts_untraced(void **state) {
   remove_dir(dir);
 }
 
+/* ---- the offline timeline ---- */
+
+static td_status fn_echo(td_rpc_ctx *ctx, td_value *const *args, int n, td_value **res,
+                         td_future **fut) {
+  (void)ctx, (void)args, (void)n, (void)fut;
+  *res = td_value_int(1);
+  return TD_OK;
+}
+
+/* Runs TDIST_TRACE with args; its exit status (-1: it could not run). */
+static int run_tool(char *const argv[]) {
+  pid_t p = fork();
+  if (p == 0) {
+    execv(argv[0], argv);
+    _exit(127);
+  }
+  int st = 0;
+  if (p < 0 || waitpid(p, &st, 0) != p) return -1;
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* A small traced run (a call to itself, an all_reduce, a user span with a name that needs escaping
+ * in HTML, an instant) merged and rendered by `tdist-trace html`: one page, self-contained (no
+ * script, style or image from anywhere, no URL), holding every event of the run with its
+ * worker's track, and a script that draws, zooms, pans and resets the timeline
+ * (tests/trace/page_script_check.js, when node is installed). */
+static void test_trace_html_page_of_a_merged_run(void **state) {
+  (void)state;
+  char dir[] = "/tmp/td_trace_XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  td_rpc_register("echo_fn", fn_echo, NULL);
+  TD_ASSERT_OK(td_trace_start(dir)); /* before init: the agent names its track */
+  td_process_group *pg;
+  td_rpc_agent *a = solo_start(&pg);
+  float v[4] = {1, 2, 3, 4};
+  int64_t shape[1] = {4};
+  td_tensor *t;
+  TD_ASSERT_OK(td_tensor_from_buffer(v, shape, 1, TD_DTYPE_F32, &t));
+  td_trace_begin("step <1> & co", "user");
+  td_value *r = NULL;
+  TD_ASSERT_OK(td_rpc_sync(a, "solo", "echo_fn", NULL, 0, NULL, &r));
+  td_value_unref(r);
+  TD_ASSERT_OK(td_process_group_all_reduce(pg, t, TD_REDUCE_SUM));
+  td_trace_instant("checkpoint_mark", "user");
+  td_trace_end();
+  td_tensor_unref(t);
+  solo_finish(a, pg);
+  TD_ASSERT_OK(td_trace_stop());
+  char json[160], html[160];
+  snprintf(json, sizeof json, "%s/run.json", dir);
+  snprintf(html, sizeof html, "%s/run.html", dir);
+  char tool[] = TDIST_TRACE_PATH, merge[] = "merge", render[] = "html", dash_o[] = "-o";
+  assert_int_equal(run_tool((char *const[]){tool, merge, dir, dash_o, json, NULL}), 0);
+  assert_int_equal(run_tool((char *const[]){tool, render, json, dash_o, html, NULL}), 0);
+  char *page = slurp(html);
+  assert_non_null(page);
+  assert_int_equal(strncmp(page, "<!DOCTYPE html>", 15), 0);
+  assert_non_null(strstr(page, "</html>"));
+  assert_non_null(strstr(page, "<svg id=\"tl\""));
+  assert_non_null(strstr(page, "solo (rank 0): thread ")); /* the worker's track */
+  assert_non_null(strstr(page, ">all_reduce</text>"));      /* a span with its label */
+  assert_non_null(strstr(page, "[collective]"));
+  assert_non_null(strstr(page, "echo_fn"));                 /* the call and its handler */
+  assert_non_null(strstr(page, "[handler]"));
+  assert_non_null(strstr(page, "class=\"flow\""));          /* the call -> handler arrow */
+  assert_non_null(strstr(page, "checkpoint_mark"));
+  assert_non_null(strstr(page, "step &lt;1&gt; &amp; co")); /* escaped, never raw */
+  assert_null(strstr(page, "step <1>"));
+  /* self-contained: no URL, no external script, style or image */
+  assert_null(strstr(page, "http:"));
+  assert_null(strstr(page, "https:"));
+  assert_null(strstr(page, "src="));
+  assert_null(strstr(page, "href="));
+  assert_null(strstr(page, "@import"));
+  if (access("/usr/bin/node", X_OK) == 0) { /* the script runs, zooms, pans and resets */
+    char node[] = "/usr/bin/node", check[] = TD_SOURCE_DIR "/tests/trace/page_script_check.js";
+    assert_int_equal(run_tool((char *const[]){node, check, html, NULL}), 0);
+  }
+  free(page);
+  remove_dir(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_trace_records_spans_from_threads),
@@ -380,6 +473,7 @@ int main(void) {
       cmocka_unit_test(test_trace_deep_nesting_gives_matched_spans),
       cmocka_unit_test(test_trace_thread_exit_frees_buffer),
       cmocka_unit_test(test_trace_fork_child_starts_untraced),
+      cmocka_unit_test(test_trace_html_page_of_a_merged_run),
   };
   return cmocka_run_group_tests_name("trace", tests, NULL, NULL);
 }
