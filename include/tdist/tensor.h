@@ -31,17 +31,18 @@ extern "C" {
 
 /* Element types. float32, float64, bfloat16 and float16 are computed with (the floating dtypes:
  * td_dtype_is_float), int64 too where integers make sense (indices, counts, arithmetic). The
- * two 16-bit floats are CPU dtypes so far (a CUDA tensor of them is refused with TD_ERR_DTYPE):
- * their kernels load into float32, compute there (matrix products accumulate in float32; sums,
- * softmax, layer norm and losses read them into float32) and round the result to nearest even.
+ * two 16-bit floats live on the CPU and on CUDA devices: their kernels load into float32, compute
+ * there (matrix products accumulate in float32: OpenBLAS/oneDNN on the CPU, tensor cores through
+ * cuBLASLt on CUDA; sums, softmax, layer norm and losses read them into float32) and round the
+ * result to nearest even.
  * Most programs use them through autocast (td_autocast_begin below: float32 weights, 16-bit
  * compute) rather than as parameters. int32, uint8 and bool (numbers >= 5) exist for transport
  * and storage - the dtypes other runtimes hand over (PyTorch, numpy): CPU tensors of them can be
  * created (td_tensor_empty/zeros/full, from_buffer, from_borrowed), viewed, copied and converted
  * to and from every dtype (td_tensor_to_dtype, td_tensor_copy_: float -> integer truncates,
  * -> bool is != 0), read (td_tensor_get, item), compared (td_tensor_allclose) and sent in RPC
- * values; every other op, autograd and CUDA placement refuse them with TD_ERR_DTYPE ("<op>: int32
- * is a transport-only dtype ..."). */
+ * values, and placed on a CUDA device (copies and conversions only); every other op and autograd
+ * refuse them with TD_ERR_DTYPE ("<op>: int32 is a transport-only dtype ..."). */
 typedef enum td_dtype {
   TD_DTYPE_F32 = 0,
   TD_DTYPE_F64 = 1,
@@ -447,6 +448,19 @@ typedef struct td_adam_args {
  * ops above, as the optimizers of optim.h do. */
 TD_API td_status td_tensor_adam_(td_tensor *param, const td_tensor *grad, td_tensor *exp_avg,
                                  td_tensor *exp_avg_sq, const td_adam_args *a);
+/* td_tensor_adam_multi_ is td_tensor_adam_ on n parameters at once, args[i] for parameter i. On
+ * a device with a multi-tensor kernel (CUDA) one launch updates many parameters; elsewhere it
+ * calls td_tensor_adam_ for each. Every operand is checked before anything changes;
+ * TD_ERR_UNSUPPORTED (nothing updated) under the conditions of td_tensor_adam_, or when the
+ * parameters are not all on one device. */
+TD_API td_status td_tensor_adam_multi_(td_tensor *const *params, const td_tensor *const *grads,
+                                       td_tensor *const *exp_avgs,
+                                       td_tensor *const *exp_avg_sqs, const td_adam_args *args,
+                                       size_t n);
+/* td_tensor_sum_squares sets *out to the sum, over the n float tensors (NULL entries skipped, all
+ * on one device), of the squares of their elements, accumulated in double: the squared 2-norm of
+ * a gradient list. On CUDA one kernel per launch group and one host synchronisation in all. */
+TD_API td_status td_tensor_sum_squares(const td_tensor *const *ts, size_t n, double *out);
 /* td_tensor_uniform_ / normal_ refill t from g. */
 TD_API td_status td_tensor_uniform_(td_tensor *t, double lo, double hi, td_generator *g);
 TD_API td_status td_tensor_normal_(td_tensor *t, double mean, double std, td_generator *g);

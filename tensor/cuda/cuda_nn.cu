@@ -9,6 +9,9 @@
  * col2im gathers instead of scattering: each input pixel sums the column entries that read it, so
  * the result is deterministic and needs no atomics. Max-pooling backward scatters through the
  * saved arg-max with atomicAdd, because overlapping windows may pick the same input.
+ *
+ * 16-bit floats: im2col moves their bits, col2im sums in float32 and rounds once per pixel; NLL
+ * and pooling run on float32 copies (td__cu_up), as the CPU does.
  */
 #include "cuda_impl.h"
 
@@ -68,7 +71,7 @@ __global__ void col2im_kernel(const T *col, int64_t c, int64_t h, int64_t w, int
   TD_CU_LOOP(e, total) {
     int64_t x = e % w, t = e / w;
     int64_t y = t % h, ch = t / h;
-    T sum = 0;
+    Cmp<T> sum = 0;
     for (int ki = 0; ki < kh; ki++) {
       int64_t ny = y + ph - ki;
       if (ny < 0 || ny % sh != 0) continue;
@@ -79,18 +82,19 @@ __global__ void col2im_kernel(const T *col, int64_t c, int64_t h, int64_t w, int
         if (nx < 0 || nx % sw != 0) continue;
         int64_t ox = nx / sw;
         if (ox >= ow) continue;
-        sum += col[((ch * kh + ki) * kw + kj) * oh * ow + oy * ow + ox];
+        sum += td__ld(col[((ch * kh + ki) * kw + kj) * oh * ow + oy * ow + ox]);
       }
     }
-    gx[e] += sum;
+    gx[e] = Cvt<T>::st(td__ld(gx[e]) + sum);
   }
 }
 
 /* conv_geometry checks the convolution arguments and returns the output size. */
 td_status conv_geometry(const char *op, td_dtype dt, int64_t h, int64_t w, int kh, int kw, int sh,
                         int sw, int ph, int pw, int64_t *oh, int64_t *ow) {
-  if (dt == TD_DTYPE_I64)
-    return td_set_error(TD_ERR_DTYPE, "cuda %s: int64 images are not supported", op);
+  if (!td_dtype_is_float(dt))
+    return td_set_error(TD_ERR_DTYPE, "cuda %s: %s images are not supported", op,
+                        td_dtype_name(dt));
   if (kh <= 0 || kw <= 0 || sh <= 0 || sw <= 0 || ph < 0 || pw < 0)
     return td_set_error(TD_ERR_INVALID, "cuda %s: bad kernel %dx%d, stride %dx%d or padding %dx%d",
                         op, kh, kw, sh, sw, ph, pw);
@@ -143,6 +147,16 @@ __global__ void max_pool2d_backward_kernel(const T *gy, const int64_t *idx, int6
 td_status td__cu_nll(const td_tensor *logp, const td_tensor *target, int64_t ignore_index,
                      td_tensor *losses, int64_t *count) {
   const char *op = "nll";
+  if (td__cu_is_half(logp->dtype)) {
+    td_tensor *lf = NULL, *of = NULL;
+    td_status st = td__cu_up(logp, &lf);
+    if (st == TD_OK) st = td__cu_up_empty(losses, &of);
+    if (st == TD_OK) st = td__cu_nll(lf, target, ignore_index, of, count);
+    if (st == TD_OK) st = td__cu_down(losses, of);
+    td_tensor_unref(lf);
+    td_tensor_unref(of);
+    return st;
+  }
   TD_TRY(td__cu_enter(op, logp));
   TD_TRY(td__cu_same_device(op, logp, target));
   TD_TRY(td__cu_same_device(op, logp, losses));
@@ -217,6 +231,16 @@ out:
 td_status td__cu_nll_backward(const td_tensor *target, const td_tensor *gl, int64_t ignore_index,
                               td_tensor *gx) {
   const char *op = "nll_backward";
+  if (td__cu_is_half(gx->dtype)) {
+    td_tensor *gf = NULL, *xf = NULL;
+    td_status st = td__cu_up(gl, &gf);
+    if (st == TD_OK) st = td__cu_up_empty(gx, &xf);
+    if (st == TD_OK) st = td__cu_nll_backward(target, gf, ignore_index, xf);
+    if (st == TD_OK) st = td__cu_down(gx, xf);
+    td_tensor_unref(gf);
+    td_tensor_unref(xf);
+    return st;
+  }
   TD_TRY(td__cu_enter(op, gx));
   TD_TRY(td__cu_same_device(op, gx, target));
   TD_TRY(td__cu_same_device(op, gx, gl));
@@ -264,6 +288,9 @@ td_status td__cu_im2col(td_dtype dt, const void *x, int64_t c, int64_t h, int64_
   if (dt == TD_DTYPE_F32)
     im2col_kernel<float><<<grid, TD_CU_THREADS>>>((const float *)x, c, h, w, kh, kw, sh, sw, ph,
                                                   pw, oh, ow, (float *)col);
+  else if (td__cu_is_half(dt)) /* a gather: the elements' bits (zero padding is +0) */
+    im2col_kernel<uint16_t><<<grid, TD_CU_THREADS>>>((const uint16_t *)x, c, h, w, kh, kw, sh, sw,
+                                                     ph, pw, oh, ow, (uint16_t *)col);
   else
     im2col_kernel<double><<<grid, TD_CU_THREADS>>>((const double *)x, c, h, w, kh, kw, sh, sw, ph,
                                                    pw, oh, ow, (double *)col);
@@ -284,6 +311,12 @@ td_status td__cu_col2im(td_dtype dt, const void *col, int64_t c, int64_t h, int6
   if (dt == TD_DTYPE_F32)
     col2im_kernel<float><<<grid, TD_CU_THREADS>>>((const float *)col, c, h, w, kh, kw, sh, sw, ph,
                                                   pw, oh, ow, (float *)gx);
+  else if (dt == TD_DTYPE_BF16)
+    col2im_kernel<td_bf16><<<grid, TD_CU_THREADS>>>((const td_bf16 *)col, c, h, w, kh, kw, sh, sw,
+                                                    ph, pw, oh, ow, (td_bf16 *)gx);
+  else if (dt == TD_DTYPE_F16)
+    col2im_kernel<td_f16><<<grid, TD_CU_THREADS>>>((const td_f16 *)col, c, h, w, kh, kw, sh, sw,
+                                                   ph, pw, oh, ow, (td_f16 *)gx);
   else
     col2im_kernel<double><<<grid, TD_CU_THREADS>>>((const double *)col, c, h, w, kh, kw, sh, sw,
                                                    ph, pw, oh, ow, (double *)gx);
@@ -293,6 +326,16 @@ td_status td__cu_col2im(td_dtype dt, const void *col, int64_t c, int64_t h, int6
 td_status td__cu_max_pool2d(const td_tensor *x, int kh, int kw, int sh, int sw, td_tensor *y,
                             td_tensor *idx) {
   const char *op = "max_pool2d";
+  if (td__cu_is_half(x->dtype)) {
+    td_tensor *xf = NULL, *yf = NULL;
+    td_status st = td__cu_up(x, &xf);
+    if (st == TD_OK) st = td__cu_up_empty(y, &yf);
+    if (st == TD_OK) st = td__cu_max_pool2d(xf, kh, kw, sh, sw, yf, idx);
+    if (st == TD_OK) st = td__cu_down(y, yf);
+    td_tensor_unref(xf);
+    td_tensor_unref(yf);
+    return st;
+  }
   TD_TRY(td__cu_enter(op, y));
   TD_TRY(td__cu_same_device(op, y, x));
   TD_TRY(td__cu_same_device(op, y, idx));
@@ -327,6 +370,16 @@ td_status td__cu_max_pool2d(const td_tensor *x, int kh, int kw, int sh, int sw, 
 
 td_status td__cu_max_pool2d_backward(const td_tensor *gy, const td_tensor *idx, td_tensor *gx) {
   const char *op = "max_pool2d_backward";
+  if (td__cu_is_half(gx->dtype)) {
+    td_tensor *gyf = NULL, *gxf = NULL;
+    td_status st = td__cu_up(gy, &gyf);
+    if (st == TD_OK) st = td__cu_up(gx, &gxf); /* accumulated into: its contents matter */
+    if (st == TD_OK) st = td__cu_max_pool2d_backward(gyf, idx, gxf);
+    if (st == TD_OK) st = td__cu_down(gx, gxf);
+    td_tensor_unref(gyf);
+    td_tensor_unref(gxf);
+    return st;
+  }
   TD_TRY(td__cu_enter(op, gx));
   TD_TRY(td__cu_same_device(op, gx, gy));
   TD_TRY(td__cu_same_device(op, gx, idx));
