@@ -41,6 +41,12 @@ find "$build" -type f \( -perm -u+x -o -name '*.so*' \) ! -path '*/CMakeFiles/*'
 
 data=${TD_DATA_DIR:-/usr/share/datasets/fashion-mnist}
 cp "$data"/*-ubyte.gz "$stage/gpu-bundle/data/"
+# the GPT tests' corpus (Debian's fortunes; the GPU machine may not have the package)
+fortunes=${TD_GPT_CORPUS:-/usr/share/games/fortunes}
+if [ -d "$fortunes" ]; then
+  mkdir -p "$stage/gpu-bundle/fortunes"
+  find "$fortunes" -maxdepth 1 -type f ! -name '*.dat' -exec cp {} "$stage/gpu-bundle/fortunes/" \;
+fi
 
 cat >"$stage/gpu-bundle/run.sh" <<EOF
 #!/usr/bin/env bash
@@ -62,6 +68,7 @@ for n in libcublas.so.13 libnccl.so.2; do
 done
 export LD_LIBRARY_PATH="\$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export TD_DATA_DIR="\$here/gpu-bundle/data"
+[ -d "\$here/gpu-bundle/fortunes" ] && export TD_GPT_CORPUS="\$here/gpu-bundle/fortunes"
 echo "LD_LIBRARY_PATH=\$LD_LIBRARY_PATH"
 missing=\$(ldd "$rel/examples/train_local" | grep 'not found' || true)
 [ -z "\$missing" ] || echo "gpu-bundle: libraries not found: \$missing"

@@ -110,6 +110,16 @@ TD_API td_status td_cuda_empty_cache(void);
  * for a device that does not exist; TD_ERR_UNSUPPORTED without CUDA in the build. THREAD
  * SAFETY: any thread. */
 TD_API td_status td_cuda_memory_info(int device, size_t *in_use, size_t *cached);
+/* td_cuda_memory_peak reports in *peak (may be NULL) the most bytes the caching allocator had
+ * handed out on device at once (torch.cuda.max_memory_allocated) since the device's first
+ * allocation or the last reset; reset (torch.cuda.reset_peak_memory_stats) then sets the peak to
+ * the bytes in use now. Errors as td_cuda_memory_info. THREAD SAFETY: any thread. */
+TD_API td_status td_cuda_memory_peak(int device, bool reset, size_t *peak);
+/* td_cuda_device_name writes device's name as the CUDA runtime reports it ("NVIDIA H100 80GB
+ * HBM3") into buf (n bytes, NUL-terminated; truncated if needed). Initialises CUDA in the
+ * calling process (a process that forks CUDA users afterwards must not call it). Errors as
+ * td_cuda_memory_info. */
+TD_API td_status td_cuda_device_name(int device, char *buf, size_t n);
 /* td_cpu_memory_info reports the CPU allocator's bytes: *in_use (the blocks held by tensors and
  * by tdist's own buffers, each rounded up to 4 KiB: torch.cuda.memory_allocated's figure for
  * host memory), *peak (the most in use since the process started or td_cpu_reset_peak_memory)

@@ -322,14 +322,10 @@ td_status bwd_simt(int dev, const td__attn_geom *g, const void *q, const void *k
   return st;
 }
 
-/* simt_only: TD_CUDA_ATTENTION=simt (read once). */
+/* simt_only: TD_CUDA_ATTENTION=simt (read at every call, so a test can compare both paths). */
 bool simt_only() {
-  static int v = -1;
-  if (v < 0) {
-    const char *e = getenv("TD_CUDA_ATTENTION");
-    v = e && !strcmp(e, "simt") ? 1 : 0;
-  }
-  return v == 1;
+  const char *e = getenv("TD_CUDA_ATTENTION");
+  return e && !strcmp(e, "simt");
 }
 
 td_status check_geom(const char *op, const td__attn_geom *g) {

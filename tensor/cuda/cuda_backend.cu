@@ -18,6 +18,7 @@
 
 #include <cublas_v2.h>
 #include <limits.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <mutex>
@@ -99,6 +100,16 @@ td_status td__cu_vector(const char *op, const td_tensor *t, int64_t *n, int64_t 
   }
   *stride = 1;
   return td__cu_need_contig(op, t);
+}
+
+/* ---- device names (tensor/devices.c: td_cuda_device_name) ---- */
+
+extern "C" td_status td__cu_device_name(int device, char *buf, size_t n) {
+  cudaDeviceProp prop;
+  cudaError_t e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess) return td__cu_error(e, "device_name");
+  snprintf(buf, n, "%s", prop.name);
+  return TD_OK;
 }
 
 /* ---- device count (for the probe child of tensor/devices.c) ---- */
