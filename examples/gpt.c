@@ -783,10 +783,16 @@ static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) 
   double mine[K] = {train_peak > dp->peak_setup ? train_peak : dp->peak_setup, train_peak,
                     dp->rss_before_model, ex_tensor_mb(true), dp->tensors_before_model,
                     dp->tensors_at_start, dp->activations};
-  td_tensor *t = NULL, *every = NULL;
+  td_tensor *t = NULL, *every = NULL, *tg = NULL, *eg = NULL;
   EX_CHECK(td_tensor_from_buffer(mine, &k, 1, TD_DTYPE_F64, &t));
-  EX_CHECK(td_tensor_empty(&all, 1, TD_DTYPE_F64, td_device_cpu(), &every));
-  EX_CHECK(td_process_group_all_gather_into_tensor(dp->pg, every, t));
+  /* an NCCL group gathers CUDA tensors on its device */
+  td_device gd = td_process_group_backend(dp->pg) == TD_PG_BACKEND_NCCL ? run_dev : td_device_cpu();
+  EX_CHECK(td_tensor_to(t, gd, &tg));
+  EX_CHECK(td_tensor_empty(&all, 1, TD_DTYPE_F64, gd, &eg));
+  EX_CHECK(td_process_group_all_gather_into_tensor(dp->pg, eg, tg));
+  EX_CHECK(td_tensor_to(eg, td_device_cpu(), &every));
+  td_tensor_unref(tg);
+  td_tensor_unref(eg);
   const double *v = td_tensor_data(every);
   /* RSS: the run's peak; the training peak (from the first step on: the model building's
    * transients left out); what training added to the process as it was before the model existed.

@@ -419,10 +419,12 @@ td_status td_tensor_adam_multi_(td_tensor *const *params, const td_tensor *const
                "%s: NULL array", op);
   if (n == 0) return TD_OK;
   TD_CHECK_ARG(n <= INT32_MAX, "%s: %zu parameters is too many", op, n);
-  for (size_t i = 0; i < n; i++) {
+  for (size_t i = 0; i < n; i++)
     TD_TRY(adam_check(op, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], &args[i]));
-    TD_TRY(td__check_same_device(op, params[0], params[i]));
-  }
+  for (size_t i = 1; i < n; i++)
+    if (!td_device_equal(params[i]->storage->device, params[0]->storage->device))
+      return td_set_error(TD_ERR_UNSUPPORTED, "%s: parameters on more than one device (0 and "
+                          "%zu)", op, i);
   const td__backend *be = td__backend_of(params[0]);
   TD__NEED_KERNEL(be, adam, op);
   bool one_dtype = true;
@@ -451,18 +453,19 @@ td_status td_tensor_sum_squares(const td_tensor *const *ts, size_t n, double *ou
   TD_CHECK_ARG((ts || n == 0) && out, "%s: NULL argument", op);
   const td_tensor *first = NULL;
   size_t m = 0;
+  bool one_dev = true;
   for (size_t i = 0; i < n; i++) {
     if (!ts[i]) continue;
     TD_TRY(td__check_float(op, ts[i]));
     if (!first) first = ts[i];
-    TD_TRY(td__check_same_device(op, first, ts[i]));
+    one_dev = one_dev && td_device_equal(first->storage->device, ts[i]->storage->device);
     m++;
   }
   *out = 0.0;
   if (!first) return TD_OK;
   TD_CHECK_ARG(m <= INT32_MAX, "%s: %zu tensors is too many", op, m);
   const td__backend *be = td__backend_of(first);
-  if (be->sum_squares) {
+  if (be->sum_squares && one_dev) {
     const td_tensor **list = td__malloc(m * sizeof *list);
     if (!list) return td_set_error(TD_ERR_NOMEM, "%s: out of memory", op);
     size_t k = 0;

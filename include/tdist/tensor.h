@@ -467,9 +467,11 @@ TD_API td_status td_tensor_adam_multi_(td_tensor *const *params, const td_tensor
                                        td_tensor *const *exp_avgs,
                                        td_tensor *const *exp_avg_sqs, const td_adam_args *args,
                                        size_t n);
-/* td_tensor_sum_squares sets *out to the sum, over the n float tensors (NULL entries skipped, all
- * on one device), of the squares of their elements, accumulated in double: the squared 2-norm of
- * a gradient list. On CUDA one kernel per launch group and one host synchronisation in all. */
+/* td_tensor_sum_squares sets *out to the sum, over the n float tensors (NULL entries skipped),
+ * of the squares of their elements, accumulated in double: the squared 2-norm of a gradient
+ * list. Tensors all on one CUDA device take one kernel per 32 tensors and one host
+ * synchronisation in all; otherwise each tensor's sum of squares is read on its own (rounded to
+ * its dtype, as mul + sum_all give it). */
 TD_API td_status td_tensor_sum_squares(const td_tensor *const *ts, size_t n, double *out);
 /* td_tensor_uniform_ / normal_ refill t from g. */
 TD_API td_status td_tensor_uniform_(td_tensor *t, double lo, double hi, td_generator *g);

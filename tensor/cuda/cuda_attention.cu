@@ -276,8 +276,9 @@ __global__ void attn_dkv_kernel(Geo<Cmp<T>> g, const T *q, const T *k, const T *
   }
 }
 
-/* warp_grid returns the blocks of a warp-per-row kernel over rows rows. */
-unsigned warp_grid(int64_t rows) { return td__cu_grid(rows, 32 * kWarps); }
+/* warp_grid returns the blocks of a warp-per-row kernel over rows rows (kWarps rows a block;
+ * the kernels loop when the grid is capped). */
+unsigned warp_grid(int64_t rows) { return td__cu_grid(rows, kWarps); }
 
 template <typename T>
 td_status fwd_simt(const td__attn_geom *g, const void *q, const void *k, const void *v, void *y,
