@@ -404,6 +404,19 @@ typedef struct td__backend {
                                       const void *k, const void *v, const void *y,
                                       const void *lse, const void *gy, void *gq, void *gk,
                                       void *gv);
+  /* Optional (NULL: cross_entropy is log_softmax + nll_loss): cross entropy fused, for logits
+   * [N, C] (contiguous; float32 / float64, or a 16-bit float read into float32) and int64 target
+   * [N] (any stride): losses [N] (0 for ignored rows) and lse [N] (each row's log-sum-exp), both
+   * float32 (float64 for float64 logits), *count and bad targets as nll. */
+  td_status (*cross_entropy)(const td_tensor *logits, const td_tensor *target,
+                             int64_t ignore_index, td_tensor *losses, td_tensor *lse,
+                             int64_t *count);
+  /* Its backward: gx [N, C] in the logits' dtype = gl[n] (softmax(logits[n]) - onehot(target[n]))
+   * computed in the losses' dtype and rounded once; zero rows for ignored targets. gl [N] (any
+   * stride, the losses' dtype). */
+  td_status (*cross_entropy_backward)(const td_tensor *logits, const td_tensor *target,
+                                      const td_tensor *lse, const td_tensor *gl,
+                                      int64_t ignore_index, td_tensor *gx);
 } td__backend;
 
 /* td__backend_for returns the kernel table for device d, or NULL (with td_set_error) when this

@@ -310,6 +310,8 @@ td__backend make_backend() {
   b.adam = td__cu_adam;
   b.adam_multi = td__cu_adam_multi;
   b.sum_squares = td__cu_sum_squares;
+  b.cross_entropy = td__cu_cross_entropy;
+  b.cross_entropy_backward = td__cu_cross_entropy_backward;
   return b;
 }
 

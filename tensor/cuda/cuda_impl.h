@@ -8,7 +8,8 @@
  *   cuda_elementwise.cu  strided copy / fill / binary / unary (+ backward), index_select/add;
  *   cuda_reduce.cu       sum and max over [outer, r, inner], softmax (+ backward), layer norm
  *                        (+ backward);
- *   cuda_nn.cu           NLL (+ backward), im2col / col2im, max pooling (+ backward);
+ *   cuda_nn.cu           NLL (+ backward), fused cross entropy (+ backward), im2col / col2im,
+ *                        max pooling (+ backward);
  *   cuda_attention.cu    fused scaled-dot-product attention (+ backward), flash-attention style;
  *   cuda_optim.cu        multi-tensor Adam / AdamW and the sum of squares of a tensor list;
  *   cuda_lowp.cu         16-bit GEMMs through cuBLASLt, the float32 round trip of whole tensors.
@@ -132,6 +133,12 @@ td_status td__cu_adam(td_tensor *p, const td_tensor *g, td_tensor *m, td_tensor 
 td_status td__cu_adam_multi(td_tensor *const *p, const td_tensor *const *g, td_tensor *const *m,
                             td_tensor *const *v, const td__adam_consts *c, int n);
 td_status td__cu_sum_squares(const td_tensor *const *ts, int n, double *out);
+td_status td__cu_cross_entropy(const td_tensor *logits, const td_tensor *target,
+                               int64_t ignore_index, td_tensor *losses, td_tensor *lse,
+                               int64_t *count);
+td_status td__cu_cross_entropy_backward(const td_tensor *logits, const td_tensor *target,
+                                        const td_tensor *lse, const td_tensor *gl,
+                                        int64_t ignore_index, td_tensor *gx);
 
 /* td__cu_up returns in *out a float32 copy of t on t's device when t is a 16-bit float tensor
  * (a new reference to t otherwise; NULL for NULL); td__cu_up_empty the same without copying the

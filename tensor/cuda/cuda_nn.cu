@@ -10,6 +10,8 @@
  * the result is deterministic and needs no atomics. Max-pooling backward scatters through the
  * saved arg-max with atomicAdd, because overlapping windows may pick the same input.
  *
+ * Cross entropy (fused, for the op's fused path): see its kernels below.
+ *
  * 16-bit floats: im2col moves their bits, col2im sums in float32 and rounds once per pixel; NLL
  * and pooling run on float32 copies (td__cu_up), as the CPU does.
  */
@@ -43,6 +45,70 @@ __global__ void nll_backward_kernel(const int64_t *target, int64_t tstride, cons
   TD_CU_LOOP(i, n) {
     int64_t t = target[i * tstride];
     if (t != ignore && t >= 0 && t < c) gx[i * c + t] = -gl[i * gstride];
+  }
+}
+
+/* ---- fused cross entropy ----
+ * One block per row (rows looped over with a capped grid). Forward: each thread keeps a running
+ * max m and sum s of exp(x - m) over its share of the row in one pass (s rescaled when m grows;
+ * -inf entries add nothing), the block combines them (max, then the sum of s exp(m - M)), and
+ * lse = M + log(S); loss = lse - x[t]. The sums are in double (Acc), exp in the compute type.
+ * Targets are validated as NLL does (count and first bad row in the stats words). Backward:
+ * gx = gl (exp(x - lse) - [c == t]) per element, zero rows for ignored targets. */
+template <typename T>
+__global__ void ce_kernel(const T *x, int64_t n, int64_t c, const int64_t *target,
+                          int64_t tstride, int64_t ignore, Cmp<T> *losses, Cmp<T> *lse,
+                          unsigned long long *stats) {
+  using C = Cmp<T>;
+  for (int64_t row = blockIdx.x; row < n; row += gridDim.x) {
+    const T *xr = x + row * c;
+    C m = -(C)INFINITY;
+    double s = 0;
+    for (int64_t k = threadIdx.x; k < c; k += blockDim.x) {
+      C v = td__ld(xr[k]);
+      if (v > m) {
+        s = (m == -(C)INFINITY ? 0.0 : s * (double)exp(m - v)) + 1.0;
+        m = v;
+      } else if (!(v == -(C)INFINITY)) {
+        s += (double)exp(v - m); /* NaN propagates */
+      }
+    }
+    C mx = td__cu_block_max(m);
+    double part = s == 0 ? 0.0 : s * (double)exp(m - mx);
+    double tot = td__cu_block_sum(part);
+    if (threadIdx.x == 0) {
+      double l = (double)mx + log(tot);
+      int64_t t = target[row * tstride];
+      C loss = 0;
+      if (t != ignore) {
+        if (t < 0 || t >= c) {
+          atomicMin(&stats[1], (unsigned long long)row);
+        } else {
+          loss = (C)(l - (double)td__ld(xr[t]));
+          atomicAdd(&stats[0], 1ull);
+        }
+      }
+      losses[row] = loss;
+      lse[row] = (C)l;
+    }
+  }
+}
+
+template <typename T>
+__global__ void ce_backward_kernel(const T *x, int64_t n, int64_t c, const int64_t *target,
+                                   int64_t tstride, int64_t ignore, const Cmp<T> *lse,
+                                   const Cmp<T> *gl, int64_t gstride, T *gx) {
+  using C = Cmp<T>;
+  for (int64_t row = blockIdx.x; row < n; row += gridDim.x) {
+    const T *xr = x + row * c;
+    T *gr = gx + row * c;
+    int64_t t = target[row * tstride];
+    bool on = t != ignore && t >= 0 && t < c;
+    C g = on ? gl[row * gstride] : (C)0, l = lse[row];
+    for (int64_t k = threadIdx.x; k < c; k += blockDim.x) {
+      C p = exp(td__ld(xr[k]) - l);
+      gr[k] = Cvt<T>::st(on ? g * (p - (k == t ? (C)1 : (C)0)) : (C)0);
+    }
   }
 }
 
@@ -271,6 +337,141 @@ td_status td__cu_nll_backward(const td_tensor *target, const td_tensor *gl, int6
     nll_backward_kernel<double><<<grid, TD_CU_THREADS>>>(
         pt, tstride, (const double *)td__cu_ptr(gl), gstride, n, c, ignore_index,
         (double *)td__cu_ptr(gx));
+  return td__cu_check_launch(op);
+}
+
+td_status td__cu_cross_entropy(const td_tensor *logits, const td_tensor *target,
+                               int64_t ignore_index, td_tensor *losses, td_tensor *lse,
+                               int64_t *count) {
+  const char *op = "cross_entropy";
+  TD_TRY(td__cu_enter(op, logits));
+  TD_TRY(td__cu_same_device(op, logits, target));
+  TD_TRY(td__cu_same_device(op, logits, losses));
+  TD_TRY(td__cu_same_device(op, logits, lse));
+  TD_TRY(td__cu_need_contig(op, logits));
+  TD_TRY(td__cu_need_contig(op, losses));
+  TD_TRY(td__cu_need_contig(op, lse));
+  td_dtype dt = logits->dtype, ldt = dt == TD_DTYPE_F64 ? TD_DTYPE_F64 : TD_DTYPE_F32;
+  if (!td_dtype_is_float(dt) || losses->dtype != ldt || lse->dtype != ldt)
+    return td_set_error(TD_ERR_DTYPE, "cuda cross_entropy: %s logits need %s losses",
+                        td_dtype_name(dt), td_dtype_name(ldt));
+  if (target->dtype != TD_DTYPE_I64)
+    return td_set_error(TD_ERR_DTYPE, "cuda cross_entropy: targets must be int64");
+  int64_t n = 0, tstride = 0;
+  TD_TRY(td__cu_vector(op, target, &n, &tstride));
+  if (n == 0) {
+    *count = 0;
+    return TD_OK;
+  }
+  int64_t c = td__cu_numel(logits) / n;
+  if (c * n != td__cu_numel(logits) || c == 0 || td__cu_numel(losses) != n ||
+      td__cu_numel(lse) != n)
+    return td_set_error(TD_ERR_SHAPE, "cuda cross_entropy: %lld targets for %lld logits",
+                        (long long)n, (long long)td__cu_numel(logits));
+  int dev = td__cu_dev(logits);
+  void *scratch = nullptr;
+  TD_TRY(td__cu_scratch_alloc(dev, 2 * sizeof(unsigned long long), &scratch));
+  unsigned long long *stats = (unsigned long long *)scratch, host[2] = {0, 0};
+  td_status st = TD_OK;
+  cudaError_t e = cudaMemsetAsync(stats, 0, sizeof(unsigned long long), 0);
+  if (e == cudaSuccess) e = cudaMemsetAsync(stats + 1, 0xff, sizeof(unsigned long long), 0);
+  if (e != cudaSuccess) st = td__cu_error(e, op);
+  const int64_t *pt = (const int64_t *)td__cu_ptr(target);
+  unsigned grid = (unsigned)(n < TD_CU_MAX_BLOCKS ? n : TD_CU_MAX_BLOCKS);
+  int threads = td__cu_block_threads(c);
+  if (st == TD_OK) {
+    const void *px = td__cu_ptr(logits);
+    void *pl = td__cu_ptr(losses), *ps = td__cu_ptr(lse);
+    switch (dt) {
+      case TD_DTYPE_F32:
+        ce_kernel<float><<<grid, threads>>>((const float *)px, n, c, pt, tstride, ignore_index,
+                                            (float *)pl, (float *)ps, stats);
+        break;
+      case TD_DTYPE_F64:
+        ce_kernel<double><<<grid, threads>>>((const double *)px, n, c, pt, tstride, ignore_index,
+                                             (double *)pl, (double *)ps, stats);
+        break;
+      case TD_DTYPE_BF16:
+        ce_kernel<td_bf16><<<grid, threads>>>((const td_bf16 *)px, n, c, pt, tstride,
+                                              ignore_index, (float *)pl, (float *)ps, stats);
+        break;
+      default:
+        ce_kernel<td_f16><<<grid, threads>>>((const td_f16 *)px, n, c, pt, tstride,
+                                             ignore_index, (float *)pl, (float *)ps, stats);
+        break;
+    }
+    st = td__cu_check_launch(op);
+  }
+  if (st == TD_OK) { /* the count for the mean, and the targets' check: one synchronisation */
+    e = cudaMemcpy(host, stats, sizeof host, cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess) st = td__cu_error(e, op);
+  }
+  if (st == TD_OK && host[1] != ~0ull) {
+    int64_t bad = 0, row = (int64_t)host[1];
+    e = cudaMemcpy(&bad, pt + row * tstride, sizeof bad, cudaMemcpyDeviceToHost);
+    st = e != cudaSuccess ? td__cu_error(e, op)
+                          : td_set_error(TD_ERR_INVALID,
+                                         "cuda cross_entropy: target %lld at row %lld is out of "
+                                         "range [0, %lld)", (long long)bad, (long long)row,
+                                         (long long)c);
+  }
+  if (st == TD_OK) *count = (int64_t)host[0];
+  td__cu_scratch_free(dev, scratch);
+  return st;
+}
+
+td_status td__cu_cross_entropy_backward(const td_tensor *logits, const td_tensor *target,
+                                        const td_tensor *lse, const td_tensor *gl,
+                                        int64_t ignore_index, td_tensor *gx) {
+  const char *op = "cross_entropy_backward";
+  TD_TRY(td__cu_enter(op, gx));
+  const td_tensor *same[4] = {logits, target, lse, gl};
+  for (int i = 0; i < 4; i++) TD_TRY(td__cu_same_device(op, gx, same[i]));
+  TD_TRY(td__cu_need_contig(op, logits));
+  TD_TRY(td__cu_need_contig(op, lse));
+  TD_TRY(td__cu_need_contig(op, gx));
+  td_dtype dt = logits->dtype, ldt = dt == TD_DTYPE_F64 ? TD_DTYPE_F64 : TD_DTYPE_F32;
+  if (gx->dtype != dt || lse->dtype != ldt || gl->dtype != ldt || target->dtype != TD_DTYPE_I64)
+    return td_set_error(TD_ERR_DTYPE, "cuda cross_entropy_backward: dtypes do not match");
+  int64_t n = 0, tstride = 0, gn = 0, gstride = 0;
+  TD_TRY(td__cu_vector(op, target, &n, &tstride));
+  TD_TRY(td__cu_vector(op, gl, &gn, &gstride));
+  if (n == 0) return TD_OK;
+  int64_t c = td__cu_numel(gx) / n;
+  if (gn != n || c * n != td__cu_numel(gx) || td__cu_numel(logits) != c * n ||
+      td__cu_numel(lse) != n)
+    return td_set_error(TD_ERR_SHAPE, "cuda cross_entropy_backward: inconsistent sizes");
+  if (c == 0) return TD_OK;
+  const int64_t *pt = (const int64_t *)td__cu_ptr(target);
+  unsigned grid = (unsigned)(n < TD_CU_MAX_BLOCKS ? n : TD_CU_MAX_BLOCKS);
+  int threads = td__cu_block_threads(c);
+  const void *px = td__cu_ptr(logits), *ps = td__cu_ptr(lse), *pg = td__cu_ptr(gl);
+  void *po = td__cu_ptr(gx);
+  switch (dt) {
+    case TD_DTYPE_F32:
+      ce_backward_kernel<float><<<grid, threads>>>((const float *)px, n, c, pt, tstride,
+                                                   ignore_index, (const float *)ps,
+                                                   (const float *)pg, gstride, (float *)po);
+      break;
+    case TD_DTYPE_F64:
+      ce_backward_kernel<double><<<grid, threads>>>((const double *)px, n, c, pt, tstride,
+                                                    ignore_index, (const double *)ps,
+                                                    (const double *)pg, gstride, (double *)po);
+      break;
+    case TD_DTYPE_BF16:
+      ce_backward_kernel<td_bf16><<<grid, threads>>>((const td_bf16 *)px, n, c, pt, tstride,
+                                                     ignore_index, (const float *)ps,
+                                                     (const float *)pg, gstride, (td_bf16 *)po);
+      break;
+    case TD_DTYPE_F16:
+      ce_backward_kernel<td_f16><<<grid, threads>>>((const td_f16 *)px, n, c, pt, tstride,
+                                                    ignore_index, (const float *)ps,
+                                                    (const float *)pg, gstride, (td_f16 *)po);
+      break;
+    default:
+      return td_set_error(TD_ERR_DTYPE, "cuda cross_entropy_backward: %s logits",
+                          td_dtype_name(dt));
+  }
   return td__cu_check_launch(op);
 }
 

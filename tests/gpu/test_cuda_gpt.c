@@ -392,6 +392,60 @@ static void test_lowp_reductions_norms_losses_match_cpu(void **state) {
   }
 }
 
+/* ---- the fused cross entropy (float32 / float64 logits; 16-bit ones under autocast) ---- */
+
+static void ce_case(td_dtype dt, bool autocast, td_reduction red, int64_t n, int64_t c,
+                    double tol) {
+  int64_t sl[2] = {n, c}, st1[1] = {n};
+  td_tensor *l = rnd(sl, 2, dt, 120, -4, 4), *cl, *gl, *cy = NULL, *gy = NULL;
+  double *tv = malloc((size_t)n * sizeof *tv);
+  for (int64_t i = 0; i < n; i++) tv[i] = i % 7 == 3 ? -1 : (double)((i * 7919) % c);
+  td_tensor *ct = td_test_tensor(tv, st1, 1, I64, false), *gt = on_gpu(ct);
+  free(tv);
+  leaf_pair(l, &cl, &gl);
+  if (autocast) TD_ASSERT_OK(td_autocast_begin(dt));
+  TD_ASSERT_OK(td_tensor_cross_entropy(cl, ct, red, -1, &cy));
+  TD_ASSERT_OK(td_tensor_cross_entropy(gl, gt, red, -1, &gy));
+  if (autocast) td_autocast_end();
+  char what[128];
+  snprintf(what, sizeof what, "cross_entropy (%s%s, reduction %d, %lld x %lld)",
+           td_dtype_name(dt), autocast ? " under autocast" : "", (int)red, (long long)n,
+           (long long)c);
+  near(what, gy, cy, tol);
+  backprop_weighted(cy, 121);
+  backprop_weighted(gy, 121);
+  char gw[160];
+  snprintf(gw, sizeof gw, "%s gradient", what);
+  near_grad(gw, gl, cl, dt == F32 ? 1e-5 : dt == F64 ? 1e-12 : 2 * half_eps(dt));
+  td_tensor *all[] = {l, cl, gl, cy, gy, ct, gt};
+  for (int i = 0; i < 7; i++) td_tensor_unref(all[i]);
+}
+
+static void test_fused_cross_entropy_matches_cpu(void **state) {
+  (void)state;
+  TD_TEST_REQUIRE_CUDA(1);
+  const td_reduction reds[] = {TD_REDUCTION_MEAN, TD_REDUCTION_SUM, TD_REDUCTION_NONE};
+  for (int r = 0; r < 3; r++) {
+    ce_case(F32, false, reds[r], 67, 50304, 1e-5); /* GPT-2's vocabulary: long rows */
+    ce_case(F32, false, reds[r], 300, 5, 1e-5);    /* short rows, more rows than threads */
+    ce_case(F64, false, reds[r], 33, 1000, 1e-12);
+    ce_case(BF16, true, reds[r], 67, 50304, 1e-5); /* float32 inside: the CPU's autocast path */
+    ce_case(F16, true, reds[r], 40, 777, 1e-5);
+  }
+  /* an out-of-range target fails as on the CPU, naming it */
+  int64_t sl[2] = {4, 10}, st1[1] = {4};
+  const double tv[4] = {1, 2, 10, 3};
+  td_tensor *l = rnd(sl, 2, F32, 122, 0, 0), *g = on_gpu(l), *y = NULL;
+  td_tensor *t = td_test_tensor(tv, st1, 1, I64, false), *tg = on_gpu(t);
+  td_status st = td_tensor_cross_entropy(g, tg, TD_REDUCTION_MEAN, -100, &y);
+  if (st != TD_ERR_INVALID || !strstr(td_last_error(), "target 10"))
+    fail_msg("a target of 10 for 10 classes gave %s (%s)", td_status_name(st), td_last_error());
+  td_tensor_unref(l);
+  td_tensor_unref(g);
+  td_tensor_unref(t);
+  td_tensor_unref(tg);
+}
+
 /* ---- GEMMs: cuBLASLt (one matrix) and cublasGemmStridedBatchedEx (batches) ---- */
 
 static void test_lowp_matmul_match_cpu(void **state) {
@@ -850,6 +904,7 @@ int main(void) {
       cmocka_unit_test(test_lowp_strided_copy_and_fill_match_cpu),
       cmocka_unit_test(test_lowp_elementwise_match_cpu),
       cmocka_unit_test(test_lowp_reductions_norms_losses_match_cpu),
+      cmocka_unit_test(test_fused_cross_entropy_matches_cpu),
       cmocka_unit_test(test_lowp_matmul_match_cpu),
       cmocka_unit_test(test_attention_f32_f64_match_cpu),
       cmocka_unit_test(test_attention_16bit_match_cpu),
