@@ -41,8 +41,8 @@ extern "C" {
  * created (td_tensor_empty/zeros/full, from_buffer, from_borrowed), viewed, copied and converted
  * to and from every dtype (td_tensor_to_dtype, td_tensor_copy_: float -> integer truncates,
  * -> bool is != 0), read (td_tensor_get, item), compared (td_tensor_allclose) and sent in RPC
- * values, and placed on a CUDA device (copies and conversions only); every other op and autograd
- * refuse them with TD_ERR_DTYPE ("<op>: int32 is a transport-only dtype ..."). */
+ * values; every other op, autograd and CUDA placement refuse them with TD_ERR_DTYPE ("<op>: int32
+ * is a transport-only dtype ..."). */
 typedef enum td_dtype {
   TD_DTYPE_F32 = 0,
   TD_DTYPE_F64 = 1,
