@@ -2,6 +2,7 @@
  * fortunes corpus that Debian's `fortunes` package installs, with sampling from checkpoints.
  *
  *   build/examples/gpt [--steps 2000] [--batch-size 12] [--threads 1] [--save ckpt.safetensors]
+ *                      [--device cpu|cuda|cuda:N] [--dtype f32|f64|bf16|f16]
  *   build/examples/gpt --load ckpt.safetensors --generate 500 [--prompt TEXT] [--top-k 20]
  *
  * Data: every regular file of --corpus (default /usr/share/games/fortunes; names ending in .dat
@@ -60,6 +61,12 @@
  * agreed over the group (td_grad_scaler_set_process_group), with ZeRO by td_zero_step_scaled.
  * The JSON reports skipped_steps and the final loss_scale.
  *
+ * GPUs: --device cuda:N trains there (model, optimizer state, batches; the corpus and the batch
+ * offsets stay on the host, so the batches are the CPU run's). With --nproc N (or --dp zero1/2/3
+ * alone, a group of one) rank r takes cuda:((N + r) % GPUs) and the group is an NCCL one. The JSON
+ * then reports the CUDA caching allocator's peak over training (device_peak_mb) instead of the CPU
+ * allocator's figures. bench/gpt_gpu.c measures GPT-2 124M shapes on a GPU.
+ *
  * Output: progress on stderr, then (generation only) the sampled text, then one JSON line
  * {"bench": "gpt", "config": {...}, "results": {"val_loss", "train_loss", "tokens_per_s",
  * "samples_per_s", "wall_s", "evals": [{"step", "train_loss", "val_loss"}], ...}}; tokens_per_s
@@ -93,6 +100,7 @@ typedef struct opts {
   uint64_t seed;
   const char *corpus, *init, *save, *load, *dtype, *prompt, *metrics, *dp, *ckpt;
   const char *reduce_dtype; /* ddp: the buckets' dtype on the wire (f32, bf16, f16) */
+  const char *device;       /* cpu, cuda or cuda:N */
   int64_t generate, top_k;
   bool zero_after_backward;
   double bucket_mb, zero_inflight_mb;
@@ -110,7 +118,8 @@ static void opts_defaults(opts *o) {
               .temperature = 0.8, .seed = 1337, .corpus = "/usr/share/games/fortunes",
               .dtype = "f32", .prompt = "\n", .top_k = 0, .nproc = 1, .dp = "ddp",
               .zero_inflight_mb = 8, .grad_accum = 1, .loss_scale = "auto", .reduce_dtype = "f32",
-              .loss_scale_init = 65536, .loss_scale_growth_interval = 2000, .ckpt = "none"};
+              .loss_scale_init = 65536, .loss_scale_growth_interval = 2000, .ckpt = "none",
+              .device = "cpu"};
 }
 
 /* loss_scale_default: the --loss-scale of "auto" for a compute dtype: dynamic scaling where
@@ -173,6 +182,9 @@ static void opts_parse(int argc, char **argv, opts *o) {
       {"loss-scale-init", EX_OPT_DOUBLE, &o->loss_scale_init, "dynamic loss scaling's first scale"},
       {"loss-scale-growth-interval", EX_OPT_I64, &o->loss_scale_growth_interval,
        "dynamic loss scaling: good steps in a row before the scale doubles"},
+      {"device", EX_OPT_STRING, &o->device,
+       "cpu, cuda or cuda:N: where the model trains; with --nproc (or zero1/2/3 alone) each rank "
+       "takes cuda:((N + rank) % GPUs) and the replicas agree through NCCL"},
       {"metrics", EX_OPT_STRING, &o->metrics,
        "write JSON lines of every step and evaluation to FILE (scripts/plot.py draws them)"},
   };
@@ -211,6 +223,21 @@ static td_checkpoint_mode ckpt_mode(const opts *o) {
   return !strcmp(o->ckpt, "full")        ? TD_CHECKPOINT_FULL
          : !strcmp(o->ckpt, "selective") ? TD_CHECKPOINT_SELECTIVE
                                          : TD_CHECKPOINT_NONE;
+}
+
+/* The device the model trains on (--device; per rank with data parallelism: see main). */
+static td_device run_dev;
+
+/* batch_to_dev moves a batch's tokens to run_dev (nothing on the CPU). */
+static void batch_to_dev(batch *b) {
+  if (run_dev.type == TD_DEVICE_CPU) return;
+  td_tensor *x = NULL, *y = NULL;
+  EX_CHECK(td_tensor_to(b->x, run_dev, &x));
+  EX_CHECK(td_tensor_to(b->y, run_dev, &y));
+  td_tensor_unref(b->x);
+  td_tensor_unref(b->y);
+  b->x = x;
+  b->y = y;
 }
 
 /* ---- model, checkpoints ---- */
@@ -385,6 +412,7 @@ static void estimate(td_module *m, const corpus *c, const opts *o, double *train
     for (int64_t i = 0; i < o->eval_iters * o->grad_accum; i++) {
       batch b; /* a batch of grad_accum x batch_size windows, in micro-batches */
       batch_make(d, len, g, o->batch_size, o->block_size, NULL, &b);
+      batch_to_dev(&b);
       td_tensor *logits, *loss;
       double v;
       EX_CHECK(td_gpt_forward(m, b.x, b.y, &logits, &loss));
@@ -584,6 +612,7 @@ static double micro_step(td_module *m, const corpus *c, const opts *o, dp_run *d
   double t0 = ex_now_s();
   batch b;
   batch_make(c->tok, c->n_train, g, o->batch_size, o->block_size, hash, &b);
+  batch_to_dev(&b);
   td_tensor *logits = NULL, *loss = NULL, *share = NULL, *scaled = NULL;
   double tf = ex_now_s();
   double before_fwd = ex_tensor_mb(false);
@@ -754,10 +783,16 @@ static void dp_results(dp_run *dp, const opts *o, int64_t params, ex_json *res) 
   double mine[K] = {train_peak > dp->peak_setup ? train_peak : dp->peak_setup, train_peak,
                     dp->rss_before_model, ex_tensor_mb(true), dp->tensors_before_model,
                     dp->tensors_at_start, dp->activations};
-  td_tensor *t = NULL, *every = NULL;
+  td_tensor *t = NULL, *every = NULL, *tg = NULL, *eg = NULL;
   EX_CHECK(td_tensor_from_buffer(mine, &k, 1, TD_DTYPE_F64, &t));
-  EX_CHECK(td_tensor_empty(&all, 1, TD_DTYPE_F64, td_device_cpu(), &every));
-  EX_CHECK(td_process_group_all_gather_into_tensor(dp->pg, every, t));
+  /* an NCCL group gathers CUDA tensors on its device */
+  td_device gd = td_process_group_backend(dp->pg) == TD_PG_BACKEND_NCCL ? run_dev : td_device_cpu();
+  EX_CHECK(td_tensor_to(t, gd, &tg));
+  EX_CHECK(td_tensor_empty(&all, 1, TD_DTYPE_F64, gd, &eg));
+  EX_CHECK(td_process_group_all_gather_into_tensor(dp->pg, eg, tg));
+  EX_CHECK(td_tensor_to(eg, td_device_cpu(), &every));
+  td_tensor_unref(tg);
+  td_tensor_unref(eg);
   const double *v = td_tensor_data(every);
   /* RSS: the run's peak; the training peak (from the first step on: the model building's
    * transients left out); what training added to the process as it was before the model existed.
@@ -901,13 +936,21 @@ static void generate(td_module *m, const char *vocab, const opts *o, char *out) 
     int64_t T = len < c.block_size ? len : c.block_size, shape[2] = {1, T};
     td_tensor *idx, *logits, *flat, *row;
     EX_CHECK(td_tensor_from_buffer(ctx + len - T, shape, 2, TD_DTYPE_I64, &idx));
+    if (run_dev.type != TD_DEVICE_CPU) {
+      td_tensor *di = NULL;
+      EX_CHECK(td_tensor_to(idx, run_dev, &di));
+      td_tensor_unref(idx);
+      idx = di;
+    }
     EX_CHECK(td_gpt_forward(m, idx, NULL, &logits, NULL));
     int64_t s2[2] = {T, c.vocab_size};
     EX_CHECK(td_tensor_reshape(logits, s2, 2, &flat));
     EX_CHECK(td_tensor_narrow(flat, 0, T - 1, 1, &row));
     int64_t s1[1] = {c.vocab_size};
-    td_tensor *r1;
-    EX_CHECK(td_tensor_reshape(row, s1, 1, &r1));
+    td_tensor *r1, *rd;
+    EX_CHECK(td_tensor_reshape(row, s1, 1, &rd));
+    EX_CHECK(td_tensor_to(rd, td_device_cpu(), &r1)); /* read on the host */
+    td_tensor_unref(rd);
     int id = sample_next(r1, c.vocab_size, o, g);
     ctx[len++] = id;
     out[k] = vocab[id];
@@ -969,16 +1012,29 @@ int main(int argc, char **argv) {
   dp_run dp = {.world = 1};
   td_rpc_agent *agent = NULL;
   char wname[32] = "gpt";
-  if (!o.load && (o.nproc > 1 || getenv("RANK") || getenv("SLURM_PROCID") ||
+  EX_CHECK(td_device_parse(o.device, &run_dev));
+  if (!td_device_available(run_dev)) /* counts without initialising CUDA (forks follow) */
+    ex_die("device %s is not available (a build without CUDA, or no such GPU)", o.device);
+  /* ZeRO with --nproc 1 runs as a group of one (the layout's code paths, one replica) */
+  bool zero_alone = o.nproc == 1 && strcmp(o.dp, "ddp") != 0;
+  if (!o.load && (o.nproc > 1 || zero_alone || getenv("RANK") || getenv("SLURM_PROCID") ||
                   getenv("OMPI_COMM_WORLD_RANK"))) {
     psx_spawn_if_alone(o.nproc); /* a launcher's rank becomes RANK */
     dp.rank = atoi(getenv("RANK"));
     snprintf(wname, sizeof wname, "worker%d", dp.rank);
+    if (run_dev.type == TD_DEVICE_CUDA) { /* one GPU per rank, the NCCL group's device too */
+      const char *lr = getenv("LOCAL_RANK");
+      int local = lr && *lr ? atoi(lr) : dp.rank, count = td_cuda_device_count();
+      run_dev = td_device_cuda((run_dev.index + local) % count);
+      EX_CHECK(td_cuda_set_device(run_dev.index));
+    }
     EX_CHECK(td_rpc_init_from_env(wname, NULL, &agent));
     dp.world = td_rpc_world_size(agent);
-    EX_CHECK(td_process_group_create(agent, NULL, 0, TD_PG_BACKEND_CPU, TD_TIMEOUT_DEFAULT,
-                                     &dp.pg));
+    EX_CHECK(td_process_group_create(
+        agent, NULL, 0, run_dev.type == TD_DEVICE_CUDA ? TD_PG_BACKEND_NCCL : TD_PG_BACKEND_CPU,
+        TD_TIMEOUT_DEFAULT, &dp.pg));
   }
+  bool on_gpu = run_dev.type == TD_DEVICE_CUDA;
   double t_start = ex_now_s();
   td_dtype dt = strcmp(o.dtype, "f64") ? TD_DTYPE_F32 : TD_DTYPE_F64;
   ex_json cfg, res;
@@ -990,6 +1046,7 @@ int main(int argc, char **argv) {
   if (o.load) { /* sampling from a checkpoint */
     if (o.generate == 0) ex_die("--load samples from a checkpoint: give --generate N too");
     m = load_checkpoint(o.load, &vocab);
+    if (on_gpu) EX_CHECK(td_module_to(m, run_dev));
   } else {
     corpus_load(o.corpus, &c);
     if (c.n - c.n_train <= o.block_size + 1)
@@ -1005,11 +1062,14 @@ int main(int argc, char **argv) {
     td_generator_destroy(g);
     if (dt != TD_DTYPE_F32) EX_CHECK(td_module_to_dtype(m, dt));
     if (o.init) load_weights(m, o.init, vocab, dt);
+    if (on_gpu) EX_CHECK(td_module_to(m, run_dev)); /* before the optimizer state exists */
     if (!strcmp(o.dtype, "bf16") || !strcmp(o.dtype, "f16")) /* autocast: float32 weights */
       EX_CHECK(td_module_set_autocast(m, true, o.dtype[1] == 'f' ? TD_DTYPE_BF16 : TD_DTYPE_F16));
     EX_CHECK(td_gpt_set_activation_checkpointing(m, ckpt_mode(&o)));
     act_probe ap = {0};
-    if (!dp.pg) activation_probe(m, &c, &o, dt, &ap);
+    /* the probes measure the CPU allocator: CPU runs only */
+    if (!dp.pg && !on_gpu) activation_probe(m, &c, &o, dt, &ap);
+    if (on_gpu) EX_CHECK(td_cuda_memory_peak(run_dev.index, true, NULL));
     train_result r;
     ex_metrics_open(o.metrics, dp.rank, dp.world, wname, "gpt", NULL);
     ex_metrics_rate_name("tokens_per_s");
@@ -1042,11 +1102,18 @@ int main(int argc, char **argv) {
     ex_json_fini(&r.evals);
     if (dp.pg) {
       dp_results(&dp, &o, td_module_num_parameters(m), &res);
-    } else { /* the CPU allocator's figures (tensor memory; MiB): training peak less what was in
-                use before the model existed, and what the first training forward added */
+    } else if (!on_gpu) { /* the CPU allocator's figures (tensor memory; MiB): training peak
+                             less what was in use before the model existed, and what the first
+                             training forward added */
       ex_json_num(&res, "tensor_peak_mb", ex_tensor_mb(true) - dp.tensors_before_model);
       ex_json_num(&res, "activations_mb", dp.activations);
       activation_json(&ap, &o, &res);
+    }
+    if (on_gpu) { /* the CUDA caching allocator's peak over training (model, optimizer state,
+                     activations, gradients: everything on the GPU) */
+      size_t peak = 0;
+      EX_CHECK(td_cuda_memory_peak(run_dev.index, false, &peak));
+      ex_json_num(&res, "device_peak_mb", (double)peak / 1048576.0);
     }
     /* zero3: the blocks' parameters back into the model (after the memory was measured) */
     if (dp.zero) EX_CHECK(td_zero_gather_params(dp.zero));
@@ -1068,6 +1135,8 @@ int main(int argc, char **argv) {
     free(text);
   }
   add_config(&cfg, &o, &mc, c.n, m, o.load == NULL);
+  char devname[32];
+  ex_json_str(&cfg, "device", td_device_str(run_dev, devname, sizeof devname));
   if (dp.pg) {
     ex_json_int(&cfg, "nproc", dp.world);
     ex_json_str(&cfg, "dp", o.dp);

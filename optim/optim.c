@@ -14,8 +14,9 @@
  *
  * The update of one parameter follows PyTorch's _single_tensor_<kind> function line by line, with
  * the in-place ops of tensor.h; the comments quote the PyTorch lines. Adam and AdamW without
- * amsgrad first try td_tensor_adam_, the same sequence fused into one pass over contiguous
- * operands, and fall back to the composed ops where the device has no such kernel. All of it runs with grad
+ * amsgrad first try td_tensor_adam_multi_ over every parameter of the step (one pass per
+ * parameter, one kernel launch per group of parameters on CUDA), then td_tensor_adam_ per
+ * parameter, and fall back to the composed ops where the device has no such kernel. All of it runs with grad
  * mode off. A step first validates every (parameter, gradient) pair and only then updates, so a
  * bad gradient leaves every parameter untouched.
  *
@@ -444,12 +445,61 @@ static td_status check_grad(const td_optim *o, size_t i, const td_tensor *g) {
   return TD_OK;
 }
 
+/* adam_multi steps every parameter with a gradient through td_tensor_adam_multi_ (Adam / AdamW
+ * without amsgrad): on CUDA one kernel launch per group of parameters instead of one per
+ * parameter. Returns TD_ERR_UNSUPPORTED, with nothing updated, when the device or the layout does
+ * not allow it (the caller then updates parameter by parameter). o->mu held. */
+static td_status adam_multi(td_optim *o, td_tensor *const *grads) {
+  size_t m = 0;
+  for (size_t i = 0; i < o->n; i++) m += grads[i] != NULL;
+  if (m == 0) return TD_OK;
+  td_tensor **p = td__calloc(4 * m, sizeof *p);
+  td_adam_args *a = td__calloc(m, sizeof *a);
+  size_t *idx = td__calloc(m, sizeof *idx);
+  td_status st = TD_OK;
+  if (!p || !a || !idx) {
+    st = td_set_error(TD_ERR_NOMEM, "optimizer step: out of memory");
+    goto out;
+  }
+  size_t k = 0;
+  for (size_t i = 0; i < o->n && st == TD_OK; i++) {
+    if (!grads[i]) continue;
+    slot *s = &o->slots[i];
+    st = ensure_zeros(s, 0);
+    if (st == TD_OK) st = ensure_zeros(s, 1);
+    const group *gr = &o->groups[s->group];
+    p[k] = s->param, p[m + k] = grads[i], p[2 * m + k] = s->buf[0], p[3 * m + k] = s->buf[1];
+    a[k] = (td_adam_args){.lr = gr->lr, .beta1 = o->o.beta1, .beta2 = o->o.beta2,
+                          .eps = o->o.eps, .weight_decay = gr->weight_decay,
+                          .decoupled = o->o.kind == TD_OPTIM_ADAMW, .maximize = o->o.maximize,
+                          .step = s->step + 1};
+    idx[k++] = i;
+  }
+  if (st == TD_OK)
+    st = td_tensor_adam_multi_(p, (const td_tensor *const *)(p + m), p + 2 * m, p + 3 * m, a, m);
+  if (st == TD_OK)
+    for (size_t j = 0; j < m; j++) o->slots[idx[j]].step++;
+out:
+  td__free(p);
+  td__free(a);
+  td__free(idx);
+  return st;
+}
+
 /* step_locked runs one step with grads[0..o->n) (NULL entries skipped); o->mu held. */
 static td_status step_locked(td_optim *o, td_tensor *const *grads) {
   for (size_t i = 0; i < o->n; i++)
     if (grads[i]) TD_TRY(check_grad(o, i, grads[i]));
   bool prev = td_autograd_set_enabled(false);
   td_status st = TD_OK;
+  if ((o->o.kind == TD_OPTIM_ADAM || o->o.kind == TD_OPTIM_ADAMW) && !o->o.amsgrad) {
+    st = adam_multi(o, grads);
+    if (st != TD_ERR_UNSUPPORTED) {
+      td_autograd_set_enabled(prev);
+      return st;
+    }
+    st = TD_OK;
+  }
   for (size_t i = 0; i < o->n && st == TD_OK; i++) {
     if (!grads[i]) continue;
     const group *gr = &o->groups[o->slots[i].group];
@@ -665,13 +715,17 @@ td_status td_optim_clip_grad_norm(td_optim *o, double max_norm, double norm_type
   pthread_mutex_lock(&o->mu);
   td_status st = TD_OK;
   double acc = 0.0;
-  for (size_t i = 0; i < o->n; i++) {
-    grads[i] = td_tensor_grad(o->slots[i].param);
-    if (!grads[i] || td_tensor_numel(grads[i]) == 0) continue;
-    double v = 0.0;
-    CK(grad_norm_pow(grads[i], norm_type, &v));
-    if (isinf(norm_type)) acc = (v > acc || isnan(v)) ? v : acc;
-    else acc += v;
+  for (size_t i = 0; i < o->n; i++) grads[i] = td_tensor_grad(o->slots[i].param);
+  if (norm_type == 2.0) { /* one reduction over the list: one host synchronisation on CUDA */
+    CK(td_tensor_sum_squares((const td_tensor *const *)grads, o->n, &acc));
+  } else {
+    for (size_t i = 0; i < o->n; i++) {
+      if (!grads[i] || td_tensor_numel(grads[i]) == 0) continue;
+      double v = 0.0;
+      CK(grad_norm_pow(grads[i], norm_type, &v));
+      if (isinf(norm_type)) acc = (v > acc || isnan(v)) ? v : acc;
+      else acc += v;
+    }
   }
   double total = isinf(norm_type) ? acc : (norm_type == 2.0 ? sqrt(acc) : pow(acc, 1.0 / norm_type));
   /* clip_coef = max_norm / (total_norm + 1e-6); clamp(max=1.0); g.mul_(clip_coef_clamped). A

@@ -5,9 +5,10 @@
 # usage: scripts/gpu-bundle.sh BUILD_DIR OUT.tar.xz
 #   BUILD_DIR: a build made with TD_WITH_CUDA=ON inside the checkout (e.g. build-gpu).
 # The archive holds the build (executables, libtdist, CTest files; no object files), every shared
-# library its programs need that is not part of glibc, the CUDA driver, cuBLAS, NCCL or libstdc++
-# (those come from the GPU machine, whose versions are the same or newer), the Fashion-MNIST files,
-# and `run.sh`. On the GPU machine, from the checkout's root (same layout as here):
+# library its programs need that is not part of glibc, the CUDA driver, cuBLAS / cuBLASLt, NCCL or
+# libstdc++ (those come from the GPU machine, whose versions are the same or newer), the
+# Fashion-MNIST files, the fortunes corpus of the GPT tests (TD_GPT_CORPUS in run.sh), and
+# `run.sh`. No cuDNN: the attention kernels are tdist's own. On the GPU machine, from the checkout's root (same layout as here):
 #   tar -xJf OUT.tar.xz && bash gpu-bundle/run.sh     (runs scripts/test-gpu.sh on the build)
 # CTest files name absolute paths: run.sh links this checkout's path on the GPU machine to the
 # path it had here when the two differ.
@@ -41,6 +42,12 @@ find "$build" -type f \( -perm -u+x -o -name '*.so*' \) ! -path '*/CMakeFiles/*'
 
 data=${TD_DATA_DIR:-/usr/share/datasets/fashion-mnist}
 cp "$data"/*-ubyte.gz "$stage/gpu-bundle/data/"
+# the GPT tests' corpus (Debian's fortunes; the GPU machine may not have the package)
+fortunes=${TD_GPT_CORPUS:-/usr/share/games/fortunes}
+if [ -d "$fortunes" ]; then
+  mkdir -p "$stage/gpu-bundle/fortunes"
+  find "$fortunes" -maxdepth 1 -type f ! -name '*.dat' -exec cp {} "$stage/gpu-bundle/fortunes/" \;
+fi
 
 cat >"$stage/gpu-bundle/run.sh" <<EOF
 #!/usr/bin/env bash
@@ -54,7 +61,7 @@ libs="\$here/gpu-bundle/lib"
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
   [ -d "\$d" ] && libs="\$libs:\$d"
 done
-for n in libcublas.so.13 libnccl.so.2; do
+for n in libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
   if ! ldconfig -p | grep -q "\$n" && ! ls /usr/local/cuda/lib64/\$n >/dev/null 2>&1; then
     f=\$(find /usr /opt -name "\$n" -print -quit 2>/dev/null)
     [ -n "\$f" ] && libs="\$libs:\$(dirname "\$f")"
@@ -62,6 +69,7 @@ for n in libcublas.so.13 libnccl.so.2; do
 done
 export LD_LIBRARY_PATH="\$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export TD_DATA_DIR="\$here/gpu-bundle/data"
+[ -d "\$here/gpu-bundle/fortunes" ] && export TD_GPT_CORPUS="\$here/gpu-bundle/fortunes"
 echo "LD_LIBRARY_PATH=\$LD_LIBRARY_PATH"
 missing=\$(ldd "$rel/examples/train_local" | grep 'not found' || true)
 [ -z "\$missing" ] || echo "gpu-bundle: libraries not found: \$missing"

@@ -9,7 +9,13 @@
 #     tensors over RPC (device maps, 512 MiB tensors);
 #   - the CUDA tests that also run without a GPU (device counting, allocator bookkeeping, the
 #     numerics on the CPU, NCCL setup failures);
-#   - train_local, param_server and hybrid with --device cuda:0 (short runs).
+#   - train_local, param_server and hybrid with --device cuda:0 (short runs);
+#   - the GPT on the GPU: test_cuda_gpt (every kernel the GPT uses, bfloat16 / float16, flash
+#     attention, multi-tensor AdamW, a small GPT trained on both devices) and
+#     test_example_gpt_cuda (gpt --device cuda:0 against the CPU over 200 steps in float32 and
+#     bfloat16, ZeRO-3 of one rank, a short benchmark run) are gpu-labelled tests above;
+#   - bench/gpt_gpu at GPT-2 124M shapes in bfloat16, batch 16 and 32 (tokens/s, step time, peak
+#     device memory, MFU).
 #
 # usage: scripts/test-gpu.sh      (build dir ${TD_BUILD_DIR:-build-gpu}; the full output of every
 #                                  test and example goes to <build dir>/test-gpu.log)
@@ -64,6 +70,21 @@ trainers=$((ngpu < 2 ? 1 : 2))
 run_example train_local --device cuda:0 --epochs 1 --max-batches 300
 run_example param_server --device cuda:0 --epochs 1 --max-batches 100 --nproc 3
 run_example hybrid --device cuda:0 --epochs 1 --max-batches 100 --nproc $((trainers + 1))
+
+# run_bench TAG ARGS...: bench/gpt_gpu; its JSON line goes to $dir/gpt_gpu_TAG.json.
+run_bench() {
+  local tag=$1
+  shift
+  echo "== gpt_gpu $* =="
+  echo "== bench: gpt_gpu_$tag $*" >>"$log"
+  timeout 900 "$dir/bench/gpt_gpu" "$@" >"$dir/gpt_gpu_$tag.out" 2>>"$log"
+  local rc=$?
+  cat "$dir/gpt_gpu_$tag.out" >>"$log"
+  tail -n 1 "$dir/gpt_gpu_$tag.out" >"$dir/gpt_gpu_$tag.json"
+  echo "== bench: gpt_gpu_$tag exit $rc" >>"$log"
+}
+run_bench b16 --device cuda:0 --dtype bf16 --batch-size 16 --warmup 3 --steps 10
+run_bench b32 --device cuda:0 --dtype bf16 --batch-size 32 --warmup 3 --steps 10
 
 nccl_h=$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/../include/nccl.h
 python3 - "$log" "$dir" "$nccl_h" <<'EOF'
@@ -138,6 +159,31 @@ for ex in ("train_local", "param_server", "hybrid"):
           + (f"  test_accuracy {acc:.4f}" if isinstance(acc, (int, float)) else "")
           + (f"  samples/s {sps:.0f}" if isinstance(sps, (int, float)) else "")
           + (f"  wall {res['wall_s']:.1f} s" if isinstance(res.get("wall_s"), (int, float)) else ""))
+    if rc != 0:
+        failed += 1
+print()
+print("bench/gpt_gpu (GPT-2 124M shapes, bfloat16, no activation checkpointing):")
+for raw in open(log, errors="replace"):
+    m = re.match(r"== bench: (\S+) exit (\d+)", raw.strip())
+    if m:
+        example_rc[m.group(1)] = int(m.group(2))
+for tag in ("b16", "b32"):
+    name = "gpt_gpu_" + tag
+    rc = example_rc.get(name, -1)
+    res, cfg = {}, {}
+    try:
+        j = json.loads(open(os.path.join(build, name + ".json")).read())
+        res, cfg = j.get("results", {}), j.get("config", {})
+    except (OSError, ValueError):
+        pass
+    def f(k, fmt):
+        v = res.get(k)
+        return format(v, fmt) if isinstance(v, (int, float)) else "null"
+    print(f"  {'PASS' if rc == 0 else 'FAIL':5} batch {cfg.get('batch_size', '?')}: "
+          f"tokens/s {f('tokens_per_s', '.0f')}  step {f('step_s', '.4f')} s  "
+          f"peak {f('peak_device_mb', '.0f')} MiB  MFU {f('mfu', '.3f')} "
+          f"(peak {f('peak_tflops', '.0f')} TFLOP/s, {res.get('device_name', '?')})  "
+          f"loss {f('first_loss', '.3f')} -> {f('last_loss', '.3f')}")
     if rc != 0:
         failed += 1
 print()

@@ -120,8 +120,7 @@ td_status td__autocast_lower(const td_tensor *t, td_tensor **out) {
   td_dtype dt;
   *out = NULL;
   if (!t) return TD_OK;
-  if (!td_autocast_dtype(&dt) || t->dtype == dt || !td_dtype_is_float(t->dtype) ||
-      t->storage->device.type != TD_DEVICE_CPU) {
+  if (!td_autocast_dtype(&dt) || t->dtype == dt || !td_dtype_is_float(t->dtype)) {
     *out = td_tensor_ref((td_tensor *)t);
     return TD_OK;
   }

@@ -331,3 +331,32 @@ td_status td_cuda_memory_info(int device, size_t *in_use, size_t *cached) {
                       "support");
 #endif
 }
+
+td_status td_cuda_memory_peak(int device, bool reset, size_t *peak) {
+#ifdef TD_HAVE_CUDA
+  if (device < 0 || device >= td_cuda_device_count())
+    return td_set_error(TD_ERR_DEVICE, "cuda_memory_peak: cuda:%d does not exist (%d CUDA "
+                        "devices)", device, td_cuda_device_count());
+  td__cu_cache_peak(td__cu_default_cache(), device, reset, peak);
+  return TD_OK;
+#else
+  (void)device, (void)reset, (void)peak;
+  return td_set_error(TD_ERR_UNSUPPORTED, "cuda_memory_peak: this build of tdist has no CUDA "
+                      "support");
+#endif
+}
+
+td_status td_cuda_device_name(int device, char *buf, size_t n) {
+  TD_CHECK_ARG(buf && n > 0, "cuda_device_name: NULL or empty buffer");
+  buf[0] = 0;
+#ifdef TD_HAVE_CUDA
+  if (device < 0 || device >= td_cuda_device_count())
+    return td_set_error(TD_ERR_DEVICE, "cuda_device_name: cuda:%d does not exist (%d CUDA "
+                        "devices)", device, td_cuda_device_count());
+  return td__cu_device_name(device, buf, n);
+#else
+  (void)device;
+  return td_set_error(TD_ERR_UNSUPPORTED, "cuda_device_name: this build of tdist has no CUDA "
+                      "support");
+#endif
+}

@@ -12,8 +12,11 @@
  * transpose(1, 2) + reshape to [B, T, C] afterwards is a view, not a copy.
  *
  * Backward saves the operands (detached views), the softmax probabilities [nb, L, S] and the
- * geometry; it recomputes the per-operand offsets. Devices without the kernel (CUDA so far) get
- * TD_ERR_UNSUPPORTED from the op.
+ * geometry; it recomputes the per-operand offsets. A backend with the flash-attention entries
+ * (attention_lse, CUDA) keeps each query row's log-sum-exp [nb, L] (float32; float64 for float64
+ * operands) instead of the probabilities, and the output y (a detached view of the op's result:
+ * no copy, no cycle), from which its backward recomputes what it needs: O(L) memory per problem
+ * instead of O(L S).
  */
 #include <math.h>
 #include <string.h>
@@ -73,7 +76,9 @@ static td_status new_like_layout(const td_tensor *ref, const int64_t *shape, td_
 
 typedef struct attn_node {
   td_node base;
-  td_tensor *q, *k, *v, *probs; /* row-ready detached operands, probabilities [nb, L, S] */
+  td_tensor *q, *k, *v, *probs; /* row-ready detached operands, probabilities [nb, L, S] (or the
+                                   log-sum-exps [nb, L] with the flash entries) */
+  td_tensor *y;                 /* flash entries: the output (detached view); else NULL */
   td__attn_geom g;              /* sizes, mask, scale (offsets recomputed in backward) */
 } attn_node;
 
@@ -83,7 +88,8 @@ static void attn_release(td_node *self) {
   td_tensor_unref(n->k);
   td_tensor_unref(n->v);
   td_tensor_unref(n->probs);
-  n->q = n->k = n->v = n->probs = NULL;
+  td_tensor_unref(n->y);
+  n->q = n->k = n->v = n->probs = n->y = NULL;
 }
 
 /* geom_offsets allocates one block for the offsets of the given operands (ts[X] NULL: unused). */
@@ -98,6 +104,11 @@ static td_status geom_offsets(td__attn_geom *g, td_tensor *const *ts, int64_t **
     batch_offsets(ts[x], g->nb, o);
     g->off[x] = o;
     g->rs[x] = ts[x]->strides[ts[x]->ndim - 2];
+    g->nbd = ts[x]->ndim - 2;
+    for (int d = 0; d < g->nbd; d++) {
+      g->bshape[d] = ts[x]->shape[d];
+      g->bstride[x][d] = ts[x]->strides[d];
+    }
   }
   *block = blk;
   return TD_OK;
@@ -107,7 +118,9 @@ static td_status attn_backward(td_node *self, td_tensor *const *gout, td_tensor 
   attn_node *n = (attn_node *)self;
   if (!n->probs) return td_set_error(TD_ERR_STATE, "attention backward: saved tensors released");
   const td__backend *be = td__backend_of(n->q);
-  TD__NEED_KERNEL(be, attention_backward, "attention backward");
+  bool flash = n->y != NULL;
+  if (flash) TD__NEED_KERNEL(be, attention_lse_backward, "attention backward");
+  else TD__NEED_KERNEL(be, attention_backward, "attention backward");
   td_tensor *gy = NULL, *gq = NULL, *gk = NULL, *gv = NULL;
   int64_t *blk = NULL;
   td_status st = TD_OK;
@@ -117,9 +130,16 @@ static td_status attn_backward(td_node *self, td_tensor *const *gout, td_tensor 
   if (st == TD_OK && td__node_needs_grad(self, 1)) st = new_like_layout(n->k, n->k->shape, &gk);
   if (st == TD_OK && td__node_needs_grad(self, 2)) st = new_like_layout(n->v, n->v->shape, &gv);
   td__attn_geom g = n->g;
-  td_tensor *ts[TD__ATT_N] = {n->q, n->k, n->v, NULL, gy, gq, gk, gv};
+  td_tensor *ts[TD__ATT_N] = {n->q, n->k, n->v, n->y, gy, gq, gk, gv};
   if (st == TD_OK) st = geom_offsets(&g, ts, &blk);
-  if (st == TD_OK)
+  if (st == TD_OK && flash)
+    st = be->attention_lse_backward(n->q->dtype, &g, td_tensor_data(n->q), td_tensor_data(n->k),
+                                    td_tensor_data(n->v), td_tensor_data(n->y),
+                                    td_tensor_data(n->probs), td_tensor_data(gy),
+                                    gq ? td_tensor_data(gq) : NULL,
+                                    gk ? td_tensor_data(gk) : NULL,
+                                    gv ? td_tensor_data(gv) : NULL);
+  else if (st == TD_OK)
     st = be->attention_backward(n->q->dtype, &g, td_tensor_data(n->q), td_tensor_data(n->k),
                                 td_tensor_data(n->v), td_tensor_data(n->probs),
                                 td_tensor_data(gy), gq ? td_tensor_data(gq) : NULL,
@@ -186,7 +206,8 @@ td_status td_tensor_scaled_dot_product_attention(const td_tensor *q, const td_te
   g.causal = causal;
   g.scale = scale;
   const td__backend *be = td__backend_of(q);
-  TD__NEED_KERNEL(be, attention, "scaled_dot_product_attention");
+  bool flash = be->attention_lse != NULL;
+  if (!flash) TD__NEED_KERNEL(be, attention, "scaled_dot_product_attention");
   td_tensor *qr = NULL, *kr = NULL, *vr = NULL, *y = NULL, *probs = NULL;
   int64_t *blk = NULL;
   bool grad = td__needs_grad(q) || td__needs_grad(k) || td__needs_grad(v);
@@ -198,13 +219,21 @@ td_status td_tensor_scaled_dot_product_attention(const td_tensor *q, const td_te
   if (st == TD_OK) st = row_ready(k, &kr);
   if (st == TD_OK) st = row_ready(v, &vr);
   if (st == TD_OK) st = new_like_layout(qr, yshape, &y);
-  if (st == TD_OK && grad) {
+  if (st == TD_OK && grad && flash) { /* per-row log-sum-exps */
+    int64_t lshape[2] = {g.nb, g.L};
+    st = td__tensor_new(lshape, 2, q->dtype == TD_DTYPE_F64 ? TD_DTYPE_F64 : TD_DTYPE_F32,
+                        q->storage->device, &probs);
+  } else if (st == TD_OK && grad) {
     int64_t pshape[3] = {g.nb, g.L, g.S};
     st = td__tensor_new(pshape, 3, q->dtype, q->storage->device, &probs);
   }
   td_tensor *ts[TD__ATT_N] = {qr, kr, vr, y, NULL, NULL, NULL, NULL};
   if (st == TD_OK) st = geom_offsets(&g, ts, &blk);
-  if (st == TD_OK)
+  if (st == TD_OK && flash)
+    st = be->attention_lse(q->dtype, &g, td_tensor_data(qr), td_tensor_data(kr),
+                           td_tensor_data(vr), td_tensor_data(y),
+                           probs ? td_tensor_data(probs) : NULL);
+  else if (st == TD_OK)
     st = be->attention(q->dtype, &g, td_tensor_data(qr), td_tensor_data(kr), td_tensor_data(vr),
                        td_tensor_data(y), probs ? td_tensor_data(probs) : NULL);
   td__free(blk);
@@ -218,6 +247,7 @@ td_status td_tensor_scaled_dot_product_attention(const td_tensor *q, const td_te
       if (st == TD_OK) st = td_tensor_detach(kr, &n->k);
       if (st == TD_OK) st = td_tensor_detach(vr, &n->v);
       if (st == TD_OK) n->probs = td_tensor_ref(probs);
+      if (st == TD_OK && flash) st = td_tensor_detach(y, &n->y);
     }
   }
   td_tensor_unref(qr);

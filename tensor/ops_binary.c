@@ -357,28 +357,34 @@ td_status td__binary_raw(int op, const td_tensor *a, const td_tensor *b, td_tens
 
 /* ---- fused Adam step ---- */
 
-td_status td_tensor_adam_(td_tensor *param, const td_tensor *grad, td_tensor *exp_avg,
-                          td_tensor *exp_avg_sq, const td_adam_args *a) {
-  TD_CHECK_ARG(param && grad && exp_avg && exp_avg_sq && a, "tensor_adam_: NULL argument");
-  TD_CHECK_ARG(a->step >= 1, "tensor_adam_: step %lld must be >= 1", (long long)a->step);
-  TD_TRY(td__check_float("tensor_adam_", param));
+/* adam_check validates one (param, grad, exp_avg, exp_avg_sq) set for the fused kernels. */
+static td_status adam_check(const char *op, const td_tensor *param, const td_tensor *grad,
+                            const td_tensor *exp_avg, const td_tensor *exp_avg_sq,
+                            const td_adam_args *a) {
+  TD_CHECK_ARG(param && grad && exp_avg && exp_avg_sq && a, "%s: NULL argument", op);
+  TD_CHECK_ARG(a->step >= 1, "%s: step %lld must be >= 1", op, (long long)a->step);
+  TD_TRY(td__check_float(op, param));
   const td_tensor *ops[3] = {grad, exp_avg, exp_avg_sq};
   for (int i = 0; i < 3; i++) {
-    TD_TRY(td__check_same_dtype("tensor_adam_", param, ops[i]));
-    TD_TRY(td__check_same_device("tensor_adam_", param, ops[i]));
+    TD_TRY(td__check_same_dtype(op, param, ops[i]));
+    TD_TRY(td__check_same_device(op, param, ops[i]));
     if (!td_tensor_same_shape(param, ops[i])) {
       char x[96], y[96];
-      return td_set_error(TD_ERR_SHAPE, "tensor_adam_: operand %s for parameter %s",
+      return td_set_error(TD_ERR_SHAPE, "%s: operand %s for parameter %s", op,
                           td_tensor_shape_str(ops[i], x, sizeof x),
                           td_tensor_shape_str(param, y, sizeof y));
     }
   }
-  const td__backend *be = td__backend_of(param);
-  TD__NEED_KERNEL(be, adam, "tensor_adam_");
-  if (!td_tensor_is_contiguous(param) || !td_tensor_is_contiguous(grad) ||
-      !td_tensor_is_contiguous(exp_avg) || !td_tensor_is_contiguous(exp_avg_sq))
-    return td_set_error(TD_ERR_UNSUPPORTED, "tensor_adam_: the fused kernel needs contiguous "
-                        "operands");
+  return TD_OK;
+}
+
+static bool adam_contiguous(const td_tensor *p, const td_tensor *g, const td_tensor *m,
+                            const td_tensor *v) {
+  return td_tensor_is_contiguous(p) && td_tensor_is_contiguous(g) && td_tensor_is_contiguous(m) &&
+         td_tensor_is_contiguous(v);
+}
+
+static td__adam_consts adam_consts(const td_adam_args *a) {
   double step = (double)a->step;
   td__adam_consts c = {
       .beta1 = a->beta1,
@@ -390,5 +396,100 @@ td_status td_tensor_adam_(td_tensor *param, const td_tensor *grad, td_tensor *ex
       .bc2_sqrt = sqrt(1.0 - pow(a->beta2, step)),
       .maximize = a->maximize,
   };
+  return c;
+}
+
+td_status td_tensor_adam_(td_tensor *param, const td_tensor *grad, td_tensor *exp_avg,
+                          td_tensor *exp_avg_sq, const td_adam_args *a) {
+  TD_TRY(adam_check("tensor_adam_", param, grad, exp_avg, exp_avg_sq, a));
+  const td__backend *be = td__backend_of(param);
+  TD__NEED_KERNEL(be, adam, "tensor_adam_");
+  if (!adam_contiguous(param, grad, exp_avg, exp_avg_sq))
+    return td_set_error(TD_ERR_UNSUPPORTED, "tensor_adam_: the fused kernel needs contiguous "
+                        "operands");
+  td__adam_consts c = adam_consts(a);
   return be->adam(param, grad, exp_avg, exp_avg_sq, &c);
+}
+
+td_status td_tensor_adam_multi_(td_tensor *const *params, const td_tensor *const *grads,
+                                td_tensor *const *exp_avgs, td_tensor *const *exp_avg_sqs,
+                                const td_adam_args *args, size_t n) {
+  const char *op = "tensor_adam_multi_";
+  TD_CHECK_ARG((params && grads && exp_avgs && exp_avg_sqs && args) || n == 0,
+               "%s: NULL array", op);
+  if (n == 0) return TD_OK;
+  TD_CHECK_ARG(n <= INT32_MAX, "%s: %zu parameters is too many", op, n);
+  for (size_t i = 0; i < n; i++)
+    TD_TRY(adam_check(op, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], &args[i]));
+  for (size_t i = 1; i < n; i++)
+    if (!td_device_equal(params[i]->storage->device, params[0]->storage->device))
+      return td_set_error(TD_ERR_UNSUPPORTED, "%s: parameters on more than one device (0 and "
+                          "%zu)", op, i);
+  const td__backend *be = td__backend_of(params[0]);
+  TD__NEED_KERNEL(be, adam, op);
+  bool one_dtype = true;
+  for (size_t i = 0; i < n; i++) {
+    if (!adam_contiguous(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]))
+      return td_set_error(TD_ERR_UNSUPPORTED, "%s: the fused kernel needs contiguous operands "
+                          "(parameter %zu is not)", op, i);
+    one_dtype = one_dtype && params[i]->dtype == params[0]->dtype;
+  }
+  td__adam_consts *c = td__malloc(n * sizeof *c);
+  if (!c) return td_set_error(TD_ERR_NOMEM, "%s: out of memory", op);
+  for (size_t i = 0; i < n; i++) c[i] = adam_consts(&args[i]);
+  td_status st = TD_OK;
+  if (be->adam_multi && one_dtype) {
+    st = be->adam_multi(params, grads, exp_avgs, exp_avg_sqs, c, (int)n);
+  } else {
+    for (size_t i = 0; i < n && st == TD_OK; i++)
+      st = be->adam(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], &c[i]);
+  }
+  td__free(c);
+  return st;
+}
+
+td_status td_tensor_sum_squares(const td_tensor *const *ts, size_t n, double *out) {
+  const char *op = "tensor_sum_squares";
+  TD_CHECK_ARG((ts || n == 0) && out, "%s: NULL argument", op);
+  const td_tensor *first = NULL;
+  size_t m = 0;
+  bool one_dev = true;
+  for (size_t i = 0; i < n; i++) {
+    if (!ts[i]) continue;
+    TD_TRY(td__check_float(op, ts[i]));
+    if (!first) first = ts[i];
+    one_dev = one_dev && td_device_equal(first->storage->device, ts[i]->storage->device);
+    m++;
+  }
+  *out = 0.0;
+  if (!first) return TD_OK;
+  TD_CHECK_ARG(m <= INT32_MAX, "%s: %zu tensors is too many", op, m);
+  const td__backend *be = td__backend_of(first);
+  if (be->sum_squares && one_dev) {
+    const td_tensor **list = td__malloc(m * sizeof *list);
+    if (!list) return td_set_error(TD_ERR_NOMEM, "%s: out of memory", op);
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+      if (ts[i]) list[k++] = ts[i];
+    td_status st = be->sum_squares(list, (int)m, out);
+    td__free(list);
+    return st;
+  }
+  bool prev = td_autograd_set_enabled(false);
+  td_status st = TD_OK;
+  double acc = 0.0;
+  for (size_t i = 0; i < n && st == TD_OK; i++) {
+    if (!ts[i] || td_tensor_numel(ts[i]) == 0) continue;
+    td_tensor *sq = NULL, *s = NULL;
+    double v = 0.0;
+    st = td_tensor_mul(ts[i], ts[i], &sq);
+    if (st == TD_OK) st = td_tensor_sum_all(sq, &s);
+    if (st == TD_OK) st = td_tensor_item(s, &v);
+    acc += v;
+    td_tensor_unref(sq);
+    td_tensor_unref(s);
+  }
+  td_autograd_set_enabled(prev);
+  if (st == TD_OK) *out = acc;
+  return st;
 }

@@ -267,9 +267,151 @@ out:
 
 /* ---- cross_entropy, mse_loss ---- */
 
+/* The fused cross entropy of backends with the kernels (CUDA): one pass over the logits forward
+ * (each row's log-sum-exp, kept for backward) and one backward (softmax - onehot, scaled), instead
+ * of log_softmax's [N, C] output, nll's zero-filled [N, C] gradient and log_softmax's backward; 16-bit
+ * logits under autocast are read into float32 in place (no float32 copy of [N, C]), which is the
+ * float32 cross entropy autocast asks for: float32 loss, the gradient rounded once to the logits'
+ * dtype. */
+typedef struct ce_node {
+  td_node base;
+  td_tensor *logits, *target, *lse; /* [N, C] history-free view, [N] int64, [N] */
+  int64_t n, c;
+  int in_ndim;
+  td_reduction red;
+  int64_t ignore_index;
+  int64_t count;
+  td_dtype ldt; /* the losses' dtype: float32, or float64 for float64 logits */
+} ce_node;
+
+static td_status ce_backward(td_node *self, td_tensor *const *grad_out, td_tensor **grad_in) {
+  ce_node *n = (ce_node *)self;
+  if (!n->logits) return td_set_error(TD_ERR_STATE, "cross_entropy backward: saved tensors "
+                                      "released");
+  const td__backend *be = td__backend_of(n->logits);
+  TD__NEED_KERNEL(be, cross_entropy_backward, "cross_entropy backward");
+  td_tensor *g = NULL, *gl = NULL, *ex = NULL, *gx = NULL;
+  int64_t nshape[1] = {n->n}, xshape[2] = {n->n, n->c};
+  td_status st = td__grad_prep(grad_out[0], n->ldt, &g);
+  if (st != TD_OK) goto out;
+  if (n->red == TD_REDUCTION_NONE) {
+    st = td__plain_view(g, nshape, 1, &gl);
+  } else { /* the scalar upstream gradient for every row, times 1/count for mean (as nll) */
+    st = td__tensor_new(nshape, 1, n->ldt, td_tensor_device(g), &gl);
+    if (st == TD_OK) st = td__expand_view(g, nshape, 1, &ex);
+    if (st == TD_OK && n->n > 0) st = be->copy(gl, ex);
+    if (st == TD_OK && n->red == TD_REDUCTION_MEAN && n->n > 0)
+      st = be->unary(TD__UN_AFFINE, gl, gl, n->count > 0 ? 1.0 / (double)n->count : 0.0, 0.0);
+  }
+  if (st == TD_OK) st = td__tensor_new(xshape, 2, n->logits->dtype, td_tensor_device(g), &gx);
+  if (st == TD_OK && n->n * n->c > 0)
+    st = be->cross_entropy_backward(n->logits, n->target, n->lse, gl, n->ignore_index, gx);
+  if (st != TD_OK) goto out;
+  if (n->in_ndim == 1) {
+    st = td__plain_view(gx, &n->c, 1, &grad_in[0]);
+  } else {
+    grad_in[0] = gx;
+    gx = NULL;
+  }
+out:
+  td_tensor_unref(g);
+  td_tensor_unref(gl);
+  td_tensor_unref(ex);
+  td_tensor_unref(gx);
+  return st;
+}
+
+static void ce_release(td_node *self) {
+  ce_node *n = (ce_node *)self;
+  td_tensor_unref(n->logits);
+  td_tensor_unref(n->target);
+  td_tensor_unref(n->lse);
+  n->logits = n->target = n->lse = NULL;
+}
+
+static const td__node_ops ce_ops = {
+    .name = "CrossEntropyLossBackward",
+    .backward = ce_backward,
+    .release_saved = ce_release,
+};
+
+/* ce_fused_applies says whether the fused kernels take logits: the device has them, and the
+ * logits are float32 / float64, or 16-bit under autocast (whose policy is float32 there). */
+static bool ce_fused_applies(const td_tensor *logits) {
+  if (!logits || !td__backend_of(logits)->cross_entropy) return false;
+  td_dtype dt = logits->dtype;
+  if (dt == TD_DTYPE_F32 || dt == TD_DTYPE_F64) return true;
+  return (dt == TD_DTYPE_BF16 || dt == TD_DTYPE_F16) && td_autocast_dtype(NULL);
+}
+
+static td_status ce_fused(const td_tensor *logits, const td_tensor *target, td_reduction red,
+                          int64_t ignore_index, td_tensor **out) {
+  int64_t n = 0, c = 0;
+  TD_TRY(nll_check("cross_entropy", logits, target, red, &n, &c));
+  const td__backend *be = td__backend_of(logits);
+  td_dtype ldt = logits->dtype == TD_DTYPE_F64 ? TD_DTYPE_F64 : TD_DTYPE_F32;
+  td_tensor *lc = NULL, *l2 = NULL, *tgc = NULL, *tg1 = NULL, *losses = NULL, *lse = NULL;
+  td_tensor *res = NULL;
+  int64_t xshape[2] = {n, c}, nshape[1] = {n}, count = 0;
+  td_device dev = td_tensor_device(logits);
+  td_status st = td__contig(logits, &lc);
+  if (st == TD_OK) st = td__plain_view(lc, xshape, 2, &l2);
+  if (st == TD_OK) st = td__contig(target, &tgc);
+  if (st == TD_OK) st = td__plain_view(tgc, nshape, 1, &tg1);
+  if (st == TD_OK) st = td__tensor_new(nshape, 1, ldt, dev, &losses);
+  if (st == TD_OK) st = td__tensor_new(nshape, 1, ldt, dev, &lse);
+  if (st == TD_OK && n > 0) {
+    if (c == 0) st = td_set_error(TD_ERR_SHAPE, "cross_entropy: no classes for %lld targets",
+                                  (long long)n);
+    else st = be->cross_entropy(l2, tg1, ignore_index, losses, lse, &count);
+  }
+  if (st != TD_OK) goto out;
+  if (red == TD_REDUCTION_NONE) {
+    if (logits->ndim == 1) {
+      st = td__plain_view(losses, nshape, 0, &res);
+    } else {
+      res = losses;
+      losses = NULL;
+    }
+  } else {
+    st = td__tensor_new(nshape, 0, ldt, dev, &res);
+    if (st == TD_OK) st = n > 0 ? be->reduce_sum(losses, 1, n, 1, res) : be->fill(res, 0.0);
+    if (st == TD_OK && red == TD_REDUCTION_MEAN)
+      st = be->unary(TD__UN_AFFINE, res, res, count > 0 ? 1.0 / (double)count : NAN, 0.0);
+  }
+  if (st != TD_OK) goto out;
+  const td_tensor *in[1] = {logits};
+  ce_node *node = (ce_node *)td__record(res, sizeof(ce_node), &ce_ops, in, 1, &st);
+  if (st != TD_OK) goto out;
+  if (node) {
+    node->logits = td_tensor_ref(l2);
+    node->target = td_tensor_ref(tg1);
+    node->lse = td_tensor_ref(lse);
+    node->n = n;
+    node->c = c;
+    node->in_ndim = logits->ndim;
+    node->red = red;
+    node->ignore_index = ignore_index;
+    node->count = count;
+    node->ldt = ldt;
+  }
+  *out = res;
+  res = NULL;
+out:
+  td_tensor_unref(lc);
+  td_tensor_unref(l2);
+  td_tensor_unref(tgc);
+  td_tensor_unref(tg1);
+  td_tensor_unref(losses);
+  td_tensor_unref(lse);
+  td_tensor_unref(res);
+  return st;
+}
+
 td_status td_tensor_cross_entropy(const td_tensor *logits, const td_tensor *target,
                                   td_reduction red, int64_t ignore_index, td_tensor **out) {
   if (!out) return td_set_error(TD_ERR_INVALID, "cross_entropy: NULL out");
+  if (ce_fused_applies(logits)) return ce_fused(logits, target, red, ignore_index, out);
   TD__AUTOCAST(false, 1, (logits),
                td_tensor_cross_entropy(ac_t[0], target, red, ignore_index, out));
   int64_t n = 0, c = 0;

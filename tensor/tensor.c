@@ -317,7 +317,7 @@ td_status td__tensor_new(const int64_t *shape, int ndim, td_dtype dt, td_device 
                          td_tensor **out) {
   TD_TRY(check_shape("tensor", shape, ndim));
   if (!dtype_valid(dt)) return td_set_error(TD_ERR_DTYPE, "tensor: invalid dtype %d", (int)dt);
-  if (dt > TD_DTYPE_I64 && dev.type != TD_DEVICE_CPU)
+  if (dt > TD_DTYPE_BF16 && dev.type != TD_DEVICE_CPU)
     return td_set_error(TD_ERR_DTYPE, "tensor: %s tensors live on the CPU only (transport dtype)",
                         td_dtype_name(dt));
   int64_t numel = td__shape_numel(shape, ndim);

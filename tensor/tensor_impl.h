@@ -276,6 +276,12 @@ typedef struct td__attn_geom {
   double scale; /* factor on q k^T */
   const int64_t *off[TD__ATT_N]; /* nb offsets per operand; NULL for operands not used */
   int64_t rs[TD__ATT_N];         /* row strides in elements */
+  /* The same offsets as batch dims and strides (for kernels that compute them on the device):
+   * off[X][b] = sum_d idx_d(b) * bstride[X][d], idx(b) the row-major multi-index of b over
+   * bshape[0..nbd). */
+  int nbd;
+  int64_t bshape[TD_MAX_DIMS];
+  int64_t bstride[TD__ATT_N][TD_MAX_DIMS];
 } td__attn_geom;
 
 /* Per-step constants of the fused Adam kernel (td__backend.adam), from td_tensor_adam_. */
@@ -378,6 +384,39 @@ typedef struct td__backend {
    * from the elementwise ops): one Adam / AdamW step on contiguous p, g, m, v of one dtype. */
   td_status (*adam)(td_tensor *p, const td_tensor *g, td_tensor *m, td_tensor *v,
                     const td__adam_consts *c);
+  /* Optional (NULL: td_tensor_adam_multi_ calls adam once per parameter): the Adam / AdamW step
+   * of n parameters at once (multi-tensor apply), c[i] the constants of parameter i; the op
+   * layer has checked that all operands are contiguous, of one float dtype and on one device. */
+  td_status (*adam_multi)(td_tensor *const *p, const td_tensor *const *g, td_tensor *const *m,
+                          td_tensor *const *v, const td__adam_consts *c, int n);
+  /* Optional (NULL: td_tensor_sum_squares composes mul + sum per tensor): *out = the sum over the
+   * n tensors (any strides, one float dtype each, one device) of their squared elements,
+   * accumulated in double; the one host synchronisation of a gradient-norm clip. */
+  td_status (*sum_squares)(const td_tensor *const *ts, int n, double *out);
+  /* Optional, preferred to attention / attention_backward when set (flash attention): the same
+   * attention keeping each query row's log-sum-exp of its scaled scores, lse (may be NULL: no
+   * backward) nb * L values of float32 (float64 for float64 operands), instead of the
+   * probabilities; its backward recomputes the probabilities from q, k and lse, and takes y, the
+   * forward's output, at g->off[TD__ATT_Y] / g->rs[TD__ATT_Y]. */
+  td_status (*attention_lse)(td_dtype dt, const td__attn_geom *g, const void *q, const void *k,
+                             const void *v, void *y, void *lse);
+  td_status (*attention_lse_backward)(td_dtype dt, const td__attn_geom *g, const void *q,
+                                      const void *k, const void *v, const void *y,
+                                      const void *lse, const void *gy, void *gq, void *gk,
+                                      void *gv);
+  /* Optional (NULL: cross_entropy is log_softmax + nll_loss): cross entropy fused, for logits
+   * [N, C] (contiguous; float32 / float64, or a 16-bit float read into float32) and int64 target
+   * [N] (any stride): losses [N] (0 for ignored rows) and lse [N] (each row's log-sum-exp), both
+   * float32 (float64 for float64 logits), *count and bad targets as nll. */
+  td_status (*cross_entropy)(const td_tensor *logits, const td_tensor *target,
+                             int64_t ignore_index, td_tensor *losses, td_tensor *lse,
+                             int64_t *count);
+  /* Its backward: gx [N, C] in the logits' dtype = gl[n] (softmax(logits[n]) - onehot(target[n]))
+   * computed in the losses' dtype and rounded once; zero rows for ignored targets. gl [N] (any
+   * stride, the losses' dtype). */
+  td_status (*cross_entropy_backward)(const td_tensor *logits, const td_tensor *target,
+                                      const td_tensor *lse, const td_tensor *gl,
+                                      int64_t ignore_index, td_tensor *gx);
 } td__backend;
 
 /* td__backend_for returns the kernel table for device d, or NULL (with td_set_error) when this

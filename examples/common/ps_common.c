@@ -213,7 +213,7 @@ static void *watch_children(void *arg) {
 }
 
 /* psx_spawn_if_alone: when RANK is unset, picks a free port, forks nproc - 1 children (ranks
- * 1..nproc-1) and sets the rendezvous variables in every process; the parent becomes rank 0 and
+ * 1..nproc-1; none for a job of one) and sets the rendezvous variables in every process; the parent becomes rank 0 and
  * watches the children (a failed one stops the job), the children die with the parent.
  * Does nothing when RANK is set (started by tdistrun or torchrun). Started by srun without a
  * launcher (SLURM_PROCID set), or by mpirun (OMPI_COMM_WORLD_RANK), it only copies that rank and
@@ -231,7 +231,7 @@ void psx_spawn_if_alone(int nproc) {
     if (size && *size && !getenv("WORLD_SIZE")) setenv("WORLD_SIZE", size, 1);
     return;
   }
-  if (nproc < 2 || nproc > 64) ex_die("--nproc must be in 2..64 (got %d)", nproc);
+  if (nproc < 1 || nproc > 64) ex_die("--nproc must be in 1..64 (got %d)", nproc);
   /* the workers we fork share a job secret (inherited through the environment) */
   EX_CHECK(td_rpc_secret_ensure_env());
   int fd = socket(AF_INET, SOCK_STREAM, 0);

@@ -31,9 +31,10 @@ extern "C" {
 
 /* Element types. float32, float64, bfloat16 and float16 are computed with (the floating dtypes:
  * td_dtype_is_float), int64 too where integers make sense (indices, counts, arithmetic). The
- * two 16-bit floats are CPU dtypes so far (a CUDA tensor of them is refused with TD_ERR_DTYPE):
- * their kernels load into float32, compute there (matrix products accumulate in float32; sums,
- * softmax, layer norm and losses read them into float32) and round the result to nearest even.
+ * two 16-bit floats live on the CPU and on CUDA devices: their kernels load into float32, compute
+ * there (matrix products accumulate in float32: OpenBLAS/oneDNN on the CPU, tensor cores through
+ * cuBLASLt on CUDA; sums, softmax, layer norm and losses read them into float32) and round the
+ * result to nearest even.
  * Most programs use them through autocast (td_autocast_begin below: float32 weights, 16-bit
  * compute) rather than as parameters. int32, uint8 and bool (numbers >= 5) exist for transport
  * and storage - the dtypes other runtimes hand over (PyTorch, numpy): CPU tensors of them can be
@@ -109,6 +110,16 @@ TD_API td_status td_cuda_empty_cache(void);
  * for a device that does not exist; TD_ERR_UNSUPPORTED without CUDA in the build. THREAD
  * SAFETY: any thread. */
 TD_API td_status td_cuda_memory_info(int device, size_t *in_use, size_t *cached);
+/* td_cuda_memory_peak reports in *peak (may be NULL) the most bytes the caching allocator had
+ * handed out on device at once (torch.cuda.max_memory_allocated) since the device's first
+ * allocation or the last reset; reset (torch.cuda.reset_peak_memory_stats) then sets the peak to
+ * the bytes in use now. Errors as td_cuda_memory_info. THREAD SAFETY: any thread. */
+TD_API td_status td_cuda_memory_peak(int device, bool reset, size_t *peak);
+/* td_cuda_device_name writes device's name as the CUDA runtime reports it ("NVIDIA H100 80GB
+ * HBM3") into buf (n bytes, NUL-terminated; truncated if needed). Initialises CUDA in the
+ * calling process (a process that forks CUDA users afterwards must not call it). Errors as
+ * td_cuda_memory_info. */
+TD_API td_status td_cuda_device_name(int device, char *buf, size_t n);
 /* td_cpu_memory_info reports the CPU allocator's bytes: *in_use (the blocks held by tensors and
  * by tdist's own buffers, each rounded up to 4 KiB: torch.cuda.memory_allocated's figure for
  * host memory), *peak (the most in use since the process started or td_cpu_reset_peak_memory)
@@ -447,6 +458,21 @@ typedef struct td_adam_args {
  * ops above, as the optimizers of optim.h do. */
 TD_API td_status td_tensor_adam_(td_tensor *param, const td_tensor *grad, td_tensor *exp_avg,
                                  td_tensor *exp_avg_sq, const td_adam_args *a);
+/* td_tensor_adam_multi_ is td_tensor_adam_ on n parameters at once, args[i] for parameter i. On
+ * a device with a multi-tensor kernel (CUDA) one launch updates many parameters; elsewhere it
+ * calls td_tensor_adam_ for each. Every operand is checked before anything changes;
+ * TD_ERR_UNSUPPORTED (nothing updated) under the conditions of td_tensor_adam_, or when the
+ * parameters are not all on one device. */
+TD_API td_status td_tensor_adam_multi_(td_tensor *const *params, const td_tensor *const *grads,
+                                       td_tensor *const *exp_avgs,
+                                       td_tensor *const *exp_avg_sqs, const td_adam_args *args,
+                                       size_t n);
+/* td_tensor_sum_squares sets *out to the sum, over the n float tensors (NULL entries skipped),
+ * of the squares of their elements, accumulated in double: the squared 2-norm of a gradient
+ * list. Tensors all on one CUDA device take one kernel per 32 tensors and one host
+ * synchronisation in all; otherwise each tensor's sum of squares is read on its own (rounded to
+ * its dtype, as mul + sum_all give it). */
+TD_API td_status td_tensor_sum_squares(const td_tensor *const *ts, size_t n, double *out);
 /* td_tensor_uniform_ / normal_ refill t from g. */
 TD_API td_status td_tensor_uniform_(td_tensor *t, double lo, double hi, td_generator *g);
 TD_API td_status td_tensor_normal_(td_tensor *t, double mean, double std, td_generator *g);

@@ -36,6 +36,7 @@ struct DeviceCache {
   std::vector<void *> free_list[kClasses];
   size_t cached_bytes = 0; /* bytes in free lists */
   size_t used_bytes = 0;   /* bytes handed out */
+  size_t peak_bytes = 0;   /* the most used_bytes since creation or the last reset */
 };
 
 int floor_log2(size_t n) { return 63 - __builtin_clzll((unsigned long long)n); }
@@ -189,6 +190,7 @@ td_status td__cu_cache_alloc(td__cu_cache *c, int device, size_t nbytes, void **
       fl.pop_back();
       dc->cached_bytes -= rounded;
       dc->used_bytes += rounded;
+      if (dc->used_bytes > dc->peak_bytes) dc->peak_bytes = dc->used_bytes;
       *out = p;
       return TD_OK;
     }
@@ -220,6 +222,7 @@ td_status td__cu_cache_alloc(td__cu_cache *c, int device, size_t nbytes, void **
     }
     if (tracked) {
       dc->used_bytes += rounded;
+      if (dc->used_bytes > dc->peak_bytes) dc->peak_bytes = dc->used_bytes;
       *out = p;
       return TD_OK;
     }
@@ -272,6 +275,17 @@ void td__cu_cache_stats(td__cu_cache *c, int device, size_t *in_use, size_t *cac
   if (device < 0 || (size_t)device >= c->devs.size() || !c->devs[(size_t)device]) return;
   *in_use = c->devs[(size_t)device]->used_bytes;
   *cached = c->devs[(size_t)device]->cached_bytes;
+}
+
+void td__cu_cache_peak(td__cu_cache *c, int device, bool reset, size_t *peak) {
+  Guard g(c);
+  size_t v = 0;
+  if (device >= 0 && (size_t)device < c->devs.size() && c->devs[(size_t)device]) {
+    DeviceCache *dc = c->devs[(size_t)device];
+    v = dc->peak_bytes;
+    if (reset) dc->peak_bytes = dc->used_bytes;
+  }
+  if (peak) *peak = v;
 }
 
 bool td__cu_cache_locked(td__cu_cache *c) {

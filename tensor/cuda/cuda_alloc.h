@@ -52,6 +52,13 @@ td_status td__cu_cache_empty(td__cu_cache *c, int device);
 /* td__cu_cache_stats reports the bytes handed out and the bytes cached on device (0 for a device
  * the cache never saw). THREAD SAFETY: any thread. */
 void td__cu_cache_stats(td__cu_cache *c, int device, size_t *in_use, size_t *cached);
+/* td__cu_cache_peak reports (peak may be NULL) the most bytes handed out on device since the
+ * cache saw it first or since the last reset; reset sets the peak to the bytes in use now.
+ * THREAD SAFETY: any thread. */
+void td__cu_cache_peak(td__cu_cache *c, int device, bool reset, size_t *peak);
+/* td__cu_device_name writes the CUDA runtime's name of device (cudaGetDeviceProperties) into buf
+ * (n bytes, NUL-terminated). Initialises CUDA in the calling process. */
+td_status td__cu_device_name(int device, char *buf, size_t n);
 /* td__cu_cache_locked returns true when the calling thread holds c's lock (for tests that check
  * that ops.alloc and ops.free run outside it). THREAD SAFETY: any thread. */
 bool td__cu_cache_locked(td__cu_cache *c);

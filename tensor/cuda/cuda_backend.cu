@@ -1,5 +1,6 @@
 /* cuda_backend.cu - the CUDA kernel table: errors, device guard, host<->device copies, cuBLAS
- * GEMM, the runtime's device count (for the probe child of tensor/devices.c) and registration
+ * GEMM (float32 / float64 here; bfloat16 / float16 through cuBLASLt in cuda_lowp.cu), the
+ * runtime's device count (for the probe child of tensor/devices.c) and registration
  * (td__cuda_backend). Memory comes from the caching allocator in cuda_alloc.cu.
  *
  * cuBLAS: one handle per (host thread, device), as PyTorch keeps them. With one handle per device
@@ -17,6 +18,7 @@
 
 #include <cublas_v2.h>
 #include <limits.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <mutex>
@@ -98,6 +100,16 @@ td_status td__cu_vector(const char *op, const td_tensor *t, int64_t *n, int64_t 
   }
   *stride = 1;
   return td__cu_need_contig(op, t);
+}
+
+/* ---- device names (tensor/devices.c: td_cuda_device_name) ---- */
+
+extern "C" td_status td__cu_device_name(int device, char *buf, size_t n) {
+  cudaDeviceProp prop;
+  cudaError_t e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess) return td__cu_error(e, "device_name");
+  snprintf(buf, n, "%s", prop.name);
+  return TD_OK;
 }
 
 /* ---- device count (for the probe child of tensor/devices.c) ---- */
@@ -213,8 +225,9 @@ td_status cu_gemm(td_dtype dt, bool transa, bool transb, int64_t m, int64_t n, i
                   double alpha, const void *a, int64_t stride_a, const void *b, int64_t stride_b,
                   double beta, void *c, int64_t stride_c, int64_t batch) {
   const char *op = "gemm";
-  if (dt == TD_DTYPE_I64)
-    return td_set_error(TD_ERR_DTYPE, "cuda gemm: int64 matrices are not supported");
+  if (!td_dtype_is_float(dt))
+    return td_set_error(TD_ERR_DTYPE, "cuda gemm: %s matrices are not supported",
+                        td_dtype_name(dt));
   if (m <= 0 || n <= 0 || batch <= 0) return TD_OK;
   if (m > INT_MAX || n > INT_MAX || k > INT_MAX || batch > INT_MAX)
     return td_set_error(TD_ERR_INVALID,
@@ -224,6 +237,9 @@ td_status cu_gemm(td_dtype dt, bool transa, bool transb, int64_t m, int64_t n, i
   int device = 0;
   TD_TRY(td__cu_device_of(c, op, &device));
   TD_TRY(td__cu_set_device(device, op));
+  if (td__cu_is_half(dt)) /* cuBLASLt, float32 accumulation (cuda_lowp.cu) */
+    return td__cu_gemm_lowp(dt, device, transa, transb, m, n, k, alpha, a, stride_a, b, stride_b,
+                            beta, c, stride_c, batch);
   if (k == 0) {
     unsigned grid = td__cu_grid(m * n * batch, TD_CU_THREADS);
     if (dt == TD_DTYPE_F32)
@@ -289,12 +305,21 @@ td__backend make_backend() {
   b.index_add = td__cu_index_add;
   b.layer_norm = td__cu_layer_norm;
   b.layer_norm_backward = td__cu_layer_norm_backward;
+  b.attention_lse = td__cu_attention;
+  b.attention_lse_backward = td__cu_attention_backward;
+  b.adam = td__cu_adam;
+  b.adam_multi = td__cu_adam_multi;
+  b.sum_squares = td__cu_sum_squares;
+  b.cross_entropy = td__cu_cross_entropy;
+  b.cross_entropy_backward = td__cu_cross_entropy_backward;
   return b;
 }
 
 const td__backend cuda_backend = make_backend();
 
 } /* namespace */
+
+td_status td__cu_blas_handle(int device, cublasHandle_t *out) { return blas_handle(device, out); }
 
 td_status td__cu_scratch_alloc(int index, size_t nbytes, void **out) {
   return td__cu_cache_alloc(td__cu_default_cache(), index, nbytes, out);

@@ -8,12 +8,17 @@
  * and costs one multiply per element. Each thread turns a row-major linear index into one offset
  * per operand.
  *
- * dtypes follow the CPU backend: copy and fill take float32, float64 and int64 in any
- * combination; binary takes all three (an int64 division by zero is TD_ERR_INVALID, found with one
- * extra synchronisation); unary takes floats, and int64 only for affine maps with integral
- * coefficients; unary_backward is float only; index_select and index_add take all three. MAX and
- * MIN propagate NaN; float32 unary ops compute in float32 (the CPU computes in double and rounds,
- * so results may differ in the last bit).
+ * dtypes follow the CPU backend: copy and fill take every dtype in any combination (same-dtype
+ * copies and fills move the element's bytes; conversions between float32, float64 and int64 are
+ * casts, float -> int64 as td__f2i64; float32 <-> bfloat16 / float16 have their own kernels, the
+ * hot casts of autocast; every other pair goes through double like the CPU's td__load /
+ * td__store); binary takes the floats and int64 (an int64 division by zero is TD_ERR_INVALID,
+ * found with one extra synchronisation); unary takes floats, and int64 only for affine maps with
+ * integral coefficients; unary_backward is float only; index_select gathers any dtype's bytes,
+ * index_add takes float32, float64 and int64 (16-bit floats through float32 copies). bfloat16 and
+ * float16 compute in float32 and round each result once, which is what the CPU gives (cpu_half.c).
+ * MAX and MIN propagate NaN; float32 unary ops compute in float32 (the CPU computes in double and
+ * rounds, so results may differ in the last bit).
  * Index kernels skip (index_add) or zero (index_select) out-of-range indices instead of faulting;
  * the op layer has already rejected them with a message.
  */
@@ -88,8 +93,9 @@ __device__ __forceinline__ void geom_offsets(const Geom<N> &g, int64_t i, int64_
 
 /* ---- copy ---- */
 
-/* convert is the element conversion of copy: a cast, except float -> int64, which follows the
- * CPU (td__f2i64: INT64_MIN for NaN, +-inf and out-of-range values; CUDA's cast saturates). */
+/* convert is the element conversion of copy between float32, float64 and int64: a cast, except
+ * float -> int64, which follows the CPU (td__f2i64: INT64_MIN for NaN, +-inf and out-of-range
+ * values; CUDA's cast saturates). */
 template <typename Td, typename Ts> __device__ __forceinline__ Td convert(Ts v) {
   if constexpr (std::is_same<Td, int64_t>::value && std::is_floating_point<Ts>::value)
     return td__f2i64((double)v);
@@ -118,12 +124,82 @@ void launch_copy(td_dtype sdt, const Geom<2> &g, int64_t n, Td *dst, const void 
     case TD_DTYPE_I64:
       copy_kernel<<<grid, TD_CU_THREADS>>>(g, n, dst, (const int64_t *)src);
       break;
+    default: break;
   }
+}
+
+/* Same-dtype copies move the element's bytes (NaN payloads kept, as on the CPU). */
+template <typename U>
+__global__ void copy_bits_kernel(Geom<2> g, int64_t n, U *dst, const U *src) {
+  TD_CU_LOOP(i, n) {
+    int64_t o[2];
+    geom_offsets(g, i, o);
+    dst[o[0]] = src[o[1]];
+  }
+}
+
+/* float32 <-> 16-bit float: the hot conversions of autocast (weights down, activations up). */
+template <typename H>
+__global__ void copy_to_half_kernel(Geom<2> g, int64_t n, H *dst, const float *src) {
+  TD_CU_LOOP(i, n) {
+    int64_t o[2];
+    geom_offsets(g, i, o);
+    dst[o[0]] = Cvt<H>::st(src[o[1]]);
+  }
+}
+template <typename H>
+__global__ void copy_from_half_kernel(Geom<2> g, int64_t n, float *dst, const H *src) {
+  TD_CU_LOOP(i, n) {
+    int64_t o[2];
+    geom_offsets(g, i, o);
+    dst[o[0]] = td__ld(src[o[1]]);
+  }
+}
+
+/* Every other pair, element by element through double, as the CPU's copy_transport
+ * (td__load / td__store): a 16-bit float is stored from the value rounded to float32 first. */
+__device__ __forceinline__ double load_any(const void *b, int dt, int64_t i) {
+  switch (dt) {
+    case TD_DTYPE_F32: return ((const float *)b)[i];
+    case TD_DTYPE_F64: return ((const double *)b)[i];
+    case TD_DTYPE_I64: return (double)((const int64_t *)b)[i];
+    case TD_DTYPE_F16: return td__cu_f16_to_f32(((const uint16_t *)b)[i]);
+    case TD_DTYPE_BF16: return td__cu_bf16_to_f32(((const uint16_t *)b)[i]);
+    case TD_DTYPE_I32: return ((const int32_t *)b)[i];
+    case TD_DTYPE_U8: return ((const uint8_t *)b)[i];
+    case TD_DTYPE_BOOL: return ((const uint8_t *)b)[i] != 0;
+  }
+  return 0;
+}
+__device__ __forceinline__ void store_any(void *b, int dt, int64_t i, double v) {
+  switch (dt) {
+    case TD_DTYPE_F32: ((float *)b)[i] = (float)v; break;
+    case TD_DTYPE_F64: ((double *)b)[i] = v; break;
+    case TD_DTYPE_I64: ((int64_t *)b)[i] = td__f2i64(v); break;
+    case TD_DTYPE_F16: ((uint16_t *)b)[i] = td__cu_f32_to_f16((float)v); break;
+    case TD_DTYPE_BF16: ((uint16_t *)b)[i] = td__cu_f32_to_bf16((float)v); break;
+    case TD_DTYPE_I32: ((int32_t *)b)[i] = (int32_t)(uint32_t)(uint64_t)td__f2i64(v); break;
+    case TD_DTYPE_U8: ((uint8_t *)b)[i] = (uint8_t)(uint64_t)td__f2i64(v); break;
+    case TD_DTYPE_BOOL: ((uint8_t *)b)[i] = v != 0; break;
+  }
+}
+__global__ void copy_any_kernel(Geom<2> g, int64_t n, void *dst, int ddt, const void *src,
+                                int sdt) {
+  TD_CU_LOOP(i, n) {
+    int64_t o[2];
+    geom_offsets(g, i, o);
+    store_any(dst, ddt, o[0], load_any(src, sdt, o[1]));
+  }
+}
+
+bool core_dtype(td_dtype dt) {
+  return dt == TD_DTYPE_F32 || dt == TD_DTYPE_F64 || dt == TD_DTYPE_I64;
 }
 
 /* ---- fill ---- */
 
-template <typename T> __global__ void fill_kernel(Geom<1> g, int64_t n, T *p, T v) {
+/* Fills store the element's bytes, converted once on the host as the CPU does (td__store). */
+template <typename U> __global__ void fill_kernel(Geom<1> g, int64_t n, U *p, U v) {
   TD_CU_LOOP(i, n) {
     int64_t o[1];
     geom_offsets(g, i, o);
@@ -186,7 +262,7 @@ __global__ void binary_kernel(Geom<3> g, int64_t n, const T *a, const T *b, T *o
   TD_CU_LOOP(i, n) {
     int64_t o[3];
     geom_offsets(g, i, o);
-    out[o[2]] = binop<T, OP>(a[o[0]], b[o[1]]);
+    out[o[2]] = Cvt<T>::st(binop<Cmp<T>, OP>(td__ld(a[o[0]]), td__ld(b[o[1]])));
   }
 }
 
@@ -241,11 +317,12 @@ template <typename C> __device__ __forceinline__ C unary_fwd(int op, C x, C p0, 
 }
 
 template <typename T>
-__global__ void unary_kernel(Geom<2> g, int64_t n, int op, const T *x, T *out, T p0, T p1) {
+__global__ void unary_kernel(Geom<2> g, int64_t n, int op, const T *x, T *out, Cmp<T> p0,
+                             Cmp<T> p1) {
   TD_CU_LOOP(i, n) {
     int64_t o[2];
     geom_offsets(g, i, o);
-    out[o[1]] = unary_fwd<T>(op, x[o[0]], p0, p1);
+    out[o[1]] = Cvt<T>::st(unary_fwd<Cmp<T>>(op, td__ld(x[o[0]]), p0, p1));
   }
 }
 
@@ -289,8 +366,13 @@ __device__ __forceinline__ C unary_bwd(int op, C x, const C *y, C gy, C p0) {
 
 template <typename T>
 __global__ void unary_backward_kernel(int64_t n, int op, const T *x, const T *y, const T *gy,
-                                      T *gx, T p0) {
-  TD_CU_LOOP(i, n) gx[i] = unary_bwd<T>(op, x ? x[i] : (T)0, y ? y + i : nullptr, gy[i], p0);
+                                      T *gx, Cmp<T> p0) {
+  using C = Cmp<T>;
+  TD_CU_LOOP(i, n) {
+    C yv = y ? td__ld(y[i]) : (C)0;
+    gx[i] = Cvt<T>::st(unary_bwd<C>(op, x ? td__ld(x[i]) : (C)0, y ? &yv : nullptr,
+                                    td__ld(gy[i]), p0));
+  }
 }
 
 /* ---- index_select / index_add ---- */
@@ -356,10 +438,36 @@ td_status td__cu_copy(td_tensor *dst, const td_tensor *src) {
   if (!same_dev) return td__cu_same_device(op, dst, src);
   void *d = td__cu_ptr(dst);
   const void *s = td__cu_ptr(src);
-  switch (dst->dtype) {
-    case TD_DTYPE_F32: launch_copy(src->dtype, g, n, (float *)d, s); break;
-    case TD_DTYPE_F64: launch_copy(src->dtype, g, n, (double *)d, s); break;
-    case TD_DTYPE_I64: launch_copy(src->dtype, g, n, (int64_t *)d, s); break;
+  unsigned grid = td__cu_grid(n, TD_CU_THREADS);
+  if (dst->dtype == src->dtype) {
+    switch (td__cu_esize(dst->dtype)) {
+      case 1: copy_bits_kernel<<<grid, TD_CU_THREADS>>>(g, n, (uint8_t *)d, (const uint8_t *)s); break;
+      case 2:
+        copy_bits_kernel<<<grid, TD_CU_THREADS>>>(g, n, (uint16_t *)d, (const uint16_t *)s);
+        break;
+      case 4:
+        copy_bits_kernel<<<grid, TD_CU_THREADS>>>(g, n, (uint32_t *)d, (const uint32_t *)s);
+        break;
+      default:
+        copy_bits_kernel<<<grid, TD_CU_THREADS>>>(g, n, (uint64_t *)d, (const uint64_t *)s);
+        break;
+    }
+  } else if (core_dtype(dst->dtype) && core_dtype(src->dtype)) {
+    switch (dst->dtype) {
+      case TD_DTYPE_F32: launch_copy(src->dtype, g, n, (float *)d, s); break;
+      case TD_DTYPE_F64: launch_copy(src->dtype, g, n, (double *)d, s); break;
+      default: launch_copy(src->dtype, g, n, (int64_t *)d, s); break;
+    }
+  } else if (src->dtype == TD_DTYPE_F32 && dst->dtype == TD_DTYPE_BF16) {
+    copy_to_half_kernel<<<grid, TD_CU_THREADS>>>(g, n, (td_bf16 *)d, (const float *)s);
+  } else if (src->dtype == TD_DTYPE_F32 && dst->dtype == TD_DTYPE_F16) {
+    copy_to_half_kernel<<<grid, TD_CU_THREADS>>>(g, n, (td_f16 *)d, (const float *)s);
+  } else if (dst->dtype == TD_DTYPE_F32 && src->dtype == TD_DTYPE_BF16) {
+    copy_from_half_kernel<<<grid, TD_CU_THREADS>>>(g, n, (float *)d, (const td_bf16 *)s);
+  } else if (dst->dtype == TD_DTYPE_F32 && src->dtype == TD_DTYPE_F16) {
+    copy_from_half_kernel<<<grid, TD_CU_THREADS>>>(g, n, (float *)d, (const td_f16 *)s);
+  } else {
+    copy_any_kernel<<<grid, TD_CU_THREADS>>>(g, n, d, (int)dst->dtype, s, (int)src->dtype);
   }
   return td__cu_check_launch(op);
 }
@@ -372,17 +480,36 @@ td_status td__cu_fill(td_tensor *t, double value) {
   const int64_t *strides[1] = {t->strides};
   Geom<1> g = make_geom<1>(t->shape, t->ndim, strides);
   void *p = td__cu_ptr(t);
-  if (value == 0.0 && geom_contiguous(g)) {
-    cudaError_t e = cudaMemsetAsync(p, 0, (size_t)n * td__cu_esize(t->dtype), 0);
+  size_t es = td__cu_esize(t->dtype);
+  unsigned char one[8] = {0};
+  td__store(one, t->dtype, 0, value); /* the element's bytes, as the CPU stores them */
+  bool zero_bits = true;
+  for (size_t i = 0; i < es; i++) zero_bits = zero_bits && one[i] == 0;
+  if (zero_bits && geom_contiguous(g)) {
+    cudaError_t e = cudaMemsetAsync(p, 0, (size_t)n * es, 0);
     return e == cudaSuccess ? TD_OK : td__cu_error(e, op);
   }
   unsigned grid = td__cu_grid(n, TD_CU_THREADS);
-  switch (t->dtype) {
-    case TD_DTYPE_F32: fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (float *)p, (float)value); break;
-    case TD_DTYPE_F64: fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (double *)p, value); break;
-    case TD_DTYPE_I64:
-      fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (int64_t *)p, td__f2i64(value));
+  switch (es) {
+    case 1: fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (uint8_t *)p, one[0]); break;
+    case 2: {
+      uint16_t v;
+      memcpy(&v, one, 2);
+      fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (uint16_t *)p, v);
       break;
+    }
+    case 4: {
+      uint32_t v;
+      memcpy(&v, one, 4);
+      fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (uint32_t *)p, v);
+      break;
+    }
+    default: {
+      uint64_t v;
+      memcpy(&v, one, 8);
+      fill_kernel<<<grid, TD_CU_THREADS>>>(g, n, (uint64_t *)p, v);
+      break;
+    }
   }
   return td__cu_check_launch(op);
 }
@@ -402,16 +529,17 @@ td_status td__cu_binary(td__binary_op op, const td_tensor *a, const td_tensor *b
   const int64_t *strides[3] = {a->strides, b->strides, out->strides};
   Geom<3> g = make_geom<3>(out->shape, out->ndim, strides);
   bool ok = false;
+  const void *pa = td__cu_ptr(a), *pb = td__cu_ptr(b);
+  void *po = td__cu_ptr(out);
   switch (out->dtype) {
-    case TD_DTYPE_F32:
-      ok = launch_binary<float>(op, g, n, td__cu_ptr(a), td__cu_ptr(b), td__cu_ptr(out));
-      break;
-    case TD_DTYPE_F64:
-      ok = launch_binary<double>(op, g, n, td__cu_ptr(a), td__cu_ptr(b), td__cu_ptr(out));
-      break;
-    case TD_DTYPE_I64:
-      ok = launch_binary<int64_t>(op, g, n, td__cu_ptr(a), td__cu_ptr(b), td__cu_ptr(out));
-      break;
+    case TD_DTYPE_F32: ok = launch_binary<float>(op, g, n, pa, pb, po); break;
+    case TD_DTYPE_F64: ok = launch_binary<double>(op, g, n, pa, pb, po); break;
+    case TD_DTYPE_I64: ok = launch_binary<int64_t>(op, g, n, pa, pb, po); break;
+    case TD_DTYPE_BF16: ok = launch_binary<td_bf16>(op, g, n, pa, pb, po); break;
+    case TD_DTYPE_F16: ok = launch_binary<td_f16>(op, g, n, pa, pb, po); break;
+    default:
+      return td_set_error(TD_ERR_DTYPE, "cuda binary: %s is not a compute dtype",
+                          td_dtype_name(out->dtype));
   }
   if (!ok) return td_set_error(TD_ERR_INVALID, "cuda binary: unknown op %d", (int)op);
   return td__cu_check_launch(name);
@@ -439,6 +567,14 @@ td_status td__cu_unary(td__unary_op op, const td_tensor *x, td_tensor *out, doub
       unary_kernel<double><<<grid, TD_CU_THREADS>>>(g, n, (int)op, (const double *)px,
                                                     (double *)po, p0, p1);
       break;
+    case TD_DTYPE_BF16:
+      unary_kernel<td_bf16><<<grid, TD_CU_THREADS>>>(g, n, (int)op, (const td_bf16 *)px,
+                                                     (td_bf16 *)po, (float)p0, (float)p1);
+      break;
+    case TD_DTYPE_F16:
+      unary_kernel<td_f16><<<grid, TD_CU_THREADS>>>(g, n, (int)op, (const td_f16 *)px,
+                                                    (td_f16 *)po, (float)p0, (float)p1);
+      break;
     case TD_DTYPE_I64:
       if (op != TD__UN_AFFINE || p0 != (double)(int64_t)p0 || p1 != (double)(int64_t)p1)
         return td_set_error(TD_ERR_DTYPE, "cuda unary: int64 tensors only take integral "
@@ -446,6 +582,9 @@ td_status td__cu_unary(td__unary_op op, const td_tensor *x, td_tensor *out, doub
       affine_i64_kernel<<<grid, TD_CU_THREADS>>>(g, n, (const int64_t *)px, (int64_t *)po,
                                                  (int64_t)p0, (int64_t)p1);
       break;
+    default:
+      return td_set_error(TD_ERR_DTYPE, "cuda unary: %s is not a compute dtype",
+                          td_dtype_name(out->dtype));
   }
   return td__cu_check_launch(name);
 }
@@ -464,21 +603,36 @@ td_status td__cu_unary_backward(td__unary_op op, const td_tensor *x, const td_te
   TD_TRY(td__cu_need_contig(name, gx));
   if (!x && !y && op != TD__UN_AFFINE)
     return td_set_error(TD_ERR_INVALID, "cuda unary_backward: op %d needs x or y", (int)op);
-  if (gx->dtype == TD_DTYPE_I64 || (x && x->dtype != gx->dtype) || gy->dtype != gx->dtype ||
+  if (!td_dtype_is_float(gx->dtype) || (x && x->dtype != gx->dtype) || gy->dtype != gx->dtype ||
       (y && y->dtype != gx->dtype))
     return td_set_error(TD_ERR_DTYPE, "cuda unary_backward: needs one float dtype");
   int64_t n = td__cu_numel(gx);
   if (n == 0) return TD_OK;
   unsigned grid = td__cu_grid(n, TD_CU_THREADS);
   const void *py = y ? td__cu_ptr(y) : nullptr, *pxx = x ? td__cu_ptr(x) : nullptr;
-  if (gx->dtype == TD_DTYPE_F32) {
-    unary_backward_kernel<float><<<grid, TD_CU_THREADS>>>(
-        n, (int)op, (const float *)pxx, (const float *)py,
-        (const float *)td__cu_ptr(gy), (float *)td__cu_ptr(gx), (float)p0);
-  } else {
-    unary_backward_kernel<double><<<grid, TD_CU_THREADS>>>(
-        n, (int)op, (const double *)pxx, (const double *)py,
-        (const double *)td__cu_ptr(gy), (double *)td__cu_ptr(gx), p0);
+  const void *pg = td__cu_ptr(gy);
+  void *po = td__cu_ptr(gx);
+  switch (gx->dtype) {
+    case TD_DTYPE_F32:
+      unary_backward_kernel<float><<<grid, TD_CU_THREADS>>>(
+          n, (int)op, (const float *)pxx, (const float *)py, (const float *)pg, (float *)po,
+          (float)p0);
+      break;
+    case TD_DTYPE_BF16:
+      unary_backward_kernel<td_bf16><<<grid, TD_CU_THREADS>>>(
+          n, (int)op, (const td_bf16 *)pxx, (const td_bf16 *)py, (const td_bf16 *)pg,
+          (td_bf16 *)po, (float)p0);
+      break;
+    case TD_DTYPE_F16:
+      unary_backward_kernel<td_f16><<<grid, TD_CU_THREADS>>>(
+          n, (int)op, (const td_f16 *)pxx, (const td_f16 *)py, (const td_f16 *)pg, (td_f16 *)po,
+          (float)p0);
+      break;
+    default:
+      unary_backward_kernel<double><<<grid, TD_CU_THREADS>>>(
+          n, (int)op, (const double *)pxx, (const double *)py, (const double *)pg, (double *)po,
+          p0);
+      break;
   }
   return td__cu_check_launch(name);
 }
@@ -499,18 +653,23 @@ td_status td__cu_index_select(const td_tensor *x, int64_t outer, int64_t r, int6
   const int64_t *pi = (const int64_t *)td__cu_ptr(index);
   const void *px = td__cu_ptr(x);
   void *po = td__cu_ptr(out);
-  switch (out->dtype) {
-    case TD_DTYPE_F32:
-      index_select_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (const float *)px, pi,
-                                                   istride, (float *)po);
+  /* a gather moves bytes: one instantiation per element size (zero bits for a skipped index) */
+  switch (td__cu_esize(out->dtype)) {
+    case 1:
+      index_select_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (const uint8_t *)px, pi,
+                                                   istride, (uint8_t *)po);
       break;
-    case TD_DTYPE_F64:
-      index_select_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (const double *)px, pi,
-                                                   istride, (double *)po);
+    case 2:
+      index_select_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (const uint16_t *)px, pi,
+                                                   istride, (uint16_t *)po);
       break;
-    case TD_DTYPE_I64:
-      index_select_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (const int64_t *)px, pi,
-                                                   istride, (int64_t *)po);
+    case 4:
+      index_select_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (const uint32_t *)px, pi,
+                                                   istride, (uint32_t *)po);
+      break;
+    default:
+      index_select_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (const uint64_t *)px, pi,
+                                                   istride, (uint64_t *)po);
       break;
   }
   return td__cu_check_launch(op);
@@ -524,6 +683,16 @@ td_status td__cu_index_add(td_tensor *gx, int64_t outer, int64_t r, int64_t inne
   TD_TRY(td__cu_need_contig(op, gx));
   TD_TRY(td__cu_need_contig(op, g));
   if (g->dtype != gx->dtype) return td_set_error(TD_ERR_DTYPE, "cuda index_add: dtypes differ");
+  if (td__cu_is_half(gx->dtype)) { /* through float32 copies (cuda_lowp.cu) */
+    td_tensor *gxf = NULL, *gf = NULL;
+    td_status st = td__cu_up(gx, &gxf);
+    if (st == TD_OK) st = td__cu_up(g, &gf);
+    if (st == TD_OK) st = td__cu_index_add(gxf, outer, r, inner, index, gf);
+    if (st == TD_OK) st = td__cu_down(gx, gxf);
+    td_tensor_unref(gxf);
+    td_tensor_unref(gf);
+    return st;
+  }
   int64_t m = 0, istride = 0;
   TD_TRY(index_geometry(op, gx, index, &m, &istride));
   int64_t total = outer * m * inner;
@@ -545,6 +714,9 @@ td_status td__cu_index_add(td_tensor *gx, int64_t outer, int64_t r, int64_t inne
       index_add_kernel<<<grid, TD_CU_THREADS>>>(total, r, m, inner, (int64_t *)px, pi, istride,
                                                 (const int64_t *)pg);
       break;
+    default:
+      return td_set_error(TD_ERR_DTYPE, "cuda index_add: %s is not supported",
+                          td_dtype_name(gx->dtype));
   }
   return td__cu_check_launch(op);
 }

@@ -8,7 +8,11 @@
  *   cuda_elementwise.cu  strided copy / fill / binary / unary (+ backward), index_select/add;
  *   cuda_reduce.cu       sum and max over [outer, r, inner], softmax (+ backward), layer norm
  *                        (+ backward);
- *   cuda_nn.cu           NLL (+ backward), im2col / col2im, max pooling (+ backward).
+ *   cuda_nn.cu           NLL (+ backward), fused cross entropy (+ backward), im2col / col2im,
+ *                        max pooling (+ backward);
+ *   cuda_attention.cu    fused scaled-dot-product attention (+ backward), flash-attention style;
+ *   cuda_optim.cu        multi-tensor Adam / AdamW and the sum of squares of a tensor list;
+ *   cuda_lowp.cu         16-bit GEMMs through cuBLASLt, the float32 round trip of whole tensors.
  *
  * Conventions:
  *   - Every entry first calls td__cu_enter() (or td__cu_set_device()) so the calling thread's
@@ -27,6 +31,8 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 extern "C" {
 #include "../tensor_impl.h"
@@ -112,9 +118,44 @@ td_status td__cu_layer_norm_backward(const td_tensor *gy, const td_tensor *x, co
 td_status td__cu_sum_raw(td_dtype dt, int index, const void *x, int64_t outer, int64_t r,
                          int64_t inner, void *out);
 
+/* 16-bit floats and fused kernels (cuda_lowp.cu, cuda_attention.cu, cuda_optim.cu). */
+td_status td__cu_gemm_lowp(td_dtype dt, int device, bool transa, bool transb, int64_t m,
+                           int64_t n, int64_t k, double alpha, const void *a, int64_t stride_a,
+                           const void *b, int64_t stride_b, double beta, void *c,
+                           int64_t stride_c, int64_t batch);
+td_status td__cu_attention(td_dtype dt, const td__attn_geom *g, const void *q, const void *k,
+                           const void *v, void *y, void *lse);
+td_status td__cu_attention_backward(td_dtype dt, const td__attn_geom *g, const void *q,
+                                    const void *k, const void *v, const void *y, const void *lse,
+                                    const void *gy, void *gq, void *gk, void *gv);
+td_status td__cu_adam(td_tensor *p, const td_tensor *g, td_tensor *m, td_tensor *v,
+                      const td__adam_consts *c);
+td_status td__cu_adam_multi(td_tensor *const *p, const td_tensor *const *g, td_tensor *const *m,
+                            td_tensor *const *v, const td__adam_consts *c, int n);
+td_status td__cu_sum_squares(const td_tensor *const *ts, int n, double *out);
+td_status td__cu_cross_entropy(const td_tensor *logits, const td_tensor *target,
+                               int64_t ignore_index, td_tensor *losses, td_tensor *lse,
+                               int64_t *count);
+td_status td__cu_cross_entropy_backward(const td_tensor *logits, const td_tensor *target,
+                                        const td_tensor *lse, const td_tensor *gl,
+                                        int64_t ignore_index, td_tensor *gx);
+
+/* td__cu_up returns in *out a float32 copy of t on t's device when t is a 16-bit float tensor
+ * (a new reference to t otherwise; NULL for NULL); td__cu_up_empty the same without copying the
+ * values (for outputs); td__cu_down copies f back into t (rounding to t's dtype) when they
+ * differ. The CUDA kernels without a 16-bit instantiation run on these float32 copies, as the
+ * CPU's do (cpu_half.c): a 16-bit op gives the float32 op's result rounded once. */
+td_status td__cu_up(const td_tensor *t, td_tensor **out);
+td_status td__cu_up_empty(const td_tensor *t, td_tensor **out);
+td_status td__cu_down(td_tensor *t, const td_tensor *f);
+
 /* ---- small host helpers ---- */
 
-static inline size_t td__cu_esize(td_dtype dt) { return dt == TD_DTYPE_F32 ? 4 : 8; }
+static inline size_t td__cu_esize(td_dtype dt) { return td_dtype_size(dt); }
+
+static inline bool td__cu_is_half(td_dtype dt) {
+  return dt == TD_DTYPE_BF16 || dt == TD_DTYPE_F16;
+}
 
 /* td__cu_ptr returns the device address of t's element 0. */
 static inline void *td__cu_ptr(const td_tensor *t) {
@@ -143,6 +184,72 @@ static inline int td__cu_block_threads(int64_t n) {
   while (t < 256 && t < n) t <<= 1;
   return t;
 }
+
+/* ---- 16-bit floats on the device ----
+ * Storage types (distinct from uint16_t so templates tell them apart) and conversions that give
+ * the CPU's bits (half_convert.h): bfloat16 <-> float32 and float16 <-> float32 rounding to
+ * nearest even, NaN kept quiet. Arithmetic on them is always float32 (Cmp<T>). */
+struct td_bf16 {
+  uint16_t x;
+};
+struct td_f16 {
+  uint16_t x;
+};
+
+__device__ __forceinline__ float td__cu_bf16_to_f32(uint16_t h) {
+  return __uint_as_float((uint32_t)h << 16);
+}
+__device__ __forceinline__ uint16_t td__cu_f32_to_bf16(float f) {
+  uint32_t b = __float_as_uint(f);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40u);
+  return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float td__cu_f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, ex = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (ex == 0x1f) return __uint_as_float(sign | 0x7f800000u | (man << 13));
+  if (ex == 0) {
+    float f = (float)man * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  return __uint_as_float(sign | ((ex + 112u) << 23) | (man << 13));
+}
+__device__ __forceinline__ uint16_t td__cu_f32_to_f16(float f) {
+  uint32_t b = __float_as_uint(f), sign = (b >> 16) & 0x8000u, a = b & 0x7fffffffu;
+  if (a >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0));
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+  if (a < 0x38800000u) {
+    float m = __fmul_rn(__uint_as_float(a), 16777216.0f);
+    uint32_t q = (uint32_t)m;
+    float frac = __fsub_rn(m, (float)q);
+    if (frac > 0.5f || (frac == 0.5f && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
+  }
+  uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - (112u << 23);
+  return (uint16_t)(sign | (r >> 13));
+}
+
+/* Cmp<T> is the type T computes in: float for the 16-bit floats, T itself otherwise. td__ld
+ * loads an element into it, Cvt<T>::st rounds a value back to T. */
+template <typename T> struct CmpT { using type = T; };
+template <> struct CmpT<td_bf16> { using type = float; };
+template <> struct CmpT<td_f16> { using type = float; };
+template <typename T> using Cmp = typename CmpT<T>::type;
+
+__device__ __forceinline__ float td__ld(float v) { return v; }
+__device__ __forceinline__ double td__ld(double v) { return v; }
+__device__ __forceinline__ int64_t td__ld(int64_t v) { return v; }
+__device__ __forceinline__ float td__ld(td_bf16 v) { return td__cu_bf16_to_f32(v.x); }
+__device__ __forceinline__ float td__ld(td_f16 v) { return td__cu_f16_to_f32(v.x); }
+
+template <typename T> struct Cvt {
+  static __device__ __forceinline__ T st(Cmp<T> v) { return v; }
+};
+template <> struct Cvt<td_bf16> {
+  static __device__ __forceinline__ td_bf16 st(float v) { return td_bf16{td__cu_f32_to_bf16(v)}; }
+};
+template <> struct Cvt<td_f16> {
+  static __device__ __forceinline__ td_f16 st(float v) { return td_f16{td__cu_f32_to_f16(v)}; }
+};
 
 /* ---- device helpers ---- */
 

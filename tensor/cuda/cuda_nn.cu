@@ -9,6 +9,11 @@
  * col2im gathers instead of scattering: each input pixel sums the column entries that read it, so
  * the result is deterministic and needs no atomics. Max-pooling backward scatters through the
  * saved arg-max with atomicAdd, because overlapping windows may pick the same input.
+ *
+ * Cross entropy (fused, for the op's fused path): see its kernels below.
+ *
+ * 16-bit floats: im2col moves their bits, col2im sums in float32 and rounds once per pixel; NLL
+ * and pooling run on float32 copies (td__cu_up), as the CPU does.
  */
 #include "cuda_impl.h"
 
@@ -43,6 +48,70 @@ __global__ void nll_backward_kernel(const int64_t *target, int64_t tstride, cons
   }
 }
 
+/* ---- fused cross entropy ----
+ * One block per row (rows looped over with a capped grid). Forward: each thread keeps a running
+ * max m and sum s of exp(x - m) over its share of the row in one pass (s rescaled when m grows;
+ * -inf entries add nothing), the block combines them (max, then the sum of s exp(m - M)), and
+ * lse = M + log(S); loss = lse - x[t]. The sums are in double (Acc), exp in the compute type.
+ * Targets are validated as NLL does (count and first bad row in the stats words). Backward:
+ * gx = gl (exp(x - lse) - [c == t]) per element, zero rows for ignored targets. */
+template <typename T>
+__global__ void ce_kernel(const T *x, int64_t n, int64_t c, const int64_t *target,
+                          int64_t tstride, int64_t ignore, Cmp<T> *losses, Cmp<T> *lse,
+                          unsigned long long *stats) {
+  using C = Cmp<T>;
+  for (int64_t row = blockIdx.x; row < n; row += gridDim.x) {
+    const T *xr = x + row * c;
+    C m = -(C)INFINITY;
+    double s = 0;
+    for (int64_t k = threadIdx.x; k < c; k += blockDim.x) {
+      C v = td__ld(xr[k]);
+      if (v > m) {
+        s = (m == -(C)INFINITY ? 0.0 : s * (double)exp(m - v)) + 1.0;
+        m = v;
+      } else if (!(v == -(C)INFINITY)) {
+        s += (double)exp(v - m); /* NaN propagates */
+      }
+    }
+    C mx = td__cu_block_max(m);
+    double part = s == 0 ? 0.0 : s * (double)exp(m - mx);
+    double tot = td__cu_block_sum(part);
+    if (threadIdx.x == 0) {
+      double l = (double)mx + log(tot);
+      int64_t t = target[row * tstride];
+      C loss = 0;
+      if (t != ignore) {
+        if (t < 0 || t >= c) {
+          atomicMin(&stats[1], (unsigned long long)row);
+        } else {
+          loss = (C)(l - (double)td__ld(xr[t]));
+          atomicAdd(&stats[0], 1ull);
+        }
+      }
+      losses[row] = loss;
+      lse[row] = (C)l;
+    }
+  }
+}
+
+template <typename T>
+__global__ void ce_backward_kernel(const T *x, int64_t n, int64_t c, const int64_t *target,
+                                   int64_t tstride, int64_t ignore, const Cmp<T> *lse,
+                                   const Cmp<T> *gl, int64_t gstride, T *gx) {
+  using C = Cmp<T>;
+  for (int64_t row = blockIdx.x; row < n; row += gridDim.x) {
+    const T *xr = x + row * c;
+    T *gr = gx + row * c;
+    int64_t t = target[row * tstride];
+    bool on = t != ignore && t >= 0 && t < c;
+    C g = on ? gl[row * gstride] : (C)0, l = lse[row];
+    for (int64_t k = threadIdx.x; k < c; k += blockDim.x) {
+      C p = exp(td__ld(xr[k]) - l);
+      gr[k] = Cvt<T>::st(on ? g * (p - (k == t ? (C)1 : (C)0)) : (C)0);
+    }
+  }
+}
+
 /* ---- im2col / col2im ---- */
 
 template <typename T>
@@ -68,7 +137,7 @@ __global__ void col2im_kernel(const T *col, int64_t c, int64_t h, int64_t w, int
   TD_CU_LOOP(e, total) {
     int64_t x = e % w, t = e / w;
     int64_t y = t % h, ch = t / h;
-    T sum = 0;
+    Cmp<T> sum = 0;
     for (int ki = 0; ki < kh; ki++) {
       int64_t ny = y + ph - ki;
       if (ny < 0 || ny % sh != 0) continue;
@@ -79,18 +148,19 @@ __global__ void col2im_kernel(const T *col, int64_t c, int64_t h, int64_t w, int
         if (nx < 0 || nx % sw != 0) continue;
         int64_t ox = nx / sw;
         if (ox >= ow) continue;
-        sum += col[((ch * kh + ki) * kw + kj) * oh * ow + oy * ow + ox];
+        sum += td__ld(col[((ch * kh + ki) * kw + kj) * oh * ow + oy * ow + ox]);
       }
     }
-    gx[e] += sum;
+    gx[e] = Cvt<T>::st(td__ld(gx[e]) + sum);
   }
 }
 
 /* conv_geometry checks the convolution arguments and returns the output size. */
 td_status conv_geometry(const char *op, td_dtype dt, int64_t h, int64_t w, int kh, int kw, int sh,
                         int sw, int ph, int pw, int64_t *oh, int64_t *ow) {
-  if (dt == TD_DTYPE_I64)
-    return td_set_error(TD_ERR_DTYPE, "cuda %s: int64 images are not supported", op);
+  if (!td_dtype_is_float(dt))
+    return td_set_error(TD_ERR_DTYPE, "cuda %s: %s images are not supported", op,
+                        td_dtype_name(dt));
   if (kh <= 0 || kw <= 0 || sh <= 0 || sw <= 0 || ph < 0 || pw < 0)
     return td_set_error(TD_ERR_INVALID, "cuda %s: bad kernel %dx%d, stride %dx%d or padding %dx%d",
                         op, kh, kw, sh, sw, ph, pw);
@@ -143,6 +213,16 @@ __global__ void max_pool2d_backward_kernel(const T *gy, const int64_t *idx, int6
 td_status td__cu_nll(const td_tensor *logp, const td_tensor *target, int64_t ignore_index,
                      td_tensor *losses, int64_t *count) {
   const char *op = "nll";
+  if (td__cu_is_half(logp->dtype)) {
+    td_tensor *lf = NULL, *of = NULL;
+    td_status st = td__cu_up(logp, &lf);
+    if (st == TD_OK) st = td__cu_up_empty(losses, &of);
+    if (st == TD_OK) st = td__cu_nll(lf, target, ignore_index, of, count);
+    if (st == TD_OK) st = td__cu_down(losses, of);
+    td_tensor_unref(lf);
+    td_tensor_unref(of);
+    return st;
+  }
   TD_TRY(td__cu_enter(op, logp));
   TD_TRY(td__cu_same_device(op, logp, target));
   TD_TRY(td__cu_same_device(op, logp, losses));
@@ -217,6 +297,16 @@ out:
 td_status td__cu_nll_backward(const td_tensor *target, const td_tensor *gl, int64_t ignore_index,
                               td_tensor *gx) {
   const char *op = "nll_backward";
+  if (td__cu_is_half(gx->dtype)) {
+    td_tensor *gf = NULL, *xf = NULL;
+    td_status st = td__cu_up(gl, &gf);
+    if (st == TD_OK) st = td__cu_up_empty(gx, &xf);
+    if (st == TD_OK) st = td__cu_nll_backward(target, gf, ignore_index, xf);
+    if (st == TD_OK) st = td__cu_down(gx, xf);
+    td_tensor_unref(gf);
+    td_tensor_unref(xf);
+    return st;
+  }
   TD_TRY(td__cu_enter(op, gx));
   TD_TRY(td__cu_same_device(op, gx, target));
   TD_TRY(td__cu_same_device(op, gx, gl));
@@ -250,6 +340,141 @@ td_status td__cu_nll_backward(const td_tensor *target, const td_tensor *gl, int6
   return td__cu_check_launch(op);
 }
 
+td_status td__cu_cross_entropy(const td_tensor *logits, const td_tensor *target,
+                               int64_t ignore_index, td_tensor *losses, td_tensor *lse,
+                               int64_t *count) {
+  const char *op = "cross_entropy";
+  TD_TRY(td__cu_enter(op, logits));
+  TD_TRY(td__cu_same_device(op, logits, target));
+  TD_TRY(td__cu_same_device(op, logits, losses));
+  TD_TRY(td__cu_same_device(op, logits, lse));
+  TD_TRY(td__cu_need_contig(op, logits));
+  TD_TRY(td__cu_need_contig(op, losses));
+  TD_TRY(td__cu_need_contig(op, lse));
+  td_dtype dt = logits->dtype, ldt = dt == TD_DTYPE_F64 ? TD_DTYPE_F64 : TD_DTYPE_F32;
+  if (!td_dtype_is_float(dt) || losses->dtype != ldt || lse->dtype != ldt)
+    return td_set_error(TD_ERR_DTYPE, "cuda cross_entropy: %s logits need %s losses",
+                        td_dtype_name(dt), td_dtype_name(ldt));
+  if (target->dtype != TD_DTYPE_I64)
+    return td_set_error(TD_ERR_DTYPE, "cuda cross_entropy: targets must be int64");
+  int64_t n = 0, tstride = 0;
+  TD_TRY(td__cu_vector(op, target, &n, &tstride));
+  if (n == 0) {
+    *count = 0;
+    return TD_OK;
+  }
+  int64_t c = td__cu_numel(logits) / n;
+  if (c * n != td__cu_numel(logits) || c == 0 || td__cu_numel(losses) != n ||
+      td__cu_numel(lse) != n)
+    return td_set_error(TD_ERR_SHAPE, "cuda cross_entropy: %lld targets for %lld logits",
+                        (long long)n, (long long)td__cu_numel(logits));
+  int dev = td__cu_dev(logits);
+  void *scratch = nullptr;
+  TD_TRY(td__cu_scratch_alloc(dev, 2 * sizeof(unsigned long long), &scratch));
+  unsigned long long *stats = (unsigned long long *)scratch, host[2] = {0, 0};
+  td_status st = TD_OK;
+  cudaError_t e = cudaMemsetAsync(stats, 0, sizeof(unsigned long long), 0);
+  if (e == cudaSuccess) e = cudaMemsetAsync(stats + 1, 0xff, sizeof(unsigned long long), 0);
+  if (e != cudaSuccess) st = td__cu_error(e, op);
+  const int64_t *pt = (const int64_t *)td__cu_ptr(target);
+  unsigned grid = (unsigned)(n < TD_CU_MAX_BLOCKS ? n : TD_CU_MAX_BLOCKS);
+  int threads = td__cu_block_threads(c);
+  if (st == TD_OK) {
+    const void *px = td__cu_ptr(logits);
+    void *pl = td__cu_ptr(losses), *ps = td__cu_ptr(lse);
+    switch (dt) {
+      case TD_DTYPE_F32:
+        ce_kernel<float><<<grid, threads>>>((const float *)px, n, c, pt, tstride, ignore_index,
+                                            (float *)pl, (float *)ps, stats);
+        break;
+      case TD_DTYPE_F64:
+        ce_kernel<double><<<grid, threads>>>((const double *)px, n, c, pt, tstride, ignore_index,
+                                             (double *)pl, (double *)ps, stats);
+        break;
+      case TD_DTYPE_BF16:
+        ce_kernel<td_bf16><<<grid, threads>>>((const td_bf16 *)px, n, c, pt, tstride,
+                                              ignore_index, (float *)pl, (float *)ps, stats);
+        break;
+      default:
+        ce_kernel<td_f16><<<grid, threads>>>((const td_f16 *)px, n, c, pt, tstride,
+                                             ignore_index, (float *)pl, (float *)ps, stats);
+        break;
+    }
+    st = td__cu_check_launch(op);
+  }
+  if (st == TD_OK) { /* the count for the mean, and the targets' check: one synchronisation */
+    e = cudaMemcpy(host, stats, sizeof host, cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess) st = td__cu_error(e, op);
+  }
+  if (st == TD_OK && host[1] != ~0ull) {
+    int64_t bad = 0, row = (int64_t)host[1];
+    e = cudaMemcpy(&bad, pt + row * tstride, sizeof bad, cudaMemcpyDeviceToHost);
+    st = e != cudaSuccess ? td__cu_error(e, op)
+                          : td_set_error(TD_ERR_INVALID,
+                                         "cuda cross_entropy: target %lld at row %lld is out of "
+                                         "range [0, %lld)", (long long)bad, (long long)row,
+                                         (long long)c);
+  }
+  if (st == TD_OK) *count = (int64_t)host[0];
+  td__cu_scratch_free(dev, scratch);
+  return st;
+}
+
+td_status td__cu_cross_entropy_backward(const td_tensor *logits, const td_tensor *target,
+                                        const td_tensor *lse, const td_tensor *gl,
+                                        int64_t ignore_index, td_tensor *gx) {
+  const char *op = "cross_entropy_backward";
+  TD_TRY(td__cu_enter(op, gx));
+  const td_tensor *same[4] = {logits, target, lse, gl};
+  for (int i = 0; i < 4; i++) TD_TRY(td__cu_same_device(op, gx, same[i]));
+  TD_TRY(td__cu_need_contig(op, logits));
+  TD_TRY(td__cu_need_contig(op, lse));
+  TD_TRY(td__cu_need_contig(op, gx));
+  td_dtype dt = logits->dtype, ldt = dt == TD_DTYPE_F64 ? TD_DTYPE_F64 : TD_DTYPE_F32;
+  if (gx->dtype != dt || lse->dtype != ldt || gl->dtype != ldt || target->dtype != TD_DTYPE_I64)
+    return td_set_error(TD_ERR_DTYPE, "cuda cross_entropy_backward: dtypes do not match");
+  int64_t n = 0, tstride = 0, gn = 0, gstride = 0;
+  TD_TRY(td__cu_vector(op, target, &n, &tstride));
+  TD_TRY(td__cu_vector(op, gl, &gn, &gstride));
+  if (n == 0) return TD_OK;
+  int64_t c = td__cu_numel(gx) / n;
+  if (gn != n || c * n != td__cu_numel(gx) || td__cu_numel(logits) != c * n ||
+      td__cu_numel(lse) != n)
+    return td_set_error(TD_ERR_SHAPE, "cuda cross_entropy_backward: inconsistent sizes");
+  if (c == 0) return TD_OK;
+  const int64_t *pt = (const int64_t *)td__cu_ptr(target);
+  unsigned grid = (unsigned)(n < TD_CU_MAX_BLOCKS ? n : TD_CU_MAX_BLOCKS);
+  int threads = td__cu_block_threads(c);
+  const void *px = td__cu_ptr(logits), *ps = td__cu_ptr(lse), *pg = td__cu_ptr(gl);
+  void *po = td__cu_ptr(gx);
+  switch (dt) {
+    case TD_DTYPE_F32:
+      ce_backward_kernel<float><<<grid, threads>>>((const float *)px, n, c, pt, tstride,
+                                                   ignore_index, (const float *)ps,
+                                                   (const float *)pg, gstride, (float *)po);
+      break;
+    case TD_DTYPE_F64:
+      ce_backward_kernel<double><<<grid, threads>>>((const double *)px, n, c, pt, tstride,
+                                                    ignore_index, (const double *)ps,
+                                                    (const double *)pg, gstride, (double *)po);
+      break;
+    case TD_DTYPE_BF16:
+      ce_backward_kernel<td_bf16><<<grid, threads>>>((const td_bf16 *)px, n, c, pt, tstride,
+                                                     ignore_index, (const float *)ps,
+                                                     (const float *)pg, gstride, (td_bf16 *)po);
+      break;
+    case TD_DTYPE_F16:
+      ce_backward_kernel<td_f16><<<grid, threads>>>((const td_f16 *)px, n, c, pt, tstride,
+                                                    ignore_index, (const float *)ps,
+                                                    (const float *)pg, gstride, (td_f16 *)po);
+      break;
+    default:
+      return td_set_error(TD_ERR_DTYPE, "cuda cross_entropy_backward: %s logits",
+                          td_dtype_name(dt));
+  }
+  return td__cu_check_launch(op);
+}
+
 td_status td__cu_im2col(td_dtype dt, const void *x, int64_t c, int64_t h, int64_t w, int kh,
                         int kw, int sh, int sw, int ph, int pw, void *col) {
   const char *op = "im2col";
@@ -264,6 +489,9 @@ td_status td__cu_im2col(td_dtype dt, const void *x, int64_t c, int64_t h, int64_
   if (dt == TD_DTYPE_F32)
     im2col_kernel<float><<<grid, TD_CU_THREADS>>>((const float *)x, c, h, w, kh, kw, sh, sw, ph,
                                                   pw, oh, ow, (float *)col);
+  else if (td__cu_is_half(dt)) /* a gather: the elements' bits (zero padding is +0) */
+    im2col_kernel<uint16_t><<<grid, TD_CU_THREADS>>>((const uint16_t *)x, c, h, w, kh, kw, sh, sw,
+                                                     ph, pw, oh, ow, (uint16_t *)col);
   else
     im2col_kernel<double><<<grid, TD_CU_THREADS>>>((const double *)x, c, h, w, kh, kw, sh, sw, ph,
                                                    pw, oh, ow, (double *)col);
@@ -284,6 +512,12 @@ td_status td__cu_col2im(td_dtype dt, const void *col, int64_t c, int64_t h, int6
   if (dt == TD_DTYPE_F32)
     col2im_kernel<float><<<grid, TD_CU_THREADS>>>((const float *)col, c, h, w, kh, kw, sh, sw, ph,
                                                   pw, oh, ow, (float *)gx);
+  else if (dt == TD_DTYPE_BF16)
+    col2im_kernel<td_bf16><<<grid, TD_CU_THREADS>>>((const td_bf16 *)col, c, h, w, kh, kw, sh, sw,
+                                                    ph, pw, oh, ow, (td_bf16 *)gx);
+  else if (dt == TD_DTYPE_F16)
+    col2im_kernel<td_f16><<<grid, TD_CU_THREADS>>>((const td_f16 *)col, c, h, w, kh, kw, sh, sw,
+                                                   ph, pw, oh, ow, (td_f16 *)gx);
   else
     col2im_kernel<double><<<grid, TD_CU_THREADS>>>((const double *)col, c, h, w, kh, kw, sh, sw,
                                                    ph, pw, oh, ow, (double *)gx);
@@ -293,6 +527,16 @@ td_status td__cu_col2im(td_dtype dt, const void *col, int64_t c, int64_t h, int6
 td_status td__cu_max_pool2d(const td_tensor *x, int kh, int kw, int sh, int sw, td_tensor *y,
                             td_tensor *idx) {
   const char *op = "max_pool2d";
+  if (td__cu_is_half(x->dtype)) {
+    td_tensor *xf = NULL, *yf = NULL;
+    td_status st = td__cu_up(x, &xf);
+    if (st == TD_OK) st = td__cu_up_empty(y, &yf);
+    if (st == TD_OK) st = td__cu_max_pool2d(xf, kh, kw, sh, sw, yf, idx);
+    if (st == TD_OK) st = td__cu_down(y, yf);
+    td_tensor_unref(xf);
+    td_tensor_unref(yf);
+    return st;
+  }
   TD_TRY(td__cu_enter(op, y));
   TD_TRY(td__cu_same_device(op, y, x));
   TD_TRY(td__cu_same_device(op, y, idx));
@@ -327,6 +571,16 @@ td_status td__cu_max_pool2d(const td_tensor *x, int kh, int kw, int sh, int sw, 
 
 td_status td__cu_max_pool2d_backward(const td_tensor *gy, const td_tensor *idx, td_tensor *gx) {
   const char *op = "max_pool2d_backward";
+  if (td__cu_is_half(gx->dtype)) {
+    td_tensor *gyf = NULL, *gxf = NULL;
+    td_status st = td__cu_up(gy, &gyf);
+    if (st == TD_OK) st = td__cu_up(gx, &gxf); /* accumulated into: its contents matter */
+    if (st == TD_OK) st = td__cu_max_pool2d_backward(gyf, idx, gxf);
+    if (st == TD_OK) st = td__cu_down(gx, gxf);
+    td_tensor_unref(gyf);
+    td_tensor_unref(gxf);
+    return st;
+  }
   TD_TRY(td__cu_enter(op, gx));
   TD_TRY(td__cu_same_device(op, gx, gy));
   TD_TRY(td__cu_same_device(op, gx, idx));

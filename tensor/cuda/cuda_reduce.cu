@@ -17,6 +17,9 @@
  * and, cast to 32 bits, skipped rows from 2^32). Every loop bound is the same for all threads of
  * a block, so the block reductions inside stay uniform. Indices are 64-bit throughout.
  *
+ * 16-bit floats: sums read them and accumulate in double into float32 results rounded once;
+ * max, softmax and layer norm run on float32 copies (td__cu_up), as the CPU does.
+ *
  * Accumulation: float32 sums (sum, softmax denominators and backward sums, layer-norm moments and
  * parameter gradients) accumulate in double (Acc<float>), as the CPU backend does, so a long
  * same-sign sum keeps float32 accuracy instead of drifting by n * eps / 2 when one thread adds a
@@ -31,6 +34,8 @@ namespace {
 /* Acc<T> is the accumulator type of sums of T (double for float, see the file comment). */
 template <typename T> struct AccT { using type = T; };
 template <> struct AccT<float> { using type = double; };
+template <> struct AccT<td_bf16> { using type = double; };
+template <> struct AccT<td_f16> { using type = double; };
 template <typename T> using Acc = typename AccT<T>::type;
 
 /* row_grid returns the grid of a block-per-row kernel over rows rows. */
@@ -42,30 +47,32 @@ unsigned row_grid(int64_t rows) {
 
 /* ---- sum ---- */
 
-template <typename T>
-__global__ void sum_rows_kernel(const T *x, int64_t outer, int64_t r, int64_t chunk, T *out) {
+/* Sums read T and write O: O is T, except for the 16-bit floats, whose sums (partial and final)
+ * are float32 (rounded to the 16-bit dtype once, by the caller). */
+template <typename T, typename O>
+__global__ void sum_rows_kernel(const T *x, int64_t outer, int64_t r, int64_t chunk, O *out) {
   int64_t s = blockIdx.y, nsplit = gridDim.y;
   int64_t k0 = s * chunk, k1 = min(r, k0 + chunk);
   TD_CU_ROWS(o, outer) {
     const T *row = x + o * r;
-    Acc<T> acc = 0;
-    for (int64_t k = k0 + threadIdx.x; k < k1; k += blockDim.x) acc += row[k];
+    Acc<O> acc = 0;
+    for (int64_t k = k0 + threadIdx.x; k < k1; k += blockDim.x) acc += (Acc<O>)td__ld(row[k]);
     acc = td__cu_block_sum(acc);
-    if (threadIdx.x == 0) out[o * nsplit + s] = (T)acc;
+    if (threadIdx.x == 0) out[o * nsplit + s] = (O)acc;
   }
 }
 
-template <typename T>
+template <typename T, typename O>
 __global__ void sum_cols_kernel(const T *x, int64_t outer, int64_t r, int64_t inner,
-                                int64_t chunk, T *out) {
+                                int64_t chunk, O *out) {
   int64_t s = blockIdx.y, nsplit = gridDim.y;
   int64_t k0 = s * chunk, k1 = min(r, k0 + chunk);
   TD_CU_LOOP(t, outer * inner) {
     int64_t o = t / inner, i = t - o * inner;
     const T *p = x + o * r * inner + i;
-    Acc<T> acc = 0;
-    for (int64_t k = k0; k < k1; k++) acc += p[k * inner];
-    out[(o * nsplit + s) * inner + i] = (T)acc;
+    Acc<O> acc = 0;
+    for (int64_t k = k0; k < k1; k++) acc += (Acc<O>)td__ld(p[k * inner]);
+    out[(o * nsplit + s) * inner + i] = (O)acc;
   }
 }
 
@@ -92,32 +99,32 @@ void split_r(int64_t outer, int64_t r, int64_t inner, int64_t *nsplit, int64_t *
   *nsplit = (r + *chunk - 1) / *chunk; /* no empty chunk */
 }
 
-template <typename T>
-td_status sum_typed(int dev, const T *x, int64_t outer, int64_t r, int64_t inner, T *out) {
+template <typename T, typename O = T>
+td_status sum_typed(int dev, const T *x, int64_t outer, int64_t r, int64_t inner, O *out) {
   const char *op = "reduce_sum";
   if (outer * inner == 0) return TD_OK;
   if (r == 0) {
-    cudaError_t e = cudaMemsetAsync(out, 0, (size_t)(outer * inner) * sizeof(T), 0);
+    cudaError_t e = cudaMemsetAsync(out, 0, (size_t)(outer * inner) * sizeof(O), 0);
     return e == cudaSuccess ? TD_OK : td__cu_error(e, op);
   }
   int64_t nsplit, chunk;
   split_r(outer, r, inner, &nsplit, &chunk);
-  T *dst = out;
+  O *dst = out;
   void *tmp = nullptr;
   if (nsplit > 1) {
-    TD_TRY(td__cu_scratch_alloc(dev, (size_t)(outer * nsplit * inner) * sizeof(T), &tmp));
-    dst = (T *)tmp;
+    TD_TRY(td__cu_scratch_alloc(dev, (size_t)(outer * nsplit * inner) * sizeof(O), &tmp));
+    dst = (O *)tmp;
   }
   if (use_rows(r, inner)) {
     int threads = td__cu_block_threads(chunk);
-    sum_rows_kernel<T><<<dim3(row_grid(outer), (unsigned)nsplit), threads>>>(x, outer, r, chunk,
-                                                                            dst);
+    sum_rows_kernel<T, O><<<dim3(row_grid(outer), (unsigned)nsplit), threads>>>(x, outer, r,
+                                                                               chunk, dst);
   } else {
     dim3 grid(td__cu_grid(outer * inner, TD_CU_THREADS), (unsigned)nsplit);
-    sum_cols_kernel<T><<<grid, TD_CU_THREADS>>>(x, outer, r, inner, chunk, dst);
+    sum_cols_kernel<T, O><<<grid, TD_CU_THREADS>>>(x, outer, r, inner, chunk, dst);
   }
   td_status st = td__cu_check_launch(op);
-  if (st == TD_OK && nsplit > 1) st = sum_typed<T>(dev, dst, outer, nsplit, inner, out);
+  if (st == TD_OK && nsplit > 1) st = sum_typed<O, O>(dev, dst, outer, nsplit, inner, out);
   if (tmp) td__cu_scratch_free(dev, tmp);
   return st;
 }
@@ -417,7 +424,7 @@ td_status layer_norm_wb(int dev, const T *gy, const T *x, const T *mean, const T
 
 td_status check_float(const char *op, const td_tensor *t, td_dtype dt) {
   if (!t) return TD_OK;
-  if (t->dtype != dt || dt == TD_DTYPE_I64)
+  if (t->dtype != dt || (dt != TD_DTYPE_F32 && dt != TD_DTYPE_F64))
     return td_set_error(TD_ERR_DTYPE, "cuda %s: operands must share one float dtype (got %s)", op,
                         td_dtype_name(t->dtype));
   return TD_OK;
@@ -445,6 +452,7 @@ td_status td__cu_sum_raw(td_dtype dt, int index, const void *x, int64_t outer, i
     case TD_DTYPE_F64: return sum_typed(index, (const double *)x, outer, r, inner, (double *)out);
     case TD_DTYPE_I64:
       return sum_typed(index, (const int64_t *)x, outer, r, inner, (int64_t *)out);
+    default: break;
   }
   return td_set_error(TD_ERR_DTYPE, "cuda reduce_sum: bad dtype");
 }
@@ -457,6 +465,20 @@ td_status td__cu_reduce_sum(const td_tensor *x, int64_t outer, int64_t r, int64_
   TD_TRY(td__cu_need_contig(op, x));
   TD_TRY(td__cu_need_contig(op, out));
   if (x->dtype != out->dtype) return td_set_error(TD_ERR_DTYPE, "cuda reduce_sum: dtypes differ");
+  if (td__cu_is_half(x->dtype)) { /* float32 sums, rounded to the 16-bit dtype once */
+    td_tensor *of = NULL;
+    TD_TRY(td__cu_up_empty(out, &of));
+    td_status st;
+    if (x->dtype == TD_DTYPE_BF16)
+      st = sum_typed(td__cu_dev(out), (const td_bf16 *)td__cu_ptr(x), outer, r, inner,
+                     (float *)td__cu_ptr(of));
+    else
+      st = sum_typed(td__cu_dev(out), (const td_f16 *)td__cu_ptr(x), outer, r, inner,
+                     (float *)td__cu_ptr(of));
+    if (st == TD_OK) st = td__cu_down(out, of);
+    td_tensor_unref(of);
+    return st;
+  }
   return td__cu_sum_raw(x->dtype, td__cu_dev(out), td__cu_ptr(x), outer, r, inner,
                         td__cu_ptr(out));
 }
@@ -471,6 +493,16 @@ td_status td__cu_reduce_max(const td_tensor *x, int64_t outer, int64_t r, int64_
   TD_TRY(td__cu_need_contig(op, out));
   TD_TRY(td__cu_need_contig(op, idx));
   if (x->dtype != out->dtype) return td_set_error(TD_ERR_DTYPE, "cuda reduce_max: dtypes differ");
+  if (td__cu_is_half(x->dtype)) { /* through float32 copies (exact: max picks an element) */
+    td_tensor *xf = NULL, *of = NULL;
+    td_status st = td__cu_up(x, &xf);
+    if (st == TD_OK) st = td__cu_up_empty(out, &of);
+    if (st == TD_OK) st = td__cu_reduce_max(xf, outer, r, inner, of, idx);
+    if (st == TD_OK) st = td__cu_down(out, of);
+    td_tensor_unref(xf);
+    td_tensor_unref(of);
+    return st;
+  }
   if (idx && idx->dtype != TD_DTYPE_I64)
     return td_set_error(TD_ERR_DTYPE, "cuda reduce_max: indices must be int64");
   if (outer * inner == 0) return TD_OK;
@@ -487,6 +519,7 @@ td_status td__cu_reduce_max(const td_tensor *x, int64_t outer, int64_t r, int64_
     case TD_DTYPE_I64:
       return max_typed(dev, (const int64_t *)td__cu_ptr(x), nullptr, outer, r, inner,
                        (int64_t *)td__cu_ptr(out), pi);
+    default: break;
   }
   return td_set_error(TD_ERR_DTYPE, "cuda reduce_max: bad dtype");
 }
@@ -494,6 +527,16 @@ td_status td__cu_reduce_max(const td_tensor *x, int64_t outer, int64_t r, int64_
 td_status td__cu_softmax(const td_tensor *x, int64_t outer, int64_t r, int64_t inner, bool log,
                          td_tensor *y) {
   const char *op = "softmax";
+  if (td__cu_is_half(y->dtype) || td__cu_is_half(x->dtype)) {
+    td_tensor *xf = NULL, *yf = NULL;
+    td_status st = td__cu_up(x, &xf);
+    if (st == TD_OK) st = td__cu_up_empty(y, &yf);
+    if (st == TD_OK) st = td__cu_softmax(xf, outer, r, inner, log, yf);
+    if (st == TD_OK) st = td__cu_down(y, yf);
+    td_tensor_unref(xf);
+    td_tensor_unref(yf);
+    return st;
+  }
   const td_tensor *ts[] = {x, y};
   TD_TRY(check_operands(op, y, ts, 2));
   if (outer * r * inner == 0) return TD_OK;
@@ -520,6 +563,18 @@ td_status td__cu_softmax(const td_tensor *x, int64_t outer, int64_t r, int64_t i
 td_status td__cu_softmax_backward(const td_tensor *y, const td_tensor *gy, int64_t outer,
                                   int64_t r, int64_t inner, bool log, td_tensor *gx) {
   const char *op = "softmax_backward";
+  if (td__cu_is_half(gx->dtype) || td__cu_is_half(y->dtype)) {
+    td_tensor *yf = NULL, *gyf = NULL, *gxf = NULL;
+    td_status st = td__cu_up(y, &yf);
+    if (st == TD_OK) st = td__cu_up(gy, &gyf);
+    if (st == TD_OK) st = td__cu_up_empty(gx, &gxf);
+    if (st == TD_OK) st = td__cu_softmax_backward(yf, gyf, outer, r, inner, log, gxf);
+    if (st == TD_OK) st = td__cu_down(gx, gxf);
+    td_tensor_unref(yf);
+    td_tensor_unref(gyf);
+    td_tensor_unref(gxf);
+    return st;
+  }
   const td_tensor *ts[] = {y, gy, gx};
   TD_TRY(check_operands(op, gx, ts, 3));
   if (outer * r * inner == 0) return TD_OK;
@@ -564,6 +619,21 @@ static void layer_norm_dims(const td_tensor *x, const td_tensor *mean, const td_
 td_status td__cu_layer_norm(const td_tensor *x, const td_tensor *w, const td_tensor *b,
                             double eps, td_tensor *y, td_tensor *mean, td_tensor *rstd) {
   const char *op = "layer_norm";
+  if (td__cu_is_half(x->dtype) || td__cu_is_half(y->dtype)) {
+    td_tensor *f[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    td_status st = td__cu_up(x, &f[0]);
+    if (st == TD_OK) st = td__cu_up(w, &f[1]);
+    if (st == TD_OK) st = td__cu_up(b, &f[2]);
+    if (st == TD_OK) st = td__cu_up_empty(y, &f[3]);
+    if (st == TD_OK) st = td__cu_up_empty(mean, &f[4]);
+    if (st == TD_OK) st = td__cu_up_empty(rstd, &f[5]);
+    if (st == TD_OK) st = td__cu_layer_norm(f[0], f[1], f[2], eps, f[3], f[4], f[5]);
+    if (st == TD_OK) st = td__cu_down(y, f[3]);
+    if (st == TD_OK) st = td__cu_down(mean, f[4]);
+    if (st == TD_OK) st = td__cu_down(rstd, f[5]);
+    for (int i = 0; i < 6; i++) td_tensor_unref(f[i]);
+    return st;
+  }
   const td_tensor *ts[] = {x, w, b, y, mean, rstd};
   TD_TRY(check_operands(op, y, ts, 6));
   int64_t rows, n;
@@ -595,6 +665,24 @@ td_status td__cu_layer_norm_backward(const td_tensor *gy, const td_tensor *x, co
                                      const td_tensor *mean, const td_tensor *rstd,
                                      td_tensor *gx, td_tensor *gw, td_tensor *gb) {
   const char *op = "layer_norm_backward";
+  if (td__cu_is_half(x->dtype) || td__cu_is_half(gy->dtype)) {
+    td_tensor *f[8] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    td_status st = td__cu_up(gy, &f[0]);
+    if (st == TD_OK) st = td__cu_up(x, &f[1]);
+    if (st == TD_OK) st = td__cu_up(w, &f[2]);
+    if (st == TD_OK) st = td__cu_up(mean, &f[3]);
+    if (st == TD_OK) st = td__cu_up(rstd, &f[4]);
+    if (st == TD_OK) st = td__cu_up_empty(gx, &f[5]);
+    if (st == TD_OK) st = td__cu_up_empty(gw, &f[6]);
+    if (st == TD_OK) st = td__cu_up_empty(gb, &f[7]);
+    if (st == TD_OK)
+      st = td__cu_layer_norm_backward(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]);
+    if (st == TD_OK) st = td__cu_down(gx, f[5]);
+    if (st == TD_OK) st = td__cu_down(gw, f[6]);
+    if (st == TD_OK) st = td__cu_down(gb, f[7]);
+    for (int i = 0; i < 8; i++) td_tensor_unref(f[i]);
+    return st;
+  }
   const td_tensor *ts[] = {gy, x, w, mean, rstd, gx, gw, gb};
   TD_TRY(check_operands(op, x, ts, 8));
   if (!mean || !rstd)
