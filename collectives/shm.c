@@ -180,7 +180,8 @@ td_status td__shm_read(td_process_group *pg, int m, void *dst, const char *src, 
     snprintf(msg, sizeof msg, "%s: cannot read the memory of %s (pid %d): %s (seen by %s)", desc,
              td__pg_who(pg, m, who, sizeof who), s->pid[m], k < 0 ? strerror(errno) : "no data",
              td__pg_who(pg, pg->rank, me, sizeof me));
-    return td__pg_fail(pg, k < 0 && errno == ESRCH ? TD_ERR_UNAVAILABLE : TD_ERR_IO, msg);
+    bool gone = k < 0 && errno == ESRCH;
+    return td__pg_fail_member(pg, gone ? TD_ERR_UNAVAILABLE : TD_ERR_IO, gone ? m : -1, msg);
   }
   return TD_OK;
 }
@@ -219,6 +220,12 @@ static bool member_alive(const td__shm *s, int m) {
   buf[k] = 0;
   const char *rp = strrchr(buf, ')');
   return !(rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X'));
+}
+
+int td__shm_member_alive(td_process_group *pg, int m) {
+  const td__shm *s = pg->shm;
+  if (!s || m < 0 || m >= s->n) return -1;
+  return m == s->me || member_alive(s, m) ? 1 : 0;
 }
 
 static bool arrived(const td__shm *s, int m, uint64_t k) {
@@ -276,7 +283,7 @@ static td_status check_health(td_process_group *pg, uint64_t k, int who, const t
     snprintf(msg, sizeof msg, "%s is unavailable: its process (pid %d) exited (seen by %s "
              "during %s)", td__pg_who(pg, m, who_s, sizeof who_s), s->pid[m],
              td__pg_who(pg, pg->rank, me, sizeof me), desc);
-    return td__pg_fail(pg, TD_ERR_UNAVAILABLE, msg);
+    return td__pg_fail_member(pg, TD_ERR_UNAVAILABLE, m, msg);
   }
   return TD_OK;
 }
