@@ -386,6 +386,7 @@ typedef struct dp_run {
   int ft_failures, ft_lost, ft_members, ft_shards_recomputed, ft_steps_with_failure;
   uint64_t ft_generation;
   double ft_recovery_max_s;
+  double ft_first_commit_unix_s; /* wall clock of the first step committed after a failure */
 } dp_run;
 
 /* estimate returns the mean loss of eval_iters batches of each split (train, val) from a
@@ -757,6 +758,11 @@ static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, t
       dp->ft_shards_recomputed += info.shards_recomputed;
       dp->ft_steps_with_failure++;
       if (info.recovery_s > dp->ft_recovery_max_s) dp->ft_recovery_max_s = info.recovery_s;
+      if (dp->ft_first_commit_unix_s == 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        dp->ft_first_commit_unix_s = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+      }
     }
     r->last_loss = ctx.shards ? ctx.loss_sum / ctx.shards : NAN;
     ex_hash_double(&r->loss_hash, r->last_loss);
@@ -1200,6 +1206,8 @@ int main(int argc, char **argv) {
       ex_json_int(&res, "ft_members_at_end", dp.ft_members);
       ex_json_int(&res, "ft_generation", (int64_t)dp.ft_generation);
       ex_json_num(&res, "ft_recovery_max_s", dp.ft_recovery_max_s);
+      ex_json_int(&res, "ft_first_commit_after_failure_unix_ms",
+                  (int64_t)(dp.ft_first_commit_unix_s * 1000.0));
     } else if (dp.pg) {
       dp_results(&dp, &o, td_module_num_parameters(m), &res);
     } else { /* the CPU allocator's figures (tensor memory; MiB): training peak less what was in
