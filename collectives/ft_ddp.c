@@ -68,6 +68,10 @@ struct td_ft_ddp {
   int64_t committed;       /* the last committed step; INT64_MIN before the first */
   inject inj[MAX_INJECT];
   int n_inj;
+  td_ddp *ddp;             /* the fast path's reducer (see overlap_setup), or NULL */
+  int64_t slow_step;       /* the step the survivors of a recovery go on with: every member
+                              takes the ordered path in it (some hold its shards' gradients
+                              already, a healed member does not: the paths must agree) */
 };
 
 void td_ft_ddp_options_init(td_ft_ddp_options *o) {
@@ -82,6 +86,8 @@ void td_ft_shard_range(int64_t batch, int n_shards, int s, int64_t *begin, int64
 }
 
 td_process_group *td_ft_ddp_group(const td_ft_ddp *ft) { return ft ? ft->pg : NULL; }
+
+static td_status overlap_setup(td_ft_ddp *ft);
 
 /* ---- creation ---- */
 
@@ -110,7 +116,7 @@ static td_status ft_setup(td_ft_ddp *ft) {
   TD_TRY(td_tensor_zeros(&ft->P, 1, ft->dt, td_device_cpu(), &ft->avg));
   for (size_t i = 0; i < ft->np; i++) /* every member starts from group rank 0's values */
     TD_TRY(td_process_group_broadcast(ft->pg, ft->params[i], 0));
-  return TD_OK;
+  return overlap_setup(ft);
 }
 
 td_status td_ft_ddp_create(td_process_group *pg, td_optim *opt, const td_ft_ddp_options *opts,
@@ -134,6 +140,7 @@ td_status td_ft_ddp_create(td_process_group *pg, td_optim *opt, const td_ft_ddp_
   ft->M = o.n_shards;
   ft->committed = INT64_MIN;
   ft->grad_step = INT64_MIN;
+  ft->slow_step = INT64_MIN;
   td_status st = ft_setup(ft);
   if (st != TD_OK) {
     td_ft_ddp_destroy(ft);
@@ -152,6 +159,7 @@ static void drop_grads(td_ft_ddp *ft) {
 
 void td_ft_ddp_destroy(td_ft_ddp *ft) {
   if (!ft) return;
+  td_ddp_destroy(ft->ddp);
   if (ft->grad) drop_grads(ft);
   if (ft->pg != ft->given) td_process_group_destroy(ft->pg);
   td_tensor_unref(ft->avg);
@@ -248,6 +256,58 @@ static int group_rank_of(const td_process_group *pg, int global) {
   return -1;
 }
 
+/* Whether every shard sits on the group rank of its number (each member holds one shard). */
+static bool identity(const td_ft_ddp *ft) {
+  if (ft->M != ft->pg->size) return false;
+  for (int s = 0; s < ft->M; s++)
+    if (ft->owner[s] != ft->pg->ranks[s]) return false;
+  return true;
+}
+
+/* The fast path: with the module given, while every shard sits on its own rank and the group
+ * reduces on shared memory (whose all_reduce algorithms all fold members 0..n-1 left to right, as
+ * the ordered reduction does), the reduction is td_ddp's, overlapped with backward: its AVG
+ * all_reduce of buckets gives the ordered reduction's bits. (Re)made after each re-formation. */
+static td_status overlap_setup(td_ft_ddp *ft) {
+  td_ddp_destroy(ft->ddp);
+  ft->ddp = NULL;
+  if (!ft->o.module || !identity(ft) || (ft->pg->size > 1 && !ft->pg->tp[TD__TP_SHM]))
+    return TD_OK;
+  td_ddp_options d;
+  td_ddp_options_init(&d);
+  d.overlap = true;
+  d.find_unused_parameters = true; /* as take_grads: a parameter without .grad counts as zeros */
+  return td_ddp_create_ex(ft->pg, ft->o.module, &d, &ft->ddp);
+}
+
+/* Whether an injection at `when` is due at step (any rank: every member registers the same). */
+static bool injection_due(const td_ft_ddp *ft, int64_t step, td_ft_when when) {
+  for (int i = 0; i < ft->n_inj; i++)
+    if (!ft->inj[i].fired && ft->inj[i].step == step && ft->inj[i].when == when) return true;
+  return false;
+}
+
+/* The fast path of one attempt: this member's shard computed under td_ddp's hooks (its buckets'
+ * all_reduces start during backward), its local gradient kept (the shard's, should the reduction
+ * fail), and the averages written into the .grads by td_ddp_finish. */
+static td_status fast_attempt(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, void *user,
+                              td_ft_step_info *info, bool *user_failed) {
+  int s = ft->pg->rank;
+  td_optim_zero_grad(ft->opt);
+  TD_TRY(td_ddp_prepare(ft->ddp));
+  td_status st = fn(user, step, s, ft->M);
+  if (st != TD_OK) {
+    *user_failed = true;
+    td_ddp_finish(ft->ddp); /* ends the pass (its reductions run to the end) */
+    return st;
+  }
+  st = take_grads(ft, &ft->grad[s]);
+  if (st == TD_OK) info->shards_computed++;
+  inject_at(ft, step, TD_FT_BEFORE);
+  td_status fs = td_ddp_finish(ft->ddp);
+  return st != TD_OK ? st : fs;
+}
+
 /* Runs the shard function for this member's shards that have no gradient yet. */
 static td_status compute(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, void *user,
                          td_ft_step_info *info) {
@@ -295,9 +355,9 @@ static td_status reduce(td_ft_ddp *ft, int64_t step) {
 }
 
 /* The .grads become views of the average; clipping; the optimizer's step. */
-static td_status commit(td_ft_ddp *ft, int64_t step) {
+static td_status commit(td_ft_ddp *ft, int64_t step, bool grads_set) {
   int64_t off = 0;
-  for (size_t i = 0; i < ft->np; i++) {
+  for (size_t i = 0; !grads_set && i < ft->np; i++) {
     td_tensor *p = ft->params[i], *flat = NULL, *g = NULL;
     int64_t shape[16];
     int nd = td_tensor_ndim(p);
@@ -398,6 +458,7 @@ static td_status agree(td_ft_ddp *ft, int64_t step, td_ft_step_info *info, bool 
   x[0] = c, x[1] = -c;
   td_status st = td_process_group_all_reduce(pg, v, TD_REDUCE_MAX);
   int64_t hi = x[0], lo = -x[1];
+  ft->slow_step = hi + 1;
   if (st == TD_OK && hi != lo) { /* the lowest group rank at hi hands its state to the others */
     x[0] = c == hi ? pg->size - pg->rank : 0, x[1] = 0;
     st = td_process_group_all_reduce(pg, v, TD_REDUCE_MAX);
@@ -457,6 +518,8 @@ static td_status recover(td_ft_ddp *ft, int64_t step, const char *why, td_ft_ste
   memcpy(old_names, old->names, (size_t)old_size * sizeof *old_names);
   uint64_t old_gen = old->generation;
   double t0 = (double)td__now_ns() * 1e-9;
+  td_ddp_destroy(ft->ddp); /* bound to the broken group */
+  ft->ddp = NULL;
   td_status st = reform(ft);
   char *m = info->message;
   size_t n = sizeof info->message, len = strlen(m);
@@ -484,6 +547,7 @@ static td_status recover(td_ft_ddp *ft, int64_t step, const char *why, td_ft_ste
   if (moved < 0) return td_set_error(TD_ERR_NOMEM, "ft_ddp_step: out of memory");
   if (!moved) len = say(m, n, len, "; no shard moved (every holder lives)");
   st = agree(ft, step, info, done);
+  if (st == TD_OK) st = overlap_setup(ft); /* collective: every survivor, done or not */
   if (st != TD_OK) return st;
   if (info->healed) len = say(m, n, len, "; took the committed step from a member that had it");
   if (!*done) info->shards_recomputed += moved;
@@ -506,15 +570,24 @@ td_status td_ft_ddp_step(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, void *u
   uint64_t t_fail = 0;
   int no_loss = 0;
   for (;;) {
-    td_status st = compute(ft, step, fn, user, info);
-    if (st != TD_OK) return st; /* the caller's own failure: not a lost member */
-    inject_at(ft, step, TD_FT_BEFORE);
-    st = reduce(ft, step);
+    td_status st;
+    bool fast = ft->ddp && !ft->grad[ft->pg->rank] && step != ft->slow_step &&
+                !injection_due(ft, step, TD_FT_DURING);
+    if (fast) {
+      bool user_failed = false;
+      st = fast_attempt(ft, step, fn, user, info, &user_failed);
+      if (user_failed) return st;
+    } else {
+      st = compute(ft, step, fn, user, info);
+      if (st != TD_OK) return st; /* the caller's own failure: not a lost member */
+      inject_at(ft, step, TD_FT_BEFORE);
+      st = reduce(ft, step);
+    }
     if (st == TD_OK) inject_at(ft, step, TD_FT_AFTER);
     if (st == TD_OK && td__pg_is_broken(ft->pg)) /* our own group failed after we reduced */
       st = td_set_error(TD_ERR_UNAVAILABLE, "%s", ft->pg->broken_msg ? ft->pg->broken_msg : "");
     if (st == TD_OK) {
-      TD_TRY(commit(ft, step));
+      TD_TRY(commit(ft, step, fast));
       break;
     }
     if (st != TD_ERR_UNAVAILABLE && st != TD_ERR_TIMEOUT && st != TD_ERR_STATE) return st;

@@ -725,6 +725,7 @@ static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, t
   td_ft_ddp_options_init(&fo);
   fo.max_grad_norm = o->grad_clip;
   if (o->bucket_mb > 0) fo.bucket_bytes = (size_t)(o->bucket_mb * 1048576.0);
+  fo.module = m; /* failure-free steps overlap the reduction with backward */
   EX_CHECK(td_ft_ddp_create(dp->pg, opt, &fo, &dp->ft));
   if (o->ft_inject) ft_inject_all(dp->ft, o->ft_inject);
   bool lead = dp->rank == 0;

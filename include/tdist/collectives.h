@@ -487,6 +487,12 @@ typedef struct td_ft_ddp_options {
   td_timeout_ms reform_timeout; /* bound of each re-formation (TD_TIMEOUT_DEFAULT: the group's
                                    timeout) */
   int max_failures;        /* failures survived before td_ft_ddp_step gives up (0: no limit) */
+  td_module *module;       /* the module whose parameters opt steps, or NULL. Given, steps
+                              without failure overlap the reduction with backward (td_ddp with
+                              overlap: the shard function's backward starts the buckets'
+                              all_reduces) while each member holds the shard of its own rank on a
+                              same-host group: the same bits, without the wait after backward.
+                              Must outlive the td_ft_ddp */
 } td_ft_ddp_options;
 /* td_ft_ddp_options_init: n_shards = group size, 4 MiB buckets, no clipping, no limit. */
 TD_API void td_ft_ddp_options_init(td_ft_ddp_options *o);

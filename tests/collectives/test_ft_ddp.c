@@ -123,6 +123,7 @@ static int worker(int rank, int world, const char *method, void *arg) {
   fo.bucket_bytes = 64 * sizeof(double); /* 163 parameters: 3 buckets, so DURING is mid-way */
   fo.max_grad_norm = 1.0;
   fo.reform_timeout = 20000;
+  fo.module = m; /* the overlapped fast path while nothing failed */
   td_ft_ddp *ft = NULL;
   MP_CHECK_OK(td_ft_ddp_create(pg, opt, &fo, &ft));
   for (int i = 0; i < c->nf; i++)
