@@ -19,6 +19,9 @@
  *   op.c             the description of an operation: kinds, header (kind, sequence, count,
  *                    dtype, op or root, algorithm), names and messages, buffer slots;
  *   reduce.c         the element kernels (two-way and n-way reductions, AVG division).
+ * Beside creation, generation.c re-forms a group among its live members (membership
+ * generations) and keeps the lost-member notice; ordered.c (the shard-order reduction) and
+ * ft_ddp.c (fault-tolerant data parallelism) use only the public operations.
  * What data-parallel wrappers (ddp.c here, zero/) share is in replicas.h.
  */
 #ifndef TD_COLLECTIVES_IMPL_H

@@ -173,7 +173,7 @@ void td_ft_ddp_destroy(td_ft_ddp *ft) {
 
 td_status td_ft_ddp_inject(td_ft_ddp *ft, int rank, int64_t step, td_ft_when when,
                            td_ft_what what) {
-  TD_CHECK_ARG(ft && ft->n_inj < MAX_INJECT && (int)when >= 0 && when <= TD_FT_AFTER &&
+  TD_CHECK_ARG(ft && ft->n_inj < MAX_INJECT && (int)when >= 0 && when <= TD_FT_RECOVERY &&
                    (int)what >= 0 && what <= TD_FT_CLOSE,
                "ft_ddp_inject: NULL, too many injections or an unknown point or fault");
   ft->inj[ft->n_inj++] = (inject){rank, step, when, what, false};
@@ -190,11 +190,13 @@ td_status td_ft_inject_parse(const char *spec, int *rank, int64_t *step, td_ft_w
     return td_set_error(TD_ERR_INVALID, "fault injection '%s': expected rank:step:when:what",
                         spec ? spec : "(null)");
   td_ft_when wh = !strcmp(w, "before") ? TD_FT_BEFORE : !strcmp(w, "during") ? TD_FT_DURING
-                  : !strcmp(w, "after") ? TD_FT_AFTER : (td_ft_when)-1;
+                  : !strcmp(w, "after") ? TD_FT_AFTER : !strcmp(w, "recovery") ? TD_FT_RECOVERY
+                                                                              : (td_ft_when)-1;
   td_ft_what wt = !strcmp(f, "kill") ? TD_FT_KILL : !strcmp(f, "close") ? TD_FT_CLOSE
                                                                         : (td_ft_what)-1;
   if ((int)wh < 0 || (int)wt < 0)
-    return td_set_error(TD_ERR_INVALID, "fault injection '%s': when is before, during or after; "
+    return td_set_error(TD_ERR_INVALID, "fault injection '%s': when is before, during, after or "
+                        "recovery; "
                         "what is kill or close", spec);
   *rank = r, *step = k, *when = wh, *what = wt;
   return TD_OK;
@@ -206,7 +208,7 @@ static void inject_at(td_ft_ddp *ft, int64_t step, td_ft_when when) {
     inject *j = &ft->inj[i];
     if (j->fired || j->rank != me || j->step != step || j->when != when) continue;
     j->fired = true;
-    static const char *const whens[] = {"before", "during", "after"};
+    static const char *const whens[] = {"before", "during", "after", "in the recovery after"};
     td_log(TD_LOG_WARN, "fault injection: rank %d, step %lld, %s the reduction: %s", me,
            (long long)step, whens[when], j->what == TD_FT_KILL ? "SIGKILL" : "closing the group");
     if (j->what == TD_FT_KILL) {
@@ -303,7 +305,6 @@ static td_status fast_attempt(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, vo
   }
   st = take_grads(ft, &ft->grad[s]);
   if (st == TD_OK) info->shards_computed++;
-  inject_at(ft, step, TD_FT_BEFORE);
   td_status fs = td_ddp_finish(ft->ddp);
   return st != TD_OK ? st : fs;
 }
@@ -504,7 +505,7 @@ static int reassign(td_ft_ddp *ft, char *msg, size_t n, size_t *len) {
 
 /* After a failed attempt: re-form, agree, reassign. */
 static td_status recover(td_ft_ddp *ft, int64_t step, const char *why, td_ft_step_info *info,
-                         bool *done) {
+                         bool *done, bool *again) {
   td_process_group *old = ft->pg;
   int old_size = old->size;
   int *old_ranks = td__malloc((size_t)old_size * sizeof *old_ranks);
@@ -546,11 +547,16 @@ static td_status recover(td_ft_ddp *ft, int64_t step, const char *why, td_ft_ste
   int moved = reassign(ft, m, n, &len);
   if (moved < 0) return td_set_error(TD_ERR_NOMEM, "ft_ddp_step: out of memory");
   if (!moved) len = say(m, n, len, "; no shard moved (every holder lives)");
+  info->shards_recomputed += moved;
+  inject_at(ft, step, TD_FT_RECOVERY);
   st = agree(ft, step, info, done);
   if (st == TD_OK) st = overlap_setup(ft); /* collective: every survivor, done or not */
-  if (st != TD_OK) return st;
+  if (st != TD_OK) {
+    *again = true; /* the new generation failed too: recover once more */
+    return st;
+  }
   if (info->healed) len = say(m, n, len, "; took the committed step from a member that had it");
-  if (!*done) info->shards_recomputed += moved;
+  if (*done) info->shards_recomputed -= moved; /* moved for the next steps, not recomputed */
   return TD_OK;
 }
 
@@ -571,8 +577,10 @@ td_status td_ft_ddp_step(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, void *u
   int no_loss = 0;
   for (;;) {
     td_status st;
+    /* an injection before or during the reduction needs the ordered path: the fast one starts
+     * reducing inside backward */
     bool fast = ft->ddp && !ft->grad[ft->pg->rank] && step != ft->slow_step &&
-                !injection_due(ft, step, TD_FT_DURING);
+                !injection_due(ft, step, TD_FT_BEFORE) && !injection_due(ft, step, TD_FT_DURING);
     if (fast) {
       bool user_failed = false;
       st = fast_attempt(ft, step, fn, user, info, &user_failed);
@@ -600,10 +608,11 @@ td_status td_ft_ddp_step(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, void *u
     snprintf(why, sizeof why, "%s", td_last_error());
     bool done = false;
     int lost_before = info->lost;
-    st = recover(ft, step, why, info, &done);
-    if (st != TD_OK)
+    bool again = false;
+    st = recover(ft, step, why, info, &done, &again);
+    if (st != TD_OK && !again)
       return td__error_prefix(st, "ft_ddp_step: step %lld: after \"%s\"", (long long)step, why);
-    if (done) break;
+    if (st == TD_OK && done) break; /* else the next attempt fails at once and recovers again */
     no_loss = info->lost == lost_before ? no_loss + 1 : 0;
     if (no_loss > (ft->o.max_failures ? ft->o.max_failures : NO_LOSS_TRIES))
       return td_set_error(TD_ERR_STATE, "ft_ddp_step: step %lld failed %d times in a row without "
@@ -636,9 +645,10 @@ td_status td_ft_ddp_sync(td_ft_ddp *ft, td_ft_step_info *info) {
     info->failures++;
     char why[600];
     snprintf(why, sizeof why, "%s", td_last_error());
-    bool done = false;
+    bool done = false, again = false;
     int lost_before = info->lost;
-    TD_TRY(recover(ft, next, why, info, &done));
+    td_status rs = recover(ft, next, why, info, &done, &again);
+    if (rs != TD_OK && !again) return rs;
     no_loss = info->lost == lost_before ? no_loss + 1 : 0;
     if (no_loss > NO_LOSS_TRIES)
       return td_set_error(TD_ERR_STATE, "ft_ddp_sync: failed %d times in a row without a lost "

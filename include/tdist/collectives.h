@@ -546,15 +546,24 @@ TD_API void td_ft_shard_range(int64_t batch, int n_shards, int s, int64_t *begin
 /* Fault injection for tests (in the spirit of torchft's EventInjector): at step `step`, on the
  * member of global rank `rank`, at `when`, do `what`. BEFORE: after its shards are computed,
  * before the reduction; DURING: after the first bucket of the reduction (use several buckets);
- * AFTER: after the reduction, before the commit. KILL: SIGKILL itself; CLOSE: close its group's
- * connections and fail its group locally (the member lives and re-forms with the others). Each
- * injection fires once. */
-typedef enum td_ft_when { TD_FT_BEFORE = 0, TD_FT_DURING = 1, TD_FT_AFTER = 2 } td_ft_when;
+ * a step with either takes the ordered path, since the overlapped fast path starts reducing
+ * inside backward; AFTER: after the
+ * reduction, before the commit; RECOVERY: in a recovery of that step, after the group was
+ * re-formed, before the survivors agree (a second failure during recovery). KILL: SIGKILL
+ * itself; CLOSE: close its group's connections and fail its group locally (the member lives and
+ * re-forms with the others). Each injection fires once. Every member must register the same
+ * injections (they decide which path a step takes). */
+typedef enum td_ft_when {
+  TD_FT_BEFORE = 0,
+  TD_FT_DURING = 1,
+  TD_FT_AFTER = 2,
+  TD_FT_RECOVERY = 3
+} td_ft_when;
 typedef enum td_ft_what { TD_FT_KILL = 0, TD_FT_CLOSE = 1 } td_ft_what;
 TD_API td_status td_ft_ddp_inject(td_ft_ddp *ft, int rank, int64_t step, td_ft_when when,
                                   td_ft_what what);
-/* td_ft_inject_parse reads "rank:step:when:what" (when: before, during, after; what: kill,
- * close) into its parts; TD_ERR_INVALID otherwise. */
+/* td_ft_inject_parse reads "rank:step:when:what" (when: before, during, after, recovery; what:
+ * kill, close) into its parts; TD_ERR_INVALID otherwise. */
 TD_API td_status td_ft_inject_parse(const char *spec, int *rank, int64_t *step, td_ft_when *when,
                                     td_ft_what *what);
 
