@@ -10,6 +10,8 @@
  * shows that the two paths fold alike. Each survivor's report (generation, members, lost,
  * moved shards, healed) is checked against what the fault must cause.
  *
+ * The coordinator (rank 0, the store's host) killed: the survivors' step fails naming it, soon,
+ * and they end by themselves (the limit of the scheme, stated in collectives.h).
  * Also: td_process_group_reform refuses a member that calls it after the new generation was
  * formed (stale), a member of the new generation cannot be reached by the old group, and the
  * lost-member notice names a killed member without any collective in flight.
@@ -270,6 +272,59 @@ static void test_ft_ddp_matrix(void **state) {
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
 }
 
+/* ---- the coordinator: rank 0 hosts the store; its loss ends the job, clearly ---- */
+
+static int coordinator_worker(int rank, int world, const char *method, void *arg) {
+  (void)arg;
+  td_rpc_agent *a = coll_join(rank, world, method);
+  td_process_group *pg = NULL;
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, 20000, &pg));
+  td_module *m = build();
+  td_tensor_list ps;
+  td_tensor_list_init(&ps);
+  MP_CHECK_OK(td_module_parameters(m, &ps));
+  td_optim_options oo;
+  td_optim_options_init(&oo, TD_OPTIM_SGD);
+  oo.lr = 0.1;
+  td_optim *opt = NULL;
+  MP_CHECK_OK(td_optim_create(&oo, ps.tensors, ps.n, &opt));
+  td_ft_ddp_options fo;
+  td_ft_ddp_options_init(&fo);
+  fo.reform_timeout = 10000;
+  td_ft_ddp *ft = NULL;
+  MP_CHECK_OK(td_ft_ddp_create(pg, opt, &fo, &ft));
+  MP_CHECK_OK(td_ft_ddp_inject(ft, 0, 1, TD_FT_BEFORE, TD_FT_KILL));
+  td_status st = TD_OK;
+  for (int64_t step = 0; st == TD_OK && step < STEPS; step++)
+    st = td_ft_ddp_step(ft, step, shard_fn, m, NULL);
+  /* the survivors fail the step, naming the store's host, well before the reform timeout */
+  fprintf(stderr, "[rank %d] %s\n", rank, td_last_error());
+  MP_CHECK(st != TD_OK);
+  MP_CHECK(strstr(td_last_error(), "rendezvous store") != NULL);
+  MP_CHECK(strstr(td_last_error(), "worker0 (rank 0)") != NULL);
+  td_ft_ddp_destroy(ft);
+  td_process_group_destroy(pg);
+  td_optim_destroy(opt);
+  td_tensor_list_fini(&ps);
+  td_module_unref(m);
+  td_rpc_shutdown(a, false, 5000);
+  td_rpc_destroy(a);
+  CHECK_NO_LEAKS();
+  return 0;
+}
+
+static void test_ft_ddp_coordinator_lost(void **state) {
+  (void)state;
+  int codes[3];
+  double t0 = td_test_now_s();
+  td_mp_run(3, coordinator_worker, NULL, 60, codes);
+  fprintf(stderr, "coordinator lost: the survivors ended %.2f s after the start\n",
+          td_test_now_s() - t0);
+  assert_int_equal(codes[0], 128 + SIGKILL);
+  assert_int_equal(codes[1], 0);
+  assert_int_equal(codes[2], 0);
+}
+
 /* ---- reform alone: the stale member, the notice ---- */
 
 static int reform_worker(int rank, int world, const char *method, void *arg) {
@@ -340,10 +395,11 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_reform_stale_and_notice),
       cmocka_unit_test(test_ft_ddp_matrix),
+      cmocka_unit_test(test_ft_ddp_coordinator_lost),
   };
   /* on the ring no member watches another's process: the notice needs a collective to fail
    * first, which the reform test does not run; the matrix alone there */
   if (algo && !strcmp(algo, "ring"))
-    return _cmocka_run_group_tests("test_ft_ddp_ring", tests + 1, 1, NULL, NULL);
+    return _cmocka_run_group_tests("test_ft_ddp_ring", tests + 1, 2, NULL, NULL);
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
