@@ -1196,8 +1196,6 @@ int main(int argc, char **argv) {
     ex_json_str(&res, "batch_hash", h);
     snprintf(h, sizeof h, "%016llx", (unsigned long long)r.loss_hash);
     ex_json_str(&res, "losses_hash", h); /* equal bits: the same training, step for step */
-    snprintf(h, sizeof h, "%016llx", (unsigned long long)params_hash(m));
-    ex_json_str(&res, "params_hash", h); /* equal bits: the same parameters at the end */
     ex_json_fini(&r.evals);
     if (dp.pg && o.ft) {
       ex_json_int(&res, "ft_failures", dp.ft_failures);
@@ -1219,6 +1217,8 @@ int main(int argc, char **argv) {
     }
     /* zero3: the blocks' parameters back into the model (after the memory was measured) */
     if (dp.zero) EX_CHECK(td_zero_gather_params(dp.zero));
+    snprintf(h, sizeof h, "%016llx", (unsigned long long)params_hash(m));
+    ex_json_str(&res, "params_hash", h); /* equal bits: the same parameters at the end */
     if (o.save && dp.rank == 0) save_checkpoint(m, o.save, vocab);
   }
   td_gpt_config mc;
