@@ -58,6 +58,7 @@ typedef struct ft_case {
   int healed_rank; /* the member that closes after the reduction: healed when anyone committed;
                       -1: nobody is healed */
   char dir[256];
+  bool ordered; /* without the module: every step on the ordered reduction, no fast path */
 } ft_case;
 
 static td_module *build(void) {
@@ -105,37 +106,65 @@ static void write_file(const char *dir, const char *what, int rank, const void *
   fclose(f);
 }
 
+/* One replica: its agent, the world's group, the model, the optimizer and the td_ft_ddp. */
+typedef struct replica {
+  td_rpc_agent *a;
+  td_process_group *pg;
+  td_module *m;
+  td_tensor_list ps;
+  td_optim *opt;
+  td_ft_ddp *ft;
+} replica;
+
+/* overlap: give td_ft_ddp the module (the overlapped fast path while nothing failed). */
+static void replica_start(replica *x, int rank, int world, const char *method, td_optim_kind kind,
+                          double lr, const td_ft_ddp_options *opts, bool overlap) {
+  x->a = coll_join(rank, world, method);
+  MP_CHECK_OK(td_process_group_create(x->a, NULL, 0, TD_PG_BACKEND_CPU, 20000, &x->pg));
+  x->m = build();
+  td_tensor_list_init(&x->ps);
+  MP_CHECK_OK(td_module_parameters(x->m, &x->ps));
+  td_optim_options oo;
+  td_optim_options_init(&oo, kind);
+  oo.lr = lr;
+  MP_CHECK_OK(td_optim_create(&oo, x->ps.tensors, x->ps.n, &x->opt));
+  td_ft_ddp_options fo = *opts;
+  if (overlap) fo.module = x->m;
+  MP_CHECK_OK(td_ft_ddp_create(x->pg, x->opt, &fo, &x->ft));
+}
+
+static void replica_end(replica *x, bool graceful) {
+  td_ft_ddp_destroy(x->ft);
+  td_process_group_destroy(x->pg);
+  td_optim_destroy(x->opt);
+  td_tensor_list_fini(&x->ps);
+  td_module_unref(x->m);
+  td_status st = td_rpc_shutdown(x->a, graceful, 30000);
+  MP_CHECK(!graceful || st == TD_OK);
+  td_rpc_destroy(x->a);
+  CHECK_NO_LEAKS();
+}
+
 static int worker(int rank, int world, const char *method, void *arg) {
   ft_case *c = arg;
   char line[64];
   int k = snprintf(line, sizeof line, "%d\n", (int)getpid());
   write_file(c->dir, "start", rank, line, (size_t)k, "a");
-  td_rpc_agent *a = coll_join(rank, world, method);
-  td_process_group *pg = NULL;
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, 20000, &pg));
-  td_module *m = build();
-  td_tensor_list ps;
-  td_tensor_list_init(&ps);
-  MP_CHECK_OK(td_module_parameters(m, &ps));
-  td_optim_options oo;
-  td_optim_options_init(&oo, TD_OPTIM_ADAMW);
-  oo.lr = 1e-2;
-  td_optim *opt = NULL;
-  MP_CHECK_OK(td_optim_create(&oo, ps.tensors, ps.n, &opt));
   td_ft_ddp_options fo;
   td_ft_ddp_options_init(&fo);
   fo.bucket_bytes = 64 * sizeof(double); /* 163 parameters: 3 buckets, so DURING is mid-way */
   fo.max_grad_norm = 1.0;
   fo.reform_timeout = 20000;
-  fo.module = m; /* the overlapped fast path while nothing failed */
-  td_ft_ddp *ft = NULL;
-  MP_CHECK_OK(td_ft_ddp_create(pg, opt, &fo, &ft));
+  replica x;
+  replica_start(&x, rank, world, method, TD_OPTIM_ADAMW, 1e-2, &fo, !c->ordered);
+  td_ft_ddp *ft = x.ft;
+  td_tensor_list ps = x.ps;
   for (int i = 0; i < c->nf; i++)
     MP_CHECK_OK(td_ft_ddp_inject(ft, c->f[i].rank, c->f[i].step, c->f[i].when, c->f[i].what));
   int lost = 0, moved = 0, healed = 0;
   for (int64_t step = 0; step < STEPS; step++) {
     td_ft_step_info info;
-    MP_CHECK_OK(td_ft_ddp_step(ft, step, shard_fn, m, &info));
+    MP_CHECK_OK(td_ft_ddp_step(ft, step, shard_fn, x.m, &info));
     MP_CHECK(info.step == step);
     if (info.failures) fprintf(stderr, "[rank %d] %s\n", rank, info.message);
     lost += info.lost;
@@ -156,16 +185,8 @@ static int worker(int rank, int world, const char *method, void *arg) {
   for (size_t i = 0; i < ps.n; i++)
     write_file(c->dir, "params", rank, td_tensor_data(ps.tensors[i]),
                td_tensor_nbytes(ps.tensors[i]), i ? "a" : "w");
-  bool shrank = td_process_group_size(cur) < world;
-  td_ft_ddp_destroy(ft);
-  td_process_group_destroy(pg);
-  td_optim_destroy(opt);
-  td_tensor_list_fini(&ps);
-  td_module_unref(m);
   /* with a member gone the graceful shutdown's barrier cannot complete */
-  MP_CHECK_OK(td_rpc_shutdown(a, !shrank, 30000));
-  td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
+  replica_end(&x, td_process_group_size(cur) == world);
   return 0;
 }
 
@@ -252,6 +273,7 @@ static void test_ft_ddp_matrix(void **state) {
   (void)state;
   ft_case cases[] = {
       {"no failure", {{0}}, 0, 0, 4, 0, 0, -1, ""},
+      {"no failure, ordered path (no module)", {{0}}, 0, 0, 4, 0, 0, -1, "", true},
       {"kill rank 2 before the reduction of step 2", {KILL(2, 2, TD_FT_BEFORE)}, 1, 1, 3, 1, 1, -1,
        ""},
       {"kill rank 1 during the reduction of step 3", {KILL(1, 3, TD_FT_DURING)}, 1, 1, 3, 1, 1, -1,
@@ -276,40 +298,21 @@ static void test_ft_ddp_matrix(void **state) {
 
 static int coordinator_worker(int rank, int world, const char *method, void *arg) {
   (void)arg;
-  td_rpc_agent *a = coll_join(rank, world, method);
-  td_process_group *pg = NULL;
-  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, 20000, &pg));
-  td_module *m = build();
-  td_tensor_list ps;
-  td_tensor_list_init(&ps);
-  MP_CHECK_OK(td_module_parameters(m, &ps));
-  td_optim_options oo;
-  td_optim_options_init(&oo, TD_OPTIM_SGD);
-  oo.lr = 0.1;
-  td_optim *opt = NULL;
-  MP_CHECK_OK(td_optim_create(&oo, ps.tensors, ps.n, &opt));
   td_ft_ddp_options fo;
   td_ft_ddp_options_init(&fo);
   fo.reform_timeout = 10000;
-  td_ft_ddp *ft = NULL;
-  MP_CHECK_OK(td_ft_ddp_create(pg, opt, &fo, &ft));
-  MP_CHECK_OK(td_ft_ddp_inject(ft, 0, 1, TD_FT_BEFORE, TD_FT_KILL));
+  replica x;
+  replica_start(&x, rank, world, method, TD_OPTIM_SGD, 0.1, &fo, false);
+  MP_CHECK_OK(td_ft_ddp_inject(x.ft, 0, 1, TD_FT_BEFORE, TD_FT_KILL));
   td_status st = TD_OK;
   for (int64_t step = 0; st == TD_OK && step < STEPS; step++)
-    st = td_ft_ddp_step(ft, step, shard_fn, m, NULL);
+    st = td_ft_ddp_step(x.ft, step, shard_fn, x.m, NULL);
   /* the survivors fail the step, naming the store's host, well before the reform timeout */
   fprintf(stderr, "[rank %d] %s\n", rank, td_last_error());
   MP_CHECK(st != TD_OK);
   MP_CHECK(strstr(td_last_error(), "rendezvous store") != NULL);
   MP_CHECK(strstr(td_last_error(), "worker0 (rank 0)") != NULL);
-  td_ft_ddp_destroy(ft);
-  td_process_group_destroy(pg);
-  td_optim_destroy(opt);
-  td_tensor_list_fini(&ps);
-  td_module_unref(m);
-  td_rpc_shutdown(a, false, 5000);
-  td_rpc_destroy(a);
-  CHECK_NO_LEAKS();
+  replica_end(&x, false);
   return 0;
 }
 
