@@ -228,7 +228,7 @@ td_status td_process_group_reform(td_process_group *pg, td_timeout_ms timeout,
   uint64_t gen = pg->generation + 1 + (uint64_t)pg->reform_tries++;
   int me = pg->ranks[pg->rank];
   char key[160], suffix[48], v[24], who[160];
-  td__flight_ev fl = {.kind = TD__FL_WAIT_BEGIN, .peer = -1, .a = pg->id, .b = gen};
+  td__flight_ev fl = {.kind = TD__FL_WAIT_BEGIN, .peer = -1, .a = pg->lineage, .b = gen};
   td__flight_push(&fl, "pg_reform");
   snprintf(suffix, sizeof suffix, "join/%d", me);
   int vn = snprintf(v, sizeof v, "%d", (int)getpid());

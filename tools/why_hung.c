@@ -256,6 +256,9 @@ static void describe(const job *j, const rec *r, char *buf, size_t n) {
       if (r->peer >= 0)
         snprintf(buf, n, "waiting on call %s #%llu to %s", r->name, r->a,
                  who(j, r->peer, w, sizeof w));
+      else if (!strcmp(r->name, "pg_reform")) /* td_process_group_reform: a bounded store wait */
+        snprintf(buf, n, "re-forming process group %llu as generation %llu (waiting for the "
+                 "survivors through the store)", r->a, r->b);
       else snprintf(buf, n, "waiting on a future");
       break;
     default: snprintf(buf, n, "%s %s", kind_words[r->kind], r->name);
