@@ -11,7 +11,9 @@
 #     after 2 s of training: the time from the kill to the first step committed after it (the
 #     survivors' wall clock, ft_first_commit_after_failure_unix_ms, against the time of the kill).
 # Prints {"bench": "ft_ddp", "config": {...}, "results": {"step_s_ddp", "step_s_ft",
-# "ft_overhead_vs_ddp" (step_s_ft / step_s_ddp - 1), "step_s_torch_ddp", "ft_vs_torch_step_ratio",
+# "ft_overhead_vs_ddp" (step_s_ft / step_s_ddp - 1), "ft_machinery_share_of_step" (the time the
+# fault tolerance itself spends per step, rank 0's, over its step time: what the step-time ratio
+# measures through this host's noise), "step_s_torch_ddp", "ft_vs_torch_step_ratio",
 # "kill_to_commit_s" (median), "kill_to_commit_runs_s", "recovery_in_library_s" (median: from the
 # failure seen to the commit), "step_s_ft_after_failure" ...}} with medians over the runs (step
 # times: train_s / steps). Steps: 30.
@@ -109,10 +111,13 @@ def killed_run():
 
 torch = have_torch()
 print(f"ft_ddp.sh: {runs} runs, PyTorch peer: {'yes' if torch else 'no'}", file=sys.stderr)
-ddp, ft, tp, kills = [], [], [], []
+ddp, ft, tp, kills, share, mach = [], [], [], [], [], []
 for _ in range(runs):
     ddp.append(run([gpt, "--nproc", "4", "--dp", "ddp"] + common)["results"]["train_s"] / 30)
-    ft.append(run([gpt, "--nproc", "4", "--dp", "ddp", "--ft"] + common)["results"]["train_s"] / 30)
+    r = run([gpt, "--nproc", "4", "--dp", "ddp", "--ft"] + common)["results"]
+    ft.append(r["train_s"] / 30)
+    share.append(r["ft_machinery_share"])
+    mach.append(r["ft_machinery_s_per_step"])
     if torch:
         r = run(["/usr/bin/python3", peer, "--nproc", "4", "--dp", "ddp"] + common)["results"]
         tp.append(r["train_s"] / 30)
@@ -120,6 +125,7 @@ for _ in range(runs):
 med = statistics.median
 res = {"step_s_ddp": med(ddp), "step_s_ft": med(ft), "ft_overhead_vs_ddp": med(ft) / med(ddp) - 1,
        "step_s_ddp_runs": ddp, "step_s_ft_runs": ft,
+       "ft_machinery_s_per_step": med(mach), "ft_machinery_share_of_step": med(share),
        "kill_to_commit_s": med([k["kill_to_commit_s"] for k in kills]),
        "kill_to_commit_runs_s": [k["kill_to_commit_s"] for k in kills],
        "recovery_in_library_s": med([k["recovery_in_library_s"] for k in kills]),

@@ -303,7 +303,9 @@ static td_status fast_attempt(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, vo
     td_ddp_finish(ft->ddp); /* ends the pass (its reductions run to the end) */
     return st;
   }
+  uint64_t t0 = td__now_ns();
   st = take_grads(ft, &ft->grad[s]);
+  info->machinery_s += (double)(td__now_ns() - t0) * 1e-9;
   if (st == TD_OK) info->shards_computed++;
   td_status fs = td_ddp_finish(ft->ddp);
   return st != TD_OK ? st : fs;
@@ -375,7 +377,6 @@ static td_status commit(td_ft_ddp *ft, int64_t step, bool grads_set) {
     TD_TRY(td_optim_clip_grad_norm(ft->opt, ft->o.max_grad_norm, 2.0, NULL));
   TD_TRY(td_optim_step(ft->opt));
   ft->committed = step;
-  drop_grads(ft);
   return TD_OK;
 }
 
@@ -596,6 +597,9 @@ td_status td_ft_ddp_step(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, void *u
       st = td_set_error(TD_ERR_UNAVAILABLE, "%s", ft->pg->broken_msg ? ft->pg->broken_msg : "");
     if (st == TD_OK) {
       TD_TRY(commit(ft, step, fast));
+      uint64_t t0 = td__now_ns();
+      drop_grads(ft); /* the step is committed: its shard gradients go */
+      if (fast) info->machinery_s += (double)(td__now_ns() - t0) * 1e-9;
       break;
     }
     if (st != TD_ERR_UNAVAILABLE && st != TD_ERR_TIMEOUT && st != TD_ERR_STATE) return st;

@@ -387,6 +387,7 @@ typedef struct dp_run {
   uint64_t ft_generation;
   double ft_recovery_max_s;
   double ft_first_commit_unix_s; /* wall clock of the first step committed after a failure */
+  double ft_machinery_s;         /* td_ft_step_info.machinery_s, summed over the steps */
 } dp_run;
 
 /* estimate returns the mean loss of eval_iters batches of each split (train, val) from a
@@ -750,6 +751,7 @@ static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, t
     ctx.loss_sum = 0, ctx.shards = 0;
     td_ft_step_info info;
     EX_CHECK(td_ft_ddp_step(dp->ft, it, ft_shard, &ctx, &info));
+    dp->ft_machinery_s += info.machinery_s;
     if (info.failures) {
       /* one line per failure, from the lowest surviving rank: who, at which step, what moved */
       if (td_process_group_rank(td_ft_ddp_group(dp->ft)) == 0)
@@ -1205,6 +1207,10 @@ int main(int argc, char **argv) {
       ex_json_int(&res, "ft_members_at_end", dp.ft_members);
       ex_json_int(&res, "ft_generation", (int64_t)dp.ft_generation);
       ex_json_num(&res, "ft_recovery_max_s", dp.ft_recovery_max_s);
+      /* the fault tolerance's own time per step (fast path) and its share of a training step */
+      ex_json_num(&res, "ft_machinery_s_per_step", o.steps ? dp.ft_machinery_s / (double)o.steps
+                                                           : NAN);
+      ex_json_num(&res, "ft_machinery_share", r.train_s > 0 ? dp.ft_machinery_s / r.train_s : NAN);
       ex_json_int(&res, "ft_first_commit_after_failure_unix_ms",
                   (int64_t)(dp.ft_first_commit_unix_s * 1000.0));
     } else if (dp.pg) {

@@ -516,6 +516,9 @@ typedef struct td_ft_step_info {
   int shards_recomputed;   /* shards of lost members the survivors computed in this step */
   bool healed;             /* this member took the step's state from a member that committed it */
   double recovery_s;       /* from the first failure seen to the commit (0 without failure) */
+  double machinery_s;      /* on the fast path: the time spent beyond what td_ddp does (keeping
+                              a copy of the local gradient, dropping it at the commit): the fault
+                              tolerance's own cost in a step without failure; 0 otherwise */
   char message[1024];      /* one line saying who was lost, at which step and in which phase,
                               and what was recomputed by whom ("" without failure) */
 } td_ft_step_info;
