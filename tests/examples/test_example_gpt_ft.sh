@@ -4,8 +4,9 @@
 # outside once training is under way (at whatever step and phase it is in). The second run must
 # finish (tdistrun --tolerate-failures 1: exit status 0, no restart), print one line naming the
 # lost worker and the step, and end with the same parameters, bit for bit (results.params_hash),
-# and the same validation loss. Skips (77) without the corpus. Ends only the processes it
-# started, by pid.
+# and the same validation loss. Then once more started bare (4 unsupervised processes, as srun
+# without --kill-on-bad-exit leaves them): every survivor exits 0 by itself, same parameters.
+# Skips (77) without the corpus. Ends only the processes it started, by pid.
 set -euo pipefail
 tdistrun="$1"
 gpt="$2"
@@ -84,4 +85,42 @@ if [[ "$(val_of "$out")" != "$(val_of "$base")" ]]; then
   fail=1
 fi
 if [[ $fail -ne 0 ]]; then tail -n 30 "$out"; exit 1; fi
-echo "PASS: $h1 with and without the kill"
+echo "tdistrun: $h1 with and without the kill"
+
+# The same started bare (4 processes that nothing supervises, as srun without
+# --kill-on-bad-exit leaves them): the survivors finish by themselves, exit 0, same parameters.
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+dir=$(mktemp -d)
+secret=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+pids=()
+for r in 0 1 2 3; do
+  env RANK=$r LOCAL_RANK=$r WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
+    TD_RPC_SECRET="$secret" "$gpt" "${args[@]}" >"$dir/rank$r.out" 2>&1 &
+  pids+=($!)
+done
+# shellcheck disable=SC2064
+trap "for p in ${pids[*]}; do kill -9 \$p 2>/dev/null || true; done; rm -rf '$dir' '$base' '$out'" EXIT
+for _ in $(seq 1 $((600 * scale))); do
+  grep -q "loss" "$dir/rank0.out" && break
+  kill -0 "${pids[2]}" 2>/dev/null || break
+  sleep 0.05
+done
+sleep 0.3
+kill -0 "${pids[2]}" 2>/dev/null || { tail -n 5 "$dir"/rank*.out; echo "FAIL: rank 2 ended first"; exit 1; }
+echo "killing rank 2 (pid ${pids[2]}), started bare"
+kill -9 "${pids[2]}"
+for r in 0 1 3; do
+  rc=0
+  timeout $((120 * scale)) tail --pid="${pids[$r]}" -f /dev/null || true
+  if kill -0 "${pids[$r]}" 2>/dev/null; then echo "FAIL: rank $r still runs"; fail=1; continue; fi
+  wait "${pids[$r]}" || rc=$?
+  [[ $rc -eq 0 ]] || { tail -n 5 "$dir/rank$r.out"; echo "FAIL: rank $r exited $rc"; fail=1; }
+done
+grep -E "gpt: step" "$dir"/rank*.out || true
+h2="$(hash_of "$dir/rank0.out")"
+if [[ "$h2" != "$h0" ]]; then
+  echo "FAIL: bare: parameters differ from the failure-free run ($h2 vs $h0)"
+  fail=1
+fi
+if [[ $fail -ne 0 ]]; then tail -n 20 "$dir/rank0.out"; exit 1; fi
+echo "PASS: $h2 with and without the kill, under tdistrun and bare"
