@@ -203,6 +203,9 @@ struct td_process_group {
   td__ring_crypt *ring_open; /* ring, encrypted: opening from the left */
   uint8_t *ring_records;     /* ring, encrypted: 2 x (TD__RING_PIECE + TD__RING_TAG) bytes */
   td__shm *shm;        /* shared memory, or NULL */
+  int *host_pid;       /* per member: its pid when it runs on this host (same boot, pid namespace
+                          and host address), else 0; from the same-host records of creation
+                          (shm.c); what the ring's member_alive reads. NULL: unknown */
   size_t shm_buf_bytes; /* shm: one member's round buffer (what one-round all_reduce fits in) */
   bool shm_crowded;     /* shm: the members outnumber this host's CPUs */
   td__nccl *nccl;       /* NCCL communicator, or NULL */
@@ -244,6 +247,8 @@ td_status td__pg_scratch(td_process_group *pg, size_t n);
  * TCP_NODELAY, and a store wait whose timeout names what was awaited. */
 int td__pg_remaining_ms(uint64_t deadline_ns);
 void td__pg_sleep_ms(int64_t ms);
+/* td__pid_alive says whether process pid still runs (kill(pid, 0), and not a zombie in /proc). */
+bool td__pid_alive(int pid);
 td_status td__pg_set_nonblocking(int fd);
 td_status td__pg_wait_key(td_process_group *pg, const char *key, uint64_t deadline,
                           const char *what, uint8_t **v, size_t *n);

@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +38,19 @@ int td__pg_remaining_ms(uint64_t deadline_ns) {
   if (now >= deadline_ns) return 0;
   uint64_t ms = (deadline_ns - now + 999999ull) / 1000000ull;
   return ms > 1000000 ? 1000000 : (int)ms;
+}
+
+bool td__pid_alive(int pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  char path[64], buf[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return false;
+  size_t k = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[k] = 0;
+  const char *rp = strrchr(buf, ')');
+  return !(rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X'));
 }
 
 void td__pg_sleep_ms(int64_t ms) {

@@ -232,6 +232,7 @@ void td_process_group_destroy(td_process_group *pg) {
   td__free(pg->broken_msg);
   td__free(pg->names);
   td__free(pg->slot_chunks);
+  td__free(pg->host_pid);
   td__free((void *)pg->slot_ins);
   td__free((void *)pg->slot_srcs);
   td__free(pg->ranks);

@@ -389,6 +389,13 @@ static void ring_destroy(td_process_group *pg) {
   pg->ring_records = NULL;
 }
 
+/* A member on this host: whether its process runs (the same-host records of creation gave its
+ * pid); others: unknown (a closed connection is all the ring sees of them). */
+static int ring_member_alive(td_process_group *pg, int m) {
+  if (!pg->host_pid || m < 0 || m >= pg->size || pg->host_pid[m] <= 0) return -1;
+  return td__pid_alive(pg->host_pid[m]) ? 1 : 0;
+}
+
 const td__coll_backend td__coll_ring = {
     .name = "ring",
     .setup = ring_setup,
@@ -396,4 +403,5 @@ const td__coll_backend td__coll_ring = {
     .destroy = ring_destroy,
     .run = ring_run,
     .avg_is_sum = true,
+    .member_alive = ring_member_alive,
 };

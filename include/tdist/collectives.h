@@ -277,8 +277,8 @@ typedef struct td_pg_lost {
 
 /* td_process_group_wait_lost waits up to timeout (TD_TIMEOUT_ZERO: a poll; TD_TIMEOUT_DEFAULT and
  * TD_TIMEOUT_INFINITE: no limit) until pg has lost a member, and describes the first one this
- * member knows of in *out: one whose loss a collective of this member saw, one whose process a
- * same-host member watches exited (no collective needed: a pidfd per member), or one another
+ * member knows of in *out: one whose loss a collective of this member saw, one on this host
+ * whose process exited (no collective needed: its pidfd, or its pid), or one another
  * member recorded lost in the store (read every 100 ms, one request per member: meant for
  * groups of tens, not thousands). TD_ERR_TIMEOUT when none was lost by then (*out untouched).
  * This is the notice a program waits on in a thread of its own, or polls between steps, to

@@ -16,8 +16,9 @@
  * formed (stale), a member of the new generation cannot be reached by the old group, and the
  * lost-member notice names a killed member without any collective in flight.
  *
- * TD_COLL_ALGO=ring (test_ft_ddp_ring) runs the matrix on the TCP ring, where every step takes
- * the gather path and a closed connection makes the neighbours note the member lost.
+ * TD_COLL_ALGO=ring (test_ft_ddp_ring) runs it all on the TCP ring, where every step takes the
+ * gather path, a closed connection makes the neighbours note the member lost, and a member's
+ * death is seen through the pid of its same-host record.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -394,15 +395,10 @@ static void test_reform_stale_and_notice(void **state) {
 }
 
 int main(void) {
-  const char *algo = getenv("TD_COLL_ALGO");
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_reform_stale_and_notice),
       cmocka_unit_test(test_ft_ddp_matrix),
       cmocka_unit_test(test_ft_ddp_coordinator_lost),
   };
-  /* on the ring no member watches another's process: the notice needs a collective to fail
-   * first, which the reform test does not run; the matrix alone there */
-  if (algo && !strcmp(algo, "ring"))
-    return _cmocka_run_group_tests("test_ft_ddp_ring", tests + 1, 2, NULL, NULL);
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
