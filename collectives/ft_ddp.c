@@ -563,6 +563,19 @@ static td_status recover(td_ft_ddp *ft, int64_t step, const char *why, td_ft_ste
 
 /* ---- the step ---- */
 
+/* Fills what a committed step reports. */
+static void step_done(const td_ft_ddp *ft, int64_t step, uint64_t t_fail, td_ft_step_info *info) {
+  info->step = step;
+  info->generation = ft->pg->generation;
+  info->members = ft->pg->size;
+  info->recovery_s = t_fail ? (double)(td__now_ns() - t_fail) * 1e-9 : 0;
+  if (info->failures) {
+    size_t len = strlen(info->message);
+    say(info->message, sizeof info->message, len, "; step %lld committed %.3f s after the failure",
+        (long long)step, info->recovery_s);
+  }
+}
+
 td_status td_ft_ddp_step(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, void *user,
                          td_ft_step_info *info) {
   TD_CHECK_ARG(ft && fn, "ft_ddp_step: NULL ft or shard function");
@@ -623,15 +636,7 @@ td_status td_ft_ddp_step(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, void *u
                           "a lost member (a program error, such as members running different "
                           "collectives?): %s", (long long)step, no_loss, why);
   }
-  info->step = step;
-  info->generation = ft->pg->generation;
-  info->members = ft->pg->size;
-  info->recovery_s = t_fail ? (double)(td__now_ns() - t_fail) * 1e-9 : 0;
-  if (info->failures) {
-    size_t len = strlen(info->message);
-    say(info->message, sizeof info->message, len, "; step %lld committed %.3f s after the failure",
-        (long long)step, info->recovery_s);
-  }
+  step_done(ft, step, t_fail, info);
   return TD_OK;
 }
 
