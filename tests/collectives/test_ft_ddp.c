@@ -60,6 +60,8 @@ typedef struct ft_case {
                       -1: nobody is healed */
   char dir[256];
   bool ordered; /* without the module: every step on the ordered reduction, no fast path */
+  int n_shards; /* 0: one per member; 8: two per member, every step on the gather path (their
+                   own baseline: another cut of the batch is another sum) */
 } ft_case;
 
 static td_module *build(void) {
@@ -156,6 +158,7 @@ static int worker(int rank, int world, const char *method, void *arg) {
   fo.bucket_bytes = 64 * sizeof(double); /* 163 parameters: 3 buckets, so DURING is mid-way */
   fo.max_grad_norm = 1.0;
   fo.reform_timeout = 20000;
+  fo.n_shards = c->n_shards;
   replica x;
   replica_start(&x, rank, world, method, TD_OPTIM_ADAMW, 1e-2, &fo, !c->ordered);
   td_ft_ddp *ft = x.ft;
@@ -201,8 +204,8 @@ static size_t read_file(const char *dir, const char *what, int rank, char *buf, 
   return n;
 }
 
-static char baseline[4096];
-static size_t baseline_n;
+static char baseline[2][4096]; /* the first run's parameters: one shard per member, two */
+static size_t baseline_n[2];
 
 static bool victim(const ft_case *c, int r) {
   for (int i = 0; i < c->nf; i++)
@@ -252,12 +255,13 @@ static void run_case(ft_case *c) {
     if (r == c->healed_rank) closer_healed = healed;
     n = read_file(c->dir, "params", r, buf, sizeof buf);
     assert_true(n > 0);
-    if (!baseline_n) {
-      memcpy(baseline, buf, n);
-      baseline_n = n;
+    int b = c->n_shards ? 1 : 0;
+    if (!baseline_n[b]) {
+      memcpy(baseline[b], buf, n);
+      baseline_n[b] = n;
     }
-    assert_int_equal(n, baseline_n);
-    assert_memory_equal(buf, baseline, n); /* bitwise the failure-free run */
+    assert_int_equal(n, baseline_n[b]);
+    assert_memory_equal(buf, baseline[b], n); /* bitwise the failure-free run */
   }
   assert_int_equal(bad, killed);
   /* whoever was healed, the closing member was among them (it alone surely did not commit) */
@@ -291,6 +295,9 @@ static void test_ft_ddp_matrix(void **state) {
        {KILL(3, 1, TD_FT_BEFORE), KILL(1, 3, TD_FT_DURING)}, 2, 2, 2, 2, 2, -1, ""},
       {"kill rank 2 before step 3, then rank 1 in the recovery",
        {KILL(2, 3, TD_FT_BEFORE), KILL(1, 3, TD_FT_RECOVERY)}, 2, 2, 2, 2, 2, -1, ""},
+      {"8 shards, no failure", {{0}}, 0, 0, 4, 0, 0, -1, "", false, 8},
+      {"8 shards, kill rank 1 during step 2 (its 2 shards to 2 survivors)",
+       {KILL(1, 2, TD_FT_DURING)}, 1, 1, 3, 1, 2, -1, "", false, 8},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
 }
