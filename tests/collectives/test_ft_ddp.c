@@ -295,6 +295,8 @@ static void test_ft_ddp_matrix(void **state) {
        {KILL(3, 1, TD_FT_BEFORE), KILL(1, 3, TD_FT_DURING)}, 2, 2, 2, 2, 2, -1, ""},
       {"kill rank 2 before step 3, then rank 1 in the recovery",
        {KILL(2, 3, TD_FT_BEFORE), KILL(1, 3, TD_FT_RECOVERY)}, 2, 2, 2, 2, 2, -1, ""},
+      {"kill ranks 1 and 2 at once, before step 2", {KILL(1, 2, TD_FT_BEFORE),
+       KILL(2, 2, TD_FT_BEFORE)}, 2, 1, 2, 2, 2, -1, ""},
       {"8 shards, no failure", {{0}}, 0, 0, 4, 0, 0, -1, "", false, 8},
       {"8 shards, kill rank 1 during step 2 (its 2 shards to 2 survivors)",
        {KILL(1, 2, TD_FT_DURING)}, 1, 1, 3, 1, 2, -1, "", false, 8},
