@@ -403,8 +403,39 @@ static void test_reform_stale_and_notice(void **state) {
   for (int r = 0; r < 3; r++) assert_int_equal(codes[r], 0);
 }
 
+/* ---- the small pieces: shard ranges, injection specs ---- */
+
+static void test_shard_range_and_inject_parse(void **state) {
+  (void)state;
+  int64_t b = -1, e = -1, next = 0;
+  for (int s = 0; s < 4; s++) { /* 10 samples in 4 shards: 3, 3, 2, 2, back to back */
+    td_ft_shard_range(10, 4, s, &b, &e);
+    assert_int_equal(b, next);
+    assert_int_equal(e - b, s < 2 ? 3 : 2);
+    next = e;
+  }
+  assert_int_equal(next, 10);
+  int rank = -1;
+  int64_t step = -1;
+  td_ft_when when = TD_FT_BEFORE;
+  td_ft_what what = TD_FT_KILL;
+  assert_int_equal(td_ft_inject_parse("2:17:during:close", &rank, &step, &when, &what), TD_OK);
+  assert_int_equal(rank, 2);
+  assert_int_equal(step, 17);
+  assert_int_equal(when, TD_FT_DURING);
+  assert_int_equal(what, TD_FT_CLOSE);
+  assert_int_equal(td_ft_inject_parse("1:3:recovery:kill", &rank, &step, &when, &what), TD_OK);
+  assert_int_equal(when, TD_FT_RECOVERY);
+  const char *bad[] = {"", "2:17", "2:17:during", "2:17:sometime:kill", "2:17:after:explode",
+                       "-1:3:after:kill", "2:17:after:kill:extra", "x:1:after:kill"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+    assert_int_equal(td_ft_inject_parse(bad[i], &rank, &step, &when, &what), TD_ERR_INVALID);
+  assert_int_equal(rank, 1); /* untouched by the failures */
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_shard_range_and_inject_parse),
       cmocka_unit_test(test_reform_stale_and_notice),
       cmocka_unit_test(test_ft_ddp_matrix),
       cmocka_unit_test(test_ft_ddp_coordinator_lost),
