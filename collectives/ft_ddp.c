@@ -174,7 +174,7 @@ void td_ft_ddp_destroy(td_ft_ddp *ft) {
 td_status td_ft_ddp_inject(td_ft_ddp *ft, int rank, int64_t step, td_ft_when when,
                            td_ft_what what) {
   TD_CHECK_ARG(ft && ft->n_inj < MAX_INJECT && (int)when >= 0 && when <= TD_FT_RECOVERY &&
-                   (int)what >= 0 && what <= TD_FT_CLOSE,
+                   (int)what >= 0 && what <= TD_FT_STOP,
                "ft_ddp_inject: NULL, too many injections or an unknown point or fault");
   ft->inj[ft->n_inj++] = (inject){rank, step, when, what, false};
   return TD_OK;
@@ -193,11 +193,11 @@ td_status td_ft_inject_parse(const char *spec, int *rank, int64_t *step, td_ft_w
                   : !strcmp(w, "after") ? TD_FT_AFTER : !strcmp(w, "recovery") ? TD_FT_RECOVERY
                                                                               : (td_ft_when)-1;
   td_ft_what wt = !strcmp(f, "kill") ? TD_FT_KILL : !strcmp(f, "close") ? TD_FT_CLOSE
-                                                                        : (td_ft_what)-1;
+                  : !strcmp(f, "stop") ? TD_FT_STOP : (td_ft_what)-1;
   if ((int)wh < 0 || (int)wt < 0)
     return td_set_error(TD_ERR_INVALID, "fault injection '%s': when is before, during, after or "
                         "recovery; "
-                        "what is kill or close", spec);
+                        "what is kill, close or stop", spec);
   *rank = r, *step = k, *when = wh, *what = wt;
   return TD_OK;
 }
@@ -209,13 +209,14 @@ static void inject_at(td_ft_ddp *ft, int64_t step, td_ft_when when) {
     if (j->fired || j->rank != me || j->step != step || j->when != when) continue;
     j->fired = true;
     static const char *const whens[] = {"before", "during", "after", "in the recovery after"};
+    static const char *const whats[] = {"SIGKILL", "closing the group", "SIGSTOP"};
     td_log(TD_LOG_WARN, "fault injection: rank %d, step %lld, %s the reduction: %s", me,
-           (long long)step, whens[when], j->what == TD_FT_KILL ? "SIGKILL" : "closing the group");
-    if (j->what == TD_FT_KILL) {
+           (long long)step, whens[when], whats[j->what]);
+    if (j->what == TD_FT_KILL || j->what == TD_FT_STOP) {
       fflush(NULL);
-      raise(SIGKILL);
+      raise(j->what == TD_FT_KILL ? SIGKILL : SIGSTOP);
     }
-    td__pg_inject_close(ft->pg);
+    if (j->what == TD_FT_CLOSE) td__pg_inject_close(ft->pg);
   }
 }
 

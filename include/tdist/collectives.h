@@ -554,19 +554,21 @@ TD_API void td_ft_shard_range(int64_t batch, int n_shards, int s, int64_t *begin
  * reduction, before the commit; RECOVERY: in a recovery of that step, after the group was
  * re-formed, before the survivors agree (a second failure during recovery). KILL: SIGKILL
  * itself; CLOSE: close its group's connections and fail its group locally (the member lives and
- * re-forms with the others). Each injection fires once. Every member must register the same
- * injections (they decide which path a step takes). */
+ * re-forms with the others); STOP: SIGSTOP itself (a hung member: alive to every check, the
+ * others' collective reaches the group's timeout and the re-formation leaves it out at half its
+ * timeout; whoever started it must end it). Each injection fires once. Every member must
+ * register the same injections (they decide which path a step takes). */
 typedef enum td_ft_when {
   TD_FT_BEFORE = 0,
   TD_FT_DURING = 1,
   TD_FT_AFTER = 2,
   TD_FT_RECOVERY = 3
 } td_ft_when;
-typedef enum td_ft_what { TD_FT_KILL = 0, TD_FT_CLOSE = 1 } td_ft_what;
+typedef enum td_ft_what { TD_FT_KILL = 0, TD_FT_CLOSE = 1, TD_FT_STOP = 2 } td_ft_what;
 TD_API td_status td_ft_ddp_inject(td_ft_ddp *ft, int rank, int64_t step, td_ft_when when,
                                   td_ft_what what);
 /* td_ft_inject_parse reads "rank:step:when:what" (when: before, during, after, recovery; what:
- * kill, close) into its parts; TD_ERR_INVALID otherwise. */
+ * kill, close, stop) into its parts; TD_ERR_INVALID otherwise. */
 TD_API td_status td_ft_inject_parse(const char *spec, int *rank, int64_t *step, td_ft_when *when,
                                     td_ft_what *what);
 

@@ -62,6 +62,7 @@ typedef struct ft_case {
   bool ordered; /* without the module: every step on the ordered reduction, no fast path */
   int n_shards; /* 0: one per member; 8: two per member, every step on the gather path (their
                    own baseline: another cut of the batch is another sum) */
+  int64_t timeout_ms; /* the group's timeout (0: 20 s); a stopped member is seen only there */
 } ft_case;
 
 static td_module *build(void) {
@@ -121,9 +122,11 @@ typedef struct replica {
 
 /* overlap: give td_ft_ddp the module (the overlapped fast path while nothing failed). */
 static void replica_start(replica *x, int rank, int world, const char *method, td_optim_kind kind,
-                          double lr, const td_ft_ddp_options *opts, bool overlap) {
+                          double lr, const td_ft_ddp_options *opts, bool overlap,
+                          int64_t timeout_ms) {
   x->a = coll_join(rank, world, method);
-  MP_CHECK_OK(td_process_group_create(x->a, NULL, 0, TD_PG_BACKEND_CPU, 20000, &x->pg));
+  MP_CHECK_OK(td_process_group_create(x->a, NULL, 0, TD_PG_BACKEND_CPU,
+                                      timeout_ms ? timeout_ms : 20000, &x->pg));
   x->m = build();
   td_tensor_list_init(&x->ps);
   MP_CHECK_OK(td_module_parameters(x->m, &x->ps));
@@ -160,7 +163,8 @@ static int worker(int rank, int world, const char *method, void *arg) {
   fo.reform_timeout = 20000;
   fo.n_shards = c->n_shards;
   replica x;
-  replica_start(&x, rank, world, method, TD_OPTIM_ADAMW, 1e-2, &fo, !c->ordered);
+  if (c->timeout_ms) fo.reform_timeout = 2 * c->timeout_ms;
+  replica_start(&x, rank, world, method, TD_OPTIM_ADAMW, 1e-2, &fo, !c->ordered, c->timeout_ms);
   td_ft_ddp *ft = x.ft;
   td_tensor_list ps = x.ps;
   for (int i = 0; i < c->nf; i++)
@@ -189,6 +193,18 @@ static int worker(int rank, int world, const char *method, void *arg) {
   for (size_t i = 0; i < ps.n; i++)
     write_file(c->dir, "params", rank, td_tensor_data(ps.tensors[i]),
                td_tensor_nbytes(ps.tensors[i]), i ? "a" : "w");
+  /* a stopped member was left out, and lives on stopped: the lowest survivor ends it (the test
+   * started it: its pid is in its start file) */
+  for (int i = 0; i < c->nf && td_process_group_global_rank(cur, 0) == rank; i++) {
+    if (c->f[i].what != TD_FT_STOP) continue;
+    char pid[32];
+    char path[400];
+    snprintf(path, sizeof path, "%s/start.%d", c->dir, c->f[i].rank);
+    FILE *f = fopen(path, "r");
+    MP_CHECK(f && fgets(pid, sizeof pid, f));
+    fclose(f);
+    MP_CHECK(atoi(pid) > 0 && kill(atoi(pid), SIGKILL) == 0);
+  }
   /* with a member gone the graceful shutdown's barrier cannot complete */
   replica_end(&x, td_process_group_size(cur) == world);
   return 0;
@@ -209,7 +225,7 @@ static size_t baseline_n[2];
 
 static bool victim(const ft_case *c, int r) {
   for (int i = 0; i < c->nf; i++)
-    if (c->f[i].rank == r && c->f[i].what == TD_FT_KILL) return true;
+    if (c->f[i].rank == r && c->f[i].what != TD_FT_CLOSE) return true;
   return false;
 }
 
@@ -295,6 +311,8 @@ static void test_ft_ddp_matrix(void **state) {
        {KILL(3, 1, TD_FT_BEFORE), KILL(1, 3, TD_FT_DURING)}, 2, 2, 2, 2, 2, -1, ""},
       {"kill rank 2 before step 3, then rank 1 in the recovery",
        {KILL(2, 3, TD_FT_BEFORE), KILL(1, 3, TD_FT_RECOVERY)}, 2, 2, 2, 2, 2, -1, ""},
+      {"stop rank 2 before step 2 (seen at the group's timeout, left out of generation 1)",
+       {{2, 2, TD_FT_BEFORE, TD_FT_STOP}}, 1, 1, 3, 1, 1, -1, "", false, 0, 3000},
       {"kill ranks 1 and 2 at once, before step 2", {KILL(1, 2, TD_FT_BEFORE),
        KILL(2, 2, TD_FT_BEFORE)}, 2, 1, 2, 2, 2, -1, ""},
       {"8 shards, no failure", {{0}}, 0, 0, 4, 0, 0, -1, "", false, 8},
@@ -312,7 +330,7 @@ static int coordinator_worker(int rank, int world, const char *method, void *arg
   td_ft_ddp_options_init(&fo);
   fo.reform_timeout = 10000;
   replica x;
-  replica_start(&x, rank, world, method, TD_OPTIM_SGD, 0.1, &fo, false);
+  replica_start(&x, rank, world, method, TD_OPTIM_SGD, 0.1, &fo, false, 0);
   MP_CHECK_OK(td_ft_ddp_inject(x.ft, 0, 1, TD_FT_BEFORE, TD_FT_KILL));
   td_status st = TD_OK;
   for (int64_t step = 0; st == TD_OK && step < STEPS; step++)
@@ -426,11 +444,13 @@ static void test_shard_range_and_inject_parse(void **state) {
   assert_int_equal(what, TD_FT_CLOSE);
   assert_int_equal(td_ft_inject_parse("1:3:recovery:kill", &rank, &step, &when, &what), TD_OK);
   assert_int_equal(when, TD_FT_RECOVERY);
+  assert_int_equal(td_ft_inject_parse("0:0:before:stop", &rank, &step, &when, &what), TD_OK);
+  assert_int_equal(what, TD_FT_STOP);
   const char *bad[] = {"", "2:17", "2:17:during", "2:17:sometime:kill", "2:17:after:explode",
                        "-1:3:after:kill", "2:17:after:kill:extra", "x:1:after:kill"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
     assert_int_equal(td_ft_inject_parse(bad[i], &rank, &step, &when, &what), TD_ERR_INVALID);
-  assert_int_equal(rank, 1); /* untouched by the failures */
+  assert_int_equal(rank, 0); /* untouched by the failures */
 }
 
 int main(void) {
