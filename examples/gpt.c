@@ -180,7 +180,7 @@ static void opts_parse(int argc, char **argv, opts *o) {
        "recomputed by the survivors, the result is unchanged; rank 0 (the store) must live"},
       {"ft-inject", EX_OPT_STRING, &o->ft_inject,
        "--ft: inject faults, \"rank:step:when:what[,...]\" (when: before, during, after the "
-       "reduction; what: kill, close)"},
+       "reduction, or recovery; what: kill, close, stop)"},
       {"metrics", EX_OPT_STRING, &o->metrics,
        "write JSON lines of every step and evaluation to FILE (scripts/plot.py draws them)"},
   };
