@@ -163,8 +163,10 @@ static int worker(int rank, int world, const char *method, void *arg) {
   fo.reform_timeout = 20000;
   fo.n_shards = c->n_shards;
   replica x;
-  if (c->timeout_ms) fo.reform_timeout = 2 * c->timeout_ms;
-  replica_start(&x, rank, world, method, TD_OPTIM_ADAMW, 1e-2, &fo, !c->ordered, c->timeout_ms);
+  /* scaled: it must expire for the stopped member and never for a slow live one */
+  int64_t tmo = c->timeout_ms ? td_test_ms(c->timeout_ms) : 0;
+  if (tmo) fo.reform_timeout = 2 * tmo;
+  replica_start(&x, rank, world, method, TD_OPTIM_ADAMW, 1e-2, &fo, !c->ordered, tmo);
   td_ft_ddp *ft = x.ft;
   td_tensor_list ps = x.ps;
   for (int i = 0; i < c->nf; i++)
