@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# ft_ddp.sh BUILD_DIR [RUNS] - what fault-tolerant data parallelism (td_ft_ddp, gpt --ft) costs
-# and how fast it recovers, with the GPT example (examples/gpt, its default model: 4 layers, width
-# 128, context 64, batch 12 per replica) at 4 processes, float32, RUNS (default 3) interleaved
-# repetitions of:
-#   - gpt --nproc 4 --dp ddp        (td_ddp, reduction overlapped with backward)
-#   - gpt --nproc 4 --dp ddp --ft   (td_ft_ddp, no failure)
-#   - the PyTorch peer, bench/peers/torch/gpt.py --nproc 4 --dp ddp (DistributedDataParallel over
+# ft_ddp.sh BUILD_DIR [RUNS] [NPROC] - what fault-tolerant data parallelism (td_ft_ddp, gpt --ft)
+# costs and how fast it recovers, with the GPT example (examples/gpt, its default model: 4 layers,
+# width 128, context 64, batch 12 per replica) at NPROC (default 4) processes, float32, RUNS
+# (default 3) interleaved repetitions of:
+#   - gpt --nproc N --dp ddp        (td_ddp, reduction overlapped with backward)
+#   - gpt --nproc N --dp ddp --ft   (td_ft_ddp, no failure)
+#   - the PyTorch peer, bench/peers/torch/gpt.py --nproc N --dp ddp (DistributedDataParallel over
 #     gloo), when python3 has torch;
 #   - gpt --dp ddp --ft under tdistrun --tolerate-failures 1 with rank 2 SIGKILLed from outside
 #     after 2 s of training: the time from the kill to the first step committed after it (the
@@ -20,6 +20,7 @@
 set -euo pipefail
 build="${1:?usage: ft_ddp.sh BUILD_DIR [RUNS]}"
 runs="${2:-3}"
+nproc="${3:-4}"
 gpt="$build/examples/gpt"
 tdistrun="$build/tools/tdistrun"
 for f in "$gpt" "$tdistrun"; do
@@ -27,10 +28,11 @@ for f in "$gpt" "$tdistrun"; do
 done
 here="$(cd "$(dirname "$0")" && pwd)"
 export OPENBLAS_NUM_THREADS=1
-python3 - "$gpt" "$tdistrun" "$here/peers/torch/gpt.py" "$runs" <<'PY'
+python3 - "$gpt" "$tdistrun" "$here/peers/torch/gpt.py" "$runs" "$nproc" <<'PY'
 import json, os, signal, statistics, subprocess, sys, time
 
 gpt, tdistrun, peer, runs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+nproc = sys.argv[5]
 common = ["--steps", "30", "--eval-interval", "1000", "--eval-iters", "1"]
 
 def last_json(text):
@@ -71,7 +73,7 @@ def rank_pid(root, rank):
 
 def killed_run():
     steps = 30
-    cmd = [tdistrun, "--standalone", "--nproc-per-node", "4", "--tolerate-failures", "1", gpt,
+    cmd = [tdistrun, "--standalone", "--nproc-per-node", nproc, "--tolerate-failures", "1", gpt,
            "--dp", "ddp", "--ft", "--steps", str(steps), "--eval-interval", "1000",
            "--eval-iters", "1"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -113,13 +115,13 @@ torch = have_torch()
 print(f"ft_ddp.sh: {runs} runs, PyTorch peer: {'yes' if torch else 'no'}", file=sys.stderr)
 ddp, ft, tp, kills, share, mach = [], [], [], [], [], []
 for _ in range(runs):
-    ddp.append(run([gpt, "--nproc", "4", "--dp", "ddp"] + common)["results"]["train_s"] / 30)
-    r = run([gpt, "--nproc", "4", "--dp", "ddp", "--ft"] + common)["results"]
+    ddp.append(run([gpt, "--nproc", nproc, "--dp", "ddp"] + common)["results"]["train_s"] / 30)
+    r = run([gpt, "--nproc", nproc, "--dp", "ddp", "--ft"] + common)["results"]
     ft.append(r["train_s"] / 30)
     share.append(r["ft_machinery_share"])
     mach.append(r["ft_machinery_s_per_step"])
     if torch:
-        r = run(["/usr/bin/python3", peer, "--nproc", "4", "--dp", "ddp"] + common)["results"]
+        r = run(["/usr/bin/python3", peer, "--nproc", nproc, "--dp", "ddp"] + common)["results"]
         tp.append(r["train_s"] / 30)
     kills.append(killed_run())
 med = statistics.median
@@ -134,7 +136,7 @@ res = {"step_s_ddp": med(ddp), "step_s_ft": med(ft), "ft_overhead_vs_ddp": med(f
 if tp:
     res.update(step_s_torch_ddp=med(tp), ft_vs_torch_step_ratio=med(ft) / med(tp),
                step_s_torch_ddp_runs=tp)
-cfg = {"nproc": 4, "model": "gpt defaults (4 layers, n_embd 128, block 64, batch 12/replica)",
+cfg = {"nproc": int(nproc), "model": "gpt defaults (4 layers, n_embd 128, block 64, batch 12/replica)",
        "dtype": "f32", "steps": 30, "steps_killed_run": 30, "runs": runs,
        "openblas_num_threads": 1, "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count()}
 print(json.dumps({"bench": "ft_ddp", "config": cfg, "results": res}), flush=True)
