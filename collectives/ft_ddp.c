@@ -1,33 +1,44 @@
 /* ft_ddp.c - fault-tolerant data parallelism (td_ft_ddp, include/tdist/collectives.h): steps
  * that survive lost replicas with the result unchanged, bitwise.
  *
- * A step, on the current group (generation g):
- *   1. compute: for each shard this member holds (owner[s], global ranks) and has no gradient
- *      of yet, clear the .grads, run the caller's shard function, copy the .grads into the
- *      shard's flat gradient (P elements; a parameter without .grad counts as zeros);
+ * A step, on the current group (generation g), takes one of two paths, alike on every member:
+ *   fast (the module given, each member holding the shard of its own rank, a same-host group,
+ *   no recovery and no injection before or during the reduction in this step): the shard is
+ *   computed under td_ddp's overlapped hooks, whose AVG all_reduce on shared memory folds the
+ *   members, i.e. the shards, in order: the ordered reduction's bits. The local gradient is
+ *   copied out of .grad before td_ddp_finish writes the average, for a reduction that fails;
+ *   ordered: 1. compute: for each shard this member holds (owner[s], global ranks) and has no
+ *   gradient of yet, clear the .grads, run the caller's shard function, copy the .grads into
+ *   the shard's flat gradient (P elements; a parameter without .grad counts as zeros);
  *   2. reduce: bucket by bucket (bucket_bytes), td_process_group_all_reduce_ordered (AVG over
- *      n_shards) of every shard's bucket into the flat average;
- *   3. commit, unless this member's group failed meanwhile: the .grads become views of the
- *      average, clipping, the optimizer's step; the shard gradients are dropped.
+ *   n_shards) of every shard's bucket into the flat average.
+ * Then the commit, unless this member's group failed meanwhile: the .grads hold the average
+ * (views of it on the ordered path), clipping, the optimizer's step; the shard gradients go.
  * A failed reduction (the group names the lost member and the generation) starts recover():
  *   a. the survivors re-form the group (td_process_group_reform, generation g + 1);
- *   b. they agree on the last committed step: an all_reduce MAX of (committed, -committed). A
+ *   b. the lost members' shards go, in shard order, each to the survivor holding the fewest
+ *      (ties: the lowest global rank), computed alike on every survivor from the old assignment
+ *      and the new membership; the others keep their shards and their gradients;
+ *   c. they agree on the last committed step: an all_reduce MAX of (committed, -committed). A
  *      member can have committed a step another did not (the reduction ended on one and failed
  *      on the other: a member lost in its last moments, or a member whose own group failed
  *      after it reduced); the lowest group rank among those at the maximum then broadcasts the
  *      parameters and the optimizer state (each tensor, the state's step counts): it is the
  *      very state a recomputation would give, the reduction being deterministic. Members that
  *      took it return from their step, which is now committed everywhere;
- *   c. the lost members' shards go, in shard order, each to the survivor holding the fewest
- *      (ties: the lowest global rank), computed alike on every survivor from the old assignment
- *      and the new membership; the others keep their shards and their gradients;
- *   d. the step is attempted again: only the moved shards are computed (recomputed: their
- *      holder was lost), and the ordered reduction gives the bits it would have given before.
- * Commit on all or none, then: a step that one survivor committed stands on every survivor once
- * recover() ran, and one no survivor committed is redone by all.
+ *   d. the fast path's td_ddp is made again for the new group when it still applies;
+ *   e. the step is attempted again on the ordered path: only the moved shards are computed
+ *      (recomputed: their holder was lost), and the ordered reduction gives the same bits.
+ * A failure in b-d (the new generation lost a member too) makes the next attempt fail at once
+ * and recover again. Commit on all or none, then: a step that one survivor committed stands on
+ * every survivor once recover() ran, and one no survivor committed is redone by all.
  *
- * Injection (td_ft_ddp_inject) fires at the points named in the header: after compute
- * (BEFORE), after the first bucket (DURING), after the last bucket (AFTER).
+ * Injection (td_ft_ddp_inject) fires at the points the header names: after compute (BEFORE),
+ * after the first bucket (DURING), after the reduction (AFTER), between the re-formation (a)
+ * and the agreement (c) of a recovery (RECOVERY).
+ *
+ * Threads: a td_ft_ddp is used by one thread (td_ddp's worker thread runs the fast path's
+ * all_reduces); no lock of its own.
  */
 #include <signal.h>
 #include <stdarg.h>
