@@ -19,6 +19,9 @@
  *   op.c             the description of an operation: kinds, header (kind, sequence, count,
  *                    dtype, op or root, algorithm), names and messages, buffer slots;
  *   reduce.c         the element kernels (two-way and n-way reductions, AVG division).
+ * Beside creation, generation.c re-forms a group among its live members (membership
+ * generations) and keeps the lost-member notice; ordered.c (the shard-order reduction) and
+ * ft_ddp.c (fault-tolerant data parallelism) use only the public operations.
  * What data-parallel wrappers (ddp.c here, zero/) share is in replicas.h.
  */
 #ifndef TD_COLLECTIVES_IMPL_H
@@ -138,6 +141,10 @@ typedef struct td__coll_backend {
    * divides alike on every member). */
   td_status (*run)(td_process_group *pg, const td__op *op, const td__op_hdr *h, uint64_t dl);
   bool avg_is_sum;
+  /* member_alive says whether group rank m's process still runs: 1 yes, 0 it exited, -1 this
+   * backend cannot tell (NULL: cannot tell). Any thread, without pg->mu; never blocks. Used by
+   * the lost-member notice and the re-formation's decider (generation.c). */
+  int (*member_alive)(td_process_group *pg, int m);
 } td__coll_backend;
 
 extern const td__coll_backend td__coll_ring, td__coll_shm, td__coll_cma;
@@ -159,6 +166,14 @@ struct td_process_group {
   td_rpc_agent *agent;
   const td__store_client *sc; /* the agent's store client (borrowed) */
   uint64_t id;                /* agreed through the store counter "pg/next_id" */
+  uint64_t lineage;           /* the id of generation 0 of this group (re-formations keep it) */
+  uint64_t generation;        /* 0 at creation, +1 per td_process_group_reform */
+  int reform_tries;           /* re-formations attempted from this group object */
+  /* the lost-member notice (generation.c): the first member this member saw lost, -1 none */
+  pthread_mutex_t lost_mu;    /* guards the three fields below; a leaf */
+  int lost_grank;
+  td_status lost_status;
+  char lost_why[384];
   int rank, size;             /* group rank and size */
   int *ranks;                 /* size global ranks, increasing */
   char (*names)[128];         /* worker names by group rank */
@@ -188,6 +203,9 @@ struct td_process_group {
   td__ring_crypt *ring_open; /* ring, encrypted: opening from the left */
   uint8_t *ring_records;     /* ring, encrypted: 2 x (TD__RING_PIECE + TD__RING_TAG) bytes */
   td__shm *shm;        /* shared memory, or NULL */
+  int *host_pid;       /* per member: its pid when it runs on this host (same boot, pid namespace
+                          and host address), else 0; from the same-host records of creation
+                          (shm.c); what the ring's member_alive reads. NULL: unknown */
   size_t shm_buf_bytes; /* shm: one member's round buffer (what one-round all_reduce fits in) */
   bool shm_crowded;     /* shm: the members outnumber this host's CPUs */
   td__nccl *nccl;       /* NCCL communicator, or NULL */
@@ -209,6 +227,16 @@ uint64_t td__pg_deadline(const td_process_group *pg);
  * its connections, so the neighbours notice at once; shared memory wakes the waiters). Sets
  * td_last_error. pg->mu held. */
 td_status td__pg_fail(td_process_group *pg, td_status st, const char *msg);
+/* td__pg_fail_member is td__pg_fail by an observer that saw group rank culprit lost (its process
+ * exited, its connection closed): when this is the group's first failure, the loss is also noted
+ * for the lost-member notice and in the store ("pg/<id>/lost/<culprit>"). culprit -1: none. */
+td_status td__pg_fail_member(td_process_group *pg, td_status st, int culprit, const char *msg);
+/* td__pg_inject_close (fault injection, td_ft_ddp_inject) fails the group on this member as a
+ * closed connection would: the failure is recorded, the ring's connections close, shared memory
+ * wakes its waiters. Takes pg->mu. */
+void td__pg_inject_close(td_process_group *pg);
+/* td__pg_is_broken says whether an operation of this member failed the group. Takes pg->mu. */
+bool td__pg_is_broken(td_process_group *pg);
 /* td__op_mismatch fails the group with TD_ERR_STATE describing this member's call (mine) and
  * group rank other's (theirs; magic checked here). */
 td_status td__op_mismatch(td_process_group *pg, const td__op_hdr *mine, int other,
@@ -219,6 +247,8 @@ td_status td__pg_scratch(td_process_group *pg, size_t n);
  * TCP_NODELAY, and a store wait whose timeout names what was awaited. */
 int td__pg_remaining_ms(uint64_t deadline_ns);
 void td__pg_sleep_ms(int64_t ms);
+/* td__pid_alive says whether process pid still runs (kill(pid, 0), and not a zombie in /proc). */
+bool td__pid_alive(int pid);
 td_status td__pg_set_nonblocking(int fd);
 td_status td__pg_wait_key(td_process_group *pg, const char *key, uint64_t deadline,
                           const char *what, uint8_t **v, size_t *n);
@@ -276,6 +306,20 @@ td_status td__ring_connect(td_process_group *pg, uint64_t deadline);
  * group, numbers the operation, chooses the algorithm and runs it on its backend. The tensors
  * were checked by the caller. Sets td_last_error on failure. Blocks. */
 td_status td__pg_execute(td_process_group *pg, const td__op *op);
+/* ==== process_group.c / generation.c: creation and re-formation ==== */
+
+/* What a re-formation decided for the group it creates (else creation agrees on an id). */
+typedef struct td__pg_given {
+  uint64_t id, lineage, generation;
+  uint64_t deadline; /* of the whole creation (monotonic ns) */
+} td__pg_given;
+/* td__pg_create_member makes this member's group over the sorted global ranks rs[0..n) (takes
+ * ownership of rs, malloc'd), my being this member's index, and sets up every backend. Collective
+ * over the members. */
+td_status td__pg_create_member(td_rpc_agent *agent, int *rs, int n, int my, td_pg_backend backend,
+                               int64_t timeout_ms, const td__pg_given *given,
+                               td_process_group **out);
+
 /* td__pg_read_mode reads TD_COLL_ALGO and TD_COLL_SHM_DIRECT_MAX into pg (at creation). */
 td_status td__pg_read_mode(td_process_group *pg);
 

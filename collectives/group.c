@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +38,19 @@ int td__pg_remaining_ms(uint64_t deadline_ns) {
   if (now >= deadline_ns) return 0;
   uint64_t ms = (deadline_ns - now + 999999ull) / 1000000ull;
   return ms > 1000000 ? 1000000 : (int)ms;
+}
+
+bool td__pid_alive(int pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  char path[64], buf[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return false;
+  size_t k = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[k] = 0;
+  const char *rp = strrchr(buf, ')');
+  return !(rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X'));
 }
 
 void td__pg_sleep_ms(int64_t ms) {
@@ -67,6 +81,29 @@ td_status td__pg_scratch(td_process_group *pg, size_t n) {
 /* ---- failure reporting ---- */
 
 td_status td__pg_fail(td_process_group *pg, td_status st, const char *msg) {
+  return td__pg_fail_member(pg, st, -1, msg);
+}
+
+/* The first observer of a lost member notes it, in the group (the lost-member notice of
+ * td_process_group_wait_lost) and in the store ("pg/<id>/lost/<group rank>" = "<status>\n<why>"),
+ * where the other members and the decider of a re-formation (generation.c) read it. */
+static void note_lost(td_process_group *pg, int culprit, td_status st, const char *msg) {
+  pthread_mutex_lock(&pg->lost_mu);
+  bool first = pg->lost_grank < 0;
+  if (first) {
+    pg->lost_grank = culprit;
+    pg->lost_status = st;
+    snprintf(pg->lost_why, sizeof pg->lost_why, "%s", msg);
+  }
+  pthread_mutex_unlock(&pg->lost_mu);
+  char key[96], suffix[48], rec[600];
+  snprintf(suffix, sizeof suffix, "lost/%d", culprit);
+  int k = snprintf(rec, sizeof rec, "%d\n%s", (int)st, msg);
+  td__store_set(pg->sc, td__pg_key(pg, suffix, key, sizeof key), rec,
+                (size_t)(k < (int)sizeof rec ? k : (int)sizeof rec - 1));
+}
+
+td_status td__pg_fail_member(td_process_group *pg, td_status st, int culprit, const char *msg) {
   char key[96];
   td__pg_key(pg, "failed", key, sizeof key);
   uint8_t *v = NULL;
@@ -84,6 +121,7 @@ td_status td__pg_fail(td_process_group *pg, td_status st, const char *msg) {
       report = td__strdup(nl + 1);
     }
   } else {
+    if (culprit >= 0 && culprit < pg->size && culprit != pg->rank) note_lost(pg, culprit, st, msg);
     size_t len = strlen(msg);
     char *rec = td__malloc(len + 16);
     if (rec) {
@@ -101,8 +139,8 @@ td_status td__pg_fail(td_process_group *pg, td_status st, const char *msg) {
   pg->broken_status = rst;
   td__free(pg->broken_msg);
   pg->broken_msg = report;
-  return td_set_error(rst, "process group %llu: %s", (unsigned long long)pg->id,
-                      report ? report : msg);
+  return td_set_error(rst, "process group %llu (generation %llu): %s", (unsigned long long)pg->id,
+                      (unsigned long long)pg->generation, report ? report : msg);
 }
 
 td_status td__pg_wait_key(td_process_group *pg, const char *key, uint64_t deadline,
@@ -132,4 +170,24 @@ td_status td__op_mismatch(td_process_group *pg, const td__op_hdr *mine, int othe
     snprintf(msg, sizeof msg, "mismatched collectives: %s called %s but %s called %s", me, a, who,
              b);
   return td__pg_fail(pg, TD_ERR_STATE, msg);
+}
+
+/* ---- fault injection (td_ft_ddp_inject) ---- */
+
+void td__pg_inject_close(td_process_group *pg) {
+  pthread_mutex_lock(&pg->mu);
+  if (!pg->broken) {
+    char me[160], msg[300];
+    snprintf(msg, sizeof msg, "fault injection: %s closed its connections of the group",
+             td__pg_who(pg, pg->rank, me, sizeof me));
+    td__pg_fail(pg, TD_ERR_UNAVAILABLE, msg);
+  }
+  pthread_mutex_unlock(&pg->mu);
+}
+
+bool td__pg_is_broken(td_process_group *pg) {
+  pthread_mutex_lock(&pg->mu);
+  bool b = pg->broken;
+  pthread_mutex_unlock(&pg->mu);
+  return b;
 }

@@ -148,6 +148,13 @@ td_status td_process_group_create(td_rpc_agent *agent, const int *ranks, int n,
     *out = NULL;
     return TD_OK;
   }
+  return td__pg_create_member(agent, rs, n, my, backend,
+                              td__timeout_resolve(timeout, TD__PG_DEFAULT_TIMEOUT_MS), NULL, out);
+}
+
+td_status td__pg_create_member(td_rpc_agent *agent, int *rs, int n, int my, td_pg_backend backend,
+                               int64_t timeout_ms, const td__pg_given *given,
+                               td_process_group **out) {
   td_status st = TD_OK;
   td_process_group *pg = td__calloc(1, sizeof *pg);
   if (!pg) {
@@ -155,13 +162,15 @@ td_status td_process_group_create(td_rpc_agent *agent, const int *ranks, int n,
     return td_set_error(TD_ERR_NOMEM, "process_group_create: out of memory");
   }
   pthread_mutex_init(&pg->mu, NULL);
+  pthread_mutex_init(&pg->lost_mu, NULL);
+  pg->lost_grank = -1;
   pg->agent = agent;
   pg->sc = td__agent_store(agent);
   pg->ranks = rs;
   pg->size = n;
   pg->rank = my;
   pg->backend = backend;
-  pg->timeout_ms = td__timeout_resolve(timeout, TD__PG_DEFAULT_TIMEOUT_MS);
+  pg->timeout_ms = timeout_ms;
   pg->send_fd = pg->recv_fd = -1;
   pg->nccl_device = -1;
   pg->names = td__calloc((size_t)n, sizeof *pg->names);
@@ -182,8 +191,15 @@ td_status td_process_group_create(td_rpc_agent *agent, const int *ranks, int n,
   st = td__pg_read_mode(pg);
   if (st == TD_OK) st = td__work_create(pg);
   if (st != TD_OK) goto out;
-  uint64_t deadline = td__pg_deadline(pg);
-  st = agree_id(pg, deadline);
+  uint64_t deadline = given ? given->deadline : td__pg_deadline(pg);
+  if (given) {
+    pg->id = given->id;
+    pg->lineage = given->lineage;
+    pg->generation = given->generation;
+  } else {
+    st = agree_id(pg, deadline);
+    pg->lineage = pg->id;
+  }
   for (int i = 0; st == TD_OK && i < TD__TP_COUNT; i++) {
     bool serves = true;
     if (!backends[i]) continue;
@@ -195,8 +211,8 @@ out:
     td_process_group_destroy(pg);
     return st;
   }
-  td_log(TD_LOG_DEBUG, "process group %llu: rank %d of %d", (unsigned long long)pg->id, pg->rank,
-         pg->size);
+  td_log(TD_LOG_DEBUG, "process group %llu: rank %d of %d, generation %llu",
+         (unsigned long long)pg->id, pg->rank, pg->size, (unsigned long long)pg->generation);
   td__flight_group_add(pg->id, pg->rank, pg->size, pg->ranks); /* dumps name its members */
   *out = pg;
   return TD_OK;
@@ -211,10 +227,12 @@ void td_process_group_destroy(td_process_group *pg) {
     pg->tp[i] = NULL;
   }
   pthread_mutex_destroy(&pg->mu);
+  pthread_mutex_destroy(&pg->lost_mu);
   td__free(pg->scratch);
   td__free(pg->broken_msg);
   td__free(pg->names);
   td__free(pg->slot_chunks);
+  td__free(pg->host_pid);
   td__free((void *)pg->slot_ins);
   td__free((void *)pg->slot_srcs);
   td__free(pg->ranks);

@@ -72,7 +72,7 @@ static td_status check_right_alive(td_process_group *pg, const char *op) {
     snprintf(msg, sizeof msg, "%s is unavailable: connection closed (%s; seen by %s during %s)",
              who, k == 0 ? "end of stream" : strerror(errno),
              td__pg_who(pg, pg->rank, (char[160]){0}, 160), op);
-  return td__pg_fail(pg, TD_ERR_UNAVAILABLE, msg);
+  return td__pg_fail_member(pg, TD_ERR_UNAVAILABLE, k > 0 ? -1 : (pg->rank + 1) % pg->size, msg);
 }
 
 /* A member waiting past half its deadline records "pg/<id>/at/<rank>" = "<seq>", so that the
@@ -152,7 +152,7 @@ static td_status xchg_raw(td_process_group *pg, const void *sbuf, size_t sn, voi
         snprintf(msg, sizeof msg, "%s is unavailable: connection lost (%s; seen by %s during %s)",
                  td__pg_who(pg, (pg->rank + 1) % pg->size, who, sizeof who),
                  err ? strerror(err) : "hang-up", me, op);
-        return td__pg_fail(pg, TD_ERR_UNAVAILABLE, msg);
+        return td__pg_fail_member(pg, TD_ERR_UNAVAILABLE, (pg->rank + 1) % pg->size, msg);
       }
       TD_TRY(check_right_alive(pg, op));
     }
@@ -166,7 +166,7 @@ static td_status xchg_raw(td_process_group *pg, const void *sbuf, size_t sn, voi
         snprintf(msg, sizeof msg, "%s is unavailable: send failed (%s; seen by %s during %s)",
                  td__pg_who(pg, (pg->rank + 1) % pg->size, who, sizeof who), strerror(errno),
                  me, op);
-        return td__pg_fail(pg, TD_ERR_UNAVAILABLE, msg);
+        return td__pg_fail_member(pg, TD_ERR_UNAVAILABLE, (pg->rank + 1) % pg->size, msg);
       }
     }
     if (got < rn && (p[1].revents & (POLLIN | POLLERR | POLLHUP))) {
@@ -177,7 +177,8 @@ static td_status xchg_raw(td_process_group *pg, const void *sbuf, size_t sn, voi
                  "%s is unavailable: connection closed (%s; seen by %s during %s)",
                  td__pg_who(pg, (pg->rank + pg->size - 1) % pg->size, who, sizeof who),
                  k == 0 ? "end of stream" : strerror(errno), me, op);
-        return td__pg_fail(pg, TD_ERR_UNAVAILABLE, msg);
+        return td__pg_fail_member(pg, TD_ERR_UNAVAILABLE, (pg->rank + pg->size - 1) % pg->size,
+                                  msg);
       }
     }
   }
@@ -388,6 +389,13 @@ static void ring_destroy(td_process_group *pg) {
   pg->ring_records = NULL;
 }
 
+/* A member on this host: whether its process runs (the same-host records of creation gave its
+ * pid); others: unknown (a closed connection is all the ring sees of them). */
+static int ring_member_alive(td_process_group *pg, int m) {
+  if (!pg->host_pid || m < 0 || m >= pg->size || pg->host_pid[m] <= 0) return -1;
+  return td__pid_alive(pg->host_pid[m]) ? 1 : 0;
+}
+
 const td__coll_backend td__coll_ring = {
     .name = "ring",
     .setup = ring_setup,
@@ -395,4 +403,5 @@ const td__coll_backend td__coll_ring = {
     .destroy = ring_destroy,
     .run = ring_run,
     .avg_is_sum = true,
+    .member_alive = ring_member_alive,
 };

@@ -5,7 +5,7 @@
  * (authenticated: store sessions, rpc/auth.h), connects to its right neighbour and accepts its
  * left one. Every connection opens with the handshake of the RPC streams (rpc/auth.h: HELLO,
  * CHALLENGE, PROOF; mutual HMAC-SHA256 over fresh nonces of both sides) under a key of the group
- * (td__auth_derive(K, "ring", id | size | member ranks)), the connecting member as client with
+ * (td__auth_derive(K, "ring", id | size | member ranks | generation)), the connecting member as client with
  * its group rank, the accepting one as server. So a connection is used only after both sides
  * proved knowledge of the job secret *for this group*, and only when the accepting member sees
  * its left neighbour's rank and the connecting one its right neighbour's: a stranger who
@@ -194,8 +194,8 @@ static bool want_encryption(td_process_group *pg) {
  * the ring is encrypted (members that disagree fail the handshake instead of reading records
  * as data). */
 static td_status ring_key(td_process_group *pg, bool encrypted, td__auth *out) {
-  uint8_t ctx[21];
-  uint64_t id = pg->id, hash = 1469598103934665603ull; /* the member list, folded */
+  uint8_t ctx[29];
+  uint64_t id = pg->id, gen = pg->generation, hash = 1469598103934665603ull; /* members, folded */
   int32_t size = pg->size;
   for (int i = 0; i < pg->size; i++)
     hash = (hash ^ (uint64_t)(uint32_t)pg->ranks[i]) * 1099511628211ull;
@@ -203,6 +203,7 @@ static td_status ring_key(td_process_group *pg, bool encrypted, td__auth *out) {
   memcpy(ctx + 8, &size, 4);
   memcpy(ctx + 12, &hash, 8);
   ctx[20] = encrypted ? 1 : 0;
+  memcpy(ctx + 21, &gen, 8); /* a member of another generation fails the handshake */
   return td__auth_derive(td__agent_auth(pg->agent), "ring", ctx, sizeof ctx, out);
 }
 

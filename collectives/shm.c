@@ -180,7 +180,8 @@ td_status td__shm_read(td_process_group *pg, int m, void *dst, const char *src, 
     snprintf(msg, sizeof msg, "%s: cannot read the memory of %s (pid %d): %s (seen by %s)", desc,
              td__pg_who(pg, m, who, sizeof who), s->pid[m], k < 0 ? strerror(errno) : "no data",
              td__pg_who(pg, pg->rank, me, sizeof me));
-    return td__pg_fail(pg, k < 0 && errno == ESRCH ? TD_ERR_UNAVAILABLE : TD_ERR_IO, msg);
+    bool gone = k < 0 && errno == ESRCH;
+    return td__pg_fail_member(pg, gone ? TD_ERR_UNAVAILABLE : TD_ERR_IO, gone ? m : -1, msg);
   }
   return TD_OK;
 }
@@ -209,16 +210,13 @@ static bool member_alive(const td__shm *s, int m) {
     struct pollfd p = {s->pidfd[m], POLLIN, 0};
     return poll(&p, 1, 0) == 0; /* readable: the process exited */
   }
-  if (kill(s->pid[m], 0) != 0 && errno == ESRCH) return false;
-  char path[64], buf[256];
-  snprintf(path, sizeof path, "/proc/%d/stat", s->pid[m]);
-  FILE *f = fopen(path, "r");
-  if (!f) return false;
-  size_t k = fread(buf, 1, sizeof buf - 1, f);
-  fclose(f);
-  buf[k] = 0;
-  const char *rp = strrchr(buf, ')');
-  return !(rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X'));
+  return td__pid_alive(s->pid[m]);
+}
+
+int td__shm_member_alive(td_process_group *pg, int m) {
+  const td__shm *s = pg->shm;
+  if (!s || m < 0 || m >= s->n) return -1;
+  return m == s->me || member_alive(s, m) ? 1 : 0;
 }
 
 static bool arrived(const td__shm *s, int m, uint64_t k) {
@@ -276,7 +274,7 @@ static td_status check_health(td_process_group *pg, uint64_t k, int who, const t
     snprintf(msg, sizeof msg, "%s is unavailable: its process (pid %d) exited (seen by %s "
              "during %s)", td__pg_who(pg, m, who_s, sizeof who_s), s->pid[m],
              td__pg_who(pg, pg->rank, me, sizeof me), desc);
-    return td__pg_fail(pg, TD_ERR_UNAVAILABLE, msg);
+    return td__pg_fail_member(pg, TD_ERR_UNAVAILABLE, m, msg);
   }
   return TD_OK;
 }
@@ -358,12 +356,13 @@ td_status td__shm_check_headers(td_process_group *pg, uint64_t k, const td__op_h
 
 /* ---- setup ---- */
 
-/* This member's same-host record (core/samehost.h), or "-" when it cannot or must not share. */
+/* This member's same-host record (core/samehost.h), or "-" when it cannot make one. Published
+ * with TD_COLL_ALGO=ring too: the ring then does not share memory, but learns which members run
+ * on this host and their pids (pg->host_pid, the ring's member_alive). */
 static void my_record(td_process_group *pg, const td__shm *s, char *buf, size_t n) {
   td_worker_info wi;
   char host[256] = "";
-  if (pg->mode != TD__MODE_RING && td_rpc_self(pg->agent, &wi) == TD_OK)
-    td__addr_host(wi.address, host, sizeof host);
+  if (td_rpc_self(pg->agent, &wi) == TD_OK) td__addr_host(wi.address, host, sizeof host);
   if (!host[0]) snprintf(buf, n, "-");
   else td__samehost_record(host, &s->nonce, buf, n);
 }
@@ -394,7 +393,8 @@ static td_status exchange_records(td_process_group *pg, td__shm *s, uint64_t dea
   TD_TRY(store_put(pg, suffix, mine));
   td__host_rec me;
   const char *e = getenv("TD_COLL_CMA");
-  *same = td__samehost_parse(mine, &me);
+  bool have_me = td__samehost_parse(mine, &me);
+  *same = have_me && pg->mode != TD__MODE_RING;
   *cma = !(e && strcmp(e, "0") == 0);
   for (int m = 0; m < pg->size; m++) {
     uint8_t *v = NULL;
@@ -402,7 +402,9 @@ static td_status exchange_records(td_process_group *pg, td__shm *s, uint64_t dea
     snprintf(what, sizeof what, "%s to describe its host", td__pg_who(pg, m, who, sizeof who));
     TD_TRY(store_wait(pg, suffix, deadline, what, &v));
     td__host_rec peer;
-    if (!*same || !td__samehost_parse((char *)v, &peer) || !td__samehost_same(&me, &peer))
+    bool here = have_me && td__samehost_parse((char *)v, &peer) && td__samehost_same(&me, &peer);
+    if (pg->host_pid && m != pg->rank) pg->host_pid[m] = here ? peer.pid : 0;
+    if (!*same || !here)
       *same = false;
     else if (m != pg->rank && *cma && !td__samehost_readable(&peer))
       *cma = false;
@@ -557,6 +559,7 @@ td_status td__shm_setup(td_process_group *pg, uint64_t deadline, bool *serves) {
   if (!s) return td_set_error(TD_ERR_NOMEM, "process_group_create: out of memory");
   s->n = pg->size;
   s->me = pg->rank;
+  if (!pg->host_pid) pg->host_pid = td__calloc((size_t)pg->size, sizeof *pg->host_pid);
   s->pid = td__calloc((size_t)s->n, sizeof *s->pid);
   s->pidfd = td__calloc((size_t)s->n, sizeof *s->pidfd);
   for (int m = 0; s->pidfd && m < s->n; m++) s->pidfd[m] = -1;

@@ -232,4 +232,5 @@ const td__coll_backend td__coll_shm = {
     .destroy = td__shm_destroy,
     .run = shm_run,
     .avg_is_sum = true,
+    .member_alive = td__shm_member_alive,
 };

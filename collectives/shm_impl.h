@@ -32,6 +32,8 @@ void td__shm_destroy(td_process_group *pg);
 /* td__shm_fail tells the other members' waits that this group failed (after the failure was
  * recorded in the store). */
 void td__shm_fail(td_process_group *pg);
+/* td__shm_member_alive: the backend table's member_alive (pidfd, else kill and /proc). */
+int td__shm_member_alive(td_process_group *pg, int m);
 /* td__shm_buf_bytes is the size of one member's buffer for one round. */
 size_t td__shm_buf_bytes(const td__shm *s);
 /* td__shm_cma: every member can read every other's memory (probed at setup). */

@@ -108,6 +108,8 @@ typedef struct opts {
   const char *loss_scale;  /* auto, dynamic, none or a number */
   double loss_scale_init;  /* dynamic: the first scale */
   int64_t loss_scale_growth_interval;
+  bool ft;                 /* --ft: fault-tolerant DDP (td_ft_ddp) */
+  const char *ft_inject;   /* --ft-inject: "rank:step:when:what[,...]" (tests, benchmarks) */
 } opts;
 
 static void opts_defaults(opts *o) {
@@ -185,6 +187,12 @@ static void opts_parse(int argc, char **argv, opts *o) {
       {"device", EX_OPT_STRING, &o->device,
        "cpu, cuda or cuda:N: where the model trains; with --nproc (or zero1/2/3 alone) each rank "
        "takes cuda:((N + rank) % GPUs) and the replicas agree through NCCL"},
+      {"ft", EX_OPT_FLAG, &o->ft,
+       "ddp: fault tolerant (td_ft_ddp): a lost worker costs one step, its shard of the batch is "
+       "recomputed by the survivors, the result is unchanged; rank 0 (the store) must live"},
+      {"ft-inject", EX_OPT_STRING, &o->ft_inject,
+       "--ft: inject faults, \"rank:step:when:what[,...]\" (when: before, during, after the "
+       "reduction, or recovery; what: kill, close, stop)"},
       {"metrics", EX_OPT_STRING, &o->metrics,
        "write JSON lines of every step and evaluation to FILE (scripts/plot.py draws them)"},
   };
@@ -217,6 +225,10 @@ static void opts_parse(int argc, char **argv, opts *o) {
     ex_die("--reduce-dtype must be f32, bf16 or f16");
   if (strcmp(o->reduce_dtype, "f32") && strcmp(o->dp, "ddp"))
     ex_die("--reduce-dtype bf16/f16 is a ddp option (ZeRO reduces in the gradients' dtype)");
+  if (o->ft && (strcmp(o->dp, "ddp") || o->grad_accum != 1 || strcmp(o->loss_scale, "none") ||
+                strcmp(o->reduce_dtype, "f32")))
+    ex_die("--ft runs --dp ddp, without --grad-accum, loss scaling or --reduce-dtype (not yet)");
+  if (o->ft_inject && !o->ft) ex_die("--ft-inject needs --ft");
 }
 
 static td_checkpoint_mode ckpt_mode(const opts *o) {
@@ -396,6 +408,13 @@ typedef struct dp_run {
    * the start of training: tensor memory, the figure the model-state formulas count */
   double tensors_before_model, tensors_at_start;
   double activations; /* tensor memory a training forward added (first step): saved activations */
+  /* --ft: the fault-tolerant DDP and what it survived */
+  td_ft_ddp *ft;
+  int ft_failures, ft_lost, ft_members, ft_shards_recomputed, ft_steps_with_failure;
+  uint64_t ft_generation;
+  double ft_recovery_max_s;
+  double ft_first_commit_unix_s; /* wall clock of the first step committed after a failure */
+  double ft_machinery_s;         /* td_ft_step_info.machinery_s, summed over the steps */
 } dp_run;
 
 /* estimate returns the mean loss of eval_iters batches of each split (train, val) from a
@@ -663,7 +682,146 @@ static double optimizer_step(const opts *o, dp_run *dp, td_optim *opt, td_grad_s
   return norm;
 }
 
+/* params_hash: FNV-1a over the bytes of every parameter (equal hashes: bitwise equal models). */
+static uint64_t params_hash(td_module *m) {
+  td_tensor_list ps;
+  td_tensor_list_init(&ps);
+  EX_CHECK(td_module_parameters(m, &ps));
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < ps.n; i++) {
+    td_tensor *t = NULL;
+    EX_CHECK(td_tensor_contiguous(ps.tensors[i], &t));
+    const unsigned char *b = td_tensor_data(t);
+    for (size_t k = 0, n = td_tensor_nbytes(t); k < n; k++) h = (h ^ b[k]) * 0x100000001b3ull;
+    td_tensor_unref(t);
+  }
+  td_tensor_list_fini(&ps);
+  return h;
+}
+
+/* ---- --ft: fault-tolerant DDP ---- */
+
+/* A shard of a step's global batch (world x batch_size windows, world shards): its windows are
+ * drawn from a generator seeded by (seed + 1, step, shard) alone, so whichever replica computes
+ * it, after a failure too, it is the same batch. */
+typedef struct ft_shard_ctx {
+  td_module *m;
+  const corpus *c;
+  const opts *o;
+  double loss_sum;
+  int shards;
+} ft_shard_ctx;
+
+static td_status ft_shard(void *user, int64_t step, int s, int n_shards) {
+  (void)n_shards;
+  ft_shard_ctx *x = user;
+  uint64_t seed = (x->o->seed + 1) ^ (((uint64_t)step + 1) * 0x9e3779b97f4a7c15ull) ^
+                  (((uint64_t)s + 1) * 0xc2b2ae3d27d4eb4full);
+  td_generator *g = NULL;
+  td_status st = td_generator_create(seed, &g);
+  if (st != TD_OK) return st;
+  batch b;
+  batch_make(x->c->tok, x->c->n_train, g, x->o->batch_size, x->o->block_size, NULL, &b);
+  td_tensor *logits = NULL, *loss = NULL;
+  st = td_gpt_forward(x->m, b.x, b.y, &logits, &loss);
+  if (st == TD_OK) st = td_tensor_backward(loss);
+  double v = NAN;
+  if (st == TD_OK) st = td_tensor_item(loss, &v);
+  if (st == TD_OK) x->loss_sum += v, x->shards++;
+  td_tensor_unref(logits);
+  td_tensor_unref(loss);
+  batch_free(&b);
+  td_generator_destroy(g);
+  return st;
+}
+
+static void ft_inject_all(td_ft_ddp *ft, const char *specs) {
+  char buf[512];
+  snprintf(buf, sizeof buf, "%s", specs);
+  for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+    int rank;
+    int64_t step;
+    td_ft_when when;
+    td_ft_what what;
+    EX_CHECK(td_ft_inject_parse(t, &rank, &step, &when, &what));
+    EX_CHECK(td_ft_ddp_inject(ft, rank, step, when, what));
+  }
+}
+
+/* train_ft: train() for --ft. A step's loss is the mean of the shards this rank computed. */
+static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, train_result *r) {
+  td_optim *opt = make_optimizer(m, o);
+  td_ft_ddp_options fo;
+  td_ft_ddp_options_init(&fo);
+  fo.max_grad_norm = o->grad_clip;
+  if (o->bucket_mb > 0) fo.bucket_bytes = (size_t)(o->bucket_mb * 1048576.0);
+  fo.module = m; /* failure-free steps overlap the reduction with backward */
+  EX_CHECK(td_ft_ddp_create(dp->pg, opt, &fo, &dp->ft));
+  if (o->ft_inject) ft_inject_all(dp->ft, o->ft_inject);
+  bool lead = dp->rank == 0;
+  ex_json_array(&r->evals);
+  r->hash = r->loss_hash = 0xcbf29ce484222325ull;
+  r->train_s = r->train_cpu_s = 0;
+  r->grad_norm = NAN;
+  r->last_loss = r->train_loss = r->val_loss = NAN;
+  ex_progress p;
+  ex_progress_start(&p, "gpt", lead ? o->steps : 0);
+  ft_shard_ctx ctx = {m, c, o, 0, 0};
+  for (int64_t it = 0;; it++) {
+    if (lead && (it % o->eval_interval == 0 || it == o->steps)) {
+      double tl = NAN, vl = NAN;
+      estimate(m, c, o, &tl, &vl);
+      record_eval(r, &p, it, tl, vl);
+    }
+    if (it == o->steps) break;
+    double t0 = ex_now_s(), c0 = cpu_now_s();
+    EX_CHECK(td_optim_set_lr(opt, td_optim_lr_warmup_cosine(it, o->warmup, o->steps, o->lr,
+                                                            o->min_lr)));
+    ctx.loss_sum = 0, ctx.shards = 0;
+    td_ft_step_info info;
+    EX_CHECK(td_ft_ddp_step(dp->ft, it, ft_shard, &ctx, &info));
+    dp->ft_machinery_s += info.machinery_s;
+    if (info.failures) {
+      /* one line per failure, from the lowest surviving rank: who, at which step, what moved */
+      if (td_process_group_rank(td_ft_ddp_group(dp->ft)) == 0)
+        fprintf(stderr, "%sgpt: %s\n", p.tty ? "\n" : "", info.message);
+      dp->ft_failures += info.failures;
+      dp->ft_lost += info.lost;
+      dp->ft_shards_recomputed += info.shards_recomputed;
+      dp->ft_steps_with_failure++;
+      if (info.recovery_s > dp->ft_recovery_max_s) dp->ft_recovery_max_s = info.recovery_s;
+      if (dp->ft_first_commit_unix_s == 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        dp->ft_first_commit_unix_s = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+      }
+    }
+    r->last_loss = ctx.shards ? ctx.loss_sum / ctx.shards : NAN;
+    ex_hash_double(&r->loss_hash, r->last_loss);
+    r->train_s += ex_now_s() - t0;
+    r->train_cpu_s += cpu_now_s() - c0;
+    if (lead) ex_progress_update(&p, it + 1, "loss %.4f", r->last_loss);
+  }
+  td_ft_step_info si;
+  EX_CHECK(td_ft_ddp_sync(dp->ft, &si));
+  dp->ft_failures += si.failures;
+  dp->ft_lost += si.lost;
+  td_process_group *g = td_ft_ddp_group(dp->ft);
+  dp->ft_members = td_process_group_size(g);
+  dp->ft_generation = td_process_group_generation(g);
+  if (lead) ex_progress_finish(&p, "val loss %.4f", r->val_loss);
+  r->skipped_steps = 0;
+  r->loss_scale = NAN;
+  td_ft_ddp_destroy(dp->ft); /* the parameters stay; the groups it re-formed go */
+  dp->ft = NULL;
+  td_optim_destroy(opt);
+}
+
 static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, train_result *r) {
+  if (o->ft) {
+    train_ft(m, c, o, dp, r);
+    return;
+  }
   td_optim *opt = NULL;
   if (dp->pg && strcmp(o->dp, "ddp")) {
     optim_setup s;
@@ -1019,6 +1177,7 @@ int main(int argc, char **argv) {
   bool zero_alone = o.nproc == 1 && strcmp(o.dp, "ddp") != 0;
   if (!o.load && (o.nproc > 1 || zero_alone || getenv("RANK") || getenv("SLURM_PROCID") ||
                   getenv("OMPI_COMM_WORLD_RANK"))) {
+    psx_tolerate_failures(o.ft); /* --ft: a lost worker does not stop the others */
     psx_spawn_if_alone(o.nproc); /* a launcher's rank becomes RANK */
     dp.rank = atoi(getenv("RANK"));
     snprintf(wname, sizeof wname, "worker%d", dp.rank);
@@ -1100,7 +1259,21 @@ int main(int argc, char **argv) {
     snprintf(h, sizeof h, "%016llx", (unsigned long long)r.loss_hash);
     ex_json_str(&res, "losses_hash", h); /* equal bits: the same training, step for step */
     ex_json_fini(&r.evals);
-    if (dp.pg) {
+    if (dp.pg && o.ft) {
+      ex_json_int(&res, "ft_failures", dp.ft_failures);
+      ex_json_int(&res, "ft_lost_workers", dp.ft_lost);
+      ex_json_int(&res, "ft_steps_with_failure", dp.ft_steps_with_failure);
+      ex_json_int(&res, "ft_shards_recomputed", dp.ft_shards_recomputed);
+      ex_json_int(&res, "ft_members_at_end", dp.ft_members);
+      ex_json_int(&res, "ft_generation", (int64_t)dp.ft_generation);
+      ex_json_num(&res, "ft_recovery_max_s", dp.ft_recovery_max_s);
+      /* the fault tolerance's own time per step (fast path) and its share of a training step */
+      ex_json_num(&res, "ft_machinery_s_per_step", o.steps ? dp.ft_machinery_s / (double)o.steps
+                                                           : NAN);
+      ex_json_num(&res, "ft_machinery_share", r.train_s > 0 ? dp.ft_machinery_s / r.train_s : NAN);
+      ex_json_int(&res, "ft_first_commit_after_failure_unix_ms",
+                  (int64_t)(dp.ft_first_commit_unix_s * 1000.0));
+    } else if (dp.pg) {
       dp_results(&dp, &o, td_module_num_parameters(m), &res);
     } else if (!on_gpu) { /* the CPU allocator's figures (tensor memory; MiB): training peak
                              less what was in use before the model existed, and what the first
@@ -1117,6 +1290,8 @@ int main(int argc, char **argv) {
     }
     /* zero3: the blocks' parameters back into the model (after the memory was measured) */
     if (dp.zero) EX_CHECK(td_zero_gather_params(dp.zero));
+    snprintf(h, sizeof h, "%016llx", (unsigned long long)params_hash(m));
+    ex_json_str(&res, "params_hash", h); /* equal bits: the same parameters at the end */
     if (o.save && dp.rank == 0) save_checkpoint(m, o.save, vocab);
   }
   td_gpt_config mc;
@@ -1151,7 +1326,8 @@ int main(int argc, char **argv) {
     td_ddp_destroy(dp.ddp);
     td_zero_destroy(dp.zero);
     td_process_group_destroy(dp.pg);
-    if (td_rpc_shutdown(agent, true, TD_TIMEOUT_DEFAULT) != TD_OK) {
+    /* with a worker lost (--ft) the graceful shutdown's barrier would wait for it */
+    if (td_rpc_shutdown(agent, dp.ft_lost == 0, TD_TIMEOUT_DEFAULT) != TD_OK) {
       fprintf(stderr, "worker%d: shutdown: %s\n", dp.rank, td_last_error());
       rc = 1;
     }

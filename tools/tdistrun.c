@@ -109,6 +109,8 @@ typedef struct options {
   int master_port;       /* 1..65535; -1 = unset (29500, or a free port with --standalone) */
   bool standalone;
   int max_restarts;      /* default 0 */
+  int tolerate_failures; /* --tolerate-failures: failed workers (rank > 0) that do not stop the
+                            others; default 0 */
   int monitor_ms;        /* fallback polling period, ms; default 100 */
   double stop_timeout_s; /* SIGTERM -> SIGKILL grace, seconds; default 5 */
   bool prefix;           /* default true; --no-prefix clears it */
@@ -143,6 +145,9 @@ static void usage(FILE *f) {
     "  --rdzv-id ID          run id shared by every node of the job (default: TD_RUN_ID, else\n"
     "                        the Slurm job and step, else a random id with --nnodes 1)\n"
     "  --max-restarts K      restart the whole group up to K times after a failure (default 0)\n"
+    "  --tolerate-failures K up to K workers other than rank 0 may fail without stopping the\n"
+    "                        others (programs that survive a lost member, e.g. td_ft_ddp: gpt\n"
+    "                        --ft); the job then succeeds when every other worker does (default 0)\n"
     "  --monitor-interval MS fallback period for checking workers, in ms (default 100)\n"
     "  --stop-timeout S      seconds between SIGTERM and SIGKILL when stopping (default 5)\n"
     "  --no-prefix           pass worker output through without the \"[rank]: \" prefix\n"
@@ -320,6 +325,9 @@ static int parse_args(int argc, char **argv, options *o) {
       if (val[0] == '\0' || strlen(val) > 100)
         return usage_error("--rdzv-id must be 1..100 characters, got '%s'", val);
       o->rdzv_id = val;
+    } else if (strcmp(name, "tolerate-failures") == 0) {
+      if (!parse_int(val, 0, 1000000, &o->tolerate_failures))
+        return usage_error("--tolerate-failures must be an integer >= 0, got '%s'", val);
     } else if (strcmp(name, "max-restarts") == 0) {
       if (!parse_int(val, 0, 1000000, &o->max_restarts))
         return usage_error("--max-restarts must be an integer >= 0, got '%s'", val);
@@ -827,7 +835,7 @@ static attempt_result run_attempt(const options *o, int attempt, int port) {
   int running = 0;
   bool stopping = false, killed = false;
   int64_t kill_at = 0, drain_until = -1;
-  int sigs_seen = 0;
+  int sigs_seen = 0, tolerated = 0;
   bool sweep = true;     /* reap on this pass: set by SIGCHLD wake-ups and every monitor_ms */
   int64_t next_sweep = 0; /* when the fallback sweep is due */
   hang_watch hang = {.last_move_ms = now_ms(), .report_at_ms = -1,
@@ -891,6 +899,16 @@ static attempt_result run_attempt(const options *o, int attempt, int port) {
       w->wstatus = r < 0 ? 0 : st;
       running--;
       /* a worker that dies of the SIGUSR1 of a hang (no handler) is part of the hang's report */
+      if (r > 0 && failed_status(st) && !stopping && hang.report_at_ms < 0 && w->rank > 0 &&
+          tolerated < o->tolerate_failures) {
+        char what[96];
+        describe_status(st, what, sizeof what);
+        tolerated++;
+        fprintf(stderr, "tdistrun: worker rank %d (local %d) failed with %s; the others go on "
+                "(%d of %d tolerated failures, --tolerate-failures)\n", w->rank, i, what,
+                tolerated, o->tolerate_failures);
+        continue;
+      }
       if (r > 0 && failed_status(st) && !stopping && hang.report_at_ms < 0) {
         res.kind = ATTEMPT_FAILED;
         res.failed = i;

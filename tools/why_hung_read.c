@@ -256,6 +256,9 @@ void td__wh_describe(const job *j, const rec *r, char *buf, size_t n) {
         snprintf(buf, n, "waiting on call %s #%llu to %s%s%s", r->name, r->a,
                  td__wh_who(j, r->peer, w, sizeof w),
                  td__wh_about_call(j, r->name, r->peer, r->y, r->b, ab, sizeof ab), set);
+      else if (!strcmp(r->name, "pg_reform")) /* td_process_group_reform: a bounded store wait */
+        snprintf(buf, n, "re-forming process group %llu as generation %llu (waiting for the "
+                 "survivors through the store)", r->a, r->b);
       else snprintf(buf, n, "waiting on a future%s%s", td__wh_about(r->y, r->b, ab, sizeof ab), set);
       break;
     }

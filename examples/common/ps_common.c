@@ -176,6 +176,9 @@ static bool psx_reaped[63];
 static int psx_nchildren;
 static pthread_t psx_watcher;
 static bool psx_watching;
+static bool psx_tolerant; /* psx_tolerate_failures: a failed child does not stop the job */
+
+void psx_tolerate_failures(bool on) { psx_tolerant = on; }
 
 static void describe(int st, char *buf, size_t n) {
   if (WIFSIGNALED(st)) snprintf(buf, n, "was killed by signal %d (%s)", WTERMSIG(st),
@@ -202,6 +205,11 @@ static void *watch_children(void *arg) {
       if (WIFEXITED(st) && WEXITSTATUS(st) == 0) break;
       char what[96];
       describe(st, what, sizeof what);
+      if (psx_tolerant) {
+        fprintf(stderr, "%s: worker rank %d (pid %d) %s; the others go on\n",
+                program_invocation_short_name, i + 1, (int)pid, what);
+        break;
+      }
       fprintf(stderr, "%s: worker rank %d (pid %d) %s; stopping the job\n",
               program_invocation_short_name, i + 1, (int)pid, what);
       for (int k = 0; k < psx_nchildren; k++)
@@ -282,6 +290,7 @@ int psx_wait_children(int rc) {
   psx_watching = false;
   for (int i = 0; i < psx_nchildren; i++) {
     int st = __atomic_load_n(&psx_status[i], __ATOMIC_RELAXED);
+    if (psx_tolerant && __atomic_load_n(&psx_reaped[i], __ATOMIC_ACQUIRE)) continue;
     if (!__atomic_load_n(&psx_reaped[i], __ATOMIC_ACQUIRE) || !WIFEXITED(st) ||
         WEXITSTATUS(st) != 0) {
       fprintf(stderr, "rank %d failed\n", i + 1);

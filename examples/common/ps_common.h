@@ -64,6 +64,9 @@ double psx_evaluate(td_module *model, const td_mnist *ds, bool flatten);
  * (started by tdistrun or torchrun); under srun or mpirun it only copies their rank to RANK. */
 void psx_spawn_if_alone(int nproc);
 
+/* psx_tolerate_failures(true): a child of psx_spawn_if_alone that fails no longer stops the job
+ * (programs that survive a lost member: gpt --ft); psx_wait_children then ignores it. */
+void psx_tolerate_failures(bool on);
 /* psx_wait_children waits for the children of psx_spawn_if_alone; returns rc, or 1 when rc is 0
  * and a child failed. */
 int psx_wait_children(int rc);

@@ -241,6 +241,91 @@ typedef enum td_pg_op {
 TD_API const char *td_process_group_algorithm(const td_process_group *pg, td_pg_op op,
                                               size_t nbytes);
 
+/* ---- fault tolerance: membership generations and the lost-member notice ----
+ *
+ * A group has a generation: 0 at td_process_group_create, one more at each re-formation. When a
+ * member is lost (its process exits, its connection closes, its keepalive expires) the
+ * collective in flight fails on every member with an error naming the lost member and the
+ * group's generation ("process group 3 (generation 0): worker2 (rank 2) is unavailable: its
+ * process (pid 4711) exited ..."); the group stays broken. The survivors then re-form it among
+ * themselves, without restarting:
+ *
+ *     td_process_group *next = NULL;
+ *     if (td_process_group_reform(pg, TD_TIMEOUT_DEFAULT, &next) == TD_OK) {
+ *       td_process_group_destroy(pg);
+ *       pg = next;   generation + 1, the live members, renumbered 0..size-1 in global rank order
+ *     }
+ *
+ * This is torchft's reconfiguration of a replica group (and what torch.distributed's elastic
+ * agent does by restarting every worker), here with the survivors' processes and state kept.
+ * The rendezvous store's host (global rank 0) decides nothing itself but must live: it holds
+ * the records the survivors agree through, so its loss ends the job (as a lost TCPStore master
+ * ends a torchrun job). */
+
+/* td_process_group_generation returns pg's generation (0 for NULL). THREAD SAFETY: any thread. */
+TD_API uint64_t td_process_group_generation(const td_process_group *pg);
+
+/* A lost member, as td_process_group_wait_lost reports it. */
+typedef struct td_pg_lost {
+  int group_rank;       /* in the group that lost it */
+  int global_rank;      /* its RPC rank */
+  char name[128];       /* its worker name */
+  uint64_t generation;  /* the group's generation when it was lost */
+  td_status status;     /* TD_ERR_UNAVAILABLE (exited, connection lost) or TD_ERR_TIMEOUT */
+  char reason[384];     /* the observer's words ("worker2 (rank 2) is unavailable: ...") */
+} td_pg_lost;
+
+/* td_process_group_wait_lost waits up to timeout (TD_TIMEOUT_ZERO: a poll; TD_TIMEOUT_DEFAULT and
+ * TD_TIMEOUT_INFINITE: no limit) until pg has lost a member, and describes the first one this
+ * member knows of in *out: one whose loss a collective of this member saw, one on this host
+ * whose process exited (no collective needed: its pidfd, or its pid), or one another
+ * member recorded lost in the store (read every 100 ms, one request per member: meant for
+ * groups of tens, not thousands). TD_ERR_TIMEOUT when none was lost by then (*out untouched).
+ * This is the notice a program waits on in a thread of its own, or polls between steps, to
+ * learn of a loss while it is not in a collective with the lost member (a wait on a third
+ * worker). THREAD SAFETY: any thread, concurrently with the group's operations; pg must not be
+ * destroyed meanwhile. Blocks. */
+TD_API td_status td_process_group_wait_lost(td_process_group *pg, td_timeout_ms timeout,
+                                            td_pg_lost *out);
+
+/* td_process_group_reform creates the next generation of pg among its members that are still
+ * there, and returns it in *out (a new group: pg itself stays broken; destroy it). Collective
+ * over the survivors: every live member calls it, typically after an operation failed. The
+ * first caller decides the membership: every member of pg that called reform by then, less
+ * those known lost (a member whose process exited is excluded at once, one a peer saw lost
+ * through a closed connection after 1 s without calling, any other at half the timeout). Members
+ * are renumbered 0..size-1 in global rank order; the ring's connections are authenticated
+ * again under a key bound to the new id and generation, so a member of an older generation
+ * cannot connect. timeout (TD_TIMEOUT_DEFAULT: pg's timeout) bounds the whole call. A member
+ * left out (it called too late) gets TD_ERR_STATE ("... is stale: generation 1 of process group
+ * 3 was formed without it"); TD_ERR_TIMEOUT when the decision never came (the deciding member
+ * was lost while deciding) or the new group could not connect (another member lost meanwhile):
+ * calling reform again on the same pg then forms the generation after. Release *out with
+ * td_process_group_destroy(). THREAD SAFETY: one call at a time per group, not concurrently
+ * with its operations. Blocks. */
+TD_API td_status td_process_group_reform(td_process_group *pg, td_timeout_ms timeout,
+                                         td_process_group **out);
+
+/* td_process_group_all_reduce_ordered sums the shards of a batch in shard order whoever holds
+ * them: the n_shards contributions (shard s is held by group rank owner[s]; owner is the same
+ * on every member, and a member may hold any number of shards, none included) are combined as
+ * ((s_0 + s_1) + s_2) + ... + s_{n_shards-1} element by element, and out receives the sum
+ * (TD_REDUCE_SUM) or the sum divided by n_shards (TD_REDUCE_AVG) on every member. mine[j] is this
+ * member's j-th shard in increasing shard order (as many as owner[] gives it). Every tensor is
+ * contiguous, on the CPU, with out's dtype and element count. The result is bitwise the same
+ * whatever the group's size and whoever holds which shard, so a shard moved to another member
+ * (because its holder was lost) changes no bit: that is what makes a recomputed step equal the
+ * step without the failure. Cost: when every member holds the shard of its own group rank and
+ * the group reduces on shared memory (those algorithms fold members 0..n-1 left to right), one
+ * all_reduce; otherwise an all_gather of every shard in pieces of at most 4 MiB per member
+ * (size x the most shards a member holds), each member folding the pieces itself. Collective;
+ * blocks. TD_ERR_INVALID for an owner out of range, a wrong count of mine, mismatched tensors
+ * or TD_REDUCE_MAX. */
+TD_API td_status td_process_group_all_reduce_ordered(td_process_group *pg, td_tensor *out,
+                                                     td_tensor *const *mine, int n_mine,
+                                                     const int *owner, int n_shards,
+                                                     td_reduce_op op);
+
 /* ---- data parallelism ---- */
 
 typedef struct td_ddp td_ddp;
@@ -343,6 +428,153 @@ TD_API td_status td_grad_scaler_set_process_group(td_grad_scaler *s, td_process_
 TD_API int td_ddp_num_buckets(const td_ddp *ddp);
 /* td_ddp_destroy frees ddp and its buckets. NULL does nothing. */
 TD_API void td_ddp_destroy(td_ddp *ddp);
+
+/* ---- fault-tolerant data parallelism: a failure costs one step, not the job ----
+ *
+ * A td_ft_ddp runs data-parallel steps that survive the loss of replicas with the result
+ * unchanged: the parameters after a run with any number of lost members are bitwise those of
+ * the run without a failure (float64 and float32 alike; at least one member must survive, and
+ * the rendezvous store's host, global rank 0, must live: see "fault tolerance" above).
+ *
+ * How. Each step's global batch is cut into n_shards equal shards (default: the group's size at
+ * creation), fixed for the whole run; shard s of step k is the same samples whoever computes it
+ * (the caller's shard function draws them from (k, s) alone: td_ft_shard_range). Each member
+ * computes the gradient of its shards (the library clears .grad, calls the shard function,
+ * which runs forward and backward on the shard's mean loss, and keeps a copy of the gradient),
+ * then the shard gradients are summed in shard order (td_process_group_all_reduce_ordered:
+ * bitwise the same whoever holds which shard), divided by n_shards, written into the .grads,
+ * optionally clipped, and the optimizer steps: the step commits. When a member is lost (before,
+ * during or after the reduction), the reduction fails on every survivor naming it; the
+ * survivors re-form the group (td_process_group_reform, generation + 1), agree on the last step
+ * each committed (a member that committed this step when another did not hands its parameters
+ * and optimizer state to the others: the step then stands everywhere, and it is the very state
+ * recomputing would give), give the lost member's shards to the survivors holding the fewest
+ * (the others keep theirs and their gradients: only lost shards are recomputed), and reduce
+ * again. The sum is the same, so the step's result is. Later steps keep that assignment: the
+ * epoch is re-sharded over the survivors.
+ *
+ * Cost without failures: the identity path of the ordered reduction (one all_reduce per bucket
+ * on a same-host group), one copy of each shard's gradient out of .grad and of the average back
+ * in, and no overlap of the reduction with backward; on a TCP ring (members on several hosts)
+ * every step takes the gather path. Per step:
+ *
+ *     static td_status shard(void *user, int64_t step, int s, int n_shards) {
+ *       ... the samples of shard s of step `step`: forward, mean loss, td_tensor_backward ...
+ *     }
+ *     for (int64_t k = 0; k < steps; k++) {
+ *       td_optim_set_lr(opt, schedule(k));
+ *       td_ft_step_info info;
+ *       if (td_ft_ddp_step(ft, k, shard, &ctx, &info) != TD_OK) break;   stale, or no agreement
+ *       if (info.failures) puts(info.message);      who was lost, at which step, what moved
+ *     }
+ *     td_ft_ddp_sync(ft, NULL);                      before leaving: see td_ft_ddp_sync
+ *
+ * The shard function must be deterministic in (step, shard) and the parameters (no state that
+ * depends on the member: dropout draws from a generator seeded by step and shard), and must not
+ * run collectives over the group. */
+typedef struct td_ft_ddp td_ft_ddp;
+
+/* td_ft_shard_fn computes the gradient of shard `shard` (of n_shards) of step `step`'s global
+ * batch into the .grads of the optimizer's parameters (they are cleared, set to none, before
+ * each call). TD_OK or a status, which td_ft_ddp_step returns. Runs on the thread that called
+ * td_ft_ddp_step. */
+typedef td_status (*td_ft_shard_fn)(void *user, int64_t step, int shard, int n_shards);
+
+typedef struct td_ft_ddp_options {
+  int n_shards;            /* shards per step (default 0: the group's size at creation) */
+  size_t bucket_bytes;     /* elements reduced per ordered all_reduce, in bytes (0: 4 MiB) */
+  double max_grad_norm;    /* > 0: clip the averaged gradient's global 2-norm (default 0) */
+  td_timeout_ms reform_timeout; /* bound of each re-formation (TD_TIMEOUT_DEFAULT: the group's
+                                   timeout) */
+  int max_failures;        /* failures survived before td_ft_ddp_step gives up (0: no limit) */
+  td_module *module;       /* the module whose parameters opt steps, or NULL. Given, steps
+                              without failure overlap the reduction with backward (td_ddp with
+                              overlap: the shard function's backward starts the buckets'
+                              all_reduces) while each member holds the shard of its own rank on a
+                              same-host group: the same bits, without the wait after backward.
+                              Must outlive the td_ft_ddp */
+} td_ft_ddp_options;
+/* td_ft_ddp_options_init: n_shards = group size, 4 MiB buckets, no clipping, no limit. */
+TD_API void td_ft_ddp_options_init(td_ft_ddp_options *o);
+
+/* td_ft_ddp_create prepares fault-tolerant data parallelism of opt's parameters (float32 or
+ * float64 CPU tensors) over pg. Collective over pg: copies group rank 0's parameters to every
+ * member. Borrows pg and opt (both must outlive the td_ft_ddp; pg is never destroyed by it: the
+ * groups it re-forms are its own, see td_ft_ddp_group). opts NULL: the defaults. Release with
+ * td_ft_ddp_destroy(). */
+TD_API td_status td_ft_ddp_create(td_process_group *pg, td_optim *opt,
+                                  const td_ft_ddp_options *opts, td_ft_ddp **out);
+
+/* What td_ft_ddp_step did (every field set on TD_OK). */
+typedef struct td_ft_step_info {
+  int64_t step;            /* the step that committed */
+  uint64_t generation;     /* the group's generation it committed in */
+  int members;             /* the group's size then */
+  int failures;            /* failures survived during this step (0: a plain step) */
+  int lost;                /* members lost during this step */
+  int shards_computed;     /* shard gradients this member computed in this step */
+  int shards_recomputed;   /* shards of lost members the survivors computed in this step */
+  bool healed;             /* this member took the step's state from a member that committed it */
+  double recovery_s;       /* from the first failure seen to the commit (0 without failure) */
+  double machinery_s;      /* on the fast path: the time spent beyond what td_ddp does (keeping
+                              a copy of the local gradient, dropping it at the commit): the fault
+                              tolerance's own cost in a step without failure; 0 otherwise */
+  char message[1024];      /* one line saying who was lost, at which step and in which phase,
+                              and what was recomputed by whom ("" without failure) */
+} td_ft_step_info;
+
+/* td_ft_ddp_step runs step `step` (the caller's count: steps must increase by one from any
+ * start) to its commit, surviving lost members as described above; info (may be NULL) says what
+ * happened. Collective over the current group; blocks. Errors: the shard function's status;
+ * TD_ERR_STATE when this member was left out of a re-formation (stale) or a failure that lost
+ * no member repeated max_failures times; the re-formation's TD_ERR_TIMEOUT when the survivors
+ * could not agree (the store's host lost, a second failure while deciding). The parameters are
+ * then those of the last committed step. THREAD SAFETY: one thread. */
+TD_API td_status td_ft_ddp_step(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, void *user,
+                                td_ft_step_info *info);
+
+/* td_ft_ddp_sync is a barrier of the current group that survives lost members as a step does:
+ * call it after the last step, before the members leave, so that a member that failed the last
+ * step's reduction after another committed it gets that step (info->step: the last committed
+ * step, -1 none). Collective; blocks. */
+TD_API td_status td_ft_ddp_sync(td_ft_ddp *ft, td_ft_step_info *info);
+/* td_ft_ddp_group returns the current group (the one given at creation, or the last re-formed
+ * generation). Borrowed: valid until the next td_ft_ddp_step or td_ft_ddp_destroy. */
+TD_API td_process_group *td_ft_ddp_group(const td_ft_ddp *ft);
+
+/* td_ft_shard_range gives shard s's samples of a global batch of batch samples cut into n_shards
+ * shards: [*begin, *end) (the first batch % n_shards shards have one sample more). */
+TD_API void td_ft_shard_range(int64_t batch, int n_shards, int s, int64_t *begin, int64_t *end);
+
+/* Fault injection for tests (in the spirit of torchft's EventInjector): at step `step`, on the
+ * member of global rank `rank`, at `when`, do `what`. BEFORE: after its shards are computed,
+ * before the reduction; DURING: after the first bucket of the reduction (use several buckets);
+ * a step with either takes the ordered path, since the overlapped fast path starts reducing
+ * inside backward; AFTER: after the
+ * reduction, before the commit; RECOVERY: in a recovery of that step, after the group was
+ * re-formed, before the survivors agree (a second failure during recovery). KILL: SIGKILL
+ * itself; CLOSE: close its group's connections and fail its group locally (the member lives and
+ * re-forms with the others); STOP: SIGSTOP itself (a hung member: alive to every check, the
+ * others' collective reaches the group's timeout and the re-formation leaves it out at half its
+ * timeout; whoever started it must end it). Each injection fires once. Every member must
+ * register the same injections (they decide which path a step takes). */
+typedef enum td_ft_when {
+  TD_FT_BEFORE = 0,
+  TD_FT_DURING = 1,
+  TD_FT_AFTER = 2,
+  TD_FT_RECOVERY = 3
+} td_ft_when;
+typedef enum td_ft_what { TD_FT_KILL = 0, TD_FT_CLOSE = 1, TD_FT_STOP = 2 } td_ft_what;
+TD_API td_status td_ft_ddp_inject(td_ft_ddp *ft, int rank, int64_t step, td_ft_when when,
+                                  td_ft_what what);
+/* td_ft_inject_parse reads "rank:step:when:what" (when: before, during, after, recovery; what:
+ * kill, close, stop) into its parts; TD_ERR_INVALID otherwise. */
+TD_API td_status td_ft_inject_parse(const char *spec, int *rank, int64_t *step, td_ft_when *when,
+                                    td_ft_what *what);
+
+/* td_ft_ddp_destroy frees ft and the groups it re-formed (not the one given at creation). NULL
+ * does nothing. */
+TD_API void td_ft_ddp_destroy(td_ft_ddp *ft);
 
 /* ---- sharded data parallelism (ZeRO stages 1, 2 and 3) ----
  *

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# test_example_gpt_ft.sh TDISTRUN GPT - gpt --dp ddp --ft (td_ft_ddp) under tdistrun with 4
+# workers, float64: a run without failure, then the same run with rank 2's process SIGKILLed from
+# outside once training is under way (at whatever step and phase it is in). The second run must
+# finish (tdistrun --tolerate-failures 1: exit status 0, no restart), print one line naming the
+# lost worker and the step, and end with the same parameters, bit for bit (results.params_hash),
+# and the same validation loss. Then once more started bare (4 unsupervised processes, as srun
+# without --kill-on-bad-exit leaves them): every survivor exits 0 by itself, same parameters.
+# Skips (77) without the corpus. Ends only the processes it started, by pid.
+set -euo pipefail
+tdistrun="$1"
+gpt="$2"
+corpus=/usr/share/games/fortunes
+if [[ ! -e "$corpus" ]]; then
+  echo "SKIP: no $corpus"
+  exit 77
+fi
+# shellcheck source=launch_lib.sh
+source "$(dirname "$0")/launch_lib.sh"
+scale="${TD_TEST_TIMEOUT_SCALE:-1}"
+args=(--dp ddp --ft --dtype f64 --n-layer 2 --n-head 2 --n-embd 32 --block-size 16
+      --batch-size 4 --steps 250 --eval-interval 1000 --eval-iters 2 --bucket-mb 0.05)
+base="$(mktemp)"
+out="$(mktemp)"
+root=""
+cleanup() {
+  local p
+  if [[ -n "$root" ]]; then
+    for p in $(descendants "$root") "$root"; do kill -9 "$p" 2>/dev/null || true; done
+  fi
+  rm -f "$base" "$out"
+}
+trap cleanup EXIT
+hash_of() { grep -o '"params_hash": "[0-9a-f]*"' "$1" | head -n 1; }
+val_of() { grep -o '"val_loss": [0-9.e+-]*' "$1" | head -n 1; }
+
+timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 4 "$gpt" "${args[@]}" >"$base" 2>&1
+h0="$(hash_of "$base")"
+[[ -n "$h0" ]] || { cat "$base"; echo "FAIL: no params_hash in the failure-free run"; exit 1; }
+
+"$tdistrun" --standalone --nproc-per-node 4 --tolerate-failures 1 "$gpt" "${args[@]}" >"$out" 2>&1 &
+root=$!
+victim=""
+for _ in $(seq 1 $((600 * scale))); do
+  kill -0 "$root" 2>/dev/null || break
+  [[ -z "$victim" ]] && victim="$(rank_pid tdistrun "$root" 2 || true)"
+  if [[ -n "$victim" ]] && grep -q "loss" "$out"; then break; fi
+  sleep 0.05
+done
+if [[ -z "$victim" ]] || ! kill -0 "$root" 2>/dev/null; then
+  cat "$out"
+  echo "FAIL: rank 2 never ran, or the job ended before it could be killed"
+  exit 1
+fi
+sleep 0.3
+echo "killing rank 2 (pid $victim)"
+kill -9 "$victim"
+rc=0
+for _ in $(seq 1 $((120 * scale * 20))); do
+  kill -0 "$root" 2>/dev/null || break
+  sleep 0.05
+done
+if kill -0 "$root" 2>/dev/null; then
+  tail -n 20 "$out"
+  echo "FAIL: the job still runs 120 s after the kill"
+  exit 1
+fi
+wait "$root" || rc=$?
+root=""
+grep -E "^\[[0-9]+\]: gpt: step|tdistrun:" "$out" || true
+fail=0
+[[ $rc -eq 0 ]] || { echo "FAIL: the job ended with status $rc"; fail=1; }
+if ! grep -qE "gpt: step [0-9]+, generation 0: .*worker2 \(rank 2\).*lost: worker2 \(rank 2\); generation 1 formed with 3 of 4 members.*re-sharded: shard 2 -> .*committed" "$out"; then
+  echo "FAIL: no line naming the lost worker, the step and the re-sharded shard"
+  fail=1
+fi
+if grep -q "restarting" "$out"; then echo "FAIL: the group was restarted"; fail=1; fi
+h1="$(hash_of "$out")"
+if [[ "$h1" != "$h0" ]]; then
+  echo "FAIL: parameters differ from the failure-free run ($h1 vs $h0)"
+  fail=1
+fi
+if [[ "$(val_of "$out")" != "$(val_of "$base")" ]]; then
+  echo "FAIL: validation loss differs ($(val_of "$out") vs $(val_of "$base"))"
+  fail=1
+fi
+if [[ $fail -ne 0 ]]; then tail -n 30 "$out"; exit 1; fi
+echo "tdistrun: $h1 with and without the kill"
+
+# The same started bare (4 processes that nothing supervises, as srun without
+# --kill-on-bad-exit leaves them): the survivors finish by themselves, exit 0, same parameters.
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+dir=$(mktemp -d)
+secret=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+pids=()
+for r in 0 1 2 3; do
+  env RANK=$r LOCAL_RANK=$r WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
+    TD_RPC_SECRET="$secret" "$gpt" "${args[@]}" >"$dir/rank$r.out" 2>&1 &
+  pids+=($!)
+done
+# shellcheck disable=SC2064
+trap "for p in ${pids[*]}; do kill -9 \$p 2>/dev/null || true; done; rm -rf '$dir' '$base' '$out'" EXIT
+for _ in $(seq 1 $((600 * scale))); do
+  grep -q "loss" "$dir/rank0.out" && break
+  kill -0 "${pids[2]}" 2>/dev/null || break
+  sleep 0.05
+done
+sleep 0.3
+kill -0 "${pids[2]}" 2>/dev/null || { tail -n 5 "$dir"/rank*.out; echo "FAIL: rank 2 ended first"; exit 1; }
+echo "killing rank 2 (pid ${pids[2]}), started bare"
+kill -9 "${pids[2]}"
+for r in 0 1 3; do
+  rc=0
+  timeout $((120 * scale)) tail --pid="${pids[$r]}" -f /dev/null || true
+  if kill -0 "${pids[$r]}" 2>/dev/null; then echo "FAIL: rank $r still runs"; fail=1; continue; fi
+  wait "${pids[$r]}" || rc=$?
+  [[ $rc -eq 0 ]] || { tail -n 5 "$dir/rank$r.out"; echo "FAIL: rank $r exited $rc"; fail=1; }
+done
+grep -E "gpt: step" "$dir"/rank*.out || true
+h2="$(hash_of "$dir/rank0.out")"
+if [[ "$h2" != "$h0" ]]; then
+  echo "FAIL: bare: parameters differ from the failure-free run ($h2 vs $h0)"
+  fail=1
+fi
+if [[ $fail -ne 0 ]]; then tail -n 20 "$dir/rank0.out"; exit 1; fi
+echo "PASS: $h2 with and without the kill, under tdistrun and bare"
