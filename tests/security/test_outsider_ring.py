@@ -57,13 +57,13 @@ def listen_ports(pid):
     return ports
 
 
-def ring_key(secret, group_id, ranks):
+def ring_key(secret, group_id, ranks, generation=0):
     """The group's handshake key: td__auth_derive(K, "ring", id | size | folded ranks |
-    encrypted), encrypted 0 here (no TLS)."""
+    encrypted | generation), encrypted 0 here (no TLS), generation 0 (a group never re-formed)."""
     h = 1469598103934665603
     for r in ranks:
         h = ((h ^ (r & 0xFFFFFFFF)) * 1099511628211) & ((1 << 64) - 1)
-    ctx = struct.pack("<QiQB", group_id, len(ranks), h, 0)
+    ctx = struct.pack("<QiQBQ", group_id, len(ranks), h, 0, generation)
     return hmac.new(t.key_of(secret), b"tdist/1 derive " + b"ring\x00" + ctx,
                     hashlib.sha256).digest()
 
