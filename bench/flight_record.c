@@ -16,13 +16,10 @@
 #include "core/core.h"
 #include "core/flight_impl.h"
 
-static long events = 2000000;
+#define BENCH_PROG "flight_record"
+#include "bench_util.h"
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+static long events = 2000000;
 
 static void *record_loop(void *arg) {
   (void)arg;
@@ -35,24 +32,24 @@ static void *record_loop(void *arg) {
 /* ns per event with t threads recording at once (each records `events`). */
 static double run_threads(int t) {
   pthread_t th[64];
-  double t0 = now_s();
+  double t0 = bench_now_s();
   for (int i = 0; i < t; i++) pthread_create(&th[i], NULL, record_loop, NULL);
   for (int i = 0; i < t; i++) pthread_join(th[i], NULL);
-  return (now_s() - t0) * 1e9 / (double)events; /* wall time per event of one thread */
+  return (bench_now_s() - t0) * 1e9 / (double)events; /* wall time per event of one thread */
 }
 
 /* ns per td__now_ns(), the clock read every record makes (for scale). */
 static double run_clock(void) {
   volatile uint64_t sink = 0;
-  double t0 = now_s();
+  double t0 = bench_now_s();
   for (long i = 0; i < events; i++) sink += td__now_ns();
   (void)sink;
-  return (now_s() - t0) * 1e9 / (double)events;
+  return (bench_now_s() - t0) * 1e9 / (double)events;
 }
 
 static double run_push_pop(void) {
   td__flight_ev e = {.kind = TD__FL_WAIT_BEGIN, .peer = 1};
-  double t0 = now_s();
+  double t0 = bench_now_s();
   for (long i = 0; i < events; i++) {
     e.kind = TD__FL_WAIT_BEGIN;
     e.a = (uint64_t)i;
@@ -60,13 +57,13 @@ static double run_push_pop(void) {
     e.kind = TD__FL_WAIT_END;
     td__flight_pop(&e, "bench_fn");
   }
-  return (now_s() - t0) * 1e9 / (double)events;
+  return (bench_now_s() - t0) * 1e9 / (double)events;
 }
 
 /* ns per call's worth of recording about an RRef (what an RRef request or a backward hop adds):
  * the thread's subject set, a send record carrying it, the subject restored. */
 static double run_subject(void) {
-  double t0 = now_s();
+  double t0 = bench_now_s();
   for (long i = 0; i < events; i++) {
     td__flight_subj prev =
         td__flight_subject_set((td__flight_subj){TD__FL_SUBJ_RREF, ((uint64_t)1 << 48) | (uint64_t)i});
@@ -76,14 +73,14 @@ static double run_subject(void) {
                       "__rref_fetch");
     td__flight_subject_set(prev);
   }
-  return (now_s() - t0) * 1e9 / (double)events;
+  return (bench_now_s() - t0) * 1e9 / (double)events;
 }
 
 /* ns per handler record annotated with its subject: push, annotate, pop (a handler's two events
  * and the slot's stack, plus the annotation). */
 static double run_annotated(void) {
   td__flight_ev e = {.kind = TD__FL_HANDLER_START, .peer = 1};
-  double t0 = now_s();
+  double t0 = bench_now_s();
   for (long i = 0; i < events; i++) {
     e.kind = TD__FL_HANDLER_START;
     e.a = (uint64_t)i;
@@ -92,7 +89,7 @@ static double run_annotated(void) {
     e.kind = TD__FL_HANDLER_END;
     td__flight_pop(&e, "__rref_fork");
   }
-  return (now_s() - t0) * 1e9 / (double)events;
+  return (bench_now_s() - t0) * 1e9 / (double)events;
 }
 
 int main(int argc, char **argv) {

@@ -39,31 +39,9 @@
 #include "tdist/optim.h"
 #include "tdist/tensor.h"
 
-#define CHECK(expr)                                                                             \
-  do {                                                                                          \
-    td_status s_ = (expr);                                                                      \
-    if (s_ != TD_OK) {                                                                          \
-      fprintf(stderr, "gpt_gpu: %s failed: %s: %s\n", #expr, td_status_name(s_),                \
-              td_last_error());                                                                 \
-      exit(1);                                                                                  \
-    }                                                                                           \
-  } while (0)
+#define BENCH_PROG "gpt_gpu"
+#include "bench_util.h"
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static long long arg_int(const char *name, const char *v) {
-  char *end;
-  long long x = strtoll(v, &end, 0);
-  if (*end || end == v || x < 0) {
-    fprintf(stderr, "gpt_gpu: bad value '%s' for %s\n", v, name);
-    exit(2);
-  }
-  return x;
-}
 
 /* Dense (no sparsity) bfloat16 tensor-core peaks in TFLOP/s by device name, from NVIDIA's data
  * sheets, whose tables list the sparse figure (twice these) with a footnote:
@@ -109,15 +87,15 @@ int main(int argc, char **argv) {
     const char *v = argv[++i];
     if (!strcmp(a, "--device")) device = v;
     else if (!strcmp(a, "--dtype")) dtype = v;
-    else if (!strcmp(a, "--batch-size")) B = arg_int(a, v);
-    else if (!strcmp(a, "--steps")) steps = arg_int(a, v);
-    else if (!strcmp(a, "--warmup")) warmup = arg_int(a, v);
-    else if (!strcmp(a, "--n-layer")) n_layer = arg_int(a, v);
-    else if (!strcmp(a, "--n-head")) n_head = arg_int(a, v);
-    else if (!strcmp(a, "--n-embd")) n_embd = arg_int(a, v);
-    else if (!strcmp(a, "--block-size")) T = arg_int(a, v);
-    else if (!strcmp(a, "--vocab")) V = arg_int(a, v);
-    else if (!strcmp(a, "--seed")) seed = arg_int(a, v);
+    else if (!strcmp(a, "--batch-size")) B = bench_arg_int(a, v);
+    else if (!strcmp(a, "--steps")) steps = bench_arg_int(a, v);
+    else if (!strcmp(a, "--warmup")) warmup = bench_arg_int(a, v);
+    else if (!strcmp(a, "--n-layer")) n_layer = bench_arg_int(a, v);
+    else if (!strcmp(a, "--n-head")) n_head = bench_arg_int(a, v);
+    else if (!strcmp(a, "--n-embd")) n_embd = bench_arg_int(a, v);
+    else if (!strcmp(a, "--block-size")) T = bench_arg_int(a, v);
+    else if (!strcmp(a, "--vocab")) V = bench_arg_int(a, v);
+    else if (!strcmp(a, "--seed")) seed = bench_arg_int(a, v);
     else {
       fprintf(stderr, "gpt_gpu: unknown option %s\n", a);
       return 2;
@@ -135,7 +113,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   td_device dev;
-  CHECK(td_device_parse(device, &dev));
+  BENCH_CHECK(td_device_parse(device, &dev));
   if (!td_device_available(dev)) {
     fprintf(stderr, "gpt_gpu: device %s is not available\n", device);
     return 1;
@@ -147,11 +125,11 @@ int main(int argc, char **argv) {
   c.vocab_size = V, c.block_size = T, c.n_layer = (int)n_layer, c.n_head = (int)n_head;
   c.n_embd = n_embd;
   td_generator *g;
-  CHECK(td_generator_create((uint64_t)seed, &g));
+  BENCH_CHECK(td_generator_create((uint64_t)seed, &g));
   td_module *m;
-  CHECK(td_gpt_create(&c, g, &m));
-  if (gpu) CHECK(td_module_to(m, dev));
-  if (ac != TD_DTYPE_F32) CHECK(td_module_set_autocast(m, true, ac));
+  BENCH_CHECK(td_gpt_create(&c, g, &m));
+  if (gpu) BENCH_CHECK(td_module_to(m, dev));
+  if (ac != TD_DTYPE_F32) BENCH_CHECK(td_module_set_autocast(m, true, ac));
   int64_t params = td_module_num_parameters(m);
   int64_t wpe = td_tensor_numel(
       td_module_param(td_module_child(td_module_child(m, "transformer"), "wpe"), "weight"));
@@ -159,7 +137,7 @@ int main(int argc, char **argv) {
   /* AdamW as nanoGPT's configure_optimizers: decay on >= 2-d parameters */
   td_tensor_list ps;
   td_tensor_list_init(&ps);
-  CHECK(td_module_parameters(m, &ps));
+  BENCH_CHECK(td_module_parameters(m, &ps));
   td_tensor **decay = calloc(ps.n + 1, sizeof *decay), **plain = calloc(ps.n + 1, sizeof *plain);
   if (!decay || !plain) return 1;
   size_t nd = 0, np = 0;
@@ -179,7 +157,7 @@ int main(int argc, char **argv) {
   td_optim_group_init(&grp[1], plain, np);
   grp[1].weight_decay = 0.0;
   td_optim *opt;
-  CHECK(td_optim_create_groups(&oo, grp, 2, &opt));
+  BENCH_CHECK(td_optim_create_groups(&oo, grp, 2, &opt));
   free(decay);
   free(plain);
   td_tensor_list_fini(&ps);
@@ -187,31 +165,31 @@ int main(int argc, char **argv) {
   /* one fixed batch of random tokens: x and y = x shifted by one (a next-token task) */
   int64_t shape[2] = {B, T};
   td_tensor *hx, *hy, *x, *y;
-  CHECK(td_tensor_empty(shape, 2, TD_DTYPE_I64, td_device_cpu(), &hx));
-  CHECK(td_tensor_empty(shape, 2, TD_DTYPE_I64, td_device_cpu(), &hy));
+  BENCH_CHECK(td_tensor_empty(shape, 2, TD_DTYPE_I64, td_device_cpu(), &hx));
+  BENCH_CHECK(td_tensor_empty(shape, 2, TD_DTYPE_I64, td_device_cpu(), &hy));
   int64_t *px = td_tensor_data(hx), *py = td_tensor_data(hy);
   for (int64_t i = 0; i < B * T; i++) px[i] = (int64_t)(td_generator_next_u64(g) % (uint64_t)V);
   for (int64_t i = 0; i < B * T; i++) py[i] = (i + 1) % T ? px[i + 1] : px[i - T + 1];
-  CHECK(td_tensor_to(hx, dev, &x));
-  CHECK(td_tensor_to(hy, dev, &y));
+  BENCH_CHECK(td_tensor_to(hx, dev, &x));
+  BENCH_CHECK(td_tensor_to(hy, dev, &y));
   td_generator_destroy(g);
 
   double first_loss = NAN, last_loss = NAN, t_steps = 0, t_min = INFINITY;
   for (long long it = 0; it < warmup + steps; it++) {
-    if (it == warmup && gpu) CHECK(td_cuda_memory_peak(dev.index, true, NULL));
-    double t0 = now_s();
+    if (it == warmup && gpu) BENCH_CHECK(td_cuda_memory_peak(dev.index, true, NULL));
+    double t0 = bench_now_s();
     td_optim_zero_grad(opt);
     td_tensor *logits, *loss;
-    CHECK(td_gpt_forward(m, x, y, &logits, &loss));
+    BENCH_CHECK(td_gpt_forward(m, x, y, &logits, &loss));
     td_tensor_unref(logits); /* the graph keeps what backward needs */
-    CHECK(td_tensor_backward(loss));
+    BENCH_CHECK(td_tensor_backward(loss));
     double norm = 0;
-    CHECK(td_optim_clip_grad_norm(opt, 1.0, 2.0, &norm));
-    CHECK(td_optim_step(opt));
+    BENCH_CHECK(td_optim_clip_grad_norm(opt, 1.0, 2.0, &norm));
+    BENCH_CHECK(td_optim_step(opt));
     double v = NAN;
-    CHECK(td_tensor_item(loss, &v)); /* waits for the step's kernels */
+    BENCH_CHECK(td_tensor_item(loss, &v)); /* waits for the step's kernels */
     td_tensor_unref(loss);
-    double dt = now_s() - t0;
+    double dt = bench_now_s() - t0;
     if (it == 0) first_loss = v;
     last_loss = v;
     if (it >= warmup) {
@@ -229,8 +207,8 @@ int main(int argc, char **argv) {
   char name[128] = "cpu";
   size_t peak = 0;
   if (gpu) {
-    CHECK(td_cuda_device_name(dev.index, name, sizeof name));
-    CHECK(td_cuda_memory_peak(dev.index, false, &peak));
+    BENCH_CHECK(td_cuda_device_name(dev.index, name, sizeof name));
+    BENCH_CHECK(td_cuda_memory_peak(dev.index, false, &peak));
   }
   double peak_tf = gpu ? peak_tflops(name) : NAN;
   double mfu = flops_per_token * tokens_per_s / (peak_tf * 1e12);

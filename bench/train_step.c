@@ -21,38 +21,16 @@
 #include "tdist/optim.h"
 #include "tdist/tensor.h"
 
+#define BENCH_PROG "train_step"
+#include "bench_util.h"
+
 void openblas_set_num_threads(int num_threads);
 int openblas_get_num_threads(void);
 
-#define CHECK(expr)                                                                             \
-  do {                                                                                          \
-    td_status s_ = (expr);                                                                      \
-    if (s_ != TD_OK) {                                                                          \
-      fprintf(stderr, "train_step: %s failed: %s: %s\n", #expr, td_status_name(s_),             \
-              td_last_error());                                                                 \
-      exit(1);                                                                                  \
-    }                                                                                           \
-  } while (0)
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static double peak_rss_mb(void) {
   struct rusage ru;
   return getrusage(RUSAGE_SELF, &ru) == 0 ? (double)ru.ru_maxrss / 1024.0 : 0.0;
-}
-
-static long long arg_int(const char *name, const char *v) {
-  char *end;
-  long long x = strtoll(v, &end, 0);
-  if (*end || end == v || x < 0) {
-    fprintf(stderr, "train_step: bad value '%s' for %s\n", v, name);
-    exit(2);
-  }
-  return x;
 }
 
 typedef struct step_ctx {
@@ -65,11 +43,11 @@ typedef struct step_ctx {
 static void step(step_ctx *c, bool read_loss) {
   td_tensor *logits = NULL, *loss = NULL;
   td_optim_zero_grad(c->opt);
-  CHECK(td_module_forward(c->model, c->x, &logits));
-  CHECK(td_tensor_cross_entropy(logits, c->y, TD_REDUCTION_MEAN, -100, &loss));
-  CHECK(td_tensor_backward(loss));
-  CHECK(td_optim_step(c->opt));
-  if (read_loss) CHECK(td_tensor_item(loss, &c->last_loss));
+  BENCH_CHECK(td_module_forward(c->model, c->x, &logits));
+  BENCH_CHECK(td_tensor_cross_entropy(logits, c->y, TD_REDUCTION_MEAN, -100, &loss));
+  BENCH_CHECK(td_tensor_backward(loss));
+  BENCH_CHECK(td_optim_step(c->opt));
+  if (read_loss) BENCH_CHECK(td_tensor_item(loss, &c->last_loss));
   td_tensor_unref(loss);
   td_tensor_unref(logits);
 }
@@ -90,12 +68,12 @@ int main(int argc, char **argv) {
       return 2;
     }
     const char *v = argv[++i];
-    if (!strcmp(a, "--batch-size")) batch = arg_int(a, v);
-    else if (!strcmp(a, "--hidden")) hidden = arg_int(a, v);
-    else if (!strcmp(a, "--warmup")) warmup = arg_int(a, v);
-    else if (!strcmp(a, "--steps")) steps = arg_int(a, v);
-    else if (!strcmp(a, "--seed")) seed = (unsigned long long)arg_int(a, v);
-    else if (!strcmp(a, "--threads")) threads = arg_int(a, v);
+    if (!strcmp(a, "--batch-size")) batch = bench_arg_int(a, v);
+    else if (!strcmp(a, "--hidden")) hidden = bench_arg_int(a, v);
+    else if (!strcmp(a, "--warmup")) warmup = bench_arg_int(a, v);
+    else if (!strcmp(a, "--steps")) steps = bench_arg_int(a, v);
+    else if (!strcmp(a, "--seed")) seed = (unsigned long long)bench_arg_int(a, v);
+    else if (!strcmp(a, "--threads")) threads = bench_arg_int(a, v);
     else if (!strcmp(a, "--lr")) lr = atof(v);
     else {
       fprintf(stderr, "train_step: unknown option %s\n", a);
@@ -110,44 +88,44 @@ int main(int argc, char **argv) {
 
   /* Model: Sequential(Linear(784, hidden), ReLU, Linear(hidden, 10)). */
   td_generator *g = NULL;
-  CHECK(td_generator_create(seed, &g));
+  BENCH_CHECK(td_generator_create(seed, &g));
   td_module *model = NULL, *fc1 = NULL, *relu = NULL, *fc2 = NULL;
-  CHECK(td_sequential_create(&model));
-  CHECK(td_linear_create(784, hidden, true, g, &fc1));
-  CHECK(td_relu_create(&relu));
-  CHECK(td_linear_create(hidden, 10, true, g, &fc2));
-  CHECK(td_sequential_append(model, fc1));
-  CHECK(td_sequential_append(model, relu));
-  CHECK(td_sequential_append(model, fc2));
+  BENCH_CHECK(td_sequential_create(&model));
+  BENCH_CHECK(td_linear_create(784, hidden, true, g, &fc1));
+  BENCH_CHECK(td_relu_create(&relu));
+  BENCH_CHECK(td_linear_create(hidden, 10, true, g, &fc2));
+  BENCH_CHECK(td_sequential_append(model, fc1));
+  BENCH_CHECK(td_sequential_append(model, relu));
+  BENCH_CHECK(td_sequential_append(model, fc2));
   td_module_unref(fc1);
   td_module_unref(relu);
   td_module_unref(fc2);
 
   td_tensor_list params;
   td_tensor_list_init(&params);
-  CHECK(td_module_parameters(model, &params));
+  BENCH_CHECK(td_module_parameters(model, &params));
   td_optim_options oo;
   td_optim_options_init(&oo, TD_OPTIM_SGD);
   oo.lr = lr;
   td_optim *opt = NULL;
-  CHECK(td_optim_create(&oo, params.tensors, params.n, &opt));
+  BENCH_CHECK(td_optim_create(&oo, params.tensors, params.n, &opt));
 
   /* A fixed batch: x ~ N(0, 1), y uniform over the 10 classes. */
   int64_t xs[2] = {batch, 784};
   td_tensor *x = NULL, *y = NULL;
-  CHECK(td_tensor_normal(xs, 2, 0.0, 1.0, TD_DTYPE_F32, td_device_cpu(), g, &x));
+  BENCH_CHECK(td_tensor_normal(xs, 2, 0.0, 1.0, TD_DTYPE_F32, td_device_cpu(), g, &x));
   int64_t *labels = malloc((size_t)batch * sizeof *labels);
   if (!labels) return 1;
   for (long long i = 0; i < batch; i++) labels[i] = (int64_t)(td_generator_next_u64(g) % 10);
   int64_t ys[1] = {batch};
-  CHECK(td_tensor_from_buffer(labels, ys, 1, TD_DTYPE_I64, &y));
+  BENCH_CHECK(td_tensor_from_buffer(labels, ys, 1, TD_DTYPE_I64, &y));
   free(labels);
 
   step_ctx c = {model, opt, x, y, 0.0};
   for (long long i = 0; i < warmup; i++) step(&c, false);
-  double t0 = now_s();
+  double t0 = bench_now_s();
   for (long long i = 0; i < steps; i++) step(&c, i == steps - 1);
-  double wall = now_s() - t0;
+  double wall = bench_now_s() - t0;
 
   /* OPENBLAS_NUM_THREADS as set by the caller (a number, or null when unset or not a number). */
   const char *env = getenv("OPENBLAS_NUM_THREADS");

@@ -158,28 +158,43 @@ static td_status nll_check(const char *op, const td_tensor *logp, const td_tenso
   return TD_OK;
 }
 
+/* The gradient of a loss over n rows for each row (*out, [n], dtype): the upstream gradient itself
+ * without reduction, else the scalar upstream gradient spread over the rows (times 1/count for
+ * mean: count is the rows not ignored). Shared by nll_loss and cross_entropy. */
+static td_status loss_rows_grad(const td__backend *be, td_tensor *grad_out, td_dtype dtype,
+                                int64_t n, td_reduction red, int64_t count, td_tensor **out) {
+  td_tensor *g = NULL, *ex = NULL, *gl = NULL;
+  int64_t nshape[1] = {n};
+  td_status st = td__grad_prep(grad_out, dtype, &g);
+  if (st == TD_OK && red == TD_REDUCTION_NONE) {
+    st = td__plain_view(g, nshape, 1, &gl);
+  } else if (st == TD_OK) {
+    st = td__tensor_new(nshape, 1, dtype, td_tensor_device(g), &gl);
+    if (st == TD_OK) st = td__expand_view(g, nshape, 1, &ex);
+    if (st == TD_OK && n > 0) st = be->copy(gl, ex);
+    if (st == TD_OK && red == TD_REDUCTION_MEAN && n > 0)
+      st = be->unary(TD__UN_AFFINE, gl, gl, count > 0 ? 1.0 / (double)count : 0.0, 0.0);
+  }
+  td_tensor_unref(g);
+  td_tensor_unref(ex);
+  if (st != TD_OK) {
+    td_tensor_unref(gl);
+    return st;
+  }
+  *out = gl;
+  return TD_OK;
+}
+
 static td_status nll_backward(td_node *self, td_tensor *const *grad_out, td_tensor **grad_in) {
   nll_node *n = (nll_node *)self;
   if (!n->target) return td_set_error(TD_ERR_STATE, "nll_loss backward: saved tensors released");
   const td__backend *be = td__backend_of(n->target);
   TD__NEED_KERNEL(be, nll_backward, "nll_loss backward");
-  td_tensor *g = NULL, *gl = NULL, *ex = NULL, *gx = NULL;
-  int64_t nshape[1] = {n->n};
+  td_tensor *gl = NULL, *gx = NULL;
   int64_t xshape[2] = {n->n, n->c};
-  td_status st = td__grad_prep(grad_out[0], n->dtype, &g);
+  td_status st = loss_rows_grad(be, grad_out[0], n->dtype, n->n, n->red, n->count, &gl);
   if (st != TD_OK) goto out;
-  if (n->red == TD_REDUCTION_NONE) {
-    st = td__plain_view(g, nshape, 1, &gl);
-  } else {
-    /* A scalar upstream gradient, spread over the N samples (scaled by 1/count for mean). */
-    st = td__tensor_new(nshape, 1, n->dtype, td_tensor_device(g), &gl);
-    if (st == TD_OK) st = td__expand_view(g, nshape, 1, &ex);
-    if (st == TD_OK && n->n > 0) st = be->copy(gl, ex);
-    if (st == TD_OK && n->red == TD_REDUCTION_MEAN && n->n > 0)
-      st = be->unary(TD__UN_AFFINE, gl, gl, n->count > 0 ? 1.0 / (double)n->count : 0.0, 0.0);
-  }
-  if (st != TD_OK) goto out;
-  st = td__tensor_new(xshape, 2, n->dtype, td_tensor_device(g), &gx);
+  st = td__tensor_new(xshape, 2, n->dtype, td_tensor_device(gl), &gx);
   if (st == TD_OK && n->n * n->c > 0) st = be->fill(gx, 0.0);
   if (st == TD_OK && n->n > 0) st = be->nll_backward(n->target, gl, n->ignore_index, gx);
   if (st != TD_OK) goto out;
@@ -190,9 +205,7 @@ static td_status nll_backward(td_node *self, td_tensor *const *grad_out, td_tens
     gx = NULL;
   }
 out:
-  td_tensor_unref(g);
   td_tensor_unref(gl);
-  td_tensor_unref(ex);
   td_tensor_unref(gx);
   return st;
 }
@@ -290,20 +303,10 @@ static td_status ce_backward(td_node *self, td_tensor *const *grad_out, td_tenso
                                       "released");
   const td__backend *be = td__backend_of(n->logits);
   TD__NEED_KERNEL(be, cross_entropy_backward, "cross_entropy backward");
-  td_tensor *g = NULL, *gl = NULL, *ex = NULL, *gx = NULL;
-  int64_t nshape[1] = {n->n}, xshape[2] = {n->n, n->c};
-  td_status st = td__grad_prep(grad_out[0], n->ldt, &g);
-  if (st != TD_OK) goto out;
-  if (n->red == TD_REDUCTION_NONE) {
-    st = td__plain_view(g, nshape, 1, &gl);
-  } else { /* the scalar upstream gradient for every row, times 1/count for mean (as nll) */
-    st = td__tensor_new(nshape, 1, n->ldt, td_tensor_device(g), &gl);
-    if (st == TD_OK) st = td__expand_view(g, nshape, 1, &ex);
-    if (st == TD_OK && n->n > 0) st = be->copy(gl, ex);
-    if (st == TD_OK && n->red == TD_REDUCTION_MEAN && n->n > 0)
-      st = be->unary(TD__UN_AFFINE, gl, gl, n->count > 0 ? 1.0 / (double)n->count : 0.0, 0.0);
-  }
-  if (st == TD_OK) st = td__tensor_new(xshape, 2, n->logits->dtype, td_tensor_device(g), &gx);
+  td_tensor *gl = NULL, *gx = NULL;
+  int64_t xshape[2] = {n->n, n->c};
+  td_status st = loss_rows_grad(be, grad_out[0], n->ldt, n->n, n->red, n->count, &gl);
+  if (st == TD_OK) st = td__tensor_new(xshape, 2, n->logits->dtype, td_tensor_device(gl), &gx);
   if (st == TD_OK && n->n * n->c > 0)
     st = be->cross_entropy_backward(n->logits, n->target, n->lse, gl, n->ignore_index, gx);
   if (st != TD_OK) goto out;
@@ -314,9 +317,7 @@ static td_status ce_backward(td_node *self, td_tensor *const *grad_out, td_tenso
     gx = NULL;
   }
 out:
-  td_tensor_unref(g);
   td_tensor_unref(gl);
-  td_tensor_unref(ex);
   td_tensor_unref(gx);
   return st;
 }
