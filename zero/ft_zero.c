@@ -285,7 +285,7 @@ td_status td_ft_zero_set_lr(td_ft_zero *z, double lr) {
 td_status td_ft_zero_inject(td_ft_zero *z, int rank, int64_t step, td_ft_when when,
                             td_ft_what what) {
   TD_CHECK_ARG(z, "ft_zero_inject: NULL");
-  return td__ft_inject_add(&z->inj, rank, step, when, what, TD_FT_AFTER_GATHER, "ft_zero_inject");
+  return td__ft_inject_add(&z->inj, rank, step, when, what, TD_FT_AFTER_VOTE, "ft_zero_inject");
 }
 
 td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out) {
@@ -540,6 +540,10 @@ static td_status attempt(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void *u
   TD_TRY(reduce(z, step));
   td__ftz_inject_at(z, step, TD_FT_AFTER);
   TD_TRY(vote(z, step));
+  td__ftz_inject_at(z, step, TD_FT_AFTER_VOTE);
+  /* a member whose own group failed after the vote does not step: the recovery rolls it
+   * forward (as a member whose vote ended here but failed elsewhere) */
+  TD_TRY(td__ft_broken(z->pg));
   TD_TRY(td__ftz_step_held(z, step, z->coef));
   td__ftz_inject_at(z, step, TD_FT_BEFORE_GATHER);
   TD_TRY(td__ftz_gather(z, step));

@@ -563,10 +563,12 @@ TD_API void td_ft_shard_range(int64_t batch, int n_shards, int s, int64_t *begin
  * others' collective reaches the group's timeout and the re-formation leaves it out at half its
  * timeout; whoever started it must end it). Each injection fires once. Every member must
  * register the same injections (they decide which path a step takes). ZeRO (td_ft_zero_inject)
- * has three more points, around the all-gather of the parameters that follows its optimizer
- * step: BEFORE_GATHER (this member stepped its optimizer blocks, nothing gathered yet),
- * DURING_GATHER (after the first piece of the all-gather), AFTER_GATHER (after it, before the
- * step counts as committed); its AFTER is after the reduction, before the commit vote. */
+ * has four more points, around its commit vote and the all-gather of the parameters that
+ * follows its optimizer step: BEFORE_GATHER (this member stepped its optimizer blocks, nothing
+ * gathered yet), DURING_GATHER (after the first piece of the all-gather), AFTER_GATHER (after it,
+ * before the step counts as committed), AFTER_VOTE (this member received the vote, before it
+ * steps its blocks: with CLOSE, a member that voted but did not step, which the recovery rolls
+ * forward); its AFTER is after the reduction, before the commit vote. */
 typedef enum td_ft_when {
   TD_FT_BEFORE = 0,
   TD_FT_DURING = 1,
@@ -574,14 +576,16 @@ typedef enum td_ft_when {
   TD_FT_RECOVERY = 3,
   TD_FT_BEFORE_GATHER = 4,
   TD_FT_DURING_GATHER = 5,
-  TD_FT_AFTER_GATHER = 6
+  TD_FT_AFTER_GATHER = 6,
+  TD_FT_AFTER_VOTE = 7
 } td_ft_when;
 typedef enum td_ft_what { TD_FT_KILL = 0, TD_FT_CLOSE = 1, TD_FT_STOP = 2 } td_ft_what;
 TD_API td_status td_ft_ddp_inject(td_ft_ddp *ft, int rank, int64_t step, td_ft_when when,
                                   td_ft_what what);
 /* td_ft_inject_parse reads "rank:step:when:what" (when: before, during, after, recovery,
- * before_gather, during_gather, after_gather; what: kill, close, stop) into its parts;
- * TD_ERR_INVALID otherwise. td_ft_ddp_inject refuses the gather points (DDP has no all-gather). */
+ * before_gather, during_gather, after_gather, after_vote; what: kill, close, stop) into its
+ * parts; TD_ERR_INVALID otherwise. td_ft_ddp_inject refuses ZeRO's points (DDP has no all-gather
+ * and no vote). */
 TD_API td_status td_ft_inject_parse(const char *spec, int *rank, int64_t *step, td_ft_when *when,
                                     td_ft_what *what);
 

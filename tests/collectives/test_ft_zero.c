@@ -329,8 +329,15 @@ static void test_ft_zero_matrix(void **state) {
        0, 0},
       {"close rank 3 after the all-gather of step 3", 2, {CLOSE(3, 3, TD_FT_AFTER_GATHER)}, 1, 1,
        4, 0, 0, 0},
+      {"close rank 2 after the vote of step 2 (voted, not stepped: rolled forward)", 2,
+       {CLOSE(2, 2, TD_FT_AFTER_VOTE)}, 1, 1, 4, 0, 0, 0},
+      {"close rank 0 after the vote of step 4 (voted, not stepped: rolled forward)", 1,
+       {CLOSE(0, 4, TD_FT_AFTER_VOTE)}, 1, 1, 4, 0, 0, 0},
       {"kill rank 3 before step 1, then rank 1 during the all-gather of step 3", 2,
        {KILL(3, 1, TD_FT_BEFORE), KILL(1, 3, TD_FT_DURING_GATHER)}, 2, 2, 2, 2, -1, -1},
+      {"kill rank 3 before step 1, then rank 2 during the reduction of step 3 (block 2's state "
+       "from the copy made at step 1)", 2, {KILL(3, 1, TD_FT_BEFORE), KILL(2, 3, TD_FT_DURING)},
+       2, 2, 2, 2, 2, -1},
       {"kill rank 1 before the all-gather of step 3, then rank 3 in the recovery", 1,
        {KILL(1, 3, TD_FT_BEFORE_GATHER), KILL(3, 3, TD_FT_RECOVERY)}, 2, 2, 2, 2, -1, -1},
       {"kill ranks 1 and 3 at once, before step 2 (no block loses both holders)", 2,
@@ -412,6 +419,8 @@ static void test_ft_zero_inject_parse_gather_points(void **state) {
   assert_int_equal(what, TD_FT_CLOSE);
   assert_int_equal(td_ft_inject_parse("3:1:after_gather:stop", &rank, &step, &when, &what), TD_OK);
   assert_int_equal(when, TD_FT_AFTER_GATHER);
+  assert_int_equal(td_ft_inject_parse("3:2:after_vote:close", &rank, &step, &when, &what), TD_OK);
+  assert_int_equal(when, TD_FT_AFTER_VOTE);
   assert_int_equal(td_ft_inject_parse("3:1:gather:stop", &rank, &step, &when, &what),
                    TD_ERR_INVALID);
   assert_int_equal(td_ft_inject_parse("3:1:after-gather:stop", &rank, &step, &when, &what),
