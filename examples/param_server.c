@@ -317,7 +317,9 @@ static const ex_report_slot *ft_wait_slot(const ex_args *args, const recipe *rc,
   }
   int arrived = psf.arrived[slot];
   pthread_mutex_unlock(&psf.mu);
-  return ex_reports_wait(&ps.sync, slot, arrived);
+  const ex_report_slot *s = ex_reports_wait(&ps.sync, slot, arrived);
+  if (!s) psft_die_failed();
+  return s;
 }
 
 /* ft_answer: the answer to slot (the start of epoch `slot`): [accuracy, trainers, shard of each

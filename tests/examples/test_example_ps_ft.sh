@@ -35,11 +35,16 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# check FILE WHAT: the server's line and JSON in FILE
+# check FILE WHAT [TRAINER_FILE]: the server's line and JSON in FILE, the surviving trainer's
+# re-sharded epoch in TRAINER_FILE (default FILE)
 check() {
   local f="$1" what="$2" fail=0
   if ! grep -qE "param_server: worker2 \(rank 2\) lost (at epoch [0-9]+ step [0-9]+: the server recomputes batches [0-9]+\.\. of its shard 1 of 2|between epochs).*sharded over 1 trainer " "$f"; then
     echo "FAIL ($what): no line naming the lost trainer, its step and what is recomputed"
+    fail=1
+  fi
+  if ! grep -qE "trainer 1: epoch 2 on shard 0 of 1 " "${3:-$f}"; then
+    echo "FAIL ($what): the surviving trainer did not train epoch 2 on the one shard left"
     fail=1
   fi
   python3 - "$f" "$what" <<'PY' || fail=1
@@ -118,6 +123,6 @@ for r in 0 1; do
   wait "${pids[$r]}" || rc=$?
   [[ $rc -eq 0 ]] || { tail -n 5 "$dir/rank$r.out"; echo "FAIL: bare: rank $r exited $rc"; fail=1; }
 done
-check "$dir/rank0.out" bare || fail=1
+check "$dir/rank0.out" bare "$dir/rank1.out" || fail=1
 if [[ $fail -ne 0 ]]; then tail -n 20 "$dir/rank0.out"; exit 1; fi
 echo "PASS: a lost trainer cost the server its remaining batches, under tdistrun and bare"
