@@ -841,14 +841,15 @@ TD_API void td_zero_destroy(td_zero *z);
  * their states are equal bit for bit: 2/n of the state per member instead of ZeRO's 1/n. A step:
  *   1. each member computes its shards of the batch (as td_ft_ddp: the shard function);
  *   2. the ordered reduction of the gradients, bucket by bucket: stage 1 keeps the whole
- *      average (its .grads hold it after the step, as with td_zero stage 1), stage 2 keeps only
+ *      average (P elements, as td_zero stage 1 does; the .grads are cleared), stage 2 keeps only
  *      the parts of the blocks it holds (2/n of the gradient; with two holders per block a
  *      reduce-scatter would move as many bytes as this all_reduce);
  *   3. the commit vote: an all_reduce of one number per block (the owner's sum of squares of
  *      its block's averaged gradient, for clipping by the global norm, folded in block order so
  *      the norm's bits do not depend on who holds what). A member that receives it knows that
  *      every member finished step 2, so every block's gradient is on both its holders;
- *   4. each member steps the blocks it holds (td_optim over views of the parameters);
+ *   4. each member steps the blocks it holds (td_optim over views of the parameters), unless
+ *      its own group failed after the vote (the recovery then steps them);
  *   5. the all-gather: every block's updated values from its owner into every member's
  *      parameters; the step is committed.
  * A member lost anywhere makes the survivors re-form the group and exchange what each holds
