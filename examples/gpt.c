@@ -193,7 +193,8 @@ static void opts_parse(int argc, char **argv, opts *o) {
        "held by a neighbour too), the result is unchanged; rank 0 (the store) must live"},
       {"ft-inject", EX_OPT_STRING, &o->ft_inject,
        "--ft: inject faults, \"rank:step:when:what[,...]\" (when: before, during, after the "
-       "reduction, or recovery; zero1/2 also before_gather, during_gather, after_gather; what: "
+       "reduction, or recovery; zero1/2 also before_gather, during_gather, after_gather, "
+       "after_vote; what: "
        "kill, close, stop)"},
       {"metrics", EX_OPT_STRING, &o->metrics,
        "write JSON lines of every step and evaluation to FILE (scripts/plot.py draws them)"},
