@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
-# ft_ddp.sh BUILD_DIR [RUNS] [NPROC] - what fault-tolerant data parallelism (td_ft_ddp, gpt --ft)
-# costs and how fast it recovers, with the GPT example (examples/gpt, its default model: 4 layers,
-# width 128, context 64, batch 12 per replica) at NPROC (default 4) processes, float32, RUNS
-# (default 3) interleaved repetitions of:
-#   - gpt --nproc N --dp ddp        (td_ddp, reduction overlapped with backward)
-#   - gpt --nproc N --dp ddp --ft   (td_ft_ddp, no failure)
+# ft_ddp.sh BUILD_DIR [RUNS] [NPROC] [DP] - what fault-tolerant data parallelism (td_ft_ddp, or
+# td_ft_zero with DP zero1 / zero2; gpt --ft) costs and how fast it recovers, with the GPT example
+# (examples/gpt, its default model: 4 layers, width 128, context 64, batch 12 per replica) at
+# NPROC (default 4) processes, float32, RUNS (default 3) interleaved repetitions of:
+#   - gpt --nproc N --dp DP         (td_ddp, reduction overlapped with backward; or td_zero)
+#   - gpt --nproc N --dp DP --ft    (td_ft_ddp or td_ft_zero, no failure)
 #   - the PyTorch peer, bench/peers/torch/gpt.py --nproc N --dp ddp (DistributedDataParallel over
-#     gloo), when python3 has torch;
-#   - gpt --dp ddp --ft under tdistrun --tolerate-failures 1 with rank 2 SIGKILLed from outside
+#     gloo), when python3 has torch and DP is ddp;
+#   - gpt --dp DP --ft under tdistrun --tolerate-failures 1 with rank 2 SIGKILLed from outside
 #     after 2 s of training: the time from the kill to the first step committed after it (the
 #     survivors' wall clock, ft_first_commit_after_failure_unix_ms, against the time of the kill).
-# Prints {"bench": "ft_ddp", "config": {...}, "results": {"step_s_ddp", "step_s_ft",
-# "ft_overhead_vs_ddp" (step_s_ft / step_s_ddp - 1), "ft_machinery_share_of_step" (the time the
-# fault tolerance itself spends per step, rank 0's, over its step time: what the step-time ratio
-# measures through this host's noise), "step_s_torch_ddp", "ft_vs_torch_step_ratio",
+# Prints {"bench": "ft_ddp", "config": {... "dp"}, "results": {"step_s_plain" (td_ddp or td_zero;
+# also "step_s_ddp" for ddp), "step_s_ft",
+# "ft_overhead_vs_plain" (step_s_ft / step_s_plain - 1; "ft_overhead_vs_ddp" for ddp), for ddp
+# "ft_machinery_share_of_step" (the time the fault tolerance itself spends per step, rank 0's,
+# over its step time: what the step-time ratio measures through this host's noise), "step_s_torch_ddp", "ft_vs_torch_step_ratio",
 # "kill_to_commit_s" (median), "kill_to_commit_runs_s", "recovery_in_library_s" (median: from the
 # failure seen to the commit), "step_s_ft_after_failure" ...}} with medians over the runs (step
 # times: train_s / steps). Steps: 30.
 set -euo pipefail
-build="${1:?usage: ft_ddp.sh BUILD_DIR [RUNS]}"
+build="${1:?usage: ft_ddp.sh BUILD_DIR [RUNS] [NPROC] [DP]}"
 runs="${2:-3}"
 nproc="${3:-4}"
+dp="${4:-ddp}"
 gpt="$build/examples/gpt"
 tdistrun="$build/tools/tdistrun"
 for f in "$gpt" "$tdistrun"; do
@@ -28,11 +30,12 @@ for f in "$gpt" "$tdistrun"; do
 done
 here="$(cd "$(dirname "$0")" && pwd)"
 export OPENBLAS_NUM_THREADS=1
-python3 - "$gpt" "$tdistrun" "$here/peers/torch/gpt.py" "$runs" "$nproc" <<'PY'
+python3 - "$gpt" "$tdistrun" "$here/peers/torch/gpt.py" "$runs" "$nproc" "$dp" <<'PY'
 import json, os, signal, statistics, subprocess, sys, time
 
 gpt, tdistrun, peer, runs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 nproc = sys.argv[5]
+dp = sys.argv[6]
 common = ["--steps", "30", "--eval-interval", "1000", "--eval-iters", "1"]
 
 def last_json(text):
@@ -74,7 +77,7 @@ def rank_pid(root, rank):
 def killed_run():
     steps = 30
     cmd = [tdistrun, "--standalone", "--nproc-per-node", nproc, "--tolerate-failures", "1", gpt,
-           "--dp", "ddp", "--ft", "--steps", str(steps), "--eval-interval", "1000",
+           "--dp", dp, "--ft", "--steps", str(steps), "--eval-interval", "1000",
            "--eval-iters", "1"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, victim, t_kill = [], None, None
@@ -111,12 +114,12 @@ def killed_run():
             "recovery_in_library_s": r["ft_recovery_max_s"],
             "step_s": r["train_s"] / steps, "line": line[0] if line else ""}
 
-torch = have_torch()
+torch = dp == "ddp" and have_torch()
 print(f"ft_ddp.sh: {runs} runs, PyTorch peer: {'yes' if torch else 'no'}", file=sys.stderr)
 ddp, ft, tp, kills, share, mach = [], [], [], [], [], []
 for _ in range(runs):
-    ddp.append(run([gpt, "--nproc", nproc, "--dp", "ddp"] + common)["results"]["train_s"] / 30)
-    r = run([gpt, "--nproc", nproc, "--dp", "ddp", "--ft"] + common)["results"]
+    ddp.append(run([gpt, "--nproc", nproc, "--dp", dp] + common)["results"]["train_s"] / 30)
+    r = run([gpt, "--nproc", nproc, "--dp", dp, "--ft"] + common)["results"]
     ft.append(r["train_s"] / 30)
     share.append(r["ft_machinery_share"])
     mach.append(r["ft_machinery_s_per_step"])
@@ -125,18 +128,22 @@ for _ in range(runs):
         tp.append(r["train_s"] / 30)
     kills.append(killed_run())
 med = statistics.median
-res = {"step_s_ddp": med(ddp), "step_s_ft": med(ft), "ft_overhead_vs_ddp": med(ft) / med(ddp) - 1,
-       "step_s_ddp_runs": ddp, "step_s_ft_runs": ft,
-       "ft_machinery_s_per_step": med(mach), "ft_machinery_share_of_step": med(share),
+res = {"step_s_plain": med(ddp), "step_s_ft": med(ft),
+       "ft_overhead_vs_plain": med(ft) / med(ddp) - 1,
+       "step_s_plain_runs": ddp, "step_s_ft_runs": ft,
        "kill_to_commit_s": med([k["kill_to_commit_s"] for k in kills]),
        "kill_to_commit_runs_s": [k["kill_to_commit_s"] for k in kills],
        "recovery_in_library_s": med([k["recovery_in_library_s"] for k in kills]),
        "step_s_ft_with_failure": med([k["step_s"] for k in kills]),
        "failure_line": kills[-1]["line"]}
+if dp == "ddp":
+    # td_ft_ddp's fast path times its own machinery; td_ft_zero has no such split (0 there)
+    res.update(step_s_ddp=med(ddp), ft_overhead_vs_ddp=med(ft) / med(ddp) - 1,
+               ft_machinery_s_per_step=med(mach), ft_machinery_share_of_step=med(share))
 if tp:
     res.update(step_s_torch_ddp=med(tp), ft_vs_torch_step_ratio=med(ft) / med(tp),
                step_s_torch_ddp_runs=tp)
-cfg = {"nproc": int(nproc), "model": "gpt defaults (4 layers, n_embd 128, block 64, batch 12/replica)",
+cfg = {"nproc": int(nproc), "dp": dp, "load_avg_1_5_15m": list(os.getloadavg()), "model": "gpt defaults (4 layers, n_embd 128, block 64, batch 12/replica)",
        "dtype": "f32", "steps": 30, "steps_killed_run": 30, "runs": runs,
        "openblas_num_threads": 1, "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count()}
 print(json.dumps({"bench": "ft_ddp", "config": cfg, "results": res}), flush=True)

@@ -40,8 +40,6 @@
  * Threads: a td_ft_ddp is used by one thread (td_ddp's worker thread runs the fast path's
  * all_reduces); no lock of its own.
  */
-#include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,18 +47,9 @@
 
 #include "tdist/autograd.h"
 #include "coll_impl.h"
+#include "ft_impl.h"
 
-#define MAX_INJECT 16
-#define REFORM_TRIES 3
 #define NO_LOSS_TRIES 3 /* failures in a row that lost no member before a step gives up */
-
-typedef struct inject {
-  int rank;
-  int64_t step;
-  td_ft_when when;
-  td_ft_what what;
-  bool fired;
-} inject;
 
 struct td_ft_ddp {
   td_process_group *given; /* the caller's group (never destroyed here) */
@@ -77,8 +66,7 @@ struct td_ft_ddp {
   int64_t grad_step;       /* the step the shard gradients belong to */
   td_tensor *avg;          /* the flat average (P elements) */
   int64_t committed;       /* the last committed step; INT64_MIN before the first */
-  inject inj[MAX_INJECT];
-  int n_inj;
+  td__ft_injector inj;
   td_ddp *ddp;             /* the fast path's reducer (see overlap_setup), or NULL */
   int64_t slow_step;       /* the step the survivors of a recovery go on with: every member
                               takes the ordered path in it (some hold its shards' gradients
@@ -184,90 +172,18 @@ void td_ft_ddp_destroy(td_ft_ddp *ft) {
 
 td_status td_ft_ddp_inject(td_ft_ddp *ft, int rank, int64_t step, td_ft_when when,
                            td_ft_what what) {
-  TD_CHECK_ARG(ft && ft->n_inj < MAX_INJECT && (int)when >= 0 && when <= TD_FT_RECOVERY &&
-                   (int)what >= 0 && what <= TD_FT_STOP,
-               "ft_ddp_inject: NULL, too many injections or an unknown point or fault");
-  ft->inj[ft->n_inj++] = (inject){rank, step, when, what, false};
-  return TD_OK;
-}
-
-td_status td_ft_inject_parse(const char *spec, int *rank, int64_t *step, td_ft_when *when,
-                             td_ft_what *what) {
-  char w[16], f[16];
-  int r = -1, used = 0;
-  long long k = -1;
-  if (!spec || sscanf(spec, "%d:%lld:%15[a-z]:%15[a-z]%n", &r, &k, w, f, &used) != 4 ||
-      spec[used] || r < 0 || k < 0)
-    return td_set_error(TD_ERR_INVALID, "fault injection '%s': expected rank:step:when:what",
-                        spec ? spec : "(null)");
-  td_ft_when wh = !strcmp(w, "before") ? TD_FT_BEFORE : !strcmp(w, "during") ? TD_FT_DURING
-                  : !strcmp(w, "after") ? TD_FT_AFTER : !strcmp(w, "recovery") ? TD_FT_RECOVERY
-                                                                              : (td_ft_when)-1;
-  td_ft_what wt = !strcmp(f, "kill") ? TD_FT_KILL : !strcmp(f, "close") ? TD_FT_CLOSE
-                  : !strcmp(f, "stop") ? TD_FT_STOP : (td_ft_what)-1;
-  if ((int)wh < 0 || (int)wt < 0)
-    return td_set_error(TD_ERR_INVALID, "fault injection '%s': when is before, during, after or "
-                        "recovery; "
-                        "what is kill, close or stop", spec);
-  *rank = r, *step = k, *when = wh, *what = wt;
-  return TD_OK;
+  TD_CHECK_ARG(ft, "ft_ddp_inject: NULL");
+  return td__ft_inject_add(&ft->inj, rank, step, when, what, TD_FT_RECOVERY, "ft_ddp_inject");
 }
 
 static void inject_at(td_ft_ddp *ft, int64_t step, td_ft_when when) {
-  int me = td_rpc_rank(ft->pg->agent);
-  for (int i = 0; i < ft->n_inj; i++) {
-    inject *j = &ft->inj[i];
-    if (j->fired || j->rank != me || j->step != step || j->when != when) continue;
-    j->fired = true;
-    static const char *const whens[] = {"before", "during", "after", "in the recovery after"};
-    static const char *const whats[] = {"SIGKILL", "closing the group", "SIGSTOP"};
-    td_log(TD_LOG_WARN, "fault injection: rank %d, step %lld, %s the reduction: %s", me,
-           (long long)step, whens[when], whats[j->what]);
-    if (j->what == TD_FT_KILL || j->what == TD_FT_STOP) {
-      fflush(NULL);
-      raise(j->what == TD_FT_KILL ? SIGKILL : SIGSTOP);
-    }
-    if (j->what == TD_FT_CLOSE) td__pg_inject_close(ft->pg);
-  }
+  td__ft_inject_at(&ft->inj, ft->pg, step, when);
 }
 
 /* ---- one attempt of a step ---- */
 
-/* Copies the .grads into a new flat tensor (zeros for a parameter without one). */
 static td_status take_grads(td_ft_ddp *ft, td_tensor **out) {
-  td_tensor *flat = NULL;
-  TD_TRY(td_tensor_zeros(&ft->P, 1, ft->dt, td_device_cpu(), &flat));
-  char *p = td_tensor_data(flat);
-  size_t es = td_dtype_size(ft->dt);
-  td_status st = TD_OK;
-  for (size_t i = 0; st == TD_OK && i < ft->np; i++) {
-    size_t nb = (size_t)td_tensor_numel(ft->params[i]) * es;
-    td_tensor *g = td_tensor_grad(ft->params[i]);
-    if (g && (td_tensor_dtype(g) != ft->dt || td_tensor_numel(g) != td_tensor_numel(ft->params[i])))
-      st = td_set_error(TD_ERR_DTYPE, "ft_ddp_step: parameter %zu's .grad does not match it", i);
-    else if (g && td_tensor_is_contiguous(g))
-      memcpy(p, td_tensor_data(g), nb);
-    else if (g) {
-      td_tensor *c = NULL;
-      st = td_tensor_contiguous(g, &c);
-      if (st == TD_OK) memcpy(p, td_tensor_data(c), nb);
-      td_tensor_unref(c);
-    }
-    td_tensor_unref(g);
-    p += nb;
-  }
-  if (st != TD_OK) {
-    td_tensor_unref(flat);
-    return st;
-  }
-  *out = flat;
-  return TD_OK;
-}
-
-static int group_rank_of(const td_process_group *pg, int global) {
-  for (int i = 0; i < pg->size; i++)
-    if (pg->ranks[i] == global) return i;
-  return -1;
+  return td__ft_take_grads(ft->params, ft->np, ft->P, ft->dt, out);
 }
 
 /* Whether every shard sits on the group rank of its number (each member holds one shard). */
@@ -296,9 +212,7 @@ static td_status overlap_setup(td_ft_ddp *ft) {
 
 /* Whether an injection at `when` is due at step (any rank: every member registers the same). */
 static bool injection_due(const td_ft_ddp *ft, int64_t step, td_ft_when when) {
-  for (int i = 0; i < ft->n_inj; i++)
-    if (!ft->inj[i].fired && ft->inj[i].step == step && ft->inj[i].when == when) return true;
-  return false;
+  return td__ft_inject_due(&ft->inj, step, when);
 }
 
 /* The fast path of one attempt: this member's shard computed under td_ddp's hooks (its buckets'
@@ -344,7 +258,7 @@ static td_status reduce(td_ft_ddp *ft, int64_t step) {
   int *gowner = td__malloc((size_t)ft->M * sizeof *gowner), n_mine = 0;
   td_tensor **mine = td__calloc((size_t)ft->M, sizeof *mine);
   td_status st = gowner && mine ? TD_OK : td_set_error(TD_ERR_NOMEM, "ft_ddp_step: out of memory");
-  for (int s = 0; st == TD_OK && s < ft->M; s++) gowner[s] = group_rank_of(pg, ft->owner[s]);
+  for (int s = 0; st == TD_OK && s < ft->M; s++) gowner[s] = td__ft_group_rank(pg, ft->owner[s]);
   int64_t per = (int64_t)(ft->o.bucket_bytes / td_dtype_size(ft->dt));
   if (per < 1) per = 1;
   for (int64_t off = 0, b = 0; st == TD_OK && off < ft->P; off += per, b++) {
@@ -393,31 +307,6 @@ static td_status commit(td_ft_ddp *ft, int64_t step, bool grads_set) {
 }
 
 /* ---- recovery ---- */
-
-static size_t say(char *buf, size_t n, size_t len, const char *fmt, ...) TD_PRINTF(4, 5);
-static size_t say(char *buf, size_t n, size_t len, const char *fmt, ...) {
-  if (len >= n) return len;
-  va_list ap;
-  va_start(ap, fmt);
-  int k = vsnprintf(buf + len, n - len, fmt, ap);
-  va_end(ap);
-  return k < 0 ? len : len + (size_t)k;
-}
-
-/* Re-forms the group: generation + 1 among the live members (a few tries: a second failure
- * while the new group connects makes the next try form the generation after). */
-static td_status reform(td_ft_ddp *ft) {
-  td_process_group *next = NULL;
-  td_status st = TD_OK;
-  for (int t = 0; t < REFORM_TRIES; t++) {
-    st = td_process_group_reform(ft->pg, ft->o.reform_timeout, &next);
-    if (st == TD_OK || st == TD_ERR_STATE) break;
-  }
-  if (st != TD_OK) return st;
-  if (ft->pg != ft->given) td_process_group_destroy(ft->pg);
-  ft->pg = next;
-  return TD_OK;
-}
 
 /* Broadcasts the parameters and the optimizer state from group rank root. */
 static td_status heal_from(td_ft_ddp *ft, int root) {
@@ -489,86 +378,30 @@ static td_status agree(td_ft_ddp *ft, int64_t step, td_ft_step_info *info, bool 
   return st;
 }
 
-/* Gives the shards of members no longer in the group to the survivors holding the fewest. */
-static int reassign(td_ft_ddp *ft, char *msg, size_t n, size_t *len) {
-  td_process_group *pg = ft->pg;
-  int *load = td__calloc((size_t)pg->size, sizeof *load), moved = 0;
-  if (!load) return -1;
-  for (int s = 0; s < ft->M; s++) {
-    int g = group_rank_of(pg, ft->owner[s]);
-    if (g >= 0) load[g]++;
-  }
-  for (int s = 0; s < ft->M; s++) {
-    if (group_rank_of(pg, ft->owner[s]) >= 0) continue;
-    int best = 0;
-    for (int g = 1; g < pg->size; g++)
-      if (load[g] < load[best]) best = g;
-    load[best]++;
-    ft->owner[s] = pg->ranks[best];
-    td_tensor_unref(ft->grad[s]); /* a stale member's copy, if any: recomputed anyway */
-    ft->grad[s] = NULL;
-    char who[160];
-    *len = say(msg, n, *len, "%sshard %d -> %s", moved ? ", " : "; re-sharded: ", s,
-               td__pg_who(pg, best, who, sizeof who));
-    moved++;
-  }
-  td__free(load);
-  return moved;
-}
-
 /* After a failed attempt: re-form, agree, reassign. */
 static td_status recover(td_ft_ddp *ft, int64_t step, const char *why, td_ft_step_info *info,
                          bool *done, bool *again) {
-  td_process_group *old = ft->pg;
-  int old_size = old->size;
-  int *old_ranks = td__malloc((size_t)old_size * sizeof *old_ranks);
-  char (*old_names)[128] = td__malloc((size_t)old_size * sizeof *old_names);
-  if (!old_ranks || !old_names) {
-    td__free(old_ranks);
-    td__free(old_names);
-    return td_set_error(TD_ERR_NOMEM, "ft_ddp_step: out of memory");
-  }
-  memcpy(old_ranks, old->ranks, (size_t)old_size * sizeof *old_ranks);
-  memcpy(old_names, old->names, (size_t)old_size * sizeof *old_names);
-  uint64_t old_gen = old->generation;
-  double t0 = (double)td__now_ns() * 1e-9;
   td_ddp_destroy(ft->ddp); /* bound to the broken group */
   ft->ddp = NULL;
-  td_status st = reform(ft);
   char *m = info->message;
   size_t n = sizeof info->message, len = strlen(m);
-  len = say(m, n, len, "%sstep %lld, generation %llu: %s", len ? " | " : "", (long long)step,
-            (unsigned long long)old_gen, why);
-  if (st != TD_OK) {
-    td__free(old_ranks);
-    td__free(old_names);
-    return st;
-  }
   int lost = 0;
-  for (int i = 0; i < old_size; i++) {
-    if (group_rank_of(ft->pg, old_ranks[i]) >= 0) continue;
-    len = say(m, n, len, "%s%s (rank %d)", lost ? ", " : "; lost: ", old_names[i], old_ranks[i]);
-    lost++;
-  }
+  TD_TRY(td__ft_reform(ft->given, &ft->pg, ft->o.reform_timeout, step, why, m, n, &len, &lost));
   info->lost += lost;
-  len = say(m, n, len, "; generation %llu formed with %d of %d members in %.3f s",
-            (unsigned long long)ft->pg->generation, ft->pg->size, old_size,
-            (double)td__now_ns() * 1e-9 - t0);
-  td__free(old_ranks);
-  td__free(old_names);
   /* every survivor moves the same shards, whether or not its step is done */
-  int moved = reassign(ft, m, n, &len);
+  int moved = td__ft_reassign(ft->pg, ft->owner, ft->M, ft->grad, m, n, &len);
   if (moved < 0) return td_set_error(TD_ERR_NOMEM, "ft_ddp_step: out of memory");
-  if (!moved) len = say(m, n, len, "; no shard moved (every holder lives)");
+  if (!moved) len = td__ft_say(m, n, len, "; no shard moved (every holder lives)");
   info->shards_recomputed += moved;
   inject_at(ft, step, TD_FT_RECOVERY);
-  st = agree(ft, step, info, done);
+  td_status st = agree(ft, step, info, done);
   if (st == TD_OK) st = overlap_setup(ft); /* collective: every survivor, done or not */
   if (st != TD_OK) {
     *again = true; /* the new generation failed too: recover once more */
     return st;
   }
-  if (info->healed) len = say(m, n, len, "; took the committed step from a member that had it");
+  if (info->healed)
+    len = td__ft_say(m, n, len, "; took the committed step from a member that had it");
   if (*done) info->shards_recomputed -= moved; /* moved for the next steps, not recomputed */
   return TD_OK;
 }
@@ -583,7 +416,7 @@ static void step_done(const td_ft_ddp *ft, int64_t step, uint64_t t_fail, td_ft_
   info->recovery_s = t_fail ? (double)(td__now_ns() - t_fail) * 1e-9 : 0;
   if (info->failures) {
     size_t len = strlen(info->message);
-    say(info->message, sizeof info->message, len, "; step %lld committed %.3f s after the failure",
+    td__ft_say(info->message, sizeof info->message, len, "; step %lld committed %.3f s after the failure",
         (long long)step, info->recovery_s);
   }
 }
@@ -618,8 +451,7 @@ td_status td_ft_ddp_step(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, void *u
       st = reduce(ft, step);
     }
     if (st == TD_OK) inject_at(ft, step, TD_FT_AFTER);
-    if (st == TD_OK && td__pg_is_broken(ft->pg)) /* our own group failed after we reduced */
-      st = td_set_error(TD_ERR_UNAVAILABLE, "%s", ft->pg->broken_msg ? ft->pg->broken_msg : "");
+    if (st == TD_OK) st = td__ft_broken(ft->pg); /* our own group failed after we reduced */
     if (st == TD_OK) {
       TD_TRY(commit(ft, step, fast));
       uint64_t t0 = td__now_ns();

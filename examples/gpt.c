@@ -188,11 +188,14 @@ static void opts_parse(int argc, char **argv, opts *o) {
        "cpu, cuda or cuda:N: where the model trains; with --nproc (or zero1/2/3 alone) each rank "
        "takes cuda:((N + rank) % GPUs) and the replicas agree through NCCL"},
       {"ft", EX_OPT_FLAG, &o->ft,
-       "ddp: fault tolerant (td_ft_ddp): a lost worker costs one step, its shard of the batch is "
-       "recomputed by the survivors, the result is unchanged; rank 0 (the store) must live"},
+       "ddp, zero1, zero2: fault tolerant (td_ft_ddp, td_ft_zero): a lost worker costs one step, "
+       "its shard of the batch is recomputed by the survivors (zero: its optimizer blocks are "
+       "held by a neighbour too), the result is unchanged; rank 0 (the store) must live"},
       {"ft-inject", EX_OPT_STRING, &o->ft_inject,
        "--ft: inject faults, \"rank:step:when:what[,...]\" (when: before, during, after the "
-       "reduction, or recovery; what: kill, close, stop)"},
+       "reduction, or recovery; zero1/2 also before_gather, during_gather, after_gather, "
+       "after_vote; what: "
+       "kill, close, stop)"},
       {"metrics", EX_OPT_STRING, &o->metrics,
        "write JSON lines of every step and evaluation to FILE (scripts/plot.py draws them)"},
   };
@@ -225,9 +228,10 @@ static void opts_parse(int argc, char **argv, opts *o) {
     ex_die("--reduce-dtype must be f32, bf16 or f16");
   if (strcmp(o->reduce_dtype, "f32") && strcmp(o->dp, "ddp"))
     ex_die("--reduce-dtype bf16/f16 is a ddp option (ZeRO reduces in the gradients' dtype)");
-  if (o->ft && (strcmp(o->dp, "ddp") || o->grad_accum != 1 || strcmp(o->loss_scale, "none") ||
+  if (o->ft && (!strcmp(o->dp, "zero3") || o->grad_accum != 1 || strcmp(o->loss_scale, "none") ||
                 strcmp(o->reduce_dtype, "f32")))
-    ex_die("--ft runs --dp ddp, without --grad-accum, loss scaling or --reduce-dtype (not yet)");
+    ex_die("--ft runs --dp ddp, zero1 or zero2, without --grad-accum, loss scaling or "
+           "--reduce-dtype (not yet)");
   if (o->ft_inject && !o->ft) ex_die("--ft-inject needs --ft");
 }
 
@@ -410,6 +414,8 @@ typedef struct dp_run {
   double activations; /* tensor memory a training forward added (first step): saved activations */
   /* --ft: the fault-tolerant DDP and what it survived */
   td_ft_ddp *ft;
+  td_ft_zero *ftz;         /* --ft with --dp zero1 / zero2 */
+  int ft_blocks_copied;
   int ft_failures, ft_lost, ft_members, ft_shards_recomputed, ft_steps_with_failure;
   uint64_t ft_generation;
   double ft_recovery_max_s;
@@ -735,7 +741,7 @@ static td_status ft_shard(void *user, int64_t step, int s, int n_shards) {
   return st;
 }
 
-static void ft_inject_all(td_ft_ddp *ft, const char *specs) {
+static void ft_inject_all(td_ft_ddp *ft, td_ft_zero *ftz, const char *specs) {
   char buf[512];
   snprintf(buf, sizeof buf, "%s", specs);
   for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
@@ -744,20 +750,63 @@ static void ft_inject_all(td_ft_ddp *ft, const char *specs) {
     td_ft_when when;
     td_ft_what what;
     EX_CHECK(td_ft_inject_parse(t, &rank, &step, &when, &what));
-    EX_CHECK(td_ft_ddp_inject(ft, rank, step, when, what));
+    EX_CHECK(ft ? td_ft_ddp_inject(ft, rank, step, when, what)
+                : td_ft_zero_inject(ftz, rank, step, when, what));
   }
 }
 
-/* train_ft: train() for --ft. A step's loss is the mean of the shards this rank computed. */
+/* train_ft: train() for --ft (td_ft_ddp, or td_ft_zero for zero1 / zero2). A step's loss is the
+ * mean of the shards this rank computed. */
+static void ft_create(td_module *m, const opts *o, dp_run *dp, td_optim **opt) {
+  *opt = NULL;
+  if (!strcmp(o->dp, "ddp")) {
+    *opt = make_optimizer(m, o);
+    td_ft_ddp_options fo;
+    td_ft_ddp_options_init(&fo);
+    fo.max_grad_norm = o->grad_clip;
+    if (o->bucket_mb > 0) fo.bucket_bytes = (size_t)(o->bucket_mb * 1048576.0);
+    fo.module = m; /* failure-free steps overlap the reduction with backward */
+    EX_CHECK(td_ft_ddp_create(dp->pg, *opt, &fo, &dp->ft));
+  } else {
+    optim_setup s;
+    optim_setup_make(m, o, &s);
+    td_ft_zero_options zo;
+    td_ft_zero_options_init(&zo);
+    zo.stage = !strcmp(o->dp, "zero1") ? 1 : 2;
+    zo.max_grad_norm = o->grad_clip;
+    if (o->bucket_mb > 0) zo.bucket_bytes = (size_t)(o->bucket_mb * 1048576.0);
+    EX_CHECK(td_ft_zero_create(dp->pg, &s.oo, s.g, 2, &zo, &dp->ftz));
+    optim_setup_free(&s);
+  }
+  if (o->ft_inject) ft_inject_all(dp->ft, dp->ftz, o->ft_inject);
+}
+
+static td_process_group *ft_group(const dp_run *dp) {
+  return dp->ft ? td_ft_ddp_group(dp->ft) : td_ft_zero_group(dp->ftz);
+}
+
+/* What a step survived: one line per failure from the lowest surviving rank, the counters. */
+static void ft_note(dp_run *dp, const td_ft_step_info *info, bool tty) {
+  dp->ft_machinery_s += info->machinery_s;
+  if (!info->failures) return;
+  if (td_process_group_rank(ft_group(dp)) == 0)
+    fprintf(stderr, "%sgpt: %s\n", tty ? "\n" : "", info->message);
+  dp->ft_failures += info->failures;
+  dp->ft_lost += info->lost;
+  dp->ft_shards_recomputed += info->shards_recomputed;
+  dp->ft_blocks_copied += info->blocks_copied;
+  dp->ft_steps_with_failure++;
+  if (info->recovery_s > dp->ft_recovery_max_s) dp->ft_recovery_max_s = info->recovery_s;
+  if (dp->ft_first_commit_unix_s == 0) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    dp->ft_first_commit_unix_s = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+  }
+}
+
 static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, train_result *r) {
-  td_optim *opt = make_optimizer(m, o);
-  td_ft_ddp_options fo;
-  td_ft_ddp_options_init(&fo);
-  fo.max_grad_norm = o->grad_clip;
-  if (o->bucket_mb > 0) fo.bucket_bytes = (size_t)(o->bucket_mb * 1048576.0);
-  fo.module = m; /* failure-free steps overlap the reduction with backward */
-  EX_CHECK(td_ft_ddp_create(dp->pg, opt, &fo, &dp->ft));
-  if (o->ft_inject) ft_inject_all(dp->ft, o->ft_inject);
+  td_optim *opt = NULL;
+  ft_create(m, o, dp, &opt);
   bool lead = dp->rank == 0;
   ex_json_array(&r->evals);
   r->hash = r->loss_hash = 0xcbf29ce484222325ull;
@@ -775,27 +824,13 @@ static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, t
     }
     if (it == o->steps) break;
     double t0 = ex_now_s(), c0 = cpu_now_s();
-    EX_CHECK(td_optim_set_lr(opt, td_optim_lr_warmup_cosine(it, o->warmup, o->steps, o->lr,
-                                                            o->min_lr)));
+    double lr = td_optim_lr_warmup_cosine(it, o->warmup, o->steps, o->lr, o->min_lr);
+    EX_CHECK(opt ? td_optim_set_lr(opt, lr) : td_ft_zero_set_lr(dp->ftz, lr));
     ctx.loss_sum = 0, ctx.shards = 0;
     td_ft_step_info info;
-    EX_CHECK(td_ft_ddp_step(dp->ft, it, ft_shard, &ctx, &info));
-    dp->ft_machinery_s += info.machinery_s;
-    if (info.failures) {
-      /* one line per failure, from the lowest surviving rank: who, at which step, what moved */
-      if (td_process_group_rank(td_ft_ddp_group(dp->ft)) == 0)
-        fprintf(stderr, "%sgpt: %s\n", p.tty ? "\n" : "", info.message);
-      dp->ft_failures += info.failures;
-      dp->ft_lost += info.lost;
-      dp->ft_shards_recomputed += info.shards_recomputed;
-      dp->ft_steps_with_failure++;
-      if (info.recovery_s > dp->ft_recovery_max_s) dp->ft_recovery_max_s = info.recovery_s;
-      if (dp->ft_first_commit_unix_s == 0) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        dp->ft_first_commit_unix_s = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-      }
-    }
+    EX_CHECK(dp->ft ? td_ft_ddp_step(dp->ft, it, ft_shard, &ctx, &info)
+                    : td_ft_zero_step(dp->ftz, it, ft_shard, &ctx, &info));
+    ft_note(dp, &info, p.tty);
     r->last_loss = ctx.shards ? ctx.loss_sum / ctx.shards : NAN;
     ex_hash_double(&r->loss_hash, r->last_loss);
     r->train_s += ex_now_s() - t0;
@@ -803,17 +838,20 @@ static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, t
     if (lead) ex_progress_update(&p, it + 1, "loss %.4f", r->last_loss);
   }
   td_ft_step_info si;
-  EX_CHECK(td_ft_ddp_sync(dp->ft, &si));
+  EX_CHECK(dp->ft ? td_ft_ddp_sync(dp->ft, &si) : td_ft_zero_sync(dp->ftz, &si));
   dp->ft_failures += si.failures;
   dp->ft_lost += si.lost;
-  td_process_group *g = td_ft_ddp_group(dp->ft);
+  dp->ft_blocks_copied += si.blocks_copied;
+  td_process_group *g = ft_group(dp);
   dp->ft_members = td_process_group_size(g);
   dp->ft_generation = td_process_group_generation(g);
   if (lead) ex_progress_finish(&p, "val loss %.4f", r->val_loss);
   r->skipped_steps = 0;
   r->loss_scale = NAN;
   td_ft_ddp_destroy(dp->ft); /* the parameters stay; the groups it re-formed go */
+  td_ft_zero_destroy(dp->ftz);
   dp->ft = NULL;
+  dp->ftz = NULL;
   td_optim_destroy(opt);
 }
 
@@ -1264,6 +1302,7 @@ int main(int argc, char **argv) {
       ex_json_int(&res, "ft_lost_workers", dp.ft_lost);
       ex_json_int(&res, "ft_steps_with_failure", dp.ft_steps_with_failure);
       ex_json_int(&res, "ft_shards_recomputed", dp.ft_shards_recomputed);
+      if (strcmp(o.dp, "ddp")) ex_json_int(&res, "ft_blocks_copied", dp.ft_blocks_copied);
       ex_json_int(&res, "ft_members_at_end", dp.ft_members);
       ex_json_int(&res, "ft_generation", (int64_t)dp.ft_generation);
       ex_json_num(&res, "ft_recovery_max_s", dp.ft_recovery_max_s);

@@ -116,4 +116,70 @@ void td__zero3_destroy(td_zero *z);
  * Collective. (zero.c) */
 td_status td__zero_agree(td_zero *z, td_status mine, const char *what);
 
+/* ---- ft_zero.c, ft_zero_recover.c: fault-tolerant stages 1 and 2 (td_ft_zero) ---- */
+
+#include "../collectives/ft_impl.h"
+
+typedef struct td__zfseg {
+  size_t param;
+  int64_t off, len; /* elements [off, off + len) of the parameter (flat) */
+} td__zfseg;
+
+typedef struct td__zfblock {
+  int64_t lo, hi;   /* flat elements [lo, hi) */
+  size_t seg0, nseg;
+  int own, bak;     /* global ranks; bak -1 in a group of one */
+  /* on this member, while it holds the block */
+  bool held;
+  td_optim *opt;    /* over view[0..nseg) */
+  td_tensor **view; /* the segments: views of the parameters */
+  int64_t ver;      /* the last step its state reflects */
+  td_tensor *grad;  /* the averaged gradient of step gstep (hi - lo elements), or NULL */
+  int64_t gstep;
+} td__zfblock;
+
+struct td_ft_zero {
+  td_process_group *given, *pg;
+  td_ft_zero_options o;
+  td_optim_options oo;
+  size_t n_groups;
+  double *glr, *gwd; /* per group, as given */
+  size_t *gcount;
+  double lr;         /* td_ft_zero_set_lr's, NAN before */
+  size_t np;
+  td_tensor **params; /* owned references, flat order */
+  int64_t *poff;      /* per parameter: its first flat element */
+  int64_t P;
+  td_dtype dt;
+  int M;
+  int *owner;         /* shard -> global rank */
+  td_tensor **grad;   /* shard -> its flat gradient here (NULL: not computed) */
+  int64_t grad_step;
+  int B;
+  td__zfblock *b;
+  td__zfseg *segs;
+  td_tensor *avg;     /* stage 1: the flat average; NULL at stage 2 */
+  int64_t committed;  /* INT64_MIN before the first step */
+  int64_t voted;      /* the last step whose vote this member received */
+  double coef;        /* that step's clip factor (1: none) */
+  td__ft_injector inj;
+};
+
+/* ft_zero.c: this member's global rank; flat elements [lo, lo + n) of the parameters copied into
+ * buf (to_params false) or from it; a block held (fresh optimizer state, version v) or dropped;
+ * the held blocks at step - 1 with the step's gradient stepped (scaled by coef); the parameters
+ * gathered from the blocks' owners; injections. */
+int td__ftz_me(const td_ft_zero *z);
+void td__ftz_flat_io(td_ft_zero *z, int64_t lo, int64_t n, void *buf, bool to_params);
+td_status td__ftz_block_hold(td_ft_zero *z, int bi, int64_t v);
+void td__ftz_block_drop(td__zfblock *b);
+td_status td__ftz_step_held(td_ft_zero *z, int64_t step, double coef);
+td_status td__ftz_gather(td_ft_zero *z, int64_t step);
+void td__ftz_inject_at(td_ft_zero *z, int64_t step, td_ft_when when);
+/* ft_zero_recover.c: the recovery after a failed attempt of step `step` (see ft_zero.c): re-form,
+ * exchange, decide, apply. *done: the step is committed here; *again: the new generation failed
+ * too (recover again). */
+td_status td__ftz_recover(td_ft_zero *z, int64_t step, const char *why, td_ft_step_info *info,
+                          bool *done, bool *again);
+
 #endif

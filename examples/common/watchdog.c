@@ -26,6 +26,7 @@ static struct {
   int64_t interval_ms, timeout_ms; /* from ex_watchdog_configure; 0: the default */
   td_rpc_agent *agent;
   void (*on_fail)(const char *msg);
+  void (*on_lost)(int rank, const char *why); /* ex_watchdog_tolerate: rank 0 goes on */
   pthread_t thread;
   bool running, stop;
   bool notified;       /* rank 0 reported a lost worker (ex_wd_lost) */
@@ -40,6 +41,8 @@ static int64_t env_ms(const char *name, int64_t def) {
   long long x = v && *v ? atoll(v) : 0;
   return x > 0 ? (int64_t)x : def;
 }
+
+void ex_watchdog_tolerate(void (*on_lost)(int rank, const char *why)) { wd.on_lost = on_lost; }
 
 void ex_watchdog_configure(int64_t interval_ms, int64_t timeout_ms) {
   wd.interval_ms = interval_ms;
@@ -194,24 +197,36 @@ static void *watch(void *arg) {
     EX_CHECK(td_rpc_get_worker_info_by_rank(wd.agent, r, &wi));
     snprintf(names[r], sizeof names[r], "%s", wi.name);
   }
+  bool *gone = calloc((size_t)world, sizeof *gone); /* tolerated losses: no longer pinged */
+  if (!gone) ex_die("watchdog: out of memory");
   td_rpc_call_opts co = TD_RPC_CALL_OPTS_INIT;
   co.timeout_ms = wd.interval_ms + wd.timeout_ms; /* a hung peer's bound */
+  bool tolerant = me == 0 && wd.on_lost;
   while (wait_interval()) {
     int lo = me == 0 ? 1 : 0, hi = me == 0 ? world : 1;
     for (int r = lo; r < hi; r++) {
       f[r] = NULL;
+      if (gone[r]) continue;
       if (td_rpc_async(wd.agent, names[r], "ex_wd_ping", NULL, 0, &co, &f[r]) != TD_OK &&
-          !stopping())
-        lost(r, td_last_error(), names, world);
+          !stopping()) {
+        if (!tolerant) lost(r, td_last_error(), names, world);
+        gone[r] = true;
+        wd.on_lost(r, td_last_error());
+      }
     }
     for (int r = lo; r < hi; r++) {
       if (!f[r]) continue;
       bool failed = ping_failed(f[r]);
-      if (failed && !stopping()) lost(r, td_future_message(f[r]), names, world);
+      if (failed && !stopping()) {
+        if (!tolerant) lost(r, td_future_message(f[r]), names, world);
+        gone[r] = true;
+        wd.on_lost(r, td_future_message(f[r]));
+      }
       td_future_unref(f[r]);
       f[r] = NULL;
     }
   }
+  free(gone);
   free(f);
   free(names);
   return NULL;

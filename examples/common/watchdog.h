@@ -44,6 +44,11 @@ bool ex_watchdog_enabled(void);
  * world of one). on_fail (may be NULL: print the line and exit 1) runs once, on the watchdog's
  * thread, with the line's text, when a worker is lost; it must end the process. */
 void ex_watchdog_start(td_rpc_agent *a, void (*on_fail)(const char *msg));
+/* ex_watchdog_tolerate (rank 0, before ex_watchdog_start): a lost worker other than rank 0 does
+ * not end the job: on_lost(rank, why) runs on the watchdog's thread (it must not block long),
+ * that worker is no longer pinged and the others are not told; the watchdog goes on. Without
+ * it (the default) a lost worker stops every survivor. */
+void ex_watchdog_tolerate(void (*on_lost)(int rank, const char *why));
 /* ex_watchdog_stop ends the pings: call it before a worker may leave (its graceful shutdown),
  * since a worker that left normally must not count as lost. Safe to call twice. */
 void ex_watchdog_stop(void);

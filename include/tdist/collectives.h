@@ -519,6 +519,11 @@ typedef struct td_ft_step_info {
   double machinery_s;      /* on the fast path: the time spent beyond what td_ddp does (keeping
                               a copy of the local gradient, dropping it at the commit): the fault
                               tolerance's own cost in a step without failure; 0 otherwise */
+  int blocks_copied;       /* td_ft_zero: optimizer blocks whose state was copied to a new holder
+                              in this step (a lost holder's block re-replicated) */
+  bool rolled_forward;     /* td_ft_zero: the step was completed by the survivors from the state
+                              and gradients they held (a member had passed the commit vote), not
+                              reduced again */
   char message[1024];      /* one line saying who was lost, at which step and in which phase,
                               and what was recomputed by whom ("" without failure) */
 } td_ft_step_info;
@@ -557,18 +562,30 @@ TD_API void td_ft_shard_range(int64_t batch, int n_shards, int s, int64_t *begin
  * re-forms with the others); STOP: SIGSTOP itself (a hung member: alive to every check, the
  * others' collective reaches the group's timeout and the re-formation leaves it out at half its
  * timeout; whoever started it must end it). Each injection fires once. Every member must
- * register the same injections (they decide which path a step takes). */
+ * register the same injections (they decide which path a step takes). ZeRO (td_ft_zero_inject)
+ * has four more points, around its commit vote and the all-gather of the parameters that
+ * follows its optimizer step: BEFORE_GATHER (this member stepped its optimizer blocks, nothing
+ * gathered yet), DURING_GATHER (after the first piece of the all-gather), AFTER_GATHER (after it,
+ * before the step counts as committed), AFTER_VOTE (this member received the vote, before it
+ * steps its blocks: with CLOSE, a member that voted but did not step, which the recovery rolls
+ * forward); its AFTER is after the reduction, before the commit vote. */
 typedef enum td_ft_when {
   TD_FT_BEFORE = 0,
   TD_FT_DURING = 1,
   TD_FT_AFTER = 2,
-  TD_FT_RECOVERY = 3
+  TD_FT_RECOVERY = 3,
+  TD_FT_BEFORE_GATHER = 4,
+  TD_FT_DURING_GATHER = 5,
+  TD_FT_AFTER_GATHER = 6,
+  TD_FT_AFTER_VOTE = 7
 } td_ft_when;
 typedef enum td_ft_what { TD_FT_KILL = 0, TD_FT_CLOSE = 1, TD_FT_STOP = 2 } td_ft_what;
 TD_API td_status td_ft_ddp_inject(td_ft_ddp *ft, int rank, int64_t step, td_ft_when when,
                                   td_ft_what what);
-/* td_ft_inject_parse reads "rank:step:when:what" (when: before, during, after, recovery; what:
- * kill, close, stop) into its parts; TD_ERR_INVALID otherwise. */
+/* td_ft_inject_parse reads "rank:step:when:what" (when: before, during, after, recovery,
+ * before_gather, during_gather, after_gather, after_vote; what: kill, close, stop) into its
+ * parts; TD_ERR_INVALID otherwise. td_ft_ddp_inject refuses ZeRO's points (DDP has no all-gather
+ * and no vote). */
 TD_API td_status td_ft_inject_parse(const char *spec, int *rank, int64_t *step, td_ft_when *when,
                                     td_ft_what *what);
 
@@ -811,6 +828,109 @@ TD_API td_status td_zero_load(td_zero *z, const char *const *paths, size_t n);
 
 /* td_zero_destroy frees z (its shard, its optimizer state). NULL does nothing. */
 TD_API void td_zero_destroy(td_zero *z);
+
+/* ---- fault-tolerant ZeRO, stages 1 and 2: a lost member costs one step, not its state ----
+ *
+ * A td_ft_zero is td_ft_ddp's step (fixed shards of the batch, the ordered reduction, commit on
+ * every survivor or none) with the optimizer state sharded as ZeRO shards it, and every piece of
+ * that state held twice, so that a lost member takes nothing with it. The parameters (every
+ * group's, in order; P elements) are cut into n_blocks fixed blocks (default: the group's size
+ * at creation; block b is elements [b * ceil(P / n_blocks), ...) of the flat order). Each block
+ * has two holders, its owner and a backup (at creation: group rank b and the next one, ring
+ * order), both keeping its optimizer state and stepping it with the same averaged gradient, so
+ * their states are equal bit for bit: 2/n of the state per member instead of ZeRO's 1/n. A step:
+ *   1. each member computes its shards of the batch (as td_ft_ddp: the shard function);
+ *   2. the ordered reduction of the gradients, bucket by bucket: stage 1 keeps the whole
+ *      average (P elements, as td_zero stage 1 does; the .grads are cleared), stage 2 keeps only
+ *      the parts of the blocks it holds (2/n of the gradient; with two holders per block a
+ *      reduce-scatter would move as many bytes as this all_reduce);
+ *   3. the commit vote: an all_reduce of one number per block (the owner's sum of squares of
+ *      its block's averaged gradient, for clipping by the global norm, folded in block order so
+ *      the norm's bits do not depend on who holds what). A member that receives it knows that
+ *      every member finished step 2, so every block's gradient is on both its holders;
+ *   4. each member steps the blocks it holds (td_optim over views of the parameters), unless
+ *      its own group failed after the vote (the recovery then steps them);
+ *   5. the all-gather: every block's updated values from its owner into every member's
+ *      parameters; the step is committed.
+ * A member lost anywhere makes the survivors re-form the group and exchange what each holds
+ * (per block: whether it has its state, at which step, whether it has the step's gradient).
+ * When some survivor passed the vote, the step is completed from that (roll forward): the
+ * holders that did not step yet step with the gradient they hold and the agreed clipping
+ * factor, and the parameters are gathered again; otherwise no survivor stepped and the step is
+ * redone: the lost member's shards of the batch go to the survivors (recomputed), the others'
+ * gradients are kept, and the reduction runs again with the same bits. Each block lost with
+ * one holder gets a new backup (the survivor holding the fewest blocks) with a copy of its
+ * state from the live holder: the layout is re-sharded over the survivors, block by block. So
+ * the parameters after any number of lost members equal a failure-free run's bitwise (float64
+ * and float32 alike), as long as no block loses both holders in one recovery (two neighbours
+ * lost at once): then every survivor fails the step with TD_ERR_UNAVAILABLE naming the block
+ * and its lost holders (its state is gone; restart from a checkpoint), never a hang. The
+ * store's host (global rank 0) must live, as for td_ft_ddp.
+ *
+ * Cost without failures: td_ft_ddp's ordered path (no overlap with backward), the vote (one
+ * all_reduce of n_blocks doubles), twice ZeRO's optimizer work and state (each block stepped by
+ * its two holders), and the all-gather. Per step, as td_ft_ddp:
+ *     td_ft_zero_set_lr(z, schedule(k));
+ *     td_ft_zero_step(z, k, shard, &ctx, &info);     shard: see td_ft_shard_fn
+ *     ...
+ *     td_ft_zero_sync(z, NULL);                      after the last step
+ */
+typedef struct td_ft_zero td_ft_zero;
+
+typedef struct td_ft_zero_options {
+  int stage;               /* 1 or 2 (default 2) */
+  int n_shards;            /* shards of the batch per step (0: the group's size at creation) */
+  int n_blocks;            /* optimizer blocks (0: the group's size at creation) */
+  size_t bucket_bytes;     /* bytes per ordered all_reduce and per all-gather piece (0: 4 MiB) */
+  double max_grad_norm;    /* > 0: clip the averaged gradient's global 2-norm (default 0) */
+  td_timeout_ms reform_timeout; /* bound of each re-formation (TD_TIMEOUT_DEFAULT: the group's) */
+  int max_failures;        /* failures survived before a step gives up (0: no limit) */
+} td_ft_zero_options;
+/* td_ft_zero_options_init: stage 2, n_shards and n_blocks the group's size, 4 MiB, no clipping,
+ * no limit. */
+TD_API void td_ft_zero_options_init(td_ft_zero_options *o);
+
+/* td_ft_zero_create makes a fault-tolerant sharded optimizer over the parameters of
+ * groups[0..n_groups) (as td_zero_create: each group's lr and weight decay apply to its
+ * parameters; contiguous float32 or float64 CPU tensors of one dtype) with optimizer options
+ * opts. Collective over pg: copies group rank 0's parameters to every member. Borrows pg (never
+ * destroyed by it) and takes a reference to every parameter. zopts NULL: the defaults. Release
+ * with td_ft_zero_destroy(). */
+TD_API td_status td_ft_zero_create(td_process_group *pg, const td_optim_options *opts,
+                                   const td_optim_group *groups, size_t n_groups,
+                                   const td_ft_zero_options *zopts, td_ft_zero **out);
+/* td_ft_zero_step runs step `step` (steps increase by one from any start) to its commit,
+ * surviving lost members as described above; info (may be NULL) says what happened. Errors as
+ * td_ft_ddp_step's, and TD_ERR_UNAVAILABLE when a block lost both its holders. Collective over
+ * the current group; blocks. THREAD SAFETY: one thread. */
+TD_API td_status td_ft_zero_step(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void *user,
+                                 td_ft_step_info *info);
+/* td_ft_zero_sync is td_ft_ddp_sync for a td_ft_zero: a barrier that survives lost members
+ * (and re-replicates their blocks); call it after the last step. Collective; blocks. */
+TD_API td_status td_ft_zero_sync(td_ft_zero *z, td_ft_step_info *info);
+/* td_ft_zero_set_lr sets every group's learning rate for the next steps (schedules); blocks
+ * taken over later get it too. TD_ERR_INVALID for a negative or NaN lr. Not collective. */
+TD_API td_status td_ft_zero_set_lr(td_ft_zero *z, double lr);
+/* td_ft_zero_inject: fault injection as td_ft_ddp_inject, every point of td_ft_when. */
+TD_API td_status td_ft_zero_inject(td_ft_zero *z, int rank, int64_t step, td_ft_when when,
+                                   td_ft_what what);
+/* td_ft_zero_group returns the current group. Borrowed: valid until the next step, sync or
+ * destroy. */
+TD_API td_process_group *td_ft_zero_group(const td_ft_zero *z);
+/* What a td_ft_zero holds on this member. */
+typedef struct td_ft_zero_stats {
+  int stage;
+  int n_blocks;
+  int64_t numel;          /* P: elements of all parameters */
+  int owned;              /* blocks this member owns (steps, votes for and gathers from) */
+  int backed;             /* blocks it backs (steps too, keeps their state) */
+  int64_t state_numel;    /* elements of the blocks it holds (their optimizer state is kept) */
+  int64_t grad_numel;     /* elements of averaged gradient it keeps in a step (stage 1: P) */
+} td_ft_zero_stats;
+TD_API td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out);
+/* td_ft_zero_destroy frees z, its optimizer state and the groups it re-formed. NULL does
+ * nothing. */
+TD_API void td_ft_zero_destroy(td_ft_zero *z);
 
 #ifdef __cplusplus
 }

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# test_example_gpt_ft.sh TDISTRUN GPT - gpt --dp ddp --ft (td_ft_ddp) under tdistrun with 4
-# workers, float64: a run without failure, then the same run with rank 2's process SIGKILLed from
+# test_example_gpt_ft.sh TDISTRUN GPT [DP [tdistrun]] - gpt --dp DP --ft (DP: ddp, td_ft_ddp,
+# the default; zero1 or zero2, td_ft_zero) under tdistrun with 4 workers, float64: a run without failure, then the same run with rank 2's process SIGKILLed from
 # outside once training is under way (at whatever step and phase it is in). The second run must
 # finish (tdistrun --tolerate-failures 1: exit status 0, no restart), print one line naming the
 # lost worker and the step, and end with the same parameters, bit for bit (results.params_hash),
 # and the same validation loss. Then once more started bare (4 unsupervised processes, as srun
 # without --kill-on-bad-exit leaves them): every survivor exits 0 by itself, same parameters.
-# Skips (77) without the corpus. Ends only the processes it started, by pid.
+# With ZeRO the line also names the optimizer blocks that moved. A fourth argument "tdistrun"
+# leaves out the bare start. Skips (77) without the corpus. Ends only the processes it started,
+# by pid.
 set -euo pipefail
 tdistrun="$1"
 gpt="$2"
+dp="${3:-ddp}"
+mode="${4:-all}"
 corpus=/usr/share/games/fortunes
 if [[ ! -e "$corpus" ]]; then
   echo "SKIP: no $corpus"
@@ -18,7 +22,7 @@ fi
 # shellcheck source=launch_lib.sh
 source "$(dirname "$0")/launch_lib.sh"
 scale="${TD_TEST_TIMEOUT_SCALE:-1}"
-args=(--dp ddp --ft --dtype f64 --n-layer 2 --n-head 2 --n-embd 32 --block-size 16
+args=(--dp "$dp" --ft --dtype f64 --n-layer 2 --n-head 2 --n-embd 32 --block-size 16
       --batch-size 4 --steps 250 --eval-interval 1000 --eval-iters 2 --bucket-mb 0.05)
 base="$(mktemp)"
 out="$(mktemp)"
@@ -74,6 +78,10 @@ if ! grep -qE "gpt: step [0-9]+, generation 0: .*worker2 \(rank 2\).*lost: worke
   echo "FAIL: no line naming the lost worker, the step and the re-sharded shard"
   fail=1
 fi
+if [[ "$dp" != ddp ]] && ! grep -qE "gpt: step [0-9]+, .*optimizer blocks: block [0-9]+ -> .*committed" "$out"; then
+  echo "FAIL: no line naming the optimizer blocks that moved"
+  fail=1
+fi
 if grep -q "restarting" "$out"; then echo "FAIL: the group was restarted"; fail=1; fi
 h1="$(hash_of "$out")"
 if [[ "$h1" != "$h0" ]]; then
@@ -86,6 +94,10 @@ if [[ "$(val_of "$out")" != "$(val_of "$base")" ]]; then
 fi
 if [[ $fail -ne 0 ]]; then tail -n 30 "$out"; exit 1; fi
 echo "tdistrun: $h1 with and without the kill"
+if [[ "$mode" == tdistrun ]]; then
+  echo "PASS: $h1 with and without the kill, under tdistrun"
+  exit 0
+fi
 
 # The same started bare (4 processes that nothing supervises, as srun without
 # --kill-on-bad-exit leaves them): the survivors finish by themselves, exit 0, same parameters.

@@ -1,0 +1,438 @@
+/* test_ft_zero.c - fault-tolerant ZeRO stages 1 and 2 (td_ft_zero) under injected faults, 4 real
+ * processes: a SIGKILL, a closed connection or a SIGSTOP at a chosen rank and step, before,
+ * during or after the gradient reduction and before, during or after the all-gather of the
+ * parameters, a second kill in a later step or in the recovery from the first. Every run must
+ * finish, every survivor exits 0 as the process that started, and the float64 parameters of
+ * every survivor after 6 AdamW steps (two parameter groups, clipping) equal the failure-free
+ * run's bit for bit, at both stages (stage 1 and stage 2 give the same bits too). After each
+ * loss the blocks are held twice again: over the survivors, every block has one owner and one
+ * backup (the stats' sums), and each lost holder's block was copied to a new one.
+ *
+ * Two neighbours lost at once (both holders of a block): every survivor's step fails with
+ * TD_ERR_UNAVAILABLE naming the block, soon, instead of hanging or going on with wrong state.
+ * Without clipping, td_ft_zero's parameters equal td_ft_ddp's bit for bit: sharding the
+ * optimizer changes nothing in the numbers.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "coll_test_util.h"
+#include "tdist/autograd.h"
+#include "test_util.h"
+
+#define WORLD 4
+#define STEPS 6
+#define SHARD_ROWS 6
+
+typedef struct fault {
+  int rank;
+  int64_t step;
+  td_ft_when when;
+  td_ft_what what;
+} fault;
+
+typedef struct zcase {
+  const char *name;
+  int stage;
+  fault f[2];
+  int nf;
+  uint64_t generation; /* what the survivors report at the end */
+  int members;
+  int lost;
+  int moved;           /* shards recomputed in the run; -1: 0 or 1 per lost member (the step
+                          is completed from the survivors' state when one of them passed the
+                          vote, redone otherwise: a race between the kill and the vote) */
+  int copied;          /* blocks copied to a new holder; -1: at least one */
+  int64_t timeout_ms;  /* the group's timeout (0: 20 s) */
+  bool fails;          /* both holders of a block lost: the survivors' step fails */
+  char dir[256];
+} zcase;
+
+static td_module *build(void) {
+  MP_CHECK_OK(td_nn_manual_seed(7));
+  td_module *seq = NULL, *l1 = NULL, *act = NULL, *l2 = NULL;
+  MP_CHECK_OK(td_sequential_create(&seq));
+  MP_CHECK_OK(td_linear_create(6, 16, true, NULL, &l1));
+  MP_CHECK_OK(td_tanh_create(&act));
+  MP_CHECK_OK(td_linear_create(16, 3, true, NULL, &l2));
+  MP_CHECK_OK(td_sequential_append(seq, l1));
+  MP_CHECK_OK(td_sequential_append(seq, act));
+  MP_CHECK_OK(td_sequential_append(seq, l2));
+  td_module_unref(l1);
+  td_module_unref(act);
+  td_module_unref(l2);
+  MP_CHECK_OK(td_module_to_dtype(seq, TD_DTYPE_F64));
+  return seq;
+}
+
+/* Shard s of step k: SHARD_ROWS samples drawn from (k, s) alone; the mean squared error. */
+static td_status shard_fn(void *user, int64_t step, int s, int n_shards) {
+  (void)n_shards;
+  td_module *m = user;
+  int64_t xs[2] = {SHARD_ROWS, 6}, ys[2] = {SHARD_ROWS, 3};
+  uint64_t seed = 1000 * (uint64_t)step + (uint64_t)s;
+  td_tensor *x = td_test_randn(xs, 2, TD_DTYPE_F64, 11 + 2 * seed, false);
+  td_tensor *y = td_test_randn(ys, 2, TD_DTYPE_F64, 12 + 2 * seed, false);
+  td_tensor *out = NULL, *loss = NULL, *big = NULL;
+  td_status st = td_module_forward(m, x, &out);
+  if (st == TD_OK) st = td_tensor_mse_loss(out, y, TD_REDUCTION_MEAN, &loss);
+  if (st == TD_OK) st = td_tensor_mul_scalar(loss, 3.0, &big); /* norms above the clip's 0.5 */
+  if (st == TD_OK) st = td_tensor_backward(big);
+  td_tensor_unref(x);
+  td_tensor_unref(y);
+  td_tensor_unref(out);
+  td_tensor_unref(loss);
+  td_tensor_unref(big);
+  return st;
+}
+
+static void write_file(const char *dir, const char *what, int rank, const void *p, size_t n,
+                       const char *mode) {
+  char path[400];
+  snprintf(path, sizeof path, "%s/%s.%d", dir, what, rank);
+  FILE *f = fopen(path, mode);
+  MP_CHECK(f && fwrite(p, 1, n, f) == n);
+  fclose(f);
+}
+
+static size_t read_file(const char *dir, const char *what, int rank, char *buf, size_t cap) {
+  char path[400];
+  snprintf(path, sizeof path, "%s/%s.%d", dir, what, rank);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(buf, 1, cap, f);
+  fclose(f);
+  return n;
+}
+
+/* The optimizer's two groups: the weights (decay 0.1) and the biases (none). */
+typedef struct groups {
+  td_tensor_list ps;
+  td_tensor *w[2], *b[2];
+  td_optim_group g[2];
+  td_optim_options oo;
+} groups;
+
+static void groups_make(td_module *m, groups *g, double lr) {
+  td_tensor_list_init(&g->ps);
+  MP_CHECK_OK(td_module_parameters(m, &g->ps));
+  MP_CHECK(g->ps.n == 4);
+  g->w[0] = g->ps.tensors[0], g->w[1] = g->ps.tensors[2];
+  g->b[0] = g->ps.tensors[1], g->b[1] = g->ps.tensors[3];
+  td_optim_group_init(&g->g[0], g->w, 2);
+  g->g[0].weight_decay = 0.1;
+  td_optim_group_init(&g->g[1], g->b, 2);
+  g->g[1].weight_decay = 0.0;
+  td_optim_options_init(&g->oo, TD_OPTIM_ADAMW);
+  g->oo.lr = lr;
+}
+
+static void write_params(const char *dir, const char *what, int rank, const td_tensor_list *ps) {
+  for (size_t i = 0; i < ps->n; i++)
+    write_file(dir, what, rank, td_tensor_data(ps->tensors[i]), td_tensor_nbytes(ps->tensors[i]),
+               i ? "a" : "w");
+}
+
+/* A survivor's lowest group rank ends a stopped member (the test started it). */
+static void end_stopped(const zcase *c, td_process_group *cur, int rank) {
+  for (int i = 0; i < c->nf && td_process_group_global_rank(cur, 0) == rank; i++) {
+    if (c->f[i].what != TD_FT_STOP) continue;
+    char pid[32] = "", path[400];
+    snprintf(path, sizeof path, "%s/start.%d", c->dir, c->f[i].rank);
+    FILE *f = fopen(path, "r");
+    MP_CHECK(f && fgets(pid, sizeof pid, f));
+    fclose(f);
+    MP_CHECK(atoi(pid) > 0 && kill(atoi(pid), SIGKILL) == 0);
+  }
+}
+
+static int worker(int rank, int world, const char *method, void *arg) {
+  zcase *c = arg;
+  char line[64];
+  int k = snprintf(line, sizeof line, "%d\n", (int)getpid());
+  write_file(c->dir, "start", rank, line, (size_t)k, "a");
+  int64_t tmo = c->timeout_ms ? td_test_ms(c->timeout_ms) : 20000;
+  td_rpc_agent *a = coll_join(rank, world, method);
+  td_process_group *pg = NULL;
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, tmo, &pg));
+  td_module *m = build();
+  groups g;
+  groups_make(m, &g, 1e-2);
+  td_ft_zero_options zo;
+  td_ft_zero_options_init(&zo);
+  zo.stage = c->stage;
+  zo.bucket_bytes = 64 * sizeof(double); /* 163 parameters: 3 reduction buckets, 3 gather pieces */
+  zo.max_grad_norm = 0.5;
+  zo.reform_timeout = c->timeout_ms ? 2 * tmo : 20000;
+  td_ft_zero *z = NULL;
+  MP_CHECK_OK(td_ft_zero_create(pg, &g.oo, g.g, 2, &zo, &z));
+  td_ft_zero_stats zs;
+  MP_CHECK_OK(td_ft_zero_get_stats(z, &zs));
+  MP_CHECK(zs.owned == 1 && zs.backed == 1 && zs.numel == 163 && zs.n_blocks == WORLD);
+  MP_CHECK(zs.state_numel >= 2 * (163 / WORLD) && zs.state_numel <= 2 * (163 / WORLD + 1));
+  for (int i = 0; i < c->nf; i++)
+    MP_CHECK_OK(td_ft_zero_inject(z, c->f[i].rank, c->f[i].step, c->f[i].when, c->f[i].what));
+  int lost = 0, moved = 0, copied = 0;
+  td_status st = TD_OK;
+  for (int64_t step = 0; st == TD_OK && step < STEPS; step++) {
+    MP_CHECK_OK(td_ft_zero_set_lr(z, 1e-2 * (1.0 - 0.1 * (double)step)));
+    td_ft_step_info info;
+    st = td_ft_zero_step(z, step, shard_fn, m, &info);
+    if (st != TD_OK) break;
+    MP_CHECK(info.step == step);
+    if (info.failures) fprintf(stderr, "[rank %d] %s\n", rank, info.message);
+    lost += info.lost;
+    moved += info.shards_recomputed;
+    copied += info.blocks_copied;
+  }
+  if (c->fails) { /* the block's state is gone: a clear error on every survivor, no hang */
+    fprintf(stderr, "[rank %d] %s\n", rank, td_last_error());
+    MP_CHECK(st == TD_ERR_UNAVAILABLE);
+    MP_CHECK(strstr(td_last_error(), "optimizer block 1") && strstr(td_last_error(), "gone"));
+    td_ft_zero_destroy(z);
+    td_process_group_destroy(pg);
+    td_tensor_list_fini(&g.ps);
+    td_module_unref(m);
+    td_rpc_shutdown(a, false, 5000);
+    td_rpc_destroy(a);
+    return 0;
+  }
+  MP_CHECK_OK(st);
+  td_ft_step_info sync;
+  MP_CHECK_OK(td_ft_zero_sync(z, &sync));
+  lost += sync.lost;
+  copied += sync.blocks_copied;
+  MP_CHECK(sync.step == STEPS - 1);
+  td_process_group *cur = td_ft_zero_group(z);
+  MP_CHECK_OK(td_ft_zero_get_stats(z, &zs));
+  char rep[256];
+  k = snprintf(rep, sizeof rep, "%llu %d %d %d %d %d %d %d\n",
+               (unsigned long long)td_process_group_generation(cur), td_process_group_size(cur),
+               lost, moved, copied, zs.owned, zs.backed, (int)getpid());
+  write_file(c->dir, "report", rank, rep, (size_t)k, "w");
+  write_params(c->dir, "params", rank, &g.ps);
+  end_stopped(c, cur, rank);
+  bool whole = td_process_group_size(cur) == world;
+  td_ft_zero_destroy(z);
+  td_process_group_destroy(pg);
+  td_tensor_list_fini(&g.ps);
+  td_module_unref(m);
+  /* with a member gone the graceful shutdown's barrier cannot complete */
+  td_status sd = td_rpc_shutdown(a, whole, 30000);
+  MP_CHECK(!whole || sd == TD_OK);
+  td_rpc_destroy(a);
+  CHECK_NO_LEAKS();
+  return 0;
+}
+
+static char baseline[4096]; /* the first run's parameters (stage 2, no failure) */
+static size_t baseline_n;
+
+static bool victim(const zcase *c, int r) {
+  for (int i = 0; i < c->nf; i++)
+    if (c->f[i].rank == r && c->f[i].what != TD_FT_CLOSE) return true;
+  return false;
+}
+
+static void check_survivor(const zcase *c, int r, int *owned, int *backed) {
+  char buf[4096], rep[256];
+  size_t n = read_file(c->dir, "start", r, rep, sizeof rep - 1);
+  rep[n] = 0;
+  int pid0 = atoi(rep);
+  assert_non_null(strchr(rep, '\n'));
+  assert_true(strchr(rep, '\n')[1] == 0); /* started once: no restart */
+  if (c->fails) return;
+  n = read_file(c->dir, "report", r, rep, sizeof rep - 1);
+  rep[n] = 0;
+  unsigned long long gen = 0;
+  int members = 0, lost = 0, moved = 0, copied = 0, own = 0, bak = 0, pid1 = 0;
+  assert_int_equal(sscanf(rep, "%llu %d %d %d %d %d %d %d", &gen, &members, &lost, &moved,
+                          &copied, &own, &bak, &pid1), 8);
+  assert_int_equal(pid1, pid0); /* the process that started is the one that finished */
+  assert_int_equal(gen, c->generation);
+  assert_int_equal(members, c->members);
+  assert_int_equal(lost, c->lost);
+  if (c->moved >= 0) assert_int_equal(moved, c->moved);
+  else assert_true(moved >= 0 && moved <= c->lost);
+  if (c->copied >= 0) assert_int_equal(copied, c->copied);
+  else assert_true(copied >= 1);
+  *owned += own, *backed += bak;
+  n = read_file(c->dir, "params", r, buf, sizeof buf);
+  assert_true(n > 0);
+  if (!baseline_n) {
+    memcpy(baseline, buf, n);
+    baseline_n = n;
+  }
+  assert_int_equal(n, baseline_n);
+  assert_memory_equal(buf, baseline, n); /* bitwise the failure-free run */
+}
+
+static void run_case(zcase *c) {
+  snprintf(c->dir, sizeof c->dir, "/tmp/td_ft_zero_XXXXXX");
+  assert_non_null(mkdtemp(c->dir));
+  int codes[WORLD];
+  double t0 = td_test_now_s();
+  int bad = td_mp_run(WORLD, worker, c, 120, codes);
+  fprintf(stderr, "case stage %d, %s: %.2f s\n", c->stage, c->name, td_test_now_s() - t0);
+  int killed = 0, owned = 0, backed = 0;
+  for (int r = 0; r < WORLD; r++) {
+    if (victim(c, r)) {
+      assert_int_equal(codes[r], 128 + SIGKILL);
+      killed++;
+      continue;
+    }
+    assert_int_equal(codes[r], 0); /* every survivor finished by itself */
+    check_survivor(c, r, &owned, &backed);
+  }
+  assert_int_equal(bad, killed);
+  if (!c->fails) { /* every block held twice again, over the survivors */
+    assert_int_equal(owned, WORLD);
+    assert_int_equal(backed, WORLD);
+  }
+  char cmd[300];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", c->dir);
+  assert_int_equal(system(cmd), 0);
+}
+
+#define KILL(r, s, w) {r, s, w, TD_FT_KILL}
+#define CLOSE(r, s, w) {r, s, w, TD_FT_CLOSE}
+
+static void test_ft_zero_matrix(void **state) {
+  (void)state;
+  zcase cases[] = {
+      {"no failure", 2, {{0}}, 0, 0, 4, 0, 0, 0},
+      {"no failure", 1, {{0}}, 0, 0, 4, 0, 0, 0},
+      {"kill rank 2 before the reduction of step 2", 2, {KILL(2, 2, TD_FT_BEFORE)}, 1, 1, 3, 1,
+       1, 2},
+      {"kill rank 1 during the reduction of step 3", 2, {KILL(1, 3, TD_FT_DURING)}, 1, 1, 3, 1,
+       1, 2},
+      {"kill rank 3 after the reduction (before the vote) of step 1", 1,
+       {KILL(3, 1, TD_FT_AFTER)}, 1, 1, 3, 1, 1, 2},
+      {"kill rank 2 after its optimizer step, before the all-gather of step 2", 2,
+       {KILL(2, 2, TD_FT_BEFORE_GATHER)}, 1, 1, 3, 1, -1, 2},
+      {"kill rank 1 during the all-gather of step 3", 1, {KILL(1, 3, TD_FT_DURING_GATHER)}, 1, 1,
+       3, 1, -1, 2},
+      {"kill rank 3 after the all-gather of step 4", 2, {KILL(3, 4, TD_FT_AFTER_GATHER)}, 1, 1,
+       3, 1, -1, 2},
+      {"close rank 2 before the all-gather of step 2", 2, {CLOSE(2, 2, TD_FT_BEFORE_GATHER)}, 1,
+       1, 4, 0, 0, 0},
+      {"close rank 1 during the reduction of step 1", 1, {CLOSE(1, 1, TD_FT_DURING)}, 1, 1, 4, 0,
+       0, 0},
+      {"close rank 3 after the all-gather of step 3", 2, {CLOSE(3, 3, TD_FT_AFTER_GATHER)}, 1, 1,
+       4, 0, 0, 0},
+      {"close rank 2 after the vote of step 2 (voted, not stepped: rolled forward)", 2,
+       {CLOSE(2, 2, TD_FT_AFTER_VOTE)}, 1, 1, 4, 0, 0, 0},
+      {"close rank 0 after the vote of step 4 (voted, not stepped: rolled forward)", 1,
+       {CLOSE(0, 4, TD_FT_AFTER_VOTE)}, 1, 1, 4, 0, 0, 0},
+      {"kill rank 3 before step 1, then rank 1 during the all-gather of step 3", 2,
+       {KILL(3, 1, TD_FT_BEFORE), KILL(1, 3, TD_FT_DURING_GATHER)}, 2, 2, 2, 2, -1, -1},
+      {"kill rank 3 before step 1, then rank 2 during the reduction of step 3 (block 2's state "
+       "from the copy made at step 1)", 2, {KILL(3, 1, TD_FT_BEFORE), KILL(2, 3, TD_FT_DURING)},
+       2, 2, 2, 2, 2, -1},
+      {"kill rank 1 before the all-gather of step 3, then rank 3 in the recovery", 1,
+       {KILL(1, 3, TD_FT_BEFORE_GATHER), KILL(3, 3, TD_FT_RECOVERY)}, 2, 2, 2, 2, -1, -1},
+      {"kill ranks 1 and 3 at once, before step 2 (no block loses both holders)", 2,
+       {KILL(1, 2, TD_FT_BEFORE), KILL(3, 2, TD_FT_BEFORE)}, 2, 1, 2, 2, 2, -1},
+      {"stop rank 2 before the all-gather of step 2 (seen at the group's timeout)", 2,
+       {{2, 2, TD_FT_BEFORE_GATHER, TD_FT_STOP}}, 1, 1, 3, 1, -1, 2, 3000},
+      {"kill ranks 1 and 2 at once (both holders of block 1): a clear error", 2,
+       {KILL(1, 2, TD_FT_BEFORE), KILL(2, 2, TD_FT_BEFORE)}, 2, 0, 0, 0, 0, 0, 0, true},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
+}
+
+/* ---- td_ft_zero and td_ft_ddp: the same numbers (no clipping) ---- */
+
+static int same_worker(int rank, int world, const char *method, void *arg) {
+  const char *dir = arg;
+  td_rpc_agent *a = coll_join(rank, world, method);
+  td_process_group *pg = NULL;
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, 20000, &pg));
+  for (int run = 0; run < 2; run++) {
+    td_module *m = build();
+    groups g;
+    groups_make(m, &g, 1e-2);
+    td_ft_zero *z = NULL;
+    td_ft_ddp *d = NULL;
+    td_optim *opt = NULL;
+    if (run == 0) {
+      MP_CHECK_OK(td_ft_zero_create(pg, &g.oo, g.g, 2, NULL, &z));
+    } else {
+      MP_CHECK_OK(td_optim_create_groups(&g.oo, g.g, 2, &opt));
+      MP_CHECK_OK(td_ft_ddp_create(pg, opt, NULL, &d));
+    }
+    for (int64_t step = 0; step < STEPS; step++)
+      MP_CHECK_OK(z ? td_ft_zero_step(z, step, shard_fn, m, NULL)
+                    : td_ft_ddp_step(d, step, shard_fn, m, NULL));
+    write_params(dir, run ? "ddp" : "zero", rank, &g.ps);
+    td_ft_zero_destroy(z);
+    td_ft_ddp_destroy(d);
+    td_optim_destroy(opt);
+    td_tensor_list_fini(&g.ps);
+    td_module_unref(m);
+  }
+  td_process_group_destroy(pg);
+  coll_leave(a);
+  return 0;
+}
+
+static void test_ft_zero_equals_ft_ddp(void **state) {
+  (void)state;
+  char dir[64];
+  snprintf(dir, sizeof dir, "/tmp/td_ft_zero_same_XXXXXX");
+  assert_non_null(mkdtemp(dir));
+  int codes[WORLD];
+  assert_int_equal(td_mp_run(WORLD, same_worker, dir, 60, codes), 0);
+  static char a[4096], b[4096];
+  for (int r = 0; r < WORLD; r++) {
+    size_t na = read_file(dir, "zero", r, a, sizeof a), nb = read_file(dir, "ddp", r, b, sizeof b);
+    assert_true(na > 0);
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, na);
+  }
+  char cmd[100];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
+/* ---- arguments ---- */
+
+static void test_ft_zero_inject_parse_gather_points(void **state) {
+  (void)state;
+  int rank = -1;
+  int64_t step = -1;
+  td_ft_when when = TD_FT_BEFORE;
+  td_ft_what what = TD_FT_KILL;
+  assert_int_equal(td_ft_inject_parse("1:4:during_gather:kill", &rank, &step, &when, &what), TD_OK);
+  assert_int_equal(when, TD_FT_DURING_GATHER);
+  assert_int_equal(td_ft_inject_parse("2:0:before_gather:close", &rank, &step, &when, &what), TD_OK);
+  assert_int_equal(when, TD_FT_BEFORE_GATHER);
+  assert_int_equal(what, TD_FT_CLOSE);
+  assert_int_equal(td_ft_inject_parse("3:1:after_gather:stop", &rank, &step, &when, &what), TD_OK);
+  assert_int_equal(when, TD_FT_AFTER_GATHER);
+  assert_int_equal(td_ft_inject_parse("3:2:after_vote:close", &rank, &step, &when, &what), TD_OK);
+  assert_int_equal(when, TD_FT_AFTER_VOTE);
+  assert_int_equal(td_ft_inject_parse("3:1:gather:stop", &rank, &step, &when, &what),
+                   TD_ERR_INVALID);
+  assert_int_equal(td_ft_inject_parse("3:1:after-gather:stop", &rank, &step, &when, &what),
+                   TD_ERR_INVALID);
+  assert_int_equal(rank, 3);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_ft_zero_inject_parse_gather_points),
+      cmocka_unit_test(test_ft_zero_equals_ft_ddp),
+      cmocka_unit_test(test_ft_zero_matrix),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

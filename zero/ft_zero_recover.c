@@ -1,0 +1,270 @@
+/* ft_zero_recover.c - the recovery of a td_ft_zero step (ft_zero.c has the design): after a
+ * failed attempt the survivors re-form the group, exchange what each holds (one all_gather of an
+ * int64 row per member), decide from that table alone (so every survivor decides alike, even
+ * after an earlier recovery ended half done on some of them) whether the step rolls forward or
+ * is redone, which survivors hold each optimizer block, and which blocks need a copy of their
+ * state on a new backup; then they apply it.
+ *
+ * Row of a member: committed, voted, coef's bits (ROW_HEAD), the M shard owners (global ranks),
+ * then per block: held, ver, gstep.
+ *
+ * Threads: the thread that runs the td_ft_zero's steps; no lock.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "zero_impl.h"
+
+#define ROW_HEAD 3
+
+typedef struct table {
+  td_tensor *t;
+  const int64_t *v;
+  int n, L;
+} table;
+
+static const int64_t *row(const table *T, int m) { return T->v + (size_t)m * (size_t)T->L; }
+
+/* Every survivor's row: what it committed and voted, its shard owners, its blocks. */
+static td_status exchange(td_ft_zero *z, table *T) {
+  T->n = td_process_group_size(z->pg);
+  T->L = ROW_HEAD + z->M + 3 * z->B;
+  int64_t L = T->L, nL = (int64_t)T->n * T->L;
+  td_tensor *mine = NULL;
+  TD_TRY(td_tensor_zeros(&L, 1, TD_DTYPE_I64, td_device_cpu(), &mine));
+  int64_t *x = td_tensor_data(mine);
+  x[0] = z->committed, x[1] = z->voted;
+  memcpy(&x[2], &z->coef, sizeof(double));
+  for (int s = 0; s < z->M; s++) x[ROW_HEAD + s] = z->owner[s];
+  for (int bi = 0; bi < z->B; bi++) {
+    int64_t *e = &x[ROW_HEAD + z->M + 3 * bi];
+    e[0] = z->b[bi].held, e[1] = z->b[bi].ver, e[2] = z->b[bi].gstep;
+  }
+  td_status st = td_tensor_zeros(&nL, 1, TD_DTYPE_I64, td_device_cpu(), &T->t);
+  if (st == TD_OK) st = td_process_group_all_gather_into_tensor(z->pg, T->t, mine);
+  td_tensor_unref(mine);
+  if (st == TD_OK) T->v = td_tensor_data(T->t);
+  return st;
+}
+
+/* The decision, alike on every survivor. */
+typedef struct plan {
+  int64_t k;        /* the step in question */
+  bool forward;     /* a survivor voted k: complete it */
+  double coef;
+  int *own, *bak;   /* per block: group ranks; bak -1 */
+  bool *copy;       /* per block: bak needs a copy of the state from own */
+} plan;
+
+static bool valid(const table *T, const plan *p, int M, int m, int bi) {
+  const int64_t *e = row(T, m) + ROW_HEAD + M + 3 * bi;
+  if (!e[0]) return false;
+  if (!p->forward) return e[1] == p->k - 1;
+  return e[1] == p->k || (e[1] == p->k - 1 && e[2] == p->k);
+}
+
+/* Fills p from the table; TD_ERR_UNAVAILABLE naming a block no survivor can restore. */
+static td_status decide(td_ft_zero *z, const table *T, plan *p) {
+  p->k = INT64_MAX;
+  for (int m = 0; m < T->n; m++) {
+    int64_t c = row(T, m)[0];
+    if (c + 1 < p->k) p->k = c + 1;
+  }
+  p->forward = false, p->coef = 1.0;
+  for (int m = 0; m < T->n && !p->forward; m++)
+    if (row(T, m)[1] == p->k) {
+      p->forward = true;
+      memcpy(&p->coef, &row(T, m)[2], sizeof(double));
+    }
+  int *load = td__calloc((size_t)T->n, sizeof *load);
+  if (!load) return td_set_error(TD_ERR_NOMEM, "ft_zero_step: out of memory");
+  td_status st = TD_OK;
+  for (int bi = 0; st == TD_OK && bi < z->B; bi++) {
+    /* the valid holders in ring order from the block's home rank (bi * n / B: at full size the
+     * layout at creation, own = bi and bak = bi + 1, so its gather is one all_gather again) */
+    int home = (int)((int64_t)bi * T->n / z->B);
+    p->own[bi] = p->bak[bi] = -1;
+    for (int i = 0; i < T->n; i++) {
+      int m = (home + i) % T->n;
+      if (!valid(T, p, z->M, m, bi)) continue;
+      if (p->own[bi] < 0) p->own[bi] = m;
+      else if (p->bak[bi] < 0) p->bak[bi] = m;
+    }
+    if (p->own[bi] < 0)
+      st = td_set_error(TD_ERR_UNAVAILABLE, "optimizer block %d (elements [%lld, %lld)) was "
+                        "held only by lost members (global ranks %d and %d): its state is gone "
+                        "(both holders lost at once); restart from a checkpoint", bi,
+                        (long long)z->b[bi].lo, (long long)z->b[bi].hi, z->b[bi].own, z->b[bi].bak);
+    if (st != TD_OK) break;
+    load[p->own[bi]]++;
+    if (p->bak[bi] >= 0) load[p->bak[bi]]++;
+  }
+  for (int bi = 0; st == TD_OK && bi < z->B; bi++) {
+    p->copy[bi] = false;
+    if (p->bak[bi] >= 0 || T->n < 2) continue;
+    int best = -1;
+    for (int m = 0; m < T->n; m++)
+      if (m != p->own[bi] && (best < 0 || load[m] < load[best])) best = m;
+    p->bak[bi] = best;
+    p->copy[bi] = true;
+    load[best]++;
+  }
+  td__free(load);
+  return st;
+}
+
+/* Copies block bi's state and values from group rank src to group rank dst (two broadcasts
+ * from src; every member takes part). */
+static td_status copy_block(td_ft_zero *z, int bi, int src, int dst, int64_t ver) {
+  td__zfblock *b = &z->b[bi];
+  int r = td_process_group_rank(z->pg);
+  int64_t nm = (int64_t)b->nseg * 4;
+  td_tensor *meta = NULL, *data = NULL;
+  TD_TRY(td_tensor_zeros(&nm, 1, TD_DTYPE_I64, td_device_cpu(), &meta));
+  int64_t *mv = td_tensor_data(meta);
+  td_status st = TD_OK;
+  for (size_t j = 0; r == src && st == TD_OK && j < b->nseg; j++) {
+    td_tensor *bufs[3] = {NULL, NULL, NULL};
+    st = td_optim_state_get(b->opt, j, bufs, &mv[4 * j + 3]);
+    for (int q = 0; q < 3; q++) {
+      mv[4 * j + q] = bufs[q] != NULL;
+      if (bufs[q] && td_tensor_dtype(bufs[q]) != z->dt)
+        st = td_set_error(TD_ERR_DTYPE, "ft_zero: optimizer state in another dtype");
+      td_tensor_unref(bufs[q]);
+    }
+  }
+  if (st == TD_OK) st = td_process_group_broadcast(z->pg, meta, src);
+  int64_t count = b->hi - b->lo;
+  for (size_t j = 0; j < b->nseg; j++)
+    for (int q = 0; q < 3; q++) count += mv[4 * j + q] ? z->segs[b->seg0 + j].len : 0;
+  if (st == TD_OK) st = td_tensor_zeros(&count, 1, z->dt, td_device_cpu(), &data);
+  size_t es = td_dtype_size(z->dt);
+  char *d = st == TD_OK ? td_tensor_data(data) : NULL;
+  if (st == TD_OK && r == src) {
+    td__ftz_flat_io(z, b->lo, b->hi - b->lo, d, false);
+    char *at = d + (size_t)(b->hi - b->lo) * es;
+    for (size_t j = 0; st == TD_OK && j < b->nseg; j++) {
+      td_tensor *bufs[3] = {NULL, NULL, NULL};
+      st = td_optim_state_get(b->opt, j, bufs, NULL);
+      for (int q = 0; q < 3; q++) {
+        if (st == TD_OK && mv[4 * j + q] && bufs[q]) {
+          st = td_tensor_copy_to_buffer(bufs[q], at, (size_t)z->segs[b->seg0 + j].len * es);
+          at += (size_t)z->segs[b->seg0 + j].len * es;
+        }
+        td_tensor_unref(bufs[q]);
+      }
+    }
+  }
+  if (st == TD_OK) st = td_process_group_broadcast(z->pg, data, src);
+  if (st == TD_OK && r == dst) {
+    td__ftz_block_drop(b);
+    st = td__ftz_block_hold(z, bi, ver);
+    if (st == TD_OK) td__ftz_flat_io(z, b->lo, b->hi - b->lo, d, true);
+    int64_t at = b->hi - b->lo;
+    for (size_t j = 0; st == TD_OK && j < b->nseg; j++) {
+      td_tensor *set[3] = {NULL, NULL, NULL};
+      int64_t len = z->segs[b->seg0 + j].len;
+      for (int q = 0; st == TD_OK && q < 3; q++) {
+        if (!mv[4 * j + q]) continue;
+        st = td_tensor_narrow(data, 0, at, len, &set[q]);
+        at += len;
+      }
+      if (st == TD_OK) st = td_optim_state_set(b->opt, j, set, mv[4 * j + 3]);
+      for (int q = 0; q < 3; q++) td_tensor_unref(set[q]);
+    }
+  }
+  td_tensor_unref(meta);
+  td_tensor_unref(data);
+  return st;
+}
+
+/* Applies the plan: holders re-assigned, the step rolled forward or left to be redone, copies. */
+static td_status apply(td_ft_zero *z, const table *T, const plan *p, td_ft_step_info *info,
+                       char *msg, size_t n, size_t *len) {
+  int r = td_process_group_rank(z->pg);
+  int moved = 0;
+  for (int bi = 0; bi < z->B; bi++) {
+    td__zfblock *b = &z->b[bi];
+    int own = td_process_group_global_rank(z->pg, p->own[bi]);
+    int bak = p->bak[bi] >= 0 ? td_process_group_global_rank(z->pg, p->bak[bi]) : -1;
+    if (own != b->own || bak != b->bak) {
+      char w1[160], w2[160];
+      *len = td__ft_say(msg, n, *len, "%sblock %d -> %s%s%s", moved ? ", " : "; optimizer blocks: ",
+                        bi, td__ft_who(z->pg, p->own[bi], w1, sizeof w1),
+                        bak >= 0 ? (p->copy[bi] ? " and a copy to " : " and ") : "",
+                        bak >= 0 ? td__ft_who(z->pg, p->bak[bi], w2, sizeof w2) : "");
+      moved++;
+    }
+    b->own = own, b->bak = bak;
+    if (b->held && r != p->own[bi] && r != p->bak[bi]) td__ftz_block_drop(b);
+    if (p->copy[bi]) info->blocks_copied++;
+  }
+  (void)T;
+  if (p->forward) TD_TRY(td__ftz_step_held(z, p->k, p->coef)); /* a redo reduces again: reduce() resets */
+  int64_t target = p->forward ? p->k : p->k - 1;
+  for (int bi = 0; bi < z->B; bi++)
+    if (p->copy[bi]) TD_TRY(copy_block(z, bi, p->own[bi], p->bak[bi], target));
+  if (p->forward) {
+    TD_TRY(td__ftz_gather(z, p->k));
+    if (z->committed < p->k) info->rolled_forward = true;
+    if (z->committed < p->k) z->committed = p->k;
+  }
+  return TD_OK;
+}
+
+/* Takes group rank 0's shard owners, then gives the lost members' shards to survivors. */
+static int reshard(td_ft_zero *z, const table *T, char *msg, size_t n, size_t *len) {
+  int m = td__ftz_me(z);
+  for (int s = 0; s < z->M; s++) {
+    z->owner[s] = (int)row(T, 0)[ROW_HEAD + s];
+    if (z->owner[s] != m && z->grad[s]) {
+      td_tensor_unref(z->grad[s]);
+      z->grad[s] = NULL;
+    }
+  }
+  return td__ft_reassign(z->pg, z->owner, z->M, z->grad, msg, n, len);
+}
+
+td_status td__ftz_recover(td_ft_zero *z, int64_t step, const char *why, td_ft_step_info *info,
+                         bool *done, bool *again) {
+  char *m = info->message;
+  size_t n = sizeof info->message, len = strlen(m);
+  int lost = 0;
+  TD_TRY(td__ft_reform(z->given, &z->pg, z->o.reform_timeout, step, why, m, n, &len, &lost));
+  info->lost += lost;
+  td__ftz_inject_at(z, step, TD_FT_RECOVERY);
+  table T = {0};
+  plan p = {0};
+  p.own = td__calloc((size_t)z->B, sizeof *p.own);
+  p.bak = td__calloc((size_t)z->B, sizeof *p.bak);
+  p.copy = td__calloc((size_t)z->B, sizeof *p.copy);
+  td_status st = p.own && p.bak && p.copy ? TD_OK : td_set_error(TD_ERR_NOMEM, "ft_zero: out of memory");
+  if (st == TD_OK) {
+    st = exchange(z, &T);
+    *again = st != TD_OK; /* the new generation failed too: recover once more */
+  }
+  if (st == TD_OK) st = decide(z, &T, &p); /* a lost block: every survivor stops here */
+  int moved = 0;
+  if (st == TD_OK) {
+    moved = reshard(z, &T, m, n, &len);
+    if (moved < 0) st = td_set_error(TD_ERR_NOMEM, "ft_zero: out of memory");
+  }
+  if (st == TD_OK) {
+    if (!moved) len = td__ft_say(m, n, len, "; no shard moved (every holder lives)");
+    st = apply(z, &T, &p, info, m, n, &len);
+    if (st != TD_OK) *again = true;
+  }
+  if (st == TD_OK) {
+    *done = z->committed >= step;
+    len = td__ft_say(m, n, len, p.forward ? "; step %lld completed from the survivors' state"
+                                          : "; step %lld goes on from the parameters before it",
+                     (long long)p.k);
+    info->shards_recomputed += *done ? 0 : moved;
+  }
+  td_tensor_unref(T.t);
+  td__free(p.own);
+  td__free(p.bak);
+  td__free(p.copy);
+  return st;
+}
+
