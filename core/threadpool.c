@@ -44,22 +44,14 @@ struct td__threadpool {
 static _Thread_local td__threadpool *current_pool;
 
 /* The spinning worker: polls (mu released) until a task is queued or the window ends. Caller
- * holds mu; returns with it held. Now and then it yields its CPU (a runnable thread there goes
- * first): every 32 polls while yields give the CPU away, less often (up to every 256) while
- * they come back at once, since a yield is a system call. */
+ * holds mu; returns with it held. */
 static void spin_wait(td__threadpool *p, uint64_t spin) {
   p->spinning = true;
   pthread_mutex_unlock(&p->mu);
   uint64_t t0 = td__now_ns();
-  unsigned idle = 0, every = 32;
+  unsigned idle = 0;
   while (!__atomic_load_n(&p->hint, __ATOMIC_ACQUIRE) && td__now_ns() - t0 < spin) {
-    if (++idle >= every) {
-      idle = 0;
-      uint64_t y0 = td__now_ns();
-      sched_yield();
-      if (td__now_ns() - y0 > 4000) every = 32; /* another thread ran: yield often */
-      else if (every < 256) every *= 2;
-    }
+    if (++idle % 32 == 0) sched_yield(); /* a runnable thread on this CPU goes first */
 #if defined(__x86_64__) || defined(__i386__)
     else __builtin_ia32_pause();
 #endif

@@ -27,10 +27,8 @@
  * ring it reads (and "producer waiting" on rings it waits to write), re-checks them, and waits on
  * the bell (futex, 100 ms at most). A producer publishes tail, fences, and rings the peer's bell
  * (increment + FUTEX_WAKE) only when the flag is set: while both sides poll, a frame costs no
- * system call. A consumer does the same for a waiting producer after it frees room. Pollers write
- * nothing the peer reads unless it changes (an empty poll leaves head alone, a flag is stored only
- * when its value changes), and yield their CPU in an adaptive rhythm (idle_relax). Each pass over
- * the rings is bracketed by the burst callback, so the agent hands the pool what one pass
+ * system call. A consumer does the same for a waiting producer after it frees room. Each pass
+ * over the rings is bracketed by the burst callback, so the agent hands the pool what one pass
  * delivered as one task.
  *
  * Hand-over (lane.h has the message order). The socket has an abstract name, so no file is left
@@ -273,7 +271,6 @@ int64_t td__ring_consume(td__ring_ctl *r, const uint8_t *data, uint64_t *head, t
     return -1;
   }
   uint64_t n = (uint64_t)avail < max ? (uint64_t)avail : max;
-  if (!n) return 0; /* an empty poll writes nothing the producer reads (no cache-line traffic) */
   uint64_t done = 0;
   while (done < n) {
     size_t off = (size_t)((*head + done) % TD__LANE_RING);
@@ -885,22 +882,17 @@ static bool has_work(td__lanes *ls) {
   return false;
 }
 
-/* Stores v into a flag the peer reads, unless it holds v already: a store to a line the peer
- * reads costs both sides a cache-line transfer, and waiters set the flags on every call. */
-static void flag_store(uint32_t *flag, uint32_t v) {
-  if (__atomic_load_n(flag, __ATOMIC_RELAXED) != v) __atomic_store_n(flag, v, __ATOMIC_SEQ_CST);
-}
-
 /* The doorbell flags of every ring (rx_mu held): 1 asks the peers to ring when they write (or,
- * for rings with queued frames, when they free room). Callers that then re-check for work fence
- * first (FULL_FENCE). */
+ * for rings with queued frames, when they free room). */
 static void set_flags(td__lanes *ls, uint32_t v) {
   for (int i = 0; i < ls->nset; i++) {
     td__lane *l = ls->set[i];
-    if (__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE)) flag_store(&l->rx->consumer_sleeping, v);
+    if (__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE))
+      __atomic_store_n(&l->rx->consumer_sleeping, v, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE))
-      flag_store(&l->tx->producer_waiting,
-                 v && __atomic_load_n(&l->qlen, __ATOMIC_ACQUIRE) ? 1 : 0);
+      __atomic_store_n(&l->tx->producer_waiting,
+                       v && __atomic_load_n(&l->qlen, __ATOMIC_ACQUIRE) ? 1 : 0,
+                       __ATOMIC_SEQ_CST);
   }
 }
 
@@ -958,12 +950,7 @@ static bool pass(td__lanes *ls) {
   return busy;
 }
 
-/* A poller's yield rhythm (idle_relax): empty polls since its last yield, and how many it makes
- * between yields now. */
-typedef struct relax {
-  unsigned polls, every;
-} relax;
-static void idle_relax(relax *r);
+static void idle_relax(unsigned *idle);
 
 static void lane_sleep(td__lanes *ls) {
   pthread_mutex_lock(&ls->rx_mu);
@@ -988,7 +975,7 @@ static void lane_sleep(td__lanes *ls) {
 static void *lane_main(void *arg) {
   td__lanes *ls = arg;
   uint64_t last = 0;
-  relax idle = {0, 0};
+  unsigned idle = 0;
   while (!__atomic_load_n(&ls->stop, __ATOMIC_ACQUIRE)) {
     if (__atomic_load_n(&ls->waiters, __ATOMIC_ACQUIRE) > 0) {
       lane_sleep(ls); /* a waiting thread polls meanwhile */
@@ -999,7 +986,7 @@ static void *lane_main(void *arg) {
     bool busy = pass(ls);
     pthread_mutex_unlock(&ls->rx_mu);
     if (busy) {
-      idle.polls = 0;
+      idle = 0;
       last = 0;
       continue;
     }
@@ -1028,31 +1015,16 @@ static void wait_enter(void *ud) {
   }
 }
 
-/* A poller lets a runnable thread on its CPU go first now and then: on a machine with fewer CPUs
- * than busy threads the peer it waits for may be that thread (measured on the 2-vCPU VM under
- * load: never yielding, runs where the two landed on one CPU took 73 us a call instead of 7;
- * yielding every 256 polls 60-73 us, every 32 about 16, every 1 to 8 about 11-13). But a yield is
- * a system call, wasted when nothing else waits for the CPU. So the rhythm adapts: a yield that
- * comes back at once (nobody else ran) doubles the polls until the next one, up to 256; one that
- * lost the CPU for a while (another thread ran) goes back to every 8. */
-#define YIELD_MIN 8
-#define YIELD_MAX 256
-#define YIELD_LOST_NS 4000 /* a yield that took this long gave the CPU away */
-
-static void idle_relax(relax *r) {
-  if (r->every < YIELD_MIN) r->every = YIELD_MIN;
-  if (++r->polls < r->every) {
-    cpu_relax();
-    return;
-  }
-  r->polls = 0;
-  uint64_t t0 = td__now_ns();
-  sched_yield();
-  if (td__now_ns() - t0 > YIELD_LOST_NS) r->every = YIELD_MIN;
-  else if (r->every < YIELD_MAX) r->every *= 2;
+/* Every 8 empty polls a poller lets a runnable thread on its CPU go first: on a machine with
+ * fewer CPUs than busy threads the peer it waits for may be that thread (measured on the 2-vCPU
+ * VM under load: never yielding, runs where the two landed on one CPU took 73 us a call instead
+ * of 7; yielding every 256 polls 60-73 us, every 32 about 16, every 1 to 8 about 11-13). */
+static void idle_relax(unsigned *idle) {
+  if (++*idle % 8 == 0) sched_yield();
+  else cpu_relax();
 }
 
-static _Thread_local relax waiter_idle;
+static _Thread_local unsigned waiter_idle;
 
 static bool wait_poll(void *ud) {
   td__lanes *ls = ud;
