@@ -179,7 +179,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   check_small_path(p, len);
   if (len >= TD__FRAME_PREFIX) { /* the envelope of a frame, as the decoder meets it */
     size_t hl = td__get_u32(p + 4);
-    check_small_path(p + TD__FRAME_PREFIX, hl < len - TD__FRAME_PREFIX ? hl : len - TD__FRAME_PREFIX);
+    size_t rest = len - TD__FRAME_PREFIX;
+    check_small_path(p + TD__FRAME_PREFIX, hl < rest ? hl : rest);
   }
   counts c = {0};
   td__decoder *d = NULL;

@@ -580,7 +580,8 @@ static int worker_burst(int rank, int world, const char *method, void *arg) {
     TD_TEST_POLL(__atomic_load_n(&burst_slow_started, __ATOMIC_ACQUIRE), 30);
     /* rank 0's lane thread is held in burst_slow: both replies arrive before it reads them */
     MP_CHECK((burst_gate = td_future_create()) != NULL);
-    for (int i = 0; i < 2; i++) MP_CHECK_OK(td_rpc_async(a, "worker1", "burst_echo", &v, 1, NULL, &f[i]));
+    for (int i = 0; i < 2; i++)
+      MP_CHECK_OK(td_rpc_async(a, "worker1", "burst_echo", &v, 1, NULL, &f[i]));
     MP_CHECK_OK(td_future_on_done(f[0], burst_first_done, NULL));
     MP_CHECK_OK(td_future_on_done(f[1], burst_second_done, NULL));
     MP_CHECK_OK(td_future_wait(trig, td_test_ms(30000)));

@@ -1,9 +1,9 @@
 /* test_wire_small.c - the fast paths of the envelope codec (rpc/wire_small.c) against protobuf-c,
  * the reference for what envelope bytes mean: the packer must write protobuf-c's bytes; on every
  * envelope the parser takes, protobuf-c must give the same fields; the envelopes tdist itself
- * sends (small ones) must be taken; and what it declines (repeated scalars, unknown fields, long tags, other wire types,
- * unpacked arrays, too many nodes, long envelopes, truncations) must still decode, through
- * protobuf-c, to what protobuf-c says, in a real decoder.
+ * sends (small ones) must be taken; and what it declines (repeated scalars, unknown fields, long
+ * tags, other wire types, unpacked arrays, too many nodes, long envelopes, truncations) must
+ * still decode, through protobuf-c, to what protobuf-c says, in a real decoder.
  */
 #include <stdio.h>
 #include <stdlib.h>
