@@ -119,13 +119,18 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
 def shutdown(graceful=True, timeout=DEFAULT_SHUTDOWN_TIMEOUT):
     """Leaves the group; graceful (default) waits for every worker and all outstanding work
     (timeout seconds; 0: no limit, as in PyTorch)."""
-    for c in list(_c._ctxs.values()):
-        c.released = True
-    _c._ctxs.clear()
     try:
         _rpc.shutdown(graceful=graceful, timeout=timeout if timeout else 0)
     except errors.Error as e:
         raise _c.runtime_error(e) from None
+    finally:
+        # only now: a worker's main thread typically calls shutdown() right after init_rpc and
+        # waits in it while it serves the others, whose autograd contexts live here meanwhile
+        # (clearing them first lost a context created by a request that came in before this
+        # call: a backward's gradients vanished, 1 run in 12)
+        for c in list(_c._ctxs.values()):
+            c.released = True
+        _c._ctxs.clear()
 
 
 def get_worker_info(worker_name=None):

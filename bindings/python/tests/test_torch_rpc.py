@@ -7,6 +7,7 @@ are torch.futures.Future; distributed autograd through torch tensors against one
 a parameter used by two workers' calls, and DistributedOptimizer stepping the owners'
 parameters."""
 import os
+import time
 
 import pytest
 
@@ -24,10 +25,10 @@ from tdist.torch_optim import DistributedOptimizer  # noqa: E402
 def torch_group(group, monkeypatch):
     """torch_group(world) -> Group with ranks 1.. as torch_worker.py and this process joined as
     w0 through tdist.torch_rpc.init_rpc."""
-    def make(world):
+    def make(world, env=None):
         g = group(world)
         for r in range(1, world):
-            g._spawn(r, [os.sys.executable, os.path.join(HERE, "torch_worker.py")])
+            g._spawn(r, [os.sys.executable, os.path.join(HERE, "torch_worker.py")], env)
         monkeypatch.setenv("TD_RPC_SECRET", g.secret)
         opts = rpc.TensorPipeRpcBackendOptions(init_method="tcp://127.0.0.1:%d" % g.port,
                                                rpc_timeout=scaled(30))
@@ -235,4 +236,30 @@ def test_autograd_errors_and_rref_backward(torch_group):
                 pass
     assert rpc.is_available() and dist_autograd.is_available()
     del p, out
+    finish(g)
+
+
+def test_contexts_outlive_a_workers_shutdown_call(torch_group, tmp_path):
+    """A worker's main thread calls shutdown() right after init_rpc, as PyTorch programs do, and
+    serves the others from inside it: the autograd contexts their requests created there before
+    (or after) that call live until they end. shutdown() used to drop them on entry: a request
+    that arrived before it lost its context, and the backward's gradients vanished (1 run in 12
+    of test_autograd_errors_and_rref_backward, where init and the first request race)."""
+    gate = tmp_path / "go"
+    g = torch_group(2, {"TORCH_WORKER_SHUTDOWN_AFTER": str(gate)})
+    p = rpc.remote("w1", fns.Params, args=(3, (2, 2)))
+    x = torch.tensor([[0.5, -1.0]], dtype=torch.float64)
+    with dist_autograd.context() as cid:
+        s = rpc.remote("w1", fns.rref_sum, args=(p.remote().forward(x),))
+        s.backward(cid)  # the gradients are in the context on w1
+        gate.write_text("go")
+        end = time.monotonic() + scaled(30)
+        while not (tmp_path / "go.entered").exists() and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(0.2)  # w1's main thread is inside shutdown() now
+        got = rpc.rpc_sync("w1", fns.grads_of, args=(cid, p))[0]
+    ref = fns.Params(3, (2, 2))
+    torch.tanh(x @ ref.w).sum().backward()
+    torch.testing.assert_close(got, ref.w.grad, atol=1e-12, rtol=0)
+    del p, s
     finish(g)
