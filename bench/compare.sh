@@ -27,7 +27,10 @@
 # For rpc_latency the same invocation also measures the floors under a same-host call, each RUNS
 # times interleaved with the others: a unix socket and a shared page bounced by two processes
 # (bench/peers/floor/pingpong, spinning reads) and UCX's ucx_perftest (shared memory, when
-# installed); results.floors = {NAME: {"p50_us_median", "runs", "ours_over_floor"}}.
+# installed); results.floors = {NAME: {"p50_us_median", "runs", "ours_over_floor"}}. For
+# rpc_bandwidth, UCX's round trip of 1 MiB and 64 MiB messages (ucx_perftest tag_lat) gives the
+# same figure as the echo (GBps_both_dirs = 2 x bytes / round trip): results.floors.ucx =
+# {"median", "runs", "ours_over_floor"} at the main key, and "extra": the same at 1 MiB.
 #
 # bench/compare.sh collectives [RUNS] [-- ARGS...] is a mode of its own with three peers run in
 # the same invocation, interleaved (ours, gloo, MPI shm, MPI tcp, ours, ...): torch.distributed
@@ -182,6 +185,11 @@ if [[ "$name" == rpc_latency ]]; then
   command -v ucx_perftest >/dev/null 2>&1 ||
     echo "compare.sh: ucx_perftest not installed: no UCX floor (apt-get install ucx-utils)" >&2
 fi
+if [[ "$name" == rpc_bandwidth ]]; then
+  if command -v ucx_perftest >/dev/null 2>&1; then floors+=(ucx_bw)
+  else echo "compare.sh: ucx_perftest not installed: no UCX floor (apt-get install ucx-utils)" >&2
+  fi
+fi
 
 # ucx_line prints one JSON line with ucx_perftest's shared-memory round trip.
 ucx_line() {
@@ -197,6 +205,28 @@ ucx_line() {
   awk '{printf "{\"bench\": \"ucx_perftest\", \"config\": {\"test\": \"tag_lat\", \"bytes\": 8}, \"results\": {\"p50_us\": %.3f, \"one_way_p50_us\": %s}}\n", 2 * $3, $3}' <<<"$out"
 }
 
+# ucx_rtt_us BYTES ITERS prints ucx_perftest's median one-way latency (us) of BYTES-byte messages
+# bounced between two processes (tag_lat), or nothing.
+ucx_rtt_us() {
+  local port out
+  port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  ucx_perftest -t tag_lat -p "$port" -n "$2" -s "$1" >"$tmp/ucx_srv.out" 2>&1 &
+  local srv=$!
+  sleep 0.3
+  out="$(ucx_perftest 127.0.0.1 -t tag_lat -p "$port" -n "$2" -s "$1" 2>&1 | grep '^Final:' || true)"
+  wait "$srv" || true
+  awk '{print $3}' <<<"$out"
+}
+
+# ucx_bw_line prints one JSON line with UCX's echo rate at 1 MiB and 64 MiB (both directions).
+ucx_bw_line() {
+  local a b
+  a="$(ucx_rtt_us 1048576 500)"
+  b="$(ucx_rtt_us 67108864 20)"
+  [[ -n "$a" && -n "$b" ]] || return 1
+  awk -v a="$a" -v b="$b" 'BEGIN { printf "{\"bench\": \"ucx_perftest\", \"config\": {\"test\": \"tag_lat\"}, \"results\": {\"echo\": [{\"bytes\": 1048576, \"GBps_both_dirs\": %.3f, \"one_way_us\": %s}, {\"bytes\": 67108864, \"GBps_both_dirs\": %.3f, \"one_way_us\": %s}]}}\n", 1048576 / (a * 1e3), a, 67108864 / (b * 1e3), b }'
+}
+
 run_floors() {
   local f
   for f in ${floors[@]+"${floors[@]}"}; do
@@ -204,6 +234,7 @@ run_floors() {
       unix_spin) run_one floor "$tmp/floor_$f.jsonl" "$pp" --mode unix ;;
       shm_spin) run_one floor "$tmp/floor_$f.jsonl" "$pp" --mode shm ;;
       ucx) run_one floor "$tmp/floor_$f.jsonl" ucx_line ;;
+      ucx_bw) run_one floor "$tmp/floor_$f.jsonl" ucx_bw_line ;;
     esac
   done
 }
@@ -270,12 +301,19 @@ for word in extras.split():
 if extra:
     res["extra"] = extra
 floors = {}
+def floor_at(path, k, ours):
+    vs = values(path, k)
+    m = statistics.median(vs) if vs else None
+    return m, vs, ours / m if m and ours else None
 for word in floor_files.split():
     fname, path = word.split("=", 1)
-    vs = values(path, key)
-    m = statistics.median(vs) if vs else None
-    floors[fname] = {"p50_us_median": m, "runs": vs,
-                     "ours_over_floor": res["ours_median"] / m if m and res["ours_median"] else None}
+    m, vs, over = floor_at(path, key, res["ours_median"])
+    label = "p50_us_median" if name == "rpc_latency" else "median"
+    floors[fname] = {label: m, "runs": vs, "ours_over_floor": over}
+    if name == "rpc_bandwidth":
+        k = "echo[bytes=1048576].GBps_both_dirs"
+        m, vs, over = floor_at(path, k, extra.get(k, {}).get("ours_median"))
+        floors[fname]["extra"] = {k: {"median": m, "runs": vs, "ours_over_floor": over}}
 if floors:
     res["floors"] = floors
 mismatch = []

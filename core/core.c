@@ -31,6 +31,12 @@ char *td__strdup(const char *s) {
   return d;
 }
 
+void td__strcpy_trunc(char *dst, size_t n, const char *src) {
+  size_t k = strnlen(src, n - 1);
+  memcpy(dst, src, k);
+  dst[k] = 0;
+}
+
 uint64_t td__now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

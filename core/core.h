@@ -50,6 +50,9 @@ void *td__calloc(size_t count, size_t size);
 void *td__realloc(void *p, size_t n);
 char *td__strdup(const char *s);
 void td__free(void *p);
+/* td__strcpy_trunc copies src into dst (n > 0 bytes), cut at n - 1 bytes and NUL-terminated:
+ * snprintf(dst, n, "%s", src) without its cost, for the per-call paths. */
+void td__strcpy_trunc(char *dst, size_t n, const char *src);
 
 /* Monotonic clock in nanoseconds. */
 uint64_t td__now_ns(void);

@@ -115,6 +115,7 @@ struct td_rpc_agent {
    * serving is read without mu on the hot path (atomic). */
   bool serving;
   struct request *held_head, *held_tail;
+  int *by_name; /* atomic pointer: ranks sorted by worker name (agent.c), once serving starts */
 };
 
 /* An incoming request, from its arrival to its reply (serve.c). */
@@ -144,6 +145,10 @@ static inline uint64_t td__call_trace_id(int caller_rank, uint64_t id) {
 const char *td__agent_peer_name(const td_rpc_agent *a, int rank);
 /* The rank of the worker called name, or -1. */
 int td__agent_rank_of(const td_rpc_agent *a, const char *name);
+/* td__agent_index_names sorts the ranks by name for td__agent_rank_of once the names are final
+ * (td__serve_start); td__agent_unindex_names frees that (td_rpc_destroy). */
+void td__agent_index_names(td_rpc_agent *a);
+void td__agent_unindex_names(td_rpc_agent *a);
 /* True when peer p published fn in its registry at init. */
 bool td__agent_peer_has_fn(const peer_info *p, const char *fn);
 
@@ -168,6 +173,12 @@ extern _Thread_local bool td__rpc_inline_thread;
  * than the one the call went out on (via NULL: local knowledge). Any thread, no agent lock held. */
 void td__call_deliver(td_rpc_agent *a, const td__conn *via, uint64_t id, int kind,
                       td_value *value, td_status st, const char *message);
+/* td__call_burst_begin / _end bracket the frames a receiving thread delivers from one pass over
+ * its rings: completions that must run on the pool (futures with user callbacks) go there as one
+ * task at the end (or every 64), in arrival order, instead of one task each. The receiving
+ * thread only; nested or other agents' bursts are ignored. */
+void td__call_burst_begin(td_rpc_agent *a);
+void td__call_burst_end(td_rpc_agent *a);
 /* td__call_stream_closed fails every call that went out on the client stream c. */
 void td__call_stream_closed(td_rpc_agent *a, td__conn *c, td_status st, const char *why);
 /* td__call_expire fails the calls whose deadline passed (network thread, every tick). */
@@ -185,6 +196,7 @@ void td__serve_closed(void *ud, td__conn *c, td_status st, const char *why);
 td_status td__serve_unary(void *ud, const char *method, const uint8_t *req, size_t len,
                           uint8_t **reply_buf, size_t *reply_len);
 void td__serve_tick(void *ud);
+void td__serve_burst(void *ud, bool end);
 /* td__serve_running writes into buf (n bytes) the handlers running on this worker's threads now
  * ("'fn' called by name (rank r), running 1.5 s; ...") and returns how many there are. */
 int td__serve_running(td_rpc_agent *a, char *buf, size_t n);

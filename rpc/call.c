@@ -155,8 +155,19 @@ static void pending_free(pending *p) {
   td__free(p);
 }
 
-/* Completes a finished call's future off the poller thread when it has callbacks. */
+/* Completes a finished call's future: on this thread when nobody registered a callback (only
+ * waiters wake up, and nothing is allocated), else on the pool, where user callbacks run. */
+static void complete_now(pending *p, int kind, td_value *value, td_status st,
+                         const char *message) {
+  if (kind == TD__MSG_RESPONSE) td_future_complete(p->fut, value);
+  else td__future_fail_msg(p->fut, st, message);
+  pending_free(p);
+}
+
+/* A completion that runs on the pool (the future has user callbacks). */
 typedef struct completion {
+  struct completion *next; /* a burst's list (td__call_burst_end) */
+  td_rpc_agent *a;
   pending *p;
   int kind;
   td_value *value;
@@ -164,18 +175,83 @@ typedef struct completion {
   char *message;
 } completion;
 
-static void complete_now(completion *c) {
-  if (c->kind == TD__MSG_RESPONSE) {
-    td_future_complete(c->p->fut, c->value);
-  } else {
-    td__future_fail_msg(c->p->fut, c->status, c->message);
-  }
-  pending_free(c->p);
+static void complete_one(completion *c) {
+  complete_now(c->p, c->kind, c->value, c->status, c->message);
   td__free(c->message);
   td__free(c);
 }
 
-static void complete_task(void *arg) { complete_now(arg); }
+/* Runs a burst's completions in the order their replies arrived. A user callback that blocks in
+ * a wait first hands the rest of the burst to the pool as a task of its own (the callback may wait
+ * for one of them). */
+typedef struct burst_run {
+  td_rpc_agent *a;
+  completion *rest;
+} burst_run;
+
+static void complete_task(void *arg);
+
+static void hand_over_rest(void *ud) {
+  burst_run *br = ud;
+  completion *rest = br->rest;
+  br->rest = NULL;
+  if (rest && td__agent_submit_user(br->a, complete_task, rest) != TD_OK)
+    br->rest = rest; /* shutting down: run them here after all */
+}
+
+static void complete_task(void *arg) {
+  completion *c = arg;
+  burst_run br = {c->a, NULL};
+  while (c) {
+    br.rest = c->next;
+    if (br.rest) td__future_set_before_block(hand_over_rest, &br);
+    complete_one(c);
+    td__future_set_before_block(NULL, NULL);
+    c = br.rest;
+  }
+}
+
+/* A burst: while a receiving thread delivers the frames it took from its rings in one pass
+ * (td__call_burst_begin / _end, through the transport), completions that go to the pool collect
+ * here and go there as one task (one allocation, one lock, at most one wake-up), instead of one
+ * task per reply. Per thread; bound to the agent that opened it. */
+static _Thread_local struct {
+  td_rpc_agent *a; /* NULL: no burst open on this thread */
+  completion *head, *tail;
+  int n;
+} burst;
+#define BURST_MAX 64 /* completions handed over at once at most (the first must not wait long) */
+
+static void burst_flush(void) {
+  completion *list = burst.head;
+  burst.head = burst.tail = NULL;
+  burst.n = 0;
+  if (list && td__agent_submit_user(burst.a, complete_task, list) != TD_OK) complete_task(list);
+}
+
+void td__call_burst_begin(td_rpc_agent *a) {
+  if (!burst.a) burst.a = a;
+}
+
+void td__call_burst_end(td_rpc_agent *a) {
+  if (burst.a != a) return;
+  burst_flush();
+  burst.a = NULL;
+}
+
+/* Queues c for the pool (in the open burst, or as a task of its own); false when the pool
+ * refused it (shutting down): the caller completes it here. */
+static bool complete_later(td_rpc_agent *a, completion *c) {
+  c->next = NULL;
+  if (burst.a == a) {
+    if (burst.tail) burst.tail->next = c;
+    else burst.head = c;
+    burst.tail = c;
+    if (++burst.n >= BURST_MAX) burst_flush();
+    return true;
+  }
+  return td__agent_submit_user(a, complete_task, c) == TD_OK;
+}
 
 static void finish_call(td_rpc_agent *a, pending *p, int kind, td_value *value, td_status st,
                         const char *message) {
@@ -194,21 +270,20 @@ static void finish_call(td_rpc_agent *a, pending *p, int kind, td_value *value, 
   if (kind == TD__MSG_RESPONSE) TD__COUNT(a, calls_succeeded);
   else if (p->expired) TD__COUNT(a, calls_timed_out);
   else TD__COUNT(a, calls_failed);
-  completion *c = td__calloc(1, sizeof *c);
-  if (!c) {
-    td_value_unref(value);
-    td__future_fail_msg(p->fut, TD_ERR_NOMEM, "rpc: out of memory completing a call");
-    pending_free(p);
+  if (!td__future_has_callbacks(p->fut)) {
+    complete_now(p, kind, value, st, message);
   } else {
-    c->p = p;
-    c->kind = kind;
-    c->value = value;
-    c->status = st;
-    c->message = td__strdup(message ? message : "");
-    if (td__future_has_callbacks(p->fut) && td__agent_submit_user(a, complete_task, c) == TD_OK) {
-      /* the user's callbacks run on the pool (or the host's progress thread) */
+    completion *c = td__calloc(1, sizeof *c);
+    char *msg = c && kind != TD__MSG_RESPONSE ? td__strdup(message ? message : "") : NULL;
+    if (!c || (kind != TD__MSG_RESPONSE && !msg)) {
+      td__free(c);
+      td_value_unref(value);
+      td__future_fail_msg(p->fut, TD_ERR_NOMEM, "rpc: out of memory completing a call");
+      pending_free(p);
     } else {
-      complete_now(c);
+      *c = (completion){.a = a, .p = p, .kind = kind, .value = value, .status = st, .message = msg};
+      /* the user's callbacks run on the pool (or the host's progress thread) */
+      if (!complete_later(a, c)) complete_one(c);
     }
   }
   __atomic_sub_fetch(&a->pending_out, 1, __ATOMIC_ACQ_REL);
@@ -414,7 +489,7 @@ static td_status call_prepare(call *c) {
   p->fut = td_future_ref(c->fut);
   p->peer = c->peer;
   p->timeout_ms = c->timeout_ms;
-  snprintf(p->fn, sizeof p->fn, "%s", c->fn);
+  td__strcpy_trunc(p->fn, sizeof p->fn, c->fn);
   td__future_set_flight(c->fut, c->peer, p->id, c->fn);
   c->m = (td__msg){.id = p->id, .kind = TD__MSG_REQUEST, .fn = (char *)c->fn,
                    .from_rank = a->rank, .values = (td_value **)c->args, .nvalues = c->nargs,

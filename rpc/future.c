@@ -57,7 +57,7 @@ struct td_future {
   td__refcnt rc;
   pthread_mutex_t mu;
   pthread_cond_t cv; /* CLOCK_MONOTONIC; broadcast when done */
-  bool done;         /* outcome published */
+  bool done;         /* outcome published (written under mu, atomically: also read without) */
   bool draining;     /* the completing thread is still running callbacks */
   bool had_callbacks;
   td_status status;
@@ -178,11 +178,11 @@ static td_status finish(td_future *f, td_value *value, td_status st, char *msg) 
     td_future_unref(f);
     return td_set_error(TD_ERR_STATE, "future: already completed");
   }
-  f->done = true;
   f->status = st;
   f->message = msg;
   f->value = st == TD_OK ? (value ? value : td_value_none()) : NULL;
   if (st != TD_OK) td_value_unref(value);
+  __atomic_store_n(&f->done, true, __ATOMIC_RELEASE); /* last: td_future_done reads it unlocked */
   f->draining = true;
   pthread_cond_broadcast(&f->cv);
   for (watch_node *n = f->watchers; n; n = n->next) {
@@ -231,11 +231,8 @@ td_status td_future_fail(td_future *f, td_status st, const char *fmt, ...) {
 
 bool td_future_done(const td_future *cf) {
   if (!cf) return false;
-  td_future *f = (td_future *)cf;
-  pthread_mutex_lock(&f->mu);
-  bool d = f->done;
-  pthread_mutex_unlock(&f->mu);
-  return d;
+  /* without the lock (a waiter polls it): done is stored last, with release, under mu */
+  return __atomic_load_n(&cf->done, __ATOMIC_ACQUIRE);
 }
 
 td_status td_future_status(const td_future *cf) {
@@ -288,6 +285,23 @@ void td__future_set_wait_pump(void (*pump)(void *ud), void *ud) {
   wait_pump_ud = ud;
 }
 
+/* Work this thread holds back and must hand over before it blocks (td__future_set_before_block). */
+static _Thread_local void (*before_block)(void *);
+static _Thread_local void *before_block_ud;
+
+void td__future_set_before_block(void (*fn)(void *ud), void *ud) {
+  before_block = fn;
+  before_block_ud = ud;
+}
+
+/* Runs (once) the hook of the work this thread holds back: it is about to block. */
+static void hand_over_before_block(void) {
+  void (*fn)(void *) = before_block;
+  if (!fn) return;
+  before_block = NULL;
+  fn(before_block_ud);
+}
+
 /* The wait poller (td__future_set_wait_poller): read-locked while a waiter uses it; a writer
  * (removing it) goes first, so waiters that keep coming cannot hold it off. */
 #ifdef PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP
@@ -304,10 +318,20 @@ void td__future_set_wait_poller(const td__wait_poller *p, void *ud) {
   pthread_rwlock_unlock(&poller_lock);
 }
 
-/* Before blocking on f: drive the poller while it makes progress or its window lasts, for at
- * most timeout_ms (< 0: none) and never longer than 10 ms in all (then the lane's own thread
+/* Whether a wait on fs[0..n) is over: all done (wait_all: or one failed). */
+static bool wait_over(td_future *const *fs, int n) {
+  bool all = true;
+  for (int i = 0; i < n; i++) {
+    if (!td_future_done(fs[i])) all = false;
+    else if (n > 1 && td_future_status(fs[i]) != TD_OK) return true;
+  }
+  return all;
+}
+
+/* Before blocking on fs[0..n): drive the poller while it makes progress or its window lasts, for
+ * at most timeout_ms (< 0: none) and never longer than 10 ms in all (then the lane's own thread
  * takes over again). */
-static void poll_before_wait(td_future *f, td_timeout_ms timeout_ms) {
+static void poll_before_wait_n(td_future *const *fs, int n, td_timeout_ms timeout_ms) {
   if (wait_pump || pthread_rwlock_tryrdlock(&poller_lock) != 0) return;
   int64_t w = poller.poll ? poller.window_ns(poller.ud) : 0;
   if (w > 0) {
@@ -315,7 +339,7 @@ static void poll_before_wait(td_future *f, td_timeout_ms timeout_ms) {
     uint64_t t0 = td__now_ns(), last = t0;
     uint64_t cap = timeout_ms > 0 && timeout_ms < 10 ? (uint64_t)timeout_ms * 1000000u
                                                       : 10000000u;
-    while (!td_future_done(f)) {
+    while (!wait_over(fs, n)) {
       uint64_t now = td__now_ns();
       if (now - t0 > cap) break;
       if (poller.poll(poller.ud)) last = now;
@@ -324,6 +348,10 @@ static void poll_before_wait(td_future *f, td_timeout_ms timeout_ms) {
     poller.leave(poller.ud);
   }
   pthread_rwlock_unlock(&poller_lock);
+}
+
+static void poll_before_wait(td_future *f, td_timeout_ms timeout_ms) {
+  poll_before_wait_n(&f, 1, timeout_ms);
 }
 
 /* Waits on cv until *deadline (NULL: no deadline), in slices of 2 ms with the pump run between
@@ -346,7 +374,7 @@ static int cond_wait_pumped(pthread_cond_t *cv, pthread_mutex_t *mu,
 void td__future_set_flight(td_future *f, int peer, uint64_t call_id, const char *fn) {
   f->fl_peer = peer;
   f->fl_id = call_id;
-  snprintf(f->fl_name, sizeof f->fl_name, "%s", fn);
+  td__strcpy_trunc(f->fl_name, sizeof f->fl_name, fn);
 }
 
 void td__future_set_flight_subject(td_future *f, int kind, uint64_t id) {
@@ -383,6 +411,12 @@ td_status td_future_wait(td_future *f, td_timeout_ms timeout_ms) {
   if (timeout_ms != 0 && !td_future_done(f)) poll_before_wait(f, timeout_ms);
   pthread_mutex_lock(&f->mu);
   bool blocked = !f->done && timeout_ms != 0;
+  if (blocked && before_block) {
+    pthread_mutex_unlock(&f->mu);
+    hand_over_before_block();
+    pthread_mutex_lock(&f->mu);
+    blocked = !f->done;
+  }
   td__flight_ev ev = wait_ev(f, timeout_ms);
   uint64_t t0 = blocked ? td__now_ns() : 0;
   if (blocked) td__flight_push(&ev, f->fl_name);
@@ -445,6 +479,10 @@ typedef struct then_ctx {
   td_future *out; /* the chained future (one reference) */
   td_future_then_fn fn;
   void *ctx;
+  /* td__future_then_light: where the rest goes when out has callbacks of its own */
+  td_status (*submit)(void *ud, void (*task)(void *), void *arg);
+  void *submit_ud;
+  td_future *src; /* the source, while the rest waits for the pool */
 } then_ctx;
 
 /* forward_cb copies the outcome of the future fn returned (src) into the chained future. */
@@ -488,7 +526,46 @@ static void then_cb(td_future *src, void *p) {
   td__free(t);
 }
 
+static td_status then_register(td_future *f, td_future_then_fn fn, void *ctx, bool light,
+                               td_status (*submit)(void *, void (*)(void *), void *),
+                               void *submit_ud, td_future **out);
+
 td_status td_future_then(td_future *f, td_future_then_fn fn, void *ctx, td_future **out) {
+  return then_register(f, fn, ctx, false, NULL, NULL, out);
+}
+
+/* The rest of a light then on the pool: the chained future had callbacks of its own. */
+static void then_task(void *arg) {
+  then_ctx *t = arg;
+  td_future *src = t->src;
+  t->src = NULL;
+  then_cb(src, t);
+  td_future_unref(src);
+}
+
+/* A light then's callback: runs on the thread that completes the source (it does not make the
+ * source hop to the pool); fn is light, and the chained future completes here too unless it has
+ * callbacks of its own (user code), which go to the pool as they would have. */
+static void then_light_cb(td_future *src, void *p) {
+  then_ctx *t = p;
+  if (t->submit && td__future_has_callbacks(t->out)) {
+    t->src = td_future_ref(src);
+    if (t->submit(t->submit_ud, then_task, t) == TD_OK) return;
+    td_future_unref(t->src); /* the pool is shutting down: here after all */
+    t->src = NULL;
+  }
+  then_cb(src, t);
+}
+
+td_status td__future_then_light(td_future *f, td_future_then_fn fn, void *ctx,
+                                td_status (*submit)(void *ud, void (*task)(void *), void *arg),
+                                void *submit_ud, td_future **out) {
+  return then_register(f, fn, ctx, true, submit, submit_ud, out);
+}
+
+static td_status then_register(td_future *f, td_future_then_fn fn, void *ctx, bool light,
+                               td_status (*submit)(void *, void (*)(void *), void *),
+                               void *submit_ud, td_future **out) {
   TD_CHECK_ARG(f && fn && out, "future_then: NULL argument");
   td_future *g = td_future_create();
   then_ctx *t = td__malloc(sizeof *t);
@@ -506,7 +583,11 @@ td_status td_future_then(td_future *f, td_future_then_fn fn, void *ctx, td_futur
   t->out = td_future_ref(g);
   t->fn = fn;
   t->ctx = ctx;
-  td_status st = td_future_on_done(f, then_cb, t);
+  t->submit = submit;
+  t->submit_ud = submit_ud;
+  t->src = NULL;
+  td_status st = light ? td__future_on_done_light(f, then_light_cb, t)
+                       : td_future_on_done(f, then_cb, t);
   if (st != TD_OK) {
     td_future_unref(g);
     td_future_unref(g);
@@ -557,6 +638,10 @@ td_status td_future_wait_all(td_future *const *fs, int n, td_timeout_ms timeout_
   if (r != 0) return scan_result(fs, r, failed);
   if (timeout_ms == 0)
     return td_set_error(TD_ERR_TIMEOUT, "future_wait_all: not done after 0 ms");
+  poll_before_wait_n(fs, n, timeout_ms); /* the replies may be taken by this thread */
+  r = scan(fs, n, &failed);
+  if (r != 0) return scan_result(fs, r, failed);
+  hand_over_before_block();
 
   struct timespec deadline;
   if (timeout_ms > 0) deadline = deadline_after(timeout_ms);

@@ -19,6 +19,17 @@ bool td__future_has_callbacks(td_future *f);
  * pool. */
 td_status td__future_on_done_light(td_future *f, td_future_cb cb, void *ctx);
 
+/* td__future_then_light is td_future_then for a light fn (short, never blocking): registered with
+ * td__future_on_done_light, so f's completion does not hop to the pool for it; fn runs on the
+ * completing thread, and so does the chained future's completion unless that future has
+ * callbacks of its own (td__future_has_callbacks when f completes): then fn and the completion
+ * run through submit(submit_ud, task, arg) (the agent's pool), as with td_future_then. A blocking
+ * wait on the chained future thus takes the reply, runs fn and completes it on the waiting
+ * thread, with no hop. */
+td_status td__future_then_light(td_future *f, td_future_then_fn fn, void *ctx,
+                                td_status (*submit)(void *ud, void (*task)(void *), void *arg),
+                                void *submit_ud, td_future **out);
+
 /* td__future_fail_msg fails f with status st (not TD_OK) and the message msg, copied verbatim
  * (no printf formatting; NULL means ""). Same contract as td_future_fail: TD_ERR_STATE when f is
  * already done, TD_ERR_INVALID for a NULL f or st == TD_OK. Callbacks run on this thread. */
@@ -35,6 +46,12 @@ void td__future_set_flight_subject(td_future *f, int kind, uint64_t id);
  * td_future_wait_all (every few milliseconds and before each wait), so a thread that must run
  * queued work (host-driven progress) cannot deadlock waiting for it. NULL clears it. */
 void td__future_set_wait_pump(void (*pump)(void *ud), void *ud);
+
+/* td__future_set_before_block makes fn(ud) run once on this thread before it next blocks in
+ * td_future_wait or td_future_wait_all (then the hook is cleared): a thread running a batch of
+ * completions hands the rest of the batch to other threads when one of them blocks, so no
+ * completion waits behind a callback that waits for it. NULL clears it. */
+void td__future_set_before_block(void (*fn)(void *ud), void *ud);
 
 /* A process-wide source of progress that a thread about to block in td_future_wait drives itself
  * for a short window (rpc/lane.c: the receive side of the same-host lanes), so that a reply is

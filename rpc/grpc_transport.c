@@ -414,6 +414,11 @@ int td__transport_lanes_up(td__transport *t) { return td__lanes_up(t->lanes); }
 
 static void lane_refused(void *ud, const char *why) { td__grpc_refused(ud, "unix:lane", why); }
 
+static void lane_burst(void *ud, bool end) {
+  td__transport *t = ud;
+  if (t->cbs.on_burst) t->cbs.on_burst(t->cbs.ud, end);
+}
+
 /* ---- lifecycle ---- */
 
 td_status td__transport_create(const td__transport_opts *o, const td__transport_cbs *cbs,
@@ -501,7 +506,7 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
   }
   if (o->lane) {
     td__lanes_opts lo = {lane_refused, td__grpc_lane_failed, td__grpc_lane_release,
-                         td__grpc_lane_offload, t};
+                         td__grpc_lane_offload, t, lane_burst};
     if (td__lanes_create(&lo, &t->lanes) != TD_OK) {
       td_log(TD_LOG_DEBUG, "rpc transport: no same-host lanes: %s", td_last_error());
       t->lanes = NULL;

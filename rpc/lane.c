@@ -27,7 +27,9 @@
  * ring it reads (and "producer waiting" on rings it waits to write), re-checks them, and waits on
  * the bell (futex, 100 ms at most). A producer publishes tail, fences, and rings the peer's bell
  * (increment + FUTEX_WAKE) only when the flag is set: while both sides poll, a frame costs no
- * system call. A consumer does the same for a waiting producer after it frees room.
+ * system call. A consumer does the same for a waiting producer after it frees room. Each pass
+ * over the rings is bracketed by the burst callback, so the agent hands the pool what one pass
+ * delivered as one task.
  *
  * Hand-over (lane.h has the message order). The socket has an abstract name, so no file is left
  * behind; anyone on the host may connect, so a connection counts only when SO_PEERCRED names the
@@ -939,10 +941,12 @@ static void refresh(td__lanes *ls) {
 static bool pass(td__lanes *ls) {
   if (__atomic_load_n(&ls->gen, __ATOMIC_ACQUIRE) != ls->set_gen) refresh(ls);
   bool busy = false;
+  if (ls->o.burst) ls->o.burst(ls->o.refused_ud, false);
   for (int i = 0; i < ls->nset; i++) {
     busy |= poll_rx(ls->set[i]);
     busy |= poll_tx(ls->set[i]);
   }
+  if (ls->o.burst) ls->o.burst(ls->o.refused_ud, true);
   return busy;
 }
 

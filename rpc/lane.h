@@ -68,6 +68,9 @@ typedef struct td__lanes_opts {
    * Called on the receiving thread. */
   void (*offload)(void *ud, td__lane *l);
   void *refused_ud;
+  /* Optional: called with refused_ud before (end false) and after (end true) every pass over
+   * the receive rings, on the thread making it (the lane thread or a waiter). */
+  void (*burst)(void *ud, bool end);
 } td__lanes_opts;
 
 /* td__lanes_create opens the socket and the doorbell and starts the lane thread. */

@@ -787,7 +787,7 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
                            .lane = a->lane_on,
                            .tls = tls_on ? &tls : NULL};
   td__transport_cbs cbs = {a, td__serve_msg, td__serve_bad, td__serve_closed, td__serve_unary,
-                           td__serve_tick};
+                           td__serve_tick, td__serve_burst};
   int port = 0;
   td_status st = td__transport_create(&to, &cbs, &a->tr, &port);
   if (st == TD_OK && tls_on)

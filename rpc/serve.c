@@ -233,15 +233,10 @@ static bool wait_for_arguments(request *r) {
   return true;
 }
 
-static void run_request(void *arg) {
-  request *r = arg;
+/* Runs r's handler, registered as reg (found by the caller). */
+static void run_found(request *r, const td__reg *found) {
   td_rpc_agent *a = r->a;
-  td__reg reg;
-  if (!td__reg_find(r->msg.fn, &reg)) {
-    reply_error(r, false, TD_ERR_NOT_FOUND, "no function '%s' is registered here (called by %s (rank %d))",
-                r->msg.fn, r->caller, r->msg.from_rank);
-    return;
-  }
+  td__reg reg = *found;
   if (expired_in_queue(r) || wait_for_arguments(r)) return;
   const td__rpc_middleware *mw = r->msg.ctx_id ? td__mw_get() : NULL;
   td__mw_scope scope = {0};
@@ -259,7 +254,11 @@ static void run_request(void *arg) {
   td_future *fut = NULL;
   td_clear_error();
   uint64_t t0 = TD__TRACE_ON() ? td__now_ns() : 0;
-  running_add(r);
+  /* handlers on the pool's (or the host's) threads are listed, to name them when the pool is
+   * saturated or shutdown abandons them; an inline one runs on a network thread, briefly */
+  bool listed = !td__rpc_inline_thread;
+  if (listed) running_add(r);
+  else r->started_ns = td__now_ns();
   td__flight_ev fl = {.kind = TD__FL_HANDLER_START, .peer = r->msg.from_rank, .a = r->msg.id,
                       .b = r->msg.ctx_id, .y = r->msg.ctx_id ? TD__FL_SUBJ_CTX : 0};
   td__flight_push(&fl, r->msg.fn);
@@ -271,7 +270,7 @@ static void run_request(void *arg) {
   fl.b = subj.id;
   fl.c = subj.kind;
   td__flight_pop(&fl, r->msg.fn);
-  running_remove(r);
+  if (listed) running_remove(r);
   __atomic_add_fetch(&a->cnt.handler_ns, td__now_ns() - r->started_ns, __ATOMIC_RELAXED);
   if (t0) trace_handler(r, t0);
   if (mw) mw->leave(&scope);
@@ -291,6 +290,17 @@ static void run_request(void *arg) {
     return;
   }
   reply(r, TD__MSG_RESPONSE, result ? result : td_value_none(), TD_OK, NULL);
+}
+
+static void run_request(void *arg) {
+  request *r = arg;
+  td__reg reg;
+  if (!td__reg_find(r->msg.fn, &reg)) {
+    reply_error(r, false, TD_ERR_NOT_FOUND, "no function '%s' is registered here (called by %s (rank %d))",
+                r->msg.fn, r->caller, r->msg.from_rank);
+    return;
+  }
+  run_found(r, &reg);
 }
 
 
@@ -331,7 +341,7 @@ static void note_saturation(td_rpc_agent *a, const char *caller) {
 static td_status submit_request(td_rpc_agent *a, request *r) {
   if (is_internal(r->msg.fn)) return td__threadpool_submit(a->pool, run_request, r);
   char caller[128];
-  snprintf(caller, sizeof caller, "%s", r->caller); /* r may be gone once submitted */
+  td__strcpy_trunc(caller, sizeof caller, r->caller); /* r may be gone once submitted */
   td_status st = td__agent_submit_user(a, run_request, r);
   if (st == TD_OK && !a->hostq) note_saturation(a, caller);
   return st;
@@ -378,7 +388,7 @@ static void dispatch(request *r) {
   if (td__reg_find(r->msg.fn, &reg) && run_inline(&reg, &r->msg)) {
     bool was = td__rpc_inline_thread;
     td__rpc_inline_thread = true;
-    run_request(r);
+    run_found(r, &reg); /* looked up just now: no second lookup */
     td__rpc_inline_thread = was;
     return;
   }
@@ -418,6 +428,7 @@ static request *take_held(td_rpc_agent *a) {
  * overtake a held one (a lane's thread and the network thread deliver a peer's requests one after
  * the other, but without this the first request after the switch ran before the held ones). */
 void td__serve_start(td_rpc_agent *a) {
+  td__agent_index_names(a); /* the names are final: calls look their callee up by bisection */
   int n = 0;
   for (;;) {
     pthread_mutex_lock(&a->mu);
@@ -467,7 +478,7 @@ void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
     r->conn = td__conn_ref(c);
     r->msg = *m;
     memset(m, 0, sizeof *m);
-    snprintf(r->caller, sizeof r->caller, "%s", td__agent_peer_name(a, from));
+    td__strcpy_trunc(r->caller, sizeof r->caller, td__agent_peer_name(a, from));
     arrived(r);
     __atomic_add_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
     TD__COUNT(a, requests_received);
@@ -527,6 +538,11 @@ void td__serve_closed(void *ud, td__conn *c, td_status st, const char *why) {
 }
 
 void td__serve_tick(void *ud) { td__call_expire(ud); }
+
+void td__serve_burst(void *ud, bool end) {
+  if (end) td__call_burst_end(ud);
+  else td__call_burst_begin(ud);
+}
 
 /* A store operation whose sender the auth layer verified. */
 static td_status store_body(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,

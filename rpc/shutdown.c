@@ -321,5 +321,6 @@ void td_rpc_destroy(td_rpc_agent *a) {
   a->pool = NULL;
   td__transport_destroy(a->tr);
   a->tr = NULL;
+  td__agent_unindex_names(a);
   td__agent_free(a);
 }

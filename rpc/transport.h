@@ -35,6 +35,10 @@ typedef struct td__transport_cbs {
                         uint8_t **reply, size_t *reply_len);
   /* Called about every tick_ms on the poller thread. */
   void (*on_tick)(void *ud);
+  /* Optional: brackets the frames one pass over the same-host lanes delivers (end false before
+   * it, true after it), on the thread making the pass (the lane thread, or a waiter driving the
+   * lanes), so the agent can hand the pool what the pass produced at once. */
+  void (*on_burst)(void *ud, bool end);
 } td__transport_cbs;
 
 /* Mutual TLS settings: PEM text (borrowed during td__transport_create) and the name every

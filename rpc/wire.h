@@ -59,7 +59,7 @@ typedef struct td__msg {
   td_value **values; /* owned references: request args, or the response's result */
   int nvalues;
   td_status status; /* errors */
-  char *message;    /* owned */
+  char *message;    /* owned; NULL means "" */
   int64_t timeout_ms; /* request: the caller's timeout in ms, 0 = none (never negative) */
   uint64_t ctx_id, autograd_msg_id;
   uint64_t *aux; /* owned (td__malloc); extra ids of upper layers (distributed autograd: the walk

@@ -17,6 +17,7 @@
 #include "tdist.pb-c.h"
 #include "tdist/autograd.h"
 #include "wire.h"
+#include "wire_small.h"
 
 enum { ST_PREFIX, ST_HEADER, ST_PAYLOAD, ST_SKIP, ST_DESC, ST_WAIT, ST_CTRL };
 #define CTRL_MAX 128 /* longest lane control body (rpc/lane.h) */
@@ -24,6 +25,15 @@ enum { ST_PREFIX, ST_HEADER, ST_PAYLOAD, ST_SKIP, ST_DESC, ST_WAIT, ST_CTRL };
  * tensors on the CUDA devices their nodes name (a host-to-device copy queued behind whatever
  * the device is busy with). */
 enum { WAIT_DIRECT_READ = 1, WAIT_PLACE = 2 };
+#define INLINE_TENSORS 4 /* tensors of a frame tracked without an allocation */
+
+/* A decoder's storage for small frames (allocated with its first one): the header's bytes and
+ * the envelope parsed by the fast path (wire_small.h), so such a frame allocates nothing for
+ * them. */
+typedef struct small_store {
+  uint8_t header[TD__SMALL_HEADER];
+  td__small_env env;
+} small_store;
 
 struct td__decoder {
   td__wire_ctx ctx;
@@ -38,12 +48,16 @@ struct td__decoder {
   uint64_t payload_len, id;
   uint8_t *header;
   uint64_t skip_left;
+  small_store *small; /* NULL until the first small frame */
   /* payload routing */
-  Tdist__Envelope *env;
+  Tdist__Envelope *env; /* &small->env.env, or protobuf-c's */
   td_tensor **tensors;  /* allocated as their bytes begin to arrive (never from a header alone) */
   const Tdist__Node **tnode; /* each tensor's node in env (shape, dtype) */
   size_t *tbytes;            /* each tensor's size */
   int ntensors, cur;
+  td_tensor *tensors_in[INLINE_TENSORS]; /* the arrays above when the frame has this few */
+  const Tdist__Node *tnode_in[INLINE_TENSORS];
+  size_t tbytes_in[INLINE_TENSORS];
   uint64_t payload_got; /* payload bytes consumed of the current frame */
   int wait_for;         /* ST_WAIT: what td__decoder_resume does (WAIT_*) */
   bool resuming;        /* inside td__decoder_resume: do the work here, do not pause again */
@@ -79,20 +93,33 @@ void td__decoder_set_direct(td__decoder *d, const td__direct_hooks *h) {
   if (h) d->hooks = *h;
 }
 
+static bool small_header(const td__decoder *d) {
+  return d->small && d->header == d->small->header;
+}
+
+static void free_header(td__decoder *d) {
+  if (!small_header(d)) td__free(d->header);
+  d->header = NULL;
+}
+
 static void reset_frame(td__decoder *d) {
   td__free(d->desc);
   d->desc = NULL;
   d->direct = false;
   d->reject_st = TD_OK;
   d->reject[0] = 0;
-  td__free(d->header);
-  d->header = NULL;
-  if (d->env) tdist__envelope__free_unpacked(d->env, NULL);
+  free_header(d);
+  if (d->env && !(d->small && d->env == &d->small->env.env))
+    tdist__envelope__free_unpacked(d->env, NULL);
   d->env = NULL;
   for (int i = 0; i < d->ntensors; i++) td_tensor_unref(d->tensors[i]);
-  td__free(d->tensors);
-  td__free(d->tnode);
-  td__free(d->tbytes);
+  if (d->tensors != d->tensors_in) {
+    td__free(d->tensors);
+    td__free(d->tnode);
+    td__free(d->tbytes);
+  } else {
+    memset(d->tensors_in, 0, sizeof d->tensors_in);
+  }
   d->tensors = NULL;
   d->tnode = NULL;
   d->tbytes = NULL;
@@ -115,6 +142,7 @@ static void skip_frame(td__decoder *d, uint64_t total, td_status st, const char 
 void td__decoder_destroy(td__decoder *d) {
   if (!d) return;
   reset_frame(d);
+  td__free(d->small);
   td__free(d);
 }
 
@@ -143,9 +171,12 @@ static td_status check_tensor_node(const Tdist__Node *n, size_t *nbytes) {
 
 /* Parses the header, allocates the payload tensors. Returns a message for a bad frame or NULL. */
 static const char *parse_header(td__decoder *d) {
-  d->env = tdist__envelope__unpack(NULL, d->header_len, d->header);
-  td__free(d->header);
-  d->header = NULL;
+  /* a small envelope through the fast path when it takes it, else protobuf-c */
+  if (small_header(d) && td__small_env_parse(&d->small->env, d->header, d->header_len))
+    d->env = &d->small->env.env;
+  else
+    d->env = tdist__envelope__unpack(NULL, d->header_len, d->header);
+  free_header(d);
   if (!d->env) return "envelope is not a valid protobuf message";
   Tdist__Envelope *e = d->env;
   if (e->kind < TD__MSG_REQUEST || e->kind > TD__MSG_ERROR) return "unknown message kind";
@@ -154,10 +185,24 @@ static const char *parse_header(td__decoder *d) {
   for (size_t i = 0; i < e->n_nodes; i++) {
     if (e->nodes[i]->kind == TD_VALUE_TENSOR) nt++;
   }
-  d->tensors = td__calloc((size_t)(nt ? nt : 1), sizeof *d->tensors);
-  d->tnode = td__calloc((size_t)(nt ? nt : 1), sizeof *d->tnode);
-  d->tbytes = td__calloc((size_t)(nt ? nt : 1), sizeof *d->tbytes);
-  if (!d->tensors || !d->tnode || !d->tbytes) return "out of memory";
+  if (nt <= INLINE_TENSORS) {
+    d->tensors = d->tensors_in;
+    d->tnode = d->tnode_in;
+    d->tbytes = d->tbytes_in;
+  } else {
+    d->tensors = td__calloc((size_t)nt, sizeof *d->tensors);
+    d->tnode = td__calloc((size_t)nt, sizeof *d->tnode);
+    d->tbytes = td__calloc((size_t)nt, sizeof *d->tbytes);
+    if (!d->tensors || !d->tnode || !d->tbytes) {
+      td__free(d->tensors);
+      td__free(d->tnode);
+      td__free(d->tbytes);
+      d->tensors = NULL;
+      d->tnode = NULL;
+      d->tbytes = NULL;
+      return "out of memory";
+    }
+  }
   for (size_t i = 0; i < e->n_nodes; i++) {
     const Tdist__Node *n = e->nodes[i];
     if (n->kind != TD_VALUE_TENSOR) {
@@ -294,9 +339,14 @@ typedef struct {
   const char *key;  /* key of this container in its parent dict */
 } dec_frame;
 
-/* Attaches child to the top container, or to the roots when the stack is empty. */
-static td_status attach(dec_frame *top, td_value *child, const char *key) {
+/* Attaches child to the top container, or to the message's roots (the bottom frame, v NULL). */
+static td_status attach(dec_frame *top, td_value *child, const char *key, td__msg *m) {
   td_status st;
+  if (!top->v) {
+    m->values[m->nvalues++] = child; /* the message owns it from here, even on a later error */
+    top->left--;
+    return TD_OK;
+  }
   if (top->dict) st = td_value_dict_set(top->v, key ? key : "", child);
   else st = td_value_list_append(top->v, child);
   if (st != TD_OK) td_value_unref(child);
@@ -335,14 +385,13 @@ static td_status build_values(td__decoder *d, td__msg *m) {
   if (e->nargs > e->n_nodes) return td_set_error(TD_ERR_FORMAT, "more trees than nodes");
   m->values = td__calloc(e->nargs ? e->nargs : 1, sizeof *m->values);
   if (!m->values) return td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
+  m->nvalues = 0;
   dec_frame stack[TD__MAX_DEPTH + 1];
   int sp = 0, tcur = 0;
   size_t ni = 0;
   td_status st = TD_OK;
-  /* A sentinel list collects the roots. */
-  td_value *roots = td_value_list();
-  if (!roots) return td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
-  stack[sp++] = (dec_frame){roots, e->nargs, false, false, NULL, NULL};
+  /* the bottom frame collects the roots straight into m->values */
+  stack[sp++] = (dec_frame){NULL, e->nargs, false, false, NULL, NULL};
   while (st == TD_OK && sp > 0) {
     dec_frame *top = &stack[sp - 1];
     if (top->left == 0) {
@@ -368,7 +417,7 @@ static td_status build_values(td__decoder *d, td__msg *m) {
           break;
         }
       }
-      st = attach(&stack[sp - 1], v, done.key);
+      st = attach(&stack[sp - 1], v, done.key, m);
       continue;
     }
     if (ni >= e->n_nodes) {
@@ -427,16 +476,11 @@ static td_status build_values(td__decoder *d, td__msg *m) {
       st = td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
       break;
     }
-    st = attach(top, v, key);
+    st = attach(top, v, key, m);
   }
   if (st == TD_OK && (ni != e->n_nodes || tcur != d->ntensors))
     st = td_set_error(TD_ERR_FORMAT, "trailing nodes or tensors after the value trees");
   while (sp > 1) td_value_unref(stack[--sp].v);
-  if (st == TD_OK) {
-    for (uint32_t i = 0; i < e->nargs; i++) m->values[i] = td_value_ref(td_value_list_get(roots, i));
-    m->nvalues = (int)e->nargs;
-  }
-  td_value_unref(roots);
   return st;
 }
 
@@ -485,9 +529,11 @@ static void deliver_now(td__decoder *d) {
     }
   }
   if (st == TD_OK) {
+    /* an empty message stays NULL (td__msg: NULL means "") */
     m.fn = td__strdup(e->fn ? e->fn : "");
-    m.message = td__strdup(e->message ? e->message : "");
-    if (!m.fn || !m.message) st = td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
+    if (e->message && e->message[0]) m.message = td__strdup(e->message);
+    if (!m.fn || (e->message && e->message[0] && !m.message))
+      st = td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
   }
   if (st != TD_OK) {
     char why[512];
@@ -578,7 +624,10 @@ static td_status feed_prefix(td__decoder *d, const uint8_t **p, size_t *n) {
     skip_frame(d, total, TD_ERR_INVALID, why);
     return TD_OK;
   }
-  d->header = td__malloc(d->header_len ? d->header_len : 1);
+  if (d->header_len <= TD__SMALL_HEADER && !d->small) d->small = td__malloc(sizeof *d->small);
+  d->header = d->header_len <= TD__SMALL_HEADER && d->small
+                  ? d->small->header
+                  : td__malloc(d->header_len ? d->header_len : 1);
   if (!d->header) return td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
   d->state = ST_HEADER;
   return TD_OK;

@@ -6,14 +6,20 @@
  *
  * Device maps: a CUDA tensor is encoded only when the context's map has an entry for its device;
  * it is copied to host memory (staging) and its node carries the target device.
+ *
+ * Per call it allocates only the frame's head (and the tensor list when there are tensors): the
+ * nodes, the walk's stack and the node pointers of a small message live on the stack, and the
+ * envelope is packed by wire_small.c's packer (protobuf-c's bytes, without its general path).
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "tdist.pb-c.h"
 #include "tdist/autograd.h"
 #include "wire.h"
+#include "wire_small.h"
 
 bool td__devmap_lookup(const td__devmap *m, td_device from, td_device *to) {
   for (int i = 0; m && i < m->n; i++) {
@@ -25,22 +31,27 @@ bool td__devmap_lookup(const td__devmap *m, td_device from, td_device *to) {
   return false;
 }
 
+#define ENC_INLINE_NODES 16 /* nodes of a message encoded without an allocation */
+
 typedef struct {
   int kind; /* the message's (TD__MSG_*) */
-  Tdist__Node *nodes;
+  Tdist__Node *nodes; /* nodes_in, or allocated once there are more */
   size_t n, cap;
   td_tensor **tensors;
   int nt, tcap;
   uint64_t payload;
   td_value **temps; /* extension representations kept alive until packing is done */
   int ntemps, tmpcap;
+  Tdist__Node nodes_in[ENC_INLINE_NODES];
 } enc;
 
 static Tdist__Node *enc_node(enc *e) {
   if (e->n == e->cap) {
-    size_t nc = e->cap ? e->cap * 2 : 16;
-    Tdist__Node *nn = td__realloc(e->nodes, nc * sizeof *nn);
+    size_t nc = e->cap * 2;
+    Tdist__Node *nn = td__malloc(nc * sizeof *nn);
     if (!nn) return NULL;
+    memcpy(nn, e->nodes, e->n * sizeof *nn);
+    if (e->nodes != e->nodes_in) td__free(e->nodes);
     e->nodes = nn;
     e->cap = nc;
   }
@@ -110,18 +121,21 @@ typedef struct {
   const char *key;
 } enc_item;
 
-/* The explicit stack of enc_value (items pop in pre-order). */
+/* The explicit stack of enc_value (items pop in pre-order): items_in until it outgrows them. */
 typedef struct {
   enc_item *items;
   size_t n, cap;
+  enc_item items_in[16];
 } enc_stack;
 
 static td_status stack_room(enc_stack *s, size_t more) {
   if (s->n + more <= s->cap) return TD_OK;
-  size_t nc = s->cap ? s->cap : 32;
+  size_t nc = s->cap * 2;
   while (s->n + more > nc) nc *= 2;
-  enc_item *ni = td__realloc(s->items, nc * sizeof *ni);
+  enc_item *ni = td__malloc(nc * sizeof *ni);
   if (!ni) return td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
+  memcpy(ni, s->items, s->n * sizeof *ni);
+  if (s->items != s->items_in) td__free(s->items);
   s->items = ni;
   s->cap = nc;
   return TD_OK;
@@ -220,7 +234,10 @@ static td_status enc_children(const td_value *v, td_value_kind k, size_t childre
  * kind: leaf (enc_leaf), container (enc_children) or extension (enc_ext). Node pointers move when
  * the node array grows: none is kept across items. */
 static td_status enc_value(enc *e, const td_value *root, td__wire_ctx *ctx) {
-  enc_stack s = {0};
+  enc_stack s;
+  s.items = s.items_in;
+  s.n = 0;
+  s.cap = sizeof s.items_in / sizeof s.items_in[0];
   td_status st = stack_room(&s, 1);
   if (st == TD_OK) s.items[s.n++] = (enc_item){root, NULL};
   while (st == TD_OK && s.n) {
@@ -243,13 +260,16 @@ static td_status enc_value(enc *e, const td_value *root, td__wire_ctx *ctx) {
       st = enc_ext(e, ctx, it.v, node, &s);
     }
   }
-  td__free(s.items);
+  if (s.items != s.items_in) td__free(s.items);
   return st;
 }
 
 td_status td__wire_encode(const td__msg *m, td__wire_ctx *ctx, td__frame *out) {
-  enc e = {0};
+  enc e;
+  memset(&e, 0, offsetof(enc, nodes_in)); /* the inline nodes are initialised as they are used */
   e.kind = m->kind;
+  e.nodes = e.nodes_in;
+  e.cap = ENC_INLINE_NODES;
   td_status st = TD_OK;
   for (int i = 0; i < m->nvalues && st == TD_OK; i++) {
     if (!m->values[i]) {
@@ -264,7 +284,8 @@ td_status td__wire_encode(const td__msg *m, td__wire_ctx *ctx, td__frame *out) {
   env.fn = m->fn ? m->fn : (char *)"";
   env.from_rank = m->from_rank;
   env.nargs = (uint32_t)m->nvalues;
-  Tdist__Node **ptrs = td__malloc((e.n ? e.n : 1) * sizeof *ptrs);
+  Tdist__Node *ptrs_in[ENC_INLINE_NODES];
+  Tdist__Node **ptrs = e.n <= ENC_INLINE_NODES ? ptrs_in : td__malloc(e.n * sizeof *ptrs);
   if (!ptrs) {
     st = td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
     goto out;
@@ -279,16 +300,16 @@ td_status td__wire_encode(const td__msg *m, td__wire_ctx *ctx, td__frame *out) {
   env.autograd_msg_id = m->autograd_msg_id;
   env.n_aux = m->naux > 0 ? (size_t)m->naux : 0;
   env.aux = m->aux;
-  size_t hl = tdist__envelope__get_packed_size(&env);
+  size_t hl = td__env_packed_size(&env); /* protobuf-c's bytes, without its general path */
   if (hl > TD__MAX_HEADER) {
-    td__free(ptrs);
+    if (ptrs != ptrs_in) td__free(ptrs);
     st = td_set_error(TD_ERR_INVALID, "rpc: message envelope of %zu bytes exceeds %u bytes (send "
                       "large data as tensors)", hl, TD__MAX_HEADER);
     goto out;
   }
   uint8_t *head = td__malloc(TD__FRAME_PREFIX + hl);
   if (!head) {
-    td__free(ptrs);
+    if (ptrs != ptrs_in) td__free(ptrs);
     st = td_set_error(TD_ERR_NOMEM, "rpc: out of memory");
     goto out;
   }
@@ -296,8 +317,8 @@ td_status td__wire_encode(const td__msg *m, td__wire_ctx *ctx, td__frame *out) {
   td__put_u32(head + 4, (uint32_t)hl);
   td__put_u64(head + 8, e.payload);
   td__put_u64(head + 16, m->id);
-  tdist__envelope__pack(&env, head + TD__FRAME_PREFIX);
-  td__free(ptrs);
+  td__env_pack(&env, head + TD__FRAME_PREFIX);
+  if (ptrs != ptrs_in) td__free(ptrs);
   out->head = head;
   out->head_len = TD__FRAME_PREFIX + hl;
   out->tensors = e.tensors;
@@ -310,6 +331,6 @@ out:
   td__free(e.tensors);
   for (int i = 0; i < e.ntemps; i++) td_value_unref(e.temps[i]);
   td__free(e.temps);
-  td__free(e.nodes);
+  if (e.nodes != e.nodes_in) td__free(e.nodes);
   return st;
 }

@@ -797,6 +797,19 @@ static td_status here_then(void *arg, td_future *src, td_value **result, td_futu
   return st;
 }
 
+/* The agent's pool for what must run where user code runs (td__future_then_light's submit). */
+static td_status submit_user(void *agent, void (*task)(void *), void *arg) {
+  return td__agent_submit_user(agent, task, arg);
+}
+
+/* Chains fn on f for r: light (fn never blocks), so a thread waiting for the result takes the
+ * reply, runs fn and completes the result itself, with no hop to the pool (unless the result has
+ * callbacks of its own). */
+static td_status then_for(td_rref *r, td_future *f, td_future_then_fn fn, td_future **out) {
+  if (!r->ctx || !r->ctx->agent) return td_future_then(f, fn, r, out);
+  return td__future_then_light(f, fn, r, submit_user, r->ctx->agent, out);
+}
+
 td_status td_rref_to_here_async(td_rref *r, td_timeout_ms timeout_ms, td_future **out) {
   TD_CHECK_ARG(r && out && td__timeout_valid(timeout_ms), "rref_to_here_async: invalid argument");
   TD_TRY(creation_error(r));
@@ -812,7 +825,7 @@ td_status td_rref_to_here_async(td_rref *r, td_timeout_ms timeout_ms, td_future 
     TD_TRY(st);
   }
   td_rref_ref(r);
-  td_status st = td_future_then(f, here_then, r, out);
+  td_status st = then_for(r, f, here_then, out);
   if (st != TD_OK) td_rref_unref(r);
   td_future_unref(f);
   return st;
@@ -861,7 +874,7 @@ td_status td_rref_rpc_async(td_rref *r, const char *fn, td_value *const *args, i
   free_argv(argv, nargs + 2);
   TD_TRY(st);
   td_rref_ref(r);
-  st = td_future_then(f, proxy_then, r, out);
+  st = then_for(r, f, proxy_then, out);
   if (st != TD_OK) td_rref_unref(r);
   td_future_unref(f);
   return st;
@@ -974,11 +987,37 @@ static void gate_collect(const td_value *v, gate *g, int depth) {
   if (td_future_on_done(r->created, gate_one_done, g) != TD_OK) gate_release(g);
 }
 
+/* Whether v holds an RRef whose creation or confirmation is still pending (gate_collect's test,
+ * without registering anything): most requests carry none and need no gate at all. */
+static bool any_pending(const td_value *v, int depth) {
+  if (!v || depth > 64) return false;
+  switch (td_value_kind_of(v)) {
+    case TD_VALUE_LIST:
+      for (size_t i = 0; i < td_value_list_len(v); i++)
+        if (any_pending(td_value_list_get(v, i), depth + 1)) return true;
+      return false;
+    case TD_VALUE_DICT:
+      for (size_t i = 0; i < td_value_dict_len(v); i++) {
+        td_value *item = NULL;
+        if (td_value_dict_entry(v, i, NULL, &item) == TD_OK && any_pending(item, depth + 1))
+          return true;
+      }
+      return false;
+    default: break;
+  }
+  td_rref *r;
+  return td__value_ext_type_of(v) == &rref_type && (r = td__value_ext_obj(v)) && r->created &&
+         !td_future_done(r->created);
+}
+
 /* As PyTorch waits for a request's pending user RRefs: *wait completes when every RRef among the
  * arguments is confirmed by its owner and, on the owner, when its value exists (a failed
  * creation ends the wait too: the function sees the failure when it uses that RRef). */
 td_status td__rref_args_gate(td_value *const *args, int nargs, td_future **wait) {
   *wait = NULL;
+  bool pending = false;
+  for (int i = 0; i < nargs && !pending; i++) pending = any_pending(args[i], 0);
+  if (!pending) return TD_OK; /* (one that completes from here on needs no wait either) */
   gate *g = td__calloc(1, sizeof *g);
   if (!g || !(g->all = td_future_create())) {
     td__free(g);

@@ -1,9 +1,11 @@
 /* test_rpc_calls.c - multi-process tests of calls: sync/async, values and tensors, self and
  * nested calls, remote errors, unknown functions, timeouts, 1000 concurrent calls, a 20-hop chain
- * of async handlers on 4-thread pools. */
+ * of async handlers on 4-thread pools; the same-host lane (order across the switch, options) and
+ * the completions of one pass over it (a callback that blocks does not hold up the others). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "rpc_test_fns.h"
@@ -512,6 +514,97 @@ static void test_rpc_shm_lane(void **state) {
   }
 }
 
+/* ---- replies that come through the lane in one pass complete on the pool as one task (a
+ * burst); a callback of that task that blocks hands the rest of it to other pool threads ---- */
+
+static int burst_slow_started; /* atomic */
+
+/* burst_slow: TD_RPC_INLINE, blocks the lane thread of rank 0 for 300 ms (a test's abuse of an
+ * inline handler: meanwhile the replies to rank 0's calls pile up in its rings) */
+static td_status fn_burst_slow(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                               td_future **fut) {
+  (void)c, (void)args, (void)n, (void)fut;
+  __atomic_store_n(&burst_slow_started, 1, __ATOMIC_RELEASE);
+  struct timespec ts = {0, 300 * 1000000L};
+  nanosleep(&ts, NULL);
+  *res = td_value_none();
+  return TD_OK;
+}
+
+/* burst_trigger: TD_RPC_INLINE on rank 1, calls burst_slow on rank 0 and answers with its
+ * outcome */
+static td_status fn_burst_trigger(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                                  td_future **fut) {
+  (void)args, (void)n, (void)res;
+  return td_rpc_async(td_rpc_ctx_agent(c), "worker0", "burst_slow", NULL, 0, NULL, fut);
+}
+
+static td_status fn_burst_echo(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
+                               td_future **fut) {
+  (void)c, (void)fut;
+  *res = n ? td_value_ref(args[0]) : td_value_none();
+  return TD_OK;
+}
+
+static td_future *burst_gate; /* completed by the second reply's callback */
+static td_status burst_wait_status = TD_ERR_STATE; /* atomic */
+
+static void burst_first_done(td_future *f, void *ud) {
+  (void)f, (void)ud;
+  /* waits for what the next completion of the same burst does */
+  td_status st = td_future_wait(burst_gate, td_test_ms(5000));
+  __atomic_store_n(&burst_wait_status, st, __ATOMIC_RELEASE);
+}
+
+static void burst_second_done(td_future *f, void *ud) {
+  (void)f, (void)ud;
+  td_future_complete(burst_gate, td_value_none());
+}
+
+static int worker_burst(int rank, int world, const char *method, void *arg) {
+  (void)arg;
+  MP_CHECK_OK(td_rpc_register_ex("burst_slow", fn_burst_slow, NULL, TD_RPC_INLINE));
+  MP_CHECK_OK(td_rpc_register_ex("burst_trigger", fn_burst_trigger, NULL, TD_RPC_INLINE));
+  MP_CHECK_OK(td_rpc_register_ex("burst_echo", fn_burst_echo, NULL, TD_RPC_INLINE));
+  td_rpc_options o = td_mp_rpc_options(method, 4);
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  const char *peer = rank ? "worker0" : "worker1";
+  td_value *v = td_value_int(rank), *r = NULL;
+  MP_CHECK_OK(td_rpc_sync(a, peer, "burst_echo", &v, 1, NULL, &r)); /* each opens its stream */
+  td_value_unref(r);
+  TD_TEST_POLL(td_rpc_shm_lanes(a) == 2, 30);
+  if (rank == 0) {
+    td_future *trig, *f[2];
+    MP_CHECK_OK(td_rpc_async(a, "worker1", "burst_trigger", NULL, 0, NULL, &trig));
+    TD_TEST_POLL(__atomic_load_n(&burst_slow_started, __ATOMIC_ACQUIRE), 30);
+    /* rank 0's lane thread is held in burst_slow: both replies arrive before it reads them */
+    MP_CHECK((burst_gate = td_future_create()) != NULL);
+    for (int i = 0; i < 2; i++)
+      MP_CHECK_OK(td_rpc_async(a, "worker1", "burst_echo", &v, 1, NULL, &f[i]));
+    MP_CHECK_OK(td_future_on_done(f[0], burst_first_done, NULL));
+    MP_CHECK_OK(td_future_on_done(f[1], burst_second_done, NULL));
+    MP_CHECK_OK(td_future_wait(trig, td_test_ms(30000)));
+    for (int i = 0; i < 2; i++) MP_CHECK_OK(td_future_wait(f[i], td_test_ms(30000)));
+    td_status st;
+    TD_TEST_POLL((st = __atomic_load_n(&burst_wait_status, __ATOMIC_ACQUIRE)) != TD_ERR_STATE, 30);
+    if (st != TD_OK) fprintf(stderr, "burst: the first callback's wait: %s\n", td_status_name(st));
+    MP_CHECK(st == TD_OK);
+    td_future_unref(trig);
+    for (int i = 0; i < 2; i++) td_future_unref(f[i]);
+    td_future_unref(burst_gate);
+  }
+  td_value_unref(v);
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(30000)));
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rpc_burst_callback_blocks(void **state) {
+  (void)state;
+  TD_MP_RUN(2, worker_burst, NULL, 60);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_rpc_calls),
@@ -519,6 +612,7 @@ int main(void) {
       cmocka_unit_test(test_rpc_busy_poll),
       cmocka_unit_test(test_rpc_direct_copy),
       cmocka_unit_test(test_rpc_shm_lane),
+      cmocka_unit_test(test_rpc_burst_callback_blocks),
   };
   return cmocka_run_group_tests_name("rpc_calls", tests, NULL, NULL);
 }

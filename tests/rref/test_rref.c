@@ -720,8 +720,8 @@ static void test_rref_strict_mode_reports_leaks(void **state) {
 }
 
 /* ---- dispatch: remote() and proxies run TD_RPC_INLINE functions on the owner's network
- * thread and others on its pool; user callbacks on a creation future never run on the network
- * thread ---- */
+ * thread and others on its pool; user callbacks on a creation future or on to_here_async's
+ * result never run on the network thread ---- */
 
 typedef struct cb_probe {
   td_rpc_agent *a;
@@ -809,6 +809,30 @@ static int worker_dispatch(int rank, int world, const char *method, void *arg) {
     td_rref_unref(r);
     pthread_mutex_destroy(&p.mu);
     pthread_cond_destroy(&p.cv);
+
+    /* the same on to_here_async's result: its light step runs where the reply is decoded, but a
+     * callback of the user's on the result still runs on the pool (it blocks on an RPC) */
+    cb_probe q = {.a = a, .done = 0};
+    pthread_mutex_init(&q.mu, NULL);
+    pthread_cond_init(&q.cv, NULL);
+    ms = td_value_int(300);
+    MP_CHECK_OK(td_remote(a, "worker1", "slow", &ms, 1, NULL, &r));
+    td_value_unref(ms);
+    td_future *hf;
+    MP_CHECK_OK(td_rref_to_here_async(r, td_test_ms(10000), &hf));
+    MP_CHECK(!td_future_done(hf));
+    MP_CHECK_OK(td_future_on_done(hf, creation_cb, &q));
+    pthread_mutex_lock(&q.mu);
+    while (!q.done) pthread_cond_wait(&q.cv, &q.mu);
+    pthread_mutex_unlock(&q.mu);
+    MP_CHECK_OK(q.st);
+    MP_CHECK(q.sum == 42);
+    MP_CHECK_OK(td_future_wait(hf, td_test_ms(10000)));
+    MP_CHECK(as_int(td_future_value(hf)) == 300);
+    td_future_unref(hf);
+    td_rref_unref(r);
+    pthread_mutex_destroy(&q.mu);
+    pthread_cond_destroy(&q.cv);
   }
   rt_barrier(a, 1);
   rt_wait_empty(a);
