@@ -200,6 +200,23 @@ td_status td__hs_client_hello(td__hs *h, const td__auth *a, int self_rank, int p
   return TD_OK;
 }
 
+/* The HELLO's ticket: HMAC(K, "tdist/1 hello" | nonce_c | client_rank | wanted_rank). */
+static td_status hello_ticket(const td__auth *a, const uint8_t *hello, uint8_t out[TD__AUTH_MAC]) {
+  if (!a->secure) {
+    memset(out, 0, TD__AUTH_MAC);
+    return TD_OK;
+  }
+  static const char label[] = "tdist/1 hello";
+  const void *parts[] = {label, hello + 16, hello + 8};
+  size_t lens[] = {sizeof label - 1, TD__AUTH_NONCE, 8};
+  return hmac(a->key, TD__AUTH_KEY, parts, lens, 3, out);
+}
+
+td_status td__hs_client_ticket(const td__hs *h, const uint8_t *hello, uint8_t *out) {
+  memcpy(out, hello, TD__HS_HELLO_LEN);
+  return hello_ticket(h->auth, hello, out + TD__HS_HELLO_LEN);
+}
+
 td_status td__hs_client_challenge(td__hs *h, const uint8_t *in, size_t n, uint8_t *out) {
   if (h->state != HS_CLIENT_SENT_HELLO)
     return td_set_error(TD_ERR_AUTH, "auth: unexpected handshake message");
@@ -232,7 +249,7 @@ td_status td__hs_server_hello(td__hs *h, const td__auth *a, int self_rank, const
   memset(h, 0, sizeof *h);
   h->auth = a;
   h->self_rank = self_rank;
-  if (n != TD__HS_HELLO_LEN || td__get_u32(in) != MAGIC_HELLO)
+  if ((n != TD__HS_HELLO_LEN && n != TD__HS_TICKET_LEN) || td__get_u32(in) != MAGIC_HELLO)
     return td_set_error(TD_ERR_AUTH, "auth: the stream did not start with a tdist handshake "
                         "(%zu bytes)", n);
   if (in[4] != HS_VERSION)
@@ -246,6 +263,14 @@ td_status td__hs_server_hello(td__hs *h, const td__auth *a, int self_rank, const
   if (wanted != self_rank)
     return td_set_error(TD_ERR_AUTH, "auth: a client looking for rank %d reached rank %d", wanted,
                         self_rank);
+  if (n == TD__HS_TICKET_LEN) {
+    uint8_t mac[TD__AUTH_MAC];
+    TD_TRY(hello_ticket(a, in, mac));
+    if (a->secure && !mac_equal(mac, in + TD__HS_HELLO_LEN))
+      return td_set_error(TD_ERR_AUTH, "auth: a HELLO claiming rank %d does not prove it knows "
+                          "the job secret", client_rank);
+    h->ticketed = true;
+  }
   h->peer_rank = client_rank;
   memcpy(h->nonce_c, in + 16, TD__AUTH_NONCE);
   TD_TRY(td__auth_random(h->nonce_s, TD__AUTH_NONCE));

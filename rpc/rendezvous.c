@@ -130,18 +130,61 @@ static td_status peer_functions(td_rpc_agent *a, int r, char *v, size_t n) {
   return TD_OK;
 }
 
+/* A registry's name in the store: "regblob/" and a 128-bit hash of its text in hex. Workers of
+ * a group mostly register the same functions: each publishes only this name under registry/<r>
+ * (and the text under it), so reading every worker's registry costs 40 bytes per worker and one
+ * get per distinct registry, not the text N times (at 1,024 workers of 1 KiB registries that was
+ * 1 GiB through rank 0). Members are trusted, so the hash need only tell registries apart. */
+static void registry_key(const char *snap, size_t n, char out[64]) {
+  uint64_t h1 = 1469598103934665603ull, h2 = 0x9e3779b97f4a7c15ull;
+  for (size_t i = 0; i < n; i++) {
+    h1 = (h1 ^ (uint8_t)snap[i]) * 1099511628211ull;
+    h2 = (h2 ^ (uint8_t)snap[i]) * 0x100000001b3ull;
+    h2 ^= h2 >> 29;
+  }
+  snprintf(out, 64, "regblob/%016llx%016llx%zx", (unsigned long long)h1,
+           (unsigned long long)h2, n);
+}
+
+/* The registry texts named by the registry/ records: each distinct one read once (a get), each
+ * peer given its own copy (peer_functions parses it in place). */
+static td_status peer_registries(td_rpc_agent *a, char **names) {
+  for (int r = 0; r < a->world; r++) {
+    if (a->peers[r].fns_blob) continue;
+    if (strncmp(names[r], "regblob/", 8) != 0)
+      return td_set_error(TD_ERR_FORMAT, "rpc init: bad registry record for rank %d", r);
+    uint8_t *v = NULL;
+    size_t n = 0;
+    bool found = false;
+    TD_TRY(td__store_get(&a->sc, names[r], &v, &n, &found));
+    if (!found) return td_set_error(TD_ERR_FORMAT, "rpc init: rank %d's registry is missing", r);
+    for (int q = r; q < a->world; q++) {
+      if (a->peers[q].fns_blob || strcmp(names[q], names[r]) != 0) continue;
+      char *copy = td__malloc(n + 1);
+      if (!copy) {
+        td__free(v);
+        return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+      }
+      memcpy(copy, v, n + 1);
+      td_status st = peer_functions(a, q, copy, n);
+      if (st != TD_OK) {
+        td__free(v);
+        return st;
+      }
+    }
+    td__free(v);
+  }
+  return TD_OK;
+}
+
 /* Reads every worker's record and registry, a few requests in all (td__store_wait_range). */
 static td_status parse_peers(td_rpc_agent *a, uint64_t deadline) {
   char **recs, **regs;
   size_t *rl, *gl;
   TD_TRY(td__rdv_read_all(a, "worker/", deadline, &recs, &rl));
   td_status st = td__rdv_read_all(a, "registry/", deadline, &regs, &gl);
-  for (int r = 0; r < a->world && st == TD_OK; r++) {
-    st = peer_record(a, r, recs[r]);
-    if (st != TD_OK) break;
-    st = peer_functions(a, r, regs[r], gl[r]);
-    regs[r] = NULL; /* the peer's now, whatever happened */
-  }
+  for (int r = 0; r < a->world && st == TD_OK; r++) st = peer_record(a, r, recs[r]);
+  if (st == TD_OK) st = peer_registries(a, regs);
   td__rdv_free_all(a, recs, rl);
   td__rdv_free_all(a, regs, gl);
   TD_TRY(st);
@@ -228,6 +271,7 @@ static td_status rdv_wait(td_rpc_agent *a, const char *key, int64_t target, uint
                           rdv_progress *p, uint8_t **v) {
   uint64_t started = td__now_ns(), report = (uint64_t)rdv_report_ms() * 1000000ull;
   uint64_t next_report = started + report;
+  int64_t backoff = 1; /* across the slices */
   for (;;) {
     if (init_interrupted(a))
       return td_set_error(TD_ERR_CANCELLED, "rpc init: interrupted (td_rpc_init_interrupt) "
@@ -235,8 +279,8 @@ static td_status rdv_wait(td_rpc_agent *a, const char *key, int64_t target, uint
     uint64_t now = td__now_ns(), poll = (uint64_t)RDV_POLL_MS * 1000000ull;
     uint64_t until = deadline > now + poll ? now + poll : deadline;
     td__store_set_deadline(&a->sc, until);
-    td_status st = target < 0 ? td__store_wait_key(&a->sc, key, until, "abort", v, NULL)
-                              : td__store_wait_ge(&a->sc, key, target, until, "abort");
+    td_status st = target < 0 ? td__store_poll_key(&a->sc, key, until, "abort", &backoff, v, NULL)
+                              : td__store_poll_ge(&a->sc, key, target, until, "abort", &backoff);
     td__store_set_deadline(&a->sc, deadline);
     if (st != TD_ERR_TIMEOUT || td__now_ns() >= deadline) return st;
     if (td__now_ns() >= next_report) {
@@ -301,10 +345,13 @@ static td_status rdv_publish(td_rpc_agent *a) {
   TD_TRY(td__store_set(&a->sc, key, val, (size_t)n));
   char *snap = td__reg_snapshot();
   if (!snap) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
-  snprintf(key, sizeof key, "registry/%d", a->rank);
-  td_status st = td__store_set(&a->sc, key, snap, strlen(snap));
+  char name[64];
+  registry_key(snap, strlen(snap), name);
+  td_status st = td__store_set(&a->sc, name, snap, strlen(snap));
   td__free(snap);
   TD_TRY(st);
+  snprintf(key, sizeof key, "registry/%d", a->rank);
+  TD_TRY(td__store_set(&a->sc, key, name, strlen(name)));
   TD_TRY(td__direct_publish(a));
   return td__devmap_publish(a);
 }
@@ -382,6 +429,12 @@ static td_status rendezvous(td_rpc_agent *a) {
   return TD_OK;
 }
 
+/* Workers per CPU on this host, times 100 (td__transport_opts.host_load_x100). */
+static int host_load(int local) {
+  long cpus = td__cpus_usable();
+  return (int)((int64_t)local * 100 / (cpus > 0 ? cpus : 1));
+}
+
 /* busy_poll_window resolves td_rpc_options.busy_poll_us once every worker's address is known:
  * spinning pays off only when every local worker can have a CPU of its own. */
 static int64_t busy_poll_window(td_rpc_agent *a, int64_t opt) {
@@ -402,6 +455,7 @@ static int64_t busy_poll_window(td_rpc_agent *a, int64_t opt) {
     if (strcmp(mine, other) == 0) local++;
   }
   long cpus = td__cpus_usable();
+  td__transport_set_host_load(a->tr, host_load(local));
   int64_t us = cpus > 1 && local <= cpus ? 50 : 0;
   td_log(TD_LOG_DEBUG, "rpc: %s: %d workers on this host, %ld CPUs: busy-poll %lld us", a->name,
          local, cpus, (long long)us);
@@ -555,7 +609,7 @@ static td_status init_options(const char **name, char *defname, size_t dn, int r
   /* every stream pings every keepalive_ms: with a stream to each of N-1 peers that is N^2 pings
    * for the group, so past 64 peers the interval grows to keep each worker at ~32 pings/s (256
    * workers on one 2-CPU host spent the machine on pings and declared live peers dead) */
-  if (o->keepalive_ms <= 0) o->keepalive_ms = world_size > 65 ? (world_size - 1) * 2000 / 64 : 2000;
+  /* (left at 0 here: init_transport chooses it, and knows then that tdist chose it) */
   if (!*name) {
     snprintf(defname, dn, "worker%d", rank);
     *name = defname;
@@ -770,7 +824,8 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   a->tls = tls_on;
   td__transport_opts to = {.host = a->listen_addr,
                            .port = a->rank == 0 ? ad->mport : 0,
-                           .keepalive_ms = o->keepalive_ms,
+                           .keepalive_ms = o->keepalive_ms > 0 ? o->keepalive_ms
+                                           : a->world > 65 ? (a->world - 1) * 2000 / 64 : 2000,
                            .keepalive_timeout_ms = o->keepalive_timeout_ms,
                            .max_message = o->max_message_bytes,
                            .self_rank = a->rank,
@@ -779,12 +834,17 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
                            .tick_ms = 10,
                            .auth = &a->auth,
                            .handshake_timeout_ms = env_ms("TD_RPC_HANDSHAKE_TIMEOUT_MS", 20000),
+                           .hello_timeout_ms = env_ms("TD_RPC_HELLO_TIMEOUT_MS", 2000),
+                           .member_held_max = (uint64_t)env_ms("TD_RPC_MEMBER_HELD_MB", 0) << 20,
                            .memory_quota = (uint64_t)env_ms("TD_RPC_MEMORY_QUOTA_MB",
                                                             (int64_t)(o->memory_quota_bytes >> 20))
                                            << 20,
                            .stall_timeout_ms = env_ms("TD_RPC_STALL_TIMEOUT_MS",
                                                       3 * o->keepalive_timeout_ms),
                            .lane = a->lane_on,
+                           .keepalive_auto = o->keepalive_ms <= 0,
+                           /* until the group is known: every worker on this host */
+                           .host_load_x100 = host_load(a->world),
                            .tls = tls_on ? &tls : NULL};
   td__transport_cbs cbs = {a, td__serve_msg, td__serve_bad, td__serve_closed, td__serve_unary,
                            td__serve_tick};
@@ -809,8 +869,10 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   a->sc.tr = a->tr;
   a->sc.call_timeout_ms = o->init_timeout_ms;
   a->sc.wait_for_ready = true;
-  /* N workers polling a wait: at most about 4,000 requests a second at the store (or 50 ms) */
-  a->sc.max_backoff_ms = a->world / 4 > 50 ? a->world / 4 : 50;
+  /* N workers polling a wait: at most about 1,000 requests a second at the store (or 50 ms).
+   * Rank 0 serves them on one thread with the CPU share of any worker: at 4,000 a second (the
+   * earlier bound) 128 workers on 2 CPUs kept it saturated through the rendezvous. */
+  a->sc.max_backoff_ms = a->world > 50 ? a->world : 50;
   format_addr(a->peers[a->rank].info.address, sizeof a->peers[a->rank].info.address,
               a->listen_addr, port);
   return TD_OK;
@@ -866,7 +928,10 @@ static void init_trace(td_rpc_agent *a) {
   if (td_trace_enabled()) td__trace_set_process(a->rank, a->name);
   if ((!td_trace_enabled() && !flight) || a->rank == 0) return;
   int64_t best_rtt = INT64_MAX, offset = 0;
-  for (int i = 0; i < 8; i++) {
+  /* the flight recorder alone (always on) needs less precision than a trace: in large groups,
+   * whose workers all ask rank 0's store at once, 2 exchanges rather than 8 */
+  int rounds = td_trace_enabled() || a->world <= 64 ? 8 : 2;
+  for (int i = 0; i < rounds; i++) {
     int64_t skew = td__trace_test_skew(), server, t0 = (int64_t)td__now_ns() + skew;
     if (td__store_now(&a->sc, &server) != TD_OK) return;
     int64_t t1 = (int64_t)td__now_ns() + skew;

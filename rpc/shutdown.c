@@ -37,8 +37,8 @@ static void sleep_ms(int64_t ms) {
  * Rank 0 adds a third step, judge: it reads every status; the group is done when all are idle,
  * sent == served, and this snapshot equals the previous one; then it sets sd/go. A round is one
  * store request per worker (rank 0's judge: a few range reads more). Between rounds a worker
- * sleeps with backoff (1 ms doubling to 20 ms, or world/4 ms in groups past 80 workers, so the
- * store sees at most about 4,000 requests a second from the whole group) until the deadline. */
+ * sleeps with backoff (1 ms doubling to 20 ms, or world ms in groups past 20 workers, so the
+ * store sees at most about 1,000 requests a second from the whole group) until the deadline. */
 
 typedef struct judge {
   int64_t *prev, *cur; /* [world][sent, served] of the last two snapshots */
@@ -174,7 +174,7 @@ static td_status barrier(td_rpc_agent *a, uint64_t deadline, uint64_t hard) {
     }
     td__progress_pump_if_owner(a); /* host mode, on the progress thread: what is queued */
     sleep_ms(backoff);
-    int64_t most = a->world / 4 > 20 ? a->world / 4 : 20;
+    int64_t most = a->world > 20 ? a->world : 20;
     backoff = backoff * 2 > most ? most : backoff * 2;
   }
   judge_free(&j);

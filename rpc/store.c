@@ -331,8 +331,9 @@ static td_status unary(void *ctx, const uint8_t *req, size_t len, uint8_t **repl
     int64_t left = (int64_t)((dl - now + 999999u) / 1000000u);
     if (tmo <= 0 || left < tmo) tmo = left;
   }
-  td_status st = td__transport_unary(c->tr, c->address, TD__STORE_METHOD, req, len, tmo,
-                                     c->wait_for_ready, reply, reply_len);
+  td_status st = c->unary_fn ? c->unary_fn(c->unary_ctx, req, len, reply, reply_len)
+                             : td__transport_unary(c->tr, c->address, TD__STORE_METHOD, req, len,
+                                                   tmo, c->wait_for_ready, reply, reply_len);
   if (st == TD_ERR_UNAVAILABLE || (st == TD_ERR_TIMEOUT && !c->wait_for_ready))
     return td__error_prefix(st, "%s, which serves the rendezvous store at %s, is unreachable",
                             owner, c->address);
@@ -471,6 +472,12 @@ static td_status poll_wait(const td__store_client *c, int64_t *backoff, uint64_t
 td_status td__store_wait_ge(const td__store_client *c, const char *key, int64_t target,
                             uint64_t deadline_ns, const char *abort_key) {
   int64_t backoff = 1;
+  return td__store_poll_ge(c, key, target, deadline_ns, abort_key, &backoff);
+}
+
+td_status td__store_poll_ge(const td__store_client *c, const char *key, int64_t target,
+                            uint64_t deadline_ns, const char *abort_key, int64_t *bo) {
+  int64_t backoff = *bo > 0 ? *bo : 1;
   for (;;) {
     Tdist__StoreReply *rep;
     TD_TRY(poll_once(c, 3, key, abort_key, &rep));
@@ -479,7 +486,9 @@ td_status td__store_wait_ge(const td__store_client *c, const char *key, int64_t 
     bool done = cur >= target || st != TD_OK;
     tdist__store_reply__free_unpacked(rep, NULL);
     if (done) return st;
-    if (poll_wait(c, &backoff, deadline_ns) != TD_OK)
+    td_status w = poll_wait(c, &backoff, deadline_ns);
+    *bo = backoff;
+    if (w != TD_OK)
       return td_set_error(TD_ERR_TIMEOUT, "store: timed out waiting for '%s' to reach %lld (now "
                           "%lld)", key, (long long)target, (long long)cur);
   }
@@ -499,6 +508,12 @@ static td_status dup_bytes(const ProtobufCBinaryData *b, uint8_t **v, size_t *n)
 td_status td__store_wait_key(const td__store_client *c, const char *key, uint64_t deadline_ns,
                              const char *abort_key, uint8_t **v, size_t *n) {
   int64_t backoff = 1;
+  return td__store_poll_key(c, key, deadline_ns, abort_key, &backoff, v, n);
+}
+
+td_status td__store_poll_key(const td__store_client *c, const char *key, uint64_t deadline_ns,
+                             const char *abort_key, int64_t *bo, uint8_t **v, size_t *n) {
+  int64_t backoff = *bo > 0 ? *bo : 1;
   for (;;) {
     Tdist__StoreReply *rep;
     TD_TRY(poll_once(c, 2, key, abort_key, &rep));
@@ -506,7 +521,9 @@ td_status td__store_wait_key(const td__store_client *c, const char *key, uint64_
     bool done = rep->found || st != TD_OK;
     tdist__store_reply__free_unpacked(rep, NULL);
     if (done) return st;
-    if (poll_wait(c, &backoff, deadline_ns) != TD_OK)
+    td_status w = poll_wait(c, &backoff, deadline_ns);
+    *bo = backoff;
+    if (w != TD_OK)
       return td_set_error(TD_ERR_TIMEOUT, "store: timed out waiting for key '%s'", key);
   }
 }

@@ -66,6 +66,11 @@ typedef struct td__store_client {
   /* the longest sleep between two polls of a wait (0: 50 ms); large groups set it longer, so
    * the polls of N waiting workers stay a bounded load on the server */
   int64_t max_backoff_ms;
+  /* Simulations (store_sim.h): when set, each request goes to unary_fn(unary_ctx, ...) instead
+   * of the transport. */
+  td_status (*unary_fn)(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
+                        size_t *reply_len);
+  void *unary_ctx;
 } td__store_client;
 
 /* td__store_set_deadline bounds every later call of c (any thread) by deadline_ns (0: none). */
@@ -91,6 +96,15 @@ td_status td__store_wait_ge(const td__store_client *c, const char *key, int64_t 
 /* td__store_wait_key waits until key exists; *v as for get. */
 td_status td__store_wait_key(const td__store_client *c, const char *key, uint64_t deadline_ns,
                              const char *abort_key, uint8_t **v, size_t *n);
+/* td__store_poll_ge and td__store_poll_key are td__store_wait_ge and td__store_wait_key whose
+ * interval between polls (*backoff_ms: in and out, 0 = from 1 ms) carries over from one call to
+ * the next: a wait cut into slices (the rendezvous checks for an interrupt every 250 ms) keeps
+ * backing off instead of polling again from 1 ms in every slice (which made each waiting worker
+ * of a large group send about 40 requests a second to rank 0). */
+td_status td__store_poll_ge(const td__store_client *c, const char *key, int64_t target,
+                            uint64_t deadline_ns, const char *abort_key, int64_t *backoff_ms);
+td_status td__store_poll_key(const td__store_client *c, const char *key, uint64_t deadline_ns,
+                             const char *abort_key, int64_t *backoff_ms, uint8_t **v, size_t *n);
 /* td__store_range reads, in one request, the values of prefix+first, prefix+first+1, ... that
  * exist one after another (at most count, and the reply's limits): *got of them, as for
  * td__store_wait_range. */
