@@ -22,19 +22,50 @@
  * Output: progress on stderr, one JSON line on stdout (docs in the README's benchmark table).
  */
 #define _GNU_SOURCE
-#include <errno.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#define BENCH_PROG "rpc_scale"
 #include "../rpc/store_sim.h"
-#include "rpc_bench_util.h"
+#include "bench_util.h"
 #include "tdist/rpc.h"
+
+/* In a forked worker: a failed call ends the worker (its exit status reports it). */
+#define W_CHECK(expr)                                                                           \
+  do {                                                                                          \
+    td_status w_ = (expr);                                                                      \
+    if (w_ != TD_OK) {                                                                          \
+      fprintf(stderr, BENCH_PROG " [pid %d]: %s failed: %s: %s\n", (int)getpid(), #expr,      \
+              td_status_name(w_), td_last_error());                                             \
+      fflush(stderr);                                                                           \
+      _exit(1);                                                                                 \
+    }                                                                                           \
+  } while (0)
+
+static int free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  struct sockaddr_in sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  int port = -1;
+  if (bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+      getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
+    port = ntohs(sa.sin_port);
+  close(fd);
+  return port;
+}
 
 #define MAX_LIST 16
 
@@ -54,44 +85,44 @@ static td_status fn_add(td_rpc_ctx *c, td_value *const *args, int n, td_value **
   return TD_OK;
 }
 
-static double secs(uint64_t a, uint64_t b) { return (double)(b - a) * 1e-9; }
+static double secs(double a, double b) { return b - a; }
 
 static void worker(int rank, int world, const char *method, int threads, phase_times *out) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);
-  RB_CHECK(td_rpc_register("add", fn_add, NULL));
+  W_CHECK(td_rpc_register("add", fn_add, NULL));
   td_rpc_options o;
   td_rpc_options_init(&o);
   o.init_method = method;
   o.num_worker_threads = threads;
   o.init_timeout_ms = 300000;
   o.rpc_timeout_ms = 300000;
-  uint64_t t0 = rb_now_ns();
+  double t0 = bench_now_s();
   td_rpc_agent *a = NULL;
-  RB_CHECK(td_rpc_init(NULL, rank, world, &o, &a));
-  uint64_t t1 = rb_now_ns();
+  W_CHECK(td_rpc_init(NULL, rank, world, &o, &a));
+  double t1 = bench_now_s();
   td_future **fs = calloc((size_t)world, sizeof *fs);
   if (!fs) _exit(1);
   for (int p = 0; p < world; p++) {
     if (p == rank) continue;
     td_worker_info wi;
-    RB_CHECK(td_rpc_get_worker_info_by_rank(a, p, &wi));
+    W_CHECK(td_rpc_get_worker_info_by_rank(a, p, &wi));
     td_value *args[2] = {td_value_int(rank * 1000), td_value_int(p)};
-    RB_CHECK(td_rpc_async(a, wi.name, "add", args, 2, NULL, &fs[p]));
+    W_CHECK(td_rpc_async(a, wi.name, "add", args, 2, NULL, &fs[p]));
     td_value_unref(args[0]);
     td_value_unref(args[1]);
   }
   for (int p = 0; p < world; p++) {
     if (p == rank) continue;
-    RB_CHECK(td_future_wait(fs[p], 300000));
+    W_CHECK(td_future_wait(fs[p], 300000));
     int64_t v = -1;
-    RB_CHECK(td_value_as_int(td_future_value(fs[p]), &v));
+    W_CHECK(td_value_as_int(td_future_value(fs[p]), &v));
     if (v != rank * 1000 + p) _exit(3);
     td_future_unref(fs[p]);
   }
   free(fs);
-  uint64_t t2 = rb_now_ns();
-  RB_CHECK(td_rpc_shutdown(a, true, 300000));
-  uint64_t t3 = rb_now_ns();
+  double t2 = bench_now_s();
+  W_CHECK(td_rpc_shutdown(a, true, 300000));
+  double t3 = bench_now_s();
   td_rpc_destroy(a);
   *out = (phase_times){secs(t0, t1), secs(t1, t2), secs(t2, t3), 1};
   _exit(0);
@@ -104,12 +135,12 @@ static int run_group(int world, int threads, phase_times *worst, double *wall_s)
   pid_t *pids = calloc((size_t)world, sizeof *pids);
   if (pt == MAP_FAILED || !pids) return -1;
   memset(pt, 0, (size_t)world * sizeof *pt);
-  int port = rb_free_port();
+  int port = free_port();
   char method[64];
   snprintf(method, sizeof method, "tcp://127.0.0.1:%d", port);
   fflush(stdout);
   fflush(stderr);
-  uint64_t t0 = rb_now_ns();
+  double t0 = bench_now_s();
   for (int r = 0; r < world; r++) {
     pid_t p = fork();
     if (p == 0) worker(r, world, method, threads, &pt[r]);
@@ -122,7 +153,7 @@ static int run_group(int world, int threads, phase_times *worst, double *wall_s)
         WEXITSTATUS(status) != 0)
       failed++;
   }
-  *wall_s = secs(t0, rb_now_ns());
+  *wall_s = secs(t0, bench_now_s());
   memset(worst, 0, sizeof *worst);
   for (int r = 0; r < world; r++) {
     if (pt[r].init_s > worst->init_s) worst->init_s = pt[r].init_s;
@@ -139,21 +170,20 @@ static int parse_list(const char *name, const char *s, int *out) {
   char buf[256];
   snprintf(buf, sizeof buf, "%s", s ? s : "");
   for (char *tok = strtok(buf, ","); tok && n < MAX_LIST; tok = strtok(NULL, ","))
-    out[n++] = (int)rb_arg_int(name, tok);
+    out[n++] = (int)bench_arg_int(name, tok);
   return n;
 }
 
 int main(int argc, char **argv) {
-  rb_prog = "rpc_scale";
   int worlds[MAX_LIST], sims[MAX_LIST], threads = 2, stagger = 0;
   int nw = parse_list("--worlds", "64,128,256", worlds);
   int ns = parse_list("--sim", "64,256,1024", sims);
   for (int i = 1; i < argc; i++) {
-    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    const char *v = i + 1 < argc ? argv[i + 1] : "";
     if (strcmp(argv[i], "--worlds") == 0) nw = parse_list(argv[i], v, worlds), i++;
     else if (strcmp(argv[i], "--sim") == 0) ns = parse_list(argv[i], v, sims), i++;
-    else if (strcmp(argv[i], "--threads") == 0) threads = (int)rb_arg_int(argv[i], v), i++;
-    else if (strcmp(argv[i], "--stagger-ms") == 0) stagger = (int)rb_arg_int(argv[i], v), i++;
+    else if (strcmp(argv[i], "--threads") == 0) threads = (int)bench_arg_int(argv[i], v), i++;
+    else if (strcmp(argv[i], "--stagger-ms") == 0) stagger = (int)bench_arg_int(argv[i], v), i++;
     else {
       fprintf(stderr, "usage: rpc_scale [--worlds N,N,...] [--sim N,N,...] [--threads N] "
               "[--stagger-ms MS]\n");

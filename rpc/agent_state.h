@@ -66,6 +66,7 @@ struct td_rpc_agent {
   peer_info *peers;
   td__transport *tr;
   td__store *store; /* rank 0 only */
+  td__store_parker store_parker; /* rank 0: how its store holds waits (store_park.c) */
   td__store_client sc;
   td__threadpool *pool;
   pthread_mutex_t mu;
@@ -185,6 +186,15 @@ void td__serve_closed(void *ud, td__conn *c, td_status st, const char *why);
 td_status td__serve_unary(void *ud, const char *method, const uint8_t *req, size_t len,
                           uint8_t **reply_buf, size_t *reply_len);
 void td__serve_tick(void *ud);
+
+/* ---- store_park.c: rank 0's store holding waits (store.h, parked waits) ---- */
+/* td__store_park_body serves one verified store operation (ctx: the agent) with its waits
+ * parked; td__store_park_tick answers those whose time passed (poller tick);
+ * td__store_park_end answers all of them (before the transport shuts down). */
+td_status td__store_park_body(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
+                              size_t *reply_len);
+void td__store_park_tick(td_rpc_agent *a);
+void td__store_park_end(td_rpc_agent *a);
 /* td__serve_running writes into buf (n bytes) the handlers running on this worker's threads now
  * ("'fn' called by name (rank r), running 1.5 s; ...") and returns how many there are. */
 int td__serve_running(td_rpc_agent *a, char *buf, size_t n);

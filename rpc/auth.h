@@ -137,6 +137,19 @@ td_status td__auth_store_serve(td__auth_sessions *s, const uint8_t *req, size_t 
                                td__store_body_fn handle, void *ctx, uint8_t **reply,
                                size_t *reply_len);
 
+/* What a reply to one verified store operation is MAC'd with. A handler that answers later (a
+ * parked wait, store.h) takes it with td__auth_store_current_seal while td__auth_store_serve
+ * runs it, returns any reply (discarded by its caller), and later seals its real reply with
+ * td__auth_store_seal (which takes body, td__malloc'd, and gives *reply, td__malloc'd). */
+typedef struct td__auth_seal {
+  uint8_t key[TD__AUTH_KEY];
+  uint64_t sid, seq;
+  bool secure;
+} td__auth_seal;
+void td__auth_store_current_seal(td__auth_seal *out);
+td_status td__auth_store_seal(const td__auth_seal *seal, uint8_t *body, size_t n, uint8_t **reply,
+                              size_t *reply_len);
+
 /* ---- store sessions, client side ---- */
 typedef struct td__auth_client {
   const td__auth *auth;

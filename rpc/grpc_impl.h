@@ -91,8 +91,11 @@ typedef struct req_slot {
   grpc_metadata_array md;
 } req_slot;
 
+typedef struct td__unary_token td__unary_token;
+
 typedef struct unary_srv {
   tag t_recv, t_done;
+  td__unary_token *token; /* deferred: answered later (grpc_unary.c) */
   td__transport *tr;
   grpc_call *call;
   char *method;
@@ -228,6 +231,7 @@ struct td__transport {
   req_slot slots[N_REQUEST_SLOTS];
   tag t_server_shutdown;
   td__conn *live; /* conns whose status has not come back */
+  td__unary_token *deferred; /* unary calls to be answered later (grpc_unary.c) */
   chan_entry *chans;
   int nchans, chancap;
   int64_t busy_poll_ns; /* atomic; 0 = block at once */
@@ -317,6 +321,8 @@ void td__grpc_lane_release(void *conn);
 void td__grpc_lane_offload(void *conn, td__lane *l);
 
 /* ---- grpc_unary.c ---- */
+/* td__grpc_unary_answer_all fails every deferred unary call (shutdown). */
+void td__grpc_unary_answer_all(td__transport *t);
 void td__grpc_unary_accept(td__transport *t, grpc_call *call, const char *method);
 void td__grpc_unary_event(tag *tg, bool success);
 

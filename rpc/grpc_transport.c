@@ -712,6 +712,7 @@ void td__transport_shutdown(td__transport *t) {
   TSAN_RELEASE(&t->t_server_shutdown);
   grpc_server_shutdown_and_notify(t->server, t->cq, &t->t_server_shutdown);
   grpc_server_cancel_all_calls(t->server);
+  td__grpc_unary_answer_all(t); /* held unary calls (parked store waits) end now */
   /* close every stream we know of */
   pthread_mutex_lock(&t->mu);
   size_t n = 0;

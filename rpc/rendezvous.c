@@ -264,8 +264,9 @@ static bool init_interrupted(const td_rpc_agent *a) {
   return __atomic_load_n(&init_interrupts, __ATOMIC_ACQUIRE) != a->init_gen;
 }
 
-/* Waits for the store key in polls of at most RDV_POLL_MS (so td_rpc_init_interrupt is seen),
- * reporting progress every rdv_report_ms. */
+/* Waits for the store key in slices of at most RDV_POLL_MS, or world ms in larger groups (so
+ * td_rpc_init_interrupt is seen; each slice is one wait parked at the store), reporting progress
+ * every rdv_report_ms. */
 #define RDV_POLL_MS 250
 static td_status rdv_wait(td_rpc_agent *a, const char *key, int64_t target, uint64_t deadline,
                           rdv_progress *p, uint8_t **v) {
@@ -276,7 +277,8 @@ static td_status rdv_wait(td_rpc_agent *a, const char *key, int64_t target, uint
     if (init_interrupted(a))
       return td_set_error(TD_ERR_CANCELLED, "rpc init: interrupted (td_rpc_init_interrupt) "
                           "while waiting for the other workers");
-    uint64_t now = td__now_ns(), poll = (uint64_t)RDV_POLL_MS * 1000000ull;
+    uint64_t now = td__now_ns();
+    uint64_t poll = (uint64_t)(a->world > RDV_POLL_MS ? a->world : RDV_POLL_MS) * 1000000ull;
     uint64_t until = deadline > now + poll ? now + poll : deadline;
     td__store_set_deadline(&a->sc, until);
     td_status st = target < 0 ? td__store_poll_key(&a->sc, key, until, "abort", &backoff, v, NULL)
@@ -873,6 +875,9 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
    * Rank 0 serves them on one thread with the CPU share of any worker: at 4,000 a second (the
    * earlier bound) 128 workers on 2 CPUs kept it saturated through the rendezvous. */
   a->sc.max_backoff_ms = a->world > 50 ? a->world : 50;
+  /* ... and waits are parked at the store rather than polled: one request per wait (or per
+   * 2 s), answered when the counter or key gets there */
+  a->sc.park_ms = TD__STORE_PARK_MAX_MS;
   format_addr(a->peers[a->rank].info.address, sizeof a->peers[a->rank].info.address,
               a->listen_addr, port);
   return TD_OK;
@@ -991,6 +996,7 @@ td_status td__rpc_init_impl(const char *name, int rank, int world_size,
   snprintf(msg, sizeof msg, "%s", td_last_error());
   if (a) {
     td__serve_drop_held(a, msg);
+    td__store_park_end(a);
     td__transport_shutdown(a->tr);
     td__threadpool_destroy(a->pool);
     a->pool = NULL;

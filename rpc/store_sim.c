@@ -4,7 +4,9 @@
  * each step names the function it follows. Requests go through the real client (store.c) and a
  * real session (auth.c) to sim_unary, which stands for rank 0's poller: one request at a time,
  * through the authenticated server (td__auth_store_serve) into the real table, counting
- * requests, bytes and server time for the phase the worker is in.
+ * requests, bytes and server time for the phase the worker is in. Waits are parked as rank 0
+ * parks them (store_park.c): the worker's thread sleeps until the request that ends its wait, or
+ * the simulated tick (10 ms) that finds its time passed, answers it.
  *
  * Lock order: server_mu (the simulated poller) only.
  */
@@ -19,8 +21,19 @@
 #include "auth.h"
 #include "store.h"
 
+/* A parked request: its worker's thread waits on cv (server_mu) until answered. */
+typedef struct sim_wait {
+  pthread_cond_t cv;
+  bool done;
+  uint8_t *reply;
+  size_t len;
+  td__auth_seal seal;
+} sim_wait;
+
 typedef struct sim {
   const td__store_sim_opts *o;
+  td__store_parker parker;
+  bool stop_tick;      /* server_mu */
   td__auth auth;
   td__store *store;
   td__auth_sessions *sessions;
@@ -46,27 +59,91 @@ const char *td__store_sim_phase_name(int p) {
   return p >= 0 && p < TD__SIM_PHASES ? phase_names[p] : "?";
 }
 
-static td_status store_body(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
-                            size_t *reply_len) {
-  return td__store_handle(ctx, req, len, reply, reply_len);
+/* The request being served (server_mu): what park() holds, and whether it did. */
+static _Thread_local sim_wait *serving;
+static _Thread_local bool serving_parked;
+
+static void *sim_park(void *ud) {
+  (void)ud;
+  if (!serving) return NULL;
+  td__auth_store_current_seal(&serving->seal);
+  return serving;
 }
 
-/* Rank 0's poller: one request at a time, counted for the sender's phase. */
+/* Runs under server_mu (inside another request, or the tick). */
+static void sim_answer(void *token, uint8_t *reply, size_t len) {
+  sim_wait *sw = token;
+  sw->reply = NULL;
+  sw->len = 0;
+  if (reply) td__auth_store_seal(&sw->seal, reply, len, &sw->reply, &sw->len);
+  sw->done = true;
+  pthread_cond_signal(&sw->cv);
+}
+
+static td_status sim_body(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
+                          size_t *reply_len) {
+  sim *s = ctx;
+  bool parked = false;
+  td_status st = td__store_handle_park(s->store, req, len, reply, reply_len, &s->parker, &parked);
+  if (st == TD_OK && parked) {
+    *reply = NULL;
+    *reply_len = 0;
+  }
+  serving_parked = st == TD_OK && parked;
+  return st;
+}
+
+/* Rank 0's poller: one request at a time, counted for the sender's phase; a parked one's thread
+ * waits for its answer. */
 static td_status sim_unary(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
                            size_t *reply_len) {
   sim_worker *w = ctx;
   sim *s = w->s;
+  sim_wait sw = {.done = false};
+  pthread_cond_init(&sw.cv, NULL);
   pthread_mutex_lock(&s->server_mu);
   uint64_t t0 = td__now_ns();
-  td_status st = td__auth_store_serve(s->sessions, req, len, store_body, s->store, reply,
-                                      reply_len);
+  serving = &sw;
+  serving_parked = false;
+  td_status st = td__auth_store_serve(s->sessions, req, len, sim_body, s, reply, reply_len);
+  bool parked = serving_parked; /* (its token is sw: wait for the answer in every case) */
+  serving = NULL;
   td__store_sim_phase *ph = &s->phase[w->phase];
   ph->server_ns += td__now_ns() - t0;
   ph->requests++;
   ph->bytes_out += len;
+  if (parked) {
+    if (st == TD_OK) td__free(*reply); /* the empty reply of a parked wait */
+    while (!sw.done) pthread_cond_wait(&sw.cv, &s->server_mu);
+    if (st == TD_OK) {
+      *reply = sw.reply;
+      *reply_len = sw.len;
+      if (!sw.reply) st = td_set_error(TD_ERR_UNAVAILABLE, "store sim: no answer");
+    } else {
+      td__free(sw.reply);
+    }
+  }
+  ph = &s->phase[w->phase];
   ph->bytes_in += st == TD_OK ? *reply_len : 0;
   pthread_mutex_unlock(&s->server_mu);
+  pthread_cond_destroy(&sw.cv);
+  memset(&sw.seal, 0, sizeof sw.seal);
   return st;
+}
+
+/* rank 0's poller tick: parked waits whose time passed are answered */
+static void *tick_main(void *arg) {
+  sim *s = arg;
+  pthread_mutex_lock(&s->server_mu);
+  while (!s->stop_tick) {
+    pthread_mutex_unlock(&s->server_mu);
+    struct timespec ts = {0, 10000000L};
+    nanosleep(&ts, NULL);
+    pthread_mutex_lock(&s->server_mu);
+    td__store_expire(s->store, td__now_ns());
+  }
+  pthread_mutex_unlock(&s->server_mu);
+  return NULL;
 }
 
 static void sleep_ms(int64_t ms) {
@@ -88,11 +165,12 @@ static td_status read_all(sim_worker *w, const char *prefix, uint64_t deadline) 
   return st;
 }
 
-/* rendezvous.c: rdv_wait (slices of 250 ms, the backoff carried across them). */
+/* rendezvous.c: rdv_wait (slices of 250 ms or world ms, the backoff carried across them). */
 static td_status wait_slices(sim_worker *w, const char *key, int64_t target, uint64_t deadline) {
   int64_t backoff = 1;
+  int world = w->s->o->world;
   for (;;) {
-    uint64_t now = td__now_ns(), until = now + 250000000ull;
+    uint64_t now = td__now_ns(), until = now + (uint64_t)(world > 250 ? world : 250) * 1000000ull;
     if (until > deadline) until = deadline;
     uint8_t *v = NULL;
     td_status st = target < 0 ? td__store_poll_key(&w->sc, key, until, "abort", &backoff, &v, NULL)
@@ -189,8 +267,15 @@ static td_status shutdown_barrier(sim_worker *w, uint64_t deadline) {
   bool have_prev = false;
   td_status st = TD_OK;
   for (;;) {
-    bool go = false;
-    if (strcmp(status, last) == 0) {
+    bool go = false, waited = false;
+    int64_t wait_ms = r == 0 ? 0 : backoff;
+    if (strcmp(status, last) == 0 && wait_ms > 100) { /* barrier_publish: parked */
+      waited = true;
+      st = td__store_wait_key(&w->sc, "sd/go", td__now_ns() + (uint64_t)wait_ms * 1000000ull,
+                              NULL, NULL, NULL);
+      go = st == TD_OK;
+      if (st == TD_ERR_TIMEOUT) st = TD_OK;
+    } else if (strcmp(status, last) == 0) {
       st = td__store_get(&w->sc, "sd/go", NULL, NULL, &go);
     } else {
       snprintf(key, sizeof key, "sd/status/%d", r);
@@ -220,7 +305,7 @@ static td_status shutdown_barrier(sim_worker *w, uint64_t deadline) {
       st = td_set_error(TD_ERR_TIMEOUT, "store sim: rank %d: the shutdown barrier timed out", r);
       break;
     }
-    sleep_ms(backoff);
+    if (!waited) sleep_ms(backoff);
     int64_t most = world > 20 ? world : 20;
     backoff = backoff * 2 > most ? most : backoff * 2;
   }
@@ -277,6 +362,10 @@ td_status td__store_sim_run(const td__store_sim_opts *o, td__store_sim_result *o
   sim_worker *ws_ = st == TD_OK ? td__calloc((size_t)o->world, sizeof *ws_) : NULL;
   pthread_t *th = st == TD_OK ? td__calloc((size_t)o->world, sizeof *th) : NULL;
   if (st == TD_OK && (!ws_ || !th)) st = td_set_error(TD_ERR_NOMEM, "store sim: out of memory");
+  s.parker = (td__store_parker){sim_park, sim_answer, &s};
+  pthread_t ticker;
+  bool ticking = st == TD_OK && pthread_create(&ticker, NULL, tick_main, &s) == 0;
+  if (st == TD_OK && !ticking) st = td_set_error(TD_ERR_NOMEM, "store sim: no tick thread");
   int started = 0;
   pthread_attr_t at;
   pthread_attr_init(&at);
@@ -294,6 +383,7 @@ td_status td__store_sim_run(const td__store_sim_opts *o, td__store_sim_result *o
     w->sc.call_timeout_ms = 60000;
     /* init_transport: N workers polling a wait, at most about 1,000 requests a second */
     w->sc.max_backoff_ms = o->world > 50 ? o->world : 50;
+    w->sc.park_ms = TD__STORE_PARK_MAX_MS;
     if (pthread_create(&th[r], &at, worker_main, w) != 0) {
       td__auth_client_fini(&w->ac);
       st = td_set_error(TD_ERR_NOMEM, "store sim: cannot start worker %d's thread", r);
@@ -305,6 +395,12 @@ td_status td__store_sim_run(const td__store_sim_opts *o, td__store_sim_result *o
   for (int r = 0; r < started; r++) {
     pthread_join(th[r], NULL);
     td__auth_client_fini(&ws_[r].ac);
+  }
+  if (ticking) {
+    pthread_mutex_lock(&s.server_mu);
+    s.stop_tick = true;
+    pthread_mutex_unlock(&s.server_mu);
+    pthread_join(ticker, NULL);
   }
   if (st == TD_OK && s.st != TD_OK) st = td_set_error(s.st, "store sim: %s", s.why);
   if (st == TD_OK) {

@@ -89,6 +89,16 @@ typedef struct td__transport_opts {
 /* The longest keepalive timeout a host's load stretches to (ms). */
 #define TD__KEEPALIVE_MAX_MS 300000
 
+/* td__transport_unary_defer, called from inside on_unary: the call being answered is answered
+ * later, by td__transport_unary_answer(token, ...) (what on_unary returns is then dropped);
+ * NULL when it cannot be (on_unary's reply goes out as usual). Poller thread. A call still
+ * unanswered when the transport shuts down is failed with UNAVAILABLE. */
+void *td__transport_unary_defer(td__transport *t);
+/* td__transport_unary_answer sends a deferred call's reply (td__malloc'd, taken; NULL: fail it
+ * with UNAVAILABLE) and releases the token: once per token, from any thread, also after the
+ * transport shut down (then the reply is dropped). */
+void td__transport_unary_answer(void *token, uint8_t *reply, size_t len);
+
 /* Starts the server and the poller thread; *bound_port gets the port actually bound. */
 td_status td__transport_create(const td__transport_opts *o, const td__transport_cbs *cbs,
                                td__transport **out, int *bound_port);

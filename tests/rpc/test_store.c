@@ -410,6 +410,83 @@ static void test_rendezvous_reads_records_in_range_requests(void **state) {
   TD_MP_RUN(GROUP, worker_counts, NULL, 60);
 }
 
+/* ---- parked waits (op 8) ---- */
+
+static int parks;         /* tokens given: 1, 2, ... */
+static int answered[16];  /* per token: 0 not yet, 1 answered not over, 2 over, 3 aborted */
+static int64_t answered_num[16];
+
+static void *t_park(void *ud) {
+  (void)ud;
+  return (void *)(intptr_t)++parks;
+}
+
+static void t_answer(void *token, uint8_t *reply, size_t len) {
+  int k = (int)(intptr_t)token;
+  assert_true(k > 0 && k < 16 && answered[k] == 0);
+  Tdist__StoreReply *p = tdist__store_reply__unpack(NULL, len, reply);
+  assert_non_null(p);
+  answered[k] = p->watched ? 3 : p->found ? 2 : 1;
+  answered_num[k] = p->number;
+  tdist__store_reply__free_unpacked(p, NULL);
+  td__free(reply);
+}
+
+/* A wait with a parker: parked (true) or answered at once (its found). */
+static bool wait_req(td__store *s, const char *key, int64_t target, const char *watch, int ms,
+                     bool *found) {
+  static const td__store_parker pk = {t_park, t_answer, NULL};
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = 8;
+  r.key = (char *)key;
+  r.delta = target;
+  r.count = ms;
+  r.watch_key = (char *)(watch ? watch : "");
+  uint8_t buf[1024], *rep = NULL;
+  size_t rl = 0;
+  bool parked = false;
+  TD_ASSERT_OK(td__store_handle_park(s, buf, tdist__store_request__pack(&r, buf), &rep, &rl, &pk,
+                                     &parked));
+  if (!parked) {
+    Tdist__StoreReply *p = tdist__store_reply__unpack(NULL, rl, rep);
+    assert_non_null(p);
+    *found = p->found;
+    tdist__store_reply__free_unpacked(p, NULL);
+    td__free(rep);
+  }
+  return parked;
+}
+
+/* A wait that is not over is held, not answered, until the add that ends it (the same request),
+ * the abort key, its time, or the server's end; one that is over is answered at once. */
+static void test_store_parked_waits_answered_when_over(void **state) {
+  (void)state;
+  td__store *s;
+  TD_ASSERT_OK(td__store_create(&s));
+  bool found = false;
+  assert_true(wait_req(s, "count", 2, "abort", 1000, &found)); /* token 1 */
+  assert_int_equal(add(s, "count", 1), 1);
+  assert_int_equal(answered[1], 0); /* 1 < 2: still held */
+  assert_int_equal(add(s, "count", 1), 2);
+  assert_int_equal(answered[1], 2); /* over, answered by that add */
+  assert_int_equal(answered_num[1], 2);
+  assert_false(wait_req(s, "count", 2, NULL, 1000, &found)); /* over already: at once */
+  assert_true(found);
+  assert_true(wait_req(s, "key", 0, NULL, 30, &found)); /* token 2: until "key" exists */
+  assert_true(wait_req(s, "other", 0, "abort", 1000, &found)); /* token 3 */
+  assert_true(wait_req(s, "late", 0, NULL, 1000, &found));     /* token 4 */
+  assert_int_equal(td__store_parked(s), 3);
+  td__store_expire(s, td__now_ns() + 100000000ull); /* token 2's 30 ms have passed */
+  assert_int_equal(answered[2], 1);
+  assert_int_equal(td__store_parked(s), 2);
+  req(s, SET, "abort", "gave up", NULL, NULL);
+  assert_int_equal(answered[3], 3);
+  td__store_unpark_all(s);
+  assert_int_equal(answered[4], 1);
+  assert_int_equal(td__store_parked(s), 0);
+  td__store_destroy(s);
+}
+
 /* Requests per worker outside the waits (check, publish, read): the same at 32 and 256 workers;
  * bytes per worker in the read phase: the table of N small records (no registry text per
  * worker: each costs 40 bytes, not its 600); the waits' polls bounded per worker too. */
@@ -450,6 +527,7 @@ int main(void) {
       cmocka_unit_test(test_store_range_reads_consecutive_keys),
       cmocka_unit_test(test_store_range_reply_is_bounded),
       cmocka_unit_test(test_store_client_wait_range),
+      cmocka_unit_test(test_store_parked_waits_answered_when_over),
       cmocka_unit_test(test_store_protocol_grows_linearly),
   };
   return cmocka_run_group_tests_name("store", tests, NULL, NULL);
