@@ -7,8 +7,8 @@
  * and sent then. Before the transport shuts down, td__store_park_end answers every parked wait;
  * the transport fails any call still deferred after that.
  *
- * Lock order: the store's mutex is released before an answer runs (store.c); the transport's
- * t->mu is a leaf here.
+ * Lock order: park() runs under the store's mutex and takes the transport's t->mu (the store is
+ * never called under t->mu); an answer runs with no store lock held (store.c).
  */
 #include <string.h>
 
