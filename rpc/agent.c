@@ -125,7 +125,19 @@ const char *td__agent_peer_name(const td_rpc_agent *a, int rank) {
   return "?";
 }
 
+size_t td__agent_name_hash(const char *s) {
+  uint64_t h = 1469598103934665603ull;
+  for (; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ull;
+  return (size_t)(h ^ (h >> 29));
+}
+
 int td__agent_rank_of(const td_rpc_agent *a, const char *name) {
+  if (a->name_idx) { /* a call by name costs O(1), not a scan of the group */
+    for (size_t i = td__agent_name_hash(name) & a->name_mask; a->name_idx[i];
+         i = (i + 1) & a->name_mask)
+      if (strcmp(a->peers[a->name_idx[i] - 1].info.name, name) == 0) return a->name_idx[i] - 1;
+    return -1;
+  }
   for (int r = 0; r < a->world; r++)
     if (strcmp(a->peers[r].info.name, name) == 0) return r;
   return -1;

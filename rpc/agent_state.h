@@ -64,6 +64,10 @@ struct td_rpc_agent {
   bool foreign;     /* the store belongs to another run: leave it alone */
   int rank, world;
   peer_info *peers;
+  /* peers by name: an open-addressing table of rank + 1 (0: empty), mask + 1 slots, built once
+   * the names are read (rendezvous.c); NULL before (td__agent_rank_of then scans) */
+  int *name_idx;
+  size_t name_mask;
   td__transport *tr;
   td__store *store; /* rank 0 only */
   td__store_parker store_parker; /* rank 0: how its store holds waits (store_park.c) */
@@ -186,6 +190,8 @@ void td__serve_closed(void *ud, td__conn *c, td_status st, const char *why);
 td_status td__serve_unary(void *ud, const char *method, const uint8_t *req, size_t len,
                           uint8_t **reply_buf, size_t *reply_len);
 void td__serve_tick(void *ud);
+/* td__agent_name_hash: the hash of a worker name in a->name_idx (agent.c). */
+size_t td__agent_name_hash(const char *s);
 
 /* ---- store_park.c: rank 0's store holding waits (store.h, parked waits) ---- */
 /* td__store_park_body serves one verified store operation (ctx: the agent) with its waits

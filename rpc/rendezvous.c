@@ -188,11 +188,25 @@ static td_status parse_peers(td_rpc_agent *a, uint64_t deadline) {
   td__rdv_free_all(a, recs, rl);
   td__rdv_free_all(a, regs, gl);
   TD_TRY(st);
-  for (int r = 0; r < a->world; r++)
-    for (int q = r + 1; q < a->world; q++)
-      if (strcmp(a->peers[r].info.name, a->peers[q].info.name) == 0)
-        return td_set_error(TD_ERR_EXISTS, "rpc init: ranks %d and %d both use the name '%s'", r,
-                            q, a->peers[r].info.name);
+  /* names index (td__agent_rank_of), which also finds a name used twice: O(N), not O(N^2) */
+  size_t cap = 64;
+  while (cap < (size_t)a->world * 2) cap *= 2;
+  int *idx = td__calloc(cap, sizeof *idx);
+  if (!idx) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+  for (int q = 0; q < a->world; q++) {
+    size_t i = td__agent_name_hash(a->peers[q].info.name) & (cap - 1);
+    for (; idx[i]; i = (i + 1) & (cap - 1)) {
+      int r = idx[i] - 1;
+      if (strcmp(a->peers[r].info.name, a->peers[q].info.name) == 0) {
+        td__free(idx);
+        return td_set_error(TD_ERR_EXISTS, "rpc init: ranks %d and %d both use the name '%s'",
+                            r, q, a->peers[r].info.name);
+      }
+    }
+    idx[i] = q + 1;
+  }
+  a->name_idx = idx;
+  a->name_mask = cap - 1;
   log_registry_differences(a);
   return TD_OK;
 }
@@ -474,6 +488,7 @@ void td__agent_free(td_rpc_agent *a) {
     }
   }
   td__devmap_free_all(a);
+  td__free(a->name_idx);
   td__free(a->peers);
   td__free(a->direct_cand);
   td__call_free_all(a);
