@@ -41,7 +41,7 @@ typedef struct parked {
 
 struct td__store {
   pthread_mutex_t mu;
-  parked *parked; /* waits held (mu) */
+  parked *waits; /* waits held (mu) */
   size_t nparked;
   kv *tab;
   size_t cap, len;
@@ -282,7 +282,7 @@ typedef struct answer {
  * time when now, else those about key), building their replies into *out (mu held). */
 static void collect_answers(td__store *s, const char *key, uint64_t now, bool all, answer **out,
                             size_t *n) {
-  for (parked **pp = &s->parked; *pp;) {
+  for (parked **pp = &s->waits; *pp;) {
     parked *w = *pp;
     bool touched = all || (key && (strcmp(w->key, key) == 0 || (w->watch && strcmp(w->watch,
                                                                                      key) == 0)));
@@ -361,8 +361,8 @@ static td_status wait_op(td__store *s, const Tdist__StoreRequest *r, const td__s
   w->until_ns = td__now_ns() + (uint64_t)ms * 1000000ull;
   w->token = token;
   w->pk = pk;
-  w->next = s->parked;
-  s->parked = w;
+  w->next = s->waits;
+  s->waits = w;
   s->nparked++;
   *parked_out = true;
   return TD_OK;
