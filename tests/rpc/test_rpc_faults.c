@@ -22,7 +22,10 @@
 #include <signal.h>
 #include <sys/types.h>
 
+/* (grpc_security.h has its own struct peer_info: the agent's is renamed here) */
+#define peer_info td_agent_peer_info
 #include "rpc/agent_state.h"
+#undef peer_info
 #include "rpc/auth.h"
 #include "rpc/wire.h"
 #include "rpc_test_fns.h"
