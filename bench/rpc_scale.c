@@ -30,6 +30,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -128,8 +129,12 @@ static void worker(int rank, int world, const char *method, int threads, phase_t
   _exit(0);
 }
 
-/* Runs one group of world processes; the slowest worker's phase times and the wall time. */
-static int run_group(int world, int threads, phase_times *worst, double *wall_s) {
+/* Runs one group of world processes; the slowest worker's phase times, the wall time, and the
+ * peak resident memory of the largest worker and of all workers together (each worker's peak,
+ * summed: an upper bound on the group's footprint), in MiB. */
+static int run_group(int world, int threads, phase_times *worst, double *wall_s,
+                     double *rss_max_mb,
+                     double *rss_sum_mb) {
   phase_times *pt = mmap(NULL, (size_t)world * sizeof *pt, PROT_READ | PROT_WRITE,
                          MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   pid_t *pids = calloc((size_t)world, sizeof *pids);
@@ -147,11 +152,17 @@ static int run_group(int world, int threads, phase_times *worst, double *wall_s)
     pids[r] = p;
   }
   int failed = 0;
+  *rss_max_mb = *rss_sum_mb = 0;
   for (int r = 0; r < world; r++) {
     int status = 0;
-    if (pids[r] <= 0 || waitpid(pids[r], &status, 0) != pids[r] || !WIFEXITED(status) ||
+    struct rusage ru;
+    memset(&ru, 0, sizeof ru);
+    if (pids[r] <= 0 || wait4(pids[r], &status, 0, &ru) != pids[r] || !WIFEXITED(status) ||
         WEXITSTATUS(status) != 0)
       failed++;
+    double mb = (double)ru.ru_maxrss / 1024.0; /* KiB on Linux */
+    if (mb > *rss_max_mb) *rss_max_mb = mb;
+    *rss_sum_mb += mb;
   }
   *wall_s = secs(t0, bench_now_s());
   memset(worst, 0, sizeof *worst);
@@ -199,18 +210,20 @@ int main(int argc, char **argv) {
   size_t pu = 0;
   int failures = 0;
   for (int i = 0; i < nw; i++) {
-    phase_times w;
-    double wall = 0;
-    int failed = run_group(worlds[i], threads, &w, &wall);
+    phase_times w = {0};
+    double wall = 0, rss_max = 0, rss_sum = 0;
+    int failed = run_group(worlds[i], threads, &w, &wall, &rss_max, &rss_sum);
     failures += failed != 0;
     fprintf(stderr, "rpc_scale: %d processes: init %.2f s, all-to-all %.2f s, shutdown %.2f s, "
-            "%.2f s from the first fork to the last exit%s\n", worlds[i], w.init_s, w.calls_s,
-            w.shutdown_s, wall, failed ? " (FAILED)" : "");
+            "%.2f s from the first fork to the last exit; peak RSS %.0f MiB per worker at most, "
+            "%.0f MiB summed%s\n", worlds[i], w.init_s, w.calls_s, w.shutdown_s, wall, rss_max,
+            rss_sum, failed ? " (FAILED)" : "");
     pu += (size_t)snprintf(procs + pu, sizeof procs - pu, "%s{\"world\": %d, \"ok\": %s, "
                            "\"init_s\": %.3f, \"all_to_all_s\": %.3f, \"shutdown_s\": %.3f, "
-                           "\"wall_s\": %.3f, \"failed_workers\": %d}", i ? ", " : "", worlds[i],
+                           "\"wall_s\": %.3f, \"failed_workers\": %d, \"rss_max_mb\": %.1f, "
+                           "\"rss_sum_mb\": %.1f}", i ? ", " : "", worlds[i],
                            failed ? "false" : "true", w.init_s, w.calls_s, w.shutdown_s, wall,
-                           failed);
+                           failed, rss_max, rss_sum);
     if (pu >= sizeof procs) pu = sizeof procs - 1;
   }
   char simj[8192] = "";
