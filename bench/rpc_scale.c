@@ -133,8 +133,7 @@ static void worker(int rank, int world, const char *method, int threads, phase_t
  * peak resident memory of the largest worker and of all workers together (each worker's peak,
  * summed: an upper bound on the group's footprint), in MiB. */
 static int run_group(int world, int threads, phase_times *worst, double *wall_s,
-                     double *rss_max_mb,
-                     double *rss_sum_mb) {
+                     double *rss_max_mb, double *rss_sum_mb) {
   phase_times *pt = mmap(NULL, (size_t)world * sizeof *pt, PROT_READ | PROT_WRITE,
                          MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   pid_t *pids = calloc((size_t)world, sizeof *pids);
