@@ -322,7 +322,23 @@ static bool peer_sockaddr(const char *peer, struct sockaddr_storage *ss) {
   return inet_pton(AF_INET, h, &a4->sin_addr) == 1;
 }
 
-static bool same_addr(const struct sockaddr_storage *a, const struct sockaddr_storage *b) {
+/* An IPv4-mapped IPv6 address as the IPv4 address it maps (gRPC listens on dual-stack sockets:
+ * a connection from 127.0.0.1 has the remote address ::ffff:127.0.0.1 there). */
+static void unmap_v4(struct sockaddr_storage *a) {
+  const struct sockaddr_in6 *a6 = (const struct sockaddr_in6 *)a;
+  if (a->ss_family != AF_INET6 || !IN6_IS_ADDR_V4MAPPED(&a6->sin6_addr)) return;
+  struct sockaddr_in a4;
+  memset(&a4, 0, sizeof a4);
+  a4.sin_family = AF_INET;
+  a4.sin_port = a6->sin6_port;
+  memcpy(&a4.sin_addr, &a6->sin6_addr.s6_addr[12], 4);
+  memset(a, 0, sizeof *a);
+  memcpy(a, &a4, sizeof a4);
+}
+
+static bool same_addr(struct sockaddr_storage *a, struct sockaddr_storage *b) {
+  unmap_v4(a);
+  unmap_v4(b);
   if (a->ss_family != b->ss_family) return false;
   if (a->ss_family == AF_INET) {
     const struct sockaddr_in *x = (const void *)a, *y = (const void *)b;

@@ -1,5 +1,5 @@
 /* store_sim.h - the rendezvous store's protocol played by N simulated workers in one process
- * (internal; bench/store_scale and tests/rpc/test_store use it).
+ * (internal; bench/rpc_scale and tests/rpc/test_store use it).
  *
  * Groups larger than a machine can start (1,024 workers on 2 CPUs) are measured here: one thread
  * per simulated worker sends the store requests a worker sends (rendezvous.c: check, claim,
