@@ -72,7 +72,7 @@ static int free_port(void) {
 
 typedef struct phase_times {
   double init_s, calls_s, shutdown_s;
-  int ok;
+  int ok; /* worker: it finished; the group's worst: workers whose init finished */
 } phase_times;
 
 static td_status fn_add(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
@@ -101,6 +101,7 @@ static void worker(int rank, int world, const char *method, int threads, phase_t
   td_rpc_agent *a = NULL;
   W_CHECK(td_rpc_init(NULL, rank, world, &o, &a));
   double t1 = bench_now_s();
+  out->init_s = secs(t0, t1); /* reported even when a later phase fails */
   td_future **fs = calloc((size_t)world, sizeof *fs);
   if (!fs) _exit(1);
   for (int p = 0; p < world; p++) {
@@ -167,6 +168,7 @@ static int run_group(int world, int threads, phase_times *worst, double *wall_s,
   memset(worst, 0, sizeof *worst);
   for (int r = 0; r < world; r++) {
     if (pt[r].init_s > worst->init_s) worst->init_s = pt[r].init_s;
+    worst->ok += pt[r].init_s > 0;
     if (pt[r].calls_s > worst->calls_s) worst->calls_s = pt[r].calls_s;
     if (pt[r].shutdown_s > worst->shutdown_s) worst->shutdown_s = pt[r].shutdown_s;
   }
@@ -215,14 +217,15 @@ int main(int argc, char **argv) {
     failures += failed != 0;
     fprintf(stderr, "rpc_scale: %d processes: init %.2f s, all-to-all %.2f s, shutdown %.2f s, "
             "%.2f s from the first fork to the last exit; peak RSS %.0f MiB per worker at most, "
-            "%.0f MiB summed%s\n", worlds[i], w.init_s, w.calls_s, w.shutdown_s, wall, rss_max,
-            rss_sum, failed ? " (FAILED)" : "");
+            "%.0f MiB summed%s (%d of %d finished init)\n", worlds[i], w.init_s, w.calls_s,
+            w.shutdown_s, wall, rss_max, rss_sum, failed ? " (FAILED)" : "", w.ok, worlds[i]);
     pu += (size_t)snprintf(procs + pu, sizeof procs - pu, "%s{\"world\": %d, \"ok\": %s, "
                            "\"init_s\": %.3f, \"all_to_all_s\": %.3f, \"shutdown_s\": %.3f, "
                            "\"wall_s\": %.3f, \"failed_workers\": %d, \"rss_max_mb\": %.1f, "
-                           "\"rss_sum_mb\": %.1f}", i ? ", " : "", worlds[i],
+                           "\"rss_sum_mb\": %.1f, \"inited_workers\": %d}", i ? ", " : "",
+                           worlds[i],
                            failed ? "false" : "true", w.init_s, w.calls_s, w.shutdown_s, wall,
-                           failed, rss_max, rss_sum);
+                           failed, rss_max, rss_sum, w.ok);
     if (pu >= sizeof procs) pu = sizeof procs - 1;
   }
   char simj[8192] = "";
