@@ -6,8 +6,9 @@
  * Processes (--worlds): N real worker processes on 127.0.0.1 (forked; lightweight: --threads pool
  * threads each). Each inits (td_rpc_init), calls add(rank, peer) on every other worker (async,
  * then waits for all), and shuts down gracefully; the figures are the slowest worker's time in
- * each phase and the time from the first fork to the last exit. On a small machine the larger
- * groups are oversubscribed (hundreds of processes on a few CPUs): that is the point.
+ * each phase, the time from the first fork to the last exit, and the peak resident memory of the
+ * largest worker and of all of them summed. On a small machine the larger groups are
+ * oversubscribed (hundreds of processes on a few CPUs): that is the point.
  *
  * Store protocol (--sim): N simulated workers (threads, rpc/store_sim.h) play the rendezvous and
  * the shutdown barrier against the real store server, beyond what the machine can start as
@@ -16,10 +17,10 @@
  * worker stay flat and bytes per worker grow as N (the table itself); the waits cost what their
  * polling costs.
  *
- * No peer: PyTorch's RPC (TensorPipe) rendezvous reads every other worker's address key by key
- * (N requests per worker, N^2 for the group) and its init of 64 workers on this machine is the
- * comparison in the README (bench/compare.sh has no peer for this one).
- * Output: progress on stderr, one JSON line on stdout (docs in the README's benchmark table).
+ * Peer: bench/peers/torch/rpc_scale.py runs the processes part with torch.distributed.rpc
+ * (TensorPipe), whose rendezvous reads every other worker's address key by key (N requests per
+ * worker); `bench/compare.sh rpc_scale 3 -- --worlds 64 --sim ""` runs both.
+ * Output: progress on stderr, one JSON line on stdout (keys in docs/BENCH.md).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
