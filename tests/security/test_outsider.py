@@ -672,13 +672,18 @@ def main():
         check(grew < 200 * mem, f"... and rank 1 grew {grew:.0f} MB (bound {200 * mem})")
         c.close()
         # what gRPC buffered for it is given back to the system (rank 1 trims its heap after a
-        # stream that never authenticated, at most every 5 s)
-        end = time.monotonic() + 8 * SCALE
-        while time.monotonic() < end and (rss_kb(pid1) - base) / 1024 >= 48 * mem:
-            time.sleep(0.25)
-        kept = (rss_kb(pid1) - base) / 1024
-        check(kept < 48 * mem, f"... and after the reset rank 1 keeps {kept:.0f} MB of it "
-              f"(bound {48 * mem})")
+        # stream that never authenticated, at most every 5 s). Sanitizer builds allocate through
+        # the sanitizer's allocator, which glibc's malloc_trim does not reach: checked without.
+        if g.sanitizer == "none":
+            end = time.monotonic() + 8 * SCALE
+            while time.monotonic() < end and (rss_kb(pid1) - base) / 1024 >= 48:
+                time.sleep(0.25)
+            kept = (rss_kb(pid1) - base) / 1024
+            check(kept < 48, f"... and after the reset rank 1 keeps {kept:.0f} MB of it "
+                  f"(bound 48)")
+        else:
+            print(f"skip the heap given back after the reset ({g.sanitizer} sanitizer's "
+                  f"allocator)", flush=True)
 
         c = Conn(a1)
         for i in range(2000):
