@@ -307,8 +307,11 @@ void td__grpc_trim(td__transport *t);
 /* td__grpc_sweep closes server streams past their handshake deadline and streams whose current
  * frame made no progress for the stall timeout (poller thread, about once a second). */
 void td__grpc_sweep(td__transport *t, uint64_t now);
-/* td__grpc_retry_due restarts the client streams whose handshake retry is due (poller). */
-void td__grpc_retry_due(td__transport *t, uint64_t now);
+/* td__grpc_retry_due restarts the client streams whose handshake retry is due (poller; once
+ * the transport is shutting down, it reports their end instead, and td__transport_shutdown
+ * calls it with now = UINT64_MAX for every retry still waiting). Returns how many it took up
+ * (at most 64 a call). */
+int td__grpc_retry_due(td__transport *t, uint64_t now);
 /* Accepts a stream a peer opened to our server (poller thread). */
 void td__grpc_stream_accept(td__transport *t, grpc_call *call);
 /* A stream's tag came back (poller thread). */

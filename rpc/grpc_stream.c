@@ -592,13 +592,20 @@ static void retry_arm(td__conn *c) {
 
 static void notify_closed(td__conn *c, td_status st, const char *why);
 
-/* Opens a new call for c (poller thread; no batch of the old one is left). */
+/* Opens a new call for c (no batch of the old one is left), or, once the transport is shutting
+ * down, reports its end: the poller, or td__transport_shutdown for the retries still waiting.
+ * The first caller to find the retry armed takes it; any other returns. */
 static void conn_restart(td__conn *c) {
   td__transport *t = c->t;
   pthread_mutex_lock(&t->mu);
   bool down = t->shutting_down;
   pthread_mutex_unlock(&t->mu);
   pthread_mutex_lock(&c->mu);
+  if (!c->retry_at_ns) {
+    pthread_mutex_unlock(&c->mu);
+    return;
+  }
+  __atomic_sub_fetch(&t->nretrying, 1, __ATOMIC_RELAXED);
   c->retrying = false;
   c->retry_at_ns = 0;
   bool ok = false, none = true;
@@ -632,8 +639,8 @@ static void conn_restart(td__conn *c) {
   }
 }
 
-void td__grpc_retry_due(td__transport *t, uint64_t now) {
-  if (!__atomic_load_n(&t->nretrying, __ATOMIC_RELAXED)) return;
+int td__grpc_retry_due(td__transport *t, uint64_t now) {
+  if (!__atomic_load_n(&t->nretrying, __ATOMIC_RELAXED)) return 0;
   td__conn *due[64];
   int n = 0;
   pthread_mutex_lock(&t->mu);
@@ -646,10 +653,10 @@ void td__grpc_retry_due(td__transport *t, uint64_t now) {
   }
   pthread_mutex_unlock(&t->mu);
   for (int i = 0; i < n; i++) {
-    __atomic_sub_fetch(&t->nretrying, 1, __ATOMIC_RELAXED);
     conn_restart(due[i]);
     td__conn_unref(due[i]);
   }
+  return n;
 }
 
 /* ---- the same-host lane (lane.h): set-up through control frames on this stream ---- */

@@ -768,6 +768,10 @@ void td__transport_shutdown(td__transport *t) {
       td_log(TD_LOG_WARN, "rpc transport: %lld gRPC operations still pending at shutdown",
              (long long)t->live_tags);
   }
+  /* client streams waiting to retry a refused handshake have no call whose status would report
+   * their end: reported now (on_closed runs for them too) */
+  while (td__grpc_retry_due(t, UINT64_MAX) > 0) {
+  }
 }
 
 void td__transport_stop(td__transport *t) {
