@@ -792,6 +792,22 @@ static int64_t env_ms(const char *name, int64_t dflt) {
   return ms;
 }
 
+/* The handshake timeout (TD_RPC_HANDSHAKE_TIMEOUT_MS, else 20 s): on a host running more than
+ * twice as many workers as CPUs (the estimate before the group is known: every worker here)
+ * longer with the load, x load / 200, up to TD__HANDSHAKE_MAX_MS. It bounds a member's handshake
+ * at the server (strangers have their 2 s HELLO tier), the client's connection attempts and its
+ * handshake retries: 192 workers on 2 CPUs lost connection attempts and handshakes at 20 s,
+ * and their all-to-all failed; at 120 s it completed. */
+#define TD__HANDSHAKE_MAX_MS 120000
+static int64_t handshake_ms(const td_rpc_agent *a) {
+  int64_t ms = env_ms("TD_RPC_HANDSHAKE_TIMEOUT_MS", 0);
+  if (ms > 0) return ms;
+  int load = host_load(a->world);
+  ms = 20000;
+  if (load > 200) ms = ms * load / 200;
+  return ms < TD__HANDSHAKE_MAX_MS ? ms : TD__HANDSHAKE_MAX_MS;
+}
+
 /* TLS files from the options or the environment: all three or none. *tls is filled with their
  * contents (td__malloc'd; release with tls_free) when they are given. */
 static td_status init_tls(const td_rpc_options *o, td__tls *tls, bool *on) {
@@ -850,7 +866,7 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
                            .agent = a,
                            .tick_ms = 10,
                            .auth = &a->auth,
-                           .handshake_timeout_ms = env_ms("TD_RPC_HANDSHAKE_TIMEOUT_MS", 20000),
+                           .handshake_timeout_ms = handshake_ms(a),
                            .hello_timeout_ms = env_ms("TD_RPC_HELLO_TIMEOUT_MS", 2000),
                            .member_held_max = (uint64_t)env_ms("TD_RPC_MEMBER_HELD_MB", 0) << 20,
                            .memory_quota = (uint64_t)env_ms("TD_RPC_MEMORY_QUOTA_MB",
