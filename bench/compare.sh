@@ -82,6 +82,8 @@ main_key() {
     pipeline_split) echo "runs[micro_batches=4].samples_per_s higher -" ;;
     gpt) echo "tokens_per_s higher 1" ;;
     pipeline_schedules) echo "schedules[schedule=gpipe].samples_per_s higher -" ;;
+    # start-up + all-to-all + shutdown of 64 workers: bench/compare.sh rpc_scale 3 -- --worlds 64 --sim ""
+    rpc_scale) echo "processes[world=64].wall_s lower -" ;;
     *) return 1 ;;
   esac
 }
@@ -96,6 +98,9 @@ extra_keys() {
     rpc_throughput) echo "us_per_call:lower" ;;
     gpt) echo "val_loss:lower train_loss:lower tokens_per_cpu_s:higher" ;;
     pipeline_schedules) echo "schedules[schedule=1f1b].samples_per_s:higher" ;;
+    rpc_scale)
+      echo "processes[world=64].init_s:lower processes[world=64].all_to_all_s:lower" \
+        "processes[world=64].shutdown_s:lower" ;;
     rref_ops) echo "proxy_rpc_sync.ops_per_s:higher remote_to_here.us_per_op:lower" ;;
     rpc_bandwidth)
       local k out=""

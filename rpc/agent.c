@@ -125,45 +125,21 @@ const char *td__agent_peer_name(const td_rpc_agent *a, int rank) {
   return "?";
 }
 
-/* Orders ranks by their workers' names (qsort_r). */
-static int by_name_cmp(const void *x, const void *y, void *ud) {
-  const td_rpc_agent *a = ud;
-  return strcmp(a->peers[*(const int *)x].info.name, a->peers[*(const int *)y].info.name);
+size_t td__agent_name_hash(const char *s) {
+  uint64_t h = 1469598103934665603ull;
+  for (; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ull;
+  return (size_t)(h ^ (h >> 29));
 }
 
-void td__agent_index_names(td_rpc_agent *a) {
-  if (__atomic_load_n(&a->by_name, __ATOMIC_ACQUIRE) || !a->peers || a->world <= 0) return;
-  int *idx = td__malloc((size_t)a->world * sizeof *idx);
-  if (!idx) return; /* td__agent_rank_of searches linearly meanwhile */
-  for (int r = 0; r < a->world; r++) idx[r] = r;
-  qsort_r(idx, (size_t)a->world, sizeof *idx, by_name_cmp, a);
-  int *none = NULL;
-  if (!__atomic_compare_exchange_n(&a->by_name, &none, idx, false, __ATOMIC_ACQ_REL,
-                                   __ATOMIC_ACQUIRE))
-    td__free(idx);
-}
-
-void td__agent_unindex_names(td_rpc_agent *a) {
-  td__free(__atomic_exchange_n(&a->by_name, NULL, __ATOMIC_ACQ_REL));
-}
-
-/* By binary search once init has finished (names are final then): every call looks its callee
- * up by name, and a linear search costs a strcmp per worker of the group. */
 int td__agent_rank_of(const td_rpc_agent *a, const char *name) {
-  const int *idx = __atomic_load_n(&a->by_name, __ATOMIC_ACQUIRE);
-  if (!idx) {
-    for (int r = 0; r < a->world; r++)
-      if (strcmp(a->peers[r].info.name, name) == 0) return r;
+  if (a->name_idx) { /* a call by name costs O(1), not a scan of the group */
+    for (size_t i = td__agent_name_hash(name) & a->name_mask; a->name_idx[i];
+         i = (i + 1) & a->name_mask)
+      if (strcmp(a->peers[a->name_idx[i] - 1].info.name, name) == 0) return a->name_idx[i] - 1;
     return -1;
   }
-  int lo = 0, hi = a->world - 1;
-  while (lo <= hi) {
-    int mid = lo + (hi - lo) / 2;
-    int c = strcmp(a->peers[idx[mid]].info.name, name);
-    if (c == 0) return idx[mid];
-    if (c < 0) lo = mid + 1;
-    else hi = mid - 1;
-  }
+  for (int r = 0; r < a->world; r++)
+    if (strcmp(a->peers[r].info.name, name) == 0) return r;
   return -1;
 }
 

@@ -64,8 +64,13 @@ struct td_rpc_agent {
   bool foreign;     /* the store belongs to another run: leave it alone */
   int rank, world;
   peer_info *peers;
+  /* peers by name: an open-addressing table of rank + 1 (0: empty), mask + 1 slots, built once
+   * the names are read (rendezvous.c); NULL before (td__agent_rank_of then scans) */
+  int *name_idx;
+  size_t name_mask;
   td__transport *tr;
   td__store *store; /* rank 0 only */
+  td__store_parker store_parker; /* rank 0: how its store holds waits (store_park.c) */
   td__store_client sc;
   td__threadpool *pool;
   pthread_mutex_t mu;
@@ -115,7 +120,6 @@ struct td_rpc_agent {
    * serving is read without mu on the hot path (atomic). */
   bool serving;
   struct request *held_head, *held_tail;
-  int *by_name; /* atomic pointer: ranks sorted by worker name (agent.c), once serving starts */
 };
 
 /* An incoming request, from its arrival to its reply (serve.c). */
@@ -145,10 +149,6 @@ static inline uint64_t td__call_trace_id(int caller_rank, uint64_t id) {
 const char *td__agent_peer_name(const td_rpc_agent *a, int rank);
 /* The rank of the worker called name, or -1. */
 int td__agent_rank_of(const td_rpc_agent *a, const char *name);
-/* td__agent_index_names sorts the ranks by name for td__agent_rank_of once the names are final
- * (td__serve_start); td__agent_unindex_names frees that (td_rpc_destroy). */
-void td__agent_index_names(td_rpc_agent *a);
-void td__agent_unindex_names(td_rpc_agent *a);
 /* True when peer p published fn in its registry at init. */
 bool td__agent_peer_has_fn(const peer_info *p, const char *fn);
 
@@ -197,6 +197,17 @@ td_status td__serve_unary(void *ud, const char *method, const uint8_t *req, size
                           uint8_t **reply_buf, size_t *reply_len);
 void td__serve_tick(void *ud);
 void td__serve_burst(void *ud, bool end);
+/* td__agent_name_hash: the hash of a worker name in a->name_idx (agent.c). */
+size_t td__agent_name_hash(const char *s);
+
+/* ---- store_park.c: rank 0's store holding waits (store.h, parked waits) ---- */
+/* td__store_park_body serves one verified store operation (ctx: the agent) with its waits
+ * parked; td__store_park_tick answers those whose time passed (poller tick);
+ * td__store_park_end answers all of them (before the transport shuts down). */
+td_status td__store_park_body(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
+                              size_t *reply_len);
+void td__store_park_tick(td_rpc_agent *a);
+void td__store_park_end(td_rpc_agent *a);
 /* td__serve_running writes into buf (n bytes) the handlers running on this worker's threads now
  * ("'fn' called by name (rank r), running 1.5 s; ...") and returns how many there are. */
 int td__serve_running(td_rpc_agent *a, char *buf, size_t n);

@@ -200,6 +200,23 @@ td_status td__hs_client_hello(td__hs *h, const td__auth *a, int self_rank, int p
   return TD_OK;
 }
 
+/* The HELLO's ticket: HMAC(K, "tdist/1 hello" | nonce_c | client_rank | wanted_rank). */
+static td_status hello_ticket(const td__auth *a, const uint8_t *hello, uint8_t out[TD__AUTH_MAC]) {
+  if (!a->secure) {
+    memset(out, 0, TD__AUTH_MAC);
+    return TD_OK;
+  }
+  static const char label[] = "tdist/1 hello";
+  const void *parts[] = {label, hello + 16, hello + 8};
+  size_t lens[] = {sizeof label - 1, TD__AUTH_NONCE, 8};
+  return hmac(a->key, TD__AUTH_KEY, parts, lens, 3, out);
+}
+
+td_status td__hs_client_ticket(const td__hs *h, const uint8_t *hello, uint8_t *out) {
+  memcpy(out, hello, TD__HS_HELLO_LEN);
+  return hello_ticket(h->auth, hello, out + TD__HS_HELLO_LEN);
+}
+
 td_status td__hs_client_challenge(td__hs *h, const uint8_t *in, size_t n, uint8_t *out) {
   if (h->state != HS_CLIENT_SENT_HELLO)
     return td_set_error(TD_ERR_AUTH, "auth: unexpected handshake message");
@@ -232,7 +249,7 @@ td_status td__hs_server_hello(td__hs *h, const td__auth *a, int self_rank, const
   memset(h, 0, sizeof *h);
   h->auth = a;
   h->self_rank = self_rank;
-  if (n != TD__HS_HELLO_LEN || td__get_u32(in) != MAGIC_HELLO)
+  if ((n != TD__HS_HELLO_LEN && n != TD__HS_TICKET_LEN) || td__get_u32(in) != MAGIC_HELLO)
     return td_set_error(TD_ERR_AUTH, "auth: the stream did not start with a tdist handshake "
                         "(%zu bytes)", n);
   if (in[4] != HS_VERSION)
@@ -246,6 +263,14 @@ td_status td__hs_server_hello(td__hs *h, const td__auth *a, int self_rank, const
   if (wanted != self_rank)
     return td_set_error(TD_ERR_AUTH, "auth: a client looking for rank %d reached rank %d", wanted,
                         self_rank);
+  if (n == TD__HS_TICKET_LEN) {
+    uint8_t mac[TD__AUTH_MAC];
+    TD_TRY(hello_ticket(a, in, mac));
+    if (a->secure && !mac_equal(mac, in + TD__HS_HELLO_LEN))
+      return td_set_error(TD_ERR_AUTH, "auth: a HELLO claiming rank %d does not prove it knows "
+                          "the job secret", client_rank);
+    h->ticketed = true;
+  }
   h->peer_rank = client_rank;
   memcpy(h->nonce_c, in + 16, TD__AUTH_NONCE);
   TD_TRY(td__auth_random(h->nonce_s, TD__AUTH_NONCE));
@@ -415,6 +440,10 @@ static td_status serve_open(td__auth_sessions *s, const uint8_t *req, size_t len
   return TD_OK;
 }
 
+/* The session key, id and sequence number of the operation td__auth_store_serve is handling on
+ * this thread (td__auth_store_current_seal). */
+static _Thread_local td__auth_seal current_seal;
+
 td_status td__auth_store_serve(td__auth_sessions *s, const uint8_t *req, size_t len,
                                td__store_body_fn handle, void *ctx, uint8_t **reply,
                                size_t *reply_len) {
@@ -455,24 +484,41 @@ td_status td__auth_store_serve(td__auth_sessions *s, const uint8_t *req, size_t 
   if (!fresh) return td_set_error(TD_ERR_AUTH, "auth: store request replayed or too old");
   uint8_t *body_reply = NULL;
   size_t brl = 0;
-  TD_TRY(handle(ctx, body, blen, &body_reply, &brl));
-  uint8_t *out = td__malloc(REPLY_HEAD + brl);
+  /* a handler that answers later (a parked wait) seals its reply with this */
+  current_seal = (td__auth_seal){.secure = s->auth->secure, .sid = sid, .seq = seq};
+  memcpy(current_seal.key, key, sizeof key);
+  td_status st = handle(ctx, body, blen, &body_reply, &brl);
+  td__auth_seal seal = current_seal;
+  memset(&current_seal, 0, sizeof current_seal);
+  memset(key, 0, sizeof key);
+  if (st == TD_OK) st = td__auth_store_seal(&seal, body_reply, brl, reply, reply_len);
+  memset(&seal, 0, sizeof seal);
+  return st;
+}
+
+void td__auth_store_current_seal(td__auth_seal *out) { *out = current_seal; }
+
+td_status td__auth_store_seal(const td__auth_seal *seal, uint8_t *body, size_t n, uint8_t **reply,
+                              size_t *reply_len) {
+  uint8_t *out = td__malloc(REPLY_HEAD + n);
   if (!out) {
-    td__free(body_reply);
+    td__free(body);
     return td_set_error(TD_ERR_NOMEM, "auth: out of memory");
   }
   td__put_u32(out, MAGIC_STORE);
   out[4] = ST_OP;
   out[5] = out[6] = out[7] = 0;
-  if (brl) memcpy(out + REPLY_HEAD, body_reply, brl);
-  td__free(body_reply);
-  td_status st = op_mac(s->auth, key, "rep", sid, seq, out + REPLY_HEAD, brl, out + 8);
+  if (n) memcpy(out + REPLY_HEAD, body, n);
+  td__free(body);
+  td__auth mode = {.secure = seal->secure};
+  td_status st = op_mac(&mode, seal->key, "rep", seal->sid, seal->seq, out + REPLY_HEAD, n,
+                        out + 8);
   if (st != TD_OK) {
     td__free(out);
     return st;
   }
   *reply = out;
-  *reply_len = REPLY_HEAD + brl;
+  *reply_len = REPLY_HEAD + n;
   return TD_OK;
 }
 

@@ -15,6 +15,13 @@
  *   mac_c = HMAC(K, "tdist/1 client" | nonce_c | nonce_s | client_rank | server_rank)
  * The server then knows the client's rank; every frame on the stream comes from that rank,
  * whatever a frame claims. The client checks it reached the rank it wanted.
+ * On RPC streams the HELLO carries a ticket (80 B: the HELLO, then
+ *   ticket = HMAC(K, "tdist/1 hello" | nonce_c | client_rank | wanted_rank)),
+ * so that a server tells a member from a stranger at the first message: a stranger's stream is
+ * refused there and never holds a slot of the members' handshakes (grpc_stream.c). A ticket can
+ * be replayed by whoever saw it on the wire; it only gets the replayer a CHALLENGE it cannot
+ * answer (the transport also refuses a nonce it saw recently). The collectives' ring sends
+ * plain 48-byte HELLOs.
  *
  * Store (unary /tdist.Store/Op calls): a session is opened with
  *   OPEN       client -> server  "TDS1" 1 0 0 0  nonce_c                                  40 B
@@ -88,23 +95,29 @@ td_status td__auth_secret_from_file(const char *path, char **out);
 #define TD__HS_HELLO_LEN 48
 #define TD__HS_CHALLENGE_LEN 76
 #define TD__HS_PROOF_LEN 40
-#define TD__HS_MAX_LEN 76 /* no handshake message is longer */
+#define TD__HS_TICKET_LEN 80 /* a HELLO with its ticket */
+#define TD__HS_MAX_LEN 80 /* no handshake message is longer */
 
 typedef struct td__hs {
   const td__auth *auth;
   int self_rank, peer_rank; /* client: peer_rank is the rank it wants to reach */
   uint8_t nonce_c[TD__AUTH_NONCE], nonce_s[TD__AUTH_NONCE];
   int state; /* internal */
+  bool ticketed; /* server: the HELLO carried a valid ticket (the client knows K) */
 } td__hs;
 
 /* Client: the HELLO to send first (out: TD__HS_HELLO_LEN bytes). */
 td_status td__hs_client_hello(td__hs *h, const td__auth *a, int self_rank, int peer_rank,
                               uint8_t *out);
+/* Client: the HELLO with its ticket (out: TD__HS_TICKET_LEN bytes), from the HELLO that
+ * td__hs_client_hello wrote. */
+td_status td__hs_client_ticket(const td__hs *h, const uint8_t *hello, uint8_t *out);
 /* Client: checks the server's CHALLENGE (its proof and its rank) and writes the PROOF (out:
  * TD__HS_PROOF_LEN bytes). Errors name what failed (TD_ERR_PERMISSION_DENIED style text in
  * td_last_error, status TD_ERR_UNAUTHENTICATED). */
 td_status td__hs_client_challenge(td__hs *h, const uint8_t *in, size_t n, uint8_t *out);
-/* Server: reads a HELLO and writes the CHALLENGE (out: TD__HS_CHALLENGE_LEN bytes). */
+/* Server: reads a HELLO (plain, or with a ticket, which must then be valid: h->ticketed) and
+ * writes the CHALLENGE (out: TD__HS_CHALLENGE_LEN bytes). */
 td_status td__hs_server_hello(td__hs *h, const td__auth *a, int self_rank, const uint8_t *in,
                               size_t n, uint8_t *out);
 /* Server: checks the PROOF; on TD_OK *peer_rank is the authenticated rank of the client. */
@@ -123,6 +136,19 @@ typedef td_status (*td__store_body_fn)(void *ctx, const uint8_t *req, size_t len
 td_status td__auth_store_serve(td__auth_sessions *s, const uint8_t *req, size_t len,
                                td__store_body_fn handle, void *ctx, uint8_t **reply,
                                size_t *reply_len);
+
+/* What a reply to one verified store operation is MAC'd with. A handler that answers later (a
+ * parked wait, store.h) takes it with td__auth_store_current_seal while td__auth_store_serve
+ * runs it, returns any reply (discarded by its caller), and later seals its real reply with
+ * td__auth_store_seal (which takes body, td__malloc'd, and gives *reply, td__malloc'd). */
+typedef struct td__auth_seal {
+  uint8_t key[TD__AUTH_KEY];
+  uint64_t sid, seq;
+  bool secure;
+} td__auth_seal;
+void td__auth_store_current_seal(td__auth_seal *out);
+td_status td__auth_store_seal(const td__auth_seal *seal, uint8_t *body, size_t n, uint8_t **reply,
+                              size_t *reply_len);
 
 /* ---- store sessions, client side ---- */
 typedef struct td__auth_client {

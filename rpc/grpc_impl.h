@@ -91,8 +91,11 @@ typedef struct req_slot {
   grpc_metadata_array md;
 } req_slot;
 
+typedef struct td__unary_token td__unary_token;
+
 typedef struct unary_srv {
   tag t_recv, t_done;
+  td__unary_token *token; /* deferred: answered later (grpc_unary.c) */
   td__transport *tr;
   grpc_call *call;
   char *method;
@@ -111,6 +114,7 @@ struct td__conn {
   td__refcnt rc;
   td__transport *t;
   grpc_call *call;
+  grpc_channel *ch; /* client: the channel its calls are opened on (the transport's) */
   bool client;
   int peer;
   pthread_mutex_t mu;
@@ -140,6 +144,12 @@ struct td__conn {
   bool closed;      /* no more sends */
   bool notified;    /* on_closed ran */
   uint64_t nsent;   /* frames accepted by td__conn_send */
+  int batches;      /* atomic: batches started on the current call whose tags are not back */
+  /* client: a handshake the server refused or evicted before it answered (nothing but the
+   * HELLO was sent) starts again on a new call, the queued frames kept (grpc_stream.c) */
+  bool retrying;
+  int retries;
+  uint64_t retry_at_ns, retry_until_ns;
   struct td__conn *next_live;
   /* direct-copy frames sent and not yet acknowledged: their tensors stay alive until then */
   td__direct_acks acks;
@@ -152,7 +162,8 @@ struct td__conn {
   int auth;                        /* AUTH_* */
   uint8_t hs_out[TD__HS_MAX_LEN];  /* a handshake message waiting to be sent */
   size_t hs_out_len;
-  bool unauth_counted;             /* server: counted in t->unauth */
+  bool unauth_counted;             /* server: counted in t->unauth (no valid HELLO yet) */
+  bool member_counted;             /* server: counted in t->unproven (HELLO with a ticket) */
   uint64_t born_ns;                /* for the handshake deadline */
   uint64_t progress_ns;            /* atomic: last time bytes arrived (stalled frames) */
   bool offloaded;                  /* atomic: the bulk thread has the decoder (grpc_stream.c) */
@@ -191,6 +202,20 @@ typedef struct td__refusals {
   } hosts[TD__REFUSAL_HOSTS];
 } td__refusals;
 
+/* Connections whose streams end without ever authenticating (opened and reset, the HTTP/2
+ * rapid-reset pattern, or refused handshakes), counted per TCP connection over a window: past
+ * TD__ABUSE_STREAMS in TD__ABUSE_WINDOW_NS the connection is closed (grpc_transport.c). A member
+ * connection sees one such stream at most per refused handshake. */
+#define TD__ABUSE_CONNS 64
+#define TD__ABUSE_STREAMS 64
+#define TD__ABUSE_WINDOW_NS 10000000000ull
+typedef struct td__abuse {
+  char peer[64]; /* gRPC's peer string: "ipv4:127.0.0.1:54321" */
+  uint64_t since_ns;
+  uint32_t count;
+} td__abuse;
+#define TD__SEEN_NONCES 1024
+
 struct td__transport {
   td__transport_opts opts;
   char *host;
@@ -206,6 +231,7 @@ struct td__transport {
   req_slot slots[N_REQUEST_SLOTS];
   tag t_server_shutdown;
   td__conn *live; /* conns whose status has not come back */
+  td__unary_token *deferred; /* unary calls to be answered later (grpc_unary.c) */
   chan_entry *chans;
   int nchans, chancap;
   int64_t busy_poll_ns; /* atomic; 0 = block at once */
@@ -214,7 +240,20 @@ struct td__transport {
   int self_pid;
   /* authentication and bounds (auth.h, grpc_stream.c) */
   td__auth insecure;      /* used when opts.auth is NULL */
-  int unauth;             /* server streams still in their handshake (t->mu) */
+  int unauth;             /* server streams that sent no valid HELLO yet (t->mu) */
+  int unproven;           /* server streams whose HELLO had a ticket, waiting for the PROOF */
+  uint64_t idle_ns;       /* atomic: the poller last found its queue empty */
+  int nretrying;          /* atomic: client streams waiting to retry their handshake */
+  int port;               /* the port the server is bound to */
+  int64_t *held;          /* [opts.world] bytes of frames in progress per member (atomics) */
+  uint64_t held_max;      /* the bound on each */
+  uint64_t trim_ns;       /* poller: last time freed memory was given back to the system */
+  bool trim_wanted;       /* atomic: a stream that never authenticated ended since */
+  /* ticketed HELLO nonces seen lately (a replayed HELLO is refused; t->mu) */
+  uint64_t seen_nonce[TD__SEEN_NONCES];
+  int seen_next;
+  /* connections whose streams end before authenticating, per connection (abuse, t->mu) */
+  td__abuse abuse[TD__ABUSE_CONNS];
   uint64_t next_sweep_ns; /* poller: next check of handshake deadlines and stalled frames */
   td__refusals refusals;  /* refused attempts, logged once per address per minute */
   td_rpc_traffic *traffic; /* [opts.world], updated with atomics */
@@ -224,14 +263,25 @@ struct td__transport {
   char tls_name[256];              /* the name certificates are checked for */
   grpc_channel_credentials *chan_creds; /* TLS: shared by every channel; NULL: insecure */
   td__lanes *lanes; /* same-host lanes (opts.lane and the platform allow them); NULL: none */
+  bool lane_lazy;   /* atomic: more peers on this host than TD__LANE_MAX: lanes by use only */
+  int host_load_x100; /* atomic: workers per CPU on this host, times 100 (keepalive_auto) */
+  int tick_ms;        /* atomic: the poller's tick (opts.tick_ms, longer on a loaded host) */
+  int refuse_hellos;  /* atomic: td__transport_test_refuse_hellos */
 };
 
-/* Server streams that may be in their handshake at once: at least this many, and twice the
- * world, so that every member opening its stream at start-up fits (at 96 and 128 workers a fixed
- * 64 refused members' streams and the job died). When the slots are full, a new stream takes the
- * slot of the oldest stream still in its handshake (a member answers in milliseconds; a stranger
- * holding half-open handshakes is what is oldest), so strangers cannot keep members out. */
+/* Server streams in their handshake, in two tiers (grpc_stream.c):
+ * - streams that have not sent a valid HELLO: at most this many (or twice the world), each for
+ *   hello_timeout_ms. Members send their HELLO with the stream, so this tier holds strangers;
+ *   when it is full a new stream takes the slot of the oldest one (it is never refused);
+ * - streams whose HELLO carried a valid ticket (a member's: auth.h), waiting for the PROOF: at
+ *   most twice the world plus this many, each for handshake_timeout_ms. No stranger gets here. */
 #define TD__MAX_UNAUTH_STREAMS 64
+/* A client stream whose handshake the server refused or evicted retries after 10 ms doubling to
+ * this, until handshake_timeout_ms after it was opened. */
+#define TD__RETRY_MAX_MS 500
+/* Where more peers share this host than a process may hold lanes, a client stream asks for its
+ * lane once it has carried this many frames. */
+#define TD__LANE_LAZY_FRAMES 16
 
 
 /* ---- grpc_transport.c ---- */
@@ -247,11 +297,21 @@ void td__grpc_free_head(void *p); /* destroy callback for td__malloc'd memory */
 
 /* td__grpc_refused counts a refused attempt from addr and logs why, rate-limited per host. */
 void td__grpc_refused(td__transport *t, const char *addr, const char *why);
+/* td__grpc_abuse_note counts a stream of connection peer that ended without authenticating;
+ * past the bound it closes that connection (poller thread). */
+void td__grpc_abuse_note(td__transport *t, const char *peer);
+/* td__grpc_trim gives memory freed by gRPC back to the system (rate-limited; any thread). */
+void td__grpc_trim(td__transport *t);
 
 /* ---- grpc_stream.c ---- */
 /* td__grpc_sweep closes server streams past their handshake deadline and streams whose current
  * frame made no progress for the stall timeout (poller thread, about once a second). */
 void td__grpc_sweep(td__transport *t, uint64_t now);
+/* td__grpc_retry_due restarts the client streams whose handshake retry is due (poller; once
+ * the transport is shutting down, it reports their end instead, and td__transport_shutdown
+ * calls it with now = UINT64_MAX for every retry still waiting). Returns how many it took up
+ * (at most 64 a call). */
+int td__grpc_retry_due(td__transport *t, uint64_t now);
 /* Accepts a stream a peer opened to our server (poller thread). */
 void td__grpc_stream_accept(td__transport *t, grpc_call *call);
 /* A stream's tag came back (poller thread). */
@@ -264,6 +324,8 @@ void td__grpc_lane_release(void *conn);
 void td__grpc_lane_offload(void *conn, td__lane *l);
 
 /* ---- grpc_unary.c ---- */
+/* td__grpc_unary_answer_all fails every deferred unary call (shutdown). */
+void td__grpc_unary_answer_all(td__transport *t);
 void td__grpc_unary_accept(td__transport *t, grpc_call *call, const char *method);
 void td__grpc_unary_event(tag *tg, bool success);
 

@@ -101,6 +101,7 @@ static void start_send(td__conn *c);
 static void conn_close_locked(td__conn *c, grpc_status_code code, const char *why);
 static void lane_control(void *ud, uint64_t type, const uint8_t *body, size_t len);
 static void lane_ask(td__conn *c);
+static void lane_ask_earned(td__conn *c);
 static void unauth_done(td__conn *c);
 static void feed_message(td__conn *c);
 static void bulk_task(void *arg);
@@ -158,6 +159,14 @@ static const td__auth *conn_auth(const td__transport *t) {
 /* The decoder paused for a large copy: feed_message hands it to the bulk thread. */
 static void direct_offload(void *ud) { (void)ud; }
 
+/* Frames in progress from one member count against its bound across all its streams (a member
+ * withholding the last byte of large frames on several streams holds at most that). */
+static void set_budget(td__conn *c, td__decoder *d, int rank) {
+  td__transport *t = c->t;
+  if (t->held && t->held_max && rank >= 0 && rank < t->opts.world)
+    td__decoder_set_budget(d, &t->held[rank], t->held_max);
+}
+
 static td__conn *conn_new(td__transport *t, bool client, int peer) {
   td__conn *c = td__calloc(1, sizeof *c);
   if (!c) return NULL;
@@ -188,6 +197,7 @@ static td__conn *conn_new(td__transport *t, bool client, int peer) {
   static const td__direct_hooks hooks = {direct_allowed, direct_send_ack, direct_acked,
                                          direct_offload, lane_control};
   td__decoder_set_direct(c->dec, &hooks);
+  set_budget(c, c->dec, peer);
   return c;
 }
 
@@ -203,6 +213,7 @@ static bool conn_batch(td__conn *c, const grpc_op *ops, size_t n, tag *tg) {
     td__ref_dec(&c->rc); /* the caller still holds its own reference */
     return false;
   }
+  __atomic_add_fetch(&c->batches, 1, __ATOMIC_RELAXED);
   return true;
 }
 
@@ -375,6 +386,7 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
         f->head = NULL;
         q_push(c, td__grpc_owned_slice(desc, dl, td__grpc_free_head, desc));
         c->nsent++;
+        lane_ask_earned(c);
         if (!c->send_inflight) start_send(c);
       }
     } else {
@@ -415,6 +427,7 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
   }
   td__frame_clear(f);
   c->nsent++;
+  lane_ask_earned(c);
   if (!c->send_inflight) start_send(c);
   pthread_mutex_unlock(&c->mu);
   return st;
@@ -468,6 +481,45 @@ static void live_remove(td__transport *t, td__conn *c) {
   pthread_mutex_unlock(&t->mu);
 }
 
+/* Opens c's call on its channel and sends the HELLO with its ticket in the same batch as the
+ * stream's metadata (one write: the server finds the HELLO with the new stream). Client; caller
+ * holds c->mu. */
+static bool client_open(td__conn *c) {
+  td__transport *t = c->t;
+  c->call = grpc_channel_create_call(c->ch, NULL, GRPC_PROPAGATE_DEFAULTS, t->cq,
+                                     grpc_slice_from_static_string(STREAM_METHOD), NULL,
+                                     gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  if (!c->call) return false;
+  uint8_t hello[TD__HS_HELLO_LEN], msg[TD__HS_TICKET_LEN];
+  if (td__hs_client_hello(&c->hs, conn_auth(t), t->opts.self_rank, c->peer, hello) != TD_OK ||
+      td__hs_client_ticket(&c->hs, hello, msg) != TD_OK)
+    return false;
+  c->auth = AUTH_CLIENT_HELLO_SENT;
+  grpc_slice s = grpc_slice_from_copied_buffer((const char *)msg, sizeof msg);
+  c->send_bb = grpc_raw_byte_buffer_create(&s, 1);
+  grpc_slice_unref(s);
+  grpc_op ops[2];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[1].op = GRPC_OP_SEND_MESSAGE;
+  ops[1].data.send_message.send_message = c->send_bb;
+  c->send_inflight = true;
+  if (!conn_batch(c, ops, 2, &c->t_send)) {
+    c->send_inflight = false;
+    grpc_byte_buffer_destroy(c->send_bb);
+    c->send_bb = NULL;
+    return false;
+  }
+  grpc_op st;
+  memset(&st, 0, sizeof st);
+  st.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  st.data.recv_status_on_client.trailing_metadata = &c->trailing_md;
+  st.data.recv_status_on_client.status = &c->status;
+  st.data.recv_status_on_client.status_details = &c->status_details;
+  st.data.recv_status_on_client.error_string = &c->error_string;
+  return conn_batch(c, &st, 1, &c->t_status) && start_recv(c);
+}
+
 td_status td__transport_connect(td__transport *t, int peer_rank, const char *address,
                                 td__conn **out) {
   pthread_mutex_lock(&t->mu);
@@ -479,41 +531,132 @@ td_status td__transport_connect(td__transport *t, int peer_rank, const char *add
   td__conn *c = conn_new(t, true, peer_rank);
   if (!c) return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
   snprintf(c->peer_addr, sizeof c->peer_addr, "%s", address);
-  c->call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, t->cq,
-                                     grpc_slice_from_static_string(STREAM_METHOD), NULL,
-                                     gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-  if (!c->call) {
+  c->ch = ch;
+  c->retry_until_ns = td__now_ns() + (uint64_t)(t->opts.handshake_timeout_ms > 0
+                                                    ? t->opts.handshake_timeout_ms
+                                                    : 20000) * 1000000ull;
+  /* the HELLO goes first; frames queued meanwhile wait for the handshake (set up before the
+   * poller can see the conn: live list, batches) */
+  live_add(t, c);
+  pthread_mutex_lock(&c->mu);
+  bool ok = client_open(c);
+  bool none = c->call == NULL;
+  pthread_mutex_unlock(&c->mu);
+  if (none) {
+    live_remove(t, c);
     td__conn_unref(c);
     return td_set_error(TD_ERR_UNAVAILABLE, "rpc transport: cannot open a stream to %s", address);
   }
-  /* the HELLO goes first; frames queued meanwhile wait for the handshake (set up before the
-   * poller can see the conn: live list, batches) */
-  td_status hs = td__hs_client_hello(&c->hs, conn_auth(t), t->opts.self_rank, peer_rank,
-                                     c->hs_out);
-  c->auth = AUTH_CLIENT_HELLO_SENT;
-  live_add(t, c);
-  pthread_mutex_lock(&c->mu);
-  grpc_op ops[1];
-  memset(ops, 0, sizeof ops);
-  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-  bool ok = conn_batch(c, ops, 1, &c->t_start);
-  grpc_op st;
-  memset(&st, 0, sizeof st);
-  st.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-  st.data.recv_status_on_client.trailing_metadata = &c->trailing_md;
-  st.data.recv_status_on_client.status = &c->status;
-  st.data.recv_status_on_client.status_details = &c->status_details;
-  st.data.recv_status_on_client.error_string = &c->error_string;
-  ok = ok && conn_batch(c, &st, 1, &c->t_status);
-  ok = ok && start_recv(c);
-  if (ok && hs == TD_OK) {
-    c->hs_out_len = TD__HS_HELLO_LEN;
-    start_send(c);
-  }
-  pthread_mutex_unlock(&c->mu);
-  if (!ok || hs != TD_OK) td__conn_close(c, "cannot start the stream");
+  if (!ok) td__conn_close(c, "cannot start the stream");
   *out = c;
   return TD_OK;
+}
+
+/* ---- a refused handshake, tried again (client) ---- */
+
+/* Whether the stream's end is the server refusing or evicting our handshake before it answered
+ * (RESOURCE_EXHAUSTED: its slots were full; DEADLINE_EXCEEDED: our HELLO came too late): nothing
+ * but the HELLO went out, so the frames queued meanwhile can go on a new stream. */
+static bool retryable(td__conn *c) {
+  td__transport *t = c->t;
+  pthread_mutex_lock(&t->mu);
+  bool down = t->shutting_down;
+  pthread_mutex_unlock(&t->mu);
+  pthread_mutex_lock(&c->mu);
+  bool r = !down && c->auth == AUTH_CLIENT_HELLO_SENT && !c->closed &&
+           (c->status == GRPC_STATUS_RESOURCE_EXHAUSTED ||
+            c->status == GRPC_STATUS_DEADLINE_EXCEEDED) &&
+           td__now_ns() < c->retry_until_ns;
+  pthread_mutex_unlock(&c->mu);
+  return r;
+}
+
+/* Once every batch of the refused call is back, the retry is scheduled (10 ms doubling). */
+static void retry_arm(td__conn *c) {
+  pthread_mutex_lock(&c->mu);
+  bool arm = c->retrying && __atomic_load_n(&c->batches, __ATOMIC_RELAXED) == 0 &&
+             !c->retry_at_ns;
+  uint64_t ms = 0;
+  if (arm) {
+    ms = 10ull << (c->retries < 6 ? c->retries : 6);
+    if (ms > TD__RETRY_MAX_MS) ms = TD__RETRY_MAX_MS;
+    c->retries++;
+    c->retry_at_ns = td__now_ns() + ms * 1000000ull;
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (!arm) return;
+  __atomic_add_fetch(&c->t->nretrying, 1, __ATOMIC_RELAXED);
+  td_log(TD_LOG_DEBUG, "rpc: the handshake of the stream to rank %d at %s was refused; trying "
+         "again in %llu ms", c->peer, c->peer_addr, (unsigned long long)ms);
+}
+
+static void notify_closed(td__conn *c, td_status st, const char *why);
+
+/* Opens a new call for c (no batch of the old one is left), or, once the transport is shutting
+ * down, reports its end: the poller, or td__transport_shutdown for the retries still waiting.
+ * The first caller to find the retry armed takes it; any other returns. */
+static void conn_restart(td__conn *c) {
+  td__transport *t = c->t;
+  pthread_mutex_lock(&t->mu);
+  bool down = t->shutting_down;
+  pthread_mutex_unlock(&t->mu);
+  pthread_mutex_lock(&c->mu);
+  if (!c->retry_at_ns) {
+    pthread_mutex_unlock(&c->mu);
+    return;
+  }
+  __atomic_sub_fetch(&t->nretrying, 1, __ATOMIC_RELAXED);
+  c->retrying = false;
+  c->retry_at_ns = 0;
+  bool ok = false, none = true;
+  if (!down && !c->closed) {
+    grpc_call_unref(c->call);
+    c->call = NULL;
+    grpc_metadata_array_destroy(&c->initial_md);
+    grpc_metadata_array_init(&c->initial_md);
+    grpc_metadata_array_destroy(&c->trailing_md);
+    grpc_metadata_array_init(&c->trailing_md);
+    grpc_slice_unref(c->status_details);
+    c->status_details = grpc_empty_slice();
+    if (c->error_string) gpr_free((void *)c->error_string);
+    c->error_string = NULL;
+    if (c->recv_bb) grpc_byte_buffer_destroy(c->recv_bb);
+    c->recv_bb = NULL;
+    if (c->send_bb) grpc_byte_buffer_destroy(c->send_bb);
+    c->send_bb = NULL;
+    c->send_inflight = false;
+    c->first_recv = true;
+    c->status = GRPC_STATUS_OK;
+    ok = client_open(c);
+    none = c->call == NULL;
+    if (!ok && !none) conn_close_locked(c, GRPC_STATUS_UNAVAILABLE, "cannot restart the stream");
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (none) { /* no call whose status would report the end: report it here */
+    notify_closed(c, TD_ERR_UNAVAILABLE, down || c->closed ? "the stream was closed while its "
+                  "handshake waited to be tried again" : "cannot open a stream");
+    live_remove(t, c);
+  }
+}
+
+int td__grpc_retry_due(td__transport *t, uint64_t now) {
+  if (!__atomic_load_n(&t->nretrying, __ATOMIC_RELAXED)) return 0;
+  td__conn *due[64];
+  int n = 0;
+  pthread_mutex_lock(&t->mu);
+  for (td__conn *c = t->live; c && n < 64; c = c->next_live) {
+    if (!c->client) continue;
+    pthread_mutex_lock(&c->mu);
+    bool d = c->retry_at_ns && c->retry_at_ns <= now;
+    pthread_mutex_unlock(&c->mu);
+    if (d) due[n++] = td__conn_ref(c);
+  }
+  pthread_mutex_unlock(&t->mu);
+  for (int i = 0; i < n; i++) {
+    conn_restart(due[i]);
+    td__conn_unref(due[i]);
+  }
+  return n;
 }
 
 /* ---- the same-host lane (lane.h): set-up through control frames on this stream ---- */
@@ -543,14 +686,28 @@ static td__decoder *lane_decoder(td__conn *c) {
   if (td__decoder_create(&wctx, c->t->opts.max_message, on_lane_msg, on_dec_bad, c, &d) != TD_OK)
     return NULL;
   td__decoder_set_direct(d, &hooks);
+  set_budget(c, d, td__conn_peer(c));
   return d;
 }
 
 /* Client, once the handshake proved the server: ask for a lane when the server runs on this host
  * (the server never sends a control frame unasked). Caller holds c->mu. */
 static void lane_ask(td__conn *c) {
+  /* where this host runs more workers than a process may hold lanes, a stream earns its lane by
+   * use (TD__LANE_LAZY_FRAMES frames): the lanes go to the busy pairs, and a group's start-up
+   * (one call to every peer) does not set up a lane per pair for nothing */
+  if (__atomic_load_n(&c->t->lane_lazy, __ATOMIC_RELAXED) && c->nsent < TD__LANE_LAZY_FRAMES)
+    return;
   if (c->t->lanes && !c->lane && !c->closed && td__lanes_knows(c->t->lanes, td__conn_peer(c)))
     push_control(c, TD__LANE_ASK, NULL, 0);
+}
+
+/* After a frame went onto the stream: the frame that earns a lazy stream its lane. Caller holds
+ * c->mu. */
+static void lane_ask_earned(td__conn *c) {
+  if (c->nsent == TD__LANE_LAZY_FRAMES && c->client && c->auth == AUTH_DONE &&
+      __atomic_load_n(&c->t->lane_lazy, __ATOMIC_RELAXED))
+    lane_ask(c);
 }
 
 /* Server, asked by the client: offer a lane when the client runs on this host. Caller holds
@@ -709,7 +866,19 @@ static void notify_closed(td__conn *c, td_status st, const char *why) {
 
 static void handle_conn_status(td__conn *c) {
   char why[512];
+  if (c->client && retryable(c)) {
+    pthread_mutex_lock(&c->mu);
+    c->retrying = true; /* retry_arm schedules it once every batch is back */
+    pthread_mutex_unlock(&c->mu);
+    return;
+  }
   unauth_done(c);
+  if (!c->client && c->auth != AUTH_DONE) {
+    /* a stream that never authenticated (opened and reset, refused, timed out): counted per
+     * connection, and gRPC's buffers for it are given back to the system */
+    td__grpc_abuse_note(c->t, c->peer_addr);
+    td__grpc_trim(c->t);
+  }
   if (c->auth == AUTH_FAILED) {
     /* our side refused the handshake: its reason, not gRPC's "cancelled" */
     notify_closed(c, TD_ERR_AUTH, c->finish_msg);
@@ -726,26 +895,85 @@ static void handle_conn_status(td__conn *c) {
   live_remove(c->t, c);
 }
 
-/* Leaves the count of streams in their handshake (once). */
+/* Leaves the counts of streams in their handshake (once). Poller thread. */
 static void unauth_done(td__conn *c) {
-  if (!c->unauth_counted) return;
-  c->unauth_counted = false;
+  if (!c->unauth_counted && !c->member_counted) return;
   pthread_mutex_lock(&c->t->mu);
-  c->t->unauth--;
+  if (c->unauth_counted) c->t->unauth--;
+  if (c->member_counted) c->t->unproven--;
+  c->unauth_counted = c->member_counted = false;
   pthread_mutex_unlock(&c->t->mu);
 }
 
-/* Refuses the handshake: the stream closes with why (UNAUTHENTICATED for the client). */
-static void handshake_failed(td__conn *c, const char *why) {
+/* A HELLO with a valid ticket (a member's): refused when its nonce was seen lately (a replay),
+ * else the stream moves from the strangers' slots to the members' (TD_ERR_UNAVAILABLE when
+ * those are full). Poller thread. */
+static td_status member_enter(td__conn *c) {
+  td__transport *t = c->t;
+  uint64_t tag;
+  memcpy(&tag, c->hs.nonce_c, sizeof tag);
+  int cap = 2 * t->opts.world + TD__MAX_UNAUTH_STREAMS;
+  if (__atomic_load_n(&t->refuse_hellos, __ATOMIC_RELAXED) > 0 &&
+      __atomic_sub_fetch(&t->refuse_hellos, 1, __ATOMIC_RELAXED) >= 0)
+    return td_set_error(TD_ERR_UNAVAILABLE, "too many members' streams in their handshake "
+                        "(refused for a test)");
+  pthread_mutex_lock(&t->mu);
+  bool seen = false;
+  for (int i = 0; i < TD__SEEN_NONCES && !seen; i++) seen = t->seen_nonce[i] == tag;
+  bool room = !seen && t->unproven < cap;
+  if (room) {
+    t->seen_nonce[t->seen_next] = tag;
+    t->seen_next = (t->seen_next + 1) % TD__SEEN_NONCES;
+    t->unproven++;
+    if (c->unauth_counted) t->unauth--;
+    c->unauth_counted = false;
+    c->member_counted = true;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (seen) return td_set_error(TD_ERR_AUTH, "auth: a replayed HELLO");
+  if (!room)
+    return td_set_error(TD_ERR_UNAVAILABLE, "too many members' streams in their handshake");
+  return TD_OK;
+}
+
+/* Refuses the handshake: the stream closes with code and why. */
+static void handshake_failed(td__conn *c, grpc_status_code code, const char *why) {
   pthread_mutex_lock(&c->mu);
   c->auth = AUTH_FAILED;
-  conn_close_locked(c, GRPC_STATUS_UNAUTHENTICATED, why);
+  conn_close_locked(c, code, why);
   snprintf(c->finish_msg, sizeof c->finish_msg, "%s", why);
   pthread_mutex_unlock(&c->mu);
   unauth_done(c);
   if (!c->client) td__grpc_refused(c->t, c->peer_addr, why);
   else td_log(TD_LOG_WARN, "rpc: stream to rank %d at %s refused: %s", td__conn_peer(c),
               c->peer_addr, why);
+}
+
+/* Server: the HELLO arrived. Only one with a valid ticket gets a CHALLENGE (and a members' slot);
+ * anything else is refused at once, so a stranger never waits for a PROOF. */
+static void server_hello(td__conn *c, const uint8_t *msg, size_t n) {
+  td__transport *t = c->t;
+  uint8_t chal[TD__HS_CHALLENGE_LEN];
+  grpc_status_code code = GRPC_STATUS_UNAUTHENTICATED;
+  td_status st = td__hs_server_hello(&c->hs, conn_auth(t), t->opts.self_rank, msg, n, chal);
+  if (st == TD_OK && !c->hs.ticketed)
+    st = td_set_error(TD_ERR_AUTH, "auth: a HELLO without its ticket (not a member of this "
+                      "group's version of tdist)");
+  if (st == TD_OK && (st = member_enter(c)) == TD_ERR_UNAVAILABLE)
+    code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+  if (st != TD_OK) {
+    char why[300];
+    snprintf(why, sizeof why, "%s", td_last_error());
+    handshake_failed(c, code, why);
+    return;
+  }
+  pthread_mutex_lock(&c->mu);
+  memcpy(c->hs_out, chal, sizeof chal);
+  c->hs_out_len = TD__HS_CHALLENGE_LEN;
+  c->auth = AUTH_SERVER_WAIT_PROOF;
+  if (!c->send_inflight) start_send(c);
+  if (!c->closed) start_recv(c);
+  pthread_mutex_unlock(&c->mu);
 }
 
 /* One handshake message arrived (auth.h): answer it, or finish, or refuse. */
@@ -755,7 +983,7 @@ static void handle_handshake(td__conn *c, grpc_byte_buffer *bb) {
   if (n > TD__HS_MAX_LEN) {
     char why[160];
     snprintf(why, sizeof why, "auth: %zu bytes arrived before the handshake", n);
-    handshake_failed(c, why);
+    handshake_failed(c, GRPC_STATUS_UNAUTHENTICATED, why);
     return;
   }
   grpc_byte_buffer_reader r;
@@ -771,6 +999,10 @@ static void handle_handshake(td__conn *c, grpc_byte_buffer *bb) {
   }
   td_status st = TD_ERR_AUTH;
   int rank = -1;
+  if (c->auth == AUTH_SERVER_WAIT_HELLO) {
+    server_hello(c, msg, off);
+    return;
+  }
   pthread_mutex_lock(&c->mu);
   switch (c->auth) {
     case AUTH_CLIENT_HELLO_SENT:
@@ -782,19 +1014,12 @@ static void handle_handshake(td__conn *c, grpc_byte_buffer *bb) {
         if (!c->send_inflight) start_send(c);
       }
       break;
-    case AUTH_SERVER_WAIT_HELLO:
-      st = td__hs_server_hello(&c->hs, conn_auth(c->t), c->t->opts.self_rank, msg, off, c->hs_out);
-      if (st == TD_OK) {
-        c->hs_out_len = TD__HS_CHALLENGE_LEN;
-        c->auth = AUTH_SERVER_WAIT_PROOF;
-        if (!c->send_inflight) start_send(c);
-      }
-      break;
     case AUTH_SERVER_WAIT_PROOF:
       st = td__hs_server_proof(&c->hs, msg, off, &rank);
       if (st == TD_OK) {
         __atomic_store_n(&c->peer, rank, __ATOMIC_RELEASE);
         td__decoder_set_peer(c->dec, rank);
+        set_budget(c, c->dec, rank);
         c->auth = AUTH_DONE;
       }
       break;
@@ -807,7 +1032,7 @@ static void handle_handshake(td__conn *c, grpc_byte_buffer *bb) {
   if (st != TD_OK) {
     char why[300];
     snprintf(why, sizeof why, "%s", td_last_error());
-    handshake_failed(c, why);
+    handshake_failed(c, GRPC_STATUS_UNAUTHENTICATED, why);
   } else if (done) {
     unauth_done(c);
   }
@@ -915,8 +1140,10 @@ static void handle_conn_send(td__conn *c, bool success) {
   if (c->send_bb) grpc_byte_buffer_destroy(c->send_bb);
   c->send_bb = NULL;
   c->send_inflight = false;
-  if (!success) td__grpc_conn_mark_closed(c);
-  else start_send(c);
+  /* (a client still waiting for the CHALLENGE sent nothing but its HELLO: its queued frames stay
+   * for a retry, which the stream's status decides) */
+  if (!success && !(c->client && c->auth == AUTH_CLIENT_HELLO_SENT)) td__grpc_conn_mark_closed(c);
+  else if (success) start_send(c);
   start_finish(c);
   pthread_mutex_unlock(&c->mu);
 }
@@ -942,7 +1169,8 @@ void td__grpc_stream_accept(td__transport *t, grpc_call *call) {
   if (full) { /* the oldest handshake gives its slot up */
     td__conn *o = oldest_in_handshake(t);
     if (o) {
-      handshake_failed(o, "did not finish its handshake before newer streams needed the slot");
+      handshake_failed(o, GRPC_STATUS_RESOURCE_EXHAUSTED,
+                       "sent no HELLO before newer streams needed its slot");
       td__conn_unref(o);
     }
   }
@@ -989,12 +1217,14 @@ void td__grpc_stream_accept(td__transport *t, grpc_call *call) {
 
 void td__grpc_stream_event(tag *tg, bool success) {
   td__conn *c = tg->obj;
+  __atomic_sub_fetch(&c->batches, 1, __ATOMIC_RELAXED);
   switch (tg->kind) {
     case TAG_CONN_RECV: handle_conn_recv(c, success); break;
     case TAG_CONN_SEND: handle_conn_send(c, success); break;
     case TAG_CONN_STATUS: handle_conn_status(c); break;
     default: break; /* TAG_CONN_START, TAG_CONN_FINISH: nothing to do */
   }
+  if (c->retrying) retry_arm(c); /* (set and cleared on this thread) */
   td__conn_unref(c);
 }
 
@@ -1005,6 +1235,12 @@ void td__grpc_sweep(td__transport *t, uint64_t now) {
                                                                 : 20000) * 1000000ull;
   uint64_t stall_ns = (uint64_t)(t->opts.stall_timeout_ms > 0 ? t->opts.stall_timeout_ms : 60000) *
                       1000000ull;
+  uint64_t hello_ns = (uint64_t)(t->opts.hello_timeout_ms > 0 ? t->opts.hello_timeout_ms : 2000) *
+                      1000000ull;
+  /* a HELLO is late only when the poller has found its queue empty since the HELLO was due (it
+   * is not waiting there behind other events: a starved worker times out nobody for that), or
+   * after the whole handshake timeout */
+  uint64_t idle = __atomic_load_n(&t->idle_ns, __ATOMIC_RELAXED);
   td__conn *late[64];
   const char *why[64];
   int n = 0;
@@ -1016,8 +1252,11 @@ void td__grpc_sweep(td__transport *t, uint64_t now) {
     uint64_t progress = __atomic_load_n(&c->progress_ns, __ATOMIC_RELAXED);
     /* (clients are not timed: a server that never answers is a hung peer, which keepalive
      * catches) */
-    if (!c->client && c->auth != AUTH_DONE && c->auth != AUTH_FAILED &&
-        now - c->born_ns > hs_ns) {
+    if (!c->client && c->auth == AUTH_SERVER_WAIT_HELLO && now - c->born_ns > hello_ns &&
+        (idle > c->born_ns + hello_ns || now - c->born_ns > hs_ns)) {
+      why[n] = "auth: no HELLO in time";
+      late[n++] = td__conn_ref(c);
+    } else if (!c->client && c->auth == AUTH_SERVER_WAIT_PROOF && now - c->born_ns > hs_ns) {
       why[n] = "auth: the handshake did not finish in time";
       late[n++] = td__conn_ref(c);
     } else if (c->auth == AUTH_DONE && !td__decoder_idle(c->dec) &&
@@ -1036,7 +1275,7 @@ void td__grpc_sweep(td__transport *t, uint64_t now) {
       conn_close_locked(c, GRPC_STATUS_DEADLINE_EXCEEDED, why[i]);
       pthread_mutex_unlock(&c->mu);
     } else {
-      handshake_failed(c, why[i]);
+      handshake_failed(c, GRPC_STATUS_DEADLINE_EXCEEDED, why[i]);
     }
     td__conn_unref(c);
   }

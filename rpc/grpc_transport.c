@@ -4,13 +4,16 @@
  * Lock order: t->mu, then c->mu. No lock is held while calling the agent's callbacks.
  */
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "grpc_impl.h"
@@ -33,8 +36,16 @@ void td__grpc_tags_dec(td__transport *t) {
   }
 }
 
+/* Whether address (host:port) names this host's listen address. */
+static bool same_host(const td__transport *t, const char *address) {
+  size_t hl = strlen(t->host);
+  if (address[0] == '[') /* [v6]:port */
+    return strncmp(address + 1, t->host, hl) == 0 && address[1 + hl] == ']';
+  return strncmp(address, t->host, hl) == 0 && address[hl] == ':';
+}
+
 static grpc_channel_args *make_args(grpc_arg *buf, int *n, const td__transport *t,
-                                    bool server) {
+                                    bool server, const char *address) {
   const td__transport_opts *o = &t->opts;
   int k = 0;
   /* everything gRPC buffers for this process's connections, both directions, counts against one
@@ -51,15 +62,25 @@ static grpc_channel_args *make_args(grpc_arg *buf, int *n, const td__transport *
                         {.integer = (int)(CHUNK + (64u << 10))}};
   buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
                         {.integer = (int)(CHUNK + (64u << 10))}};
-  int ka = (int)(o->keepalive_ms > 0 ? o->keepalive_ms : 2000);
+  int ka = (int)(o->keepalive_ms > 0 ? o->keepalive_ms : 2000), ka_base = ka;
   /* how long a ping may stay unanswered: longer than the interval, so a live peer that is merely
    * busy (many processes on few cores, sanitizer builds) is not declared dead */
   int kt = (int)(o->keepalive_timeout_ms > 0 ? o->keepalive_timeout_ms : 20000);
+  /* ... and on an oversubscribed host, longer with the load: 256 workers on 2 CPUs starved
+   * rank 0 past 20 s and its peers declared it dead (a dead peer's connection closes anyway) */
+  int load = __atomic_load_n(&t->host_load_x100, __ATOMIC_RELAXED);
+  if (o->keepalive_auto && load > 200 && (server || same_host(t, address))) {
+    int64_t s = (int64_t)kt * load / 200;
+    kt = (int)(s < TD__KEEPALIVE_MAX_MS ? s : TD__KEEPALIVE_MAX_MS);
+    if (ka < kt / 4) ka = kt / 4; /* fewer pings too: they cost the starved host most */
+  }
   if (server) {
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_ALLOW_REUSEPORT, {.integer = 0}};
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, {.integer = 1}};
+    /* (of the interval before any stretch: a channel made when the load was known to be lower
+     * pings more often, and must not be sent away for it) */
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
-                          {.integer = ka / 2 > 0 ? ka / 2 : 1}};
+                          {.integer = ka_base / 2 > 0 ? ka_base / 2 : 1}};
     /* a client pinging more often than that (without data) twice is sent away */
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_PING_STRIKES, {.integer = 2}};
     /* tdist needs one stream per peer pair plus a few concurrent store calls per connection */
@@ -130,7 +151,7 @@ grpc_channel *td__grpc_channel_for(td__transport *t, const char *address) {
   }
   grpc_arg argbuf[24];
   int na;
-  grpc_channel_args *args = make_args(argbuf, &na, t, false);
+  grpc_channel_args *args = make_args(argbuf, &na, t, false, address);
   grpc_channel_credentials *creds = t->chan_creds ? t->chan_creds
                                                   : grpc_insecure_credentials_create();
   grpc_channel *ch = grpc_channel_create(address, creds, args);
@@ -264,6 +285,149 @@ void td__grpc_refused(td__transport *t, const char *addr, const char *why) {
            suppressed ? " (and earlier refusals from there not logged)" : "");
 }
 
+/* ---- abusive connections and memory given back ---- */
+
+/* Parses gRPC's peer string ("ipv4:1.2.3.4:port", "ipv6:[::1]:port", "ipv6:%5B::1%5D:port"). */
+static bool peer_sockaddr(const char *peer, struct sockaddr_storage *ss) {
+  char h[80];
+  const char *p = strncmp(peer, "ipv4:", 5) == 0 || strncmp(peer, "ipv6:", 5) == 0 ? peer + 5 : NULL;
+  if (!p) return false;
+  size_t k = 0;
+  for (; *p && k + 1 < sizeof h; p++) { /* %5B / %5D: brackets */
+    if (p[0] == '%' && p[1] == '5' && (p[2] == 'B' || p[2] == 'D')) {
+      h[k++] = p[2] == 'B' ? '[' : ']';
+      p += 2;
+    } else {
+      h[k++] = *p;
+    }
+  }
+  h[k] = 0;
+  char *colon = strrchr(h, ':');
+  if (!colon) return false;
+  *colon = 0;
+  int port = atoi(colon + 1);
+  memset(ss, 0, sizeof *ss);
+  if (h[0] == '[') {
+    char *end = strchr(h, ']');
+    if (!end) return false;
+    *end = 0;
+    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)ss;
+    a6->sin6_family = AF_INET6;
+    a6->sin6_port = htons((uint16_t)port);
+    return inet_pton(AF_INET6, h + 1, &a6->sin6_addr) == 1;
+  }
+  struct sockaddr_in *a4 = (struct sockaddr_in *)ss;
+  a4->sin_family = AF_INET;
+  a4->sin_port = htons((uint16_t)port);
+  return inet_pton(AF_INET, h, &a4->sin_addr) == 1;
+}
+
+/* An IPv4-mapped IPv6 address as the IPv4 address it maps (gRPC listens on dual-stack sockets:
+ * a connection from 127.0.0.1 has the remote address ::ffff:127.0.0.1 there). */
+static void unmap_v4(struct sockaddr_storage *a) {
+  const struct sockaddr_in6 *a6 = (const struct sockaddr_in6 *)a;
+  if (a->ss_family != AF_INET6 || !IN6_IS_ADDR_V4MAPPED(&a6->sin6_addr)) return;
+  struct sockaddr_in a4;
+  memset(&a4, 0, sizeof a4);
+  a4.sin_family = AF_INET;
+  a4.sin_port = a6->sin6_port;
+  memcpy(&a4.sin_addr, &a6->sin6_addr.s6_addr[12], 4);
+  memset(a, 0, sizeof *a);
+  memcpy(a, &a4, sizeof a4);
+}
+
+static bool same_addr(struct sockaddr_storage *a, struct sockaddr_storage *b) {
+  unmap_v4(a);
+  unmap_v4(b);
+  if (a->ss_family != b->ss_family) return false;
+  if (a->ss_family == AF_INET) {
+    const struct sockaddr_in *x = (const void *)a, *y = (const void *)b;
+    return x->sin_port == y->sin_port && x->sin_addr.s_addr == y->sin_addr.s_addr;
+  }
+  const struct sockaddr_in6 *x = (const void *)a, *y = (const void *)b;
+  return x->sin6_port == y->sin6_port && memcmp(&x->sin6_addr, &y->sin6_addr, 16) == 0;
+}
+
+static int sock_port(const struct sockaddr_storage *a) {
+  return ntohs(a->ss_family == AF_INET ? ((const struct sockaddr_in *)a)->sin_port
+                                       : ((const struct sockaddr_in6 *)a)->sin6_port);
+}
+
+/* Shuts down the TCP connection our server accepted from peer. gRPC's C API cannot close one
+ * connection, so the socket is found among this process's descriptors (its remote end is peer,
+ * its local port our server's) and shut down: gRPC then sees the connection end and tears it
+ * down itself (the descriptor stays gRPC's to close). */
+static bool close_connection(td__transport *t, const char *peer) {
+  struct sockaddr_storage want;
+  if (!peer_sockaddr(peer, &want)) return false;
+  DIR *dir = opendir("/proc/self/fd");
+  if (!dir) return false;
+  bool done = false;
+  struct dirent *e;
+  while (!done && (e = readdir(dir)) != NULL) {
+    char *end;
+    long fd = strtol(e->d_name, &end, 10);
+    if (*end || fd < 0 || fd == dirfd(dir)) continue;
+    struct stat st;
+    if (fstat((int)fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+    struct sockaddr_storage rem, loc;
+    socklen_t rl = sizeof rem, ll = sizeof loc;
+    if (getpeername((int)fd, (struct sockaddr *)&rem, &rl) != 0 || !same_addr(&rem, &want) ||
+        getsockname((int)fd, (struct sockaddr *)&loc, &ll) != 0 || sock_port(&loc) != t->port)
+      continue;
+    done = shutdown((int)fd, SHUT_RDWR) == 0;
+  }
+  closedir(dir);
+  return done;
+}
+
+void td__grpc_abuse_note(td__transport *t, const char *peer) {
+  if (!peer || !*peer) return;
+  uint64_t now = td__now_ns();
+  bool close = false;
+  pthread_mutex_lock(&t->mu);
+  td__abuse *slot = NULL, *oldest = &t->abuse[0];
+  for (int i = 0; i < TD__ABUSE_CONNS && !slot; i++) {
+    if (strcmp(t->abuse[i].peer, peer) == 0) slot = &t->abuse[i];
+    else if (t->abuse[i].since_ns < oldest->since_ns) oldest = &t->abuse[i];
+  }
+  if (!slot) {
+    slot = oldest;
+    snprintf(slot->peer, sizeof slot->peer, "%s", peer);
+    slot->since_ns = now;
+    slot->count = 0;
+  }
+  if (now - slot->since_ns > TD__ABUSE_WINDOW_NS) {
+    slot->since_ns = now;
+    slot->count = 0;
+  }
+  close = ++slot->count == TD__ABUSE_STREAMS;
+  pthread_mutex_unlock(&t->mu);
+  if (!close) return;
+  char why[160];
+  snprintf(why, sizeof why, "%d streams ended without authenticating within %llu s: connection "
+           "closed%s", TD__ABUSE_STREAMS, TD__ABUSE_WINDOW_NS / 1000000000ull,
+           close_connection(t, peer) ? "" : " (not found)");
+  td__grpc_refused(t, peer, why);
+}
+
+static void trim_task(void *arg) {
+  (void)arg;
+  malloc_trim(0);
+}
+
+void td__grpc_trim(td__transport *t) { __atomic_store_n(&t->trim_wanted, true, __ATOMIC_RELAXED); }
+
+/* The poller's sweep: a trim asked for runs at most every 5 s (the last one late rather than
+ * never), on the bulk thread: trimming a large heap takes milliseconds the poller does not have. */
+static void trim_if_due(td__transport *t, uint64_t now) {
+  if (!__atomic_load_n(&t->trim_wanted, __ATOMIC_RELAXED) || now - t->trim_ns < 5000000000ull)
+    return;
+  __atomic_store_n(&t->trim_wanted, false, __ATOMIC_RELAXED);
+  t->trim_ns = now;
+  td__threadpool_submit(t->bulk, trim_task, NULL);
+}
+
 void td__transport_traffic(td__transport *t, int rank, td_rpc_traffic *out) {
   memset(out, 0, sizeof *out);
   for (int r = 0; t->traffic && r < t->opts.world; r++) {
@@ -334,10 +498,11 @@ static void dispatch(td__transport *t, tag *tg, bool success) {
 
 static void *poller_main(void *arg) {
   td__transport *t = arg;
-  int tick = t->opts.tick_ms > 0 ? t->opts.tick_ms : 10;
+  int tick = __atomic_load_n(&t->tick_ms, __ATOMIC_RELAXED);
   uint64_t next_tick = td__now_ns() + (uint64_t)tick * 1000000ull;
   uint64_t last_event = 0;
   for (;;) {
+    tick = __atomic_load_n(&t->tick_ms, __ATOMIC_RELAXED);
     /* Busy polling: for a short window after an event, poll without blocking, so a reply or the
      * next request that follows closely is picked up by a running thread instead of waking a
      * sleeping one (on virtual machines an idle vCPU's wake-up costs tens of microseconds). */
@@ -346,11 +511,13 @@ static void *poller_main(void *arg) {
     if (spin && td__now_ns() - last_event < spin) {
       ev = grpc_completion_queue_next(t->cq, gpr_inf_past(GPR_CLOCK_MONOTONIC), NULL);
       if (ev.type == GRPC_QUEUE_TIMEOUT) {
+        __atomic_store_n(&t->idle_ns, td__now_ns(), __ATOMIC_RELAXED);
         sched_yield(); /* a runnable thread on this CPU goes first */
         continue;
       }
     } else {
       ev = grpc_completion_queue_next(t->cq, td__grpc_deadline_ms(tick), NULL);
+      if (ev.type == GRPC_QUEUE_TIMEOUT) __atomic_store_n(&t->idle_ns, td__now_ns(), __ATOMIC_RELAXED);
     }
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
     if (ev.type == GRPC_OP_COMPLETE) {
@@ -363,10 +530,12 @@ static void *poller_main(void *arg) {
     if (now >= next_tick) {
       next_tick = now + (uint64_t)tick * 1000000ull;
       if (t->cbs.on_tick) t->cbs.on_tick(t->cbs.ud);
+      td__grpc_retry_due(t, now);
       if (now >= t->next_sweep_ns) {
         t->next_sweep_ns = now + 1000000000ull;
         td__grpc_sweep(t, now);
         td__lanes_sweep(t->lanes);
+        trim_if_due(t, now);
       }
     }
   }
@@ -406,7 +575,24 @@ void td__transport_set_busy_poll(td__transport *t, int64_t us) {
   td__lanes_set_spin(t->lanes, us > 0 ? us * 1000 : 0);
 }
 
+void td__transport_test_refuse_hellos(td__transport *t, int n) {
+  __atomic_store_n(&t->refuse_hellos, n, __ATOMIC_RELAXED);
+}
+
+void td__transport_set_host_load(td__transport *t, int load_x100) {
+  __atomic_store_n(&t->host_load_x100, load_x100, __ATOMIC_RELAXED);
+  /* every worker's poller wakes each tick (deadlines of calls): 256 of them on 2 CPUs made 25,600
+   * wake-ups a second for nothing; on a host with more than twice as many workers as CPUs the
+   * tick grows with the load, up to 100 ms (calls then time out that much late at most) */
+  int base = t->opts.tick_ms > 0 ? t->opts.tick_ms : 10;
+  int tick = load_x100 > 200 ? (int)((int64_t)base * load_x100 / 200) : base;
+  __atomic_store_n(&t->tick_ms, tick > 100 && base <= 100 ? 100 : tick, __ATOMIC_RELAXED);
+}
+
 td_status td__transport_allow_lane(td__transport *t, const int *pid_of, int world) {
+  int local = 0;
+  for (int r = 0; r < world; r++) local += r != t->opts.self_rank && pid_of[r] > 0;
+  __atomic_store_n(&t->lane_lazy, local > TD__LANE_MAX, __ATOMIC_RELAXED);
   return t->lanes ? td__lanes_set_pids(t->lanes, pid_of, world) : TD_OK;
 }
 
@@ -435,7 +621,12 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
   pthread_mutex_init(&t->refusals.mu, NULL);
   td__auth_init(&t->insecure, NULL, 0);
   t->traffic = td__calloc((size_t)(o->world > 0 ? o->world : 1), sizeof *t->traffic);
-  if (!t->traffic) {
+  t->held = td__calloc((size_t)(o->world > 0 ? o->world : 1), sizeof *t->held);
+  t->held_max = o->member_held_max ? o->member_held_max
+                : o->max_message ? o->max_message + (256ull << 20) : 0;
+  if (!t->traffic || !t->held) {
+    td__free(t->traffic);
+    td__free(t->held);
     td__free(t->host);
     td__free(t);
     return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
@@ -454,13 +645,15 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
   }
   if (td__threadpool_create(1, "td-bulk", &t->bulk) != TD_OK) {
     td__free(t->traffic);
+    td__free(t->held);
     td__free(t->host);
     td__free(t);
     return td_set_error(TD_ERR_NOMEM, "rpc transport: cannot start the bulk-copy thread");
   }
   t->quota = grpc_resource_quota_create("tdist");
   grpc_resource_quota_resize(t->quota, (size_t)(o->memory_quota ? o->memory_quota : (1ull << 30)));
-  grpc_channel_args *args = make_args(argbuf, &na, t, true);
+  td__transport_set_host_load(t, o->host_load_x100); /* the estimate, until the group is known */
+  grpc_channel_args *args = make_args(argbuf, &na, t, true, NULL);
   t->server = grpc_server_create(args, NULL);
   grpc_server_register_completion_queue(t->server, t->cq, NULL);
   char addr[300];
@@ -489,6 +682,7 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
     grpc_shutdown();
     td__free(t->host);
     td__free(t->traffic);
+    td__free(t->held);
     pthread_mutex_destroy(&t->refusals.mu);
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->cv);
@@ -520,6 +714,7 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
   }
   pthread_setname_np(t->poller, "td-poller");
   t->poller_started = true;
+  t->port = port;
   *bound_port = port;
   *out = t;
   return TD_OK;
@@ -538,6 +733,7 @@ void td__transport_shutdown(td__transport *t) {
   TSAN_RELEASE(&t->t_server_shutdown);
   grpc_server_shutdown_and_notify(t->server, t->cq, &t->t_server_shutdown);
   grpc_server_cancel_all_calls(t->server);
+  td__grpc_unary_answer_all(t); /* held unary calls (parked store waits) end now */
   /* close every stream we know of */
   pthread_mutex_lock(&t->mu);
   size_t n = 0;
@@ -576,6 +772,10 @@ void td__transport_shutdown(td__transport *t) {
     if (__atomic_load_n(&t->live_tags, __ATOMIC_ACQUIRE) > 0)
       td_log(TD_LOG_WARN, "rpc transport: %lld gRPC operations still pending at shutdown",
              (long long)t->live_tags);
+  }
+  /* client streams waiting to retry a refused handshake have no call whose status would report
+   * their end: reported now (on_closed runs for them too) */
+  while (td__grpc_retry_due(t, UINT64_MAX) > 0) {
   }
 }
 
@@ -622,5 +822,6 @@ void td__transport_destroy(td__transport *t) {
   pthread_mutex_destroy(&t->mu);
   pthread_cond_destroy(&t->cv);
   td__free(t->traffic);
+  td__free(t->held);
   td__free(t);
 }

@@ -10,6 +10,27 @@
 
 /* ---- server side ---- */
 
+/* A unary call whose answer comes later (td__transport_unary_defer): held by the transport's
+ * list until answered, and by whoever answers it. The first of the answer and the transport's
+ * shutdown sends the reply (answered), the other only lets go. */
+struct td__unary_token {
+  int refs;     /* atomic */
+  int answered; /* atomic */
+  td__transport *t;
+  unary_srv *u;
+  struct td__unary_token *prev, *next; /* t->deferred (t->mu) */
+};
+
+/* The call on_unary is answering on this thread (td__transport_unary_defer). */
+static _Thread_local unary_srv *serving;
+
+static void token_unref(td__unary_token *k) {
+  if (__atomic_sub_fetch(&k->refs, 1, __ATOMIC_ACQ_REL) == 0) td__free(k);
+}
+
+static void unary_finish(unary_srv *u, grpc_status_code code, const char *msg, uint8_t *reply,
+                         size_t reply_len);
+
 static void unary_free(unary_srv *u) {
   if (u->req) grpc_byte_buffer_destroy(u->req);
   if (u->reply) grpc_byte_buffer_destroy(u->reply);
@@ -69,10 +90,12 @@ static void handle_unary_recv(unary_srv *u, bool success) {
       }
       grpc_byte_buffer_reader_destroy(&r);
     }
+    serving = u;
     td_status st = buf ? (t->cbs.on_unary ? t->cbs.on_unary(t->cbs.ud, u->method, buf, len, &reply,
                                                             &reply_len)
                                           : td_set_error(TD_ERR_NOT_FOUND, "no unary methods"))
                        : td_set_error(TD_ERR_NOMEM, "out of memory");
+    serving = NULL;
     td__free(buf);
     if (st == TD_ERR_AUTH) {
       char *peer = grpc_call_get_peer(u->call);
@@ -86,6 +109,17 @@ static void handle_unary_recv(unary_srv *u, bool success) {
       snprintf(msg, sizeof msg, "%s", td_last_error());
     }
   }
+  if (u->token) { /* deferred: answered later */
+    td__free(reply);
+    return;
+  }
+  unary_finish(u, code, msg, reply, reply_len);
+}
+
+/* Sends the reply (or the failed status) and closes the call; u is freed when that completes. */
+static void unary_finish(unary_srv *u, grpc_status_code code, const char *msg, uint8_t *reply,
+                         size_t reply_len) {
+  td__transport *t = u->tr;
   grpc_op ops[3];
   memset(ops, 0, sizeof ops);
   size_t n = 0;
@@ -115,6 +149,76 @@ static void handle_unary_recv(unary_srv *u, bool success) {
     unary_free(u);
   }
   grpc_slice_unref(details);
+}
+
+void *td__transport_unary_defer(td__transport *t) {
+  unary_srv *u = serving;
+  if (!u || u->token) return NULL;
+  td__unary_token *k = td__calloc(1, sizeof *k);
+  if (!k) return NULL;
+  k->refs = 2; /* the list's, the caller's */
+  k->t = t;
+  k->u = u;
+  pthread_mutex_lock(&t->mu);
+  bool down = t->shutting_down; /* (td__grpc_unary_answer_all runs after it is set) */
+  if (!down) {
+    k->next = t->deferred;
+    if (t->deferred) t->deferred->prev = k;
+    t->deferred = k;
+    u->token = k;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (down) {
+    td__free(k);
+    return NULL;
+  }
+  return k;
+}
+
+/* Takes k off the transport's list (once) and drops the list's reference. */
+static void token_unlist(td__unary_token *k) {
+  td__transport *t = k->t;
+  pthread_mutex_lock(&t->mu);
+  bool listed = k->prev || k->next || t->deferred == k;
+  if (listed) {
+    if (k->prev) k->prev->next = k->next;
+    else t->deferred = k->next;
+    if (k->next) k->next->prev = k->prev;
+    k->prev = k->next = NULL;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (listed) token_unref(k);
+}
+
+void td__transport_unary_answer(void *token, uint8_t *reply, size_t len) {
+  td__unary_token *k = token;
+  if (!__atomic_exchange_n(&k->answered, 1, __ATOMIC_ACQ_REL)) {
+    unary_srv *u = k->u;
+    token_unlist(k);
+    if (reply) unary_finish(u, GRPC_STATUS_OK, "", reply, len);
+    else unary_finish(u, GRPC_STATUS_UNAVAILABLE, "the store could not answer", NULL, 0);
+  } else {
+    td__free(reply);
+  }
+  token_unref(k);
+}
+
+void td__grpc_unary_answer_all(td__transport *t) {
+  for (;;) {
+    pthread_mutex_lock(&t->mu);
+    td__unary_token *k = t->deferred;
+    if (k) __atomic_add_fetch(&k->refs, 1, __ATOMIC_ACQ_REL);
+    pthread_mutex_unlock(&t->mu);
+    if (!k) return;
+    if (!__atomic_exchange_n(&k->answered, 1, __ATOMIC_ACQ_REL)) {
+      unary_srv *u = k->u;
+      token_unlist(k);
+      unary_finish(u, GRPC_STATUS_UNAVAILABLE, "the server is shutting down", NULL, 0);
+    } else {
+      token_unlist(k);
+    }
+    token_unref(k);
+  }
 }
 
 void td__grpc_unary_event(tag *tg, bool success) {

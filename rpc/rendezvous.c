@@ -130,26 +130,83 @@ static td_status peer_functions(td_rpc_agent *a, int r, char *v, size_t n) {
   return TD_OK;
 }
 
+/* A registry's name in the store: "regblob/" and a 128-bit hash of its text in hex. Workers of
+ * a group mostly register the same functions: each publishes only this name under registry/<r>
+ * (and the text under it), so reading every worker's registry costs 40 bytes per worker and one
+ * get per distinct registry, not the text N times (at 1,024 workers of 1 KiB registries that was
+ * 1 GiB through rank 0). Members are trusted, so the hash need only tell registries apart. */
+static void registry_key(const char *snap, size_t n, char out[64]) {
+  uint64_t h1 = 1469598103934665603ull, h2 = 0x9e3779b97f4a7c15ull;
+  for (size_t i = 0; i < n; i++) {
+    h1 = (h1 ^ (uint8_t)snap[i]) * 1099511628211ull;
+    h2 = (h2 ^ (uint8_t)snap[i]) * 0x100000001b3ull;
+    h2 ^= h2 >> 29;
+  }
+  snprintf(out, 64, "regblob/%016llx%016llx%zx", (unsigned long long)h1,
+           (unsigned long long)h2, n);
+}
+
+/* The registry texts named by the registry/ records: each distinct one read once (a get), each
+ * peer given its own copy (peer_functions parses it in place). */
+static td_status peer_registries(td_rpc_agent *a, char **names) {
+  for (int r = 0; r < a->world; r++) {
+    if (a->peers[r].fns_blob) continue;
+    if (strncmp(names[r], "regblob/", 8) != 0)
+      return td_set_error(TD_ERR_FORMAT, "rpc init: bad registry record for rank %d", r);
+    uint8_t *v = NULL;
+    size_t n = 0;
+    bool found = false;
+    TD_TRY(td__store_get(&a->sc, names[r], &v, &n, &found));
+    if (!found) return td_set_error(TD_ERR_FORMAT, "rpc init: rank %d's registry is missing", r);
+    for (int q = r; q < a->world; q++) {
+      if (a->peers[q].fns_blob || strcmp(names[q], names[r]) != 0) continue;
+      char *copy = td__malloc(n + 1);
+      if (!copy) {
+        td__free(v);
+        return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+      }
+      memcpy(copy, v, n + 1);
+      td_status st = peer_functions(a, q, copy, n);
+      if (st != TD_OK) {
+        td__free(v);
+        return st;
+      }
+    }
+    td__free(v);
+  }
+  return TD_OK;
+}
+
 /* Reads every worker's record and registry, a few requests in all (td__store_wait_range). */
 static td_status parse_peers(td_rpc_agent *a, uint64_t deadline) {
   char **recs, **regs;
   size_t *rl, *gl;
   TD_TRY(td__rdv_read_all(a, "worker/", deadline, &recs, &rl));
   td_status st = td__rdv_read_all(a, "registry/", deadline, &regs, &gl);
-  for (int r = 0; r < a->world && st == TD_OK; r++) {
-    st = peer_record(a, r, recs[r]);
-    if (st != TD_OK) break;
-    st = peer_functions(a, r, regs[r], gl[r]);
-    regs[r] = NULL; /* the peer's now, whatever happened */
-  }
+  for (int r = 0; r < a->world && st == TD_OK; r++) st = peer_record(a, r, recs[r]);
+  if (st == TD_OK) st = peer_registries(a, regs);
   td__rdv_free_all(a, recs, rl);
   td__rdv_free_all(a, regs, gl);
   TD_TRY(st);
-  for (int r = 0; r < a->world; r++)
-    for (int q = r + 1; q < a->world; q++)
-      if (strcmp(a->peers[r].info.name, a->peers[q].info.name) == 0)
-        return td_set_error(TD_ERR_EXISTS, "rpc init: ranks %d and %d both use the name '%s'", r,
-                            q, a->peers[r].info.name);
+  /* names index (td__agent_rank_of), which also finds a name used twice: O(N), not O(N^2) */
+  size_t cap = 64;
+  while (cap < (size_t)a->world * 2) cap *= 2;
+  int *idx = td__calloc(cap, sizeof *idx);
+  if (!idx) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+  for (int q = 0; q < a->world; q++) {
+    size_t i = td__agent_name_hash(a->peers[q].info.name) & (cap - 1);
+    for (; idx[i]; i = (i + 1) & (cap - 1)) {
+      int r = idx[i] - 1;
+      if (strcmp(a->peers[r].info.name, a->peers[q].info.name) == 0) {
+        td__free(idx);
+        return td_set_error(TD_ERR_EXISTS, "rpc init: ranks %d and %d both use the name '%s'",
+                            r, q, a->peers[r].info.name);
+      }
+    }
+    idx[i] = q + 1;
+  }
+  a->name_idx = idx;
+  a->name_mask = cap - 1;
   log_registry_differences(a);
   return TD_OK;
 }
@@ -221,22 +278,25 @@ static bool init_interrupted(const td_rpc_agent *a) {
   return __atomic_load_n(&init_interrupts, __ATOMIC_ACQUIRE) != a->init_gen;
 }
 
-/* Waits for the store key in polls of at most RDV_POLL_MS (so td_rpc_init_interrupt is seen),
- * reporting progress every rdv_report_ms. */
+/* Waits for the store key in slices of at most RDV_POLL_MS, or world ms in larger groups (so
+ * td_rpc_init_interrupt is seen; each slice is one wait parked at the store), reporting progress
+ * every rdv_report_ms. */
 #define RDV_POLL_MS 250
 static td_status rdv_wait(td_rpc_agent *a, const char *key, int64_t target, uint64_t deadline,
                           rdv_progress *p, uint8_t **v) {
   uint64_t started = td__now_ns(), report = (uint64_t)rdv_report_ms() * 1000000ull;
   uint64_t next_report = started + report;
+  int64_t backoff = 1; /* across the slices */
   for (;;) {
     if (init_interrupted(a))
       return td_set_error(TD_ERR_CANCELLED, "rpc init: interrupted (td_rpc_init_interrupt) "
                           "while waiting for the other workers");
-    uint64_t now = td__now_ns(), poll = (uint64_t)RDV_POLL_MS * 1000000ull;
+    uint64_t now = td__now_ns();
+    uint64_t poll = (uint64_t)(a->world > RDV_POLL_MS ? a->world : RDV_POLL_MS) * 1000000ull;
     uint64_t until = deadline > now + poll ? now + poll : deadline;
     td__store_set_deadline(&a->sc, until);
-    td_status st = target < 0 ? td__store_wait_key(&a->sc, key, until, "abort", v, NULL)
-                              : td__store_wait_ge(&a->sc, key, target, until, "abort");
+    td_status st = target < 0 ? td__store_poll_key(&a->sc, key, until, "abort", &backoff, v, NULL)
+                              : td__store_poll_ge(&a->sc, key, target, until, "abort", &backoff);
     td__store_set_deadline(&a->sc, deadline);
     if (st != TD_ERR_TIMEOUT || td__now_ns() >= deadline) return st;
     if (td__now_ns() >= next_report) {
@@ -301,10 +361,13 @@ static td_status rdv_publish(td_rpc_agent *a) {
   TD_TRY(td__store_set(&a->sc, key, val, (size_t)n));
   char *snap = td__reg_snapshot();
   if (!snap) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
-  snprintf(key, sizeof key, "registry/%d", a->rank);
-  td_status st = td__store_set(&a->sc, key, snap, strlen(snap));
+  char name[64];
+  registry_key(snap, strlen(snap), name);
+  td_status st = td__store_set(&a->sc, name, snap, strlen(snap));
   td__free(snap);
   TD_TRY(st);
+  snprintf(key, sizeof key, "registry/%d", a->rank);
+  TD_TRY(td__store_set(&a->sc, key, name, strlen(name)));
   TD_TRY(td__direct_publish(a));
   return td__devmap_publish(a);
 }
@@ -382,6 +445,12 @@ static td_status rendezvous(td_rpc_agent *a) {
   return TD_OK;
 }
 
+/* Workers per CPU on this host, times 100 (td__transport_opts.host_load_x100). */
+static int host_load(int local) {
+  long cpus = td__cpus_usable();
+  return (int)((int64_t)local * 100 / (cpus > 0 ? cpus : 1));
+}
+
 /* busy_poll_window resolves td_rpc_options.busy_poll_us once every worker's address is known:
  * spinning pays off only when every local worker can have a CPU of its own. */
 static int64_t busy_poll_window(td_rpc_agent *a, int64_t opt) {
@@ -402,6 +471,7 @@ static int64_t busy_poll_window(td_rpc_agent *a, int64_t opt) {
     if (strcmp(mine, other) == 0) local++;
   }
   long cpus = td__cpus_usable();
+  td__transport_set_host_load(a->tr, host_load(local));
   int64_t us = cpus > 1 && local <= cpus ? 50 : 0;
   td_log(TD_LOG_DEBUG, "rpc: %s: %d workers on this host, %ld CPUs: busy-poll %lld us", a->name,
          local, cpus, (long long)us);
@@ -418,6 +488,7 @@ void td__agent_free(td_rpc_agent *a) {
     }
   }
   td__devmap_free_all(a);
+  td__free(a->name_idx);
   td__free(a->peers);
   td__free(a->direct_cand);
   td__call_free_all(a);
@@ -555,7 +626,7 @@ static td_status init_options(const char **name, char *defname, size_t dn, int r
   /* every stream pings every keepalive_ms: with a stream to each of N-1 peers that is N^2 pings
    * for the group, so past 64 peers the interval grows to keep each worker at ~32 pings/s (256
    * workers on one 2-CPU host spent the machine on pings and declared live peers dead) */
-  if (o->keepalive_ms <= 0) o->keepalive_ms = world_size > 65 ? (world_size - 1) * 2000 / 64 : 2000;
+  /* (left at 0 here: init_transport chooses it, and knows then that tdist chose it) */
   if (!*name) {
     snprintf(defname, dn, "worker%d", rank);
     *name = defname;
@@ -721,6 +792,22 @@ static int64_t env_ms(const char *name, int64_t dflt) {
   return ms;
 }
 
+/* The handshake timeout (TD_RPC_HANDSHAKE_TIMEOUT_MS, else 20 s): on a host running more than
+ * twice as many workers as CPUs (the estimate before the group is known: every worker here)
+ * longer with the load, x load / 200, up to TD__HANDSHAKE_MAX_MS. It bounds a member's handshake
+ * at the server (strangers have their 2 s HELLO tier), the client's connection attempts and its
+ * handshake retries: 192 workers on 2 CPUs lost connection attempts and handshakes at 20 s,
+ * and their all-to-all failed; at 120 s it completed. */
+#define TD__HANDSHAKE_MAX_MS 120000
+static int64_t handshake_ms(const td_rpc_agent *a) {
+  int64_t ms = env_ms("TD_RPC_HANDSHAKE_TIMEOUT_MS", 0);
+  if (ms > 0) return ms;
+  int load = host_load(a->world);
+  ms = 20000;
+  if (load > 200) ms = ms * load / 200;
+  return ms < TD__HANDSHAKE_MAX_MS ? ms : TD__HANDSHAKE_MAX_MS;
+}
+
 /* TLS files from the options or the environment: all three or none. *tls is filled with their
  * contents (td__malloc'd; release with tls_free) when they are given. */
 static td_status init_tls(const td_rpc_options *o, td__tls *tls, bool *on) {
@@ -770,7 +857,8 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   a->tls = tls_on;
   td__transport_opts to = {.host = a->listen_addr,
                            .port = a->rank == 0 ? ad->mport : 0,
-                           .keepalive_ms = o->keepalive_ms,
+                           .keepalive_ms = o->keepalive_ms > 0 ? o->keepalive_ms
+                                           : a->world > 65 ? (a->world - 1) * 2000 / 64 : 2000,
                            .keepalive_timeout_ms = o->keepalive_timeout_ms,
                            .max_message = o->max_message_bytes,
                            .self_rank = a->rank,
@@ -778,13 +866,18 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
                            .agent = a,
                            .tick_ms = 10,
                            .auth = &a->auth,
-                           .handshake_timeout_ms = env_ms("TD_RPC_HANDSHAKE_TIMEOUT_MS", 20000),
+                           .handshake_timeout_ms = handshake_ms(a),
+                           .hello_timeout_ms = env_ms("TD_RPC_HELLO_TIMEOUT_MS", 2000),
+                           .member_held_max = (uint64_t)env_ms("TD_RPC_MEMBER_HELD_MB", 0) << 20,
                            .memory_quota = (uint64_t)env_ms("TD_RPC_MEMORY_QUOTA_MB",
                                                             (int64_t)(o->memory_quota_bytes >> 20))
                                            << 20,
                            .stall_timeout_ms = env_ms("TD_RPC_STALL_TIMEOUT_MS",
                                                       3 * o->keepalive_timeout_ms),
                            .lane = a->lane_on,
+                           .keepalive_auto = o->keepalive_ms <= 0,
+                           /* until the group is known: every worker on this host */
+                           .host_load_x100 = host_load(a->world),
                            .tls = tls_on ? &tls : NULL};
   td__transport_cbs cbs = {a, td__serve_msg, td__serve_bad, td__serve_closed, td__serve_unary,
                            td__serve_tick, td__serve_burst};
@@ -809,8 +902,13 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   a->sc.tr = a->tr;
   a->sc.call_timeout_ms = o->init_timeout_ms;
   a->sc.wait_for_ready = true;
-  /* N workers polling a wait: at most about 4,000 requests a second at the store (or 50 ms) */
-  a->sc.max_backoff_ms = a->world / 4 > 50 ? a->world / 4 : 50;
+  /* N workers polling a wait: at most about 1,000 requests a second at the store (or 50 ms).
+   * Rank 0 serves them on one thread with the CPU share of any worker: at 4,000 a second (the
+   * earlier bound) 128 workers on 2 CPUs kept it saturated through the rendezvous. */
+  a->sc.max_backoff_ms = a->world > 50 ? a->world : 50;
+  /* ... and waits are parked at the store rather than polled: one request per wait (or per
+   * 2 s), answered when the counter or key gets there */
+  a->sc.park_ms = TD__STORE_PARK_MAX_MS;
   format_addr(a->peers[a->rank].info.address, sizeof a->peers[a->rank].info.address,
               a->listen_addr, port);
   return TD_OK;
@@ -866,7 +964,10 @@ static void init_trace(td_rpc_agent *a) {
   if (td_trace_enabled()) td__trace_set_process(a->rank, a->name);
   if ((!td_trace_enabled() && !flight) || a->rank == 0) return;
   int64_t best_rtt = INT64_MAX, offset = 0;
-  for (int i = 0; i < 8; i++) {
+  /* the flight recorder alone (always on) needs less precision than a trace: in large groups,
+   * whose workers all ask rank 0's store at once, 2 exchanges rather than 8 */
+  int rounds = td_trace_enabled() || a->world <= 64 ? 8 : 2;
+  for (int i = 0; i < rounds; i++) {
     int64_t skew = td__trace_test_skew(), server, t0 = (int64_t)td__now_ns() + skew;
     if (td__store_now(&a->sc, &server) != TD_OK) return;
     int64_t t1 = (int64_t)td__now_ns() + skew;
@@ -926,6 +1027,7 @@ td_status td__rpc_init_impl(const char *name, int rank, int world_size,
   snprintf(msg, sizeof msg, "%s", td_last_error());
   if (a) {
     td__serve_drop_held(a, msg);
+    td__store_park_end(a);
     td__transport_shutdown(a->tr);
     td__threadpool_destroy(a->pool);
     a->pool = NULL;

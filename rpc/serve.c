@@ -428,7 +428,6 @@ static request *take_held(td_rpc_agent *a) {
  * overtake a held one (a lane's thread and the network thread deliver a peer's requests one after
  * the other, but without this the first request after the switch ran before the held ones). */
 void td__serve_start(td_rpc_agent *a) {
-  td__agent_index_names(a); /* the names are final: calls look their callee up by bisection */
   int n = 0;
   for (;;) {
     pthread_mutex_lock(&a->mu);
@@ -537,24 +536,21 @@ void td__serve_closed(void *ud, td__conn *c, td_status st, const char *why) {
   td__call_stream_closed(a, c, st, why);
 }
 
-void td__serve_tick(void *ud) { td__call_expire(ud); }
+void td__serve_tick(void *ud) {
+  td__call_expire(ud);
+  td__store_park_tick(ud);
+}
 
 void td__serve_burst(void *ud, bool end) {
   if (end) td__call_burst_end(ud);
   else td__call_burst_begin(ud);
 }
 
-/* A store operation whose sender the auth layer verified. */
-static td_status store_body(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
-                            size_t *reply_len) {
-  return td__store_handle(ctx, req, len, reply, reply_len);
-}
-
 td_status td__serve_unary(void *ud, const char *method, const uint8_t *req, size_t len,
                           uint8_t **reply_buf, size_t *reply_len) {
   td_rpc_agent *a = ud;
   if (strcmp(method, TD__STORE_METHOD) == 0 && a->store)
-    return td__auth_store_serve(a->sessions, req, len, store_body, a->store, reply_buf,
+    return td__auth_store_serve(a->sessions, req, len, td__store_park_body, a, reply_buf,
                                 reply_len);
   return td_set_error(TD_ERR_NOT_FOUND, "no method %s on %s", method, a->name);
 }

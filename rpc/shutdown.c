@@ -37,8 +37,8 @@ static void sleep_ms(int64_t ms) {
  * Rank 0 adds a third step, judge: it reads every status; the group is done when all are idle,
  * sent == served, and this snapshot equals the previous one; then it sets sd/go. A round is one
  * store request per worker (rank 0's judge: a few range reads more). Between rounds a worker
- * sleeps with backoff (1 ms doubling to 20 ms, or world/4 ms in groups past 80 workers, so the
- * store sees at most about 4,000 requests a second from the whole group) until the deadline. */
+ * sleeps with backoff (1 ms doubling to 20 ms, or world ms in groups past 20 workers, so the
+ * store sees at most about 1,000 requests a second from the whole group) until the deadline. */
 
 typedef struct judge {
   int64_t *prev, *cur; /* [world][sent, served] of the last two snapshots */
@@ -48,15 +48,26 @@ typedef struct judge {
 } judge;
 
 /* One request per round: the status when it changed since the last round (asking about sd/go in
- * the same request), else only whether sd/go is set. last: the status published last. */
-static td_status barrier_publish(td_rpc_agent *a, char *last, size_t ln, bool *go) {
+ * the same request), else only whether sd/go is set: a wait for it parked at the store for up to
+ * wait_ms (*waited: the round's pause is spent), or a plain read. last: the status published
+ * last. */
+static td_status barrier_publish(td_rpc_agent *a, char *last, size_t ln, int64_t wait_ms,
+                                 bool *go, bool *waited) {
   char key[64], val[128];
   bool idle = __atomic_load_n(&a->pending_out, __ATOMIC_ACQUIRE) == 0 &&
               __atomic_load_n(&a->active_in, __ATOMIC_ACQUIRE) == 0;
   int n = snprintf(val, sizeof val, "%d:%lld:%lld", idle ? 1 : 0,
                    (long long)__atomic_load_n(&a->sent_total, __ATOMIC_ACQUIRE),
                    (long long)__atomic_load_n(&a->served_total, __ATOMIC_ACQUIRE));
-  if (strcmp(val, last) == 0) return td__store_get(&a->sc, "sd/go", NULL, NULL, go);
+  if (strcmp(val, last) == 0) {
+    if (wait_ms <= 100 || a->sc.park_ms <= 0)
+      return td__store_get(&a->sc, "sd/go", NULL, NULL, go);
+    *waited = true;
+    td_status st = td__store_wait_key(&a->sc, "sd/go", td__now_ns() + (uint64_t)wait_ms * 1000000ull,
+                                      NULL, NULL, NULL);
+    *go = st == TD_OK;
+    return st == TD_ERR_TIMEOUT ? TD_OK : st;
+  }
   snprintf(key, sizeof key, "sd/status/%d", a->rank);
   TD_TRY(td__store_set_watch(&a->sc, key, val, (size_t)n, "sd/go", go));
   snprintf(last, ln, "%s", val);
@@ -162,8 +173,12 @@ static td_status barrier(td_rpc_agent *a, uint64_t deadline, uint64_t hard) {
   td_status st;
   char last[128] = "";
   for (;;) {
-    bool go = false, done = false, settled = false;
-    if ((st = barrier_publish(a, last, sizeof last, &go)) != TD_OK || go) break;
+    bool go = false, done = false, settled = false, waited = false;
+    /* (rank 0 reads every status each round: it never waits at the store) */
+    uint64_t now = td__now_ns();
+    int64_t left_ms = deadline > now ? (int64_t)((deadline - now) / 1000000u) : 0;
+    int64_t wait_ms = a->rank == 0 ? 0 : backoff < left_ms ? backoff : left_ms;
+    if ((st = barrier_publish(a, last, sizeof last, wait_ms, &go, &waited)) != TD_OK || go) break;
     if (a->rank == 0) {
       if ((st = barrier_judge(a, &j, &done, &settled)) != TD_OK || done) break;
       if (settled) backoff = 1;
@@ -173,8 +188,8 @@ static td_status barrier(td_rpc_agent *a, uint64_t deadline, uint64_t hard) {
       break;
     }
     td__progress_pump_if_owner(a); /* host mode, on the progress thread: what is queued */
-    sleep_ms(backoff);
-    int64_t most = a->world / 4 > 20 ? a->world / 4 : 20;
+    if (!waited) sleep_ms(backoff);
+    int64_t most = a->world > 20 ? a->world : 20;
     backoff = backoff * 2 > most ? most : backoff * 2;
   }
   judge_free(&j);
@@ -289,6 +304,7 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, td_timeout_ms timeout_
       td__store_wait_ge(&a->sc, "sd/exited", a->world, dl < hard ? dl : hard, NULL);
     }
   }
+  td__store_park_end(a); /* rank 0: the waits its store holds end before its server */
   td__transport_shutdown(a->tr);
   td_status pool_st = td__threadpool_shutdown_until(a->pool, hard);
   char pool_msg[1024] = "";
@@ -321,6 +337,5 @@ void td_rpc_destroy(td_rpc_agent *a) {
   a->pool = NULL;
   td__transport_destroy(a->tr);
   a->tr = NULL;
-  td__agent_unindex_names(a);
   td__agent_free(a);
 }

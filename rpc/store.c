@@ -29,8 +29,20 @@ typedef struct kv {
   size_t hash; /* str_hash(key) */
 } kv;
 
+/* A wait (op 8) the server holds until it is answered (td__store_handle_park). */
+typedef struct parked {
+  struct parked *next;
+  char *key, *watch;    /* watch: NULL for none */
+  int64_t target;       /* counter >= target; 0: the key exists */
+  uint64_t until_ns;    /* answered unsatisfied then */
+  void *token;          /* the parker's */
+  const td__store_parker *pk;
+} parked;
+
 struct td__store {
   pthread_mutex_t mu;
+  parked *waits; /* waits held (mu) */
+  size_t nparked;
   kv *tab;
   size_t cap, len;
   uint64_t bytes;        /* keys and values held */
@@ -53,8 +65,15 @@ td_status td__store_create(td__store **out) {
   return TD_OK;
 }
 
+static void parked_free(parked *w) {
+  td__free(w->key);
+  td__free(w->watch);
+  td__free(w);
+}
+
 void td__store_destroy(td__store *s) {
   if (!s) return;
+  td__store_unpark_all(s);
   for (size_t i = 0; i < s->cap; i++) {
     td__free(s->tab[i].key);
     td__free(s->tab[i].val);
@@ -218,8 +237,146 @@ static td_status watch_get(td__store *s, const char *key, Tdist__StoreReply *rep
   return TD_OK;
 }
 
+/* Whether the wait w is over: its condition holds or its abort key is set (mu held). */
+static bool wait_over(td__store *s, const char *key, int64_t target, const char *watch) {
+  kv *e = find(s, key, false);
+  if (e && (target <= 0 || (e->val && strtoll((const char *)e->val, NULL, 10) >= target)))
+    return true;
+  return watch && watch[0] && find(s, watch, false);
+}
+
+/* The reply to a wait (op 8) as it stands (mu held): found when its condition holds, the
+ * counter in number, the value, and the abort key's value. *reply: td__malloc'd. */
+static td_status wait_reply(td__store *s, const char *key, int64_t target, const char *watch,
+                            uint8_t **reply, size_t *reply_len) {
+  Tdist__StoreReply rep = TDIST__STORE_REPLY__INIT;
+  kv *e = find(s, key, false);
+  if (e) {
+    rep.number = e->val ? strtoll((const char *)e->val, NULL, 10) : 0;
+    rep.found = target <= 0 || rep.number >= target;
+    rep.value = (ProtobufCBinaryData){e->len, e->val};
+  }
+  kv *w = watch && watch[0] ? find(s, watch, false) : NULL;
+  if (w) {
+    rep.watched = true;
+    rep.watch_value = (ProtobufCBinaryData){w->len, w->val};
+  }
+  size_t n = tdist__store_reply__get_packed_size(&rep);
+  uint8_t *out = td__malloc(n ? n : 1);
+  if (!out) return td_set_error(TD_ERR_NOMEM, "store: out of memory");
+  tdist__store_reply__pack(&rep, out);
+  *reply = out;
+  *reply_len = n;
+  return TD_OK;
+}
+
+/* A parked wait's answer, ready to send once the lock is released. */
+typedef struct answer {
+  void *token;
+  const td__store_parker *pk;
+  uint8_t *reply;
+  size_t len;
+} answer;
+
+/* Takes out of the parked list every wait that is over (all of them when all; those past their
+ * time when now, else those about key), building their replies into *out (mu held). */
+static void collect_answers(td__store *s, const char *key, uint64_t now, bool all, answer **out,
+                            size_t *n) {
+  for (parked **pp = &s->waits; *pp;) {
+    parked *w = *pp;
+    bool touched = all || (key && (strcmp(w->key, key) == 0 || (w->watch && strcmp(w->watch,
+                                                                                     key) == 0)));
+    bool due = all || (now && now >= w->until_ns) ||
+               (touched && wait_over(s, w->key, w->target, w->watch));
+    if (!due) {
+      pp = &w->next;
+      continue;
+    }
+    answer *grown = td__realloc(*out, (*n + 1) * sizeof **out);
+    if (!grown) return; /* answered later: by the next change, or its time */
+    *out = grown;
+    answer *a = &(*out)[(*n)++];
+    a->token = w->token;
+    a->pk = w->pk;
+    a->reply = NULL;
+    a->len = 0;
+    wait_reply(s, w->key, w->target, w->watch, &a->reply, &a->len);
+    *pp = w->next;
+    s->nparked--;
+    parked_free(w);
+  }
+}
+
+/* Answers what collect_answers took (no lock held). */
+static void send_answers(answer *as, size_t n) {
+  for (size_t i = 0; i < n; i++) as[i].pk->answer(as[i].token, as[i].reply, as[i].len);
+  td__free(as);
+}
+
+void td__store_expire(td__store *s, uint64_t now_ns) {
+  answer *as = NULL;
+  size_t n = 0;
+  pthread_mutex_lock(&s->mu);
+  if (s->nparked) collect_answers(s, NULL, now_ns ? now_ns : 1, false, &as, &n);
+  pthread_mutex_unlock(&s->mu);
+  send_answers(as, n);
+}
+
+void td__store_unpark_all(td__store *s) {
+  answer *as = NULL;
+  size_t n = 0;
+  pthread_mutex_lock(&s->mu);
+  collect_answers(s, NULL, 0, true, &as, &n);
+  pthread_mutex_unlock(&s->mu);
+  send_answers(as, n);
+}
+
+size_t td__store_parked(td__store *s) {
+  pthread_mutex_lock(&s->mu);
+  size_t n = s->nparked;
+  pthread_mutex_unlock(&s->mu);
+  return n;
+}
+
+/* Op 8: the wait's reply at once, or (with a parker, when it is not over) the wait parked, for at
+ * most park_ms (TD__STORE_PARK_MAX_MS). mu held. */
+static td_status wait_op(td__store *s, const Tdist__StoreRequest *r, const td__store_parker *pk,
+                         uint8_t **reply, size_t *reply_len, bool *parked_out) {
+  const char *key = r->key ? r->key : "", *watch = r->watch_key;
+  if (strlen(key) > TD__STORE_MAX_KEY || (watch && strlen(watch) > TD__STORE_MAX_KEY))
+    return td_set_error(TD_ERR_INVALID, "store: key too long");
+  int64_t ms = r->count < TD__STORE_PARK_MAX_MS ? r->count : TD__STORE_PARK_MAX_MS;
+  if (!pk || ms <= 0 || s->nparked >= TD__STORE_MAX_PARKED ||
+      wait_over(s, key, r->delta, watch))
+    return wait_reply(s, key, r->delta, watch, reply, reply_len);
+  parked *w = td__calloc(1, sizeof *w);
+  void *token = NULL;
+  if (w && (w->key = td__strdup(key)) && (!watch || !watch[0] || (w->watch = td__strdup(watch))))
+    token = pk->park(pk->ud);
+  if (!token) { /* cannot hold it: answer now */
+    if (w) parked_free(w);
+    return wait_reply(s, key, r->delta, watch, reply, reply_len);
+  }
+  w->target = r->delta;
+  w->until_ns = td__now_ns() + (uint64_t)ms * 1000000ull;
+  w->token = token;
+  w->pk = pk;
+  w->next = s->waits;
+  s->waits = w;
+  s->nparked++;
+  *parked_out = true;
+  return TD_OK;
+}
+
 td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t **reply,
                            size_t *reply_len) {
+  bool parked_out = false;
+  return td__store_handle_park(s, req, len, reply, reply_len, NULL, &parked_out);
+}
+
+td_status td__store_handle_park(td__store *s, const uint8_t *req, size_t len, uint8_t **reply,
+                                size_t *reply_len, const td__store_parker *pk, bool *parked_out) {
+  *parked_out = false;
   Tdist__StoreRequest *r = tdist__store_request__unpack(NULL, len, req);
   if (!r) return td_set_error(TD_ERR_FORMAT, "store: malformed request");
   Tdist__StoreReply rep = TDIST__STORE_REPLY__INIT;
@@ -286,11 +443,23 @@ td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t
       st = range_get(s, key, r->first, r->count, &rep, &rg);
       s->ranges_found += rep.n_values > 0;
       break;
+    case 8: { /* wait: its own reply (or none yet: parked) */
+      st = wait_op(s, r, pk, reply, reply_len, parked_out);
+      pthread_mutex_unlock(&s->mu);
+      tdist__store_request__free_unpacked(r, NULL);
+      return st;
+    }
     default: st = td_set_error(TD_ERR_INVALID, "store: unknown operation %u", r->op);
   }
   if (st == TD_OK && r->watch_key && r->watch_key[0] && r->op != 5 && r->op != 6)
     st = watch_get(s, r->watch_key, &rep, &watch_copy);
+  /* a change may end parked waits on that key (or whose abort key it is) */
+  answer *as = NULL;
+  size_t nas = 0;
+  if (st == TD_OK && s->nparked && (r->op == 1 || (r->op == 3 && r->delta) || r->op == 5))
+    collect_answers(s, key, 0, false, &as, &nas);
   pthread_mutex_unlock(&s->mu);
+  send_answers(as, nas);
   tdist__store_request__free_unpacked(r, NULL);
   if (st == TD_OK) {
     size_t n = tdist__store_reply__get_packed_size(&rep);
@@ -331,8 +500,9 @@ static td_status unary(void *ctx, const uint8_t *req, size_t len, uint8_t **repl
     int64_t left = (int64_t)((dl - now + 999999u) / 1000000u);
     if (tmo <= 0 || left < tmo) tmo = left;
   }
-  td_status st = td__transport_unary(c->tr, c->address, TD__STORE_METHOD, req, len, tmo,
-                                     c->wait_for_ready, reply, reply_len);
+  td_status st = c->unary_fn ? c->unary_fn(c->unary_ctx, req, len, reply, reply_len)
+                             : td__transport_unary(c->tr, c->address, TD__STORE_METHOD, req, len,
+                                                   tmo, c->wait_for_ready, reply, reply_len);
   if (st == TD_ERR_UNAVAILABLE || (st == TD_ERR_TIMEOUT && !c->wait_for_ready))
     return td__error_prefix(st, "%s, which serves the rendezvous store at %s, is unreachable",
                             owner, c->address);
@@ -460,6 +630,27 @@ static td_status poll_once(const td__store_client *c, uint32_t op, const char *k
   return call(c, &r, rep);
 }
 
+/* One wait parked at the server (op 8) for at most c->park_ms and what is left before deadline:
+ * *rep the reply; *held tells whether the server held it (else the client backs off before the
+ * next one, as a poll). target 0: until key exists. */
+static td_status park_once(const td__store_client *c, const char *key, int64_t target,
+                           const char *abort_key, uint64_t deadline_ns, Tdist__StoreReply **rep,
+                           bool *held) {
+  uint64_t now = td__now_ns();
+  int64_t left = deadline_ns > now ? (int64_t)((deadline_ns - now) / 1000000u) : 0;
+  int64_t ms = c->park_ms < left - 50 ? c->park_ms : left - 50; /* answered before the deadline */
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = ms > 0 ? 8 : (target > 0 ? 3 : 2);
+  r.key = (char *)key;
+  r.delta = r.op == 8 ? target : 0;
+  r.count = ms > 0 ? (int32_t)ms : 0;
+  r.watch_key = (char *)(abort_key ? abort_key : "");
+  TD_TRY(call(c, &r, rep));
+  /* held when it came back after at least half its time (else the server answered at once) */
+  *held = ms > 0 && td__now_ns() - now >= (uint64_t)ms * 500000u;
+  return TD_OK;
+}
+
 static td_status poll_wait(const td__store_client *c, int64_t *backoff, uint64_t deadline_ns) {
   if (td__now_ns() >= deadline_ns) return TD_ERR_TIMEOUT;
   sleep_ms(*backoff);
@@ -471,15 +662,27 @@ static td_status poll_wait(const td__store_client *c, int64_t *backoff, uint64_t
 td_status td__store_wait_ge(const td__store_client *c, const char *key, int64_t target,
                             uint64_t deadline_ns, const char *abort_key) {
   int64_t backoff = 1;
+  return td__store_poll_ge(c, key, target, deadline_ns, abort_key, &backoff);
+}
+
+td_status td__store_poll_ge(const td__store_client *c, const char *key, int64_t target,
+                            uint64_t deadline_ns, const char *abort_key, int64_t *bo) {
+  int64_t backoff = *bo > 0 ? *bo : 1;
   for (;;) {
     Tdist__StoreReply *rep;
-    TD_TRY(poll_once(c, 3, key, abort_key, &rep));
+    bool held = false;
+    if (c->park_ms > 0 && target > 0) TD_TRY(park_once(c, key, target, abort_key, deadline_ns,
+                                                        &rep, &held));
+    else TD_TRY(poll_once(c, 3, key, abort_key, &rep));
     int64_t cur = rep->number;
     td_status st = cur >= target ? TD_OK : reply_aborted(rep);
     bool done = cur >= target || st != TD_OK;
     tdist__store_reply__free_unpacked(rep, NULL);
     if (done) return st;
-    if (poll_wait(c, &backoff, deadline_ns) != TD_OK)
+    if (held && td__now_ns() < deadline_ns) continue; /* the server waited: ask again at once */
+    td_status w = poll_wait(c, &backoff, deadline_ns);
+    *bo = backoff;
+    if (w != TD_OK)
       return td_set_error(TD_ERR_TIMEOUT, "store: timed out waiting for '%s' to reach %lld (now "
                           "%lld)", key, (long long)target, (long long)cur);
   }
@@ -499,14 +702,25 @@ static td_status dup_bytes(const ProtobufCBinaryData *b, uint8_t **v, size_t *n)
 td_status td__store_wait_key(const td__store_client *c, const char *key, uint64_t deadline_ns,
                              const char *abort_key, uint8_t **v, size_t *n) {
   int64_t backoff = 1;
+  return td__store_poll_key(c, key, deadline_ns, abort_key, &backoff, v, n);
+}
+
+td_status td__store_poll_key(const td__store_client *c, const char *key, uint64_t deadline_ns,
+                             const char *abort_key, int64_t *bo, uint8_t **v, size_t *n) {
+  int64_t backoff = *bo > 0 ? *bo : 1;
   for (;;) {
     Tdist__StoreReply *rep;
-    TD_TRY(poll_once(c, 2, key, abort_key, &rep));
+    bool held = false;
+    if (c->park_ms > 0) TD_TRY(park_once(c, key, 0, abort_key, deadline_ns, &rep, &held));
+    else TD_TRY(poll_once(c, 2, key, abort_key, &rep));
     td_status st = rep->found ? (v ? dup_bytes(&rep->value, v, n) : TD_OK) : reply_aborted(rep);
     bool done = rep->found || st != TD_OK;
     tdist__store_reply__free_unpacked(rep, NULL);
     if (done) return st;
-    if (poll_wait(c, &backoff, deadline_ns) != TD_OK)
+    if (held && td__now_ns() < deadline_ns) continue; /* the server waited: ask again at once */
+    td_status w = poll_wait(c, &backoff, deadline_ns);
+    *bo = backoff;
+    if (w != TD_OK)
       return td_set_error(TD_ERR_TIMEOUT, "store: timed out waiting for key '%s'", key);
   }
 }

@@ -33,10 +33,37 @@ typedef struct td__store td__store;
 #define TD__STORE_RANGE_BYTES (1u << 20)
 
 td_status td__store_create(td__store **out);
+/* td__store_destroy answers the waits still parked (td__store_unpark_all), then frees s. */
 void td__store_destroy(td__store *s);
-/* Serves one serialized StoreRequest (thread-safe). */
+/* Serves one serialized StoreRequest (thread-safe). A wait (op 8) is answered at once. */
 td_status td__store_handle(td__store *s, const uint8_t *req, size_t len, uint8_t **reply,
                            size_t *reply_len);
+
+/* Parked waits. A wait (op 8: until a counter reaches a target or a key exists, or the abort key
+ * named in watch_key is set) that is not over when it arrives is held by the server instead of
+ * polled by the client: park(ud) gives a token for the request being served (NULL: it cannot be
+ * held; it is answered at once), and answer(token, reply, len) sends its reply later (reply
+ * td__malloc'd, taken; NULL when out of memory), once: when a set, add or delete ends it, when
+ * its time passes (td__store_expire) or when td__store_unpark_all runs. answer runs with no store
+ * lock held, on the thread that ended the wait. A group of N workers waiting at a barrier then
+ * costs N requests, answered the moment the last one arrives, instead of N polls per backoff. */
+#define TD__STORE_PARK_MAX_MS 2000 /* the longest a wait is held (then answered: not yet) */
+#define TD__STORE_MAX_PARKED 8192  /* waits held at once; beyond, answered at once */
+typedef struct td__store_parker {
+  void *(*park)(void *ud);
+  void (*answer)(void *token, uint8_t *reply, size_t len);
+  void *ud;
+} td__store_parker;
+/* td__store_handle_park is td__store_handle with waits parked through pk (*parked true: no reply
+ * now, pk->answer gives it later; pk borrowed until then). */
+td_status td__store_handle_park(td__store *s, const uint8_t *req, size_t len, uint8_t **reply,
+                                size_t *reply_len, const td__store_parker *pk, bool *parked);
+/* td__store_expire answers the parked waits whose time passed (the server's tick). */
+void td__store_expire(td__store *s, uint64_t now_ns);
+/* td__store_unpark_all answers every parked wait now (before the server stops). */
+void td__store_unpark_all(td__store *s);
+/* td__store_parked: waits parked now (tests). */
+size_t td__store_parked(td__store *s);
 
 /* Sets key directly in the server's map (rank 0's own setup). */
 td_status td__store_local_set(td__store *s, const char *key, const void *v, size_t n);
@@ -66,6 +93,13 @@ typedef struct td__store_client {
   /* the longest sleep between two polls of a wait (0: 50 ms); large groups set it longer, so
    * the polls of N waiting workers stay a bounded load on the server */
   int64_t max_backoff_ms;
+  /* how long a wait may be parked at the server (ms; 0: waits poll): op 8 instead of polls */
+  int64_t park_ms;
+  /* Simulations (store_sim.h): when set, each request goes to unary_fn(unary_ctx, ...) instead
+   * of the transport. */
+  td_status (*unary_fn)(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
+                        size_t *reply_len);
+  void *unary_ctx;
 } td__store_client;
 
 /* td__store_set_deadline bounds every later call of c (any thread) by deadline_ns (0: none). */
@@ -91,6 +125,15 @@ td_status td__store_wait_ge(const td__store_client *c, const char *key, int64_t 
 /* td__store_wait_key waits until key exists; *v as for get. */
 td_status td__store_wait_key(const td__store_client *c, const char *key, uint64_t deadline_ns,
                              const char *abort_key, uint8_t **v, size_t *n);
+/* td__store_poll_ge and td__store_poll_key are td__store_wait_ge and td__store_wait_key whose
+ * interval between polls (*backoff_ms: in and out, 0 = from 1 ms) carries over from one call to
+ * the next: a wait cut into slices (the rendezvous checks for an interrupt every 250 ms) keeps
+ * backing off instead of polling again from 1 ms in every slice (which made each waiting worker
+ * of a large group send about 40 requests a second to rank 0). */
+td_status td__store_poll_ge(const td__store_client *c, const char *key, int64_t target,
+                            uint64_t deadline_ns, const char *abort_key, int64_t *backoff_ms);
+td_status td__store_poll_key(const td__store_client *c, const char *key, uint64_t deadline_ns,
+                             const char *abort_key, int64_t *backoff_ms, uint8_t **v, size_t *n);
 /* td__store_range reads, in one request, the values of prefix+first, prefix+first+1, ... that
  * exist one after another (at most count, and the reply's limits): *got of them, as for
  * td__store_wait_range. */

@@ -63,6 +63,12 @@ typedef struct td__transport_opts {
   const struct td__auth *auth;
   /* A server stream must finish its handshake within this (ms; default 20000). */
   int64_t handshake_timeout_ms;
+  /* ... and send its HELLO, proving membership, within this (ms; default 2000; a stream whose
+   * HELLO may still wait in the poller's queue is not timed out: grpc_stream.c). */
+  int64_t hello_timeout_ms;
+  /* Bytes of frames in progress (allocated, not yet complete) that one member (a rank) may make
+   * this worker hold across all its streams (default max_message + 256 MiB; 0: that default). */
+  uint64_t member_held_max;
   /* Mutual TLS on every connection, or NULL for plain TCP. */
   const td__tls *tls;
   /* Memory gRPC may hold for all connections (bytes; default 1 GiB): beyond it streams are reset
@@ -74,7 +80,28 @@ typedef struct td__transport_opts {
   /* Same-host lanes (lane.h): streams with a peer on this host move their frames through shared
    * memory once td__transport_allow_lane named the peer's process. */
   bool lane;
+  /* Keepalive chosen by tdist (keepalive_ms was automatic): on a host running more than twice as
+   * many workers as CPUs (host_load_x100 > 200: workers per CPU, times 100) a starved but live
+   * peer answers pings late, so the timeout of channels to peers on this host (and of the server)
+   * stretches with the load (x load / 200), up to TD__KEEPALIVE_MAX_MS, and the pings thin out
+   * (at most 4 per timeout); a peer that dies is still seen at once (its connection closes). host_load_x100 is the estimate before the group is known (every worker on this
+   * host); td__transport_set_host_load gives the exact one. */
+  bool keepalive_auto;
+  int host_load_x100;
 } td__transport_opts;
+
+/* The longest keepalive timeout a host's load stretches to (ms). */
+#define TD__KEEPALIVE_MAX_MS 300000
+
+/* td__transport_unary_defer, called from inside on_unary: the call being answered is answered
+ * later, by td__transport_unary_answer(token, ...) (what on_unary returns is then dropped);
+ * NULL when it cannot be (on_unary's reply goes out as usual). Poller thread. A call still
+ * unanswered when the transport shuts down is failed with UNAVAILABLE. */
+void *td__transport_unary_defer(td__transport *t);
+/* td__transport_unary_answer sends a deferred call's reply (td__malloc'd, taken; NULL: fail it
+ * with UNAVAILABLE) and releases the token: once per token, from any thread, also after the
+ * transport shut down (then the reply is dropped). */
+void td__transport_unary_answer(void *token, uint8_t *reply, size_t len);
 
 /* Starts the server and the poller thread; *bound_port gets the port actually bound. */
 td_status td__transport_create(const td__transport_opts *o, const td__transport_cbs *cbs,
@@ -113,6 +140,12 @@ uint64_t td__transport_refused(td__transport *t);
 /* Sets the poller's busy-poll window: after each event it keeps polling without sleeping for this
  * many microseconds (0 = off, the default). */
 void td__transport_set_busy_poll(td__transport *t, int64_t us);
+/* td__transport_set_host_load: workers on this host per CPU, times 100, once the group is known
+ * (for channels created from then on; see td__transport_opts.keepalive_auto). Any thread. */
+void td__transport_set_host_load(td__transport *t, int load_x100);
+/* td__transport_test_refuse_hellos (tests): the next n valid HELLOs this server receives are
+ * refused as when the members' handshake slots are full (RESOURCE_EXHAUSTED). Any thread. */
+void td__transport_test_refuse_hellos(td__transport *t, int n);
 
 /* Opens a stream to the server at address ("host:port") for peer_rank. Returns a new
  * reference. The stream connects lazily; failures surface through on_closed. */

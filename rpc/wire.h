@@ -159,6 +159,12 @@ td_status td__decoder_feed(td__decoder *d, const uint8_t *p, size_t n);
 void td__decoder_last_frame(const td__decoder *d, uint64_t *bytes, bool *direct);
 /* td__decoder_set_peer sets the rank of the other end (once the stream's handshake proved it). */
 void td__decoder_set_peer(td__decoder *d, int rank);
+/* td__decoder_set_budget makes the tensors of frames in progress (received as bytes, not by
+ * direct copy) count against *held (an atomic shared by every decoder of one peer): a tensor
+ * that would take it past max is refused (its frame skipped and reported by id, TD_ERR_NOMEM),
+ * and a frame's share is given back when it is delivered or dropped. held: borrowed; must
+ * outlive d. */
+void td__decoder_set_budget(td__decoder *d, int64_t *held, uint64_t max);
 /* td__decoder_idle returns true between frames. */
 bool td__decoder_idle(const td__decoder *d);
 void td__decoder_destroy(td__decoder *d);

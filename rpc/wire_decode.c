@@ -72,6 +72,9 @@ struct td__decoder {
   td_status reject_st; /* TD_OK, or why the frame is refused (reported once the token is read) */
   char reject[256];
   uint8_t ctrl[CTRL_MAX]; /* a lane control frame's body */
+  /* the peer's bytes of frames in progress (td__decoder_set_budget), and this frame's share */
+  int64_t *held;
+  uint64_t held_max, held_now;
 };
 
 td_status td__decoder_create(const td__wire_ctx *ctx, uint64_t max_message_bytes,
@@ -103,6 +106,8 @@ static void free_header(td__decoder *d) {
 }
 
 static void reset_frame(td__decoder *d) {
+  if (d->held_now) __atomic_sub_fetch(d->held, (int64_t)d->held_now, __ATOMIC_RELAXED);
+  d->held_now = 0;
   td__free(d->desc);
   d->desc = NULL;
   d->direct = false;
@@ -152,6 +157,11 @@ void td__decoder_last_frame(const td__decoder *d, uint64_t *bytes, bool *direct)
 }
 
 void td__decoder_set_peer(td__decoder *d, int rank) { d->ctx.peer_rank = rank; }
+
+void td__decoder_set_budget(td__decoder *d, int64_t *held, uint64_t max) {
+  d->held = held;
+  d->held_max = max;
+}
 
 bool td__decoder_idle(const td__decoder *d) { return d->state == ST_PREFIX && d->have == 0; }
 
@@ -244,12 +254,25 @@ static const char *parse_header(td__decoder *d) {
 static td_status alloc_tensor(td__decoder *d, int i) {
   if (d->tensors[i]) return TD_OK;
   const Tdist__Node *n = d->tnode[i];
+  /* bytes a peer could withhold (a direct copy is read at once from the sender's memory) */
+  uint64_t nb = d->tbytes[i];
+  if (d->held && !d->direct && nb > 0) {
+    int64_t after = __atomic_add_fetch(d->held, (int64_t)nb, __ATOMIC_RELAXED);
+    if ((uint64_t)after > d->held_max) {
+      __atomic_sub_fetch(d->held, (int64_t)nb, __ATOMIC_RELAXED);
+      return td_set_error(TD_ERR_NOMEM, "rank %d already has %llu bytes of frames in progress "
+                          "here: a tensor of %llu bytes more exceeds the bound of %llu bytes per "
+                          "member", d->ctx.peer_rank, (unsigned long long)((uint64_t)after - nb),
+                          (unsigned long long)nb, (unsigned long long)d->held_max);
+    }
+    d->held_now += nb;
+  }
   td_status st = td_tensor_empty(n->shape, (int)n->n_shape, (td_dtype)n->dtype, td_device_cpu(),
                                  &d->tensors[i]);
   if (st != TD_OK)
     return td_set_error(TD_ERR_NOMEM, "cannot allocate a received tensor of %zu bytes",
                         d->tbytes[i]);
-  return TD_OK;
+  return TD_OK; /* (a failed allocation's share goes back with its frame: reset_frame) */
 }
 
 static void deliver(td__decoder *d);

@@ -5,7 +5,9 @@
  * SIGCONT; a raw gRPC client that sends a bad frame magic gets INVALID_ARGUMENT ("corrupt"), one
  * that sends a frame with a garbage header gets an error frame for that id and may go on using the
  * stream, an unknown method gets UNIMPLEMENTED; oversized requests and replies get a clear
- * TD_ERR_INVALID naming the limit and the connection keeps working.
+ * TD_ERR_INVALID naming the limit and the connection keeps working; a member whose new stream the
+ * server refuses before answering its HELLO (its handshake slots full) opens it again, and its
+ * call succeeds.
  *
  * INTERNAL: the raw-client tests build and parse frames with rpc/wire.h.
  */
@@ -20,6 +22,10 @@
 #include <signal.h>
 #include <sys/types.h>
 
+/* (grpc_security.h has its own struct peer_info: the agent's is renamed here) */
+#define peer_info td_agent_peer_info
+#include "rpc/agent_state.h"
+#undef peer_info
 #include "rpc/auth.h"
 #include "rpc/wire.h"
 #include "rpc_test_fns.h"
@@ -471,9 +477,10 @@ static void raw_handshake(raw_call *rc, int self_rank, int peer_rank) {
   td__auth auth;
   MP_CHECK_OK(td__auth_init(&auth, secret, strlen(secret)));
   td__hs hs;
-  uint8_t out[TD__HS_MAX_LEN], in[TD__HS_MAX_LEN];
-  MP_CHECK_OK(td__hs_client_hello(&hs, &auth, self_rank, peer_rank, out));
-  MP_CHECK(raw_send(rc, out, TD__HS_HELLO_LEN));
+  uint8_t hello[TD__HS_HELLO_LEN], out[TD__HS_MAX_LEN], in[TD__HS_MAX_LEN];
+  MP_CHECK_OK(td__hs_client_hello(&hs, &auth, self_rank, peer_rank, hello));
+  MP_CHECK_OK(td__hs_client_ticket(&hs, hello, out)); /* RPC streams: the HELLO with its ticket */
+  MP_CHECK(raw_send(rc, out, TD__HS_TICKET_LEN));
   long n = raw_recv_bytes(rc, in, sizeof in);
   MP_CHECK(n > 0);
   MP_CHECK_OK(td__hs_client_challenge(&hs, in, (size_t)n, out));
@@ -727,6 +734,46 @@ static void test_rpc_oversized_request_rejected(void **state) {
   TD_MP_RUN(2, worker_oversized, NULL, 60);
 }
 
+/* Rank 1 refuses the next 3 valid HELLOs as if its members' handshake slots were full; rank 0's
+ * first call to it opens a stream that is refused 3 times before the server answered (nothing but
+ * the HELLO went out), so the transport opens it again with the call's frame: the call succeeds
+ * and nothing fails. */
+static int worker_refused(int rank, int world, const char *method, void *arg) {
+  (void)arg;
+  register_fault_fns();
+  td_rpc_options o = td_mp_rpc_options(method, 2);
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  uint64_t dl = td__now_ns() + (uint64_t)td_test_ms(30000) * 1000000ull;
+  if (rank == 1) {
+    td__transport_test_refuse_hellos(a->tr, 3);
+    MP_CHECK_OK(td__store_set(&a->sc, "armed", "1", 1));
+  } else {
+    MP_CHECK_OK(td__store_wait_key(&a->sc, "armed", dl, NULL, NULL, NULL));
+    call_ok(a, "worker1");
+    call_ok(a, "worker1");
+    td_rpc_stats s;
+    MP_CHECK_OK(td_rpc_get_stats(a, &s));
+    MP_CHECK(s.calls_failed == 0 && s.calls_succeeded == 2);
+  }
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(20000)));
+  if (rank == 1) {
+    td_rpc_stats s;
+    MP_CHECK_OK(td_rpc_get_stats(a, &s));
+    fprintf(stderr, "refused handshakes at rank 1: %llu\n",
+            (unsigned long long)s.refused_connections);
+    MP_CHECK(s.refused_connections >= 3);
+  }
+  td_rpc_destroy(a);
+  MP_CHECK_NO_LEAKS();
+  return 0;
+}
+
+static void test_rpc_refused_handshake_retries(void **state) {
+  (void)state;
+  TD_MP_RUN(2, worker_refused, NULL, 60);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_rpc_peer_killed_fails_calls),
@@ -736,6 +783,7 @@ int main(void) {
       cmocka_unit_test(test_rpc_stream_bad_header_gets_error_reply),
       cmocka_unit_test(test_rpc_unknown_method_unimplemented),
       cmocka_unit_test(test_rpc_oversized_request_rejected),
+      cmocka_unit_test(test_rpc_refused_handshake_retries),
   };
   return cmocka_run_group_tests_name("rpc_faults", tests, NULL, NULL);
 }

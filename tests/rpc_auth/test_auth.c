@@ -99,6 +99,32 @@ static void test_auth_handshake_proof_not_replayable(void **state) {
   assert_int_equal(td__hs_server_proof(&s2, proof, sizeof proof, &rank), TD_ERR_AUTH);
 }
 
+/* The HELLO's ticket proves the client knows the key before the server answers: valid, it marks
+ * the handshake ticketed; made with another secret, or with a changed nonce or rank, it is
+ * refused at the HELLO; a plain HELLO stays unticketed (RPC streams refuse it: grpc_stream.c). */
+static void test_auth_hello_ticket_proves_membership(void **state) {
+  (void)state;
+  td__auth a, b;
+  TD_ASSERT_OK(td__auth_init(&a, S1, strlen(S1)));
+  TD_ASSERT_OK(td__auth_init(&b, S2, strlen(S2)));
+  td__hs c, s;
+  uint8_t hello[TD__HS_HELLO_LEN], t[TD__HS_TICKET_LEN], chal[TD__HS_CHALLENGE_LEN];
+  TD_ASSERT_OK(td__hs_client_hello(&c, &a, 1, 0, hello));
+  TD_ASSERT_OK(td__hs_client_ticket(&c, hello, t));
+  TD_ASSERT_OK(td__hs_server_hello(&s, &a, 0, t, sizeof t, chal));
+  assert_true(s.ticketed);
+  assert_int_equal(td__hs_server_hello(&s, &b, 0, t, sizeof t, chal), TD_ERR_AUTH);
+  assert_non_null(strstr(td_last_error(), "does not prove"));
+  for (size_t i = 8; i < TD__HS_TICKET_LEN; i += 9) { /* ranks, nonce, ticket */
+    uint8_t bad[TD__HS_TICKET_LEN];
+    memcpy(bad, t, sizeof bad);
+    bad[i] ^= 4;
+    assert_int_equal(td__hs_server_hello(&s, &a, 0, bad, sizeof bad, chal), TD_ERR_AUTH);
+  }
+  TD_ASSERT_OK(td__hs_server_hello(&s, &a, 0, hello, sizeof hello, chal));
+  assert_false(s.ticketed);
+}
+
 static void test_auth_handshake_checks_shape_and_ranks(void **state) {
   (void)state;
   td__auth a;
@@ -407,6 +433,7 @@ int main(void) {
       cmocka_unit_test(test_auth_handshake_detects_tampering),
       cmocka_unit_test(test_auth_handshake_proof_not_replayable),
       cmocka_unit_test(test_auth_handshake_checks_shape_and_ranks),
+      cmocka_unit_test(test_auth_hello_ticket_proves_membership),
       cmocka_unit_test(test_auth_secret_rules),
       cmocka_unit_test(test_auth_store_session_round_trip_and_replay),
       cmocka_unit_test(test_auth_store_window_accepts_reordering),

@@ -7,7 +7,9 @@
  * the slowest round trip; every rank counts calls of "secret_fn", which only an intruder would
  * make. At the end each rank writes RUN_DIR/<rank>.json: {"secret_fn_calls", "echo_calls",
  * "echo_failures", "echo_max_ms", "refused", "rss_kb"} and shuts down gracefully; exit status 0
- * when that succeeded.
+ * when that succeeded. Once RUN_DIR/call21 exists, rank 2 makes 10 calls of rank 1's "echo" (its
+ * first: a new stream, opened while the test attacks rank 1) and writes RUN_DIR/2.call21:
+ * "ok failed max_ms".
  *
  * With TD_TARGET_RING=1 (test_outsider_ring.py) the workers also form a CPU process group once
  * RUN_DIR/pg_go exists (rank 1 waits for RUN_DIR/pg_go1 instead, so that the test can attack the
@@ -147,9 +149,35 @@ int main(int argc, char **argv) {
   int pg_ops = getenv("TD_TARGET_RING") ? ring_phase(a, dir, rank) : 0;
 
   snprintf(path, sizeof path, "%s/stop", dir);
+  char trigger[512];
+  snprintf(trigger, sizeof trigger, "%s/call21", dir);
+  bool called21 = rank != 2;
   long calls = 0, failures = 0;
   double worst = 0;
   while (access(path, F_OK) != 0) {
+    if (!called21 && access(trigger, F_OK) == 0) {
+      called21 = true;
+      int ok = 0, bad = 0;
+      double most = 0;
+      for (int i = 0; i < 10; i++) {
+        td_value *x = td_value_int(i), *r = NULL;
+        double t0 = now_ms();
+        if (td_rpc_sync(a, "worker1", "echo", &x, 1, NULL, &r) == TD_OK) ok++;
+        else bad++, fprintf(stderr, "target_worker: rank 2's call failed: %s\n", td_last_error());
+        if (now_ms() - t0 > most) most = now_ms() - t0;
+        td_value_unref(r);
+        td_value_unref(x);
+      }
+      snprintf(tmp, sizeof tmp, "%s/2.call21.tmp", dir);
+      char done[520];
+      snprintf(done, sizeof done, "%s/2.call21", dir);
+      FILE *cf = fopen(tmp, "w");
+      if (cf) {
+        fprintf(cf, "%d %d %.1f\n", ok, bad, most);
+        fclose(cf);
+        rename(tmp, done);
+      }
+    }
     if (rank == 0) {
       td_value *x = td_value_int(calls), *r = NULL;
       double t0 = now_ms();
