@@ -158,7 +158,7 @@ static void run_world(const cfg *c, int rank, int p, const char *method, result 
 /* world forks p workers (this process never uses gRPC, so every fork is clean) and collects
  * rank 0's results (n entries) through a pipe; returns the number of workers that failed. */
 static int world(const cfg *c, int p, result *out, int n) {
-  int port = rb_free_port();
+  int port = bench_free_port();
   if (port <= 0) {
     fprintf(stderr, "collectives: no free port on 127.0.0.1\n");
     return 1;

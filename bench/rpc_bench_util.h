@@ -27,6 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_net.h"
 #include "tdist/rpc.h"
 
 static const char *rb_prog = "rpc_bench";
@@ -68,22 +69,6 @@ static inline const char *rb_blas_threads(char *buf, size_t n) {
   else
     snprintf(buf, n, "null");
   return buf;
-}
-
-static inline int rb_free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  struct sockaddr_in sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sa;
-  int port = -1;
-  if (bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
-      getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
-    port = ntohs(sa.sin_port);
-  close(fd);
-  return port;
 }
 
 /* rb_cmp_u64 orders uint64_t values for qsort. */
@@ -171,7 +156,7 @@ static inline bool rb_tls_files(void) {
  * failure. */
 static inline void rb_prepare(rb_pair *p, int threads, rb_security sec) {
   memset(p, 0, sizeof *p);
-  int port = rb_free_port();
+  int port = bench_free_port();
   if (port <= 0) {
     fprintf(stderr, "%s: no free port on 127.0.0.1\n", rb_prog);
     exit(1);

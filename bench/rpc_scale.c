@@ -38,6 +38,7 @@
 
 #define BENCH_PROG "rpc_scale"
 #include "../rpc/store_sim.h"
+#include "bench_net.h"
 #include "bench_util.h"
 #include "tdist/rpc.h"
 
@@ -52,22 +53,6 @@
       _exit(1);                                                                                 \
     }                                                                                           \
   } while (0)
-
-static int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  struct sockaddr_in sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sa;
-  int port = -1;
-  if (bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
-      getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
-    port = ntohs(sa.sin_port);
-  close(fd);
-  return port;
-}
 
 #define MAX_LIST 16
 
@@ -141,7 +126,7 @@ static int run_group(int world, int threads, phase_times *worst, double *wall_s,
   pid_t *pids = calloc((size_t)world, sizeof *pids);
   if (pt == MAP_FAILED || !pids) return -1;
   memset(pt, 0, (size_t)world * sizeof *pt);
-  int port = free_port();
+  int port = bench_free_port();
   char method[64];
   snprintf(method, sizeof method, "tcp://127.0.0.1:%d", port);
   fflush(stdout);
