@@ -20,32 +20,13 @@
  * gather path, a closed connection makes the neighbours note the member lost, and a member's
  * death is seen through the pid of its same-host record.
  */
-#include <setjmp.h>
-#include <stdarg.h>
-#include <stddef.h>
-#include <stdint.h>
 #include <signal.h>
-#include <stdlib.h>
-#include <string.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
-#include <cmocka.h>
-
-#include "coll_test_util.h"
-#include "tdist/autograd.h"
-#include "test_util.h"
+#include "ft_test_util.h"
 
 #define WORLD 4
 #define STEPS 6
-#define SHARD_ROWS 6
-
-typedef struct fault {
-  int rank;
-  int64_t step;
-  td_ft_when when;
-  td_ft_what what;
-} fault;
 
 typedef struct ft_case {
   const char *name;
@@ -65,49 +46,10 @@ typedef struct ft_case {
   int64_t timeout_ms; /* the group's timeout (0: 20 s); a stopped member is seen only there */
 } ft_case;
 
-static td_module *build(void) {
-  MP_CHECK_OK(td_nn_manual_seed(7));
-  td_module *seq = NULL, *l1 = NULL, *act = NULL, *l2 = NULL;
-  MP_CHECK_OK(td_sequential_create(&seq));
-  MP_CHECK_OK(td_linear_create(6, 16, true, NULL, &l1));
-  MP_CHECK_OK(td_tanh_create(&act));
-  MP_CHECK_OK(td_linear_create(16, 3, true, NULL, &l2));
-  MP_CHECK_OK(td_sequential_append(seq, l1));
-  MP_CHECK_OK(td_sequential_append(seq, act));
-  MP_CHECK_OK(td_sequential_append(seq, l2));
-  td_module_unref(l1);
-  td_module_unref(act);
-  td_module_unref(l2);
-  MP_CHECK_OK(td_module_to_dtype(seq, TD_DTYPE_F64));
-  return seq;
-}
-
-/* Shard s of step k: SHARD_ROWS samples drawn from (k, s) alone; the mean squared error. */
+/* Shard s of step k (ft_test_util.h). */
 static td_status shard_fn(void *user, int64_t step, int s, int n_shards) {
   (void)n_shards;
-  td_module *m = user;
-  int64_t xs[2] = {SHARD_ROWS, 6}, ys[2] = {SHARD_ROWS, 3};
-  uint64_t seed = 1000 * (uint64_t)step + (uint64_t)s;
-  td_tensor *x = td_test_randn(xs, 2, TD_DTYPE_F64, 11 + 2 * seed, false);
-  td_tensor *y = td_test_randn(ys, 2, TD_DTYPE_F64, 12 + 2 * seed, false);
-  td_tensor *out = NULL, *loss = NULL;
-  td_status st = td_module_forward(m, x, &out);
-  if (st == TD_OK) st = td_tensor_mse_loss(out, y, TD_REDUCTION_MEAN, &loss);
-  if (st == TD_OK) st = td_tensor_backward(loss);
-  td_tensor_unref(x);
-  td_tensor_unref(y);
-  td_tensor_unref(out);
-  td_tensor_unref(loss);
-  return st;
-}
-
-static void write_file(const char *dir, const char *what, int rank, const void *p, size_t n,
-                       const char *mode) {
-  char path[400];
-  snprintf(path, sizeof path, "%s/%s.%d", dir, what, rank);
-  FILE *f = fopen(path, mode);
-  MP_CHECK(f && fwrite(p, 1, n, f) == n);
-  fclose(f);
+  return ft_shard_backward(user, step, s, 1.0);
 }
 
 /* One replica: its agent, the world's group, the model, the optimizer and the td_ft_ddp. */
@@ -127,7 +69,7 @@ static void replica_start(replica *x, int rank, int world, const char *method, t
   x->a = coll_join(rank, world, method);
   MP_CHECK_OK(td_process_group_create(x->a, NULL, 0, TD_PG_BACKEND_CPU,
                                       timeout_ms ? timeout_ms : 20000, &x->pg));
-  x->m = build();
+  x->m = ft_build();
   td_tensor_list_init(&x->ps);
   MP_CHECK_OK(td_module_parameters(x->m, &x->ps));
   td_optim_options oo;
@@ -153,9 +95,7 @@ static void replica_end(replica *x, bool graceful) {
 
 static int worker(int rank, int world, const char *method, void *arg) {
   ft_case *c = arg;
-  char line[64];
-  int k = snprintf(line, sizeof line, "%d\n", (int)getpid());
-  write_file(c->dir, "start", rank, line, (size_t)k, "a");
+  ft_record_start(c->dir, rank);
   td_ft_ddp_options fo;
   td_ft_ddp_options_init(&fo);
   fo.bucket_bytes = 64 * sizeof(double); /* 163 parameters: 3 buckets, so DURING is mid-way */
@@ -188,12 +128,12 @@ static int worker(int rank, int world, const char *method, void *arg) {
   MP_CHECK(sync.step == STEPS - 1);
   td_process_group *cur = td_ft_ddp_group(ft);
   char rep[256];
-  k = snprintf(rep, sizeof rep, "%llu %d %d %d %d %d\n",
+  int k = snprintf(rep, sizeof rep, "%llu %d %d %d %d %d\n",
                (unsigned long long)td_process_group_generation(cur),
                td_process_group_size(cur), lost, moved, healed, (int)getpid());
-  write_file(c->dir, "report", rank, rep, (size_t)k, "w");
+  ft_write_file(c->dir, "report", rank, rep, (size_t)k, "w");
   for (size_t i = 0; i < ps.n; i++)
-    write_file(c->dir, "params", rank, td_tensor_data(ps.tensors[i]),
+    ft_write_file(c->dir, "params", rank, td_tensor_data(ps.tensors[i]),
                td_tensor_nbytes(ps.tensors[i]), i ? "a" : "w");
   /* a stopped member was left out, and lives on stopped: the lowest survivor ends it (the test
    * started it: its pid is in its start file) */
@@ -212,24 +152,8 @@ static int worker(int rank, int world, const char *method, void *arg) {
   return 0;
 }
 
-static size_t read_file(const char *dir, const char *what, int rank, char *buf, size_t cap) {
-  char path[400];
-  snprintf(path, sizeof path, "%s/%s.%d", dir, what, rank);
-  FILE *f = fopen(path, "r");
-  if (!f) return 0;
-  size_t n = fread(buf, 1, cap, f);
-  fclose(f);
-  return n;
-}
-
 static char baseline[2][4096]; /* the first run's parameters: one shard per member, two */
 static size_t baseline_n[2];
-
-static bool victim(const ft_case *c, int r) {
-  for (int i = 0; i < c->nf; i++)
-    if (c->f[i].rank == r && c->f[i].what != TD_FT_CLOSE) return true;
-  return false;
-}
 
 static void run_case(ft_case *c) {
   snprintf(c->dir, sizeof c->dir, "/tmp/td_ft_ddp_XXXXXX");
@@ -240,19 +164,15 @@ static void run_case(ft_case *c) {
   fprintf(stderr, "case %s: %.2f s\n", c->name, td_test_now_s() - t0);
   int killed = 0, healed_sum = 0, closer_healed = 0;
   for (int r = 0; r < WORLD; r++) {
-    if (victim(c, r)) {
+    if (ft_victim(c->f, c->nf, r)) {
       assert_int_equal(codes[r], 128 + SIGKILL);
       killed++;
       continue;
     }
     assert_int_equal(codes[r], 0); /* every survivor finished by itself */
     char buf[4096], rep[256];
-    size_t n = read_file(c->dir, "start", r, rep, sizeof rep - 1);
-    rep[n] = 0;
-    int pid0 = atoi(rep);
-    assert_non_null(strchr(rep, '\n'));
-    assert_true(strchr(rep, '\n')[1] == 0); /* started once: no restart */
-    n = read_file(c->dir, "report", r, rep, sizeof rep - 1);
+    int pid0 = ft_started_once(c->dir, r);
+    size_t n = ft_read_file(c->dir, "report", r, rep, sizeof rep - 1);
     rep[n] = 0;
     unsigned long long gen = 0;
     int members = 0, lost = 0, moved = 0, healed = 0, pid1 = 0;
@@ -271,7 +191,7 @@ static void run_case(ft_case *c) {
     else assert_true(healed == 0 || healed == 1);
     healed_sum += healed;
     if (r == c->healed_rank) closer_healed = healed;
-    n = read_file(c->dir, "params", r, buf, sizeof buf);
+    n = ft_read_file(c->dir, "params", r, buf, sizeof buf);
     assert_true(n > 0);
     int b = c->n_shards ? 1 : 0;
     if (!baseline_n[b]) {

@@ -13,32 +13,13 @@
  * Without clipping, td_ft_zero's parameters equal td_ft_ddp's bit for bit: sharding the
  * optimizer changes nothing in the numbers.
  */
-#include <setjmp.h>
-#include <stdarg.h>
-#include <stddef.h>
-#include <stdint.h>
 #include <signal.h>
-#include <stdlib.h>
-#include <string.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
-#include <cmocka.h>
-
-#include "coll_test_util.h"
-#include "tdist/autograd.h"
-#include "test_util.h"
+#include "ft_test_util.h"
 
 #define WORLD 4
 #define STEPS 6
-#define SHARD_ROWS 6
-
-typedef struct fault {
-  int rank;
-  int64_t step;
-  td_ft_when when;
-  td_ft_what what;
-} fault;
 
 typedef struct zcase {
   const char *name;
@@ -57,61 +38,10 @@ typedef struct zcase {
   char dir[256];
 } zcase;
 
-static td_module *build(void) {
-  MP_CHECK_OK(td_nn_manual_seed(7));
-  td_module *seq = NULL, *l1 = NULL, *act = NULL, *l2 = NULL;
-  MP_CHECK_OK(td_sequential_create(&seq));
-  MP_CHECK_OK(td_linear_create(6, 16, true, NULL, &l1));
-  MP_CHECK_OK(td_tanh_create(&act));
-  MP_CHECK_OK(td_linear_create(16, 3, true, NULL, &l2));
-  MP_CHECK_OK(td_sequential_append(seq, l1));
-  MP_CHECK_OK(td_sequential_append(seq, act));
-  MP_CHECK_OK(td_sequential_append(seq, l2));
-  td_module_unref(l1);
-  td_module_unref(act);
-  td_module_unref(l2);
-  MP_CHECK_OK(td_module_to_dtype(seq, TD_DTYPE_F64));
-  return seq;
-}
-
-/* Shard s of step k: SHARD_ROWS samples drawn from (k, s) alone; the mean squared error. */
+/* Shard s of step k (ft_test_util.h), its loss tripled: gradient norms above the clip's 0.5. */
 static td_status shard_fn(void *user, int64_t step, int s, int n_shards) {
   (void)n_shards;
-  td_module *m = user;
-  int64_t xs[2] = {SHARD_ROWS, 6}, ys[2] = {SHARD_ROWS, 3};
-  uint64_t seed = 1000 * (uint64_t)step + (uint64_t)s;
-  td_tensor *x = td_test_randn(xs, 2, TD_DTYPE_F64, 11 + 2 * seed, false);
-  td_tensor *y = td_test_randn(ys, 2, TD_DTYPE_F64, 12 + 2 * seed, false);
-  td_tensor *out = NULL, *loss = NULL, *big = NULL;
-  td_status st = td_module_forward(m, x, &out);
-  if (st == TD_OK) st = td_tensor_mse_loss(out, y, TD_REDUCTION_MEAN, &loss);
-  if (st == TD_OK) st = td_tensor_mul_scalar(loss, 3.0, &big); /* norms above the clip's 0.5 */
-  if (st == TD_OK) st = td_tensor_backward(big);
-  td_tensor_unref(x);
-  td_tensor_unref(y);
-  td_tensor_unref(out);
-  td_tensor_unref(loss);
-  td_tensor_unref(big);
-  return st;
-}
-
-static void write_file(const char *dir, const char *what, int rank, const void *p, size_t n,
-                       const char *mode) {
-  char path[400];
-  snprintf(path, sizeof path, "%s/%s.%d", dir, what, rank);
-  FILE *f = fopen(path, mode);
-  MP_CHECK(f && fwrite(p, 1, n, f) == n);
-  fclose(f);
-}
-
-static size_t read_file(const char *dir, const char *what, int rank, char *buf, size_t cap) {
-  char path[400];
-  snprintf(path, sizeof path, "%s/%s.%d", dir, what, rank);
-  FILE *f = fopen(path, "r");
-  if (!f) return 0;
-  size_t n = fread(buf, 1, cap, f);
-  fclose(f);
-  return n;
+  return ft_shard_backward(user, step, s, 3.0);
 }
 
 /* The optimizer's two groups: the weights (decay 0.1) and the biases (none). */
@@ -138,7 +68,7 @@ static void groups_make(td_module *m, groups *g, double lr) {
 
 static void write_params(const char *dir, const char *what, int rank, const td_tensor_list *ps) {
   for (size_t i = 0; i < ps->n; i++)
-    write_file(dir, what, rank, td_tensor_data(ps->tensors[i]), td_tensor_nbytes(ps->tensors[i]),
+    ft_write_file(dir, what, rank, td_tensor_data(ps->tensors[i]), td_tensor_nbytes(ps->tensors[i]),
                i ? "a" : "w");
 }
 
@@ -157,14 +87,12 @@ static void end_stopped(const zcase *c, td_process_group *cur, int rank) {
 
 static int worker(int rank, int world, const char *method, void *arg) {
   zcase *c = arg;
-  char line[64];
-  int k = snprintf(line, sizeof line, "%d\n", (int)getpid());
-  write_file(c->dir, "start", rank, line, (size_t)k, "a");
+  ft_record_start(c->dir, rank);
   int64_t tmo = c->timeout_ms ? td_test_ms(c->timeout_ms) : 20000;
   td_rpc_agent *a = coll_join(rank, world, method);
   td_process_group *pg = NULL;
   MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, tmo, &pg));
-  td_module *m = build();
+  td_module *m = ft_build();
   groups g;
   groups_make(m, &g, 1e-2);
   td_ft_zero_options zo;
@@ -215,10 +143,10 @@ static int worker(int rank, int world, const char *method, void *arg) {
   td_process_group *cur = td_ft_zero_group(z);
   MP_CHECK_OK(td_ft_zero_get_stats(z, &zs));
   char rep[256];
-  k = snprintf(rep, sizeof rep, "%llu %d %d %d %d %d %d %d\n",
+  int k = snprintf(rep, sizeof rep, "%llu %d %d %d %d %d %d %d\n",
                (unsigned long long)td_process_group_generation(cur), td_process_group_size(cur),
                lost, moved, copied, zs.owned, zs.backed, (int)getpid());
-  write_file(c->dir, "report", rank, rep, (size_t)k, "w");
+  ft_write_file(c->dir, "report", rank, rep, (size_t)k, "w");
   write_params(c->dir, "params", rank, &g.ps);
   end_stopped(c, cur, rank);
   bool whole = td_process_group_size(cur) == world;
@@ -237,21 +165,11 @@ static int worker(int rank, int world, const char *method, void *arg) {
 static char baseline[4096]; /* the first run's parameters (stage 2, no failure) */
 static size_t baseline_n;
 
-static bool victim(const zcase *c, int r) {
-  for (int i = 0; i < c->nf; i++)
-    if (c->f[i].rank == r && c->f[i].what != TD_FT_CLOSE) return true;
-  return false;
-}
-
 static void check_survivor(const zcase *c, int r, int *owned, int *backed) {
   char buf[4096], rep[256];
-  size_t n = read_file(c->dir, "start", r, rep, sizeof rep - 1);
-  rep[n] = 0;
-  int pid0 = atoi(rep);
-  assert_non_null(strchr(rep, '\n'));
-  assert_true(strchr(rep, '\n')[1] == 0); /* started once: no restart */
+  int pid0 = ft_started_once(c->dir, r);
   if (c->fails) return;
-  n = read_file(c->dir, "report", r, rep, sizeof rep - 1);
+  size_t n = ft_read_file(c->dir, "report", r, rep, sizeof rep - 1);
   rep[n] = 0;
   unsigned long long gen = 0;
   int members = 0, lost = 0, moved = 0, copied = 0, own = 0, bak = 0, pid1 = 0;
@@ -266,7 +184,7 @@ static void check_survivor(const zcase *c, int r, int *owned, int *backed) {
   if (c->copied >= 0) assert_int_equal(copied, c->copied);
   else assert_true(copied >= 1);
   *owned += own, *backed += bak;
-  n = read_file(c->dir, "params", r, buf, sizeof buf);
+  n = ft_read_file(c->dir, "params", r, buf, sizeof buf);
   assert_true(n > 0);
   if (!baseline_n) {
     memcpy(baseline, buf, n);
@@ -285,7 +203,7 @@ static void run_case(zcase *c) {
   fprintf(stderr, "case stage %d, %s: %.2f s\n", c->stage, c->name, td_test_now_s() - t0);
   int killed = 0, owned = 0, backed = 0;
   for (int r = 0; r < WORLD; r++) {
-    if (victim(c, r)) {
+    if (ft_victim(c->f, c->nf, r)) {
       assert_int_equal(codes[r], 128 + SIGKILL);
       killed++;
       continue;
@@ -358,7 +276,7 @@ static int same_worker(int rank, int world, const char *method, void *arg) {
   td_process_group *pg = NULL;
   MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, 20000, &pg));
   for (int run = 0; run < 2; run++) {
-    td_module *m = build();
+    td_module *m = ft_build();
     groups g;
     groups_make(m, &g, 1e-2);
     td_ft_zero *z = NULL;
@@ -394,7 +312,7 @@ static void test_ft_zero_equals_ft_ddp(void **state) {
   assert_int_equal(td_mp_run(WORLD, same_worker, dir, 60, codes), 0);
   static char a[4096], b[4096];
   for (int r = 0; r < WORLD; r++) {
-    size_t na = read_file(dir, "zero", r, a, sizeof a), nb = read_file(dir, "ddp", r, b, sizeof b);
+    size_t na = ft_read_file(dir, "zero", r, a, sizeof a), nb = ft_read_file(dir, "ddp", r, b, sizeof b);
     assert_true(na > 0);
     assert_int_equal(na, nb);
     assert_memory_equal(a, b, na);
