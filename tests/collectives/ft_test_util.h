@@ -31,6 +31,9 @@ typedef struct fault {
   td_ft_what what;
 } fault;
 
+#define KILL(r, s, w) {r, s, w, TD_FT_KILL}
+#define CLOSE(r, s, w) {r, s, w, TD_FT_CLOSE}
+
 /* True when one of the nf faults ends rank r's process (a close leaves it running). */
 static inline bool ft_victim(const fault *f, int nf, int r) {
   for (int i = 0; i < nf; i++)
@@ -110,6 +113,13 @@ static inline int ft_started_once(const char *dir, int r) {
   assert_non_null(strchr(rep, '\n'));
   assert_true(strchr(rep, '\n')[1] == 0);
   return atoi(rep);
+}
+
+/* In the test, after a case: removes its directory of worker files. */
+static inline void ft_remove_dir(const char *dir) {
+  char cmd[300];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  assert_int_equal(system(cmd), 0);
 }
 
 #endif

@@ -204,13 +204,9 @@ static void run_case(ft_case *c) {
   assert_int_equal(bad, killed);
   /* whoever was healed, the closing member was among them (it alone surely did not commit) */
   if (c->healed_rank >= 0 && healed_sum > 0) assert_int_equal(closer_healed, 1);
-  char cmd[300];
-  snprintf(cmd, sizeof cmd, "rm -rf %s", c->dir);
-  assert_int_equal(system(cmd), 0);
+  ft_remove_dir(c->dir);
 }
 
-#define KILL(r, s, w) {r, s, w, TD_FT_KILL}
-#define CLOSE(r, s, w) {r, s, w, TD_FT_CLOSE}
 
 static void test_ft_ddp_matrix(void **state) {
   (void)state;

@@ -216,13 +216,9 @@ static void run_case(zcase *c) {
     assert_int_equal(owned, WORLD);
     assert_int_equal(backed, WORLD);
   }
-  char cmd[300];
-  snprintf(cmd, sizeof cmd, "rm -rf %s", c->dir);
-  assert_int_equal(system(cmd), 0);
+  ft_remove_dir(c->dir);
 }
 
-#define KILL(r, s, w) {r, s, w, TD_FT_KILL}
-#define CLOSE(r, s, w) {r, s, w, TD_FT_CLOSE}
 
 static void test_ft_zero_matrix(void **state) {
   (void)state;
@@ -312,14 +308,13 @@ static void test_ft_zero_equals_ft_ddp(void **state) {
   assert_int_equal(td_mp_run(WORLD, same_worker, dir, 60, codes), 0);
   static char a[4096], b[4096];
   for (int r = 0; r < WORLD; r++) {
-    size_t na = ft_read_file(dir, "zero", r, a, sizeof a), nb = ft_read_file(dir, "ddp", r, b, sizeof b);
+    size_t na = ft_read_file(dir, "zero", r, a, sizeof a);
+    size_t nb = ft_read_file(dir, "ddp", r, b, sizeof b);
     assert_true(na > 0);
     assert_int_equal(na, nb);
     assert_memory_equal(a, b, na);
   }
-  char cmd[100];
-  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-  assert_int_equal(system(cmd), 0);
+  ft_remove_dir(dir);
 }
 
 /* ---- arguments ---- */
