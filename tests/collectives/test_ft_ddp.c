@@ -297,7 +297,8 @@ static int reform_worker(int rank, int world, const char *method, void *arg) {
   td_process_group *next = NULL;
   td_status st = td_process_group_reform(pg, 1500, &next);
   if (rank == 2) {
-    if (st != TD_ERR_STATE) fprintf(stderr, "rank 2: reform: %s: %s\n", td_status_name(st), td_last_error());
+    if (st != TD_ERR_STATE)
+      fprintf(stderr, "rank 2: reform: %s: %s\n", td_status_name(st), td_last_error());
     MP_CHECK(st == TD_ERR_STATE);
     MP_CHECK(strstr(td_last_error(), "stale") && strstr(td_last_error(), "generation 1"));
     FILE *f = fopen(flag, "w");

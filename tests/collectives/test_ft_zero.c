@@ -327,7 +327,8 @@ static void test_ft_zero_inject_parse_gather_points(void **state) {
   td_ft_what what = TD_FT_KILL;
   assert_int_equal(td_ft_inject_parse("1:4:during_gather:kill", &rank, &step, &when, &what), TD_OK);
   assert_int_equal(when, TD_FT_DURING_GATHER);
-  assert_int_equal(td_ft_inject_parse("2:0:before_gather:close", &rank, &step, &when, &what), TD_OK);
+  assert_int_equal(td_ft_inject_parse("2:0:before_gather:close", &rank, &step, &when, &what),
+                   TD_OK);
   assert_int_equal(when, TD_FT_BEFORE_GATHER);
   assert_int_equal(what, TD_FT_CLOSE);
   assert_int_equal(td_ft_inject_parse("3:1:after_gather:stop", &rank, &step, &when, &what), TD_OK);
