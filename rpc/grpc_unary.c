@@ -151,9 +151,10 @@ static void unary_finish(unary_srv *u, grpc_status_code code, const char *msg, u
   grpc_slice_unref(details);
 }
 
-void *td__transport_unary_defer(td__transport *t) {
+void *td__transport_unary_defer(void) {
   unary_srv *u = serving;
   if (!u || u->token) return NULL;
+  td__transport *t = u->tr;
   td__unary_token *k = td__calloc(1, sizeof *k);
   if (!k) return NULL;
   k->refs = 2; /* the list's, the caller's */

@@ -19,12 +19,14 @@ typedef struct store_wait {
   td__auth_seal seal;
 } store_wait;
 
-/* The parker's park(): the request being served is held (poller thread, inside on_unary). */
+/* The parker's park(): the request being served is held (poller thread, inside on_unary; not
+ * through a->tr, which td__transport_create may not have set yet when a worker's first wait
+ * arrives). */
 static void *park(void *ud) {
-  td_rpc_agent *a = ud;
+  (void)ud;
   store_wait *w = td__malloc(sizeof *w);
   if (!w) return NULL;
-  w->token = td__transport_unary_defer(a->tr);
+  w->token = td__transport_unary_defer();
   if (!w->token) {
     td__free(w);
     return NULL;

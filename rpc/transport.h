@@ -96,8 +96,9 @@ typedef struct td__transport_opts {
 /* td__transport_unary_defer, called from inside on_unary: the call being answered is answered
  * later, by td__transport_unary_answer(token, ...) (what on_unary returns is then dropped);
  * NULL when it cannot be (on_unary's reply goes out as usual). Poller thread. A call still
- * unanswered when the transport shuts down is failed with UNAVAILABLE. */
-void *td__transport_unary_defer(td__transport *t);
+ * unanswered when the transport shuts down is failed with UNAVAILABLE. The transport is the
+ * call's own: on_unary may run before td__transport_create has returned it to its owner. */
+void *td__transport_unary_defer(void);
 /* td__transport_unary_answer sends a deferred call's reply (td__malloc'd, taken; NULL: fail it
  * with UNAVAILABLE) and releases the token: once per token, from any thread, also after the
  * transport shut down (then the reply is dropped). */
