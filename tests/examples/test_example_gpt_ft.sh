@@ -67,7 +67,8 @@ if [[ "$mode" == mpirun || "$mode" == srun ]]; then
   # shellcheck disable=SC2317
   cleanup_launch() {
     local p
-    for p in "${tasks[@]}" $(descendants "$root") "$root"; do kill -9 "$p" 2>/dev/null || true; done
+    [[ -n "$root" ]] && tasks+=($(descendants "$root") "$root")
+    for p in "${tasks[@]}"; do kill -9 "$p" 2>/dev/null || true; done
     rm -f "$base" "$out"
   }
   trap cleanup_launch EXIT
