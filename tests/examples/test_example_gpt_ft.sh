@@ -40,6 +40,10 @@ trap cleanup EXIT
 hash_of() { grep -o '"params_hash": "[0-9a-f]*"' "$1" | head -n 1; }
 val_of() { grep -o '"val_loss": [0-9.e+-]*' "$1" | head -n 1; }
 
+if [[ "$mode" == mpirun || "$mode" == srun ]]; then
+  # before the failure-free run: skips (77) without the launcher or its cluster
+  LAUNCH_NPROC=4 LAUNCH_FT=1 launch_cmd "$mode" "$tdistrun" "$gpt" "${args[@]}"
+fi
 timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 4 "$gpt" "${args[@]}" >"$base" 2>&1
 h0="$(hash_of "$base")"
 [[ -n "$h0" ]] || { cat "$base"; echo "FAIL: no params_hash in the failure-free run"; exit 1; }
@@ -60,14 +64,15 @@ check_line() {
 
 if [[ "$mode" == mpirun || "$mode" == srun ]]; then
   # gpt started by Open MPI's mpirun or Slurm's srun, 4 processes, rank 2 SIGKILLed mid-training
-  LAUNCH_NPROC=4 LAUNCH_FT=1 launch_cmd "$mode" "$tdistrun" "$gpt" "${args[@]}"
   "${LAUNCH_CMD[@]}" >"$out" 2>&1 &
   root=$!
   tasks=()
   # shellcheck disable=SC2317
   cleanup_launch() {
     local p
-    [[ -n "$root" ]] && tasks+=($(descendants "$root") "$root")
+    if [[ -n "$root" ]]; then
+      for p in $(descendants "$root") "$root"; do kill -9 "$p" 2>/dev/null || true; done
+    fi
     for p in "${tasks[@]}"; do kill -9 "$p" 2>/dev/null || true; done
     rm -f "$base" "$out"
   }
