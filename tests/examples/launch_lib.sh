@@ -5,11 +5,14 @@
 #     self      EXAMPLE ARGS [--nproc 3]: the example forks its own workers (pipeline_split always
 #               runs 3; the others take --nproc)
 #     mpirun    Open MPI's mpirun -np 3 on this host, the job secret and the test's variables passed
-#               on with -x; exits 77 (skip) when mpirun is missing
+#               on with -x; exits 77 (skip) when mpirun is missing. With LAUNCH_FT=1 also
+#               --enable-recovery: a process that dies no longer aborts the job, the survivors
+#               run on (for the --ft examples)
 #     srun      Slurm's srun -N 1 -n 3 --kill-on-bad-exit=0 (nothing stops the survivors but
 #               themselves), the job secret in the environment srun passes on; exits 77 (skip)
 #               without srun or a cluster sinfo reaches (scripts/slurm-local.sh start, then
 #               eval "$(scripts/slurm-local.sh env)")
+#   LAUNCH_NPROC (default 3) sets the number of processes of every method but self.
 #   rank_pid METHOD ROOT_PID RANK               prints the pid of that rank's process under ROOT_PID
 #                                               (srun: of the job's task; empty while it does not
 #                                               exist yet)
@@ -17,10 +20,11 @@
 #   descendants PID                             prints PID's descendants, one per line
 #   kill_bare EXAMPLE LIMIT SCALE ARGS...       the bare method of test_example_kill.sh (below)
 launch_cmd() {
-  local method="$1" tdistrun="$2" example="$3"
+  local method="$1" tdistrun="$2" example="$3" n="${LAUNCH_NPROC:-3}"
   shift 3
   case "$method" in
-    tdistrun) LAUNCH_CMD=("$tdistrun" --standalone --nproc-per-node 3 --no-prefix "$example" "$@") ;;
+    tdistrun)
+      LAUNCH_CMD=("$tdistrun" --standalone --nproc-per-node "$n" --no-prefix "$example" "$@") ;;
     self)
       LAUNCH_CMD=("$example" "$@")
       [[ "$(basename "$example")" == pipeline_split ]] || LAUNCH_CMD+=(--nproc 3)
@@ -39,7 +43,8 @@ launch_cmd() {
       done
       local root=()
       [[ "$(id -u)" == 0 ]] && root=(--allow-run-as-root)
-      LAUNCH_CMD=(mpirun "${root[@]}" --oversubscribe --bind-to none -np 3 "${pass[@]}"
+      [[ "${LAUNCH_FT:-0}" == 1 ]] && root+=(--enable-recovery)
+      LAUNCH_CMD=(mpirun "${root[@]}" --oversubscribe --bind-to none -np "$n" "${pass[@]}"
                   "$example" "$@")
       ;;
     srun)
@@ -52,7 +57,7 @@ launch_cmd() {
       # the tasks are slurmstepd's children, not srun's: a tag in their environment finds them
       TD_LAUNCH_TAG="$$-$RANDOM$RANDOM"
       export TD_LAUNCH_TAG
-      LAUNCH_CMD=(srun -N 1 -n 3 --kill-on-bad-exit=0 "$example" "$@")
+      LAUNCH_CMD=(srun -N 1 -n "$n" --kill-on-bad-exit=0 "$example" "$@")
       ;;
     *) echo "launch_lib: unknown launch method '$method'" >&2; exit 2 ;;
   esac

@@ -7,8 +7,10 @@
 # and the same validation loss. Then once more started bare (4 unsupervised processes, as srun
 # without --kill-on-bad-exit leaves them): every survivor exits 0 by itself, same parameters.
 # With ZeRO the line also names the optimizer blocks that moved. A fourth argument "tdistrun"
-# leaves out the bare start. Skips (77) without the corpus. Ends only the processes it started,
-# by pid.
+# leaves out the bare start; "mpirun" or "srun" replaces both kill runs by one under that launcher
+# (launch_lib.sh: mpirun --enable-recovery, srun --kill-on-bad-exit=0; srun skips (77) without a
+# Slurm cluster), where the survivors must finish by themselves with the same line and the same
+# parameters. Skips (77) without the corpus. Ends only the processes it started, by pid.
 set -euo pipefail
 tdistrun="$1"
 gpt="$2"
@@ -38,9 +40,82 @@ trap cleanup EXIT
 hash_of() { grep -o '"params_hash": "[0-9a-f]*"' "$1" | head -n 1; }
 val_of() { grep -o '"val_loss": [0-9.e+-]*' "$1" | head -n 1; }
 
+if [[ "$mode" == mpirun || "$mode" == srun ]]; then
+  # before the failure-free run: skips (77) without the launcher or its cluster
+  LAUNCH_NPROC=4 LAUNCH_FT=1 launch_cmd "$mode" "$tdistrun" "$gpt" "${args[@]}"
+fi
 timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 4 "$gpt" "${args[@]}" >"$base" 2>&1
 h0="$(hash_of "$base")"
 [[ -n "$h0" ]] || { cat "$base"; echo "FAIL: no params_hash in the failure-free run"; exit 1; }
+
+# check_line FILE: the lowest survivor's line naming the lost worker, its step, what moved
+check_line() {
+  local ok=0
+  if ! grep -qE "gpt: step [0-9]+, generation 0: .*worker2 \(rank 2\).*lost: worker2 \(rank 2\); generation 1 formed with 3 of 4 members.*re-sharded: shard 2 -> .*committed" "$1"; then
+    echo "FAIL: no line naming the lost worker, the step and the re-sharded shard"
+    ok=1
+  fi
+  if [[ "$dp" != ddp ]] && ! grep -qE "gpt: step [0-9]+, .*optimizer blocks: block [0-9]+ -> .*committed" "$1"; then
+    echo "FAIL: no line naming the optimizer blocks that moved"
+    ok=1
+  fi
+  return $ok
+}
+
+if [[ "$mode" == mpirun || "$mode" == srun ]]; then
+  # gpt started by Open MPI's mpirun or Slurm's srun, 4 processes, rank 2 SIGKILLed mid-training
+  "${LAUNCH_CMD[@]}" >"$out" 2>&1 &
+  root=$!
+  tasks=()
+  # shellcheck disable=SC2317
+  cleanup_launch() {
+    local p
+    if [[ -n "$root" ]]; then
+      for p in $(descendants "$root") "$root"; do kill -9 "$p" 2>/dev/null || true; done
+    fi
+    for p in "${tasks[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+    rm -f "$base" "$out"
+  }
+  trap cleanup_launch EXIT
+  victim=""
+  for _ in $(seq 1 $((600 * scale))); do
+    kill -0 "$root" 2>/dev/null || break
+    [[ -z "$victim" ]] && victim="$(rank_pid "$mode" "$root" 2 || true)"
+    if [[ -n "$victim" ]] && grep -q "loss" "$out"; then break; fi
+    sleep 0.05
+  done
+  if [[ -z "$victim" ]] || ! kill -0 "$root" 2>/dev/null; then
+    cat "$out"
+    echo "FAIL: rank 2 never ran under $mode, or the job ended before it could be killed"
+    exit 1
+  fi
+  mapfile -t tasks < <(job_pids "$mode" "$root")
+  sleep 0.3
+  echo "killing rank 2 (pid $victim) under $mode"
+  kill -9 "$victim"
+  timeout $((120 * scale)) tail --pid="$root" -f /dev/null || true
+  if kill -0 "$root" 2>/dev/null; then
+    tail -n 20 "$out"
+    echo "FAIL: the job still runs 120 s after the kill"
+    exit 1
+  fi
+  rc=0
+  wait "$root" || rc=$?
+  root=""
+  grep -E "gpt: step" "$out" || true
+  fail=0
+  # mpirun --enable-recovery ends 0 when the survivors do; srun reports the killed task (137)
+  if [[ "$mode" == mpirun && $rc -ne 0 ]]; then echo "FAIL: mpirun ended with status $rc"; fail=1; fi
+  check_line "$out" || fail=1
+  h1="$(hash_of "$out")"
+  if [[ "$h1" != "$h0" ]]; then
+    echo "FAIL: $mode: parameters differ from the failure-free run ($h1 vs $h0)"
+    fail=1
+  fi
+  if [[ $fail -ne 0 ]]; then tail -n 30 "$out"; exit 1; fi
+  echo "PASS: $h1 with and without the kill, under $mode (status $rc)"
+  exit 0
+fi
 
 "$tdistrun" --standalone --nproc-per-node 4 --tolerate-failures 1 "$gpt" "${args[@]}" >"$out" 2>&1 &
 root=$!
@@ -74,14 +149,7 @@ root=""
 grep -E "^\[[0-9]+\]: gpt: step|tdistrun:" "$out" || true
 fail=0
 [[ $rc -eq 0 ]] || { echo "FAIL: the job ended with status $rc"; fail=1; }
-if ! grep -qE "gpt: step [0-9]+, generation 0: .*worker2 \(rank 2\).*lost: worker2 \(rank 2\); generation 1 formed with 3 of 4 members.*re-sharded: shard 2 -> .*committed" "$out"; then
-  echo "FAIL: no line naming the lost worker, the step and the re-sharded shard"
-  fail=1
-fi
-if [[ "$dp" != ddp ]] && ! grep -qE "gpt: step [0-9]+, .*optimizer blocks: block [0-9]+ -> .*committed" "$out"; then
-  echo "FAIL: no line naming the optimizer blocks that moved"
-  fail=1
-fi
+check_line "$out" || fail=1
 if grep -q "restarting" "$out"; then echo "FAIL: the group was restarted"; fail=1; fi
 h1="$(hash_of "$out")"
 if [[ "$h1" != "$h0" ]]; then

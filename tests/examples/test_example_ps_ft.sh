@@ -7,11 +7,14 @@
 # line from the server naming the lost worker, the epoch and step and what it recomputes, one
 # trainer lost in the JSON, every epoch's batches applied equal to what its sharding holds (the
 # lost trainer's remaining batches recomputed, the next epoch re-sharded over the survivor), and
-# a test accuracy that chance cannot reach. Skips (77) without Fashion-MNIST. Ends only the
-# processes it started, by pid.
+# a test accuracy that chance cannot reach. A third argument "mpirun" or "srun" replaces both by
+# one run under that launcher (launch_lib.sh: mpirun --enable-recovery, srun
+# --kill-on-bad-exit=0; srun skips (77) without a Slurm cluster) with the same checks. Skips (77)
+# without Fashion-MNIST. Ends only the processes it started, by pid.
 set -euo pipefail
 tdistrun="$1"
 ps="$2"
+mode="${3:-all}"
 data_dir="${TD_DATA_DIR:-/usr/share/datasets/fashion-mnist}"
 if [[ ! -e "$data_dir/train-images-idx3-ubyte.gz" && ! -e "$data_dir/train-images-idx3-ubyte" ]]; then
   echo "SKIP: no Fashion-MNIST in $data_dir"
@@ -77,6 +80,38 @@ wait_training() {
   done
   return 1
 }
+
+if [[ "$mode" == mpirun || "$mode" == srun ]]; then
+  LAUNCH_FT=1 launch_cmd "$mode" "$tdistrun" "$ps" "${args[@]}"
+  "${LAUNCH_CMD[@]}" >"$out" 2>&1 &
+  root=$!
+  victim=""
+  for _ in $(seq 1 $((600 * scale))); do
+    [[ -n "$victim" ]] && break
+    kill -0 "$root" 2>/dev/null || break
+    victim="$(rank_pid "$mode" "$root" 2 || true)"
+    sleep 0.05
+  done
+  mapfile -t pids < <(job_pids "$mode" "$root")
+  wait_training "$out" "$root" || { cat "$out"; echo "FAIL: training never started under $mode"; exit 1; }
+  sleep 0.3
+  [[ -n "$victim" ]] && kill -0 "$victim" 2>/dev/null || { cat "$out"; echo "FAIL: rank 2 is not running"; exit 1; }
+  echo "killing rank 2 (pid $victim) under $mode"
+  kill -9 "$victim"
+  timeout $((180 * scale)) tail --pid="$root" -f /dev/null || true
+  if kill -0 "$root" 2>/dev/null; then tail -n 20 "$out"; echo "FAIL: the job still runs"; exit 1; fi
+  rc=0
+  wait "$root" || rc=$?
+  root=""
+  grep -E "param_server: (worker|recomputed)" "$out" || true
+  fail=0
+  # mpirun --enable-recovery ends 0 when the survivors do; srun reports the killed task (137)
+  if [[ "$mode" == mpirun && $rc -ne 0 ]]; then echo "FAIL: mpirun ended with status $rc"; fail=1; fi
+  check "$out" "$mode" || fail=1
+  if [[ $fail -ne 0 ]]; then tail -n 30 "$out"; exit 1; fi
+  echo "PASS: a lost trainer cost the server its remaining batches, under $mode (status $rc)"
+  exit 0
+fi
 
 "$tdistrun" --standalone --nproc-per-node 3 --tolerate-failures 1 "$ps" "${args[@]}" >"$out" 2>&1 &
 root=$!
