@@ -624,6 +624,9 @@ static int run_trainer(td_rpc_agent *a, const ex_args *args, const recipe *rc,
                            [SAMPLES] = (double)samples, [TRAIN_S] = et, [FIRST] = ex_losses_first(&losses),
                            [LAST] = ex_losses_last(&losses), [NB] = (double)nb};
     double acc = sync_call(a, epoch + 1, rep, tid, ft_on ? &sh : NULL);
+    /* the server may leave once it has answered the last sync (at once, without waiting for us,
+     * when --ft lost a trainer): its absence is no failure from here on */
+    if (epoch + 1 == args->epochs) psft_watchdog_stop();
     if (tid == 0)
       fprintf(stderr, "trainer %d: epoch %d done in %.2fs, test accuracy %.4f\n", tid + 1,
               epoch + 1, et, acc);
