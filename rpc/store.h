@@ -77,6 +77,7 @@ typedef struct td__store_stats {
   uint64_t requests;     /* served */
   uint64_t gets_found;   /* gets that found their key */
   uint64_t ranges_found; /* range requests that returned values */
+  uint64_t ranges_remembered; /* range requests served from a remembered range (store.c) */
 } td__store_stats;
 void td__store_stats_get(td__store *s, td__store_stats *out);
 

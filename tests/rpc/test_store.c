@@ -3,7 +3,8 @@
  * A delete says whether the key existed and leaves it absent as if never set; set/delete cycles
  * keep the table at the size of the keys alive, every lookup right, and each delete's work to a
  * few entries (no rebuild); waiters on a deleted key wait for it to be set again. Range reads
- * (op 7) give consecutive keys' values within their limits, and a group's rendezvous reads every
+ * (op 7) give consecutive keys' values within their limits, a repeated one comes from the range
+ * remembered until a key under its prefix changes, and a group's rendezvous reads every
  * worker's records in a few of them. The store protocol played by 32 and 256 simulated workers
  * (rpc/store_sim.h) costs each worker the same number of requests outside its waits, and bytes
  * that grow with the group only by the table's small records. */
@@ -328,6 +329,65 @@ static void test_store_range_reply_is_bounded(void **state) {
   td__store_destroy(s);
 }
 
+/* The values of range(prefix, first, count) are want[0..n-1]. */
+static void assert_range(td__store *s, const char *prefix, int first, int count, int n,
+                         const char *const *want) {
+  Tdist__StoreReply *p = range(s, prefix, first, count, NULL);
+  assert_int_equal(p->n_values, n);
+  assert_int_equal(p->found, n == count);
+  for (int i = 0; i < n; i++) assert_value(p, (size_t)i, want[i]);
+  tdist__store_reply__free_unpacked(p, NULL);
+}
+
+static uint64_t remembered(td__store *s) {
+  td__store_stats st;
+  td__store_stats_get(s, &st);
+  return st.ranges_remembered;
+}
+
+/* A repeated range is served from the one gathered before (the N readers of a start-up table),
+ * and every change under its prefix (set, add, delete, a new key) is seen by the next read. */
+static void test_store_range_remembered_until_a_key_changes(void **state) {
+  (void)state;
+  td__store *s;
+  TD_ASSERT_OK(td__store_create(&s));
+  req(s, SET, "r/0", "a", NULL, NULL);
+  req(s, SET, "r/1", "b", NULL, NULL);
+  req(s, SET, "r/2", "c", NULL, NULL);
+  assert_range(s, "r/", 0, 4, 3, (const char *[]){"a", "b", "c"});
+  assert_int_equal(remembered(s), 0);
+  assert_range(s, "r/", 0, 4, 3, (const char *[]){"a", "b", "c"});
+  assert_int_equal(remembered(s), 1);
+  req(s, SET, "other/0", "z", NULL, NULL); /* another prefix: still remembered */
+  assert_range(s, "r/", 0, 4, 3, (const char *[]){"a", "b", "c"});
+  assert_int_equal(remembered(s), 2);
+  req(s, SET, "r/1", "B", NULL, NULL);
+  assert_range(s, "r/", 0, 4, 3, (const char *[]){"a", "B", "c"});
+  assert_int_equal(remembered(s), 2);
+  req(s, SET, "r/3", "d", NULL, NULL); /* the missing key arrives: the range is complete */
+  assert_range(s, "r/", 0, 4, 4, (const char *[]){"a", "B", "c", "d"});
+  add(s, "r/2", 5);
+  assert_range(s, "r/", 0, 4, 4, (const char *[]){"a", "B", "5", "d"});
+  req(s, DEL, "r/1", NULL, NULL, NULL);
+  assert_range(s, "r/", 0, 4, 1, (const char *[]){"a"});
+  assert_range(s, "r/", 2, 2, 2, (const char *[]){"5", "d"}); /* another range, gathered */
+  assert_int_equal(remembered(s), 2);
+  /* more ranges than are remembered: each still right, old ones gathered again */
+  char k[32], v[32];
+  for (int round = 0; round < 2; round++)
+    for (int i = 0; i < 12; i++) {
+      snprintf(k, sizeof k, "m%d/0", i);
+      snprintf(v, sizeof v, "v%d.%d", i, round);
+      if (round == 1 && i % 3 == 0) req(s, SET, k, v, NULL, NULL);
+      else if (round == 0) req(s, SET, k, v, NULL, NULL);
+      snprintf(k, sizeof k, "m%d/", i);
+      snprintf(v, sizeof v, "v%d.%d", i, round == 1 && i % 3 == 0 ? 1 : 0);
+      assert_range(s, k, 0, 1, 1, (const char *[]){v});
+      assert_range(s, k, 0, 1, 1, (const char *[]){v});
+    }
+  td__store_destroy(s);
+}
+
 typedef struct setter {
   const td__store_client *c;
 } setter;
@@ -527,6 +587,7 @@ int main(void) {
       cmocka_unit_test(test_store_client_delete_and_waiters),
       cmocka_unit_test(test_store_range_reads_consecutive_keys),
       cmocka_unit_test(test_store_range_reply_is_bounded),
+      cmocka_unit_test(test_store_range_remembered_until_a_key_changes),
       cmocka_unit_test(test_store_client_wait_range),
       cmocka_unit_test(test_store_parked_waits_answered_when_over),
       cmocka_unit_test(test_store_protocol_grows_linearly),
