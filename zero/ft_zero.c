@@ -302,6 +302,8 @@ td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out) {
     if (b->held) out->state_numel += b->hi - b->lo;
   }
   out->grad_numel = z->o.stage == 1 ? z->P : out->state_numel;
+  out->plain_steps = z->own_steps;
+  out->machinery_s = z->own_s;
   return TD_OK;
 }
 
@@ -324,7 +326,7 @@ static td_status compute(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void *u
     if (z->owner[s] != m || z->grad[s]) continue;
     TD_TRY(clear_grads(z));
     TD_TRY(fn(user, step, s, z->M));
-    TD_TRY(td__ft_take_grads(z->params, z->np, z->P, z->dt, &z->grad[s]));
+    TD_TRY(td__ft_take_grads(z->params, z->np, z->P, z->dt, &z->grad[s], &info->machinery_s));
     info->shards_computed++;
   }
   return clear_grads(z);
@@ -402,8 +404,10 @@ static double sum_squares(const td_tensor *g) {
   return acc;
 }
 
-/* The commit vote: one all_reduce SUM of the owners' sums of squares, folded in block order. */
-static td_status vote(td_ft_zero *z, int64_t step) {
+/* The commit vote: one all_reduce SUM of the owners' sums of squares, folded in block order.
+ * Its time is added to *own_s (td_zero has no vote). */
+static td_status vote(td_ft_zero *z, int64_t step, double *own_s) {
+  uint64_t t0 = td__now_ns();
   int64_t nb = z->B;
   td_tensor *v = NULL;
   TD_TRY(td_tensor_zeros(&nb, 1, TD_DTYPE_F64, td_device_cpu(), &v));
@@ -420,6 +424,7 @@ static td_status vote(td_ft_zero *z, int64_t step) {
     z->voted = step;
   }
   td_tensor_unref(v);
+  td__ft_own(own_s, t0);
   return st;
 }
 
@@ -448,11 +453,16 @@ static td_status step_block(td_ft_zero *z, int bi, int64_t step, double coef) {
   return TD_OK;
 }
 
-/* Steps every held block still at step - 1 that has the step's gradient. */
-td_status td__ftz_step_held(td_ft_zero *z, int64_t step, double coef) {
+/* Steps every held block still at step - 1 that has the step's gradient; the time of the
+ * blocks this member backs (the second copy of the optimizer's work) is added to *own_s. */
+td_status td__ftz_step_held(td_ft_zero *z, int64_t step, double coef, double *own_s) {
+  int m = td__ftz_me(z);
   for (int bi = 0; bi < z->B; bi++) {
     td__zfblock *b = &z->b[bi];
-    if (b->held && b->ver == step - 1 && b->gstep == step) TD_TRY(step_block(z, bi, step, coef));
+    if (!b->held || b->ver != step - 1 || b->gstep != step) continue;
+    uint64_t t0 = td__now_ns();
+    TD_TRY(step_block(z, bi, step, coef));
+    td__ft_own(b->bak == m ? own_s : NULL, t0);
   }
   return TD_OK;
 }
@@ -539,12 +549,12 @@ static td_status attempt(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void *u
   td__ftz_inject_at(z, step, TD_FT_BEFORE);
   TD_TRY(reduce(z, step));
   td__ftz_inject_at(z, step, TD_FT_AFTER);
-  TD_TRY(vote(z, step));
+  TD_TRY(vote(z, step, &info->machinery_s));
   td__ftz_inject_at(z, step, TD_FT_AFTER_VOTE);
   /* a member whose own group failed after the vote does not step: the recovery rolls it
    * forward (as a member whose vote ended here but failed elsewhere) */
   TD_TRY(td__ft_broken(z->pg));
-  TD_TRY(td__ftz_step_held(z, step, z->coef));
+  TD_TRY(td__ftz_step_held(z, step, z->coef, &info->machinery_s));
   td__ftz_inject_at(z, step, TD_FT_BEFORE_GATHER);
   TD_TRY(td__ftz_gather(z, step));
   td__ftz_inject_at(z, step, TD_FT_AFTER_GATHER);
@@ -625,7 +635,15 @@ td_status td_ft_zero_step(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void *
     TD_TRY(recover_loop(z, step, st, info, &t_fail, &no_loss, &done, "ft_zero_step"));
     if (done) break;
   }
-  drop_grads(z);
+  uint64_t t0 = td__now_ns();
+  drop_grads(z); /* the step is committed: its shard gradients go */
+  td__ft_own(&info->machinery_s, t0);
+  if (info->failures) {
+    info->machinery_s = 0; /* a recovery's work is not the failure-free cost */
+  } else {
+    z->own_s += info->machinery_s;
+    z->own_steps++;
+  }
   step_done(z, step, t_fail, info);
   return TD_OK;
 }

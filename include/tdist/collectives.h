@@ -516,9 +516,12 @@ typedef struct td_ft_step_info {
   int shards_recomputed;   /* shards of lost members the survivors computed in this step */
   bool healed;             /* this member took the step's state from a member that committed it */
   double recovery_s;       /* from the first failure seen to the commit (0 without failure) */
-  double machinery_s;      /* on the fast path: the time spent beyond what td_ddp does (keeping
-                              a copy of the local gradient, dropping it at the commit): the fault
-                              tolerance's own cost in a step without failure; 0 otherwise */
+  double machinery_s;      /* the fault tolerance's own time in a step without failure, beyond
+                              what td_ddp / td_zero do; 0 otherwise. td_ft_ddp (fast path only):
+                              keeping a copy of the local gradient, dropping it at the commit.
+                              td_ft_zero: the copy of each shard's gradient, the commit vote, the
+                              optimizer steps of the blocks this member backs, the drop at the
+                              commit (not its ordered reduction, which replaces td_zero's) */
   int blocks_copied;       /* td_ft_zero: optimizer blocks whose state was copied to a new holder
                               in this step (a lost holder's block re-replicated) */
   bool rolled_forward;     /* td_ft_zero: the step was completed by the survivors from the state
@@ -917,7 +920,7 @@ TD_API td_status td_ft_zero_inject(td_ft_zero *z, int rank, int64_t step, td_ft_
 /* td_ft_zero_group returns the current group. Borrowed: valid until the next step, sync or
  * destroy. */
 TD_API td_process_group *td_ft_zero_group(const td_ft_zero *z);
-/* What a td_ft_zero holds on this member. */
+/* What a td_ft_zero holds on this member, and its own time in failure-free steps. */
 typedef struct td_ft_zero_stats {
   int stage;
   int n_blocks;
@@ -926,6 +929,9 @@ typedef struct td_ft_zero_stats {
   int backed;             /* blocks it backs (steps too, keeps their state) */
   int64_t state_numel;    /* elements of the blocks it holds (their optimizer state is kept) */
   int64_t grad_numel;     /* elements of averaged gradient it keeps in a step (stage 1: P) */
+  int64_t plain_steps;    /* steps committed without a failure by this member */
+  double machinery_s;     /* their td_ft_step_info.machinery_s summed: the fault tolerance's own
+                             time per step is machinery_s / plain_steps */
 } td_ft_zero_stats;
 TD_API td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out);
 /* td_ft_zero_destroy frees z, its optimizer state and the groups it re-formed. NULL does

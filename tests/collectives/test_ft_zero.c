@@ -8,11 +8,15 @@
  * loss the blocks are held twice again: over the survivors, every block has one owner and one
  * backup (the stats' sums), and each lost holder's block was copied to a new one.
  *
+ * Each member's own time (td_ft_step_info.machinery_s, td_ft_zero_stats) is set in every
+ * failure-free step and within it, 0 in a step that recovered, and the stats sum it.
+ *
  * Two neighbours lost at once (both holders of a block): every survivor's step fails with
  * TD_ERR_UNAVAILABLE naming the block, soon, instead of hanging or going on with wrong state.
  * Without clipping, td_ft_zero's parameters equal td_ft_ddp's bit for bit: sharding the
  * optimizer changes nothing in the numbers.
  */
+#include <math.h>
 #include <signal.h>
 #include <sys/stat.h>
 
@@ -109,14 +113,23 @@ static int worker(int rank, int world, const char *method, void *arg) {
   MP_CHECK(zs.state_numel >= 2 * (163 / WORLD) && zs.state_numel <= 2 * (163 / WORLD + 1));
   for (int i = 0; i < c->nf; i++)
     MP_CHECK_OK(td_ft_zero_inject(z, c->f[i].rank, c->f[i].step, c->f[i].when, c->f[i].what));
-  int lost = 0, moved = 0, copied = 0;
+  int lost = 0, moved = 0, copied = 0, plain = 0;
+  double own = 0;
   td_status st = TD_OK;
   for (int64_t step = 0; st == TD_OK && step < STEPS; step++) {
     MP_CHECK_OK(td_ft_zero_set_lr(z, 1e-2 * (1.0 - 0.1 * (double)step)));
     td_ft_step_info info;
+    double t0 = td_test_now_s();
     st = td_ft_zero_step(z, step, shard_fn, m, &info);
+    double wall = td_test_now_s() - t0;
     if (st != TD_OK) break;
     MP_CHECK(info.step == step);
+    /* its own time: set in a failure-free step (a gradient copy, the vote, the backed block's
+     * step: more than nothing), a part of the step; 0 in a step that recovered */
+    if (!info.failures) MP_CHECK(info.machinery_s > 0 && info.machinery_s < wall);
+    else MP_CHECK(info.machinery_s == 0);
+    plain += !info.failures;
+    own += info.machinery_s;
     if (info.failures) fprintf(stderr, "[rank %d] %s\n", rank, info.message);
     lost += info.lost;
     moved += info.shards_recomputed;
@@ -142,6 +155,8 @@ static int worker(int rank, int world, const char *method, void *arg) {
   MP_CHECK(sync.step == STEPS - 1);
   td_process_group *cur = td_ft_zero_group(z);
   MP_CHECK_OK(td_ft_zero_get_stats(z, &zs));
+  MP_CHECK(zs.plain_steps == plain && plain >= STEPS - c->nf); /* a fault costs one step */
+  MP_CHECK(fabs(zs.machinery_s - own) <= 1e-12 * (own + 1)); /* the same sum */
   char rep[256];
   int k = snprintf(rep, sizeof rep, "%llu %d %d %d %d %d %d %d\n",
                (unsigned long long)td_process_group_generation(cur), td_process_group_size(cur),
