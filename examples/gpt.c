@@ -228,10 +228,9 @@ static void opts_parse(int argc, char **argv, opts *o) {
     ex_die("--reduce-dtype must be f32, bf16 or f16");
   if (strcmp(o->reduce_dtype, "f32") && strcmp(o->dp, "ddp"))
     ex_die("--reduce-dtype bf16/f16 is a ddp option (ZeRO reduces in the gradients' dtype)");
-  if (o->ft && (!strcmp(o->dp, "zero3") || o->grad_accum != 1 || strcmp(o->loss_scale, "none") ||
+  if (o->ft && (!strcmp(o->dp, "zero3") || strcmp(o->loss_scale, "none") ||
                 strcmp(o->reduce_dtype, "f32")))
-    ex_die("--ft runs --dp ddp, zero1 or zero2, without --grad-accum, loss scaling or "
-           "--reduce-dtype (not yet)");
+    ex_die("--ft runs --dp ddp, zero1 or zero2, without loss scaling or --reduce-dtype (not yet)");
   if (o->ft_inject && !o->ft) ex_die("--ft-inject needs --ft");
 }
 
@@ -707,9 +706,12 @@ static uint64_t params_hash(td_module *m) {
 
 /* ---- --ft: fault-tolerant DDP ---- */
 
-/* A shard of a step's global batch (world x batch_size windows, world shards): its windows are
- * drawn from a generator seeded by (seed + 1, step, shard) alone, so whichever replica computes
- * it, after a failure too, it is the same batch. */
+/* A shard of a step's global batch (world x grad_accum x batch_size windows, world shards): its
+ * windows are drawn from a generator seeded by (seed + 1, step, shard) alone, so whichever
+ * replica computes it, after a failure too, it is the same batch. With --grad-accum K the shard
+ * is K micro-batches of batch_size windows drawn one after the other, each backpropagating its
+ * loss / K: the shard's .grad is the gradient of its mean loss, which the step reduces once; a
+ * lost member's shard is recomputed with all K of them. */
 typedef struct ft_shard_ctx {
   td_module *m;
   const corpus *c;
@@ -726,17 +728,24 @@ static td_status ft_shard(void *user, int64_t step, int s, int n_shards) {
   td_generator *g = NULL;
   td_status st = td_generator_create(seed, &g);
   if (st != TD_OK) return st;
-  batch b;
-  batch_make(x->c->tok, x->c->n_train, g, x->o->batch_size, x->o->block_size, NULL, &b);
-  td_tensor *logits = NULL, *loss = NULL;
-  st = td_gpt_forward(x->m, b.x, b.y, &logits, &loss);
-  if (st == TD_OK) st = td_tensor_backward(loss);
-  double v = NAN;
-  if (st == TD_OK) st = td_tensor_item(loss, &v);
-  if (st == TD_OK) x->loss_sum += v, x->shards++;
-  td_tensor_unref(logits);
-  td_tensor_unref(loss);
-  batch_free(&b);
+  int64_t K = x->o->grad_accum;
+  double sum = 0;
+  for (int64_t k = 0; st == TD_OK && k < K; k++) {
+    batch b;
+    batch_make(x->c->tok, x->c->n_train, g, x->o->batch_size, x->o->block_size, NULL, &b);
+    td_tensor *logits = NULL, *loss = NULL, *share = NULL;
+    st = td_gpt_forward(x->m, b.x, b.y, &logits, &loss);
+    if (st == TD_OK && K > 1) st = td_tensor_mul_scalar(loss, 1.0 / (double)K, &share);
+    if (st == TD_OK) st = td_tensor_backward(share ? share : loss);
+    double v = NAN;
+    if (st == TD_OK) st = td_tensor_item(loss, &v);
+    sum += v;
+    td_tensor_unref(logits);
+    td_tensor_unref(loss);
+    td_tensor_unref(share);
+    batch_free(&b);
+  }
+  if (st == TD_OK) x->loss_sum += sum / (double)K, x->shards++;
   td_generator_destroy(g);
   return st;
 }
@@ -765,7 +774,9 @@ static void ft_create(td_module *m, const opts *o, dp_run *dp, td_optim **opt) {
     td_ft_ddp_options_init(&fo);
     fo.max_grad_norm = o->grad_clip;
     if (o->bucket_mb > 0) fo.bucket_bytes = (size_t)(o->bucket_mb * 1048576.0);
-    fo.module = m; /* failure-free steps overlap the reduction with backward */
+    /* failure-free steps overlap the reduction with backward; that path expects one backward
+     * per shard, so with --grad-accum the reduction follows the shard's K backward passes */
+    if (o->grad_accum == 1) fo.module = m;
     EX_CHECK(td_ft_ddp_create(dp->pg, *opt, &fo, &dp->ft));
   } else {
     optim_setup s;
@@ -1306,7 +1317,7 @@ int main(int argc, char **argv) {
       ex_json_int(&res, "ft_members_at_end", dp.ft_members);
       ex_json_int(&res, "ft_generation", (int64_t)dp.ft_generation);
       ex_json_num(&res, "ft_recovery_max_s", dp.ft_recovery_max_s);
-      /* the fault tolerance's own time per step (fast path) and its share of a training step */
+      /* the fault tolerance's own time per step (td_ft_step_info.machinery_s) and its share */
       ex_json_num(&res, "ft_machinery_s_per_step", o.steps ? dp.ft_machinery_s / (double)o.steps
                                                            : NAN);
       ex_json_num(&res, "ft_machinery_share", r.train_s > 0 ? dp.ft_machinery_s / r.train_s : NAN);
