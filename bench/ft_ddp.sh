@@ -15,7 +15,8 @@
 # "ft_overhead_vs_plain" (step_s_ft / step_s_plain - 1; "ft_overhead_vs_ddp" for ddp),
 # "ft_machinery_share_of_step" (the time the fault tolerance itself spends per step, rank 0's,
 # over its step time: what the step-time ratio measures through this host's noise; td_ft_zero's
-# includes the optimizer steps of the blocks it backs and the commit vote), "step_s_torch_ddp", "ft_vs_torch_step_ratio",
+# includes the optimizer steps of the blocks it backs and the commit vote), "step_s_torch_ddp",
+# "ft_vs_torch_step_ratio",
 # "kill_to_commit_s" (median), "kill_to_commit_runs_s", "recovery_in_library_s" (median: from the
 # failure seen to the commit), "step_s_ft_after_failure" ...}} with medians over the runs (step
 # times: train_s / steps). Steps: 30.

@@ -70,8 +70,13 @@ check_line() {
 
 if [[ "$mode" == accum ]]; then
   one="$(mktemp)"
-  timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 4 "$gpt" "${args[@]}" \
-    --grad-accum 1 >"$one" 2>&1 || { tail -n 20 "$one"; rm -f "$one"; echo "FAIL: --grad-accum 1"; exit 1; }
+  if ! timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 4 "$gpt" "${args[@]}" \
+      --grad-accum 1 >"$one" 2>&1; then
+    tail -n 20 "$one"
+    rm -f "$one"
+    echo "FAIL: --grad-accum 1"
+    exit 1
+  fi
   h_one="$(hash_of "$one")"
   rm -f "$one"
   rc=0
