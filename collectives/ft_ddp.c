@@ -297,9 +297,17 @@ static td_status commit(td_ft_ddp *ft, int64_t step, bool grads_set) {
     TD_TRY(st);
     off += td_tensor_numel(p);
   }
+  td_grad_scaler *sc = ft->o.scaler;
+  /* the decision is the averaged gradient's: the same bits on every member */
+  if (sc) TD_TRY(td_grad_scaler_unscale_(sc, ft->opt));
   if (ft->o.max_grad_norm > 0)
     TD_TRY(td_optim_clip_grad_norm(ft->opt, ft->o.max_grad_norm, 2.0, NULL));
-  TD_TRY(td_optim_step(ft->opt));
+  if (sc) {
+    TD_TRY(td_grad_scaler_step(sc, ft->opt, NULL));
+    TD_TRY(td_grad_scaler_update(sc));
+  } else {
+    TD_TRY(td_optim_step(ft->opt));
+  }
   ft->committed = step;
   return TD_OK;
 }
@@ -344,6 +352,21 @@ static td_status heal_from(td_ft_ddp *ft, int root) {
     }
   }
   td_tensor_unref(meta);
+  if (st == TD_OK && ft->o.scaler) { /* the scale and growth tracker after the root's commit */
+    int64_t two = 2;
+    td_tensor *sv = NULL;
+    td_grad_scaler_state gs;
+    st = td_grad_scaler_get_state(ft->o.scaler, &gs);
+    if (st == TD_OK) st = td_tensor_zeros(&two, 1, TD_DTYPE_F64, td_device_cpu(), &sv);
+    if (st == TD_OK) {
+      double *x = td_tensor_data(sv);
+      x[0] = gs.scale, x[1] = (double)gs.growth_tracker;
+      st = td_process_group_broadcast(pg, sv, root);
+      gs.scale = x[0], gs.growth_tracker = (int64_t)x[1];
+    }
+    if (st == TD_OK && pg->rank != root) st = td_grad_scaler_set_state(ft->o.scaler, &gs);
+    td_tensor_unref(sv);
+  }
   return st;
 }
 

@@ -120,6 +120,10 @@ td_status td__zero_agree(td_zero *z, td_status mine, const char *what);
 
 #include "../collectives/ft_impl.h"
 
+/* The vote's factor of a step skipped by loss scaling (an inf or a NaN): no block is stepped.
+ * Never a clip factor (those are >= 0 or NaN). */
+#define TD__FTZ_SKIP (-1.0)
+
 typedef struct td__zfseg {
   size_t param;
   int64_t off, len; /* elements [off, off + len) of the parameter (flat) */
@@ -163,6 +167,8 @@ struct td_ft_zero {
   int64_t voted;      /* the last step whose vote this member received */
   double coef;        /* that step's clip factor (1: none) */
   td__ft_injector inj;
+  int64_t dec_step;   /* loss scaling: the last step whose vote's factor is known here */
+  double dec_coef;    /* that factor (TD__FTZ_SKIP: skipped) */
   int64_t own_steps;  /* steps committed without a failure */
   double own_s;       /* their td_ft_step_info.machinery_s, summed */
 };

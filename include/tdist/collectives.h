@@ -492,7 +492,18 @@ typedef struct td_ft_ddp_options {
                               overlap: the shard function's backward starts the buckets'
                               all_reduces) while each member holds the shard of its own rank on a
                               same-host group: the same bits, without the wait after backward.
-                              Must outlive the td_ft_ddp */
+                              It expects one backward pass per shard function call: with
+                              gradient accumulation inside it (several backward passes), leave
+                              it NULL. Must outlive the td_ft_ddp */
+  td_grad_scaler *scaler;  /* loss scaling, or NULL: the shard function backpropagates
+                              td_grad_scaler_scale's loss; the commit unscales the averaged
+                              gradient, skips the optimizer step on an inf or a NaN and applies
+                              the scale rule, once per committed step. The averaged gradient is
+                              the same bits on every member, so every survivor takes the same
+                              decision without a collective: the scaler must have no agreement
+                              (no td_grad_scaler_set_process_group). A member that takes a
+                              committed step from another (healed) takes its scaler state too.
+                              Borrowed: must outlive the td_ft_ddp */
 } td_ft_ddp_options;
 /* td_ft_ddp_options_init: n_shards = group size, 4 MiB buckets, no clipping, no limit. */
 TD_API void td_ft_ddp_options_init(td_ft_ddp_options *o);
@@ -888,6 +899,13 @@ typedef struct td_ft_zero_options {
   double max_grad_norm;    /* > 0: clip the averaged gradient's global 2-norm (default 0) */
   td_timeout_ms reform_timeout; /* bound of each re-formation (TD_TIMEOUT_DEFAULT: the group's) */
   int max_failures;        /* failures survived before a step gives up (0: no limit) */
+  td_grad_scaler *scaler;  /* loss scaling, or NULL: as td_ft_ddp_options.scaler. The vote
+                              carries every block's sum of squares (of the scaled gradient),
+                              non-finite on every member when any block overflowed: then no
+                              block is stepped (a skipped step, also when the survivors roll it
+                              forward); else each block's gradient is multiplied by the clip
+                              factor / scale. The scale rule runs once per committed step on
+                              every member. No agreement on the scaler. Borrowed */
 } td_ft_zero_options;
 /* td_ft_zero_options_init: stage 2, n_shards and n_blocks the group's size, 4 MiB, no clipping,
  * no limit. */
