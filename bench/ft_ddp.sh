@@ -12,9 +12,11 @@
 #     survivors' wall clock, ft_first_commit_after_failure_unix_ms, against the time of the kill).
 # Prints {"bench": "ft_ddp", "config": {... "dp"}, "results": {"step_s_plain" (td_ddp or td_zero;
 # also "step_s_ddp" for ddp), "step_s_ft",
-# "ft_overhead_vs_plain" (step_s_ft / step_s_plain - 1; "ft_overhead_vs_ddp" for ddp), for ddp
+# "ft_overhead_vs_plain" (step_s_ft / step_s_plain - 1; "ft_overhead_vs_ddp" for ddp),
 # "ft_machinery_share_of_step" (the time the fault tolerance itself spends per step, rank 0's,
-# over its step time: what the step-time ratio measures through this host's noise), "step_s_torch_ddp", "ft_vs_torch_step_ratio",
+# over its step time: what the step-time ratio measures through this host's noise; td_ft_zero's
+# includes the optimizer steps of the blocks it backs and the commit vote), "step_s_torch_ddp",
+# "ft_vs_torch_step_ratio",
 # "kill_to_commit_s" (median), "kill_to_commit_runs_s", "recovery_in_library_s" (median: from the
 # failure seen to the commit), "step_s_ft_after_failure" ...}} with medians over the runs (step
 # times: train_s / steps). Steps: 30.
@@ -136,10 +138,10 @@ res = {"step_s_plain": med(ddp), "step_s_ft": med(ft),
        "recovery_in_library_s": med([k["recovery_in_library_s"] for k in kills]),
        "step_s_ft_with_failure": med([k["step_s"] for k in kills]),
        "failure_line": kills[-1]["line"]}
+# the time the fault tolerance itself spends per step (td_ft_step_info.machinery_s)
+res.update(ft_machinery_s_per_step=med(mach), ft_machinery_share_of_step=med(share))
 if dp == "ddp":
-    # td_ft_ddp's fast path times its own machinery; td_ft_zero has no such split (0 there)
-    res.update(step_s_ddp=med(ddp), ft_overhead_vs_ddp=med(ft) / med(ddp) - 1,
-               ft_machinery_s_per_step=med(mach), ft_machinery_share_of_step=med(share))
+    res.update(step_s_ddp=med(ddp), ft_overhead_vs_ddp=med(ft) / med(ddp) - 1)
 if tp:
     res.update(step_s_torch_ddp=med(tp), ft_vs_torch_step_ratio=med(ft) / med(tp),
                step_s_torch_ddp_runs=tp)

@@ -1,6 +1,6 @@
 /* ft_common.c - the pieces the fault-tolerant data-parallel steps share (ft_impl.h): fault
  * injection, the re-formation and its report line, the flat copy of the .grads, the
- * reassignment of a lost member's shards of the batch.
+ * reassignment of a lost member's shards of the batch, the accounting of their own time.
  *
  * Threads: each function is called by the one thread that runs a td_ft_ddp's or td_ft_zero's
  * steps; td__pg_inject_close and td__pg_is_broken take pg->mu (group.c); no lock of its own.
@@ -152,8 +152,13 @@ td_status td__ft_reform(td_process_group *given, td_process_group **pg, td_timeo
 
 /* ---- gradients and shards ---- */
 
+void td__ft_own(double *own_s, uint64_t t0) {
+  if (own_s) *own_s += (double)(td__now_ns() - t0) * 1e-9;
+}
+
 td_status td__ft_take_grads(td_tensor *const *params, size_t np, int64_t P, td_dtype dt,
-                            td_tensor **out) {
+                            td_tensor **out, double *own_s) {
+  uint64_t t0 = td__now_ns();
   td_tensor *flat = NULL;
   TD_TRY(td_tensor_zeros(&P, 1, dt, td_device_cpu(), &flat));
   char *p = td_tensor_data(flat);
@@ -181,6 +186,7 @@ td_status td__ft_take_grads(td_tensor *const *params, size_t np, int64_t P, td_d
     return st;
   }
   *out = flat;
+  td__ft_own(own_s, t0);
   return TD_OK;
 }
 

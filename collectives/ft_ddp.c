@@ -182,8 +182,8 @@ static void inject_at(td_ft_ddp *ft, int64_t step, td_ft_when when) {
 
 /* ---- one attempt of a step ---- */
 
-static td_status take_grads(td_ft_ddp *ft, td_tensor **out) {
-  return td__ft_take_grads(ft->params, ft->np, ft->P, ft->dt, out);
+static td_status take_grads(td_ft_ddp *ft, td_tensor **out, double *own_s) {
+  return td__ft_take_grads(ft->params, ft->np, ft->P, ft->dt, out, own_s);
 }
 
 /* Whether every shard sits on the group rank of its number (each member holds one shard). */
@@ -229,9 +229,7 @@ static td_status fast_attempt(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, vo
     td_ddp_finish(ft->ddp); /* ends the pass (its reductions run to the end) */
     return st;
   }
-  uint64_t t0 = td__now_ns();
-  st = take_grads(ft, &ft->grad[s]);
-  info->machinery_s += (double)(td__now_ns() - t0) * 1e-9;
+  st = take_grads(ft, &ft->grad[s], &info->machinery_s);
   if (st == TD_OK) info->shards_computed++;
   td_status fs = td_ddp_finish(ft->ddp);
   return st != TD_OK ? st : fs;
@@ -245,7 +243,7 @@ static td_status compute(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, void *u
     if (ft->owner[s] != me || ft->grad[s]) continue;
     td_optim_zero_grad(ft->opt);
     TD_TRY(fn(user, step, s, ft->M));
-    TD_TRY(take_grads(ft, &ft->grad[s]));
+    TD_TRY(take_grads(ft, &ft->grad[s], NULL));
     info->shards_computed++;
   }
   td_optim_zero_grad(ft->opt);
@@ -299,9 +297,17 @@ static td_status commit(td_ft_ddp *ft, int64_t step, bool grads_set) {
     TD_TRY(st);
     off += td_tensor_numel(p);
   }
+  td_grad_scaler *sc = ft->o.scaler;
+  /* the decision is the averaged gradient's: the same bits on every member */
+  if (sc) TD_TRY(td_grad_scaler_unscale_(sc, ft->opt));
   if (ft->o.max_grad_norm > 0)
     TD_TRY(td_optim_clip_grad_norm(ft->opt, ft->o.max_grad_norm, 2.0, NULL));
-  TD_TRY(td_optim_step(ft->opt));
+  if (sc) {
+    TD_TRY(td_grad_scaler_step(sc, ft->opt, NULL));
+    TD_TRY(td_grad_scaler_update(sc));
+  } else {
+    TD_TRY(td_optim_step(ft->opt));
+  }
   ft->committed = step;
   return TD_OK;
 }
@@ -346,6 +352,21 @@ static td_status heal_from(td_ft_ddp *ft, int root) {
     }
   }
   td_tensor_unref(meta);
+  if (st == TD_OK && ft->o.scaler) { /* the scale and growth tracker after the root's commit */
+    int64_t two = 2;
+    td_tensor *sv = NULL;
+    td_grad_scaler_state gs;
+    st = td_grad_scaler_get_state(ft->o.scaler, &gs);
+    if (st == TD_OK) st = td_tensor_zeros(&two, 1, TD_DTYPE_F64, td_device_cpu(), &sv);
+    if (st == TD_OK) {
+      double *x = td_tensor_data(sv);
+      x[0] = gs.scale, x[1] = (double)gs.growth_tracker;
+      st = td_process_group_broadcast(pg, sv, root);
+      gs.scale = x[0], gs.growth_tracker = (int64_t)x[1];
+    }
+    if (st == TD_OK && pg->rank != root) st = td_grad_scaler_set_state(ft->o.scaler, &gs);
+    td_tensor_unref(sv);
+  }
   return st;
 }
 
@@ -456,7 +477,7 @@ td_status td_ft_ddp_step(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, void *u
       TD_TRY(commit(ft, step, fast));
       uint64_t t0 = td__now_ns();
       drop_grads(ft); /* the step is committed: its shard gradients go */
-      if (fast) info->machinery_s += (double)(td__now_ns() - t0) * 1e-9;
+      td__ft_own(fast ? &info->machinery_s : NULL, t0);
       break;
     }
     if (st != TD_ERR_UNAVAILABLE && st != TD_ERR_TIMEOUT && st != TD_ERR_STATE) return st;

@@ -56,9 +56,14 @@ td_status td__ft_reform(td_process_group *given, td_process_group **pg, td_timeo
                         int *lost);
 
 /* td__ft_take_grads copies the .grads of params[0..np) (contiguous CPU tensors of dtype dt, P
- * elements in all) into a new flat tensor (zeros for a parameter without one). */
+ * elements in all) into a new flat tensor (zeros for a parameter without one); own_s (may be
+ * NULL): the copy's time is added there (td__ft_own). */
 td_status td__ft_take_grads(td_tensor *const *params, size_t np, int64_t P, td_dtype dt,
-                            td_tensor **out);
+                            td_tensor **out, double *own_s);
+
+/* td__ft_own adds the seconds since t0 (td__now_ns) to *own_s, unless own_s is NULL: the
+ * accounting of td_ft_step_info.machinery_s, the fault tolerance's own time in a step. */
+void td__ft_own(double *own_s, uint64_t t0);
 
 /* td__ft_reassign gives the shards s of owner[0..M) (global ranks) whose holder is no longer in
  * pg each to the member holding the fewest (ties: the lowest group rank), in shard order, alike

@@ -58,7 +58,9 @@
  * number (a constant scale, overflowing steps still skipped) or none; the default ("auto",
  * loss_scale_default) is dynamic for float16 compute and none otherwise. The scaled loss is
  * backpropagated, gradients are unscaled before clipping; with DDP the found_inf decision is
- * agreed over the group (td_grad_scaler_set_process_group), with ZeRO by td_zero_step_scaled.
+ * agreed over the group (td_grad_scaler_set_process_group), with ZeRO by td_zero_step_scaled;
+ * under --ft the step itself decides from the averaged gradient (td_ft_ddp_options.scaler,
+ * td_ft_zero_options.scaler), alike on every survivor.
  * The JSON reports skipped_steps and the final loss_scale.
  *
  * GPUs: --device cuda:N trains there (model, optimizer state, batches; the corpus and the batch
@@ -228,10 +230,8 @@ static void opts_parse(int argc, char **argv, opts *o) {
     ex_die("--reduce-dtype must be f32, bf16 or f16");
   if (strcmp(o->reduce_dtype, "f32") && strcmp(o->dp, "ddp"))
     ex_die("--reduce-dtype bf16/f16 is a ddp option (ZeRO reduces in the gradients' dtype)");
-  if (o->ft && (!strcmp(o->dp, "zero3") || o->grad_accum != 1 || strcmp(o->loss_scale, "none") ||
-                strcmp(o->reduce_dtype, "f32")))
-    ex_die("--ft runs --dp ddp, zero1 or zero2, without --grad-accum, loss scaling or "
-           "--reduce-dtype (not yet)");
+  if (o->ft && (!strcmp(o->dp, "zero3") || strcmp(o->reduce_dtype, "f32")))
+    ex_die("--ft runs --dp ddp, zero1 or zero2, without --reduce-dtype (not yet)");
   if (o->ft_inject && !o->ft) ex_die("--ft-inject needs --ft");
 }
 
@@ -707,13 +707,17 @@ static uint64_t params_hash(td_module *m) {
 
 /* ---- --ft: fault-tolerant DDP ---- */
 
-/* A shard of a step's global batch (world x batch_size windows, world shards): its windows are
- * drawn from a generator seeded by (seed + 1, step, shard) alone, so whichever replica computes
- * it, after a failure too, it is the same batch. */
+/* A shard of a step's global batch (world x grad_accum x batch_size windows, world shards): its
+ * windows are drawn from a generator seeded by (seed + 1, step, shard) alone, so whichever
+ * replica computes it, after a failure too, it is the same batch. With --grad-accum K the shard
+ * is K micro-batches of batch_size windows drawn one after the other, each backpropagating its
+ * loss / K: the shard's .grad is the gradient of its mean loss, which the step reduces once; a
+ * lost member's shard is recomputed with all K of them. */
 typedef struct ft_shard_ctx {
   td_module *m;
   const corpus *c;
   const opts *o;
+  td_grad_scaler *sc; /* loss scaling (the step unscales and decides on skips), or NULL */
   double loss_sum;
   int shards;
 } ft_shard_ctx;
@@ -726,17 +730,26 @@ static td_status ft_shard(void *user, int64_t step, int s, int n_shards) {
   td_generator *g = NULL;
   td_status st = td_generator_create(seed, &g);
   if (st != TD_OK) return st;
-  batch b;
-  batch_make(x->c->tok, x->c->n_train, g, x->o->batch_size, x->o->block_size, NULL, &b);
-  td_tensor *logits = NULL, *loss = NULL;
-  st = td_gpt_forward(x->m, b.x, b.y, &logits, &loss);
-  if (st == TD_OK) st = td_tensor_backward(loss);
-  double v = NAN;
-  if (st == TD_OK) st = td_tensor_item(loss, &v);
-  if (st == TD_OK) x->loss_sum += v, x->shards++;
-  td_tensor_unref(logits);
-  td_tensor_unref(loss);
-  batch_free(&b);
+  int64_t K = x->o->grad_accum;
+  double sum = 0;
+  for (int64_t k = 0; st == TD_OK && k < K; k++) {
+    batch b;
+    batch_make(x->c->tok, x->c->n_train, g, x->o->batch_size, x->o->block_size, NULL, &b);
+    td_tensor *logits = NULL, *loss = NULL, *share = NULL, *scaled = NULL;
+    st = td_gpt_forward(x->m, b.x, b.y, &logits, &loss);
+    if (st == TD_OK && K > 1) st = td_tensor_mul_scalar(loss, 1.0 / (double)K, &share);
+    if (st == TD_OK && x->sc) st = td_grad_scaler_scale(x->sc, share ? share : loss, &scaled);
+    if (st == TD_OK) st = td_tensor_backward(scaled ? scaled : share ? share : loss);
+    double v = NAN;
+    if (st == TD_OK) st = td_tensor_item(loss, &v);
+    sum += v;
+    td_tensor_unref(logits);
+    td_tensor_unref(loss);
+    td_tensor_unref(share);
+    td_tensor_unref(scaled);
+    batch_free(&b);
+  }
+  if (st == TD_OK) x->loss_sum += sum / (double)K, x->shards++;
   td_generator_destroy(g);
   return st;
 }
@@ -757,7 +770,8 @@ static void ft_inject_all(td_ft_ddp *ft, td_ft_zero *ftz, const char *specs) {
 
 /* train_ft: train() for --ft (td_ft_ddp, or td_ft_zero for zero1 / zero2). A step's loss is the
  * mean of the shards this rank computed. */
-static void ft_create(td_module *m, const opts *o, dp_run *dp, td_optim **opt) {
+static void ft_create(td_module *m, const opts *o, dp_run *dp, td_grad_scaler *sc,
+                      td_optim **opt) {
   *opt = NULL;
   if (!strcmp(o->dp, "ddp")) {
     *opt = make_optimizer(m, o);
@@ -765,7 +779,10 @@ static void ft_create(td_module *m, const opts *o, dp_run *dp, td_optim **opt) {
     td_ft_ddp_options_init(&fo);
     fo.max_grad_norm = o->grad_clip;
     if (o->bucket_mb > 0) fo.bucket_bytes = (size_t)(o->bucket_mb * 1048576.0);
-    fo.module = m; /* failure-free steps overlap the reduction with backward */
+    /* failure-free steps overlap the reduction with backward; that path expects one backward
+     * per shard, so with --grad-accum the reduction follows the shard's K backward passes */
+    if (o->grad_accum == 1) fo.module = m;
+    fo.scaler = sc;
     EX_CHECK(td_ft_ddp_create(dp->pg, *opt, &fo, &dp->ft));
   } else {
     optim_setup s;
@@ -775,6 +792,7 @@ static void ft_create(td_module *m, const opts *o, dp_run *dp, td_optim **opt) {
     zo.stage = !strcmp(o->dp, "zero1") ? 1 : 2;
     zo.max_grad_norm = o->grad_clip;
     if (o->bucket_mb > 0) zo.bucket_bytes = (size_t)(o->bucket_mb * 1048576.0);
+    zo.scaler = sc;
     EX_CHECK(td_ft_zero_create(dp->pg, &s.oo, s.g, 2, &zo, &dp->ftz));
     optim_setup_free(&s);
   }
@@ -806,7 +824,8 @@ static void ft_note(dp_run *dp, const td_ft_step_info *info, bool tty) {
 
 static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, train_result *r) {
   td_optim *opt = NULL;
-  ft_create(m, o, dp, &opt);
+  td_grad_scaler *sc = make_scaler(o, dp); /* no agreement: the step decides alike everywhere */
+  ft_create(m, o, dp, sc, &opt);
   bool lead = dp->rank == 0;
   ex_json_array(&r->evals);
   r->hash = r->loss_hash = 0xcbf29ce484222325ull;
@@ -815,7 +834,7 @@ static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, t
   r->last_loss = r->train_loss = r->val_loss = NAN;
   ex_progress p;
   ex_progress_start(&p, "gpt", lead ? o->steps : 0);
-  ft_shard_ctx ctx = {m, c, o, 0, 0};
+  ft_shard_ctx ctx = {m, c, o, sc, 0, 0};
   for (int64_t it = 0;; it++) {
     if (lead && (it % o->eval_interval == 0 || it == o->steps)) {
       double tl = NAN, vl = NAN;
@@ -848,11 +867,18 @@ static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, t
   if (lead) ex_progress_finish(&p, "val loss %.4f", r->val_loss);
   r->skipped_steps = 0;
   r->loss_scale = NAN;
+  if (sc) {
+    td_grad_scaler_stats st;
+    EX_CHECK(td_grad_scaler_get_stats(sc, &st));
+    r->skipped_steps = st.skipped_steps;
+    r->loss_scale = td_grad_scaler_get_scale(sc);
+  }
   td_ft_ddp_destroy(dp->ft); /* the parameters stay; the groups it re-formed go */
   td_ft_zero_destroy(dp->ftz);
   dp->ft = NULL;
   dp->ftz = NULL;
   td_optim_destroy(opt);
+  td_grad_scaler_destroy(sc);
 }
 
 static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, train_result *r) {
@@ -1306,7 +1332,7 @@ int main(int argc, char **argv) {
       ex_json_int(&res, "ft_members_at_end", dp.ft_members);
       ex_json_int(&res, "ft_generation", (int64_t)dp.ft_generation);
       ex_json_num(&res, "ft_recovery_max_s", dp.ft_recovery_max_s);
-      /* the fault tolerance's own time per step (fast path) and its share of a training step */
+      /* the fault tolerance's own time per step (td_ft_step_info.machinery_s) and its share */
       ex_json_num(&res, "ft_machinery_s_per_step", o.steps ? dp.ft_machinery_s / (double)o.steps
                                                            : NAN);
       ex_json_num(&res, "ft_machinery_share", r.train_s > 0 ? dp.ft_machinery_s / r.train_s : NAN);

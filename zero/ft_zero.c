@@ -225,6 +225,7 @@ td_status td_ft_zero_create(td_process_group *pg, const td_optim_options *opts,
   z->B = o.n_blocks;
   z->committed = z->voted = z->grad_step = INT64_MIN;
   z->coef = 1.0;
+  z->dec_step = INT64_MIN;
   td_status st = take_params(z, groups, n_groups);
   if (st == TD_OK && z->P < z->B)
     st = td_set_error(TD_ERR_INVALID, "ft_zero_create: %lld elements in %d blocks (more blocks "
@@ -302,6 +303,8 @@ td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out) {
     if (b->held) out->state_numel += b->hi - b->lo;
   }
   out->grad_numel = z->o.stage == 1 ? z->P : out->state_numel;
+  out->plain_steps = z->own_steps;
+  out->machinery_s = z->own_s;
   return TD_OK;
 }
 
@@ -324,7 +327,7 @@ static td_status compute(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void *u
     if (z->owner[s] != m || z->grad[s]) continue;
     TD_TRY(clear_grads(z));
     TD_TRY(fn(user, step, s, z->M));
-    TD_TRY(td__ft_take_grads(z->params, z->np, z->P, z->dt, &z->grad[s]));
+    TD_TRY(td__ft_take_grads(z->params, z->np, z->P, z->dt, &z->grad[s], &info->machinery_s));
     info->shards_computed++;
   }
   return clear_grads(z);
@@ -402,24 +405,33 @@ static double sum_squares(const td_tensor *g) {
   return acc;
 }
 
-/* The commit vote: one all_reduce SUM of the owners' sums of squares, folded in block order. */
-static td_status vote(td_ft_zero *z, int64_t step) {
+/* The commit vote: one all_reduce SUM of the owners' sums of squares, folded in block order.
+ * Its time is added to *own_s (td_zero has no vote). */
+static td_status vote(td_ft_zero *z, int64_t step, double *own_s) {
+  uint64_t t0 = td__now_ns();
   int64_t nb = z->B;
   td_tensor *v = NULL;
   TD_TRY(td_tensor_zeros(&nb, 1, TD_DTYPE_F64, td_device_cpu(), &v));
   double *x = td_tensor_data(v);
   int m = td__ftz_me(z);
-  for (int bi = 0; z->o.max_grad_norm > 0 && bi < z->B; bi++)
+  td_grad_scaler *sc = z->o.scaler;
+  for (int bi = 0; (z->o.max_grad_norm > 0 || sc) && bi < z->B; bi++)
     if (z->b[bi].own == m) x[bi] = sum_squares(z->b[bi].grad);
   td_status st = td_process_group_all_reduce(z->pg, v, TD_REDUCE_SUM);
   if (st == TD_OK) {
     double sq = 0;
     for (int bi = 0; bi < z->B; bi++) sq += x[bi];
-    double coef = z->o.max_grad_norm > 0 ? z->o.max_grad_norm / (sqrt(sq) + 1e-6) : 1.0;
+    /* loss scaling: the norm of the unscaled gradient; the factor unscales too (1 / scale, a
+     * power of two: exact); an inf or a NaN anywhere makes sq non-finite everywhere: skip */
+    double inv = sc ? 1.0 / td_grad_scaler_get_scale(sc) : 1.0;
+    double coef = z->o.max_grad_norm > 0 ? z->o.max_grad_norm / (sqrt(sq) * inv + 1e-6) : 1.0;
     z->coef = coef < 1.0 || isnan(coef) ? coef : 1.0;
+    if (sc) z->coef = isfinite(sq) ? z->coef * inv : TD__FTZ_SKIP;
     z->voted = step;
+    z->dec_step = step, z->dec_coef = z->coef;
   }
   td_tensor_unref(v);
+  td__ft_own(own_s, t0);
   return st;
 }
 
@@ -427,6 +439,13 @@ static td_status vote(td_ft_zero *z, int64_t step) {
 static td_status step_block(td_ft_zero *z, int bi, int64_t step, double coef) {
   td__zfblock *b = &z->b[bi];
   TD_ASSERT(b->held && b->grad && b->gstep == step && b->ver == step - 1);
+  if (coef == TD__FTZ_SKIP) { /* loss scaling found an inf or a NaN: the state stays */
+    b->ver = step;
+    td_tensor_unref(b->grad);
+    b->grad = NULL;
+    b->gstep = INT64_MIN;
+    return TD_OK;
+  }
   td_tensor **g = td__calloc(b->nseg, sizeof *g);
   if (!g) return td_set_error(TD_ERR_NOMEM, "ft_zero_step: out of memory");
   bool prev = td_autograd_set_enabled(false);
@@ -448,11 +467,16 @@ static td_status step_block(td_ft_zero *z, int bi, int64_t step, double coef) {
   return TD_OK;
 }
 
-/* Steps every held block still at step - 1 that has the step's gradient. */
-td_status td__ftz_step_held(td_ft_zero *z, int64_t step, double coef) {
+/* Steps every held block still at step - 1 that has the step's gradient; the time of the
+ * blocks this member backs (the second copy of the optimizer's work) is added to *own_s. */
+td_status td__ftz_step_held(td_ft_zero *z, int64_t step, double coef, double *own_s) {
+  int m = td__ftz_me(z);
   for (int bi = 0; bi < z->B; bi++) {
     td__zfblock *b = &z->b[bi];
-    if (b->held && b->ver == step - 1 && b->gstep == step) TD_TRY(step_block(z, bi, step, coef));
+    if (!b->held || b->ver != step - 1 || b->gstep != step) continue;
+    uint64_t t0 = td__now_ns();
+    TD_TRY(step_block(z, bi, step, coef));
+    td__ft_own(b->bak == m ? own_s : NULL, t0);
   }
   return TD_OK;
 }
@@ -539,12 +563,12 @@ static td_status attempt(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void *u
   td__ftz_inject_at(z, step, TD_FT_BEFORE);
   TD_TRY(reduce(z, step));
   td__ftz_inject_at(z, step, TD_FT_AFTER);
-  TD_TRY(vote(z, step));
+  TD_TRY(vote(z, step, &info->machinery_s));
   td__ftz_inject_at(z, step, TD_FT_AFTER_VOTE);
   /* a member whose own group failed after the vote does not step: the recovery rolls it
    * forward (as a member whose vote ended here but failed elsewhere) */
   TD_TRY(td__ft_broken(z->pg));
-  TD_TRY(td__ftz_step_held(z, step, z->coef));
+  TD_TRY(td__ftz_step_held(z, step, z->coef, &info->machinery_s));
   td__ftz_inject_at(z, step, TD_FT_BEFORE_GATHER);
   TD_TRY(td__ftz_gather(z, step));
   td__ftz_inject_at(z, step, TD_FT_AFTER_GATHER);
@@ -593,6 +617,25 @@ static td_status recover_loop(td_ft_zero *z, int64_t step, td_status st, td_ft_s
   }
 }
 
+/* Loss scaling: ends the scaler's iteration of committed step `step` with the step's decision
+ * (the vote's, or the voter's in a roll forward: alike on every member), through a one-element
+ * gradient that holds an inf exactly when the step was skipped. */
+static td_status scaler_end(td_ft_zero *z, int64_t step) {
+  td_grad_scaler *sc = z->o.scaler;
+  if (!sc) return TD_OK;
+  if (z->dec_step != step)
+    return td_set_error(TD_ERR_STATE, "ft_zero_step: step %lld committed without its vote's "
+                        "decision", (long long)step);
+  int64_t one = 1;
+  td_tensor *t = NULL;
+  TD_TRY(td_tensor_zeros(&one, 1, TD_DTYPE_F64, td_device_cpu(), &t));
+  *(double *)td_tensor_data(t) = z->dec_coef == TD__FTZ_SKIP ? INFINITY : 0.0;
+  td_status st = td_grad_scaler_unscale_grads_(sc, &t, 1);
+  if (st == TD_OK) st = td_grad_scaler_update(sc);
+  td_tensor_unref(t);
+  return st;
+}
+
 static void step_done(const td_ft_zero *z, int64_t step, uint64_t t_fail, td_ft_step_info *info) {
   info->step = step;
   info->generation = td_process_group_generation(z->pg);
@@ -625,7 +668,16 @@ td_status td_ft_zero_step(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void *
     TD_TRY(recover_loop(z, step, st, info, &t_fail, &no_loss, &done, "ft_zero_step"));
     if (done) break;
   }
-  drop_grads(z);
+  uint64_t t0 = td__now_ns();
+  drop_grads(z); /* the step is committed: its shard gradients go */
+  td__ft_own(&info->machinery_s, t0);
+  if (info->failures) {
+    info->machinery_s = 0; /* a recovery's work is not the failure-free cost */
+  } else {
+    z->own_s += info->machinery_s;
+    z->own_steps++;
+  }
+  TD_TRY(scaler_end(z, step));
   step_done(z, step, t_fail, info);
   return TD_OK;
 }

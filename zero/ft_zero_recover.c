@@ -200,7 +200,9 @@ static td_status apply(td_ft_zero *z, const table *T, const plan *p, td_ft_step_
     if (p->copy[bi]) info->blocks_copied++;
   }
   (void)T;
-  if (p->forward) TD_TRY(td__ftz_step_held(z, p->k, p->coef)); /* a redo reduces again: reduce() resets */
+  /* a roll forward steps here; a redo reduces again (reduce() resets) */
+  if (p->forward) TD_TRY(td__ftz_step_held(z, p->k, p->coef, NULL));
+  if (p->forward) z->dec_step = p->k, z->dec_coef = p->coef; /* the voter's decision */
   int64_t target = p->forward ? p->k : p->k - 1;
   for (int bi = 0; bi < z->B; bi++)
     if (p->copy[bi]) TD_TRY(copy_block(z, bi, p->own[bi], p->bak[bi], target));

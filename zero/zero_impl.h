@@ -120,6 +120,10 @@ td_status td__zero_agree(td_zero *z, td_status mine, const char *what);
 
 #include "../collectives/ft_impl.h"
 
+/* The vote's factor of a step skipped by loss scaling (an inf or a NaN): no block is stepped.
+ * Never a clip factor (those are >= 0 or NaN). */
+#define TD__FTZ_SKIP (-1.0)
+
 typedef struct td__zfseg {
   size_t param;
   int64_t off, len; /* elements [off, off + len) of the parameter (flat) */
@@ -163,6 +167,10 @@ struct td_ft_zero {
   int64_t voted;      /* the last step whose vote this member received */
   double coef;        /* that step's clip factor (1: none) */
   td__ft_injector inj;
+  int64_t dec_step;   /* loss scaling: the last step whose vote's factor is known here */
+  double dec_coef;    /* that factor (TD__FTZ_SKIP: skipped) */
+  int64_t own_steps;  /* steps committed without a failure */
+  double own_s;       /* their td_ft_step_info.machinery_s, summed */
 };
 
 /* ft_zero.c: this member's global rank; flat elements [lo, lo + n) of the parameters copied into
@@ -173,7 +181,7 @@ int td__ftz_me(const td_ft_zero *z);
 void td__ftz_flat_io(td_ft_zero *z, int64_t lo, int64_t n, void *buf, bool to_params);
 td_status td__ftz_block_hold(td_ft_zero *z, int bi, int64_t v);
 void td__ftz_block_drop(td__zfblock *b);
-td_status td__ftz_step_held(td_ft_zero *z, int64_t step, double coef);
+td_status td__ftz_step_held(td_ft_zero *z, int64_t step, double coef, double *own_s);
 td_status td__ftz_gather(td_ft_zero *z, int64_t step);
 void td__ftz_inject_at(td_ft_zero *z, int64_t step, td_ft_when when);
 /* ft_zero_recover.c: the recovery after a failed attempt of step `step` (see ft_zero.c): re-form,

@@ -492,7 +492,18 @@ typedef struct td_ft_ddp_options {
                               overlap: the shard function's backward starts the buckets'
                               all_reduces) while each member holds the shard of its own rank on a
                               same-host group: the same bits, without the wait after backward.
-                              Must outlive the td_ft_ddp */
+                              It expects one backward pass per shard function call: with
+                              gradient accumulation inside it (several backward passes), leave
+                              it NULL. Must outlive the td_ft_ddp */
+  td_grad_scaler *scaler;  /* loss scaling, or NULL: the shard function backpropagates
+                              td_grad_scaler_scale's loss; the commit unscales the averaged
+                              gradient, skips the optimizer step on an inf or a NaN and applies
+                              the scale rule, once per committed step. The averaged gradient is
+                              the same bits on every member, so every survivor takes the same
+                              decision without a collective: the scaler must have no agreement
+                              (no td_grad_scaler_set_process_group). A member that takes a
+                              committed step from another (healed) takes its scaler state too.
+                              Borrowed: must outlive the td_ft_ddp */
 } td_ft_ddp_options;
 /* td_ft_ddp_options_init: n_shards = group size, 4 MiB buckets, no clipping, no limit. */
 TD_API void td_ft_ddp_options_init(td_ft_ddp_options *o);
@@ -516,9 +527,12 @@ typedef struct td_ft_step_info {
   int shards_recomputed;   /* shards of lost members the survivors computed in this step */
   bool healed;             /* this member took the step's state from a member that committed it */
   double recovery_s;       /* from the first failure seen to the commit (0 without failure) */
-  double machinery_s;      /* on the fast path: the time spent beyond what td_ddp does (keeping
-                              a copy of the local gradient, dropping it at the commit): the fault
-                              tolerance's own cost in a step without failure; 0 otherwise */
+  double machinery_s;      /* the fault tolerance's own time in a step without failure, beyond
+                              what td_ddp / td_zero do; 0 otherwise. td_ft_ddp (fast path only):
+                              keeping a copy of the local gradient, dropping it at the commit.
+                              td_ft_zero: the copy of each shard's gradient, the commit vote, the
+                              optimizer steps of the blocks this member backs, the drop at the
+                              commit (not its ordered reduction, which replaces td_zero's) */
   int blocks_copied;       /* td_ft_zero: optimizer blocks whose state was copied to a new holder
                               in this step (a lost holder's block re-replicated) */
   bool rolled_forward;     /* td_ft_zero: the step was completed by the survivors from the state
@@ -885,6 +899,13 @@ typedef struct td_ft_zero_options {
   double max_grad_norm;    /* > 0: clip the averaged gradient's global 2-norm (default 0) */
   td_timeout_ms reform_timeout; /* bound of each re-formation (TD_TIMEOUT_DEFAULT: the group's) */
   int max_failures;        /* failures survived before a step gives up (0: no limit) */
+  td_grad_scaler *scaler;  /* loss scaling, or NULL: as td_ft_ddp_options.scaler. The vote
+                              carries every block's sum of squares (of the scaled gradient),
+                              non-finite on every member when any block overflowed: then no
+                              block is stepped (a skipped step, also when the survivors roll it
+                              forward); else each block's gradient is multiplied by the clip
+                              factor / scale. The scale rule runs once per committed step on
+                              every member. No agreement on the scaler. Borrowed */
 } td_ft_zero_options;
 /* td_ft_zero_options_init: stage 2, n_shards and n_blocks the group's size, 4 MiB, no clipping,
  * no limit. */
@@ -917,7 +938,7 @@ TD_API td_status td_ft_zero_inject(td_ft_zero *z, int rank, int64_t step, td_ft_
 /* td_ft_zero_group returns the current group. Borrowed: valid until the next step, sync or
  * destroy. */
 TD_API td_process_group *td_ft_zero_group(const td_ft_zero *z);
-/* What a td_ft_zero holds on this member. */
+/* What a td_ft_zero holds on this member, and its own time in failure-free steps. */
 typedef struct td_ft_zero_stats {
   int stage;
   int n_blocks;
@@ -926,6 +947,9 @@ typedef struct td_ft_zero_stats {
   int backed;             /* blocks it backs (steps too, keeps their state) */
   int64_t state_numel;    /* elements of the blocks it holds (their optimizer state is kept) */
   int64_t grad_numel;     /* elements of averaged gradient it keeps in a step (stage 1: P) */
+  int64_t plain_steps;    /* steps committed without a failure by this member */
+  double machinery_s;     /* their td_ft_step_info.machinery_s summed: the fault tolerance's own
+                             time per step is machinery_s / plain_steps */
 } td_ft_zero_stats;
 TD_API td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out);
 /* td_ft_zero_destroy frees z, its optimizer state and the groups it re-formed. NULL does

@@ -8,11 +8,16 @@
  * loss the blocks are held twice again: over the survivors, every block has one owner and one
  * backup (the stats' sums), and each lost holder's block was copied to a new one.
  *
+ * Loss scaling: the scaled steps train the unscaled parameters exactly, and an overflow is
+ * skipped by every member of td_ft_zero and td_ft_ddp alike. Each member's own time (td_ft_step_info.machinery_s, td_ft_zero_stats) is set in every
+ * failure-free step and within it, 0 in a step that recovered, and the stats sum it.
+ *
  * Two neighbours lost at once (both holders of a block): every survivor's step fails with
  * TD_ERR_UNAVAILABLE naming the block, soon, instead of hanging or going on with wrong state.
  * Without clipping, td_ft_zero's parameters equal td_ft_ddp's bit for bit: sharding the
  * optimizer changes nothing in the numbers.
  */
+#include <math.h>
 #include <signal.h>
 #include <sys/stat.h>
 
@@ -109,14 +114,23 @@ static int worker(int rank, int world, const char *method, void *arg) {
   MP_CHECK(zs.state_numel >= 2 * (163 / WORLD) && zs.state_numel <= 2 * (163 / WORLD + 1));
   for (int i = 0; i < c->nf; i++)
     MP_CHECK_OK(td_ft_zero_inject(z, c->f[i].rank, c->f[i].step, c->f[i].when, c->f[i].what));
-  int lost = 0, moved = 0, copied = 0;
+  int lost = 0, moved = 0, copied = 0, plain = 0;
+  double own = 0;
   td_status st = TD_OK;
   for (int64_t step = 0; st == TD_OK && step < STEPS; step++) {
     MP_CHECK_OK(td_ft_zero_set_lr(z, 1e-2 * (1.0 - 0.1 * (double)step)));
     td_ft_step_info info;
+    double t0 = td_test_now_s();
     st = td_ft_zero_step(z, step, shard_fn, m, &info);
+    double wall = td_test_now_s() - t0;
     if (st != TD_OK) break;
     MP_CHECK(info.step == step);
+    /* its own time: set in a failure-free step (a gradient copy, the vote, the backed block's
+     * step: more than nothing), a part of the step; 0 in a step that recovered */
+    if (!info.failures) MP_CHECK(info.machinery_s > 0 && info.machinery_s < wall);
+    else MP_CHECK(info.machinery_s == 0);
+    plain += !info.failures;
+    own += info.machinery_s;
     if (info.failures) fprintf(stderr, "[rank %d] %s\n", rank, info.message);
     lost += info.lost;
     moved += info.shards_recomputed;
@@ -142,6 +156,8 @@ static int worker(int rank, int world, const char *method, void *arg) {
   MP_CHECK(sync.step == STEPS - 1);
   td_process_group *cur = td_ft_zero_group(z);
   MP_CHECK_OK(td_ft_zero_get_stats(z, &zs));
+  MP_CHECK(zs.plain_steps == plain && plain >= STEPS - c->nf); /* a fault costs one step */
+  MP_CHECK(fabs(zs.machinery_s - own) <= 1e-12 * (own + 1)); /* the same sum */
   char rep[256];
   int k = snprintf(rep, sizeof rep, "%llu %d %d %d %d %d %d %d\n",
                (unsigned long long)td_process_group_generation(cur), td_process_group_size(cur),
@@ -319,6 +335,113 @@ static void test_ft_zero_equals_ft_ddp(void **state) {
 
 /* ---- arguments ---- */
 
+/* ---- loss scaling (td_ft_zero_options.scaler, td_ft_ddp_options.scaler) ---- */
+
+typedef struct scale_ctx {
+  td_module *m;
+  td_grad_scaler *sc; /* NULL: no scaling */
+  int64_t inf_step;   /* shard 1 of this step overflows (its loss times inf); -1: none */
+} scale_ctx;
+
+static td_status scaled_shard_fn(void *user, int64_t step, int s, int n_shards) {
+  (void)n_shards;
+  scale_ctx *x = user;
+  double f = x->sc ? td_grad_scaler_get_scale(x->sc) : 1.0; /* a power of two: exact */
+  if (step == x->inf_step && s == 1) f = INFINITY;
+  return ft_shard_backward(x->m, step, s, 3.0 * f);
+}
+
+/* Runs: 0 td_ft_zero without a scaler; 1 / 2 td_ft_zero / td_ft_ddp with a dynamic scaler
+ * (2^10, growth every 2 good steps), no overflow; 3 / 4 the same with shard 1 of step 2
+ * overflowing. Each run's parameters and scaler figures go to files. */
+static int scale_worker(int rank, int world, const char *method, void *arg) {
+  const char *dir = arg;
+  td_rpc_agent *a = coll_join(rank, world, method);
+  td_process_group *pg = NULL;
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, 20000, &pg));
+  for (int run = 0; run < 5; run++) {
+    td_module *m = ft_build();
+    groups g;
+    groups_make(m, &g, 1e-2);
+    td_grad_scaler_options so;
+    td_grad_scaler_options_init(&so);
+    so.init_scale = 1024, so.growth_interval = 2;
+    scale_ctx x = {m, NULL, run >= 3 ? 2 : -1};
+    if (run) MP_CHECK_OK(td_grad_scaler_create(&so, &x.sc));
+    td_ft_zero *z = NULL;
+    td_ft_ddp *d = NULL;
+    td_optim *opt = NULL;
+    if (run == 0 || run % 2 == 1) {
+      td_ft_zero_options zo;
+      td_ft_zero_options_init(&zo);
+      zo.scaler = x.sc;
+      MP_CHECK_OK(td_ft_zero_create(pg, &g.oo, g.g, 2, &zo, &z));
+    } else {
+      td_ft_ddp_options fo;
+      td_ft_ddp_options_init(&fo);
+      fo.scaler = x.sc;
+      MP_CHECK_OK(td_optim_create_groups(&g.oo, g.g, 2, &opt));
+      MP_CHECK_OK(td_ft_ddp_create(pg, opt, &fo, &d));
+    }
+    for (int64_t step = 0; step < STEPS; step++)
+      MP_CHECK_OK(z ? td_ft_zero_step(z, step, scaled_shard_fn, &x, NULL)
+                    : td_ft_ddp_step(d, step, scaled_shard_fn, &x, NULL));
+    char what[16], rep[64];
+    snprintf(what, sizeof what, "run%d", run);
+    write_params(dir, what, rank, &g.ps);
+    td_grad_scaler_stats st = {0};
+    if (x.sc) MP_CHECK_OK(td_grad_scaler_get_stats(x.sc, &st));
+    int k = snprintf(rep, sizeof rep, "%llu %.1f\n", (unsigned long long)st.skipped_steps,
+                     x.sc ? td_grad_scaler_get_scale(x.sc) : 0.0);
+    snprintf(what, sizeof what, "scale%d", run);
+    ft_write_file(dir, what, rank, rep, (size_t)k, "w");
+    td_ft_zero_destroy(z);
+    td_ft_ddp_destroy(d);
+    td_optim_destroy(opt);
+    td_grad_scaler_destroy(x.sc);
+    td_tensor_list_fini(&g.ps);
+    td_module_unref(m);
+  }
+  td_process_group_destroy(pg);
+  coll_leave(a);
+  return 0;
+}
+
+/* Loss scaling: without an overflow the scaled runs train the unscaled run's parameters bit for
+ * bit (the step unscales by a power of two); with one, every member of both td_ft_zero and
+ * td_ft_ddp skips that step alone (the same parameters everywhere and in both, one skip, the
+ * scale backed off and grown by the rule: 2^10 -> 2^11 after steps 0-1, 2^10 at step 2, 2^11
+ * after steps 3-4). The faults around it (a skipped step healed, rolled forward, a kill) are
+ * test_example_gpt_ft_scale_*'s. */
+static void test_ft_scaler(void **state) {
+  (void)state;
+  char dir[64];
+  snprintf(dir, sizeof dir, "/tmp/td_ft_scale_XXXXXX");
+  assert_non_null(mkdtemp(dir));
+  int codes[WORLD];
+  assert_int_equal(td_mp_run(WORLD, scale_worker, dir, 60, codes), 0);
+  static char p0[4096], p[4096], inf0[4096];
+  size_t n0 = ft_read_file(dir, "run0", 0, p0, sizeof p0);
+  size_t ni = ft_read_file(dir, "run3", 0, inf0, sizeof inf0);
+  assert_true(n0 > 0);
+  assert_int_equal(ni, n0);
+  assert_memory_not_equal(inf0, p0, n0); /* the skip changed the training */
+  for (int r = 0; r < WORLD; r++) {
+    for (int run = 0; run < 5; run++) {
+      char what[16], rep[64];
+      snprintf(what, sizeof what, "run%d", run);
+      size_t n = ft_read_file(dir, what, r, p, sizeof p);
+      assert_int_equal(n, n0);
+      assert_memory_equal(p, run >= 3 ? inf0 : p0, n0);
+      snprintf(what, sizeof what, "scale%d", run);
+      n = ft_read_file(dir, what, r, rep, sizeof rep - 1);
+      rep[n] = 0;
+      assert_string_equal(rep, run == 0 ? "0 0.0\n" : run <= 2 ? "0 8192.0\n" : "1 2048.0\n");
+    }
+  }
+  ft_remove_dir(dir);
+}
+
 static void test_ft_zero_inject_parse_gather_points(void **state) {
   (void)state;
   int rank = -1;
@@ -346,6 +469,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_ft_zero_inject_parse_gather_points),
       cmocka_unit_test(test_ft_zero_equals_ft_ddp),
+      cmocka_unit_test(test_ft_scaler),
       cmocka_unit_test(test_ft_zero_matrix),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_example_gpt_ft.sh TDISTRUN GPT [DP [tdistrun]] - gpt --dp DP --ft (DP: ddp, td_ft_ddp,
+# test_example_gpt_ft.sh TDISTRUN GPT [DP [tdistrun|mpirun|srun|accum|scale]] - gpt --dp DP --ft (DP: ddp, td_ft_ddp,
 # the default; zero1 or zero2, td_ft_zero) under tdistrun with 4 workers, float64: a run without failure, then the same run with rank 2's process SIGKILLed from
 # outside once training is under way (at whatever step and phase it is in). The second run must
 # finish (tdistrun --tolerate-failures 1: exit status 0, no restart), print one line naming the
@@ -10,7 +10,18 @@
 # leaves out the bare start; "mpirun" or "srun" replaces both kill runs by one under that launcher
 # (launch_lib.sh: mpirun --enable-recovery, srun --kill-on-bad-exit=0; srun skips (77) without a
 # Slurm cluster), where the survivors must finish by themselves with the same line and the same
-# parameters. Skips (77) without the corpus. Ends only the processes it started, by pid.
+# parameters. "accum" instead: gradient accumulation, --grad-accum 2 (each member's shard of a
+# step is 2 micro-batches, reduced once), 12 steps, rank 2 killed by the fault injector
+# (--ft-inject 2:5:before:kill, after computing its shard of step 5, before the reduction) under
+# tdistrun: the survivors recompute its shard, both micro-batches, and end with the failure-free
+# run's parameters bit for bit; that run's parameters differ from --grad-accum 1's (the option
+# is in force). "scale": loss scaling, float16 compute from a scale of 2^24 (the first steps
+# overflow and are skipped while the scale backs off), 12 steps, with rank 2's group closed
+# after the reduction (ddp: it is healed from a member that committed, scaler state included)
+# or after the vote (zero: rolled forward) of skipped step 3, and rank 3 killed before the
+# reduction of step 9: the same parameters, skipped steps and final scale as the failure-free
+# run; and float32 --loss-scale dynamic trains the parameters of --loss-scale none (the step
+# unscales exactly). Skips (77) without the corpus. Ends only the processes it started, by pid.
 set -euo pipefail
 tdistrun="$1"
 gpt="$2"
@@ -26,6 +37,8 @@ source "$(dirname "$0")/launch_lib.sh"
 scale="${TD_TEST_TIMEOUT_SCALE:-1}"
 args=(--dp "$dp" --ft --dtype f64 --n-layer 2 --n-head 2 --n-embd 32 --block-size 16
       --batch-size 4 --steps 250 --eval-interval 1000 --eval-iters 2 --bucket-mb 0.05)
+[[ "$mode" == accum ]] && args+=(--steps 12 --grad-accum 2)
+[[ "$mode" == scale ]] && args+=(--steps 12 --dtype f16 --loss-scale dynamic --loss-scale-init 16777216)
 base="$(mktemp)"
 out="$(mktemp)"
 root=""
@@ -61,6 +74,74 @@ check_line() {
   fi
   return $ok
 }
+
+if [[ "$mode" == accum ]]; then
+  one="$(mktemp)"
+  if ! timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 4 "$gpt" "${args[@]}" \
+      --grad-accum 1 >"$one" 2>&1; then
+    tail -n 20 "$one"
+    rm -f "$one"
+    echo "FAIL: --grad-accum 1"
+    exit 1
+  fi
+  h_one="$(hash_of "$one")"
+  rm -f "$one"
+  rc=0
+  timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 4 --tolerate-failures 1 \
+    "$gpt" "${args[@]}" --ft-inject 2:5:before:kill >"$out" 2>&1 || rc=$?
+  grep -E "^\[[0-9]+\]: gpt: step|tdistrun:" "$out" || true
+  fail=0
+  [[ $rc -eq 0 ]] || { echo "FAIL: the job ended with status $rc"; fail=1; }
+  check_line "$out" || fail=1
+  grep -qE "gpt: step 5, " "$out" || { echo "FAIL: the failure is not at step 5"; fail=1; }
+  h1="$(hash_of "$out")"
+  if [[ "$h1" != "$h0" ]]; then
+    echo "FAIL: --grad-accum 2: parameters differ from the failure-free run ($h1 vs $h0)"
+    fail=1
+  fi
+  if [[ -z "$h_one" || "$h_one" == "$h0" ]]; then
+    echo "FAIL: --grad-accum 1 gives no hash, or the hash of --grad-accum 2 ($h_one)"
+    fail=1
+  fi
+  if [[ $fail -ne 0 ]]; then tail -n 30 "$out"; exit 1; fi
+  echo "PASS: --grad-accum 2: $h1 with and without the kill (--grad-accum 1: $h_one)"
+  exit 0
+fi
+
+if [[ "$mode" == scale ]]; then
+  skipped_of() { grep -o '"skipped_steps": [0-9]*, "loss_scale": [0-9.e+]*' "$1" | head -n 1; }
+  if [[ "$dp" == ddp ]]; then inject=2:3:after:close,3:9:before:kill
+  else inject=2:3:after_vote:close,3:9:before:kill; fi
+  rc=0
+  timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 4 --tolerate-failures 1 \
+    "$gpt" "${args[@]}" --ft-inject "$inject" >"$out" 2>&1 || rc=$?
+  grep -E "^\[[0-9]+\]: gpt: step|tdistrun:" "$out" || true
+  fail=0
+  [[ $rc -eq 0 ]] || { echo "FAIL: the job ended with status $rc"; fail=1; }
+  # the close is seen at step 3 (zero) or 4 (ddp: the others committed 3 and fail the next)
+  [[ "$(grep -cE "gpt: step (3|4|9), " "$out")" -eq 2 ]] ||
+    { echo "FAIL: not one failure line at step 3 or 4 and one at step 9"; fail=1; }
+  h1="$(hash_of "$out")"
+  s0="$(skipped_of "$base")"
+  if [[ "$h1" != "$h0" || "$(skipped_of "$out")" != "$s0" ]]; then
+    echo "FAIL: parameters or skips differ ($h1, $(skipped_of "$out") vs $h0, $s0)"
+    fail=1
+  fi
+  [[ "$s0" =~ \"skipped_steps\":\ [1-9] ]] || { echo "FAIL: no step skipped ($s0)"; fail=1; }
+  for ls in none dynamic; do
+    timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 4 "$gpt" "${args[@]}" \
+      --dtype f32 --loss-scale "$ls" >"$out" 2>&1 || { tail -n 20 "$out"; echo "FAIL: f32 $ls"; exit 1; }
+    eval "h_$ls=\"\$(hash_of \"\$out\")\""
+  done
+  # shellcheck disable=SC2154
+  if [[ -z "$h_none" || "$h_none" != "$h_dynamic" ]]; then
+    echo "FAIL: float32: --loss-scale dynamic gives $h_dynamic, none $h_none"
+    fail=1
+  fi
+  if [[ $fail -ne 0 ]]; then tail -n 30 "$out"; exit 1; fi
+  echo "PASS: loss scaling: $h1, $s0 with and without the faults; f32 dynamic = none"
+  exit 0
+fi
 
 if [[ "$mode" == mpirun || "$mode" == srun ]]; then
   # gpt started by Open MPI's mpirun or Slurm's srun, 4 processes, rank 2 SIGKILLed mid-training
