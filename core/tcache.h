@@ -12,8 +12,8 @@
  * TD__TC_KEEP blocks. A thread's own lists are freed when it exits. Bigger blocks go to
  * calloc/free directly.
  *
- * Under AddressSanitizer a cached block is poisoned until it is handed out again, so a use after
- * td__tc_free is still reported. THREAD SAFETY: any thread; the lists are the thread's own.
+ * Under AddressSanitizer a cached block is poisoned until it is handed out again (all but its
+ * first word, which links the list), so a use after td__tc_free is still reported. THREAD SAFETY: any thread; the lists are the thread's own.
  */
 #ifndef TD_CORE_TCACHE_H
 #define TD_CORE_TCACHE_H
