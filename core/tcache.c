@@ -1,9 +1,9 @@
 /* tcache.c - per-thread caches of small blocks (tcache.h).
  *
  * Each thread has, per size class, a singly linked list of free blocks (the link sits in the
- * block's first word) and its length. A pthread key's destructor frees the lists when the thread
- * exits; the key is set on the thread's first td__tc_free that keeps a block. The main thread's
- * lists stay reachable from its thread-local storage until the process ends.
+ * block's first word) and its length, in a struct made at the thread's first td__tc_free and
+ * linked into a global list (so LeakSanitizer reaches every cached block from a global). A
+ * pthread key's destructor frees the lists when the thread exits.
  */
 #include "tcache.h"
 
@@ -38,13 +38,15 @@ typedef struct tc_block {
   struct tc_block *next;
 } tc_block;
 
+/* A thread's lists live on the heap, linked into `all`, so they stay reachable from a global while
+ * the thread lives (LeakSanitizer does not see every thread's thread-local storage). */
 typedef struct tc_lists {
   tc_block *head[NCLASS];
   int len[NCLASS];
-  int keyed; /* the key's destructor will run for this thread */
+  struct tc_lists *prev, *next; /* on `all`, under depot_mu */
 } tc_lists;
 
-static _Thread_local tc_lists tl;
+static _Thread_local tc_lists *tl; /* NULL until the thread first keeps a block */
 static pthread_key_t tc_key;
 static pthread_once_t tc_once = PTHREAD_ONCE_INIT;
 static int tc_key_ok;
@@ -56,6 +58,7 @@ static int tc_key_ok;
 static pthread_mutex_t depot_mu = PTHREAD_MUTEX_INITIALIZER;
 static tc_block *depot[NCLASS][DEPOT_MAX];
 static int depot_len[NCLASS];
+static tc_lists *all; /* every live thread's lists */
 
 static size_t class_size(int c) { return (size_t)64 << c; }
 
@@ -78,13 +81,18 @@ static void drain_lists(tc_lists *l) {
   }
 }
 
-/* The key's value is &tl of the exiting thread (still valid while destructors run). A block
- * freed by a destructor that runs after this one sets the key again, and the thread's exit runs
- * this again for it. */
+/* The key's value is the exiting thread's lists. A block freed by a destructor that runs after
+ * this one makes new lists and sets the key again, and the thread's exit runs this again. */
 static void tc_destroy(void *arg) {
   tc_lists *l = arg;
   drain_lists(l);
-  l->keyed = 0;
+  pthread_mutex_lock(&depot_mu);
+  if (l->prev) l->prev->next = l->next;
+  else all = l->next;
+  if (l->next) l->next->prev = l->prev;
+  pthread_mutex_unlock(&depot_mu);
+  free(l);
+  tl = NULL;
 }
 
 /* fork(): the child gets the depot unlocked and consistent */
@@ -106,25 +114,42 @@ static void free_list(tc_block *b, int c) {
   }
 }
 
-/* depot_take moves a full list from the depot to this thread's empty list c; false when none. */
-static bool depot_take(int c) {
+/* lists_create makes this thread's lists (NULL when out of memory or without a key). */
+static tc_lists *lists_create(void) {
   pthread_once(&tc_once, tc_key_init);
-  if (!tc_key_ok) return false;
+  if (!tc_key_ok) return NULL;
+  tc_lists *l = calloc(1, sizeof *l);
+  if (!l) return NULL;
+  if (pthread_setspecific(tc_key, l) != 0) {
+    free(l);
+    return NULL;
+  }
+  pthread_mutex_lock(&depot_mu);
+  l->next = all;
+  if (all) all->prev = l;
+  all = l;
+  pthread_mutex_unlock(&depot_mu);
+  tl = l;
+  return l;
+}
+
+/* depot_take moves a full list from the depot to l's empty list c; false when none. */
+static bool depot_take(tc_lists *l, int c) {
   pthread_mutex_lock(&depot_mu);
   tc_block *b = depot_len[c] ? depot[c][--depot_len[c]] : NULL;
   pthread_mutex_unlock(&depot_mu);
   if (!b) return false;
-  tl.head[c] = b;
-  tl.len[c] = TD__TC_KEEP;
+  l->head[c] = b;
+  l->len[c] = TD__TC_KEEP;
   return true;
 }
 
 /* depot_give hands this thread's full list c to the depot (or frees it when the depot is full)
  * and leaves the list empty. */
-static void depot_give(int c) {
-  tc_block *b = tl.head[c];
-  tl.head[c] = NULL;
-  tl.len[c] = 0;
+static void depot_give(tc_lists *l, int c) {
+  tc_block *b = l->head[c];
+  l->head[c] = NULL;
+  l->len[c] = 0;
   pthread_mutex_lock(&depot_mu);
   bool kept = depot_len[c] < DEPOT_MAX;
   if (kept) depot[c][depot_len[c]++] = b;
@@ -135,11 +160,12 @@ static void depot_give(int c) {
 void *td__tc_calloc(size_t n) {
   int c = class_of(n);
   if (c < 0) return calloc(1, n ? n : 1);
-  if (!tl.head[c] && !depot_take(c)) return calloc(1, class_size(c));
-  tc_block *b = tl.head[c];
+  tc_lists *l = tl;
+  if (!l || (!l->head[c] && !depot_take(l, c))) return calloc(1, class_size(c));
+  tc_block *b = l->head[c];
   TC_UNPOISON(b, class_size(c));
-  tl.head[c] = b->next;
-  tl.len[c]--;
+  l->head[c] = b->next;
+  l->len[c]--;
   memset(b, 0, n); /* the bytes past n are never read by the owner */
   return b;
 }
@@ -151,23 +177,20 @@ void td__tc_free(void *p, size_t n) {
     free(p);
     return;
   }
-  if (!tl.keyed) {
-    pthread_once(&tc_once, tc_key_init);
-    if (!tc_key_ok || pthread_setspecific(tc_key, &tl) != 0) {
-      free(p);
-      return;
-    }
-    tl.keyed = 1;
+  tc_lists *l = tl;
+  if (!l && !(l = lists_create())) {
+    free(p);
+    return;
   }
-  if (tl.len[c] >= TD__TC_KEEP) depot_give(c);
+  if (l->len[c] >= TD__TC_KEEP) depot_give(l, c);
   tc_block *b = p;
-  b->next = tl.head[c];
-  tl.head[c] = b;
-  tl.len[c]++;
+  b->next = l->head[c];
+  l->head[c] = b;
+  l->len[c]++;
   TC_POISON(b, class_size(c));
 }
 
 int td__tc_cached(size_t n) {
   int c = class_of(n);
-  return c < 0 ? 0 : tl.len[c];
+  return c < 0 || !tl ? 0 : tl->len[c];
 }
