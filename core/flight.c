@@ -143,7 +143,10 @@ static void fill(td__flight_rec *r, const td__flight_ev *e, const char *name) {
   r->kind = e->kind;
   r->x = e->x;
   r->y = e->y;
-  if (name) memcpy(r->name, name, strnlen(name, TD__FLIGHT_NAME - 1)); /* NUL from the memset */
+  if (name) {
+    size_t i = 0;
+    for (; i + 1 < TD__FLIGHT_NAME && name[i]; i++) r->name[i] = name[i];
+  }
 }
 
 /* Word-wise copies with atomic accesses: records are read while they may be written. The seqlocks
