@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "../core/flight_impl.h"
+#include "../core/tcache.h"
 #include "../core/trace_impl.h"
 #include "future_impl.h"
 #include "agent_state.h"
@@ -152,7 +153,7 @@ static void heap_compact(td_rpc_agent *a) {
 static void pending_free(pending *p) {
   td_future_unref(p->fut);
   td__conn_unref(p->conn);
-  td__free(p);
+  td__tc_free(p, sizeof *p);
 }
 
 /* Completes a finished call's future: on this thread when nobody registered a callback (only
@@ -479,7 +480,7 @@ static void call_discard(call *c) {
 static td_status call_prepare(call *c) {
   td_rpc_agent *a = c->a;
   c->fut = td_future_create();
-  c->p = td__calloc(1, sizeof *c->p);
+  c->p = td__tc_calloc(sizeof *c->p); /* from the thread's cache: one per call */
   if (!c->fut || !c->p) {
     call_discard(c);
     return td_set_error(TD_ERR_NOMEM, "rpc_async: out of memory");

@@ -32,6 +32,7 @@
 
 #include "../core/flight_impl.h"
 #include "../core/refcount.h"
+#include "../core/tcache.h"
 #include "future_impl.h"
 
 typedef struct cb_node {
@@ -59,7 +60,7 @@ struct td_future {
   pthread_cond_t cv; /* CLOCK_MONOTONIC; broadcast when done */
   bool done;         /* outcome published (written under mu, atomically: also read without) */
   bool draining;     /* the completing thread is still running callbacks */
-  bool had_callbacks;
+  bool had_callbacks; /* written under mu, atomically: also read without it */
   td_status status;
   char *message;   /* heap, or NULL for "" */
   td_value *value; /* owned; td_value_none() when completed with NULL */
@@ -104,7 +105,7 @@ static struct timespec deadline_after(int64_t ms) {
 /* ---- lifecycle ---- */
 
 td_future *td_future_create(void) {
-  td_future *f = td__calloc(1, sizeof *f);
+  td_future *f = td__tc_calloc(sizeof *f); /* a call makes one: from the thread's cache */
   if (!f) return NULL;
   if (pthread_mutex_init(&f->mu, NULL)) goto fail_free;
   if (cond_init_monotonic(&f->cv)) goto fail_mu;
@@ -115,7 +116,7 @@ td_future *td_future_create(void) {
 fail_mu:
   pthread_mutex_destroy(&f->mu);
 fail_free:
-  td__free(f);
+  td__tc_free(f, sizeof *f);
   return NULL;
 }
 
@@ -128,9 +129,9 @@ static td_status finish(td_future *f, td_value *value, td_status st, char *msg);
 
 void td_future_unref(td_future *f) {
   if (!f || !td__ref_dec(&f->rc)) return;
-  pthread_mutex_lock(&f->mu);
+  /* the last reference: nobody else can touch f now (the decrement ordered their writes before
+   * these reads), so no lock */
   bool abandoned = !f->done && f->cb_head;
-  pthread_mutex_unlock(&f->mu);
   if (abandoned) {
     /* Nobody can complete it any more: fail it so its callbacks still run exactly once. The
      * callbacks may take references; the future then lives on, done. */
@@ -145,7 +146,7 @@ void td_future_unref(td_future *f) {
   td__free(f->message);
   pthread_cond_destroy(&f->cv);
   pthread_mutex_destroy(&f->mu);
-  td__free(f);
+  td__tc_free(f, sizeof *f);
 }
 
 /* ---- completion ---- */
@@ -256,18 +257,13 @@ const char *td_future_message(const td_future *cf) {
 td_value *td_future_value(const td_future *cf) {
   if (!cf) return NULL;
   td_future *f = (td_future *)cf;
-  pthread_mutex_lock(&f->mu);
-  td_value *v = f->done ? f->value : NULL;
-  pthread_mutex_unlock(&f->mu);
-  return v;
+  /* value is set before done is published (release) and never changes after */
+  return __atomic_load_n(&f->done, __ATOMIC_ACQUIRE) ? f->value : NULL;
 }
 
 bool td__future_has_callbacks(td_future *f) {
   if (!f) return false;
-  pthread_mutex_lock(&f->mu);
-  bool h = f->had_callbacks;
-  pthread_mutex_unlock(&f->mu);
-  return h;
+  return __atomic_load_n(&f->had_callbacks, __ATOMIC_ACQUIRE);
 }
 
 /* failure_error copies a done, failed future's outcome into this thread's error text. */
@@ -459,7 +455,7 @@ static td_status on_done(td_future *f, td_future_cb cb, void *ctx, bool light) {
   n->ctx = ctx;
   n->next = NULL;
   pthread_mutex_lock(&f->mu);
-  if (!light) f->had_callbacks = true;
+  if (!light) __atomic_store_n(&f->had_callbacks, true, __ATOMIC_RELEASE);
   if (!f->done || f->draining) {
     if (f->cb_tail) f->cb_tail->next = n;
     else f->cb_head = n;

@@ -19,6 +19,7 @@
 
 #include "../core/flight_impl.h"
 #include "../core/trace_impl.h"
+#include "../core/tcache.h"
 #include "agent_state.h"
 
 /* Returns TD_OK when the transport accepted the frame. */
@@ -85,7 +86,7 @@ static void reply(request *r, int kind, td_value *value, td_status st, const cha
   __atomic_sub_fetch(&a->active_in, 1, __ATOMIC_ACQ_REL);
   td__conn_unref(r->conn);
   td__msg_clear(&r->msg);
-  td__free(r);
+  td__tc_free(r, sizeof *r);
 }
 
 /* reply_error answers with an error; failed says whether the handler failed (else the request
@@ -349,11 +350,11 @@ static td_status submit_request(td_rpc_agent *a, request *r) {
 
 void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *const *args,
                      int nargs, int64_t timeout_ms, uint64_t ctx_id) {
-  request *r = td__calloc(1, sizeof *r);
+  request *r = td__tc_calloc(sizeof *r);
   char *fncopy = td__strdup(fn);
   td_value **vals = td__calloc((size_t)(nargs ? nargs : 1), sizeof *vals);
   if (!r || !fncopy || !vals) {
-    td__free(r);
+    td__tc_free(r, sizeof *r);
     td__free(fncopy);
     td__free(vals);
     td__call_deliver(a, NULL, id, TD__MSG_ERROR, NULL, TD_ERR_NOMEM, "rpc: out of memory");
@@ -468,7 +469,7 @@ void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
   }
   m->from_rank = from;
   if (is_request) {
-    request *r = td__calloc(1, sizeof *r);
+    request *r = td__tc_calloc(sizeof *r); /* one per request: from the thread's cache */
     if (!r) {
       td__msg_clear(m);
       return;

@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "../core/refcount.h"
+#include "../core/tcache.h"
 #include "value_impl.h"
 
 #define DICT_INDEX_MIN 8       /* build the hash index above this many entries */
@@ -81,8 +82,9 @@ static td_value false_v = {.kind = TD_VALUE_BOOL, .immortal = true, .u.b = false
 
 /* ---- construction and lifetime ---- */
 
+/* Values come from the thread's block cache (core/tcache.h): a call makes and drops several. */
 static td_value *value_new(td_value_kind kind, size_t extra) {
-  td_value *v = td__calloc(1, sizeof *v + extra);
+  td_value *v = td__tc_calloc(sizeof *v + extra);
   if (!v) return NULL;
   td__ref_init(&v->rc);
   v->kind = kind;
@@ -195,7 +197,8 @@ void td_value_unref(td_value *v) {
       default:
         break;
     }
-    td__free(cur);
+    bool buf = cur->kind == TD_VALUE_STRING || cur->kind == TD_VALUE_BYTES;
+    td__tc_free(cur, sizeof *cur + (buf ? cur->u.buf.len + 1 : 0));
   }
 }
 

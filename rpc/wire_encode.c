@@ -300,7 +300,9 @@ td_status td__wire_encode(const td__msg *m, td__wire_ctx *ctx, td__frame *out) {
   env.autograd_msg_id = m->autograd_msg_id;
   env.n_aux = m->naux > 0 ? (size_t)m->naux : 0;
   env.aux = m->aux;
-  size_t hl = td__env_packed_size(&env); /* protobuf-c's bytes, without its general path */
+  /* protobuf-c's bytes, without its general path: packed once into the stack when they fit */
+  uint8_t small[TD__SMALL_HEADER];
+  size_t hl = td__env_pack_into(&env, small, sizeof small);
   if (hl > TD__MAX_HEADER) {
     if (ptrs != ptrs_in) td__free(ptrs);
     st = td_set_error(TD_ERR_INVALID, "rpc: message envelope of %zu bytes exceeds %u bytes (send "
@@ -317,7 +319,8 @@ td_status td__wire_encode(const td__msg *m, td__wire_ctx *ctx, td__frame *out) {
   td__put_u32(head + 4, (uint32_t)hl);
   td__put_u64(head + 8, e.payload);
   td__put_u64(head + 16, m->id);
-  td__env_pack(&env, head + TD__FRAME_PREFIX);
+  if (hl <= sizeof small) memcpy(head + TD__FRAME_PREFIX, small, hl);
+  else td__env_pack(&env, head + TD__FRAME_PREFIX);
   if (ptrs != ptrs_in) td__free(ptrs);
   out->head = head;
   out->head_len = TD__FRAME_PREFIX + hl;

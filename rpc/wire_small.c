@@ -219,12 +219,12 @@ bool td__small_env_parse(td__small_env *s, const uint8_t *p, size_t n) {
  * out NULL, only counts. */
 
 typedef struct wr {
-  uint8_t *out; /* NULL: count only */
-  size_t n;
+  uint8_t *out; /* bytes [0, cap) are written; past cap only counted (cap 0: count only) */
+  size_t n, cap;
 } wr;
 
 static void put_byte(wr *w, uint8_t b) {
-  if (w->out) w->out[w->n] = b;
+  if (w->n < w->cap) w->out[w->n] = b;
   w->n++;
 }
 
@@ -245,8 +245,9 @@ static size_t varint_size(uint64_t v) {
   return n;
 }
 
+/* All n bytes or none: once a write does not fit, n stays past cap and nothing more is written. */
 static void put_raw(wr *w, const void *p, size_t n) {
-  if (w->out && n) memcpy(w->out + w->n, p, n);
+  if (n && w->n + n <= w->cap) memcpy(w->out + w->n, p, n);
   w->n += n;
 }
 
@@ -300,19 +301,32 @@ static void put_node(wr *w, const Tdist__Node *n) {
   put_u64(w, 0x58, n->device);
 }
 
-static size_t env_write(const Tdist__Envelope *e, uint8_t *out) {
-  wr w = {out, 0};
+/* put_node_field writes node n as a length-delimited field in one pass: its bytes go one byte past
+ * the tag, where a length under 128 fits; a longer node moves up by the length's extra bytes. */
+static void put_node_field(wr *w, const Tdist__Node *n) {
+  put_byte(w, 0x2a);
+  size_t at = w->n++;
+  put_node(w, n);
+  size_t len = w->n - at - 1;
+  if (len < 0x80) {
+    if (at < w->cap) w->out[at] = (uint8_t)len;
+    return;
+  }
+  size_t extra = varint_size(len) - 1;
+  bool whole = w->n <= w->cap && w->n + extra <= w->cap; /* the node's bytes and room for them */
+  if (whole) memmove(w->out + at + 1 + extra, w->out + at + 1, len);
+  w->n = at;
+  put_varint(w, len);
+  w->n += len; /* not whole: n ends past cap, so the caller packs again */
+}
+
+static size_t env_write(const Tdist__Envelope *e, uint8_t *out, size_t cap) {
+  wr w = {out, 0, cap};
   put_u64(&w, 0x08, e->kind);
   put_str(&w, 0x12, e->fn);
   put_i32(&w, 0x18, e->from_rank);
   put_u64(&w, 0x20, e->nargs);
-  for (size_t i = 0; i < e->n_nodes; i++) {
-    wr count = {NULL, 0};
-    put_node(&count, e->nodes[i]);
-    put_byte(&w, 0x2a);
-    put_varint(&w, count.n);
-    put_node(&w, e->nodes[i]);
-  }
+  for (size_t i = 0; i < e->n_nodes; i++) put_node_field(&w, e->nodes[i]);
   put_i32(&w, 0x30, e->status);
   put_str(&w, 0x3a, e->message);
   put_u64(&w, 0x40, (uint64_t)e->timeout_ms);
@@ -322,6 +336,10 @@ static size_t env_write(const Tdist__Envelope *e, uint8_t *out) {
   return w.n;
 }
 
-size_t td__env_packed_size(const Tdist__Envelope *e) { return env_write(e, NULL); }
+size_t td__env_packed_size(const Tdist__Envelope *e) { return env_write(e, NULL, 0); }
 
-size_t td__env_pack(const Tdist__Envelope *e, uint8_t *out) { return env_write(e, out); }
+size_t td__env_pack(const Tdist__Envelope *e, uint8_t *out) { return env_write(e, out, SIZE_MAX); }
+
+size_t td__env_pack_into(const Tdist__Envelope *e, uint8_t *out, size_t cap) {
+  return env_write(e, out, cap);
+}

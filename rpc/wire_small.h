@@ -47,5 +47,9 @@ bool td__small_env_parse(td__small_env *s, const uint8_t *p, size_t n);
  * for an envelope built by the encoder (no unknown fields), without protobuf-c's general path. */
 size_t td__env_packed_size(const Tdist__Envelope *e);
 size_t td__env_pack(const Tdist__Envelope *e, uint8_t *out);
+/* td__env_pack_into packs e into out[0..cap) in one pass and returns its packed size: when that is
+ * at most cap, out holds the bytes td__env_pack writes; else what out holds is unspecified (never
+ * written past cap) and the caller packs again into room of the size returned. */
+size_t td__env_pack_into(const Tdist__Envelope *e, uint8_t *out, size_t cap);
 
 #endif

@@ -1,5 +1,5 @@
 /* test_core.c - status table, thread-local errors and their prefixes, logging levels, the
- * reference count's underflow checks and the thread pool. */
+ * reference count's underflow checks, the thread pool and the per-thread block cache. */
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -10,6 +10,7 @@
 
 #include "core/core.h"
 #include "core/refcount.h"
+#include "core/tcache.h"
 #include "core/threadpool.h"
 #include "test_util.h"
 
@@ -153,6 +154,71 @@ static void test_threadpool_runs_everything(void **state) {
   TD_ASSERT_STATUS(td__threadpool_create(0, "x", &p), TD_ERR_INVALID);
 }
 
+/* A block the cache hands out again is zeroed like calloc's, whatever its last owner left in it,
+ * and it is the block given back (the cache, not calloc, served it). */
+static void test_tcache_reuse_is_zeroed(void **state) {
+  (void)state;
+  for (size_t n = 8; n <= TD__TC_MAX; n *= 2) {
+    unsigned char *p = td__tc_calloc(n);
+    assert_non_null(p);
+    memset(p, 0xab, n);
+    int before = td__tc_cached(n);
+    td__tc_free(p, n);
+    assert_int_equal(td__tc_cached(n), before + 1);
+    unsigned char *q = td__tc_calloc(n);
+    assert_ptr_equal(q, p);
+    assert_int_equal(td__tc_cached(n), before);
+    for (size_t i = 0; i < n; i++) assert_int_equal(q[i], 0);
+    td__tc_free(q, n);
+  }
+  /* above the largest class: plain calloc/free, never cached */
+  int before = td__tc_cached(TD__TC_MAX + 1);
+  void *big = td__tc_calloc(TD__TC_MAX + 1);
+  assert_non_null(big);
+  td__tc_free(big, TD__TC_MAX + 1);
+  assert_int_equal(td__tc_cached(TD__TC_MAX + 1), before);
+}
+
+enum { TC_N = 3 * TD__TC_KEEP };
+typedef struct tc_flow {
+  void *blocks[TC_N];
+} tc_flow;
+
+static void *tc_free_all(void *arg) {
+  tc_flow *f = arg;
+  for (int i = 0; i < TC_N; i++) td__tc_free(f->blocks[i], 200);
+  return NULL;
+}
+
+/* Blocks one thread allocates and another frees come back to the allocating thread through the
+ * depot in full lists, zeroed, instead of piling up in the freeing thread's list. */
+static void test_tcache_depot_returns_blocks_freed_elsewhere(void **state) {
+  (void)state;
+  tc_flow f;
+  for (int i = 0; i < TC_N; i++) {
+    f.blocks[i] = td__tc_calloc(200);
+    assert_non_null(f.blocks[i]);
+    memset(f.blocks[i], 0x5a, 200);
+  }
+  /* empty this thread's list of the class so the next allocation must look in the depot */
+  void *mine[TD__TC_KEEP];
+  int nmine = 0;
+  while (td__tc_cached(200) > 0) mine[nmine++] = td__tc_calloc(200);
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, tc_free_all, &f), 0);
+  assert_int_equal(pthread_join(t, NULL), 0);
+  /* the freeing thread handed its full lists over (what it kept was freed at its exit) */
+  unsigned char *q = td__tc_calloc(200);
+  assert_non_null(q);
+  assert_int_equal(td__tc_cached(200), TD__TC_KEEP - 1);
+  bool found = false;
+  for (int i = 0; i < TC_N; i++) found |= f.blocks[i] == (void *)q;
+  assert_true(found);
+  for (int i = 0; i < 200; i++) assert_int_equal(q[i], 0);
+  td__tc_free(q, 200);
+  for (int i = 0; i < nmine; i++) td__tc_free(mine[i], 200);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_status_table),
@@ -162,6 +228,8 @@ int main(void) {
       cmocka_unit_test(test_refcount_underflow_aborts),
       cmocka_unit_test(test_log_level),
       cmocka_unit_test(test_threadpool_runs_everything),
+      cmocka_unit_test(test_tcache_reuse_is_zeroed),
+      cmocka_unit_test(test_tcache_depot_returns_blocks_freed_elsewhere),
   };
   return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }

@@ -190,9 +190,60 @@ static void test_wire_small_pack_matches_protobuf_c(void **state) {
     assert_int_equal(td__env_pack(&r.env, got), hl);
     assert_memory_equal(got, want, hl);
     assert_int_equal(got[hl], 0xa5);
+    /* one pass into room of its own: the same bytes when they fit, the size and nothing written
+     * past the room when they do not */
+    memset(got, 0xa5, hl + 1);
+    assert_int_equal(td__env_pack_into(&r.env, got, hl), hl);
+    assert_memory_equal(got, want, hl);
+    assert_int_equal(got[hl], 0xa5);
+    if (hl) {
+      memset(got, 0xa5, hl + 1);
+      assert_int_equal(td__env_pack_into(&r.env, got, hl - 1), hl);
+      assert_int_equal(got[hl - 1], 0xa5);
+    }
     free(want);
     free(got);
   }
+}
+
+/* Nodes of 128 bytes and more (a length of two and three bytes before them) are packed as
+ * protobuf-c packs them, by td__env_pack and by td__env_pack_into in room of every size around
+ * the node boundaries. */
+static void test_wire_small_pack_long_nodes(void **state) {
+  (void)state;
+  static char s1[200], s2[20000];
+  memset(s1, 'x', sizeof s1 - 1);
+  memset(s2, 'y', sizeof s2 - 1);
+  Tdist__Node n0 = TDIST__NODE__INIT, n1 = TDIST__NODE__INIT, n2 = TDIST__NODE__INIT;
+  n0.kind = 3;
+  n0.i = 5;
+  n1.kind = 4;
+  n1.s = s1;
+  n2.kind = 4;
+  n2.key = s2;
+  Tdist__Node *nodes[] = {&n0, &n1, &n2, &n0};
+  Tdist__Envelope env = TDIST__ENVELOPE__INIT;
+  env.kind = 1;
+  env.fn = "f";
+  env.nargs = 4;
+  env.n_nodes = 4;
+  env.nodes = nodes;
+  size_t hl = tdist__envelope__get_packed_size(&env);
+  assert_true(hl > sizeof s2);
+  uint8_t *want = malloc(hl), *got = malloc(hl + 1);
+  assert_true(want && got);
+  assert_int_equal(tdist__envelope__pack(&env, want), hl);
+  assert_int_equal(td__env_packed_size(&env), hl);
+  assert_int_equal(td__env_pack(&env, got), hl);
+  assert_memory_equal(got, want, hl);
+  for (size_t cap = 0; cap <= hl; cap += cap < 260 || cap > hl - 260 ? 1 : 97) {
+    memset(got, 0xa5, hl + 1);
+    assert_int_equal(td__env_pack_into(&env, got, cap), hl);
+    if (cap == hl) assert_memory_equal(got, want, hl);
+    assert_int_equal(got[cap], 0xa5);
+  }
+  free(want);
+  free(got);
 }
 
 /* ---- what the fast path declines, and what the decoder then makes of it ---- */
@@ -302,6 +353,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_wire_small_matches_protobuf_c),
       cmocka_unit_test(test_wire_small_pack_matches_protobuf_c),
+      cmocka_unit_test(test_wire_small_pack_long_nodes),
       cmocka_unit_test(test_wire_small_declines),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
