@@ -252,6 +252,14 @@ void td__progress_pump(td_rpc_agent *a);
 void td__progress_pump_if_owner(td_rpc_agent *a);
 
 /* ---- rendezvous.c ---- */
+/* td__rdv_local_estimate: workers on this host before the group is known (the launcher's
+ * LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE or SLURM_NTASKS_PER_NODE, else world).
+ * td__rdv_handshake_ms: the handshake timeout of a group of world workers (TD_RPC_HANDSHAKE_
+ * TIMEOUT_MS, else 20 s stretched by workers per CPU past 2, at most TD__HANDSHAKE_MAX_MS). */
+#define TD__HANDSHAKE_MAX_MS 120000
+int td__rdv_local_estimate(int world);
+int64_t td__rdv_handshake_ms(int world);
+
 /* td__agent_set_abort makes every worker still in rendezvous fail with why. */
 void td__agent_set_abort(td_rpc_agent *a, const char *why);
 /* td__rdv_read_all waits for every rank's record under prefix ("worker/" ... "worker/<N-1>") and

@@ -806,17 +806,32 @@ static int64_t env_ms(const char *name, int64_t dflt) {
   return ms;
 }
 
+/* Workers on this host before the group is known: what the launcher says (LOCAL_WORLD_SIZE from
+ * tdistrun and torchrun, OMPI_COMM_WORLD_LOCAL_SIZE from Open MPI, SLURM_NTASKS_PER_NODE when
+ * it is one number), else every worker of the group (at most world either way). */
+int td__rdv_local_estimate(int world) {
+  static const char *const vars[] = {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                     "SLURM_NTASKS_PER_NODE"};
+  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+    const char *v = getenv(vars[i]);
+    if (!v || !*v) continue;
+    char *end;
+    long n = strtol(v, &end, 10);
+    if (*end == 0 && n > 0) return n < world ? (int)n : world;
+  }
+  return world;
+}
+
 /* The handshake timeout (TD_RPC_HANDSHAKE_TIMEOUT_MS, else 20 s): on a host running more than
- * twice as many workers as CPUs (the estimate before the group is known: every worker here)
- * longer with the load, x load / 200, up to TD__HANDSHAKE_MAX_MS. It bounds a member's handshake
- * at the server (strangers have their 2 s HELLO tier), the client's connection attempts and its
- * handshake retries: 192 workers on 2 CPUs lost connection attempts and handshakes at 20 s,
- * and their all-to-all failed; at 120 s it completed. */
-#define TD__HANDSHAKE_MAX_MS 120000
-static int64_t handshake_ms(const td_rpc_agent *a) {
+ * twice as many workers as CPUs (td__rdv_local_estimate) longer with the load, x load / 200, up
+ * to TD__HANDSHAKE_MAX_MS. It bounds a member's handshake at the server (strangers have their
+ * 2 s HELLO tier), the client's connection attempts and its handshake retries: 192 workers on
+ * 2 CPUs lost connection attempts and handshakes at 20 s, and their all-to-all failed; at 120 s
+ * it completed. */
+int64_t td__rdv_handshake_ms(int world) {
   int64_t ms = env_ms("TD_RPC_HANDSHAKE_TIMEOUT_MS", 0);
   if (ms > 0) return ms;
-  int load = host_load(a->world);
+  int load = host_load(td__rdv_local_estimate(world));
   ms = 20000;
   if (load > 200) ms = ms * load / 200;
   return ms < TD__HANDSHAKE_MAX_MS ? ms : TD__HANDSHAKE_MAX_MS;
@@ -880,7 +895,7 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
                            .agent = a,
                            .tick_ms = 10,
                            .auth = &a->auth,
-                           .handshake_timeout_ms = handshake_ms(a),
+                           .handshake_timeout_ms = td__rdv_handshake_ms(a->world),
                            .hello_timeout_ms = env_ms("TD_RPC_HELLO_TIMEOUT_MS", 2000),
                            .member_held_max = (uint64_t)env_ms("TD_RPC_MEMBER_HELD_MB", 0) << 20,
                            .memory_quota = (uint64_t)env_ms("TD_RPC_MEMORY_QUOTA_MB",
@@ -890,8 +905,8 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
                                                       3 * o->keepalive_timeout_ms),
                            .lane = a->lane_on,
                            .keepalive_auto = o->keepalive_ms <= 0,
-                           /* until the group is known: every worker on this host */
-                           .host_load_x100 = host_load(a->world),
+                           /* until the group is known: the launcher's word, else everybody */
+                           .host_load_x100 = host_load(td__rdv_local_estimate(a->world)),
                            .tls = tls_on ? &tls : NULL};
   td__transport_cbs cbs = {a, td__serve_msg, td__serve_bad, td__serve_closed, td__serve_unary,
                            td__serve_tick, td__serve_burst};

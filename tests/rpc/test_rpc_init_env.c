@@ -2,11 +2,15 @@
  * init_method is NULL or "env://" (PyTorch's default) and says what is missing otherwise; a
  * request that arrives while its callee still finishes its init waits until that init has
  * finished (the callee's layers are ready when the handler runs); registries that differ are one
- * DEBUG line, not a warning per function. */
+ * DEBUG line, not a warning per function; the handshake timeout stretches with the workers per
+ * CPU the launcher says this host runs. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/cpus.h"
 #include "rpc/agent_impl.h"
+#include "rpc/agent_state.h"
 #include "rpc_test_fns.h"
 #include "test_util.h"
 
@@ -162,6 +166,50 @@ static int worker_registries(int rank, int world, const char *method, void *arg)
   return 0;
 }
 
+/* ---- the handshake timeout before the group is known ---- */
+
+static const char *const local_vars[] = {"TD_RPC_HANDSHAKE_TIMEOUT_MS", "LOCAL_WORLD_SIZE",
+                                         "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"};
+
+static void unset_local_vars(void) {
+  for (size_t i = 0; i < sizeof local_vars / sizeof local_vars[0]; i++) unsetenv(local_vars[i]);
+}
+
+/* 20 s up to two workers per CPU, then x (workers per CPU) / 2, at most 120 s; the workers per
+ * CPU counted from the launcher's local size (tdistrun / torchrun, Open MPI, Slurm) when it gives
+ * one, else from the whole group; TD_RPC_HANDSHAKE_TIMEOUT_MS wins. */
+static void test_rpc_handshake_timeout_follows_workers_per_cpu(void **state) {
+  (void)state;
+  int cpus = (int)td__cpus_usable();
+  assert_true(cpus >= 1);
+  unset_local_vars();
+  assert_int_equal(td__rdv_handshake_ms(1), 20000);
+  assert_int_equal(td__rdv_handshake_ms(2 * cpus), 20000);
+  assert_int_equal(td__rdv_handshake_ms(8 * cpus), 80000);
+  assert_int_equal(td__rdv_handshake_ms(100 * cpus), TD__HANDSHAKE_MAX_MS);
+  assert_int_equal(td__rdv_local_estimate(100 * cpus), 100 * cpus);
+  /* a group of many hosts: the launcher says how many run here */
+  const char *by[] = {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"};
+  char v[32];
+  for (size_t i = 0; i < 3; i++) {
+    snprintf(v, sizeof v, "%d", cpus);
+    setenv(by[i], v, 1);
+    assert_int_equal(td__rdv_local_estimate(100 * cpus), cpus);
+    assert_int_equal(td__rdv_handshake_ms(100 * cpus), 20000);
+    snprintf(v, sizeof v, "%d", 6 * cpus);
+    setenv(by[i], v, 1);
+    assert_int_equal(td__rdv_handshake_ms(100 * cpus), 60000);
+    assert_int_equal(td__rdv_local_estimate(3), 3); /* never more than the group */
+    unsetenv(by[i]);
+  }
+  setenv("SLURM_NTASKS_PER_NODE", "4(x2)", 1); /* not one number: the whole group */
+  assert_int_equal(td__rdv_local_estimate(100 * cpus), 100 * cpus);
+  unsetenv("SLURM_NTASKS_PER_NODE");
+  setenv("TD_RPC_HANDSHAKE_TIMEOUT_MS", "5000", 1);
+  assert_int_equal(td__rdv_handshake_ms(100 * cpus), 5000);
+  unset_local_vars();
+}
+
 static void test_rpc_registry_differences_one_debug_line(void **state) {
   (void)state;
   TD_MP_RUN(3, worker_registries, NULL, 60);
@@ -169,6 +217,7 @@ static void test_rpc_registry_differences_one_debug_line(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_rpc_handshake_timeout_follows_workers_per_cpu),
       cmocka_unit_test(test_rpc_init_env_missing_named),
       cmocka_unit_test(test_rpc_init_reads_master_from_env),
       cmocka_unit_test(test_rpc_request_during_init_waits_for_it),
