@@ -8,26 +8,59 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
-int td_mp_free_port(void) {
+/* Whether port is free on 127.0.0.1 now (bound and released; SO_REUSEADDR as the gRPC server
+ * binds, so a port whose old connections linger in TIME_WAIT counts as free, as it is to it).
+ * port 0: any; the port bound is returned, or -1. */
+static int probe_port(int port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return -1;
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   struct sockaddr_in sa;
   memset(&sa, 0, sizeof sa);
   sa.sin_family = AF_INET;
   sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  sa.sin_port = 0;
+  sa.sin_port = htons((uint16_t)port);
   socklen_t len = sizeof sa;
-  int port = -1;
+  int got = -1;
   if (bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
       getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
-    port = ntohs(sa.sin_port);
+    got = ntohs(sa.sin_port);
   close(fd);
-  return port;
+  return got;
+}
+
+/* A port below the kernel's ephemeral range (net.ipv4.ip_local_port_range), chosen at random:
+ * a port from that range (what binding port 0 gives) could be taken, between this probe and the
+ * worker's bind, by any socket bound to port 0 or connecting out meanwhile (every worker's
+ * server and every connection of the tests running beside this one: CI once lost a case so,
+ * "port ... is in use"). Below the range only another test's random pick can meet it. */
+int td_mp_free_port(void) {
+  int lo = 32768, hi = 60999;
+  FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
+  if (f) {
+    if (fscanf(f, "%d %d", &lo, &hi) != 2) lo = 32768;
+    fclose(f);
+  }
+  const int first = 10000;
+  if (lo - first >= 1000) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    unsigned seed = (unsigned)getpid() * 2654435761u ^ (unsigned)ts.tv_nsec;
+    for (int i = 0; i < 100; i++) {
+      int port = first + (int)(rand_r(&seed) % (unsigned)(lo - first));
+      if (probe_port(port) == port) return port;
+    }
+  }
+  return probe_port(0);
 }
 
 double td_test_timeout_scale(void) {

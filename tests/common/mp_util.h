@@ -54,7 +54,9 @@ typedef int (*td_mp_fn)(int rank, int world, const char *init_method, void *arg)
  * of children that did not exit 0. */
 int td_mp_run(int world, td_mp_fn fn, void *arg, double timeout_s, int *codes);
 
-/* td_mp_free_port returns a TCP port on 127.0.0.1 that was free a moment ago. */
+/* td_mp_free_port returns a TCP port on 127.0.0.1 that was free a moment ago, chosen below the
+ * kernel's ephemeral port range (so no port-0 bind or outgoing connection of a test running
+ * beside can take it before the worker binds it). */
 int td_mp_free_port(void);
 
 /* td_mp_rpc_options returns options for a test worker: init_method, threads pool threads, init

@@ -63,6 +63,11 @@ launch_cmd() {
   esac
 }
 
+# free_port prints a port on 127.0.0.1 free a moment ago, below the ephemeral range
+# (tests/common/free_port.py: a port-0 bind beside could take one from that range first).
+LAUNCH_LIB_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+free_port() { python3 "$LAUNCH_LIB_DIR/../common/free_port.py"; }
+
 descendants() {
   local p
   for p in $(pgrep -P "$1" || true); do
@@ -120,7 +125,7 @@ kill_bare() {
   local example="$1" limit="$2" scale="$3"
   shift 3
   local port dir r
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  port=$(free_port)
   dir=$(mktemp -d)
   local secret
   secret=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')

@@ -250,7 +250,7 @@ fi
 
 # The same started bare (4 processes that nothing supervises, as srun without
 # --kill-on-bad-exit leaves them): the survivors finish by themselves, exit 0, same parameters.
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(free_port)
 dir=$(mktemp -d)
 secret=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 pids=()

@@ -139,7 +139,7 @@ check "$out" tdistrun || fail=1
 if [[ $fail -ne 0 ]]; then tail -n 30 "$out"; exit 1; fi
 
 # started bare: three processes nothing supervises
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(free_port)
 secret=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 for r in 0 1 2; do
   env RANK=$r LOCAL_RANK=$r WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \

@@ -61,12 +61,8 @@ def check(cond, what):
         FAILURES.append(what)
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from free_port import free_port  # noqa: E402  (below the ephemeral range: free_port.py)
 
 
 def rss_kb(pid):
