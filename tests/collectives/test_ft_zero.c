@@ -299,7 +299,7 @@ static void test_ft_zero_matrix(void **state) {
  * forward (after the victim's first gather of a unit: the survivors' gathers fail), after the
  * reduction, after the vote (the survivors commit without noticing: the next step finds it),
  * a closed member that voted and did not step (rolled forward), and two kills in a row (the
- * second gathers from blocks copied after the first). */
+ * second makes a block's copy made after the first its owner: the units gather from it). */
 static void test_ft_zero3_matrix(void **state) {
   (void)state;
   zcase cases[] = {
@@ -314,8 +314,9 @@ static void test_ft_zero3_matrix(void **state) {
        2},
       {"close rank 0 after the vote of step 4 (voted, not stepped: rolled forward)", 3,
        {CLOSE(0, 4, TD_FT_AFTER_VOTE)}, 1, 1, 4, 0, 0, 0},
-      {"kill rank 3 before step 1, then rank 1 mid-forward in step 3", 3,
-       {KILL(3, 1, TD_FT_BEFORE), KILL(1, 3, TD_FT_UNIT_GATHER)}, 2, 2, 2, 2, 2, -1},
+      {"kill rank 3 before step 1, then rank 2 mid-forward in step 3 (block 2's masters from "
+       "the copy made at step 1)", 3, {KILL(3, 1, TD_FT_BEFORE), KILL(2, 3, TD_FT_UNIT_GATHER)},
+       2, 2, 2, 2, 2, -1},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
 }
