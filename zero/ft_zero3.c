@@ -31,6 +31,9 @@
  * identity node of the unit before it (only the end of the pass is sure to be after them all),
  * so backward holds the units it has reached.
  *
+ * Outside a pass the hooks do nothing, and a unit's forward needs its parameters gathered
+ * (td_ft_zero_sync gathers every unit until the next step: an evaluation on one member).
+ *
  * A gather that fails (a lost member) records its status in z->gst, leaves the unit free, and
  * makes every later hook of the pass fail without a collective; the shard function then fails
  * (the hooks' error), its gradient is not kept, and the attempt fails as a lost reduction does:
@@ -178,7 +181,11 @@ static td_status unit_backward(void *ctx, td_tensor *const *grad_outputs, int n_
 static td_status pre_forward(void *ctx, td_module *m) {
   (void)m;
   td__fzunit *u = ctx;
-  return unit_use(u->z, u->index, false);
+  if (u->z->in_pass) return unit_use(u->z, u->index, false);
+  if (u->gathered) return TD_OK; /* outside a step, after td_ft_zero_sync: whole parameters */
+  return td_set_error(TD_ERR_STATE, "ft_zero stage 3: units[%zu] (%s) run outside a step while "
+                      "its parameters are sharded (td_ft_zero_sync gathers them until the next "
+                      "step)", u->index, td_module_type_name(u->m));
 }
 
 /* The outputs that require grad go through one identity node that gathers the unit again when
@@ -224,6 +231,7 @@ static td_status post_forward(void *ctx, td_module *m, td_status fst, td_tensor 
                               int n_outputs) {
   (void)m;
   td__fzunit *u = ctx;
+  if (!u->z->in_pass) return TD_OK; /* a forward outside a step: nothing to do */
   td_status st = fst == TD_OK && td_autograd_is_enabled() ? wrap_outputs(u, outputs, n_outputs)
                                                           : TD_OK;
   unit_free(u->z, u->index);
@@ -276,8 +284,10 @@ td_status td__ftz3_compute(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void 
       break;
     }
     td_status fs = TD_OK;
+    z->in_pass = true;
     if (k < mine) fs = fn(user, step, todo[k], z->M);
     else fs = serve(z);
+    z->in_pass = false;
     td__ftz3_free_units(z);
     if (z->gst == TD_OK && fs == TD_OK && z->seq != 2 * z->nu)
       z->gst = td_set_error(TD_ERR_INVALID, "ft_zero stage 3: the shard pass ran %zu unit "

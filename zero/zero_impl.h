@@ -176,6 +176,7 @@ struct td_ft_zero {
   struct td__fzunit *u;
   int *unit_of;       /* per parameter: its unit, or -1 */
   int64_t cur_step;   /* the step whose shard passes run (injections) */
+  bool in_pass;       /* a shard pass runs (outside one the units' hooks do nothing) */
   size_t seq;         /* unit gathers run in this shard pass */
   td_status gst;      /* a gather of this pass failed (TD_OK: none): the pass's result is dropped */
   char gmsg[512];

@@ -906,8 +906,11 @@ TD_API void td_zero_destroy(td_zero *z);
  * pass that does not fails the step with TD_ERR_INVALID. A member lost during a gather fails
  * the gather on the survivors, who recover as from a lost reduction; the recomputed shards
  * gather from the surviving holders. td_ft_zero_sync ends with every unit gathered (whole
- * parameters on every survivor until the next step); td_ft_zero_destroy leaves a free unit's
- * parameters zero-filled. Gradients are kept whole per shard until the commit, as at stages 1
+ * parameters on every survivor until the next step: outside a step the hooks do nothing, so
+ * one member may then run forwards alone, an evaluation; a unit's forward outside a step while
+ * it is free fails with TD_ERR_STATE); td_ft_zero_destroy leaves a free unit's parameters
+ * zero-filled. With gradient accumulation inside the shard function (several backward passes
+ * per pass) the pass is out of order: not supported at stage 3. Gradients are kept whole per shard until the commit, as at stages 1
  * and 2 (only the parameters and the optimizer state are sharded).
  */
 typedef struct td_ft_zero td_ft_zero;

@@ -321,6 +321,64 @@ static void test_ft_zero3_matrix(void **state) {
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
 }
 
+/* ---- stage 3: what a shard pass must do, options ---- */
+
+/* A shard function with a forward and no backward: 2 of the pass's 4 gathers. */
+static td_status forward_only_fn(void *user, int64_t step, int s, int n_shards) {
+  (void)step, (void)s, (void)n_shards;
+  int64_t xs[2] = {FT_SHARD_ROWS, 6};
+  td_tensor *x = td_test_randn(xs, 2, TD_DTYPE_F64, 5, false), *out = NULL;
+  td_status st = td_module_forward(user, x, &out);
+  td_tensor_unref(x);
+  td_tensor_unref(out);
+  return st;
+}
+
+static int contract_worker(int rank, int world, const char *method, void *arg) {
+  (void)arg;
+  td_rpc_agent *a = coll_join(rank, world, method);
+  td_process_group *pg = NULL;
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, 20000, &pg));
+  td_module *m = ft_build();
+  groups g;
+  groups_make(m, &g, 1e-2);
+  td_module *units[2] = {td_module_child_at(m, 0, NULL), td_module_child_at(m, 2, NULL)};
+  td_ft_zero_options zo;
+  td_ft_zero_options_init(&zo);
+  td_ft_zero *z = NULL;
+  zo.stage = 3; /* without units */
+  MP_CHECK(td_ft_zero_create(pg, &g.oo, g.g, 2, &zo, &z) == TD_ERR_INVALID && !z);
+  zo.stage = 2, zo.units = units, zo.n_units = 2; /* units at stage 2 */
+  MP_CHECK(td_ft_zero_create(pg, &g.oo, g.g, 2, &zo, &z) == TD_ERR_INVALID && !z);
+  zo.stage = 3;
+  MP_CHECK_OK(td_ft_zero_create(pg, &g.oo, g.g, 2, &zo, &z));
+  /* a forward outside a step while the units are free: a clear error, no gather */
+  int64_t xs[2] = {FT_SHARD_ROWS, 6};
+  td_tensor *x = td_test_randn(xs, 2, TD_DTYPE_F64, 5, false), *out = NULL;
+  MP_CHECK(td_module_forward(m, x, &out) == TD_ERR_STATE && strstr(td_last_error(), "outside a step"));
+  /* a pass without its backward: every member fails the step, alike, without a hang */
+  MP_CHECK(td_ft_zero_step(z, 0, forward_only_fn, m, NULL) == TD_ERR_INVALID);
+  MP_CHECK(strstr(td_last_error(), "ran 2 unit gathers, not 4"));
+  /* the step was not committed: it runs again, properly */
+  MP_CHECK_OK(td_ft_zero_step(z, 0, shard_fn, m, NULL));
+  MP_CHECK_OK(td_ft_zero_sync(z, NULL));
+  MP_CHECK_OK(td_module_forward(m, x, &out)); /* after the sync: whole, on this member alone */
+  td_tensor_unref(out);
+  td_tensor_unref(x);
+  td_ft_zero_destroy(z);
+  td_tensor_list_fini(&g.ps);
+  td_module_unref(m);
+  td_process_group_destroy(pg);
+  coll_leave(a);
+  return 0;
+}
+
+static void test_ft_zero3_contract(void **state) {
+  (void)state;
+  int codes[2];
+  assert_int_equal(td_mp_run(2, contract_worker, NULL, 60, codes), 0);
+}
+
 /* ---- td_ft_zero and td_ft_ddp: the same numbers (no clipping) ---- */
 
 static int same_worker(int rank, int world, const char *method, void *arg) {
@@ -499,6 +557,8 @@ static void test_ft_zero_inject_parse_gather_points(void **state) {
   assert_int_equal(when, TD_FT_AFTER_GATHER);
   assert_int_equal(td_ft_inject_parse("3:2:after_vote:close", &rank, &step, &when, &what), TD_OK);
   assert_int_equal(when, TD_FT_AFTER_VOTE);
+  assert_int_equal(td_ft_inject_parse("0:3:unit_gather:kill", &rank, &step, &when, &what), TD_OK);
+  assert_int_equal(when, TD_FT_UNIT_GATHER);
   assert_int_equal(td_ft_inject_parse("3:1:gather:stop", &rank, &step, &when, &what),
                    TD_ERR_INVALID);
   assert_int_equal(td_ft_inject_parse("3:1:after-gather:stop", &rank, &step, &when, &what),
@@ -513,6 +573,7 @@ int main(void) {
       cmocka_unit_test(test_ft_scaler),
       cmocka_unit_test(test_ft_zero_matrix),
       cmocka_unit_test(test_ft_zero3_matrix),
+      cmocka_unit_test(test_ft_zero3_contract),
   };
   if (getenv("TD_FT_ZERO_TEST_FILTER")) cmocka_set_test_filter(getenv("TD_FT_ZERO_TEST_FILTER"));
   return cmocka_run_group_tests(tests, NULL, NULL);
