@@ -1,6 +1,8 @@
 /* ft_zero.c - fault-tolerant ZeRO stages 1 and 2 (td_ft_zero, include/tdist/collectives.h): the
  * optimizer state sharded in fixed blocks, each held by two members, and steps that survive lost
- * members with the result unchanged, bitwise.
+ * members with the result unchanged, bitwise. Stage 3 (ft_zero3.c) is this with the blocks'
+ * optimizers over master values of their own (not views of the parameters), the units' shard
+ * passes and gathers, and the commit's gather limited to the parameters outside the units.
  *
  * Layout. The parameters (the groups' flat order, P elements) are cut into B fixed blocks of
  * P / B elements (the first P % B one more: td_ft_shard_range). A block's segments are its pieces of the parameters;

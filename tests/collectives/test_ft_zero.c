@@ -40,6 +40,8 @@ typedef struct zcase {
   int copied;          /* blocks copied to a new holder; -1: at least one */
   int64_t timeout_ms;  /* the group's timeout (0: 20 s) */
   bool fails;          /* both holders of a block lost: the survivors' step fails */
+  int n_units;         /* stage 3: 2 (0), both linear layers; 1: the first, the second's 51
+                          parameters whole, gathered at the commit as at stage 2 */
   char dir[256];
 } zcase;
 
@@ -107,7 +109,8 @@ static int worker(int rank, int world, const char *method, void *arg) {
   zo.max_grad_norm = 0.5;
   zo.reform_timeout = c->timeout_ms ? 2 * tmo : 20000;
   td_module *units[2] = {td_module_child_at(m, 0, NULL), td_module_child_at(m, 2, NULL)};
-  if (c->stage == 3) zo.units = units, zo.n_units = 2; /* the two linear layers: every parameter */
+  int nu = c->n_units ? c->n_units : 2;
+  if (c->stage == 3) zo.units = units, zo.n_units = (size_t)nu; /* the linear layers */
   td_ft_zero *z = NULL;
   MP_CHECK_OK(td_ft_zero_create(pg, &g.oo, g.g, 2, &zo, &z));
   td_ft_zero_stats zs;
@@ -138,9 +141,9 @@ static int worker(int rank, int world, const char *method, void *arg) {
                             unit twice (forward, backward) per shard pass, and every member runs
                             as many passes as the member with the most shards */
       MP_CHECK_OK(td_ft_zero_get_stats(z, &zs));
-      MP_CHECK(zs.units == 2 && zs.param_numel == 0);
+      MP_CHECK(zs.units == nu && zs.param_numel == (nu == 2 ? 0 : 51));
       int n = info.members;
-      MP_CHECK(info.failures || zs.unit_gathers - gathers == 4 * ((WORLD + n - 1) / n));
+      MP_CHECK(info.failures || zs.unit_gathers - gathers == 2 * nu * ((WORLD + n - 1) / n));
       gathers = zs.unit_gathers;
     }
     if (info.failures) fprintf(stderr, "[rank %d] %s\n", rank, info.message);
@@ -317,6 +320,12 @@ static void test_ft_zero3_matrix(void **state) {
       {"kill rank 3 before step 1, then rank 2 mid-forward in step 3 (block 2's masters from "
        "the copy made at step 1)", 3, {KILL(3, 1, TD_FT_BEFORE), KILL(2, 3, TD_FT_UNIT_GATHER)},
        2, 2, 2, 2, 2, -1},
+      {"kill rank 1 mid-forward in step 2, then rank 3 in the recovery", 3,
+       {KILL(1, 2, TD_FT_UNIT_GATHER), KILL(3, 2, TD_FT_RECOVERY)}, 2, 2, 2, 2, 2, -1},
+      {"one unit: kill rank 2 during the commit's gather of the other parameters of step 2", 3,
+       {KILL(2, 2, TD_FT_DURING_GATHER)}, 1, 1, 3, 1, -1, 2, 0, false, 1},
+      {"one unit: close rank 1 after the vote of step 3 (rolled forward)", 3,
+       {CLOSE(1, 3, TD_FT_AFTER_VOTE)}, 1, 1, 4, 0, 0, 0, 0, false, 1},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
 }
