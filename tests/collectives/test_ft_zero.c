@@ -566,7 +566,7 @@ static void test_ft_zero_inject_parse_gather_points(void **state) {
   assert_int_equal(when, TD_FT_AFTER_GATHER);
   assert_int_equal(td_ft_inject_parse("3:2:after_vote:close", &rank, &step, &when, &what), TD_OK);
   assert_int_equal(when, TD_FT_AFTER_VOTE);
-  assert_int_equal(td_ft_inject_parse("0:3:unit_gather:kill", &rank, &step, &when, &what), TD_OK);
+  assert_int_equal(td_ft_inject_parse("3:3:unit_gather:kill", &rank, &step, &when, &what), TD_OK);
   assert_int_equal(when, TD_FT_UNIT_GATHER);
   assert_int_equal(td_ft_inject_parse("3:1:gather:stop", &rank, &step, &when, &what),
                    TD_ERR_INVALID);
