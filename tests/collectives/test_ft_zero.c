@@ -299,7 +299,8 @@ static void test_ft_zero_matrix(void **state) {
 /* Stage 3: the parameters sharded too, each block's master values on its two holders. The same
  * bits as stage 2's failure-free run (the first case of test_ft_zero_matrix when it runs first;
  * else this test's own first case), after a kill before the reduction, in the middle of a
- * forward (after the victim's first gather of a unit: the survivors' gathers fail), after the
+ * forward (after the victim's first gather of a unit: the survivors' gathers fail; also a
+ * stopped member there, seen at the group's timeout), after the
  * reduction, after the vote (the survivors commit without noticing: the next step finds it),
  * a closed member that voted and did not step (rolled forward), and two kills in a row (the
  * second makes a block's copy made after the first its owner: the units gather from it). */
@@ -320,6 +321,8 @@ static void test_ft_zero3_matrix(void **state) {
       {"kill rank 3 before step 1, then rank 2 mid-forward in step 3 (block 2's masters from "
        "the copy made at step 1)", 3, {KILL(3, 1, TD_FT_BEFORE), KILL(2, 3, TD_FT_UNIT_GATHER)},
        2, 2, 2, 2, 2, -1},
+      {"stop rank 2 mid-forward in step 2 (seen at the group's timeout)", 3,
+       {{2, 2, TD_FT_UNIT_GATHER, TD_FT_STOP}}, 1, 1, 3, 1, 1, 2, 3000},
       {"kill rank 1 mid-forward in step 2, then rank 3 in the recovery", 3,
        {KILL(1, 2, TD_FT_UNIT_GATHER), KILL(3, 2, TD_FT_RECOVERY)}, 2, 2, 2, 2, 2, -1},
       {"one unit: kill rank 2 during the commit's gather of the other parameters of step 2", 3,
