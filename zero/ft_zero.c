@@ -345,6 +345,7 @@ td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out) {
   out->machinery_s = z->own_s;
   out->units = (int)z->nu;
   out->unit_gathers = z->unit_gathers;
+  out->peak_unit_numel = z->peak_numel;
   for (size_t i = 0; i < z->np; i++)
     if (td__tensor_storage_live(z->params[i])) out->param_numel += td_tensor_numel(z->params[i]);
   return TD_OK;

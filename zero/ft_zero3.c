@@ -26,10 +26,14 @@
  *   post-forward hook of unit u:  an identity node on u's outputs that require grad, then free u
  *   identity node's backward:     gather u again (gather number 2n - 1 - u: backward reaches the
  *                                 units last to first)
- *   end of the pass:              free every unit; 2n gathers must have run
- * A unit is not freed during backward: a node that reads its parameters may run after the
- * identity node of the unit before it (only the end of the pass is sure to be after them all),
- * so backward holds the units it has reached.
+ *   gradient hook of a parameter: once every parameter of u has had its gradient in this
+ *                                 backward (autograd sums a leaf's uses before its hook), every
+ *                                 node that reads them has run: free u (not at the identity node
+ *                                 of the unit before it: a node on no path to that output may
+ *                                 still read u's parameters then)
+ *   end of the pass:              free every unit (one with a parameter that got no gradient);
+ *                                 2n gathers must have run
+ * A serving pass frees each unit right after its backward gather.
  *
  * Outside a pass the hooks do nothing, and a unit's forward needs its parameters gathered
  * (td_ft_zero_sync gathers every unit until the next step: an evaluation on one member).
@@ -57,7 +61,16 @@ typedef struct td__fzunit {
   td_module *m; /* borrowed */
   int hook;     /* forward hooks' handle (0: none) */
   bool gathered;
+  size_t nparams;  /* its parameters */
+  size_t arrived;  /* those whose gradient arrived in this pass's backward */
+  int64_t numel;   /* its elements */
 } td__fzunit;
+
+typedef struct td__fzparam {
+  td_ft_zero *z;
+  size_t i;
+  int handle; /* its gradient hook (-1: none) */
+} td__fzparam;
 
 /* ---- gathering ---- */
 
@@ -125,6 +138,7 @@ static void unit_free(td_ft_zero *z, size_t u) {
   if (!z->u[u].gathered) return;
   (void)set_live(z, (int)u, false); /* cannot fail: the tensors own their storage (setup) */
   z->u[u].gathered = false;
+  z->live_numel -= z->u[u].numel;
 }
 
 void td__ftz3_free_units(td_ft_zero *z) {
@@ -150,7 +164,11 @@ static td_status unit_use(td_ft_zero *z, size_t u, bool backward) {
     bool prev = td_autograd_set_enabled(false);
     st = gather_set(z, (int)u, z->cur_step);
     td_autograd_set_enabled(prev);
-    if (st == TD_OK) z->u[u].gathered = true, z->unit_gathers++;
+    if (st == TD_OK) {
+      z->u[u].gathered = true, z->unit_gathers++;
+      z->live_numel += z->u[u].numel;
+      if (z->live_numel > z->peak_numel) z->peak_numel = z->live_numel;
+    }
   }
   if (st != TD_OK) {
     z->gst = td__error_prefix(st, "ft_zero stage 3: gathering units[%zu] (%s)", u,
@@ -175,6 +193,19 @@ static td_status unit_backward(void *ctx, td_tensor *const *grad_outputs, int n_
   TD_TRY(unit_use(c->z, c->u, true));
   for (int i = 0; i < n_inputs; i++)
     grad_inputs[i] = i < n_outputs && grad_outputs[i] ? td_tensor_ref(grad_outputs[i]) : NULL;
+  return TD_OK;
+}
+
+/* A parameter's gradient is about to be accumulated (autograd summed all its uses first): once
+ * every parameter of its unit has had its gradient in this pass's backward, every node that
+ * reads them has run, and the unit is freed. */
+static td_status grad_arrived(void *ctx, const td_tensor *grad, td_tensor **replacement) {
+  (void)grad, (void)replacement;
+  td__fzparam *c = ctx;
+  td_ft_zero *z = c->z;
+  int u = z->unit_of[c->i];
+  if (!z->in_pass || u < 0 || z->seq <= z->nu) return TD_OK; /* in a pass's backward only */
+  if (++z->u[u].arrived == z->u[u].nparams) unit_free(z, (size_t)u);
   return TD_OK;
 }
 
@@ -243,6 +274,7 @@ static td_status post_forward(void *ctx, td_module *m, td_status fst, td_tensor 
 static td_status begin_pass(td_ft_zero *z) {
   td__ftz3_free_units(z);
   z->seq = 0;
+  for (size_t u = 0; u < z->nu; u++) z->u[u].arrived = 0;
   for (size_t i = 0; i < z->np; i++) TD_TRY(td_tensor_set_grad(z->params[i], NULL));
   return TD_OK;
 }
@@ -253,7 +285,10 @@ static td_status serve(td_ft_zero *z) {
     TD_TRY(unit_use(z, u, false));
     unit_free(z, u);
   }
-  for (size_t u = z->nu; u-- > 0;) TD_TRY(unit_use(z, u, true));
+  for (size_t u = z->nu; u-- > 0;) {
+    TD_TRY(unit_use(z, u, true));
+    unit_free(z, u);
+  }
   return TD_OK;
 }
 
@@ -361,10 +396,16 @@ td_status td__ftz3_setup(td_ft_zero *z) {
         st = td_set_error(TD_ERR_INVALID, "ft_zero_create: parameter '%s' of units[%zu] is also "
                           "in units[%d]", l.names[j], u, z->unit_of[i]);
       else
-        z->unit_of[i] = (int)u;
+        z->unit_of[i] = (int)u, z->u[u].nparams++, z->u[u].numel += td_tensor_numel(z->params[i]);
     }
     td_tensor_list_fini(&l);
   }
+  z->ph = td__calloc(z->np, sizeof *z->ph);
+  if (st == TD_OK && !z->ph) st = td_set_error(TD_ERR_NOMEM, "ft_zero_create: out of memory");
+  for (size_t i = 0; z->ph && i < z->np; i++) z->ph[i] = (td__fzparam){z, i, -1};
+  for (size_t i = 0; st == TD_OK && i < z->np; i++)
+    if (z->unit_of[i] >= 0)
+      st = td_tensor_register_hook(z->params[i], grad_arrived, &z->ph[i], &z->ph[i].handle);
   for (size_t u = 0; st == TD_OK && u < z->nu; u++) {
     st = td_module_add_forward_hooks(z->u[u].m, pre_forward, post_forward, &z->u[u], &z->u[u].hook);
     if (st != TD_OK) st = td__error_prefix(st, "ft_zero_create: units[%zu]", u);
@@ -377,10 +418,15 @@ td_status td__ftz3_setup(td_ft_zero *z) {
     else
       z->u[u].gathered = false;
   }
+  z->live_numel = 0;
   return st;
 }
 
 void td__ftz3_destroy(td_ft_zero *z) {
+  for (size_t i = 0; z->ph && i < z->np; i++)
+    if (z->ph[i].handle >= 0) (void)td_tensor_remove_hook(z->params[i], z->ph[i].handle);
+  td__free(z->ph);
+  z->ph = NULL;
   for (size_t u = 0; z->u && u < z->nu; u++) {
     td__fzunit *un = &z->u[u];
     if (un->hook) (void)td_module_remove_forward_hooks(un->m, un->hook);

@@ -181,6 +181,9 @@ struct td_ft_zero {
   td_status gst;      /* a gather of this pass failed (TD_OK: none): the pass's result is dropped */
   char gmsg[512];
   int64_t unit_gathers;
+  struct td__fzparam *ph; /* per parameter: its gradient hook's context and handle */
+  int64_t live_numel;  /* elements of unit parameters with memory now */
+  int64_t peak_numel;  /* the most of them at once in a shard pass */
 };
 
 /* ft_zero.c: this member's global rank; flat elements [lo, lo + n) of the parameters copied into

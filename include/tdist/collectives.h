@@ -897,8 +897,9 @@ TD_API void td_zero_destroy(td_zero *z);
  * it; the units' tensors have no memory between steps (td_ft_zero_stats.param_numel). In a shard
  * pass, a unit's pre-forward hook gathers its parameters from the owners of the blocks it spans
  * (one broadcast per block), its post-forward hook frees them and puts an identity node on its
- * outputs whose backward gathers them again; they are freed when the pass ends (so backward
- * holds the units it has reached). The parameters outside the units stay whole and are gathered
+ * outputs whose backward gathers them again; they are freed again once every one of their
+ * gradients has arrived (a gradient hook per parameter; a parameter without a gradient in the
+ * pass keeps its unit until the pass ends). The parameters outside the units stay whole and are gathered
  * at the commit as at stage 2. Since every gather is a collective, every member runs the same
  * number of shard passes per attempt (the most any member computes; a member with fewer serves
  * the others' gathers without computing), and each pass must run the units' forwards once each,
@@ -986,6 +987,8 @@ typedef struct td_ft_zero_stats {
                              the units) */
   int64_t unit_gathers;   /* stage 3: gathers of a unit's parameters run by this member (two per
                              unit per shard pass, and those of td_ft_zero_sync) */
+  int64_t peak_unit_numel; /* stage 3: the most elements of unit parameters that had memory at
+                              once on this member during a shard pass */
 } td_ft_zero_stats;
 TD_API td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out);
 /* td_ft_zero_destroy frees z, its optimizer state and the groups it re-formed. NULL does

@@ -144,6 +144,9 @@ static int worker(int rank, int world, const char *method, void *arg) {
       MP_CHECK(zs.units == nu && zs.param_numel == (nu == 2 ? 0 : 51));
       int n = info.members;
       MP_CHECK(info.failures || zs.unit_gathers - gathers == 2 * nu * ((WORLD + n - 1) / n));
+      /* one unit at a time: the first layer's 112 elements (the second's 51 freed in backward
+         before the first is gathered again) */
+      MP_CHECK(zs.peak_unit_numel == 112);
       gathers = zs.unit_gathers;
     }
     if (info.failures) fprintf(stderr, "[rank %d] %s\n", rank, info.message);
