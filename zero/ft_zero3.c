@@ -299,7 +299,8 @@ td_status td__ftz3_compute(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void 
   if (!todo) return td_set_error(TD_ERR_NOMEM, "ft_zero_step: out of memory");
   for (int s = 0; s < z->M; s++)
     if (z->owner[s] == m && !z->grad[s]) todo[mine++] = s;
-  /* R: the most passes any member runs */
+  /* R: the most passes any member runs (the fault tolerance's own collective) */
+  uint64_t t0 = td__now_ns();
   int64_t one = 1;
   td_tensor *r = NULL;
   td_status st = td_tensor_zeros(&one, 1, TD_DTYPE_I64, td_device_cpu(), &r);
@@ -309,6 +310,7 @@ td_status td__ftz3_compute(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void 
   }
   int64_t R = st == TD_OK ? *(int64_t *)td_tensor_data(r) : 0;
   td_tensor_unref(r);
+  td__ft_own(&info->machinery_s, t0);
   z->cur_step = step;
   for (int64_t k = 0; st == TD_OK && k < R; k++) {
     z->gst = TD_OK;

@@ -532,7 +532,9 @@ typedef struct td_ft_step_info {
                               keeping a copy of the local gradient, dropping it at the commit.
                               td_ft_zero: the copy of each shard's gradient, the commit vote, the
                               optimizer steps of the blocks this member backs, the drop at the
-                              commit (not its ordered reduction, which replaces td_zero's) */
+                              commit (not its ordered reduction, which replaces td_zero's; stage
+                              3: also the agreement on the number of shard passes, not the
+                              gathers, which replace td_zero's) */
   int blocks_copied;       /* td_ft_zero: optimizer blocks whose state was copied to a new holder
                               in this step (a lost holder's block re-replicated) */
   bool rolled_forward;     /* td_ft_zero: the step was completed by the survivors from the state
@@ -976,7 +978,8 @@ typedef struct td_ft_zero_stats {
   int64_t numel;          /* P: elements of all parameters */
   int owned;              /* blocks this member owns (steps, votes for and gathers from) */
   int backed;             /* blocks it backs (steps too, keeps their state) */
-  int64_t state_numel;    /* elements of the blocks it holds (their optimizer state is kept) */
+  int64_t state_numel;    /* elements of the blocks it holds (their optimizer state is kept;
+                             stage 3: their master values too) */
   int64_t grad_numel;     /* elements of averaged gradient it keeps in a step (stage 1: P) */
   int64_t plain_steps;    /* steps committed without a failure by this member */
   double machinery_s;     /* their td_ft_step_info.machinery_s summed: the fault tolerance's own
