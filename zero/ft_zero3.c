@@ -91,7 +91,7 @@ static td_status gather_set(td_ft_zero *z, int u, int64_t step) {
   for (int bi = 0; bi < z->B; bi++)
     if (z->b[bi].hi - z->b[bi].lo > S) S = z->b[bi].hi - z->b[bi].lo;
   td_tensor *t = NULL;
-  TD_TRY(td_tensor_zeros(&S, 1, z->dt, td_device_cpu(), &t));
+  TD_TRY(td_tensor_empty(&S, 1, z->dt, td_device_cpu(), &t)); /* each use filled first */
   size_t es = td_dtype_size(z->dt);
   int r = td_process_group_rank(z->pg);
   td_status st = TD_OK;
