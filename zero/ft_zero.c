@@ -222,8 +222,8 @@ static td_status make_blocks(td_ft_zero *z) {
     size_t es = td_dtype_size(z->dt);
     for (size_t j = 0; j < b->nseg; j++) {
       const td__zfseg *s = &z->segs[b->seg0 + j];
-      memcpy(td_tensor_data(b->view[j]), (const char *)td_tensor_data(z->params[s->param]) + (size_t)s->off * es,
-             (size_t)s->len * es);
+      const char *src = td_tensor_data(z->params[s->param]);
+      memcpy(td_tensor_data(b->view[j]), src + (size_t)s->off * es, (size_t)s->len * es);
     }
   }
   return TD_OK;

@@ -226,7 +226,8 @@ static td_status wrap_outputs(td__fzunit *u, td_tensor **outputs, int n_outputs)
   td_tensor **in = td__calloc((size_t)n_outputs, sizeof *in);
   td_tensor **wrapped = td__calloc((size_t)n_outputs, sizeof *wrapped);
   int *idx = td__calloc((size_t)n_outputs, sizeof *idx);
-  td_status st = in && wrapped && idx ? TD_OK : td_set_error(TD_ERR_NOMEM, "ft_zero: out of memory");
+  td_status st =
+      in && wrapped && idx ? TD_OK : td_set_error(TD_ERR_NOMEM, "ft_zero: out of memory");
   int n = 0;
   for (int i = 0; st == TD_OK && i < n_outputs; i++)
     if (outputs[i] && td_tensor_requires_grad(outputs[i])) idx[n] = i, in[n++] = outputs[i];
@@ -330,7 +331,8 @@ td_status td__ftz3_compute(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void 
       z->gst = td_set_error(TD_ERR_INVALID, "ft_zero stage 3: the shard pass ran %zu unit "
                             "gathers, not %zu (each unit's forward once, in order, then one "
                             "backward through them all)", z->seq, 2 * z->nu);
-    if (z->gst == TD_ERR_INVALID && !z->gmsg[0]) snprintf(z->gmsg, sizeof z->gmsg, "%s", td_last_error());
+    if (z->gst == TD_ERR_INVALID && !z->gmsg[0])
+      snprintf(z->gmsg, sizeof z->gmsg, "%s", td_last_error());
     if (z->gst != TD_OK) { /* a gather failed (a lost member), or the pass was out of order */
       *user_failed = z->gst == TD_ERR_INVALID;
       st = td_set_error(z->gst, "%s", z->gmsg);

@@ -901,20 +901,22 @@ TD_API void td_zero_destroy(td_zero *z);
  * (one broadcast per block), its post-forward hook frees them and puts an identity node on its
  * outputs whose backward gathers them again; they are freed again once every one of their
  * gradients has arrived (a gradient hook per parameter; a parameter without a gradient in the
- * pass keeps its unit until the pass ends). The parameters outside the units stay whole and are gathered
- * at the commit as at stage 2. Since every gather is a collective, every member runs the same
- * number of shard passes per attempt (the most any member computes; a member with fewer serves
- * the others' gathers without computing), and each pass must run the units' forwards once each,
- * in order, then one backward through them all (no activation checkpointing inside a unit): a
- * pass that does not fails the step with TD_ERR_INVALID. A member lost during a gather fails
+ * pass keeps its unit until the pass ends). The parameters outside the units stay whole and are
+ * gathered at the commit as at stage 2. Since every gather is a collective, every member runs
+ * the same number of shard passes per attempt (the most any member computes; a member with
+ * fewer serves the others' gathers without computing), and each pass must run the units'
+ * forwards once each, in order, then one backward through them all (no activation
+ * checkpointing inside a unit): a pass that does not fails the step with TD_ERR_INVALID on every
+ * member (each runs the same shard function). A member lost during a gather fails
  * the gather on the survivors, who recover as from a lost reduction; the recomputed shards
  * gather from the surviving holders. td_ft_zero_sync ends with every unit gathered (whole
  * parameters on every survivor until the next step: outside a step the hooks do nothing, so
  * one member may then run forwards alone, an evaluation; a unit's forward outside a step while
  * it is free fails with TD_ERR_STATE); td_ft_zero_destroy leaves a free unit's parameters
  * zero-filled. With gradient accumulation inside the shard function (several backward passes
- * per pass) the pass is out of order: not supported at stage 3. Gradients are kept whole per shard until the commit, as at stages 1
- * and 2 (only the parameters and the optimizer state are sharded).
+ * per pass) the pass is out of order: not supported at stage 3. Gradients are kept whole per
+ * shard until the commit, as at stages 1 and 2 (only the parameters and the optimizer state
+ * are sharded).
  */
 typedef struct td_ft_zero td_ft_zero;
 

@@ -370,7 +370,8 @@ static int contract_worker(int rank, int world, const char *method, void *arg) {
   /* a forward outside a step while the units are free: a clear error, no gather */
   int64_t xs[2] = {FT_SHARD_ROWS, 6};
   td_tensor *x = td_test_randn(xs, 2, TD_DTYPE_F64, 5, false), *out = NULL;
-  MP_CHECK(td_module_forward(m, x, &out) == TD_ERR_STATE && strstr(td_last_error(), "outside a step"));
+  MP_CHECK(td_module_forward(m, x, &out) == TD_ERR_STATE &&
+           strstr(td_last_error(), "outside a step"));
   /* a pass without its backward: every member fails the step, alike, without a hang */
   MP_CHECK(td_ft_zero_step(z, 0, forward_only_fn, m, NULL) == TD_ERR_INVALID);
   MP_CHECK(strstr(td_last_error(), "ran 2 unit gathers, not 4"));

@@ -81,7 +81,8 @@ if [[ "$dp" == zero3 ]]; then
   # stage 3 (the blocks' parameters sharded too) trains zero2's parameters, bit for bit; and a
   # kill in the middle of a forward (rank 2 dies after its first block gather of step 5, the
   # others' gathers fail) ends with them too
-  timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 4 "$gpt" "${args[@]}"     --dp zero2 >"$out" 2>&1 || { tail -n 20 "$out"; echo "FAIL: the zero2 run"; exit 1; }
+  timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 4 "$gpt" "${args[@]}" \
+    --dp zero2 >"$out" 2>&1 || { tail -n 20 "$out"; echo "FAIL: the zero2 run"; exit 1; }
   h2="$(hash_of "$out")"
   [[ "$h2" == "$h0" ]] || { echo "FAIL: zero3's parameters ($h0) are not zero2's ($h2)"; exit 1; }
   rc=0
