@@ -110,7 +110,7 @@ typedef struct opts {
   const char *loss_scale;  /* auto, dynamic, none or a number */
   double loss_scale_init;  /* dynamic: the first scale */
   int64_t loss_scale_growth_interval;
-  bool ft;                 /* --ft: fault-tolerant DDP (td_ft_ddp) */
+  bool ft;                 /* --ft: fault-tolerant DDP or ZeRO (td_ft_ddp, td_ft_zero) */
   const char *ft_inject;   /* --ft-inject: "rank:step:when:what[,...]" (tests, benchmarks) */
 } opts;
 
@@ -418,7 +418,7 @@ typedef struct dp_run {
   double activations; /* tensor memory a training forward added (first step): saved activations */
   /* --ft: the fault-tolerant DDP and what it survived */
   td_ft_ddp *ft;
-  td_ft_zero *ftz;         /* --ft with --dp zero1 / zero2 */
+  td_ft_zero *ftz;         /* --ft with --dp zero1 / zero2 / zero3 */
   int ft_blocks_copied;
   int ft_failures, ft_lost, ft_members, ft_shards_recomputed, ft_steps_with_failure;
   uint64_t ft_generation;
