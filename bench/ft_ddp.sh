@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # ft_ddp.sh BUILD_DIR [RUNS] [NPROC] [DP] - what fault-tolerant data parallelism (td_ft_ddp, or
-# td_ft_zero with DP zero1 / zero2; gpt --ft) costs and how fast it recovers, with the GPT example
-# (examples/gpt, its default model: 4 layers, width 128, context 64, batch 12 per replica) at
-# NPROC (default 4) processes, float32, RUNS (default 3) interleaved repetitions of:
+# td_ft_zero with DP zero1 / zero2 / zero3; gpt --ft) costs and how fast it recovers, with the GPT
+# example (examples/gpt, its default model: 4 layers, width 128, context 64, batch 12 per
+# replica) at NPROC (default 4) processes, float32, RUNS (default 3) interleaved repetitions of:
 #   - gpt --nproc N --dp DP         (td_ddp, reduction overlapped with backward; or td_zero)
 #   - gpt --nproc N --dp DP --ft    (td_ft_ddp or td_ft_zero, no failure)
 #   - the PyTorch peer, bench/peers/torch/gpt.py --nproc N --dp ddp (DistributedDataParallel over

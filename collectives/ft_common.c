@@ -37,7 +37,8 @@ void td__ft_inject_at(td__ft_injector *fi, td_process_group *pg, int64_t step, t
         "before the reduction", "during the reduction", "after the reduction",
         "in the recovery after the reduction", "after the optimizer step, before the all-gather",
         "during the all-gather", "after the all-gather",
-        "after the commit vote, before the optimizer step"};
+        "after the commit vote, before the optimizer step",
+        "after its first gather of a unit's parameters (stage 3)"};
     static const char *const whats[] = {"SIGKILL", "closing the group", "SIGSTOP"};
     td_log(TD_LOG_WARN, "fault injection: rank %d, step %lld, %s: %s", me, (long long)step,
            whens[when], whats[j->what]);
@@ -66,7 +67,7 @@ td_status td_ft_inject_parse(const char *spec, int *rank, int64_t *step, td_ft_w
                         spec ? spec : "(null)");
   static const char *const names[] = {"before", "during", "after", "recovery",
                                       "before_gather", "during_gather", "after_gather",
-                                      "after_vote"};
+                                      "after_vote", "unit_gather"};
   int wh = -1;
   for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++)
     if (!strcmp(w, names[i])) wh = i;
@@ -74,8 +75,9 @@ td_status td_ft_inject_parse(const char *spec, int *rank, int64_t *step, td_ft_w
                   : !strcmp(f, "stop") ? TD_FT_STOP : (td_ft_what)-1;
   if (wh < 0 || (int)wt < 0)
     return td_set_error(TD_ERR_INVALID, "fault injection '%s': when is before, during, after, "
-                        "recovery (the reduction), before_gather, during_gather, after_gather or "
-                        "after_vote (ZeRO's all-gather and vote); what is kill, close or stop", spec);
+                        "recovery (the reduction), before_gather, during_gather, after_gather, "
+                        "after_vote (ZeRO's all-gather and vote) or unit_gather (ZeRO stage 3); "
+                        "what is kill, close or stop", spec);
   *rank = r, *step = k, *when = (td_ft_when)wh, *what = wt;
   return TD_OK;
 }

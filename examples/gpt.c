@@ -110,7 +110,7 @@ typedef struct opts {
   const char *loss_scale;  /* auto, dynamic, none or a number */
   double loss_scale_init;  /* dynamic: the first scale */
   int64_t loss_scale_growth_interval;
-  bool ft;                 /* --ft: fault-tolerant DDP (td_ft_ddp) */
+  bool ft;                 /* --ft: fault-tolerant DDP or ZeRO (td_ft_ddp, td_ft_zero) */
   const char *ft_inject;   /* --ft-inject: "rank:step:when:what[,...]" (tests, benchmarks) */
 } opts;
 
@@ -190,14 +190,14 @@ static void opts_parse(int argc, char **argv, opts *o) {
        "cpu, cuda or cuda:N: where the model trains; with --nproc (or zero1/2/3 alone) each rank "
        "takes cuda:((N + rank) % GPUs) and the replicas agree through NCCL"},
       {"ft", EX_OPT_FLAG, &o->ft,
-       "ddp, zero1, zero2: fault tolerant (td_ft_ddp, td_ft_zero): a lost worker costs one step, "
-       "its shard of the batch is recomputed by the survivors (zero: its optimizer blocks are "
-       "held by a neighbour too), the result is unchanged; rank 0 (the store) must live"},
+       "ddp, zero1, zero2, zero3: fault tolerant (td_ft_ddp, td_ft_zero): a lost worker costs one "
+       "step, its shard of the batch is recomputed by the survivors (zero: its optimizer blocks, "
+       "zero3 also their parameters, are held by a neighbour too), the result is unchanged; "
+       "rank 0 (the store) must live"},
       {"ft-inject", EX_OPT_STRING, &o->ft_inject,
        "--ft: inject faults, \"rank:step:when:what[,...]\" (when: before, during, after the "
-       "reduction, or recovery; zero1/2 also before_gather, during_gather, after_gather, "
-       "after_vote; what: "
-       "kill, close, stop)"},
+       "reduction, or recovery; zero1/2/3 also before_gather, during_gather, after_gather, "
+       "after_vote; zero3 also unit_gather; what: kill, close, stop)"},
       {"metrics", EX_OPT_STRING, &o->metrics,
        "write JSON lines of every step and evaluation to FILE (scripts/plot.py draws them)"},
   };
@@ -230,8 +230,12 @@ static void opts_parse(int argc, char **argv, opts *o) {
     ex_die("--reduce-dtype must be f32, bf16 or f16");
   if (strcmp(o->reduce_dtype, "f32") && strcmp(o->dp, "ddp"))
     ex_die("--reduce-dtype bf16/f16 is a ddp option (ZeRO reduces in the gradients' dtype)");
-  if (o->ft && (!strcmp(o->dp, "zero3") || strcmp(o->reduce_dtype, "f32")))
-    ex_die("--ft runs --dp ddp, zero1 or zero2, without --reduce-dtype (not yet)");
+  if (o->ft && strcmp(o->reduce_dtype, "f32"))
+    ex_die("--ft runs without --reduce-dtype (not yet)");
+  if (o->ft && !strcmp(o->dp, "zero3") && (o->grad_accum != 1 || strcmp(o->ckpt, "none")))
+    ex_die("--dp zero3 --ft: one forward and backward per shard, without activation "
+           "checkpointing (td_ft_zero stage 3; not yet with --grad-accum or "
+           "--activation-checkpointing)");
   if (o->ft_inject && !o->ft) ex_die("--ft-inject needs --ft");
 }
 
@@ -414,7 +418,7 @@ typedef struct dp_run {
   double activations; /* tensor memory a training forward added (first step): saved activations */
   /* --ft: the fault-tolerant DDP and what it survived */
   td_ft_ddp *ft;
-  td_ft_zero *ftz;         /* --ft with --dp zero1 / zero2 */
+  td_ft_zero *ftz;         /* --ft with --dp zero1 / zero2 / zero3 */
   int ft_blocks_copied;
   int ft_failures, ft_lost, ft_members, ft_shards_recomputed, ft_steps_with_failure;
   uint64_t ft_generation;
@@ -768,8 +772,21 @@ static void ft_inject_all(td_ft_ddp *ft, td_ft_zero *ftz, const char *specs) {
   }
 }
 
-/* train_ft: train() for --ft (td_ft_ddp, or td_ft_zero for zero1 / zero2). A step's loss is the
- * mean of the shards this rank computed. */
+/* gpt_blocks puts the model's blocks (transformer.h.0, .1, ...) into blocks[0..cap) and returns
+ * how many: ZeRO stage 3's units. */
+static size_t gpt_blocks(td_module *m, td_module **blocks, size_t cap) {
+  td_module *h = td_module_child(td_module_child(m, "transformer"), "h");
+  size_t nb = 0;
+  char name[24];
+  for (; nb < cap; nb++) {
+    snprintf(name, sizeof name, "%zu", nb);
+    if (!(blocks[nb] = td_module_child(h, name))) break;
+  }
+  return nb;
+}
+
+/* train_ft: train() for --ft (td_ft_ddp, or td_ft_zero for zero1 / zero2 / zero3). A step's loss
+ * is the mean of the shards this rank computed. */
 static void ft_create(td_module *m, const opts *o, dp_run *dp, td_grad_scaler *sc,
                       td_optim **opt) {
   *opt = NULL;
@@ -789,8 +806,11 @@ static void ft_create(td_module *m, const opts *o, dp_run *dp, td_grad_scaler *s
     optim_setup_make(m, o, &s);
     td_ft_zero_options zo;
     td_ft_zero_options_init(&zo);
-    zo.stage = !strcmp(o->dp, "zero1") ? 1 : 2;
+    zo.stage = !strcmp(o->dp, "zero1") ? 1 : !strcmp(o->dp, "zero2") ? 2 : 3;
     zo.max_grad_norm = o->grad_clip;
+    td_module *blocks[256]; /* stage 3: the blocks are the units, as for td_zero */
+    size_t nb = gpt_blocks(m, blocks, 256);
+    if (zo.stage == 3) zo.units = blocks, zo.n_units = nb;
     if (o->bucket_mb > 0) zo.bucket_bytes = (size_t)(o->bucket_mb * 1048576.0);
     zo.scaler = sc;
     EX_CHECK(td_ft_zero_create(dp->pg, &s.oo, s.g, 2, &zo, &dp->ftz));
@@ -835,8 +855,15 @@ static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, t
   ex_progress p;
   ex_progress_start(&p, "gpt", lead ? o->steps : 0);
   ft_shard_ctx ctx = {m, c, o, sc, 0, 0};
+  bool zero3 = !strcmp(o->dp, "zero3");
   for (int64_t it = 0;; it++) {
-    if (lead && (it % o->eval_interval == 0 || it == o->steps)) {
+    bool eval = it % o->eval_interval == 0 || it == o->steps;
+    if (zero3 && eval) { /* every rank: the blocks gathered (until the next step) */
+      td_ft_step_info si;
+      EX_CHECK(td_ft_zero_sync(dp->ftz, &si));
+      ft_note(dp, &si, p.tty);
+    }
+    if (lead && eval) {
       double tl = NAN, vl = NAN;
       estimate(m, c, o, &tl, &vl);
       record_eval(r, &p, it, tl, vl);
@@ -895,14 +922,8 @@ static void train(td_module *m, const corpus *c, const opts *o, dp_run *dp, trai
     zo.stage = !strcmp(o->dp, "zero1") ? 1 : !strcmp(o->dp, "zero2") ? 2 : 3;
     zo.max_grad_norm = o->grad_clip;
     /* stage 3: the blocks are the units (the embeddings, tied to the head, and ln_f stay whole) */
-    td_module *h = td_module_child(td_module_child(m, "transformer"), "h");
-    size_t nb = 0;
     td_module *blocks[256];
-    char name[16];
-    for (; nb < 256; nb++) {
-      snprintf(name, sizeof name, "%zu", nb);
-      if (!(blocks[nb] = td_module_child(h, name))) break;
-    }
+    size_t nb = gpt_blocks(m, blocks, 256);
     if (zo.stage == 3) zo.units = blocks, zo.n_units = nb;
     /* stage 2 overlaps with backward; gradients arrive roughly in reverse module order */
     td_tensor **rev = malloc((s.ps.n + 1) * sizeof *rev);

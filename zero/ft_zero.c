@@ -1,6 +1,8 @@
 /* ft_zero.c - fault-tolerant ZeRO stages 1 and 2 (td_ft_zero, include/tdist/collectives.h): the
  * optimizer state sharded in fixed blocks, each held by two members, and steps that survive lost
- * members with the result unchanged, bitwise.
+ * members with the result unchanged, bitwise. Stage 3 (ft_zero3.c) is this with the blocks'
+ * optimizers over master values of their own (not views of the parameters), the units' shard
+ * passes and gathers, and the commit's gather limited to the parameters outside the units.
  *
  * Layout. The parameters (the groups' flat order, P elements) are cut into B fixed blocks of
  * P / B elements (the first P % B one more: td_ft_shard_range). A block's segments are its pieces of the parameters;
@@ -48,6 +50,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../tensor/storage.h"
 #include "tdist/autograd.h"
 #include "zero_impl.h"
 
@@ -109,6 +112,10 @@ td_status td__ftz_block_hold(td_ft_zero *z, int bi, int64_t v) {
   bool prev = td_autograd_set_enabled(false);
   for (size_t j = 0; st == TD_OK && j < b->nseg; j++) {
     const td__zfseg *s = &z->segs[b->seg0 + j];
+    if (z->o.stage == 3) { /* its own master values (the caller fills them) */
+      st = td_tensor_zeros(&s->len, 1, z->dt, td_device_cpu(), &b->view[j]);
+      continue;
+    }
     td_tensor *flat = NULL;
     int64_t n = td_tensor_numel(z->params[s->param]);
     st = td_tensor_reshape(z->params[s->param], &n, 1, &flat);
@@ -171,7 +178,24 @@ static td_status take_params(td_ft_zero *z, const td_optim_group *groups, size_t
   return TD_OK;
 }
 
-/* Cuts the blocks and their segments; gives each its holders at creation. */
+void td__ftz_block_io(td_ft_zero *z, int bi, void *buf, bool to_block) {
+  const td__zfblock *b = &z->b[bi];
+  if (z->o.stage != 3) {
+    td__ftz_flat_io(z, b->lo, b->hi - b->lo, buf, to_block);
+    return;
+  }
+  size_t es = td_dtype_size(z->dt);
+  char *p = buf;
+  for (size_t j = 0; j < b->nseg; j++) {
+    size_t nb = (size_t)z->segs[b->seg0 + j].len * es;
+    if (to_block) memcpy(td_tensor_data(b->view[j]), p, nb);
+    else memcpy(p, td_tensor_data(b->view[j]), nb);
+    p += nb;
+  }
+}
+
+/* Cuts the blocks and their segments; gives each its holders at creation (stage 3: with their
+ * master values from the parameters, which are whole here). */
 static td_status make_blocks(td_ft_zero *z) {
   z->b = td__calloc((size_t)z->B, sizeof *z->b);
   z->segs = td__calloc(z->np + (size_t)z->B, sizeof *z->segs);
@@ -192,7 +216,15 @@ static td_status make_blocks(td_ft_zero *z) {
     b->own = td_process_group_global_rank(z->pg, r);
     b->bak = n > 1 ? td_process_group_global_rank(z->pg, (r + 1) % n) : -1;
     b->gstep = INT64_MIN;
-    if (b->own == td__ftz_me(z) || b->bak == td__ftz_me(z)) TD_TRY(td__ftz_block_hold(z, bi, INT64_MIN));
+    if (b->own != td__ftz_me(z) && b->bak != td__ftz_me(z)) continue;
+    TD_TRY(td__ftz_block_hold(z, bi, INT64_MIN));
+    if (z->o.stage != 3) continue;
+    size_t es = td_dtype_size(z->dt);
+    for (size_t j = 0; j < b->nseg; j++) {
+      const td__zfseg *s = &z->segs[b->seg0 + j];
+      const char *src = td_tensor_data(z->params[s->param]);
+      memcpy(td_tensor_data(b->view[j]), src + (size_t)s->off * es, (size_t)s->len * es);
+    }
   }
   return TD_OK;
 }
@@ -210,11 +242,13 @@ td_status td_ft_zero_create(td_process_group *pg, const td_optim_options *opts,
   if (!o.n_shards) o.n_shards = n;
   if (!o.n_blocks) o.n_blocks = n;
   if (!o.bucket_bytes) o.bucket_bytes = (size_t)4 << 20;
-  TD_CHECK_ARG((o.stage == 1 || o.stage == 2) && o.n_shards >= 1 && o.n_blocks >= 1 &&
+  TD_CHECK_ARG(o.stage >= 1 && o.stage <= 3 && o.n_shards >= 1 && o.n_blocks >= 1 &&
                    o.max_failures >= 0 && o.max_grad_norm >= 0 && !isinf(o.max_grad_norm) &&
                    td__timeout_valid(o.reform_timeout),
-               "ft_zero_create: invalid options (stage %d: 1 or 2; n_shards %d, n_blocks %d, "
+               "ft_zero_create: invalid options (stage %d: 1, 2 or 3; n_shards %d, n_blocks %d, "
                "max_failures %d)", o.stage, o.n_shards, o.n_blocks, o.max_failures);
+  TD_CHECK_ARG(o.stage == 3 ? o.units && o.n_units > 0 : !o.n_units,
+               "ft_zero_create: stage 3 needs units (and only stage 3 takes them)");
   td_ft_zero *z = td__calloc(1, sizeof *z);
   if (!z) return td_set_error(TD_ERR_NOMEM, "ft_zero_create: out of memory");
   z->given = z->pg = pg;
@@ -240,6 +274,7 @@ td_status td_ft_zero_create(td_process_group *pg, const td_optim_options *opts,
   for (size_t i = 0; st == TD_OK && i < z->np; i++) /* group rank 0's values everywhere */
     st = td_process_group_broadcast(pg, z->params[i], 0);
   if (st == TD_OK) st = make_blocks(z);
+  if (st == TD_OK && o.stage == 3) st = td__ftz3_setup(z);
   if (st == TD_OK && o.stage == 1) st = td_tensor_zeros(&z->P, 1, z->dt, td_device_cpu(), &z->avg);
   if (st != TD_OK) {
     td_ft_zero_destroy(z);
@@ -259,6 +294,7 @@ static void drop_grads(td_ft_zero *z) {
 void td_ft_zero_destroy(td_ft_zero *z) {
   if (!z) return;
   drop_grads(z);
+  td__ftz3_destroy(z);
   for (int bi = 0; z->b && bi < z->B; bi++) td__ftz_block_drop(&z->b[bi]);
   if (z->pg != z->given) td_process_group_destroy(z->pg);
   for (size_t i = 0; z->params && i < z->np; i++) td_tensor_unref(z->params[i]);
@@ -286,7 +322,9 @@ td_status td_ft_zero_set_lr(td_ft_zero *z, double lr) {
 td_status td_ft_zero_inject(td_ft_zero *z, int rank, int64_t step, td_ft_when when,
                             td_ft_what what) {
   TD_CHECK_ARG(z, "ft_zero_inject: NULL");
-  return td__ft_inject_add(&z->inj, rank, step, when, what, TD_FT_AFTER_VOTE, "ft_zero_inject");
+  TD_CHECK_ARG(when != TD_FT_UNIT_GATHER || z->o.stage == 3,
+               "ft_zero_inject: unit_gather is a point of stage 3");
+  return td__ft_inject_add(&z->inj, rank, step, when, what, TD_FT_UNIT_GATHER, "ft_zero_inject");
 }
 
 td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out) {
@@ -305,6 +343,11 @@ td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out) {
   out->grad_numel = z->o.stage == 1 ? z->P : out->state_numel;
   out->plain_steps = z->own_steps;
   out->machinery_s = z->own_s;
+  out->units = (int)z->nu;
+  out->unit_gathers = z->unit_gathers;
+  out->peak_unit_numel = z->peak_numel;
+  for (size_t i = 0; i < z->np; i++)
+    if (td__tensor_storage_live(z->params[i])) out->param_numel += td_tensor_numel(z->params[i]);
   return TD_OK;
 }
 
@@ -360,12 +403,12 @@ static td_status reduce(td_ft_zero *z, int64_t step) {
     b->grad = NULL;
     b->gstep = INT64_MIN;
     int64_t n = b->hi - b->lo;
-    if (b->held && z->o.stage == 2) st = td_tensor_zeros(&n, 1, z->dt, td_device_cpu(), &b->grad);
+    if (b->held && z->o.stage != 1) st = td_tensor_zeros(&n, 1, z->dt, td_device_cpu(), &b->grad);
   }
   int64_t per = (int64_t)(z->o.bucket_bytes / td_dtype_size(z->dt));
   if (per < 1) per = 1;
   if (per > z->P) per = z->P;
-  if (st == TD_OK && z->o.stage == 2) st = td_tensor_zeros(&per, 1, z->dt, td_device_cpu(), &buf);
+  if (st == TD_OK && z->o.stage != 1) st = td_tensor_zeros(&per, 1, z->dt, td_device_cpu(), &buf);
   for (int64_t off = 0, k = 0; st == TD_OK && off < z->P; off += per, k++) {
     int64_t len = z->P - off < per ? z->P - off : per;
     td_tensor *out = NULL;
@@ -550,15 +593,20 @@ static td_status gather_blocks(td_ft_zero *z, int64_t step) {
 }
 
 td_status td__ftz_gather(td_ft_zero *z, int64_t step) {
+  if (z->o.stage == 3) return td__ftz3_gather_rest(z, step);
   return identity(z) ? gather_pieces(z, step) : gather_blocks(z, step);
 }
 
 static td_status attempt(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void *user,
                          td_ft_step_info *info, bool *user_failed) {
-  td_status st = compute(z, step, fn, user, info);
-  if (st != TD_OK) {
-    *user_failed = true; /* the caller's own failure: not a lost member */
-    return st;
+  if (z->o.stage == 3) {
+    TD_TRY(td__ftz3_compute(z, step, fn, user, info, user_failed));
+  } else {
+    td_status st = compute(z, step, fn, user, info);
+    if (st != TD_OK) {
+      *user_failed = true; /* the caller's own failure: not a lost member */
+      return st;
+    }
   }
   td__ftz_inject_at(z, step, TD_FT_BEFORE);
   TD_TRY(reduce(z, step));
@@ -692,6 +740,8 @@ td_status td_ft_zero_sync(td_ft_zero *z, td_ft_step_info *info) {
   int no_loss = 0;
   for (;;) {
     td_status st = td_process_group_barrier(z->pg);
+    if (st == TD_OK) st = td__ft_broken(z->pg);
+    if (st == TD_OK && z->o.stage == 3) st = td__ftz3_gather_units(z); /* whole parameters */
     if (st == TD_OK) st = td__ft_broken(z->pg);
     if (st == TD_OK) break;
     bool done = false;

@@ -141,7 +141,7 @@ static td_status copy_block(td_ft_zero *z, int bi, int src, int dst, int64_t ver
   size_t es = td_dtype_size(z->dt);
   char *d = st == TD_OK ? td_tensor_data(data) : NULL;
   if (st == TD_OK && r == src) {
-    td__ftz_flat_io(z, b->lo, b->hi - b->lo, d, false);
+    td__ftz_block_io(z, bi, d, false);
     char *at = d + (size_t)(b->hi - b->lo) * es;
     for (size_t j = 0; st == TD_OK && j < b->nseg; j++) {
       td_tensor *bufs[3] = {NULL, NULL, NULL};
@@ -159,7 +159,7 @@ static td_status copy_block(td_ft_zero *z, int bi, int src, int dst, int64_t ver
   if (st == TD_OK && r == dst) {
     td__ftz_block_drop(b);
     st = td__ftz_block_hold(z, bi, ver);
-    if (st == TD_OK) td__ftz_flat_io(z, b->lo, b->hi - b->lo, d, true);
+    if (st == TD_OK) td__ftz_block_io(z, bi, d, true);
     int64_t at = b->hi - b->lo;
     for (size_t j = 0; st == TD_OK && j < b->nseg; j++) {
       td_tensor *set[3] = {NULL, NULL, NULL};

@@ -116,7 +116,7 @@ void td__zero3_destroy(td_zero *z);
  * Collective. (zero.c) */
 td_status td__zero_agree(td_zero *z, td_status mine, const char *what);
 
-/* ---- ft_zero.c, ft_zero_recover.c: fault-tolerant stages 1 and 2 (td_ft_zero) ---- */
+/* ---- ft_zero.c, ft_zero_recover.c, ft_zero3.c: fault-tolerant ZeRO (td_ft_zero) ---- */
 
 #include "../collectives/ft_impl.h"
 
@@ -171,6 +171,19 @@ struct td_ft_zero {
   double dec_coef;    /* that factor (TD__FTZ_SKIP: skipped) */
   int64_t own_steps;  /* steps committed without a failure */
   double own_s;       /* their td_ft_step_info.machinery_s, summed */
+  /* stage 3 (ft_zero3.c): the blocks' views are their master values (owned tensors) */
+  size_t nu;
+  struct td__fzunit *u;
+  int *unit_of;       /* per parameter: its unit, or -1 */
+  int64_t cur_step;   /* the step whose shard passes run (injections) */
+  bool in_pass;       /* a shard pass runs (outside one the units' hooks do nothing) */
+  size_t seq;         /* unit gathers run in this shard pass */
+  td_status gst;      /* a gather of this pass failed (TD_OK: none): the pass's result is dropped */
+  char gmsg[512];
+  int64_t unit_gathers;
+  struct td__fzparam *ph; /* per parameter: its gradient hook's context and handle */
+  int64_t live_numel;  /* elements of unit parameters with memory now */
+  int64_t peak_numel;  /* the most of them at once in a shard pass */
 };
 
 /* ft_zero.c: this member's global rank; flat elements [lo, lo + n) of the parameters copied into
@@ -184,6 +197,22 @@ void td__ftz_block_drop(td__zfblock *b);
 td_status td__ftz_step_held(td_ft_zero *z, int64_t step, double coef, double *own_s);
 td_status td__ftz_gather(td_ft_zero *z, int64_t step);
 void td__ftz_inject_at(td_ft_zero *z, int64_t step, td_ft_when when);
+/* Block bi's values (hi - lo elements) copied into buf (to_block false) or from it: the
+ * parameters at stages 1 and 2, its master values at stage 3. */
+void td__ftz_block_io(td_ft_zero *z, int bi, void *buf, bool to_block);
+/* ft_zero3.c: stage 3. setup: the units checked, their hooks set, their parameters freed (the
+ * blocks hold their masters); compute: the attempt's shard passes (*user_failed: the shard
+ * function's own failure or a pass out of order, not a lost member); gather_rest: the
+ * parameters outside the units from the blocks' owners (the commit's gather); gather_units:
+ * every unit gathered (td_ft_zero_sync); free_units; destroy: hooks removed, free units' memory
+ * given back zero-filled. */
+td_status td__ftz3_setup(td_ft_zero *z);
+td_status td__ftz3_compute(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void *user,
+                           td_ft_step_info *info, bool *user_failed);
+td_status td__ftz3_gather_rest(td_ft_zero *z, int64_t step);
+td_status td__ftz3_gather_units(td_ft_zero *z);
+void td__ftz3_free_units(td_ft_zero *z);
+void td__ftz3_destroy(td_ft_zero *z);
 /* ft_zero_recover.c: the recovery after a failed attempt of step `step` (see ft_zero.c): re-form,
  * exchange, decide, apply. *done: the step is committed here; *again: the new generation failed
  * too (recover again). */

@@ -532,7 +532,9 @@ typedef struct td_ft_step_info {
                               keeping a copy of the local gradient, dropping it at the commit.
                               td_ft_zero: the copy of each shard's gradient, the commit vote, the
                               optimizer steps of the blocks this member backs, the drop at the
-                              commit (not its ordered reduction, which replaces td_zero's) */
+                              commit (not its ordered reduction, which replaces td_zero's; stage
+                              3: also the agreement on the number of shard passes, not the
+                              gathers, which replace td_zero's) */
   int blocks_copied;       /* td_ft_zero: optimizer blocks whose state was copied to a new holder
                               in this step (a lost holder's block re-replicated) */
   bool rolled_forward;     /* td_ft_zero: the step was completed by the survivors from the state
@@ -582,7 +584,9 @@ TD_API void td_ft_shard_range(int64_t batch, int n_shards, int s, int64_t *begin
  * gathered yet), DURING_GATHER (after the first piece of the all-gather), AFTER_GATHER (after it,
  * before the step counts as committed), AFTER_VOTE (this member received the vote, before it
  * steps its blocks: with CLOSE, a member that voted but did not step, which the recovery rolls
- * forward); its AFTER is after the reduction, before the commit vote. */
+ * forward); its AFTER is after the reduction, before the commit vote. Stage 3 has one more,
+ * UNIT_GATHER: in the step's shard passes, after this member's first gather of a unit's
+ * parameters (the others are still gathering: a member lost in the middle of a forward). */
 typedef enum td_ft_when {
   TD_FT_BEFORE = 0,
   TD_FT_DURING = 1,
@@ -591,7 +595,8 @@ typedef enum td_ft_when {
   TD_FT_BEFORE_GATHER = 4,
   TD_FT_DURING_GATHER = 5,
   TD_FT_AFTER_GATHER = 6,
-  TD_FT_AFTER_VOTE = 7
+  TD_FT_AFTER_VOTE = 7,
+  TD_FT_UNIT_GATHER = 8
 } td_ft_when;
 typedef enum td_ft_what { TD_FT_KILL = 0, TD_FT_CLOSE = 1, TD_FT_STOP = 2 } td_ft_what;
 TD_API td_status td_ft_ddp_inject(td_ft_ddp *ft, int rank, int64_t step, td_ft_when when,
@@ -888,11 +893,35 @@ TD_API void td_zero_destroy(td_zero *z);
  *     td_ft_zero_step(z, k, shard, &ctx, &info);     shard: see td_ft_shard_fn
  *     ...
  *     td_ft_zero_sync(z, NULL);                      after the last step
+ *
+ * Stage 3 (units): the units' parameters are sharded between uses too. A block's two holders
+ * keep its master values (beside its optimizer state), so a lost member takes no parameter with
+ * it; the units' tensors have no memory between steps (td_ft_zero_stats.param_numel). In a shard
+ * pass, a unit's pre-forward hook gathers its parameters from the owners of the blocks it spans
+ * (one broadcast per block), its post-forward hook frees them and puts an identity node on its
+ * outputs whose backward gathers them again; they are freed again once every one of their
+ * gradients has arrived (a gradient hook per parameter; a parameter without a gradient in the
+ * pass keeps its unit until the pass ends). The parameters outside the units stay whole and are
+ * gathered at the commit as at stage 2. Since every gather is a collective, every member runs
+ * the same number of shard passes per attempt (the most any member computes; a member with
+ * fewer serves the others' gathers without computing), and each pass must run the units'
+ * forwards once each, in order, then one backward through them all (no activation
+ * checkpointing inside a unit): a pass that does not fails the step with TD_ERR_INVALID on every
+ * member (each runs the same shard function). A member lost during a gather fails
+ * the gather on the survivors, who recover as from a lost reduction; the recomputed shards
+ * gather from the surviving holders. td_ft_zero_sync ends with every unit gathered (whole
+ * parameters on every survivor until the next step: outside a step the hooks do nothing, so
+ * one member may then run forwards alone, an evaluation; a unit's forward outside a step while
+ * it is free fails with TD_ERR_STATE); td_ft_zero_destroy leaves a free unit's parameters
+ * zero-filled. With gradient accumulation inside the shard function (several backward passes
+ * per pass) the pass is out of order: not supported at stage 3. Gradients are kept whole per
+ * shard until the commit, as at stages 1 and 2 (only the parameters and the optimizer state
+ * are sharded).
  */
 typedef struct td_ft_zero td_ft_zero;
 
 typedef struct td_ft_zero_options {
-  int stage;               /* 1 or 2 (default 2) */
+  int stage;               /* 1, 2 or 3 (default 2; 3: units required, see below) */
   int n_shards;            /* shards of the batch per step (0: the group's size at creation) */
   int n_blocks;            /* optimizer blocks (0: the group's size at creation) */
   size_t bucket_bytes;     /* bytes per ordered all_reduce and per all-gather piece (0: 4 MiB) */
@@ -906,6 +935,12 @@ typedef struct td_ft_zero_options {
                               forward); else each block's gradient is multiplied by the clip
                               factor / scale. The scale rule runs once per committed step on
                               every member. No agreement on the scaler. Borrowed */
+  td_module *const *units; /* stage 3: modules whose parameters are gathered for their forward
+                              and backward only (a GPT's blocks), in forward order; every
+                              parameter of a unit is one of the groups'. Borrowed: the array is
+                              read at creation, the modules must outlive the td_ft_zero (it
+                              sets their forward hooks) */
+  size_t n_units;
 } td_ft_zero_options;
 /* td_ft_zero_options_init: stage 2, n_shards and n_blocks the group's size, 4 MiB, no clipping,
  * no limit. */
@@ -945,11 +980,20 @@ typedef struct td_ft_zero_stats {
   int64_t numel;          /* P: elements of all parameters */
   int owned;              /* blocks this member owns (steps, votes for and gathers from) */
   int backed;             /* blocks it backs (steps too, keeps their state) */
-  int64_t state_numel;    /* elements of the blocks it holds (their optimizer state is kept) */
+  int64_t state_numel;    /* elements of the blocks it holds (their optimizer state is kept;
+                             stage 3: their master values too) */
   int64_t grad_numel;     /* elements of averaged gradient it keeps in a step (stage 1: P) */
   int64_t plain_steps;    /* steps committed without a failure by this member */
   double machinery_s;     /* their td_ft_step_info.machinery_s summed: the fault tolerance's own
                              time per step is machinery_s / plain_steps */
+  int units;              /* stage 3: its units (0 otherwise) */
+  int64_t param_numel;    /* elements of the parameters that have memory on this member now
+                             (P at stages 1 and 2; stage 3 between steps: the parameters outside
+                             the units) */
+  int64_t unit_gathers;   /* stage 3: gathers of a unit's parameters run by this member (two per
+                             unit per shard pass, and those of td_ft_zero_sync) */
+  int64_t peak_unit_numel; /* stage 3: the most elements of unit parameters that had memory at
+                              once on this member during a shard pass */
 } td_ft_zero_stats;
 TD_API td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out);
 /* td_ft_zero_destroy frees z, its optimizer state and the groups it re-formed. NULL does

@@ -40,6 +40,8 @@ typedef struct zcase {
   int copied;          /* blocks copied to a new holder; -1: at least one */
   int64_t timeout_ms;  /* the group's timeout (0: 20 s) */
   bool fails;          /* both holders of a block lost: the survivors' step fails */
+  int n_units;         /* stage 3: 2 (0), both linear layers; 1: the first, the second's 51
+                          parameters whole, gathered at the commit as at stage 2 */
   char dir[256];
 } zcase;
 
@@ -106,6 +108,9 @@ static int worker(int rank, int world, const char *method, void *arg) {
   zo.bucket_bytes = 64 * sizeof(double); /* 163 parameters: 3 reduction buckets, 3 gather pieces */
   zo.max_grad_norm = 0.5;
   zo.reform_timeout = c->timeout_ms ? 2 * tmo : 20000;
+  td_module *units[2] = {td_module_child_at(m, 0, NULL), td_module_child_at(m, 2, NULL)};
+  int nu = c->n_units ? c->n_units : 2;
+  if (c->stage == 3) zo.units = units, zo.n_units = (size_t)nu; /* the linear layers */
   td_ft_zero *z = NULL;
   MP_CHECK_OK(td_ft_zero_create(pg, &g.oo, g.g, 2, &zo, &z));
   td_ft_zero_stats zs;
@@ -116,6 +121,7 @@ static int worker(int rank, int world, const char *method, void *arg) {
     MP_CHECK_OK(td_ft_zero_inject(z, c->f[i].rank, c->f[i].step, c->f[i].when, c->f[i].what));
   int lost = 0, moved = 0, copied = 0, plain = 0;
   double own = 0;
+  int64_t gathers = 0;
   td_status st = TD_OK;
   for (int64_t step = 0; st == TD_OK && step < STEPS; step++) {
     MP_CHECK_OK(td_ft_zero_set_lr(z, 1e-2 * (1.0 - 0.1 * (double)step)));
@@ -131,6 +137,18 @@ static int worker(int rank, int world, const char *method, void *arg) {
     else MP_CHECK(info.machinery_s == 0);
     plain += !info.failures;
     own += info.machinery_s;
+    if (c->stage == 3) { /* between steps no parameter has memory; a plain step gathers each
+                            unit twice (forward, backward) per shard pass, and every member runs
+                            as many passes as the member with the most shards */
+      MP_CHECK_OK(td_ft_zero_get_stats(z, &zs));
+      MP_CHECK(zs.units == nu && zs.param_numel == (nu == 2 ? 0 : 51));
+      int n = info.members;
+      MP_CHECK(info.failures || zs.unit_gathers - gathers == 2 * nu * ((WORLD + n - 1) / n));
+      /* one unit at a time: the first layer's 112 elements (the second's 51 freed in backward
+         before the first is gathered again) */
+      MP_CHECK(zs.peak_unit_numel == 112);
+      gathers = zs.unit_gathers;
+    }
     if (info.failures) fprintf(stderr, "[rank %d] %s\n", rank, info.message);
     lost += info.lost;
     moved += info.shards_recomputed;
@@ -158,6 +176,7 @@ static int worker(int rank, int world, const char *method, void *arg) {
   MP_CHECK_OK(td_ft_zero_get_stats(z, &zs));
   MP_CHECK(zs.plain_steps == plain && plain >= STEPS - c->nf); /* a fault costs one step */
   MP_CHECK(fabs(zs.machinery_s - own) <= 1e-12 * (own + 1)); /* the same sum */
+  MP_CHECK(zs.param_numel == 163); /* stage 3: the sync gathered every unit */
   char rep[256];
   int k = snprintf(rep, sizeof rep, "%llu %d %d %d %d %d %d %d\n",
                (unsigned long long)td_process_group_generation(cur), td_process_group_size(cur),
@@ -278,6 +297,102 @@ static void test_ft_zero_matrix(void **state) {
        {KILL(1, 2, TD_FT_BEFORE), KILL(2, 2, TD_FT_BEFORE)}, 2, 0, 0, 0, 0, 0, 0, true},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
+}
+
+/* Stage 3: the parameters sharded too, each block's master values on its two holders. The same
+ * bits as stage 2's failure-free run (the first case of test_ft_zero_matrix when it runs first;
+ * else this test's own first case), after a kill before the reduction, in the middle of a
+ * forward (after the victim's first gather of a unit: the survivors' gathers fail; also a
+ * stopped member there, seen at the group's timeout), after the
+ * reduction, after the vote (the survivors commit without noticing: the next step finds it),
+ * a closed member that voted and did not step (rolled forward), and two kills in a row (the
+ * second makes a block's copy made after the first its owner: the units gather from it). */
+static void test_ft_zero3_matrix(void **state) {
+  (void)state;
+  zcase cases[] = {
+      {"no failure", 3, {{0}}, 0, 0, 4, 0, 0, 0},
+      {"kill rank 2 before the reduction of step 2", 3, {KILL(2, 2, TD_FT_BEFORE)}, 1, 1, 3, 1,
+       1, 2},
+      {"kill rank 1 after its first unit gather of step 3 (mid-forward)", 3,
+       {KILL(1, 3, TD_FT_UNIT_GATHER)}, 1, 1, 3, 1, 1, 2},
+      {"kill rank 3 after the reduction of step 1", 3, {KILL(3, 1, TD_FT_AFTER)}, 1, 1, 3, 1, 1,
+       2},
+      {"kill rank 2 after the vote of step 2", 3, {KILL(2, 2, TD_FT_AFTER_VOTE)}, 1, 1, 3, 1, -1,
+       2},
+      {"close rank 0 after the vote of step 4 (voted, not stepped: rolled forward)", 3,
+       {CLOSE(0, 4, TD_FT_AFTER_VOTE)}, 1, 1, 4, 0, 0, 0},
+      {"kill rank 3 before step 1, then rank 2 mid-forward in step 3 (block 2's masters from "
+       "the copy made at step 1)", 3, {KILL(3, 1, TD_FT_BEFORE), KILL(2, 3, TD_FT_UNIT_GATHER)},
+       2, 2, 2, 2, 2, -1},
+      {"stop rank 2 mid-forward in step 2 (seen at the group's timeout)", 3,
+       {{2, 2, TD_FT_UNIT_GATHER, TD_FT_STOP}}, 1, 1, 3, 1, 1, 2, 3000},
+      {"kill rank 1 mid-forward in step 2, then rank 3 in the recovery", 3,
+       {KILL(1, 2, TD_FT_UNIT_GATHER), KILL(3, 2, TD_FT_RECOVERY)}, 2, 2, 2, 2, 2, -1},
+      {"one unit: kill rank 2 during the commit's gather of the other parameters of step 2", 3,
+       {KILL(2, 2, TD_FT_DURING_GATHER)}, 1, 1, 3, 1, -1, 2, 0, false, 1},
+      {"one unit: close rank 1 after the vote of step 3 (rolled forward)", 3,
+       {CLOSE(1, 3, TD_FT_AFTER_VOTE)}, 1, 1, 4, 0, 0, 0, 0, false, 1},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
+}
+
+/* ---- stage 3: what a shard pass must do, options ---- */
+
+/* A shard function with a forward and no backward: 2 of the pass's 4 gathers. */
+static td_status forward_only_fn(void *user, int64_t step, int s, int n_shards) {
+  (void)step, (void)s, (void)n_shards;
+  int64_t xs[2] = {FT_SHARD_ROWS, 6};
+  td_tensor *x = td_test_randn(xs, 2, TD_DTYPE_F64, 5, false), *out = NULL;
+  td_status st = td_module_forward(user, x, &out);
+  td_tensor_unref(x);
+  td_tensor_unref(out);
+  return st;
+}
+
+static int contract_worker(int rank, int world, const char *method, void *arg) {
+  (void)arg;
+  td_rpc_agent *a = coll_join(rank, world, method);
+  td_process_group *pg = NULL;
+  MP_CHECK_OK(td_process_group_create(a, NULL, 0, TD_PG_BACKEND_CPU, 20000, &pg));
+  td_module *m = ft_build();
+  groups g;
+  groups_make(m, &g, 1e-2);
+  td_module *units[2] = {td_module_child_at(m, 0, NULL), td_module_child_at(m, 2, NULL)};
+  td_ft_zero_options zo;
+  td_ft_zero_options_init(&zo);
+  td_ft_zero *z = NULL;
+  zo.stage = 3; /* without units */
+  MP_CHECK(td_ft_zero_create(pg, &g.oo, g.g, 2, &zo, &z) == TD_ERR_INVALID && !z);
+  zo.stage = 2, zo.units = units, zo.n_units = 2; /* units at stage 2 */
+  MP_CHECK(td_ft_zero_create(pg, &g.oo, g.g, 2, &zo, &z) == TD_ERR_INVALID && !z);
+  zo.stage = 3;
+  MP_CHECK_OK(td_ft_zero_create(pg, &g.oo, g.g, 2, &zo, &z));
+  /* a forward outside a step while the units are free: a clear error, no gather */
+  int64_t xs[2] = {FT_SHARD_ROWS, 6};
+  td_tensor *x = td_test_randn(xs, 2, TD_DTYPE_F64, 5, false), *out = NULL;
+  MP_CHECK(td_module_forward(m, x, &out) == TD_ERR_STATE &&
+           strstr(td_last_error(), "outside a step"));
+  /* a pass without its backward: every member fails the step, alike, without a hang */
+  MP_CHECK(td_ft_zero_step(z, 0, forward_only_fn, m, NULL) == TD_ERR_INVALID);
+  MP_CHECK(strstr(td_last_error(), "ran 2 unit gathers, not 4"));
+  /* the step was not committed: it runs again, properly */
+  MP_CHECK_OK(td_ft_zero_step(z, 0, shard_fn, m, NULL));
+  MP_CHECK_OK(td_ft_zero_sync(z, NULL));
+  MP_CHECK_OK(td_module_forward(m, x, &out)); /* after the sync: whole, on this member alone */
+  td_tensor_unref(out);
+  td_tensor_unref(x);
+  td_ft_zero_destroy(z);
+  td_tensor_list_fini(&g.ps);
+  td_module_unref(m);
+  td_process_group_destroy(pg);
+  coll_leave(a);
+  return 0;
+}
+
+static void test_ft_zero3_contract(void **state) {
+  (void)state;
+  int codes[2];
+  assert_int_equal(td_mp_run(2, contract_worker, NULL, 60, codes), 0);
 }
 
 /* ---- td_ft_zero and td_ft_ddp: the same numbers (no clipping) ---- */
@@ -458,6 +573,8 @@ static void test_ft_zero_inject_parse_gather_points(void **state) {
   assert_int_equal(when, TD_FT_AFTER_GATHER);
   assert_int_equal(td_ft_inject_parse("3:2:after_vote:close", &rank, &step, &when, &what), TD_OK);
   assert_int_equal(when, TD_FT_AFTER_VOTE);
+  assert_int_equal(td_ft_inject_parse("3:3:unit_gather:kill", &rank, &step, &when, &what), TD_OK);
+  assert_int_equal(when, TD_FT_UNIT_GATHER);
   assert_int_equal(td_ft_inject_parse("3:1:gather:stop", &rank, &step, &when, &what),
                    TD_ERR_INVALID);
   assert_int_equal(td_ft_inject_parse("3:1:after-gather:stop", &rank, &step, &when, &what),
@@ -471,6 +588,9 @@ int main(void) {
       cmocka_unit_test(test_ft_zero_equals_ft_ddp),
       cmocka_unit_test(test_ft_scaler),
       cmocka_unit_test(test_ft_zero_matrix),
+      cmocka_unit_test(test_ft_zero3_matrix),
+      cmocka_unit_test(test_ft_zero3_contract),
   };
+  if (getenv("TD_FT_ZERO_TEST_FILTER")) cmocka_set_test_filter(getenv("TD_FT_ZERO_TEST_FILTER"));
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

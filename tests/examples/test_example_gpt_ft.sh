@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # test_example_gpt_ft.sh TDISTRUN GPT [DP [tdistrun|mpirun|srun|accum|scale]] - gpt --dp DP --ft (DP: ddp, td_ft_ddp,
-# the default; zero1 or zero2, td_ft_zero) under tdistrun with 4 workers, float64: a run without failure, then the same run with rank 2's process SIGKILLed from
+# the default; zero1, zero2 or zero3, td_ft_zero) under tdistrun with 4 workers, float64: a run without failure, then the same run with rank 2's process SIGKILLed from
 # outside once training is under way (at whatever step and phase it is in). The second run must
 # finish (tdistrun --tolerate-failures 1: exit status 0, no restart), print one line naming the
 # lost worker and the step, and end with the same parameters, bit for bit (results.params_hash),
 # and the same validation loss. Then once more started bare (4 unsupervised processes, as srun
 # without --kill-on-bad-exit leaves them): every survivor exits 0 by itself, same parameters.
-# With ZeRO the line also names the optimizer blocks that moved. A fourth argument "tdistrun"
+# With ZeRO the line also names the optimizer blocks that moved. zero3 first checks that its
+# failure-free parameters are zero2's bit for bit and that a kill in the middle of a forward
+# (rank 2 injected after its first block gather of step 5) ends with them too. A fourth argument "tdistrun"
 # leaves out the bare start; "mpirun" or "srun" replaces both kill runs by one under that launcher
 # (launch_lib.sh: mpirun --enable-recovery, srun --kill-on-bad-exit=0; srun skips (77) without a
 # Slurm cluster), where the survivors must finish by themselves with the same line and the same
@@ -74,6 +76,29 @@ check_line() {
   fi
   return $ok
 }
+
+if [[ "$dp" == zero3 ]]; then
+  # stage 3 (the blocks' parameters sharded too) trains zero2's parameters, bit for bit; and a
+  # kill in the middle of a forward (rank 2 dies after its first block gather of step 5, the
+  # others' gathers fail) ends with them too
+  timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 4 "$gpt" "${args[@]}" \
+    --dp zero2 >"$out" 2>&1 || { tail -n 20 "$out"; echo "FAIL: the zero2 run"; exit 1; }
+  h2="$(hash_of "$out")"
+  [[ "$h2" == "$h0" ]] || { echo "FAIL: zero3's parameters ($h0) are not zero2's ($h2)"; exit 1; }
+  rc=0
+  timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 4 --tolerate-failures 1 \
+    "$gpt" "${args[@]}" --ft-inject 2:5:unit_gather:kill >"$out" 2>&1 || rc=$?
+  grep -E "^\[[0-9]+\]: gpt: step|tdistrun:" "$out" || true
+  fail=0
+  [[ $rc -eq 0 ]] || { echo "FAIL: the job ended with status $rc"; fail=1; }
+  check_line "$out" || fail=1
+  grep -qE "gpt: step 5, .*ft_zero stage 3: gathering units" "$out" ||
+    { echo "FAIL: the failure at step 5 is not seen in a block's gather"; fail=1; }
+  h1="$(hash_of "$out")"
+  [[ "$h1" == "$h0" ]] || { echo "FAIL: mid-forward kill: $h1, not $h0"; fail=1; }
+  if [[ $fail -ne 0 ]]; then tail -n 30 "$out"; exit 1; fi
+  echo "PASS: zero3 = zero2 ($h0), and with rank 2 killed mid-forward"
+fi
 
 if [[ "$mode" == accum ]]; then
   one="$(mktemp)"
