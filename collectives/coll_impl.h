@@ -169,6 +169,8 @@ struct td_process_group {
   uint64_t lineage;           /* the id of generation 0 of this group (re-formations keep it) */
   uint64_t generation;        /* 0 at creation, +1 per td_process_group_reform */
   int reform_tries;           /* re-formations attempted from this group object */
+  bool joined;                /* this member entered this generation as a spare
+                                 (td_process_group_spare): it has no state of the group's yet */
   /* the lost-member notice (generation.c): the first member this member saw lost, -1 none */
   pthread_mutex_t lost_mu;    /* guards the three fields below; a leaf */
   int lost_grank;
@@ -319,6 +321,12 @@ typedef struct td__pg_given {
 td_status td__pg_create_member(td_rpc_agent *agent, int *rs, int n, int my, td_pg_backend backend,
                                int64_t timeout_ms, const td__pg_given *given,
                                td_process_group **out);
+
+/* td__pg_new_key writes the store key under which the creation of the next group over the
+ * sorted global ranks rs[0..n) publishes its id ("pg/new/<n>/<hash>/<k>", k counting this
+ * process's earlier creations over the same list) and counts this one. */
+td_status td__pg_new_key(const td_rpc_agent *agent, const int *rs, int n, char *key,
+                         size_t cap);
 
 /* td__pg_read_mode reads TD_COLL_ALGO and TD_COLL_SHM_DIRECT_MAX into pg (at creation). */
 td_status td__pg_read_mode(td_process_group *pg);

@@ -112,7 +112,7 @@ td_status td__ft_broken(td_process_group *pg) {
 
 td_status td__ft_reform(td_process_group *given, td_process_group **pg, td_timeout_ms timeout,
                         int64_t step, const char *why, char *msg, size_t n, size_t *len,
-                        int *lost) {
+                        int *lost, int *joined) {
   td_process_group *old = *pg, *next = NULL;
   int old_size = old->size;
   int *old_ranks = td__malloc((size_t)old_size * sizeof *old_ranks);
@@ -143,6 +143,15 @@ td_status td__ft_reform(td_process_group *given, td_process_group **pg, td_timeo
                         old_ranks[i]);
       (*lost)++;
     }
+    int nj = 0;
+    for (int j = 0; j < next->size; j++) {
+      bool old_member = false;
+      for (int i = 0; i < old_size && !old_member; i++) old_member = old_ranks[i] == next->ranks[j];
+      if (old_member) continue;
+      *len = td__ft_say(msg, n, *len, "%s%s (rank %d)", nj++ ? ", " : "; joined (a spare): ",
+                        next->names[j], next->ranks[j]);
+    }
+    if (joined) *joined = nj;
     *len = td__ft_say(msg, n, *len, "; generation %llu formed with %d of %d members in %.3f s",
                       (unsigned long long)next->generation, next->size, old_size,
                       (double)td__now_ns() * 1e-9 - t0);

@@ -71,7 +71,13 @@ struct td_ft_ddp {
   int64_t slow_step;       /* the step the survivors of a recovery go on with: every member
                               takes the ordered path in it (some hold its shards' gradients
                               already, a healed member does not: the paths must agree) */
+  bool joining;            /* a spare admitted to the group (td_process_group_joined), not yet
+                              healed: it has no step, no shard table and no n_shards of its own */
 };
+
+/* What a joining spare reports as its last committed step in agree(): below any real one, so
+ * the survivors always heal it. */
+#define JOINER_STEP (-((int64_t)1 << 62))
 
 void td_ft_ddp_options_init(td_ft_ddp_options *o) {
   memset(o, 0, sizeof *o);
@@ -90,14 +96,27 @@ static td_status overlap_setup(td_ft_ddp *ft);
 
 /* ---- creation ---- */
 
-static td_status ft_setup(td_ft_ddp *ft) {
+/* Shard s on the member of group rank s * size / M: each its own when M == size. */
+static void initial_owners(td_ft_ddp *ft) {
+  int n = ft->pg->size;
+  for (int s = 0; s < ft->M; s++) ft->owner[s] = ft->pg->ranks[(int64_t)s * n / ft->M];
+}
+
+/* The shard table and the flat average, once M is known. */
+static td_status shards_setup(td_ft_ddp *ft) {
+  ft->owner = td__calloc((size_t)ft->M, sizeof *ft->owner);
+  ft->grad = td__calloc((size_t)ft->M, sizeof *ft->grad);
+  if (!ft->owner || !ft->grad) return td_set_error(TD_ERR_NOMEM, "ft_ddp_create: out of memory");
+  initial_owners(ft);
+  return td_tensor_zeros(&ft->P, 1, ft->dt, td_device_cpu(), &ft->avg);
+}
+
+/* The parameters (np, P, dtype). */
+static td_status params_setup(td_ft_ddp *ft) {
   ft->np = td_optim_num_params(ft->opt);
   TD_CHECK_ARG(ft->np > 0, "ft_ddp_create: the optimizer has no parameters");
   ft->params = td__calloc(ft->np, sizeof *ft->params);
-  ft->owner = td__calloc((size_t)ft->M, sizeof *ft->owner);
-  ft->grad = td__calloc((size_t)ft->M, sizeof *ft->grad);
-  if (!ft->params || !ft->owner || !ft->grad)
-    return td_set_error(TD_ERR_NOMEM, "ft_ddp_create: out of memory");
+  if (!ft->params) return td_set_error(TD_ERR_NOMEM, "ft_ddp_create: out of memory");
   for (size_t i = 0; i < ft->np; i++) {
     td_tensor *p = td_optim_param(ft->opt, i);
     td_dtype dt = td_tensor_dtype(p);
@@ -109,14 +128,18 @@ static td_status ft_setup(td_ft_ddp *ft) {
     ft->params[i] = p;
     ft->P += td_tensor_numel(p);
   }
-  /* shard s on the member of group rank s * size / M: each its own when M == size */
-  int n = ft->pg->size;
-  for (int s = 0; s < ft->M; s++) ft->owner[s] = ft->pg->ranks[(int64_t)s * n / ft->M];
-  TD_TRY(td_tensor_zeros(&ft->P, 1, ft->dt, td_device_cpu(), &ft->avg));
+  return TD_OK;
+}
+
+static td_status ft_setup(td_ft_ddp *ft) {
+  TD_TRY(params_setup(ft));
+  TD_TRY(shards_setup(ft));
   for (size_t i = 0; i < ft->np; i++) /* every member starts from group rank 0's values */
     TD_TRY(td_process_group_broadcast(ft->pg, ft->params[i], 0));
   return overlap_setup(ft);
 }
+
+static td_status join(td_ft_ddp *ft);
 
 td_status td_ft_ddp_create(td_process_group *pg, td_optim *opt, const td_ft_ddp_options *opts,
                            td_ft_ddp **out) {
@@ -125,9 +148,9 @@ td_status td_ft_ddp_create(td_process_group *pg, td_optim *opt, const td_ft_ddp_
   td_ft_ddp_options o;
   td_ft_ddp_options_init(&o);
   if (opts) o = *opts;
-  if (!o.n_shards) o.n_shards = pg->size;
+  if (!o.n_shards && !pg->joined) o.n_shards = pg->size; /* a spare learns it when it joins */
   if (!o.bucket_bytes) o.bucket_bytes = (size_t)4 << 20;
-  TD_CHECK_ARG(o.n_shards >= 1 && o.max_failures >= 0 && o.max_grad_norm >= 0 &&
+  TD_CHECK_ARG((o.n_shards >= 1 || pg->joined) && o.max_failures >= 0 && o.max_grad_norm >= 0 &&
                    td__timeout_valid(o.reform_timeout),
                "ft_ddp_create: invalid options (n_shards %d, max_failures %d)", o.n_shards,
                o.max_failures);
@@ -140,7 +163,8 @@ td_status td_ft_ddp_create(td_process_group *pg, td_optim *opt, const td_ft_ddp_
   ft->committed = INT64_MIN;
   ft->grad_step = INT64_MIN;
   ft->slow_step = INT64_MIN;
-  td_status st = ft_setup(ft);
+  ft->joining = pg->joined;
+  td_status st = ft->joining ? join(ft) : ft_setup(ft);
   if (st != TD_OK) {
     td_ft_ddp_destroy(ft);
     return st;
@@ -150,7 +174,7 @@ td_status td_ft_ddp_create(td_process_group *pg, td_optim *opt, const td_ft_ddp_
 }
 
 static void drop_grads(td_ft_ddp *ft) {
-  for (int s = 0; s < ft->M; s++) {
+  for (int s = 0; ft->grad && s < ft->M; s++) {
     td_tensor_unref(ft->grad[s]);
     ft->grad[s] = NULL;
   }
@@ -331,6 +355,17 @@ static td_status heal_from(td_ft_ddp *ft, int root) {
     }
   }
   if (st == TD_OK) st = td_process_group_broadcast(pg, meta, root);
+  /* the shard table: the same on every member that has one; a joining spare has none */
+  td_tensor *tab = NULL;
+  int64_t M = ft->M;
+  if (st == TD_OK) st = td_tensor_zeros(&M, 1, TD_DTYPE_I64, td_device_cpu(), &tab);
+  if (st == TD_OK) {
+    int64_t *t = td_tensor_data(tab);
+    for (int s = 0; s < ft->M; s++) t[s] = ft->owner[s];
+    st = td_process_group_broadcast(pg, tab, root);
+    for (int s = 0; st == TD_OK && s < ft->M; s++) ft->owner[s] = (int)t[s];
+  }
+  td_tensor_unref(tab);
   for (size_t i = 0; st == TD_OK && i < ft->np; i++) {
     st = td_process_group_broadcast(pg, ft->params[i], root);
     td_tensor *bufs[3] = {NULL, NULL, NULL}, *fresh[3] = {NULL, NULL, NULL};
@@ -374,14 +409,21 @@ static td_status heal_from(td_ft_ddp *ft, int root) {
  * committed (it was, or it took the state of one that committed it). */
 static td_status agree(td_ft_ddp *ft, int64_t step, td_ft_step_info *info, bool *done) {
   td_process_group *pg = ft->pg;
-  int64_t two = 2;
+  int64_t three = 3;
   td_tensor *v = NULL;
-  TD_TRY(td_tensor_zeros(&two, 1, TD_DTYPE_I64, td_device_cpu(), &v));
+  TD_TRY(td_tensor_zeros(&three, 1, TD_DTYPE_I64, td_device_cpu(), &v));
   int64_t *x = td_tensor_data(v);
-  int64_t c = ft->committed == INT64_MIN ? step - 1 : ft->committed;
-  x[0] = c, x[1] = -c;
+  int64_t c = ft->joining ? JOINER_STEP : ft->committed == INT64_MIN ? step - 1 : ft->committed;
+  x[0] = c, x[1] = -c, x[2] = ft->joining ? 0 : ft->M; /* a joining spare learns n_shards */
   td_status st = td_process_group_all_reduce(pg, v, TD_REDUCE_MAX);
   int64_t hi = x[0], lo = -x[1];
+  if (st == TD_OK && ft->joining && !ft->owner) {
+    ft->M = ft->o.n_shards = (int)x[2];
+    st = ft->M >= 1 && hi > JOINER_STEP
+             ? shards_setup(ft)
+             : td_set_error(TD_ERR_STATE, "ft_ddp_create: a spare joined a group with no "
+                            "member holding the training's state");
+  }
   ft->slow_step = hi + 1;
   if (st == TD_OK && hi != lo) { /* the lowest group rank at hi hands its state to the others */
     x[0] = c == hi ? pg->size - pg->rank : 0, x[1] = 0;
@@ -391,12 +433,70 @@ static td_status agree(td_ft_ddp *ft, int64_t step, td_ft_step_info *info, bool 
     if (st == TD_OK && c < hi) {
       info->healed = true;
       ft->committed = hi;
+      ft->joining = false;
       drop_grads(ft);
     }
   }
   td_tensor_unref(v);
   *done = st == TD_OK && ft->committed != INT64_MIN && ft->committed >= step;
   return st;
+}
+
+/* Deals the shards as at creation over the current group (a spare joined): drops the gradients
+ * of the shards that change hands and says where they go. Returns the shards moved. */
+static int redeal(td_ft_ddp *ft, char *m, size_t n, size_t *len) {
+  int *was = td__malloc((size_t)ft->M * sizeof *was), moved = 0;
+  if (!was) return -1;
+  memcpy(was, ft->owner, (size_t)ft->M * sizeof *was);
+  initial_owners(ft);
+  for (int s = 0; s < ft->M; s++) {
+    if (ft->owner[s] == was[s]) continue;
+    td_tensor_unref(ft->grad[s]);
+    ft->grad[s] = NULL;
+    char who[160];
+    *len = td__ft_say(m, n, *len, "%sshard %d -> %s", moved++ ? ", " : "; re-dealt: ", s,
+                      td__ft_who(ft->pg, td__ft_group_rank(ft->pg, ft->owner[s]), who,
+                                 sizeof who));
+  }
+  td__free(was);
+  return moved;
+}
+
+/* A spare admitted to the group joins the survivors' recovery, which waits for it in agree():
+ * it learns n_shards and the shard table, takes the parameters and the optimizer state of the
+ * last committed step, and makes the fast path's reducer as they do. Should a member be lost
+ * meanwhile, it re-forms with the survivors and tries again, as they do. */
+static td_status join(td_ft_ddp *ft) {
+  TD_TRY(params_setup(ft));
+  char msg[1024] = "";
+  for (int tries = 0;; tries++) {
+    td_ft_step_info info;
+    memset(&info, 0, sizeof info);
+    bool done = false;
+    td_status st = agree(ft, 0, &info, &done);
+    if (st == TD_OK) st = overlap_setup(ft);
+    if (st == TD_OK) {
+      td_log(TD_LOG_INFO, "ft_ddp: joined process group %llu at generation %llu, healed to "
+             "step %lld (%d shards over %d members)", (unsigned long long)ft->pg->lineage,
+             (unsigned long long)ft->pg->generation, (long long)ft->committed, ft->M,
+             ft->pg->size);
+      return TD_OK;
+    }
+    if ((st != TD_ERR_UNAVAILABLE && st != TD_ERR_TIMEOUT) || tries >= NO_LOSS_TRIES) return st;
+    char why[600];
+    snprintf(why, sizeof why, "%s", td_last_error());
+    size_t len = 0;
+    int lost = 0;
+    TD_TRY(td__ft_reform(ft->given, &ft->pg, ft->o.reform_timeout, ft->slow_step, why, msg,
+                         sizeof msg, &len, &lost, NULL));
+    if (ft->owner) /* a table taken before the failure: moved as the survivors move it */
+      if (td__ft_reassign(ft->pg, ft->owner, ft->M, ft->grad, msg, sizeof msg, &len) < 0)
+        return td_set_error(TD_ERR_NOMEM, "ft_ddp_create: out of memory");
+  }
+}
+
+int64_t td_ft_ddp_next_step(const td_ft_ddp *ft) {
+  return !ft || ft->committed == INT64_MIN ? 0 : ft->committed + 1;
 }
 
 /* After a failed attempt: re-form, agree, reassign. */
@@ -406,11 +506,16 @@ static td_status recover(td_ft_ddp *ft, int64_t step, const char *why, td_ft_ste
   ft->ddp = NULL;
   char *m = info->message;
   size_t n = sizeof info->message, len = strlen(m);
-  int lost = 0;
-  TD_TRY(td__ft_reform(ft->given, &ft->pg, ft->o.reform_timeout, step, why, m, n, &len, &lost));
+  int lost = 0, joined = 0;
+  TD_TRY(td__ft_reform(ft->given, &ft->pg, ft->o.reform_timeout, step, why, m, n, &len, &lost,
+                       &joined));
   info->lost += lost;
-  /* every survivor moves the same shards, whether or not its step is done */
-  int moved = td__ft_reassign(ft->pg, ft->owner, ft->M, ft->grad, m, n, &len);
+  info->joined += joined;
+  /* every survivor moves the same shards, whether or not its step is done: with spares
+   * admitted, the shards are dealt again as at creation over the new members (each its own
+   * again when the group is whole); else the lost members' go to those holding the fewest */
+  int moved = joined ? redeal(ft, m, n, &len)
+                     : td__ft_reassign(ft->pg, ft->owner, ft->M, ft->grad, m, n, &len);
   if (moved < 0) return td_set_error(TD_ERR_NOMEM, "ft_ddp_step: out of memory");
   if (!moved) len = td__ft_say(m, n, len, "; no shard moved (every holder lives)");
   info->shards_recomputed += moved;
@@ -475,6 +580,7 @@ td_status td_ft_ddp_step(td_ft_ddp *ft, int64_t step, td_ft_shard_fn fn, void *u
     if (st == TD_OK) st = td__ft_broken(ft->pg); /* our own group failed after we reduced */
     if (st == TD_OK) {
       TD_TRY(commit(ft, step, fast));
+      info->overlapped = fast;
       uint64_t t0 = td__now_ns();
       drop_grads(ft); /* the step is committed: its shard gradients go */
       td__ft_own(fast ? &info->machinery_s : NULL, t0);

@@ -50,10 +50,12 @@ int td__ft_group_rank(const td_process_group *pg, int global);
  * the new group while it connects forming the generation after), replaces *pg by the new group
  * (destroying the old one unless it is `given`, the caller's) and appends to msg "step k,
  * generation g: <why>; lost: workerN (rank N), ...; generation g+1 formed with a of b members in
- * t s". *lost: the members lost. */
+ * t s" (and "; joined (a spare): ..." for spares admitted). *lost: the members lost; *joined
+ * (may be NULL): the spares admitted (td_process_group_spare), members of the new group that
+ * were not in the old one. */
 td_status td__ft_reform(td_process_group *given, td_process_group **pg, td_timeout_ms timeout,
                         int64_t step, const char *why, char *msg, size_t n, size_t *len,
-                        int *lost);
+                        int *lost, int *joined);
 
 /* td__ft_take_grads copies the .grads of params[0..np) (contiguous CPU tensors of dtype dt, P
  * elements in all) into a new flat tensor (zeros for a parameter without one); own_s (may be

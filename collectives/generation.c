@@ -21,7 +21,18 @@
  *      key bound to both (ring_connect.c: a member of another generation fails the handshake).
  * A caller whose re-formation failed (a second failure while the new group was set up) calls it
  * again on the same old group: it then forms generation g + 2 from the same candidates, and so
- * on. The decider dying while it decides makes the others' re-formation time out (a clear error,
+ * on.
+ * Spares (td_process_group_spare): a worker outside the group offers itself under
+ * "ft/<lineage>/spare/<i>" (i from the counter "ft/<lineage>/spares"; the value is its global
+ * rank and its same-host record). A decider that excluded k members admits up to k spares,
+ * lowest global rank first: it claims each ("ft/<lineage>/spare/<i>/claim", a counter: the first to take it
+ * owns it; a spare on this host whose process exited is claimed and skipped), lists it in the
+ * members record, and then tells it the generation ("ft/<lineage>/spare/<i>/gen"). The spare
+ * reads the record and creates the group with the others, as a member that joined
+ * (pg->joined: it holds none of the group's state; td_ft_ddp heals it). The decider also adds k
+ * to "ft/<lineage>/left_out". td_process_group_release_spares sets "ft/<lineage>/over", then
+ * claims every offer and answers it with generation 0 ("not needed"); a spare checks "over"
+ * after offering itself, so an offer made during a release is seen by one or the other. The decider dying while it decides makes the others' re-formation time out (a clear error,
  * never a hang); the rendezvous store's host (global rank 0) is the limit of the scheme: without
  * it nothing can be agreed.
  *
@@ -33,6 +44,9 @@
 #include <unistd.h>
 
 #include "../core/flight_impl.h"
+#include "../core/netaddr.h"
+#include "../core/samehost.h"
+#include "../rpc/agent_impl.h"
 #include "coll_impl.h"
 
 #define JOIN_GRACE_MS 1000 /* how long a member noted lost (not seen exited) may still join */
@@ -162,7 +176,144 @@ static int member_verdict(td_process_group *pg, uint64_t gen, int m, uint64_t t0
   return found ? 0 : -1;
 }
 
-/* The decider: waits for every old member's verdict, then publishes the membership. */
+/* ---- spares ---- */
+
+/* Writes "ft/<lineage>/<what>" into buf, or "ft/<lineage>/spare/<offer>[/<what>]" when offer
+ * >= 0 (what NULL: the offer's record). */
+static const char *lin_key(char *buf, size_t n, uint64_t lineage, int64_t offer,
+                           const char *what) {
+  if (offer < 0)
+    snprintf(buf, n, "ft/%llu/%s", (unsigned long long)lineage, what ? what : "");
+  else if (!what)
+    snprintf(buf, n, "ft/%llu/spare/%lld", (unsigned long long)lineage, (long long)offer);
+  else
+    snprintf(buf, n, "ft/%llu/spare/%lld/%s", (unsigned long long)lineage, (long long)offer,
+             what);
+  return buf;
+}
+
+static int cmp_int(const void *a, const void *b) {
+  int x = *(const int *)a, y = *(const int *)b;
+  return (x > y) - (x < y);
+}
+
+/* Claims offer i: true when this caller took it (nobody had). */
+static td_status claim(const td__store_client *sc, uint64_t lineage, int64_t i, bool *mine) {
+  int64_t v = 0;
+  char kb[160];
+  TD_TRY(td__store_add(sc, lin_key(kb, sizeof kb, lineage, i, "claim"), 1, &v));
+  *mine = v == 1;
+  return TD_OK;
+}
+
+/* This worker's same-host record, parsed (false when it has none). */
+static bool host_self(td_process_group *pg, td__host_rec *me) {
+  td_worker_info wi;
+  char host[256] = "", rec[400];
+  uint64_t nonce = td__samehost_nonce(me);
+  if (td_rpc_self(pg->agent, &wi) == TD_OK) td__addr_host(wi.address, host, sizeof host);
+  return host[0] && td__samehost_record(host, &nonce, rec, sizeof rec) &&
+         td__samehost_parse(rec, me);
+}
+
+/* Reads offer i's record: *rank (-1: not written yet) and *gone, true when the spare runs on
+ * this host (me, when have_me) and its process exited. */
+static td_status offer_read(td_process_group *pg, int64_t i, const td__host_rec *me,
+                            bool have_me, long *rank, bool *gone) {
+  char kb[160];
+  uint8_t *v = NULL;
+  bool found = false;
+  *rank = -1;
+  *gone = false;
+  TD_TRY(td__store_get(pg->sc, lin_key(kb, sizeof kb, pg->lineage, i, NULL), &v, NULL, &found));
+  if (found && v) {
+    char *end = NULL;
+    td__host_rec peer;
+    *rank = strtol((char *)v, &end, 10);
+    if (end == (char *)v) *rank = -2; /* unreadable: never admitted */
+    *gone = have_me && *end == ' ' && td__samehost_parse(end + 1, &peer) &&
+            td__samehost_same(me, &peer) && !td__pid_alive(peer.pid);
+  }
+  td__free(v);
+  return TD_OK;
+}
+
+/* An offer the decider may take: its number and the spare's global rank. */
+typedef struct offer_t {
+  int64_t i;
+  int rank;
+} offer_t;
+
+static int cmp_offer(const void *a, const void *b) {
+  const offer_t *x = a, *y = b;
+  return (x->rank > y->rank) - (x->rank < y->rank);
+}
+
+/* Lists the offers not yet claimed whose record is written, whose rank is of this world and not
+ * in rs[0..n), and whose spare is not known to have exited (such a one is claimed and passed
+ * over), in global rank order: *out malloc'd, *k entries. */
+static td_status open_offers(td_process_group *pg, const int *rs, int n, offer_t **out, int *k) {
+  int64_t count = 0;
+  char kb[160];
+  *out = NULL;
+  *k = 0;
+  TD_TRY(td__store_add(pg->sc, lin_key(kb, sizeof kb, pg->lineage, -1, "spares"), 0, &count));
+  if (count <= 0) return TD_OK;
+  offer_t *o = td__malloc((size_t)count * sizeof *o);
+  if (!o) return td_set_error(TD_ERR_NOMEM, "process group spares: out of memory");
+  int world = td_rpc_world_size(pg->agent);
+  td__host_rec me;
+  bool have_me = host_self(pg, &me);
+  td_status st = TD_OK;
+  for (int64_t i = 0; st == TD_OK && i < count; i++) {
+    long r = -1;
+    bool gone = false, took = false;
+    int64_t claims = 0;
+    st = td__store_add(pg->sc, lin_key(kb, sizeof kb, pg->lineage, i, "claim"), 0, &claims);
+    if (st == TD_OK && claims == 0) st = offer_read(pg, i, &me, have_me, &r, &gone);
+    bool listed = claims != 0 || r < 0 || r >= world;
+    for (int j = 0; !listed && j < n; j++) listed = rs[j] == (int)r;
+    if (st != TD_OK || listed) continue;
+    if (gone) {
+      st = claim(pg->sc, pg->lineage, i, &took);
+      if (st == TD_OK && took)
+        td_log(TD_LOG_WARN, "process group %llu: spare rank %ld exited before it was needed",
+               (unsigned long long)pg->lineage, r);
+      continue;
+    }
+    o[(*k)++] = (offer_t){i, (int)r};
+  }
+  if (st != TD_OK) {
+    td__free(o);
+    *k = 0;
+    return st;
+  }
+  qsort(o, (size_t)*k, sizeof *o, cmp_offer);
+  *out = o;
+  return TD_OK;
+}
+
+/* The decider admits up to `want` waiting spares, lowest global rank first: each one it claims
+ * has its rank appended to rs[*n..] and its offer number to offer[*n_adm..]. */
+static td_status admit_spares(td_process_group *pg, int want, int *rs, int *n, int64_t *offer,
+                              int *n_adm) {
+  offer_t *o = NULL;
+  int k = 0;
+  TD_TRY(open_offers(pg, rs, *n, &o, &k));
+  td_status st = TD_OK;
+  for (int j = 0; st == TD_OK && j < k && *n_adm < want; j++) {
+    bool took = false;
+    st = claim(pg->sc, pg->lineage, o[j].i, &took);
+    if (st != TD_OK || !took) continue; /* withdrawn meanwhile */
+    rs[(*n)++] = o[j].rank;
+    offer[(*n_adm)++] = o[j].i;
+  }
+  td__free(o);
+  return st;
+}
+
+/* The decider: waits for every old member's verdict, then publishes the membership (with the
+ * spares it admits in place of the members it leaves out). */
 static td_status decide(td_process_group *pg, uint64_t gen, uint64_t dl) {
   int *verdict = td__malloc((size_t)pg->size * sizeof *verdict);
   if (!verdict) return td_set_error(TD_ERR_NOMEM, "process_group_reform: out of memory");
@@ -179,19 +330,40 @@ static td_status decide(td_process_group *pg, uint64_t gen, uint64_t dl) {
     td__pg_sleep_ms(backoff);
     backoff = backoff * 2 > 20 ? 20 : backoff * 2;
   }
-  int64_t id = 0;
-  td_status st = td__store_add(pg->sc, "pg/next_id", 1, &id);
-  size_t cap = 32 + (size_t)pg->size * 12, len = 0;
+  int excluded = 0, n = 0, n_adm = 0;
+  for (int m = 0; m < pg->size; m++) excluded += verdict[m] == 0;
+  int *rs = td__malloc((size_t)(pg->size + excluded + 1) * sizeof *rs);
+  int64_t *offer = td__malloc((size_t)(excluded + 1) * sizeof *offer), id = 0, left = 0;
+  td_status st = rs && offer ? TD_OK : td_set_error(TD_ERR_NOMEM, "process_group_reform: out of "
+                                                    "memory");
+  for (int m = 0; st == TD_OK && m < pg->size; m++)
+    if (verdict[m] == 1) rs[n++] = pg->ranks[m];
+  char kb[160];
+  if (st == TD_OK && excluded)
+    st = td__store_add(pg->sc, lin_key(kb, sizeof kb, pg->lineage, -1, "left_out"), excluded,
+                       &left);
+  if (st == TD_OK && excluded) st = admit_spares(pg, excluded, rs, &n, offer, &n_adm);
+  if (st == TD_OK) st = td__store_add(pg->sc, "pg/next_id", 1, &id);
+  size_t cap = 32 + (size_t)n * 12, len = 0;
   char *rec = st == TD_OK ? td__malloc(cap) : NULL;
   if (st == TD_OK && !rec) st = td_set_error(TD_ERR_NOMEM, "process_group_reform: out of memory");
   if (st == TD_OK) {
+    qsort(rs, (size_t)n, sizeof *rs, cmp_int);
     len = (size_t)snprintf(rec, cap, "%lld", (long long)id);
-    for (int m = 0; m < pg->size; m++)
-      if (verdict[m] == 1) len += (size_t)snprintf(rec + len, cap - len, " %d", pg->ranks[m]);
+    for (int i = 0; i < n; i++) len += (size_t)snprintf(rec + len, cap - len, " %d", rs[i]);
     char key[160];
     st = td__store_set(pg->sc, ft_key(pg, gen, "members", key, sizeof key), rec, len);
   }
+  /* the admitted spares learn their generation once the record they read exists */
+  for (int j = 0; st == TD_OK && j < n_adm; j++) {
+    char v[24];
+    int vn = snprintf(v, sizeof v, "%llu", (unsigned long long)gen);
+    st = td__store_set(pg->sc, lin_key(kb, sizeof kb, pg->lineage, offer[j], "gen"), v,
+                       (size_t)vn);
+  }
   td__free(rec);
+  td__free(rs);
+  td__free(offer);
   td__free(verdict);
   return st;
 }
@@ -276,3 +448,188 @@ td_status td_process_group_reform(td_process_group *pg, td_timeout_ms timeout,
            (unsigned long long)id);
   return st;
 }
+
+/* ---- spares: offering, admission, release ---- */
+
+/* Waits for the generation offer i is answered with (0: released); on the deadline withdraws
+ * the offer, unless a decider claimed it meanwhile (then waits for the answer, which follows
+ * the claim at once, a little longer). */
+static td_status spare_answer(const td__store_client *sc, uint64_t lineage, int64_t i,
+                              uint64_t dl, uint64_t *gen, int64_t *left) {
+  char kb[160];
+  uint8_t *v = NULL;
+  td_status st = td__store_wait_key(sc, lin_key(kb, sizeof kb, lineage, i, "gen"), dl, NULL, &v,
+                                    NULL);
+  if (st == TD_ERR_TIMEOUT) {
+    bool mine = false;
+    TD_TRY(claim(sc, lineage, i, &mine));
+    if (mine) {
+      *gen = 0;
+      return td_set_error(TD_ERR_TIMEOUT, "process_group_spare: no re-formation of process "
+                          "group %llu admitted this spare in time (offer withdrawn)",
+                          (unsigned long long)lineage);
+    }
+    st = td__store_wait_key(sc, kb, td__deadline_ns(TD__PG_DEFAULT_TIMEOUT_MS), NULL, &v, NULL);
+  }
+  if (st == TD_OK) { /* "<generation>", or "0 <members left out>" for a release */
+    char *end = NULL;
+    *gen = strtoull((const char *)v, &end, 10);
+    if (*gen == 0 && end && *end == ' ') *left = strtoll(end + 1, NULL, 10);
+  }
+  td__free(v);
+  return st;
+}
+
+td_status td_process_group_spare(td_rpc_agent *agent, const int *ranks, int n,
+                                 td_pg_backend backend, td_timeout_ms timeout,
+                                 td_timeout_ms wait, td_process_group **out,
+                                 bool *members_lost) {
+  TD_CHECK_ARG(agent && ranks && out && td__timeout_valid(timeout) && td__timeout_valid(wait),
+               "process_group_spare: NULL agent, ranks or out, or an invalid timeout");
+  int world = td_rpc_world_size(agent), me = td_rpc_rank(agent);
+  TD_CHECK_ARG(n >= 1 && n <= world, "process_group_spare: %d ranks for a world of %d", n, world);
+  *out = NULL;
+  if (members_lost) *members_lost = false;
+  int *rs = td__malloc((size_t)n * sizeof *rs);
+  if (!rs) return td_set_error(TD_ERR_NOMEM, "process_group_spare: out of memory");
+  memcpy(rs, ranks, (size_t)n * sizeof *rs);
+  qsort(rs, (size_t)n, sizeof *rs, cmp_int);
+  td_status st = TD_OK;
+  for (int i = 0; st == TD_OK && i < n; i++)
+    if (rs[i] < 0 || rs[i] >= world || (i && rs[i] == rs[i - 1]) || rs[i] == me)
+      st = td_set_error(TD_ERR_INVALID, "process_group_spare: rank %d is %s", rs[i],
+                        rs[i] == me ? "this worker (a member is not its group's spare)"
+                        : rs[i] < 0 || rs[i] >= world ? "outside the world" : "listed twice");
+  int64_t tmo = td__timeout_resolve(timeout, TD__PG_DEFAULT_TIMEOUT_MS);
+  uint64_t dl = td__deadline_ns(td__timeout_resolve(wait, TD_TIMEOUT_INFINITE));
+  const td__store_client *sc = td__agent_store(agent);
+  char kb[160], rec[460], host[256] = "";
+  uint8_t *v = NULL;
+  /* the group's lineage: the id its creation publishes, found as a member finds it */
+  if (st == TD_OK) st = td__pg_new_key(agent, rs, n, kb, sizeof kb);
+  td__free(rs);
+  rs = NULL;
+  if (st == TD_OK) st = td__store_wait_key(sc, kb, dl, NULL, &v, NULL);
+  if (st == TD_ERR_TIMEOUT)
+    st = td_set_error(TD_ERR_TIMEOUT, "process_group_spare: the group was not created in time");
+  uint64_t lineage = st == TD_OK ? strtoull((const char *)v, NULL, 10) : 0;
+  td__free(v);
+  v = NULL;
+  /* the offer: this worker's rank and same-host record (so a decider can pass over a spare
+   * that exited) */
+  int64_t i = 0;
+  if (st == TD_OK) st = td__store_add(sc, lin_key(kb, sizeof kb, lineage, -1, "spares"), 1, &i);
+  i--;
+  td_worker_info wi;
+  if (td_rpc_self(agent, &wi) == TD_OK) td__addr_host(wi.address, host, sizeof host);
+  uint64_t nonce = td__samehost_nonce(&nonce);
+  int rl = snprintf(rec, sizeof rec, "%d ", me);
+  if (!host[0] || !td__samehost_record(host, &nonce, rec + rl, sizeof rec - (size_t)rl))
+    snprintf(rec + rl, sizeof rec - (size_t)rl, "-");
+  if (st == TD_OK) st = td__store_set(sc, lin_key(kb, sizeof kb, lineage, i, NULL), rec,
+                                      strlen(rec));
+  /* released before this offer was listed: withdraw it unless a decider took it first */
+  bool over = false, mine = false;
+  if (st == TD_OK) st = td__store_get(sc, lin_key(kb, sizeof kb, lineage, -1, "over"), NULL,
+                                      NULL, &over);
+  if (st == TD_OK && over) st = claim(sc, lineage, i, &mine);
+  uint64_t gen = 0;
+  int64_t left = 0;
+  if (st == TD_OK && !mine) st = spare_answer(sc, lineage, i, dl, &gen, &left);
+  if (st == TD_OK && mine) /* withdrawn after the release: ask what it said */
+    st = td__store_add(sc, lin_key(kb, sizeof kb, lineage, -1, "left_out"), 0, &left);
+  if (st == TD_OK && gen == 0) { /* released: the group ended without needing this spare */
+    if (members_lost) *members_lost = left > 0;
+    /* the releaser waits for this before it may leave (it may host the store); a lost reply
+     * means it left already */
+    td__store_set(sc, lin_key(kb, sizeof kb, lineage, i, "ack"), "1", 1);
+    return TD_OK;
+  }
+  if (st != TD_OK) return st;
+  /* admitted to generation gen: read its members and create the group with them */
+  snprintf(kb, sizeof kb, "ft/%llu/%llu/members", (unsigned long long)lineage,
+           (unsigned long long)gen);
+  uint64_t cdl = td__deadline_ns(tmo);
+  st = td__store_wait_key(sc, kb, cdl, NULL, &v, NULL);
+  uint64_t id = 0;
+  int k = 0, my = -1;
+  if (st == TD_OK) st = parse_members((const char *)v, world, &id, &rs, &k);
+  td__free(v);
+  for (int j = 0; st == TD_OK && j < k; j++)
+    if (rs[j] == me) my = j;
+  if (st == TD_OK && my < 0) {
+    td__free(rs);
+    st = td_set_error(TD_ERR_STATE, "process_group_spare: generation %llu of process group %llu "
+                      "does not list this spare", (unsigned long long)gen,
+                      (unsigned long long)lineage);
+  }
+  if (st != TD_OK) return st;
+  td__pg_given given = {.id = id, .lineage = lineage, .generation = gen, .deadline = cdl};
+  st = td__pg_create_member(agent, rs, k, my, backend, tmo, &given, out);
+  if (st != TD_OK)
+    return td__error_prefix(st, "process_group_spare: generation %llu", (unsigned long long)gen);
+  (*out)->joined = true;
+  td_log(TD_LOG_INFO, "process group %llu: joined generation %llu as a spare (%d members)",
+         (unsigned long long)lineage, (unsigned long long)gen, k);
+  return TD_OK;
+}
+
+td_status td_process_group_release_spares(td_process_group *pg) {
+  TD_CHECK_ARG(pg, "process_group_release_spares: NULL group");
+  char kb[160], v[32];
+  int64_t count = 0, left = 0;
+  TD_TRY(td__store_set(pg->sc, lin_key(kb, sizeof kb, pg->lineage, -1, "over"), "1", 1));
+  TD_TRY(td__store_add(pg->sc, lin_key(kb, sizeof kb, pg->lineage, -1, "left_out"), 0, &left));
+  TD_TRY(td__store_add(pg->sc, lin_key(kb, sizeof kb, pg->lineage, -1, "spares"), 0, &count));
+  int vn = snprintf(v, sizeof v, "0 %lld", (long long)left);
+  for (int64_t i = 0; i < count; i++) {
+    bool mine = false;
+    TD_TRY(claim(pg->sc, pg->lineage, i, &mine));
+    if (mine)
+      TD_TRY(td__store_set(pg->sc, lin_key(kb, sizeof kb, pg->lineage, i, "gen"), v,
+                           (size_t)vn));
+  }
+  /* every spare that was not admitted has its answer once it acknowledged it: only then may a
+   * member leave (the store's host must outlive the answers in flight). A spare on this host
+   * whose process exited is not waited for; the others at most the group's timeout. */
+  td__host_rec me;
+  bool have_me = host_self(pg, &me);
+  uint64_t dl = td__deadline_ns(pg->timeout_ms);
+  for (int64_t i = 0; i < count; i++) {
+    uint8_t *g = NULL;
+    bool found = false;
+    TD_TRY(td__store_get(pg->sc, lin_key(kb, sizeof kb, pg->lineage, i, "gen"), &g, NULL,
+                         &found));
+    bool released = found && g && g[0] == '0';
+    td__free(g);
+    for (int64_t backoff = 1; released;) {
+      long r = -1;
+      bool gone = false, acked = false;
+      TD_TRY(td__store_get(pg->sc, lin_key(kb, sizeof kb, pg->lineage, i, "ack"), NULL, NULL,
+                           &acked));
+      if (acked) break;
+      TD_TRY(offer_read(pg, i, &me, have_me, &r, &gone));
+      if (gone || r < 0) break; /* exited, or withdrawn before it wrote its record */
+      if (td__now_ns() >= dl) {
+        td_log(TD_LOG_WARN, "process group %llu: spare rank %ld did not acknowledge its "
+               "release", (unsigned long long)pg->lineage, r);
+        break;
+      }
+      td__pg_sleep_ms(backoff);
+      backoff = backoff * 2 > 50 ? 50 : backoff * 2;
+    }
+  }
+  return TD_OK;
+}
+
+td_status td_process_group_spares_waiting(td_process_group *pg, int *waiting) {
+  TD_CHECK_ARG(pg && waiting, "process_group_spares_waiting: NULL group or out");
+  offer_t *o = NULL;
+  int k = 0;
+  TD_TRY(open_offers(pg, pg->ranks, pg->size, &o, &k));
+  td__free(o);
+  *waiting = k;
+  return TD_OK;
+}
+
+bool td_process_group_joined(const td_process_group *pg) { return pg && pg->joined; }

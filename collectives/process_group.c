@@ -78,14 +78,19 @@ out:
   return st;
 }
 
-static td_status agree_id(td_process_group *pg, uint64_t deadline) {
+td_status td__pg_new_key(const td_rpc_agent *agent, const int *rs, int n, char *key,
+                         size_t cap) {
   uint64_t h = 1469598103934665603ull;
-  for (int i = 0; i < pg->size; i++) h = (h ^ (uint64_t)(uint32_t)pg->ranks[i]) * 1099511628211ull;
+  for (int i = 0; i < n; i++) h = (h ^ (uint64_t)(uint32_t)rs[i]) * 1099511628211ull;
   int64_t k = 0;
-  TD_TRY(next_count(pg->agent, h, pg->size, &k));
+  TD_TRY(next_count(agent, h, n, &k));
+  snprintf(key, cap, "pg/new/%d/%016llx/%lld", n, (unsigned long long)h, (long long)k);
+  return TD_OK;
+}
+
+static td_status agree_id(td_process_group *pg, uint64_t deadline) {
   char key[128];
-  snprintf(key, sizeof key, "pg/new/%d/%016llx/%lld", pg->size, (unsigned long long)h,
-           (long long)k);
+  TD_TRY(td__pg_new_key(pg->agent, pg->ranks, pg->size, key, sizeof key));
   if (pg->rank == 0) {
     int64_t id;
     TD_TRY(td__store_add(pg->sc, "pg/next_id", 1, &id));

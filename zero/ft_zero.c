@@ -235,6 +235,9 @@ td_status td_ft_zero_create(td_process_group *pg, const td_optim_options *opts,
   TD_CHECK_ARG(pg && opts && groups && n_groups && out,
                "ft_zero_create: NULL group, options, groups or out");
   TD_CHECK_ARG(td_process_group_backend(pg) == TD_PG_BACKEND_CPU, "ft_zero_create: CPU groups only");
+  if (td_process_group_joined(pg)) /* the survivors see it leave, and re-form without it */
+    return td_set_error(TD_ERR_UNSUPPORTED, "ft_zero_create: a spare cannot join a fault-"
+                        "tolerant ZeRO group (healing a spare is built for td_ft_ddp only)");
   td_ft_zero_options o;
   td_ft_zero_options_init(&o);
   if (zopts) o = *zopts;

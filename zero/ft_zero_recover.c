@@ -232,7 +232,8 @@ td_status td__ftz_recover(td_ft_zero *z, int64_t step, const char *why, td_ft_st
   char *m = info->message;
   size_t n = sizeof info->message, len = strlen(m);
   int lost = 0;
-  TD_TRY(td__ft_reform(z->given, &z->pg, z->o.reform_timeout, step, why, m, n, &len, &lost));
+  TD_TRY(td__ft_reform(z->given, &z->pg, z->o.reform_timeout, step, why, m, n, &len, &lost,
+                       NULL));
   info->lost += lost;
   td__ftz_inject_at(z, step, TD_FT_RECOVERY);
   table T = {0};

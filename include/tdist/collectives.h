@@ -306,6 +306,50 @@ TD_API td_status td_process_group_wait_lost(td_process_group *pg, td_timeout_ms 
 TD_API td_status td_process_group_reform(td_process_group *pg, td_timeout_ms timeout,
                                          td_process_group **out);
 
+/* Spares: workers of the RPC group kept outside a process group, each waiting to replace a lost
+ * member (torchelastic's standby nodes, here without restarting the survivors):
+ *
+ *     members (ranks 0..3):  td_process_group_create(agent, ranks, 4, ...)      then train;
+ *                            td_process_group_release_spares(pg) when done
+ *     spare (rank 4):        td_process_group_spare(agent, ranks, 4, ..., &pg, &lost)
+ *                            pg NULL: released, not needed; else a member of a new generation
+ *
+ * A re-formation that leaves k members out admits up to k waiting spares into the generation it
+ * forms (lowest global rank first; a spare on the decider's host whose process exited is passed
+ * over). The admitted spare's group is like the others' members' (generation,
+ * ranks renumbered in global rank order), except that td_process_group_joined says it holds
+ * none of the group's state yet: td_ft_ddp_create on it heals it from the survivors. */
+
+/* td_process_group_spare offers this worker as a spare of the group created over ranks[0..n)
+ * (the list its members give td_process_group_create; this worker must not be in it, and must
+ * call this where a member would call create: groups of one rank list are counted in order).
+ * Blocks until a re-formation admits it (TD_OK, *out the new generation's group, to be used as
+ * the members use theirs: a collective of the survivors is waiting for it), or a member calls
+ * td_process_group_release_spares (TD_OK, *out NULL; *members_lost, when not NULL, says
+ * whether any re-formation left members out: the program can then choose its shutdown as the
+ * members do), or `wait` passes (TD_ERR_TIMEOUT, the offer withdrawn; TD_TIMEOUT_DEFAULT and
+ * TD_TIMEOUT_INFINITE: no limit). timeout becomes the new group's timeout, as for create. The
+ * loss of the rendezvous store's host (global rank 0) ends the wait with its error.
+ * TD_ERR_INVALID for a bad rank list. THREAD SAFETY: any thread. Blocks. */
+TD_API td_status td_process_group_spare(td_rpc_agent *agent, const int *ranks, int n,
+                                        td_pg_backend backend, td_timeout_ms timeout,
+                                        td_timeout_ms wait, td_process_group **out,
+                                        bool *members_lost);
+/* td_process_group_release_spares answers every spare still waiting for pg's lineage (and every
+ * later offer) with "not needed", and returns once each answered spare has acknowledged its
+ * answer (a spare on this host whose process exited is not waited for; the others at most the
+ * group's timeout). Call it once the group will not re-form again (after the last step), from
+ * one member that outlives the answers: the rendezvous store's host (global rank 0) when it is
+ * a member, since it leaving ends the store. Calling it again does no harm. THREAD SAFETY: any
+ * thread. Blocks. */
+TD_API td_status td_process_group_release_spares(td_process_group *pg);
+/* td_process_group_spares_waiting counts the spares waiting to replace a member of pg's lineage
+ * (offered, not admitted, not withdrawn; one on this host whose process exited is dropped).
+ * A few store requests per spare. THREAD SAFETY: any thread. */
+TD_API td_status td_process_group_spares_waiting(td_process_group *pg, int *waiting);
+/* td_process_group_joined says whether this member entered pg as a spare (false for NULL). */
+TD_API bool td_process_group_joined(const td_process_group *pg);
+
 /* td_process_group_all_reduce_ordered sums the shards of a batch in shard order whoever holds
  * them: the n_shards contributions (shard s is held by group rank owner[s]; owner is the same
  * on every member, and a member may hold any number of shards, none included) are combined as
@@ -512,9 +556,21 @@ TD_API void td_ft_ddp_options_init(td_ft_ddp_options *o);
  * float64 CPU tensors) over pg. Collective over pg: copies group rank 0's parameters to every
  * member. Borrows pg and opt (both must outlive the td_ft_ddp; pg is never destroyed by it: the
  * groups it re-forms are its own, see td_ft_ddp_group). opts NULL: the defaults. Release with
- * td_ft_ddp_destroy(). */
+ * td_ft_ddp_destroy().
+ *
+ * On a group a spare was admitted to (td_process_group_spare: the survivors' recovery is
+ * waiting for it), it joins instead: it takes n_shards (opts->n_shards is ignored), the shard
+ * table, and the parameters, optimizer state (and scaler state) of the last committed step from
+ * the survivors, the very state they hold, so the training goes on bitwise as without the
+ * failure. The survivors then deal the shards again as at creation over the members (a group
+ * made whole again takes each its own shard, and the overlapped fast path, again). The spare
+ * runs its first step at td_ft_ddp_next_step, with the same shard function and injections as
+ * the others. Survivors report it in td_ft_step_info.joined and the message. */
 TD_API td_status td_ft_ddp_create(td_process_group *pg, td_optim *opt,
                                   const td_ft_ddp_options *opts, td_ft_ddp **out);
+/* td_ft_ddp_next_step returns the step to run next: the last committed step + 1 (0 before the
+ * first; for a spare that joined, the step after the one it was healed to). */
+TD_API int64_t td_ft_ddp_next_step(const td_ft_ddp *ft);
 
 /* What td_ft_ddp_step did (every field set on TD_OK). */
 typedef struct td_ft_step_info {
@@ -523,9 +579,13 @@ typedef struct td_ft_step_info {
   int members;             /* the group's size then */
   int failures;            /* failures survived during this step (0: a plain step) */
   int lost;                /* members lost during this step */
+  int joined;              /* spares admitted in place of lost members during this step
+                              (td_process_group_spare; td_ft_ddp only) */
   int shards_computed;     /* shard gradients this member computed in this step */
   int shards_recomputed;   /* shards of lost members the survivors computed in this step */
   bool healed;             /* this member took the step's state from a member that committed it */
+  bool overlapped;         /* td_ft_ddp: the step committed on the fast path (its reduction
+                              overlapped with backward; see td_ft_ddp_options.module) */
   double recovery_s;       /* from the first failure seen to the commit (0 without failure) */
   double machinery_s;      /* the fault tolerance's own time in a step without failure, beyond
                               what td_ddp / td_zero do; 0 otherwise. td_ft_ddp (fast path only):

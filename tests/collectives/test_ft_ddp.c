@@ -63,12 +63,8 @@ typedef struct replica {
 } replica;
 
 /* overlap: give td_ft_ddp the module (the overlapped fast path while nothing failed). */
-static void replica_start(replica *x, int rank, int world, const char *method, td_optim_kind kind,
-                          double lr, const td_ft_ddp_options *opts, bool overlap,
-                          int64_t timeout_ms) {
-  x->a = coll_join(rank, world, method);
-  MP_CHECK_OK(td_process_group_create(x->a, NULL, 0, TD_PG_BACKEND_CPU,
-                                      timeout_ms ? timeout_ms : 20000, &x->pg));
+/* The model, its parameters and the optimizer of a replica whose agent and group exist. */
+static void replica_model(replica *x, td_optim_kind kind, double lr) {
   x->m = ft_build();
   td_tensor_list_init(&x->ps);
   MP_CHECK_OK(td_module_parameters(x->m, &x->ps));
@@ -76,6 +72,15 @@ static void replica_start(replica *x, int rank, int world, const char *method, t
   td_optim_options_init(&oo, kind);
   oo.lr = lr;
   MP_CHECK_OK(td_optim_create(&oo, x->ps.tensors, x->ps.n, &x->opt));
+}
+
+static void replica_start(replica *x, int rank, int world, const char *method, td_optim_kind kind,
+                          double lr, const td_ft_ddp_options *opts, bool overlap,
+                          int64_t timeout_ms) {
+  x->a = coll_join(rank, world, method);
+  MP_CHECK_OK(td_process_group_create(x->a, NULL, 0, TD_PG_BACKEND_CPU,
+                                      timeout_ms ? timeout_ms : 20000, &x->pg));
+  replica_model(x, kind, lr);
   td_ft_ddp_options fo = *opts;
   if (overlap) fo.module = x->m;
   MP_CHECK_OK(td_ft_ddp_create(x->pg, x->opt, &fo, &x->ft));
@@ -240,6 +245,169 @@ static void test_ft_ddp_matrix(void **state) {
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
 }
 
+/* ---- spares: ranks 4 and 5 wait outside the group of ranks 0-3 and replace the lost ---- */
+
+#define SPARE_WORLD 6
+#define SPARE_MEMBERS 4
+
+typedef struct spare_case {
+  const char *name;
+  fault f[2];
+  int nf;
+  int joined[2];      /* whether spare 4, spare 5 is admitted */
+  uint64_t generation; /* the survivors' last generation */
+  int lost;           /* members lost, as every original survivor counts them */
+  char dir[256];
+} spare_case;
+
+static int spare_worker(int rank, int world, const char *method, void *arg) {
+  spare_case *c = arg;
+  ft_record_start(c->dir, rank);
+  td_ft_ddp_options fo;
+  td_ft_ddp_options_init(&fo);
+  fo.bucket_bytes = 64 * sizeof(double);
+  fo.max_grad_norm = 1.0;
+  fo.reform_timeout = 20000;
+  replica x = {0};
+  x.a = coll_join(rank, world, method);
+  const int members[SPARE_MEMBERS] = {0, 1, 2, 3};
+  bool spare = rank >= SPARE_MEMBERS, members_lost = false;
+  if (spare) {
+    MP_CHECK_OK(td_process_group_spare(x.a, members, SPARE_MEMBERS, TD_PG_BACKEND_CPU, 20000,
+                                       TD_TIMEOUT_INFINITE, &x.pg, &members_lost));
+    if (!x.pg) { /* released: not needed */
+      char rep[64];
+      int k = snprintf(rep, sizeof rep, "released %d %d\n", members_lost, (int)getpid());
+      ft_write_file(c->dir, "report", rank, rep, (size_t)k, "w");
+      td_status st = td_rpc_shutdown(x.a, !members_lost, 30000);
+      MP_CHECK(members_lost || st == TD_OK);
+      td_rpc_destroy(x.a);
+      CHECK_NO_LEAKS();
+      return 0;
+    }
+    MP_CHECK(td_process_group_joined(x.pg));
+  } else {
+    MP_CHECK_OK(td_process_group_create(x.a, members, SPARE_MEMBERS, TD_PG_BACKEND_CPU, 20000,
+                                        &x.pg));
+    MP_CHECK(!td_process_group_joined(x.pg));
+    int waiting = 0; /* both spares stand by before the first step: admission is by rank */
+    for (int t = 0; waiting < 2 && t < 3000; t++) {
+      MP_CHECK_OK(td_process_group_spares_waiting(x.pg, &waiting));
+      if (waiting < 2) td_test_sleep_ms(10);
+    }
+    MP_CHECK(waiting == 2);
+  }
+  replica_model(&x, TD_OPTIM_ADAMW, 1e-2);
+  fo.module = x.m;
+  MP_CHECK_OK(td_ft_ddp_create(x.pg, x.opt, &fo, &x.ft));
+  for (int i = 0; i < c->nf; i++)
+    MP_CHECK_OK(td_ft_ddp_inject(x.ft, c->f[i].rank, c->f[i].step, c->f[i].when, c->f[i].what));
+  int64_t first = td_ft_ddp_next_step(x.ft);
+  MP_CHECK(spare ? first > 0 : first == 0); /* a spare starts after the step it was healed to */
+  int lost = 0, joined = 0;
+  bool overlapped = false;
+  for (int64_t step = first; step < STEPS; step++) {
+    td_ft_step_info info;
+    MP_CHECK_OK(td_ft_ddp_step(x.ft, step, shard_fn, x.m, &info));
+    if (info.failures) fprintf(stderr, "[rank %d] %s\n", rank, info.message);
+    lost += info.lost;
+    joined += info.joined;
+    overlapped = info.overlapped;
+  }
+  td_ft_step_info sync;
+  MP_CHECK_OK(td_ft_ddp_sync(x.ft, &sync));
+  lost += sync.lost;
+  joined += sync.joined;
+  td_process_group *cur = td_ft_ddp_group(x.ft);
+  /* the lowest member (rank 0, the store's host) releases the spares not needed, and stays
+   * until they have their answer */
+  if (td_process_group_rank(cur) == 0) MP_CHECK_OK(td_process_group_release_spares(cur));
+  char rep[256];
+  int k = snprintf(rep, sizeof rep, "%s %llu %d %d %d %lld %d %d\n", spare ? "joined" : "member",
+                   (unsigned long long)td_process_group_generation(cur),
+                   td_process_group_size(cur), lost, joined, (long long)first, overlapped,
+                   (int)getpid());
+  ft_write_file(c->dir, "report", rank, rep, (size_t)k, "w");
+  for (size_t i = 0; i < x.ps.n; i++)
+    ft_write_file(c->dir, "params", rank, td_tensor_data(x.ps.tensors[i]),
+                  td_tensor_nbytes(x.ps.tensors[i]), i ? "a" : "w");
+  /* a spare was needed: someone was lost, so nobody can shut down gracefully */
+  replica_end(&x, !spare && lost == 0);
+  return 0;
+}
+
+static void run_spare_case(spare_case *c) {
+  snprintf(c->dir, sizeof c->dir, "/tmp/td_ft_spare_XXXXXX");
+  assert_non_null(mkdtemp(c->dir));
+  int codes[SPARE_WORLD];
+  double t0 = td_test_now_s();
+  int bad = td_mp_run(SPARE_WORLD, spare_worker, c, 120, codes);
+  fprintf(stderr, "spare case %s: %.2f s\n", c->name, td_test_now_s() - t0);
+  int killed = 0;
+  for (int r = 0; r < SPARE_WORLD; r++) {
+    if (ft_victim(c->f, c->nf, r)) {
+      assert_int_equal(codes[r], 128 + SIGKILL);
+      killed++;
+      continue;
+    }
+    assert_int_equal(codes[r], 0);
+    int pid0 = ft_started_once(c->dir, r);
+    char rep[256], role[16] = "";
+    size_t n = ft_read_file(c->dir, "report", r, rep, sizeof rep - 1);
+    rep[n] = 0;
+    fprintf(stderr, "  rank %d: %s", r, rep);
+    if (r >= SPARE_MEMBERS && !c->joined[r - SPARE_MEMBERS]) {
+      int members_lost = -1, pid1 = 0;
+      assert_int_equal(sscanf(rep, "released %d %d", &members_lost, &pid1), 2);
+      assert_int_equal(pid1, pid0);
+      assert_int_equal(members_lost, c->lost > 0);
+      continue;
+    }
+    unsigned long long gen = 0;
+    int members = 0, lost = 0, joined = 0, overlapped = 0, pid1 = 0;
+    long long first = -1;
+    assert_int_equal(sscanf(rep, "%15s %llu %d %d %d %lld %d %d", role, &gen, &members, &lost,
+                            &joined, &first, &overlapped, &pid1), 8);
+    /* made whole, each member holds its own shard again: the last step overlaps the reduction
+     * with backward as before the failure */
+    assert_int_equal(overlapped, 1);
+    assert_int_equal(pid1, pid0);
+    assert_string_equal(role, r >= SPARE_MEMBERS ? "joined" : "member");
+    assert_int_equal(gen, c->generation);
+    assert_int_equal(members, SPARE_MEMBERS); /* made whole again by the spares */
+    if (r < SPARE_MEMBERS) {
+      assert_int_equal(lost, c->lost);
+      assert_int_equal(joined, c->joined[0] + c->joined[1]);
+    }
+    char buf[4096];
+    n = ft_read_file(c->dir, "params", r, buf, sizeof buf);
+    assert_true(n > 0);
+    assert_int_equal(n, baseline_n[0]);
+    assert_memory_equal(buf, baseline[0], n); /* bitwise the failure-free run of 4 */
+  }
+  assert_int_equal(bad, killed);
+  ft_remove_dir(c->dir);
+}
+
+static void test_ft_ddp_spares(void **state) {
+  (void)state;
+  if (!baseline_n[0]) { /* run alone: the failure-free run of 4 first */
+    ft_case plain = {"no failure", {{0}}, 0, 0, 4, 0, 0, -1, ""};
+    run_case(&plain);
+  }
+  spare_case cases[] = {
+      {"kill rank 2 before step 2: spare 4 replaces it, spare 5 is released",
+       {KILL(2, 2, TD_FT_BEFORE)}, 1, {1, 0}, 1, 1, ""},
+      {"kill ranks 1 and 3 after the reduction of step 3: both spares join",
+       {KILL(1, 3, TD_FT_AFTER), KILL(3, 3, TD_FT_AFTER)}, 2, {1, 1}, 1, 2, ""},
+      {"kill rank 2 before step 2, then rank 1 in that recovery: the spare joins twice",
+       {KILL(2, 2, TD_FT_BEFORE), KILL(1, 2, TD_FT_RECOVERY)}, 2, {1, 1}, 2, 2, ""},
+      {"kill rank 3 during step 1, then the spare that replaced it during step 4",
+       {KILL(3, 1, TD_FT_DURING), KILL(4, 4, TD_FT_DURING)}, 2, {1, 1}, 2, 2, ""},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_spare_case(&cases[i]);
+}
+
 /* ---- the coordinator: rank 0 hosts the store; its loss ends the job, clearly ---- */
 
 static int coordinator_worker(int rank, int world, const char *method, void *arg) {
@@ -378,6 +546,7 @@ int main(void) {
       cmocka_unit_test(test_reform_stale_and_notice),
       cmocka_unit_test(test_ft_ddp_matrix),
       cmocka_unit_test(test_ft_ddp_coordinator_lost),
+      cmocka_unit_test(test_ft_ddp_spares),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
