@@ -112,6 +112,8 @@ typedef struct opts {
   int64_t loss_scale_growth_interval;
   bool ft;                 /* --ft: fault-tolerant DDP or ZeRO (td_ft_ddp, td_ft_zero) */
   const char *ft_inject;   /* --ft-inject: "rank:step:when:what[,...]" (tests, benchmarks) */
+  int spares;              /* --spares: the last S ranks wait outside the group to replace lost
+                              members (td_process_group_spare; --ft --dp ddp) */
 } opts;
 
 static void opts_defaults(opts *o) {
@@ -198,6 +200,10 @@ static void opts_parse(int argc, char **argv, opts *o) {
        "--ft: inject faults, \"rank:step:when:what[,...]\" (when: before, during, after the "
        "reduction, or recovery; zero1/2/3 also before_gather, during_gather, after_gather, "
        "after_vote; zero3 also unit_gather; what: kill, close, stop)"},
+      {"spares", EX_OPT_INT, &o->spares,
+       "--ft --dp ddp: the last S workers of the world are spares: they wait outside the "
+       "data-parallel group and one joins in place of each lost member, healed from the "
+       "survivors (the world is nproc + S when forking)"},
       {"metrics", EX_OPT_STRING, &o->metrics,
        "write JSON lines of every step and evaluation to FILE (scripts/plot.py draws them)"},
   };
@@ -237,6 +243,8 @@ static void opts_parse(int argc, char **argv, opts *o) {
            "checkpointing (td_ft_zero stage 3; not yet with --grad-accum or "
            "--activation-checkpointing)");
   if (o->ft_inject && !o->ft) ex_die("--ft-inject needs --ft");
+  if (o->spares < 0 || (o->spares && (!o->ft || strcmp(o->dp, "ddp"))))
+    ex_die("--spares S (S >= 0) needs --ft --dp ddp (td_ft_ddp heals a spare; td_ft_zero not yet)");
 }
 
 static td_checkpoint_mode ckpt_mode(const opts *o) {
@@ -419,6 +427,12 @@ typedef struct dp_run {
   /* --ft: the fault-tolerant DDP and what it survived */
   td_ft_ddp *ft;
   td_ft_zero *ftz;         /* --ft with --dp zero1 / zero2 / zero3 */
+  td_rpc_agent *agent;
+  bool spare;              /* --spares: this worker waits to replace a lost member */
+  bool spare_released;     /* ... and was not needed */
+  bool members_lost;       /* ... while the group lost members (its shutdown follows theirs) */
+  bool joined;             /* this worker joined the group as a spare */
+  int ft_joined;           /* spares that joined, as the steps report them */
   int ft_blocks_copied;
   int ft_failures, ft_lost, ft_members, ft_shards_recomputed, ft_steps_with_failure;
   uint64_t ft_generation;
@@ -831,6 +845,7 @@ static void ft_note(dp_run *dp, const td_ft_step_info *info, bool tty) {
     fprintf(stderr, "%sgpt: %s\n", tty ? "\n" : "", info->message);
   dp->ft_failures += info->failures;
   dp->ft_lost += info->lost;
+  dp->ft_joined += info->joined;
   dp->ft_shards_recomputed += info->shards_recomputed;
   dp->ft_blocks_copied += info->blocks_copied;
   dp->ft_steps_with_failure++;
@@ -845,18 +860,36 @@ static void ft_note(dp_run *dp, const td_ft_step_info *info, bool tty) {
 static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, train_result *r) {
   td_optim *opt = NULL;
   td_grad_scaler *sc = make_scaler(o, dp); /* no agreement: the step decides alike everywhere */
-  ft_create(m, o, dp, sc, &opt);
   bool lead = dp->rank == 0;
   ex_json_array(&r->evals);
   r->hash = r->loss_hash = 0xcbf29ce484222325ull;
   r->train_s = r->train_cpu_s = 0;
   r->grad_norm = NAN;
   r->last_loss = r->train_loss = r->val_loss = NAN;
+  r->skipped_steps = 0;
+  r->loss_scale = NAN;
+  if (dp->spare) { /* wait outside the group until a lost member's place is ours, or the end */
+    int *members = malloc((size_t)dp->world * sizeof *members);
+    if (!members) ex_die("out of memory");
+    for (int i = 0; i < dp->world; i++) members[i] = i;
+    EX_CHECK(td_process_group_spare(dp->agent, members, dp->world, TD_PG_BACKEND_CPU,
+                                    TD_TIMEOUT_DEFAULT, TD_TIMEOUT_INFINITE, &dp->pg,
+                                    &dp->members_lost));
+    free(members);
+    if (!dp->pg) {
+      dp->spare_released = true;
+      td_optim_destroy(opt);
+      td_grad_scaler_destroy(sc);
+      return;
+    }
+    dp->joined = true;
+  }
+  ft_create(m, o, dp, sc, &opt); /* a spare that joined is healed here by the survivors */
   ex_progress p;
   ex_progress_start(&p, "gpt", lead ? o->steps : 0);
   ft_shard_ctx ctx = {m, c, o, sc, 0, 0};
   bool zero3 = !strcmp(o->dp, "zero3");
-  for (int64_t it = 0;; it++) {
+  for (int64_t it = dp->ft ? td_ft_ddp_next_step(dp->ft) : 0;; it++) {
     bool eval = it % o->eval_interval == 0 || it == o->steps;
     if (zero3 && eval) { /* every rank: the blocks gathered (until the next step) */
       td_ft_step_info si;
@@ -889,11 +922,11 @@ static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, t
   dp->ft_lost += si.lost;
   dp->ft_blocks_copied += si.blocks_copied;
   td_process_group *g = ft_group(dp);
+  /* the lowest member (rank 0, the store's host) answers the spares not needed */
+  if (o->spares && td_process_group_rank(g) == 0) EX_CHECK(td_process_group_release_spares(g));
   dp->ft_members = td_process_group_size(g);
   dp->ft_generation = td_process_group_generation(g);
   if (lead) ex_progress_finish(&p, "val loss %.4f", r->val_loss);
-  r->skipped_steps = 0;
-  r->loss_scale = NAN;
   if (sc) {
     td_grad_scaler_stats st;
     EX_CHECK(td_grad_scaler_get_stats(sc, &st));
@@ -1263,7 +1296,7 @@ int main(int argc, char **argv) {
   if (!o.load && (o.nproc > 1 || zero_alone || getenv("RANK") || getenv("SLURM_PROCID") ||
                   getenv("OMPI_COMM_WORLD_RANK"))) {
     psx_tolerate_failures(o.ft); /* --ft: a lost worker does not stop the others */
-    psx_spawn_if_alone(o.nproc); /* a launcher's rank becomes RANK */
+    psx_spawn_if_alone(o.nproc + o.spares); /* a launcher's rank becomes RANK */
     dp.rank = atoi(getenv("RANK"));
     snprintf(wname, sizeof wname, "worker%d", dp.rank);
     if (run_dev.type == TD_DEVICE_CUDA) { /* one GPU per rank, the NCCL group's device too */
@@ -1273,10 +1306,21 @@ int main(int argc, char **argv) {
       EX_CHECK(td_cuda_set_device(run_dev.index));
     }
     EX_CHECK(td_rpc_init_from_env(wname, NULL, &agent));
-    dp.world = td_rpc_world_size(agent);
-    EX_CHECK(td_process_group_create(
-        agent, NULL, 0, run_dev.type == TD_DEVICE_CUDA ? TD_PG_BACKEND_NCCL : TD_PG_BACKEND_CPU,
-        TD_TIMEOUT_DEFAULT, &dp.pg));
+    dp.agent = agent;
+    /* --spares S: the data-parallel group is the first world - S ranks; the others wait */
+    dp.world = td_rpc_world_size(agent) - o.spares;
+    if (dp.world < 1) ex_die("--spares %d leaves no member in a world of %d", o.spares,
+                             td_rpc_world_size(agent));
+    int *members = malloc((size_t)dp.world * sizeof *members);
+    if (!members) ex_die("out of memory");
+    for (int i = 0; i < dp.world; i++) members[i] = i;
+    dp.spare = dp.rank >= dp.world;
+    if (!dp.spare)
+      EX_CHECK(td_process_group_create(
+          agent, members, dp.world,
+          run_dev.type == TD_DEVICE_CUDA ? TD_PG_BACKEND_NCCL : TD_PG_BACKEND_CPU,
+          TD_TIMEOUT_DEFAULT, &dp.pg));
+    free(members);
   }
   bool on_gpu = run_dev.type == TD_DEVICE_CUDA;
   double t_start = ex_now_s();
@@ -1312,7 +1356,7 @@ int main(int argc, char **argv) {
     EX_CHECK(td_gpt_set_activation_checkpointing(m, ckpt_mode(&o)));
     act_probe ap = {0};
     /* the probes measure the CPU allocator: CPU runs only */
-    if (!dp.pg && !on_gpu) activation_probe(m, &c, &o, dt, &ap);
+    if (!dp.pg && !dp.spare && !on_gpu) activation_probe(m, &c, &o, dt, &ap);
     if (on_gpu) EX_CHECK(td_cuda_memory_peak(run_dev.index, true, NULL));
     train_result r;
     ex_metrics_open(o.metrics, dp.rank, dp.world, wname, "gpt", NULL);
@@ -1347,6 +1391,7 @@ int main(int argc, char **argv) {
     if (dp.pg && o.ft) {
       ex_json_int(&res, "ft_failures", dp.ft_failures);
       ex_json_int(&res, "ft_lost_workers", dp.ft_lost);
+      if (o.spares) ex_json_int(&res, "ft_joined_workers", dp.ft_joined);
       ex_json_int(&res, "ft_steps_with_failure", dp.ft_steps_with_failure);
       ex_json_int(&res, "ft_shards_recomputed", dp.ft_shards_recomputed);
       if (strcmp(o.dp, "ddp")) ex_json_int(&res, "ft_blocks_copied", dp.ft_blocks_copied);
@@ -1408,12 +1453,14 @@ int main(int argc, char **argv) {
   ex_json_fini(&cfg);
   ex_json_fini(&res);
   int rc = 0;
-  if (dp.pg) {
+  if (agent) {
     td_ddp_destroy(dp.ddp);
     td_zero_destroy(dp.zero);
     td_process_group_destroy(dp.pg);
-    /* with a worker lost (--ft) the graceful shutdown's barrier would wait for it */
-    if (td_rpc_shutdown(agent, dp.ft_lost == 0, TD_TIMEOUT_DEFAULT) != TD_OK) {
+    /* with a worker lost (--ft) the graceful shutdown's barrier would wait for it (a spare
+     * joined only in place of a lost one; one not needed knows whether any was lost) */
+    bool graceful = dp.ft_lost == 0 && !dp.joined && !(dp.spare_released && dp.members_lost);
+    if (td_rpc_shutdown(agent, graceful, TD_TIMEOUT_DEFAULT) != TD_OK) {
       fprintf(stderr, "worker%d: shutdown: %s\n", dp.rank, td_last_error());
       rc = 1;
     }
@@ -1422,5 +1469,5 @@ int main(int argc, char **argv) {
   td_module_unref(m);
   free(vocab);
   corpus_free(&c);
-  return dp.pg ? psx_wait_children(rc) : rc;
+  return agent ? psx_wait_children(rc) : rc;
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_example_gpt_ft.sh TDISTRUN GPT [DP [tdistrun|mpirun|srun|accum|scale]] - gpt --dp DP --ft (DP: ddp, td_ft_ddp,
+# test_example_gpt_ft.sh TDISTRUN GPT [DP [tdistrun|mpirun|srun|accum|scale|spares]] - gpt --dp DP --ft (DP: ddp, td_ft_ddp,
 # the default; zero1, zero2 or zero3, td_ft_zero) under tdistrun with 4 workers, float64: a run without failure, then the same run with rank 2's process SIGKILLed from
 # outside once training is under way (at whatever step and phase it is in). The second run must
 # finish (tdistrun --tolerate-failures 1: exit status 0, no restart), print one line naming the
@@ -23,7 +23,12 @@
 # or after the vote (zero: rolled forward) of skipped step 3, and rank 3 killed before the
 # reduction of step 9: the same parameters, skipped steps and final scale as the failure-free
 # run; and float32 --loss-scale dynamic trains the parameters of --loss-scale none (the step
-# unscales exactly). Skips (77) without the corpus. Ends only the processes it started, by pid.
+# unscales exactly). "spares" (ddp): --spares, workers waiting outside the group: with none lost
+# the spare is released and the result is unchanged; under tdistrun (5 workers, 1 spare) rank 2
+# killed before the reduction of step 5, and started bare (4 + 2 spares) with rank 1 killed
+# during step 3 and rank 2 after step 7's reduction: each lost member is replaced by a spare
+# healed from the survivors (the line names both; 4 members at the end), parameters bit for bit
+# the failure-free run's. Skips (77) without the corpus. Ends only the processes it started, by pid.
 set -euo pipefail
 tdistrun="$1"
 gpt="$2"
@@ -40,6 +45,7 @@ scale="${TD_TEST_TIMEOUT_SCALE:-1}"
 args=(--dp "$dp" --ft --dtype f64 --n-layer 2 --n-head 2 --n-embd 32 --block-size 16
       --batch-size 4 --steps 250 --eval-interval 1000 --eval-iters 2 --bucket-mb 0.05)
 [[ "$mode" == accum ]] && args+=(--steps 12 --grad-accum 2)
+[[ "$mode" == spares ]] && args+=(--steps 12)
 [[ "$mode" == scale ]] && args+=(--steps 12 --dtype f16 --loss-scale dynamic --loss-scale-init 16777216)
 base="$(mktemp)"
 out="$(mktemp)"
@@ -130,6 +136,43 @@ if [[ "$mode" == accum ]]; then
   fi
   if [[ $fail -ne 0 ]]; then tail -n 30 "$out"; exit 1; fi
   echo "PASS: --grad-accum 2: $h1 with and without the kill (--grad-accum 1: $h_one)"
+  exit 0
+fi
+
+if [[ "$mode" == spares ]]; then
+  # spares (--spares S: the last S workers wait outside the group): one joins in place of each
+  # lost member, healed from the survivors, and the run ends with the failure-free parameters
+  fail=0
+  joined_of() { grep -o '"ft_joined_workers": [0-9]*, .*"ft_members_at_end": [0-9]*' "$1" |
+                sed 's/"ft_steps_with_failure.*"ft_members_at_end"/"ft_members_at_end"/'; }
+  # no failure: the spare is released, everybody shuts down gracefully
+  timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 5 "$gpt" "${args[@]}" \
+    --spares 1 >"$out" 2>&1 || { tail -n 20 "$out"; echo "FAIL: --spares 1 without failure"; exit 1; }
+  [[ "$(hash_of "$out")" == "$h0" ]] || { echo "FAIL: a spare standing by changed the result"; fail=1; }
+  # tdistrun, rank 2 killed before the reduction of step 5: worker4 joins
+  rc=0
+  timeout $((120 * scale)) "$tdistrun" --standalone --nproc-per-node 5 --tolerate-failures 1 \
+    "$gpt" "${args[@]}" --spares 1 --ft-inject 2:5:before:kill >"$out" 2>&1 || rc=$?
+  grep -E "^\[[0-9]+\]: gpt: step|tdistrun:" "$out" || true
+  [[ $rc -eq 0 ]] || { echo "FAIL: the job ended with status $rc"; fail=1; }
+  grep -qE "gpt: step 5, .*lost: worker2 \(rank 2\); joined \(a spare\): worker4 \(rank 4\); generation 1 formed with 4 of 4 members" "$out" ||
+    { echo "FAIL: no line naming the lost worker and the spare that joined"; fail=1; }
+  [[ "$(joined_of "$out")" == '"ft_joined_workers": 1, "ft_members_at_end": 4' ]] ||
+    { echo "FAIL: spares joined / members at the end: $(joined_of "$out")"; fail=1; }
+  h1="$(hash_of "$out")"
+  [[ "$h1" == "$h0" ]] || { echo "FAIL: with a spare healed in: $h1, not $h0"; fail=1; }
+  # started bare with two spares: rank 1 killed during step 3, rank 2 after step 7's reduction
+  rc=0
+  timeout $((120 * scale)) "$gpt" "${args[@]}" --nproc 4 --spares 2 \
+    --ft-inject 1:3:during:kill,2:7:after:kill >"$out" 2>&1 || rc=$?
+  grep -E "^gpt: step" "$out" | cut -c1-200 || true
+  [[ $rc -eq 0 ]] || { echo "FAIL: the bare job ended with status $rc"; fail=1; }
+  [[ "$(joined_of "$out")" == '"ft_joined_workers": 2, "ft_members_at_end": 4' ]] ||
+    { echo "FAIL: bare: spares joined / members at the end: $(joined_of "$out")"; fail=1; }
+  h2="$(hash_of "$out")"
+  [[ "$h2" == "$h0" ]] || { echo "FAIL: bare, two spares healed in: $h2, not $h0"; fail=1; }
+  if [[ $fail -ne 0 ]]; then tail -n 30 "$out"; exit 1; fi
+  echo "PASS: spares: $h0 without failure, with one spare and with two healed in"
   exit 0
 fi
 
