@@ -228,3 +228,53 @@ int td__ft_reassign(td_process_group *pg, int *owner, int M, td_tensor **grad, c
   td__free(load);
   return moved;
 }
+
+/* ---- moving state between members ---- */
+
+#define PACK_BYTES ((size_t)8 << 20) /* the staging piece of td__ft_bcast_packed */
+
+td_status td__ft_bcast_packed(td_process_group *pg, td_tensor *const *ts, size_t n, int root,
+                              int64_t *bytes) {
+  td_tensor *stage[2] = {NULL, NULL}; /* float32 and float64 pieces (bytes, as a broadcast) */
+  td_status st = TD_OK;
+  bool giver = td_process_group_rank(pg) == root;
+  for (size_t i = 0; st == TD_OK && i < n;) {
+    size_t nb = td_tensor_nbytes(ts[i]), es = td_dtype_size(td_tensor_dtype(ts[i]));
+    if (nb >= PACK_BYTES / 2 || !td_tensor_is_contiguous(ts[i]) || (es != 4 && es != 8)) {
+      if (bytes) *bytes += (int64_t)nb;
+      st = td_process_group_broadcast(pg, ts[i], root); /* large enough alone */
+      i++;
+      continue;
+    }
+    /* a run of small contiguous tensors of one element size, packed into one piece */
+    size_t j = i, used = 0;
+    while (j < n && td_tensor_is_contiguous(ts[j]) &&
+           td_dtype_size(td_tensor_dtype(ts[j])) == es &&
+           td_tensor_nbytes(ts[j]) < PACK_BYTES / 2 && used + td_tensor_nbytes(ts[j]) <= PACK_BYTES)
+      used += td_tensor_nbytes(ts[j++]);
+    td_tensor **sp = &stage[es == 8], *piece = NULL;
+    if (!*sp) {
+      int64_t cap = (int64_t)(PACK_BYTES / es);
+      st = td_tensor_empty(&cap, 1, es == 8 ? TD_DTYPE_F64 : TD_DTYPE_F32, td_device_cpu(), sp);
+    }
+    if (st == TD_OK) st = td_tensor_narrow(*sp, 0, 0, (int64_t)(used / es), &piece);
+    char *p = piece ? td_tensor_data(piece) : NULL;
+    size_t off = 0;
+    for (size_t k = i; st == TD_OK && giver && k < j; k++) {
+      memcpy(p + off, td_tensor_data(ts[k]), td_tensor_nbytes(ts[k]));
+      off += td_tensor_nbytes(ts[k]);
+    }
+    if (st == TD_OK) st = td_process_group_broadcast(pg, piece, root);
+    off = 0;
+    for (size_t k = i; st == TD_OK && k < j; k++) {
+      if (!giver) memcpy(td_tensor_data(ts[k]), p + off, td_tensor_nbytes(ts[k]));
+      off += td_tensor_nbytes(ts[k]);
+    }
+    if (st == TD_OK && bytes) *bytes += (int64_t)used;
+    td_tensor_unref(piece);
+    i = j;
+  }
+  td_tensor_unref(stage[0]);
+  td_tensor_unref(stage[1]);
+  return st;
+}

@@ -71,6 +71,7 @@ struct td_ft_ddp {
   int64_t slow_step;       /* the step the survivors of a recovery go on with: every member
                               takes the ordered path in it (some hold its shards' gradients
                               already, a healed member does not: the paths must agree) */
+  td_ft_ddp_stats stats;   /* heals (td_ft_ddp_get_stats) */
   bool joining;            /* a spare admitted to the group (td_process_group_joined), not yet
                               healed: it has no step, no shard table and no n_shards of its own */
 };
@@ -341,6 +342,8 @@ static td_status commit(td_ft_ddp *ft, int64_t step, bool grads_set) {
 /* Broadcasts the parameters and the optimizer state from group rank root. */
 static td_status heal_from(td_ft_ddp *ft, int root) {
   td_process_group *pg = ft->pg;
+  uint64_t t0 = td__now_ns();
+  int64_t bytes = 0;
   int64_t n = (int64_t)ft->np * 4;
   td_tensor *meta = NULL;
   TD_TRY(td_tensor_zeros(&n, 1, TD_DTYPE_I64, td_device_cpu(), &meta));
@@ -366,26 +369,33 @@ static td_status heal_from(td_ft_ddp *ft, int root) {
     for (int s = 0; st == TD_OK && s < ft->M; s++) ft->owner[s] = (int)t[s];
   }
   td_tensor_unref(tab);
+  /* every parameter and its state buffers (a member without them makes them), in one list,
+   * sent packed: the state is tens to hundreds of tensors, most small */
+  size_t nt = 0;
+  td_tensor **ts = td__calloc(ft->np * 4, sizeof *ts), **state = td__calloc(ft->np * 3,
+                                                                            sizeof *state);
+  if (st == TD_OK && (!ts || !state)) st = td_set_error(TD_ERR_NOMEM, "ft_ddp: out of memory");
   for (size_t i = 0; st == TD_OK && i < ft->np; i++) {
-    st = td_process_group_broadcast(pg, ft->params[i], root);
-    td_tensor *bufs[3] = {NULL, NULL, NULL}, *fresh[3] = {NULL, NULL, NULL};
-    if (st == TD_OK) st = td_optim_state_get(ft->opt, i, bufs, NULL);
+    ts[nt++] = ft->params[i];
+    st = td_optim_state_get(ft->opt, i, &state[3 * i], NULL);
     for (int j = 0; st == TD_OK && j < 3; j++) {
-      if (!mv[4 * i + j]) continue;
-      if (!bufs[j]) {
-        int64_t pn = td_tensor_numel(ft->params[i]);
-        st = td_tensor_zeros(&pn, 1, ft->dt, td_device_cpu(), &fresh[j]);
+      td_tensor **b = &state[3 * i + j];
+      if (!mv[4 * i + j]) { /* the giver has none: neither will we */
+        td_tensor_unref(*b);
+        *b = NULL;
+        continue;
       }
-      if (st == TD_OK) st = td_process_group_broadcast(pg, bufs[j] ? bufs[j] : fresh[j], root);
-    }
-    td_tensor *set[3];
-    for (int j = 0; j < 3; j++) set[j] = !mv[4 * i + j] ? NULL : bufs[j] ? bufs[j] : fresh[j];
-    if (st == TD_OK) st = td_optim_state_set(ft->opt, i, set, mv[4 * i + 3]);
-    for (int j = 0; j < 3; j++) {
-      td_tensor_unref(bufs[j]);
-      td_tensor_unref(fresh[j]);
+      int64_t pn = td_tensor_numel(ft->params[i]);
+      if (!*b) st = td_tensor_zeros(&pn, 1, ft->dt, td_device_cpu(), b);
+      if (st == TD_OK) ts[nt++] = *b;
     }
   }
+  if (st == TD_OK) st = td__ft_bcast_packed(pg, ts, nt, root, &bytes);
+  for (size_t i = 0; st == TD_OK && i < ft->np; i++)
+    st = td_optim_state_set(ft->opt, i, &state[3 * i], mv[4 * i + 3]);
+  for (size_t k = 0; state && k < ft->np * 3; k++) td_tensor_unref(state[k]);
+  td__free(state);
+  td__free(ts);
   td_tensor_unref(meta);
   if (st == TD_OK && ft->o.scaler) { /* the scale and growth tracker after the root's commit */
     int64_t two = 2;
@@ -402,7 +412,18 @@ static td_status heal_from(td_ft_ddp *ft, int root) {
     if (st == TD_OK && pg->rank != root) st = td_grad_scaler_set_state(ft->o.scaler, &gs);
     td_tensor_unref(sv);
   }
+  if (st == TD_OK && pg->rank != root) {
+    ft->stats.heals++;
+    ft->stats.heal_bytes += bytes;
+    ft->stats.heal_s += (double)(td__now_ns() - t0) * 1e-9;
+  }
   return st;
+}
+
+td_status td_ft_ddp_get_stats(const td_ft_ddp *ft, td_ft_ddp_stats *out) {
+  TD_CHECK_ARG(ft && out, "ft_ddp_get_stats: NULL");
+  *out = ft->stats;
+  return TD_OK;
 }
 
 /* Agrees on the last committed step; heals the members behind. *done: this member's step is

@@ -885,6 +885,16 @@ static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, t
     dp->joined = true;
   }
   ft_create(m, o, dp, sc, &opt); /* a spare that joined is healed here by the survivors */
+  if (dp->joined) {
+    td_ft_ddp_stats js;
+    EX_CHECK(td_ft_ddp_get_stats(dp->ft, &js));
+    td_process_group *g = td_ft_ddp_group(dp->ft);
+    fprintf(stderr, "gpt: worker%d (rank %d) joined generation %llu as a spare before step %lld: "
+            "took %.2f MiB of parameters and optimizer state in %.4f s (%.2f GB/s)\n", dp->rank,
+            dp->rank, (unsigned long long)td_process_group_generation(g),
+            (long long)td_ft_ddp_next_step(dp->ft), (double)js.heal_bytes / 1048576.0, js.heal_s,
+            js.heal_s > 0 ? (double)js.heal_bytes / js.heal_s * 1e-9 : 0.0);
+  }
   ex_progress p;
   ex_progress_start(&p, "gpt", lead ? o->steps : 0);
   ft_shard_ctx ctx = {m, c, o, sc, 0, 0};

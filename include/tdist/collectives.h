@@ -568,6 +568,15 @@ TD_API void td_ft_ddp_options_init(td_ft_ddp_options *o);
  * the others. Survivors report it in td_ft_step_info.joined and the message. */
 TD_API td_status td_ft_ddp_create(td_process_group *pg, td_optim *opt,
                                   const td_ft_ddp_options *opts, td_ft_ddp **out);
+/* What a td_ft_ddp took from other members (a member that had not committed a step another
+ * had, or a spare that joined). */
+typedef struct td_ft_ddp_stats {
+  int64_t heals;      /* states taken from another member */
+  int64_t heal_bytes; /* bytes of parameters and optimizer state taken */
+  double heal_s;      /* time spent taking them (the broadcasts from the member that gave it) */
+} td_ft_ddp_stats;
+TD_API td_status td_ft_ddp_get_stats(const td_ft_ddp *ft, td_ft_ddp_stats *out);
+
 /* td_ft_ddp_next_step returns the step to run next: the last committed step + 1 (0 before the
  * first; for a spare that joined, the step after the one it was healed to). */
 TD_API int64_t td_ft_ddp_next_step(const td_ft_ddp *ft);
