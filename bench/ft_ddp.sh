@@ -19,7 +19,11 @@
 # "ft_vs_torch_step_ratio",
 # "kill_to_commit_s" (median), "kill_to_commit_runs_s", "recovery_in_library_s" (median: from the
 # failure seen to the commit), "step_s_ft_after_failure" ...}} with medians over the runs (step
-# times: train_s / steps). Steps: 30.
+# times: train_s / steps). Steps: 30. With DP ddp also a run with one spare (tdistrun with NPROC
+# + 1 workers, gpt --spares 1, rank 2 killed the same way): "spare_kill_to_commit_s" (the kill
+# to the first step committed with the spare healed in), "spare_heal_bytes", "spare_heal_GBps"
+# (what the spare took over the time it took), "broadcast_GBps_same_bytes" (bench/collectives,
+# a broadcast of that many bytes in a group of NPROC) and "spare_heal_vs_broadcast".
 set -euo pipefail
 build="${1:?usage: ft_ddp.sh BUILD_DIR [RUNS] [NPROC] [DP]}"
 runs="${2:-3}"
@@ -32,10 +36,12 @@ for f in "$gpt" "$tdistrun"; do
 done
 here="$(cd "$(dirname "$0")" && pwd)"
 export OPENBLAS_NUM_THREADS=1
-python3 - "$gpt" "$tdistrun" "$here/peers/torch/gpt.py" "$runs" "$nproc" "$dp" <<'PY'
-import json, os, signal, statistics, subprocess, sys, time
+python3 - "$gpt" "$tdistrun" "$here/peers/torch/gpt.py" "$runs" "$nproc" "$dp" \
+  "$build/bench/collectives" <<'PY'
+import json, os, re, signal, statistics, subprocess, sys, time
 
 gpt, tdistrun, peer, runs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+collectives = sys.argv[7]
 nproc = sys.argv[5]
 dp = sys.argv[6]
 common = ["--steps", "30", "--eval-interval", "1000", "--eval-iters", "1"]
@@ -76,11 +82,11 @@ def rank_pid(root, rank):
             return int(name)
     return None
 
-def killed_run():
+def killed_run(spares=0):
     steps = 30
-    cmd = [tdistrun, "--standalone", "--nproc-per-node", nproc, "--tolerate-failures", "1", gpt,
-           "--dp", dp, "--ft", "--steps", str(steps), "--eval-interval", "1000",
-           "--eval-iters", "1"]
+    cmd = [tdistrun, "--standalone", "--nproc-per-node", str(int(nproc) + spares),
+           "--tolerate-failures", "1", gpt, "--dp", dp, "--ft", "--steps", str(steps),
+           "--eval-interval", "1000", "--eval-iters", "1", "--spares", str(spares)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, victim, t_kill = [], None, None
     fd = p.stdout.fileno()
@@ -112,13 +118,26 @@ def killed_run():
         raise SystemExit(f"ft_ddp.sh: the killed run failed ({p.returncode}):\n{text[-3000:]}")
     r = last_json(text)["results"]
     line = [l for l in text.splitlines() if "gpt: step" in l]
-    return {"kill_to_commit_s": r["ft_first_commit_after_failure_unix_ms"] / 1000.0 - t_kill,
-            "recovery_in_library_s": r["ft_recovery_max_s"],
-            "step_s": r["train_s"] / steps, "line": line[0] if line else ""}
+    out = {"kill_to_commit_s": r["ft_first_commit_after_failure_unix_ms"] / 1000.0 - t_kill,
+           "recovery_in_library_s": r["ft_recovery_max_s"],
+           "step_s": r["train_s"] / steps, "line": line[0] if line else ""}
+    if spares:  # "took X MiB of parameters and optimizer state in Y s (Z GB/s)"
+        m = re.search(r"joined generation \d+ as a spare before step \d+: took ([0-9.]+) MiB .* "
+                      r"in ([0-9.]+) s", text)
+        if not m or r.get("ft_members_at_end") != int(nproc):
+            raise SystemExit("ft_ddp.sh: no spare joined in:\n" + text[-3000:])
+        out.update(heal_bytes=float(m.group(1)) * 1048576.0, heal_s=float(m.group(2)))
+    return out
+
+def bcast_gbps(nbytes):
+    """The group's broadcast bandwidth (bench/collectives, algbw) for a message of nbytes."""
+    size = str(int(nbytes) // 4 * 4)
+    r = run([collectives, "--nprocs", nproc, "--ops", "broadcast", "--sizes", size])
+    return r["results"]["runs"][0]["algbw_GBps"]
 
 torch = dp == "ddp" and have_torch()
 print(f"ft_ddp.sh: {runs} runs, PyTorch peer: {'yes' if torch else 'no'}", file=sys.stderr)
-ddp, ft, tp, kills, share, mach = [], [], [], [], [], []
+ddp, ft, tp, kills, share, mach, joins = [], [], [], [], [], [], []
 for _ in range(runs):
     ddp.append(run([gpt, "--nproc", nproc, "--dp", dp] + common)["results"]["train_s"] / 30)
     r = run([gpt, "--nproc", nproc, "--dp", dp, "--ft"] + common)["results"]
@@ -129,6 +148,8 @@ for _ in range(runs):
         r = run(["/usr/bin/python3", peer, "--nproc", nproc, "--dp", "ddp"] + common)["results"]
         tp.append(r["train_s"] / 30)
     kills.append(killed_run())
+    if dp == "ddp":
+        joins.append(killed_run(spares=1))
 med = statistics.median
 res = {"step_s_plain": med(ddp), "step_s_ft": med(ft),
        "ft_overhead_vs_plain": med(ft) / med(ddp) - 1,
@@ -142,6 +163,16 @@ res = {"step_s_plain": med(ddp), "step_s_ft": med(ft),
 res.update(ft_machinery_s_per_step=med(mach), ft_machinery_share_of_step=med(share))
 if dp == "ddp":
     res.update(step_s_ddp=med(ddp), ft_overhead_vs_ddp=med(ft) / med(ddp) - 1)
+if joins:  # a spare healed in place of the killed worker
+    hb = med([j["heal_bytes"] for j in joins])
+    heal = med([j["heal_bytes"] / j["heal_s"] for j in joins if j["heal_s"] > 0]) * 1e-9
+    bw = bcast_gbps(hb)
+    res.update(spare_kill_to_commit_s=med([j["kill_to_commit_s"] for j in joins]),
+               spare_kill_to_commit_runs_s=[j["kill_to_commit_s"] for j in joins],
+               spare_recovery_in_library_s=med([j["recovery_in_library_s"] for j in joins]),
+               spare_heal_bytes=hb, spare_heal_GBps=heal, broadcast_GBps_same_bytes=bw,
+               spare_heal_vs_broadcast=heal / bw if bw > 0 else None,
+               spare_failure_line=joins[-1]["line"])
 if tp:
     res.update(step_s_torch_ddp=med(tp), ft_vs_torch_step_ratio=med(ft) / med(tp),
                step_s_torch_ddp_runs=tp)

@@ -258,6 +258,8 @@ typedef struct spare_case {
   uint64_t generation; /* the survivors' last generation */
   int lost;           /* members lost, as every original survivor counts them */
   char dir[256];
+  int dies_joining;   /* a spare that SIGKILLs itself once admitted, before it is healed (its
+                         rank; 0: none) */
 } spare_case;
 
 static int spare_worker(int rank, int world, const char *method, void *arg) {
@@ -286,6 +288,10 @@ static int spare_worker(int rank, int world, const char *method, void *arg) {
       return 0;
     }
     MP_CHECK(td_process_group_joined(x.pg));
+    if (rank == c->dies_joining) { /* the survivors are waiting to heal it */
+      fflush(NULL);
+      raise(SIGKILL);
+    }
   } else {
     MP_CHECK_OK(td_process_group_create(x.a, members, SPARE_MEMBERS, TD_PG_BACKEND_CPU, 20000,
                                         &x.pg));
@@ -345,7 +351,7 @@ static void run_spare_case(spare_case *c) {
   fprintf(stderr, "spare case %s: %.2f s\n", c->name, td_test_now_s() - t0);
   int killed = 0;
   for (int r = 0; r < SPARE_WORLD; r++) {
-    if (ft_victim(c->f, c->nf, r)) {
+    if (ft_victim(c->f, c->nf, r) || (c->dies_joining > 0 && r == c->dies_joining)) {
       assert_int_equal(codes[r], 128 + SIGKILL);
       killed++;
       continue;
@@ -404,6 +410,8 @@ static void test_ft_ddp_spares(void **state) {
        {KILL(2, 2, TD_FT_BEFORE), KILL(1, 2, TD_FT_RECOVERY)}, 2, {1, 1}, 2, 2, ""},
       {"kill rank 3 during step 1, then the spare that replaced it during step 4",
        {KILL(3, 1, TD_FT_DURING), KILL(4, 4, TD_FT_DURING)}, 2, {1, 1}, 2, 2, ""},
+      {"kill rank 1 before step 3; spare 4 dies before it is healed, spare 5 takes its place",
+       {KILL(1, 3, TD_FT_BEFORE)}, 1, {1, 1}, 2, 2, "", 4},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_spare_case(&cases[i]);
 }
