@@ -375,34 +375,12 @@ td_status td__ftz3_setup(td_ft_zero *z) {
   z->u = td__calloc(z->nu, sizeof *z->u);
   z->unit_of = td__calloc(z->np, sizeof *z->unit_of);
   if (!z->u || !z->unit_of) return td_set_error(TD_ERR_NOMEM, "ft_zero_create: out of memory");
-  for (size_t i = 0; i < z->np; i++) z->unit_of[i] = -1;
-  td_status st = TD_OK;
-  for (size_t u = 0; st == TD_OK && u < z->nu; u++) {
-    td_module *um = z->o.units[u];
-    z->u[u] = (td__fzunit){z, u, um, 0, true};
-    if (!um) {
-      st = td_set_error(TD_ERR_INVALID, "ft_zero_create: units[%zu] is NULL", u);
-      break;
-    }
-    td_tensor_list l;
-    td_tensor_list_init(&l);
-    st = td_module_parameters(um, &l);
-    if (st == TD_OK && l.n == 0)
-      st = td_set_error(TD_ERR_INVALID, "ft_zero_create: units[%zu] (%s) has no parameters", u,
-                        td_module_type_name(um));
-    for (size_t j = 0; st == TD_OK && j < l.n; j++) {
-      size_t i = 0;
-      while (i < z->np && z->params[i] != l.tensors[j]) i++;
-      if (i == z->np)
-        st = td_set_error(TD_ERR_INVALID, "ft_zero_create: parameter '%s' of units[%zu] is not "
-                          "one of the groups' parameters", l.names[j], u);
-      else if (z->unit_of[i] >= 0)
-        st = td_set_error(TD_ERR_INVALID, "ft_zero_create: parameter '%s' of units[%zu] is also "
-                          "in units[%d]", l.names[j], u, z->unit_of[i]);
-      else
-        z->unit_of[i] = (int)u, z->u[u].nparams++, z->u[u].numel += td_tensor_numel(z->params[i]);
-    }
-    td_tensor_list_fini(&l);
+  td_status st = td__zero_units_map(z->o.units, z->nu, z->params, z->np, z->unit_of,
+                                    "ft_zero_create");
+  for (size_t u = 0; u < z->nu; u++) z->u[u] = (td__fzunit){z, u, z->o.units[u], 0, true};
+  for (size_t i = 0; st == TD_OK && i < z->np; i++) {
+    int u = z->unit_of[i];
+    if (u >= 0) z->u[u].nparams++, z->u[u].numel += td_tensor_numel(z->params[i]);
   }
   z->ph = td__calloc(z->np, sizeof *z->ph);
   if (st == TD_OK && !z->ph) st = td_set_error(TD_ERR_NOMEM, "ft_zero_create: out of memory");

@@ -74,35 +74,9 @@ td_status td__zero3_plan(td_zero *z, int64_t *S) {
   if (!z->order || !z->bucket_of || !z->offset || !z->b || !z->unit_of || !z->u || !first ||
       !count || !numel)
     st = td_set_error(TD_ERR_NOMEM, "zero_create: out of memory");
-  for (size_t i = 0; st == TD_OK && i < z->np; i++) z->unit_of[i] = -1;
   /* which unit each parameter belongs to */
-  for (size_t u = 0; st == TD_OK && u < z->nu; u++) {
-    td_module *um = z->zo.units[u];
-    if (!um) {
-      st = td_set_error(TD_ERR_INVALID, "zero_create: units[%zu] is NULL", u);
-      break;
-    }
-    td_tensor_list l;
-    td_tensor_list_init(&l);
-    st = td_module_parameters(um, &l);
-    if (st == TD_OK && l.n == 0)
-      st = td_set_error(TD_ERR_INVALID, "zero_create: units[%zu] (%s) has no parameters", u,
-                        td_module_type_name(um));
-    for (size_t j = 0; st == TD_OK && j < l.n; j++) {
-      size_t i = 0;
-      while (i < z->np && z->params[i] != l.tensors[j]) i++;
-      if (i == z->np)
-        st = td_set_error(TD_ERR_INVALID, "zero_create: parameter '%s' of units[%zu] is not one "
-                          "of the groups' parameters", l.names[j], u);
-      else if (z->unit_of[i] >= 0)
-        st = td_set_error(TD_ERR_INVALID, "zero_create: parameter '%s' of units[%zu] is also in "
-                          "units[%d] (a unit's parameters belong to it alone)", l.names[j], u,
-                          z->unit_of[i]);
-      else
-        z->unit_of[i] = (int)u;
-    }
-    td_tensor_list_fini(&l);
-  }
+  if (st == TD_OK)
+    st = td__zero_units_map(z->zo.units, z->nu, z->params, z->np, z->unit_of, "zero_create");
   /* the order gradients arrive in: units last to first, each unit's parameters in reverse
    * module order (not the groups' order: that puts a block's biases and norms, its first and
    * last gradients, in one bucket that completes only when the whole unit has); then the others
@@ -509,4 +483,34 @@ void td__zero3_destroy(td_zero *z) {
   }
   td__free(z->u);
   td__free(z->unit_of);
+}
+
+td_status td__zero_units_map(td_module *const *units, size_t nu, td_tensor *const *params,
+                             size_t np, int *unit_of, const char *fn) {
+  for (size_t i = 0; i < np; i++) unit_of[i] = -1;
+  td_status st = TD_OK;
+  for (size_t u = 0; st == TD_OK && u < nu; u++) {
+    if (!units[u]) return td_set_error(TD_ERR_INVALID, "%s: units[%zu] is NULL", fn, u);
+    td_tensor_list l;
+    td_tensor_list_init(&l);
+    st = td_module_parameters(units[u], &l);
+    if (st == TD_OK && l.n == 0)
+      st = td_set_error(TD_ERR_INVALID, "%s: units[%zu] (%s) has no parameters", fn, u,
+                        td_module_type_name(units[u]));
+    for (size_t j = 0; st == TD_OK && j < l.n; j++) {
+      size_t i = 0;
+      while (i < np && params[i] != l.tensors[j]) i++;
+      if (i == np)
+        st = td_set_error(TD_ERR_INVALID, "%s: parameter '%s' of units[%zu] is not one of the "
+                          "groups' parameters", fn, l.names[j], u);
+      else if (unit_of[i] >= 0)
+        st = td_set_error(TD_ERR_INVALID, "%s: parameter '%s' of units[%zu] is also in "
+                          "units[%d] (a unit's parameters belong to it alone)", fn, l.names[j], u,
+                          unit_of[i]);
+      else
+        unit_of[i] = (int)u;
+    }
+    td_tensor_list_fini(&l);
+  }
+  return st;
 }

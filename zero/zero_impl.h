@@ -219,4 +219,10 @@ void td__ftz3_destroy(td_ft_zero *z);
 td_status td__ftz_recover(td_ft_zero *z, int64_t step, const char *why, td_ft_step_info *info,
                           bool *done, bool *again);
 
+/* td__zero_units_map sets unit_of[i] to the index of the unit (units[0..nu)) whose module holds
+ * params[i], -1 for none; TD_ERR_INVALID (messages prefixed fn) for a NULL unit, one without
+ * parameters, a unit parameter that is not in params, or one in two units. */
+td_status td__zero_units_map(td_module *const *units, size_t nu, td_tensor *const *params,
+                             size_t np, int *unit_of, const char *fn);
+
 #endif
