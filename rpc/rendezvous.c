@@ -434,6 +434,8 @@ static td_status rdv_passed(td_rpc_agent *a, uint64_t deadline) {
   return td__store_wait_ge(&a->sc, "passed", a->world, deadline, "abort");
 }
 
+static void init_trace(td_rpc_agent *a);
+
 static td_status rendezvous(td_rpc_agent *a) {
   uint64_t deadline = td__deadline_ns(a->opts.init_timeout_ms);
   td__store_set_deadline(&a->sc, deadline); /* no store call outlives the init deadline */
@@ -446,6 +448,11 @@ static td_status rendezvous(td_rpc_agent *a) {
   TD_TRY(rdv_join(a, deadline));
   t[2] = td__now_ns();
   TD_TRY(rdv_read(a, deadline));
+  /* the trace and flight recorder clocks are exchanged with rank 0's store here, while it is
+   * sure to be up and not yet busy: after init, in a large group, every worker's exchange
+   * queued behind rank 0's share of the group's first calls (128 workers on 2 CPUs: the last
+   * worker's init returned 6 s after the first) */
+  init_trace(a);
   t[3] = td__now_ns();
   TD_TRY(rdv_ready(a, deadline));
   t[4] = td__now_ns();
@@ -1019,9 +1026,8 @@ static void init_finish(td_rpc_agent *a) {
   snprintf(a->sc.owner, sizeof a->sc.owner, "%s (rank 0)", a->peers[0].info.name);
   a->sc.wait_for_ready = false; /* from now on a missing rank 0 is a failure, not a late start */
   /* After the line above: the group is complete, so rank 0 may already have finished and left
-   * (a non-graceful shutdown does not wait for anyone); a clock exchange waiting for its store
-   * to come back would then hang this init until its deadline. */
-  init_trace(a);
+   * (a non-graceful shutdown does not wait for anyone): nothing here waits for its store (the
+   * clocks were exchanged before the ready barrier, init_trace). */
   a->busy_poll_us = busy_poll_window(a, a->opts.busy_poll_us);
   td__transport_set_busy_poll(a->tr, a->busy_poll_us);
   /* the pool's handlers and callbacks follow each other closely under load as replies do */
@@ -1055,6 +1061,7 @@ td_status td__rpc_init_impl(const char *name, int rank, int world_size,
   char msg[1024];
   snprintf(msg, sizeof msg, "%s", td_last_error());
   if (a) {
+    if (a->trace_owned) td_trace_stop(); /* started at the rendezvous (init_trace) */
     td__serve_drop_held(a, msg);
     td__store_park_end(a);
     td__transport_shutdown(a->tr);
