@@ -774,6 +774,8 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
   a->opts = *o;
   a->direct_on = td__direct_wanted(o);
   a->lane_on = td__lane_wanted(o);
+  const char *share = getenv("TD_RPC_SHARE_STREAMS");
+  a->share_streams = !(share && strcmp(share, "0") == 0);
   snprintf(a->name, sizeof a->name, "%s", name);
   a->rank = rank;
   a->world = world_size;

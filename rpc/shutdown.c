@@ -178,11 +178,22 @@ static td_status barrier(td_rpc_agent *a, uint64_t deadline, uint64_t hard) {
     uint64_t now = td__now_ns();
     int64_t left_ms = deadline > now ? (int64_t)((deadline - now) / 1000000u) : 0;
     int64_t wait_ms = a->rank == 0 ? 0 : backoff < left_ms ? backoff : left_ms;
-    if ((st = barrier_publish(a, last, sizeof last, wait_ms, &go, &waited)) != TD_OK || go) break;
-    if (a->rank == 0) {
-      if ((st = barrier_judge(a, &j, &done, &settled)) != TD_OK || done) break;
-      if (settled) backoff = 1;
+    st = barrier_publish(a, last, sizeof last, wait_ms, &go, &waited);
+    if (st == TD_OK && go) break;
+    if (st == TD_OK && a->rank == 0) {
+      st = barrier_judge(a, &j, &done, &settled);
+      if (st == TD_OK && done) break;
+      if (st == TD_OK && settled) backoff = 1;
     }
+    if (st == TD_ERR_TIMEOUT && td__now_ns() < deadline) {
+      /* one store call outlived its own timeout (10 s) while the barrier has time left: rank 0
+       * starved on a crowded host (256 workers on 2 CPUs), not gone (that is UNAVAILABLE). Every
+       * step of a round can be repeated, so the next round asks again. */
+      td_log(TD_LOG_DEBUG, "rpc: %s: shutdown barrier: %s; asking again", a->name,
+             td_last_error());
+      st = TD_OK;
+    }
+    if (st != TD_OK) break;
     if (td__now_ns() >= deadline) {
       st = TD_ERR_TIMEOUT;
       break;
@@ -280,6 +291,9 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, td_timeout_ms timeout_
     fl.x = (uint8_t)st;
     td__flight_pop(&fl, "rpc_shutdown");
   }
+  td_log(TD_LOG_DEBUG, "rpc: %s: streams opened %llu, peers reached on their streams %llu",
+         a->name, (unsigned long long)__atomic_load_n(&a->cnt.streams_opened, __ATOMIC_RELAXED),
+         (unsigned long long)__atomic_load_n(&a->cnt.streams_shared, __ATOMIC_RELAXED));
   td__agent_hooks hs[TD__MAX_AGENT_HOOKS];
   int nh = td__agent_hooks_get(hs);
   td_status hook_st = TD_OK;
