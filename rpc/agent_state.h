@@ -117,6 +117,7 @@ struct td_rpc_agent {
   /* calls may go out on a stream the callee opened (call.c peer_conn; TD_RPC_SHARE_STREAMS=0
    * turns it off) */
   bool share_streams;
+  int local_workers; /* workers with this worker's host in their address (after init) */
   bool *direct_cand; /* [world]: same host, both enabled, we can read it */
   int direct_peers;  /* peers that read our frames directly */
   /* Requests that arrive before init has finished (peers may call as soon as they passed the
@@ -275,6 +276,10 @@ void td__progress_pump_if_owner(td_rpc_agent *a);
 #define TD__HANDSHAKE_MAX_MS 120000
 int td__rdv_local_estimate(int world);
 int64_t td__rdv_handshake_ms(int world);
+/* td__rdv_exit_wait_ms: how long rank 0 keeps its store up after the graceful barrier for the
+ * others to see "go" and report (shutdown.c): 5 s, on a host running more than twice as many
+ * workers as CPUs longer with the load (x load / 200), at most 60 s. */
+int64_t td__rdv_exit_wait_ms(const td_rpc_agent *a);
 
 /* td__agent_set_abort makes every worker still in rendezvous fail with why. */
 void td__agent_set_abort(td_rpc_agent *a, const char *why);

@@ -492,6 +492,7 @@ static int64_t busy_poll_window(td_rpc_agent *a, int64_t opt) {
     if (strcmp(mine, other) == 0) local++;
   }
   long cpus = td__cpus_usable();
+  a->local_workers = local;
   td__transport_set_host_load(a->tr, host_load(local));
   int64_t us = cpus > 1 && local <= cpus ? 50 : 0;
   td_log(TD_LOG_DEBUG, "rpc: %s: %d workers on this host, %ld CPUs: busy-poll %lld us", a->name,
@@ -837,6 +838,13 @@ int td__rdv_local_estimate(int world) {
  * 2 s HELLO tier), the client's connection attempts and its handshake retries: 192 workers on
  * 2 CPUs lost connection attempts and handshakes at 20 s, and their all-to-all failed; at 120 s
  * it completed. */
+int64_t td__rdv_exit_wait_ms(const td_rpc_agent *a) {
+  int load = host_load(a->local_workers > 0 ? a->local_workers : 1);
+  int64_t ms = 5000;
+  if (load > 200) ms = ms * load / 200;
+  return ms < 60000 ? ms : 60000;
+}
+
 int64_t td__rdv_handshake_ms(int world) {
   int64_t ms = env_ms("TD_RPC_HANDSHAKE_TIMEOUT_MS", 0);
   if (ms > 0) return ms;

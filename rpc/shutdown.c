@@ -314,7 +314,9 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, td_timeout_ms timeout_
     /* rank 0 serves the store: keep it up until everybody has seen "go" */
     td__store_add(&a->sc, "sd/exited", 1, NULL);
     if (a->rank == 0) {
-      uint64_t dl = td__now_ns() + 5000000000ull;
+      /* (256 workers on 2 CPUs: a worker starved past 5 s after "go" found the store gone and
+       * its shutdown failed) */
+      uint64_t dl = td__now_ns() + (uint64_t)td__rdv_exit_wait_ms(a) * 1000000ull;
       td__store_wait_ge(&a->sc, "sd/exited", a->world, dl < hard ? dl : hard, NULL);
     }
   }
