@@ -280,6 +280,9 @@ int64_t td__rdv_handshake_ms(int world);
  * others to see "go" and report (shutdown.c): 5 s, on a host running more than twice as many
  * workers as CPUs longer with the load (x load / 200), at most 60 s. */
 int64_t td__rdv_exit_wait_ms(const td_rpc_agent *a);
+/* td__rdv_store_call_ms: the store client's per-call timeout during a graceful shutdown: 10 s,
+ * stretched the same way (at most 60 s; every call still ends by the shutdown's deadline). */
+int64_t td__rdv_store_call_ms(const td_rpc_agent *a);
 
 /* td__agent_set_abort makes every worker still in rendezvous fail with why. */
 void td__agent_set_abort(td_rpc_agent *a, const char *why);

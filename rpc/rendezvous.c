@@ -845,6 +845,13 @@ int64_t td__rdv_exit_wait_ms(const td_rpc_agent *a) {
   return ms < 60000 ? ms : 60000;
 }
 
+int64_t td__rdv_store_call_ms(const td_rpc_agent *a) {
+  int load = host_load(a->local_workers > 0 ? a->local_workers : 1);
+  int64_t ms = 10000;
+  if (load > 200) ms = ms * load / 200;
+  return ms < 60000 ? ms : 60000;
+}
+
 int64_t td__rdv_handshake_ms(int world) {
   int64_t ms = env_ms("TD_RPC_HANDSHAKE_TIMEOUT_MS", 0);
   if (ms > 0) return ms;

@@ -275,6 +275,11 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, td_timeout_ms timeout_
   uint64_t hard = deadline == TD__NO_DEADLINE ? TD__NO_DEADLINE
                                               : deadline + TD__SHUTDOWN_GRACE_MS * 1000000ull;
   td__store_set_deadline(&a->sc, hard); /* a dead or slow rank 0 cannot stretch it either */
+  /* every worker tears its connections down at once after the barrier, and rank 0, one process
+   * among them, serves the store meanwhile: 256 workers on 2 CPUs left rank 0 answering nothing
+   * for over 10 s, 39 workers' 'sd/exited' were lost, rank 0 left before the last worker saw
+   * "go", and that worker's shutdown failed */
+  __atomic_store_n(&a->sc.call_timeout_ms, td__rdv_store_call_ms(a), __ATOMIC_RELAXED);
   td_status st = TD_OK;
   char msg[1024] = "";
   if (graceful) {
@@ -312,12 +317,17 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, td_timeout_ms timeout_
                                     : "rpc: the agent shut down before the call finished");
   if (graceful && st == TD_OK) {
     /* rank 0 serves the store: keep it up until everybody has seen "go" */
-    td__store_add(&a->sc, "sd/exited", 1, NULL);
+    if (td__store_add(&a->sc, "sd/exited", 1, NULL) != TD_OK)
+      td_log(TD_LOG_DEBUG, "rpc: %s: shutdown: 'sd/exited' not counted: %s", a->name,
+             td_last_error());
     if (a->rank == 0) {
       /* (256 workers on 2 CPUs: a worker starved past 5 s after "go" found the store gone and
        * its shutdown failed) */
       uint64_t dl = td__now_ns() + (uint64_t)td__rdv_exit_wait_ms(a) * 1000000ull;
-      td__store_wait_ge(&a->sc, "sd/exited", a->world, dl < hard ? dl : hard, NULL);
+      uint64_t t0 = td__now_ns();
+      if (td__store_wait_ge(&a->sc, "sd/exited", a->world, dl < hard ? dl : hard, NULL) != TD_OK)
+        td_log(TD_LOG_DEBUG, "rpc: %s: shutdown: not every worker reported 'sd/exited' within "
+               "%.1f s: %s", a->name, (double)(td__now_ns() - t0) / 1e9, td_last_error());
     }
   }
   td__store_park_end(a); /* rank 0: the waits its store holds end before its server */
