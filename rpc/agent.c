@@ -84,6 +84,8 @@ td_status td_rpc_get_stats(td_rpc_agent *a, td_rpc_stats *out) {
   out->handler_ns = LOAD(handler_ns);
   out->sync_wait_ns = LOAD(sync_wait_ns);
   out->refused_connections = td__transport_refused(a->tr) + LOAD(refused_by_layers);
+  out->streams_opened = LOAD(streams_opened);
+  out->streams_shared = LOAD(streams_shared);
 #undef LOAD
   out->calls_pending = __atomic_load_n(&a->pending_out, __ATOMIC_ACQUIRE);
   out->requests_active = __atomic_load_n(&a->active_in, __ATOMIC_ACQUIRE);

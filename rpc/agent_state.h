@@ -91,6 +91,7 @@ struct td_rpc_agent {
     uint64_t requests_expired, pool_saturated;
     uint64_t handler_ns, sync_wait_ns;
     uint64_t refused_by_layers; /* td__agent_count_refused: strangers upper layers dropped */
+    uint64_t streams_opened, streams_shared; /* peer_conn (call.c) */
   } cnt;
   /* handlers running on pool threads now (serve.c), to name them when the pool is saturated or
    * shutdown abandons them; guarded by run_mu */
@@ -113,6 +114,10 @@ struct td_rpc_agent {
   uint64_t direct_nonce; /* peers read it from our memory to prove they can */
   bool direct_on;
   bool lane_on; /* same-host lanes wanted (td_rpc_options.shm_lane, TD_RPC_SHM_LANE) */
+  /* calls may go out on a stream the callee opened (call.c peer_conn; TD_RPC_SHARE_STREAMS=0
+   * turns it off) */
+  bool share_streams;
+  int local_workers; /* workers with this worker's host in their address (after init) */
   bool *direct_cand; /* [world]: same host, both enabled, we can read it */
   int direct_peers;  /* peers that read our frames directly */
   /* Requests that arrive before init has finished (peers may call as soon as they passed the
@@ -135,6 +140,18 @@ typedef struct request {
   bool gated; /* its arguments passed the argument gate (agent_impl.h) */
   struct request *held_next; /* on the agent's held list (before init finished) */
 } request;
+
+/* The mark on the id of a call that went out on a stream the callee opened (a shared stream's
+ * reverse direction, td__transport_reverse_conn), and so on its reply: on any stream, a frame
+ * whose mark differs from the stream's direction (requests on streams peers opened, replies on
+ * ours) travels the reverse way. It tells a request from a reply even in a frame too malformed
+ * to decode, so each side can answer a bad one correctly. */
+#define TD__ID_REVERSE (1ull << 63)
+
+/* Whether a frame with this id on stream c is a request to this worker (else a reply to it). */
+static inline bool td__id_is_request(const td__conn *c, uint64_t id) {
+  return td__conn_is_client(c) == ((id & TD__ID_REVERSE) != 0);
+}
 
 /* The id of a call's trace flow: unique in the group (the caller's rank, then its call id). */
 static inline uint64_t td__call_trace_id(int caller_rank, uint64_t id) {
@@ -259,6 +276,13 @@ void td__progress_pump_if_owner(td_rpc_agent *a);
 #define TD__HANDSHAKE_MAX_MS 120000
 int td__rdv_local_estimate(int world);
 int64_t td__rdv_handshake_ms(int world);
+/* td__rdv_exit_wait_ms: how long rank 0 keeps its store up after the graceful barrier for the
+ * others to see "go" and report (shutdown.c): 5 s, on a host running more than twice as many
+ * workers as CPUs longer with the load (x load / 200), at most 60 s. */
+int64_t td__rdv_exit_wait_ms(const td_rpc_agent *a);
+/* td__rdv_store_call_ms: the store client's per-call timeout during a graceful shutdown: 10 s,
+ * stretched the same way (at most 60 s; every call still ends by the shutdown's deadline). */
+int64_t td__rdv_store_call_ms(const td_rpc_agent *a);
 
 /* td__agent_set_abort makes every worker still in rendezvous fail with why. */
 void td__agent_set_abort(td_rpc_agent *a, const char *why);

@@ -412,6 +412,11 @@ static td_status peer_conn(td_rpc_agent *a, int peer, td__conn **out) {
     td__conn_unref(c);
     c = NULL;
   }
+  if (!c && a->share_streams && (c = td__transport_reverse_conn(a->tr, peer)) != NULL) {
+    /* the peer already opened an authenticated stream to us: it serves both ways */
+    a->peers[peer].conn = c;
+    TD__COUNT(a, streams_shared);
+  }
   if (!c) {
     td_status st = td__transport_connect(a->tr, peer, a->peers[peer].info.address, &c);
     if (st != TD_OK) {
@@ -419,6 +424,7 @@ static td_status peer_conn(td_rpc_agent *a, int peer, td__conn **out) {
       return st;
     }
     a->peers[peer].conn = c;
+    TD__COUNT(a, streams_opened);
   }
   *out = td__conn_ref(c);
   pthread_mutex_unlock(&a->mu);
@@ -511,10 +517,17 @@ static td_status call_encode(call *c) {
   peer_info *pi = &a->peers[c->peer];
   td__wire_ctx wctx = {a, c->peer, a->rank, c->reply_map ? &pi->reply_map : &pi->out_map,
                        pi->info.name};
-  td_status st = td__wire_encode(&c->m, &wctx, &c->frame);
+  /* the stream first: a call on a stream the callee opened carries the reverse mark in its id */
+  td_status st = peer_conn(a, c->peer, &c->p->conn);
+  if (st == TD_OK && !td__conn_is_client(c->p->conn)) {
+    c->p->id |= TD__ID_REVERSE;
+    c->m.id = c->p->id;
+    td__future_set_flight(c->fut, c->peer, c->p->id, c->fn);
+  }
+  if (st == TD_OK) st = td__wire_encode(&c->m, &wctx, &c->frame);
+  c->frame.reverse = st == TD_OK && !td__conn_is_client(c->p->conn);
   td__free(c->m.aux);
   c->m.aux = NULL;
-  if (st == TD_OK) st = peer_conn(a, c->peer, &c->p->conn);
   if (st != TD_OK) call_discard(c);
   return st;
 }

@@ -144,6 +144,7 @@ struct td__conn {
   bool closed;      /* no more sends */
   bool notified;    /* on_closed ran */
   uint64_t nsent;   /* frames accepted by td__conn_send */
+  uint64_t nrev;    /* ... of them marked reverse (td__frame.reverse) */
   int batches;      /* atomic: batches started on the current call whose tags are not back */
   /* client: a handshake the server refused or evicted before it answered (nothing but the
    * HELLO was sent) starts again on a new call, the queued frames kept (grpc_stream.c) */

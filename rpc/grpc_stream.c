@@ -56,6 +56,14 @@ uint64_t td__conn_frames_sent(const td__conn *c) {
   return v;
 }
 
+uint64_t td__conn_reverse_sent(const td__conn *c) {
+  td__conn *m = (td__conn *)c;
+  pthread_mutex_lock(&m->mu);
+  uint64_t v = m->nrev;
+  pthread_mutex_unlock(&m->mu);
+  return v;
+}
+
 /* The traffic counters of the conn's peer (NULL before its rank is known). */
 static td_rpc_traffic *traffic_of(td__conn *c) {
   int peer = td__conn_peer(c);
@@ -318,6 +326,7 @@ static bool q_push(td__conn *c, grpc_slice s) {
  * ring when they fit, so the calling thread hands nothing to another. desc: a direct-copy
  * descriptor to send after the head (taken over), or NULL. */
 static td_status lane_send(td__conn *c, td__frame *f, uint8_t *desc, size_t desc_len) {
+  bool rev = f->reverse;
   td__lane_msg m = {.head = f->head, .head_len = f->head_len, .extra = desc,
                     .extra_len = desc_len};
   f->head = NULL;
@@ -346,11 +355,13 @@ static td_status lane_send(td__conn *c, td__frame *f, uint8_t *desc, size_t desc
     count(&tr->lane_bytes_sent, bytes);
   }
   c->nsent++;
+  c->nrev += rev;
   return TD_OK;
 }
 
 td_status td__conn_send(td__conn *c, td__frame *f) {
   td_status st = TD_OK;
+  bool rev = f->reverse;
   pthread_mutex_lock(&c->mu);
   if (c->closed) {
     pthread_mutex_unlock(&c->mu);
@@ -380,12 +391,14 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
       f->tensors = NULL;
       f->ntensors = 0;
       if (lane) {
+        f->reverse = rev;
         st = lane_send(c, f, desc, dl);
       } else {
         q_push(c, td__grpc_owned_slice(f->head, f->head_len, td__grpc_free_head, f->head));
         f->head = NULL;
         q_push(c, td__grpc_owned_slice(desc, dl, td__grpc_free_head, desc));
         c->nsent++;
+        c->nrev += rev;
         lane_ask_earned(c);
         if (!c->send_inflight) start_send(c);
       }
@@ -427,6 +440,7 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
   }
   td__frame_clear(f);
   c->nsent++;
+  c->nrev += rev;
   lane_ask_earned(c);
   if (!c->send_inflight) start_send(c);
   pthread_mutex_unlock(&c->mu);
@@ -518,6 +532,19 @@ static bool client_open(td__conn *c) {
   st.data.recv_status_on_client.status_details = &c->status_details;
   st.data.recv_status_on_client.error_string = &c->error_string;
   return conn_batch(c, &st, 1, &c->t_status) && start_recv(c);
+}
+
+td__conn *td__transport_reverse_conn(td__transport *t, int peer_rank) {
+  td__conn *found = NULL;
+  pthread_mutex_lock(&t->mu);
+  for (td__conn *c = t->live; c && !found && !t->shutting_down; c = c->next_live) {
+    if (c->client) continue;
+    pthread_mutex_lock(&c->mu);
+    if (c->auth == AUTH_DONE && !c->closed && c->peer == peer_rank) found = td__conn_ref(c);
+    pthread_mutex_unlock(&c->mu);
+  }
+  pthread_mutex_unlock(&t->mu);
+  return found;
 }
 
 td_status td__transport_connect(td__transport *t, int peer_rank, const char *address,

@@ -5,6 +5,7 @@
  */
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <malloc.h>
 #include <netinet/in.h>
@@ -217,6 +218,37 @@ static void route_grpc_log(void) {
   const char *v = getenv("GRPC_VERBOSITY"), *tr = getenv("GRPC_TRACE");
   if ((v && *v) || (tr && *tr)) return;
   gpr_set_log_function(grpc_log_to_td);
+}
+
+/* gRPC's locks are Abseil mutexes. Abseil built without NDEBUG (Debian's packages) checks every
+ * lock acquisition for deadlock cycles by keeping a graph of lock order across the process:
+ * measured, 6.5% of all CPU in a 128-worker start-up and all-to-all round went to that graph
+ * (GraphCycles::GetId, InsertEdge) and a few percent more to its bookkeeping. A library's users
+ * do not debug gRPC's lock order, so it is switched off, as an NDEBUG build of Abseil has it, by
+ * looking the switch up at run time (an Abseil without it, or with another inline namespace,
+ * is left alone). TD_ABSL_DEADLOCK_DETECTION=1 keeps it. */
+static void absl_deadlock_detection_off(void) {
+  const char *keep = getenv("TD_ABSL_DEADLOCK_DETECTION");
+  if (keep && *keep && strcmp(keep, "0") != 0) return;
+  static const char *const names[] = {
+      "_ZN4absl7debian329SetMutexDeadlockDetectionModeENS0_15OnDeadlockCycleE",
+      "_ZN4absl12lts_2022062329SetMutexDeadlockDetectionModeENS0_15OnDeadlockCycleE",
+      "_ZN4absl29SetMutexDeadlockDetectionModeENS_15OnDeadlockCycleE",
+  };
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+    void *sym = dlsym(RTLD_DEFAULT, names[i]);
+    if (!sym) continue;
+    void (*set_mode)(int) = NULL; /* absl::OnDeadlockCycle is an int enum: kIgnore is 0 */
+    memcpy(&set_mode, &sym, sizeof set_mode);
+    set_mode(0);
+    td_log(TD_LOG_DEBUG, "rpc: Abseil's mutex deadlock detection switched off (%s)", names[i]);
+    return;
+  }
+}
+
+static void grpc_once(void) {
+  route_grpc_log();
+  absl_deadlock_detection_off();
 }
 
 td_status td__grpc_map_status(grpc_status_code c) {
@@ -631,8 +663,8 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
     td__free(t);
     return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
   }
-  static pthread_once_t log_once = PTHREAD_ONCE_INIT;
-  pthread_once(&log_once, route_grpc_log);
+  static pthread_once_t grpc_once_ctl = PTHREAD_ONCE_INIT;
+  pthread_once(&grpc_once_ctl, grpc_once);
   grpc_init();
   t->cq = grpc_completion_queue_create_for_next(NULL);
   grpc_arg argbuf[24];

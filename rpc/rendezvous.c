@@ -434,6 +434,8 @@ static td_status rdv_passed(td_rpc_agent *a, uint64_t deadline) {
   return td__store_wait_ge(&a->sc, "passed", a->world, deadline, "abort");
 }
 
+static void init_trace(td_rpc_agent *a);
+
 static td_status rendezvous(td_rpc_agent *a) {
   uint64_t deadline = td__deadline_ns(a->opts.init_timeout_ms);
   td__store_set_deadline(&a->sc, deadline); /* no store call outlives the init deadline */
@@ -446,6 +448,11 @@ static td_status rendezvous(td_rpc_agent *a) {
   TD_TRY(rdv_join(a, deadline));
   t[2] = td__now_ns();
   TD_TRY(rdv_read(a, deadline));
+  /* the trace and flight recorder clocks are exchanged with rank 0's store here, while it is
+   * sure to be up and not yet busy: after init, in a large group, every worker's exchange
+   * queued behind rank 0's share of the group's first calls (128 workers on 2 CPUs: the last
+   * worker's init returned 6 s after the first) */
+  init_trace(a);
   t[3] = td__now_ns();
   TD_TRY(rdv_ready(a, deadline));
   t[4] = td__now_ns();
@@ -485,6 +492,7 @@ static int64_t busy_poll_window(td_rpc_agent *a, int64_t opt) {
     if (strcmp(mine, other) == 0) local++;
   }
   long cpus = td__cpus_usable();
+  a->local_workers = local;
   td__transport_set_host_load(a->tr, host_load(local));
   int64_t us = cpus > 1 && local <= cpus ? 50 : 0;
   td_log(TD_LOG_DEBUG, "rpc: %s: %d workers on this host, %ld CPUs: busy-poll %lld us", a->name,
@@ -767,6 +775,8 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
   a->opts = *o;
   a->direct_on = td__direct_wanted(o);
   a->lane_on = td__lane_wanted(o);
+  const char *share = getenv("TD_RPC_SHARE_STREAMS");
+  a->share_streams = !(share && strcmp(share, "0") == 0);
   snprintf(a->name, sizeof a->name, "%s", name);
   a->rank = rank;
   a->world = world_size;
@@ -828,6 +838,20 @@ int td__rdv_local_estimate(int world) {
  * 2 s HELLO tier), the client's connection attempts and its handshake retries: 192 workers on
  * 2 CPUs lost connection attempts and handshakes at 20 s, and their all-to-all failed; at 120 s
  * it completed. */
+int64_t td__rdv_exit_wait_ms(const td_rpc_agent *a) {
+  int load = host_load(a->local_workers > 0 ? a->local_workers : 1);
+  int64_t ms = 5000;
+  if (load > 200) ms = ms * load / 200;
+  return ms < 60000 ? ms : 60000;
+}
+
+int64_t td__rdv_store_call_ms(const td_rpc_agent *a) {
+  int load = host_load(a->local_workers > 0 ? a->local_workers : 1);
+  int64_t ms = 10000;
+  if (load > 200) ms = ms * load / 200;
+  return ms < 60000 ? ms : 60000;
+}
+
 int64_t td__rdv_handshake_ms(int world) {
   int64_t ms = env_ms("TD_RPC_HANDSHAKE_TIMEOUT_MS", 0);
   if (ms > 0) return ms;
@@ -1019,9 +1043,8 @@ static void init_finish(td_rpc_agent *a) {
   snprintf(a->sc.owner, sizeof a->sc.owner, "%s (rank 0)", a->peers[0].info.name);
   a->sc.wait_for_ready = false; /* from now on a missing rank 0 is a failure, not a late start */
   /* After the line above: the group is complete, so rank 0 may already have finished and left
-   * (a non-graceful shutdown does not wait for anyone); a clock exchange waiting for its store
-   * to come back would then hang this init until its deadline. */
-  init_trace(a);
+   * (a non-graceful shutdown does not wait for anyone): nothing here waits for its store (the
+   * clocks were exchanged before the ready barrier, init_trace). */
   a->busy_poll_us = busy_poll_window(a, a->opts.busy_poll_us);
   td__transport_set_busy_poll(a->tr, a->busy_poll_us);
   /* the pool's handlers and callbacks follow each other closely under load as replies do */
@@ -1055,6 +1078,7 @@ td_status td__rpc_init_impl(const char *name, int rank, int world_size,
   char msg[1024];
   snprintf(msg, sizeof msg, "%s", td_last_error());
   if (a) {
+    if (a->trace_owned) td_trace_stop(); /* started at the rendezvous (init_trace) */
     td__serve_drop_held(a, msg);
     td__store_park_end(a);
     td__transport_shutdown(a->tr);

@@ -40,6 +40,7 @@ static td_status send_frame_or_log(td_rpc_agent *a, td__conn *c, td__msg *m) {
                   .message = msg};
     st = td__wire_encode(&em, &wctx, &f);
   }
+  f.reverse = td__conn_is_client(c); /* a reply on a stream this worker opened */
   if (st == TD_OK) st = td__conn_send(c, &f);
   if (st != TD_OK)
     td_log(TD_LOG_DEBUG, "rpc: %s: reply to rank %d not sent: %s", a->name, td__conn_peer(c),
@@ -458,12 +459,15 @@ void td__serve_drop_held(td_rpc_agent *a, const char *why) {
 void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
   td_rpc_agent *a = ud;
   /* the sender is the rank the stream's handshake proved, whatever the frame claims; requests
-   * come only on streams peers opened to us, replies only on streams we opened */
+   * come on streams peers opened to us, replies on streams we opened, each unless its id bears
+   * the reverse mark (a shared stream's other direction: TD__ID_REVERSE) */
   int from = td__conn_peer(c);
   bool is_request = m->kind == TD__MSG_REQUEST;
-  if (from < 0 || from >= a->world || is_request == td__conn_is_client(c)) {
-    td_log(TD_LOG_WARN, "rpc: %s: dropping a %s from rank %d on a %s stream", a->name,
-           is_request ? "request" : "reply", from, td__conn_is_client(c) ? "client" : "server");
+  if (from < 0 || from >= a->world || is_request != td__id_is_request(c, m->id)) {
+    td_log(TD_LOG_WARN, "rpc: %s: dropping a %s from rank %d on a %s stream (id %s the reverse "
+           "mark)", a->name, is_request ? "request" : "reply", from,
+           td__conn_is_client(c) ? "client" : "server",
+           m->id & TD__ID_REVERSE ? "with" : "without");
     td__msg_clear(m);
     return;
   }
@@ -506,7 +510,7 @@ void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
 void td__serve_bad(void *ud, td__conn *c, uint64_t id, td_status st, const char *why) {
   td_rpc_agent *a = ud;
   char msg[700];
-  if (td__conn_is_client(c)) {
+  if (!td__id_is_request(c, id)) {
     /* a reply we cannot decode, or whose tensors cannot be placed where the map says */
     snprintf(msg, sizeof msg, "rpc: %s reply from %s (rank %d): %s",
              st == TD_ERR_DEVICE ? "cannot accept the" : "malformed",
@@ -527,13 +531,15 @@ void td__serve_bad(void *ud, td__conn *c, uint64_t id, td_status st, const char 
 
 void td__serve_closed(void *ud, td__conn *c, td_status st, const char *why) {
   td_rpc_agent *a = ud;
-  /* shutdown accounting: the other end takes this stream's frames back out as well (or is gone) */
-  int64_t frames = (int64_t)td__conn_frames_sent(c);
-  if (!td__conn_is_client(c)) {
-    __atomic_sub_fetch(&a->served_total, frames, __ATOMIC_ACQ_REL);
-    return;
-  }
-  __atomic_sub_fetch(&a->sent_total, frames, __ATOMIC_ACQ_REL);
+  /* shutdown accounting: the other end takes this stream's frames back out as well (or is gone);
+   * frames that went the stream's reverse way are the other kind (requests on a stream the peer
+   * opened, replies on ours) */
+  int64_t rev = (int64_t)td__conn_reverse_sent(c);
+  int64_t fwd = (int64_t)td__conn_frames_sent(c) - rev;
+  bool ours = td__conn_is_client(c);
+  __atomic_sub_fetch(&a->sent_total, ours ? fwd : rev, __ATOMIC_ACQ_REL);
+  __atomic_sub_fetch(&a->served_total, ours ? rev : fwd, __ATOMIC_ACQ_REL);
+  /* calls that went out on it fail (on ours, or on the peer's when it served both ways) */
   td__call_stream_closed(a, c, st, why);
 }
 

@@ -577,7 +577,7 @@ static td_status unary(void *ctx, const uint8_t *req, size_t len, uint8_t **repl
                        size_t *reply_len) {
   const td__store_client *c = ctx;
   const char *owner = c->owner[0] ? c->owner : "rank 0";
-  int64_t tmo = c->call_timeout_ms;
+  int64_t tmo = __atomic_load_n(&c->call_timeout_ms, __ATOMIC_RELAXED); /* (shutdown.c) */
   uint64_t dl = __atomic_load_n(&c->deadline_ns, __ATOMIC_ACQUIRE);
   if (dl && dl != TD__NO_DEADLINE) {
     uint64_t now = td__now_ns();

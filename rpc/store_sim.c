@@ -231,19 +231,20 @@ static td_status rendezvous(sim_worker *w, uint64_t deadline) {
   snprintf(key, sizeof key, "directok/%d", r);
   n = snprintf(val, sizeof val, "0-%d", o->world - 1);
   TD_TRY(td__store_set(&w->sc, key, val, (size_t)n));
+  /* init_trace's clock exchange (the flight recorder is on by default), before the barrier */
+  for (int i = 0; r != 0 && i < (o->world <= 64 ? 8 : 2); i++) {
+    int64_t now;
+    TD_TRY(td__store_now(&w->sc, &now));
+  }
   /* rdv_ready, td__direct_learn */
   w->phase = TD__SIM_READY;
   TD_TRY(td__store_add(&w->sc, "ready", 1, NULL));
   TD_TRY(td__store_wait_ge(&w->sc, "ready", o->world, deadline, "abort"));
   TD_TRY(read_all(w, "directok/", deadline));
-  /* rdv_passed, then init_trace's clock exchange (the flight recorder is on by default) */
+  /* rdv_passed */
   w->phase = TD__SIM_PASSED;
   TD_TRY(td__store_add(&w->sc, "passed", 1, NULL));
   if (r == 0) return td__store_wait_ge(&w->sc, "passed", o->world, deadline, "abort");
-  for (int i = 0; i < (o->world <= 64 ? 8 : 2); i++) {
-    int64_t now;
-    TD_TRY(td__store_now(&w->sc, &now));
-  }
   return TD_OK;
 }
 

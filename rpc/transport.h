@@ -166,6 +166,13 @@ bool td__conn_closed(const td__conn *c);
 td_status td__conn_send(td__conn *c, td__frame *f);
 /* The number of frames td__conn_send accepted on c (final once c is closed: sends fail then). */
 uint64_t td__conn_frames_sent(const td__conn *c);
+/* ... of which frames marked reverse (td__frame.reverse). */
+uint64_t td__conn_reverse_sent(const td__conn *c);
+/* A stream peer_rank opened to this worker whose handshake proved that rank and which is still
+ * open (new reference), or NULL. One stream serves a pair both ways: this worker's calls to
+ * peer_rank may go out on it (ids marked TD__ID_REVERSE) instead of on a stream of its own, so a
+ * pair that calls each other costs one connection and one handshake, not two. */
+td__conn *td__transport_reverse_conn(td__transport *t, int peer_rank);
 /* Closes the conn from this side (queued frames are dropped). */
 void td__conn_close(td__conn *c, const char *why);
 

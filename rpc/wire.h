@@ -105,6 +105,9 @@ typedef struct td__frame {
   td_tensor **tensors; /* owned references, contiguous CPU tensors (CUDA ones staged to host) */
   int ntensors;
   uint64_t payload_len;
+  /* set by the agent after encoding: a request on a stream the peer opened, or a reply on one
+   * this worker opened (a shared stream's reverse direction; counted apart, td__conn_reverse_sent) */
+  bool reverse;
 } td__frame;
 
 /* td__wire_encode encodes m (values are walked, extension values converted with to_wire). */

@@ -154,6 +154,7 @@ typedef struct td_rpc_stats {
   int64_t calls_pending;
   int64_t requests_active;
   int64_t pool_pending;
+  uint64_t streams_opened, streams_shared;
   ...;
 } td_rpc_stats;
 typedef struct td_rpc_call_opts { int64_t timeout_ms; ...; } td_rpc_call_opts;

@@ -1,10 +1,12 @@
 /* test_rpc_calls.c - multi-process tests of calls: sync/async, values and tensors, self and
  * nested calls, remote errors, unknown functions, timeouts, 1000 concurrent calls, a 20-hop chain
  * of async handlers on 4-thread pools; the same-host lane (order across the switch, options) and
- * the completions of one pass over it (a callback that blocks does not hold up the others). */
+ * the completions of one pass over it (a callback that blocks does not hold up the others); one
+ * stream serving a pair both ways. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -605,6 +607,80 @@ static void test_rpc_burst_callback_blocks(void **state) {
   TD_MP_RUN(2, worker_burst, NULL, 60);
 }
 
+/* ---- one stream serves a pair both ways: rank 1 calls rank 0, which then reaches rank 1 on the
+ * stream rank 1 opened (no connection of its own): small, large (direct copy) and failing calls,
+ * through the lane or gRPC, and a graceful shutdown whose totals still balance ---- */
+
+typedef struct share_case {
+  const char *share_env; /* TD_RPC_SHARE_STREAMS, or NULL */
+  const char *lane_env;  /* TD_RPC_SHM_LANE, or NULL */
+  bool expect_shared;
+} share_case;
+
+static int worker_share(int rank, int world, const char *method, void *arg) {
+  const share_case *k = arg;
+  register_test_fns();
+  if (k->share_env) setenv("TD_RPC_SHARE_STREAMS", k->share_env, 1);
+  else unsetenv("TD_RPC_SHARE_STREAMS");
+  if (k->lane_env) setenv("TD_RPC_SHM_LANE", k->lane_env, 1);
+  else unsetenv("TD_RPC_SHM_LANE");
+  td_rpc_options o = td_mp_rpc_options(method, 2);
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  td_rpc_stats st;
+  if (rank == 1) {
+    td_value *args[2] = {td_value_int(40), td_value_int(2)}, *res = NULL;
+    MP_CHECK_OK(td_rpc_sync(a, "worker0", "add", args, 2, NULL, &res));
+    MP_CHECK(as_int(res) == 42);
+    td_value_unref(res);
+    td_value_unref(args[0]);
+    td_value_unref(args[1]);
+    MP_CHECK_OK(td_rpc_get_stats(a, &st));
+    MP_CHECK(st.streams_opened == 1 && st.streams_shared == 0);
+  } else {
+    /* rank 1's stream is proven here once its request has arrived */
+    for (int i = 0; i < 3000; i++) {
+      MP_CHECK_OK(td_rpc_get_stats(a, &st));
+      if (st.requests_received >= 1) break;
+      usleep(10000);
+    }
+    MP_CHECK(st.requests_received >= 1);
+    td_value *args[2] = {td_value_int(1), td_value_int(2)}, *res = NULL;
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "add", args, 2, NULL, &res));
+    MP_CHECK(as_int(res) == 3);
+    td_value_unref(res);
+    td_value_unref(args[0]);
+    td_value_unref(args[1]);
+    /* 2 MB: a direct copy on the same host, acknowledged on the same stream */
+    td_tensor *t;
+    MP_CHECK_OK(td_tensor_arange(0, 500000, 1, TD_DTYPE_F32, td_device_cpu(), &t));
+    td_value *v = td_value_tensor(t);
+    td_tensor_unref(t);
+    MP_CHECK_OK(td_rpc_sync(a, "worker1", "echo", &v, 1, NULL, &res));
+    td_value_unref(v);
+    MP_CHECK_OK(td_value_as_tensor(res, &t));
+    MP_CHECK(td_tensor_numel(t) == 500000 && ((const float *)td_tensor_data(t))[499999] == 499999.f);
+    td_value_unref(res);
+    /* an error travels back the same way */
+    MP_CHECK(td_rpc_sync(a, "worker1", "fail", NULL, 0, NULL, &res) == TD_ERR_INVALID);
+    MP_CHECK(strstr(td_last_error(), "boom 42") != NULL);
+    MP_CHECK_OK(td_rpc_get_stats(a, &st));
+    MP_CHECK(st.calls_succeeded == 2 && st.calls_failed == 1);
+    if (k->expect_shared) MP_CHECK(st.streams_opened == 0 && st.streams_shared == 1);
+    else MP_CHECK(st.streams_opened == 1 && st.streams_shared == 0);
+  }
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(30000)));
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rpc_pair_shares_one_stream(void **state) {
+  (void)state;
+  const share_case cases[] = {{NULL, NULL, true}, {NULL, "0", true}, {"0", NULL, false}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+    TD_MP_RUN(2, worker_share, (void *)&cases[i], 60);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_rpc_calls),
@@ -613,6 +689,7 @@ int main(void) {
       cmocka_unit_test(test_rpc_direct_copy),
       cmocka_unit_test(test_rpc_shm_lane),
       cmocka_unit_test(test_rpc_burst_callback_blocks),
+      cmocka_unit_test(test_rpc_pair_shares_one_stream),
   };
   return cmocka_run_group_tests_name("rpc_calls", tests, NULL, NULL);
 }

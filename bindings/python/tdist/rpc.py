@@ -563,7 +563,8 @@ def get_stats():
     out = {k: getattr(s, k) for k in (
         "calls_started", "calls_succeeded", "calls_failed", "calls_timed_out",
         "requests_received", "requests_failed", "requests_rejected", "refused_connections",
-        "calls_pending", "requests_active", "pool_pending")}
+        "calls_pending", "requests_active", "pool_pending", "streams_opened",
+        "streams_shared")}
     out["traffic"] = {k: getattr(s.traffic, k) for k in (
         "frames_sent", "bytes_sent", "frames_received", "bytes_received", "direct_frames_sent",
         "direct_bytes_sent", "direct_frames_received", "direct_bytes_received",

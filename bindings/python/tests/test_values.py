@@ -202,6 +202,7 @@ def test_worker_infos(group):
         g.init()  # twice
     stats = tdist.get_stats()
     assert stats["calls_succeeded"] >= 2
+    assert stats["streams_opened"] + stats["streams_shared"] == 1  # c1 reached on one stream
     g.finish()
     with pytest.raises(tdist.StateError, match="init_rpc"):
         tdist.rpc_sync("c1", "c_add", (1, 1))
