@@ -195,7 +195,8 @@ void td__ftz_block_io(td_ft_zero *z, int bi, void *buf, bool to_block) {
 }
 
 /* Cuts the blocks and their segments; gives each its holders at creation (stage 3: with their
- * master values from the parameters, which are whole here). */
+ * master values from the parameters, which are whole here), unless this member is a joining
+ * spare (it holds none until a recovery copies some to it). */
 static td_status make_blocks(td_ft_zero *z) {
   z->b = td__calloc((size_t)z->B, sizeof *z->b);
   z->segs = td__calloc(z->np + (size_t)z->B, sizeof *z->segs);
@@ -216,7 +217,7 @@ static td_status make_blocks(td_ft_zero *z) {
     b->own = td_process_group_global_rank(z->pg, r);
     b->bak = n > 1 ? td_process_group_global_rank(z->pg, (r + 1) % n) : -1;
     b->gstep = INT64_MIN;
-    if (b->own != td__ftz_me(z) && b->bak != td__ftz_me(z)) continue;
+    if (z->joining || (b->own != td__ftz_me(z) && b->bak != td__ftz_me(z))) continue;
     TD_TRY(td__ftz_block_hold(z, bi, INT64_MIN));
     if (z->o.stage != 3) continue;
     size_t es = td_dtype_size(z->dt);
@@ -229,18 +230,81 @@ static td_status make_blocks(td_ft_zero *z) {
   return TD_OK;
 }
 
+td_status td__ftz_learn(td_ft_zero *z, int M, int B) {
+  if (z->P < B)
+    return td_set_error(TD_ERR_INVALID, "ft_zero_create: %lld elements in %d blocks (more "
+                        "blocks than elements)", (long long)z->P, B);
+  z->M = z->o.n_shards = M;
+  z->B = z->o.n_blocks = B;
+  z->owner = td__calloc((size_t)z->M, sizeof *z->owner);
+  z->grad = td__calloc((size_t)z->M, sizeof *z->grad);
+  if (!z->owner || !z->grad) return td_set_error(TD_ERR_NOMEM, "ft_zero_create: out of memory");
+  TD_TRY(make_blocks(z));
+  if (z->o.stage == 1) TD_TRY(td_tensor_zeros(&z->P, 1, z->dt, td_device_cpu(), &z->avg));
+  return TD_OK;
+}
+
+static td_status scaler_end(td_ft_zero *z, int64_t step);
+
+/* A spare admitted to the group joins the survivors' recovery, which waits for it after their
+ * re-formation (td__ftz_settle): it learns the layout, gets copies of the blocks the loss left
+ * with one holder, the lost members' shards of the batch, and the parameters (and scaler state)
+ * of the last committed step. Should a member be lost meanwhile, it drops what it took,
+ * re-forms with the survivors and tries again, as they do. */
+static td_status join(td_ft_zero *z) {
+  char msg[1024] = "";
+  uint64_t t0 = td__now_ns();
+  for (int tries = 0;; tries++) {
+    td_ft_step_info info;
+    memset(&info, 0, sizeof info);
+    bool done = false, again = false;
+    td_status st = td__ftz_settle(z, 0, &info, &done, &again);
+    if (st == TD_OK) {
+      z->joining = false;
+      z->heals++;
+      z->heal_s += (double)(td__now_ns() - t0) * 1e-9;
+      /* rolled forward to the step it was healed to: its scaler ends that step's iteration,
+       * as the members that had not committed it do */
+      if (z->dec_step == z->committed) TD_TRY(scaler_end(z, z->committed));
+      int held = 0;
+      for (int bi = 0; bi < z->B; bi++) held += z->b[bi].held;
+      td_log(TD_LOG_INFO, "ft_zero: joined at generation %llu, healed to step %lld (%d shards "
+             "and %d blocks over %d members, %d blocks copied here)",
+             (unsigned long long)td_process_group_generation(z->pg), (long long)z->committed,
+             z->M, z->B, td_process_group_size(z->pg), held);
+      return TD_OK;
+    }
+    if (!again || tries >= NO_LOSS_TRIES) return st;
+    for (int bi = 0; z->b && bi < z->B; bi++) td__ftz_block_drop(&z->b[bi]);
+    z->committed = INT64_MIN, z->dec_step = INT64_MIN;
+    char why[600];
+    snprintf(why, sizeof why, "%s", td_last_error());
+    size_t len = 0;
+    int lost = 0;
+    TD_TRY(td__ft_reform(z->given, &z->pg, z->o.reform_timeout, 0, why, msg, sizeof msg, &len,
+                         &lost, NULL));
+  }
+}
+
+int64_t td_ft_zero_next_step(const td_ft_zero *z) {
+  return !z || z->committed == INT64_MIN ? 0 : z->committed + 1;
+}
+
 td_status td_ft_zero_create(td_process_group *pg, const td_optim_options *opts,
                             const td_optim_group *groups, size_t n_groups,
                             const td_ft_zero_options *zopts, td_ft_zero **out) {
   TD_CHECK_ARG(pg && opts && groups && n_groups && out,
                "ft_zero_create: NULL group, options, groups or out");
   TD_CHECK_ARG(td_process_group_backend(pg) == TD_PG_BACKEND_CPU, "ft_zero_create: CPU groups only");
-  if (td_process_group_joined(pg)) /* the survivors see it leave, and re-form without it */
-    return td_set_error(TD_ERR_UNSUPPORTED, "ft_zero_create: a spare cannot join a fault-"
-                        "tolerant ZeRO group (healing a spare is built for td_ft_ddp only)");
   td_ft_zero_options o;
   td_ft_zero_options_init(&o);
   if (zopts) o = *zopts;
+  bool joining = td_process_group_joined(pg); /* a spare: it learns n_shards and n_blocks */
+  if (joining && o.stage == 3) /* the survivors see it leave, and re-form without it */
+    return td_set_error(TD_ERR_UNSUPPORTED, "ft_zero_create: a spare cannot join a fault-"
+                        "tolerant ZeRO stage 3 group (its units' hooks and master values are "
+                        "set up at creation from whole parameters; stages 1 and 2 heal a spare)");
+  if (joining) o.n_shards = o.n_blocks = 1; /* placeholders until the survivors give them */
   int n = td_process_group_size(pg);
   if (!o.n_shards) o.n_shards = n;
   if (!o.n_blocks) o.n_blocks = n;
@@ -263,7 +327,18 @@ td_status td_ft_zero_create(td_process_group *pg, const td_optim_options *opts,
   z->committed = z->voted = z->grad_step = INT64_MIN;
   z->coef = 1.0;
   z->dec_step = INT64_MIN;
+  z->joining = joining;
   td_status st = take_params(z, groups, n_groups);
+  if (st == TD_OK && joining) {
+    z->M = z->B = 0;
+    st = join(z);
+    if (st != TD_OK) {
+      td_ft_zero_destroy(z);
+      return st;
+    }
+    *out = z;
+    return TD_OK;
+  }
   if (st == TD_OK && z->P < z->B)
     st = td_set_error(TD_ERR_INVALID, "ft_zero_create: %lld elements in %d blocks (more blocks "
                       "than elements)", (long long)z->P, z->B);
@@ -345,6 +420,9 @@ td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out) {
   }
   out->grad_numel = z->o.stage == 1 ? z->P : out->state_numel;
   out->plain_steps = z->own_steps;
+  out->heals = z->heals;
+  out->heal_bytes = z->heal_bytes;
+  out->heal_s = z->heal_s;
   out->machinery_s = z->own_s;
   out->units = (int)z->nu;
   out->unit_gathers = z->unit_gathers;

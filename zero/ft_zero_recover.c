@@ -6,7 +6,13 @@
  * state on a new backup; then they apply it.
  *
  * Row of a member: committed, voted, coef's bits (ROW_HEAD), the M shard owners (global ranks),
- * then per block: held, ver, gstep.
+ * then per block: held, ver, gstep. Before it, one all_reduce MAX agrees on the layout (n_shards,
+ * n_blocks, stage, elements): a spare admitted to the group (td_process_group_spare) enters the
+ * recovery there, learns the layout, reports TD__FTZ_JOINER as its committed step and no block,
+ * is left out of the decision, and so is the survivor holding the fewest blocks: it gets the
+ * copies of the blocks left with one holder (the neighbour's copy of the lost member's state),
+ * the lost members' shards of the batch, and the parameters and scaler state of the last
+ * committed step.
  *
  * Threads: the thread that runs the td_ft_zero's steps; no lock.
  */
@@ -33,7 +39,7 @@ static td_status exchange(td_ft_zero *z, table *T) {
   td_tensor *mine = NULL;
   TD_TRY(td_tensor_zeros(&L, 1, TD_DTYPE_I64, td_device_cpu(), &mine));
   int64_t *x = td_tensor_data(mine);
-  x[0] = z->committed, x[1] = z->voted;
+  x[0] = z->joining ? TD__FTZ_JOINER : z->committed, x[1] = z->voted;
   memcpy(&x[2], &z->coef, sizeof(double));
   for (int s = 0; s < z->M; s++) x[ROW_HEAD + s] = z->owner[s];
   for (int bi = 0; bi < z->B; bi++) {
@@ -68,8 +74,11 @@ static td_status decide(td_ft_zero *z, const table *T, plan *p) {
   p->k = INT64_MAX;
   for (int m = 0; m < T->n; m++) {
     int64_t c = row(T, m)[0];
-    if (c + 1 < p->k) p->k = c + 1;
+    if (c != TD__FTZ_JOINER && c + 1 < p->k) p->k = c + 1;
   }
+  if (p->k == INT64_MAX)
+    return td_set_error(TD_ERR_STATE, "ft_zero: a spare joined a group with no member holding "
+                        "the training's state");
   p->forward = false, p->coef = 1.0;
   for (int m = 0; m < T->n && !p->forward; m++)
     if (row(T, m)[1] == p->k) {
@@ -156,6 +165,7 @@ static td_status copy_block(td_ft_zero *z, int bi, int src, int dst, int64_t ver
     }
   }
   if (st == TD_OK) st = td_process_group_broadcast(z->pg, data, src);
+  if (st == TD_OK && r == dst && z->joining) z->heal_bytes += (int64_t)((size_t)count * es);
   if (st == TD_OK && r == dst) {
     td__ftz_block_drop(b);
     st = td__ftz_block_hold(z, bi, ver);
@@ -214,11 +224,19 @@ static td_status apply(td_ft_zero *z, const table *T, const plan *p, td_ft_step_
   return TD_OK;
 }
 
-/* Takes group rank 0's shard owners, then gives the lost members' shards to survivors. */
+/* The lowest group rank that is not a joining spare (decide() made sure there is one). */
+static int first_member(const table *T) {
+  int m = 0;
+  while (m < T->n - 1 && row(T, m)[0] == TD__FTZ_JOINER) m++;
+  return m;
+}
+
+/* Takes the shard owners of the lowest member that is not a joining spare, then gives the lost
+ * members' shards to survivors (a joined spare, holding none, first). */
 static int reshard(td_ft_zero *z, const table *T, char *msg, size_t n, size_t *len) {
-  int m = td__ftz_me(z);
+  int m = td__ftz_me(z), src = first_member(T);
   for (int s = 0; s < z->M; s++) {
-    z->owner[s] = (int)row(T, 0)[ROW_HEAD + s];
+    z->owner[s] = (int)row(T, src)[ROW_HEAD + s];
     if (z->owner[s] != m && z->grad[s]) {
       td_tensor_unref(z->grad[s]);
       z->grad[s] = NULL;
@@ -227,15 +245,88 @@ static int reshard(td_ft_zero *z, const table *T, char *msg, size_t n, size_t *l
   return td__ft_reassign(z->pg, z->owner, z->M, z->grad, msg, n, len);
 }
 
+/* The layout every member must share, agreed before the exchange (whose rows it sizes): a
+ * joining spare reports none and learns it. *joiners: a member is joining. */
+static td_status head(td_ft_zero *z, bool *joiners, bool *again) {
+  int64_t seven = 7;
+  td_tensor *v = NULL;
+  TD_TRY(td_tensor_zeros(&seven, 1, TD_DTYPE_I64, td_device_cpu(), &v));
+  int64_t *x = td_tensor_data(v);
+  x[0] = z->joining ? 0 : z->M, x[1] = z->joining ? 0 : z->B;
+  x[2] = z->o.stage, x[3] = -z->o.stage, x[4] = z->P, x[5] = -z->P, x[6] = z->joining;
+  td_status st = td_process_group_all_reduce(z->pg, v, TD_REDUCE_MAX);
+  *again = st != TD_OK;
+  if (st == TD_OK) {
+    *joiners = x[6] != 0;
+    if (x[2] != -x[3] || x[4] != -x[5])
+      st = td_set_error(TD_ERR_INVALID, "ft_zero: a spare joined with another model or stage "
+                        "(%lld to %lld elements, stages %lld to %lld among the members)",
+                        (long long)-x[5], (long long)x[4], (long long)-x[3], (long long)x[2]);
+    else if (x[0] < 1 || x[1] < 1)
+      st = td_set_error(TD_ERR_STATE, "ft_zero: a spare joined a group with no member holding "
+                        "the training's state");
+    else if (z->joining && !z->b)
+      st = td__ftz_learn(z, (int)x[0], (int)x[1]);
+    else if (x[0] != z->M || x[1] != z->B)
+      st = td_set_error(TD_ERR_STATE, "ft_zero: members differ in n_shards (%d, %lld) or "
+                        "n_blocks (%d, %lld)", z->M, (long long)x[0], z->B, (long long)x[1]);
+  }
+  td_tensor_unref(v);
+  return st;
+}
+
+/* What a joining spare takes beside its blocks' copies: the parameters of step k - 1 when the
+ * step is redone (a roll forward's gather gave it those of k), from the lowest member; the
+ * scaler state of step k - 1, from the lowest member at k - 1 (a roll forward's spare ends k's
+ * iteration itself, as the members at k - 1 do). Every member takes part. */
+static td_status heal(td_ft_zero *z, const table *T, const plan *p) {
+  int root = first_member(T), sroot = root;
+  while (sroot < T->n - 1 && row(T, sroot)[0] != p->k - 1) sroot++;
+  int64_t bytes = 0;
+  td_status st = TD_OK;
+  if (!p->forward) st = td__ft_bcast_packed(z->pg, z->params, z->np, root, &bytes);
+  else bytes = z->P * (int64_t)td_dtype_size(z->dt); /* the gather's */
+  if (st == TD_OK && z->o.scaler) {
+    int64_t two = 2;
+    td_tensor *sv = NULL;
+    td_grad_scaler_state gs;
+    st = td_grad_scaler_get_state(z->o.scaler, &gs);
+    if (st == TD_OK) st = td_tensor_zeros(&two, 1, TD_DTYPE_F64, td_device_cpu(), &sv);
+    if (st == TD_OK) {
+      double *x = td_tensor_data(sv);
+      x[0] = gs.scale, x[1] = (double)gs.growth_tracker;
+      st = td_process_group_broadcast(z->pg, sv, sroot);
+      gs.scale = x[0], gs.growth_tracker = (int64_t)x[1];
+    }
+    if (st == TD_OK && z->joining) st = td_grad_scaler_set_state(z->o.scaler, &gs);
+    td_tensor_unref(sv);
+  }
+  if (st == TD_OK && z->joining) {
+    z->committed = p->forward ? p->k : p->k - 1;
+    z->heal_bytes += bytes;
+  }
+  return st;
+}
+
 td_status td__ftz_recover(td_ft_zero *z, int64_t step, const char *why, td_ft_step_info *info,
                          bool *done, bool *again) {
   char *m = info->message;
   size_t n = sizeof info->message, len = strlen(m);
-  int lost = 0;
+  int lost = 0, joined = 0;
   TD_TRY(td__ft_reform(z->given, &z->pg, z->o.reform_timeout, step, why, m, n, &len, &lost,
-                       NULL));
+                       &joined));
   info->lost += lost;
+  info->joined += joined;
   td__ftz_inject_at(z, step, TD_FT_RECOVERY);
+  return td__ftz_settle(z, step, info, done, again);
+}
+
+td_status td__ftz_settle(td_ft_zero *z, int64_t step, td_ft_step_info *info, bool *done,
+                         bool *again) {
+  char *m = info->message;
+  size_t n = sizeof info->message, len = strlen(m);
+  bool joiners = false;
+  TD_TRY(head(z, &joiners, again));
   table T = {0};
   plan p = {0};
   p.own = td__calloc((size_t)z->B, sizeof *p.own);
@@ -255,6 +346,7 @@ td_status td__ftz_recover(td_ft_zero *z, int64_t step, const char *why, td_ft_st
   if (st == TD_OK) {
     if (!moved) len = td__ft_say(m, n, len, "; no shard moved (every holder lives)");
     st = apply(z, &T, &p, info, m, n, &len);
+    if (st == TD_OK && joiners) st = heal(z, &T, &p);
     if (st != TD_OK) *again = true;
   }
   if (st == TD_OK) {

@@ -1063,8 +1063,15 @@ typedef struct td_ft_zero_stats {
                              unit per shard pass, and those of td_ft_zero_sync) */
   int64_t peak_unit_numel; /* stage 3: the most elements of unit parameters that had memory at
                               once on this member during a shard pass */
+  int64_t heals;          /* a spare that joined: 1 (0 otherwise) */
+  int64_t heal_bytes;     /* ... bytes it took: its blocks' values and optimizer state, the
+                             parameters */
+  double heal_s;          /* ... time from entering the survivors' recovery to healed */
 } td_ft_zero_stats;
 TD_API td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out);
+/* td_ft_zero_next_step is td_ft_ddp_next_step for a td_ft_zero (for a spare that joined: the
+ * step after the one it was healed to). */
+TD_API int64_t td_ft_zero_next_step(const td_ft_zero *z);
 /* td_ft_zero_destroy frees z, its optimizer state and the groups it re-formed. NULL does
  * nothing. */
 TD_API void td_ft_zero_destroy(td_ft_zero *z);
