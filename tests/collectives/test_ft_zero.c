@@ -465,7 +465,8 @@ static void run_spare_case(spare_case *c) {
  * surviving holder) and the parameters of the last committed step, and trains from the next:
  * the parameters of every member after the run (spares included) equal the failure-free run's
  * of 4 bitwise, and every block has two holders again. Also two kills with two spares, a spare
- * lost once it joined (the other replaces it), and a spare lost before it is healed. */
+ * lost once it joined (the other replaces it), a spare lost before it is healed, and a member
+ * lost while a spare joins (it re-forms with the survivors and joins the next generation). */
 static void test_ft_zero_spares(void **state) {
   (void)state;
   if (!baseline_n) { /* run alone: the failure-free run of 4 first */
@@ -482,6 +483,9 @@ static void test_ft_zero_spares(void **state) {
        0, ""},
       {"kill rank 1 before step 3; spare 4 dies before it is healed, spare 5 takes its place", 2,
        {KILL(1, 3, TD_FT_BEFORE)}, 1, {1, 1}, 2, 2, 4, ""},
+      {"kill rank 3 before step 2, then rank 1 in that recovery: spare 4 re-forms with the "
+       "survivors while joining, both spares join", 2,
+       {KILL(3, 2, TD_FT_BEFORE), KILL(1, 2, TD_FT_RECOVERY)}, 2, {1, 1}, 2, 2, 0, ""},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_spare_case(&cases[i]);
 }
