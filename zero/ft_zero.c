@@ -20,8 +20,9 @@
  * (0 from the others: x + 0 is exact, so the SUM is exact), folded in block order into the norm:
  * a member that receives it knows every member finished step 2 (voted = step, coef = the clip
  * factor); 4. every held block stepped (b->ver = step, its gradient dropped); 5. the gather:
- * one all_gather per piece when every member owns the block of its rank (the layout at
- * creation), else a broadcast per block from its owner; then committed = step.
+ * one all_gather per piece when every member owns one block (the layout at creation, or it with
+ * spares in the places of lost members), else a broadcast per block from its owner; then
+ * committed = step.
  *
  * Recovery (ft_zero_recover.c), after any collective failed: re-form (generation + 1); exchange rows
  * (an all_gather of int64): committed, voted, coef's bits, the shard owners, and per block
@@ -42,6 +43,11 @@
  *   survivor holding the fewest blocks (ties: the lowest group rank) becomes bak and gets a copy
  *   of the state and values from own (two broadcasts). No valid holder: the block's state is
  *   gone (both holders lost at once): TD_ERR_UNAVAILABLE on every survivor.
+ *   Spares (td_process_group_spare): the recovery agrees on the layout first (one all_reduce),
+ *   so a spare admitted to the group can enter it there (join(), at creation): it takes the
+ *   roles of a lost member in the layout, with copies of its blocks from their other holders,
+ *   its shards of the batch, and the parameters of the last committed step
+ *   (ft_zero_recover.c).
  *
  * Threads: a td_ft_zero is used by one thread; no lock of its own.
  */
@@ -605,16 +611,22 @@ td_status td__ftz_step_held(td_ft_zero *z, int64_t step, double coef, double *ow
   return TD_OK;
 }
 
-/* Whether every member owns the block of its group rank (the layout at creation). */
-static bool identity(const td_ft_zero *z) {
-  if (z->B != td_process_group_size(z->pg)) return false;
-  for (int bi = 0; bi < z->B; bi++)
-    if (z->b[bi].own != td_process_group_global_rank(z->pg, bi)) return false;
+/* Whether every member owns one block (the layout at creation, or it with spares in the places
+ * of lost members): of[r], the block group rank r owns. */
+static bool one_each(const td_ft_zero *z, int *of) {
+  int n = td_process_group_size(z->pg);
+  if (z->B != n) return false;
+  for (int r = 0; r < n; r++) of[r] = -1;
+  for (int bi = 0; bi < z->B; bi++) {
+    int r = td__ft_group_rank(z->pg, z->b[bi].own);
+    if (r < 0 || of[r] >= 0) return false;
+    of[r] = bi;
+  }
   return true;
 }
 
-/* The gather on the identity layout: one all_gather per piece of the blocks. */
-static td_status gather_pieces(td_ft_zero *z, int64_t step) {
+/* The gather when every member owns one block: one all_gather per piece of the blocks. */
+static td_status gather_pieces(td_ft_zero *z, int64_t step, const int *of) {
   int n = td_process_group_size(z->pg), r = td_process_group_rank(z->pg);
   int64_t S = z->b[0].hi - z->b[0].lo, q = (int64_t)(z->o.bucket_bytes / td_dtype_size(z->dt)) / n;
   if (q < 1) q = 1;
@@ -627,7 +639,7 @@ static td_status gather_pieces(td_ft_zero *z, int64_t step) {
   for (int64_t off = 0; st == TD_OK && off < S; off += q) {
     int64_t len = S - off < q ? S - off : q;
     td_tensor *iv = NULL, *av = NULL;
-    const td__zfblock *mb = &z->b[r];
+    const td__zfblock *mb = &z->b[of[r]];
     int64_t mine = mb->hi - mb->lo - off;
     mine = mine < 0 ? 0 : mine > len ? len : mine;
     memset(td_tensor_data(in), 0, (size_t)len * es);
@@ -636,7 +648,7 @@ static td_status gather_pieces(td_ft_zero *z, int64_t step) {
     if (st == TD_OK) st = td_tensor_narrow(all, 0, 0, (int64_t)n * len, &av);
     if (st == TD_OK) st = td_process_group_all_gather_into_tensor(z->pg, av, iv);
     for (int k = 0; st == TD_OK && k < n; k++) {
-      const td__zfblock *b = &z->b[k];
+      const td__zfblock *b = &z->b[of[k]];
       int64_t valid = b->hi - b->lo - off;
       valid = valid < 0 ? 0 : valid > len ? len : valid;
       if (k != r) td__ftz_flat_io(z, b->lo + off, valid, (char *)td_tensor_data(all) + (size_t)(k * len) * es, true);
@@ -675,7 +687,12 @@ static td_status gather_blocks(td_ft_zero *z, int64_t step) {
 
 td_status td__ftz_gather(td_ft_zero *z, int64_t step) {
   if (z->o.stage == 3) return td__ftz3_gather_rest(z, step);
-  return identity(z) ? gather_pieces(z, step) : gather_blocks(z, step);
+  int n = td_process_group_size(z->pg);
+  int *of = td__malloc((size_t)n * sizeof *of);
+  if (!of) return td_set_error(TD_ERR_NOMEM, "ft_zero_step: out of memory");
+  td_status st = one_each(z, of) ? gather_pieces(z, step, of) : gather_blocks(z, step);
+  td__free(of);
+  return st;
 }
 
 static td_status attempt(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void *user,

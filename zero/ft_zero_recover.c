@@ -6,13 +6,16 @@
  * state on a new backup; then they apply it.
  *
  * Row of a member: committed, voted, coef's bits (ROW_HEAD), the M shard owners (global ranks),
- * then per block: held, ver, gstep. Before it, one all_reduce MAX agrees on the layout (n_shards,
+ * then per block: held, ver, gstep, and the block's holders (own, bak: global ranks) as this
+ * member knows them. Before it, one all_reduce MAX agrees on the layout (n_shards,
  * n_blocks, stage, elements): a spare admitted to the group (td_process_group_spare) enters the
  * recovery there, learns the layout, reports TD__FTZ_JOINER as its committed step and no block,
- * is left out of the decision, and so is the survivor holding the fewest blocks: it gets the
- * copies of the blocks left with one holder (the neighbour's copy of the lost member's state),
- * the lost members' shards of the batch, and the parameters and scaler state of the last
- * committed step.
+ * is left out of the decision, and takes the roles of a lost member in the layout (the i-th lost
+ * holder, in global rank order, to the i-th joining spare, in group rank order): it gets copies
+ * of the lost member's blocks from their other holder (the neighbour's copy of its state), so a
+ * group made whole again has the layout it had (each member owning one block: the gather is one
+ * all_gather again); also the lost members' shards of the batch, and the parameters and scaler
+ * state of the last committed step.
  *
  * Threads: the thread that runs the td_ft_zero's steps; no lock.
  */
@@ -22,6 +25,7 @@
 #include "zero_impl.h"
 
 #define ROW_HEAD 3
+#define PER_BLOCK 5 /* held, ver, gstep, own, bak */
 
 typedef struct table {
   td_tensor *t;
@@ -34,7 +38,7 @@ static const int64_t *row(const table *T, int m) { return T->v + (size_t)m * (si
 /* Every survivor's row: what it committed and voted, its shard owners, its blocks. */
 static td_status exchange(td_ft_zero *z, table *T) {
   T->n = td_process_group_size(z->pg);
-  T->L = ROW_HEAD + z->M + 3 * z->B;
+  T->L = ROW_HEAD + z->M + PER_BLOCK * z->B;
   int64_t L = T->L, nL = (int64_t)T->n * T->L;
   td_tensor *mine = NULL;
   TD_TRY(td_tensor_zeros(&L, 1, TD_DTYPE_I64, td_device_cpu(), &mine));
@@ -43,8 +47,9 @@ static td_status exchange(td_ft_zero *z, table *T) {
   memcpy(&x[2], &z->coef, sizeof(double));
   for (int s = 0; s < z->M; s++) x[ROW_HEAD + s] = z->owner[s];
   for (int bi = 0; bi < z->B; bi++) {
-    int64_t *e = &x[ROW_HEAD + z->M + 3 * bi];
+    int64_t *e = &x[ROW_HEAD + z->M + PER_BLOCK * bi];
     e[0] = z->b[bi].held, e[1] = z->b[bi].ver, e[2] = z->b[bi].gstep;
+    e[3] = z->b[bi].own, e[4] = z->b[bi].bak;
   }
   td_status st = td_tensor_zeros(&nL, 1, TD_DTYPE_I64, td_device_cpu(), &T->t);
   if (st == TD_OK) st = td_process_group_all_gather_into_tensor(z->pg, T->t, mine);
@@ -53,17 +58,62 @@ static td_status exchange(td_ft_zero *z, table *T) {
   return st;
 }
 
+/* The lowest group rank that is not a joining spare (decide() made sure there is one). */
+static int first_member(const table *T) {
+  int m = 0;
+  while (m < T->n - 1 && row(T, m)[0] == TD__FTZ_JOINER) m++;
+  return m;
+}
+
+/* With spares joining, per group rank m: the global rank of the lost holder whose roles the
+ * spare at m takes (the i-th lost holder of the layout the lowest member knows, in global rank
+ * order, to the i-th joining spare, in group rank order), or -1. All -1 without spares. NULL:
+ * out of memory. */
+static int *roles(const td_ft_zero *z, const table *T) {
+  int *role = td__malloc((size_t)T->n * sizeof *role);
+  if (!role) return NULL;
+  for (int m = 0; m < T->n; m++) role[m] = -1;
+  const int64_t *r0 = row(T, first_member(T)) + ROW_HEAD + z->M;
+  int next = 0; /* the next joining spare's group rank to look from */
+  for (int64_t last = -1;;) {
+    int64_t g = INT64_MAX; /* the lowest lost holder above `last` */
+    for (int bi = 0; bi < z->B; bi++)
+      for (int q = 3; q <= 4; q++) {
+        int64_t h = r0[PER_BLOCK * bi + q];
+        if (h > last && h < g && h >= 0 && td__ft_group_rank(z->pg, (int)h) < 0) g = h;
+      }
+    if (g == INT64_MAX) break;
+    while (next < T->n && row(T, next)[0] != TD__FTZ_JOINER) next++;
+    if (next >= T->n) break;
+    role[next++] = (int)g;
+    last = g;
+  }
+  return role;
+}
+
+/* The group rank that takes the roles of holder g (a global rank) in the new layout: its own
+ * when it lives, the spare taking them when it was lost, else -1. */
+static int role_of(const td_ft_zero *z, const table *T, const int *role, int64_t g) {
+  if (g < 0) return -1;
+  int m = td__ft_group_rank(z->pg, (int)g);
+  for (int j = 0; m < 0 && j < T->n; j++)
+    if (role[j] == g) m = j;
+  return m;
+}
+
 /* The decision, alike on every survivor. */
 typedef struct plan {
   int64_t k;        /* the step in question */
   bool forward;     /* a survivor voted k: complete it */
   double coef;
   int *own, *bak;   /* per block: group ranks; bak -1 */
-  bool *copy;       /* per block: bak needs a copy of the state from own */
+  int *src;         /* per block: the valid holder the copies come from */
+  bool *copy_own;   /* per block: own needs a copy of the state from src */
+  bool *copy;       /* per block: bak needs a copy of the state from src */
 } plan;
 
 static bool valid(const table *T, const plan *p, int M, int m, int bi) {
-  const int64_t *e = row(T, m) + ROW_HEAD + M + 3 * bi;
+  const int64_t *e = row(T, m) + ROW_HEAD + M + PER_BLOCK * bi;
   if (!e[0]) return false;
   if (!p->forward) return e[1] == p->k - 1;
   return e[1] == p->k || (e[1] == p->k - 1 && e[2] == p->k);
@@ -85,31 +135,43 @@ static td_status decide(td_ft_zero *z, const table *T, plan *p) {
       p->forward = true;
       memcpy(&p->coef, &row(T, m)[2], sizeof(double));
     }
+  bool joiners = false;
+  for (int m = 0; m < T->n; m++) joiners |= row(T, m)[0] == TD__FTZ_JOINER;
   int *load = td__calloc((size_t)T->n, sizeof *load);
-  if (!load) return td_set_error(TD_ERR_NOMEM, "ft_zero_step: out of memory");
-  td_status st = TD_OK;
+  int *role = roles(z, T);
+  td_status st = load && role ? TD_OK : td_set_error(TD_ERR_NOMEM, "ft_zero_step: out of memory");
   for (int bi = 0; st == TD_OK && bi < z->B; bi++) {
     /* the valid holders in ring order from the block's home rank (bi * n / B: at full size the
      * layout at creation, own = bi and bak = bi + 1, so its gather is one all_gather again) */
     int home = (int)((int64_t)bi * T->n / z->B);
-    p->own[bi] = p->bak[bi] = -1;
+    p->own[bi] = p->bak[bi] = p->src[bi] = -1;
+    p->copy_own[bi] = p->copy[bi] = false;
     for (int i = 0; i < T->n; i++) {
       int m = (home + i) % T->n;
       if (!valid(T, p, z->M, m, bi)) continue;
       if (p->own[bi] < 0) p->own[bi] = m;
       else if (p->bak[bi] < 0) p->bak[bi] = m;
     }
+    p->src[bi] = p->own[bi];
+    /* spares joining: the holders this block had, a lost one replaced by the spare taking its
+     * roles; each that is not a valid holder gets a copy from one */
+    const int64_t *e = row(T, first_member(T)) + ROW_HEAD + z->M + PER_BLOCK * bi;
+    int ro = role_of(z, T, role, e[3]), rb = role_of(z, T, role, e[4]);
+    if (joiners && p->src[bi] >= 0 && ro >= 0 && rb >= 0 && ro != rb) {
+      p->own[bi] = ro, p->bak[bi] = rb;
+      p->copy_own[bi] = !valid(T, p, z->M, ro, bi);
+      p->copy[bi] = !valid(T, p, z->M, rb, bi);
+    }
     if (p->own[bi] < 0)
       st = td_set_error(TD_ERR_UNAVAILABLE, "optimizer block %d (elements [%lld, %lld)) was "
                         "held only by lost members (global ranks %d and %d): its state is gone "
                         "(both holders lost at once); restart from a checkpoint", bi,
-                        (long long)z->b[bi].lo, (long long)z->b[bi].hi, z->b[bi].own, z->b[bi].bak);
+                        (long long)z->b[bi].lo, (long long)z->b[bi].hi, (int)e[3], (int)e[4]);
     if (st != TD_OK) break;
     load[p->own[bi]]++;
     if (p->bak[bi] >= 0) load[p->bak[bi]]++;
   }
   for (int bi = 0; st == TD_OK && bi < z->B; bi++) {
-    p->copy[bi] = false;
     if (p->bak[bi] >= 0 || T->n < 2) continue;
     int best = -1;
     for (int m = 0; m < T->n; m++)
@@ -119,6 +181,7 @@ static td_status decide(td_ft_zero *z, const table *T, plan *p) {
     load[best]++;
   }
   td__free(load);
+  td__free(role);
   return st;
 }
 
@@ -199,36 +262,35 @@ static td_status apply(td_ft_zero *z, const table *T, const plan *p, td_ft_step_
     int bak = p->bak[bi] >= 0 ? td_process_group_global_rank(z->pg, p->bak[bi]) : -1;
     if (own != b->own || bak != b->bak) {
       char w1[160], w2[160];
-      *len = td__ft_say(msg, n, *len, "%sblock %d -> %s%s%s", moved ? ", " : "; optimizer blocks: ",
-                        bi, td__ft_who(z->pg, p->own[bi], w1, sizeof w1),
+      *len = td__ft_say(msg, n, *len, "%sblock %d -> %s%s%s%s", moved ? ", " : "; optimizer blocks: ",
+                        bi, p->copy_own[bi] ? "a copy to " : "",
+                        td__ft_who(z->pg, p->own[bi], w1, sizeof w1),
                         bak >= 0 ? (p->copy[bi] ? " and a copy to " : " and ") : "",
                         bak >= 0 ? td__ft_who(z->pg, p->bak[bi], w2, sizeof w2) : "");
       moved++;
     }
     b->own = own, b->bak = bak;
-    if (b->held && r != p->own[bi] && r != p->bak[bi]) td__ftz_block_drop(b);
-    if (p->copy[bi]) info->blocks_copied++;
+    /* a holder that is no longer one goes now, or once it gave the copies */
+    bool giver = (p->copy_own[bi] || p->copy[bi]) && r == p->src[bi];
+    if (b->held && r != p->own[bi] && r != p->bak[bi] && !giver) td__ftz_block_drop(b);
+    info->blocks_copied += p->copy_own[bi] + p->copy[bi];
   }
   (void)T;
   /* a roll forward steps here; a redo reduces again (reduce() resets) */
   if (p->forward) TD_TRY(td__ftz_step_held(z, p->k, p->coef, NULL));
   if (p->forward) z->dec_step = p->k, z->dec_coef = p->coef; /* the voter's decision */
   int64_t target = p->forward ? p->k : p->k - 1;
-  for (int bi = 0; bi < z->B; bi++)
-    if (p->copy[bi]) TD_TRY(copy_block(z, bi, p->own[bi], p->bak[bi], target));
+  for (int bi = 0; bi < z->B; bi++) {
+    if (p->copy_own[bi]) TD_TRY(copy_block(z, bi, p->src[bi], p->own[bi], target));
+    if (p->copy[bi]) TD_TRY(copy_block(z, bi, p->src[bi], p->bak[bi], target));
+    if (z->b[bi].held && r != p->own[bi] && r != p->bak[bi]) td__ftz_block_drop(&z->b[bi]);
+  }
   if (p->forward) {
     TD_TRY(td__ftz_gather(z, p->k));
     if (z->committed < p->k) info->rolled_forward = true;
     if (z->committed < p->k) z->committed = p->k;
   }
   return TD_OK;
-}
-
-/* The lowest group rank that is not a joining spare (decide() made sure there is one). */
-static int first_member(const table *T) {
-  int m = 0;
-  while (m < T->n - 1 && row(T, m)[0] == TD__FTZ_JOINER) m++;
-  return m;
 }
 
 /* Takes the shard owners of the lowest member that is not a joining spare, then gives the lost
@@ -332,7 +394,10 @@ td_status td__ftz_settle(td_ft_zero *z, int64_t step, td_ft_step_info *info, boo
   p.own = td__calloc((size_t)z->B, sizeof *p.own);
   p.bak = td__calloc((size_t)z->B, sizeof *p.bak);
   p.copy = td__calloc((size_t)z->B, sizeof *p.copy);
-  td_status st = p.own && p.bak && p.copy ? TD_OK : td_set_error(TD_ERR_NOMEM, "ft_zero: out of memory");
+  p.src = td__calloc((size_t)z->B, sizeof *p.src);
+  p.copy_own = td__calloc((size_t)z->B, sizeof *p.copy_own);
+  td_status st = p.own && p.bak && p.copy && p.src && p.copy_own
+                     ? TD_OK : td_set_error(TD_ERR_NOMEM, "ft_zero: out of memory");
   if (st == TD_OK) {
     st = exchange(z, &T);
     *again = st != TD_OK; /* the new generation failed too: recover once more */
@@ -360,6 +425,8 @@ td_status td__ftz_settle(td_ft_zero *z, int64_t step, td_ft_step_info *info, boo
   td__free(p.own);
   td__free(p.bak);
   td__free(p.copy);
+  td__free(p.src);
+  td__free(p.copy_own);
   return st;
 }
 

@@ -370,10 +370,10 @@ static int spare_worker(int rank, int world, const char *method, void *arg) {
   MP_CHECK_OK(td_ft_zero_get_stats(z, &zs));
   int64_t first = td_ft_zero_next_step(z);
   MP_CHECK(spare ? first > 0 : first == 0); /* a spare starts after the step it was healed to */
-  /* healed: the layout of the group (4 blocks), the copies of the blocks the loss left with one
-   * holder (the lost member backed one and owned one: both copied here), the parameters */
+  /* healed: the layout of the group (4 blocks), the lost member's roles in it (it owned one block
+   * and backed one: both copied here from their other holder), the parameters */
   MP_CHECK(zs.n_blocks == SPARE_MEMBERS && zs.heals == spare);
-  MP_CHECK(!spare || (zs.backed >= 1 && zs.heal_bytes > 0 && zs.heal_s > 0));
+  MP_CHECK(!spare || (zs.owned == 1 && zs.backed == 1 && zs.heal_bytes > 0 && zs.heal_s > 0));
   int lost = 0, joined = 0;
   for (int64_t step = first; step < STEPS; step++) {
     MP_CHECK_OK(td_ft_zero_set_lr(z, 1e-2 * (1.0 - 0.1 * (double)step)));
@@ -448,6 +448,9 @@ static void run_spare_case(spare_case *c) {
       assert_int_equal(lost, c->lost);
       assert_int_equal(joined, c->joined[0] + c->joined[1]);
     }
+    /* the layout a failure-free group has: the spare took a lost member's blocks */
+    assert_int_equal(own, 1);
+    assert_int_equal(bak, 1);
     owned += own, backed += bak;
     char buf[4096];
     n = ft_read_file(c->dir, "params", r, buf, sizeof buf);
