@@ -232,6 +232,8 @@ int td__ft_reassign(td_process_group *pg, int *owner, int M, td_tensor **grad, c
 /* ---- moving state between members ---- */
 
 #define PACK_BYTES ((size_t)8 << 20) /* the staging piece of td__ft_bcast_packed */
+#define ALONE_BYTES ((size_t)256 << 10) /* a tensor this large goes alone: a broadcast's fixed
+                                           cost is less than copying it in and out of a piece */
 
 td_status td__ft_bcast_packed(td_process_group *pg, td_tensor *const *ts, size_t n, int root,
                               int64_t *bytes) {
@@ -240,7 +242,7 @@ td_status td__ft_bcast_packed(td_process_group *pg, td_tensor *const *ts, size_t
   bool giver = td_process_group_rank(pg) == root;
   for (size_t i = 0; st == TD_OK && i < n;) {
     size_t nb = td_tensor_nbytes(ts[i]), es = td_dtype_size(td_tensor_dtype(ts[i]));
-    if (nb >= PACK_BYTES / 2 || !td_tensor_is_contiguous(ts[i]) || (es != 4 && es != 8)) {
+    if (nb >= ALONE_BYTES || !td_tensor_is_contiguous(ts[i]) || (es != 4 && es != 8)) {
       if (bytes) *bytes += (int64_t)nb;
       st = td_process_group_broadcast(pg, ts[i], root); /* large enough alone */
       i++;
@@ -250,7 +252,7 @@ td_status td__ft_bcast_packed(td_process_group *pg, td_tensor *const *ts, size_t
     size_t j = i, used = 0;
     while (j < n && td_tensor_is_contiguous(ts[j]) &&
            td_dtype_size(td_tensor_dtype(ts[j])) == es &&
-           td_tensor_nbytes(ts[j]) < PACK_BYTES / 2 && used + td_tensor_nbytes(ts[j]) <= PACK_BYTES)
+           td_tensor_nbytes(ts[j]) < ALONE_BYTES && used + td_tensor_nbytes(ts[j]) <= PACK_BYTES)
       used += td_tensor_nbytes(ts[j++]);
     td_tensor **sp = &stage[es == 8], *piece = NULL;
     if (!*sp) {

@@ -374,25 +374,34 @@ static td_status heal_from(td_ft_ddp *ft, int root) {
   size_t nt = 0;
   td_tensor **ts = td__calloc(ft->np * 4, sizeof *ts), **state = td__calloc(ft->np * 3,
                                                                             sizeof *state);
-  if (st == TD_OK && (!ts || !state)) st = td_set_error(TD_ERR_NOMEM, "ft_ddp: out of memory");
+  bool *live = td__calloc(ft->np, sizeof *live); /* the broadcast writes the live state */
+  if (st == TD_OK && (!ts || !state || !live))
+    st = td_set_error(TD_ERR_NOMEM, "ft_ddp: out of memory");
   for (size_t i = 0; st == TD_OK && i < ft->np; i++) {
     ts[nt++] = ft->params[i];
     st = td_optim_state_get(ft->opt, i, &state[3 * i], NULL);
+    live[i] = true;
     for (int j = 0; st == TD_OK && j < 3; j++) {
       td_tensor **b = &state[3 * i + j];
       if (!mv[4 * i + j]) { /* the giver has none: neither will we */
+        live[i] = live[i] && !*b;
         td_tensor_unref(*b);
         *b = NULL;
         continue;
       }
       int64_t pn = td_tensor_numel(ft->params[i]);
-      if (!*b) st = td_tensor_zeros(&pn, 1, ft->dt, td_device_cpu(), b);
+      if (!*b) { /* a member without it (a spare): a new tensor, handed over below */
+        live[i] = false;
+        st = td_tensor_empty(&pn, 1, ft->dt, td_device_cpu(), b);
+      }
       if (st == TD_OK) ts[nt++] = *b;
     }
   }
   if (st == TD_OK) st = td__ft_bcast_packed(pg, ts, nt, root, &bytes);
   for (size_t i = 0; st == TD_OK && i < ft->np; i++)
-    st = td_optim_state_set(ft->opt, i, &state[3 * i], mv[4 * i + 3]);
+    st = live[i] ? td_optim_state_set_step(ft->opt, i, mv[4 * i + 3])
+                 : td_optim_state_set(ft->opt, i, &state[3 * i], mv[4 * i + 3]);
+  td__free(live);
   for (size_t k = 0; state && k < ft->np * 3; k++) td_tensor_unref(state[k]);
   td__free(state);
   td__free(ts);

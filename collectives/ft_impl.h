@@ -83,8 +83,9 @@ td_status td__ft_broken(td_process_group *pg);
 const char *td__ft_who(const td_process_group *pg, int grank, char *buf, size_t n);
 
 /* td__ft_bcast_packed broadcasts ts[0..n) (CPU tensors of the same shapes on every member) from
- * group rank root: runs of small contiguous tensors of one element size go packed into 8 MiB
- * pieces (one collective per piece instead of one per tensor), large ones alone. *bytes (may
+ * group rank root: runs of small contiguous tensors (under 256 KiB) of one element size go
+ * packed into pieces of up to 8 MiB (one collective per piece instead of one per tensor),
+ * larger ones alone. *bytes (may
  * be NULL): their bytes are added there. */
 td_status td__ft_bcast_packed(td_process_group *pg, td_tensor *const *ts, size_t n, int root,
                               int64_t *bytes);

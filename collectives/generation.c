@@ -480,6 +480,41 @@ static td_status spare_answer(const td__store_client *sc, uint64_t lineage, int6
   return st;
 }
 
+/* Admitted to generation gen of the lineage: reads its members record and creates the group
+ * with them (*out marked joined). */
+static td_status spare_create(td_rpc_agent *agent, uint64_t lineage, uint64_t gen,
+                              td_pg_backend backend, int64_t tmo, td_process_group **out) {
+  const td__store_client *sc = td__agent_store(agent);
+  int world = td_rpc_world_size(agent), me = td_rpc_rank(agent);
+  char kb[160];
+  uint8_t *v = NULL;
+  snprintf(kb, sizeof kb, "ft/%llu/%llu/members", (unsigned long long)lineage,
+           (unsigned long long)gen);
+  uint64_t cdl = td__deadline_ns(tmo);
+  td_status st = td__store_wait_key(sc, kb, cdl, NULL, &v, NULL);
+  uint64_t id = 0;
+  int *rs = NULL, k = 0, my = -1;
+  if (st == TD_OK) st = parse_members((const char *)v, world, &id, &rs, &k);
+  td__free(v);
+  for (int j = 0; st == TD_OK && j < k; j++)
+    if (rs[j] == me) my = j;
+  if (st == TD_OK && my < 0) {
+    td__free(rs);
+    st = td_set_error(TD_ERR_STATE, "process_group_spare: generation %llu of process group %llu "
+                      "does not list this spare", (unsigned long long)gen,
+                      (unsigned long long)lineage);
+  }
+  if (st != TD_OK) return st;
+  td__pg_given given = {.id = id, .lineage = lineage, .generation = gen, .deadline = cdl};
+  st = td__pg_create_member(agent, rs, k, my, backend, tmo, &given, out);
+  if (st != TD_OK)
+    return td__error_prefix(st, "process_group_spare: generation %llu", (unsigned long long)gen);
+  (*out)->joined = true;
+  td_log(TD_LOG_INFO, "process group %llu: joined generation %llu as a spare (%d members)",
+         (unsigned long long)lineage, (unsigned long long)gen, k);
+  return TD_OK;
+}
+
 td_status td_process_group_spare(td_rpc_agent *agent, const int *ranks, int n,
                                  td_pg_backend backend, td_timeout_ms timeout,
                                  td_timeout_ms wait, td_process_group **out,
@@ -517,61 +552,46 @@ td_status td_process_group_spare(td_rpc_agent *agent, const int *ranks, int n,
   v = NULL;
   /* the offer: this worker's rank and same-host record (so a decider can pass over a spare
    * that exited) */
-  int64_t i = 0;
-  if (st == TD_OK) st = td__store_add(sc, lin_key(kb, sizeof kb, lineage, -1, "spares"), 1, &i);
-  i--;
   td_worker_info wi;
   if (td_rpc_self(agent, &wi) == TD_OK) td__addr_host(wi.address, host, sizeof host);
   uint64_t nonce = td__samehost_nonce(&nonce);
   int rl = snprintf(rec, sizeof rec, "%d ", me);
   if (!host[0] || !td__samehost_record(host, &nonce, rec + rl, sizeof rec - (size_t)rl))
     snprintf(rec + rl, sizeof rec - (size_t)rl, "-");
-  if (st == TD_OK) st = td__store_set(sc, lin_key(kb, sizeof kb, lineage, i, NULL), rec,
-                                      strlen(rec));
-  /* released before this offer was listed: withdraw it unless a decider took it first */
-  bool over = false, mine = false;
-  if (st == TD_OK) st = td__store_get(sc, lin_key(kb, sizeof kb, lineage, -1, "over"), NULL,
-                                      NULL, &over);
-  if (st == TD_OK && over) st = claim(sc, lineage, i, &mine);
-  uint64_t gen = 0;
-  int64_t left = 0;
-  if (st == TD_OK && !mine) st = spare_answer(sc, lineage, i, dl, &gen, &left);
-  if (st == TD_OK && mine) /* withdrawn after the release: ask what it said */
-    st = td__store_add(sc, lin_key(kb, sizeof kb, lineage, -1, "left_out"), 0, &left);
-  if (st == TD_OK && gen == 0) { /* released: the group ended without needing this spare */
-    if (members_lost) *members_lost = left > 0;
-    /* the releaser waits for this before it may leave (it may host the store); a lost reply
-     * means it left already */
-    td__store_set(sc, lin_key(kb, sizeof kb, lineage, i, "ack"), "1", 1);
-    return TD_OK;
+  /* a generation that admitted this spare but could not form (another member lost while it
+   * connected) is formed again without it: it offers itself again, until `wait` passes */
+  while (st == TD_OK) {
+    int64_t i = 0;
+    st = td__store_add(sc, lin_key(kb, sizeof kb, lineage, -1, "spares"), 1, &i);
+    i--;
+    if (st == TD_OK)
+      st = td__store_set(sc, lin_key(kb, sizeof kb, lineage, i, NULL), rec, strlen(rec));
+    /* released before this offer was listed: withdraw it unless a decider took it first */
+    bool over = false, mine = false;
+    if (st == TD_OK)
+      st = td__store_get(sc, lin_key(kb, sizeof kb, lineage, -1, "over"), NULL, NULL, &over);
+    if (st == TD_OK && over) st = claim(sc, lineage, i, &mine);
+    uint64_t gen = 0;
+    int64_t left = 0;
+    if (st == TD_OK && !mine) st = spare_answer(sc, lineage, i, dl, &gen, &left);
+    if (st == TD_OK && mine) /* withdrawn after the release: ask what it said */
+      st = td__store_add(sc, lin_key(kb, sizeof kb, lineage, -1, "left_out"), 0, &left);
+    if (st == TD_OK && gen == 0) { /* released: the group ended without needing this spare */
+      if (members_lost) *members_lost = left > 0;
+      /* the releaser waits for this before it may leave (it may host the store); a lost reply
+       * means it left already */
+      td__store_set(sc, lin_key(kb, sizeof kb, lineage, i, "ack"), "1", 1);
+      return TD_OK;
+    }
+    if (st != TD_OK) return st;
+    st = spare_create(agent, lineage, gen, backend, tmo, out);
+    if (st == TD_OK) return TD_OK;
+    if ((st != TD_ERR_TIMEOUT && st != TD_ERR_UNAVAILABLE) || td__now_ns() >= dl) return st;
+    td_log(TD_LOG_WARN, "process group %llu: generation %llu, which admitted this spare, did not "
+           "form (%s); offering again", (unsigned long long)lineage, (unsigned long long)gen,
+           td_last_error());
   }
-  if (st != TD_OK) return st;
-  /* admitted to generation gen: read its members and create the group with them */
-  snprintf(kb, sizeof kb, "ft/%llu/%llu/members", (unsigned long long)lineage,
-           (unsigned long long)gen);
-  uint64_t cdl = td__deadline_ns(tmo);
-  st = td__store_wait_key(sc, kb, cdl, NULL, &v, NULL);
-  uint64_t id = 0;
-  int k = 0, my = -1;
-  if (st == TD_OK) st = parse_members((const char *)v, world, &id, &rs, &k);
-  td__free(v);
-  for (int j = 0; st == TD_OK && j < k; j++)
-    if (rs[j] == me) my = j;
-  if (st == TD_OK && my < 0) {
-    td__free(rs);
-    st = td_set_error(TD_ERR_STATE, "process_group_spare: generation %llu of process group %llu "
-                      "does not list this spare", (unsigned long long)gen,
-                      (unsigned long long)lineage);
-  }
-  if (st != TD_OK) return st;
-  td__pg_given given = {.id = id, .lineage = lineage, .generation = gen, .deadline = cdl};
-  st = td__pg_create_member(agent, rs, k, my, backend, tmo, &given, out);
-  if (st != TD_OK)
-    return td__error_prefix(st, "process_group_spare: generation %llu", (unsigned long long)gen);
-  (*out)->joined = true;
-  td_log(TD_LOG_INFO, "process group %llu: joined generation %llu as a spare (%d members)",
-         (unsigned long long)lineage, (unsigned long long)gen, k);
-  return TD_OK;
+  return st;
 }
 
 td_status td_process_group_release_spares(td_process_group *pg) {

@@ -618,6 +618,15 @@ int64_t td_optim_step_count(td_optim *o, size_t i) {
   return n;
 }
 
+td_status td_optim_state_set_step(td_optim *o, size_t i, int64_t step) {
+  TD_CHECK_ARG(o && i < o->n && step >= 0, "td_optim_state_set_step: bad optimizer, parameter "
+               "%zu or step %lld", i, (long long)step);
+  pthread_mutex_lock(&o->mu);
+  o->slots[i].step = step;
+  pthread_mutex_unlock(&o->mu);
+  return TD_OK;
+}
+
 /* ---- state (checkpoints) ---- */
 
 td_status td_optim_state_get(td_optim *o, size_t i, td_tensor *bufs[3], int64_t *step) {

@@ -328,7 +328,9 @@ TD_API td_status td_process_group_reform(td_process_group *pg, td_timeout_ms tim
  * td_process_group_release_spares (TD_OK, *out NULL; *members_lost, when not NULL, says
  * whether any re-formation left members out: the program can then choose its shutdown as the
  * members do), or `wait` passes (TD_ERR_TIMEOUT, the offer withdrawn; TD_TIMEOUT_DEFAULT and
- * TD_TIMEOUT_INFINITE: no limit). timeout becomes the new group's timeout, as for create. The
+ * TD_TIMEOUT_INFINITE: no limit; a generation that admitted it but could not form, another
+ * member lost meanwhile, is formed again without it, and it offers itself again).
+ * timeout becomes the new group's timeout, as for create. The
  * loss of the rendezvous store's host (global rank 0) ends the wait with its error.
  * TD_ERR_INVALID for a bad rank list. THREAD SAFETY: any thread. Blocks. */
 TD_API td_status td_process_group_spare(td_rpc_agent *agent, const int *ranks, int n,

@@ -187,6 +187,10 @@ TD_API td_status td_optim_state_get(td_optim *o, size_t i, td_tensor *bufs[3], i
  * drops that state, so the next update starts it afresh as PyTorch does) and its step count.
  * TD_ERR_SHAPE for a wrong element count (nothing changed). Borrowed: bufs are only read. */
 TD_API td_status td_optim_state_set(td_optim *o, size_t i, td_tensor *const bufs[3], int64_t step);
+/* td_optim_state_set_step sets parameter i's step count only, its state tensors kept (for a
+ * caller that wrote the live tensors of td_optim_state_get in place). TD_ERR_INVALID for an
+ * unknown i or a negative step. */
+TD_API td_status td_optim_state_set_step(td_optim *o, size_t i, int64_t step);
 
 /* ---- dynamic loss scaling (mixed precision) ----
  *

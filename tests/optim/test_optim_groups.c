@@ -154,6 +154,14 @@ static void test_optim_state_get_set_continues_a_run(void **state) {
   TD_ASSERT_OK(td_optim_state_get(ob, 0, nb, NULL));
   assert_true(nb[0] && nb[0] != bufs[0]);
   for (int i = 0; i < 3; i++) td_tensor_unref(nb[i]);
+  /* the step count alone: the live tensors kept (the same objects), the count changed */
+  TD_ASSERT_OK(td_optim_state_set_step(ob, 0, 7));
+  td_tensor *kb[3] = {0};
+  TD_ASSERT_OK(td_optim_state_get(ob, 0, kb, &step));
+  assert_true(kb[0] == nb[0] && kb[1] != NULL && step == 7);
+  for (int i = 0; i < 3; i++) td_tensor_unref(kb[i]);
+  TD_ASSERT_STATUS(td_optim_state_set_step(ob, 0, -1), TD_ERR_INVALID);
+  TD_ASSERT_STATUS(td_optim_state_set_step(ob, 1, 1), TD_ERR_INVALID);
   td_tensor *none[3] = {0};
   TD_ASSERT_OK(td_optim_state_set(ob, 0, none, 0));
   TD_ASSERT_OK(td_optim_state_get(ob, 0, nb, &step));
