@@ -19,6 +19,7 @@
  *
  * Threads: the thread that runs the td_ft_zero's steps; no lock.
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -327,6 +328,9 @@ static td_status head(td_ft_zero *z, bool *joiners, bool *again) {
     else if (x[0] < 1 || x[1] < 1)
       st = td_set_error(TD_ERR_STATE, "ft_zero: a spare joined a group with no member holding "
                         "the training's state");
+    else if (x[0] > INT32_MAX || x[1] > z->P)
+      st = td_set_error(TD_ERR_STATE, "ft_zero: a member reports %lld shards and %lld blocks "
+                        "for %lld elements", (long long)x[0], (long long)x[1], (long long)z->P);
     else if (z->joining && !z->b)
       st = td__ftz_learn(z, (int)x[0], (int)x[1]);
     else if (x[0] != z->M || x[1] != z->B)
