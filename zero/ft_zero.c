@@ -247,6 +247,7 @@ td_status td__ftz_learn(td_ft_zero *z, int M, int B) {
   if (!z->owner || !z->grad) return td_set_error(TD_ERR_NOMEM, "ft_zero_create: out of memory");
   TD_TRY(make_blocks(z));
   if (z->o.stage == 1) TD_TRY(td_tensor_zeros(&z->P, 1, z->dt, td_device_cpu(), &z->avg));
+  if (z->o.stage == 3) TD_TRY(td__ftz3_setup(z)); /* the masters come with the blocks' copies */
   return TD_OK;
 }
 
@@ -306,10 +307,6 @@ td_status td_ft_zero_create(td_process_group *pg, const td_optim_options *opts,
   td_ft_zero_options_init(&o);
   if (zopts) o = *zopts;
   bool joining = td_process_group_joined(pg); /* a spare: it learns n_shards and n_blocks */
-  if (joining && o.stage == 3) /* the survivors see it leave, and re-form without it */
-    return td_set_error(TD_ERR_UNSUPPORTED, "ft_zero_create: a spare cannot join a fault-"
-                        "tolerant ZeRO stage 3 group (its units' hooks and master values are "
-                        "set up at creation from whole parameters; stages 1 and 2 heal a spare)");
   if (joining) o.n_shards = o.n_blocks = 1; /* placeholders until the survivors give them */
   int n = td_process_group_size(pg);
   if (!o.n_shards) o.n_shards = n;

@@ -342,16 +342,25 @@ static td_status head(td_ft_zero *z, bool *joiners, bool *again) {
 }
 
 /* What a joining spare takes beside its blocks' copies: the parameters of step k - 1 when the
- * step is redone (a roll forward's gather gave it those of k), from the lowest member; the
+ * step is redone (a roll forward's gather gave it those of k; stage 3: those outside the
+ * units), from the lowest member; the
  * scaler state of step k - 1, from the lowest member at k - 1 (a roll forward's spare ends k's
  * iteration itself, as the members at k - 1 do). Every member takes part. */
 static td_status heal(td_ft_zero *z, const table *T, const plan *p) {
   int root = first_member(T), sroot = root;
   while (sroot < T->n - 1 && row(T, sroot)[0] != p->k - 1) sroot++;
   int64_t bytes = 0;
+  /* the parameters with memory between steps (stage 3: those outside the units; the units'
+   * come from the blocks' masters at each use) */
+  td_tensor **ps = td__calloc(z->np, sizeof *ps);
+  if (!ps) return td_set_error(TD_ERR_NOMEM, "ft_zero: out of memory");
+  size_t nps = 0;
+  for (size_t i = 0; i < z->np; i++)
+    if (z->o.stage != 3 || z->unit_of[i] < 0) ps[nps++] = z->params[i];
   td_status st = TD_OK;
-  if (!p->forward) st = td__ft_bcast_packed(z->pg, z->params, z->np, root, &bytes);
-  else bytes = z->P * (int64_t)td_dtype_size(z->dt); /* the gather's */
+  if (!p->forward) st = td__ft_bcast_packed(z->pg, ps, nps, root, &bytes);
+  for (size_t i = 0; p->forward && i < nps; i++) bytes += (int64_t)td_tensor_nbytes(ps[i]);
+  td__free(ps); /* (a roll forward's gather sent them) */
   if (st == TD_OK && z->o.scaler) {
     int64_t two = 2;
     td_tensor *sv = NULL;

@@ -600,6 +600,8 @@ typedef struct spare_case {
   char dir[256];
   bool scaled;         /* loss scaling (2^10, growth every 2 good steps): a spare takes the
                           scaler's state too (the same parameters: the scaling is exact) */
+  int n_units;         /* stage 3: 2 (0), both linear layers; 1: the first, the second's
+                          parameters whole between steps */
 } spare_case;
 
 static int spare_worker(int rank, int world, const char *method, void *arg) {
@@ -647,6 +649,8 @@ static int spare_worker(int rank, int world, const char *method, void *arg) {
   zo.max_grad_norm = 0.5;
   zo.reform_timeout = 20000;
   if (spare) zo.n_shards = zo.n_blocks = 7; /* ignored: a spare takes the group's */
+  td_module *units[2] = {td_module_child_at(m, 0, NULL), td_module_child_at(m, 2, NULL)};
+  if (c->stage == 3) zo.units = units, zo.n_units = c->n_units ? (size_t)c->n_units : 2;
   scale_ctx x = {m, NULL, -1};
   if (c->scaled) {
     td_grad_scaler_options so;
@@ -767,7 +771,8 @@ static void run_spare_case(spare_case *c) {
  * of 4 bitwise, and every block has two holders again. Also two kills with two spares, a spare
  * lost once it joined (the other replaces it), a spare lost before it is healed, a member lost
  * while a spare joins (it re-forms with the survivors and joins the next generation), and loss
- * scaling (the spare's scaler state, in a redone step and in one rolled forward). */
+ * scaling (the spare's scaler state, in a redone step and in one rolled forward), and stage 3
+ * (the spare takes the lost member's blocks with their master values). */
 static void test_ft_zero_spares(void **state) {
   (void)state;
   if (!baseline_n) { /* run alone: the failure-free run of 4 first */
@@ -792,6 +797,11 @@ static void test_ft_zero_spares(void **state) {
       {"loss scaling: kill rank 1 during the all-gather of step 2 (rolled forward: the spare "
        "ends step 2's scaler iteration itself)", 1, {KILL(1, 2, TD_FT_DURING_GATHER)}, 1,
        {1, 0}, 1, 1, 0, "", true},
+      {"one unit: kill rank 2 mid-forward in step 2 (redone: the spare takes the masters "
+       "of the lost member's blocks and the parameters outside the unit)", 3,
+       {KILL(2, 2, TD_FT_UNIT_GATHER)}, 1, {1, 0}, 1, 1, 0, "", false, 1},
+      {"kill rank 1 after the vote of step 3", 3, {KILL(1, 3, TD_FT_AFTER_VOTE)}, 1,
+       {1, 0}, 1, 1, 0, ""},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_spare_case(&cases[i]);
 }
