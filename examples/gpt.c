@@ -113,7 +113,7 @@ typedef struct opts {
   bool ft;                 /* --ft: fault-tolerant DDP or ZeRO (td_ft_ddp, td_ft_zero) */
   const char *ft_inject;   /* --ft-inject: "rank:step:when:what[,...]" (tests, benchmarks) */
   int spares;              /* --spares: the last S ranks wait outside the group to replace lost
-                              members (td_process_group_spare; --ft, not zero3) */
+                              members (td_process_group_spare; --ft) */
 } opts;
 
 static void opts_defaults(opts *o) {
@@ -201,10 +201,10 @@ static void opts_parse(int argc, char **argv, opts *o) {
        "reduction, or recovery; zero1/2/3 also before_gather, during_gather, after_gather, "
        "after_vote; zero3 also unit_gather; what: kill, close, stop)"},
       {"spares", EX_OPT_INT, &o->spares,
-       "--ft --dp ddp, zero1 or zero2: the last S workers of the world are spares: they wait "
-       "outside the data-parallel group and one joins in place of each lost member, healed from "
-       "the survivors (zero: the lost member's optimizer blocks from their other holder; the "
-       "world is nproc + S when forking)"},
+       "--ft: the last S workers of the world are spares: they wait outside the data-parallel "
+       "group and one joins in place of each lost member, healed from the survivors (zero: the "
+       "lost member's optimizer blocks from their other holder; the world is nproc + S when "
+       "forking)"},
       {"metrics", EX_OPT_STRING, &o->metrics,
        "write JSON lines of every step and evaluation to FILE (scripts/plot.py draws them)"},
   };
@@ -244,9 +244,7 @@ static void opts_parse(int argc, char **argv, opts *o) {
            "checkpointing (td_ft_zero stage 3; not yet with --grad-accum or "
            "--activation-checkpointing)");
   if (o->ft_inject && !o->ft) ex_die("--ft-inject needs --ft");
-  if (o->spares < 0 || (o->spares && (!o->ft || !strcmp(o->dp, "zero3"))))
-    ex_die("--spares S (S >= 0) needs --ft --dp ddp, zero1 or zero2 (td_ft_zero stage 3 does "
-           "not heal a spare yet)");
+  if (o->spares < 0 || (o->spares && !o->ft)) ex_die("--spares S (S >= 0) needs --ft");
 }
 
 static td_checkpoint_mode ckpt_mode(const opts *o) {

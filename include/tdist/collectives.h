@@ -591,7 +591,7 @@ typedef struct td_ft_step_info {
   int failures;            /* failures survived during this step (0: a plain step) */
   int lost;                /* members lost during this step */
   int joined;              /* spares admitted in place of lost members during this step
-                              (td_process_group_spare; td_ft_ddp, td_ft_zero stages 1 and 2) */
+                              (td_process_group_spare; td_ft_ddp, td_ft_zero) */
   int shards_computed;     /* shard gradients this member computed in this step */
   int shards_recomputed;   /* shards of lost members the survivors computed in this step */
   bool healed;             /* this member took the step's state from a member that committed it */
@@ -1025,16 +1025,16 @@ TD_API void td_ft_zero_options_init(td_ft_zero_options *o);
  * with td_ft_zero_destroy().
  *
  * On a group a spare was admitted to (td_process_group_spare: the survivors' recovery waits for
- * it after their re-formation), stages 1 and 2 join instead: the spare takes n_shards and
+ * it after their re-formation), it joins instead: the spare takes n_shards and
  * n_blocks from the survivors (zopts' are ignored; the same model, parameter groups and stage
  * are required: else TD_ERR_INVALID on every member), takes a lost member's place in the block
- * layout (copies of the blocks it held, state and values, from their other holder), its shards
- * of the batch, and the parameters (and scaler state) of the last committed step, so the
+ * layout (copies of the blocks it held, state and values (stage 3: master values), from their
+ * other holder), its shards of the batch, and the parameters (stage 3: those outside the units)
+ * and scaler state of the last committed step, so the
  * training goes on bitwise as without the failure, every block held twice again, and a group
  * made whole has the layout of its start. The spare runs its first step at
  * td_ft_zero_next_step; td_ft_zero_stats.heals says what it took. Survivors report it in
- * td_ft_step_info.joined. Stage 3 refuses a joined group (TD_ERR_UNSUPPORTED: its units are set
- * up from whole parameters at creation); the survivors re-form without the spare once it leaves. */
+ * td_ft_step_info.joined. */
 TD_API td_status td_ft_zero_create(td_process_group *pg, const td_optim_options *opts,
                                    const td_optim_group *groups, size_t n_groups,
                                    const td_ft_zero_options *zopts, td_ft_zero **out);
