@@ -16,6 +16,11 @@
  * TD_ERR_UNAVAILABLE naming the block, soon, instead of hanging or going on with wrong state.
  * Without clipping, td_ft_zero's parameters equal td_ft_ddp's bit for bit: sharding the
  * optimizer changes nothing in the numbers.
+ *
+ * Spares (6 processes: 4 members, 2 spares): a spare admitted in place of a lost member is
+ * healed from the survivors (the lost member's blocks from their other holder, the parameters,
+ * the scaler state) at every stage, and the run ends with the failure-free parameters bitwise,
+ * one block owned and one backed by each member.
  */
 #include <math.h>
 #include <signal.h>
