@@ -263,8 +263,8 @@ static td_status apply(td_ft_zero *z, const table *T, const plan *p, td_ft_step_
     int bak = p->bak[bi] >= 0 ? td_process_group_global_rank(z->pg, p->bak[bi]) : -1;
     if (own != b->own || bak != b->bak) {
       char w1[160], w2[160];
-      *len = td__ft_say(msg, n, *len, "%sblock %d -> %s%s%s%s", moved ? ", " : "; optimizer blocks: ",
-                        bi, p->copy_own[bi] ? "a copy to " : "",
+      *len = td__ft_say(msg, n, *len, "%sblock %d -> %s%s%s%s",
+                        moved ? ", " : "; optimizer blocks: ", bi, p->copy_own[bi] ? "a copy to " : "",
                         td__ft_who(z->pg, p->own[bi], w1, sizeof w1),
                         bak >= 0 ? (p->copy[bi] ? " and a copy to " : " and ") : "",
                         bak >= 0 ? td__ft_who(z->pg, p->bak[bi], w2, sizeof w2) : "");
