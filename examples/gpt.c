@@ -113,7 +113,7 @@ typedef struct opts {
   bool ft;                 /* --ft: fault-tolerant DDP or ZeRO (td_ft_ddp, td_ft_zero) */
   const char *ft_inject;   /* --ft-inject: "rank:step:when:what[,...]" (tests, benchmarks) */
   int spares;              /* --spares: the last S ranks wait outside the group to replace lost
-                              members (td_process_group_spare; --ft --dp ddp) */
+                              members (td_process_group_spare; --ft) */
 } opts;
 
 static void opts_defaults(opts *o) {
@@ -201,9 +201,10 @@ static void opts_parse(int argc, char **argv, opts *o) {
        "reduction, or recovery; zero1/2/3 also before_gather, during_gather, after_gather, "
        "after_vote; zero3 also unit_gather; what: kill, close, stop)"},
       {"spares", EX_OPT_INT, &o->spares,
-       "--ft --dp ddp: the last S workers of the world are spares: they wait outside the "
-       "data-parallel group and one joins in place of each lost member, healed from the "
-       "survivors (the world is nproc + S when forking)"},
+       "--ft: the last S workers of the world are spares: they wait outside the data-parallel "
+       "group and one joins in place of each lost member, healed from the survivors (zero: the "
+       "lost member's optimizer blocks from their other holder; the world is nproc + S when "
+       "forking)"},
       {"metrics", EX_OPT_STRING, &o->metrics,
        "write JSON lines of every step and evaluation to FILE (scripts/plot.py draws them)"},
   };
@@ -243,8 +244,7 @@ static void opts_parse(int argc, char **argv, opts *o) {
            "checkpointing (td_ft_zero stage 3; not yet with --grad-accum or "
            "--activation-checkpointing)");
   if (o->ft_inject && !o->ft) ex_die("--ft-inject needs --ft");
-  if (o->spares < 0 || (o->spares && (!o->ft || strcmp(o->dp, "ddp"))))
-    ex_die("--spares S (S >= 0) needs --ft --dp ddp (td_ft_ddp heals a spare; td_ft_zero not yet)");
+  if (o->spares < 0 || (o->spares && !o->ft)) ex_die("--spares S (S >= 0) needs --ft");
 }
 
 static td_checkpoint_mode ckpt_mode(const opts *o) {
@@ -885,21 +885,30 @@ static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, t
     dp->joined = true;
   }
   ft_create(m, o, dp, sc, &opt); /* a spare that joined is healed here by the survivors */
+  int64_t first = dp->ft ? td_ft_ddp_next_step(dp->ft) : td_ft_zero_next_step(dp->ftz);
   if (dp->joined) {
-    td_ft_ddp_stats js;
-    EX_CHECK(td_ft_ddp_get_stats(dp->ft, &js));
-    td_process_group *g = td_ft_ddp_group(dp->ft);
+    int64_t bytes = 0;
+    double secs = 0;
+    if (dp->ft) {
+      td_ft_ddp_stats js;
+      EX_CHECK(td_ft_ddp_get_stats(dp->ft, &js));
+      bytes = js.heal_bytes, secs = js.heal_s;
+    } else {
+      td_ft_zero_stats zs;
+      EX_CHECK(td_ft_zero_get_stats(dp->ftz, &zs));
+      bytes = zs.heal_bytes, secs = zs.heal_s;
+    }
     fprintf(stderr, "gpt: worker%d (rank %d) joined generation %llu as a spare before step %lld: "
             "took %.2f MiB of parameters and optimizer state in %.4f s (%.2f GB/s)\n", dp->rank,
-            dp->rank, (unsigned long long)td_process_group_generation(g),
-            (long long)td_ft_ddp_next_step(dp->ft), (double)js.heal_bytes / 1048576.0, js.heal_s,
-            js.heal_s > 0 ? (double)js.heal_bytes / js.heal_s * 1e-9 : 0.0);
+            dp->rank, (unsigned long long)td_process_group_generation(ft_group(dp)),
+            (long long)first, (double)bytes / 1048576.0, secs,
+            secs > 0 ? (double)bytes / secs * 1e-9 : 0.0);
   }
   ex_progress p;
   ex_progress_start(&p, "gpt", lead ? o->steps : 0);
   ft_shard_ctx ctx = {m, c, o, sc, 0, 0};
   bool zero3 = !strcmp(o->dp, "zero3");
-  for (int64_t it = dp->ft ? td_ft_ddp_next_step(dp->ft) : 0;; it++) {
+  for (int64_t it = first;; it++) {
     bool eval = it % o->eval_interval == 0 || it == o->steps;
     if (zero3 && eval) { /* every rank: the blocks gathered (until the next step) */
       td_ft_step_info si;

@@ -20,8 +20,9 @@
  * (0 from the others: x + 0 is exact, so the SUM is exact), folded in block order into the norm:
  * a member that receives it knows every member finished step 2 (voted = step, coef = the clip
  * factor); 4. every held block stepped (b->ver = step, its gradient dropped); 5. the gather:
- * one all_gather per piece when every member owns the block of its rank (the layout at
- * creation), else a broadcast per block from its owner; then committed = step.
+ * one all_gather per piece when every member owns one block (the layout at creation, or it with
+ * spares in the places of lost members), else a broadcast per block from its owner; then
+ * committed = step.
  *
  * Recovery (ft_zero_recover.c), after any collective failed: re-form (generation + 1); exchange rows
  * (an all_gather of int64): committed, voted, coef's bits, the shard owners, and per block
@@ -42,6 +43,11 @@
  *   survivor holding the fewest blocks (ties: the lowest group rank) becomes bak and gets a copy
  *   of the state and values from own (two broadcasts). No valid holder: the block's state is
  *   gone (both holders lost at once): TD_ERR_UNAVAILABLE on every survivor.
+ *   Spares (td_process_group_spare): the recovery agrees on the layout first (one all_reduce),
+ *   so a spare admitted to the group can enter it there (join(), at creation): it takes the
+ *   roles of a lost member in the layout, with copies of its blocks from their other holders,
+ *   its shards of the batch, and the parameters of the last committed step
+ *   (ft_zero_recover.c).
  *
  * Threads: a td_ft_zero is used by one thread; no lock of its own.
  */
@@ -195,7 +201,8 @@ void td__ftz_block_io(td_ft_zero *z, int bi, void *buf, bool to_block) {
 }
 
 /* Cuts the blocks and their segments; gives each its holders at creation (stage 3: with their
- * master values from the parameters, which are whole here). */
+ * master values from the parameters, which are whole here), unless this member is a joining
+ * spare (it holds none until a recovery copies some to it). */
 static td_status make_blocks(td_ft_zero *z) {
   z->b = td__calloc((size_t)z->B, sizeof *z->b);
   z->segs = td__calloc(z->np + (size_t)z->B, sizeof *z->segs);
@@ -216,7 +223,7 @@ static td_status make_blocks(td_ft_zero *z) {
     b->own = td_process_group_global_rank(z->pg, r);
     b->bak = n > 1 ? td_process_group_global_rank(z->pg, (r + 1) % n) : -1;
     b->gstep = INT64_MIN;
-    if (b->own != td__ftz_me(z) && b->bak != td__ftz_me(z)) continue;
+    if (z->joining || (b->own != td__ftz_me(z) && b->bak != td__ftz_me(z))) continue;
     TD_TRY(td__ftz_block_hold(z, bi, INT64_MIN));
     if (z->o.stage != 3) continue;
     size_t es = td_dtype_size(z->dt);
@@ -229,18 +236,78 @@ static td_status make_blocks(td_ft_zero *z) {
   return TD_OK;
 }
 
+td_status td__ftz_learn(td_ft_zero *z, int M, int B) {
+  if (z->P < B)
+    return td_set_error(TD_ERR_INVALID, "ft_zero_create: %lld elements in %d blocks (more "
+                        "blocks than elements)", (long long)z->P, B);
+  z->M = z->o.n_shards = M;
+  z->B = z->o.n_blocks = B;
+  z->owner = td__calloc((size_t)z->M, sizeof *z->owner);
+  z->grad = td__calloc((size_t)z->M, sizeof *z->grad);
+  if (!z->owner || !z->grad) return td_set_error(TD_ERR_NOMEM, "ft_zero_create: out of memory");
+  TD_TRY(make_blocks(z));
+  if (z->o.stage == 1) TD_TRY(td_tensor_zeros(&z->P, 1, z->dt, td_device_cpu(), &z->avg));
+  if (z->o.stage == 3) TD_TRY(td__ftz3_setup(z)); /* the masters come with the blocks' copies */
+  return TD_OK;
+}
+
+static td_status scaler_end(td_ft_zero *z, int64_t step);
+
+/* A spare admitted to the group joins the survivors' recovery, which waits for it after their
+ * re-formation (td__ftz_settle): it learns the layout, gets copies of the blocks the loss left
+ * with one holder, the lost members' shards of the batch, and the parameters (and scaler state)
+ * of the last committed step. Should a member be lost meanwhile, it drops what it took,
+ * re-forms with the survivors and tries again, as they do. */
+static td_status join(td_ft_zero *z) {
+  char msg[1024] = "";
+  uint64_t t0 = td__now_ns();
+  for (int tries = 0;; tries++) {
+    td_ft_step_info info;
+    memset(&info, 0, sizeof info);
+    bool done = false, again = false;
+    td_status st = td__ftz_settle(z, 0, &info, &done, &again);
+    if (st == TD_OK) {
+      z->joining = false;
+      z->heals++;
+      z->heal_s += (double)(td__now_ns() - t0) * 1e-9;
+      /* rolled forward to the step it was healed to: its scaler ends that step's iteration,
+       * as the members that had not committed it do */
+      if (z->dec_step == z->committed) TD_TRY(scaler_end(z, z->committed));
+      int held = 0;
+      for (int bi = 0; bi < z->B; bi++) held += z->b[bi].held;
+      td_log(TD_LOG_INFO, "ft_zero: joined at generation %llu, healed to step %lld (%d shards "
+             "and %d blocks over %d members, %d blocks copied here)",
+             (unsigned long long)td_process_group_generation(z->pg), (long long)z->committed,
+             z->M, z->B, td_process_group_size(z->pg), held);
+      return TD_OK;
+    }
+    if (!again || tries >= NO_LOSS_TRIES) return st;
+    for (int bi = 0; z->b && bi < z->B; bi++) td__ftz_block_drop(&z->b[bi]);
+    z->committed = INT64_MIN, z->dec_step = INT64_MIN;
+    char why[600];
+    snprintf(why, sizeof why, "%s", td_last_error());
+    size_t len = 0;
+    int lost = 0;
+    TD_TRY(td__ft_reform(z->given, &z->pg, z->o.reform_timeout, 0, why, msg, sizeof msg, &len,
+                         &lost, NULL));
+  }
+}
+
+int64_t td_ft_zero_next_step(const td_ft_zero *z) {
+  return !z || z->committed == INT64_MIN ? 0 : z->committed + 1;
+}
+
 td_status td_ft_zero_create(td_process_group *pg, const td_optim_options *opts,
                             const td_optim_group *groups, size_t n_groups,
                             const td_ft_zero_options *zopts, td_ft_zero **out) {
   TD_CHECK_ARG(pg && opts && groups && n_groups && out,
                "ft_zero_create: NULL group, options, groups or out");
   TD_CHECK_ARG(td_process_group_backend(pg) == TD_PG_BACKEND_CPU, "ft_zero_create: CPU groups only");
-  if (td_process_group_joined(pg)) /* the survivors see it leave, and re-form without it */
-    return td_set_error(TD_ERR_UNSUPPORTED, "ft_zero_create: a spare cannot join a fault-"
-                        "tolerant ZeRO group (healing a spare is built for td_ft_ddp only)");
   td_ft_zero_options o;
   td_ft_zero_options_init(&o);
   if (zopts) o = *zopts;
+  bool joining = td_process_group_joined(pg); /* a spare: it learns n_shards and n_blocks */
+  if (joining) o.n_shards = o.n_blocks = 1; /* placeholders until the survivors give them */
   int n = td_process_group_size(pg);
   if (!o.n_shards) o.n_shards = n;
   if (!o.n_blocks) o.n_blocks = n;
@@ -263,7 +330,18 @@ td_status td_ft_zero_create(td_process_group *pg, const td_optim_options *opts,
   z->committed = z->voted = z->grad_step = INT64_MIN;
   z->coef = 1.0;
   z->dec_step = INT64_MIN;
+  z->joining = joining;
   td_status st = take_params(z, groups, n_groups);
+  if (st == TD_OK && joining) {
+    z->M = z->B = 0;
+    st = join(z);
+    if (st != TD_OK) {
+      td_ft_zero_destroy(z);
+      return st;
+    }
+    *out = z;
+    return TD_OK;
+  }
   if (st == TD_OK && z->P < z->B)
     st = td_set_error(TD_ERR_INVALID, "ft_zero_create: %lld elements in %d blocks (more blocks "
                       "than elements)", (long long)z->P, z->B);
@@ -345,6 +423,9 @@ td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out) {
   }
   out->grad_numel = z->o.stage == 1 ? z->P : out->state_numel;
   out->plain_steps = z->own_steps;
+  out->heals = z->heals;
+  out->heal_bytes = z->heal_bytes;
+  out->heal_s = z->heal_s;
   out->machinery_s = z->own_s;
   out->units = (int)z->nu;
   out->unit_gathers = z->unit_gathers;
@@ -527,16 +608,22 @@ td_status td__ftz_step_held(td_ft_zero *z, int64_t step, double coef, double *ow
   return TD_OK;
 }
 
-/* Whether every member owns the block of its group rank (the layout at creation). */
-static bool identity(const td_ft_zero *z) {
-  if (z->B != td_process_group_size(z->pg)) return false;
-  for (int bi = 0; bi < z->B; bi++)
-    if (z->b[bi].own != td_process_group_global_rank(z->pg, bi)) return false;
+/* Whether every member owns one block (the layout at creation, or it with spares in the places
+ * of lost members): of[r], the block group rank r owns. */
+static bool one_each(const td_ft_zero *z, int *of) {
+  int n = td_process_group_size(z->pg);
+  if (z->B != n) return false;
+  for (int r = 0; r < n; r++) of[r] = -1;
+  for (int bi = 0; bi < z->B; bi++) {
+    int r = td__ft_group_rank(z->pg, z->b[bi].own);
+    if (r < 0 || of[r] >= 0) return false;
+    of[r] = bi;
+  }
   return true;
 }
 
-/* The gather on the identity layout: one all_gather per piece of the blocks. */
-static td_status gather_pieces(td_ft_zero *z, int64_t step) {
+/* The gather when every member owns one block: one all_gather per piece of the blocks. */
+static td_status gather_pieces(td_ft_zero *z, int64_t step, const int *of) {
   int n = td_process_group_size(z->pg), r = td_process_group_rank(z->pg);
   int64_t S = z->b[0].hi - z->b[0].lo, q = (int64_t)(z->o.bucket_bytes / td_dtype_size(z->dt)) / n;
   if (q < 1) q = 1;
@@ -549,7 +636,7 @@ static td_status gather_pieces(td_ft_zero *z, int64_t step) {
   for (int64_t off = 0; st == TD_OK && off < S; off += q) {
     int64_t len = S - off < q ? S - off : q;
     td_tensor *iv = NULL, *av = NULL;
-    const td__zfblock *mb = &z->b[r];
+    const td__zfblock *mb = &z->b[of[r]];
     int64_t mine = mb->hi - mb->lo - off;
     mine = mine < 0 ? 0 : mine > len ? len : mine;
     memset(td_tensor_data(in), 0, (size_t)len * es);
@@ -558,7 +645,7 @@ static td_status gather_pieces(td_ft_zero *z, int64_t step) {
     if (st == TD_OK) st = td_tensor_narrow(all, 0, 0, (int64_t)n * len, &av);
     if (st == TD_OK) st = td_process_group_all_gather_into_tensor(z->pg, av, iv);
     for (int k = 0; st == TD_OK && k < n; k++) {
-      const td__zfblock *b = &z->b[k];
+      const td__zfblock *b = &z->b[of[k]];
       int64_t valid = b->hi - b->lo - off;
       valid = valid < 0 ? 0 : valid > len ? len : valid;
       if (k != r) td__ftz_flat_io(z, b->lo + off, valid, (char *)td_tensor_data(all) + (size_t)(k * len) * es, true);
@@ -597,7 +684,12 @@ static td_status gather_blocks(td_ft_zero *z, int64_t step) {
 
 td_status td__ftz_gather(td_ft_zero *z, int64_t step) {
   if (z->o.stage == 3) return td__ftz3_gather_rest(z, step);
-  return identity(z) ? gather_pieces(z, step) : gather_blocks(z, step);
+  int n = td_process_group_size(z->pg);
+  int *of = td__malloc((size_t)n * sizeof *of);
+  if (!of) return td_set_error(TD_ERR_NOMEM, "ft_zero_step: out of memory");
+  td_status st = one_each(z, of) ? gather_pieces(z, step, of) : gather_blocks(z, step);
+  td__free(of);
+  return st;
 }
 
 static td_status attempt(td_ft_zero *z, int64_t step, td_ft_shard_fn fn, void *user,

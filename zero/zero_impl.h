@@ -124,6 +124,10 @@ td_status td__zero_agree(td_zero *z, td_status mine, const char *what);
  * Never a clip factor (those are >= 0 or NaN). */
 #define TD__FTZ_SKIP (-1.0)
 
+/* What a spare that joins (td_process_group_spare) reports as its last committed step in the
+ * recovery's exchange: below any real one, and never counted in the survivors' decision. */
+#define TD__FTZ_JOINER (-((int64_t)1 << 62))
+
 typedef struct td__zfseg {
   size_t param;
   int64_t off, len; /* elements [off, off + len) of the parameter (flat) */
@@ -169,6 +173,11 @@ struct td_ft_zero {
   td__ft_injector inj;
   int64_t dec_step;   /* loss scaling: the last step whose vote's factor is known here */
   double dec_coef;    /* that factor (TD__FTZ_SKIP: skipped) */
+  bool joining;       /* a spare admitted to the group, not yet healed: no n_shards, no
+                         n_blocks, no layout of its own until a recovery gives them */
+  int64_t heals;      /* layouts, blocks and parameters taken as a joining spare */
+  int64_t heal_bytes;
+  double heal_s;
   int64_t own_steps;  /* steps committed without a failure */
   double own_s;       /* their td_ft_step_info.machinery_s, summed */
   /* stage 3 (ft_zero3.c): the blocks' views are their master values (owned tensors) */
@@ -197,6 +206,9 @@ void td__ftz_block_drop(td__zfblock *b);
 td_status td__ftz_step_held(td_ft_zero *z, int64_t step, double coef, double *own_s);
 td_status td__ftz_gather(td_ft_zero *z, int64_t step);
 void td__ftz_inject_at(td_ft_zero *z, int64_t step, td_ft_when when);
+/* A joining spare's layout once the survivors gave M and B: the shard table, the blocks cut
+ * (none held) and stage 1's flat average. */
+td_status td__ftz_learn(td_ft_zero *z, int M, int B);
 /* Block bi's values (hi - lo elements) copied into buf (to_block false) or from it: the
  * parameters at stages 1 and 2, its master values at stage 3. */
 void td__ftz_block_io(td_ft_zero *z, int bi, void *buf, bool to_block);
@@ -218,6 +230,11 @@ void td__ftz3_destroy(td_ft_zero *z);
  * too (recover again). */
 td_status td__ftz_recover(td_ft_zero *z, int64_t step, const char *why, td_ft_step_info *info,
                           bool *done, bool *again);
+/* The recovery after its re-formation (what a joining spare enters: the survivors wait for it
+ * there): the layout agreed (a joining spare learns it), exchange, decide, apply; a joining spare
+ * then takes the parameters and the scaler state of the last committed step. */
+td_status td__ftz_settle(td_ft_zero *z, int64_t step, td_ft_step_info *info, bool *done,
+                         bool *again);
 
 /* td__zero_units_map sets unit_of[i] to the index of the unit (units[0..nu)) whose module holds
  * params[i], -1 for none; TD_ERR_INVALID (messages prefixed fn) for a NULL unit, one without

@@ -591,7 +591,7 @@ typedef struct td_ft_step_info {
   int failures;            /* failures survived during this step (0: a plain step) */
   int lost;                /* members lost during this step */
   int joined;              /* spares admitted in place of lost members during this step
-                              (td_process_group_spare; td_ft_ddp only) */
+                              (td_process_group_spare; td_ft_ddp, td_ft_zero) */
   int shards_computed;     /* shard gradients this member computed in this step */
   int shards_recomputed;   /* shards of lost members the survivors computed in this step */
   bool healed;             /* this member took the step's state from a member that committed it */
@@ -1022,7 +1022,19 @@ TD_API void td_ft_zero_options_init(td_ft_zero_options *o);
  * parameters; contiguous float32 or float64 CPU tensors of one dtype) with optimizer options
  * opts. Collective over pg: copies group rank 0's parameters to every member. Borrows pg (never
  * destroyed by it) and takes a reference to every parameter. zopts NULL: the defaults. Release
- * with td_ft_zero_destroy(). */
+ * with td_ft_zero_destroy().
+ *
+ * On a group a spare was admitted to (td_process_group_spare: the survivors' recovery waits for
+ * it after their re-formation), it joins instead: the spare takes n_shards and
+ * n_blocks from the survivors (zopts' are ignored; the same model, parameter groups and stage
+ * are required: else TD_ERR_INVALID on every member), takes a lost member's place in the block
+ * layout (copies of the blocks it held, state and values (stage 3: master values), from their
+ * other holder), its shards of the batch, and the parameters (stage 3: those outside the units)
+ * and scaler state of the last committed step, so the
+ * training goes on bitwise as without the failure, every block held twice again, and a group
+ * made whole has the layout of its start. The spare runs its first step at
+ * td_ft_zero_next_step; td_ft_zero_stats.heals says what it took. Survivors report it in
+ * td_ft_step_info.joined. */
 TD_API td_status td_ft_zero_create(td_process_group *pg, const td_optim_options *opts,
                                    const td_optim_group *groups, size_t n_groups,
                                    const td_ft_zero_options *zopts, td_ft_zero **out);
@@ -1065,8 +1077,15 @@ typedef struct td_ft_zero_stats {
                              unit per shard pass, and those of td_ft_zero_sync) */
   int64_t peak_unit_numel; /* stage 3: the most elements of unit parameters that had memory at
                               once on this member during a shard pass */
+  int64_t heals;          /* a spare that joined: 1 (0 otherwise) */
+  int64_t heal_bytes;     /* ... bytes it took: its blocks' values and optimizer state, the
+                             parameters */
+  double heal_s;          /* ... time from entering the survivors' recovery to healed */
 } td_ft_zero_stats;
 TD_API td_status td_ft_zero_get_stats(const td_ft_zero *z, td_ft_zero_stats *out);
+/* td_ft_zero_next_step is td_ft_ddp_next_step for a td_ft_zero (for a spare that joined: the
+ * step after the one it was healed to). */
+TD_API int64_t td_ft_zero_next_step(const td_ft_zero *z);
 /* td_ft_zero_destroy frees z, its optimizer state and the groups it re-formed. NULL does
  * nothing. */
 TD_API void td_ft_zero_destroy(td_ft_zero *z);

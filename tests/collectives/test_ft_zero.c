@@ -16,6 +16,11 @@
  * TD_ERR_UNAVAILABLE naming the block, soon, instead of hanging or going on with wrong state.
  * Without clipping, td_ft_zero's parameters equal td_ft_ddp's bit for bit: sharding the
  * optimizer changes nothing in the numbers.
+ *
+ * Spares (6 processes: 4 members, 2 spares): a spare admitted in place of a lost member is
+ * healed from the survivors (the lost member's blocks from their other holder, the parameters,
+ * the scaler state) at every stage, and the run ends with the failure-free parameters bitwise,
+ * one block owned and one backed by each member.
  */
 #include <math.h>
 #include <signal.h>
@@ -582,12 +587,237 @@ static void test_ft_zero_inject_parse_gather_points(void **state) {
   assert_int_equal(rank, 3);
 }
 
+/* ---- spares: ranks 4 and 5 wait outside the group of ranks 0-3 and replace the lost ---- */
+
+#define SPARE_WORLD 6
+#define SPARE_MEMBERS 4
+
+typedef struct spare_case {
+  const char *name;
+  int stage;
+  fault f[2];
+  int nf;
+  int joined[2];       /* whether spare 4, spare 5 is admitted */
+  uint64_t generation; /* the survivors' last generation */
+  int lost;            /* members lost, as every original survivor counts them */
+  int dies_joining;    /* a spare that SIGKILLs itself once admitted, before it is healed (its
+                          rank; 0: none) */
+  char dir[256];
+  bool scaled;         /* loss scaling (2^10, growth every 2 good steps): a spare takes the
+                          scaler's state too (the same parameters: the scaling is exact) */
+  int n_units;         /* stage 3: 2 (0), both linear layers; 1: the first, the second's
+                          parameters whole between steps */
+} spare_case;
+
+static int spare_worker(int rank, int world, const char *method, void *arg) {
+  spare_case *c = arg;
+  ft_record_start(c->dir, rank);
+  td_rpc_agent *a = coll_join(rank, world, method);
+  const int members[SPARE_MEMBERS] = {0, 1, 2, 3};
+  bool spare = rank >= SPARE_MEMBERS, members_lost = false;
+  td_process_group *pg = NULL;
+  if (spare) {
+    MP_CHECK_OK(td_process_group_spare(a, members, SPARE_MEMBERS, TD_PG_BACKEND_CPU, 20000,
+                                       TD_TIMEOUT_INFINITE, &pg, &members_lost));
+    if (!pg) { /* released: not needed */
+      char rep[64];
+      int k = snprintf(rep, sizeof rep, "released %d %d\n", members_lost, (int)getpid());
+      ft_write_file(c->dir, "report", rank, rep, (size_t)k, "w");
+      td_status st = td_rpc_shutdown(a, !members_lost, 30000);
+      MP_CHECK(members_lost || st == TD_OK);
+      td_rpc_destroy(a);
+      CHECK_NO_LEAKS();
+      return 0;
+    }
+    MP_CHECK(td_process_group_joined(pg));
+    if (rank == c->dies_joining) { /* the survivors are waiting to heal it */
+      fflush(NULL);
+      raise(SIGKILL);
+    }
+  } else {
+    MP_CHECK_OK(td_process_group_create(a, members, SPARE_MEMBERS, TD_PG_BACKEND_CPU, 20000,
+                                        &pg));
+    int waiting = 0; /* both spares stand by before the first step: admission is by rank */
+    for (int t = 0; waiting < 2 && t < 3000; t++) {
+      MP_CHECK_OK(td_process_group_spares_waiting(pg, &waiting));
+      if (waiting < 2) td_test_sleep_ms(10);
+    }
+    MP_CHECK(waiting == 2);
+  }
+  td_module *m = ft_build();
+  groups g;
+  groups_make(m, &g, 1e-2);
+  td_ft_zero_options zo;
+  td_ft_zero_options_init(&zo);
+  zo.stage = c->stage;
+  zo.bucket_bytes = 64 * sizeof(double);
+  zo.max_grad_norm = 0.5;
+  zo.reform_timeout = 20000;
+  if (spare) zo.n_shards = zo.n_blocks = 7; /* ignored: a spare takes the group's */
+  td_module *units[2] = {td_module_child_at(m, 0, NULL), td_module_child_at(m, 2, NULL)};
+  if (c->stage == 3) zo.units = units, zo.n_units = c->n_units ? (size_t)c->n_units : 2;
+  scale_ctx x = {m, NULL, -1};
+  if (c->scaled) {
+    td_grad_scaler_options so;
+    td_grad_scaler_options_init(&so);
+    so.init_scale = 1024, so.growth_interval = 2;
+    MP_CHECK_OK(td_grad_scaler_create(&so, &x.sc));
+    zo.scaler = x.sc;
+  }
+  td_ft_zero *z = NULL;
+  MP_CHECK_OK(td_ft_zero_create(pg, &g.oo, g.g, 2, &zo, &z));
+  for (int i = 0; i < c->nf; i++)
+    MP_CHECK_OK(td_ft_zero_inject(z, c->f[i].rank, c->f[i].step, c->f[i].when, c->f[i].what));
+  td_ft_zero_stats zs;
+  MP_CHECK_OK(td_ft_zero_get_stats(z, &zs));
+  int64_t first = td_ft_zero_next_step(z);
+  MP_CHECK(spare ? first > 0 : first == 0); /* a spare starts after the step it was healed to */
+  /* healed: the layout of the group (4 blocks), the lost member's roles in it (it owned one block
+   * and backed one: both copied here from their other holder), the parameters */
+  MP_CHECK(zs.n_blocks == SPARE_MEMBERS && zs.heals == spare);
+  MP_CHECK(!spare || (zs.owned == 1 && zs.backed == 1 && zs.heal_bytes > 0 && zs.heal_s > 0));
+  int lost = 0, joined = 0;
+  for (int64_t step = first; step < STEPS; step++) {
+    MP_CHECK_OK(td_ft_zero_set_lr(z, 1e-2 * (1.0 - 0.1 * (double)step)));
+    td_ft_step_info info;
+    MP_CHECK_OK(c->scaled ? td_ft_zero_step(z, step, scaled_shard_fn, &x, &info)
+                          : td_ft_zero_step(z, step, shard_fn, m, &info));
+    if (info.failures) fprintf(stderr, "[rank %d] %s\n", rank, info.message);
+    lost += info.lost;
+    joined += info.joined;
+  }
+  td_ft_step_info sync;
+  MP_CHECK_OK(td_ft_zero_sync(z, &sync));
+  lost += sync.lost;
+  joined += sync.joined;
+  td_process_group *cur = td_ft_zero_group(z);
+  if (td_process_group_rank(cur) == 0) MP_CHECK_OK(td_process_group_release_spares(cur));
+  /* grown after steps 1, 3 and 5 on every member, the spare too */
+  MP_CHECK(!c->scaled || td_grad_scaler_get_scale(x.sc) == 8192.0);
+  MP_CHECK_OK(td_ft_zero_get_stats(z, &zs));
+  char rep[256];
+  int k = snprintf(rep, sizeof rep, "%s %llu %d %d %d %lld %d %d %d\n",
+                   spare ? "joined" : "member",
+                   (unsigned long long)td_process_group_generation(cur),
+                   td_process_group_size(cur), lost, joined, (long long)first, zs.owned,
+                   zs.backed, (int)getpid());
+  ft_write_file(c->dir, "report", rank, rep, (size_t)k, "w");
+  write_params(c->dir, "params", rank, &g.ps);
+  td_ft_zero_destroy(z);
+  td_grad_scaler_destroy(x.sc);
+  td_process_group_destroy(pg);
+  td_tensor_list_fini(&g.ps);
+  td_module_unref(m);
+  td_rpc_shutdown(a, false, 5000); /* a spare was needed: someone was lost */
+  td_rpc_destroy(a);
+  CHECK_NO_LEAKS();
+  return 0;
+}
+
+static void run_spare_case(spare_case *c) {
+  snprintf(c->dir, sizeof c->dir, "/tmp/td_ftz_spare_XXXXXX");
+  assert_non_null(mkdtemp(c->dir));
+  int codes[SPARE_WORLD];
+  double t0 = td_test_now_s();
+  int bad = td_mp_run(SPARE_WORLD, spare_worker, c, 120, codes);
+  fprintf(stderr, "spare case stage %d, %s: %.2f s\n", c->stage, c->name, td_test_now_s() - t0);
+  int killed = 0, owned = 0, backed = 0;
+  for (int r = 0; r < SPARE_WORLD; r++) {
+    if (ft_victim(c->f, c->nf, r) || (c->dies_joining > 0 && r == c->dies_joining)) {
+      assert_int_equal(codes[r], 128 + SIGKILL);
+      killed++;
+      continue;
+    }
+    assert_int_equal(codes[r], 0);
+    int pid0 = ft_started_once(c->dir, r);
+    char rep[256], role[16] = "";
+    size_t n = ft_read_file(c->dir, "report", r, rep, sizeof rep - 1);
+    rep[n] = 0;
+    fprintf(stderr, "  rank %d: %s", r, rep);
+    if (r >= SPARE_MEMBERS && !c->joined[r - SPARE_MEMBERS]) {
+      int members_lost = -1, pid1 = 0;
+      assert_int_equal(sscanf(rep, "released %d %d", &members_lost, &pid1), 2);
+      assert_int_equal(pid1, pid0);
+      assert_int_equal(members_lost, c->lost > 0);
+      continue;
+    }
+    unsigned long long gen = 0;
+    int members = 0, lost = 0, joined = 0, own = 0, bak = 0, pid1 = 0;
+    long long first = -1;
+    assert_int_equal(sscanf(rep, "%15s %llu %d %d %d %lld %d %d %d", role, &gen, &members, &lost,
+                            &joined, &first, &own, &bak, &pid1), 9);
+    assert_int_equal(pid1, pid0);
+    assert_string_equal(role, r >= SPARE_MEMBERS ? "joined" : "member");
+    assert_int_equal(gen, c->generation);
+    assert_int_equal(members, SPARE_MEMBERS); /* made whole again by the spares */
+    if (r < SPARE_MEMBERS) {
+      assert_int_equal(lost, c->lost);
+      assert_int_equal(joined, c->joined[0] + c->joined[1]);
+    }
+    /* the layout a failure-free group has: the spare took a lost member's blocks */
+    assert_int_equal(own, 1);
+    assert_int_equal(bak, 1);
+    owned += own, backed += bak;
+    char buf[4096];
+    n = ft_read_file(c->dir, "params", r, buf, sizeof buf);
+    assert_int_equal(n, baseline_n);
+    assert_memory_equal(buf, baseline, n); /* bitwise the failure-free run of 4 */
+  }
+  assert_int_equal(bad, killed);
+  assert_int_equal(owned, SPARE_MEMBERS); /* every block held twice again */
+  assert_int_equal(backed, SPARE_MEMBERS);
+  ft_remove_dir(c->dir);
+}
+
+/* Spares healed into the group: a spare admitted in place of a lost member learns the layout,
+ * takes copies of the blocks the loss left with one holder (their optimizer state from the
+ * surviving holder) and the parameters of the last committed step, and trains from the next:
+ * the parameters of every member after the run (spares included) equal the failure-free run's
+ * of 4 bitwise, and every block has two holders again. Also two kills with two spares, a spare
+ * lost once it joined (the other replaces it), a spare lost before it is healed, a member lost
+ * while a spare joins (it re-forms with the survivors and joins the next generation), and loss
+ * scaling (the spare's scaler state, in a redone step and in one rolled forward), and stage 3
+ * (the spare takes the lost member's blocks with their master values). */
+static void test_ft_zero_spares(void **state) {
+  (void)state;
+  if (!baseline_n) { /* run alone: the failure-free run of 4 first */
+    zcase plain = {"no failure", 2, {{0}}, 0, 0, 4, 0, 0, 0};
+    run_case(&plain);
+  }
+  spare_case cases[] = {
+      {"kill rank 2 before step 2: spare 4 replaces it, spare 5 is released", 2,
+       {KILL(2, 2, TD_FT_BEFORE)}, 1, {1, 0}, 1, 1, 0, ""},
+      {"kill ranks 1 and 3 after the reduction of step 3: both spares join", 1,
+       {KILL(1, 3, TD_FT_AFTER), KILL(3, 3, TD_FT_AFTER)}, 2, {1, 1}, 1, 2, 0, ""},
+      {"kill rank 3 during the all-gather of step 1, then the spare that replaced it before "
+       "step 4", 2, {KILL(3, 1, TD_FT_DURING_GATHER), KILL(4, 4, TD_FT_BEFORE)}, 2, {1, 1}, 2, 2,
+       0, ""},
+      {"kill rank 1 before step 3; spare 4 dies before it is healed, spare 5 takes its place", 2,
+       {KILL(1, 3, TD_FT_BEFORE)}, 1, {1, 1}, 2, 2, 4, ""},
+      {"kill rank 3 before step 2, then rank 1 in that recovery: spare 4 re-forms with the "
+       "survivors while joining, both spares join", 2,
+       {KILL(3, 2, TD_FT_BEFORE), KILL(1, 2, TD_FT_RECOVERY)}, 2, {1, 1}, 2, 2, 0, ""},
+      {"loss scaling: kill rank 2 before step 3 (redone: the spare takes the scaler's state of "
+       "step 2)", 2, {KILL(2, 3, TD_FT_BEFORE)}, 1, {1, 0}, 1, 1, 0, "", true},
+      {"loss scaling: kill rank 1 during the all-gather of step 2 (rolled forward: the spare "
+       "ends step 2's scaler iteration itself)", 1, {KILL(1, 2, TD_FT_DURING_GATHER)}, 1,
+       {1, 0}, 1, 1, 0, "", true},
+      {"one unit: kill rank 2 mid-forward in step 2 (redone: the spare takes the masters "
+       "of the lost member's blocks and the parameters outside the unit)", 3,
+       {KILL(2, 2, TD_FT_UNIT_GATHER)}, 1, {1, 0}, 1, 1, 0, "", false, 1},
+      {"kill rank 1 after the vote of step 3", 3, {KILL(1, 3, TD_FT_AFTER_VOTE)}, 1,
+       {1, 0}, 1, 1, 0, ""},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_spare_case(&cases[i]);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_ft_zero_inject_parse_gather_points),
       cmocka_unit_test(test_ft_zero_equals_ft_ddp),
       cmocka_unit_test(test_ft_scaler),
       cmocka_unit_test(test_ft_zero_matrix),
+      cmocka_unit_test(test_ft_zero_spares),
       cmocka_unit_test(test_ft_zero3_matrix),
       cmocka_unit_test(test_ft_zero3_contract),
   };

@@ -23,12 +23,13 @@
 # or after the vote (zero: rolled forward) of skipped step 3, and rank 3 killed before the
 # reduction of step 9: the same parameters, skipped steps and final scale as the failure-free
 # run; and float32 --loss-scale dynamic trains the parameters of --loss-scale none (the step
-# unscales exactly). "spares" (ddp): --spares, workers waiting outside the group: with none lost
-# the spare is released and the result is unchanged; under tdistrun (5 workers, 1 spare) rank 2
-# killed before the reduction of step 5, and started bare (4 + 2 spares) with rank 1 killed
-# during step 3 and rank 2 after step 7's reduction: each lost member is replaced by a spare
-# healed from the survivors (the line names both; 4 members at the end), parameters bit for bit
-# the failure-free run's. Skips (77) without the corpus. Ends only the processes it started, by pid.
+# unscales exactly). "spares" (ddp, zero1, zero2, zero3): --spares, workers waiting outside the
+# group: with none lost the spare is released and the result is unchanged; under tdistrun (5
+# workers, 1 spare) rank 2 killed before the reduction of step 5, and started bare (4 + 2
+# spares) with rank 1 killed during step 3 and rank 2 after step 7's reduction: each lost
+# member is replaced by a spare healed from the survivors (the line names both; 4 members at the
+# end), parameters bit for bit the failure-free run's. Skips (77) without the corpus. Ends only
+# the processes it started, by pid.
 set -euo pipefail
 tdistrun="$1"
 gpt="$2"
