@@ -390,7 +390,7 @@ static td_status heal_from(td_ft_ddp *ft, int root) {
         continue;
       }
       int64_t pn = td_tensor_numel(ft->params[i]);
-      if (!*b) { /* a member without it (a spare): a new tensor, handed over below */
+      if (!*b) { /* a member without it (a spare): a new tensor, adopted below */
         live[i] = false;
         st = td_tensor_empty(&pn, 1, ft->dt, td_device_cpu(), b);
       }
@@ -400,7 +400,7 @@ static td_status heal_from(td_ft_ddp *ft, int root) {
   if (st == TD_OK) st = td__ft_bcast_packed(pg, ts, nt, root, &bytes);
   for (size_t i = 0; st == TD_OK && i < ft->np; i++)
     st = live[i] ? td_optim_state_set_step(ft->opt, i, mv[4 * i + 3])
-                 : td_optim_state_set(ft->opt, i, &state[3 * i], mv[4 * i + 3]);
+                 : td_optim_state_adopt(ft->opt, i, &state[3 * i], mv[4 * i + 3]);
   td__free(live);
   for (size_t k = 0; state && k < ft->np * 3; k++) td_tensor_unref(state[k]);
   td__free(state);

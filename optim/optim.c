@@ -618,6 +618,39 @@ int64_t td_optim_step_count(td_optim *o, size_t i) {
   return n;
 }
 
+td_status td_optim_state_adopt(td_optim *o, size_t i, td_tensor *const bufs[3], int64_t step) {
+  TD_CHECK_ARG(o && bufs && i < o->n && step >= 0, "td_optim_state_adopt: bad optimizer, "
+               "parameter %zu, bufs or step %lld", i, (long long)step);
+  const td_tensor *p = o->slots[i].param;
+  td_tensor *nb[3] = {0};
+  td_status st = TD_OK;
+  for (int b = 0; st == TD_OK && b < 3; b++) {
+    if (!bufs[b]) continue;
+    td_device d = td_tensor_device(bufs[b]), pd = td_tensor_device(p);
+    if (td_tensor_numel(bufs[b]) != td_tensor_numel(p) ||
+        td_tensor_dtype(bufs[b]) != td_tensor_dtype(p) || !td_tensor_is_contiguous(bufs[b]) ||
+        d.type != pd.type || d.index != pd.index)
+      st = td_set_error(TD_ERR_SHAPE, "td_optim_state_adopt: state %d of parameter %zu is not "
+                        "a contiguous tensor of the parameter's element count, dtype and device",
+                        b, i);
+    else
+      st = td_tensor_reshape(bufs[b], td_tensor_shape(p), td_tensor_ndim(p), &nb[b]);
+  }
+  if (st != TD_OK) {
+    for (int b = 0; b < 3; b++) td_tensor_unref(nb[b]);
+    return st;
+  }
+  pthread_mutex_lock(&o->mu);
+  for (int b = 0; b < 3; b++) {
+    if (!nb[b] && o->o.kind == TD_OPTIM_ADAGRAD && b == 0) continue; /* sum exists from the start */
+    td_tensor_unref(o->slots[i].buf[b]);
+    o->slots[i].buf[b] = nb[b];
+  }
+  o->slots[i].step = step;
+  pthread_mutex_unlock(&o->mu);
+  return TD_OK;
+}
+
 td_status td_optim_state_set_step(td_optim *o, size_t i, int64_t step) {
   TD_CHECK_ARG(o && i < o->n && step >= 0, "td_optim_state_set_step: bad optimizer, parameter "
                "%zu or step %lld", i, (long long)step);

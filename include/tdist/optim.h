@@ -187,6 +187,12 @@ TD_API td_status td_optim_state_get(td_optim *o, size_t i, td_tensor *bufs[3], i
  * drops that state, so the next update starts it afresh as PyTorch does) and its step count.
  * TD_ERR_SHAPE for a wrong element count (nothing changed). Borrowed: bufs are only read. */
 TD_API td_status td_optim_state_set(td_optim *o, size_t i, td_tensor *const bufs[3], int64_t step);
+/* td_optim_state_adopt is td_optim_state_set without the copies: parameter i's state becomes
+ * bufs[0..3) themselves (viewed in the parameter's shape; each must be contiguous, with the
+ * parameter's element count, dtype and device: else TD_ERR_SHAPE, nothing changed). The caller
+ * keeps its references but must not write them afterwards (they are the live state). */
+TD_API td_status td_optim_state_adopt(td_optim *o, size_t i, td_tensor *const bufs[3],
+                                      int64_t step);
 /* td_optim_state_set_step sets parameter i's step count only, its state tensors kept (for a
  * caller that wrote the live tensors of td_optim_state_get in place). TD_ERR_INVALID for an
  * unknown i or a negative step. */

@@ -160,6 +160,17 @@ static void test_optim_state_get_set_continues_a_run(void **state) {
   TD_ASSERT_OK(td_optim_state_get(ob, 0, kb, &step));
   assert_true(kb[0] == nb[0] && kb[1] != NULL && step == 7);
   for (int i = 0; i < 3; i++) td_tensor_unref(kb[i]);
+  /* adopted: the given tensors are the state (no copy), viewed in the parameter's shape */
+  double st2[] = {5, 6, 7};
+  td_tensor *own = vec(st2, 3, false), *ad[3] = {own, own, NULL};
+  TD_ASSERT_OK(td_optim_state_adopt(ob, 0, ad, 9));
+  TD_ASSERT_OK(td_optim_state_get(ob, 0, kb, &step));
+  assert_true(kb[0] && td_tensor_data(kb[0]) == td_tensor_data(own) && !kb[2] && step == 9);
+  for (int i = 0; i < 3; i++) td_tensor_unref(kb[i]);
+  td_tensor *bad4[3] = {wrong, NULL, NULL};
+  TD_ASSERT_STATUS(td_optim_state_adopt(ob, 0, bad4, 1), TD_ERR_SHAPE);
+  assert_int_equal(td_optim_step_count(ob, 0), 9); /* nothing changed */
+  td_tensor_unref(own);
   TD_ASSERT_STATUS(td_optim_state_set_step(ob, 0, -1), TD_ERR_INVALID);
   TD_ASSERT_STATUS(td_optim_state_set_step(ob, 1, 1), TD_ERR_INVALID);
   td_tensor *none[3] = {0};
