@@ -19,11 +19,12 @@
 # "ft_vs_torch_step_ratio",
 # "kill_to_commit_s" (median), "kill_to_commit_runs_s", "recovery_in_library_s" (median: from the
 # failure seen to the commit), "step_s_ft_after_failure" ...}} with medians over the runs (step
-# times: train_s / steps). Steps: 30. With DP ddp also a run with one spare (tdistrun with NPROC
+# times: train_s / steps). Steps: 30. Also a run with one spare (tdistrun with NPROC
 # + 1 workers, gpt --spares 1, rank 2 killed the same way): "spare_kill_to_commit_s" (the kill
 # to the first step committed with the spare healed in), "spare_heal_bytes", "spare_heal_GBps"
 # (what the spare took over the time it took), "broadcast_GBps_same_bytes" (bench/collectives,
-# a broadcast of that many bytes in a group of NPROC) and "spare_heal_vs_broadcast".
+# a broadcast of that many bytes in a group of NPROC) and "spare_heal_vs_broadcast" (ddp: the
+# heal's broadcasts; zero1/2/3: the spare's whole join, from entering the recovery to healed).
 set -euo pipefail
 build="${1:?usage: ft_ddp.sh BUILD_DIR [RUNS] [NPROC] [DP]}"
 runs="${2:-3}"
@@ -148,8 +149,7 @@ for _ in range(runs):
         r = run(["/usr/bin/python3", peer, "--nproc", nproc, "--dp", "ddp"] + common)["results"]
         tp.append(r["train_s"] / 30)
     kills.append(killed_run())
-    if dp == "ddp":
-        joins.append(killed_run(spares=1))
+    joins.append(killed_run(spares=1))
 med = statistics.median
 res = {"step_s_plain": med(ddp), "step_s_ft": med(ft),
        "ft_overhead_vs_plain": med(ft) / med(ddp) - 1,
