@@ -618,6 +618,25 @@ int64_t td_optim_step_count(td_optim *o, size_t i) {
   return n;
 }
 
+/* Makes nb[0..3) (new references, taken over) parameter i's state and step its count when st
+ * is TD_OK; else drops them and returns st. */
+static td_status install_state(td_optim *o, size_t i, td_tensor *nb[3], int64_t step,
+                               td_status st) {
+  if (st != TD_OK) {
+    for (int b = 0; b < 3; b++) td_tensor_unref(nb[b]);
+    return st;
+  }
+  pthread_mutex_lock(&o->mu);
+  for (int b = 0; b < 3; b++) {
+    if (!nb[b] && o->o.kind == TD_OPTIM_ADAGRAD && b == 0) continue; /* sum exists from the start */
+    td_tensor_unref(o->slots[i].buf[b]);
+    o->slots[i].buf[b] = nb[b];
+  }
+  o->slots[i].step = step;
+  pthread_mutex_unlock(&o->mu);
+  return TD_OK;
+}
+
 td_status td_optim_state_adopt(td_optim *o, size_t i, td_tensor *const bufs[3], int64_t step) {
   TD_CHECK_ARG(o && bufs && i < o->n && step >= 0, "td_optim_state_adopt: bad optimizer, "
                "parameter %zu, bufs or step %lld", i, (long long)step);
@@ -636,19 +655,7 @@ td_status td_optim_state_adopt(td_optim *o, size_t i, td_tensor *const bufs[3], 
     else
       st = td_tensor_reshape(bufs[b], td_tensor_shape(p), td_tensor_ndim(p), &nb[b]);
   }
-  if (st != TD_OK) {
-    for (int b = 0; b < 3; b++) td_tensor_unref(nb[b]);
-    return st;
-  }
-  pthread_mutex_lock(&o->mu);
-  for (int b = 0; b < 3; b++) {
-    if (!nb[b] && o->o.kind == TD_OPTIM_ADAGRAD && b == 0) continue; /* sum exists from the start */
-    td_tensor_unref(o->slots[i].buf[b]);
-    o->slots[i].buf[b] = nb[b];
-  }
-  o->slots[i].step = step;
-  pthread_mutex_unlock(&o->mu);
-  return TD_OK;
+  return install_state(o, i, nb, step, st);
 }
 
 td_status td_optim_state_set_step(td_optim *o, size_t i, int64_t step) {
@@ -699,19 +706,7 @@ td_status td_optim_state_set(td_optim *o, size_t i, td_tensor *const bufs[3], in
     td_tensor_unref(moved);
   }
   td_autograd_set_enabled(prev);
-  if (st != TD_OK) {
-    for (int b = 0; b < 3; b++) td_tensor_unref(nb[b]);
-    return st;
-  }
-  pthread_mutex_lock(&o->mu);
-  for (int b = 0; b < 3; b++) {
-    if (!nb[b] && o->o.kind == TD_OPTIM_ADAGRAD && b == 0) continue; /* sum exists from the start */
-    td_tensor_unref(o->slots[i].buf[b]);
-    o->slots[i].buf[b] = nb[b];
-  }
-  o->slots[i].step = step;
-  pthread_mutex_unlock(&o->mu);
-  return TD_OK;
+  return install_state(o, i, nb, step, st);
 }
 
 /* ---- gradient clipping ---- */

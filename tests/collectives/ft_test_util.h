@@ -122,4 +122,66 @@ static inline void ft_remove_dir(const char *dir) {
   assert_int_equal(system(cmd), 0);
 }
 
+/* ---- spares (4 members, ranks 0-3; spares 4 and 5) ---- */
+
+#define FT_SPARE_WORLD 6
+#define FT_SPARE_MEMBERS 4
+
+/* What a spare case expects, as the spare tests give it. */
+typedef struct ft_spare_want {
+  const fault *f;
+  int nf;
+  const int *joined;   /* [2]: whether spare 4, spare 5 is admitted */
+  uint64_t generation; /* the survivors' last generation */
+  int lost;            /* members lost, as every original survivor counts them */
+  int dies_joining;    /* a spare that kills itself once admitted (0: none) */
+} ft_spare_want;
+
+/* In the test, rank r's end (codes[r]): false when it was killed (counted in *killed) or, a
+ * spare, released (its report "released <members lost> <pid>" checked); true when it trained to
+ * the end: its report is in rep (cap bytes) and *pid0 its pid at the start. */
+static inline bool ft_spare_trained(const char *dir, int r, const ft_spare_want *w,
+                                    const int *codes, int *killed, char *rep, size_t cap,
+                                    int *pid0) {
+  if (ft_victim(w->f, w->nf, r) || (w->dies_joining > 0 && r == w->dies_joining)) {
+    assert_int_equal(codes[r], 128 + 9 /* SIGKILL */);
+    (*killed)++;
+    return false;
+  }
+  assert_int_equal(codes[r], 0);
+  *pid0 = ft_started_once(dir, r);
+  size_t n = ft_read_file(dir, "report", r, rep, cap - 1);
+  rep[n] = 0;
+  fprintf(stderr, "  rank %d: %s", r, rep);
+  if (r >= FT_SPARE_MEMBERS && !w->joined[r - FT_SPARE_MEMBERS]) {
+    int members_lost = -1, pid1 = 0;
+    assert_int_equal(sscanf(rep, "released %d %d", &members_lost, &pid1), 2);
+    assert_int_equal(pid1, *pid0);
+    assert_int_equal(members_lost, w->lost > 0);
+    return false;
+  }
+  return true;
+}
+
+/* In the test, for rank r that trained to the end: the fields of its report every spare test
+ * has, and its parameters bitwise equal to the failure-free run's (base, base_n bytes). */
+static inline void ft_spare_check(const char *dir, int r, const ft_spare_want *w,
+                                  const char *role, unsigned long long gen, int members,
+                                  int lost, int joined, int pid0, int pid1, const char *base,
+                                  size_t base_n) {
+  assert_int_equal(pid1, pid0);
+  assert_string_equal(role, r >= FT_SPARE_MEMBERS ? "joined" : "member");
+  assert_int_equal(gen, w->generation);
+  assert_int_equal(members, FT_SPARE_MEMBERS); /* made whole again by the spares */
+  if (r < FT_SPARE_MEMBERS) {
+    assert_int_equal(lost, w->lost);
+    assert_int_equal(joined, w->joined[0] + w->joined[1]);
+  }
+  char buf[4096];
+  size_t n = ft_read_file(dir, "params", r, buf, sizeof buf);
+  assert_true(n > 0);
+  assert_int_equal(n, base_n);
+  assert_memory_equal(buf, base, n); /* bitwise the failure-free run of 4 */
+}
+
 #endif

@@ -247,8 +247,8 @@ static void test_ft_ddp_matrix(void **state) {
 
 /* ---- spares: ranks 4 and 5 wait outside the group of ranks 0-3 and replace the lost ---- */
 
-#define SPARE_WORLD 6
-#define SPARE_MEMBERS 4
+#define SPARE_WORLD FT_SPARE_WORLD
+#define SPARE_MEMBERS FT_SPARE_MEMBERS
 
 typedef struct spare_case {
   const char *name;
@@ -350,25 +350,11 @@ static void run_spare_case(spare_case *c) {
   int bad = td_mp_run(SPARE_WORLD, spare_worker, c, 120, codes);
   fprintf(stderr, "spare case %s: %.2f s\n", c->name, td_test_now_s() - t0);
   int killed = 0;
+  ft_spare_want w = {c->f, c->nf, c->joined, c->generation, c->lost, c->dies_joining};
   for (int r = 0; r < SPARE_WORLD; r++) {
-    if (ft_victim(c->f, c->nf, r) || (c->dies_joining > 0 && r == c->dies_joining)) {
-      assert_int_equal(codes[r], 128 + SIGKILL);
-      killed++;
-      continue;
-    }
-    assert_int_equal(codes[r], 0);
-    int pid0 = ft_started_once(c->dir, r);
     char rep[256], role[16] = "";
-    size_t n = ft_read_file(c->dir, "report", r, rep, sizeof rep - 1);
-    rep[n] = 0;
-    fprintf(stderr, "  rank %d: %s", r, rep);
-    if (r >= SPARE_MEMBERS && !c->joined[r - SPARE_MEMBERS]) {
-      int members_lost = -1, pid1 = 0;
-      assert_int_equal(sscanf(rep, "released %d %d", &members_lost, &pid1), 2);
-      assert_int_equal(pid1, pid0);
-      assert_int_equal(members_lost, c->lost > 0);
-      continue;
-    }
+    int pid0 = 0;
+    if (!ft_spare_trained(c->dir, r, &w, codes, &killed, rep, sizeof rep, &pid0)) continue;
     unsigned long long gen = 0;
     int members = 0, lost = 0, joined = 0, overlapped = 0, pid1 = 0;
     long long first = -1;
@@ -378,19 +364,8 @@ static void run_spare_case(spare_case *c) {
      * with backward as before the failure (on shared memory: the TCP ring has no fast path) */
     const char *algo = getenv("TD_COLL_ALGO");
     assert_int_equal(overlapped, !(algo && strcmp(algo, "ring") == 0));
-    assert_int_equal(pid1, pid0);
-    assert_string_equal(role, r >= SPARE_MEMBERS ? "joined" : "member");
-    assert_int_equal(gen, c->generation);
-    assert_int_equal(members, SPARE_MEMBERS); /* made whole again by the spares */
-    if (r < SPARE_MEMBERS) {
-      assert_int_equal(lost, c->lost);
-      assert_int_equal(joined, c->joined[0] + c->joined[1]);
-    }
-    char buf[4096];
-    n = ft_read_file(c->dir, "params", r, buf, sizeof buf);
-    assert_true(n > 0);
-    assert_int_equal(n, baseline_n[0]);
-    assert_memory_equal(buf, baseline[0], n); /* bitwise the failure-free run of 4 */
+    ft_spare_check(c->dir, r, &w, role, gen, members, lost, joined, pid0, pid1, baseline[0],
+                   baseline_n[0]);
   }
   assert_int_equal(bad, killed);
   ft_remove_dir(c->dir);
