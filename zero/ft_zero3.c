@@ -222,41 +222,10 @@ static td_status pre_forward(void *ctx, td_module *m) {
 /* The outputs that require grad go through one identity node that gathers the unit again when
  * backward reaches it. */
 static td_status wrap_outputs(td__fzunit *u, td_tensor **outputs, int n_outputs) {
-  if (n_outputs <= 0) return TD_OK;
-  td_tensor **in = td__calloc((size_t)n_outputs, sizeof *in);
-  td_tensor **wrapped = td__calloc((size_t)n_outputs, sizeof *wrapped);
-  int *idx = td__calloc((size_t)n_outputs, sizeof *idx);
-  td_status st =
-      in && wrapped && idx ? TD_OK : td_set_error(TD_ERR_NOMEM, "ft_zero: out of memory");
-  int n = 0;
-  for (int i = 0; st == TD_OK && i < n_outputs; i++)
-    if (outputs[i] && td_tensor_requires_grad(outputs[i])) idx[n] = i, in[n++] = outputs[i];
-  node_ctx *c = st == TD_OK && n ? td__calloc(1, sizeof *c) : NULL;
-  if (st == TD_OK && n && !c) st = td_set_error(TD_ERR_NOMEM, "ft_zero: out of memory");
-  if (st == TD_OK && n) {
-    c->z = u->z, c->u = u->index;
-    td_node *node = NULL;
-    st = td_node_create_external("FtZeroUnitGather", n, in, n, unit_backward, c, td__free, &node);
-    for (int k = 0; st == TD_OK && k < n; k++) {
-      td_tensor *d = NULL;
-      st = td_tensor_detach(in[k], &d);
-      if (st == TD_OK) st = td_autograd_attach(d, node, k, &wrapped[k]);
-      td_tensor_unref(d);
-    }
-    td_node_unref(node);
-    for (int k = 0; k < n; k++) {
-      if (st != TD_OK) {
-        td_tensor_unref(wrapped[k]);
-        continue;
-      }
-      td_tensor_unref(outputs[idx[k]]);
-      outputs[idx[k]] = wrapped[k];
-    }
-  }
-  td__free(in);
-  td__free(wrapped);
-  td__free(idx);
-  return st;
+  node_ctx *c = td__calloc(1, sizeof *c);
+  if (!c) return td_set_error(TD_ERR_NOMEM, "ft_zero: out of memory");
+  c->z = u->z, c->u = u->index;
+  return td__zero_wrap_outputs("FtZeroUnitGather", outputs, n_outputs, unit_backward, c);
 }
 
 static td_status post_forward(void *ctx, td_module *m, td_status fst, td_tensor **outputs,

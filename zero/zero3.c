@@ -339,46 +339,45 @@ static td_status pre_forward(void *ctx, td_module *m) {
 /* The outputs that require grad go through one identity node that gathers the unit in backward
  * (any number of them: the arrays are sized by n_outputs). */
 static td_status wrap_outputs(td__zunit *u, td_tensor **outputs, int n_outputs) {
-  if (n_outputs <= 0) return TD_OK;
-  td_tensor **in = td__calloc((size_t)n_outputs, sizeof *in);
-  td_tensor **wrapped = td__calloc((size_t)n_outputs, sizeof *wrapped);
-  int *idx = td__calloc((size_t)n_outputs, sizeof *idx);
-  unit_node_ctx *c = NULL;
-  td_status st = TD_OK;
-  int n = 0;
-  if (!in || !wrapped || !idx) {
-    st = td_set_error(TD_ERR_NOMEM, "zero: out of memory (%d unit outputs)", n_outputs);
-    goto out;
-  }
-  for (int i = 0; i < n_outputs; i++)
-    if (outputs[i] && td_tensor_requires_grad(outputs[i])) idx[n] = i, in[n++] = outputs[i];
-  if (!n) goto out;
-  c = td__calloc(1, sizeof *c);
-  if (!c) {
-    st = td_set_error(TD_ERR_NOMEM, "zero: out of memory");
-    goto out;
-  }
+  unit_node_ctx *c = td__calloc(1, sizeof *c);
+  if (!c) return td_set_error(TD_ERR_NOMEM, "zero: out of memory");
   c->z = u->z;
   c->u = u->index;
-  td_node *node = NULL;
-  st = td_node_create_external("ZeroUnitGather", n, in, n, unit_backward, c, td__free, &node);
-  c = NULL; /* the node owns it, or freed it on failure */
-  for (int k = 0; st == TD_OK && k < n; k++) {
-    td_tensor *d = NULL;
-    st = td_tensor_detach(in[k], &d);
-    if (st == TD_OK) st = td_autograd_attach(d, node, k, &wrapped[k]);
-    td_tensor_unref(d);
-  }
-  td_node_unref(node);
-  for (int k = 0; k < n; k++) {
-    if (st != TD_OK) {
-      td_tensor_unref(wrapped[k]);
-      continue;
+  return td__zero_wrap_outputs("ZeroUnitGather", outputs, n_outputs, unit_backward, c);
+}
+
+td_status td__zero_wrap_outputs(const char *name, td_tensor **outputs, int n_outputs,
+                                td_external_backward_fn backward, void *ctx) {
+  td_tensor **in = td__calloc((size_t)(n_outputs > 0 ? n_outputs : 1), sizeof *in);
+  td_tensor **wrapped = td__calloc((size_t)(n_outputs > 0 ? n_outputs : 1), sizeof *wrapped);
+  int *idx = td__calloc((size_t)(n_outputs > 0 ? n_outputs : 1), sizeof *idx);
+  td_status st = TD_OK;
+  int n = 0;
+  if (!in || !wrapped || !idx)
+    st = td_set_error(TD_ERR_NOMEM, "zero: out of memory (%d unit outputs)", n_outputs);
+  for (int i = 0; st == TD_OK && i < n_outputs; i++)
+    if (outputs[i] && td_tensor_requires_grad(outputs[i])) idx[n] = i, in[n++] = outputs[i];
+  if (st != TD_OK || !n) td__free(ctx);
+  if (st == TD_OK && n) {
+    td_node *node = NULL;
+    st = td_node_create_external(name, n, in, n, backward, ctx, td__free, &node);
+    /* the node owns ctx, or freed it on failure */
+    for (int k = 0; st == TD_OK && k < n; k++) {
+      td_tensor *d = NULL;
+      st = td_tensor_detach(in[k], &d);
+      if (st == TD_OK) st = td_autograd_attach(d, node, k, &wrapped[k]);
+      td_tensor_unref(d);
     }
-    td_tensor_unref(outputs[idx[k]]);
-    outputs[idx[k]] = wrapped[k];
+    td_node_unref(node);
+    for (int k = 0; k < n; k++) {
+      if (st != TD_OK) {
+        td_tensor_unref(wrapped[k]);
+        continue;
+      }
+      td_tensor_unref(outputs[idx[k]]);
+      outputs[idx[k]] = wrapped[k];
+    }
   }
-out:
   td__free(in);
   td__free(wrapped);
   td__free(idx);

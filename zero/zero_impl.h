@@ -242,4 +242,11 @@ td_status td__ftz_settle(td_ft_zero *z, int64_t step, td_ft_step_info *info, boo
 td_status td__zero_units_map(td_module *const *units, size_t nu, td_tensor *const *params,
                              size_t np, int *unit_of, const char *fn);
 
+/* td__zero_wrap_outputs puts the outputs of a unit's forward that require grad (outputs[0..n),
+ * replaced in place) through one identity node named name whose backward is backward(ctx, ...):
+ * a stage-3 unit gathers its parameters again there. Takes ctx (malloc'd; the node frees it,
+ * or this call when no output requires grad or on failure). */
+td_status td__zero_wrap_outputs(const char *name, td_tensor **outputs, int n_outputs,
+                                td_external_backward_fn backward, void *ctx);
+
 #endif
