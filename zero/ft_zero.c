@@ -307,7 +307,9 @@ td_status td_ft_zero_create(td_process_group *pg, const td_optim_options *opts,
   td_ft_zero_options_init(&o);
   if (zopts) o = *zopts;
   bool joining = td_process_group_joined(pg); /* a spare: it learns n_shards and n_blocks */
-  if (joining) o.n_shards = o.n_blocks = 1; /* placeholders until the survivors give them */
+  /* a spare's own counts are ignored: 1 passes the checks below, and the layout agreement of
+   * its join sets the survivors' */
+  if (joining) o.n_shards = o.n_blocks = 1;
   int n = td_process_group_size(pg);
   if (!o.n_shards) o.n_shards = n;
   if (!o.n_blocks) o.n_blocks = n;

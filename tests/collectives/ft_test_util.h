@@ -115,6 +115,19 @@ static inline int ft_started_once(const char *dir, int r) {
   return atoi(rep);
 }
 
+/* In the test: makes a directory for the workers' files from tmpl (a mkdtemp template) into
+ * dir (cap bytes), runs world workers fn(arg) for at most 120 s, prints label with the time they
+ * took; returns td_mp_run's count of workers that failed, codes[] their exit statuses. */
+static inline int ft_run_workers(char *dir, size_t cap, const char *tmpl, int world, td_mp_fn fn,
+                                 void *arg, int *codes, const char *label) {
+  snprintf(dir, cap, "%s", tmpl);
+  assert_non_null(mkdtemp(dir));
+  double t0 = td_test_now_s();
+  int bad = td_mp_run(world, fn, arg, 120, codes);
+  fprintf(stderr, "%s: %.2f s\n", label, td_test_now_s() - t0);
+  return bad;
+}
+
 /* In the test, after a case: removes its directory of worker files. */
 static inline void ft_remove_dir(const char *dir) {
   char cmd[300];

@@ -161,12 +161,11 @@ static char baseline[2][4096]; /* the first run's parameters: one shard per memb
 static size_t baseline_n[2];
 
 static void run_case(ft_case *c) {
-  snprintf(c->dir, sizeof c->dir, "/tmp/td_ft_ddp_XXXXXX");
-  assert_non_null(mkdtemp(c->dir));
   int codes[WORLD];
-  double t0 = td_test_now_s();
-  int bad = td_mp_run(WORLD, worker, c, 120, codes);
-  fprintf(stderr, "case %s: %.2f s\n", c->name, td_test_now_s() - t0);
+  char label[400];
+  snprintf(label, sizeof label, "case %s", c->name);
+  int bad = ft_run_workers(c->dir, sizeof c->dir, "/tmp/td_ft_ddp_XXXXXX", WORLD, worker, c,
+                           codes, label);
   int killed = 0, healed_sum = 0, closer_healed = 0;
   for (int r = 0; r < WORLD; r++) {
     if (ft_victim(c->f, c->nf, r)) {
@@ -343,12 +342,11 @@ static int spare_worker(int rank, int world, const char *method, void *arg) {
 }
 
 static void run_spare_case(spare_case *c) {
-  snprintf(c->dir, sizeof c->dir, "/tmp/td_ft_spare_XXXXXX");
-  assert_non_null(mkdtemp(c->dir));
   int codes[SPARE_WORLD];
-  double t0 = td_test_now_s();
-  int bad = td_mp_run(SPARE_WORLD, spare_worker, c, 120, codes);
-  fprintf(stderr, "spare case %s: %.2f s\n", c->name, td_test_now_s() - t0);
+  char label[400];
+  snprintf(label, sizeof label, "spare case %s", c->name);
+  int bad = ft_run_workers(c->dir, sizeof c->dir, "/tmp/td_ft_spare_XXXXXX", SPARE_WORLD,
+                           spare_worker, c, codes, label);
   int killed = 0;
   ft_spare_want w = {c->f, c->nf, c->joined, c->generation, c->lost, c->dies_joining};
   for (int r = 0; r < SPARE_WORLD; r++) {

@@ -235,12 +235,11 @@ static void check_survivor(const zcase *c, int r, int *owned, int *backed) {
 }
 
 static void run_case(zcase *c) {
-  snprintf(c->dir, sizeof c->dir, "/tmp/td_ft_zero_XXXXXX");
-  assert_non_null(mkdtemp(c->dir));
   int codes[WORLD];
-  double t0 = td_test_now_s();
-  int bad = td_mp_run(WORLD, worker, c, 120, codes);
-  fprintf(stderr, "case stage %d, %s: %.2f s\n", c->stage, c->name, td_test_now_s() - t0);
+  char label[400];
+  snprintf(label, sizeof label, "case stage %d, %s", c->stage, c->name);
+  int bad = ft_run_workers(c->dir, sizeof c->dir, "/tmp/td_ft_zero_XXXXXX", WORLD, worker, c,
+                           codes, label);
   int killed = 0, owned = 0, backed = 0;
   for (int r = 0; r < WORLD; r++) {
     if (ft_victim(c->f, c->nf, r)) {
@@ -715,12 +714,11 @@ static int spare_worker(int rank, int world, const char *method, void *arg) {
 }
 
 static void run_spare_case(spare_case *c) {
-  snprintf(c->dir, sizeof c->dir, "/tmp/td_ftz_spare_XXXXXX");
-  assert_non_null(mkdtemp(c->dir));
   int codes[SPARE_WORLD];
-  double t0 = td_test_now_s();
-  int bad = td_mp_run(SPARE_WORLD, spare_worker, c, 120, codes);
-  fprintf(stderr, "spare case stage %d, %s: %.2f s\n", c->stage, c->name, td_test_now_s() - t0);
+  char label[400];
+  snprintf(label, sizeof label, "spare case stage %d, %s", c->stage, c->name);
+  int bad = ft_run_workers(c->dir, sizeof c->dir, "/tmp/td_ftz_spare_XXXXXX", SPARE_WORLD,
+                           spare_worker, c, codes, label);
   int killed = 0, owned = 0, backed = 0;
   ft_spare_want w = {c->f, c->nf, c->joined, c->generation, c->lost, c->dies_joining};
   for (int r = 0; r < SPARE_WORLD; r++) {
