@@ -21,20 +21,22 @@
  *      key bound to both (ring_connect.c: a member of another generation fails the handshake).
  * A caller whose re-formation failed (a second failure while the new group was set up) calls it
  * again on the same old group: it then forms generation g + 2 from the same candidates, and so
- * on.
+ * on. The decider dying while it decides makes the others' re-formation time out (a clear error,
+ * never a hang); the rendezvous store's host (global rank 0) is the limit of the scheme: without
+ * it nothing can be agreed.
+ *
  * Spares (td_process_group_spare): a worker outside the group offers itself under
  * "ft/<lineage>/spare/<i>" (i from the counter "ft/<lineage>/spares"; the value is its global
  * rank and its same-host record). A decider that excluded k members admits up to k spares,
- * lowest global rank first: it claims each ("ft/<lineage>/spare/<i>/claim", a counter: the first to take it
- * owns it; a spare on this host whose process exited is claimed and skipped), lists it in the
- * members record, and then tells it the generation ("ft/<lineage>/spare/<i>/gen"). The spare
- * reads the record and creates the group with the others, as a member that joined
- * (pg->joined: it holds none of the group's state; td_ft_ddp heals it). The decider also adds k
- * to "ft/<lineage>/left_out". td_process_group_release_spares sets "ft/<lineage>/over", then
- * claims every offer and answers it with generation 0 ("not needed"); a spare checks "over"
- * after offering itself, so an offer made during a release is seen by one or the other. The decider dying while it decides makes the others' re-formation time out (a clear error,
- * never a hang); the rendezvous store's host (global rank 0) is the limit of the scheme: without
- * it nothing can be agreed.
+ * lowest global rank first: it claims each ("ft/<lineage>/spare/<i>/claim", a counter: the
+ * first to take it owns it; a spare on this host whose process exited is claimed and skipped),
+ * lists it in the members record, and then tells it the generation
+ * ("ft/<lineage>/spare/<i>/gen"). The spare reads the record and creates the group with the
+ * others, as a member that joined (pg->joined: it holds none of the group's state; td_ft_ddp and
+ * td_ft_zero heal it). The decider also adds k to "ft/<lineage>/left_out".
+ * td_process_group_release_spares sets "ft/<lineage>/over", then claims every offer and answers
+ * it with generation 0 ("not needed"); a spare checks "over" after offering itself, so an offer
+ * made during a release is seen by one or the other.
  *
  * Lock order: pg->lost_mu is a leaf; nothing here takes pg->mu.
  */
