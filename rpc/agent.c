@@ -104,6 +104,7 @@ td_status td_rpc_get_peer_traffic(td_rpc_agent *a, int rank, td_rpc_traffic *out
 
 int td_rpc_rank(const td_rpc_agent *a) { return a ? a->rank : -1; }
 int td_rpc_world_size(const td_rpc_agent *a) { return a ? a->world : 0; }
+int td_rpc_initial_world_size(const td_rpc_agent *a) { return a ? a->world0 : 0; }
 int64_t td_rpc_busy_poll_us(const td_rpc_agent *a) { return a ? a->busy_poll_us : 0; }
 int td_rpc_direct_copy_peers(const td_rpc_agent *a) { return a ? a->direct_peers : 0; }
 int td_rpc_shm_lanes(const td_rpc_agent *a) {
@@ -122,7 +123,7 @@ td_timeout_ms td_rpc_get_default_timeout(const td_rpc_agent *a) {
 }
 
 const char *td__agent_peer_name(const td_rpc_agent *a, int rank) {
-  if (rank >= 0 && rank < a->world && a->peers && a->peers[rank].info.name[0])
+  if (a->peers && td__agent_present(a, rank) && a->peers[rank].info.name[0])
     return a->peers[rank].info.name;
   return "?";
 }
@@ -135,12 +136,14 @@ size_t td__agent_name_hash(const char *s) {
 
 int td__agent_rank_of(const td_rpc_agent *a, const char *name) {
   if (a->name_idx) { /* a call by name costs O(1), not a scan of the group */
-    for (size_t i = td__agent_name_hash(name) & a->name_mask; a->name_idx[i];
-         i = (i + 1) & a->name_mask)
-      if (strcmp(a->peers[a->name_idx[i] - 1].info.name, name) == 0) return a->name_idx[i] - 1;
+    /* (entries of workers that joined later appear while others read: elastic.c) */
+    int e;
+    for (size_t i = td__agent_name_hash(name) & a->name_mask;
+         (e = __atomic_load_n(&a->name_idx[i], __ATOMIC_ACQUIRE)) != 0; i = (i + 1) & a->name_mask)
+      if (strcmp(a->peers[e - 1].info.name, name) == 0) return e - 1;
     return -1;
   }
-  for (int r = 0; r < a->world; r++)
+  for (int r = 0; r < a->world0; r++)
     if (strcmp(a->peers[r].info.name, name) == 0) return r;
   return -1;
 }
@@ -161,7 +164,7 @@ bool td__agent_peer_has_fn(const peer_info *p, const char *fn) {
 
 td_status td_rpc_get_worker_info(td_rpc_agent *a, const char *name, td_worker_info *out) {
   TD_CHECK_ARG(a && name && out, "rpc_get_worker_info: NULL argument");
-  int r = td__agent_rank_of(a, name);
+  int r = td__agent_find(a, name);
   if (r < 0) return td_set_error(TD_ERR_NOT_FOUND, "rpc: no worker named '%s'", name);
   *out = a->peers[r].info;
   return TD_OK;
@@ -172,6 +175,10 @@ td_status td_rpc_get_worker_info_by_rank(td_rpc_agent *a, int rank, td_worker_in
   if (rank < 0 || rank >= a->world)
     return td_set_error(TD_ERR_NOT_FOUND, "rpc: no worker with rank %d (world size %d)", rank,
                         a->world);
+  if (!td__agent_learn_rank(a, rank))
+    return td_set_error(TD_ERR_NOT_FOUND, "rpc: rank %d is a free place of the group (no worker "
+                        "has joined there yet; %d places, %d taken at the start)", rank,
+                        a->world, a->world0);
   *out = a->peers[rank].info;
   return TD_OK;
 }

@@ -7,7 +7,9 @@
  *                 timeouts, calls failed by a closed stream or by shutdown
  *   serve.c       incoming requests: dispatch (network thread or pool), handlers, replies,
  *                 malformed frames, the store's unary method
- *   rendezvous.c  td__rpc_init_impl: arguments, transport, rendezvous through the store, env
+ *   rendezvous.c  td__rpc_init_impl: arguments, transport, rendezvous through the store, env;
+ *                 joining a running (elastic) group
+ *   elastic.c     learning the workers that joined an elastic group after its start
  *   devmap.c      device maps: published and checked at rendezvous
  *   direct.c      same-host direct copy: the probe at rendezvous, descriptors, the reader and
  *                 the ack table (direct.h)
@@ -63,6 +65,14 @@ struct td_rpc_agent {
   uint64_t init_gen; /* td_rpc_init_interrupt's count when init started (rendezvous.c) */
   bool foreign;     /* the store belongs to another run: leave it alone */
   int rank, world;
+  /* Elastic groups (td_rpc_options.max_world_size; rendezvous.c "Joining a running group"):
+   * ranks [0, world0) started the group, world is every place; a place r >= world0 is known here
+   * once present[r] is TD__PEER_PRESENT (atomic, set with release after peers[r] is filled). */
+  int world0;
+  bool joiner;       /* this worker took a free place of a running group */
+  uint8_t *present;  /* [world] */
+  int late_known;    /* atomic: places taken after the start, as last read from the store */
+  char join_addr[256]; /* a joiner's address until it has its rank */
   peer_info *peers;
   /* peers by name: an open-addressing table of rank + 1 (0: empty), mask + 1 slots, built once
    * the names are read (rendezvous.c); NULL before (td__agent_rank_of then scans) */
@@ -164,8 +174,36 @@ static inline uint64_t td__call_trace_id(int caller_rank, uint64_t id) {
 /* ---- agent.c ---- */
 /* The name of rank (or "?"). Borrowed; valid until td_rpc_destroy. */
 const char *td__agent_peer_name(const td_rpc_agent *a, int rank);
-/* The rank of the worker called name, or -1. */
+/* The rank of the worker called name, or -1. Lock-free. */
 int td__agent_rank_of(const td_rpc_agent *a, const char *name);
+
+/* ---- elastic.c: places taken after the start ---- */
+#define TD__PEER_VACANT 0
+#define TD__PEER_PRESENT 1
+#define TD__PEER_LEARNING 2
+/* Whether peers[rank] is filled (every rank of the start; a later one once learnt). */
+static inline bool td__agent_present(const td_rpc_agent *a, int rank) {
+  return rank >= 0 && rank < a->world &&
+         (rank < a->world0 ||
+          __atomic_load_n(&a->present[rank], __ATOMIC_ACQUIRE) == TD__PEER_PRESENT);
+}
+/* td__agent_rank_of, learning the workers that joined since when name is unknown (asks rank
+ * 0's store: never on a network thread, where it answers -1). */
+int td__agent_find(td_rpc_agent *a, const char *name);
+/* Whether rank is present, learning it from the store when it joined since (as above). */
+bool td__agent_learn_rank(td_rpc_agent *a, int rank);
+/* A request arrived from rank, not yet learnt: learn it on the pool (once). */
+void td__agent_learn_later(td_rpc_agent *a, int rank);
+/* Places taken now (elastic groups ask the store; else world). */
+td_status td__agent_members(td_rpc_agent *a, int *members);
+/* Installs rank r's record ("name\taddress") and registry text (owned by the peer after a
+ * success); a->mu held by the caller for a place learnt after the start. (rendezvous.c) */
+td_status td__rdv_install_peer(td_rpc_agent *a, int r, char *rec, char *fns, size_t nfns);
+/* Inserts rank r's name into the names index (a->mu held, or init); TD_ERR_EXISTS with a
+ * message when another rank has it. (rendezvous.c) */
+td_status td__rdv_index_name(td_rpc_agent *a, int r);
+/* Reads the registry text a registry/<r> record names. (rendezvous.c) */
+td_status td__rdv_registry_text(td_rpc_agent *a, const char *key, char **text, size_t *n);
 /* True when peer p published fn in its registry at init. */
 bool td__agent_peer_has_fn(const peer_info *p, const char *fn);
 

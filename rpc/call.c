@@ -453,7 +453,7 @@ static td_status call_check(call *c, const td_rpc_call_opts *opts) {
   TD_TRY(td__call_opts_timeout(opts, "rpc_async", &t));
   if (__atomic_load_n(&a->closing, __ATOMIC_ACQUIRE))
     return td_set_error(TD_ERR_STATE, "rpc_async: the agent %s has shut down", a->name);
-  c->peer = td__agent_rank_of(a, c->to);
+  c->peer = td__agent_find(a, c->to); /* (learns a worker that joined since: elastic.c) */
   if (c->peer < 0)
     return td_set_error(TD_ERR_NOT_FOUND, "rpc_async: no worker named '%s' (this is %s)", c->to,
                         a->name);

@@ -129,7 +129,7 @@ static td_status devmap_entry(td_rpc_agent *a, int q, int i, char *line, const i
 
 /* Reads every worker's record, checks every map, keeps this worker's maps (see above). */
 td_status td__devmap_setup(td_rpc_agent *a, uint64_t deadline) {
-  int w = a->world;
+  int w = a->world0; /* (workers that join later have no device maps) */
   char **recs = NULL;
   size_t *lens = NULL;
   TD_TRY(td__rdv_read_all(a, "devmap/", deadline, &recs, &lens));

@@ -270,7 +270,7 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
   char **recs = NULL;
   size_t *lens = NULL;
   td_status st = share ? td__rdv_read_all(a, "direct/", deadline, &recs, &lens) : TD_OK;
-  for (int r = 0; share && st == TD_OK && r < a->world; r++) {
+  for (int r = 0; share && st == TD_OK && r < a->world0; r++) { /* (joiners: gRPC only) */
     td__host_rec peer;
     if (r == a->rank || !td__samehost_parse(recs[r], &peer) || !td__samehost_same(&me, &peer))
       continue;
@@ -305,7 +305,7 @@ td_status td__direct_learn(td_rpc_agent *a, uint64_t deadline) {
   char **oks = NULL;
   size_t *lens = NULL;
   td_status st = any ? td__rdv_read_all(a, "directok/", deadline, &oks, &lens) : TD_OK;
-  for (int r = 0; any && st == TD_OK && r < a->world; r++) {
+  for (int r = 0; any && st == TD_OK && r < a->world0; r++) {
     if (r == a->rank || !a->direct_cand[r] || !ranks_has(oks[r], a->rank)) continue;
     to[r] = true;
     a->direct_peers++;

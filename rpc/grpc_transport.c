@@ -602,6 +602,10 @@ td_status td__transport_direct_to(td__transport *t, const bool *to, int world) {
   return publish_once((void **)&t->direct_to, d);
 }
 
+void td__transport_set_self_rank(td__transport *t, int rank) {
+  __atomic_store_n(&t->opts.self_rank, rank, __ATOMIC_RELEASE);
+}
+
 void td__transport_set_busy_poll(td__transport *t, int64_t us) {
   __atomic_store_n(&t->busy_poll_ns, us > 0 ? us * 1000 : 0, __ATOMIC_RELAXED);
   td__lanes_set_spin(t->lanes, us > 0 ? us * 1000 : 0);

@@ -48,13 +48,13 @@ void td__agent_set_abort(td_rpc_agent *a, const char *why) {
  * naming both. So the differences are one DEBUG line: how many of this worker's functions each
  * other worker lacks, with the first few names. */
 static void log_registry_differences(td_rpc_agent *a) {
-  if (td_log_get_level() > TD_LOG_DEBUG) return;
+  if (td_log_get_level() > TD_LOG_DEBUG || a->rank < 0) return; /* (a joiner: no rank yet) */
   peer_info *me = &a->peers[a->rank];
   char line[900];
   size_t used = 0;
   int peers = 0;
   line[0] = 0;
-  for (int r = 0; r < a->world; r++) {
+  for (int r = 0; r < a->world0; r++) {
     if (r == a->rank) continue;
     peer_info *p = &a->peers[r];
     int missing = 0;
@@ -76,14 +76,14 @@ static void log_registry_differences(td_rpc_agent *a) {
   }
   if (peers)
     td_log(TD_LOG_DEBUG, "rpc: %s: %d of %d other workers lack functions registered here: %s",
-           a->name, peers, a->world - 1, line);
+           a->name, peers, a->world0 - 1, line);
 }
 
 td_status td__rdv_read_all(td_rpc_agent *a, const char *prefix, uint64_t deadline, char ***vals,
                           size_t **lens) {
-  *vals = td__calloc((size_t)a->world, sizeof **vals);
-  *lens = td__calloc((size_t)a->world, sizeof **lens);
-  td_status st = *vals && *lens ? td__store_wait_range(&a->sc, prefix, 0, a->world, deadline,
+  *vals = td__calloc((size_t)a->world0, sizeof **vals);
+  *lens = td__calloc((size_t)a->world0, sizeof **lens);
+  td_status st = *vals && *lens ? td__store_wait_range(&a->sc, prefix, 0, a->world0, deadline,
                                                        "abort", (uint8_t **)*vals, *lens)
                                 : td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
   if (st != TD_OK) {
@@ -96,7 +96,7 @@ td_status td__rdv_read_all(td_rpc_agent *a, const char *prefix, uint64_t deadlin
 }
 
 void td__rdv_free_all(td_rpc_agent *a, char **vals, size_t *lens) {
-  for (int r = 0; vals && r < a->world; r++) td__free(vals[r]);
+  for (int r = 0; vals && r < a->world0; r++) td__free(vals[r]);
   td__free(vals);
   td__free(lens);
 }
@@ -149,7 +149,7 @@ static void registry_key(const char *snap, size_t n, char out[64]) {
 /* The registry texts named by the registry/ records: each distinct one read once (a get), each
  * peer given its own copy (peer_functions parses it in place). */
 static td_status peer_registries(td_rpc_agent *a, char **names) {
-  for (int r = 0; r < a->world; r++) {
+  for (int r = 0; r < a->world0; r++) {
     if (a->peers[r].fns_blob) continue;
     if (strncmp(names[r], "regblob/", 8) != 0)
       return td_set_error(TD_ERR_FORMAT, "rpc init: bad registry record for rank %d", r);
@@ -158,7 +158,7 @@ static td_status peer_registries(td_rpc_agent *a, char **names) {
     bool found = false;
     TD_TRY(td__store_get(&a->sc, names[r], &v, &n, &found));
     if (!found) return td_set_error(TD_ERR_FORMAT, "rpc init: rank %d's registry is missing", r);
-    for (int q = r; q < a->world; q++) {
+    for (int q = r; q < a->world0; q++) {
       if (a->peers[q].fns_blob || strcmp(names[q], names[r]) != 0) continue;
       char *copy = td__malloc(n + 1);
       if (!copy) {
@@ -183,31 +183,47 @@ static td_status parse_peers(td_rpc_agent *a, uint64_t deadline) {
   size_t *rl, *gl;
   TD_TRY(td__rdv_read_all(a, "worker/", deadline, &recs, &rl));
   td_status st = td__rdv_read_all(a, "registry/", deadline, &regs, &gl);
-  for (int r = 0; r < a->world && st == TD_OK; r++) st = peer_record(a, r, recs[r]);
+  for (int r = 0; r < a->world0 && st == TD_OK; r++) st = peer_record(a, r, recs[r]);
   if (st == TD_OK) st = peer_registries(a, regs);
   td__rdv_free_all(a, recs, rl);
   td__rdv_free_all(a, regs, gl);
   TD_TRY(st);
-  /* names index (td__agent_rank_of), which also finds a name used twice: O(N), not O(N^2) */
+  /* names index (td__agent_rank_of), which also finds a name used twice: O(N), not O(N^2);
+   * sized for every place, so the workers that join later fit */
   size_t cap = 64;
   while (cap < (size_t)a->world * 2) cap *= 2;
-  int *idx = td__calloc(cap, sizeof *idx);
-  if (!idx) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
-  for (int q = 0; q < a->world; q++) {
-    size_t i = td__agent_name_hash(a->peers[q].info.name) & (cap - 1);
-    for (; idx[i]; i = (i + 1) & (cap - 1)) {
-      int r = idx[i] - 1;
-      if (strcmp(a->peers[r].info.name, a->peers[q].info.name) == 0) {
-        td__free(idx);
-        return td_set_error(TD_ERR_EXISTS, "rpc init: ranks %d and %d both use the name '%s'",
-                            r, q, a->peers[r].info.name);
-      }
-    }
-    idx[i] = q + 1;
-  }
-  a->name_idx = idx;
+  a->name_idx = td__calloc(cap, sizeof *a->name_idx);
+  if (!a->name_idx) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
   a->name_mask = cap - 1;
+  for (int q = 0; q < a->world0; q++) TD_TRY(td__rdv_index_name(a, q));
   log_registry_differences(a);
+  return TD_OK;
+}
+
+td_status td__rdv_index_name(td_rpc_agent *a, int q) {
+  size_t i = td__agent_name_hash(a->peers[q].info.name) & a->name_mask;
+  for (int e; (e = __atomic_load_n(&a->name_idx[i], __ATOMIC_ACQUIRE)) != 0;
+       i = (i + 1) & a->name_mask) {
+    if (strcmp(a->peers[e - 1].info.name, a->peers[q].info.name) == 0)
+      return td_set_error(TD_ERR_EXISTS, "rpc init: ranks %d and %d both use the name '%s'",
+                          e - 1, q, a->peers[q].info.name);
+  }
+  /* readers walk the index without a lock: the entry appears whole, after the peer's record */
+  __atomic_store_n(&a->name_idx[i], q + 1, __ATOMIC_RELEASE);
+  return TD_OK;
+}
+
+td_status td__rdv_install_peer(td_rpc_agent *a, int r, char *rec, char *fns, size_t nfns) {
+  TD_TRY(peer_record(a, r, rec));
+  return peer_functions(a, r, fns, nfns);
+}
+
+td_status td__rdv_registry_text(td_rpc_agent *a, const char *key, char **text, size_t *n) {
+  if (strncmp(key, "regblob/", 8) != 0)
+    return td_set_error(TD_ERR_FORMAT, "rpc: bad registry record '%.40s'", key);
+  bool found = false;
+  TD_TRY(td__store_get(&a->sc, key, (uint8_t **)text, n, &found));
+  if (!found) return td_set_error(TD_ERR_FORMAT, "rpc: the registry '%.40s' is missing", key);
   return TD_OK;
 }
 
@@ -239,7 +255,7 @@ static void rdv_read_progress(td_rpc_agent *a, rdv_progress *p) {
   size_t used = 0;
   int listed = 0;
   p->missing[0] = 0;
-  for (int r = 0; r < a->world && listed <= 16; r++) {
+  for (int r = 0; r < a->world0 && listed <= 16; r++) {
     char key[64];
     bool found = true;
     snprintf(key, sizeof key, "worker/%d", r);
@@ -263,7 +279,7 @@ static void rdv_report(td_rpc_agent *a, const char *key, uint64_t started, rdv_p
   }
   rdv_read_progress(a, p);
   td_log(TD_LOG_INFO, "rpc init: %s (rank %d) has waited %.1f s: %lld of %d workers joined at %s; "
-         "still missing ranks %s", a->name, a->rank, waited, (long long)p->joined, a->world,
+         "still missing ranks %s", a->name, a->rank, waited, (long long)p->joined, a->world0,
          a->sc.address, p->missing[0] ? p->missing : "(none: finishing)");
 }
 
@@ -334,10 +350,21 @@ static td_status rdv_check_world(td_rpc_agent *a, uint64_t deadline) {
     return fs;
   }
   td__free(rid);
-  if (master_ws == a->world) return TD_OK;
-  char why[200];
-  snprintf(why, sizeof why, "rpc init: rank %d was started with world size %d but rank 0 with %ld",
-           a->rank, a->world, master_ws);
+  /* the places (max_world_size): a store without the key is a group of fixed size */
+  uint8_t *mw = NULL;
+  TD_TRY(td__store_get(&a->sc, "max_world_size", &mw, NULL, &found));
+  long master_max = found ? strtol((char *)mw, NULL, 10) : master_ws;
+  td__free(mw);
+  if (master_ws == a->world0 && master_max == a->world) return TD_OK;
+  char why[300];
+  if (master_ws != a->world0)
+    snprintf(why, sizeof why, "rpc init: %s was started with world size %d but rank 0 with %ld",
+             a->joiner ? "a worker joining the group" : "this rank", a->world0, master_ws);
+  else
+    snprintf(why, sizeof why, "rpc init: %s was started with max world size %d but rank 0 with "
+             "%ld", a->joiner ? "a worker joining the group" : "this rank", a->world, master_max);
+  if (a->joiner) /* the group runs: a stranger's mistake must not abort it */
+    return td_set_error(TD_ERR_INVALID, "%s", why);
   td__agent_set_abort(a, why);
   return td_set_error(TD_ERR_INVALID, "%s", why);
 }
@@ -368,6 +395,7 @@ static td_status rdv_publish(td_rpc_agent *a) {
   TD_TRY(st);
   snprintf(key, sizeof key, "registry/%d", a->rank);
   TD_TRY(td__store_set(&a->sc, key, name, strlen(name)));
+  if (a->joiner) return TD_OK; /* no direct copy nor device maps: gRPC streams only */
   TD_TRY(td__direct_publish(a));
   return td__devmap_publish(a);
 }
@@ -375,7 +403,7 @@ static td_status rdv_publish(td_rpc_agent *a) {
 static td_status rdv_join(td_rpc_agent *a, uint64_t deadline) {
   TD_TRY(td__store_add(&a->sc, "joined", 1, NULL));
   rdv_progress p = {-1, ""};
-  td_status st = rdv_wait(a, "joined", a->world, deadline, &p, NULL);
+  td_status st = rdv_wait(a, "joined", a->world0, deadline, &p, NULL);
   if (st != TD_ERR_TIMEOUT) return st;
   char why[600];
   snprintf(why, sizeof why, "%s", td_last_error());
@@ -385,12 +413,12 @@ static td_status rdv_join(td_rpc_agent *a, uint64_t deadline) {
   rdv_read_progress(a, &p);
   if (p.joined >= 0 && p.joined != before)
     return td_set_error(TD_ERR_TIMEOUT, "rpc init: only %lld of %d workers joined within %lld ms "
-                        "(missing ranks %s)", (long long)p.joined, a->world,
+                        "(missing ranks %s)", (long long)p.joined, a->world0,
                         (long long)a->opts.init_timeout_ms, p.missing);
   if (before >= 0)
     return td_set_error(TD_ERR_TIMEOUT, "rpc init: the group did not form within %lld ms: %s "
                         "(last seen: %lld of %d workers joined, missing ranks %s)",
-                        (long long)a->opts.init_timeout_ms, why, (long long)before, a->world,
+                        (long long)a->opts.init_timeout_ms, why, (long long)before, a->world0,
                         p.missing);
   return td_set_error(TD_ERR_TIMEOUT, "rpc init: the group did not form within %lld ms: %s",
                       (long long)a->opts.init_timeout_ms, why);
@@ -410,7 +438,7 @@ static td_status rdv_read(td_rpc_agent *a, uint64_t deadline) {
 
 static td_status rdv_ready(td_rpc_agent *a, uint64_t deadline) {
   TD_TRY(td__store_add(&a->sc, "ready", 1, NULL));
-  TD_TRY(td__store_wait_ge(&a->sc, "ready", a->world, deadline, "abort"));
+  TD_TRY(td__store_wait_ge(&a->sc, "ready", a->world0, deadline, "abort"));
   return td__direct_learn(a, deadline);
 }
 
@@ -431,14 +459,85 @@ static td_status rdv_passed(td_rpc_agent *a, uint64_t deadline) {
     return st;
   }
   TD_TRY(st);
-  return td__store_wait_ge(&a->sc, "passed", a->world, deadline, "abort");
+  return td__store_wait_ge(&a->sc, "passed", a->world0, deadline, "abort");
 }
 
 static void init_trace(td_rpc_agent *a);
 
+/* ---- Joining a running group (td_rpc_options.max_world_size, rank TD_RPC_RANK_JOIN) ----
+ * The places [world0, world) are taken in order: "late/next" counts them, so a joiner's rank is
+ * world0 + its count - 1, and no place is given twice (a place whose worker died stays taken:
+ * its rank is not reused by a stranger who could be mistaken for it). A joiner waits for the
+ * group to have formed ("ready" of the starting workers), takes its place, publishes its record
+ * and registry as the others did at the start (no direct-copy probe or device maps: those are
+ * checked pairwise by the whole group at its start), reads the starting workers' records, and
+ * announces itself ("late/in/<r>"). The others learn it lazily (elastic.c): a call by its name or
+ * rank, or its first request, reads its record from the store. Names are unique: "late/name/<n>"
+ * is claimed, and a starting worker's name is refused. */
+/* Claims name for a joiner ("late/name/<name>"); a starting worker's name is refused. */
+static td_status join_claim_name(td_rpc_agent *a) {
+  int r = td__agent_rank_of(a, a->name);
+  if (r >= 0)
+    return td_set_error(TD_ERR_EXISTS, "rpc init: joining: rank %d of the group is already "
+                        "called '%s'", r, a->name);
+  char key[200];
+  snprintf(key, sizeof key, "late/name/%s", a->name);
+  int64_t uses = 0;
+  TD_TRY(td__store_add(&a->sc, key, 1, &uses));
+  if (uses != 1)
+    return td_set_error(TD_ERR_EXISTS, "rpc init: joining: another worker joined the group as "
+                        "'%s'", a->name);
+  return TD_OK;
+}
+
+static td_status join_running(td_rpc_agent *a, uint64_t deadline) {
+  rdv_progress p = {-1, ""};
+  TD_TRY(rdv_check_world(a, deadline));
+  td_status st = rdv_wait(a, "ready", a->world0, deadline, &p, NULL);
+  if (st == TD_ERR_TIMEOUT)
+    return td__error_prefix(st, "rpc init: joining: the group at %s did not form within %lld ms",
+                            a->sc.address, (long long)a->opts.init_timeout_ms);
+  TD_TRY(st);
+  TD_TRY(parse_peers(a, deadline)); /* the starting workers */
+  /* a name given is checked before a place is taken (a place is never given back) */
+  bool named = a->name[0] != 0;
+  if (named) TD_TRY(join_claim_name(a));
+  int64_t k = 0;
+  TD_TRY(td__store_add(&a->sc, "late/next", 1, &k));
+  if (k < 1 || k > a->world - a->world0)
+    return td_set_error(TD_ERR_STATE, "rpc init: the group at %s is full: its %d places (max "
+                        "world size) are taken", a->sc.address, a->world);
+  a->rank = a->world0 + (int)k - 1;
+  td__transport_set_self_rank(a->tr, a->rank);
+  snprintf(a->peers[a->rank].info.address, sizeof a->peers[a->rank].info.address, "%s",
+           a->join_addr);
+  if (!named) {
+    snprintf(a->name, sizeof a->name, "worker%d", a->rank);
+    TD_TRY(join_claim_name(a));
+  }
+  TD_TRY(rdv_claim(a));
+  TD_TRY(rdv_publish(a));
+  snprintf(a->peers[a->rank].info.name, sizeof a->peers[a->rank].info.name, "%s", a->name);
+  a->peers[a->rank].info.id = a->rank;
+  char *snap = td__reg_snapshot(); /* (calls to self check it as any other worker's) */
+  if (!snap) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+  TD_TRY(peer_functions(a, a->rank, snap, strlen(snap)));
+  __atomic_store_n(&a->present[a->rank], TD__PEER_PRESENT, __ATOMIC_RELEASE);
+  TD_TRY(td__rdv_index_name(a, a->rank));
+  init_trace(a);
+  char key[64];
+  snprintf(key, sizeof key, "late/in/%d", a->rank);
+  TD_TRY(td__store_set(&a->sc, key, "1", 1));
+  td_log(TD_LOG_INFO, "rpc: %s joined the running group at %s as rank %d (place %lld of the %d "
+         "free at its start)", a->name, a->sc.address, a->rank, (long long)k,
+         a->world - a->world0);
+  return TD_OK;
+}
+
 static td_status rendezvous(td_rpc_agent *a) {
   uint64_t deadline = td__deadline_ns(a->opts.init_timeout_ms);
   td__store_set_deadline(&a->sc, deadline); /* no store call outlives the init deadline */
+  if (a->joiner) return join_running(a, deadline);
   uint64_t t[6];
   t[0] = td__now_ns();
   TD_TRY(rdv_check_world(a, deadline));
@@ -512,6 +611,7 @@ void td__agent_free(td_rpc_agent *a) {
   td__devmap_free_all(a);
   td__free(a->name_idx);
   td__free(a->peers);
+  td__free(a->present);
   td__free(a->direct_cand);
   td__call_free_all(a);
   td__store_destroy(a->store);
@@ -628,11 +728,31 @@ static td_status init_options(const char **name, char *defname, size_t dn, int r
                               int world_size, const td_rpc_options *opts, td_rpc_options *o,
                               init_addr *ad) {
   if (world_size < 1) return td_set_error(TD_ERR_INVALID, "rpc_init: world size %d < 1", world_size);
-  if (rank < 0 || rank >= world_size)
-    return td_set_error(TD_ERR_INVALID, "rpc_init: rank %d outside [0, %d)", rank, world_size);
   TD_TRY(options_check(opts, "rpc_init"));
   if (opts) *o = *opts;
   else td_rpc_options_init(o);
+  const char *mws = getenv("TD_RPC_MAX_WORLD_SIZE");
+  if (o->max_world_size == 0 && mws && *mws) {
+    char *end;
+    long v = strtol(mws, &end, 10);
+    if (*end || v < 1 || v > (1 << 24))
+      return td_set_error(TD_ERR_INVALID, "rpc_init: TD_RPC_MAX_WORLD_SIZE='%s' is not a number "
+                          "of workers", mws);
+    o->max_world_size = (int)v;
+  }
+  if (o->max_world_size == 0) o->max_world_size = world_size;
+  if (o->max_world_size < world_size || o->max_world_size > (1 << 24))
+    return td_set_error(TD_ERR_INVALID, "rpc_init: max world size %d outside [%d, %d]",
+                        o->max_world_size, world_size, 1 << 24);
+  if (rank == TD_RPC_RANK_JOIN && o->max_world_size == world_size)
+    return td_set_error(TD_ERR_INVALID, "rpc_init: rank TD_RPC_RANK_JOIN (-1) joins an elastic "
+                        "group: its max world size (td_rpc_options.max_world_size, "
+                        "TD_RPC_MAX_WORLD_SIZE) must exceed the world size %d", world_size);
+  if (rank == TD_RPC_RANK_JOIN && o->num_device_maps > 0)
+    return td_set_error(TD_ERR_INVALID, "rpc_init: a worker joining a running group cannot use "
+                        "device maps (they are checked by the whole group at its start)");
+  if (rank != TD_RPC_RANK_JOIN && (rank < 0 || rank >= world_size))
+    return td_set_error(TD_ERR_INVALID, "rpc_init: rank %d outside [0, %d)", rank, world_size);
   if (o->num_device_maps < 0 || (o->num_device_maps > 0 && !o->device_maps))
     return td_set_error(TD_ERR_INVALID, "rpc_init: %d device map entries at %p",
                         o->num_device_maps, (const void *)o->device_maps);
@@ -650,10 +770,11 @@ static td_status init_options(const char **name, char *defname, size_t dn, int r
    * workers on one 2-CPU host spent the machine on pings and declared live peers dead) */
   /* (left at 0 here: init_transport chooses it, and knows then that tdist chose it) */
   if (!*name) {
-    snprintf(defname, dn, "worker%d", rank);
+    /* (a joiner's default name waits for its rank: join_running) */
+    snprintf(defname, dn, rank == TD_RPC_RANK_JOIN ? "" : "worker%d", rank);
     *name = defname;
   }
-  if (!valid_name(*name))
+  if ((**name || rank != TD_RPC_RANK_JOIN) && !valid_name(*name))
     return td_set_error(TD_ERR_INVALID, "rpc_init: invalid worker name '%s' (use 1-127 letters, "
                         "digits, '_', '-', '.', ':')", *name);
   if (!o->init_method || strcmp(o->init_method, "env://") == 0) {
@@ -779,11 +900,14 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
   a->share_streams = !(share && strcmp(share, "0") == 0);
   snprintf(a->name, sizeof a->name, "%s", name);
   a->rank = rank;
-  a->world = world_size;
+  a->joiner = rank == TD_RPC_RANK_JOIN;
+  a->world0 = world_size;
+  a->world = o->max_world_size;
   TD_TRY(resolve_run_id(o, a->run_id, sizeof a->run_id));
   a->default_timeout_ms = o->rpc_timeout_ms;
-  a->peers = td__calloc((size_t)world_size, sizeof *a->peers);
-  if (!a->listen_addr || !a->init_method || !a->peers)
+  a->peers = td__calloc((size_t)a->world, sizeof *a->peers);
+  a->present = td__calloc((size_t)a->world, sizeof *a->present);
+  if (!a->listen_addr || !a->init_method || !a->peers || !a->present)
     return td_set_error(TD_ERR_NOMEM, "rpc_init: out of memory");
   TD_TRY(init_auth(a, o));
   if (o->progress == TD_RPC_PROGRESS_HOST) TD_TRY(td__hostq_create(&a->hostq));
@@ -794,6 +918,8 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
     char ws[32];
     int n = snprintf(ws, sizeof ws, "%d", world_size);
     TD_TRY(td__store_local_set(a->store, "world_size", ws, (size_t)n));
+    n = snprintf(ws, sizeof ws, "%d", a->world);
+    TD_TRY(td__store_local_set(a->store, "max_world_size", ws, (size_t)n));
     TD_TRY(td__store_local_set(a->store, "run_id", a->run_id, strlen(a->run_id)));
   }
   return td__threadpool_create(o->num_worker_threads, "td-rpc", &a->pool);
@@ -962,8 +1088,10 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   /* ... and waits are parked at the store rather than polled: one request per wait (or per
    * 2 s), answered when the counter or key gets there */
   a->sc.park_ms = TD__STORE_PARK_MAX_MS;
-  format_addr(a->peers[a->rank].info.address, sizeof a->peers[a->rank].info.address,
-              a->listen_addr, port);
+  if (a->joiner) format_addr(a->join_addr, sizeof a->join_addr, a->listen_addr, port);
+  else
+    format_addr(a->peers[a->rank].info.address, sizeof a->peers[a->rank].info.address,
+                a->listen_addr, port);
   return TD_OK;
 }
 
@@ -972,7 +1100,8 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
 static void rendezvous_failed(td_rpc_agent *a, td_status st) {
   char why[1024];
   snprintf(why, sizeof why, "%s", td_last_error());
-  if (a->foreign) return; /* another run's store: write nothing there */
+  /* another run's store, or a running group a joiner failed to join: write nothing there */
+  if (a->foreign || a->joiner) return;
   a->sc.call_timeout_ms = 1000;
   if (st == TD_ERR_TIMEOUT) {
     /* the others time out on their own: just say so, briefly (init keeps to its deadline) */
@@ -1103,7 +1232,8 @@ td_status td__rpc_init_from_env_impl(const char *name, const td_rpc_options *opt
                         "Open MPI equivalents) are not set; start the program with tdistrun");
   char *e1, *e2;
   long rank = strtol(rs, &e1, 10), world = strtol(ws, &e2, 10);
-  if (*e1 || *e2 || rank < 0 || world < 1 || rank >= world)
+  /* RANK=-1: join a running group (TD_RPC_MAX_WORLD_SIZE; checked by td_rpc_init) */
+  if (*e1 || *e2 || rank < TD_RPC_RANK_JOIN || world < 1 || rank >= world)
     return td_set_error(TD_ERR_INVALID, "rpc_init_from_env: bad RANK '%s' / WORLD_SIZE '%s'", rs,
                         ws);
   td_rpc_options o;

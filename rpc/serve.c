@@ -25,7 +25,7 @@
 /* Returns TD_OK when the transport accepted the frame. */
 static td_status send_frame_or_log(td_rpc_agent *a, td__conn *c, td__msg *m) {
   int peer = td__conn_peer(c);
-  bool known = peer >= 0 && peer < a->world;
+  bool known = td__agent_present(a, peer);
   /* results go back along the inverse of the caller's map to us */
   td__wire_ctx wctx = {a, peer, a->rank, known ? &a->peers[peer].reply_map : NULL,
                        known ? a->peers[peer].info.name : NULL};
@@ -472,6 +472,7 @@ void td__serve_msg(void *ud, td__conn *c, td__msg *m) {
     return;
   }
   m->from_rank = from;
+  if (!td__agent_present(a, from)) td__agent_learn_later(a, from); /* joined after the start */
   if (is_request) {
     request *r = td__tc_calloc(sizeof *r); /* one per request: from the thread's cache */
     if (!r) {

@@ -45,6 +45,8 @@ typedef struct judge {
   char **vals;         /* [world] the statuses read this round */
   size_t *lens;
   bool have_prev;
+  int members; /* places taken (an elastic group's joiners arrive too): this round's, the last */
+  int members_prev;
 } judge;
 
 /* One request per round: the status when it changed since the last round (asking about sd/go in
@@ -75,18 +77,19 @@ static td_status barrier_publish(td_rpc_agent *a, char *last, size_t ln, int64_t
 }
 
 /* Rank 0 reads every status in a few range requests: *all when every worker has published. */
-static td_status barrier_read(td_rpc_agent *a, char **vals, size_t *lens, bool *all) {
+static td_status barrier_read(td_rpc_agent *a, int members, char **vals, size_t *lens,
+                              bool *all) {
   int got = 0;
   *all = false;
-  while (got < a->world) {
+  while (got < members) {
     int n = 0;
-    TD_TRY(td__store_range(&a->sc, "sd/status/", got, a->world - got, (uint8_t **)vals + got,
+    TD_TRY(td__store_range(&a->sc, "sd/status/", got, members - got, (uint8_t **)vals + got,
                            lens + got, &n));
     if (n == 0) break;
     got += n;
   }
-  *all = got == a->world;
-  for (int r = got; r < a->world; r++) vals[r] = NULL;
+  *all = got == members;
+  for (int r = got; r < members; r++) vals[r] = NULL;
   return TD_OK;
 }
 
@@ -102,8 +105,12 @@ static void judge_free(judge *j) {
 static td_status barrier_judge(td_rpc_agent *a, judge *j, bool *done, bool *settled) {
   bool all;
   int64_t sent = 0, served = 0;
-  TD_TRY(barrier_read(a, j->vals, j->lens, &all));
-  for (int r = 0; r < a->world && all; r++) {
+  j->members_prev = j->members;
+  TD_TRY(td__agent_members(a, &j->members));
+  if (j->members != j->members_prev) j->have_prev = false; /* a worker joined meanwhile */
+  int m = j->members;
+  TD_TRY(barrier_read(a, m, j->vals, j->lens, &all));
+  for (int r = 0; r < m && all; r++) {
     int i = 0;
     long long s = 0, d = 0;
     sscanf(j->vals[r], "%d:%lld:%lld", &i, &s, &d);
@@ -113,11 +120,11 @@ static td_status barrier_judge(td_rpc_agent *a, judge *j, bool *done, bool *sett
     sent += s;
     served += d;
   }
-  for (int r = 0; r < a->world; r++) {
+  for (int r = 0; r < m; r++) {
     td__free(j->vals[r]);
     j->vals[r] = NULL;
   }
-  size_t bytes = (size_t)a->world * 2 * sizeof(int64_t);
+  size_t bytes = (size_t)m * 2 * sizeof(int64_t);
   *done = all && sent == served && j->have_prev && memcmp(j->prev, j->cur, bytes) == 0;
   *settled = all;
   if (*done) return td__store_set(&a->sc, "sd/go", "1", 1);
@@ -131,13 +138,15 @@ static td_status barrier_judge(td_rpc_agent *a, judge *j, bool *done, bool *sett
 static td_status barrier_timed_out(td_rpc_agent *a, uint64_t hard) {
   char missing[900] = "";
   size_t used = 0;
-  int arrived = 0;
-  for (int r = 0; r < a->world; r++) {
+  int arrived = 0, members = a->world0;
+  td__agent_members(a, &members);
+  for (int r = 0; r < members; r++) {
     char key[64];
     bool found = true;
     snprintf(key, sizeof key, "sd/arrived/%d", r);
     if (td__store_get(&a->sc, key, NULL, NULL, &found) != TD_OK) continue; /* store gone */
     arrived += found;
+    if (!found) td__agent_learn_rank(a, r); /* (a joiner's name, for the message) */
     if (!found && used < sizeof missing - 1)
       used += (size_t)snprintf(missing + used, sizeof missing - used, "%s%s (rank %d)",
                                used ? ", " : "", td__agent_peer_name(a, r), r);
@@ -325,7 +334,9 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, td_timeout_ms timeout_
        * its shutdown failed) */
       uint64_t dl = td__now_ns() + (uint64_t)td__rdv_exit_wait_ms(a) * 1000000ull;
       uint64_t t0 = td__now_ns();
-      if (td__store_wait_ge(&a->sc, "sd/exited", a->world, dl < hard ? dl : hard, NULL) != TD_OK)
+      int members = a->world0;
+      td__agent_members(a, &members);
+      if (td__store_wait_ge(&a->sc, "sd/exited", members, dl < hard ? dl : hard, NULL) != TD_OK)
         td_log(TD_LOG_DEBUG, "rpc: %s: shutdown: not every worker reported 'sd/exited' within "
                "%.1f s: %s", a->name, (double)(td__now_ns() - t0) / 1e9, td_last_error());
     }

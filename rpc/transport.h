@@ -141,6 +141,9 @@ uint64_t td__transport_refused(td__transport *t);
 /* Sets the poller's busy-poll window: after each event it keeps polling without sleeping for this
  * many microseconds (0 = off, the default). */
 void td__transport_set_busy_poll(td__transport *t, int64_t us);
+/* A worker that joins a running group learns its rank after the transport is up (before any
+ * stream to a peer exists); until then a HELLO for any rank is refused. */
+void td__transport_set_self_rank(td__transport *t, int rank);
 /* td__transport_set_host_load: workers on this host per CPU, times 100, once the group is known
  * (for channels created from then on; see td__transport_opts.keepalive_auto). Any thread. */
 void td__transport_set_host_load(td__transport *t, int load_x100);

@@ -168,7 +168,19 @@ typedef struct td_rpc_options {
    * "slurm:<job>.<step>" under srun, else "ompi:<job>" under Open MPI's mpirun, else "" (none).
    * Borrowed: read during td_rpc_init only. */
   const char *run_id;
+  /* Elastic groups: the places of the group, at least world_size. The world_size workers given
+   * to td_rpc_init start the group (ranks 0..world_size-1); later, up to max_world_size -
+   * world_size more workers may take the other places of the running group (rank
+   * TD_RPC_RANK_JOIN: td_rpc_init gives them the next free place). A place once taken is not
+   * given again, even when its worker is gone. Every worker of one group gives the same value
+   * (checked). Default 0: TD_RPC_MAX_WORLD_SIZE if set, else world_size (a group of fixed
+   * size). */
+  int max_world_size;
 } td_rpc_options;
+
+/* The rank given to td_rpc_init by a worker that takes a free place in a running group
+ * (td_rpc_options.max_world_size; td_rpc_init_from_env: RANK=-1). */
+#define TD_RPC_RANK_JOIN (-1)
 
 /* Traffic with one peer (or all of them), by path: frames and bytes (envelope + tensor bytes)
  * through the gRPC stream, those whose tensors went by same-host direct copy (the receiver read
@@ -301,8 +313,12 @@ TD_API td_status td_rpc_unregister(const char *name);
  * MASTER_PORT from the environment (see td_rpc_options.init_method). Other workers may call this
  * one as soon as they have joined: their requests wait until this init has finished (every layer
  * ready), then run, possibly before td_rpc_init has returned here; a handler gets the agent from
- * td_rpc_ctx_agent. Invalid or duplicate names, a rank outside
- * [0, world_size) or taken twice, a world size that differs from rank 0's and a bad device map
+ * td_rpc_ctx_agent. With rank TD_RPC_RANK_JOIN (and max_world_size > world_size) the worker
+ * joins a running group instead: it takes the next free place (td_rpc_rank says which), learns
+ * the workers there, and the others learn it when they first need it (a call by its name or
+ * rank, or a request from it); it has no same-host lane, direct copy or device maps (gRPC
+ * streams only). Invalid or duplicate names, a rank outside
+ * [0, world_size) or taken twice, a full group, a world size that differs from rank 0's and a bad device map
  * (see td_rpc_options.device_maps) are errors. Returns
  * the agent in *out; release with td_rpc_shutdown() then td_rpc_destroy(). */
 TD_API td_status td_rpc_init(const char *name, int rank, int world_size,
@@ -314,7 +330,9 @@ TD_API td_status td_rpc_init(const char *name, int rank, int world_size,
  * under mpirun 20000 + a hash of the Open MPI job % 12000, so two jobs on one node do not collide
  * (and if they do, the run id check refuses the second: td_rpc_options.run_id). Under mpirun over
  * several hosts set MASTER_ADDR (rank 0's host) with `mpirun -x MASTER_ADDR=...`. name may be
- * NULL. opts->init_method, when set, overrides MASTER_ADDR/MASTER_PORT. */
+ * NULL. opts->init_method, when set, overrides MASTER_ADDR/MASTER_PORT. TD_RPC_MAX_WORLD_SIZE
+ * (tdistrun --nnodes MIN:MAX sets it) makes the group elastic, and RANK=-1 then joins a running
+ * group (TD_RPC_RANK_JOIN). */
 TD_API td_status td_rpc_init_from_env(const char *name, const td_rpc_options *opts,
                                       td_rpc_agent **out);
 
@@ -332,7 +350,17 @@ TD_API td_status td_rpc_get_worker_info_by_rank(td_rpc_agent *a, int rank, td_wo
 /* td_rpc_self fills *out with this worker's info. */
 TD_API td_status td_rpc_self(td_rpc_agent *a, td_worker_info *out);
 TD_API int td_rpc_rank(const td_rpc_agent *a);
+/* td_rpc_world_size: the places of the group, ranks 0..world_size-1 (max_world_size in an
+ * elastic group, where some places may still be free: td_rpc_get_worker_info_by_rank answers
+ * TD_ERR_NOT_FOUND for those). */
 TD_API int td_rpc_world_size(const td_rpc_agent *a);
+/* td_rpc_initial_world_size: the workers that started the group (ranks 0..n-1): the world_size
+ * given to td_rpc_init; equal to td_rpc_world_size in a group of fixed size. */
+TD_API int td_rpc_initial_world_size(const td_rpc_agent *a);
+/* td_rpc_group_members: how many places of the group are taken now (the workers that started it
+ * and those that joined since, whether they are still alive or not); asks rank 0's store in an
+ * elastic group. */
+TD_API td_status td_rpc_group_members(td_rpc_agent *a, int *members);
 /* td_rpc_busy_poll_us returns the busy-poll window in effect (td_rpc_options.busy_poll_us after
  * the automatic choice), in microseconds. */
 TD_API int64_t td_rpc_busy_poll_us(const td_rpc_agent *a);
