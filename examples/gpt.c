@@ -82,6 +82,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "example_util.h"
 #include "metrics.h"
@@ -112,6 +113,7 @@ typedef struct opts {
   int64_t loss_scale_growth_interval;
   bool ft;                 /* --ft: fault-tolerant DDP or ZeRO (td_ft_ddp, td_ft_zero) */
   const char *ft_inject;   /* --ft-inject: "rank:step:when:what[,...]" (tests, benchmarks) */
+  int wait_spares;         /* --wait-spares: members wait until N spares stand by */
   int spares;              /* --spares: the last S ranks wait outside the group to replace lost
                               members (td_process_group_spare; --ft) */
 } opts;
@@ -205,6 +207,9 @@ static void opts_parse(int argc, char **argv, opts *o) {
        "group and one joins in place of each lost member, healed from the survivors (zero: the "
        "lost member's optimizer blocks from their other holder; the world is nproc + S when "
        "forking)"},
+      {"wait-spares", EX_OPT_INT, &o->wait_spares,
+       "--ft: the members start training once N spares stand by (--spares, or workers joining "
+       "the running group: tdistrun --nnodes MIN:MAX), waiting at most 120 s"},
       {"metrics", EX_OPT_STRING, &o->metrics,
        "write JSON lines of every step and evaluation to FILE (scripts/plot.py draws them)"},
   };
@@ -245,6 +250,8 @@ static void opts_parse(int argc, char **argv, opts *o) {
            "--activation-checkpointing)");
   if (o->ft_inject && !o->ft) ex_die("--ft-inject needs --ft");
   if (o->spares < 0 || (o->spares && !o->ft)) ex_die("--spares S (S >= 0) needs --ft");
+  if (o->wait_spares < 0 || (o->wait_spares && !o->ft))
+    ex_die("--wait-spares N (N >= 0) needs --ft");
 }
 
 static td_checkpoint_mode ckpt_mode(const opts *o) {
@@ -885,6 +892,15 @@ static void train_ft(td_module *m, const corpus *c, const opts *o, dp_run *dp, t
     dp->joined = true;
   }
   ft_create(m, o, dp, sc, &opt); /* a spare that joined is healed here by the survivors */
+  if (!dp->joined && o->wait_spares > 0) { /* --wait-spares: the spares first */
+    int waiting = 0;
+    double until = ex_now_s() + 120;
+    while (td_process_group_spares_waiting(ft_group(dp), &waiting) == TD_OK &&
+           waiting < o->wait_spares && ex_now_s() < until)
+      usleep(10000);
+    if (waiting < o->wait_spares)
+      ex_die("--wait-spares %d: %d spares stood by after 120 s", o->wait_spares, waiting);
+  }
   int64_t first = dp->ft ? td_ft_ddp_next_step(dp->ft) : td_ft_zero_next_step(dp->ftz);
   if (dp->joined) {
     int64_t bytes = 0;
@@ -1317,6 +1333,11 @@ int main(int argc, char **argv) {
     psx_tolerate_failures(o.ft); /* --ft: a lost worker does not stop the others */
     psx_spawn_if_alone(o.nproc + o.spares); /* a launcher's rank becomes RANK */
     dp.rank = atoi(getenv("RANK"));
+    /* RANK=-1 (tdistrun --nnodes MIN:MAX, a node past MIN): this worker joins the running group
+     * and serves as a spare; its rank (and default name) come from the group */
+    if (dp.rank == TD_RPC_RANK_JOIN && !o.ft)
+      ex_die("this worker joins a running group (RANK=-1), where it can only serve as a spare: "
+             "that needs --ft");
     snprintf(wname, sizeof wname, "worker%d", dp.rank);
     if (run_dev.type == TD_DEVICE_CUDA) { /* one GPU per rank, the NCCL group's device too */
       const char *lr = getenv("LOCAL_RANK");
@@ -1324,12 +1345,15 @@ int main(int argc, char **argv) {
       run_dev = td_device_cuda((run_dev.index + local) % count);
       EX_CHECK(td_cuda_set_device(run_dev.index));
     }
-    EX_CHECK(td_rpc_init_from_env(wname, NULL, &agent));
+    EX_CHECK(td_rpc_init_from_env(dp.rank == TD_RPC_RANK_JOIN ? NULL : wname, NULL, &agent));
     dp.agent = agent;
-    /* --spares S: the data-parallel group is the first world - S ranks; the others wait */
-    dp.world = td_rpc_world_size(agent) - o.spares;
+    dp.rank = td_rpc_rank(agent);
+    snprintf(wname, sizeof wname, "worker%d", dp.rank);
+    /* --spares S: the data-parallel group is the first world - S ranks; the others wait, and
+     * so do the workers that join the running group later (elastic: ranks past the start) */
+    dp.world = td_rpc_initial_world_size(agent) - o.spares;
     if (dp.world < 1) ex_die("--spares %d leaves no member in a world of %d", o.spares,
-                             td_rpc_world_size(agent));
+                             td_rpc_initial_world_size(agent));
     int *members = malloc((size_t)dp.world * sizeof *members);
     if (!members) ex_die("out of memory");
     for (int i = 0; i < dp.world; i++) members[i] = i;
@@ -1410,7 +1434,8 @@ int main(int argc, char **argv) {
     if (dp.pg && o.ft) {
       ex_json_int(&res, "ft_failures", dp.ft_failures);
       ex_json_int(&res, "ft_lost_workers", dp.ft_lost);
-      if (o.spares) ex_json_int(&res, "ft_joined_workers", dp.ft_joined);
+      if (o.spares || td_rpc_world_size(agent) > td_rpc_initial_world_size(agent))
+        ex_json_int(&res, "ft_joined_workers", dp.ft_joined);
       ex_json_int(&res, "ft_steps_with_failure", dp.ft_steps_with_failure);
       ex_json_int(&res, "ft_shards_recomputed", dp.ft_shards_recomputed);
       if (strcmp(o.dp, "ddp")) ex_json_int(&res, "ft_blocks_copied", dp.ft_blocks_copied);

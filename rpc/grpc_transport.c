@@ -606,6 +606,23 @@ void td__transport_set_self_rank(td__transport *t, int rank) {
   __atomic_store_n(&t->opts.self_rank, rank, __ATOMIC_RELEASE);
 }
 
+td_status td__transport_set_world(td__transport *t, int world) {
+  if (world == t->opts.world) return TD_OK;
+  void *traffic = td__calloc((size_t)world, sizeof *t->traffic);
+  void *held = td__calloc((size_t)world, sizeof *t->held);
+  if (!traffic || !held) {
+    td__free(traffic);
+    td__free(held);
+    return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
+  }
+  td__free(t->traffic); /* (no stream to a member yet: nothing counts in them) */
+  td__free(t->held);
+  t->traffic = traffic;
+  t->held = held;
+  t->opts.world = world;
+  return TD_OK;
+}
+
 void td__transport_set_busy_poll(td__transport *t, int64_t us) {
   __atomic_store_n(&t->busy_poll_ns, us > 0 ? us * 1000 : 0, __ATOMIC_RELAXED);
   td__lanes_set_spin(t->lanes, us > 0 ? us * 1000 : 0);

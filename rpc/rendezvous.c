@@ -355,6 +355,30 @@ static td_status rdv_check_world(td_rpc_agent *a, uint64_t deadline) {
   TD_TRY(td__store_get(&a->sc, "max_world_size", &mw, NULL, &found));
   long master_max = found ? strtol((char *)mw, NULL, 10) : master_ws;
   td__free(mw);
+  if (a->joiner && master_max > master_ws && master_ws > 0 && master_max <= (1 << 24) &&
+      (master_ws != a->world0 || master_max != a->world)) {
+    /* a joiner takes the group's sizes (a joining node may run fewer workers than the others,
+     * so its launcher's WORLD_SIZE is not the group's): nothing uses them yet */
+    td_log(TD_LOG_DEBUG, "rpc: joining a group of %ld started workers and %ld places (given %d "
+           "and %d)", master_ws, master_max, a->world0, a->world);
+    peer_info *peers = td__calloc((size_t)master_max, sizeof *peers);
+    uint8_t *present = td__calloc((size_t)master_max, sizeof *present);
+    if (!peers || !present || td__transport_set_world(a->tr, (int)master_max) != TD_OK) {
+      td__free(peers);
+      td__free(present);
+      return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+    }
+    td__free(a->peers);
+    td__free(a->present);
+    a->peers = peers;
+    a->present = present;
+    a->world0 = (int)master_ws;
+    a->world = (int)master_max;
+  }
+  if (a->joiner && master_max <= master_ws)
+    return td_set_error(TD_ERR_INVALID, "rpc init: cannot join the group at %s: it has no free "
+                        "places (its max world size is its world size, %ld)", a->sc.address,
+                        master_ws);
   if (master_ws == a->world0 && master_max == a->world) return TD_OK;
   char why[300];
   if (master_ws != a->world0)

@@ -144,6 +144,8 @@ void td__transport_set_busy_poll(td__transport *t, int64_t us);
 /* A worker that joins a running group learns its rank after the transport is up (before any
  * stream to a peer exists); until then a HELLO for any rank is refused. */
 void td__transport_set_self_rank(td__transport *t, int rank);
+/* ... and the group's size, which may differ from what it was started with (before the rank). */
+td_status td__transport_set_world(td__transport *t, int world);
 /* td__transport_set_host_load: workers on this host per CPU, times 100, once the group is known
  * (for channels created from then on; see td__transport_opts.keepalive_auto). Any thread. */
 void td__transport_set_host_load(td__transport *t, int load_x100);

@@ -103,7 +103,9 @@ extern char **environ;
 
 typedef struct options {
   int nproc;             /* workers on this node; default 1 */
-  int nnodes;            /* default 1 */
+  int nnodes;            /* default 1; --nnodes MIN:MAX: MIN */
+  int nnodes_max;        /* --nnodes MIN:MAX: MAX (nodes MIN..MAX-1 join the running group);
+                            default nnodes */
   int node_rank;         /* default 0 */
   const char *master_addr; /* default "127.0.0.1" */
   int master_port;       /* 1..65535; -1 = unset (29500, or a free port with --standalone) */
@@ -127,6 +129,8 @@ static void usage(FILE *f) {
     "Starts --nproc-per-node copies of PROGRAM on this node and supervises them.\n"
     "Each worker gets in its environment:\n"
     "  RANK=node_rank*nproc+local_rank  LOCAL_RANK  WORLD_SIZE=nnodes*nproc  LOCAL_WORLD_SIZE\n"
+    "  (--nnodes MIN:MAX: WORLD_SIZE=MIN*nproc, TD_RPC_MAX_WORLD_SIZE=MAX*nproc, and RANK=-1 on\n"
+    "  the nodes MIN..MAX-1: their workers take free places of the running group)\n"
     "  NODE_RANK  MASTER_ADDR  MASTER_PORT  TD_RESTART_COUNT (attempt number, from 0)\n"
     "  TD_RPC_SECRET: the job secret the workers authenticate each other with; a new random one\n"
     "  per job unless TD_RPC_SECRET or TD_RPC_SECRET_FILE is set (required with --nnodes > 1)\n"
@@ -137,6 +141,10 @@ static void usage(FILE *f) {
     "options (also accepted as --opt=VALUE and with '_' for '-'):\n"
     "  --nproc-per-node N    workers on this node (default 1)\n"
     "  --nnodes N            nodes in the job (default 1)\n"
+    "  --nnodes MIN:MAX      an elastic job: nodes 0..MIN-1 start the group, a node started\n"
+    "                        later with --node-rank MIN..MAX-1 joins it while it runs (its\n"
+    "                        workers wait as spares in gpt --ft; a place is never reused, so a\n"
+    "                        replacement node takes a node rank not used before)\n"
     "  --node-rank R         this node's index, 0 <= R < nnodes (default 0)\n"
     "  --master-addr A       rendezvous host (default 127.0.0.1)\n"
     "  --master-port P       rendezvous port, 1..65535 (default 29500)\n"
@@ -264,7 +272,7 @@ static int apply_slurm(options *o, bool nnodes_given, bool node_rank_given, bool
 
 /* parse_args fills o from argv. Returns -1 to go on, or an exit status (0 after --help). */
 static int parse_args(int argc, char **argv, options *o) {
-  *o = (options){.nproc = 1, .nnodes = 1, .node_rank = 0, .master_addr = NULL,
+  *o = (options){.nproc = 1, .nnodes = 1, .nnodes_max = 1, .node_rank = 0, .master_addr = NULL,
                  .master_port = -1, .max_restarts = 0, .monitor_ms = 100,
                  .stop_timeout_s = 5.0, .prefix = true};
   int i = 1;
@@ -308,8 +316,15 @@ static int parse_args(int argc, char **argv, options *o) {
         return usage_error("--nproc-per-node must be an integer in 1..%d, got '%s'", MAX_NPROC,
                            val);
     } else if (strcmp(name, "nnodes") == 0) {
-      if (!parse_int(val, 1, INT_MAX / MAX_NPROC, &o->nnodes))
-        return usage_error("--nnodes must be an integer >= 1, got '%s'", val);
+      const char *colon = strchr(val, ':');
+      char lo[32];
+      snprintf(lo, sizeof lo, "%.*s", colon ? (int)(colon - val) : (int)strlen(val), val);
+      if (!parse_int(lo, 1, INT_MAX / MAX_NPROC, &o->nnodes) ||
+          (colon && (!parse_int(colon + 1, 1, INT_MAX / MAX_NPROC, &o->nnodes_max) ||
+                     o->nnodes_max < o->nnodes)))
+        return usage_error("--nnodes must be an integer >= 1 or MIN:MAX with 1 <= MIN <= MAX, "
+                           "got '%s'", val);
+      if (!colon) o->nnodes_max = o->nnodes;
       nnodes_given = true;
     } else if (strcmp(name, "node-rank") == 0) {
       if (!parse_int(val, 0, INT_MAX, &o->node_rank))
@@ -349,16 +364,19 @@ static int parse_args(int argc, char **argv, options *o) {
   }
   if (i >= argc) return usage_error("missing PROGRAM");
   if (o->standalone) {
-    if ((nnodes_given && o->nnodes != 1) || (node_rank_given && o->node_rank != 0))
+    if ((nnodes_given && (o->nnodes != 1 || o->nnodes_max != 1)) ||
+        (node_rank_given && o->node_rank != 0))
       return usage_error("--standalone runs a single node (--nnodes 1, --node-rank 0)");
     if (o->master_addr && strcmp(o->master_addr, "127.0.0.1") != 0)
       return usage_error("--standalone uses MASTER_ADDR 127.0.0.1; drop --master-addr");
   }
   int rc = apply_slurm(o, nnodes_given, node_rank_given, o->master_port > 0);
   if (rc >= 0) return rc;
-  if (o->node_rank >= o->nnodes)
-    return usage_error("--node-rank %d is out of range for --nnodes %d (must be < nnodes)",
-                       o->node_rank, o->nnodes);
+  if (o->nnodes_max < o->nnodes) o->nnodes_max = o->nnodes; /* (Slurm gave the count) */
+  if (o->node_rank >= o->nnodes_max)
+    return usage_error("--node-rank %d is out of range for --nnodes %d%s%.0d (must be < %d)",
+                       o->node_rank, o->nnodes, o->nnodes_max > o->nnodes ? ":" : "",
+                       o->nnodes_max > o->nnodes ? o->nnodes_max : 0, o->nnodes_max);
   if (!o->master_addr) o->master_addr = "127.0.0.1";
   o->argv = argv + i;
   return -1;
@@ -534,7 +552,8 @@ typedef struct attempt_result {
 
 static const char *const k_env_names[] = {"RANK", "LOCAL_RANK", "WORLD_SIZE",
                                           "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
-                                          "MASTER_PORT", "TD_RESTART_COUNT"};
+                                          "MASTER_PORT", "TD_RESTART_COUNT",
+                                          "TD_RPC_MAX_WORLD_SIZE"};
 #define N_ENV (sizeof k_env_names / sizeof k_env_names[0])
 
 /* build_env returns a malloc'ed NULL-terminated copy of environ without our variables, plus
@@ -555,8 +574,12 @@ static char **build_env(const options *o, const worker *w, int attempt, int port
     if (!ours) env[k++] = *e;
   }
   long long values[] = {w->rank, w->local_rank, (long long)o->nnodes * o->nproc, o->nproc,
-                        o->node_rank, 0, port, attempt};
+                        o->node_rank, 0, port, attempt, (long long)o->nnodes_max * o->nproc};
   for (size_t j = 0; j < N_ENV; j++) {
+    /* (a job of fixed size leaves TD_RPC_MAX_WORLD_SIZE out: a group a worker starts by itself
+     * with another world size must not inherit it) */
+    if (strcmp(k_env_names[j], "TD_RPC_MAX_WORLD_SIZE") == 0 && o->nnodes_max == o->nnodes)
+      continue;
     if (strcmp(k_env_names[j], "MASTER_ADDR") == 0)
       snprintf(vals[j], 320, "MASTER_ADDR=%.256s", o->master_addr);
     else
@@ -849,9 +872,12 @@ static attempt_result run_attempt(const options *o, int attempt, int port) {
   for (int i = 0; i < n; i++) {
     worker *w = &ws[i];
     w->local_rank = i;
-    w->rank = o->node_rank * o->nproc + i;
+    /* a node past MIN of --nnodes MIN:MAX joins the running group: its workers learn their
+     * ranks there (RANK=-1); their output is prefixed with the node and local rank */
+    w->rank = o->node_rank >= o->nnodes ? -1 : o->node_rank * o->nproc + i;
     w->out.fd = w->err.fd = -1;
-    snprintf(w->prefix, sizeof w->prefix, "[%d]: ", w->rank);
+    if (w->rank >= 0) snprintf(w->prefix, sizeof w->prefix, "[%d]: ", w->rank);
+    else snprintf(w->prefix, sizeof w->prefix, "[node%d.%d]: ", o->node_rank, i);
   }
   for (int i = 0; i < n; i++) {
     worker *w = &ws[i];
@@ -899,7 +925,7 @@ static attempt_result run_attempt(const options *o, int attempt, int port) {
       w->wstatus = r < 0 ? 0 : st;
       running--;
       /* a worker that dies of the SIGUSR1 of a hang (no handler) is part of the hang's report */
-      if (r > 0 && failed_status(st) && !stopping && hang.report_at_ms < 0 && w->rank > 0 &&
+      if (r > 0 && failed_status(st) && !stopping && hang.report_at_ms < 0 && w->rank != 0 &&
           tolerated < o->tolerate_failures) {
         char what[96];
         describe_status(st, what, sizeof what);
@@ -1001,13 +1027,13 @@ static int ensure_secret(const options *o) {
   const char *s = getenv("TD_RPC_SECRET"), *f = getenv("TD_RPC_SECRET_FILE");
   const char *ins = getenv("TD_RPC_INSECURE");
   if ((s && *s) || (f && *f) || (ins && strcmp(ins, "1") == 0)) return -1;
-  if (o->nnodes > 1) {
+  if (o->nnodes_max > 1) {
     fprintf(stderr,
             "tdistrun: a job over %d nodes needs one secret on every node: put it in a file only "
             "you can read on a filesystem all nodes see, e.g.\n"
             "  (umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n' > ~/.tdist-secret)\n"
             "and set TD_RPC_SECRET_FILE=~/.tdist-secret for every tdistrun (or TD_RPC_INSECURE=1 "
-            "to run without authentication)\n", o->nnodes);
+            "to run without authentication)\n", o->nnodes_max);
     return 2;
   }
   unsigned char b[32];
@@ -1045,7 +1071,7 @@ static int ensure_run_id(const options *o) {
     return -1;
   } else if (job && !o->standalone) {
     snprintf(id, sizeof id, "slurm:%s.%s", job, step ? step : "batch");
-  } else if (o->nnodes == 1) {
+  } else if (o->nnodes_max == 1) {
     unsigned char b[8];
     if (getrandom(b, sizeof b, 0) != (ssize_t)sizeof b) {
       perror("tdistrun: getrandom");
