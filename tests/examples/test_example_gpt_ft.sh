@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_example_gpt_ft.sh TDISTRUN GPT [DP [tdistrun|mpirun|srun|accum|scale|spares]] - gpt --dp DP --ft (DP: ddp, td_ft_ddp,
+# test_example_gpt_ft.sh TDISTRUN GPT [DP [tdistrun|mpirun|srun|accum|scale|spares|join]] - gpt --dp DP --ft (DP: ddp, td_ft_ddp,
 # the default; zero1, zero2 or zero3, td_ft_zero) under tdistrun with 4 workers, float64: a run without failure, then the same run with rank 2's process SIGKILLed from
 # outside once training is under way (at whatever step and phase it is in). The second run must
 # finish (tdistrun --tolerate-failures 1: exit status 0, no restart), print one line naming the
@@ -28,8 +28,13 @@
 # workers, 1 spare) rank 2 killed before the reduction of step 5, and started bare (4 + 2
 # spares) with rank 1 killed during step 3 and rank 2 after step 7's reduction: each lost
 # member is replaced by a spare healed from the survivors (the line names both; 4 members at the
-# end), parameters bit for bit the failure-free run's. Skips (77) without the corpus. Ends only
-# the processes it started, by pid.
+# end), parameters bit for bit the failure-free run's. "join" (ddp, zero2): an elastic job,
+# tdistrun --nnodes 1:2: node 0 starts the group with 4 workers (--wait-spares 1), node 1 is
+# started after it with one worker, which joins the running group (rank 4) and stands by as a
+# spare; rank 2 killed before the reduction of step 5 is replaced by it, healed from the
+# survivors: both nodes' tdistrun exit 0, the lines name the lost worker and the joiner, 4
+# members at the end, parameters bit for bit the failure-free run's. Skips (77) without the
+# corpus. Ends only the processes it started, by pid.
 set -euo pipefail
 tdistrun="$1"
 gpt="$2"
@@ -46,7 +51,7 @@ scale="${TD_TEST_TIMEOUT_SCALE:-1}"
 args=(--dp "$dp" --ft --dtype f64 --n-layer 2 --n-head 2 --n-embd 32 --block-size 16
       --batch-size 4 --steps 250 --eval-interval 1000 --eval-iters 2 --bucket-mb 0.05)
 [[ "$mode" == accum ]] && args+=(--steps 12 --grad-accum 2)
-[[ "$mode" == spares ]] && args+=(--steps 12)
+[[ "$mode" == spares || "$mode" == join ]] && args+=(--steps 12)
 [[ "$mode" == scale ]] && args+=(--steps 12 --dtype f16 --loss-scale dynamic --loss-scale-init 16777216)
 base="$(mktemp)"
 out="$(mktemp)"
@@ -174,6 +179,41 @@ if [[ "$mode" == spares ]]; then
   [[ "$h2" == "$h0" ]] || { echo "FAIL: bare, two spares healed in: $h2, not $h0"; fail=1; }
   if [[ $fail -ne 0 ]]; then tail -n 30 "$out"; exit 1; fi
   echo "PASS: spares: $h0 without failure, with one spare and with two healed in"
+  exit 0
+fi
+
+if [[ "$mode" == join ]]; then
+  # an elastic job over two "nodes" of this host: node 1's worker joins the running group
+  fail=0
+  export TD_RPC_SECRET="${TD_RPC_SECRET:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
+  port="$(free_port)"
+  id="gpt-join-$$"
+  out1="$(mktemp)"
+  rc0=0
+  timeout $((120 * scale)) "$tdistrun" --nnodes 1:2 --node-rank 0 --nproc-per-node 4 \
+    --master-port "$port" --rdzv-id "$id" --tolerate-failures 1 "$gpt" "${args[@]}" \
+    --wait-spares 1 --ft-inject 2:5:before:kill >"$out" 2>&1 &
+  root=$!
+  rc1=0
+  timeout $((120 * scale)) "$tdistrun" --nnodes 1:2 --node-rank 1 --nproc-per-node 1 \
+    --master-port "$port" --rdzv-id "$id" "$gpt" "${args[@]}" >"$out1" 2>&1 || rc1=$?
+  wait "$root" || rc0=$?
+  root=""
+  grep -E "^\[[0-9]+\]: gpt: step|tdistrun:" "$out" | cut -c1-250 || true
+  cut -c1-250 "$out1"
+  [[ $rc0 -eq 0 && $rc1 -eq 0 ]] || { echo "FAIL: node 0 ended with $rc0, node 1 with $rc1"; fail=1; }
+  grep -qE "gpt: step 5, .*lost: worker2 \(rank 2\); joined \(a spare\): worker4 \(rank 4\); generation 1 formed with 4 of 4 members" "$out" ||
+    { echo "FAIL: no line naming the lost worker and the joiner"; fail=1; }
+  grep -qE "^\[node1\.0\]: gpt: worker4 \(rank 4\) joined generation 1 as a spare before step 5" "$out1" ||
+    { echo "FAIL: the joiner did not say it joined"; fail=1; }
+  joined="$(grep -o '"ft_joined_workers": [0-9]*' "$out" | head -n 1), $(grep -o '"ft_members_at_end": [0-9]*' "$out" | head -n 1)"
+  [[ "$joined" == '"ft_joined_workers": 1, "ft_members_at_end": 4' ]] ||
+    { echo "FAIL: joined / members at the end: $joined"; fail=1; }
+  h1="$(hash_of "$out")"
+  [[ "$h1" == "$h0" ]] || { echo "FAIL: with a joiner healed in: $h1, not $h0"; fail=1; }
+  rm -f "$out1"
+  if [[ $fail -ne 0 ]]; then tail -n 30 "$out"; exit 1; fi
+  echo "PASS: join: $h0 without failure and with a worker of a node that joined the running job"
   exit 0
 fi
 
