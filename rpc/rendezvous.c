@@ -795,7 +795,8 @@ static td_status init_options(const char **name, char *defname, size_t dn, int r
   /* (left at 0 here: init_transport chooses it, and knows then that tdist chose it) */
   if (!*name) {
     /* (a joiner's default name waits for its rank: join_running) */
-    snprintf(defname, dn, rank == TD_RPC_RANK_JOIN ? "" : "worker%d", rank);
+    if (rank == TD_RPC_RANK_JOIN) defname[0] = 0;
+    else snprintf(defname, dn, "worker%d", rank);
     *name = defname;
   }
   if ((**name || rank != TD_RPC_RANK_JOIN) && !valid_name(*name))

@@ -35,10 +35,14 @@ run() {
   }
 }
 
-# totals DIR: "rank0_ir rank1_ir" (rank 0 is the lower pid: it forks rank 1)
+# totals DIR: "rank0_ir rank1_ir" (rank 0 is the lower pid: it forks rank 1). Short-lived
+# children of either (a device probe: tensor/devices.c) leave profiles too: the two workers are
+# the two largest.
 totals() {
   local p pids ir=()
-  mapfile -t pids < <(ls "$1" | sed -n 's/^cg\.//p' | sort -n)
+  mapfile -t pids < <(for p in $(ls "$1" | sed -n 's/^cg\.//p'); do
+                        echo "$(awk '/^(summary|totals):/ {print $2; exit}' "$1/cg.$p") $p"
+                      done | sort -rn | head -n 2 | awk '{print $2}' | sort -n)
   [[ ${#pids[@]} -eq 2 ]] || { echo "callgrind-call.sh: expected 2 profiles in $1" >&2; exit 1; }
   for p in "${pids[@]}"; do
     ir+=("$(awk '/^(summary|totals):/ {print $2; exit}' "$1/cg.$p")")
