@@ -139,6 +139,7 @@ typedef struct td_rpc_options {
   int progress;
   const char *secret;
   int insecure;
+  int max_world_size;
   ...;
 } td_rpc_options;
 typedef struct td_rpc_traffic {
@@ -168,6 +169,8 @@ td_status td_rpc_init(const char *name, int rank, int world_size, const td_rpc_o
 td_status td_rpc_init_from_env(const char *name, const td_rpc_options *opts,
                                td_rpc_agent **out);
 void td_rpc_init_interrupt(void);
+int td_rpc_initial_world_size(const td_rpc_agent *a);
+td_status td_rpc_group_members(td_rpc_agent *a, int *members);
 td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, int64_t timeout_ms);
 void td_rpc_destroy(td_rpc_agent *a);
 td_status td_rpc_register(const char *name, td_rpc_fn fn, void *user_data);

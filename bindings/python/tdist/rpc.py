@@ -151,8 +151,10 @@ def _from_coroutine(coro):
 # ---- init and shutdown ----
 
 def _options(opts, keep, *, init_method, secret, rpc_timeout, init_timeout, num_worker_threads,
-             listen_addr, insecure, progress):
+             listen_addr, insecure, progress, max_world_size=None):
     lib.td_rpc_options_init(opts)
+    if max_world_size is not None:
+        opts.max_world_size = int(max_world_size)
     if init_method is not None:
         keep.append(ffi.new("char[]", cstr(init_method)))
         opts.init_method = keep[-1]
@@ -178,11 +180,14 @@ def _options(opts, keep, *, init_method, secret, rpc_timeout, init_timeout, num_
 def init_rpc(name=None, rank=None, world_size=None, *, rpc_backend_options=None,
              init_method=None, secret=None, rpc_timeout=None, init_timeout=None,
              num_worker_threads=None, listen_addr=None, insecure=False, progress="threads",
-             tensor_type="auto", backend=None):
+             tensor_type="auto", backend=None, max_world_size=None):
     """Joins the group as worker `name` (None: "worker<rank>") and returns its WorkerInfo.
 
     rank and world_size: both given, or both None to read RANK / WORLD_SIZE (as tdistrun and
     torchrun set them; Slurm and Open MPI variables as fallbacks).
+    max_world_size: an elastic group's places (default: TD_RPC_MAX_WORLD_SIZE, else world_size);
+    rank -1 (RANK=-1, as tdistrun --nnodes MIN:MAX gives the workers of a node past MIN) joins
+    the running group in its next free place (README, "Running workers").
     init_method: "tcp://host:port" of rank 0's store; None or "env://" (default) read
     MASTER_ADDR / MASTER_PORT from the environment, whether or not rank is given.
     secret: the group's shared secret (default: TD_RPC_SECRET / TD_RPC_SECRET_FILE from the
@@ -211,7 +216,8 @@ def init_rpc(name=None, rank=None, world_size=None, *, rpc_backend_options=None,
     opts = ffi.new("td_rpc_options *")
     _options(opts, keep, init_method=init_method, secret=secret, rpc_timeout=rpc_timeout,
              init_timeout=init_timeout, num_worker_threads=num_worker_threads,
-             listen_addr=listen_addr, insecure=insecure, progress=progress)
+             listen_addr=listen_addr, insecure=insecure, progress=progress,
+             max_world_size=max_world_size)
     _setup_logging()
     _convert.register_object_type()
     state.host_progress = progress == "host"

@@ -122,7 +122,9 @@ def main():
         import torch  # noqa: F401
     if a.register:
         tdist.register(py_echo, name=a.register)
-    name = "py" + os.environ["RANK"]
+    # (RANK=-1: this worker joins a running elastic group; its default name carries the rank it
+    # is given there, "worker<rank>")
+    name = "py" + os.environ["RANK"] if os.environ["RANK"] != "-1" else None
     if a.host:
         asyncio.run(run_host(name, a.tensor_type))
         return 0

@@ -1,6 +1,7 @@
 """test_semantics.py - what a new user meets in the first minutes: handlers that run while their
 worker's init is still returning find the agent; init_rpc(name, rank=r, world_size=n) and the
-asyncio form read MASTER_ADDR / MASTER_PORT; a mixed group's init and a shutdown with RRefs
+asyncio form read MASTER_ADDR / MASTER_PORT; workers that join an elastic group from the
+environment (RANK=-1) are reached by name; a mixed group's init and a shutdown with RRefs
 still held log no warnings; remote built-in exceptions keep their type; wait_all returns at the
 first failure; local_value waits for a remote() to this worker; get_rpc_timeout; `import tdist`
 brings tdist.asyncio."""
@@ -51,6 +52,40 @@ def test_handlers_at_start_find_the_agent(group):
         g.spawn_py(2, "--call-at-start", "py0:sem_whoami")
         g.init()
         g.finish()
+
+
+def test_elastic_group_joiners_from_the_environment(group):
+    # An elastic group of one starting worker (this process) and 3 places: two Python workers
+    # started with RANK=-1 and TD_RPC_MAX_WORLD_SIZE, as tdistrun --nnodes MIN:MAX starts a node
+    # past MIN, join it in places 1 and 2 (named worker1 and worker2 by default); this process
+    # calls each by name once it has joined, and the graceful shutdown waits for both.
+    g = group(1)
+    for rank in (1, 2):  # (rank: the children's index here; the group gives their ranks)
+        g._spawn(rank, [sys.executable, py_worker_path()],
+                 {"RANK": "-1", "TD_RPC_MAX_WORLD_SIZE": "3"})
+    me = g.init(max_world_size=3)
+    assert me.id == 0
+    from tdist._lib import lib
+    from tdist._state import state
+    assert lib.td_rpc_world_size(state.agent) == 3
+    assert lib.td_rpc_initial_world_size(state.agent) == 1
+    for to in ("worker1", "worker2"):
+        deadline = time.monotonic() + scaled(30)
+        while True:
+            try:
+                got = tdist.rpc_sync(to, "py_add", (1, 2))
+                break
+            except tdist.errors.NotFoundError:  # not joined yet
+                assert time.monotonic() < deadline, "%s never joined" % to
+                time.sleep(0.02)
+        assert got == 3
+        assert tdist.get_worker_info(to).name == to
+    g.finish()
+
+
+def py_worker_path():
+    import os
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "py_worker.py")
 
 
 def test_init_rpc_reads_master_addr_and_port(group, monkeypatch):
