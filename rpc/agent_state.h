@@ -72,6 +72,7 @@ struct td_rpc_agent {
   bool joiner;       /* this worker took a free place of a running group */
   uint8_t *present;  /* [world] */
   int late_known;    /* atomic: places taken after the start, as last read from the store */
+  uint64_t late_read_ns; /* atomic: when (td__now_ns; 0: never) */
   char join_addr[256]; /* a joiner's address until it has its rank */
   peer_info *peers;
   /* peers by name: an open-addressing table of rank + 1 (0: empty), mask + 1 slots, built once

@@ -23,8 +23,13 @@ static td_status late_taken(td_rpc_agent *a, int *out) {
   int most = a->world - a->world0;
   *out = k < 0 ? 0 : k > most ? most : (int)k; /* (refused joiners count past the places) */
   __atomic_store_n(&a->late_known, *out, __ATOMIC_RELAXED);
+  __atomic_store_n(&a->late_read_ns, td__now_ns(), __ATOMIC_RELAXED);
   return TD_OK;
 }
+
+/* A free place is asked about again only after LATE_FRESH_NS: a loop over every place (the RRef
+ * layer names them all at init) costs one store request, not one per free place. */
+#define LATE_FRESH_NS 50000000ull
 
 td_status td__agent_members(td_rpc_agent *a, int *members) {
   if (a->world == a->world0) {
@@ -94,7 +99,9 @@ bool td__agent_learn_rank(td_rpc_agent *a, int rank) {
   if (td__agent_present(a, rank)) return true;
   if (rank < a->world0 || rank >= a->world || !may_learn(a)) return false;
   int late = __atomic_load_n(&a->late_known, __ATOMIC_RELAXED);
-  if (rank >= a->world0 + late && (late_taken(a, &late) != TD_OK || rank >= a->world0 + late))
+  bool fresh = td__now_ns() - __atomic_load_n(&a->late_read_ns, __ATOMIC_RELAXED) < LATE_FRESH_NS;
+  if (rank >= a->world0 + late &&
+      (fresh || late_taken(a, &late) != TD_OK || rank >= a->world0 + late))
     return false; /* a free place */
   return learn(a, rank) == TD_OK;
 }
