@@ -40,13 +40,8 @@ void td__conn_unref(td__conn *c) {
 
 int td__conn_peer(const td__conn *c) { return __atomic_load_n(&c->peer, __ATOMIC_ACQUIRE); }
 bool td__conn_is_client(const td__conn *c) { return c->client; }
-bool td__conn_closed(const td__conn *c) {
-  td__conn *m = (td__conn *)c;
-  pthread_mutex_lock(&m->mu);
-  bool v = m->closed;
-  pthread_mutex_unlock(&m->mu);
-  return v;
-}
+/* (closed only turns true, stored atomically under c->mu: a call's check needs no lock) */
+bool td__conn_closed(const td__conn *c) { return __atomic_load_n(&c->closed, __ATOMIC_ACQUIRE); }
 
 uint64_t td__conn_frames_sent(const td__conn *c) {
   td__conn *m = (td__conn *)c;
@@ -449,7 +444,7 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
 
 /* Marks c closed and drops queued data. Caller holds c->mu. */
 void td__grpc_conn_mark_closed(td__conn *c) {
-  c->closed = true;
+  __atomic_store_n(&c->closed, true, __ATOMIC_RELEASE); /* (td__conn_closed reads it unlocked) */
   if (c->lane) td__lane_close(c->lane);
   for (size_t i = 0; i < c->qlen; i++) grpc_slice_unref(c->q[(c->qhead + i) % c->qcap]);
   c->qlen = 0;
