@@ -125,6 +125,9 @@ struct td_rpc_agent {
   uint64_t direct_nonce; /* peers read it from our memory to prove they can */
   bool direct_on;
   bool lane_on; /* same-host lanes wanted (td_rpc_options.shm_lane, TD_RPC_SHM_LANE) */
+  bool lane_dial; /* ... dialled, without a gRPC stream (unless TD_RPC_LANE_DIAL=0) */
+  pthread_t passed_th;  /* init's last store call ("passed", ranks > 0), off init's path */
+  bool passed_async;    /* ... started, not yet joined (td__rdv_passed_join) */
   /* calls may go out on a stream the callee opened (call.c peer_conn; TD_RPC_SHARE_STREAMS=0
    * turns it off) */
   bool share_streams;
@@ -315,6 +318,13 @@ void td__progress_pump_if_owner(td_rpc_agent *a);
 #define TD__HANDSHAKE_MAX_MS 120000
 int td__rdv_local_estimate(int world);
 int64_t td__rdv_handshake_ms(int world);
+/* td__rdv_passed_wait: rank 0, before its store goes away (shutdown), waits (until hard, and no
+ * longer than td__rdv_exit_wait_ms) for every starting worker to have finished its init's use of
+ * the store ("passed"). No-op on other ranks. */
+void td__rdv_passed_wait(td_rpc_agent *a, uint64_t hard);
+/* td__rdv_passed_join: waits for this worker's own "passed" to have reached the store (ranks >
+ * 0 send it from a thread of its own as init returns). Before the transport goes away. */
+void td__rdv_passed_join(td_rpc_agent *a);
 /* td__rdv_exit_wait_ms: how long rank 0 keeps its store up after the graceful barrier for the
  * others to see "go" and report (shutdown.c): 5 s, on a host running more than twice as many
  * workers as CPUs longer with the load (x load / 200), at most 60 s. */

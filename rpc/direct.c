@@ -252,9 +252,11 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
   a->direct_cand = td__calloc((size_t)a->world, sizeof *a->direct_cand);
   int *pids = td__calloc((size_t)a->world, sizeof *pids);
   int *lane_pids = td__calloc((size_t)a->world, sizeof *lane_pids);
-  if (!a->direct_cand || !pids || !lane_pids) {
+  uint64_t *lane_nonces = td__calloc((size_t)a->world, sizeof *lane_nonces);
+  if (!a->direct_cand || !pids || !lane_pids || !lane_nonces) {
     td__free(pids);
     td__free(lane_pids);
+    td__free(lane_nonces);
     return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
   }
   td__host_rec me = {0};
@@ -274,7 +276,10 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
     td__host_rec peer;
     if (r == a->rank || !td__samehost_parse(recs[r], &peer) || !td__samehost_same(&me, &peer))
       continue;
-    if (a->lane_on) lane_pids[r] = peer.pid;
+    if (a->lane_on) {
+      lane_pids[r] = peer.pid;
+      lane_nonces[r] = peer.nonce; /* names its dial socket */
+    }
     if (a->direct_on && td__samehost_readable(&peer)) {
       a->direct_cand[r] = true;
       pids[r] = peer.pid; /* only rank r, on its authenticated stream, may name it */
@@ -282,8 +287,11 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
   }
   td__rdv_free_all(a, recs, lens);
   if (st == TD_OK) st = td__transport_allow_direct(a->tr, pids, a->world);
-  if (st == TD_OK && a->lane_on) st = td__transport_allow_lane(a->tr, lane_pids, a->world);
+  if (st == TD_OK && a->lane_on)
+    st = td__transport_allow_lane(a->tr, lane_pids, a->lane_dial ? lane_nonces : NULL,
+                                  a->direct_nonce, a->world);
   td__free(lane_pids);
+  td__free(lane_nonces);
   char *ok = NULL;
   if (st == TD_OK) st = ranks_encode(a->direct_cand, a->world, &ok);
   if (st == TD_OK) {

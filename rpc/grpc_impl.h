@@ -116,6 +116,7 @@ struct td__conn {
   grpc_call *call;
   grpc_channel *ch; /* client: the channel its calls are opened on (the transport's) */
   bool client;
+  bool direct; /* a dialled lane without a gRPC call under it (lane.h): call and ch are NULL */
   int peer;
   pthread_mutex_t mu;
   tag t_start, t_recv, t_send, t_status, t_finish;
@@ -151,7 +152,8 @@ struct td__conn {
   bool retrying;
   int retries;
   uint64_t retry_at_ns, retry_until_ns;
-  struct td__conn *next_live;
+  struct td__conn *next_live, *prev_live; /* t->live (t->mu) */
+  bool in_live;                           /* (t->mu) */
   /* direct-copy frames sent and not yet acknowledged: their tensors stay alive until then */
   td__direct_acks acks;
   /* the same-host lane (lane.h) once offered or joined (c->mu; set on the poller), and its
@@ -232,6 +234,9 @@ struct td__transport {
   req_slot slots[N_REQUEST_SLOTS];
   tag t_server_shutdown;
   td__conn *live; /* conns whose status has not come back */
+  td__conn **rev_idx; /* [rev_n]: the latest authenticated server conn of each rank, in live (no
+                       * reference; t->mu): td__transport_reverse_conn without a scan */
+  int rev_n;
   td__unary_token *deferred; /* unary calls to be answered later (grpc_unary.c) */
   chan_entry *chans;
   int nchans, chancap;
@@ -323,6 +328,12 @@ void td__grpc_conn_mark_closed(td__conn *c);
 void td__grpc_lane_failed(void *conn, const char *why);
 void td__grpc_lane_release(void *conn);
 void td__grpc_lane_offload(void *conn, td__lane *l);
+td_status td__grpc_lane_dialed(void *transport, td__lane *l, int peer, td__decoder **dec,
+                               void **ud);
+void td__grpc_lane_ended(void *conn, const char *why);
+/* td__grpc_dial opens a dialled lane to peer_rank for a new client conn (*out), or fails when
+ * none can be (then a gRPC stream is used). */
+td_status td__grpc_dial(td__transport *t, int peer_rank, td__conn **out);
 
 /* ---- grpc_unary.c ---- */
 /* td__grpc_unary_answer_all fails every deferred unary call (shutdown). */

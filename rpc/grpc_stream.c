@@ -40,8 +40,14 @@ void td__conn_unref(td__conn *c) {
 
 int td__conn_peer(const td__conn *c) { return __atomic_load_n(&c->peer, __ATOMIC_ACQUIRE); }
 bool td__conn_is_client(const td__conn *c) { return c->client; }
+/* A dialled lane's conn is over as soon as its lane is closed (its end is reported a little
+ * later, when the lane thread drops it). */
+static bool lane_gone(const td__conn *c) { return c->direct && !(c->lane && td__lane_tx_on(c->lane)); }
+
 /* (closed only turns true, stored atomically under c->mu: a call's check needs no lock) */
-bool td__conn_closed(const td__conn *c) { return __atomic_load_n(&c->closed, __ATOMIC_ACQUIRE); }
+bool td__conn_closed(const td__conn *c) {
+  return __atomic_load_n(&c->closed, __ATOMIC_ACQUIRE) || lane_gone(c);
+}
 
 uint64_t td__conn_frames_sent(const td__conn *c) {
   td__conn *m = (td__conn *)c;
@@ -132,9 +138,9 @@ static void direct_send_ack(void *ud, uint64_t token) {
     td__free(a);
     return;
   }
-  if (c->lane && td__lane_tx_on(c->lane)) {
+  if ((c->lane && td__lane_tx_on(c->lane)) || c->direct) {
     td__lane_msg m = {.head = a, .head_len = TD__FRAME_PREFIX};
-    if (td__lane_send(c->lane, &m) == TD_ERR_FORMAT)
+    if (td__lane_send(c->lane, &m) == TD_ERR_FORMAT) /* (a closed lane frees it) */
       conn_close_locked(c, GRPC_STATUS_INVALID_ARGUMENT, td_last_error());
     pthread_mutex_unlock(&c->mu);
     return;
@@ -358,12 +364,13 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
   td_status st = TD_OK;
   bool rev = f->reverse;
   pthread_mutex_lock(&c->mu);
-  if (c->closed) {
+  bool lane = c->lane && td__lane_tx_on(c->lane);
+  /* (a dialled lane's conn has no other path: once its lane is closed, so is the conn) */
+  if (c->closed || (c->direct && !lane)) {
     pthread_mutex_unlock(&c->mu);
     td__frame_clear(f);
     return td_set_error(TD_ERR_UNAVAILABLE, "connection to rank %d is closed", td__conn_peer(c));
   }
-  bool lane = c->lane && td__lane_tx_on(c->lane);
   /* same host: the peer copies the tensors out of our memory; they stay alive until its ack */
   direct_to *dc = __atomic_load_n(&c->t->direct_to, __ATOMIC_ACQUIRE);
   int peer = td__conn_peer(c);
@@ -453,6 +460,13 @@ void td__grpc_conn_mark_closed(td__conn *c) {
 
 static void conn_close_locked(td__conn *c, grpc_status_code code, const char *why) {
   if (c->closed) return;
+  if (c->direct) {
+    /* no call to end: the lane's end (its socket) tells the peer; the lane thread drops it and
+     * td__grpc_lane_ended reports it */
+    td__lane_close_why(c->lane, why ? why : "closed");
+    td__grpc_conn_mark_closed(c);
+    return;
+  }
   td__grpc_conn_mark_closed(c);
   if (c->client) {
     grpc_call_cancel(c->call, NULL);
@@ -470,24 +484,52 @@ void td__conn_close(td__conn *c, const char *why) {
   pthread_mutex_unlock(&c->mu);
 }
 
+/* The live list is doubly linked: a conn leaves in O(1) (a worker of a large group holds a conn
+ * per peer, and all of them leave at its shutdown). */
 static void live_add(td__transport *t, td__conn *c) {
   pthread_mutex_lock(&t->mu);
   c->next_live = t->live;
+  c->prev_live = NULL;
+  if (t->live) t->live->prev_live = c;
   t->live = td__conn_ref(c);
+  c->in_live = true;
+  pthread_mutex_unlock(&t->mu);
+}
+
+/* Notes c (a server conn whose peer is authenticated) as the one td__transport_reverse_conn
+ * returns first for its rank. */
+static void rev_note(td__transport *t, td__conn *c) {
+  int peer = td__conn_peer(c);
+  if (peer < 0) return;
+  pthread_mutex_lock(&t->mu);
+  if (peer >= t->rev_n) {
+    int n = peer + 1 > 2 * t->rev_n ? peer + 1 : 2 * t->rev_n;
+    td__conn **ni = td__realloc(t->rev_idx, (size_t)n * sizeof *ni);
+    if (ni) {
+      memset(ni + t->rev_n, 0, (size_t)(n - t->rev_n) * sizeof *ni);
+      t->rev_idx = ni;
+      t->rev_n = n;
+    }
+  }
+  if (peer < t->rev_n && c->in_live) t->rev_idx[peer] = c;
   pthread_mutex_unlock(&t->mu);
 }
 
 static void live_remove(td__transport *t, td__conn *c) {
   pthread_mutex_lock(&t->mu);
-  for (td__conn **p = &t->live; *p; p = &(*p)->next_live) {
-    if (*p == c) {
-      *p = c->next_live;
-      pthread_mutex_unlock(&t->mu);
-      td__conn_unref(c);
-      return;
-    }
+  if (!c->in_live) {
+    pthread_mutex_unlock(&t->mu);
+    return;
   }
+  int peer = td__conn_peer(c);
+  if (peer >= 0 && peer < t->rev_n && t->rev_idx[peer] == c) t->rev_idx[peer] = NULL;
+  if (c->prev_live) c->prev_live->next_live = c->next_live;
+  else t->live = c->next_live;
+  if (c->next_live) c->next_live->prev_live = c->prev_live;
+  c->next_live = c->prev_live = NULL;
+  c->in_live = false;
   pthread_mutex_unlock(&t->mu);
+  td__conn_unref(c);
 }
 
 /* Opens c's call on its channel and sends the HELLO with its ticket in the same batch as the
@@ -532,10 +574,18 @@ static bool client_open(td__conn *c) {
 td__conn *td__transport_reverse_conn(td__transport *t, int peer_rank) {
   td__conn *found = NULL;
   pthread_mutex_lock(&t->mu);
+  td__conn *hint = peer_rank >= 0 && peer_rank < t->rev_n ? t->rev_idx[peer_rank] : NULL;
+  if (hint && !t->shutting_down) {
+    pthread_mutex_lock(&hint->mu);
+    if (hint->auth == AUTH_DONE && !hint->closed && !lane_gone(hint) && hint->peer == peer_rank)
+      found = td__conn_ref(hint);
+    pthread_mutex_unlock(&hint->mu);
+  }
   for (td__conn *c = t->live; c && !found && !t->shutting_down; c = c->next_live) {
     if (c->client) continue;
     pthread_mutex_lock(&c->mu);
-    if (c->auth == AUTH_DONE && !c->closed && c->peer == peer_rank) found = td__conn_ref(c);
+    if (c->auth == AUTH_DONE && !c->closed && !lane_gone(c) && c->peer == peer_rank)
+      found = td__conn_ref(c);
     pthread_mutex_unlock(&c->mu);
   }
   pthread_mutex_unlock(&t->mu);
@@ -548,6 +598,11 @@ td_status td__transport_connect(td__transport *t, int peer_rank, const char *add
   bool down = t->shutting_down;
   pthread_mutex_unlock(&t->mu);
   if (down) return td_set_error(TD_ERR_STATE, "rpc transport is shutting down");
+  /* a member on this host: a dialled lane, no gRPC channel, call or HTTP/2 under it */
+  if (t->lanes && td__lanes_can_dial(t->lanes, peer_rank)) {
+    if (td__grpc_dial(t, peer_rank, out) == TD_OK) return TD_OK;
+    td_log(TD_LOG_DEBUG, "rpc: a gRPC stream to rank %d instead: %s", peer_rank, td_last_error());
+  }
   grpc_channel *ch = td__grpc_channel_for(t, address);
   if (!ch) return td_set_error(TD_ERR_NOMEM, "rpc transport: cannot create a channel to %s", address);
   td__conn *c = conn_new(t, true, peer_rank);
@@ -844,6 +899,74 @@ static void lane_control(void *ud, uint64_t type, const uint8_t *body, size_t le
 }
 
 void td__grpc_lane_failed(void *conn, const char *why) { td__conn_close(conn, why); }
+
+/* ---- dialled lanes: conns with no gRPC call (lane.h) ---- */
+
+td_status td__grpc_dial(td__transport *t, int peer_rank, td__conn **out) {
+  td__conn *c = conn_new(t, true, peer_rank);
+  if (!c) return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
+  c->direct = true;
+  c->auth = AUTH_DONE; /* the lane reads nothing the peer did not write after proving itself */
+  snprintf(c->peer_addr, sizeof c->peer_addr, "lane");
+  td__decoder *d = lane_decoder(c);
+  if (!d) {
+    td__conn_unref(c);
+    return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
+  }
+  td__lane *l = NULL;
+  td__conn_ref(c); /* the lane's */
+  pthread_mutex_lock(&c->mu); /* (the lane may end before c->lane is set otherwise) */
+  td_status st = td__lane_dial(t->lanes, peer_rank, d, c, &l);
+  if (st != TD_OK) {
+    pthread_mutex_unlock(&c->mu);
+    td__conn_unref(c);
+    td__conn_unref(c);
+    return st;
+  }
+  c->lane = td__lane_ref(l);
+  c->lane_dec = d;
+  pthread_mutex_unlock(&c->mu);
+  td__lane_unref(l);
+  live_add(t, c);
+  *out = c;
+  return TD_OK;
+}
+
+td_status td__grpc_lane_dialed(void *transport, td__lane *l, int peer, td__decoder **dec,
+                               void **ud) {
+  td__transport *t = transport;
+  pthread_mutex_lock(&t->mu);
+  bool down = t->shutting_down;
+  pthread_mutex_unlock(&t->mu);
+  if (down || peer < 0 || peer >= t->opts.world)
+    return td_set_error(TD_ERR_STATE, "rpc transport is shutting down");
+  td__conn *c = conn_new(t, false, peer);
+  if (!c) return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
+  c->direct = true;
+  c->auth = AUTH_DONE;
+  snprintf(c->peer_addr, sizeof c->peer_addr, "lane");
+  td__decoder *d = lane_decoder(c);
+  if (!d) {
+    td__conn_unref(c);
+    return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
+  }
+  c->lane = td__lane_ref(l);
+  c->lane_dec = d;
+  live_add(t, c);
+  rev_note(t, c);
+  *dec = d;
+  *ud = c; /* our reference becomes the lane's */
+  return TD_OK;
+}
+
+/* A dialled lane ended: its conn closes and leaves (once; the lane gives its reference back
+ * through release next). */
+void td__grpc_lane_ended(void *conn, const char *why) {
+  td__conn *c = conn;
+  if (!c->direct) return;
+  notify_closed(c, TD_ERR_UNAVAILABLE, why);
+  live_remove(c->t, c);
+}
 void td__grpc_lane_release(void *conn) { td__conn_unref(conn); }
 
 typedef struct lane_bulk {
@@ -1057,6 +1180,7 @@ static void handle_handshake(td__conn *c, grpc_byte_buffer *bb) {
     handshake_failed(c, GRPC_STATUS_UNAUTHENTICATED, why);
   } else if (done) {
     unauth_done(c);
+    if (!c->client) rev_note(c->t, c);
   }
 }
 

@@ -642,12 +642,32 @@ void td__transport_set_host_load(td__transport *t, int load_x100) {
   __atomic_store_n(&t->tick_ms, tick > 100 && base <= 100 ? 100 : tick, __ATOMIC_RELAXED);
 }
 
-td_status td__transport_allow_lane(td__transport *t, const int *pid_of, int world) {
+td_status td__transport_allow_lane(td__transport *t, const int *pid_of, const uint64_t *nonce_of,
+                                   uint64_t self_nonce, int world) {
   int local = 0;
   for (int r = 0; r < world; r++) local += r != t->opts.self_rank && pid_of[r] > 0;
   __atomic_store_n(&t->lane_lazy, local > TD__LANE_MAX, __ATOMIC_RELAXED);
-  return t->lanes ? td__lanes_set_pids(t->lanes, pid_of, world) : TD_OK;
+  if (!t->lanes) return TD_OK;
+  TD_TRY(td__lanes_set_pids(t->lanes, pid_of, world));
+  /* dialled lanes: not under TLS without a job secret (the TLS certificate would then be the
+   * only proof of membership, and the dial socket has none) */
+  if (!nonce_of || (t->tls && !(t->opts.auth && t->opts.auth->secure))) return TD_OK;
+  /* the keepalive of a channel to this host (same_host_keepalive) */
+  int ka = (int)(t->opts.keepalive_ms > 0 ? t->opts.keepalive_ms : 2000);
+  int kt = (int)(t->opts.keepalive_timeout_ms > 0 ? t->opts.keepalive_timeout_ms : 20000);
+  int load = __atomic_load_n(&t->host_load_x100, __ATOMIC_RELAXED);
+  if (t->opts.keepalive_auto && load > 200) {
+    int64_t s = (int64_t)kt * load / 200;
+    kt = (int)(s < TD__KEEPALIVE_MAX_MS ? s : TD__KEEPALIVE_MAX_MS);
+    if (ka < kt / 4) ka = kt / 4;
+  }
+  if (td__lanes_listen_dial(t->lanes, t->opts.self_rank, t->opts.auth, self_nonce, nonce_of, world,
+                            t->opts.handshake_timeout_ms, ka, kt) != TD_OK)
+    td_log(TD_LOG_DEBUG, "rpc transport: no dialled lanes: %s", td_last_error());
+  return TD_OK;
 }
+
+int td__transport_lanes_dialed(td__transport *t) { return td__lanes_dialed(t->lanes); }
 
 int td__transport_lanes_up(td__transport *t) { return td__lanes_up(t->lanes); }
 
@@ -753,7 +773,8 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
   }
   if (o->lane) {
     td__lanes_opts lo = {lane_refused, td__grpc_lane_failed, td__grpc_lane_release,
-                         td__grpc_lane_offload, t, lane_burst};
+                         td__grpc_lane_offload, t, lane_burst, td__grpc_lane_dialed,
+                         td__grpc_lane_ended};
     if (td__lanes_create(&lo, &t->lanes) != TD_OK) {
       td_log(TD_LOG_DEBUG, "rpc transport: no same-host lanes: %s", td_last_error());
       t->lanes = NULL;
@@ -797,8 +818,10 @@ void td__transport_shutdown(td__transport *t) {
   pthread_mutex_unlock(&t->mu);
   for (size_t i = 0; i < k; i++) {
     pthread_mutex_lock(&list[i]->mu);
+    if (list[i]->direct && list[i]->lane)
+      td__lane_close_why(list[i]->lane, "this worker is shutting down");
     td__grpc_conn_mark_closed(list[i]);
-    grpc_call_cancel(list[i]->call, NULL);
+    if (list[i]->call) grpc_call_cancel(list[i]->call, NULL);
     pthread_mutex_unlock(&list[i]->mu);
     td__conn_unref(list[i]);
   }
@@ -855,6 +878,7 @@ void td__transport_destroy(td__transport *t) {
   while (t->live) {
     td__conn *c = t->live;
     t->live = c->next_live;
+    c->in_live = false;
     td__conn_unref(c);
   }
   grpc_server_destroy(t->server);
@@ -870,6 +894,7 @@ void td__transport_destroy(td__transport *t) {
   td__free(t->host);
   td__free(t->direct_from);
   td__free(t->direct_to);
+  td__free(t->rev_idx);
   td__lanes_destroy(t->lanes);
   pthread_mutex_destroy(&t->refusals.mu);
   pthread_mutex_destroy(&t->mu);

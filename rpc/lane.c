@@ -53,7 +53,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -63,6 +66,7 @@
 
 #include "../core/refcount.h"
 #include "../core/samehost.h"
+#include "auth.h"
 #include "future_impl.h"
 
 #define LANE_MAGIC "TDLANE1"
@@ -73,12 +77,29 @@
 #define BELL_MAGIC 0x424c4454u /* "TDLB": server -> client, with 1 fd */
 #define RX_BUDGET (256u << 10) /* most bytes taken from one ring before looking at the others */
 #define SLEEP_MS 100
+/* The doorbell page: word 0 is the futex its lane thread sleeps on; word BELL_SLEEP (its own
+ * cache line) is 1 while that thread sleeps with nobody polling for it, for every lane at once:
+ * a producer that finds it set after publishing rings. (One word, not a flag per ring: a process
+ * with hundreds of lanes set and cleared hundreds of shared cache lines per sleep.) */
+#define BELL_SLEEP 16
+/* Hints (a process with many lanes): word BELL_HINTS_ON is 1 while its lane thread reads only
+ * the lanes whose bits are set in the bitmap that starts at byte HINT_BYTE; each lane has a slot
+ * there, published in the shared header (ring control blocks), and a peer sets the slot's bit
+ * before it checks BELL_SLEEP. The bits are hints from peers (a peer may set or clear any): the
+ * lane thread still reads every lane at least every FULL_PASS_NS. */
+#define BELL_HINTS_ON 32
+#define HINT_BYTE 512u
+#define HINT_WORDS ((4096u - HINT_BYTE) / 8u)
+#define MAX_SLOTS (HINT_WORDS * 64u)
+#define HINT_MIN 64 /* lanes at which the thread reads by hints */
+#define FULL_PASS_NS 100000000ull
 
 struct td__ring_ctl {
   _Alignas(64) uint64_t tail;  /* producer */
   uint32_t producer_waiting;   /* producer: wake me when head moves */
+  uint32_t producer_slot;      /* producer: its slot in its doorbell's hints, plus 1 (0: none) */
   _Alignas(64) uint64_t head;  /* consumer */
-  uint32_t consumer_sleeping;  /* consumer: wake me when tail moves */
+  uint32_t consumer_slot;      /* consumer: its slot in its doorbell's hints, plus 1 (0: none) */
   _Alignas(64) char end[1];
 };
 
@@ -90,7 +111,12 @@ typedef struct lane_hdr {
 
 _Static_assert(sizeof(lane_hdr) <= HDR_BYTES, "lane header fits its page");
 
-enum { L_OFFERED = 1, L_JOINED, L_ACCEPTED, L_CLOSED };
+enum { L_OFFERED = 1, L_JOINED, L_ACCEPTED, L_CLOSED, L_DIALING };
+/* A dialled lane's handshake (socket thread): what it waits for. */
+enum { D_NONE = 0, D_C_CHALLENGE, D_C_BELL, D_S_HELLO, D_S_PROOF, D_UP };
+#define DIAL_BELL_MAGIC 0x44424c54u /* "TLBD": server -> client, with its doorbell */
+#define KA_PING 0x70 /* keepalive on an up lane's socket: one byte, answered by the other */
+#define KA_PONG 0x71
 
 /* A frame (or its rest) waiting for room in the ring. */
 typedef struct txq {
@@ -127,6 +153,30 @@ struct td__lane {
   bool failed;
   bool counted; /* atomic: counted in ls->up */
   struct td__lane *next; /* ls->lanes (ls->mu) */
+  /* dialled lanes (no stream): the socket stays open while the lane lives; only the socket
+   * thread closes it (under txmu; others may shut it down) */
+  bool pw_set;           /* tx->producer_waiting as last written (rx_mu) */
+  int slot;              /* in this process's hints, or -1 (ls->mu) */
+  bool in_set;           /* has been in the lane thread's set (rx_mu) */
+  bool direct;
+  int dial;              /* D_*: socket thread */
+  bool in_ep;            /* registered with the socket thread's epoll (a reference) */
+  bool eof;              /* atomic: the peer's end of the socket closed */
+  bool ended;            /* atomic: ended was reported */
+  uint64_t born_ns;
+  td__hs hs;
+  uint8_t in[TD__HS_MAX_LEN];
+  size_t inlen;
+  int infd[2], ninfd;
+  char why[200];         /* why it closed (txmu; first reason) */
+  uint64_t tx_frames;    /* atomic: frames sent (keepalive: pinged only after sending) */
+  uint64_t ping_mark;    /* socket thread: tx_frames when the last ping went */
+  uint64_t ping_ns;      /* socket thread: when the unanswered ping went (0: none) */
+  struct td__lane *reg_next, *reg_prev; /* the socket thread's list of registered lanes */
+  struct td__lane *hs_next, *hs_prev;   /* ... and of those in their handshake (swept) */
+  bool in_hs;
+  struct td__lane *grave_next;          /* ... dropped in this round (unreferenced after it) */
+  struct td__lane *dq_next;  /* ls->dialq (ls->mu) */
 };
 
 struct td__lanes {
@@ -155,6 +205,38 @@ struct td__lanes {
   bool stop;       /* atomic */
   pthread_t thread;
   bool started;
+  /* dialled lanes: the dial socket and the socket thread (td__lanes_listen_dial) */
+  int dial_fd, ep, wake_fd;
+  char dial_name[64];
+  td__auth dial_auth;
+  int self_rank;
+  uint64_t *nonce_of;  /* atomic pointer; [world] */
+  int64_t hs_ns;
+  int64_t ka_ns, kt_ns; /* keepalive of dialled lanes: interval, how long a ping may wait */
+  uint64_t ka_round_ns; /* socket thread: the last keepalive round */
+  pthread_t sock_thread;
+  bool sock_started;
+  bool sock_stop;      /* atomic */
+  td__lane *dialq;     /* client lanes for the socket thread to register (ls->mu) */
+  td__lane *reg;       /* lanes registered with ep (socket thread) */
+  td__lane *hs;        /* ... of them, those in their handshake (deadlines swept) */
+  td__lane *grave;     /* lanes it dropped this round: their references go after the round, so an
+                        * event of the same round still finds the lane (not registered) */
+  int pending;         /* server handshakes in progress (socket thread) */
+  int ndirect;         /* atomic: dialled lanes not yet dropped */
+  /* hints (BELL_HINTS_ON): slots given to lanes (ls->mu), the set by slot (rx_mu) */
+  int *free_slots, nfree, next_slot;
+  td__lane **by_slot;
+  int nby, bycap;
+  int slotless;        /* lanes of the set without a slot (rx_mu) */
+  bool hints;          /* reading by hints now (rx_mu) */
+  int npw;             /* lanes of the set whose producer flag is up (rx_mu) */
+  td__lane **fresh;    /* lanes new in the set since the last pass (rx_mu): read once each, as a
+                        * bit set for them before they were in the set was dropped */
+  int nfresh, freshcap;
+  uint64_t full_ns;    /* the last pass over every lane (rx_mu) */
+  int nqueued;         /* atomic: lanes with frames queued to send */
+  int dialed_up;       /* atomic: dialled lanes up */
 };
 
 /* ---- small helpers ---- */
@@ -188,6 +270,22 @@ static void ring_bell(uint32_t *bell) {
 static void kick_self(td__lanes *ls) {
   __atomic_add_fetch(ls->bell, 1, __ATOMIC_SEQ_CST);
   if (__atomic_load_n(&ls->sleeping, __ATOMIC_SEQ_CST)) futex(ls->bell, FUTEX_WAKE, 1, NULL);
+}
+
+static uint64_t *hint_words(uint32_t *bell) { return (uint64_t *)((uint8_t *)bell + HINT_BYTE); }
+
+/* Sets the bit of a slot (as published: plus 1; 0 or out of range: nothing) in bell's hints. */
+static void hint_set(uint32_t *bell, uint32_t slot1) {
+  if (slot1 == 0 || slot1 > MAX_SLOTS) return;
+  __atomic_fetch_or(&hint_words(bell)[(slot1 - 1) / 64], 1ull << ((slot1 - 1) % 64),
+                    __ATOMIC_SEQ_CST);
+}
+
+/* After publishing to a peer (or freeing room for it): its hint for the lane, if it reads by
+ * hints. slotp: where the peer published its slot for the lane. */
+static void hint_peer(uint32_t *pb, const uint32_t *slotp) {
+  if (__atomic_load_n(&pb[BELL_HINTS_ON], __ATOMIC_SEQ_CST))
+    hint_set(pb, __atomic_load_n(slotp, __ATOMIC_RELAXED));
 }
 
 static void cpu_relax(void) {
@@ -271,6 +369,7 @@ int64_t td__ring_consume(td__ring_ctl *r, const uint8_t *data, uint64_t *head, t
     return -1;
   }
   uint64_t n = (uint64_t)avail < max ? (uint64_t)avail : max;
+  if (n == 0) return 0; /* (no store to the shared head: a pass over idle rings writes nothing) */
   uint64_t done = 0;
   while (done < n) {
     size_t off = (size_t)((*head + done) % TD__LANE_RING);
@@ -281,8 +380,10 @@ int64_t td__ring_consume(td__ring_ctl *r, const uint8_t *data, uint64_t *head, t
     done += used;
     if (td__decoder_paused(dec)) break; /* the rest waits for td__decoder_resume */
   }
-  *head += done;
-  __atomic_store_n(&r->head, *head, __ATOMIC_RELEASE);
+  if (done) {
+    *head += done;
+    __atomic_store_n(&r->head, *head, __ATOMIC_RELEASE);
+  }
   return (int64_t)done;
 }
 
@@ -347,8 +448,10 @@ static int write_msg(td__lane *l, td__lane_msg *m, int *part, size_t *off, bool 
 /* After publishing: ring the peer when it sleeps. */
 static void tx_notify(td__lane *l) {
   FULL_FENCE();
-  if (__atomic_load_n(&l->tx->consumer_sleeping, __ATOMIC_RELAXED) && l->peer_bell)
-    ring_bell(l->peer_bell);
+  uint32_t *pb = __atomic_load_n(&l->peer_bell, __ATOMIC_ACQUIRE);
+  if (!pb) return;
+  hint_peer(pb, &l->tx->consumer_slot);
+  if (__atomic_load_n(&pb[BELL_SLEEP], __ATOMIC_SEQ_CST)) ring_bell(pb);
 }
 
 /* Writes queued frames while there is room (txmu held). Returns true when something moved. */
@@ -364,14 +467,23 @@ static bool drain_locked(td__lane *l, bool *corrupt) {
     if (r == 0) break;
     l->q_head = e->next;
     if (!l->q_head) l->q_tail = NULL;
-    __atomic_sub_fetch(&l->qlen, 1, __ATOMIC_RELEASE);
+    if (__atomic_sub_fetch(&l->qlen, 1, __ATOMIC_RELEASE) == 0)
+      __atomic_sub_fetch(&l->ls->nqueued, 1, __ATOMIC_RELEASE);
     msg_free(&e->m);
     td__free(e);
   }
   return wrote;
 }
 
+/* Our own lane has work for the lane thread (frames queued, a decoder resumed, its end). */
+static void hint_self(td__lane *l) {
+  int slot = __atomic_load_n(&l->slot, __ATOMIC_RELAXED);
+  if (slot >= 0) hint_set(l->ls->bell, (uint32_t)slot + 1);
+  kick_self(l->ls);
+}
+
 td_status td__lane_send(td__lane *l, td__lane_msg *m) {
+  if (l->direct) __atomic_add_fetch(&l->tx_frames, 1, __ATOMIC_RELAXED);
   pthread_mutex_lock(&l->txmu);
   if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) {
     pthread_mutex_unlock(&l->txmu);
@@ -406,7 +518,8 @@ td_status td__lane_send(td__lane *l, td__lane_msg *m) {
     if (l->q_tail) l->q_tail->next = e;
     else l->q_head = e;
     l->q_tail = e;
-    __atomic_add_fetch(&l->qlen, 1, __ATOMIC_RELEASE);
+    if (__atomic_add_fetch(&l->qlen, 1, __ATOMIC_RELEASE) == 1)
+      __atomic_add_fetch(&l->ls->nqueued, 1, __ATOMIC_RELEASE);
   } else {
     msg_free(m);
   }
@@ -415,7 +528,7 @@ td_status td__lane_send(td__lane *l, td__lane_msg *m) {
     return td_set_error(TD_ERR_FORMAT, "lane ring corrupt (the peer's read position is out of "
                         "range)");
   if (wrote) tx_notify(l);
-  if (r != 1) kick_self(l->ls); /* the lane thread writes the rest as room frees up */
+  if (r != 1) hint_self(l); /* the lane thread writes the rest as room frees up */
   return TD_OK;
 }
 
@@ -429,10 +542,19 @@ static td__lane *lane_new(td__lanes *ls, int peer, bool server, td__decoder *dec
   l->peer = peer;
   l->server = server;
   l->sock = -1;
+  l->slot = -1;
   l->dec = dec;
   l->ud = ud;
   pthread_mutex_init(&l->txmu, NULL);
   return l;
+}
+
+/* Publishes the lane's slot in our hints to the peer (once both are known). */
+static void publish_slot(td__lane *l) {
+  int slot = __atomic_load_n(&l->slot, __ATOMIC_RELAXED);
+  if (slot < 0 || !l->rx) return;
+  __atomic_store_n(&l->rx->consumer_slot, (uint32_t)slot + 1, __ATOMIC_RELEASE);
+  __atomic_store_n(&l->tx->producer_slot, (uint32_t)slot + 1, __ATOMIC_RELEASE);
 }
 
 /* Points the lane at its rings (client: producer of ring 0; server: of ring 1). */
@@ -446,6 +568,7 @@ static void lane_bind(td__lane *l) {
   /* our own positions start where the peer left them at zero; never read back afterwards */
   l->tx_tail = 0;
   l->rx_head = 0;
+  publish_slot(l);
 }
 
 td__lane *td__lane_ref(td__lane *l) {
@@ -468,17 +591,40 @@ void td__lane_unref(td__lane *l) {
   td__free(l);
 }
 
+/* A slot in our hints for l (ls->mu held); none past MAX_SLOTS (the lane is then read on
+ * every pass). */
+static void slot_take(td__lanes *ls, td__lane *l) {
+  int slot = ls->nfree ? ls->free_slots[--ls->nfree]
+                       : ls->next_slot < (int)MAX_SLOTS ? ls->next_slot++ : -1;
+  __atomic_store_n(&l->slot, slot, __ATOMIC_RELAXED);
+}
+
+/* l leaves the list: its slot goes back (ls->mu held). */
+static void slot_give(td__lanes *ls, td__lane *l) {
+  int slot = __atomic_exchange_n(&l->slot, -1, __ATOMIC_RELAXED);
+  if (slot < 0) return;
+  if (ls->nfree % 64 == 0) {
+    int *nf = td__realloc(ls->free_slots, (size_t)(ls->nfree + 64) * sizeof *nf);
+    if (!nf) return; /* (the slot is lost: the next ones come from next_slot) */
+    ls->free_slots = nf;
+  }
+  ls->free_slots[ls->nfree++] = slot;
+}
+
 static void lanes_add(td__lanes *ls, td__lane *l) {
   pthread_mutex_lock(&ls->mu);
   l->next = ls->lanes;
   ls->lanes = td__lane_ref(l);
   ls->nlanes++;
+  slot_take(ls, l);
+  publish_slot(l);
   pthread_mutex_unlock(&ls->mu);
 }
 
-void td__lane_close(td__lane *l) {
+void td__lane_close_why(td__lane *l, const char *why) {
   if (!l) return;
   pthread_mutex_lock(&l->txmu);
+  if (why && !l->why[0]) snprintf(l->why, sizeof l->why, "%s", why);
   int was = __atomic_exchange_n(&l->state, L_CLOSED, __ATOMIC_ACQ_REL);
   __atomic_store_n(&l->tx_on, false, __ATOMIC_RELEASE);
   for (txq *e = l->q_head, *n; e; e = n) {
@@ -487,22 +633,29 @@ void td__lane_close(td__lane *l) {
     td__free(e);
   }
   l->q_head = l->q_tail = NULL;
-  __atomic_store_n(&l->qlen, 0, __ATOMIC_RELEASE);
+  if (__atomic_exchange_n(&l->qlen, 0, __ATOMIC_ACQ_REL) > 0)
+    __atomic_sub_fetch(&l->ls->nqueued, 1, __ATOMIC_RELEASE);
+  /* a dialled lane's socket ends with it: the peer's socket thread sees it (the fd itself is
+   * the socket thread's to close) */
+  if (l->direct && l->sock >= 0 && was != L_CLOSED) shutdown(l->sock, SHUT_RDWR);
   pthread_mutex_unlock(&l->txmu);
-  (void)was;
-  if (__atomic_exchange_n(&l->counted, false, __ATOMIC_ACQ_REL))
+  if (__atomic_exchange_n(&l->counted, false, __ATOMIC_ACQ_REL)) {
     __atomic_sub_fetch(&l->ls->up, 1, __ATOMIC_RELAXED);
+    if (l->direct) __atomic_sub_fetch(&l->ls->dialed_up, 1, __ATOMIC_RELAXED);
+  }
   __atomic_add_fetch(&l->ls->gen, 1, __ATOMIC_RELEASE);
   kick_self(l->ls); /* the thread drops it */
 }
 
+void td__lane_close(td__lane *l) { td__lane_close_why(l, NULL); }
+
 static void lane_fail(td__lane *l, const char *why) {
   if (l->failed) return;
   l->failed = true;
-  td_log(TD_LOG_WARN, "rpc: closing the stream %s rank %d: %s", l->server ? "from" : "to",
-         l->peer, why);
-  td__lane_close(l);
-  if (l->ls->o.failed) l->ls->o.failed(l->ud, why);
+  td_log(TD_LOG_WARN, "rpc: closing the %s %s rank %d: %s", l->direct ? "lane" : "stream",
+         l->server ? "from" : "to", l->peer, why);
+  td__lane_close_why(l, why);
+  if (!l->direct && l->ls->o.failed) l->ls->o.failed(l->ud, why);
 }
 
 bool td__lane_tx_on(const td__lane *l) { return __atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE); }
@@ -511,8 +664,11 @@ bool td__lane_tx_on(const td__lane *l) { return __atomic_load_n(&l->tx_on, __ATO
 static void count_up(td__lane *l) {
   if (__atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE) && __atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) &&
       __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) != L_CLOSED &&
-      !__atomic_exchange_n(&l->counted, true, __ATOMIC_ACQ_REL))
+      (!l->direct || __atomic_load_n(&l->dial, __ATOMIC_ACQUIRE) == D_UP) &&
+      !__atomic_exchange_n(&l->counted, true, __ATOMIC_ACQ_REL)) {
     __atomic_add_fetch(&l->ls->up, 1, __ATOMIC_RELAXED);
+    if (l->direct) __atomic_add_fetch(&l->ls->dialed_up, 1, __ATOMIC_RELAXED);
+  }
 }
 
 void td__lane_start_tx(td__lane *l) {
@@ -817,6 +973,16 @@ td_status td__lane_ready(td__lane *l) {
 static void lane_release(td__lane *l) {
   void *ud = l->ud;
   l->ud = NULL;
+  if (l->direct) {
+    __atomic_sub_fetch(&l->ls->ndirect, 1, __ATOMIC_RELAXED);
+    if (ud && l->ls->o.ended && !__atomic_exchange_n(&l->ended, true, __ATOMIC_ACQ_REL)) {
+      char why[200];
+      pthread_mutex_lock(&l->txmu);
+      snprintf(why, sizeof why, "%s", l->why[0] ? l->why : "the lane was closed");
+      pthread_mutex_unlock(&l->txmu);
+      l->ls->o.ended(ud, why);
+    }
+  }
   if (ud && l->ls->o.release) l->ls->o.release(ud);
   td__lane_unref(l);
 }
@@ -826,6 +992,15 @@ static bool poll_rx(td__lane *l) {
   if (!__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) || l->failed ||
       __atomic_load_n(&l->rx_paused, __ATOMIC_ACQUIRE))
     return false;
+  /* a dialled lane whose peer closed its socket: what it wrote before is read first */
+  bool eof = __atomic_load_n(&l->eof, __ATOMIC_ACQUIRE);
+  if (eof && td__ring_readable(l->rx, l->rx_head) == 0) {
+    char why[120];
+    snprintf(why, sizeof why, "rank %d closed the lane (its process ended or closed it)", l->peer);
+    l->failed = true; /* (once; a peer leaving is no warning) */
+    td__lane_close_why(l, why);
+    return false;
+  }
   int64_t got = td__ring_consume(l->rx, l->rx_data, &l->rx_head, l->dec, RX_BUDGET);
   if (got < 0) {
     char why[300];
@@ -841,10 +1016,18 @@ static bool poll_rx(td__lane *l) {
     else td__lane_resume(l);
   }
   if (got == 0) return false;
+  /* more than one pass takes from a ring: the next pass (by hints too) comes back to it */
+  if ((uint64_t)got >= RX_BUDGET) {
+    int slot = __atomic_load_n(&l->slot, __ATOMIC_RELAXED);
+    if (slot >= 0) hint_set(l->ls->bell, (uint32_t)slot + 1);
+  }
   /* room freed: wake a producer that waits for it */
   FULL_FENCE();
-  if (__atomic_load_n(&l->rx->producer_waiting, __ATOMIC_RELAXED) && l->peer_bell)
-    ring_bell(l->peer_bell);
+  uint32_t *pb = __atomic_load_n(&l->peer_bell, __ATOMIC_ACQUIRE);
+  if (__atomic_load_n(&l->rx->producer_waiting, __ATOMIC_RELAXED) && pb) {
+    hint_peer(pb, &l->rx->producer_slot);
+    ring_bell(pb);
+  }
   return true;
 }
 
@@ -862,52 +1045,80 @@ static bool poll_tx(td__lane *l) {
 void td__lane_resume(td__lane *l) {
   td__decoder_resume(l->dec);
   __atomic_store_n(&l->rx_paused, false, __ATOMIC_RELEASE);
-  kick_self(l->ls); /* the rest of the ring */
+  hint_self(l); /* the rest of the ring */
 }
 
-/* Work there is now (rx_mu held, after the sleep flags are set). */
+/* Whether l has work for the thread (rx_mu held). */
+static bool lane_work(td__lane *l) {
+  if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) return true;
+  if (__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) && !l->failed &&
+      !__atomic_load_n(&l->rx_paused, __ATOMIC_ACQUIRE) &&
+      (td__ring_readable(l->rx, l->rx_head) != 0 || __atomic_load_n(&l->eof, __ATOMIC_ACQUIRE)))
+    return true;
+  return __atomic_load_n(&l->qlen, __ATOMIC_ACQUIRE) && __atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE) &&
+         td__ring_writable(l->tx, l->tx_tail) != 0;
+}
+
+/* Work there is now (rx_mu held, after the sleep flags are set). By hints: a bit set, a lane
+ * without a slot with work, or a lane with frames queued whose ring has room; else every lane. */
 static bool has_work(td__lanes *ls) {
   if (__atomic_load_n(&ls->gen, __ATOMIC_ACQUIRE) != ls->set_gen) return true;
-  for (int i = 0; i < ls->nset; i++) {
-    td__lane *l = ls->set[i];
-    if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) return true;
-    if (__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) && !l->failed &&
-        !__atomic_load_n(&l->rx_paused, __ATOMIC_ACQUIRE) &&
-        td__ring_readable(l->rx, l->rx_head) != 0)
-      return true;
-    if (__atomic_load_n(&l->qlen, __ATOMIC_ACQUIRE) && __atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE) &&
-        td__ring_writable(l->tx, l->tx_tail) != 0)
-      return true;
+  if (ls->hints) {
+    uint64_t *h = hint_words(ls->bell);
+    for (int w = 0; w < (ls->nby + 63) / 64; w++)
+      if (__atomic_load_n(&h[w], __ATOMIC_SEQ_CST)) return true;
+    bool queued = __atomic_load_n(&ls->nqueued, __ATOMIC_ACQUIRE) > 0;
+    if (!queued && !ls->slotless) return false;
+    for (int i = 0; i < ls->nset; i++) {
+      td__lane *l = ls->set[i];
+      if ((__atomic_load_n(&l->slot, __ATOMIC_RELAXED) < 0 || __atomic_load_n(&l->qlen, __ATOMIC_ACQUIRE)) &&
+          lane_work(l))
+        return true;
+    }
+    return false;
   }
+  for (int i = 0; i < ls->nset; i++)
+    if (lane_work(ls->set[i])) return true;
   return false;
 }
 
-/* The doorbell flags of every ring (rx_mu held): 1 asks the peers to ring when they write (or,
- * for rings with queued frames, when they free room). */
+/* The doorbell flags (rx_mu held): 1 asks the peers to ring when they write (or, for rings with
+ * queued frames, when they free room). */
 static void set_flags(td__lanes *ls, uint32_t v) {
+  __atomic_store_n(&ls->bell[BELL_SLEEP], v, __ATOMIC_SEQ_CST);
+  /* a ring's producer flag is written only when it changes: most rings never wait, and with
+   * nothing queued anywhere and no flag left up there is nothing to look at */
+  if (!__atomic_load_n(&ls->nqueued, __ATOMIC_ACQUIRE) && !ls->npw) return;
   for (int i = 0; i < ls->nset; i++) {
     td__lane *l = ls->set[i];
-    if (__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE))
-      __atomic_store_n(&l->rx->consumer_sleeping, v, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE))
-      __atomic_store_n(&l->tx->producer_waiting,
-                       v && __atomic_load_n(&l->qlen, __ATOMIC_ACQUIRE) ? 1 : 0,
-                       __ATOMIC_SEQ_CST);
+    bool want = v && __atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE) &&
+                __atomic_load_n(&l->qlen, __ATOMIC_ACQUIRE);
+    if (want != l->pw_set && l->tx) {
+      __atomic_store_n(&l->tx->producer_waiting, want ? 1 : 0, __ATOMIC_SEQ_CST);
+      l->pw_set = want;
+      ls->npw += want ? 1 : -1;
+    }
   }
 }
 
-/* Rebuilds the set of lanes that receive or send (rx_mu held); drops closed ones. */
-static void refresh(td__lanes *ls) {
-  td__lane *drop = NULL;
+/* Rebuilds the set of lanes that receive or send (rx_mu held); closed ones leave the list and
+ * go to *drop, released by the caller once it let go of rx_mu (release may call the agent). The
+ * set is also indexed by slot, and reading by hints starts (or stops) with its size. */
+static void refresh(td__lanes *ls, td__lane **dropp) {
+  td__lane *drop = *dropp;
   ls->set_gen = __atomic_load_n(&ls->gen, __ATOMIC_ACQUIRE);
   pthread_mutex_lock(&ls->mu);
-  for (int i = 0; i < ls->nset; i++) td__lane_unref(ls->set[i]);
-  int n = 0;
+  for (int i = 0; i < ls->nset; i++) {
+    if (ls->set[i]->pw_set) ls->npw--; /* (counted again below if it stays) */
+    td__lane_unref(ls->set[i]);
+  }
+  int n = 0, top = 0, slotless = 0;
   for (td__lane **p = &ls->lanes; *p;) {
     td__lane *l = *p;
     if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) {
       *p = l->next;
       ls->nlanes--;
+      slot_give(ls, l);
       l->next = drop;
       drop = l;
       continue;
@@ -925,11 +1136,60 @@ static void refresh(td__lanes *ls) {
         ls->setcap = nc;
       }
       ls->set[n++] = td__lane_ref(l);
+      if (l->pw_set) ls->npw++;
+      if (!l->in_set) {
+        l->in_set = true;
+        if (ls->nfresh == ls->freshcap) {
+          int nc = ls->freshcap ? ls->freshcap * 2 : 16;
+          td__lane **nf = td__realloc(ls->fresh, (size_t)nc * sizeof *nf);
+          if (nf) {
+            ls->fresh = nf;
+            ls->freshcap = nc;
+          } else {
+            ls->full_ns = 0; /* (the next pass reads every lane instead) */
+          }
+        }
+        if (ls->nfresh < ls->freshcap) ls->fresh[ls->nfresh++] = l;
+      }
+      int slot = __atomic_load_n(&l->slot, __ATOMIC_RELAXED);
+      if (slot < 0) slotless++;
+      else if (slot + 1 > top) top = slot + 1;
     }
     p = &l->next;
   }
   ls->nset = n;
   pthread_mutex_unlock(&ls->mu);
+  *dropp = drop;
+  /* the index by slot (a lane that has none is read on every pass) */
+  bool want = n >= HINT_MIN;
+  if (want && top > ls->bycap) {
+    td__lane **nb = td__realloc(ls->by_slot, (size_t)top * sizeof *nb);
+    if (nb) {
+      ls->by_slot = nb;
+      ls->bycap = top;
+    } else {
+      want = false;
+    }
+  }
+  if (want) {
+    memset(ls->by_slot, 0, (size_t)top * sizeof *ls->by_slot);
+    for (int i = 0; i < n; i++) {
+      int slot = __atomic_load_n(&ls->set[i]->slot, __ATOMIC_RELAXED);
+      if (slot >= 0 && slot < top) ls->by_slot[slot] = ls->set[i];
+    }
+    ls->nby = top;
+    ls->slotless = slotless;
+  }
+  if (want != ls->hints) {
+    /* from here on peers set bits (or no longer need to); what they published before they saw
+     * the change is read by the full pass that follows */
+    __atomic_store_n(&ls->bell[BELL_HINTS_ON], want ? 1u : 0u, __ATOMIC_SEQ_CST);
+    ls->hints = want;
+    ls->full_ns = 0;
+  }
+}
+
+static void release_drops(td__lane *drop) {
   while (drop) {
     td__lane *l = drop;
     drop = l->next;
@@ -937,15 +1197,57 @@ static void refresh(td__lanes *ls) {
   }
 }
 
-/* One pass over every lane (rx_mu held); true when something moved. */
-static bool pass(td__lanes *ls) {
-  if (__atomic_load_n(&ls->gen, __ATOMIC_ACQUIRE) != ls->set_gen) refresh(ls);
+/* One pass (rx_mu held); true when something moved. Lanes that left: *drop. Over every lane,
+ * or, reading by hints, over the lanes whose bits are set, those without a slot and those with
+ * frames queued, and over every lane again at least every FULL_PASS_NS. */
+static bool pass(td__lanes *ls, td__lane **drop) {
+  if (__atomic_load_n(&ls->gen, __ATOMIC_ACQUIRE) != ls->set_gen) refresh(ls, drop);
   bool busy = false;
   if (ls->o.burst) ls->o.burst(ls->o.refused_ud, false);
-  for (int i = 0; i < ls->nset; i++) {
-    busy |= poll_rx(ls->set[i]);
-    busy |= poll_tx(ls->set[i]);
+  bool full = !ls->hints;
+  if (!full) {
+    uint64_t now = td__now_ns();
+    if (now - ls->full_ns >= FULL_PASS_NS) {
+      full = true;
+      ls->full_ns = now;
+    }
   }
+  if (full) {
+    for (int i = 0; i < ls->nset; i++) {
+      busy |= poll_rx(ls->set[i]);
+      busy |= poll_tx(ls->set[i]);
+    }
+  } else {
+    for (int i = 0; i < ls->nfresh; i++) {
+      busy |= poll_rx(ls->fresh[i]);
+      busy |= poll_tx(ls->fresh[i]);
+    }
+    uint64_t *h = hint_words(ls->bell);
+    for (int w = 0; w < (ls->nby + 63) / 64; w++) {
+      if (!__atomic_load_n(&h[w], __ATOMIC_RELAXED)) continue;
+      /* taken before the rings are read: a frame published after this sets the bit again */
+      uint64_t bits = __atomic_exchange_n(&h[w], 0, __ATOMIC_SEQ_CST);
+      while (bits) {
+        int slot = w * 64 + __builtin_ctzll(bits);
+        bits &= bits - 1;
+        td__lane *l = slot < ls->nby ? ls->by_slot[slot] : NULL;
+        if (!l) continue;
+        busy |= poll_rx(l);
+        busy |= poll_tx(l);
+      }
+    }
+    bool queued = __atomic_load_n(&ls->nqueued, __ATOMIC_ACQUIRE) > 0;
+    if (queued || ls->slotless) {
+      for (int i = 0; i < ls->nset; i++) {
+        td__lane *l = ls->set[i];
+        if (__atomic_load_n(&l->slot, __ATOMIC_RELAXED) >= 0 && !__atomic_load_n(&l->qlen, __ATOMIC_ACQUIRE))
+          continue;
+        busy |= poll_rx(l);
+        busy |= poll_tx(l);
+      }
+    }
+  }
+  ls->nfresh = 0;
   if (ls->o.burst) ls->o.burst(ls->o.refused_ud, true);
   return busy;
 }
@@ -982,9 +1284,11 @@ static void *lane_main(void *arg) {
       last = 0;
       continue;
     }
+    td__lane *drop = NULL;
     pthread_mutex_lock(&ls->rx_mu);
-    bool busy = pass(ls);
+    bool busy = pass(ls, &drop);
     pthread_mutex_unlock(&ls->rx_mu);
+    release_drops(drop);
     if (busy) {
       idle = 0;
       last = 0;
@@ -1032,8 +1336,10 @@ static bool wait_poll(void *ud) {
     idle_relax(&waiter_idle);
     return false;
   }
-  bool busy = pass(ls);
+  td__lane *drop = NULL;
+  bool busy = pass(ls, &drop);
   pthread_mutex_unlock(&ls->rx_mu);
+  release_drops(drop);
   if (!busy) idle_relax(&waiter_idle);
   return busy;
 }
@@ -1058,6 +1364,616 @@ static int64_t wait_window(void *ud) {
              : 0;
 }
 
+/* ---- dialled lanes: no stream under them (lane.h) ----
+ *
+ * The socket thread owns every dialled lane's socket once registered (reg list, epoll): it runs
+ * both sides' handshakes, and after them watches the socket for its end. Other threads only
+ * shut a socket down (td__lane_close_why), which the thread then sees. */
+
+static int64_t dial_deadline_ns(td__lanes *ls) { return ls->hs_ns > 0 ? ls->hs_ns : 20000000000; }
+
+static const char *pid_name(td__lanes *ls, int rank, char *buf, size_t n) {
+  uint64_t *no = __atomic_load_n(&ls->nonce_of, __ATOMIC_ACQUIRE);
+  int pid = pid_for(ls, rank);
+  if (!no || pid <= 0 || !no[rank]) return NULL;
+  snprintf(buf, n, "tdist-dial-%d-%016llx", pid, (unsigned long long)no[rank]);
+  return buf;
+}
+
+bool td__lanes_can_dial(td__lanes *ls, int rank) {
+  char name[64];
+  return ls && __atomic_load_n(&ls->sock_started, __ATOMIC_ACQUIRE) && rank != ls->self_rank &&
+         pid_name(ls, rank, name, sizeof name) != NULL &&
+         __atomic_load_n(&ls->ndirect, __ATOMIC_RELAXED) < TD__LANE_DIAL_MAX;
+}
+
+int td__lanes_dialed(const td__lanes *ls) {
+  return ls ? __atomic_load_n(&ls->dialed_up, __ATOMIC_RELAXED) : 0;
+}
+
+static void wake_sock(td__lanes *ls) {
+  uint64_t one = 1;
+  if (write(ls->wake_fd, &one, sizeof one) < 0) { /* full counter: it is awake anyway */
+  }
+}
+
+td_status td__lane_dial(td__lanes *ls, int peer, td__decoder *dec, void *ud, td__lane **out) {
+  *out = NULL;
+  char name[64];
+  if (!td__lanes_can_dial(ls, peer) || !pid_name(ls, peer, name, sizeof name)) {
+    td__decoder_destroy(dec);
+    return td_set_error(TD_ERR_UNAVAILABLE, "no lane can be dialled to rank %d", peer);
+  }
+  td__lane *l = lane_new(ls, peer, false, dec, ud);
+  if (!l) {
+    td__decoder_destroy(dec);
+    return td_set_error(TD_ERR_NOMEM, "rpc lane: out of memory");
+  }
+  l->direct = true;
+  l->born_ns = td__now_ns();
+  struct sockaddr_un sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sun_family = AF_UNIX;
+  size_t nl = strlen(name);
+  memcpy(sa.sun_path + 1, name, nl);
+  socklen_t salen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + nl);
+  const char *why = NULL;
+  uint8_t hello[TD__HS_HELLO_LEN];
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0 || connect(fd, (struct sockaddr *)&sa, salen) != 0) why = "cannot connect";
+  /* a squatter on the name gets nothing: the listener must be the rank's verified process */
+  if (!why && peer_pid(fd) != pid_for(ls, peer)) why = "the socket is not held by the verified process";
+  int mfd = -1;
+  if (!why && (mfd = sealed_memfd("tdist-lane", MAP_BYTES, &l->map)) < 0)
+    why = "cannot create the shared memory";
+  if (!why && td__hs_client_hello(&l->hs, &ls->dial_auth, ls->self_rank, peer, hello) != TD_OK)
+    why = "cannot start the handshake";
+  if (!why && send(fd, hello, sizeof hello, MSG_DONTWAIT | MSG_NOSIGNAL) != (ssize_t)sizeof hello)
+    why = "cannot send the HELLO";
+  if (why) {
+    int e = errno;
+    if (mfd >= 0) close(mfd);
+    if (fd >= 0) close(fd);
+    td__lane_unref(l); /* (destroys dec) */
+    return td_set_error(TD_ERR_UNAVAILABLE, "lane to rank %d: %s (%s)", peer, why, strerror(e));
+  }
+  lane_hdr *h = (lane_hdr *)l->map;
+  memcpy(h->magic, LANE_MAGIC, sizeof LANE_MAGIC);
+  h->version = 1;
+  h->ring_bytes = TD__LANE_RING;
+  lane_bind(l);
+  l->infd[0] = mfd; /* kept to hand over with the PROOF */
+  l->ninfd = 1;
+  l->sock = fd;
+  l->dial = D_C_CHALLENGE;
+  l->state = L_DIALING;
+  /* frames may go into the ring now: the server reads them once the client proved itself */
+  __atomic_store_n(&l->tx_on, true, __ATOMIC_RELEASE);
+  __atomic_store_n(&l->rx_on, true, __ATOMIC_RELEASE);
+  __atomic_add_fetch(&ls->ndirect, 1, __ATOMIC_RELAXED);
+  lanes_add(ls, l);
+  pthread_mutex_lock(&ls->mu);
+  l->dq_next = ls->dialq;
+  ls->dialq = td__lane_ref(l); /* the socket thread's */
+  pthread_mutex_unlock(&ls->mu);
+  wake_sock(ls);
+  __atomic_add_fetch(&ls->gen, 1, __ATOMIC_RELEASE);
+  kick_self(ls);
+  *out = l;
+  return TD_OK;
+}
+
+/* Registers l's socket with the socket thread (which holds the reference given). */
+static void sock_register(td__lanes *ls, td__lane *l) {
+  struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = l};
+  if (epoll_ctl(ls->ep, EPOLL_CTL_ADD, l->sock, &ev) != 0) {
+    td__lane_close_why(l, "cannot watch the lane's socket");
+    pthread_mutex_lock(&l->txmu);
+    close(l->sock);
+    l->sock = -1;
+    pthread_mutex_unlock(&l->txmu);
+    td__lane_unref(l);
+    return;
+  }
+  l->in_ep = true;
+  l->reg_prev = NULL;
+  l->reg_next = ls->reg;
+  if (ls->reg) ls->reg->reg_prev = l;
+  ls->reg = l;
+  l->hs_prev = NULL;
+  l->hs_next = ls->hs;
+  if (ls->hs) ls->hs->hs_prev = l;
+  ls->hs = l;
+  l->in_hs = true;
+}
+
+/* l's handshake is over (up, or dropped): the sweep no longer looks at it. */
+static void hs_leave(td__lanes *ls, td__lane *l) {
+  if (!l->in_hs) return;
+  if (l->hs_prev) l->hs_prev->hs_next = l->hs_next;
+  else ls->hs = l->hs_next;
+  if (l->hs_next) l->hs_next->hs_prev = l->hs_prev;
+  l->hs_next = l->hs_prev = NULL;
+  l->in_hs = false;
+}
+
+/* Closes l's socket and drops the thread's reference (socket thread). */
+static void sock_drop(td__lanes *ls, td__lane *l) {
+  if (l->in_ep) {
+    if (l->reg_prev) l->reg_prev->reg_next = l->reg_next;
+    else ls->reg = l->reg_next;
+    if (l->reg_next) l->reg_next->reg_prev = l->reg_prev;
+    l->reg_next = l->reg_prev = NULL;
+  }
+  hs_leave(ls, l);
+  if (l->server && l->dial != D_UP && l->dial != D_NONE) ls->pending--;
+  pthread_mutex_lock(&l->txmu);
+  if (l->sock >= 0) {
+    epoll_ctl(ls->ep, EPOLL_CTL_DEL, l->sock, NULL);
+    close(l->sock);
+    l->sock = -1;
+  }
+  pthread_mutex_unlock(&l->txmu);
+  for (int i = 0; i < l->ninfd; i++) close(l->infd[i]);
+  l->ninfd = 0;
+  l->in_ep = false;
+  l->grave_next = ls->grave;
+  ls->grave = l;
+}
+
+static void bury(td__lanes *ls) {
+  while (ls->grave) {
+    td__lane *l = ls->grave;
+    ls->grave = l->grave_next;
+    td__lane_unref(l);
+  }
+}
+
+/* A handshake failed: the lane closes (a client's calls through it fail with why). */
+static void dial_fail(td__lanes *ls, td__lane *l, const char *why) {
+  char msg[240];
+  snprintf(msg, sizeof msg, "lane %s rank %d: %s", l->server ? "from" : "to", l->peer, why);
+  if (l->server) refuse(ls, msg);
+  else td_log(TD_LOG_WARN, "rpc: %s", msg);
+  td__lane_close_why(l, msg);
+  sock_drop(ls, l);
+}
+
+/* Reads toward want bytes (and fds) of the next handshake message: 1 when it is complete, 0 when
+ * more must come, -1 when the socket failed or ended. */
+static int dial_read(td__lane *l, size_t want) {
+  while (l->inlen < want) {
+    int fds[2] = {-1, -1};
+    struct iovec iov = {l->in + l->inlen, want - l->inlen};
+    union {
+      struct cmsghdr h;
+      char b[CMSG_SPACE(4 * sizeof(int))];
+    } cm;
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cm.b;
+    mh.msg_controllen = sizeof cm.b;
+    ssize_t got = recvmsg(l->sock, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+    if (got <= 0) return -1;
+    int n = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < k; i++) {
+        int x;
+        memcpy(&x, CMSG_DATA(c) + i * sizeof(int), sizeof x);
+        if (n < 2) fds[n++] = x;
+        else close(x);
+      }
+    }
+    for (int i = 0; i < n; i++) {
+      if (l->ninfd < 2) l->infd[l->ninfd++] = fds[i];
+      else close(fds[i]);
+    }
+    if (mh.msg_flags & MSG_CTRUNC) return -1;
+    l->inlen += (size_t)got;
+  }
+  return 1;
+}
+
+static void take_fds(td__lane *l, int *fds, int *n) {
+  *n = l->ninfd;
+  for (int i = 0; i < l->ninfd; i++) fds[i] = l->infd[i];
+  l->ninfd = 0;
+}
+
+/* The rank whose verified process is pid, or -1 (a stranger). */
+static int rank_of_pid(td__lanes *ls, int pid) {
+  int *p = __atomic_load_n(&ls->pid_of, __ATOMIC_ACQUIRE);
+  for (int r = 0; p && pid > 0 && r < ls->world; r++)
+    if (p[r] == pid && r != ls->self_rank) return r;
+  return -1;
+}
+
+static void dial_accept(td__lanes *ls) {
+  for (int i = 0; i < 256; i++) {
+    int fd = accept4(ls->dial_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) return;
+    int pid = peer_pid(fd);
+    const char *why = NULL;
+    /* only members' processes get a handshake slot: a stranger on this host is closed here */
+    if (rank_of_pid(ls, pid) < 0) why = "a connection from a process that is no member here";
+    else if (ls->pending >= TD__LANE_DIAL_PENDING) why = "too many lane handshakes at once";
+    td__lane *l = why ? NULL : lane_new(ls, -1, true, NULL, NULL);
+    if (!why && !l) why = "out of memory";
+    if (why) {
+      close(fd);
+      char msg[160];
+      snprintf(msg, sizeof msg, "lane dial socket: %s (process %d)", why, pid);
+      refuse(ls, msg);
+      continue;
+    }
+    l->direct = true;
+    l->born_ns = td__now_ns();
+    l->sock = fd;
+    l->dial = D_S_HELLO;
+    l->state = L_DIALING;
+    ls->pending++;
+    __atomic_add_fetch(&ls->ndirect, 1, __ATOMIC_RELAXED);
+    lanes_add(ls, l);
+    sock_register(ls, td__lane_ref(l));
+    td__lane_unref(l);
+  }
+}
+
+/* Server: the client's PROOF (with its lane and doorbell) came; true when the lane is up. */
+static const char *dial_server_proof(td__lanes *ls, td__lane *l) {
+  int fds[2], n, rank = -1;
+  take_fds(l, fds, &n);
+  const char *why = NULL;
+  uint8_t *map = NULL, *bell = NULL;
+  if (td__hs_server_proof(&l->hs, l->in, TD__HS_PROOF_LEN, &rank) != TD_OK) why = td_last_error();
+  else if (pid_for(ls, rank) != peer_pid(l->sock)) why = "the socket's process is not the rank's";
+  else if (n != 2) why = "malformed lane hand-over";
+  if (!why) map = map_received(fds[0], MAP_BYTES, &why);
+  if (!why) bell = map_received(fds[1], BELL_BYTES, &why);
+  if (!why && memcmp(((lane_hdr *)map)->magic, LANE_MAGIC, sizeof LANE_MAGIC) != 0)
+    why = "not a lane";
+  if (!why) {
+    uint8_t b[4];
+    td__put_u32(b, DIAL_BELL_MAGIC);
+    struct iovec iov = {b, 4};
+    union {
+      struct cmsghdr h;
+      char c[CMSG_SPACE(sizeof(int))];
+    } cm;
+    memset(&cm, 0, sizeof cm);
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cm.c;
+    mh.msg_controllen = sizeof cm.c;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &ls->bell_fd, sizeof(int));
+    if (sendmsg(l->sock, &mh, MSG_DONTWAIT | MSG_NOSIGNAL) != 4) why = "cannot answer the hand-over";
+  }
+  for (int i = 0; i < n; i++) close(fds[i]);
+  td__decoder *dec = NULL;
+  void *ud = NULL;
+  if (!why && (!ls->o.dialed || ls->o.dialed(ls->o.refused_ud, l, rank, &dec, &ud) != TD_OK))
+    why = "the transport cannot take the lane";
+  if (why) {
+    if (map) munmap(map, MAP_BYTES);
+    if (bell) munmap(bell, BELL_BYTES);
+    return why;
+  }
+  l->peer = rank;
+  l->map = map;
+  l->peer_bell = (uint32_t *)bell;
+  l->dec = dec;
+  l->ud = ud;
+  lane_bind(l);
+  ls->pending--;
+  __atomic_store_n(&l->dial, D_UP, __ATOMIC_RELEASE);
+  __atomic_store_n(&l->state, L_ACCEPTED, __ATOMIC_RELEASE);
+  __atomic_store_n(&l->tx_on, true, __ATOMIC_RELEASE);
+  __atomic_store_n(&l->rx_on, true, __ATOMIC_RELEASE);
+  count_up(l);
+  __atomic_add_fetch(&ls->gen, 1, __ATOMIC_RELEASE);
+  kick_self(ls);
+  return NULL;
+}
+
+/* Client: the server's CHALLENGE came: PROOF, with the lane and our doorbell. */
+static const char *dial_client_challenge(td__lanes *ls, td__lane *l) {
+  uint8_t proof[TD__HS_PROOF_LEN];
+  if (l->ninfd != 1) return "unexpected descriptors from the server";
+  if (td__hs_client_challenge(&l->hs, l->in, TD__HS_CHALLENGE_LEN, proof) != TD_OK)
+    return td_last_error();
+  int fds[2] = {l->infd[0], ls->bell_fd};
+  struct iovec iov = {proof, sizeof proof};
+  union {
+    struct cmsghdr h;
+    char c[CMSG_SPACE(2 * sizeof(int))];
+  } cm;
+  memset(&cm, 0, sizeof cm);
+  struct msghdr mh = {0};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = cm.c;
+  mh.msg_controllen = sizeof cm.c;
+  struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(2 * sizeof(int));
+  memcpy(CMSG_DATA(c), fds, sizeof fds);
+  if (sendmsg(l->sock, &mh, MSG_DONTWAIT | MSG_NOSIGNAL) != (ssize_t)sizeof proof)
+    return "cannot send the PROOF";
+  close(l->infd[0]);
+  l->ninfd = 0;
+  return NULL;
+}
+
+/* Client: the server's doorbell came: the lane is up. */
+static const char *dial_client_bell(td__lanes *ls, td__lane *l) {
+  int fds[2], n;
+  take_fds(l, fds, &n);
+  const char *why = NULL;
+  uint8_t *bell = NULL;
+  if (n != 1 || td__get_u32(l->in) != DIAL_BELL_MAGIC) why = "no doorbell came with the answer";
+  else bell = map_received(fds[0], BELL_BYTES, &why);
+  for (int i = 0; i < n; i++) close(fds[i]);
+  if (why) return why;
+  __atomic_store_n(&l->peer_bell, (uint32_t *)bell, __ATOMIC_RELEASE);
+  __atomic_store_n(&l->dial, D_UP, __ATOMIC_RELEASE);
+  __atomic_store_n(&l->state, L_ACCEPTED, __ATOMIC_RELEASE);
+  count_up(l);
+  /* frames written before the bell was known may have found the server asleep */
+  ring_bell(l->peer_bell);
+  (void)ls;
+  return NULL;
+}
+
+/* One event on a registered lane's socket (socket thread). */
+static void dial_event(td__lanes *ls, td__lane *l, uint32_t events) {
+  if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) {
+    sock_drop(ls, l); /* closed by this side (or its handshake failed) */
+    return;
+  }
+  for (;;) {
+    int d = l->dial;
+    size_t want = d == D_S_HELLO ? TD__HS_HELLO_LEN
+                  : d == D_C_CHALLENGE ? TD__HS_CHALLENGE_LEN
+                  : d == D_S_PROOF ? TD__HS_PROOF_LEN
+                  : d == D_C_BELL ? 4 : 1;
+    if (d == D_UP) {
+      /* once the lane is up the socket carries keepalive pings and pongs, then its end */
+      uint8_t b[64];
+      ssize_t got = recv(l->sock, b, sizeof b, MSG_DONTWAIT);
+      if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) &&
+          !(events & (EPOLLHUP | EPOLLRDHUP | EPOLLERR)))
+        return;
+      bool bad = false;
+      for (ssize_t i = 0; i < got && !bad; i++) {
+        if (b[i] == KA_PING) bad = send(l->sock, &(uint8_t){KA_PONG}, 1, MSG_DONTWAIT | MSG_NOSIGNAL) != 1;
+        else if (b[i] == KA_PONG) l->ping_ns = 0;
+        else bad = true;
+      }
+      if (got > 0 && !bad) {
+        events = 0;
+        continue; /* more may be there */
+      }
+      if (bad) {
+        lane_fail(l, "unexpected bytes on the lane's socket");
+      } else {
+        __atomic_store_n(&l->eof, true, __ATOMIC_RELEASE);
+        hint_self(l); /* the lane thread reads what is left, then closes it */
+      }
+      sock_drop(ls, l);
+      return;
+    }
+    int r = dial_read(l, want);
+    if (r < 0) {
+      dial_fail(ls, l, "the peer closed the socket during the handshake");
+      return;
+    }
+    if (r == 0) return;
+    const char *why = NULL;
+    if (d == D_S_HELLO) {
+      uint8_t chal[TD__HS_CHALLENGE_LEN];
+      if (l->ninfd) why = "unexpected descriptors";
+      else if (td__hs_server_hello(&l->hs, &ls->dial_auth, ls->self_rank, l->in, TD__HS_HELLO_LEN,
+                                   chal) != TD_OK)
+        why = td_last_error();
+      else if (pid_for(ls, l->hs.peer_rank) != peer_pid(l->sock))
+        why = "the socket's process is not the rank it claims";
+      else if (send(l->sock, chal, sizeof chal, MSG_DONTWAIT | MSG_NOSIGNAL) != (ssize_t)sizeof chal)
+        why = "cannot send the CHALLENGE";
+      else {
+        l->peer = l->hs.peer_rank;
+        l->dial = D_S_PROOF;
+      }
+    } else if (d == D_C_CHALLENGE) {
+      why = dial_client_challenge(ls, l);
+      if (!why) l->dial = D_C_BELL;
+    } else if (d == D_S_PROOF) {
+      why = dial_server_proof(ls, l);
+    } else if (d == D_C_BELL) {
+      why = dial_client_bell(ls, l);
+    }
+    l->inlen = 0;
+    if (why) {
+      char w[200];
+      snprintf(w, sizeof w, "%s", why);
+      dial_fail(ls, l, w);
+      return;
+    }
+    if (l->dial == D_UP) hs_leave(ls, l);
+  }
+}
+
+/* Keepalive (socket thread): a lane that sent frames since its last ping is pinged; a ping
+ * unanswered for kt_ns ends the lane (its peer is stopped or hung: calls through it fail, as a
+ * gRPC stream's keepalive fails them). The peer's socket thread answers. Idle lanes are not
+ * pinged (a peer that hangs while idle is found at the next call). */
+static void keepalive_round(td__lanes *ls, uint64_t now) {
+  if (ls->ka_ns <= 0 || now - ls->ka_round_ns < (uint64_t)ls->ka_ns / 2) return;
+  ls->ka_round_ns = now;
+  for (td__lane *l = ls->reg, *n; l; l = n) {
+    n = l->reg_next;
+    if (l->dial != D_UP || __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) continue;
+    if (l->ping_ns && now - l->ping_ns > (uint64_t)ls->kt_ns) {
+      char why[200];
+      snprintf(why, sizeof why, "keepalive: rank %d did not answer a ping on its lane within "
+               "%lld ms (stopped or hung)", l->peer, (long long)(ls->kt_ns / 1000000));
+      lane_fail(l, why);
+      sock_drop(ls, l);
+      continue;
+    }
+    uint64_t sent = __atomic_load_n(&l->tx_frames, __ATOMIC_RELAXED);
+    if (!l->ping_ns && sent != l->ping_mark) {
+      l->ping_mark = sent;
+      if (send(l->sock, &(uint8_t){KA_PING}, 1, MSG_DONTWAIT | MSG_NOSIGNAL) == 1) l->ping_ns = now;
+    }
+  }
+}
+
+/* Handshakes past their deadline fail (socket thread). */
+static void dial_sweep(td__lanes *ls, uint64_t now) {
+  keepalive_round(ls, now);
+  for (td__lane *l = ls->hs, *n; l; l = n) {
+    n = l->hs_next;
+    if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) sock_drop(ls, l);
+    else if (l->dial != D_UP && now - l->born_ns > (uint64_t)dial_deadline_ns(ls))
+      dial_fail(ls, l, "the handshake did not finish in time");
+  }
+}
+
+static void *sock_main(void *arg) {
+  td__lanes *ls = arg;
+  struct epoll_event ev[64];
+  uint64_t swept = td__now_ns();
+  while (!__atomic_load_n(&ls->sock_stop, __ATOMIC_ACQUIRE)) {
+    int n = epoll_wait(ls->ep, ev, 64, 250);
+    pthread_mutex_lock(&ls->mu);
+    td__lane *q = ls->dialq;
+    ls->dialq = NULL;
+    pthread_mutex_unlock(&ls->mu);
+    while (q) {
+      td__lane *l = q;
+      q = l->dq_next;
+      if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) {
+        sock_drop(ls, l); /* (not registered: removes nothing from the list) */
+        continue;
+      }
+      sock_register(ls, l);
+      dial_event(ls, l, 0); /* the answer may be there already */
+    }
+    for (int i = 0; i < n; i++) {
+      void *p = ev[i].data.ptr;
+      if (p == &ls->dial_fd) {
+        dial_accept(ls);
+      } else if (p == &ls->wake_fd) {
+        uint64_t v;
+        if (read(ls->wake_fd, &v, sizeof v) < 0) { /* nothing to drain */
+        }
+      } else {
+        /* a lane dropped earlier in this round is still there (bury), no longer registered */
+        td__lane *l = p;
+        if (l->in_ep) dial_event(ls, l, ev[i].events);
+      }
+    }
+    uint64_t now = td__now_ns();
+    if (now - swept > 200000000ull) {
+      dial_sweep(ls, now);
+      swept = now;
+    }
+    bury(ls);
+  }
+  /* stopping: every socket closes (the lanes themselves are closed by td__lanes_stop) */
+  while (ls->reg) sock_drop(ls, ls->reg);
+  pthread_mutex_lock(&ls->mu);
+  td__lane *q = ls->dialq;
+  ls->dialq = NULL;
+  pthread_mutex_unlock(&ls->mu);
+  while (q) {
+    td__lane *l = q;
+    q = l->dq_next;
+    sock_drop(ls, l);
+  }
+  bury(ls);
+  return NULL;
+}
+
+td_status td__lanes_listen_dial(td__lanes *ls, int self_rank, const td__auth *auth,
+                                uint64_t self_nonce, const uint64_t *nonce_of, int world,
+                                int64_t handshake_ms, int64_t ka_ms, int64_t kt_ms) {
+  if (!ls || ls->sock_started) return TD_OK;
+  bool any = false;
+  for (int r = 0; r < world && r < ls->world; r++)
+    any |= r != self_rank && pid_for(ls, r) > 0 && nonce_of[r];
+  if (!any || !self_nonce) return TD_OK; /* nobody to dial on this host */
+  uint64_t *no = td__calloc((size_t)world, sizeof *no);
+  if (!no) return td_set_error(TD_ERR_NOMEM, "rpc lane: out of memory");
+  memcpy(no, nonce_of, (size_t)world * sizeof *no);
+  if (auth) TD_TRY(td__auth_derive(auth, "lane dial", NULL, 0, &ls->dial_auth));
+  else ls->dial_auth.secure = false;
+  ls->self_rank = self_rank;
+  ls->hs_ns = handshake_ms > 0 ? handshake_ms * 1000000 : 0;
+  ls->ka_ns = ka_ms > 0 ? ka_ms * 1000000 : 0;
+  ls->kt_ns = kt_ms > 0 ? kt_ms * 1000000 : 20000000000;
+  /* a lane is a socket per peer: a large group on one host needs more descriptors than the
+   * usual soft limit of 1024 */
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max &&
+      rl.rlim_cur < (rlim_t)(4 * world + 1024)) {
+    rl.rlim_cur = rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
+  }
+  const char *why = NULL;
+  snprintf(ls->dial_name, sizeof ls->dial_name, "tdist-dial-%d-%016llx", (int)getpid(),
+           (unsigned long long)self_nonce);
+  struct sockaddr_un sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sun_family = AF_UNIX;
+  size_t nl = strlen(ls->dial_name);
+  memcpy(sa.sun_path + 1, ls->dial_name, nl);
+  socklen_t salen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + nl);
+  ls->dial_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (ls->dial_fd < 0 || bind(ls->dial_fd, (struct sockaddr *)&sa, salen) != 0 ||
+      listen(ls->dial_fd, 4096) != 0)
+    why = "cannot listen on the dial socket";
+  if (!why && ((ls->ep = epoll_create1(EPOLL_CLOEXEC)) < 0 ||
+               (ls->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0))
+    why = "cannot create the socket thread's events";
+  if (!why) {
+    struct epoll_event e1 = {.events = EPOLLIN, .data.ptr = &ls->dial_fd};
+    struct epoll_event e2 = {.events = EPOLLIN, .data.ptr = &ls->wake_fd};
+    if (epoll_ctl(ls->ep, EPOLL_CTL_ADD, ls->dial_fd, &e1) != 0 ||
+        epoll_ctl(ls->ep, EPOLL_CTL_ADD, ls->wake_fd, &e2) != 0)
+      why = "cannot watch the dial socket";
+  }
+  if (!why && pthread_create(&ls->sock_thread, NULL, sock_main, ls) != 0)
+    why = "cannot start the socket thread";
+  if (why) {
+    int e = errno;
+    td__free(no);
+    return td_set_error(TD_ERR_UNAVAILABLE, "rpc lane: %s: %s", why, strerror(e));
+  }
+  pthread_setname_np(ls->sock_thread, "td-lanesock");
+  __atomic_store_n(&ls->nonce_of, no, __ATOMIC_RELEASE);
+  __atomic_store_n(&ls->sock_started, true, __ATOMIC_RELEASE);
+  return TD_OK;
+}
+
+static void sock_stop(td__lanes *ls) {
+  if (!__atomic_load_n(&ls->sock_started, __ATOMIC_ACQUIRE)) return;
+  __atomic_store_n(&ls->sock_stop, true, __ATOMIC_RELEASE);
+  wake_sock(ls);
+  pthread_join(ls->sock_thread, NULL);
+  __atomic_store_n(&ls->sock_started, false, __ATOMIC_RELEASE);
+}
+
 /* ---- the process's part ---- */
 
 td_status td__lanes_create(const td__lanes_opts *o, td__lanes **out) {
@@ -1065,6 +1981,7 @@ td_status td__lanes_create(const td__lanes_opts *o, td__lanes **out) {
   if (!ls) return td_set_error(TD_ERR_NOMEM, "rpc lane: out of memory");
   ls->o = *o;
   ls->listen_fd = ls->bell_fd = -1;
+  ls->dial_fd = ls->ep = ls->wake_fd = -1;
   ls->set_gen = (uint32_t)-1;
   pthread_mutex_init(&ls->mu, NULL);
   pthread_mutex_init(&ls->rx_mu, NULL);
@@ -1131,9 +2048,12 @@ void td__lanes_sweep(td__lanes *ls) {
   if (ls) accept_all(ls);
 }
 
+static void sock_stop(td__lanes *ls);
+
 void td__lanes_stop(td__lanes *ls) {
   if (!ls) return;
   td__future_set_wait_poller(NULL, ls); /* no waiter polls from here on */
+  sock_stop(ls);
   if (ls->started) {
     __atomic_store_n(&ls->stop, true, __ATOMIC_RELEASE);
     kick_self(ls);
@@ -1158,6 +2078,13 @@ void td__lanes_destroy(td__lanes *ls) {
   if (!ls) return;
   td__lanes_stop(ls);
   if (ls->listen_fd >= 0) close(ls->listen_fd);
+  if (ls->dial_fd >= 0) close(ls->dial_fd);
+  if (ls->ep >= 0) close(ls->ep);
+  if (ls->wake_fd >= 0) close(ls->wake_fd);
+  td__free(ls->nonce_of);
+  td__free(ls->free_slots);
+  td__free(ls->by_slot);
+  td__free(ls->fresh);
   if (ls->bell) munmap(ls->bell, BELL_BYTES);
   if (ls->bell_fd >= 0) close(ls->bell_fd);
   td__free(ls->pid_of);

@@ -21,6 +21,22 @@
  * frame on the stream before its switch is its READY / SWITCH, and the receiver reads the lane
  * only after it has read that frame from the stream, so frames keep their order per direction.
  *
+ * Dialled lanes (td__lane_dial): two members on one host need no gRPC stream at all. The client
+ * connects to the peer's dial socket (a second abstract name, "tdist-dial-<pid>-<nonce>", both
+ * from the peer's same-host record) and runs the stream handshake of auth.h on it, under a key
+ * derived for this purpose:
+ *   client: HELLO (48 B)                 - socket peer checked: the verified pid of the rank
+ *   server: CHALLENGE (76 B)             - only from a member's pid; rank's pid checked
+ *   client: PROOF (40 B) + lane memfd + its doorbell
+ *   server: BELL (4 B) + its doorbell    - the lane is up on both sides
+ * The client writes frames into its ring from the start (the server reads them only once the
+ * client proved itself; the memfd reaches the server only after the server proved itself). The
+ * socket stays open while the lane lives: its end (the peer exited, or closed the lane) is the
+ * lane's end, after what the peer wrote before it has been read; and it carries keepalive pings
+ * (one byte each way) for lanes that sent frames, so a stopped or hung peer ends the lane as
+ * gRPC's keepalive ends a stream. One thread per process (the
+ * socket thread, epoll) accepts, runs the handshakes and watches the sockets.
+ *
  * All in rpc/lane.c. THREAD SAFETY: set-up functions run on the transport's poller thread;
  * td__lane_send from any thread; the decoders' callbacks run on the lane thread, or on a thread
  * about to block in td_future_wait that drives the receive side meanwhile (one at a time).
@@ -35,6 +51,10 @@
 
 #define TD__LANE_RING (256u << 10) /* bytes in each direction's ring */
 #define TD__LANE_MAX 64            /* lanes one process holds at once (memory: 516 KiB each) */
+/* Dialled lanes one process holds at once (each a socket, and 516 KiB of shared memory whose
+ * pages become resident as bytes pass), and server handshakes in progress at once. */
+#define TD__LANE_DIAL_MAX 4096
+#define TD__LANE_DIAL_PENDING 1024
 #define TD__LANE_SECRET 32
 
 /* Control messages (the id of a TD__FRAME_MAGIC_LANE frame). */
@@ -48,6 +68,7 @@ enum {
 };
 #define TD__LANE_CTRL_MAX 128 /* longest control body */
 
+struct td__auth;
 typedef struct td__lanes td__lanes;
 typedef struct td__lane td__lane;
 
@@ -71,6 +92,13 @@ typedef struct td__lanes_opts {
   /* Optional: called with refused_ud before (end false) and after (end true) every pass over
    * the receive rings, on the thread making it (the lane thread or a waiter). */
   void (*burst)(void *ud, bool end);
+  /* Dialled lanes. A member's dial was accepted (socket thread): make the server's side of it
+   * for rank peer and give the lane its decoder and owner (*dec, *ud; the lane takes them over
+   * and gives ud back through release). Not TD_OK: the lane is closed. */
+  td_status (*dialed)(void *refused_ud, td__lane *l, int peer, td__decoder **dec, void **ud);
+  /* A dialled lane ended (closed by either side, its peer gone, its handshake failed): called
+   * once, just before release, with the reason. Any thread but one holding a lane lock. */
+  void (*ended)(void *ud, const char *why);
 } td__lanes_opts;
 
 /* td__lanes_create opens the socket and the doorbell and starts the lane thread. */
@@ -85,6 +113,18 @@ td_status td__lanes_set_pids(td__lanes *ls, const int *pid_of, int world);
 void td__lanes_set_spin(td__lanes *ls, int64_t ns);
 /* Lanes carrying frames now (both directions switched). THREAD SAFETY: any thread. */
 int td__lanes_up(const td__lanes *ls);
+/* td__lanes_listen_dial: opens this process's dial socket (named from self_nonce) and starts the
+ * socket thread; dials go to rank r at "tdist-dial-<pid_of[r]>-<nonce_of[r]>". auth: the group's
+ * key (copied; insecure: the pids alone identify the peers); handshake_ms bounds a handshake;
+ * ka_ms / kt_ms: a lane that sent frames is pinged on its socket every ka_ms, and ends when a
+ * ping waits kt_ms for its answer (0: no pings). Once, after td__lanes_set_pids. */
+td_status td__lanes_listen_dial(td__lanes *ls, int self_rank, const struct td__auth *auth,
+                                uint64_t self_nonce, const uint64_t *nonce_of, int world,
+                                int64_t handshake_ms, int64_t ka_ms, int64_t kt_ms);
+/* Whether a lane can be dialled to rank (its process on this host, its socket known). */
+bool td__lanes_can_dial(td__lanes *ls, int rank);
+/* Dialled lanes up now. */
+int td__lanes_dialed(const td__lanes *ls);
 /* Whether rank has a known process on this host (a lane may be asked for). */
 bool td__lanes_knows(td__lanes *ls, int rank);
 /* Closes the connections strangers left on the socket (poller, about once a second). */
@@ -99,6 +139,13 @@ td_status td__lane_offer(td__lanes *ls, int peer, td__decoder *dec, void *ud, ui
 /* Client, on an OFFER: connects and hands the lane over; then send ATTACH. */
 td_status td__lane_join(td__lanes *ls, int peer, const uint8_t *body, size_t len,
                         td__decoder *dec, void *ud, td__lane **out);
+/* Client, without a stream: connects to rank peer's dial socket and starts the handshake; frames
+ * may be sent at once (td__lane_send). The lane's end is reported through ended and release.
+ * Fails (nothing taken but dec, which is destroyed) when the socket cannot be reached: the
+ * caller may use a gRPC stream instead. */
+td_status td__lane_dial(td__lanes *ls, int peer, td__decoder *dec, void *ud, td__lane **out);
+/* Records why the lane is being closed (the first reason wins), then closes it. */
+void td__lane_close_why(td__lane *l, const char *why);
 /* Server, on ATTACH: takes the lane from the socket (then send READY and switch). */
 td_status td__lane_accept(td__lane *l);
 /* Client, on READY: takes the server's doorbell (then send SWITCH and switch). */

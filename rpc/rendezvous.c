@@ -10,8 +10,8 @@
  *             (each kind of record of all N workers in one range request per 4096 ranks or
  *             1 MiB, td__rdv_read_all: O(N) store requests for the group, not O(N^2))
  *   ready     everybody has read everything before anybody proceeds
- *   passed    rank 0 returns only once everybody is past "ready", so it cannot take the store away
- *             (by shutting down right after init) while someone still polls it
+ *   passed    each worker counts itself done with the store; rank 0 waits for everybody's count
+ *             before it takes the store away (at its shutdown), so nobody's init loses it
  * Any worker that detects a fatal mismatch writes "abort", so the others fail fast with the same
  * reason instead of timing out. Rendezvous uses wait-for-ready (rank 0 may start last); after
  * init a missing rank 0 is a failure, not a late start.
@@ -449,7 +449,9 @@ static td_status rdv_join(td_rpc_agent *a, uint64_t deadline) {
 }
 
 static td_status rdv_read(td_rpc_agent *a, uint64_t deadline) {
+  uint64_t t0 = td__now_ns();
   td_status st = parse_peers(a, deadline);
+  uint64_t t1 = td__now_ns();
   if (st != TD_OK) {
     char msg[600];
     snprintf(msg, sizeof msg, "%s", td_last_error());
@@ -457,7 +459,12 @@ static td_status rdv_read(td_rpc_agent *a, uint64_t deadline) {
     return td_set_error(st, "%s", msg);
   }
   TD_TRY(td__devmap_setup(a, deadline));
-  return td__direct_probe(a, deadline);
+  uint64_t t2 = td__now_ns();
+  st = td__direct_probe(a, deadline);
+  td_log(TD_LOG_DEBUG, "rpc: %s: read phase (ms): records %.1f, device maps %.1f, same-host "
+         "probe %.1f", a->name, (double)(t1 - t0) / 1e6, (double)(t2 - t1) / 1e6,
+         (double)(td__now_ns() - t2) / 1e6);
+  return st;
 }
 
 static td_status rdv_ready(td_rpc_agent *a, uint64_t deadline) {
@@ -466,24 +473,53 @@ static td_status rdv_ready(td_rpc_agent *a, uint64_t deadline) {
   return td__direct_learn(a, deadline);
 }
 
-/* Rank 0 may return from init the moment the last "passed" reaches its store, and shut down at
- * once (non-gracefully: it cancels the calls it is serving), so the reply to that last add can be
- * lost although the add was counted. Past "ready" the group is complete and every worker has read
- * everything; the add only holds rank 0 back. So another rank that loses its reply goes on: had
- * the add really not arrived, rank 0 fails its own init on the deadline, and calls to it then fail
- * here naming it. */
+/* Every worker counts itself "passed" once it needs the store no more for its init. Rank 0 does
+ * not wait for the count here but before it takes the store away (td__rdv_passed_wait, at its
+ * shutdown): waiting here held every call to rank 0 (requests that arrive during init wait for
+ * it) until the slowest worker's add got through, while the workers already past init loaded the
+ * host (256 workers on 2 CPUs: 5.8 s). Rank 0 may shut down while the reply to the last add is on
+ * its way, so another rank that loses its reply goes on: past "ready" the group is complete and
+ * every worker has read everything. */
 static td_status rdv_passed(td_rpc_agent *a, uint64_t deadline) {
+  (void)deadline;
   td_status st = td__store_add(&a->sc, "passed", 1, NULL);
-  if (a->rank != 0) {
-    if (st == TD_ERR_UNAVAILABLE || st == TD_ERR_CANCELLED) {
-      td_log(TD_LOG_DEBUG, "rpc: %s: the reply to 'passed' was lost (%s); rank 0 may have left "
-             "already, the group is complete", a->name, td_last_error());
-      st = TD_OK;
-    }
-    return st;
+  if (a->rank != 0 && (st == TD_ERR_UNAVAILABLE || st == TD_ERR_CANCELLED)) {
+    td_log(TD_LOG_DEBUG, "rpc: %s: the reply to 'passed' was lost (%s); rank 0 may have left "
+           "already, the group is complete", a->name, td_last_error());
+    st = TD_OK;
   }
-  TD_TRY(st);
-  return td__store_wait_ge(&a->sc, "passed", a->world0, deadline, "abort");
+  return st;
+}
+
+static void *passed_main(void *arg) {
+  td_rpc_agent *a = arg;
+  if (rdv_passed(a, 0) != TD_OK)
+    td_log(TD_LOG_DEBUG, "rpc: %s: 'passed' not counted: %s", a->name, td_last_error());
+  return NULL;
+}
+
+/* Ranks > 0 count themselves "passed" on a thread of their own: init returns without waiting for
+ * rank 0 to answer (behind the whole group's requests, that took seconds at 256 workers). */
+static td_status rdv_passed_start(td_rpc_agent *a, uint64_t deadline) {
+  if (a->rank == 0 || pthread_create(&a->passed_th, NULL, passed_main, a) != 0)
+    return rdv_passed(a, deadline);
+  a->passed_async = true;
+  return TD_OK;
+}
+
+void td__rdv_passed_join(td_rpc_agent *a) {
+  if (!a->passed_async) return;
+  pthread_join(a->passed_th, NULL);
+  a->passed_async = false;
+}
+
+void td__rdv_passed_wait(td_rpc_agent *a, uint64_t hard) {
+  if (a->rank != 0 || a->joiner || !a->store) return;
+  uint64_t dl = td__now_ns() + (uint64_t)td__rdv_exit_wait_ms(a) * 1000000ull;
+  if (hard < dl) dl = hard;
+  if (td__store_wait_ge(&a->sc, "passed", a->world0, dl, NULL) != TD_OK)
+    td_log(TD_LOG_DEBUG, "rpc: %s: shutdown: not every worker finished its init with the store: "
+           "%s", a->name, td_last_error());
 }
 
 static void init_trace(td_rpc_agent *a);
@@ -579,7 +615,7 @@ static td_status rendezvous(td_rpc_agent *a) {
   t[3] = td__now_ns();
   TD_TRY(rdv_ready(a, deadline));
   t[4] = td__now_ns();
-  TD_TRY(rdv_passed(a, deadline));
+  TD_TRY(rdv_passed_start(a, deadline));
   t[5] = td__now_ns();
   /* where a large group's start-up goes (docs/ARCHITECTURE.md, "Start-up of large groups") */
   td_log(TD_LOG_DEBUG, "rpc: %s: rendezvous phases (ms): publish %.1f, join %.1f, read %.1f, "
@@ -625,6 +661,7 @@ static int64_t busy_poll_window(td_rpc_agent *a, int64_t opt) {
 
 void td__agent_free(td_rpc_agent *a) {
   if (!a) return;
+  td__rdv_passed_join(a);
   if (a->peers) {
     for (int r = 0; r < a->world; r++) {
       td__conn_unref(a->peers[r].conn);
@@ -921,6 +958,10 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
   a->opts = *o;
   a->direct_on = td__direct_wanted(o);
   a->lane_on = td__lane_wanted(o);
+  {
+    const char *e = getenv("TD_RPC_LANE_DIAL");
+    a->lane_dial = a->lane_on && !(e && strcmp(e, "0") == 0);
+  }
   const char *share = getenv("TD_RPC_SHARE_STREAMS");
   a->share_streams = !(share && strcmp(share, "0") == 0);
   snprintf(a->name, sizeof a->name, "%s", name);
@@ -1053,6 +1094,14 @@ static void tls_free(td__tls *tls) {
 }
 
 /* Phase 3: the server (rank 0's serves the store on the master port) and the store client. */
+/* Rank 0's store client: a request handled on the calling thread (never parked: a wait polls,
+ * which costs rank 0 a table lookup). */
+static td_status local_store_unary(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
+                                   size_t *reply_len) {
+  td_rpc_agent *a = ctx;
+  return td__serve_unary(a, TD__STORE_METHOD, req, len, reply, reply_len);
+}
+
 static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   const td_rpc_options *o = &a->opts;
   td__tls tls;
@@ -1106,10 +1155,17 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   a->sc.tr = a->tr;
   a->sc.call_timeout_ms = o->init_timeout_ms;
   a->sc.wait_for_ready = true;
+  if (a->rank == 0 && a->store) {
+    /* rank 0's own store calls go straight to its store, not through its own gRPC server: there
+     * they queued behind the whole group's requests (256 workers on 2 CPUs: seconds per call) */
+    a->sc.unary_fn = local_store_unary;
+    a->sc.unary_ctx = a;
+  }
   /* N workers polling a wait: at most about 1,000 requests a second at the store (or 50 ms).
    * Rank 0 serves them on one thread with the CPU share of any worker: at 4,000 a second (the
    * earlier bound) 128 workers on 2 CPUs kept it saturated through the rendezvous. */
   a->sc.max_backoff_ms = a->world > 50 ? a->world : 50;
+  if (a->sc.unary_fn) a->sc.max_backoff_ms = 5; /* (its polls cost a lookup, not a request) */
   /* ... and waits are parked at the store rather than polled: one request per wait (or per
    * 2 s), answered when the counter or key gets there */
   a->sc.park_ms = TD__STORE_PARK_MAX_MS;

@@ -341,6 +341,10 @@ td_status td_rpc_shutdown(td_rpc_agent *a, bool graceful, td_timeout_ms timeout_
                "%.1f s: %s", a->name, (double)(td__now_ns() - t0) / 1e9, td_last_error());
     }
   }
+  /* rank 0: no worker may still need the store for its init (a graceful barrier that passed
+   * proves it already) */
+  if (!(graceful && st == TD_OK)) td__rdv_passed_wait(a, hard);
+  td__rdv_passed_join(a); /* (our own, before the transport goes) */
   td__store_park_end(a); /* rank 0: the waits its store holds end before its server */
   td__transport_shutdown(a->tr);
   td_status pool_st = td__threadpool_shutdown_until(a->pool, hard);

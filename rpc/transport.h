@@ -124,10 +124,14 @@ void td__transport_destroy(td__transport *t);
 td_status td__transport_allow_direct(td__transport *t, const int *pid_of, int world);
 td_status td__transport_direct_to(td__transport *t, const bool *to, int world);
 /* td__transport_allow_lane: streams with rank r may move to a same-host lane whose socket peer is
- * process pid_of[r] (0: never). Once, at init; no-op without lanes. td__transport_lanes_up: the
- * lanes carrying frames now. */
-td_status td__transport_allow_lane(td__transport *t, const int *pid_of, int world);
+ * process pid_of[r] (0: never); and a conn to r (td__transport_connect) is a dialled lane, with no
+ * gRPC stream at all, at the dial socket named by r's pid and nonce_of[r] (0, or nonce_of NULL:
+ * never), this process listening on its own (self_nonce). Once, at init; no-op without lanes.
+ * td__transport_lanes_up: the lanes carrying frames now; _dialed: of them, dialled ones. */
+td_status td__transport_allow_lane(td__transport *t, const int *pid_of, const uint64_t *nonce_of,
+                                   uint64_t self_nonce, int world);
 int td__transport_lanes_up(td__transport *t);
+int td__transport_lanes_dialed(td__transport *t);
 
 /* td__transport_traffic adds up the traffic with rank (or with every rank when rank < 0) into
  * *out (a td_rpc_traffic). THREAD SAFETY: any thread. */

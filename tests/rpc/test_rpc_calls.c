@@ -409,6 +409,7 @@ typedef struct lane_case {
   int option;      /* td_rpc_options.shm_lane */
   const char *env; /* TD_RPC_SHM_LANE, or NULL */
   bool expect_on;
+  const char *dial; /* TD_RPC_LANE_DIAL, or NULL (dialled lanes: no gRPC stream at all) */
 } lane_case;
 
 /* seq(i): TD_RPC_INLINE; fails unless i is one more than the last i it saw from this caller
@@ -435,6 +436,9 @@ static int worker_lane(int rank, int world, const char *method, void *arg) {
   MP_CHECK_OK(td_rpc_register_ex("lane_seq", fn_seq, NULL, TD_RPC_INLINE));
   if (k->env) setenv("TD_RPC_SHM_LANE", k->env, 1);
   else unsetenv("TD_RPC_SHM_LANE");
+  if (k->dial) setenv("TD_RPC_LANE_DIAL", k->dial, 1);
+  else unsetenv("TD_RPC_LANE_DIAL");
+  bool dialled = k->expect_on && !(k->dial && strcmp(k->dial, "0") == 0);
   td_rpc_options o = td_mp_rpc_options(method, 4);
   o.shm_lane = k->option;
   o.direct_copy = 0; /* every tensor byte goes through the path under test */
@@ -457,8 +461,10 @@ static int worker_lane(int rank, int world, const char *method, void *arg) {
     MP_CHECK_OK(td_rpc_async(a, peer, "lane_seq", &v, 1, NULL, &fs[i]));
     td_value_unref(v);
   }
-  /* both streams of the pair (ours and the peer's) switched */
-  if (k->expect_on) TD_TEST_POLL(td_rpc_shm_lanes(a) == 2, 30);
+  /* both streams of the pair (ours and the peer's) switched; or, dialled, the pair's lanes are
+   * up (one or two: a worker whose peer dialled it first may call back on that lane) */
+  if (k->expect_on && !dialled) TD_TEST_POLL(td_rpc_shm_lanes(a) == 2, 30);
+  if (dialled) TD_TEST_POLL(td_rpc_shm_lanes(a) >= 1, 30);
   /* then one call at a time, with tensors from one float to more than the ring holds
    * (256 KiB), which cross it in pieces */
   td_rpc_traffic before;
@@ -491,6 +497,8 @@ static int worker_lane(int rank, int world, const char *method, void *arg) {
               (unsigned long long)before.lane_frames_sent, (unsigned long long)tr.lane_frames_sent,
               td_rpc_shm_lanes(a));
     MP_CHECK(tr.frames_sent == before.frames_sent);
+    /* dialled: no frame ever went through a gRPC stream, the first calls included */
+    if (dialled) MP_CHECK(tr.frames_sent == 0 && tr.frames_received == 0);
     MP_CHECK(tr.lane_frames_sent - before.lane_frames_sent >= 40);
     MP_CHECK(tr.lane_frames_received - before.lane_frames_received >= 40);
   } else {
@@ -509,8 +517,9 @@ static int worker_lane(int rank, int world, const char *method, void *arg) {
 }
 
 static void test_rpc_shm_lane(void **state) {
-  const lane_case cases[] = {{-1, NULL, true}, {0, NULL, false}, {-1, "0", false},
-                             {1, "0", true}};
+  const lane_case cases[] = {{-1, NULL, true, NULL}, {-1, NULL, true, "0"},
+                             {0, NULL, false, NULL}, {-1, "0", false, NULL},
+                             {1, "0", true, NULL}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     TD_MP_RUN(2, worker_lane, (void *)&cases[i], 60);
   }

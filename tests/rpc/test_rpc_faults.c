@@ -258,8 +258,11 @@ static void wait_stopped(pid_t pid) {
   }
 }
 
+/* arg: the value of TD_RPC_LANE_DIAL: a dialled lane's keepalive (its socket), or a gRPC
+ * stream's ("0") */
 static int worker_hung(int rank, int world, const char *method, void *arg) {
   register_fault_fns();
+  setenv("TD_RPC_LANE_DIAL", (const char *)arg, 1);
   td_rpc_options o = td_mp_rpc_options(method, 2);
   o.keepalive_ms = 500;
   o.keepalive_timeout_ms = 500;
@@ -322,7 +325,8 @@ static int worker_hung(int rank, int world, const char *method, void *arg) {
 }
 
 static void test_rpc_hung_peer_keepalive(void **state) {
-  TD_MP_RUN(2, worker_hung, NULL, 45);
+  TD_MP_RUN(2, worker_hung, "1", 45);
+  TD_MP_RUN(2, worker_hung, "0", 45);
 }
 
 /* ---- a raw gRPC client ---- */
@@ -741,6 +745,7 @@ static void test_rpc_oversized_request_rejected(void **state) {
 static int worker_refused(int rank, int world, const char *method, void *arg) {
   (void)arg;
   register_fault_fns();
+  setenv("TD_RPC_LANE_DIAL", "0", 1); /* (the gRPC stream's handshake is under test) */
   td_rpc_options o = td_mp_rpc_options(method, 2);
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));

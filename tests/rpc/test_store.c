@@ -451,6 +451,10 @@ static int worker_counts(int rank, int world, const char *method, void *arg) {
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   if (rank == 0) {
+    /* (rank 0's init does not wait for the others' last reads: their "passed" says they are
+     * done with the store) */
+    MP_CHECK_OK(td__store_wait_ge(td__agent_store(a), "passed", world,
+                                  td__now_ns() + (uint64_t)td_test_ms(30000) * 1000000u, NULL));
     td__store_stats st;
     td__store_stats_get(a->store, &st);
     fprintf(stderr, "store after init of %d workers: %llu requests, %llu gets found, %llu ranges "

@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "rpc/auth.h"
 #include "rpc/lane.h"
 #include "rpc/wire.h"
 #include "test_util.h"
@@ -359,6 +360,192 @@ static void test_lane_handover_refuses_strangers(void **state) {
   td__lanes_destroy(srv);
 }
 
+/* ---- dialled lanes: no stream under them ---- */
+
+/* What a process's dial side reported: the server's lanes (dialed), the ends (ended). */
+typedef struct dial_watch {
+  watch w;
+  sink s;                /* frames of the lanes this side accepted */
+  td__lane *accepted[8]; /* references */
+  int naccepted;
+  int ended;
+  char ended_why[256];
+} dial_watch;
+
+static td_status on_dialed(void *ud, td__lane *l, int peer, td__decoder **dec, void **owner) {
+  dial_watch *d = ud;
+  (void)peer;
+  pthread_mutex_lock(&d->w.mu);
+  if (d->naccepted < 8) d->accepted[d->naccepted++] = td__lane_ref(l);
+  pthread_mutex_unlock(&d->w.mu);
+  *dec = new_decoder(&d->s, 1u << 24);
+  *owner = d;
+  return TD_OK;
+}
+
+static void on_ended(void *ud, const char *why) {
+  dial_watch *d = ud;
+  pthread_mutex_lock(&d->w.mu);
+  d->ended++;
+  snprintf(d->ended_why, sizeof d->ended_why, "%s", why);
+  pthread_mutex_unlock(&d->w.mu);
+}
+
+static int dw_get(dial_watch *d, int *field) {
+  pthread_mutex_lock(&d->w.mu);
+  int v = *field;
+  pthread_mutex_unlock(&d->w.mu);
+  return v;
+}
+
+/* Ranks 0 and 1 both this process; nonces 0x1111 and 0x2222 name their dial sockets (a second
+ * process's rank 0 in one process: self_nonce names its own). */
+static td__lanes *dial_lanes(dial_watch *d, int rank, const char *secret, int64_t hs_ms,
+                             uint64_t self_nonce) {
+  td__lanes_opts o = {on_refused, on_failed, NULL, NULL, &d->w, NULL, on_dialed, on_ended};
+  td__lanes *ls = NULL;
+  TD_ASSERT_OK(td__lanes_create(&o, &ls));
+  o.refused_ud = &d->w;
+  int pids[2] = {(int)getpid(), (int)getpid()};
+  TD_ASSERT_OK(td__lanes_set_pids(ls, pids, 2));
+  /* (on_dialed gets refused_ud: the watch is the first member of dial_watch) */
+  td__auth a;
+  TD_ASSERT_OK(td__auth_init(&a, secret, strlen(secret)));
+  uint64_t nonces[2] = {0x1111, 0x2222};
+  TD_ASSERT_OK(td__lanes_listen_dial(ls, rank, &a, self_nonce ? self_nonce : nonces[rank], nonces,
+                                     2, hs_ms, 200, 1000));
+  return ls;
+}
+
+static td__lane *dial_send(td__lanes *cli, dial_watch *dc, int first, int n) {
+  td__lane *cl = NULL;
+  TD_ASSERT_OK(td__lane_dial(cli, 1, new_decoder(&dc->s, 1u << 24), dc, &cl));
+  for (int i = 0; i < n; i++) {
+    td__frame f = {0};
+    encode((uint64_t)(first + i), 0, &f);
+    td__lane_msg m = {.head = f.head, .head_len = f.head_len};
+    TD_ASSERT_OK(td__lane_send(cl, &m));
+  }
+  return cl;
+}
+
+#define POLL(cond) for (int k_ = 0; k_ < 5000 && !(cond); k_++) usleep(1000)
+
+static void test_lane_dial(void **state) {
+  (void)state;
+  const char *secret = "a job secret of the group, long enough";
+  dial_watch ds = {.w = {.mu = PTHREAD_MUTEX_INITIALIZER}, .s = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+  dial_watch dc = {.w = {.mu = PTHREAD_MUTEX_INITIALIZER}, .s = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+  td__lanes *srv = dial_lanes(&ds, 1, secret, 500, 0), *cli = dial_lanes(&dc, 0, secret, 500, 0);
+  assert_true(td__lanes_can_dial(cli, 1));
+  assert_false(td__lanes_can_dial(cli, 0)); /* itself */
+  /* frames sent at once, before the handshake is done, arrive in order once it is */
+  td__lane *cl = dial_send(cli, &dc, 1, 100);
+  POLL(sink_count(&ds.s) == 100);
+  assert_int_equal(sink_count(&ds.s), 100);
+  for (int i = 0; i < 100; i++) assert_int_equal(ds.s.ids[i], (uint64_t)i + 1);
+  POLL(td__lanes_dialed(cli) == 1 && td__lanes_dialed(srv) == 1);
+  assert_int_equal(td__lanes_dialed(cli), 1);
+  assert_int_equal(td__lanes_dialed(srv), 1);
+  assert_int_equal(dw_get(&ds, &ds.naccepted), 1);
+  /* and back, through the server's side of it */
+  td__frame f = {0};
+  encode(7, 0, &f);
+  td__lane_msg m = {.head = f.head, .head_len = f.head_len};
+  TD_ASSERT_OK(td__lane_send(ds.accepted[0], &m));
+  POLL(sink_count(&dc.s) == 1);
+  assert_int_equal(sink_count(&dc.s), 1);
+  assert_int_equal(dc.s.ids[0], 7);
+  /* the client closes: the server sees the socket end, reads what was written before it, and
+   * reports the end once */
+  td__lane *cl2 = dial_send(cli, &dc, 1000, 0);
+  POLL(td__lanes_dialed(srv) == 2);
+  for (int i = 0; i < 5; i++) {
+    encode(101 + (uint64_t)i, 0, &f);
+    td__lane_msg m2 = {.head = f.head, .head_len = f.head_len};
+    TD_ASSERT_OK(td__lane_send(cl, &m2));
+  }
+  td__lane_close_why(cl, "bye");
+  POLL(dw_get(&ds, &ds.ended) == 1);
+  assert_int_equal(dw_get(&ds, &ds.ended), 1);
+  assert_int_equal(sink_count(&ds.s), 105);
+  assert_non_null(strstr(ds.ended_why, "closed the lane"));
+  POLL(dw_get(&dc, &dc.ended) == 1);
+  assert_non_null(strstr(dc.ended_why, "bye"));
+  TD_ASSERT_STATUS(td__lane_send(cl, &m), TD_ERR_UNAVAILABLE);
+  /* the other lane still works */
+  encode(8, 0, &f);
+  td__lane_msg m3 = {.head = f.head, .head_len = f.head_len};
+  TD_ASSERT_OK(td__lane_send(ds.accepted[1], &m3));
+  POLL(sink_count(&dc.s) == 2);
+  assert_int_equal(dc.s.ids[1], 8);
+  /* a client with another job's secret: the server's proof fails at the client, which gives up;
+   * the server counts the abandoned handshake as refused */
+  dial_watch dx = {.w = {.mu = PTHREAD_MUTEX_INITIALIZER}, .s = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+  td__lanes *other = dial_lanes(&dx, 0, "another job's secret, long enough", 500, 0x3333);
+  int refused0 = dw_get(&ds, &ds.w.refused);
+  td__lane *xl = dial_send(other, &dx, 1, 3);
+  POLL(dw_get(&dx, &dx.ended) == 1 && dw_get(&ds, &ds.w.refused) > refused0);
+  assert_int_equal(dw_get(&dx, &dx.ended), 1);
+  assert_int_equal(dw_get(&ds, &ds.w.refused), refused0 + 1);
+  assert_int_equal(sink_count(&ds.s), 105); /* nothing of its frames was read */
+  assert_int_equal(dw_get(&ds, &ds.naccepted), 2);
+  /* strangers at the socket: another process (closed at once), garbage from a member's process,
+   * a member's process that never sends its HELLO (timed out) */
+  char name[64];
+  snprintf(name, sizeof name, "tdist-dial-%d-%016llx", (int)getpid(), 0x2222ull);
+  struct sockaddr_un sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sun_family = AF_UNIX;
+  memcpy(sa.sun_path + 1, name, strlen(name));
+  socklen_t salen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + strlen(name));
+  pid_t c = fork();
+  assert_true(c >= 0);
+  if (c == 0) {
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, salen) != 0) _exit(1);
+    char b[8];
+    _exit(read(fd, b, sizeof b) == 0 ? 0 : 2); /* closed without a word */
+  }
+  int status;
+  assert_int_equal(waitpid(c, &status, 0), c);
+  assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  POLL(dw_get(&ds, &ds.w.refused) == refused0 + 2);
+  pthread_mutex_lock(&ds.w.mu);
+  assert_int_equal(ds.w.refused, refused0 + 2);
+  if (!strstr(ds.w.why, "no member")) fail_msg("refusal '%s'", ds.w.why);
+  pthread_mutex_unlock(&ds.w.mu);
+  int g = socket(AF_UNIX, SOCK_STREAM, 0);
+  assert_int_equal(connect(g, (struct sockaddr *)&sa, salen), 0);
+  uint8_t junk[TD__HS_HELLO_LEN];
+  memset(junk, 0x5a, sizeof junk);
+  assert_int_equal(write(g, junk, sizeof junk), (ssize_t)sizeof junk);
+  POLL(dw_get(&ds, &ds.w.refused) == refused0 + 3);
+  assert_int_equal(dw_get(&ds, &ds.w.refused), refused0 + 3);
+  char b[8];
+  assert_int_equal(read(g, b, sizeof b), 0); /* closed */
+  close(g);
+  int q = socket(AF_UNIX, SOCK_STREAM, 0);
+  assert_int_equal(connect(q, (struct sockaddr *)&sa, salen), 0);
+  POLL(dw_get(&ds, &ds.w.refused) == refused0 + 4);
+  pthread_mutex_lock(&ds.w.mu);
+  assert_int_equal(ds.w.refused, refused0 + 4);
+  if (!strstr(ds.w.why, "in time")) fail_msg("refusal '%s'", ds.w.why);
+  pthread_mutex_unlock(&ds.w.mu);
+  close(q);
+  assert_int_equal(dw_get(&ds, &ds.naccepted), 2);
+  /* the server goes away: the client's open lane ends */
+  td__lanes_destroy(srv);
+  POLL(dw_get(&dc, &dc.ended) == 2);
+  assert_int_equal(dw_get(&dc, &dc.ended), 2);
+  for (int i = 0; i < ds.naccepted; i++) td__lane_unref(ds.accepted[i]);
+  td__lane_unref(cl);
+  td__lane_unref(cl2);
+  td__lane_unref(xl);
+  td__lanes_destroy(other);
+  td__lanes_destroy(cli);
+}
+
 /* ---- an established lane ---- */
 
 static void test_lane_frames_then_corrupt_ring(void **state) {
@@ -437,6 +624,7 @@ int main(void) {
       cmocka_unit_test(test_lane_ring_bounds),
       cmocka_unit_test(test_lane_handover_refuses_strangers),
       cmocka_unit_test(test_lane_frames_then_corrupt_ring),
+      cmocka_unit_test(test_lane_dial),
   };
   return cmocka_run_group_tests_name("lane", tests, NULL, NULL);
 }
