@@ -1387,6 +1387,10 @@ bool td__lanes_can_dial(td__lanes *ls, int rank) {
          __atomic_load_n(&ls->ndirect, __ATOMIC_RELAXED) < TD__LANE_DIAL_MAX;
 }
 
+bool td__lanes_by_hints(td__lanes *ls) {
+  return ls && __atomic_load_n(&ls->bell[BELL_HINTS_ON], __ATOMIC_ACQUIRE) != 0;
+}
+
 int td__lanes_dialed(const td__lanes *ls) {
   return ls ? __atomic_load_n(&ls->dialed_up, __ATOMIC_RELAXED) : 0;
 }

@@ -125,6 +125,8 @@ td_status td__lanes_listen_dial(td__lanes *ls, int self_rank, const struct td__a
 bool td__lanes_can_dial(td__lanes *ls, int rank);
 /* Dialled lanes up now. */
 int td__lanes_dialed(const td__lanes *ls);
+/* Whether the lane thread reads by hints now (more than 64 lanes; tests). */
+bool td__lanes_by_hints(td__lanes *ls);
 /* Whether rank has a known process on this host (a lane may be asked for). */
 bool td__lanes_knows(td__lanes *ls, int rank);
 /* Closes the connections strangers left on the socket (poller, about once a second). */

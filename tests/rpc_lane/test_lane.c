@@ -546,6 +546,56 @@ static void test_lane_dial(void **state) {
   td__lanes_destroy(cli);
 }
 
+/* More lanes than HINT_MIN (64): both lane threads read by hints (a bit per lane in their
+ * doorbell page, set by the peer that wrote). Frames on every lane arrive, and 200 round trips
+ * on one lane take milliseconds: a lost hint would leave each frame to the full pass that
+ * comes every 100 ms (20 s for these). */
+static void test_lane_dial_many_by_hints(void **state) {
+  (void)state;
+  const char *secret = "a job secret of the group, long enough";
+  dial_watch ds = {.w = {.mu = PTHREAD_MUTEX_INITIALIZER}, .s = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+  dial_watch dc = {.w = {.mu = PTHREAD_MUTEX_INITIALIZER}, .s = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+  td__lanes *srv = dial_lanes(&ds, 1, secret, 20000, 0), *cli = dial_lanes(&dc, 0, secret, 20000, 0);
+  enum { L = 72 };
+  td__lane *cl[L];
+  for (int i = 0; i < L; i++) cl[i] = dial_send(cli, &dc, 0, 0);
+  POLL(td__lanes_dialed(srv) == L && td__lanes_dialed(cli) == L);
+  assert_int_equal(td__lanes_dialed(srv), L);
+  assert_int_equal(td__lanes_dialed(cli), L);
+  POLL(td__lanes_by_hints(srv) && td__lanes_by_hints(cli));
+  assert_true(td__lanes_by_hints(srv));
+  assert_true(td__lanes_by_hints(cli));
+  for (int i = 0; i < L; i++) {
+    td__frame f = {0};
+    encode((uint64_t)i + 1, 0, &f);
+    td__lane_msg m = {.head = f.head, .head_len = f.head_len};
+    TD_ASSERT_OK(td__lane_send(cl[i], &m));
+  }
+  POLL(sink_count(&ds.s) == L);
+  assert_int_equal(sink_count(&ds.s), L);
+  double t0 = td_test_now_s();
+  for (int i = 0; i < 200; i++) {
+    td__frame f = {0};
+    encode(1000 + (uint64_t)i, 0, &f);
+    td__lane_msg m = {.head = f.head, .head_len = f.head_len};
+    TD_ASSERT_OK(td__lane_send(cl[L / 2], &m));
+    for (int k = 0; k < 2000000 && sink_count(&ds.s) < L + 1 + i; k++) usleep(20);
+    encode(5000 + (uint64_t)i, 0, &f);
+    td__lane_msg b = {.head = f.head, .head_len = f.head_len};
+    TD_ASSERT_OK(td__lane_send(ds.accepted[0], &b));
+    for (int k = 0; k < 2000000 && sink_count(&dc.s) < 1 + i; k++) usleep(20);
+  }
+  double el = td_test_now_s() - t0;
+  fprintf(stderr, "200 round trips by hints: %.3f s\n", el);
+  assert_int_equal(sink_count(&ds.s), L + 200);
+  assert_int_equal(sink_count(&dc.s), 200);
+  assert_true(el < 5.0);
+  for (int i = 0; i < L; i++) td__lane_unref(cl[i]);
+  for (int i = 0; i < ds.naccepted; i++) td__lane_unref(ds.accepted[i]);
+  td__lanes_destroy(cli);
+  td__lanes_destroy(srv);
+}
+
 /* ---- an established lane ---- */
 
 static void test_lane_frames_then_corrupt_ring(void **state) {
@@ -625,6 +675,7 @@ int main(void) {
       cmocka_unit_test(test_lane_handover_refuses_strangers),
       cmocka_unit_test(test_lane_frames_then_corrupt_ring),
       cmocka_unit_test(test_lane_dial),
+      cmocka_unit_test(test_lane_dial_many_by_hints),
   };
   return cmocka_run_group_tests_name("lane", tests, NULL, NULL);
 }
