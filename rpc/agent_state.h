@@ -126,8 +126,12 @@ struct td_rpc_agent {
   bool direct_on;
   bool lane_on; /* same-host lanes wanted (td_rpc_options.shm_lane, TD_RPC_SHM_LANE) */
   bool lane_dial; /* ... dialled, without a gRPC stream (unless TD_RPC_LANE_DIAL=0) */
-  pthread_t passed_th;  /* init's last store call ("passed", ranks > 0), off init's path */
-  bool passed_async;    /* ... started, not yet joined (td__rdv_passed_join) */
+  /* init's last store call ("passed", ranks > 0) runs on a detached thread, off init's path:
+   * started (passed_async), over (passed_done, under passed_mu; td__rdv_passed_join) */
+  bool passed_async;
+  bool passed_done;
+  pthread_mutex_t passed_mu;
+  pthread_cond_t passed_cv;
   /* calls may go out on a stream the callee opened (call.c peer_conn; TD_RPC_SHARE_STREAMS=0
    * turns it off) */
   bool share_streams;

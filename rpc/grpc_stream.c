@@ -915,16 +915,19 @@ td_status td__grpc_dial(td__transport *t, int peer_rank, td__conn **out) {
   }
   td__lane *l = NULL;
   td__conn_ref(c); /* the lane's */
-  pthread_mutex_lock(&c->mu); /* (the lane may end before c->lane is set otherwise) */
+  /* (the lane thread may deliver a frame before td__lane_dial returns: the decoder is known
+   * first, and c->lane is set under c->mu, which sends take) */
+  c->lane_dec = d;
+  pthread_mutex_lock(&c->mu);
   td_status st = td__lane_dial(t->lanes, peer_rank, d, c, &l);
   if (st != TD_OK) {
+    c->lane_dec = NULL;
     pthread_mutex_unlock(&c->mu);
     td__conn_unref(c);
     td__conn_unref(c);
     return st;
   }
   c->lane = td__lane_ref(l);
-  c->lane_dec = d;
   pthread_mutex_unlock(&c->mu);
   td__lane_unref(l);
   live_add(t, c);

@@ -650,8 +650,8 @@ void td__lane_close_why(td__lane *l, const char *why) {
 void td__lane_close(td__lane *l) { td__lane_close_why(l, NULL); }
 
 static void lane_fail(td__lane *l, const char *why) {
-  if (l->failed) return;
-  l->failed = true;
+  /* (the lane thread, or the socket thread for a dialled lane) */
+  if (__atomic_exchange_n(&l->failed, true, __ATOMIC_ACQ_REL)) return;
   td_log(TD_LOG_WARN, "rpc: closing the %s %s rank %d: %s", l->direct ? "lane" : "stream",
          l->server ? "from" : "to", l->peer, why);
   td__lane_close_why(l, why);
@@ -989,7 +989,7 @@ static void lane_release(td__lane *l) {
 
 /* Reads what the peer wrote; true when something was consumed. rx_mu held. */
 static bool poll_rx(td__lane *l) {
-  if (!__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) || l->failed ||
+  if (!__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) || __atomic_load_n(&l->failed, __ATOMIC_ACQUIRE) ||
       __atomic_load_n(&l->rx_paused, __ATOMIC_ACQUIRE))
     return false;
   /* a dialled lane whose peer closed its socket: what it wrote before is read first */
@@ -997,7 +997,7 @@ static bool poll_rx(td__lane *l) {
   if (eof && td__ring_readable(l->rx, l->rx_head) == 0) {
     char why[120];
     snprintf(why, sizeof why, "rank %d closed the lane (its process ended or closed it)", l->peer);
-    l->failed = true; /* (once; a peer leaving is no warning) */
+    __atomic_store_n(&l->failed, true, __ATOMIC_RELEASE); /* (once; a peer leaving is no warning) */
     td__lane_close_why(l, why);
     return false;
   }
@@ -1051,7 +1051,7 @@ void td__lane_resume(td__lane *l) {
 /* Whether l has work for the thread (rx_mu held). */
 static bool lane_work(td__lane *l) {
   if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) return true;
-  if (__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) && !l->failed &&
+  if (__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) && !__atomic_load_n(&l->failed, __ATOMIC_ACQUIRE) &&
       !__atomic_load_n(&l->rx_paused, __ATOMIC_ACQUIRE) &&
       (td__ring_readable(l->rx, l->rx_head) != 0 || __atomic_load_n(&l->eof, __ATOMIC_ACQUIRE)))
     return true;

@@ -495,21 +495,36 @@ static void *passed_main(void *arg) {
   td_rpc_agent *a = arg;
   if (rdv_passed(a, 0) != TD_OK)
     td_log(TD_LOG_DEBUG, "rpc: %s: 'passed' not counted: %s", a->name, td_last_error());
+  pthread_mutex_lock(&a->passed_mu);
+  a->passed_done = true;
+  pthread_cond_broadcast(&a->passed_cv);
+  pthread_mutex_unlock(&a->passed_mu);
   return NULL;
 }
 
 /* Ranks > 0 count themselves "passed" on a thread of their own: init returns without waiting for
- * rank 0 to answer (behind the whole group's requests, that took seconds at 256 workers). */
-static td_status rdv_passed_start(td_rpc_agent *a, uint64_t deadline) {
-  if (a->rank == 0 || pthread_create(&a->passed_th, NULL, passed_main, a) != 0)
-    return rdv_passed(a, deadline);
-  a->passed_async = true;
+ * rank 0 to answer (behind the whole group's requests, that took seconds at 256 workers). After
+ * init_finish, which settles the store client the thread uses. A joiner does not count. */
+static td_status rdv_passed_start(td_rpc_agent *a) {
+  if (a->joiner) return TD_OK;
+  /* (detached: a worker that exits without shutting its agent down leaves no thread behind to
+   * join; td__rdv_passed_join waits for its end instead) */
+  pthread_t th;
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  a->passed_async = a->rank != 0 && pthread_create(&th, &at, passed_main, a) == 0;
+  pthread_attr_destroy(&at);
+  if (a->passed_async) return TD_OK;
+  passed_main(a); /* (rank 0: its own store, at once) */
   return TD_OK;
 }
 
 void td__rdv_passed_join(td_rpc_agent *a) {
   if (!a->passed_async) return;
-  pthread_join(a->passed_th, NULL);
+  pthread_mutex_lock(&a->passed_mu);
+  while (!a->passed_done) pthread_cond_wait(&a->passed_cv, &a->passed_mu);
+  pthread_mutex_unlock(&a->passed_mu);
   a->passed_async = false;
 }
 
@@ -598,7 +613,7 @@ static td_status rendezvous(td_rpc_agent *a) {
   uint64_t deadline = td__deadline_ns(a->opts.init_timeout_ms);
   td__store_set_deadline(&a->sc, deadline); /* no store call outlives the init deadline */
   if (a->joiner) return join_running(a, deadline);
-  uint64_t t[6];
+  uint64_t t[5];
   t[0] = td__now_ns();
   TD_TRY(rdv_check_world(a, deadline));
   TD_TRY(rdv_claim(a));
@@ -615,13 +630,11 @@ static td_status rendezvous(td_rpc_agent *a) {
   t[3] = td__now_ns();
   TD_TRY(rdv_ready(a, deadline));
   t[4] = td__now_ns();
-  TD_TRY(rdv_passed_start(a, deadline));
-  t[5] = td__now_ns();
+  /* ("passed" follows init_finish: td__rdv_passed_start) */
   /* where a large group's start-up goes (docs/ARCHITECTURE.md, "Start-up of large groups") */
   td_log(TD_LOG_DEBUG, "rpc: %s: rendezvous phases (ms): publish %.1f, join %.1f, read %.1f, "
-         "ready %.1f, passed %.1f", a->name, (double)(t[1] - t[0]) / 1e6,
-         (double)(t[2] - t[1]) / 1e6, (double)(t[3] - t[2]) / 1e6, (double)(t[4] - t[3]) / 1e6,
-         (double)(t[5] - t[4]) / 1e6);
+         "ready %.1f", a->name, (double)(t[1] - t[0]) / 1e6, (double)(t[2] - t[1]) / 1e6,
+         (double)(t[3] - t[2]) / 1e6, (double)(t[4] - t[3]) / 1e6);
   return TD_OK;
 }
 
@@ -683,6 +696,8 @@ void td__agent_free(td_rpc_agent *a) {
   td__free(a->listen_addr);
   td__free(a->init_method);
   pthread_mutex_destroy(&a->mu);
+  pthread_mutex_destroy(&a->passed_mu);
+  pthread_cond_destroy(&a->passed_cv);
   pthread_mutex_destroy(&a->run_mu);
   td__free(a);
 }
@@ -950,6 +965,8 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
   a->init_gen = __atomic_load_n(&init_interrupts, __ATOMIC_ACQUIRE);
   *out = a;
   pthread_mutex_init(&a->mu, NULL);
+  pthread_mutex_init(&a->passed_mu, NULL);
+  pthread_cond_init(&a->passed_cv, NULL);
   pthread_mutex_init(&a->run_mu, NULL);
   a->listen_addr = td__strdup(o->listen_addr);
   a->init_method = td__strdup(o->init_method);
@@ -1282,6 +1299,9 @@ td_status td__rpc_init_impl(const char *name, int rank, int world_size,
   if (st == TD_OK && (st = rendezvous(a)) != TD_OK) rendezvous_failed(a, st);
   if (st == TD_OK) {
     init_finish(a);
+    st = rdv_passed_start(a);
+  }
+  if (st == TD_OK) {
     *out = a;
     return TD_OK;
   }
