@@ -6,7 +6,9 @@
  * td__conn_send, which queues them and coalesces queued frames into gRPC messages of up to a few
  * MiB (small frames share a message; big tensors are split across messages without copying); the
  * receive side feeds each message's slices into the conn's decoder. Everything completes on one
- * poller thread; td__conn_send may be called from any thread.
+ * poller thread; td__conn_send may be called from any thread. A conn to a member on this host is
+ * a dialled same-host lane instead (lane.h): no gRPC call under it, its frames through shared
+ * memory, delivered on the lane thread, its end reported by the socket or lane thread.
  *
  * The transport also carries unary byte calls (the rendezvous store's operations): any process can
  * call a method on any address, and the process that serves the store answers through on_unary.
