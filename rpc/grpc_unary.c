@@ -142,9 +142,13 @@ static void unary_finish(unary_srv *u, grpc_status_code code, const char *msg, u
   ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
   ops[n].data.recv_close_on_server.cancelled = &u->cancelled;
   n++;
+  /* (u is the poller's to free once the batch is started: nothing of it is read after the
+   * release, which matters since rank 0 answers parked waits from its own store calls too, on
+   * other threads than the poller) */
+  grpc_call *call = u->call;
   td__grpc_tags_inc(t);
   TSAN_RELEASE(&u->t_done);
-  if (grpc_call_start_batch(u->call, ops, n, &u->t_done, NULL) != GRPC_CALL_OK) {
+  if (grpc_call_start_batch(call, ops, n, &u->t_done, NULL) != GRPC_CALL_OK) {
     td__grpc_tags_dec(t);
     unary_free(u);
   }

@@ -744,16 +744,9 @@ static int peer_pid(int fd) {
   return (int)cr.pid;
 }
 
-/* Sends magic (u32) and an optional secret with fds over fd, all at once. */
-static bool send_with_fds(int fd, uint32_t magic, const uint8_t *secret, const int *fds, int nfd) {
-  uint8_t buf[4 + TD__LANE_SECRET];
-  td__put_u32(buf, magic);
-  size_t n = 4;
-  if (secret) {
-    memcpy(buf + 4, secret, TD__LANE_SECRET);
-    n += TD__LANE_SECRET;
-  }
-  struct iovec iov = {buf, n};
+/* Sends n bytes of buf with nfd (1 or 2) descriptors over fd, all at once. */
+static bool send_fds(int fd, const void *buf, size_t n, const int *fds, int nfd) {
+  struct iovec iov = {(void *)buf, n};
   union {
     struct cmsghdr h;
     char b[CMSG_SPACE(2 * sizeof(int))];
@@ -772,6 +765,35 @@ static bool send_with_fds(int fd, uint32_t magic, const uint8_t *secret, const i
   return sendmsg(fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)n;
 }
 
+/* Sends magic (u32) and an optional secret with fds over fd, all at once. */
+static bool send_with_fds(int fd, uint32_t magic, const uint8_t *secret, const int *fds, int nfd) {
+  uint8_t buf[4 + TD__LANE_SECRET];
+  td__put_u32(buf, magic);
+  size_t n = 4;
+  if (secret) {
+    memcpy(buf + 4, secret, TD__LANE_SECRET);
+    n += TD__LANE_SECRET;
+  }
+  return send_fds(fd, buf, n, fds, nfd);
+}
+
+/* The descriptors a received message carried: up to max into fds (the rest closed); returns how
+ * many. */
+static int take_rights(struct msghdr *mh, int *fds, int max) {
+  int n = 0;
+  for (struct cmsghdr *c = CMSG_FIRSTHDR(mh); c; c = CMSG_NXTHDR(mh, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < k; i++) {
+      int x;
+      memcpy(&x, CMSG_DATA(c) + i * sizeof(int), sizeof x);
+      if (n < max) fds[n++] = x;
+      else close(x);
+    }
+  }
+  return n;
+}
+
 /* Receives magic + payload (want bytes in all) and up to 2 fds without waiting. Returns the
  * number of fds (their descriptors in fds), -1 when nothing is there yet, -2 when malformed. */
 static int recv_with_fds(int fd, uint8_t *buf, size_t want, int *fds) {
@@ -787,17 +809,7 @@ static int recv_with_fds(int fd, uint8_t *buf, size_t want, int *fds) {
   mh.msg_controllen = sizeof cm.b;
   ssize_t got = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
   if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return -1;
-  int n = 0;
-  for (struct cmsghdr *c = got >= 0 ? CMSG_FIRSTHDR(&mh) : NULL; c; c = CMSG_NXTHDR(&mh, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < k; i++) {
-      int x;
-      memcpy(&x, CMSG_DATA(c) + i * sizeof(int), sizeof x);
-      if (n < 2) fds[n++] = x;
-      else close(x);
-    }
-  }
+  int n = got >= 0 ? take_rights(&mh, fds, 2) : 0;
   if (got != (ssize_t)want || (mh.msg_flags & (MSG_CTRUNC | MSG_TRUNC))) {
     for (int i = 0; i < n; i++) close(fds[i]);
     return -2;
@@ -1561,17 +1573,7 @@ static int dial_read(td__lane *l, size_t want) {
     ssize_t got = recvmsg(l->sock, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
     if (got <= 0) return -1;
-    int n = 0;
-    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < k; i++) {
-        int x;
-        memcpy(&x, CMSG_DATA(c) + i * sizeof(int), sizeof x);
-        if (n < 2) fds[n++] = x;
-        else close(x);
-      }
-    }
+    int n = take_rights(&mh, fds, 2);
     for (int i = 0; i < n; i++) {
       if (l->ninfd < 2) l->infd[l->ninfd++] = fds[i];
       else close(fds[i]);
@@ -1640,27 +1642,8 @@ static const char *dial_server_proof(td__lanes *ls, td__lane *l) {
   if (!why) bell = map_received(fds[1], BELL_BYTES, &why);
   if (!why && memcmp(((lane_hdr *)map)->magic, LANE_MAGIC, sizeof LANE_MAGIC) != 0)
     why = "not a lane";
-  if (!why) {
-    uint8_t b[4];
-    td__put_u32(b, DIAL_BELL_MAGIC);
-    struct iovec iov = {b, 4};
-    union {
-      struct cmsghdr h;
-      char c[CMSG_SPACE(sizeof(int))];
-    } cm;
-    memset(&cm, 0, sizeof cm);
-    struct msghdr mh = {0};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cm.c;
-    mh.msg_controllen = sizeof cm.c;
-    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &ls->bell_fd, sizeof(int));
-    if (sendmsg(l->sock, &mh, MSG_DONTWAIT | MSG_NOSIGNAL) != 4) why = "cannot answer the hand-over";
-  }
+  if (!why && !send_with_fds(l->sock, DIAL_BELL_MAGIC, NULL, &ls->bell_fd, 1))
+    why = "cannot answer the hand-over";
   for (int i = 0; i < n; i++) close(fds[i]);
   td__decoder *dec = NULL;
   void *ud = NULL;
@@ -1695,24 +1678,7 @@ static const char *dial_client_challenge(td__lanes *ls, td__lane *l) {
   if (td__hs_client_challenge(&l->hs, l->in, TD__HS_CHALLENGE_LEN, proof) != TD_OK)
     return td_last_error();
   int fds[2] = {l->infd[0], ls->bell_fd};
-  struct iovec iov = {proof, sizeof proof};
-  union {
-    struct cmsghdr h;
-    char c[CMSG_SPACE(2 * sizeof(int))];
-  } cm;
-  memset(&cm, 0, sizeof cm);
-  struct msghdr mh = {0};
-  mh.msg_iov = &iov;
-  mh.msg_iovlen = 1;
-  mh.msg_control = cm.c;
-  mh.msg_controllen = sizeof cm.c;
-  struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(2 * sizeof(int));
-  memcpy(CMSG_DATA(c), fds, sizeof fds);
-  if (sendmsg(l->sock, &mh, MSG_DONTWAIT | MSG_NOSIGNAL) != (ssize_t)sizeof proof)
-    return "cannot send the PROOF";
+  if (!send_fds(l->sock, proof, sizeof proof, fds, 2)) return "cannot send the PROOF";
   close(l->infd[0]);
   l->ninfd = 0;
   return NULL;
