@@ -918,11 +918,15 @@ td_status td__grpc_dial(td__transport *t, int peer_rank, td__conn **out) {
   /* (the lane thread may deliver a frame before td__lane_dial returns: the decoder is known
    * first, and c->lane is set under c->mu, which sends take) */
   c->lane_dec = d;
+  /* live before the lane exists: a lane that ends at once takes its conn out again (t->mu
+   * comes before c->mu) */
+  live_add(t, c);
   pthread_mutex_lock(&c->mu);
   td_status st = td__lane_dial(t->lanes, peer_rank, d, c, &l);
   if (st != TD_OK) {
     c->lane_dec = NULL;
     pthread_mutex_unlock(&c->mu);
+    live_remove(t, c);
     td__conn_unref(c);
     td__conn_unref(c);
     return st;
@@ -930,7 +934,6 @@ td_status td__grpc_dial(td__transport *t, int peer_rank, td__conn **out) {
   c->lane = td__lane_ref(l);
   pthread_mutex_unlock(&c->mu);
   td__lane_unref(l);
-  live_add(t, c);
   *out = c;
   return TD_OK;
 }
