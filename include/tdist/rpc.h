@@ -214,7 +214,8 @@ typedef struct td_rpc_stats {
   /* time (ns) registered functions ran here (until they returned a value or a future), and time
    * this worker's threads spent blocked in td_rpc_sync */
   uint64_t handler_ns, sync_wait_ns;
-  /* streams this worker opened to peers; peers it reached on a stream they had opened to it
+  /* streams this worker opened to peers (a dialled same-host lane counts as one); peers it
+   * reached on a stream (or dialled lane) they had opened to it
    * (one stream serves a pair both ways, so a pair that calls each other makes one connection
    * and one handshake; TD_RPC_SHARE_STREAMS=0 gives every caller a stream of its own) */
   uint64_t streams_opened, streams_shared;
