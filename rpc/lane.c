@@ -796,8 +796,10 @@ static int take_rights(struct msghdr *mh, int *fds, int max) {
 
 /* Receives magic + payload (want bytes in all) and up to 2 fds without waiting. Returns the
  * number of fds (their descriptors in fds), -1 when nothing is there yet, -2 when malformed. */
-static int recv_with_fds(int fd, uint8_t *buf, size_t want, int *fds) {
-  struct iovec iov = {buf, want};
+/* One recvmsg without waiting: up to n bytes into buf and up to 2 descriptors into fds (*nfd of
+ * them); *flags gets the message's flags. Returns what recvmsg returned (-1 with errno). */
+static ssize_t recv_some(int fd, void *buf, size_t n, int *fds, int *nfd, int *flags) {
+  struct iovec iov = {buf, n};
   union {
     struct cmsghdr h;
     char b[CMSG_SPACE(4 * sizeof(int))];
@@ -808,9 +810,16 @@ static int recv_with_fds(int fd, uint8_t *buf, size_t want, int *fds) {
   mh.msg_control = cm.b;
   mh.msg_controllen = sizeof cm.b;
   ssize_t got = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  *nfd = got >= 0 ? take_rights(&mh, fds, 2) : 0;
+  *flags = got >= 0 ? mh.msg_flags : 0;
+  return got;
+}
+
+static int recv_with_fds(int fd, uint8_t *buf, size_t want, int *fds) {
+  int n, flags;
+  ssize_t got = recv_some(fd, buf, want, fds, &n, &flags);
   if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return -1;
-  int n = got >= 0 ? take_rights(&mh, fds, 2) : 0;
-  if (got != (ssize_t)want || (mh.msg_flags & (MSG_CTRUNC | MSG_TRUNC))) {
+  if (got != (ssize_t)want || (flags & (MSG_CTRUNC | MSG_TRUNC))) {
     for (int i = 0; i < n; i++) close(fds[i]);
     return -2;
   }
@@ -1559,26 +1568,14 @@ static void dial_fail(td__lanes *ls, td__lane *l, const char *why) {
  * more must come, -1 when the socket failed or ended. */
 static int dial_read(td__lane *l, size_t want) {
   while (l->inlen < want) {
-    int fds[2] = {-1, -1};
-    struct iovec iov = {l->in + l->inlen, want - l->inlen};
-    union {
-      struct cmsghdr h;
-      char b[CMSG_SPACE(4 * sizeof(int))];
-    } cm;
-    struct msghdr mh = {0};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cm.b;
-    mh.msg_controllen = sizeof cm.b;
-    ssize_t got = recvmsg(l->sock, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    int fds[2] = {-1, -1}, n, flags;
+    ssize_t got = recv_some(l->sock, l->in + l->inlen, want - l->inlen, fds, &n, &flags);
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
-    if (got <= 0) return -1;
-    int n = take_rights(&mh, fds, 2);
     for (int i = 0; i < n; i++) {
       if (l->ninfd < 2) l->infd[l->ninfd++] = fds[i];
       else close(fds[i]);
     }
-    if (mh.msg_flags & MSG_CTRUNC) return -1;
+    if (got <= 0 || (flags & MSG_CTRUNC)) return -1;
     l->inlen += (size_t)got;
   }
   return 1;

@@ -413,7 +413,7 @@ static td__lanes *dial_lanes(dial_watch *d, int rank, const char *secret, int64_
   TD_ASSERT_OK(td__auth_init(&a, secret, strlen(secret)));
   uint64_t nonces[2] = {0x1111, 0x2222};
   TD_ASSERT_OK(td__lanes_listen_dial(ls, rank, &a, self_nonce ? self_nonce : nonces[rank], nonces,
-                                     2, hs_ms, 200, 1000));
+                                     2, hs_ms, 200, 30000));
   return ls;
 }
 
