@@ -45,6 +45,24 @@ static bool same_host(const td__transport *t, const char *address) {
   return strncmp(address, t->host, hl) == 0 && address[hl] == ':';
 }
 
+/* The keepalive interval and timeout (ms) of a connection, and the interval before any stretch:
+ * the options, stretched on an oversubscribed host for connections within it (stretch). */
+static void keepalive_times(const td__transport *t, bool stretch, int *ka, int *kt, int *ka_base) {
+  const td__transport_opts *o = &t->opts;
+  *ka = *ka_base = (int)(o->keepalive_ms > 0 ? o->keepalive_ms : 2000);
+  /* how long a ping may stay unanswered: longer than the interval, so a live peer that is merely
+   * busy (many processes on few cores, sanitizer builds) is not declared dead */
+  *kt = (int)(o->keepalive_timeout_ms > 0 ? o->keepalive_timeout_ms : 20000);
+  /* ... and on an oversubscribed host, longer with the load: 256 workers on 2 CPUs starved
+   * rank 0 past 20 s and its peers declared it dead (a dead peer's connection closes anyway) */
+  int load = __atomic_load_n(&t->host_load_x100, __ATOMIC_RELAXED);
+  if (o->keepalive_auto && load > 200 && stretch) {
+    int64_t s = (int64_t)*kt * load / 200;
+    *kt = (int)(s < TD__KEEPALIVE_MAX_MS ? s : TD__KEEPALIVE_MAX_MS);
+    if (*ka < *kt / 4) *ka = *kt / 4; /* fewer pings too: they cost the starved host most */
+  }
+}
+
 static grpc_channel_args *make_args(grpc_arg *buf, int *n, const td__transport *t,
                                     bool server, const char *address) {
   const td__transport_opts *o = &t->opts;
@@ -63,18 +81,8 @@ static grpc_channel_args *make_args(grpc_arg *buf, int *n, const td__transport *
                         {.integer = (int)(CHUNK + (64u << 10))}};
   buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
                         {.integer = (int)(CHUNK + (64u << 10))}};
-  int ka = (int)(o->keepalive_ms > 0 ? o->keepalive_ms : 2000), ka_base = ka;
-  /* how long a ping may stay unanswered: longer than the interval, so a live peer that is merely
-   * busy (many processes on few cores, sanitizer builds) is not declared dead */
-  int kt = (int)(o->keepalive_timeout_ms > 0 ? o->keepalive_timeout_ms : 20000);
-  /* ... and on an oversubscribed host, longer with the load: 256 workers on 2 CPUs starved
-   * rank 0 past 20 s and its peers declared it dead (a dead peer's connection closes anyway) */
-  int load = __atomic_load_n(&t->host_load_x100, __ATOMIC_RELAXED);
-  if (o->keepalive_auto && load > 200 && (server || same_host(t, address))) {
-    int64_t s = (int64_t)kt * load / 200;
-    kt = (int)(s < TD__KEEPALIVE_MAX_MS ? s : TD__KEEPALIVE_MAX_MS);
-    if (ka < kt / 4) ka = kt / 4; /* fewer pings too: they cost the starved host most */
-  }
+  int ka, kt, ka_base;
+  keepalive_times(t, server || same_host(t, address), &ka, &kt, &ka_base);
   if (server) {
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_ALLOW_REUSEPORT, {.integer = 0}};
     buf[k++] = (grpc_arg){GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, {.integer = 1}};
@@ -652,15 +660,9 @@ td_status td__transport_allow_lane(td__transport *t, const int *pid_of, const ui
   /* dialled lanes: not under TLS without a job secret (the TLS certificate would then be the
    * only proof of membership, and the dial socket has none) */
   if (!nonce_of || (t->tls && !(t->opts.auth && t->opts.auth->secure))) return TD_OK;
-  /* the keepalive of a channel to this host (same_host_keepalive) */
-  int ka = (int)(t->opts.keepalive_ms > 0 ? t->opts.keepalive_ms : 2000);
-  int kt = (int)(t->opts.keepalive_timeout_ms > 0 ? t->opts.keepalive_timeout_ms : 20000);
-  int load = __atomic_load_n(&t->host_load_x100, __ATOMIC_RELAXED);
-  if (t->opts.keepalive_auto && load > 200) {
-    int64_t s = (int64_t)kt * load / 200;
-    kt = (int)(s < TD__KEEPALIVE_MAX_MS ? s : TD__KEEPALIVE_MAX_MS);
-    if (ka < kt / 4) ka = kt / 4;
-  }
+  /* the keepalive of a channel to this host */
+  int ka, kt, ka_base;
+  keepalive_times(t, true, &ka, &kt, &ka_base);
   if (td__lanes_listen_dial(t->lanes, t->opts.self_rank, t->opts.auth, self_nonce, nonce_of, world,
                             t->opts.handshake_timeout_ms, ka, kt) != TD_OK)
     td_log(TD_LOG_DEBUG, "rpc transport: no dialled lanes: %s", td_last_error());

@@ -480,8 +480,7 @@ static td_status rdv_ready(td_rpc_agent *a, uint64_t deadline) {
  * host (256 workers on 2 CPUs: 5.8 s). Rank 0 may shut down while the reply to the last add is on
  * its way, so another rank that loses its reply goes on: past "ready" the group is complete and
  * every worker has read everything. */
-static td_status rdv_passed(td_rpc_agent *a, uint64_t deadline) {
-  (void)deadline;
+static td_status rdv_passed(td_rpc_agent *a) {
   td_status st = td__store_add(&a->sc, "passed", 1, NULL);
   if (a->rank != 0 && (st == TD_ERR_UNAVAILABLE || st == TD_ERR_CANCELLED)) {
     td_log(TD_LOG_DEBUG, "rpc: %s: the reply to 'passed' was lost (%s); rank 0 may have left "
@@ -493,7 +492,7 @@ static td_status rdv_passed(td_rpc_agent *a, uint64_t deadline) {
 
 static void *passed_main(void *arg) {
   td_rpc_agent *a = arg;
-  if (rdv_passed(a, 0) != TD_OK)
+  if (rdv_passed(a) != TD_OK)
     td_log(TD_LOG_DEBUG, "rpc: %s: 'passed' not counted: %s", a->name, td_last_error());
   pthread_mutex_lock(&a->passed_mu);
   a->passed_done = true;
