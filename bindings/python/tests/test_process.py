@@ -38,8 +38,11 @@ def interrupt_child(g, expect_line):
     """Starts CHILD as rank 0, waits for expect_line, sends SIGINT; returns the seconds between
     the signal and the child's 'interrupted' line."""
     what = "call" if expect_line == "calling" else "init"
+    # SIGINT back to its default in the child: a shell that starts jobs in the background (CI
+    # scripts, `cmd &`) leaves it ignored, and Python then installs no KeyboardInterrupt
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(g.port), g.secret, what],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
         while True:
