@@ -26,7 +26,10 @@
  *   {"bench": "gpt_gpu", "config": {...}, "results": {"tokens_per_s", "step_s", "peak_device_mb",
  *    "mfu", "flops_per_token", "peak_tflops", "device_name", "first_loss", "last_loss", ...}}
  * Options: --device D (cuda:0), --dtype bf16|f16|f32 (bf16), --batch-size B (16), --steps N (10),
- * --warmup N (3), --n-layer, --n-head, --n-embd, --block-size, --vocab (GPT-2 124M), --seed.
+ * --warmup N (3), --n-layer, --n-head, --n-embd, --block-size, --vocab (GPT-2 124M), --seed,
+ * --phases (waits for the device after the forward, the backward, the clipping and the step and
+ * reports each phase's mean time as "phase_ms": where a step's time goes; the waits cost a little,
+ * so tokens_per_s of such a run is not the figure to quote).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -72,13 +75,18 @@ int main(int argc, char **argv) {
   const char *device = "cuda:0", *dtype = "bf16";
   long long B = 16, steps = 10, warmup = 3, n_layer = 12, n_head = 12, n_embd = 768, T = 1024,
             V = 50304, seed = 1337;
+  bool phases = false;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
       printf("usage: gpt_gpu [--device cuda:0] [--dtype bf16|f16|f32] [--batch-size 16] "
              "[--steps 10] [--warmup 3] [--n-layer 12] [--n-head 12] [--n-embd 768] "
-             "[--block-size 1024] [--vocab 50304] [--seed 1337]\n");
+             "[--block-size 1024] [--vocab 50304] [--seed 1337] [--phases]\n");
       return 0;
+    }
+    if (!strcmp(a, "--phases")) {
+      phases = true;
+      continue;
     }
     if (i + 1 >= argc) {
       fprintf(stderr, "gpt_gpu: %s needs a value\n", a);
@@ -175,6 +183,8 @@ int main(int argc, char **argv) {
   td_generator_destroy(g);
 
   double first_loss = NAN, last_loss = NAN, t_steps = 0, t_min = INFINITY;
+  /* --phases: forward, backward, clipping, step (seconds summed over the timed steps) */
+  double ph[4] = {0, 0, 0, 0}, tp = 0, pv;
   for (long long it = 0; it < warmup + steps; it++) {
     if (it == warmup && gpu) BENCH_CHECK(td_cuda_memory_peak(dev.index, true, NULL));
     double t0 = bench_now_s();
@@ -182,10 +192,23 @@ int main(int argc, char **argv) {
     td_tensor *logits, *loss;
     BENCH_CHECK(td_gpt_forward(m, x, y, &logits, &loss));
     td_tensor_unref(logits); /* the graph keeps what backward needs */
+    /* td_tensor_item waits for every kernel queued before it */
+#define PHASE(k)                                                                                 \
+  if (phases) {                                                                                  \
+    BENCH_CHECK(td_tensor_item(loss, &pv));                                                      \
+    double tn = bench_now_s();                                                                   \
+    if (it >= warmup) ph[k] += tn - (k ? tp : t0);                                               \
+    tp = tn;                                                                                     \
+  }
+    PHASE(0)
     BENCH_CHECK(td_tensor_backward(loss));
+    PHASE(1)
     double norm = 0;
     BENCH_CHECK(td_optim_clip_grad_norm(opt, 1.0, 2.0, &norm));
+    PHASE(2)
     BENCH_CHECK(td_optim_step(opt));
+    PHASE(3)
+#undef PHASE
     double v = NAN;
     BENCH_CHECK(td_tensor_item(loss, &v)); /* waits for the step's kernels */
     td_tensor_unref(loss);
@@ -230,6 +253,11 @@ int main(int argc, char **argv) {
   json_num("mfu", mfu, true);
   json_num("first_loss", first_loss, true);
   json_num("last_loss", last_loss, true);
+  if (phases)
+    printf("\"phase_ms\": {\"forward\": %.3f, \"backward\": %.3f, \"clip\": %.3f, "
+           "\"step\": %.3f}, ",
+           ph[0] * 1e3 / (double)steps, ph[1] * 1e3 / (double)steps, ph[2] * 1e3 / (double)steps,
+           ph[3] * 1e3 / (double)steps);
   printf("\"device_name\": \"%s\"}}\n", name);
   td_optim_destroy(opt);
   td_tensor_unref(hx);

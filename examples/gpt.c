@@ -721,7 +721,10 @@ static uint64_t params_hash(td_module *m) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (size_t i = 0; i < ps.n; i++) {
     td_tensor *t = NULL;
-    EX_CHECK(td_tensor_contiguous(ps.tensors[i], &t));
+    /* the bytes on the host: a CUDA parameter through a copy (its data pointer is the device's) */
+    if (td_tensor_device(ps.tensors[i]).type == TD_DEVICE_CPU)
+      EX_CHECK(td_tensor_contiguous(ps.tensors[i], &t));
+    else EX_CHECK(td_tensor_to(ps.tensors[i], td_device_cpu(), &t));
     const unsigned char *b = td_tensor_data(t);
     for (size_t k = 0, n = td_tensor_nbytes(t); k < n; k++) h = (h ^ b[k]) * 0x100000001b3ull;
     td_tensor_unref(t);

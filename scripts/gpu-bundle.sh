@@ -26,9 +26,33 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/gpu-bundle/lib" "$stage/gpu-bundle/data"
 
-# The build without object files and archives of objects.
+# The build without object files and archives of objects, and of the test programs only those that
+# scripts/test-gpu.sh runs (the gpu-labelled tests and the four CUDA tests that also run without a
+# GPU): every program links libtdist statically, about 6 MB each, and the whole build would not fit
+# the 64 MiB a device session carries.
+keep=$(mktemp)
+ctest --test-dir "$build" -N --show-only=json-v1 -L gpu >"$keep.1"
+ctest --test-dir "$build" -N --show-only=json-v1 \
+  -R '^(test_cuda_devices|test_cuda_host|test_numerics|test_collectives_nccl_setup)$' >"$keep.2"
+python3 - "$keep.1" "$keep.2" >"$keep" <<'PY'
+import json, sys
+for f in sys.argv[1:]:
+    for t in json.load(open(f))["tests"]:
+        for a in t.get("command", []):
+            print(a)
+PY
+rm -f "$keep.1" "$keep.2"
 tar -C "$root" --exclude='*.o' --exclude='*.a' --exclude='CMakeFiles' -cf - "$rel" |
   tar -C "$stage" -xf -
+find "$stage/$rel/tests" -type f -perm -u+x | while read -r f; do
+  grep -qxF "$build/${f#"$stage/$rel/"}" "$keep" || rm -f "$f"
+done
+rm -f "$keep"
+# of the examples and benchmarks, those it runs; no Python binding
+find "$stage/$rel/examples" "$stage/$rel/bench" -type f -perm -u+x 2>/dev/null | while read -r f; do
+  case "${f##*/}" in train_local | param_server | hybrid | gpt | gpt_gpu) ;; *) rm -f "$f" ;; esac
+done
+rm -rf "$stage/$rel/python" "$stage/$rel/bindings"
 
 # Shared libraries of every ELF program and library in the build.
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|libpthread\.so|librt\.so|libresolv\.so|libutil\.so|libcuda\.so|libcublas|libcublasLt|libnccl|libstdc\+\+|libgcc_s)'

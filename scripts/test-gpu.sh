@@ -48,28 +48,13 @@ log="$dir/test-gpu.log"
 : >"$log"
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 
-echo "== gpu tests (ctest -L gpu) =="
-ctest --test-dir "$dir" -L gpu -V ${TD_CTEST_ARGS:-} >>"$log" 2>&1
-echo "== CUDA tests that run without a GPU as well =="
-ctest --test-dir "$dir" -V ${TD_CTEST_ARGS:-} \
-  -R '^(test_cuda_devices|test_cuda_host|test_numerics|test_collectives_nccl_setup)$' >>"$log" 2>&1
-
-# run_example NAME ARGS...: a short run; its JSON result line goes to $dir/NAME.json.
-run_example() {
-  local name=$1
-  shift
-  echo "== $name $* =="
-  echo "== example: $name $*" >>"$log"
-  timeout 900 "$dir/examples/$name" "$@" >"$dir/$name.out" 2>>"$log"
-  local rc=$?
-  cat "$dir/$name.out" >>"$log"
-  tail -n 1 "$dir/$name.out" >"$dir/$name.json"
-  echo "== example: $name exit $rc" >>"$log"
+# out_sync: copies the log and the JSON lines to $TD_GPU_OUT (when set) as they come, so a run cut
+# short by a time limit still leaves what it did.
+out_sync() {
+  [ -n "${TD_GPU_OUT:-}" ] || return 0
+  mkdir -p "$TD_GPU_OUT" && cp -f "$log"* "$dir"/*.json "$dir"/*.out "$TD_GPU_OUT"/ 2>/dev/null
+  return 0
 }
-trainers=$((ngpu < 2 ? 1 : 2))
-run_example train_local --device cuda:0 --epochs 1 --max-batches 300
-run_example param_server --device cuda:0 --epochs 1 --max-batches 100 --nproc 3
-run_example hybrid --device cuda:0 --epochs 1 --max-batches 100 --nproc $((trainers + 1))
 
 # run_bench TAG ARGS...: bench/gpt_gpu; its JSON line goes to $dir/gpt_gpu_TAG.json.
 run_bench() {
@@ -77,14 +62,57 @@ run_bench() {
   shift
   echo "== gpt_gpu $* =="
   echo "== bench: gpt_gpu_$tag $*" >>"$log"
-  timeout 900 "$dir/bench/gpt_gpu" "$@" >"$dir/gpt_gpu_$tag.out" 2>>"$log"
+  timeout "${TD_GPU_BENCH_TIMEOUT:-300}" "$dir/bench/gpt_gpu" "$@" >"$dir/gpt_gpu_$tag.out" 2>>"$log"
   local rc=$?
   cat "$dir/gpt_gpu_$tag.out" >>"$log"
   tail -n 1 "$dir/gpt_gpu_$tag.out" >"$dir/gpt_gpu_$tag.json"
   echo "== bench: gpt_gpu_$tag exit $rc" >>"$log"
+  tail -n 1 "$dir/gpt_gpu_$tag.out"
+  out_sync
 }
+# The benchmark first, alone on the device (the tests below share it).
 run_bench b16 --device cuda:0 --dtype bf16 --batch-size 16 --warmup 3 --steps 10
 run_bench b32 --device cuda:0 --dtype bf16 --batch-size 32 --warmup 3 --steps 10
+# where a step's time goes (forward, backward, clipping, AdamW; waits between them)
+run_bench phases --device cuda:0 --dtype bf16 --batch-size 16 --warmup 2 --steps 3 --phases
+
+# run_example NAME ARGS...: a short run; its JSON result line goes to $dir/NAME.json.
+run_example() {
+  local name=$1
+  shift
+  echo "== $name $* =="
+  timeout 900 "$dir/examples/$name" "$@" >"$dir/$name.out" 2>"$dir/$name.err"
+  local rc=$?
+  { echo "== example: $name $*"; cat "$dir/$name.err" "$dir/$name.out";
+    echo "== example: $name exit $rc"; } >>"$log"
+  tail -n 1 "$dir/$name.out" >"$dir/$name.json"
+  out_sync
+}
+trainers=$((ngpu < 2 ? 1 : 2))
+# The examples run beside the tests (they use little of the device).
+(
+  run_example train_local --device cuda:0 --epochs 1 --max-batches 300
+  run_example param_server --device cuda:0 --epochs 1 --max-batches 100 --nproc 3
+  run_example hybrid --device cuda:0 --epochs 1 --max-batches 100 --nproc $((trainers + 1))
+) &
+examples=$!
+(while sleep 20; do out_sync; done) &
+syncer=$!
+
+echo "== gpu tests (ctest -L gpu) =="
+# test_cuda_gpt and test_example_gpt_cuda first: the newest kernels.
+ctest --test-dir "$dir" -V ${TD_CTEST_ARGS:-} -R '^(test_cuda_gpt|test_example_gpt_cuda)$' \
+  >"$log.gpt" 2>&1
+ctest --test-dir "$dir" -L gpu -V ${TD_CTEST_ARGS:-} -E '^(test_cuda_gpt|test_example_gpt_cuda)$' \
+  >"$log.rest" 2>&1
+echo "== CUDA tests that run without a GPU as well =="
+ctest --test-dir "$dir" -V ${TD_CTEST_ARGS:-} \
+  -R '^(test_cuda_devices|test_cuda_host|test_numerics|test_collectives_nccl_setup)$' \
+  >"$log.cpu" 2>&1
+wait "$examples"
+kill "$syncer" 2>/dev/null
+cat "$log.gpt" "$log.rest" "$log.cpu" >>"$log"
+out_sync
 
 nccl_h=$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/../include/nccl.h
 python3 - "$log" "$dir" "$nccl_h" <<'EOF'
@@ -186,6 +214,11 @@ for tag in ("b16", "b32"):
           f"loss {f('first_loss', '.3f')} -> {f('last_loss', '.3f')}")
     if rc != 0:
         failed += 1
+try:
+    j = json.loads(open(os.path.join(build, "gpt_gpu_phases.json")).read())
+    print("  phases (batch 16, ms per step):", json.dumps(j["results"].get("phase_ms")))
+except (OSError, ValueError, KeyError):
+    print("  phases: no result")
 print()
 ok = failed == 0 and skipped_whole == 0
 print(f"result: {'ALL PASSED' if ok else 'FAILED'} ({failed} failed, {skipped_whole} gpu "

@@ -30,19 +30,30 @@ run() {
   local name="$1"
   shift
   echo "== $name: $*"
-  timeout "$limit" "$@" 2>"$tmp/$name.err" >"$tmp/$name.out" ||
-    { tail -n 30 "$tmp/$name.err"; echo "FAIL: $name"; exit 1; }
+  # a failed run is reported and the others still run (the comparisons below name what is missing)
+  if ! timeout "$limit" "$@" 2>"$tmp/$name.err" >"$tmp/$name.out"; then
+    tail -n 30 "$tmp/$name.err"
+    echo "FAIL: $name"
+    return 1
+  fi
   tail -n 1 "$tmp/$name.out" >"$tmp/$name.json"
 }
-run cpu_f32 "$gpt" "${small[@]}" --steps 200 --metrics "$tmp/cpu_f32.jsonl"
-run gpu_f32 "$gpt" "${small[@]}" --steps 200 --device cuda:0 --metrics "$tmp/gpu_f32.jsonl"
-run cpu_bf16 "$gpt" "${small[@]}" --steps 200 --dtype bf16 --metrics "$tmp/cpu_bf16.jsonl"
+# The two CPU references run beside the GPU runs (each waits for nothing but its own process).
+(run cpu_f32 "$gpt" "${small[@]}" --steps 200 --metrics "$tmp/cpu_f32.jsonl") &
+cpu_f32=$!
+(run cpu_bf16 "$gpt" "${small[@]}" --steps 200 --dtype bf16 --metrics "$tmp/cpu_bf16.jsonl") &
+cpu_bf16=$!
+runs_ok=1
+run gpu_f32 "$gpt" "${small[@]}" --steps 200 --device cuda:0 --metrics "$tmp/gpu_f32.jsonl" || runs_ok=0
 run gpu_bf16 "$gpt" "${small[@]}" --steps 200 --dtype bf16 --device cuda:0 \
-  --metrics "$tmp/gpu_bf16.jsonl"
+  --metrics "$tmp/gpu_bf16.jsonl" || runs_ok=0
 run gpu_zero3 "$gpt" "${small[@]}" --steps 20 --nproc 1 --dp zero3 --device cuda:0 \
-  --metrics "$tmp/gpu_zero3.jsonl"
-run bench "$bench" --device cuda:0 --batch-size 4 --warmup 2 --steps 3
-python3 - "$tmp" <<'PY'
+  --metrics "$tmp/gpu_zero3.jsonl" || runs_ok=0
+run bench "$bench" --device cuda:0 --batch-size 4 --warmup 2 --steps 3 || runs_ok=0
+wait "$cpu_f32" || runs_ok=0
+wait "$cpu_bf16" || runs_ok=0
+status=0
+python3 - "$tmp" <<'PY' || status=1
 import json, math, sys
 tmp = sys.argv[1]
 def losses(name):
@@ -59,7 +70,10 @@ def result(name):
     return json.loads(open(f"{tmp}/{name}.json").read())
 bad = []
 def agree(a, b, tol, what, n=None):
-    la, lb = losses(a), losses(b)
+    try:
+        la, lb = losses(a), losses(b)
+    except OSError as e:
+        bad.append(f"{what}: {e}"); return
     if n: la, lb = la[:n], lb[:n]
     if len(la) != len(lb) or not la:
         bad.append(f"{what}: {len(la)} and {len(lb)} steps"); return
@@ -70,14 +84,23 @@ def agree(a, b, tol, what, n=None):
 agree("gpu_f32", "cpu_f32", 1e-4, "float32 cuda:0 vs CPU")
 agree("gpu_bf16", "cpu_bf16", 2e-2, "bfloat16 cuda:0 vs CPU")
 agree("gpu_zero3", "gpu_f32", 1e-4, "zero3 (one rank) cuda:0 vs plain cuda:0", n=20)
-c, g = result("cpu_f32")["results"], result("gpu_f32")["results"]
-if c["batch_hash"] != g["batch_hash"]:
+try:
+    c, g = result("cpu_f32")["results"], result("gpu_f32")["results"]
+except (OSError, ValueError, KeyError) as e:
+    c = g = None
+    bad.append(f"float32 results: {e}")
+if c and c["batch_hash"] != g["batch_hash"]:
     bad.append("the CUDA run saw other batches than the CPU run")
-if not abs(c["val_loss"] - g["val_loss"]) <= 1e-4 * abs(c["val_loss"]):
+if c and not abs(c["val_loss"] - g["val_loss"]) <= 1e-4 * abs(c["val_loss"]):
     bad.append(f"val_loss {g['val_loss']} on cuda:0, {c['val_loss']} on the CPU")
-print(f"float32 val_loss: CPU {c['val_loss']:.6f}, cuda:0 {g['val_loss']:.6f}; "
-      f"device_peak_mb {g.get('device_peak_mb')}")
-b = result("bench")["results"]
+if c:
+    print(f"float32 val_loss: CPU {c['val_loss']:.6f}, cuda:0 {g['val_loss']:.6f}; "
+          f"device_peak_mb {g.get('device_peak_mb')}")
+try:
+    b = result("bench")["results"]
+except (OSError, ValueError, KeyError) as e:
+    b = {"first_loss": 0, "last_loss": 0}
+    bad.append(f"bench: {e}")
 print("bench (batch 4):", json.dumps(b))
 if not (b.get("tokens_per_s") or 0) > 0 or not b["last_loss"] < b["first_loss"]:
     bad.append(f"bench: tokens_per_s {b.get('tokens_per_s')}, loss {b.get('first_loss')} -> "
@@ -87,3 +110,5 @@ if bad:
     sys.exit(1)
 print("PASS")
 PY
+[ "$runs_ok" = 1 ] || { echo "FAIL: a run above failed"; exit 1; }
+exit "$status"
