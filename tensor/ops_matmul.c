@@ -420,7 +420,17 @@ td_status td_tensor_linear(const td_tensor *x, const td_tensor *w, const td_tens
   }
   if (st == TD_OK) st = td__tensor_new(o2, 2, x->dtype, x->storage->device, &y);
   double beta = 0.0;
-  if (st == TD_OK && b && M > 0 && N > 0) { /* y rows = b (a broadcast view), then y += x W^T */
+  bool done = false;
+  /* the bias in the GEMM itself where the backend can (CUDA's 16-bit GEMMs) */
+  if (st == TD_OK && b && M > 0 && N > 0 && K > 0 && be->gemm_bias && b->dtype == x->dtype &&
+      b->strides[0] == 1) {
+    td_status bs = be->gemm_bias(x->dtype, false, tw, M, N, K, td_tensor_data(x2),
+                                 td_tensor_data(wv), td_tensor_data(b), td_tensor_data(y));
+    if (bs == TD_OK) done = true;
+    else if (bs != TD_ERR_UNSUPPORTED) st = bs;
+  }
+  if (st == TD_OK && !done && b && M > 0 && N > 0) { /* y rows = b (a broadcast view), then y +=
+                                                        x W^T */
     int64_t es[2] = {M, N}, est[2] = {0, b->strides[0]};
     td_tensor *bb = NULL;
     st = td__tensor_view(b, es, est, 2, b->offset, &bb);
@@ -428,7 +438,7 @@ td_status td_tensor_linear(const td_tensor *x, const td_tensor *w, const td_tens
     td_tensor_unref(bb);
     beta = 1.0;
   }
-  if (st == TD_OK)
+  if (st == TD_OK && !done)
     st = be->gemm(x->dtype, false, tw, M, N, K, 1.0, td_tensor_data(x2), 0, td_tensor_data(wv), 0,
                   beta, td_tensor_data(y), 0, 1);
   if (st == TD_OK) st = td__plain_view(y, os, on, &res);

@@ -327,6 +327,12 @@ typedef struct td__backend {
   td_status (*gemm)(td_dtype dt, bool transa, bool transb, int64_t m, int64_t n, int64_t k,
                     double alpha, const void *a, int64_t stride_a, const void *b,
                     int64_t stride_b, double beta, void *c, int64_t stride_c, int64_t batch);
+  /* Optional (NULL where absent): one GEMM with a bias, C = op(A) @ op(B) + bias on every row
+   * (bias [N] contiguous, C [M,N]), the bias added by the GEMM itself (linear's forward; without
+   * it linear copies the bias into C first and runs gemm with beta 1). TD_ERR_UNSUPPORTED with no
+   * error set when the backend cannot take the case: the caller falls back. */
+  td_status (*gemm_bias)(td_dtype dt, bool transa, bool transb, int64_t m, int64_t n, int64_t k,
+                         const void *a, const void *b, const void *bias, void *c);
   /* Softmax (or log-softmax when log) over the middle dim of contiguous [outer, r, inner]. */
   td_status (*softmax)(const td_tensor *x, int64_t outer, int64_t r, int64_t inner, bool log,
                        td_tensor *y);

@@ -277,6 +277,17 @@ td_status cu_gemm(td_dtype dt, bool transa, bool transb, int64_t m, int64_t n, i
   return TD_OK;
 }
 
+/* cu_gemm_bias: linear's GEMM with its bias in cuBLASLt's epilogue (bfloat16 / float16 only). */
+td_status cu_gemm_bias(td_dtype dt, bool transa, bool transb, int64_t m, int64_t n, int64_t k,
+                       const void *a, const void *b, const void *bias, void *c) {
+  if (!td__cu_is_half(dt) || m <= 0 || n <= 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX)
+    return TD_ERR_UNSUPPORTED;
+  int device = 0;
+  TD_TRY(td__cu_device_of(c, "gemm", &device));
+  TD_TRY(td__cu_set_device(device, "gemm"));
+  return td__cu_gemm_lowp_bias(dt, device, transa, transb, m, n, k, a, b, bias, c);
+}
+
 td__backend make_backend() {
   td__backend b;
   memset(&b, 0, sizeof b);
@@ -293,6 +304,7 @@ td__backend make_backend() {
   b.reduce_sum = td__cu_reduce_sum;
   b.reduce_max = td__cu_reduce_max;
   b.gemm = cu_gemm;
+  b.gemm_bias = cu_gemm_bias;
   b.softmax = td__cu_softmax;
   b.softmax_backward = td__cu_softmax_backward;
   b.nll = td__cu_nll;

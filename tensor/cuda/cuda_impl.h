@@ -119,6 +119,12 @@ td_status td__cu_sum_raw(td_dtype dt, int index, const void *x, int64_t outer, i
                          int64_t inner, void *out);
 
 /* 16-bit floats and fused kernels (cuda_lowp.cu, cuda_attention.cu, cuda_optim.cu). */
+/* td__cu_gemm_lowp_bias: C [m, n] = op(A) op(B) + bias (bias [n] contiguous, added to every row
+ * by cuBLASLt's epilogue), one matrix of bfloat16 / float16. TD_ERR_UNSUPPORTED (no error set)
+ * when cuBLASLt has no algorithm for it: the caller then adds the bias itself. */
+td_status td__cu_gemm_lowp_bias(td_dtype dt, int device, bool transa, bool transb, int64_t m,
+                                int64_t n, int64_t k, const void *a, const void *b,
+                                const void *bias, void *c);
 td_status td__cu_gemm_lowp(td_dtype dt, int device, bool transa, bool transb, int64_t m,
                            int64_t n, int64_t k, double alpha, const void *a, int64_t stride_a,
                            const void *b, int64_t stride_b, double beta, void *c,

@@ -121,7 +121,8 @@ td_status lt_handle(int device, cublasLtHandle_t *out) {
 
 typedef std::tuple<int, int, int, int64_t, int64_t, int64_t, uint32_t, uint32_t, uint32_t, int,
                    int>
-    algo_key; /* dtype, transa, transb, m, n, k, align a, b, c, beta != 0, device */
+    algo_key; /* dtype, transa, transb, m, n, k, align a, b, c, beta != 0 (2: a bias epilogue),
+                 device */
 std::mutex algo_mu;
 std::map<algo_key, cublasLtMatmulAlgo_t> *algo_cache;
 
@@ -183,26 +184,14 @@ struct lt_descs {
   }
 };
 
-} /* namespace */
-
-td_status td__cu_gemm_lowp(td_dtype dt, int device, bool transa, bool transb, int64_t m,
-                           int64_t n, int64_t k, double alpha, const void *a, int64_t stride_a,
-                           const void *b, int64_t stride_b, double beta, void *c,
-                           int64_t stride_c, int64_t batch) {
-  const char *op = "gemm";
+/* lt_gemm: one matrix through cuBLASLt; bias (NULL: none) is added to every row of C by the
+ * epilogue (CUBLASLT_EPILOGUE_BIAS: cuBLASLt's D is our C transposed, its rows our columns), beta
+ * then being 0. TD_ERR_UNSUPPORTED, no error set, when cuBLASLt has no algorithm for the case. */
+td_status lt_gemm(td_dtype dt, int device, bool transa, bool transb, int64_t m, int64_t n,
+                  int64_t k, float fa, const void *a, const void *b, float fb, const void *bias,
+                  void *c) {
   cudaDataType_t ty = dt == TD_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-  float fa = (float)alpha, fb = (float)beta;
-  if (k == 0) {
-    unsigned grid = td__cu_grid(m * n * batch, TD_CU_THREADS);
-    if (dt == TD_DTYPE_BF16)
-      scale_half_kernel<<<grid, TD_CU_THREADS>>>((td_bf16 *)c, m * n, stride_c, batch, fb);
-    else
-      scale_half_kernel<<<grid, TD_CU_THREADS>>>((td_f16 *)c, m * n, stride_c, batch, fb);
-    return td__cu_check_launch(op);
-  }
-  if (batch > 1)
-    return gemm_ex(ty, device, transa, transb, m, n, k, fa, a, stride_a, b, stride_b, fb, c,
-                   stride_c, batch);
+  const int64_t batch = 1;
   cublasLtHandle_t h;
   TD_TRY(lt_handle(device, &h));
   /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (see cu_gemm): cuBLASLt's
@@ -218,13 +207,23 @@ td_status td__cu_gemm_lowp(td_dtype dt, int device, bool transa, bool transb, in
     s = cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ob, sizeof ob);
   if (s == CUBLAS_STATUS_SUCCESS)
     s = cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &oa, sizeof oa);
+  if (s == CUBLAS_STATUS_SUCCESS && bias) {
+    cublasLtEpilogue_t ep = CUBLASLT_EPILOGUE_BIAS;
+    s = cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep, sizeof ep);
+    if (s == CUBLAS_STATUS_SUCCESS) /* the bias in the output's dtype */
+      s = cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &ty,
+                                         sizeof ty);
+    if (s == CUBLAS_STATUS_SUCCESS)
+      s = cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                         sizeof bias);
+  }
   if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&d.la, ty, rb, cb, (int64_t)rb);
   if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&d.lb, ty, ra, ca, (int64_t)ra);
   if (s == CUBLAS_STATUS_SUCCESS)
     s = cublasLtMatrixLayoutCreate(&d.lc, ty, (uint64_t)n, (uint64_t)m, n);
   if (s != CUBLAS_STATUS_SUCCESS) return blas_error(s, "cuBLASLt descriptors", m, n, k, batch);
   uint32_t al_b = align_of(b), al_a = align_of(a), al_c = align_of(c);
-  algo_key key(dt, transa, transb, m, n, k, al_a, al_b, al_c, fb != 0.0f, device);
+  algo_key key(dt, transa, transb, m, n, k, al_a, al_b, al_c, bias ? 2 : fb != 0.0f, device);
   cublasLtMatmulAlgo_t algo;
   bool have = false;
   {
@@ -262,8 +261,7 @@ td_status td__cu_gemm_lowp(td_dtype dt, int device, bool transa, bool transb, in
     int found = 0;
     s = cublasLtMatmulAlgoGetHeuristic(h, d.op, d.la, d.lb, d.lc, d.lc, d.pref, 1, &res, &found);
     if (s != CUBLAS_STATUS_SUCCESS || found == 0 || res.state != CUBLAS_STATUS_SUCCESS)
-      return gemm_ex(ty, device, transa, transb, m, n, k, fa, a, stride_a, b, stride_b, fb, c,
-                     stride_c, batch); /* no cuBLASLt algorithm for this case */
+      return TD_ERR_UNSUPPORTED; /* no cuBLASLt algorithm for this case */
     algo = res.algo;
     try {
       std::lock_guard<std::mutex> lock(algo_mu);
@@ -280,4 +278,37 @@ td_status td__cu_gemm_lowp(td_dtype dt, int device, bool transa, bool transb, in
   td__cu_scratch_free(device, ws);
   if (s != CUBLAS_STATUS_SUCCESS) return blas_error(s, "cublasLtMatmul", m, n, k, batch);
   return TD_OK;
+}
+
+} /* namespace */
+
+td_status td__cu_gemm_lowp_bias(td_dtype dt, int device, bool transa, bool transb, int64_t m,
+                                int64_t n, int64_t k, const void *a, const void *b,
+                                const void *bias, void *c) {
+  if (k == 0) return TD_ERR_UNSUPPORTED; /* the caller's copy of the bias is the result */
+  return lt_gemm(dt, device, transa, transb, m, n, k, 1.0f, a, b, 0.0f, bias, c);
+}
+
+td_status td__cu_gemm_lowp(td_dtype dt, int device, bool transa, bool transb, int64_t m,
+                           int64_t n, int64_t k, double alpha, const void *a, int64_t stride_a,
+                           const void *b, int64_t stride_b, double beta, void *c,
+                           int64_t stride_c, int64_t batch) {
+  const char *op = "gemm";
+  cudaDataType_t ty = dt == TD_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+  float fa = (float)alpha, fb = (float)beta;
+  if (k == 0) {
+    unsigned grid = td__cu_grid(m * n * batch, TD_CU_THREADS);
+    if (dt == TD_DTYPE_BF16)
+      scale_half_kernel<<<grid, TD_CU_THREADS>>>((td_bf16 *)c, m * n, stride_c, batch, fb);
+    else
+      scale_half_kernel<<<grid, TD_CU_THREADS>>>((td_f16 *)c, m * n, stride_c, batch, fb);
+    return td__cu_check_launch(op);
+  }
+  if (batch > 1)
+    return gemm_ex(ty, device, transa, transb, m, n, k, fa, a, stride_a, b, stride_b, fb, c,
+                   stride_c, batch);
+  td_status st = lt_gemm(dt, device, transa, transb, m, n, k, fa, a, b, fb, nullptr, c);
+  if (st != TD_ERR_UNSUPPORTED) return st;
+  return gemm_ex(ty, device, transa, transb, m, n, k, fa, a, stride_a, b, stride_b, fb, c,
+                 stride_c, batch); /* no cuBLASLt algorithm for this case */
 }
