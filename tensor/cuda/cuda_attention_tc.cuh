@@ -213,7 +213,7 @@ __device__ __forceinline__ int64_t q_tile(const Geo<float> &g) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kTc) tc_fwd_kernel(Geo<float> g, const T *q, const T *k,
+__global__ void __launch_bounds__(kTc, 4) tc_fwd_kernel(Geo<float> g, const T *q, const T *k,
                                                      const T *v, T *y, float *lse) {
 #if TD_TC_ARCH_OK
   extern __shared__ __align__(128) unsigned char tc_smem[];
@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(kTc) tc_fwd_kernel(Geo<float> g, const T *q, c
 constexpr size_t kDqSmem = 6 * kTileElems * 2;
 
 template <typename T>
-__global__ void __launch_bounds__(kTc) tc_dq_kernel(Geo<float> g, const T *q, const T *k,
+__global__ void __launch_bounds__(kTc, 3) tc_dq_kernel(Geo<float> g, const T *q, const T *k,
                                                     const T *v, const T *gy, const float *lse,
                                                     const float *D, T *gq) {
 #if TD_TC_ARCH_OK
@@ -379,7 +379,7 @@ __global__ void __launch_bounds__(kTc) tc_dq_kernel(Geo<float> g, const T *q, co
 constexpr size_t kDkvSmem = 6 * kTileElems * 2 + 4 * kTile * 4;
 
 template <typename T>
-__global__ void __launch_bounds__(kTc) tc_dkv_kernel(Geo<float> g, const T *q, const T *k,
+__global__ void __launch_bounds__(kTc, 3) tc_dkv_kernel(Geo<float> g, const T *q, const T *k,
                                                      const T *v, const T *gy, const float *lse,
                                                      const float *D, T *gk, T *gv) {
 #if TD_TC_ARCH_OK
