@@ -21,11 +21,12 @@
  *     probabilities, so no atomics and no L x S buffer. 16-bit operands compute in float32,
  *     float64 in double; lse is float32 (float64 for float64).
  *   - bfloat16 / float16 with E = Ev = 64 (GPT-2's heads) and 16-byte aligned rows, on tensor
- *     cores (WMMA 16x16x16, float32 accumulators): tiles of 64 queries x 64 keys per block of four
- *     warps (16 queries each) for the forward and the gq pass, 64 keys x 64 queries for the
- *     (gk, gv) pass; scores, probabilities and the running output pass through shared memory
- *     between the MMAs (WMMA fragments have no element-to-row map), where the online softmax
- *     works on rows. TD_CUDA_ATTENTION=simt forces the general kernels (tests compare the two).
+ *     cores (cuda_attention_tc.cuh, FlashAttention-2's layout: mma.sync m16n8k16 with float32
+ *     accumulators and every fragment in registers): tiles of 64 queries x 64 keys per block of
+ *     four warps (16 queries each) for the forward and the gq pass, 64 keys x 64 queries for the
+ *     (gk, gv) pass; the online softmax works on the accumulators, whose layout is that of the
+ *     next MMA's A operand. TD_CUDA_ATTENTION=simt forces the general kernels (tests compare the
+ *     two).
  *
  * Batch offsets are computed on the device from td__attn_geom's batch dims and strides, so the
  * call copies nothing to the device and does not synchronise.
