@@ -95,28 +95,21 @@ __device__ __forceinline__ void ldsm4t(uint32_t *r, const uint16_t *p) {
                : "r"(smem_addr(p)));
 }
 
-/* mma: c (16 x 8, float32) += a (16 x 16, row-major fragment) b (16 x 8, column-major). */
-template <typename T> struct Mma;
-template <> struct Mma<td_bf16> {
+/* mma: c (16 x 8, float32) += a (16 x 16, row-major fragment) b (16 x 8, column-major); TY is the
+ * PTX name of T. */
+#define TD_MMA16816(TY)                                                                          \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0, %1, %2, %3}, "      \
+               "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                                 \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+template <typename T> struct Mma {
   static __device__ __forceinline__ void run(float *c, const uint32_t *a, uint32_t b0,
                                              uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    if constexpr (std::is_same<T, td_bf16>::value) TD_MMA16816("bf16");
+    else TD_MMA16816("f16");
   }
 };
-template <> struct Mma<td_f16> {
-  static __device__ __forceinline__ void run(float *c, const uint32_t *a, uint32_t b0,
-                                             uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
+#undef TD_MMA16816
 
 /* a_frag: the A fragment of rows r0 .. r0 + 15, columns k0 .. k0 + 15 of a [64][kLd] tile. */
 __device__ __forceinline__ void a_frag(uint32_t *a, const uint16_t *tile, int r0, int k0) {

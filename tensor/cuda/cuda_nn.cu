@@ -55,6 +55,33 @@ __global__ void nll_backward_kernel(const int64_t *target, int64_t tstride, cons
  * lse = M + log(S); loss = lse - x[t]. The sums are in double (Acc), exp in the compute type.
  * Targets are validated as NLL does (count and first bad row in the stats words). Backward:
  * gx = gl (exp(x - lse) - [c == t]) per element, zero rows for ignored targets. */
+/* ce_row_end: the block's combination of its threads' (max m, sum s) for row and thread 0's
+ * loss, lse and target check (the forward kernels' common end). */
+template <typename T, typename C>
+__device__ __forceinline__ void ce_row_end(const T *xr, int64_t row, int64_t c, C m, double s,
+                                           const int64_t *target, int64_t tstride,
+                                           int64_t ignore, C *losses, C *lse,
+                                           unsigned long long *stats) {
+  C mx = td__cu_block_max(m);
+  double part = s == 0 ? 0.0 : s * (double)exp(m - mx);
+  double tot = td__cu_block_sum(part);
+  if (threadIdx.x == 0) {
+    double l = (double)mx + log(tot);
+    int64_t t = target[row * tstride];
+    C loss = 0;
+    if (t != ignore) {
+      if (t < 0 || t >= c) {
+        atomicMin(&stats[1], (unsigned long long)row);
+      } else {
+        loss = (C)(l - (double)td__ld(xr[t]));
+        atomicAdd(&stats[0], 1ull);
+      }
+    }
+    losses[row] = loss;
+    lse[row] = (C)l;
+  }
+}
+
 template <typename T>
 __global__ void ce_kernel(const T *x, int64_t n, int64_t c, const int64_t *target,
                           int64_t tstride, int64_t ignore, Cmp<T> *losses, Cmp<T> *lse,
@@ -73,24 +100,7 @@ __global__ void ce_kernel(const T *x, int64_t n, int64_t c, const int64_t *targe
         s += (double)exp(v - m); /* NaN propagates */
       }
     }
-    C mx = td__cu_block_max(m);
-    double part = s == 0 ? 0.0 : s * (double)exp(m - mx);
-    double tot = td__cu_block_sum(part);
-    if (threadIdx.x == 0) {
-      double l = (double)mx + log(tot);
-      int64_t t = target[row * tstride];
-      C loss = 0;
-      if (t != ignore) {
-        if (t < 0 || t >= c) {
-          atomicMin(&stats[1], (unsigned long long)row);
-        } else {
-          loss = (C)(l - (double)td__ld(xr[t]));
-          atomicAdd(&stats[0], 1ull);
-        }
-      }
-      losses[row] = loss;
-      lse[row] = (C)l;
-    }
+    ce_row_end(xr, row, c, m, s, target, tstride, ignore, losses, lse, stats);
   }
 }
 
@@ -144,24 +154,7 @@ __global__ void ce_vec_kernel(const T *x, int64_t n, int64_t c, const int64_t *t
         }
       }
     }
-    float mx = td__cu_block_max(m);
-    double part = s == 0 ? 0.0 : s * (double)expf(m - mx);
-    double tot = td__cu_block_sum(part);
-    if (threadIdx.x == 0) {
-      double l = (double)mx + log(tot);
-      int64_t t = target[row * tstride];
-      float loss = 0;
-      if (t != ignore) {
-        if (t < 0 || t >= c) {
-          atomicMin(&stats[1], (unsigned long long)row);
-        } else {
-          loss = (float)(l - (double)td__ld(xr[t]));
-          atomicAdd(&stats[0], 1ull);
-        }
-      }
-      losses[row] = loss;
-      lse[row] = (float)l;
-    }
+    ce_row_end(xr, row, c, m, s, target, tstride, ignore, losses, lse, stats);
   }
 }
 
