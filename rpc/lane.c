@@ -881,6 +881,27 @@ static td__lane *offered_to(td__lanes *ls, int pid) {
   return NULL;
 }
 
+/* take_lane maps a peer's lane (fds[0]) and doorbell (fds[1]), checks the lane's magic and answers
+ * on sock with our doorbell under magic (the server's last step of both set-ups). NULL when done
+ * (*map, *bell mapped), else why (nothing stays mapped). */
+static const char *take_lane(td__lanes *ls, int sock, const int *fds, uint32_t magic,
+                             uint8_t **map, uint8_t **bell) {
+  const char *why = NULL;
+  *map = *bell = NULL;
+  *map = map_received(fds[0], MAP_BYTES, &why);
+  if (!why) *bell = map_received(fds[1], BELL_BYTES, &why);
+  if (!why && memcmp(((lane_hdr *)*map)->magic, LANE_MAGIC, sizeof LANE_MAGIC) != 0)
+    why = "not a lane";
+  if (!why && !send_with_fds(sock, magic, NULL, &ls->bell_fd, 1))
+    why = "cannot answer the hand-over";
+  if (why) {
+    if (*map) munmap(*map, MAP_BYTES);
+    if (*bell) munmap(*bell, BELL_BYTES);
+    *map = *bell = NULL;
+  }
+  return why;
+}
+
 static void refuse(td__lanes *ls, const char *why) {
   if (ls->o.refused) ls->o.refused(ls->o.refused_ud, why);
 }
@@ -896,18 +917,11 @@ static bool take_handover(td__lanes *ls, td__lane *l) {
   if (n != 2 || td__get_u32(buf) != JOIN_MAGIC) why = "malformed lane hand-over";
   else if (!secret_eq(buf + 4, l->secret)) why = "wrong lane secret";
   uint8_t *map = NULL, *bell = NULL;
-  if (!why) map = map_received(fds[0], MAP_BYTES, &why);
-  if (!why) bell = map_received(fds[1], BELL_BYTES, &why);
-  if (!why && memcmp(((lane_hdr *)map)->magic, LANE_MAGIC, sizeof LANE_MAGIC) != 0)
-    why = "not a lane";
-  if (!why && !send_with_fds(l->sock, BELL_MAGIC, NULL, &ls->bell_fd, 1))
-    why = "cannot answer the hand-over";
+  if (!why) why = take_lane(ls, l->sock, fds, BELL_MAGIC, &map, &bell);
   for (int i = 0; i < n; i++) close(fds[i]);
   close(l->sock);
   l->sock = -1;
   if (why) {
-    if (map) munmap(map, MAP_BYTES);
-    if (bell) munmap(bell, BELL_BYTES);
     char msg[160];
     snprintf(msg, sizeof msg, "lane socket: %s (from the process of rank %d)", why, l->peer);
     refuse(ls, msg);
@@ -1635,12 +1649,7 @@ static const char *dial_server_proof(td__lanes *ls, td__lane *l) {
   if (td__hs_server_proof(&l->hs, l->in, TD__HS_PROOF_LEN, &rank) != TD_OK) why = td_last_error();
   else if (pid_for(ls, rank) != peer_pid(l->sock)) why = "the socket's process is not the rank's";
   else if (n != 2) why = "malformed lane hand-over";
-  if (!why) map = map_received(fds[0], MAP_BYTES, &why);
-  if (!why) bell = map_received(fds[1], BELL_BYTES, &why);
-  if (!why && memcmp(((lane_hdr *)map)->magic, LANE_MAGIC, sizeof LANE_MAGIC) != 0)
-    why = "not a lane";
-  if (!why && !send_with_fds(l->sock, DIAL_BELL_MAGIC, NULL, &ls->bell_fd, 1))
-    why = "cannot answer the hand-over";
+  if (!why) why = take_lane(ls, l->sock, fds, DIAL_BELL_MAGIC, &map, &bell);
   for (int i = 0; i < n; i++) close(fds[i]);
   td__decoder *dec = NULL;
   void *ud = NULL;
