@@ -12,10 +12,26 @@
 #   tar -xJf OUT.tar.xz && bash gpu-bundle/run.sh     (runs scripts/test-gpu.sh on the build)
 # CTest files name absolute paths: run.sh links this checkout's path on the GPU machine to the
 # path it had here when the two differ.
+#
+# usage: scripts/gpu-bundle.sh --quick BUILD_DIR DIR [PROGRAM ...]
+#   for speed work with a few minutes of device time: DIR/libs.tar.xz (the libraries and the
+#   corpus, as above; made once, kept while it exists), DIR/NAME.xz for each PROGRAM (a path in
+#   the build; default: bench/gpt_gpu and the CUDA test programs of the GPT's kernels), and
+#   DIR/quick.sh. On the GPU machine, from the checkout's root, `bash DIR/quick.sh` unpacks them
+#   to /tmp/td-quick, runs the test programs at once, then gpt_gpu at batch 16 (and its
+#   --phases split); TD_NCU=1 adds Nsight Compute's time of every kernel of a one-layer step,
+#   and everything goes to $OUT when set. About 20 MB + 1.5 MB a program, 20-35 s to run.
+#   Programs packed by an earlier call stay in DIR (and run) until removed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=${1:?usage: gpu-bundle.sh BUILD_DIR OUT.tar.xz}
-out=${2:?usage: gpu-bundle.sh BUILD_DIR OUT.tar.xz}
+quick=0
+if [ "${1:-}" = --quick ]; then
+  quick=1
+  shift
+fi
+build=${1:?usage: gpu-bundle.sh BUILD_DIR OUT.tar.xz | --quick BUILD_DIR DIR [PROGRAM ...]}
+out=${2:?usage: gpu-bundle.sh BUILD_DIR OUT.tar.xz | --quick BUILD_DIR DIR [PROGRAM ...]}
+shift 2
 [ -f "$build/CTestTestfile.cmake" ] || { echo "gpu-bundle.sh: $build holds no build" >&2; exit 1; }
 build=$(cd "$build" && pwd)
 root=$(pwd)
@@ -26,10 +42,24 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/gpu-bundle/lib" "$stage/gpu-bundle/data"
 
+if [ "$quick" = 1 ]; then
+  mkdir -p "$out"
+  progs=("$@")
+  [ ${#progs[@]} -gt 0 ] || progs=(bench/gpt_gpu tests/gpu/test_cuda_gpt tests/gpu/test_cuda_ops
+    tests/tensor_nn/test_nn_cuda tests/tensor/test_numerics_cuda)
+  for p in "${progs[@]}"; do
+    [ -x "$build/$p" ] || { echo "gpu-bundle.sh: no program $build/$p" >&2; exit 1; }
+    xz -T0 -6 -c "$build/$p" >"$out/$(basename "$p").xz"
+  done
+  cp "$root/scripts/gpu-quick-run.sh" "$out/quick.sh"
+  [ -f "$out/libs.tar.xz" ] && { du -sh "$out"; exit 0; }
+fi
+
 # The build without object files and archives of objects, and of the test programs only those that
 # scripts/test-gpu.sh runs (the gpu-labelled tests and the four CUDA tests that also run without a
 # GPU): every program links libtdist statically, about 6 MB each, and the whole build would not fit
 # the 64 MiB a device session carries.
+[ "$quick" = 1 ] || {
 keep=$(mktemp)
 ctest --test-dir "$build" -N --show-only=json-v1 -L gpu >"$keep.1"
 ctest --test-dir "$build" -N --show-only=json-v1 \
@@ -53,6 +83,7 @@ find "$stage/$rel/examples" "$stage/$rel/bench" -type f -perm -u+x 2>/dev/null |
   case "${f##*/}" in train_local | param_server | hybrid | gpt | gpt_gpu) ;; *) rm -f "$f" ;; esac
 done
 rm -rf "$stage/$rel/python" "$stage/$rel/bindings"
+}
 
 # Shared libraries of every ELF program and library in the build.
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|libpthread\.so|librt\.so|libresolv\.so|libutil\.so|libcuda\.so|libcublas|libcublasLt|libnccl|libstdc\+\+|libgcc_s)'
@@ -65,12 +96,17 @@ find "$build" -type f \( -perm -u+x -o -name '*.so*' \) ! -path '*/CMakeFiles/*'
   done
 
 data=${TD_DATA_DIR:-/usr/share/datasets/fashion-mnist}
-cp "$data"/*-ubyte.gz "$stage/gpu-bundle/data/"
+[ "$quick" = 1 ] || cp "$data"/*-ubyte.gz "$stage/gpu-bundle/data/"
 # the GPT tests' corpus (Debian's fortunes; the GPU machine may not have the package)
 fortunes=${TD_GPT_CORPUS:-/usr/share/games/fortunes}
 if [ -d "$fortunes" ]; then
   mkdir -p "$stage/gpu-bundle/fortunes"
   find "$fortunes" -maxdepth 1 -type f ! -name '*.dat' -exec cp {} "$stage/gpu-bundle/fortunes/" \;
+fi
+if [ "$quick" = 1 ]; then
+  tar -C "$stage" -cf - gpu-bundle/lib gpu-bundle/fortunes | xz -T0 -6 >"$out/libs.tar.xz"
+  du -sh "$out"
+  exit 0
 fi
 
 cat >"$stage/gpu-bundle/run.sh" <<EOF
