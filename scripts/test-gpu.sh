@@ -15,7 +15,9 @@
 #     test_example_gpt_cuda (gpt --device cuda:0 against the CPU over 200 steps in float32 and
 #     bfloat16, ZeRO-3 of one rank, a short benchmark run) are gpu-labelled tests above;
 #   - bench/gpt_gpu at GPT-2 124M shapes in bfloat16, batch 16 and 32 (tokens/s, step time, peak
-#     device memory, MFU).
+#     device memory, MFU) and a --phases run (forward / backward / clipping / AdamW split).
+# Order: the benchmark first, alone on the device; then the tests (the GPT's first) while the
+# three examples run beside them.
 #
 # usage: scripts/test-gpu.sh      (build dir ${TD_BUILD_DIR:-build-gpu}; the full output of every
 #                                  test and example goes to <build dir>/test-gpu.log)
@@ -24,6 +26,8 @@
 #                                  given a CUDA build made elsewhere and its libraries on
 #                                  LD_LIBRARY_PATH)
 #        TD_CTEST_ARGS="-j4"             extra ctest arguments (e.g. to run the gpu tests at once)
+#        TD_GPU_OUT=DIR                  copies the log and the JSON lines to DIR as they come
+#        TD_GPU_BENCH_TIMEOUT=S          each benchmark run's limit (300 s)
 # Exit status 0 when everything passed. Unlike scripts/test.sh, a gpu test program that skips as a
 # whole counts as a failure here: on a machine with a GPU that means something is wrong. (Parts
 # that need a second GPU skip with a message inside a passing program; the summary lists them.)
