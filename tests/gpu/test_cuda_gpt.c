@@ -1,5 +1,6 @@
 /* test_cuda_gpt.c - the CUDA kernels the GPT needs, against the CPU backend: bfloat16 / float16
- * conversions, elementwise ops, reductions, softmax, layer norm, losses and embeddings in the
+ * conversions, elementwise ops (the general kernels and the 16-byte vector ones, which must also
+ * agree with each other bit for bit), reductions, softmax, layer norm, losses and embeddings in the
  * 16-bit dtypes, cuBLASLt GEMMs, the flash attention (general and tensor-core kernels, forward and
  * backward, float32 / float64 / bfloat16 / float16), multi-tensor AdamW, the sum of squares of
  * gradient-norm clipping, the allocator's peak, and a small GPT trained a few steps on both
@@ -264,6 +265,95 @@ static void test_lowp_elementwise_match_cpu(void **state) {
       backprop_weighted(cy, 31);
       backprop_weighted(gy, 31);
       snprintf(what, sizeof what, "unary op %d (%s) gradient", op, td_dtype_name(dt));
+      near_grad(what, gx, cx, 4 * eps);
+      td_tensor *all[] = {x, cx, gx, cy, gy};
+      for (int i = 0; i < 5; i++) td_tensor_unref(all[i]);
+    }
+  }
+}
+
+/* ---- the 16-byte vector kernels (contiguous, 16-byte aligned, a multiple of 8 elements) ----
+ * The shapes above (2145, 2108 elements) take the general kernels; [8, 96] takes the vector ones:
+ * against the CPU as above, and against the general kernels (the same op on a transposed view)
+ * bit for bit, since both do the same arithmetic per element. */
+
+/* same_bits fails unless a (contiguous op) and b_t (the op on the transposed view, transposed
+ * back) hold the same values. */
+static void same_bits(const char *what, const td_tensor *a, const td_tensor *b_t) {
+  td_tensor *b = NULL;
+  TD_ASSERT_OK(td_tensor_transpose(b_t, 0, 1, &b));
+  near(what, a, b, 0.0);
+  td_tensor_unref(b);
+}
+
+static void test_lowp_vector_paths_match_cpu_and_general(void **state) {
+  (void)state;
+  TD_TEST_REQUIRE_CUDA(1);
+  int64_t sh[2] = {8, 96};
+  const td_dtype dts[] = {BF16, F16, F32};
+  for (int k = 0; k < 3; k++) {
+    td_dtype dt = dts[k];
+    double eps = dt == F32 ? 1e-6 : half_eps(dt);
+    char what[112];
+    /* add, sub, mul of same-shape operands */
+    td_status (*fn[3])(const td_tensor *, const td_tensor *, td_tensor **) = {
+        td_tensor_add, td_tensor_sub, td_tensor_mul};
+    for (int op = 0; op < 3; op++) {
+      td_tensor *a = rnd(sh, 2, dt, 41, 0.5, 2), *b = rnd(sh, 2, dt, 42, 0.5, 2);
+      td_tensor *ga = on_gpu(a), *gb = on_gpu(b), *cy = NULL, *gy = NULL, *at = NULL, *bt = NULL;
+      td_tensor *gyt = NULL;
+      TD_ASSERT_OK(fn[op](a, b, &cy));
+      TD_ASSERT_OK(fn[op](ga, gb, &gy));
+      snprintf(what, sizeof what, "vector binary op %d (%s)", op, td_dtype_name(dt));
+      near(what, gy, cy, 2 * eps);
+      TD_ASSERT_OK(td_tensor_transpose(ga, 0, 1, &at));
+      TD_ASSERT_OK(td_tensor_transpose(gb, 0, 1, &bt));
+      TD_ASSERT_OK(fn[op](at, bt, &gyt));
+      snprintf(what, sizeof what, "vector binary op %d (%s) vs the general kernel", op,
+               td_dtype_name(dt));
+      same_bits(what, gy, gyt);
+      td_tensor *all[] = {a, b, ga, gb, cy, gy, at, bt, gyt};
+      for (int i = 0; i < 9; i++) td_tensor_unref(all[i]);
+    }
+    if (dt == F32) {
+      /* float32 <-> 16-bit copies: the CPU's bits both ways */
+      const td_dtype hs[] = {BF16, F16};
+      for (int h = 0; h < 2; h++) {
+        td_tensor *x = rnd(sh, 2, F32, 43, -3, 3), *gx = on_gpu(x), *ch = NULL, *gh = NULL;
+        td_tensor *cb = NULL, *gbk = NULL;
+        TD_ASSERT_OK(td_tensor_to_dtype(x, hs[h], &ch));
+        TD_ASSERT_OK(td_tensor_to_dtype(gx, hs[h], &gh));
+        snprintf(what, sizeof what, "float32 -> %s, vector copy", td_dtype_name(hs[h]));
+        near(what, gh, ch, 0.0);
+        TD_ASSERT_OK(td_tensor_to_dtype(ch, F32, &cb));
+        TD_ASSERT_OK(td_tensor_to_dtype(gh, F32, &gbk));
+        snprintf(what, sizeof what, "%s -> float32, vector copy", td_dtype_name(hs[h]));
+        near(what, gbk, cb, 0.0);
+        td_tensor *all[] = {x, gx, ch, gh, cb, gbk};
+        for (int i = 0; i < 6; i++) td_tensor_unref(all[i]);
+      }
+      continue;
+    }
+    /* unary ops and their backward */
+    for (int op = U_EXP; op <= U_AFFINE; op++) {
+      bool pos = op == U_LOG || op == U_SQRT;
+      td_tensor *x = rnd(sh, 2, dt, 50 + (uint64_t)op, pos ? 0.1 : -3, 3), *cx, *gx;
+      td_tensor *cy = NULL, *gy = NULL, *xt = NULL, *gyt = NULL;
+      leaf_pair(x, &cx, &gx);
+      TD_ASSERT_OK(unary((un_op)op, cx, &cy));
+      TD_ASSERT_OK(unary((un_op)op, gx, &gy));
+      snprintf(what, sizeof what, "vector unary op %d (%s)", op, td_dtype_name(dt));
+      near(what, gy, cy, 2 * eps);
+      TD_ASSERT_OK(td_tensor_transpose(gx, 0, 1, &xt));
+      TD_ASSERT_OK(unary((un_op)op, xt, &gyt));
+      snprintf(what, sizeof what, "vector unary op %d (%s) vs the general kernel", op,
+               td_dtype_name(dt));
+      same_bits(what, gy, gyt);
+      td_tensor_unref(gyt);
+      td_tensor_unref(xt);
+      backprop_weighted(cy, 51);
+      backprop_weighted(gy, 51);
+      snprintf(what, sizeof what, "vector unary op %d (%s) gradient", op, td_dtype_name(dt));
       near_grad(what, gx, cx, 4 * eps);
       td_tensor *all[] = {x, cx, gx, cy, gy};
       for (int i = 0; i < 5; i++) td_tensor_unref(all[i]);
@@ -903,6 +993,7 @@ int main(void) {
       cmocka_unit_test(test_lowp_conversions_match_cpu_bits),
       cmocka_unit_test(test_lowp_strided_copy_and_fill_match_cpu),
       cmocka_unit_test(test_lowp_elementwise_match_cpu),
+      cmocka_unit_test(test_lowp_vector_paths_match_cpu_and_general),
       cmocka_unit_test(test_lowp_reductions_norms_losses_match_cpu),
       cmocka_unit_test(test_fused_cross_entropy_matches_cpu),
       cmocka_unit_test(test_lowp_matmul_match_cpu),
