@@ -1169,8 +1169,8 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
   if (a->rank == 0) format_addr(a->sc.address, sizeof a->sc.address, a->listen_addr, port);
   else format_addr(a->sc.address, sizeof a->sc.address, ad->mhost, ad->mport);
   a->sc.tr = a->tr;
-  a->sc.call_timeout_ms = o->init_timeout_ms;
-  a->sc.wait_for_ready = true;
+  __atomic_store_n(&a->sc.call_timeout_ms, o->init_timeout_ms, __ATOMIC_RELAXED);
+  __atomic_store_n(&a->sc.wait_for_ready, true, __ATOMIC_RELAXED);
   if (a->rank == 0 && a->store) {
     /* rank 0's own store calls go straight to its store, not through its own gRPC server: there
      * they queued behind the whole group's requests (256 workers on 2 CPUs: seconds per call) */
@@ -1199,7 +1199,7 @@ static void rendezvous_failed(td_rpc_agent *a, td_status st) {
   snprintf(why, sizeof why, "%s", td_last_error());
   /* another run's store, or a running group a joiner failed to join: write nothing there */
   if (a->foreign || a->joiner) return;
-  a->sc.call_timeout_ms = 1000;
+  __atomic_store_n(&a->sc.call_timeout_ms, 1000, __ATOMIC_RELAXED);
   if (st == TD_ERR_TIMEOUT) {
     /* the others time out on their own: just say so, briefly (init keeps to its deadline) */
     td__store_set_deadline(&a->sc, td__now_ns() + 100000000ull);
@@ -1264,10 +1264,13 @@ static void init_finish(td_rpc_agent *a) {
   td__progress_adopt_thread(a); /* host mode: the thread that joined drives progress */
   a->opts.device_maps = NULL; /* borrowed: read at init only */
   a->opts.num_device_maps = 0;
-  a->sc.call_timeout_ms = 10000;
+  __atomic_store_n(&a->sc.call_timeout_ms, 10000, __ATOMIC_RELAXED);
   td__store_set_deadline(&a->sc, 0);
-  snprintf(a->sc.owner, sizeof a->sc.owner, "%s (rank 0)", a->peers[0].info.name);
-  a->sc.wait_for_ready = false; /* from now on a missing rank 0 is a failure, not a late start */
+  char owner[160];
+  snprintf(owner, sizeof owner, "%s (rank 0)", a->peers[0].info.name);
+  td__store_set_owner(&a->sc, owner);
+  /* from now on a missing rank 0 is a failure, not a late start */
+  __atomic_store_n(&a->sc.wait_for_ready, false, __ATOMIC_RELAXED);
   /* After the line above: the group is complete, so rank 0 may already have finished and left
    * (a non-graceful shutdown does not wait for anyone): nothing here waits for its store (the
    * clocks were exchanged before the ready barrier, init_trace). */

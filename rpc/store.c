@@ -567,6 +567,11 @@ td_status td__store_handle_park(td__store *s, const uint8_t *req, size_t len, ui
 
 /* ---- client ---- */
 
+void td__store_set_owner(td__store_client *c, const char *name) {
+  snprintf(c->owner_buf, sizeof c->owner_buf, "%s", name);
+  __atomic_store_n(&c->owner, c->owner_buf, __ATOMIC_RELEASE);
+}
+
 void td__store_set_deadline(td__store_client *c, uint64_t deadline_ns) {
   __atomic_store_n(&c->deadline_ns, deadline_ns, __ATOMIC_RELEASE);
 }
@@ -576,7 +581,9 @@ void td__store_set_deadline(td__store_client *c, uint64_t deadline_ns) {
 static td_status unary(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
                        size_t *reply_len) {
   const td__store_client *c = ctx;
-  const char *owner = c->owner[0] ? c->owner : "rank 0";
+  const char *owner = __atomic_load_n(&c->owner, __ATOMIC_ACQUIRE);
+  if (!owner) owner = "rank 0";
+  bool wfr = __atomic_load_n(&c->wait_for_ready, __ATOMIC_RELAXED);
   int64_t tmo = __atomic_load_n(&c->call_timeout_ms, __ATOMIC_RELAXED); /* (shutdown.c) */
   uint64_t dl = __atomic_load_n(&c->deadline_ns, __ATOMIC_ACQUIRE);
   if (dl && dl != TD__NO_DEADLINE) {
@@ -589,8 +596,8 @@ static td_status unary(void *ctx, const uint8_t *req, size_t len, uint8_t **repl
   }
   td_status st = c->unary_fn ? c->unary_fn(c->unary_ctx, req, len, reply, reply_len)
                              : td__transport_unary(c->tr, c->address, TD__STORE_METHOD, req, len,
-                                                   tmo, c->wait_for_ready, reply, reply_len);
-  if (st == TD_ERR_UNAVAILABLE || (st == TD_ERR_TIMEOUT && !c->wait_for_ready))
+                                                   tmo, wfr, reply, reply_len);
+  if (st == TD_ERR_UNAVAILABLE || (st == TD_ERR_TIMEOUT && !wfr))
     return td__error_prefix(st, "%s, which serves the rendezvous store at %s, is unreachable",
                             owner, c->address);
   if (st == TD_ERR_TIMEOUT)

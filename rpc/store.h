@@ -85,12 +85,18 @@ typedef struct td__store_client {
   td__transport *tr;
   struct td__auth_client *auth; /* the session with the store (auth.h); NULL: unauthenticated */
   char address[300]; /* host:port of rank 0 */
-  char owner[160];    /* who serves it, for messages: "worker0 (rank 0)" */
+  /* who serves it, for messages: "worker0 (rank 0)" (NULL: "rank 0"). Calls on other threads
+   * (an elastic joiner learnt on the pool) read it while init finishes: set it once with
+   * td__store_set_owner, which fills owner_buf and then publishes the pointer. */
+  const char *owner;
+  char owner_buf[160];
   int64_t call_timeout_ms;
   /* no call outlives it (td__now_ns clock; 0: none): a call gets min(call_timeout_ms, what is
    * left), none at all once it passed. Read and written atomically (td__store_set_deadline). */
   uint64_t deadline_ns;
-  bool wait_for_ready; /* keep trying to reach a server that is not up yet (rendezvous) */
+  /* keep trying to reach a server that is not up yet (rendezvous); read and written atomically
+   * (init turns it off while other threads may call) */
+  bool wait_for_ready;
   /* the longest sleep between two polls of a wait (0: 50 ms); large groups set it longer, so
    * the polls of N waiting workers stay a bounded load on the server */
   int64_t max_backoff_ms;
@@ -104,6 +110,9 @@ typedef struct td__store_client {
 } td__store_client;
 
 /* td__store_set_deadline bounds every later call of c (any thread) by deadline_ns (0: none). */
+/* td__store_set_owner names who serves the store in the client's messages (once: the name is
+ * published to other threads' calls). */
+void td__store_set_owner(td__store_client *c, const char *name);
 void td__store_set_deadline(td__store_client *c, uint64_t deadline_ns);
 
 td_status td__store_set(const td__store_client *c, const char *key, const void *v, size_t n);
