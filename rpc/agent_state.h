@@ -264,6 +264,10 @@ void td__serve_burst(void *ud, bool end);
 size_t td__agent_name_hash(const char *s);
 
 /* ---- store_park.c: rank 0's store holding waits (store.h, parked waits) ---- */
+/* td__store_park_init sets rank 0's parker once, with its store, before any thread serves a
+ * store call (the poller and, for rank 0's own calls, the calling thread both do:
+ * local_store_unary). */
+void td__store_park_init(td_rpc_agent *a);
 /* td__store_park_body serves one verified store operation (ctx: the agent) with its waits
  * parked; td__store_park_tick answers those whose time passed (poller tick);
  * td__store_park_end answers all of them (before the transport shuts down). */

@@ -997,6 +997,7 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
     return td_set_error(TD_ERR_INVALID, "rpc_init: unknown progress mode %d", o->progress);
   if (rank == 0) {
     TD_TRY(td__store_create(&a->store));
+    td__store_park_init(a);
     char ws[32];
     int n = snprintf(ws, sizeof ws, "%d", world_size);
     TD_TRY(td__store_local_set(a->store, "world_size", ws, (size_t)n));

@@ -47,11 +47,13 @@ static void answer(void *token, uint8_t *reply, size_t len) {
   td__free(w);
 }
 
+void td__store_park_init(td_rpc_agent *a) {
+  a->store_parker = (td__store_parker){park, answer, a};
+}
+
 td_status td__store_park_body(void *ctx, const uint8_t *req, size_t len, uint8_t **reply,
                               size_t *reply_len) {
   td_rpc_agent *a = ctx;
-  if (!a->store_parker.park)
-    a->store_parker = (td__store_parker){park, answer, a}; /* (poller thread only) */
   bool parked = false;
   td_status st = td__store_handle_park(a->store, req, len, reply, reply_len, &a->store_parker,
                                        &parked);
