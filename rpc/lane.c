@@ -887,7 +887,7 @@ static td__lane *offered_to(td__lanes *ls, int pid) {
 static const char *take_lane(td__lanes *ls, int sock, const int *fds, uint32_t magic,
                              uint8_t **map, uint8_t **bell) {
   const char *why = NULL;
-  *map = *bell = NULL;
+  *bell = NULL;
   *map = map_received(fds[0], MAP_BYTES, &why);
   if (!why) *bell = map_received(fds[1], BELL_BYTES, &why);
   if (!why && memcmp(((lane_hdr *)*map)->magic, LANE_MAGIC, sizeof LANE_MAGIC) != 0)

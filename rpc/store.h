@@ -109,10 +109,10 @@ typedef struct td__store_client {
   void *unary_ctx;
 } td__store_client;
 
-/* td__store_set_deadline bounds every later call of c (any thread) by deadline_ns (0: none). */
 /* td__store_set_owner names who serves the store in the client's messages (once: the name is
  * published to other threads' calls). */
 void td__store_set_owner(td__store_client *c, const char *name);
+/* td__store_set_deadline bounds every later call of c (any thread) by deadline_ns (0: none). */
 void td__store_set_deadline(td__store_client *c, uint64_t deadline_ns);
 
 td_status td__store_set(const td__store_client *c, const char *key, const void *v, size_t n);
