@@ -17,6 +17,8 @@
 #include "cuda_impl.h"
 
 #include <cublas_v2.h>
+
+#include "cuda_blas.h" /* after cuBLAS's headers */
 #include <limits.h>
 #include <stdio.h>
 #include <string.h>
@@ -187,6 +189,7 @@ td_status blas_handle(int device, cublasHandle_t *out) {
     *out = mine[(size_t)device];
     return TD_OK;
   }
+  TD_TRY(td__cublas_load()); /* (cuda_blas.h) */
   cublasHandle_t h = nullptr;
   try {
     if ((size_t)device >= mine.size()) mine.resize((size_t)device + 1, nullptr);

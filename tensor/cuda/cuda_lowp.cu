@@ -23,6 +23,8 @@
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
+
+#include "cuda_blas.h" /* after cuBLAS's headers */
 #include <limits.h>
 #include <string.h>
 
@@ -94,6 +96,7 @@ td_status lt_handle(int device, cublasLtHandle_t *out) {
     *out = mine[(size_t)device];
     return TD_OK;
   }
+  TD_TRY(td__cublas_load()); /* (cuda_blas.h) */
   cublasLtHandle_t h = nullptr;
   try {
     if ((size_t)device >= mine.size()) mine.resize((size_t)device + 1, nullptr);

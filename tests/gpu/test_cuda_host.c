@@ -1,16 +1,50 @@
 /* test_cuda_host.c - the host-side logic of the CUDA backend, which runs without a GPU (built only
  * with CUDA; label unit): the caching allocator's bookkeeping over a budgeted host-memory "device"
  * (size classes, reuse, emptying the cache and retrying on out-of-memory, giving memory back
- * outside the lock, concurrent use), and the order keys that make NCCL's MAX propagate NaN. */
+ * outside the lock, concurrent use), the order keys that make NCCL's MAX propagate NaN, and cuBLAS
+ * loaded on first use (cuda_blas.h), not at start-up. */
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "tensor/cuda/cuda_alloc.h"
+#include "tensor/cuda/cuda_blas.h"
 #include "tensor/cuda/cuda_collective.h"
 #include "test_util.h"
+
+/* ---- cuBLAS, loaded on first use ---- */
+
+/* Whether a file whose name contains lib is mapped into this process. */
+static bool mapped(const char *lib) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  assert_non_null(f);
+  char line[4096];
+  bool found = false;
+  while (!found && fgets(line, sizeof line, f)) found = strstr(line, lib) != NULL;
+  fclose(f);
+  return found;
+}
+
+/* Runs first: nothing before it creates a cuBLAS handle. */
+static void test_cublas_is_loaded_on_first_use_not_at_start(void **state) {
+  (void)state;
+  assert_false(mapped("libcublasLt.so"));
+  assert_false(mapped("libcublas.so"));
+  TD_ASSERT_OK(td__cublas_load());
+  assert_true(mapped("libcublasLt.so"));
+  assert_true(mapped("libcublas.so"));
+  void *entries[sizeof td__cublas / sizeof(void *)];
+  memcpy(entries, &td__cublas, sizeof entries);
+  for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) assert_non_null(entries[i]);
+  TD_ASSERT_OK(td__cublas_load()); /* once */
+  /* a call through the table (cuda_blas.h's macros), one that needs no GPU */
+  assert_string_equal(cublasGetStatusString(CUBLAS_STATUS_NOT_INITIALIZED),
+                      "the library was not initialized");
+}
 
 /* ---- a budgeted host "device" ---- */
 
@@ -238,6 +272,7 @@ static void test_cuda_order_keys_order_like_floats_with_nan_on_top(void **state)
 
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_cublas_is_loaded_on_first_use_not_at_start),
       cmocka_unit_test(test_cuda_cache_size_classes),
       cmocka_unit_test(test_cuda_cache_reuses_blocks_per_device),
       cmocka_unit_test(test_cuda_cache_empties_and_retries_on_oom),
