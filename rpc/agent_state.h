@@ -292,15 +292,17 @@ void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *con
 bool td__direct_wanted(const td_rpc_options *o);
 /* Whether this worker offers same-host lanes (option, TD_RPC_SHM_LANE, platform). */
 bool td__lane_wanted(const td_rpc_options *o);
-/* Rendezvous steps, in this order: publish before the join barrier, probe after it, learn after
- * the ready barrier. */
-td_status td__direct_publish(td_rpc_agent *a);
+/* Rendezvous steps, in this order: the record published before the join barrier (key
+ * "direct/<rank>" and its value, published with the worker's other records), probe after it,
+ * learn after the ready barrier. */
+void td__direct_record(td_rpc_agent *a, char key[64], char val[512]);
 td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline);
 td_status td__direct_learn(td_rpc_agent *a, uint64_t deadline);
 
 /* ---- devmap.c ---- */
-/* Publish before the join barrier; set up (check every map, keep ours) after it. */
-td_status td__devmap_publish(td_rpc_agent *a);
+/* The record published before the join barrier (key "devmap/<rank>", *val td__malloc'd, *n
+ * bytes); set up (check every map, keep ours) after it. */
+td_status td__devmap_record(td_rpc_agent *a, char key[64], char **val, size_t *n);
 td_status td__devmap_setup(td_rpc_agent *a, uint64_t deadline);
 void td__devmap_free_all(td_rpc_agent *a);
 

@@ -44,11 +44,11 @@ static void sb_field(sbuf *b, const char *s, char end) {
   sb_put(b, &end, 1);
 }
 
-td_status td__devmap_publish(td_rpc_agent *a) {
+td_status td__devmap_record(td_rpc_agent *a, char key[64], char **val, size_t *n) {
   sbuf b = {0};
   char head[32];
-  int n = snprintf(head, sizeof head, "%d\n", td_cuda_device_count());
-  sb_put(&b, head, (size_t)n);
+  int hn = snprintf(head, sizeof head, "%d\n", td_cuda_device_count());
+  sb_put(&b, head, (size_t)hn);
   for (int i = 0; i < a->opts.num_device_maps; i++) {
     const td_rpc_device_map_entry *e = &a->opts.device_maps[i];
     sb_field(&b, e->worker, '\t');
@@ -59,11 +59,10 @@ td_status td__devmap_publish(td_rpc_agent *a) {
     td__free(b.p);
     return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
   }
-  char key[64];
-  snprintf(key, sizeof key, "devmap/%d", a->rank);
-  td_status st = td__store_set(&a->sc, key, b.p, b.n);
-  td__free(b.p);
-  return st;
+  snprintf(key, 64, "devmap/%d", a->rank);
+  *val = b.p;
+  *n = b.n;
+  return TD_OK;
 }
 
 static td_status devmap_add(td__devmap *m, td_device from, td_device to) {

@@ -182,19 +182,18 @@ bool td__lane_wanted(const td_rpc_options *o) {
 }
 
 /* The same-host record is published when either same-host path is wanted. */
-td_status td__direct_publish(td_rpc_agent *a) {
-  char key[64], val[512], host[256];
-  snprintf(key, sizeof key, "direct/%d", a->rank);
+void td__direct_record(td_rpc_agent *a, char key[64], char val[512]) {
+  char host[256];
+  snprintf(key, 64, "direct/%d", a->rank);
   if (a->direct_on || a->lane_on) {
     a->direct_nonce = td__samehost_nonce(a);
     td__addr_host(a->peers[a->rank].info.address, host, sizeof host);
-    bool ok = td__samehost_record(host, &a->direct_nonce, val, sizeof val);
+    bool ok = td__samehost_record(host, &a->direct_nonce, val, 512);
     a->direct_on &= ok;
     a->lane_on &= ok;
   } else {
-    snprintf(val, sizeof val, "-");
+    snprintf(val, 512, "-");
   }
-  return td__store_set(&a->sc, key, val, strlen(val));
 }
 
 /* "directok/<rank>": the ranks this worker reads directly, as ascending ranges "a-b,c,..." (""

@@ -8,7 +8,7 @@
  * copies each tensor (td__direct_read) and answers with a "TDA1" ack carrying the token
  * (td__direct_ack_frame), after which the sender releases the tensors it kept alive
  * (td__direct_acks). Agent side (rendezvous): which pairs of workers can do this is probed once at
- * init (td__direct_publish / _probe / _learn, declared in agent_state.h).
+ * init (td__direct_record / _probe / _learn, declared in agent_state.h).
  *
  * All in rpc/direct.c.
  */

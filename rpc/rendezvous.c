@@ -332,11 +332,14 @@ static td_status rdv_check_world(td_rpc_agent *a, uint64_t deadline) {
   TD_TRY(st);
   long master_ws = strtol((char *)ws, NULL, 10);
   td__free(ws);
-  /* a worker of another run reads two keys and leaves: it must not disturb that run */
-  uint8_t *rid = NULL;
-  bool found = false;
-  TD_TRY(td__store_get(&a->sc, "run_id", &rid, NULL, &found));
+  /* a worker of another run reads two keys and leaves: it must not disturb that run; the run id
+   * and the places (max_world_size: a store without the key is a group of fixed size) are read
+   * in one request */
+  uint8_t *rid = NULL, *mw = NULL;
+  bool found = false, mw_found = false;
+  TD_TRY(td__store_get2(&a->sc, "run_id", &rid, NULL, &found, "max_world_size", &mw, &mw_found));
   if (!found || strcmp((char *)rid, a->run_id) != 0) {
+    td__free(mw);
     a->foreign = true;
     char mport[16] = "?";
     const char *colon = strrchr(a->sc.address, ':');
@@ -350,10 +353,7 @@ static td_status rdv_check_world(td_rpc_agent *a, uint64_t deadline) {
     return fs;
   }
   td__free(rid);
-  /* the places (max_world_size): a store without the key is a group of fixed size */
-  uint8_t *mw = NULL;
-  TD_TRY(td__store_get(&a->sc, "max_world_size", &mw, NULL, &found));
-  long master_max = found ? strtol((char *)mw, NULL, 10) : master_ws;
+  long master_max = mw_found ? strtol((char *)mw, NULL, 10) : master_ws;
   td__free(mw);
   if (a->joiner && master_max > master_ws && master_ws > 0 && master_max <= (1 << 24) &&
       (master_ws != a->world0 || master_max != a->world)) {
@@ -405,27 +405,40 @@ static td_status rdv_claim(td_rpc_agent *a) {
   return td_set_error(TD_ERR_EXISTS, "%s", why);
 }
 
-static td_status rdv_publish(td_rpc_agent *a) {
-  char key[64], val[512];
-  snprintf(key, sizeof key, "worker/%d", a->rank);
-  int n = snprintf(val, sizeof val, "%s\t%s", a->name, a->peers[a->rank].info.address);
-  TD_TRY(td__store_set(&a->sc, key, val, (size_t)n));
+/* Publishes this worker's records - worker/<r> (name and address), its registry's text under
+ * its hash and registry/<r> naming it, and (not for joiners) direct/<r> (same-host record) and
+ * devmap/<r> (device maps) - and then, when count_key is not NULL, adds 1 to that counter: one
+ * request (td__store_publish), where it was one per record and one for the count (rank 0 answers
+ * every worker's requests: at 256 workers each one of them took ~0.1 s). */
+static td_status rdv_publish(td_rpc_agent *a, const char *count_key) {
+  char wkey[64], wval[512], rkey[64], name[64], dkey[64], dval[512], mkey[64];
+  snprintf(wkey, sizeof wkey, "worker/%d", a->rank);
+  int wn = snprintf(wval, sizeof wval, "%s\t%s", a->name, a->peers[a->rank].info.address);
   char *snap = td__reg_snapshot();
   if (!snap) return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
-  char name[64];
   registry_key(snap, strlen(snap), name);
-  td_status st = td__store_set(&a->sc, name, snap, strlen(snap));
+  snprintf(rkey, sizeof rkey, "registry/%d", a->rank);
+  char *keys[5] = {wkey, name, rkey, dkey, mkey};
+  const void *vals[5] = {wval, snap, name, dval, NULL};
+  size_t lens[5] = {(size_t)wn, strlen(snap), strlen(name), 0, 0};
+  size_t n = 3;
+  char *mval = NULL;
+  td_status st = TD_OK;
+  if (!a->joiner) { /* (joiners: no direct copy nor device maps, gRPC streams only) */
+    td__direct_record(a, dkey, dval);
+    lens[3] = strlen(dval);
+    st = td__devmap_record(a, mkey, &mval, &lens[4]);
+    vals[4] = mval;
+    n = 5;
+  }
+  if (st == TD_OK) st = td__store_publish(&a->sc, n, keys, vals, lens, count_key, 1, NULL);
   td__free(snap);
-  TD_TRY(st);
-  snprintf(key, sizeof key, "registry/%d", a->rank);
-  TD_TRY(td__store_set(&a->sc, key, name, strlen(name)));
-  if (a->joiner) return TD_OK; /* no direct copy nor device maps: gRPC streams only */
-  TD_TRY(td__direct_publish(a));
-  return td__devmap_publish(a);
+  td__free(mval);
+  return st;
 }
 
+/* Waits for every worker to have published and counted itself in "joined" (rdv_publish). */
 static td_status rdv_join(td_rpc_agent *a, uint64_t deadline) {
-  TD_TRY(td__store_add(&a->sc, "joined", 1, NULL));
   rdv_progress p = {-1, ""};
   td_status st = rdv_wait(a, "joined", a->world0, deadline, &p, NULL);
   if (st != TD_ERR_TIMEOUT) return st;
@@ -590,7 +603,7 @@ static td_status join_running(td_rpc_agent *a, uint64_t deadline) {
     TD_TRY(join_claim_name(a));
   }
   TD_TRY(rdv_claim(a));
-  TD_TRY(rdv_publish(a));
+  TD_TRY(rdv_publish(a, NULL));
   snprintf(a->peers[a->rank].info.name, sizeof a->peers[a->rank].info.name, "%s", a->name);
   a->peers[a->rank].info.id = a->rank;
   char *snap = td__reg_snapshot(); /* (calls to self check it as any other worker's) */
@@ -616,7 +629,7 @@ static td_status rendezvous(td_rpc_agent *a) {
   t[0] = td__now_ns();
   TD_TRY(rdv_check_world(a, deadline));
   TD_TRY(rdv_claim(a));
-  TD_TRY(rdv_publish(a));
+  TD_TRY(rdv_publish(a, "joined"));
   t[1] = td__now_ns();
   TD_TRY(rdv_join(a, deadline));
   t[2] = td__now_ns();

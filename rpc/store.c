@@ -214,6 +214,40 @@ static td_status check_room(td__store *s, const char *key, size_t n) {
   return TD_OK;
 }
 
+/* Op 3 (and op 9's end): adds delta to the counter at key, rep->number the result. mu held. */
+static td_status add_op(td__store *s, const char *key, int64_t delta, Tdist__StoreReply *rep) {
+  TD_TRY(check_room(s, key, 24));
+  kv *e = find(s, key, true);
+  if (e && !e->val) s->bytes += strlen(key);
+  if (!e) return td_set_error(TD_ERR_NOMEM, "store: out of memory");
+  int64_t cur = e->val ? strtoll((const char *)e->val, NULL, 10) : 0;
+  cur += delta;
+  char num[32];
+  int n = snprintf(num, sizeof num, "%lld", (long long)cur);
+  if (!set_val(s, e, num, (size_t)n)) return td_set_error(TD_ERR_NOMEM, "store: out of memory");
+  rep->number = cur;
+  rep->found = true;
+  return TD_OK;
+}
+
+/* Op 9's limits, checked before any of its sets (so a refused publish changes nothing): every
+ * key and value as for a set, and room for all of them at once. mu held. */
+static td_status publish_room(td__store *s, const Tdist__StoreRequest *r) {
+  if (r->n_keys != r->n_values || r->n_keys > TD__STORE_PUBLISH_MAX)
+    return td_set_error(TD_ERR_INVALID, "store: publish of %zu keys and %zu values (at most %d "
+                        "pairs)", r->n_keys, r->n_values, TD__STORE_PUBLISH_MAX);
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < r->n_keys; i++) {
+    TD_TRY(check_room(s, r->keys[i], r->values[i].len));
+    bytes += strlen(r->keys[i]) + r->values[i].len;
+  }
+  if (s->len + r->n_keys > TD__STORE_MAX_KEYS || s->bytes + bytes > TD__STORE_MAX_BYTES)
+    return td_set_error(TD_ERR_NOMEM, "store: full (%zu keys, %llu bytes; limits %d keys, %llu "
+                        "bytes)", s->len, (unsigned long long)s->bytes, TD__STORE_MAX_KEYS,
+                        (unsigned long long)TD__STORE_MAX_BYTES);
+  return TD_OK;
+}
+
 td_status td__store_local_set(td__store *s, const char *key, const void *v, size_t n) {
   pthread_mutex_lock(&s->mu);
   kv *e = find(s, key, true);
@@ -468,7 +502,6 @@ td_status td__store_handle_park(td__store *s, const uint8_t *req, size_t len, ui
   if (!r) return td_set_error(TD_ERR_FORMAT, "store: malformed request");
   Tdist__StoreReply rep = TDIST__STORE_REPLY__INIT;
   td_status st = TD_OK;
-  char num[32];
   uint8_t *copy = NULL, *watch_copy = NULL;
   range_buf rg = {0};
   pthread_mutex_lock(&s->mu);
@@ -500,22 +533,19 @@ td_status td__store_handle_park(td__store *s, const uint8_t *req, size_t len, ui
       }
       break;
     }
-    case 3: { /* add */
-      if ((st = check_room(s, key, 24)) != TD_OK) break;
-      kv *e = find(s, key, true);
-      if (e && !e->val) s->bytes += strlen(key);
-      if (!e) {
-        st = td_set_error(TD_ERR_NOMEM, "store: out of memory");
-        break;
-      }
-      int64_t cur = e->val ? strtoll((const char *)e->val, NULL, 10) : 0;
-      cur += r->delta;
-      int n = snprintf(num, sizeof num, "%lld", (long long)cur);
-      if (!set_val(s, e, num, (size_t)n)) st = td_set_error(TD_ERR_NOMEM, "store: out of memory");
-      rep.number = cur;
-      rep.found = true;
+    case 3: /* add */
+      st = add_op(s, key, r->delta, &rep);
       break;
-    }
+    case 9: /* publish: sets, then an add */
+      if ((st = publish_room(s, r)) != TD_OK) break;
+      for (size_t i = 0; i < r->n_keys && st == TD_OK; i++) {
+        kv *e = find(s, r->keys[i], true);
+        if (e && !e->val) s->bytes += strlen(r->keys[i]);
+        if (!e || !set_val(s, e, r->values[i].data, r->values[i].len))
+          st = td_set_error(TD_ERR_NOMEM, "store: out of memory");
+      }
+      if (st == TD_OK && key[0]) st = add_op(s, key, r->delta, &rep);
+      break;
     case 6: /* now: the server's clock (aligning traces) */
       rep.number = (int64_t)td__now_ns();
       rep.found = true;
@@ -543,8 +573,11 @@ td_status td__store_handle_park(td__store *s, const uint8_t *req, size_t len, ui
   /* a change may end parked waits on that key (or whose abort key it is) */
   answer *as = NULL;
   size_t nas = 0;
-  if (st == TD_OK && s->nparked && (r->op == 1 || (r->op == 3 && r->delta) || r->op == 5))
+  if (st == TD_OK && s->nparked && (r->op == 1 || (r->op == 3 && r->delta) || r->op == 5 ||
+                                    (r->op == 9 && key[0] && r->delta)))
     collect_answers(s, key, 0, false, &as, &nas);
+  for (size_t i = 0; st == TD_OK && s->nparked && r->op == 9 && i < r->n_keys; i++)
+    collect_answers(s, r->keys[i], 0, false, &as, &nas);
   pthread_mutex_unlock(&s->mu);
   send_answers(as, nas);
   tdist__store_request__free_unpacked(r, NULL);
@@ -643,27 +676,43 @@ td_status td__store_set(const td__store_client *c, const char *key, const void *
   return td__store_set_watch(c, key, v, n, NULL, NULL);
 }
 
-td_status td__store_get(const td__store_client *c, const char *key, uint8_t **v, size_t *n,
-                        bool *found) {
+/* A NUL-terminated td__malloc'd copy of d. */
+static uint8_t *bytes_copy(ProtobufCBinaryData d) {
+  uint8_t *b = td__malloc(d.len + 1);
+  if (!b) return NULL;
+  if (d.len) memcpy(b, d.data, d.len);
+  b[d.len] = 0;
+  return b;
+}
+
+td_status td__store_get2(const td__store_client *c, const char *key, uint8_t **v, size_t *n,
+                         bool *found, const char *key2, uint8_t **v2, bool *found2) {
   Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
   r.op = 2;
   r.key = (char *)key;
+  r.watch_key = (char *)(key2 ? key2 : "");
   Tdist__StoreReply *rep;
   TD_TRY(call(c, &r, &rep));
+  uint8_t *b = rep->found && v ? bytes_copy(rep->value) : NULL;
+  uint8_t *b2 = key2 && rep->watched && v2 ? bytes_copy(rep->watch_value) : NULL;
+  bool oom = (rep->found && v && !b) || (key2 && rep->watched && v2 && !b2);
   *found = rep->found;
-  if (rep->found && v) {
-    uint8_t *b = td__malloc(rep->value.len + 1);
-    if (!b) {
-      tdist__store_reply__free_unpacked(rep, NULL);
-      return td_set_error(TD_ERR_NOMEM, "store: out of memory");
-    }
-    if (rep->value.len) memcpy(b, rep->value.data, rep->value.len);
-    b[rep->value.len] = 0;
-    *v = b;
-    if (n) *n = rep->value.len;
-  }
+  if (n && b) *n = rep->value.len;
+  if (found2) *found2 = key2 && rep->watched;
   tdist__store_reply__free_unpacked(rep, NULL);
+  if (oom) {
+    td__free(b);
+    td__free(b2);
+    return td_set_error(TD_ERR_NOMEM, "store: out of memory");
+  }
+  if (b) *v = b;
+  if (b2) *v2 = b2;
   return TD_OK;
+}
+
+td_status td__store_get(const td__store_client *c, const char *key, uint8_t **v, size_t *n,
+                        bool *found) {
+  return td__store_get2(c, key, v, n, found, NULL, NULL, NULL);
 }
 
 td_status td__store_add(const td__store_client *c, const char *key, int64_t delta, int64_t *out) {
@@ -671,6 +720,29 @@ td_status td__store_add(const td__store_client *c, const char *key, int64_t delt
   r.op = 3;
   r.key = (char *)key;
   r.delta = delta;
+  Tdist__StoreReply *rep;
+  TD_TRY(call(c, &r, &rep));
+  if (out) *out = rep->number;
+  tdist__store_reply__free_unpacked(rep, NULL);
+  return TD_OK;
+}
+
+td_status td__store_publish(const td__store_client *c, size_t n, char *const *keys,
+                            const void *const *vals, const size_t *lens, const char *add_key,
+                            int64_t delta, int64_t *out) {
+  if (n > TD__STORE_PUBLISH_MAX)
+    return td_set_error(TD_ERR_INVALID, "store: publish of %zu keys (at most %d)", n,
+                        TD__STORE_PUBLISH_MAX);
+  ProtobufCBinaryData v[TD__STORE_PUBLISH_MAX];
+  for (size_t i = 0; i < n; i++) v[i] = (ProtobufCBinaryData){lens[i], (uint8_t *)vals[i]};
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = 9;
+  r.key = (char *)(add_key ? add_key : "");
+  r.delta = delta;
+  r.n_keys = n;
+  r.keys = (char **)keys;
+  r.n_values = n;
+  r.values = v;
   Tdist__StoreReply *rep;
   TD_TRY(call(c, &r, &rep));
   if (out) *out = rep->number;

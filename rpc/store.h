@@ -122,7 +122,20 @@ td_status td__store_set_watch(const td__store_client *c, const char *key, const 
 /* *v is malloc'd (NUL-terminated for convenience) when *found. */
 td_status td__store_get(const td__store_client *c, const char *key, uint8_t **v, size_t *n,
                         bool *found);
+/* td__store_get2 reads key (as td__store_get) and, in the same request, key2 (NULL: none; *v2
+ * as *v, when *found2). */
+td_status td__store_get2(const td__store_client *c, const char *key, uint8_t **v, size_t *n,
+                         bool *found, const char *key2, uint8_t **v2, bool *found2);
 td_status td__store_add(const td__store_client *c, const char *key, int64_t delta, int64_t *out);
+/* td__store_publish sets keys[i] to vals[i] (lens[i] bytes), i < n <= TD__STORE_PUBLISH_MAX, and
+ * then, when add_key is not NULL, adds delta to its counter (*out, may be NULL: the result), in
+ * one request, at once for every other client: a worker's records and its count at a barrier
+ * (the rendezvous's "joined") cost one request instead of one each. The server checks the limits
+ * of every pair before it sets any. */
+#define TD__STORE_PUBLISH_MAX 64
+td_status td__store_publish(const td__store_client *c, size_t n, char *const *keys,
+                            const void *const *vals, const size_t *lens, const char *add_key,
+                            int64_t delta, int64_t *out);
 /* td__store_delete removes key; *existed (may be NULL) tells whether it was there. */
 td_status td__store_delete(const td__store_client *c, const char *key, bool *existed);
 /* td__store_now reads the store server's monotonic clock (ns). */

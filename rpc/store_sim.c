@@ -187,37 +187,39 @@ static td_status rendezvous(sim_worker *w, uint64_t deadline) {
   /* rdv_check_world */
   w->phase = TD__SIM_CHECK;
   TD_TRY(wait_slices(w, "world_size", -1, deadline));
-  uint8_t *rid = NULL;
-  bool found = false;
-  TD_TRY(td__store_get(&w->sc, "run_id", &rid, NULL, &found));
+  uint8_t *rid = NULL, *mw = NULL;
+  bool found = false, mw_found = false;
+  TD_TRY(td__store_get2(&w->sc, "run_id", &rid, NULL, &found, "max_world_size", &mw, &mw_found));
   td__free(rid);
-  /* rdv_claim, rdv_publish (worker/, registry/, td__direct_publish, td__devmap_publish) */
+  td__free(mw);
+  /* rdv_claim, rdv_publish (worker/, the registry, registry/, direct/, devmap/ and the count in
+   * "joined": one request) */
   w->phase = TD__SIM_PUBLISH;
   snprintf(key, sizeof key, "claim/%d", r);
   TD_TRY(td__store_add(&w->sc, key, 1, NULL));
-  snprintf(key, sizeof key, "worker/%d", r);
+  char wkey[64], rkey[64], dkey[64], mkey[64], dval[600];
+  snprintf(wkey, sizeof wkey, "worker/%d", r);
   int n = snprintf(val, sizeof val, "worker%d\t127.0.0.1:%d", r, 20000 + r);
-  TD_TRY(td__store_set(&w->sc, key, val, (size_t)n));
   size_t rb = (size_t)(o->registry_bytes > 0 ? o->registry_bytes : 600);
   char *reg = td__malloc(rb);
   if (!reg) return td_set_error(TD_ERR_NOMEM, "store sim: out of memory");
   for (size_t i = 0; i < rb; i++) reg[i] = i % 20 == 19 ? '\n' : (char)('a' + i % 26);
   /* every simulated worker registers the same functions: one text, named by its hash */
-  static const char regname[] = "regblob/0123456789abcdef0123456789abcdef258";
-  td_status st = td__store_set(&w->sc, regname, reg, rb);
+  static char regname[] = "regblob/0123456789abcdef0123456789abcdef258";
+  snprintf(rkey, sizeof rkey, "registry/%d", r);
+  snprintf(dkey, sizeof dkey, "direct/%d", r);
+  int dn = snprintf(dval, sizeof dval, "%d 0x7ffd%08x 123456789abcdef0 "
+                    "0123456789abcdef0123456789abcdef 4026531836 localhost-simulated",
+                    100000 + r, r * 64);
+  snprintf(mkey, sizeof mkey, "devmap/%d", r);
+  char *keys[5] = {wkey, regname, rkey, dkey, mkey};
+  const void *vals[5] = {val, reg, regname, dval, "0\n"};
+  size_t lens[5] = {(size_t)n, rb, sizeof regname - 1, (size_t)dn, 2};
+  td_status st = td__store_publish(&w->sc, 5, keys, vals, lens, "joined", 1, NULL);
   td__free(reg);
   TD_TRY(st);
-  snprintf(key, sizeof key, "registry/%d", r);
-  TD_TRY(td__store_set(&w->sc, key, regname, sizeof regname - 1));
-  snprintf(key, sizeof key, "direct/%d", r);
-  n = snprintf(val, sizeof val, "%d 0x7ffd%08x 123456789abcdef0 0123456789abcdef0123456789abcdef "
-               "4026531836 localhost-simulated", 100000 + r, r * 64);
-  TD_TRY(td__store_set(&w->sc, key, val, (size_t)n));
-  snprintf(key, sizeof key, "devmap/%d", r);
-  TD_TRY(td__store_set(&w->sc, key, "0\n", 2));
   /* rdv_join */
   w->phase = TD__SIM_JOIN;
-  TD_TRY(td__store_add(&w->sc, "joined", 1, NULL));
   TD_TRY(wait_slices(w, "joined", o->world, deadline));
   /* rdv_read: parse_peers, td__devmap_setup, td__direct_probe (every peer on this host) */
   w->phase = TD__SIM_READ;

@@ -7,7 +7,8 @@
  * remembered until a key under its prefix changes, and a group's rendezvous reads every
  * worker's records in a few of them. The store protocol played by 32 and 256 simulated workers
  * (rpc/store_sim.h) costs each worker the same number of requests outside its waits, and bytes
- * that grow with the group only by the table's small records. */
+ * that grow with the group only by the table's small records. A publish (op 9) sets a worker's
+ * records and counts it in one request, whole or not at all. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -552,6 +553,124 @@ static void test_store_parked_waits_answered_when_over(void **state) {
   td__store_destroy(s);
 }
 
+/* ---- publish (op 9): a worker's records and its count in one request ---- */
+
+/* One publish request of n pairs (keys[i] = vals[i]; nvals may differ from n) and an add to
+ * add_key: its status, and the counter in *num. */
+static td_status publish_req(td__store *s, size_t n, const char *const *keys, size_t nvals,
+                             const char *const *vals, const size_t *lens, const char *add_key,
+                             int64_t *num) {
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = 9;
+  r.key = (char *)(add_key ? add_key : "");
+  r.delta = 1;
+  r.n_keys = n;
+  r.keys = (char **)keys;
+  ProtobufCBinaryData v[80];
+  for (size_t i = 0; i < nvals; i++)
+    v[i] = (ProtobufCBinaryData){lens ? lens[i] : strlen(vals[i]), (uint8_t *)vals[i]};
+  r.n_values = nvals;
+  r.values = v;
+  size_t packed = tdist__store_request__get_packed_size(&r);
+  uint8_t *buf = malloc(packed), *rep = NULL;
+  assert_non_null(buf);
+  tdist__store_request__pack(&r, buf);
+  size_t rl = 0;
+  td_status st = td__store_handle(s, buf, packed, &rep, &rl);
+  free(buf);
+  if (st == TD_OK) {
+    Tdist__StoreReply *p = tdist__store_reply__unpack(NULL, rl, rep);
+    assert_non_null(p);
+    if (num) *num = p->number;
+    tdist__store_reply__free_unpacked(p, NULL);
+  }
+  td__free(rep);
+  return st;
+}
+
+/* The pairs are set and the counter counts, in one request; the parked waits on any of them
+ * are answered by it; a publish that breaks a limit (pairs that do not match, too many, a value
+ * too large anywhere in it) is refused whole: nothing set, nothing counted. */
+static void test_store_publish_sets_records_then_counts(void **state) {
+  (void)state;
+  td__store *s;
+  TD_ASSERT_OK(td__store_create(&s));
+  memset(answered, 0, sizeof answered);
+  parks = 0;
+  bool found = false;
+  char val[64];
+  assert_true(wait_req(s, "joined", 2, "abort", 1000, &found)); /* token 1 */
+  assert_true(wait_req(s, "direct/1", 0, NULL, 1000, &found));  /* token 2 */
+  const char *keys[] = {"worker/1", "registry/1", "direct/1"};
+  const char *vals[] = {"w1\t127.0.0.1:5", "regblob/x", "host-record"};
+  int64_t num = 0;
+  TD_ASSERT_OK(publish_req(s, 3, keys, 3, vals, NULL, "joined", &num));
+  assert_int_equal(num, 1);
+  for (int i = 0; i < 3; i++) {
+    req(s, GET, keys[i], NULL, &found, val);
+    assert_true(found);
+    assert_string_equal(val, vals[i]);
+  }
+  assert_int_equal(answered[1], 0); /* 1 < 2 */
+  assert_int_equal(answered[2], 2); /* its key was set */
+  const char *keys2[] = {"worker/2"};
+  const char *vals2[] = {"w2"};
+  TD_ASSERT_OK(publish_req(s, 1, keys2, 1, vals2, NULL, "joined", &num));
+  assert_int_equal(num, 2);
+  assert_int_equal(answered[1], 2); /* the count reached 2 */
+  /* refused whole */
+  const char *bad_keys[] = {"a/1", "a/2"};
+  assert_int_equal(publish_req(s, 2, bad_keys, 1, vals, NULL, "joined", NULL), TD_ERR_INVALID);
+  const char *many[TD__STORE_PUBLISH_MAX + 1];
+  for (int i = 0; i <= TD__STORE_PUBLISH_MAX; i++) many[i] = "a/1";
+  assert_int_equal(publish_req(s, TD__STORE_PUBLISH_MAX + 1, many, TD__STORE_PUBLISH_MAX + 1,
+                               many, NULL, "joined", NULL), TD_ERR_INVALID);
+  char *huge = calloc(TD__STORE_MAX_VALUE + 1, 1);
+  assert_non_null(huge);
+  const char *hv[] = {"small", huge};
+  size_t hl[] = {5, TD__STORE_MAX_VALUE + 1};
+  assert_int_equal(publish_req(s, 2, bad_keys, 2, hv, hl, "joined", NULL), TD_ERR_INVALID);
+  free(huge);
+  req(s, GET, "a/1", NULL, &found, NULL);
+  assert_false(found);
+  assert_int_equal(add(s, "joined", 0), 2);
+  td__store_unpark_all(s);
+  td__store_destroy(s);
+}
+
+/* The client's publish and get2 (two keys in one request) against a real server. */
+static void test_store_client_publish_and_get2(void **state) {
+  (void)state;
+  td_rpc_agent *a = solo_agent();
+  const td__store_client *c = td__agent_store(a);
+  char *keys[] = {"p/1", "p/2"};
+  const void *vals[] = {"one", "two"};
+  size_t lens[] = {3, 3};
+  int64_t num = 0;
+  TD_ASSERT_OK(td__store_publish(c, 2, keys, vals, lens, "p/count", 1, &num));
+  assert_int_equal(num, 1);
+  TD_ASSERT_OK(td__store_publish(c, 1, keys, vals, lens, NULL, 1, &num)); /* no count */
+  uint8_t *v = NULL, *v2 = NULL;
+  bool found = false, found2 = false;
+  size_t n = 0;
+  TD_ASSERT_OK(td__store_get2(c, "p/1", &v, &n, &found, "p/2", &v2, &found2));
+  assert_true(found && found2);
+  assert_string_equal((char *)v, "one");
+  assert_int_equal(n, 3);
+  assert_string_equal((char *)v2, "two");
+  td__free(v);
+  td__free(v2);
+  v = v2 = NULL;
+  TD_ASSERT_OK(td__store_get2(c, "p/count", &v, NULL, &found, "p/none", &v2, &found2));
+  assert_true(found);
+  assert_false(found2);
+  assert_string_equal((char *)v, "1");
+  assert_null(v2);
+  td__free(v);
+  TD_ASSERT_OK(td_rpc_shutdown(a, true, TD_TIMEOUT_DEFAULT));
+  td_rpc_destroy(a);
+}
+
 /* Requests per worker outside the waits (check, publish, read): the same at 32 and 256 workers;
  * bytes per worker in the read phase: the table of N small records (no registry text per
  * worker: each costs 40 bytes, not its 600); the waits' polls bounded per worker too. */
@@ -568,6 +687,8 @@ static void test_store_protocol_grows_linearly(void **state) {
               worlds[i], td__store_sim_phase_name(p), (double)r[i].phase[p].requests / worlds[i],
               (double)(r[i].phase[p].bytes_in + r[i].phase[p].bytes_out) / worlds[i]);
   }
+  /* the claim, then the records with the count in "joined" (td__store_publish) */
+  for (int i = 0; i < 2; i++) assert_true(r[i].phase[TD__SIM_PUBLISH].requests <= 2u * worlds[i]);
   int fixed[] = {TD__SIM_PUBLISH, TD__SIM_READ};
   for (int k = 0; k < 2; k++) {
     double small = (double)r[0].phase[fixed[k]].requests / worlds[0];
@@ -594,6 +715,8 @@ int main(void) {
       cmocka_unit_test(test_store_range_remembered_until_a_key_changes),
       cmocka_unit_test(test_store_client_wait_range),
       cmocka_unit_test(test_store_parked_waits_answered_when_over),
+      cmocka_unit_test(test_store_publish_sets_records_then_counts),
+      cmocka_unit_test(test_store_client_publish_and_get2),
       cmocka_unit_test(test_store_protocol_grows_linearly),
   };
   return cmocka_run_group_tests_name("store", tests, NULL, NULL);
