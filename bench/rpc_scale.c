@@ -59,6 +59,9 @@
 typedef struct phase_times {
   double init_s, calls_s, shutdown_s;
   int ok; /* worker: it finished; the group's worst: workers whose init finished */
+  /* after the all-to-all (td_rpc_stats): connections this worker opened (a dialled lane counts
+   * as one) and peers it reached on one they opened; the group's: summed */
+  double opened, shared;
 } phase_times;
 
 static td_status fn_add(td_rpc_ctx *c, td_value *const *args, int n, td_value **res,
@@ -109,10 +112,13 @@ static void worker(int rank, int world, const char *method, int threads, phase_t
   }
   free(fs);
   double t2 = bench_now_s();
+  td_rpc_stats rs;
+  W_CHECK(td_rpc_get_stats(a, &rs));
   W_CHECK(td_rpc_shutdown(a, true, 300000));
   double t3 = bench_now_s();
   td_rpc_destroy(a);
-  *out = (phase_times){secs(t0, t1), secs(t1, t2), secs(t2, t3), 1};
+  *out = (phase_times){secs(t0, t1), secs(t1, t2), secs(t2, t3), 1, (double)rs.streams_opened,
+                       (double)rs.streams_shared};
   _exit(0);
 }
 
@@ -157,6 +163,8 @@ static int run_group(int world, int threads, phase_times *worst, double *wall_s,
     worst->ok += pt[r].init_s > 0;
     if (pt[r].calls_s > worst->calls_s) worst->calls_s = pt[r].calls_s;
     if (pt[r].shutdown_s > worst->shutdown_s) worst->shutdown_s = pt[r].shutdown_s;
+    worst->opened += pt[r].opened;
+    worst->shared += pt[r].shared;
   }
   munmap(pt, (size_t)world * sizeof *pt);
   free(pids);
@@ -203,15 +211,19 @@ int main(int argc, char **argv) {
     failures += failed != 0;
     fprintf(stderr, "rpc_scale: %d processes: init %.2f s, all-to-all %.2f s, shutdown %.2f s, "
             "%.2f s from the first fork to the last exit; peak RSS %.0f MiB per worker at most, "
-            "%.0f MiB summed%s (%d of %d finished init)\n", worlds[i], w.init_s, w.calls_s,
-            w.shutdown_s, wall, rss_max, rss_sum, failed ? " (FAILED)" : "", w.ok, worlds[i]);
+            "%.0f MiB summed%s (%d of %d finished init); per worker %.1f connections opened, "
+            "%.1f peers reached on theirs\n", worlds[i], w.init_s, w.calls_s,
+            w.shutdown_s, wall, rss_max, rss_sum, failed ? " (FAILED)" : "", w.ok, worlds[i],
+            w.opened / worlds[i], w.shared / worlds[i]);
     pu += (size_t)snprintf(procs + pu, sizeof procs - pu, "%s{\"world\": %d, \"ok\": %s, "
                            "\"init_s\": %.3f, \"all_to_all_s\": %.3f, \"shutdown_s\": %.3f, "
                            "\"wall_s\": %.3f, \"failed_workers\": %d, \"rss_max_mb\": %.1f, "
-                           "\"rss_sum_mb\": %.1f, \"inited_workers\": %d}", i ? ", " : "",
-                           worlds[i],
+                           "\"rss_sum_mb\": %.1f, \"inited_workers\": %d, "
+                           "\"opened_per_worker\": %.1f, \"shared_per_worker\": %.1f}",
+                           i ? ", " : "", worlds[i],
                            failed ? "false" : "true", w.init_s, w.calls_s, w.shutdown_s, wall,
-                           failed, rss_max, rss_sum, w.ok);
+                           failed, rss_max, rss_sum, w.ok, w.opened / worlds[i],
+                           w.shared / worlds[i]);
     if (pu >= sizeof procs) pu = sizeof procs - 1;
   }
   char simj[8192] = "";
