@@ -137,6 +137,17 @@ struct td_rpc_agent {
   bool share_streams;
   int local_workers; /* workers with this worker's host in their address (after init) */
   bool *direct_cand; /* [world]: same host, both enabled, we can read it */
+  /* the ranks we read directly ("directok/<rank>", td__direct_probe), published with the ready
+   * count (rdv_ready) */
+  char *direct_ok;
+  /* The records of every worker read at the start of the read phase in one request
+   * (rdv_prefetch: worker/, registry/, devmap/, direct/), each taken by the td__rdv_read_all of
+   * its prefix; init's thread only. */
+  struct {
+    const char *prefix;
+    char **vals; /* NULL: not read whole, or taken */
+    size_t *lens;
+  } rdv_pre[4];
   int direct_peers;  /* peers that read our frames directly */
   /* Requests that arrive before init has finished (peers may call as soon as they passed the
    * ready barrier) wait here, in arrival order, until td__serve_start (serve.c); guarded by mu.
@@ -346,7 +357,8 @@ int64_t td__rdv_store_call_ms(const td_rpc_agent *a);
 /* td__agent_set_abort makes every worker still in rendezvous fail with why. */
 void td__agent_set_abort(td_rpc_agent *a, const char *why);
 /* td__rdv_read_all waits for every rank's record under prefix ("worker/" ... "worker/<N-1>") and
- * gives them (NUL-terminated) in a few store requests; free with td__rdv_free_all. */
+ * gives them (NUL-terminated) in a few store requests, or none when the read phase's first
+ * request brought them (a->rdv_pre); free with td__rdv_free_all. */
 td_status td__rdv_read_all(td_rpc_agent *a, const char *prefix, uint64_t deadline, char ***vals,
                           size_t **lens);
 void td__rdv_free_all(td_rpc_agent *a, char **vals, size_t *lens);

@@ -8,8 +8,8 @@
  * disabled, the probe the collectives' shared memory uses too); each probes the peers on its host
  * (same host, boot id and pid namespace) by reading their nonce from their memory, accepts
  * direct-copy frames from those it
- * could read, and publishes directok/<r> (one '0'/'1' per rank); after the ready barrier each
- * learns which peers can read it. Reading another process's memory needs the same user and no
+ * could read, and publishes directok/<r> (those ranks, as ranges) with its ready count; after
+ * the ready barrier each learns which peers can read it. Reading another process's memory needs the same user and no
  * ptrace restriction (Yama scope 0, or 1 for a descendant): where the probe fails the peer simply
  * gets the stream.
  *
@@ -291,15 +291,8 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
                                   a->direct_nonce, a->world);
   td__free(lane_pids);
   td__free(lane_nonces);
-  char *ok = NULL;
-  if (st == TD_OK) st = ranks_encode(a->direct_cand, a->world, &ok);
-  if (st == TD_OK) {
-    char key[64];
-    snprintf(key, sizeof key, "directok/%d", a->rank);
-    st = td__store_set(&a->sc, key, ok, strlen(ok));
-  }
+  if (st == TD_OK) st = ranks_encode(a->direct_cand, a->world, &a->direct_ok);
   td__free(pids);
-  td__free(ok);
   return st;
 }
 

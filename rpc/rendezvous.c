@@ -81,6 +81,15 @@ static void log_registry_differences(td_rpc_agent *a) {
 
 td_status td__rdv_read_all(td_rpc_agent *a, const char *prefix, uint64_t deadline, char ***vals,
                           size_t **lens) {
+  for (int k = 0; k < 4; k++) {
+    if (a->rdv_pre[k].vals && strcmp(a->rdv_pre[k].prefix, prefix) == 0) {
+      *vals = a->rdv_pre[k].vals;
+      *lens = a->rdv_pre[k].lens;
+      a->rdv_pre[k].vals = NULL;
+      a->rdv_pre[k].lens = NULL;
+      return TD_OK;
+    }
+  }
   *vals = td__calloc((size_t)a->world0, sizeof **vals);
   *lens = td__calloc((size_t)a->world0, sizeof **lens);
   td_status st = *vals && *lens ? td__store_wait_range(&a->sc, prefix, 0, a->world0, deadline,
@@ -461,8 +470,44 @@ static td_status rdv_join(td_rpc_agent *a, uint64_t deadline) {
                       (long long)a->opts.init_timeout_ms, why);
 }
 
-static td_status rdv_read(td_rpc_agent *a, uint64_t deadline) {
+/* The records the read phase needs, of every worker, in one request (td__store_ranges: all are
+ * there, published before the join barrier): kept for td__rdv_read_all, which reads a prefix
+ * the reply did not bring whole as before. A failure here only loses the shortcut. */
+static void rdv_prefetch(td_rpc_agent *a) {
+  static const char *const pre[4] = {"worker/", "registry/", "devmap/", "direct/"};
+  uint8_t **vals[4] = {0};
+  size_t *lens[4] = {0};
+  int got[4] = {0};
+  bool ok = true;
+  for (int k = 0; k < 4; k++) {
+    vals[k] = td__calloc((size_t)a->world0, sizeof *vals[k]);
+    lens[k] = td__calloc((size_t)a->world0, sizeof *lens[k]);
+    ok &= vals[k] && lens[k];
+  }
+  if (ok && td__store_ranges(&a->sc, 4, pre, 0, a->world0, vals, lens, got) != TD_OK) ok = false;
+  for (int k = 0; k < 4; k++) {
+    if (ok && got[k] == a->world0) {
+      a->rdv_pre[k].prefix = pre[k];
+      a->rdv_pre[k].vals = (char **)vals[k];
+      a->rdv_pre[k].lens = lens[k];
+    } else {
+      td__rdv_free_all(a, (char **)vals[k], lens[k]);
+    }
+  }
+}
+
+/* Frees what the read phase did not take. */
+static void rdv_prefetch_drop(td_rpc_agent *a) {
+  for (int k = 0; k < 4; k++) {
+    td__rdv_free_all(a, a->rdv_pre[k].vals, a->rdv_pre[k].lens);
+    a->rdv_pre[k].vals = NULL;
+    a->rdv_pre[k].lens = NULL;
+  }
+}
+
+static td_status rdv_read_phase(td_rpc_agent *a, uint64_t deadline) {
   uint64_t t0 = td__now_ns();
+  rdv_prefetch(a);
   td_status st = parse_peers(a, deadline);
   uint64_t t1 = td__now_ns();
   if (st != TD_OK) {
@@ -480,8 +525,21 @@ static td_status rdv_read(td_rpc_agent *a, uint64_t deadline) {
   return st;
 }
 
+static td_status rdv_read(td_rpc_agent *a, uint64_t deadline) {
+  td_status st = rdv_read_phase(a, deadline);
+  rdv_prefetch_drop(a);
+  return st;
+}
+
+/* Publishes directok/<r> (td__direct_probe) with the count in "ready", one request; waits for
+ * everyone's; learns who reads us directly. */
 static td_status rdv_ready(td_rpc_agent *a, uint64_t deadline) {
-  TD_TRY(td__store_add(&a->sc, "ready", 1, NULL));
+  char key[64];
+  snprintf(key, sizeof key, "directok/%d", a->rank);
+  char *keys[1] = {key};
+  const void *vals[1] = {a->direct_ok ? a->direct_ok : ""};
+  size_t lens[1] = {strlen(vals[0])};
+  TD_TRY(td__store_publish(&a->sc, 1, keys, vals, lens, "ready", 1, NULL));
   TD_TRY(td__store_wait_ge(&a->sc, "ready", a->world0, deadline, "abort"));
   return td__direct_learn(a, deadline);
 }
@@ -699,6 +757,7 @@ void td__agent_free(td_rpc_agent *a) {
   td__free(a->peers);
   td__free(a->present);
   td__free(a->direct_cand);
+  td__free(a->direct_ok);
   td__call_free_all(a);
   td__store_destroy(a->store);
   td__auth_sessions_destroy(a->sessions);

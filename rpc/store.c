@@ -345,6 +345,56 @@ static td_status range_get(td__store *s, const char *prefix, int32_t first, int3
   return st;
 }
 
+/* What a ranges reply (op 10) points into. */
+typedef struct ranges_buf {
+  range_buf part[TD__STORE_RANGES_MAX];
+  ProtobufCBinaryData *vals;
+  int32_t counts[TD__STORE_RANGES_MAX];
+} ranges_buf;
+
+static void ranges_free(ranges_buf *b) {
+  for (int i = 0; i < TD__STORE_RANGES_MAX; i++) {
+    td__free(b->part[i].buf);
+    td__free(b->part[i].vals);
+  }
+  td__free(b->vals);
+}
+
+/* Op 10: op 7 for each prefix (each from the remembered ranges when it can), the values one
+ * after another; past the first prefix, one that would take the reply past TD__STORE_RANGE_BYTES
+ * gets none, nor do those after it. mu held. */
+static td_status ranges_get(td__store *s, const Tdist__StoreRequest *r, Tdist__StoreReply *rep,
+                            ranges_buf *b) {
+  if (r->n_keys < 1 || r->n_keys > TD__STORE_RANGES_MAX)
+    return td_set_error(TD_ERR_INVALID, "store: ranges of %zu prefixes (1 to %d)", r->n_keys,
+                        TD__STORE_RANGES_MAX);
+  size_t nvals = 0, bytes = 0;
+  size_t k = 0;
+  for (; k < r->n_keys; k++) {
+    Tdist__StoreReply one = TDIST__STORE_REPLY__INIT;
+    TD_TRY(range_get(s, r->keys[k], r->first, r->count, &one, &b->part[k]));
+    size_t more = 0;
+    for (size_t i = 0; i < one.n_values; i++) more += one.values[i].len;
+    if (k > 0 && bytes + more > TD__STORE_RANGE_BYTES) break;
+    s->ranges_found += one.n_values > 0;
+    b->counts[k] = (int32_t)one.n_values;
+    nvals += one.n_values;
+    bytes += more;
+  }
+  for (size_t j = k; j < r->n_keys; j++) b->counts[j] = 0;
+  b->vals = td__calloc(nvals ? nvals : 1, sizeof *b->vals);
+  if (!b->vals) return td_set_error(TD_ERR_NOMEM, "store: out of memory");
+  size_t at = 0;
+  for (size_t j = 0; j < k; j++)
+    for (int32_t i = 0; i < b->counts[j]; i++) b->vals[at++] = b->part[j].vals[i];
+  rep->n_values = nvals;
+  rep->values = b->vals;
+  rep->n_counts = r->n_keys;
+  rep->counts = b->counts;
+  rep->number = (int64_t)nvals;
+  return TD_OK;
+}
+
 /* The abort key a polling request names: whether it is set, and to what. mu held. */
 static td_status watch_get(td__store *s, const char *key, Tdist__StoreReply *rep,
                            uint8_t **copy) {
@@ -504,6 +554,7 @@ td_status td__store_handle_park(td__store *s, const uint8_t *req, size_t len, ui
   td_status st = TD_OK;
   uint8_t *copy = NULL, *watch_copy = NULL;
   range_buf rg = {0};
+  ranges_buf rgs = {0};
   pthread_mutex_lock(&s->mu);
   s->requests++;
   const char *key = r->key ? r->key : "";
@@ -560,6 +611,9 @@ td_status td__store_handle_park(td__store *s, const uint8_t *req, size_t len, ui
       st = range_get(s, key, r->first, r->count, &rep, &rg);
       s->ranges_found += rep.n_values > 0;
       break;
+    case 10: /* ranges */
+      st = ranges_get(s, r, &rep, &rgs);
+      break;
     case 8: { /* wait: its own reply (or none yet: parked) */
       st = wait_op(s, r, pk, reply, reply_len, parked_out);
       pthread_mutex_unlock(&s->mu);
@@ -595,6 +649,7 @@ td_status td__store_handle_park(td__store *s, const uint8_t *req, size_t len, ui
   td__free(watch_copy);
   td__free(rg.buf);
   td__free(rg.vals);
+  ranges_free(&rgs);
   return st;
 }
 
@@ -918,6 +973,47 @@ td_status td__store_range(const td__store_client *c, const char *prefix, int fir
     vals[i] = NULL;
   }
   if (st != TD_OK) *got = 0;
+  return st;
+}
+
+td_status td__store_ranges(const td__store_client *c, int n, const char *const *prefixes,
+                           int first, int count, uint8_t ***vals, size_t **lens, int *got) {
+  if (n < 1 || n > TD__STORE_RANGES_MAX)
+    return td_set_error(TD_ERR_INVALID, "store: ranges of %d prefixes (1 to %d)", n,
+                        TD__STORE_RANGES_MAX);
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = 10;
+  r.key = (char *)"";
+  r.first = first;
+  r.count = count;
+  r.n_keys = (size_t)n;
+  r.keys = (char **)prefixes;
+  Tdist__StoreReply *rep;
+  for (int k = 0; k < n; k++) got[k] = 0;
+  TD_TRY(call(c, &r, &rep));
+  td_status st = TD_OK;
+  size_t at = 0;
+  if (rep->n_counts != (size_t)n)
+    st = td_set_error(TD_ERR_FORMAT, "store: a ranges reply for %zu prefixes, not %d",
+                      rep->n_counts, n);
+  for (int k = 0; k < n && st == TD_OK; k++) {
+    if (rep->counts[k] < 0 || rep->counts[k] > count || rep->n_values - at < (size_t)rep->counts[k]) {
+      st = td_set_error(TD_ERR_FORMAT, "store: a ranges reply with more values than asked");
+      break;
+    }
+    for (int32_t i = 0; i < rep->counts[k] && st == TD_OK; i++, at++) {
+      st = dup_bytes(&rep->values[at], &vals[k][i], &lens[k][i]);
+      if (st == TD_OK) got[k]++;
+    }
+  }
+  tdist__store_reply__free_unpacked(rep, NULL);
+  for (int k = 0; st != TD_OK && k < n; k++) {
+    for (int i = 0; i < got[k]; i++) {
+      td__free(vals[k][i]);
+      vals[k][i] = NULL;
+    }
+    got[k] = 0;
+  }
   return st;
 }
 

@@ -162,6 +162,13 @@ td_status td__store_poll_key(const td__store_client *c, const char *key, uint64_
  * td__store_wait_range. */
 td_status td__store_range(const td__store_client *c, const char *prefix, int first, int count,
                           uint8_t **vals, size_t *lens, int *got);
+/* td__store_ranges is td__store_range for n <= TD__STORE_RANGES_MAX prefixes in one request:
+ * got[i] values of prefixes[i] in vals[i][..] / lens[i][..] (each array of count). A prefix
+ * after the first may get fewer than exist, or none, when the reply would pass
+ * TD__STORE_RANGE_BYTES: ask for the rest with td__store_wait_range. */
+#define TD__STORE_RANGES_MAX 8
+td_status td__store_ranges(const td__store_client *c, int n, const char *const *prefixes,
+                           int first, int count, uint8_t ***vals, size_t **lens, int *got);
 /* td__store_wait_range waits until the keys prefix+first .. prefix+(first+count-1) (decimal
  * suffixes) all exist and gives their values: vals[i] malloc'd and NUL-terminated, lens[i] its
  * length (nothing is left allocated on failure). It reads many keys per request (op 7: up to

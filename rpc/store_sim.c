@@ -151,6 +151,29 @@ static void sleep_ms(int64_t ms) {
   nanosleep(&ts, NULL);
 }
 
+/* rdv_prefetch: the four prefixes' records in one request; *whole[k] tells which came whole
+ * (the others are read again by read_all, as td__rdv_read_all does). */
+static td_status prefetch(sim_worker *w, const char *const *pre, bool *whole) {
+  int n = w->s->o->world;
+  uint8_t **vals[4] = {0};
+  size_t *lens[4] = {0};
+  int got[4] = {0};
+  td_status st = TD_OK;
+  for (int k = 0; k < 4; k++) {
+    vals[k] = td__calloc((size_t)n, sizeof *vals[k]);
+    lens[k] = td__calloc((size_t)n, sizeof *lens[k]);
+    if (!vals[k] || !lens[k]) st = td_set_error(TD_ERR_NOMEM, "store sim: out of memory");
+  }
+  if (st == TD_OK) st = td__store_ranges(&w->sc, 4, pre, 0, n, vals, lens, got);
+  for (int k = 0; k < 4; k++) {
+    whole[k] = st == TD_OK && got[k] == n;
+    for (int i = 0; vals[k] && i < got[k]; i++) td__free(vals[k][i]);
+    td__free(vals[k]);
+    td__free(lens[k]);
+  }
+  return st;
+}
+
 /* Waits for every value of prefix0 .. prefix<world-1> and frees them (td__rdv_read_all). */
 static td_status read_all(sim_worker *w, const char *prefix, uint64_t deadline) {
   int n = w->s->o->world;
@@ -223,24 +246,29 @@ static td_status rendezvous(sim_worker *w, uint64_t deadline) {
   TD_TRY(wait_slices(w, "joined", o->world, deadline));
   /* rdv_read: parse_peers, td__devmap_setup, td__direct_probe (every peer on this host) */
   w->phase = TD__SIM_READ;
-  TD_TRY(read_all(w, "worker/", deadline));
-  TD_TRY(read_all(w, "registry/", deadline));
+  static const char *const pre[4] = {"worker/", "registry/", "devmap/", "direct/"};
+  bool whole[4];
+  TD_TRY(prefetch(w, pre, whole));
+  for (int k = 0; k < 2; k++)
+    if (!whole[k]) TD_TRY(read_all(w, pre[k], deadline));
   uint8_t *blob = NULL;
   TD_TRY(td__store_get(&w->sc, regname, &blob, NULL, &found));
   td__free(blob);
-  TD_TRY(read_all(w, "devmap/", deadline));
-  TD_TRY(read_all(w, "direct/", deadline));
-  snprintf(key, sizeof key, "directok/%d", r);
-  n = snprintf(val, sizeof val, "0-%d", o->world - 1);
-  TD_TRY(td__store_set(&w->sc, key, val, (size_t)n));
+  for (int k = 2; k < 4; k++)
+    if (!whole[k]) TD_TRY(read_all(w, pre[k], deadline));
   /* init_trace's clock exchange (the flight recorder is on by default), before the barrier */
   for (int i = 0; r != 0 && i < (o->world <= 64 ? 8 : 2); i++) {
     int64_t now;
     TD_TRY(td__store_now(&w->sc, &now));
   }
-  /* rdv_ready, td__direct_learn */
+  /* rdv_ready (directok/ and the count: one request), td__direct_learn */
   w->phase = TD__SIM_READY;
-  TD_TRY(td__store_add(&w->sc, "ready", 1, NULL));
+  snprintf(key, sizeof key, "directok/%d", r);
+  n = snprintf(val, sizeof val, "0-%d", o->world - 1);
+  char *okkey[1] = {key};
+  const void *okval[1] = {val};
+  size_t oklen[1] = {(size_t)n};
+  TD_TRY(td__store_publish(&w->sc, 1, okkey, okval, oklen, "ready", 1, NULL));
   TD_TRY(td__store_wait_ge(&w->sc, "ready", o->world, deadline, "abort"));
   TD_TRY(read_all(w, "directok/", deadline));
   /* rdv_passed */

@@ -8,7 +8,8 @@
  * worker's records in a few of them. The store protocol played by 32 and 256 simulated workers
  * (rpc/store_sim.h) costs each worker the same number of requests outside its waits, and bytes
  * that grow with the group only by the table's small records. A publish (op 9) sets a worker's
- * records and counts it in one request, whole or not at all. */
+ * records and counts it in one request, whole or not at all; a ranges request (op 10) reads
+ * several prefixes' records at once. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -553,6 +554,91 @@ static void test_store_parked_waits_answered_when_over(void **state) {
   td__store_destroy(s);
 }
 
+/* ---- ranges (op 10): several prefixes' records in one request ---- */
+
+/* One ranges request: the reply (free with tdist__store_reply__free_unpacked), NULL when
+ * refused (its status in *st). */
+static Tdist__StoreReply *ranges_req(td__store *s, size_t n, const char *const *prefixes,
+                                     int count, td_status *st) {
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = 10;
+  r.key = (char *)"";
+  r.count = count;
+  r.n_keys = n;
+  r.keys = (char **)prefixes;
+  uint8_t buf[1024], *rep = NULL;
+  size_t rl = 0;
+  *st = td__store_handle(s, buf, tdist__store_request__pack(&r, buf), &rep, &rl);
+  if (*st != TD_OK) return NULL;
+  Tdist__StoreReply *p = tdist__store_reply__unpack(NULL, rl, rep);
+  td__free(rep);
+  assert_non_null(p);
+  return p;
+}
+
+/* Each prefix's values as op 7 gives them, one prefix after another, with their counts; a
+ * prefix after the first that would take the reply past the byte limit gets none (the client
+ * asks for it alone); 0 or more than 8 prefixes are refused. */
+static void test_store_ranges_read_several_prefixes_at_once(void **state) {
+  (void)state;
+  td__store *s;
+  TD_ASSERT_OK(td__store_create(&s));
+  char key[32], val[32];
+  for (int i = 0; i < 5; i++) {
+    snprintf(key, sizeof key, "a/%d", i);
+    snprintf(val, sizeof val, "a%d", i);
+    req(s, SET, key, val, NULL, NULL);
+  }
+  for (int i = 0; i < 3; i++) {
+    snprintf(key, sizeof key, "b/%d", i);
+    snprintf(val, sizeof val, "b%d", i);
+    req(s, SET, key, val, NULL, NULL);
+  }
+  td_status st;
+  const char *abc[] = {"a/", "b/", "c/"};
+  Tdist__StoreReply *p = ranges_req(s, 3, abc, 5, &st);
+  TD_ASSERT_OK(st);
+  assert_int_equal(p->n_counts, 3);
+  assert_int_equal(p->counts[0], 5);
+  assert_int_equal(p->counts[1], 3);
+  assert_int_equal(p->counts[2], 0);
+  assert_int_equal(p->n_values, 8);
+  assert_value(p, 0, "a0");
+  assert_value(p, 4, "a4");
+  assert_value(p, 5, "b0");
+  assert_value(p, 7, "b2");
+  tdist__store_reply__free_unpacked(p, NULL);
+  /* the byte limit: big/0, big/1 and mid/0 of 600 KB each */
+  size_t bn = 600u << 10;
+  char *big = malloc(bn + 1);
+  assert_non_null(big);
+  memset(big, 'x', bn);
+  big[bn] = 0;
+  TD_ASSERT_OK(td__store_local_set(s, "big/0", big, bn));
+  TD_ASSERT_OK(td__store_local_set(s, "big/1", big, bn));
+  TD_ASSERT_OK(td__store_local_set(s, "mid/0", big, bn));
+  free(big);
+  const char *big_mid[] = {"big/", "mid/"};
+  p = ranges_req(s, 2, big_mid, 2, &st);
+  TD_ASSERT_OK(st);
+  assert_int_equal(p->counts[0], 1); /* op 7's own limit */
+  assert_int_equal(p->counts[1], 0); /* 1.2 MB would pass the limit: none */
+  assert_int_equal(p->n_values, 1);
+  tdist__store_reply__free_unpacked(p, NULL);
+  const char *big_a[] = {"big/", "a/"};
+  p = ranges_req(s, 2, big_a, 2, &st);
+  TD_ASSERT_OK(st);
+  assert_int_equal(p->counts[0], 1); /* op 7's own limit */
+  assert_int_equal(p->counts[1], 2);
+  tdist__store_reply__free_unpacked(p, NULL);
+  const char *nine[9] = {"a/", "a/", "a/", "a/", "a/", "a/", "a/", "a/", "a/"};
+  assert_null(ranges_req(s, 9, nine, 2, &st));
+  assert_int_equal(st, TD_ERR_INVALID);
+  assert_null(ranges_req(s, 0, nine, 2, &st));
+  assert_int_equal(st, TD_ERR_INVALID);
+  td__store_destroy(s);
+}
+
 /* ---- publish (op 9): a worker's records and its count in one request ---- */
 
 /* One publish request of n pairs (keys[i] = vals[i]; nvals may differ from n) and an add to
@@ -667,6 +753,19 @@ static void test_store_client_publish_and_get2(void **state) {
   assert_string_equal((char *)v, "1");
   assert_null(v2);
   td__free(v);
+  /* both published records and the missing third prefix, in one request */
+  const char *pre[] = {"p/", "q/"};
+  uint8_t *va[2][4] = {{0}}, **vp[2] = {va[0], va[1]};
+  size_t la[2][4], *lp[2] = {la[0], la[1]};
+  int got[2] = {-1, -1};
+  TD_ASSERT_OK(td__store_ranges(c, 2, pre, 1, 4, vp, lp, got));
+  assert_int_equal(got[0], 2);
+  assert_int_equal(got[1], 0);
+  assert_string_equal((char *)va[0][0], "one");
+  assert_string_equal((char *)va[0][1], "two");
+  assert_int_equal(la[0][1], 3);
+  td__free(va[0][0]);
+  td__free(va[0][1]);
   TD_ASSERT_OK(td_rpc_shutdown(a, true, TD_TIMEOUT_DEFAULT));
   td_rpc_destroy(a);
 }
@@ -687,8 +786,11 @@ static void test_store_protocol_grows_linearly(void **state) {
               worlds[i], td__store_sim_phase_name(p), (double)r[i].phase[p].requests / worlds[i],
               (double)(r[i].phase[p].bytes_in + r[i].phase[p].bytes_out) / worlds[i]);
   }
-  /* the claim, then the records with the count in "joined" (td__store_publish) */
+  /* the claim, then the records with the count in "joined" (td__store_publish); at 256 (two
+   * clock exchanges) the read phase's records in one request (td__store_ranges), the registry
+   * text, the clock */
   for (int i = 0; i < 2; i++) assert_true(r[i].phase[TD__SIM_PUBLISH].requests <= 2u * worlds[i]);
+  assert_true(r[1].phase[TD__SIM_READ].requests <= 4u * worlds[1] + worlds[1] / 8);
   int fixed[] = {TD__SIM_PUBLISH, TD__SIM_READ};
   for (int k = 0; k < 2; k++) {
     double small = (double)r[0].phase[fixed[k]].requests / worlds[0];
@@ -715,6 +817,7 @@ int main(void) {
       cmocka_unit_test(test_store_range_remembered_until_a_key_changes),
       cmocka_unit_test(test_store_client_wait_range),
       cmocka_unit_test(test_store_parked_waits_answered_when_over),
+      cmocka_unit_test(test_store_ranges_read_several_prefixes_at_once),
       cmocka_unit_test(test_store_publish_sets_records_then_counts),
       cmocka_unit_test(test_store_client_publish_and_get2),
       cmocka_unit_test(test_store_protocol_grows_linearly),
