@@ -307,6 +307,7 @@ static bool init_interrupted(const td_rpc_agent *a) {
  * td_rpc_init_interrupt is seen; each slice is one wait parked at the store), reporting progress
  * every rdv_report_ms. */
 #define RDV_POLL_MS 250
+#define RDV_SLICE_SLACK_MS 250
 static td_status rdv_wait(td_rpc_agent *a, const char *key, int64_t target, uint64_t deadline,
                           rdv_progress *p, uint8_t **v) {
   uint64_t started = td__now_ns(), report = (uint64_t)rdv_report_ms() * 1000000ull;
@@ -319,7 +320,10 @@ static td_status rdv_wait(td_rpc_agent *a, const char *key, int64_t target, uint
     uint64_t now = td__now_ns();
     uint64_t poll = (uint64_t)(a->world > RDV_POLL_MS ? a->world : RDV_POLL_MS) * 1000000ull;
     uint64_t until = deadline > now + poll ? now + poll : deadline;
-    td__store_set_deadline(&a->sc, until);
+    /* the calls may outlast the slice by RDV_SLICE_SLACK_MS: a parked wait is answered at the
+     * slice's end, later by the loaded server's tick (store.c, park_once) */
+    uint64_t call_until = until + RDV_SLICE_SLACK_MS * 1000000ull;
+    td__store_set_deadline(&a->sc, call_until < deadline ? call_until : deadline);
     td_status st = target < 0 ? td__store_poll_key(&a->sc, key, until, "abort", &backoff, v, NULL)
                               : td__store_poll_ge(&a->sc, key, target, until, "abort", &backoff);
     td__store_set_deadline(&a->sc, deadline);
