@@ -7,9 +7,15 @@
 # Method: the benchmark runs twice, with N and 2N timed calls (same warm-up); each run writes one
 # callgrind profile per process (rank 0, the caller, and rank 1, the server forked by it). The
 # instructions per call of a process are (total(2N) - total(N)) / N, so start-up, rendezvous and
-# shutdown cancel out. Busy polling is off (TD_RPC_BUSY_POLL_US=0) so no thread spins for a time
-# that depends on the machine: threads sleep on their futexes, and a call's count is its work,
-# including the wake-ups it makes. Prints one JSON line:
+# shutdown cancel out. Only the call's path is counted (callgrind's --toggle-collect): inside
+# td_rpc_sync (the caller: encode, send, wait, the reply's decode when the caller takes it) and
+# inside td__decoder_feed* on every thread (whoever reads a frame: its decode, the dispatch, the
+# inline handler and the reply's send on the server; the reply on the caller's side). Periodic
+# work - the pollers' ticks, keepalives, the lane threads' idle passes - is left out: under
+# valgrind a run lasts ~50x longer, that work grows with the run's duration, and counted it made
+# the same tree give 6.6k, 16.1k and 18.4k instructions a call (now 11.1-11.4k over four runs,
+# the client's share within 0.3k). Busy polling is off (TD_RPC_BUSY_POLL_US=0) so no thread
+# spins for a time that depends on the machine. Prints one JSON line:
 #   {"bench": "callgrind_call", "config": {"calls", "path", ...},
 #    "results": {"client_ir_per_call", "server_ir_per_call", "ir_per_call"}}
 # Environment: TD_CG_CALLS (N, default 2000), TD_CG_KEEP=1 keeps the profiles (in a temporary
@@ -28,6 +34,7 @@ tmp=$(mktemp -d)
 run() {
   mkdir -p "$2"
   TD_RPC_BUSY_POLL_US=0 valgrind --tool=callgrind --callgrind-out-file="$2/cg.%p" \
+    --toggle-collect=td_rpc_sync '--toggle-collect=td__decoder_feed*' \
     "$bin" --security secret --calls "$1" --warmup 200 >"$2/out.json" 2>"$2/err.log" || {
     echo "callgrind-call.sh: the run with $1 calls failed:" >&2
     tail -n 20 "$2/err.log" >&2
@@ -36,8 +43,8 @@ run() {
 }
 
 # totals DIR: "rank0_ir rank1_ir" (rank 0 is the lower pid: it forks rank 1). Short-lived
-# children of either (a device probe: tensor/devices.c) leave profiles too: the two workers are
-# the two largest.
+# children of either (a device probe: tensor/devices.c) leave profiles too (empty ones, with the
+# call path's toggles): the two workers are the two largest.
 totals() {
   local p pids ir=()
   mapfile -t pids < <(for p in $(ls "$1" | sed -n 's/^cg\.//p'); do
