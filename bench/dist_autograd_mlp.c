@@ -1,9 +1,10 @@
 /* dist_autograd_mlp.c - training steps per second of an MLP split across two workers with
  * distributed autograd and the distributed optimizer.
  *
- * Two workers on 127.0.0.1 (rank 1 forked by rpc_bench_util.h). Rank 1 holds Linear(784, 512) +
+ * Two workers on 127.0.0.1 (rank 1 forked by rpc_bench_util.h). Rank 1 holds Linear(784, H) +
  * ReLU as an RRef'd module ("nn.Module" object created with td_remote); rank 0 holds
- * Linear(512, 10) and computes the loss. One step: begin a context; h = module(x) on rank 1
+ * Linear(H, 10) and computes the loss (H = --hidden, 512 by default: the step is then mostly the
+ * layers' arithmetic; --hidden 8 --batch 1 leaves mostly the RPCs of a step). One step: begin a context; h = module(x) on rank 1
  * (td_rref_rpc_sync); logits = head(h) on rank 0; cross-entropy against fixed labels;
  * td_dist_autograd_backward (the gradient of h travels back to rank 1); distributed SGD step
  * (lr 0.01) on both owners; end the context (cleanup sent to rank 1, not waited for, as PyTorch's
@@ -11,7 +12,7 @@
  * random data. The PyTorch peer (bench/peers/torch/dist_autograd_mlp.py) does the same with
  * torch.distributed.autograd and DistributedOptimizer.
  *
- * usage: dist_autograd_mlp [--steps N] [--warmup N] [--threads N] [--batch N]
+ * usage: dist_autograd_mlp [--steps N] [--warmup N] [--threads N] [--batch N] [--hidden H]
  * Prints one JSON line (docs/BENCH.md): results.steps_per_s (and ms_per_step, final_loss).
  */
 #include <math.h>
@@ -26,10 +27,13 @@ static td_status bench_make_mlp1(td_rpc_ctx *c, td_value *const *args, int n, td
                                  td_future **fut) {
   td_module *seq, *lin, *relu;
   td_generator *g;
+  int64_t hidden = 512;
+  if (n > 0 && (td_value_as_int(args[0], &hidden) != TD_OK || hidden < 1))
+    return td_set_error(TD_ERR_INVALID, "bench_make_mlp1: the hidden width must be an int >= 1");
   td_status st = td_generator_create(1, &g);
   if (st != TD_OK) return st;
   st = td_sequential_create(&seq);
-  if (st == TD_OK) st = td_linear_create(784, 512, true, g, &lin);
+  if (st == TD_OK) st = td_linear_create(784, hidden, true, g, &lin);
   if (st == TD_OK) st = td_relu_create(&relu);
   if (st == TD_OK) st = td_sequential_append(seq, lin);
   if (st == TD_OK) st = td_sequential_append(seq, relu);
@@ -98,19 +102,21 @@ static double step(rb_pair *p, model *m, td_tensor *x, td_tensor *y) {
 
 int main(int argc, char **argv) {
   rb_prog = "dist_autograd_mlp";
-  long long steps = 300, warmup = 20, threads = 16, batch = 64;
+  long long steps = 300, warmup = 20, threads = 16, batch = 64, hidden = 512;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--steps") == 0) steps = rb_arg_int("--steps", i + 1 < argc ? argv[++i] : NULL);
     else if (strcmp(argv[i], "--warmup") == 0) warmup = rb_arg_int("--warmup", i + 1 < argc ? argv[++i] : NULL);
     else if (strcmp(argv[i], "--threads") == 0) threads = rb_arg_int("--threads", i + 1 < argc ? argv[++i] : NULL);
     else if (strcmp(argv[i], "--batch") == 0) batch = rb_arg_int("--batch", i + 1 < argc ? argv[++i] : NULL);
+    else if (strcmp(argv[i], "--hidden") == 0) hidden = rb_arg_int("--hidden", i + 1 < argc ? argv[++i] : NULL);
     else {
-      fprintf(stderr, "usage: dist_autograd_mlp [--steps N] [--warmup N] [--threads N] [--batch N]\n");
+      fprintf(stderr, "usage: dist_autograd_mlp [--steps N] [--warmup N] [--threads N] [--batch N] "
+              "[--hidden H]\n");
       return 2;
     }
   }
-  if (steps < 1 || threads < 1 || batch < 1) {
-    fprintf(stderr, "dist_autograd_mlp: --steps, --threads and --batch must be >= 1\n");
+  if (steps < 1 || threads < 1 || batch < 1 || hidden < 1) {
+    fprintf(stderr, "dist_autograd_mlp: --steps, --threads, --batch and --hidden must be >= 1\n");
     return 2;
   }
   RB_CHECK(td_rpc_register("bench_make_mlp1", bench_make_mlp1, NULL));
@@ -122,8 +128,10 @@ int main(int argc, char **argv) {
   model m = {0};
   td_generator *g;
   RB_CHECK(td_generator_create(2, &g));
-  RB_CHECK(td_remote(p.agent, "worker1", "bench_make_mlp1", NULL, 0, NULL, &m.mlp1));
-  RB_CHECK(td_linear_create(512, 10, true, g, &m.head));
+  td_value *hv = td_value_int(hidden);
+  RB_CHECK(td_remote(p.agent, "worker1", "bench_make_mlp1", &hv, 1, NULL, &m.mlp1));
+  td_value_unref(hv);
+  RB_CHECK(td_linear_create(hidden, 10, true, g, &m.head));
   RB_CHECK(td_dist_module_parameter_rrefs(m.mlp1, TD_TIMEOUT_DEFAULT, &m.prefs));
   td_rref *refs[4];
   size_t nrefs = 0;
@@ -168,13 +176,15 @@ int main(int argc, char **argv) {
 
   char blas[16];
   printf("{\"bench\": \"dist_autograd_mlp\", \"config\": {\"impl\": \"tdist\", \"world_size\": 2, "
-         "\"busy_poll_us\": %lld, \"threads\": %lld, \"batch\": %lld, \"warmup\": %lld, \"steps\": %lld, "
-         "\"model\": \"Linear(784,512)+ReLU on worker1, Linear(512,10) on worker0\", "
+         "\"busy_poll_us\": %lld, \"threads\": %lld, \"batch\": %lld, \"hidden\": %lld, "
+         "\"warmup\": %lld, \"steps\": %lld, "
+         "\"model\": \"Linear(784,%lld)+ReLU on worker1, Linear(%lld,10) on worker0\", "
          "\"optimizer\": \"SGD lr=0.01\", \"openblas_num_threads\": %s}, "
          "\"results\": {\"steps_per_s\": %.2f, \"ms_per_step\": %.4f, \"final_loss\": %.6f, "
          "\"phase_ms\": {\"forward_rpc\": %.4f, \"head_loss\": %.4f, \"backward\": %.4f, "
          "\"optimizer_step\": %.4f}}}\n",
-         busy_poll_us, threads, batch, warmup, steps, rb_blas_threads(blas, sizeof blas),
+         busy_poll_us, threads, batch, hidden, warmup, steps, hidden, hidden,
+         rb_blas_threads(blas, sizeof blas),
          (double)steps / secs, secs * 1e3 / (double)steps, loss, ph_fwd * 1e3 / (double)steps,
          ph_head * 1e3 / (double)steps, ph_bwd * 1e3 / (double)steps,
          ph_opt * 1e3 / (double)steps);

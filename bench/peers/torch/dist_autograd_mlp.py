@@ -1,11 +1,11 @@
 #!/usr/bin/python3
 """dist_autograd_mlp.py - PyTorch peer of bench/dist_autograd_mlp.c.
 
-Two workers on 127.0.0.1 (TensorPipe). Rank 1 holds Linear(784, 512) + ReLU behind an RRef
-(created with rpc.remote); rank 0 holds Linear(512, 10) and computes the loss. One step: with
-dist_autograd.context() as ctx: h = mlp1.rpc_sync().forward(x); logits = head(h);
-cross-entropy; dist_autograd.backward(ctx, [loss]); DistributedOptimizer(SGD, lr 0.01).step(ctx).
-Batch 64, float32, fixed random data. Prints one JSON line with the same keys as the C benchmark:
+Two workers on 127.0.0.1 (TensorPipe). Rank 1 holds Linear(784, H) + ReLU behind an RRef
+(created with rpc.remote); rank 0 holds Linear(H, 10) and computes the loss (H = --hidden, 512 by
+default). One step: with dist_autograd.context() as ctx: h = mlp1.rpc_sync().forward(x);
+logits = head(h); cross-entropy; dist_autograd.backward(ctx, [loss]);
+DistributedOptimizer(SGD, lr 0.01).step(ctx). Batch 64 (--batch), float32, fixed random data. Prints one JSON line with the same keys as the C benchmark:
 {"bench": "dist_autograd_mlp", "config": {...}, "results": {"steps_per_s", "ms_per_step", "final_loss"}}
 
 Run with /usr/bin/python3 (the interpreter that has torch).
@@ -29,10 +29,10 @@ import torch.nn as nn  # noqa: E402
 class Mlp1(nn.Module):
     """The part that lives on rank 1."""
 
-    def __init__(self):
+    def __init__(self, hidden=512):
         super().__init__()
         torch.manual_seed(1)
-        self.net = nn.Sequential(nn.Linear(784, 512), nn.ReLU())
+        self.net = nn.Sequential(nn.Linear(784, hidden), nn.ReLU())
 
     def forward(self, x):
         return self.net(x)
@@ -48,6 +48,7 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=512)
     rpc_common.add_common_args(ap)
     args = ap.parse_args()
 
@@ -57,8 +58,8 @@ def main():
 
     pair = rpc_common.Pair(args.threads, args.transports)
     torch.manual_seed(2)
-    mlp1 = rpc.remote("worker1", Mlp1)
-    head = nn.Linear(512, 10)
+    mlp1 = rpc.remote("worker1", Mlp1, args=(args.hidden,))
+    head = nn.Linear(args.hidden, 10)
     params = mlp1.rpc_sync().param_rrefs() + [rpc.RRef(p) for p in head.parameters()]
     opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
     x = torch.rand(args.batch, 784)
@@ -84,8 +85,10 @@ def main():
 
     config = pair.config()
     rc = pair.finish()
-    config.update({"batch": args.batch, "warmup": args.warmup, "steps": args.steps,
-                   "model": "Linear(784,512)+ReLU on worker1, Linear(512,10) on worker0",
+    config.update({"batch": args.batch, "hidden": args.hidden, "warmup": args.warmup,
+                   "steps": args.steps,
+                   "model": f"Linear(784,{args.hidden})+ReLU on worker1, "
+                            f"Linear({args.hidden},10) on worker0",
                    "optimizer": "SGD lr=0.01"})
     out = {
         "bench": "dist_autograd_mlp",
