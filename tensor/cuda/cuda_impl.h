@@ -12,7 +12,9 @@
  *                        max pooling (+ backward);
  *   cuda_attention.cu    fused scaled-dot-product attention (+ backward), flash-attention style;
  *   cuda_optim.cu        multi-tensor Adam / AdamW and the sum of squares of a tensor list;
- *   cuda_lowp.cu         16-bit GEMMs through cuBLASLt, the float32 round trip of whole tensors.
+ *   cuda_lowp.cu         16-bit GEMMs through cuBLASLt, the float32 round trip of whole tensors;
+ *   cuda_blas.c / .h     cuBLAS and cuBLASLt, loaded with dlopen on the first handle (a table
+ *                        the GEMM files call through; not linked).
  *
  * Conventions:
  *   - Every entry first calls td__cu_enter() (or td__cu_set_device()) so the calling thread's
