@@ -214,6 +214,15 @@ static td_status check_room(td__store *s, const char *key, size_t n) {
   return TD_OK;
 }
 
+/* Sets key to n bytes at v, the key inserted when new (its limits checked by the caller). mu
+ * held. */
+static td_status put(td__store *s, const char *key, const void *v, size_t n) {
+  kv *e = find(s, key, true);
+  if (e && !e->val) s->bytes += strlen(key);
+  if (!e || !set_val(s, e, v, n)) return td_set_error(TD_ERR_NOMEM, "store: out of memory");
+  return TD_OK;
+}
+
 /* Op 3 (and op 9's end): adds delta to the counter at key, rep->number the result. mu held. */
 static td_status add_op(td__store *s, const char *key, int64_t delta, Tdist__StoreReply *rep) {
   TD_TRY(check_room(s, key, 24));
@@ -250,11 +259,9 @@ static td_status publish_room(td__store *s, const Tdist__StoreRequest *r) {
 
 td_status td__store_local_set(td__store *s, const char *key, const void *v, size_t n) {
   pthread_mutex_lock(&s->mu);
-  kv *e = find(s, key, true);
-  if (e && !e->val) s->bytes += strlen(key);
-  bool ok = e && set_val(s, e, v, n);
+  td_status st = put(s, key, v, n);
   pthread_mutex_unlock(&s->mu);
-  return ok ? TD_OK : td_set_error(TD_ERR_NOMEM, "store: out of memory");
+  return st;
 }
 
 /* What a range reply points into (freed after packing). */
@@ -559,14 +566,10 @@ td_status td__store_handle_park(td__store *s, const uint8_t *req, size_t len, ui
   s->requests++;
   const char *key = r->key ? r->key : "";
   switch (r->op) {
-    case 1: { /* set */
-      if ((st = check_room(s, key, r->value.len)) != TD_OK) break;
-      kv *e = find(s, key, true);
-      if (e && !e->val) s->bytes += strlen(key);
-      if (!e || !set_val(s, e, r->value.data, r->value.len))
-        st = td_set_error(TD_ERR_NOMEM, "store: out of memory");
+    case 1: /* set */
+      if ((st = check_room(s, key, r->value.len)) == TD_OK)
+        st = put(s, key, r->value.data, r->value.len);
       break;
-    }
     case 2:   /* get */
     case 4: { /* check */
       kv *e = find(s, key, false);
@@ -589,12 +592,8 @@ td_status td__store_handle_park(td__store *s, const uint8_t *req, size_t len, ui
       break;
     case 9: /* publish: sets, then an add */
       if ((st = publish_room(s, r)) != TD_OK) break;
-      for (size_t i = 0; i < r->n_keys && st == TD_OK; i++) {
-        kv *e = find(s, r->keys[i], true);
-        if (e && !e->val) s->bytes += strlen(r->keys[i]);
-        if (!e || !set_val(s, e, r->values[i].data, r->values[i].len))
-          st = td_set_error(TD_ERR_NOMEM, "store: out of memory");
-      }
+      for (size_t i = 0; i < r->n_keys && st == TD_OK; i++)
+        st = put(s, r->keys[i], r->values[i].data, r->values[i].len);
       if (st == TD_OK && key[0]) st = add_op(s, key, r->delta, &rep);
       break;
     case 6: /* now: the server's clock (aligning traces) */
