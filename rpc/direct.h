@@ -21,6 +21,15 @@
 #include "wire.h"
 
 #define TD__DIRECT_MIN_BYTES (32u << 10) /* smaller payloads go through the stream */
+/* On a same-host lane the ring is the faster way up to a few MiB: a frame streams through the
+ * 256 KiB ring with the sender's copy in and the receiver's copy out running at once on two CPUs
+ * and in cache, while process_vm_readv pins every 4 KiB page it reads, which costs more than the
+ * copy (1 MiB: 72 us against 18 us of memcpy on the 2-vCPU VM). Tensors of 4 MiB and more sit in
+ * transparent huge pages (tensor/cpu_backend.c), where pinning is cheap and one copy beats two.
+ * Measured there (bench/rpc_bandwidth, echo, GB/s both directions, ring vs direct): 64 KiB 14-18
+ * vs 6.5-8.3, 1 MiB 24-25 vs 9.0-9.1, 2 MiB 21-25 vs 10.2-10.7, 4 MiB 24-26 vs 23-37, 16 MiB
+ * 16-18 vs 21-22. TD_RPC_LANE_DIRECT_MIN_KB overrides it (td__transport_opts.lane_direct_min). */
+#define TD__LANE_DIRECT_MIN_BYTES (4u << 20)
 /* Direct copies of at least this many bytes run off the network thread (when the stream can
  * offload them). */
 #define TD__DIRECT_OFFLOAD_MIN (1u << 20)

@@ -375,7 +375,7 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
   direct_to *dc = __atomic_load_n(&c->t->direct_to, __ATOMIC_ACQUIRE);
   int peer = td__conn_peer(c);
   if (dc && peer >= 0 && peer < dc->world && dc->to[peer] && f->ntensors > 0 &&
-      f->payload_len >= TD__DIRECT_MIN_BYTES) {
+      f->payload_len >= (lane ? c->t->opts.lane_direct_min : TD__DIRECT_MIN_BYTES)) {
     uint8_t *desc = NULL;
     size_t dl = 0;
     uint64_t token = td__direct_acks_peek(&c->acks);

@@ -691,6 +691,7 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
   t->opts.host = t->host;
   t->cbs = *cbs;
   t->self_pid = (int)getpid();
+  if (!t->opts.lane_direct_min) t->opts.lane_direct_min = TD__LANE_DIRECT_MIN_BYTES;
   pthread_mutex_init(&t->mu, NULL);
   pthread_cond_init(&t->cv, NULL);
   pthread_mutex_init(&t->refusals.mu, NULL);

@@ -1088,17 +1088,23 @@ static void format_addr(char *out, size_t n, const char *host, int port) {
   snprintf(out, n, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
 }
 
-/* A positive number of milliseconds from the environment, else dflt. */
+/* A positive whole number from the environment (milliseconds, MiB, KiB: the name says), else
+ * dflt. */
 static int64_t env_ms(const char *name, int64_t dflt) {
   const char *v = getenv(name);
   if (!v || !*v) return dflt;
   char *end;
   long long ms = strtoll(v, &end, 10);
   if (*end || ms <= 0) {
-    td_log(TD_LOG_WARN, "rpc: ignoring %s='%s' (not a positive number of milliseconds)", name, v);
+    td_log(TD_LOG_WARN, "rpc: ignoring %s='%s' (not a positive whole number)", name, v);
     return dflt;
   }
   return ms;
+}
+
+static int64_t env_ms_max(const char *name, int64_t dflt, int64_t max) {
+  int64_t v = env_ms(name, dflt);
+  return v > max ? max : v;
 }
 
 /* Workers on this host before the group is known: what the launcher says (LOCAL_WORLD_SIZE from
@@ -1221,6 +1227,8 @@ static td_status init_transport(td_rpc_agent *a, const init_addr *ad) {
                            .stall_timeout_ms = env_ms("TD_RPC_STALL_TIMEOUT_MS",
                                                       3 * o->keepalive_timeout_ms),
                            .lane = a->lane_on,
+                           .lane_direct_min = (uint64_t)env_ms_max("TD_RPC_LANE_DIRECT_MIN_KB",
+                                                                   0, INT64_C(1) << 40) << 10,
                            .keepalive_auto = o->keepalive_ms <= 0,
                            /* until the group is known: the launcher's word, else everybody */
                            .host_load_x100 = host_load(td__rdv_local_estimate(a->world)),

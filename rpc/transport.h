@@ -82,6 +82,10 @@ typedef struct td__transport_opts {
   /* Same-host lanes (lane.h): streams with a peer on this host move their frames through shared
    * memory once td__transport_allow_lane named the peer's process. */
   bool lane;
+  /* Frames with this many bytes of tensors or more go to a same-host peer by direct copy when
+   * they take the lane (0: TD__LANE_DIRECT_MIN_BYTES); on the stream the bound is
+   * TD__DIRECT_MIN_BYTES (direct.h). */
+  uint64_t lane_direct_min;
   /* Keepalive chosen by tdist (keepalive_ms was automatic): on a host running more than twice as
    * many workers as CPUs (host_load_x100 > 200: workers per CPU, times 100) a starved but live
    * peer answers pings late, so the timeout of channels to peers on this host (and of the server)

@@ -114,12 +114,14 @@ typedef struct td_rpc_options {
    * set, else 50 when this host runs no more workers than it has CPUs and 0 when it is
    * oversubscribed. 0 = never spin. */
   int64_t busy_poll_us;
-  /* Same-host direct copy: a receiver copies tensors of 32 KiB and more straight out of the
-   * sender's memory (Linux process_vm_readv) instead of through the socket, when both workers run
-   * on one host as the same user and the kernel allows it (checked at init for every pair). -1
-   * (default) = on unless TD_RPC_DIRECT_COPY=0; 0 = off. A tensor sent this way stays referenced
-   * by the sender until the receiver has copied it: as with the stream, do not modify a tensor in
-   * place while a call that carries it is in flight. */
+  /* Same-host direct copy: a receiver copies tensors of 32 KiB and more (4 MiB and more when the
+   * frame takes the same-host lane, whose ring is faster below that; TD_RPC_LANE_DIRECT_MIN_KB
+   * overrides it) straight out of the sender's memory (Linux process_vm_readv) instead of
+   * through the socket, when both workers run on one host as the same user and the kernel
+   * allows it (checked at init for every pair). -1 (default) = on unless TD_RPC_DIRECT_COPY=0;
+   * 0 = off. A tensor sent this way stays referenced by the sender until the receiver has copied
+   * it: as with the stream, do not modify a tensor in place while a call that carries it is in
+   * flight. */
   int direct_copy;
   /* Same-host lane: frames between two workers on one host move through shared memory (a pair
    * of rings in a memfd handed over a unix socket, polled, with a futex doorbell) instead of

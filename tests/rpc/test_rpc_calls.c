@@ -311,6 +311,7 @@ typedef struct dc_case {
   int option;      /* td_rpc_options.direct_copy */
   const char *env; /* TD_RPC_DIRECT_COPY, or NULL */
   bool expect_on;
+  const char *lane_kb; /* TD_RPC_LANE_DIRECT_MIN_KB, or NULL (4 MiB) */
 } dc_case;
 
 /* Whether this machine lets a process read a sibling's memory (Yama ptrace scope 0, or root). */
@@ -328,6 +329,8 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
   register_test_fns();
   if (k->env) setenv("TD_RPC_DIRECT_COPY", k->env, 1);
   else unsetenv("TD_RPC_DIRECT_COPY");
+  if (k->lane_kb) setenv("TD_RPC_LANE_DIRECT_MIN_KB", k->lane_kb, 1);
+  else unsetenv("TD_RPC_LANE_DIRECT_MIN_KB");
   td_rpc_options o = td_mp_rpc_options(method, 4);
   o.direct_copy = k->option;
   td_rpc_agent *a;
@@ -337,8 +340,9 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
   if (!k->expect_on) MP_CHECK(peers == 0);
   char peer[32];
   snprintf(peer, sizeof peer, "worker%d", (rank + 1) % world);
-  /* sizes around the 32 KiB threshold and large ones; each tensor is dropped right after the
-   * call is sent, so only the transport keeps it alive until the peer has copied it */
+  /* sizes around the 32 KiB threshold of the stream, one between it and the lane's (4 MiB by
+   * default) and one past both; each tensor is dropped right after the call is sent, so only the
+   * transport keeps it alive until the peer has copied it */
   int64_t sizes[] = {100, 8191, 8192, 300000, 2000000};
   enum { N = 40 };
   td_future *fs[N];
@@ -365,21 +369,33 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
     MP_CHECK(p[n - 1] == (float)(firsts[i] + (double)(n - 1)));
     td_future_unref(fs[i]);
   }
-  /* the counters show which path the bytes took: with direct copy every frame of 32 KiB of
-   * tensors or more (3 sizes of 5) went direct - our requests, and the replies to them - and the
-   * stream carried only the small ones (the peer may still be sending its own requests) */
-  uint64_t big = 0;
-  for (int i = 0; i < N; i++)
-    if (sizes[i % 5] * 4 >= 32768) big += (uint64_t)sizes[i % 5] * 4;
+  /* the counters show which path the bytes took (our requests, and the replies to the peer's,
+   * which may still be sending): with direct copy, frames of 32 KiB of tensors or more go direct
+   * on the stream; on the lane only those of its bound (4 MiB, or TD_RPC_LANE_DIRECT_MIN_KB) and
+   * more, the ring carrying the rest */
+  uint64_t lane_min = k->lane_kb ? (uint64_t)atoi(k->lane_kb) << 10 : 4u << 20;
+  uint64_t big = 0, mid = 0;
+  int nbig = 0;
+  for (int i = 0; i < N; i++) {
+    uint64_t b = (uint64_t)sizes[i % 5] * 4;
+    if (b >= lane_min) big += b, nbig++;
+    else if (b >= 32768) mid += b;
+  }
   td_rpc_traffic tr;
   MP_CHECK_OK(td_rpc_get_peer_traffic(a, (rank + 1) % world, &tr));
   if (peers) {
-    MP_CHECK(tr.direct_frames_sent >= (N / 5) * 3);
+    MP_CHECK(tr.direct_frames_sent >= (uint64_t)nbig);
     MP_CHECK(tr.direct_bytes_sent >= big);
-    MP_CHECK(tr.direct_frames_received >= (N / 5) * 3);
+    MP_CHECK(tr.direct_frames_received >= (uint64_t)nbig);
     MP_CHECK(tr.direct_bytes_received >= big);
-    /* only frames under 32 KiB of tensors, through the stream or the same-host lane */
-    MP_CHECK(tr.bytes_sent + tr.lane_bytes_sent < big / 8);
+    /* the frames past both bounds never went through the stream or the ring (the middle size
+     * did: our requests and our replies to the peer's) */
+    MP_CHECK(tr.bytes_sent + tr.lane_bytes_sent < 2 * mid + big / 8);
+    if (tr.frames_sent == 0 && tr.lane_frames_sent > 0) {
+      /* everything took the lane (dialled): the middle size through its ring */
+      MP_CHECK(tr.lane_bytes_sent >= mid);
+      MP_CHECK(tr.direct_frames_sent <= 2 * (uint64_t)nbig); /* requests and replies */
+    }
   } else {
     MP_CHECK(tr.direct_frames_sent == 0 && tr.direct_frames_received == 0);
     MP_CHECK(tr.bytes_sent + tr.lane_bytes_sent >= big &&
@@ -396,7 +412,8 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
 }
 
 static void test_rpc_direct_copy(void **state) {
-  const dc_case cases[] = {{-1, NULL, true}, {0, NULL, false}, {-1, "0", false}, {1, "0", true}};
+  const dc_case cases[] = {{-1, NULL, true, NULL}, {0, NULL, false, NULL}, {-1, "0", false, NULL},
+                           {1, "0", true, NULL}, {-1, NULL, true, "32"}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     TD_MP_RUN(2, worker_direct, (void *)&cases[i], 60);
   }

@@ -5,6 +5,7 @@
  * NaN == NaN). */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "rpc_test_fns.h"
@@ -86,8 +87,12 @@ static void round_trip(td_rpc_agent *a, td_tensor *t, const char *what) {
   td_value_unref(e), td_value_unref(r), td_value_unref(arg), td_tensor_unref(c);
 }
 
+/* arg: TD_RPC_LANE_DIRECT_MIN_KB, or NULL: the big tensors take the same-host lane's ring (under
+ * its 4 MiB bound), or with "32" direct copy as on the stream */
 static int worker_dtypes(int rank, int world, const char *method, void *arg) {
-  (void)arg;
+  const char *lane_kb = arg;
+  if (lane_kb) setenv("TD_RPC_LANE_DIRECT_MIN_KB", lane_kb, 1);
+  else unsetenv("TD_RPC_LANE_DIRECT_MIN_KB");
   register_test_fns();
   MP_CHECK_OK(td_rpc_register("describe", fn_describe, NULL));
   td_rpc_options o = td_mp_rpc_options(method, 4);
@@ -103,16 +108,19 @@ static int worker_dtypes(int rank, int world, const char *method, void *arg) {
       snprintf(what, sizeof what, "%s small", td_dtype_name(dt));
       round_trip(a, small, what);
       snprintf(what, sizeof what, "%s big", td_dtype_name(dt));
-      round_trip(a, big, what); /* 4096 x 24 elements: 96 KiB and more, direct copy */
+      round_trip(a, big, what); /* 4096 x 24 elements: 96 KiB and more */
       MP_CHECK_OK(td_tensor_transpose(small, 0, 1, &tr));
       snprintf(what, sizeof what, "%s strided", td_dtype_name(dt));
       round_trip(a, tr, what);
       td_tensor_unref(tr), td_tensor_unref(big), td_tensor_unref(small);
     }
     MP_CHECK_OK(td_rpc_get_stats(a, &after));
-    if (td_rpc_direct_copy_peers(a) > 0) /* the big tensors went the direct way */
-      MP_CHECK(after.traffic.direct_frames_sent - before.traffic.direct_frames_sent >=
-               TD_DTYPE_COUNT * 2);
+    uint64_t direct = after.traffic.direct_frames_sent - before.traffic.direct_frames_sent;
+    uint64_t lane = after.traffic.lane_frames_sent - before.traffic.lane_frames_sent;
+    if (td_rpc_direct_copy_peers(a) > 0 && (lane_kb || lane == 0))
+      MP_CHECK(direct >= TD_DTYPE_COUNT * 2); /* the big tensors went the direct way */
+    else if (lane > 0)
+      MP_CHECK(direct == 0); /* through the lane's ring */
   }
   td_mp_finish(a, 30);
   return 0;
@@ -121,6 +129,7 @@ static int worker_dtypes(int rank, int world, const char *method, void *arg) {
 static void test_rpc_dtypes_round_trip(void **state) {
   (void)state;
   TD_MP_RUN(2, worker_dtypes, NULL, 120);
+  TD_MP_RUN(2, worker_dtypes, "32", 120);
 }
 
 /* Equality of half-precision tensors compares values: +0 == -0, NaN == NaN, 1 != 2. */
