@@ -73,10 +73,10 @@ static td_status devmap_add(td__devmap *m, td_device from, td_device to) {
   return TD_OK;
 }
 
-/* Checks one entry of rank q's map (line `line`, entry number i) and adds it to maps[dest].
- * counts: every rank's CUDA device count. */
+/* Checks one entry of rank q's map (line `line`, entry number i) and adds it to maps[dest]
+ * (*dest_out = dest). counts: every rank's CUDA device count. */
 static td_status devmap_entry(td_rpc_agent *a, int q, int i, char *line, const int *counts,
-                              td__devmap *maps) {
+                              td__devmap *maps, int *dest_out) {
   char *from = strchr(line, '\t'), *to = from ? strchr(from + 1, '\t') : NULL;
   if (!from || !to)
     return td_set_error(TD_ERR_FORMAT, "rpc init: bad device map record of rank %d", q);
@@ -87,6 +87,7 @@ static td_status devmap_entry(td_rpc_agent *a, int q, int i, char *line, const i
   snprintf(where, sizeof where, "rpc init: device map of %s (rank %d), entry %d {\"%.128s\", "
            "\"%.64s\", \"%.64s\"}", qn, q, i, worker, from, to);
   int dest = td__agent_rank_of(a, worker);
+  *dest_out = dest;
   if (dest < 0)
     return td_set_error(TD_ERR_INVALID, "%s: there is no worker named '%.128s'", where, worker);
   if (dest == q)
@@ -134,7 +135,12 @@ td_status td__devmap_setup(td_rpc_agent *a, uint64_t deadline) {
   TD_TRY(td__rdv_read_all(a, "devmap/", deadline, &recs, &lens));
   int *counts = td__calloc((size_t)w, sizeof *counts);
   td__devmap *maps = td__calloc((size_t)w, sizeof *maps);
-  td_status st = counts && maps ? TD_OK : td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+  /* the ranks rank q's map names (touched[0..nt), mark[r] = q + 1 once listed): only those are
+   * visited, so a group without device maps costs O(world) here, not O(world^2) per worker */
+  int *touched = td__calloc((size_t)w, sizeof *touched), *mark = td__calloc((size_t)w, sizeof *mark);
+  td_status st = counts && maps && touched && mark
+                     ? TD_OK
+                     : td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
   for (int r = 0; r < w && st == TD_OK; r++) {
     char *end;
     long c = strtol(recs[r], &end, 10);
@@ -146,6 +152,7 @@ td_status td__devmap_setup(td_rpc_agent *a, uint64_t deadline) {
   }
   for (int q = 0; q < w && st == TD_OK; q++) {
     char *line = strchr(recs[q], '\n') + 1;
+    int nt = 0;
     for (int i = 0; *line && st == TD_OK; i++) {
       char *nl = strchr(line, '\n');
       if (!nl) {
@@ -153,10 +160,16 @@ td_status td__devmap_setup(td_rpc_agent *a, uint64_t deadline) {
         break;
       }
       *nl = 0;
-      st = devmap_entry(a, q, i, line, counts, maps);
+      int dest = -1;
+      st = devmap_entry(a, q, i, line, counts, maps, &dest);
+      if (dest >= 0 && dest < w && mark[dest] != q + 1) {
+        mark[dest] = q + 1;
+        touched[nt++] = dest;
+      }
       line = nl + 1;
     }
-    for (int r = 0; r < w; r++) {
+    for (int j = 0; j < nt; j++) {
+      int r = touched[j];
       if (st == TD_OK && q == a->rank) {
         a->peers[r].out_map = maps[r]; /* moved */
       } else if (st == TD_OK && r == a->rank) {
@@ -173,6 +186,8 @@ td_status td__devmap_setup(td_rpc_agent *a, uint64_t deadline) {
   td__rdv_free_all(a, recs, lens);
   td__free(counts);
   td__free(maps);
+  td__free(touched);
+  td__free(mark);
   if (st == TD_OK && a->opts.num_device_maps)
     td_log(TD_LOG_DEBUG, "rpc: %s: %d device map entries checked", a->name,
            a->opts.num_device_maps);
