@@ -71,12 +71,15 @@ PY
   return $fail
 }
 
-# wait_training FILE PID: until the trainers print progress (or PID ends)
+# wait_training FILE PID: until a trainer prints progress in epoch 1 (or PID ends). The kill
+# follows at once: an epoch of 400 batches lasts 0.2-0.3 s on a fast machine, and a kill that
+# lands in epoch 2 leaves nothing to re-shard (a fixed 0.3 s wait after the first progress line
+# did that once the lane carried the 0.8 MB parameters through its ring).
 wait_training() {
   for _ in $(seq 1 $((600 * scale))); do
     kill -0 "$2" 2>/dev/null || return 1
-    grep -qE "loss|epoch 1" "$1" && return 0
-    sleep 0.05
+    grep -qE "epoch 1/2 \\[" "$1" && return 0
+    sleep 0.02
   done
   return 1
 }
@@ -94,7 +97,6 @@ if [[ "$mode" == mpirun || "$mode" == srun ]]; then
   done
   mapfile -t pids < <(job_pids "$mode" "$root")
   wait_training "$out" "$root" || { cat "$out"; echo "FAIL: training never started under $mode"; exit 1; }
-  sleep 0.3
   [[ -n "$victim" ]] && kill -0 "$victim" 2>/dev/null || { cat "$out"; echo "FAIL: rank 2 is not running"; exit 1; }
   echo "killing rank 2 (pid $victim) under $mode"
   kill -9 "$victim"
@@ -122,7 +124,6 @@ for _ in $(seq 1 $((600 * scale))); do
   sleep 0.05
 done
 wait_training "$out" "$root" || { cat "$out"; echo "FAIL: training never started"; exit 1; }
-sleep 0.3
 [[ -n "$victim" ]] && kill -0 "$victim" 2>/dev/null || { cat "$out"; echo "FAIL: rank 2 is not running"; exit 1; }
 echo "killing rank 2 (pid $victim) under tdistrun"
 kill -9 "$victim"
@@ -147,7 +148,6 @@ for r in 0 1 2; do
   pids+=($!)
 done
 wait_training "$dir/rank1.out" "${pids[1]}" || { tail -n 5 "$dir"/rank*.out; echo "FAIL: bare: training never started"; exit 1; }
-sleep 0.5
 kill -0 "${pids[2]}" 2>/dev/null || { tail -n 5 "$dir"/rank*.out; echo "FAIL: bare: rank 2 ended first"; exit 1; }
 echo "killing rank 2 (pid ${pids[2]}), started bare"
 kill -9 "${pids[2]}"

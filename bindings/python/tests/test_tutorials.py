@@ -3,7 +3,9 @@ with a torch model, the distributed RNN, the RRef pipeline in ResNet's shape, th
 parameter server, RPC + DDP), each a PyTorch program run as a user runs it (it spawns its
 workers) with tdist.torch_rpc in its import block, against the results of the same programs
 under torch.distributed.rpc (examples/torch_tutorials/reference.json, written by compare.py
---write-reference with PyTorch 1.13).
+--write-reference with PyTorch 1.13; where ours differ from those, the same program is run under
+PyTorch here and ours must agree with that run: the stored results come from another CPU, whose
+BLAS rounds differently).
 
 Where a program is deterministic (one trainer; the server updates in fixed order) the losses
 must equal PyTorch's to float32 rounding; the pipeline sums micro-batches' gradients in any
@@ -34,23 +36,41 @@ def close(a, b, rel):
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
-def run(name):
-    res, secs, out = compare.run(name, "tdist", timeout=scaled(240))
+def run(name, impl="tdist"):
+    res, secs, out = compare.run(name, impl, timeout=scaled(240))
     assert res, out
     return res
 
 
+def against_torch(name, got, agrees):
+    """The PyTorch results got must agree with (agrees(got, ref)): the stored ones, or where
+    those differ, PyTorch's run of the same program on this machine. The stored ones were written
+    on another CPU, and BLAS kernels round differently by CPU: a few SGD steps carry that to
+    ~1e-5 (the pipeline here: PyTorch and tdist equal to the last bit, the stored third loss
+    1.2e-5 away). Returns the reference used."""
+    ref = REF[name]
+    if not agrees(got, ref):
+        ref = run(name, "torch")
+    assert agrees(got, ref), (got, ref)
+    return ref
+
+
 def test_parameter_server_tutorial():
-    got, ref = run("ps"), REF["ps"]
-    assert len(got) == len(ref) == 1
-    assert all(close(a, b, 1e-5) for a, b in zip(got[0]["losses"], ref[0]["losses"])), (got, ref)
-    assert got[0]["accuracy"] == ref[0]["accuracy"]
+    against_torch("ps", run("ps"), lambda got, ref: len(got) == len(ref) == 1 and all(
+        close(a, b, 1e-5) for a, b in zip(got[0]["losses"], ref[0]["losses"]))
+        and got[0]["accuracy"] == ref[0]["accuracy"])
+
+
+def losses_agree(n, rel):
+    """agrees(got, ref) for a one-result tutorial: n losses, each within rel of PyTorch's."""
+    def agrees(got, ref):
+        g, r = got[0]["losses"], ref[0]["losses"]
+        return len(g) == len(r) == n and all(close(a, b, rel) for a, b in zip(g, r))
+    return agrees
 
 
 def test_distributed_rnn_tutorial():
-    got, ref = run("rnn")[0]["losses"], REF["rnn"][0]["losses"]
-    assert len(got) == len(ref) == 10
-    assert all(close(a, b, 1e-5) for a, b in zip(got, ref)), (got, ref)
+    against_torch("rnn", run("rnn"), losses_agree(10, 1e-5))
 
 
 heavy = pytest.mark.skipif(ASAN, reason="time: the sanitizer stage runs the lighter three")
@@ -58,17 +78,18 @@ heavy = pytest.mark.skipif(ASAN, reason="time: the sanitizer stage runs the ligh
 
 @heavy
 def test_rref_pipeline_tutorial():
-    got, ref = run("pipeline")[0]["losses"], REF["pipeline"][0]["losses"]
-    assert len(got) == len(ref) == 3
-    assert all(close(a, b, 1e-6) for a, b in zip(got, ref)), (got, ref)
+    against_torch("pipeline", run("pipeline"), losses_agree(3, 1e-6))
 
 
 @heavy
 def test_batch_updating_parameter_server_tutorial():
-    got, ref = run("batch_ps")[0], REF["batch_ps"][0]
-    for g, r in zip(got["losses"], ref["losses"]):
-        assert all(close(a, b, 1e-5) for a, b in zip(g, r)), (got, ref)
-    assert close(got["final_sum"], ref["final_sum"], 1e-5)
+    def agrees(got, ref):
+        g, r = got[0], ref[0]
+        return (len(g["losses"]) == len(r["losses"]) and
+                all(len(a) == len(b) and all(close(x, y, 1e-5) for x, y in zip(a, b))
+                    for a, b in zip(g["losses"], r["losses"])) and
+                close(g["final_sum"], r["final_sum"], 1e-5))
+    against_torch("batch_ps", run("batch_ps"), agrees)
 
 
 def test_rpc_ddp_tutorial():
