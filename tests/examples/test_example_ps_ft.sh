@@ -74,7 +74,7 @@ PY
 # wait_training FILE PID: until a trainer prints progress in epoch 1 (or PID ends). The kill
 # follows at once: an epoch of 400 batches lasts 0.2-0.3 s on a fast machine, and a kill that
 # lands in epoch 2 leaves nothing to re-shard (a fixed 0.3 s wait after the first progress line
-# did that once the lane carried the 0.8 MB parameters through its ring).
+# did that on every run on a fast VM, epochs of 0.23 s).
 wait_training() {
   for _ in $(seq 1 $((600 * scale))); do
     kill -0 "$2" 2>/dev/null || return 1
