@@ -8,12 +8,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 import tdist
-from conftest import poll, scaled
+from conftest import ASAN, poll, scaled
 
 CHILD = r"""
 import sys, time
@@ -43,6 +44,10 @@ def interrupt_child(g, expect_line):
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(g.port), g.secret, what],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ),
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # a child that hangs is killed, so the reads below end (with what it printed) instead of
+    # waiting for ctest's timeout, which prints nothing
+    watchdog = threading.Timer(scaled(60), p.kill)
+    watchdog.start()
     try:
         lines = []
         while True:
@@ -59,6 +64,7 @@ def interrupt_child(g, expect_line):
         assert p.wait(scaled(30)) == 0
         return float(line.split()[1]) - sent
     finally:
+        watchdog.cancel()
         if p.poll() is None:
             p.kill()
             p.wait()
@@ -79,6 +85,20 @@ def test_ctrl_c_interrupts_init(group):
 
 def _noop():
     pass
+
+
+def wait_forked(pid, seconds):
+    """The exit status of forked child pid, or None (after killing it) when it has not ended
+    within seconds."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
 
 
 def test_fork_refused_while_running(solo):
@@ -108,7 +128,14 @@ def test_fork_through_another_path_leaves_a_child_without_tdist():
             except BaseException:  # noqa: B902
                 code = 2
             os._exit(code)
-        _, status = os.waitpid(pid, 0)
+        status = wait_forked(pid, scaled(60))
+        if status is None and ASAN:
+            # gcc 12's AddressSanitizer does not hold its allocator's locks across fork(): a
+            # fork taken while one of tdist's threads is inside malloc leaves the child
+            # deadlocked at its first allocation (later sanitizer runtimes lock around fork).
+            # The Release run of this test checks the child's behaviour.
+            pytest.skip("the forked child hung in the sanitizer's allocator")
+        assert status is not None, "the forked child did not end within 60 s"
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 7
         assert tdist.rpc_sync("solo", "t_ok", ()) == "ok"  # the parent is unaffected
     finally:
@@ -116,7 +143,10 @@ def test_fork_through_another_path_leaves_a_child_without_tdist():
     pid = os.fork()  # after shutdown fork is allowed again
     if pid == 0:
         os._exit(0)
-    assert os.waitpid(pid, 0)[1] == 0
+    status = wait_forked(pid, scaled(60))
+    if status is None and ASAN:  # (gRPC's own threads may outlive shutdown: as above)
+        pytest.skip("the forked child hung in the sanitizer's allocator")
+    assert status == 0, status
 
 
 def test_log_lines_reach_python_logging(caplog):
