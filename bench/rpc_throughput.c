@@ -12,9 +12,10 @@
  * Options: --calls N (20000), --warmup N (2000), --inflight N (64), --min-seconds S (0.5: when
  * the timed calls took less, one more timed round sized to fill the rest follows, and the figure
  * counts both: 20,000 calls at 700k/s last 30 ms, where one scheduler hiccup moves the figure by
- * a third), --threads N (agent worker threads, 16), --security compare|secret|insecure|tls (compare: the default group (secret) gives
- * calls_per_s, and the same rounds run without authentication and with TLS too, alternating,
- * under results.security with their ratios to the insecure run).
+ * a third), --threads N (agent worker threads, 16), --security compare|secret|insecure|tls
+ * (compare: the default group (secret) gives calls_per_s, and the same rounds run without
+ * authentication and with TLS too, alternating, under results.security with their ratios to the
+ * insecure run).
  *
  * Lock order: a round's mu is a leaf (reply callbacks take it only to record the end or an error).
  */
