@@ -137,7 +137,8 @@ td_status td__devmap_setup(td_rpc_agent *a, uint64_t deadline) {
   td__devmap *maps = td__calloc((size_t)w, sizeof *maps);
   /* the ranks rank q's map names (touched[0..nt), mark[r] = q + 1 once listed): only those are
    * visited, so a group without device maps costs O(world) here, not O(world^2) per worker */
-  int *touched = td__calloc((size_t)w, sizeof *touched), *mark = td__calloc((size_t)w, sizeof *mark);
+  int *touched = td__calloc((size_t)w, sizeof *touched);
+  int *mark = td__calloc((size_t)w, sizeof *mark);
   td_status st = counts && maps && touched && mark
                      ? TD_OK
                      : td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
