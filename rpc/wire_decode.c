@@ -9,6 +9,7 @@
  * moved there while the trees are rebuilt; a device this process lacks makes the frame bad
  * (TD_ERR_DEVICE), so a request is answered with an error and a reply fails its call.
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,13 +28,48 @@ enum { ST_PREFIX, ST_HEADER, ST_PAYLOAD, ST_SKIP, ST_DESC, ST_WAIT, ST_CTRL };
 enum { WAIT_DIRECT_READ = 1, WAIT_PLACE = 2 };
 #define INLINE_TENSORS 4 /* tensors of a frame tracked without an allocation */
 
-/* A decoder's storage for small frames (allocated with its first one): the header's bytes and
- * the envelope parsed by the fast path (wire_small.h), so such a frame allocates nothing for
- * them. */
+/* A frame's storage while it is small (a header of at most TD__SMALL_HEADER bytes): the header's
+ * bytes and the envelope parsed by the fast path (wire_small.h). A decoder holds one only from
+ * its frame's header to the frame's end, then gives it to its thread's spare (one per thread)
+ * for the next frame any decoder starts there: a frame allocates nothing for it, and the 3.6 KB
+ * are not kept by every idle decoder (two per lane: at 512 workers on one host, 150k lanes,
+ * they were 1.1 GB). */
 typedef struct small_store {
   uint8_t header[TD__SMALL_HEADER];
   td__small_env env;
 } small_store;
+
+static __thread small_store *spare_small;
+static __thread bool spare_keyed;
+static pthread_key_t spare_key; /* its value: &spare_small, whose block is freed at thread exit */
+static pthread_once_t spare_once = PTHREAD_ONCE_INIT;
+
+static void spare_release(void *slot) {
+  small_store **sp = slot;
+  td__free(*sp);
+  *sp = NULL;
+}
+
+static void spare_key_init(void) { (void)pthread_key_create(&spare_key, spare_release); }
+
+static small_store *small_take(void) {
+  small_store *s = spare_small;
+  if (s) {
+    spare_small = NULL;
+    return s;
+  }
+  return td__malloc(sizeof *s);
+}
+
+static void small_give(small_store *s) {
+  if (spare_small || (!spare_keyed && (pthread_once(&spare_once, spare_key_init) != 0 ||
+                                       pthread_setspecific(spare_key, &spare_small) != 0))) {
+    td__free(s);
+    return;
+  }
+  spare_keyed = true;
+  spare_small = s;
+}
 
 struct td__decoder {
   td__wire_ctx ctx;
@@ -48,7 +84,7 @@ struct td__decoder {
   uint64_t payload_len, id;
   uint8_t *header;
   uint64_t skip_left;
-  small_store *small; /* NULL until the first small frame */
+  small_store *small; /* from a small frame's header to its end (small_take), else NULL */
   /* payload routing */
   Tdist__Envelope *env; /* &small->env.env, or protobuf-c's */
   td_tensor **tensors;  /* allocated as their bytes begin to arrive (never from a header alone) */
@@ -117,6 +153,10 @@ static void reset_frame(td__decoder *d) {
   if (d->env && !(d->small && d->env == &d->small->env.env))
     tdist__envelope__free_unpacked(d->env, NULL);
   d->env = NULL;
+  if (d->small) {
+    small_give(d->small);
+    d->small = NULL;
+  }
   for (int i = 0; i < d->ntensors; i++) td_tensor_unref(d->tensors[i]);
   if (d->tensors != d->tensors_in) {
     td__free(d->tensors);
@@ -647,7 +687,7 @@ static td_status feed_prefix(td__decoder *d, const uint8_t **p, size_t *n) {
     skip_frame(d, total, TD_ERR_INVALID, why);
     return TD_OK;
   }
-  if (d->header_len <= TD__SMALL_HEADER && !d->small) d->small = td__malloc(sizeof *d->small);
+  if (d->header_len <= TD__SMALL_HEADER && !d->small) d->small = small_take();
   d->header = d->header_len <= TD__SMALL_HEADER && d->small
                   ? d->small->header
                   : td__malloc(d->header_len ? d->header_len : 1);
