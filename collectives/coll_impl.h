@@ -186,6 +186,7 @@ struct td_process_group {
   bool broken;
   td_status broken_status;
   char *broken_msg;
+  int fail_culprit; /* the member td__pg_fail_member blamed, for the backends' fail (-1: none) */
   uint8_t *scratch; /* reused buffer of the backends' algorithms */
   size_t scratch_cap;
   /* size entries each, reused by every operation (no allocation on the small-message path) */

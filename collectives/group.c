@@ -132,7 +132,9 @@ td_status td__pg_fail_member(td_process_group *pg, td_status st, int culprit, co
   }
   td__free(v);
   if (!report) report = td__strdup(msg);
-  /* after the record: the others read it when they wake or see the connections close */
+  /* after the record: the others read it when they wake or see the connections close (or, on
+   * shared memory, whom it blamed, when the store is gone with its host) */
+  pg->fail_culprit = culprit >= 0 && culprit < pg->size && culprit != pg->rank ? culprit : -1;
   for (int i = 0; i < TD__TP_COUNT; i++)
     if (pg->tp[i] && pg->tp[i]->fail) pg->tp[i]->fail(pg);
   pg->broken = true;

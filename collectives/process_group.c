@@ -169,6 +169,7 @@ td_status td__pg_create_member(td_rpc_agent *agent, int *rs, int n, int my, td_p
   pthread_mutex_init(&pg->mu, NULL);
   pthread_mutex_init(&pg->lost_mu, NULL);
   pg->lost_grank = -1;
+  pg->fail_culprit = -1;
   pg->agent = agent;
   pg->sc = td__agent_store(agent);
   pg->ranks = rs;

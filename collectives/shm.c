@@ -198,7 +198,10 @@ void td__shm_post(td__shm *s, uint64_t k) {
 void td__shm_fail(td_process_group *pg) {
   td__shm *s = pg->shm;
   if (!s) return;
-  atomic_store(&s->seg->failed, 1);
+  /* 1, or the member blamed + 2; the first failure's stays */
+  int c = pg->fail_culprit;
+  uint32_t zero = 0, v = c >= 0 && c < s->n ? (uint32_t)c + 2 : 1;
+  atomic_compare_exchange_strong(&s->seg->failed, &zero, v);
   atomic_fetch_add(&s->seg->bell, 1);
   futex(&s->seg->bell, FUTEX_WAKE, INT_MAX, NULL);
 }
@@ -262,8 +265,19 @@ static td_status fail_timeout(td_process_group *pg, uint64_t k, int who, const t
 static td_status check_health(td_process_group *pg, uint64_t k, int who, const td__op_hdr *h) {
   td__shm *s = pg->shm;
   char desc[160], me[160], who_s[160], msg[700];
-  if (atomic_load(&s->seg->failed)) {
+  uint32_t f = atomic_load(&s->seg->failed);
+  if (f) {
     td__op_describe(h, desc, sizeof desc);
+    /* the member the failing one blamed (a member's word: bounded), so every survivor's error
+     * names who is gone even when the store, which holds the first failure's record, went with
+     * its host (the member that failed the group may have exited since) */
+    int c = f >= 2 && f - 2 < (uint32_t)s->n ? (int)(f - 2) : -1;
+    if (c >= 0 && c != s->me) {
+      snprintf(msg, sizeof msg, "%s is unavailable: another member lost it and failed the group "
+               "(seen by %s during %s)", td__pg_who(pg, c, who_s, sizeof who_s),
+               td__pg_who(pg, pg->rank, me, sizeof me), desc);
+      return td__pg_fail_member(pg, TD_ERR_UNAVAILABLE, c, msg);
+    }
     snprintf(msg, sizeof msg, "another member failed the group during %s (seen by %s)", desc,
              td__pg_who(pg, pg->rank, me, sizeof me));
     return td__pg_fail(pg, TD_ERR_UNAVAILABLE, msg);
