@@ -42,8 +42,8 @@
  * members it waits for still run (pidfd when available, else kill(pid, 0) and /proc state) and
  * that no member marked the group failed (`failed`, set by td__pg_fail after it recorded the
  * reason in the store, so the others report that root cause; its value, 2 + the member it
- * blamed, names that member when the store is gone with its host). At the deadline the message names
- * every member that has not posted the round, with the operation it is in.
+ * blamed, names that member when the store is gone with its host). At the deadline the message
+ * names every member that has not posted the round, with the operation it is in.
  */
 #include <errno.h>
 #include <fcntl.h>
