@@ -2,13 +2,18 @@
  * grow with the number of workers, on one machine.
  *
  *   rpc_scale [--worlds 64,128,256] [--sim 64,256,1024] [--threads 2] [--stagger-ms 0]
+ *             [--peers K]
  *
  * Processes (--worlds): N real worker processes on 127.0.0.1 (forked; lightweight: --threads pool
  * threads each). Each inits (td_rpc_init), calls add(rank, peer) on every other worker (async,
  * then waits for all), and shuts down gracefully; the figures are the slowest worker's time in
  * each phase, the time from the first fork to the last exit, and the peak resident memory of the
  * largest worker and of all of them summed. On a small machine the larger groups are
- * oversubscribed (hundreds of processes on a few CPUs): that is the point.
+ * oversubscribed (hundreds of processes on a few CPUs): that is the point. The round makes
+ * N(N-1) calls and as many pairs meet, so on a fixed machine its work grows as N^2 whatever the
+ * transport; --peers K makes each worker call only the K ranks after its own (rank+1 ... rank+K,
+ * modulo N; 0, the default, is everyone), a round whose work grows as N, as a pipeline's, a
+ * ring's or a parameter server's does: what start-up and shutdown cost, separated from the pairs.
  *
  * Store protocol (--sim): N simulated workers (threads, rpc/store_sim.h) play the rendezvous and
  * the shutdown barrier against the real store server, beyond what the machine can start as
@@ -77,7 +82,8 @@ static td_status fn_add(td_rpc_ctx *c, td_value *const *args, int n, td_value **
 
 static double secs(double a, double b) { return b - a; }
 
-static void worker(int rank, int world, const char *method, int threads, phase_times *out) {
+static void worker(int rank, int world, const char *method, int threads, int peers,
+                   phase_times *out) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   W_CHECK(td_rpc_register("add", fn_add, NULL));
   td_rpc_options o;
@@ -93,8 +99,9 @@ static void worker(int rank, int world, const char *method, int threads, phase_t
   out->init_s = secs(t0, t1); /* reported even when a later phase fails */
   td_future **fs = calloc((size_t)world, sizeof *fs);
   if (!fs) _exit(1);
-  for (int p = 0; p < world; p++) {
-    if (p == rank) continue;
+  int k = peers > 0 && peers < world - 1 ? peers : world - 1; /* calls: ranks rank+1 .. rank+k */
+  for (int i = 1; i <= k; i++) {
+    int p = (rank + i) % world;
     td_worker_info wi;
     W_CHECK(td_rpc_get_worker_info_by_rank(a, p, &wi));
     td_value *args[2] = {td_value_int(rank * 1000), td_value_int(p)};
@@ -102,8 +109,8 @@ static void worker(int rank, int world, const char *method, int threads, phase_t
     td_value_unref(args[0]);
     td_value_unref(args[1]);
   }
-  for (int p = 0; p < world; p++) {
-    if (p == rank) continue;
+  for (int i = 1; i <= k; i++) {
+    int p = (rank + i) % world;
     W_CHECK(td_future_wait(fs[p], 300000));
     int64_t v = -1;
     W_CHECK(td_value_as_int(td_future_value(fs[p]), &v));
@@ -125,7 +132,7 @@ static void worker(int rank, int world, const char *method, int threads, phase_t
 /* Runs one group of world processes; the slowest worker's phase times, the wall time, and the
  * peak resident memory of the largest worker and of all workers together (each worker's peak,
  * summed: an upper bound on the group's footprint), in MiB. */
-static int run_group(int world, int threads, phase_times *worst, double *wall_s,
+static int run_group(int world, int threads, int peers, phase_times *worst, double *wall_s,
                      double *rss_max_mb, double *rss_sum_mb) {
   phase_times *pt = mmap(NULL, (size_t)world * sizeof *pt, PROT_READ | PROT_WRITE,
                          MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -140,7 +147,7 @@ static int run_group(int world, int threads, phase_times *worst, double *wall_s,
   double t0 = bench_now_s();
   for (int r = 0; r < world; r++) {
     pid_t p = fork();
-    if (p == 0) worker(r, world, method, threads, &pt[r]);
+    if (p == 0) worker(r, world, method, threads, peers, &pt[r]);
     pids[r] = p;
   }
   int failed = 0;
@@ -181,7 +188,7 @@ static int parse_list(const char *name, const char *s, int *out) {
 }
 
 int main(int argc, char **argv) {
-  int worlds[MAX_LIST], sims[MAX_LIST], threads = 2, stagger = 0;
+  int worlds[MAX_LIST], sims[MAX_LIST], threads = 2, stagger = 0, peers = 0;
   int nw = parse_list("--worlds", "64,128,256", worlds);
   int ns = parse_list("--sim", "64,256,1024", sims);
   for (int i = 1; i < argc; i++) {
@@ -190,9 +197,10 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[i], "--sim") == 0) ns = parse_list(argv[i], v, sims), i++;
     else if (strcmp(argv[i], "--threads") == 0) threads = (int)bench_arg_int(argv[i], v), i++;
     else if (strcmp(argv[i], "--stagger-ms") == 0) stagger = (int)bench_arg_int(argv[i], v), i++;
+    else if (strcmp(argv[i], "--peers") == 0) peers = (int)bench_arg_int(argv[i], v), i++;
     else {
       fprintf(stderr, "usage: rpc_scale [--worlds N,N,...] [--sim N,N,...] [--threads N] "
-              "[--stagger-ms MS]\n");
+              "[--stagger-ms MS] [--peers K]\n");
       return 2;
     }
   }
@@ -207,9 +215,9 @@ int main(int argc, char **argv) {
   for (int i = 0; i < nw; i++) {
     phase_times w = {0};
     double wall = 0, rss_max = 0, rss_sum = 0;
-    int failed = run_group(worlds[i], threads, &w, &wall, &rss_max, &rss_sum);
+    int failed = run_group(worlds[i], threads, peers, &w, &wall, &rss_max, &rss_sum);
     failures += failed != 0;
-    fprintf(stderr, "rpc_scale: %d processes: init %.2f s, all-to-all %.2f s, shutdown %.2f s, "
+    fprintf(stderr, "rpc_scale: %d processes: init %.2f s, round %.2f s, shutdown %.2f s, "
             "%.2f s from the first fork to the last exit; peak RSS %.0f MiB per worker at most, "
             "%.0f MiB summed%s (%d of %d finished init); per worker %.1f connections opened, "
             "%.1f peers reached on theirs\n", worlds[i], w.init_s, w.calls_s,
@@ -267,7 +275,7 @@ int main(int argc, char **argv) {
   }
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   printf("{\"bench\": \"rpc_scale\", \"config\": {\"threads\": %d, \"cpus\": %ld, "
-         "\"stagger_ms\": %d}, \"results\": {\"processes\": [%s], \"store_sim\": [%s]}}\n",
-         threads, cpus, stagger, procs, simj);
+         "\"stagger_ms\": %d, \"peers\": %d}, \"results\": {\"processes\": [%s], "
+         "\"store_sim\": [%s]}}\n", threads, cpus, stagger, peers, procs, simj);
   return failures ? 1 : 0;
 }

@@ -27,7 +27,7 @@
  * work and for the busy-poll window after it (the transport's adaptive window: off when the host
  * has more workers than CPUs), then sleeps: it reads the bell, sets "consumer sleeping" on every
  * ring it reads (and "producer waiting" on rings it waits to write), re-checks them, and waits on
- * the bell (futex, 100 ms at most). A producer publishes tail, fences, and rings the peer's bell
+ * the bell (futex, 100 ms at most after work, up to 1 s once idle: NAP_MS). A producer publishes tail, fences, and rings the peer's bell
  * (increment + FUTEX_WAKE) only when the flag is set: while both sides poll, a frame costs no
  * system call. A consumer does the same for a waiting producer after it frees room. Each pass
  * over the rings is bracketed by the burst callback, so the agent hands the pool what one pass
@@ -79,7 +79,14 @@
 #define JOIN_MAGIC 0x4a4c4454u /* "TDLJ": client -> server on the socket, with 2 fds */
 #define BELL_MAGIC 0x424c4454u /* "TDLB": server -> client, with 1 fd */
 #define RX_BUDGET (256u << 10) /* most bytes taken from one ring before looking at the others */
-#define SLEEP_MS 100
+/* How long the lane thread sleeps on its bell at most: 100 ms after it last found work, doubling
+ * with every sleep that timed out, up to 1 s. The bell wakes it for every frame; the timeout
+ * is there for what a wake-up cannot announce (hints a peer cleared, below) and, under
+ * ThreadSanitizer, a lost wake-up (FULL_FENCE), so there it stays at 100 ms. An idle worker's
+ * thread woke 10 times a second for nothing: 1,024 workers on 2 CPUs spent a fifth of their
+ * start-up's CPU on such wake-ups. */
+#define NAP_MS 100
+#define NAP_MAX_MS 1000
 /* The doorbell page: word 0 is the futex its lane thread sleeps on; word BELL_SLEEP (its own
  * cache line) is 1 while that thread sleeps with nobody polling for it, for every lane at once:
  * a producer that finds it set after publishing rings. (One word, not a flag per ring: a process
@@ -239,6 +246,7 @@ struct td__lanes {
                         * bit set for them before they were in the set was dropped */
   int nfresh, freshcap;
   uint64_t full_ns;    /* the last pass over every lane (rx_mu) */
+  int nap_ms;          /* the lane thread's next sleep at most (NAP_MS; lane thread) */
   int nqueued;         /* atomic: lanes with frames queued to send */
   int dialed_up;       /* atomic: dialled lanes up */
 };
@@ -1293,7 +1301,9 @@ static bool pass(td__lanes *ls, td__lane **drop) {
 
 static void idle_relax(unsigned *idle);
 
-static void lane_sleep(td__lanes *ls) {
+/* True when the sleep ran its full nap (nothing rang the bell). */
+static bool lane_sleep(td__lanes *ls) {
+  bool timed_out = false;
   pthread_mutex_lock(&ls->rx_mu);
   uint32_t v = __atomic_load_n(ls->bell, __ATOMIC_SEQ_CST);
   __atomic_store_n(&ls->sleeping, true, __ATOMIC_SEQ_CST);
@@ -1304,33 +1314,48 @@ static void lane_sleep(td__lanes *ls) {
   bool work = (!polled && has_work(ls)) || __atomic_load_n(&ls->stop, __ATOMIC_ACQUIRE);
   pthread_mutex_unlock(&ls->rx_mu);
   if (!work) {
-    struct timespec ts = {0, SLEEP_MS * 1000000L};
-    futex(ls->bell, FUTEX_WAIT, v, &ts);
+    int ms = __atomic_load_n(&ls->nap_ms, __ATOMIC_RELAXED);
+    if (ms <= 0) ms = NAP_MS;
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    timed_out = futex(ls->bell, FUTEX_WAIT, v, &ts) != 0 && errno == ETIMEDOUT;
   }
   __atomic_store_n(&ls->sleeping, false, __ATOMIC_SEQ_CST);
   pthread_mutex_lock(&ls->rx_mu);
   set_flags(ls, 0);
   pthread_mutex_unlock(&ls->rx_mu);
+  return timed_out;
 }
 
 static void *lane_main(void *arg) {
   td__lanes *ls = arg;
   uint64_t last = 0;
   unsigned idle = 0;
+  bool rung = false; /* woken by the bell rather than by the end of its nap */
+  __atomic_store_n(&ls->nap_ms, NAP_MS, __ATOMIC_RELAXED);
   while (!__atomic_load_n(&ls->stop, __ATOMIC_ACQUIRE)) {
     if (__atomic_load_n(&ls->waiters, __ATOMIC_ACQUIRE) > 0) {
       lane_sleep(ls); /* a waiting thread polls meanwhile */
       last = 0;
       continue;
     }
-    td__lane *drop = NULL;
+    td__lane *drop = NULL, *drop2 = NULL;
     pthread_mutex_lock(&ls->rx_mu);
+    uint32_t set_gen = ls->set_gen;
     bool busy = pass(ls, &drop);
+    if (!busy && rung && ls->hints && ls->set_gen == set_gen) {
+      /* rung, and no hint said for what: a peer may have cleared its bit (peers can clear any),
+       * so every lane is read now rather than at the next full pass, a nap away */
+      ls->full_ns = 0;
+      busy = pass(ls, &drop2);
+    }
     pthread_mutex_unlock(&ls->rx_mu);
     release_drops(drop);
+    release_drops(drop2);
+    rung = false;
     if (busy) {
       idle = 0;
       last = 0;
+      __atomic_store_n(&ls->nap_ms, NAP_MS, __ATOMIC_RELAXED);
       continue;
     }
     uint64_t spin = (uint64_t)__atomic_load_n(&ls->spin_ns, __ATOMIC_RELAXED);
@@ -1340,7 +1365,14 @@ static void *lane_main(void *arg) {
       idle_relax(&idle); /* a runnable thread on this CPU goes first now and then */
       continue;
     }
-    lane_sleep(ls);
+    if (!lane_sleep(ls)) {
+      rung = true;
+    } else {
+#ifndef LANE_TSAN
+      int nap = __atomic_load_n(&ls->nap_ms, __ATOMIC_RELAXED); /* nothing came for a whole nap */
+      __atomic_store_n(&ls->nap_ms, nap * 2 < NAP_MAX_MS ? nap * 2 : NAP_MAX_MS, __ATOMIC_RELAXED);
+#endif
+    }
     last = 0;
   }
   return NULL;
@@ -1428,6 +1460,13 @@ bool td__lanes_can_dial(td__lanes *ls, int rank) {
 
 bool td__lanes_by_hints(td__lanes *ls) {
   return ls && __atomic_load_n(&ls->bell[BELL_HINTS_ON], __ATOMIC_ACQUIRE) != 0;
+}
+
+int td__lanes_nap_ms(td__lanes *ls) { return ls ? __atomic_load_n(&ls->nap_ms, __ATOMIC_RELAXED) : 0; }
+
+void td__lanes_test_clear_hints(td__lanes *ls) {
+  uint64_t *h = hint_words(ls->bell);
+  for (unsigned w = 0; w < HINT_WORDS; w++) __atomic_store_n(&h[w], 0, __ATOMIC_SEQ_CST);
 }
 
 int td__lanes_dialed(const td__lanes *ls) {
@@ -1829,12 +1868,31 @@ static void dial_sweep(td__lanes *ls, uint64_t now) {
   }
 }
 
+#define SWEEP_NS 200000000ull /* the socket thread's sweeps, at most this often */
+
+/* How long the socket thread may wait for an event: 250 ms while handshakes are under way (their
+ * deadlines are swept), else until the next keepalive round is due, 1 s at most (new handshakes
+ * and dialled lanes wake it through their sockets and wake_fd). It waited 250 ms at most in
+ * every case: 4 wake-ups a second in every idle worker. */
+static int sock_timeout_ms(td__lanes *ls, uint64_t swept) {
+  if (ls->hs) return 250;
+  int64_t ms = 1000;
+  if (ls->ka_ns > 0) {
+    uint64_t due = ls->ka_round_ns + (uint64_t)ls->ka_ns / 2, sweep = swept + SWEEP_NS + 1;
+    if (due < sweep) due = sweep; /* (rounds run from the sweep) */
+    uint64_t now = td__now_ns();
+    int64_t left = due > now ? (int64_t)((due - now) / 1000000) + 1 : 1;
+    if (left < ms) ms = left;
+  }
+  return (int)ms;
+}
+
 static void *sock_main(void *arg) {
   td__lanes *ls = arg;
   struct epoll_event ev[64];
   uint64_t swept = td__now_ns();
   while (!__atomic_load_n(&ls->sock_stop, __ATOMIC_ACQUIRE)) {
-    int n = epoll_wait(ls->ep, ev, 64, 250);
+    int n = epoll_wait(ls->ep, ev, 64, sock_timeout_ms(ls, swept));
     pthread_mutex_lock(&ls->mu);
     td__lane *q = ls->dialq;
     ls->dialq = NULL;
@@ -1864,7 +1922,7 @@ static void *sock_main(void *arg) {
       }
     }
     uint64_t now = td__now_ns();
-    if (now - swept > 200000000ull) {
+    if (now - swept > SWEEP_NS) {
       dial_sweep(ls, now);
       swept = now;
     }

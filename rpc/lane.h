@@ -127,6 +127,11 @@ bool td__lanes_can_dial(td__lanes *ls, int rank);
 int td__lanes_dialed(const td__lanes *ls);
 /* Whether the lane thread reads by hints now (more than 64 lanes; tests). */
 bool td__lanes_by_hints(td__lanes *ls);
+/* The lane thread's next sleep at most, ms: 100 after work, doubling while idle up to 1,000
+ * (100 under ThreadSanitizer; tests). */
+int td__lanes_nap_ms(td__lanes *ls);
+/* Clears every hint bit of ls's doorbell, as a peer may (tests). */
+void td__lanes_test_clear_hints(td__lanes *ls);
 /* Whether rank has a known process on this host (a lane may be asked for). */
 bool td__lanes_knows(td__lanes *ls, int rank);
 /* Closes the connections strangers left on the socket (poller, about once a second). */

@@ -6,6 +6,7 @@
  */
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -596,6 +597,85 @@ static void test_lane_dial_many_by_hints(void **state) {
   td__lanes_destroy(srv);
 }
 
+#if defined(__SANITIZE_THREAD__)
+#define TEST_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define TEST_TSAN 1
+#endif
+#endif
+
+typedef struct hint_clearer {
+  td__lanes *ls;
+  int stop; /* atomic */
+} hint_clearer;
+
+static void *clear_hints_main(void *arg) {
+  hint_clearer *c = arg;
+  while (!__atomic_load_n(&c->stop, __ATOMIC_ACQUIRE)) {
+    td__lanes_test_clear_hints(c->ls);
+    sched_yield();
+  }
+  return NULL;
+}
+
+/* An idle lane thread sleeps longer and longer, up to 1 s (an idle worker no longer wakes 10
+ * times a second), and the next frame still wakes it at once. A peer that keeps clearing the
+ * hint bits (any peer can) gets no frame left to the next full pass: a ring of the bell that
+ * finds no bit set makes the thread read every lane. Removing that makes each frame whose bit
+ * was cleared wait a nap (100 ms or more): 100 round trips then take seconds. */
+static void test_lane_idle_naps_and_cleared_hints(void **state) {
+  (void)state;
+  const char *secret = "a job secret of the group, long enough";
+  dial_watch ds = {.w = {.mu = PTHREAD_MUTEX_INITIALIZER}, .s = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+  dial_watch dc = {.w = {.mu = PTHREAD_MUTEX_INITIALIZER}, .s = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+  td__lanes *srv = dial_lanes(&ds, 1, secret, 20000, 0), *cli = dial_lanes(&dc, 0, secret, 20000, 0);
+  enum { L = 72 };
+  td__lane *cl[L];
+  for (int i = 0; i < L; i++) cl[i] = dial_send(cli, &dc, 0, 0);
+  POLL(td__lanes_dialed(srv) == L && td__lanes_dialed(cli) == L);
+  assert_int_equal(td__lanes_dialed(srv), L);
+  POLL(td__lanes_by_hints(srv) && td__lanes_by_hints(cli));
+  assert_true(td__lanes_by_hints(srv));
+#ifdef TEST_TSAN
+  assert_int_equal(td__lanes_nap_ms(srv), 100); /* (a lost wake-up costs a nap there) */
+#else
+  POLL(td__lanes_nap_ms(srv) == 1000);
+  assert_int_equal(td__lanes_nap_ms(srv), 1000);
+#endif
+  td__frame f = {0};
+  encode(1, 0, &f);
+  td__lane_msg m = {.head = f.head, .head_len = f.head_len};
+  TD_ASSERT_OK(td__lane_send(cl[L / 2], &m));
+  POLL(sink_count(&ds.s) == 1);
+  assert_int_equal(sink_count(&ds.s), 1);
+  hint_clearer hc = {.ls = srv};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, clear_hints_main, &hc), 0);
+  double t0 = td_test_now_s();
+  for (int i = 0; i < 100; i++) {
+    encode(1000 + (uint64_t)i, 0, &f);
+    td__lane_msg q = {.head = f.head, .head_len = f.head_len};
+    TD_ASSERT_OK(td__lane_send(cl[L / 2], &q));
+    for (int k = 0; k < 2000000 && sink_count(&ds.s) < 2 + i; k++) usleep(20);
+    encode(5000 + (uint64_t)i, 0, &f);
+    td__lane_msg b = {.head = f.head, .head_len = f.head_len};
+    TD_ASSERT_OK(td__lane_send(ds.accepted[0], &b));
+    for (int k = 0; k < 2000000 && sink_count(&dc.s) < 1 + i; k++) usleep(20);
+  }
+  double el = td_test_now_s() - t0;
+  __atomic_store_n(&hc.stop, 1, __ATOMIC_RELEASE);
+  pthread_join(th, NULL);
+  fprintf(stderr, "100 round trips with the server's hints cleared: %.3f s\n", el);
+  assert_int_equal(sink_count(&ds.s), 101);
+  assert_int_equal(sink_count(&dc.s), 100);
+  assert_true(el < 3.0);
+  for (int i = 0; i < L; i++) td__lane_unref(cl[i]);
+  for (int i = 0; i < ds.naccepted; i++) td__lane_unref(ds.accepted[i]);
+  td__lanes_destroy(cli);
+  td__lanes_destroy(srv);
+}
+
 /* ---- an established lane ---- */
 
 static void test_lane_frames_then_corrupt_ring(void **state) {
@@ -676,6 +756,7 @@ int main(void) {
       cmocka_unit_test(test_lane_frames_then_corrupt_ring),
       cmocka_unit_test(test_lane_dial),
       cmocka_unit_test(test_lane_dial_many_by_hints),
+      cmocka_unit_test(test_lane_idle_naps_and_cleared_hints),
   };
   return cmocka_run_group_tests_name("lane", tests, NULL, NULL);
 }
