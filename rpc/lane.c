@@ -1772,18 +1772,29 @@ static void dial_event(td__lanes *ls, td__lane *l, uint32_t events) {
       if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) &&
           !(events & (EPOLLHUP | EPOLLRDHUP | EPOLLERR)))
         return;
-      bool bad = false;
-      for (ssize_t i = 0; i < got && !bad; i++) {
-        if (b[i] == KA_PING) bad = send(l->sock, &(uint8_t){KA_PONG}, 1, MSG_DONTWAIT | MSG_NOSIGNAL) != 1;
-        else if (b[i] == KA_PONG) l->ping_ns = 0;
-        else bad = true;
+      const char *bad = NULL;
+      bool gone = false;
+      for (ssize_t i = 0; i < got && !bad && !gone; i++) {
+        if (b[i] == KA_PING) {
+          if (send(l->sock, &(uint8_t){KA_PONG}, 1, MSG_DONTWAIT | MSG_NOSIGNAL) == 1) continue;
+          /* a peer that pinged and then closed the lane is gone, not misbehaving (1,024 workers
+           * shutting down logged 17,802 of these as "unexpected bytes") */
+          if (errno == EAGAIN || errno == EWOULDBLOCK)
+            bad = "the peer does not read the answers to its keepalive pings";
+          else
+            gone = true;
+        } else if (b[i] == KA_PONG) {
+          l->ping_ns = 0;
+        } else {
+          bad = "unexpected bytes on the lane's socket";
+        }
       }
-      if (got > 0 && !bad) {
+      if (got > 0 && !bad && !gone) {
         events = 0;
         continue; /* more may be there */
       }
       if (bad) {
-        lane_fail(l, "unexpected bytes on the lane's socket");
+        lane_fail(l, bad);
       } else {
         __atomic_store_n(&l->eof, true, __ATOMIC_RELEASE);
         hint_self(l); /* the lane thread reads what is left, then closes it */
