@@ -106,7 +106,9 @@ int td_rpc_rank(const td_rpc_agent *a) { return a ? a->rank : -1; }
 int td_rpc_world_size(const td_rpc_agent *a) { return a ? a->world : 0; }
 int td_rpc_initial_world_size(const td_rpc_agent *a) { return a ? a->world0 : 0; }
 int64_t td_rpc_busy_poll_us(const td_rpc_agent *a) { return a ? a->busy_poll_us : 0; }
-int td_rpc_direct_copy_peers(const td_rpc_agent *a) { return a ? a->direct_peers : 0; }
+int td_rpc_direct_copy_peers(const td_rpc_agent *a) {
+  return a && a->tr ? td__transport_direct_readers(a->tr) : 0;
+}
 int td_rpc_shm_lanes(const td_rpc_agent *a) {
   return a && a->tr ? td__transport_lanes_up(a->tr) : 0;
 }

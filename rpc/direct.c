@@ -5,13 +5,17 @@
  * both run on one host: one copy instead of socket write + read + decode copy, and no HTTP/2
  * framing or flow control. At init every worker publishes direct/<r> = its same-host record
  * (core/samehost.h: pid, nonce and its address, boot id, pid namespace, advertised host; "-" when
- * disabled, the probe the collectives' shared memory uses too); each probes the peers on its host
- * (same host, boot id and pid namespace) by reading their nonce from their memory, accepts
- * direct-copy frames from those it
- * could read, and publishes directok/<r> (those ranks, as ranges) with its ready count; after
- * the ready barrier each learns which peers can read it. Reading another process's memory needs the same user and no
- * ptrace restriction (Yama scope 0, or 1 for a descendant): where the probe fails the peer simply
- * gets the stream.
+ * disabled, the probe the collectives' shared memory uses too). Where this process dials lanes
+ * (the default), each pair on one host settles direct copy when it meets: in the dialled lane's
+ * handshake each side, once the other proved itself, reads its nonce from its memory and says
+ * whether it could (rpc/lane.h; td__transport_direct_lazily), so a worker probes the peers it
+ * meets. Otherwise every worker probes the peers on its host (same host, boot id and pid
+ * namespace) at init, accepts direct-copy frames from those it could read, and publishes
+ * directok/<r> (those ranks, as ranges) with its ready count; after the ready barrier each
+ * learns which peers can read it. (Probing every peer at init made 1,024 workers on one host
+ * spend a sixth of their start-up's CPU on it.) Reading another process's memory needs the same
+ * user and no ptrace restriction (Yama scope 0, or 1 for a descendant): where the probe fails
+ * the peer simply gets the stream or the lane's ring.
  *
  * THREAD SAFETY: the probe runs on the thread in td_rpc_init; the reader on the network thread;
  * a td__direct_acks belongs to its stream and is used under the stream's lock.
@@ -248,15 +252,16 @@ static bool ranks_has(const char *s, int rank) {
  * the kernel forbids cross-memory reads), but when r is readable the pid is also the one direct
  * copy verified. */
 td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
-  a->direct_cand = td__calloc((size_t)a->world, sizeof *a->direct_cand);
-  int *pids = td__calloc((size_t)a->world, sizeof *pids);
-  int *lane_pids = td__calloc((size_t)a->world, sizeof *lane_pids);
-  uint64_t *lane_nonces = td__calloc((size_t)a->world, sizeof *lane_nonces);
-  if (!a->direct_cand || !pids || !lane_pids || !lane_nonces) {
-    td__free(pids);
-    td__free(lane_pids);
-    td__free(lane_nonces);
-    return td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+  size_t w = (size_t)a->world;
+  a->direct_cand = td__calloc(w, sizeof *a->direct_cand);
+  int *pids = td__calloc(w, sizeof *pids);      /* direct copy: the candidates' processes */
+  uint64_t *addrs = td__calloc(w, sizeof *addrs), *nonces = td__calloc(w, sizeof *nonces);
+  int *lane_pids = td__calloc(w, sizeof *lane_pids);
+  uint64_t *lane_nonces = td__calloc(w, sizeof *lane_nonces);
+  td_status st = TD_OK;
+  if (!a->direct_cand || !pids || !addrs || !nonces || !lane_pids || !lane_nonces) {
+    st = td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
+    goto out;
   }
   td__host_rec me = {0};
   if (a->direct_on || a->lane_on) {
@@ -270,7 +275,7 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
   bool share = a->direct_on || a->lane_on;
   char **recs = NULL;
   size_t *lens = NULL;
-  td_status st = share ? td__rdv_read_all(a, "direct/", deadline, &recs, &lens) : TD_OK;
+  st = share ? td__rdv_read_all(a, "direct/", deadline, &recs, &lens) : TD_OK;
   for (int r = 0; share && st == TD_OK && r < a->world0; r++) { /* (joiners: gRPC only) */
     td__host_rec peer;
     if (r == a->rank || !td__samehost_parse(recs[r], &peer) || !td__samehost_same(&me, &peer))
@@ -279,20 +284,37 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
       lane_pids[r] = peer.pid;
       lane_nonces[r] = peer.nonce; /* names its dial socket */
     }
-    if (a->direct_on && td__samehost_readable(&peer)) {
-      a->direct_cand[r] = true;
-      pids[r] = peer.pid; /* only rank r, on its authenticated stream, may name it */
+    if (a->direct_on) { /* only rank r, on its authenticated stream, may name it */
+      pids[r] = peer.pid;
+      addrs[r] = peer.addr;
+      nonces[r] = peer.nonce;
     }
   }
   td__rdv_free_all(a, recs, lens);
-  if (st == TD_OK) st = td__transport_allow_direct(a->tr, pids, a->world);
   if (st == TD_OK && a->lane_on)
     st = td__transport_allow_lane(a->tr, lane_pids, a->lane_dial ? lane_nonces : NULL,
                                   a->direct_nonce, a->world);
+  if (st != TD_OK) goto out;
+  if (a->direct_on && a->lane_dial && td__transport_dialing(a->tr)) {
+    /* each pair settles it when it meets, in its dialled lane's handshake: a worker probes the
+     * peers it calls or is called by, not every process on its host (1,024 workers on one host
+     * spent a sixth of their start-up's CPU probing each other and reading the answers) */
+    st = td__transport_direct_lazily(a->tr, pids, addrs, nonces, a->world);
+  } else {
+    for (int r = 0; r < a->world; r++) {
+      td__host_rec peer = {.pid = pids[r], .addr = addrs[r], .nonce = nonces[r]};
+      if (pids[r] > 0 && td__samehost_readable(&peer)) a->direct_cand[r] = true;
+      else pids[r] = 0;
+    }
+    st = td__transport_allow_direct(a->tr, pids, a->world);
+  }
+  if (st == TD_OK) st = ranks_encode(a->direct_cand, a->world, &a->direct_ok);
+out:
+  td__free(pids);
+  td__free(addrs);
+  td__free(nonces);
   td__free(lane_pids);
   td__free(lane_nonces);
-  if (st == TD_OK) st = ranks_encode(a->direct_cand, a->world, &a->direct_ok);
-  td__free(pids);
   return st;
 }
 

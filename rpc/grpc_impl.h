@@ -181,17 +181,26 @@ enum {
   AUTH_FAILED,
 };
 
-/* Same-host direct copy, each part set once at init (published with release, read with
- * acquire, freed with the transport). */
+/* Same-host direct copy, each table published once at init (with release, read with acquire,
+ * freed with the transport); with direct_lazy, its entries are set later, each once, by the
+ * dialled lanes' handshakes (atomic stores and loads). */
 typedef struct direct_from {
   int world;
-  int pid_of[]; /* [rank]: the process of that member we may read from (verified at init), 0 */
+  int pid_of[]; /* [rank]: the process of that member we may read from (verified), 0 */
 } direct_from;
 
 typedef struct direct_to {
   int world;
   bool to[]; /* to[rank]: that peer reads our direct-copy frames */
 } direct_to;
+
+typedef struct direct_lazy {
+  int world;
+  struct {
+    int pid;
+    uint64_t addr, nonce;
+  } rec[]; /* [rank]: what to probe (the peer's same-host record); pid 0: not on this host */
+} direct_lazy;
 
 /* Refused connection attempts: counted, and logged at most once a minute per remote host. */
 #define TD__REFUSAL_HOSTS 32
@@ -243,6 +252,8 @@ struct td__transport {
   int64_t busy_poll_ns; /* atomic; 0 = block at once */
   direct_from *direct_from; /* atomic pointers; NULL = none */
   direct_to *direct_to;
+  direct_lazy *direct_lazy;
+  int direct_readers; /* atomic: entries of direct_to set */
   int self_pid;
   /* authentication and bounds (auth.h, grpc_stream.c) */
   td__auth insecure;      /* used when opts.auth is NULL */

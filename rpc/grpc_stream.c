@@ -117,13 +117,14 @@ static void bulk_task(void *arg);
 static void recv_finished(td__conn *c, td_status st);
 
 /* A direct-copy frame is honoured only from the authenticated member of this stream, naming its
- * own process as verified at init: nobody can make us read a third process's memory. */
+ * own process as verified (at init, or in a dialled lane's handshake): nobody can make us read
+ * a third process's memory. */
 static bool direct_allowed(void *ud, int pid) {
   td__conn *c = ud;
   direct_from *d = __atomic_load_n(&c->t->direct_from, __ATOMIC_ACQUIRE);
   int peer = td__conn_peer(c);
   return d && c->auth == AUTH_DONE && peer >= 0 && peer < d->world && pid > 0 &&
-         d->pid_of[peer] == pid;
+         __atomic_load_n(&d->pid_of[peer], __ATOMIC_ACQUIRE) == pid;
 }
 
 
@@ -374,7 +375,8 @@ td_status td__conn_send(td__conn *c, td__frame *f) {
   /* same host: the peer copies the tensors out of our memory; they stay alive until its ack */
   direct_to *dc = __atomic_load_n(&c->t->direct_to, __ATOMIC_ACQUIRE);
   int peer = td__conn_peer(c);
-  if (dc && peer >= 0 && peer < dc->world && dc->to[peer] && f->ntensors > 0 &&
+  if (dc && peer >= 0 && peer < dc->world && __atomic_load_n(&dc->to[peer], __ATOMIC_ACQUIRE) &&
+      f->ntensors > 0 &&
       f->payload_len >= (lane ? c->t->opts.lane_direct_min : TD__DIRECT_MIN_BYTES)) {
     uint8_t *desc = NULL;
     size_t dl = 0;

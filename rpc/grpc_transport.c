@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "grpc_impl.h"
+#include "../core/samehost.h"
 #include "tdist/rpc.h"
 
 /* ---- helpers ---- */
@@ -598,7 +599,7 @@ td_status td__transport_allow_direct(td__transport *t, const int *pid_of, int wo
   direct_from *d = td__malloc(sizeof *d + (size_t)(world > 0 ? world : 1) * sizeof(int));
   if (!d) return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
   d->world = world;
-  if (world) memcpy(d->pid_of, pid_of, (size_t)world * sizeof(int));
+  if (world > 0) memcpy(d->pid_of, pid_of, (size_t)world * sizeof(int));
   return publish_once((void **)&t->direct_from, d);
 }
 
@@ -606,8 +607,70 @@ td_status td__transport_direct_to(td__transport *t, const bool *to, int world) {
   direct_to *d = td__malloc(sizeof *d + (size_t)(world > 0 ? world : 1) * sizeof(bool));
   if (!d) return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
   d->world = world;
-  if (world) memcpy(d->to, to, (size_t)world * sizeof(bool));
-  return publish_once((void **)&t->direct_to, d);
+  if (world > 0) memcpy(d->to, to, (size_t)world * sizeof(bool));
+  int n = 0;
+  for (int r = 0; r < world; r++) n += to[r];
+  TD_TRY(publish_once((void **)&t->direct_to, d));
+  __atomic_store_n(&t->direct_readers, n, __ATOMIC_RELAXED);
+  return TD_OK;
+}
+
+td_status td__transport_direct_lazily(td__transport *t, const int *pid_of, const uint64_t *addr_of,
+                                      const uint64_t *nonce_of, int world) {
+  direct_lazy *z = td__calloc(1, sizeof *z + (size_t)(world > 0 ? world : 1) * sizeof z->rec[0]);
+  int *none = td__calloc((size_t)(world > 0 ? world : 1), sizeof *none);
+  bool *no = td__calloc((size_t)(world > 0 ? world : 1), sizeof *no);
+  if (!z || !none || !no) {
+    td__free(z);
+    td__free(none);
+    td__free(no);
+    return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
+  }
+  z->world = world;
+  for (int r = 0; r < world; r++) {
+    z->rec[r].pid = pid_of[r];
+    z->rec[r].addr = addr_of[r];
+    z->rec[r].nonce = nonce_of[r];
+  }
+  td_status st = td__transport_allow_direct(t, none, world);
+  if (st == TD_OK) st = td__transport_direct_to(t, no, world);
+  if (st == TD_OK) st = publish_once((void **)&t->direct_lazy, z);
+  else td__free(z);
+  td__free(none);
+  td__free(no);
+  return st;
+}
+
+bool td__transport_dialing(td__transport *t) { return td__lanes_dialing(t->lanes); }
+
+int td__transport_direct_readers(td__transport *t) {
+  return t ? __atomic_load_n(&t->direct_readers, __ATOMIC_RELAXED) : 0;
+}
+
+/* A dialled lane's handshake (lane.h, probe): whether we read rank's memory; when we do, its
+ * direct-copy frames are accepted from now on (the pid is the one its record named, which the
+ * lane's socket was checked against). */
+static bool lane_probe(void *tp, int rank) {
+  td__transport *t = tp;
+  direct_lazy *z = __atomic_load_n(&t->direct_lazy, __ATOMIC_ACQUIRE);
+  direct_from *d = __atomic_load_n(&t->direct_from, __ATOMIC_ACQUIRE);
+  if (!z || !d || rank < 0 || rank >= z->world || rank >= d->world || z->rec[rank].pid <= 0)
+    return false;
+  td__host_rec h = {.pid = z->rec[rank].pid, .addr = z->rec[rank].addr,
+                    .nonce = z->rec[rank].nonce};
+  if (!td__samehost_readable(&h)) return false;
+  __atomic_store_n(&d->pid_of[rank], h.pid, __ATOMIC_RELEASE);
+  return true;
+}
+
+/* ... and the peer says it reads ours: direct-copy frames may go to it. */
+static void lane_peer_reads(void *tp, int rank) {
+  td__transport *t = tp;
+  direct_to *d = __atomic_load_n(&t->direct_to, __ATOMIC_ACQUIRE);
+  if (!__atomic_load_n(&t->direct_lazy, __ATOMIC_ACQUIRE) || !d || rank < 0 || rank >= d->world)
+    return;
+  if (!__atomic_exchange_n(&d->to[rank], true, __ATOMIC_ACQ_REL))
+    __atomic_add_fetch(&t->direct_readers, 1, __ATOMIC_RELAXED);
 }
 
 void td__transport_set_self_rank(td__transport *t, int rank) {
@@ -777,7 +840,7 @@ td_status td__transport_create(const td__transport_opts *o, const td__transport_
   if (o->lane) {
     td__lanes_opts lo = {lane_refused, td__grpc_lane_failed, td__grpc_lane_release,
                          td__grpc_lane_offload, t, lane_burst, td__grpc_lane_dialed,
-                         td__grpc_lane_ended};
+                         td__grpc_lane_ended, lane_probe, lane_peer_reads};
     if (td__lanes_create(&lo, &t->lanes) != TD_OK) {
       td_log(TD_LOG_DEBUG, "rpc transport: no same-host lanes: %s", td_last_error());
       t->lanes = NULL;
@@ -897,6 +960,7 @@ void td__transport_destroy(td__transport *t) {
   td__free(t->host);
   td__free(t->direct_from);
   td__free(t->direct_to);
+  td__free(t->direct_lazy);
   td__free(t->rev_idx);
   td__lanes_destroy(t->lanes);
   pthread_mutex_destroy(&t->refusals.mu);

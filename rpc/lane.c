@@ -125,7 +125,8 @@ _Static_assert(RING_OFF + 2u * (size_t)TD__LANE_RING <= MAP_BYTES, "the rings fi
 enum { L_OFFERED = 1, L_JOINED, L_ACCEPTED, L_CLOSED, L_DIALING };
 /* A dialled lane's handshake (socket thread): what it waits for. */
 enum { D_NONE = 0, D_C_CHALLENGE, D_C_BELL, D_S_HELLO, D_S_PROOF, D_UP };
-#define DIAL_BELL_MAGIC 0x44424c54u /* "TLBD": server -> client, with its doorbell */
+#define DIAL_BELL_MAGIC 0x32424c54u /* "TLB2": server -> client, with its doorbell and whether it
+                                    * reads the client's memory ("TLBD": before that byte) */
 #define KA_PING 0x70 /* keepalive on an up lane's socket: one byte, answered by the other */
 #define KA_PONG 0x71
 
@@ -894,9 +895,10 @@ static td__lane *offered_to(td__lanes *ls, int pid) {
 }
 
 /* take_lane maps a peer's lane (fds[0]) and doorbell (fds[1]), checks the lane's magic and answers
- * on sock with our doorbell under magic (the server's last step of both set-ups). NULL when done
- * (*map, *bell mapped), else why (nothing stays mapped). */
-static const char *take_lane(td__lanes *ls, int sock, const int *fds, uint32_t magic,
+ * on sock with our doorbell under magic (the server's last step of both set-ups), followed for a
+ * dialled lane by one byte, reads (0 or 1: whether we read the peer's memory; -1: no byte). NULL
+ * when done (*map, *bell mapped), else why (nothing stays mapped). */
+static const char *take_lane(td__lanes *ls, int sock, const int *fds, uint32_t magic, int reads,
                              uint8_t **map, uint8_t **bell) {
   const char *why = NULL;
   *bell = NULL;
@@ -904,8 +906,14 @@ static const char *take_lane(td__lanes *ls, int sock, const int *fds, uint32_t m
   if (!why) *bell = map_received(fds[1], BELL_BYTES, &why);
   if (!why && memcmp(((lane_hdr *)*map)->magic, LANE_MAGIC, sizeof LANE_MAGIC) != 0)
     why = "not a lane";
-  if (!why && !send_with_fds(sock, magic, NULL, &ls->bell_fd, 1))
-    why = "cannot answer the hand-over";
+  if (!why) {
+    /* the answer: magic, then (a dialled lane) whether we read the peer's memory, 0 or 1 */
+    uint8_t msg[5];
+    td__put_u32(msg, magic);
+    msg[4] = (uint8_t)(reads > 0);
+    if (!send_fds(sock, msg, reads < 0 ? 4 : 5, &ls->bell_fd, 1))
+      why = "cannot answer the hand-over";
+  }
   if (why) {
     if (*map) munmap(*map, MAP_BYTES);
     if (*bell) munmap(*bell, BELL_BYTES);
@@ -929,7 +937,7 @@ static bool take_handover(td__lanes *ls, td__lane *l) {
   if (n != 2 || td__get_u32(buf) != JOIN_MAGIC) why = "malformed lane hand-over";
   else if (!secret_eq(buf + 4, l->secret)) why = "wrong lane secret";
   uint8_t *map = NULL, *bell = NULL;
-  if (!why) why = take_lane(ls, l->sock, fds, BELL_MAGIC, &map, &bell);
+  if (!why) why = take_lane(ls, l->sock, fds, BELL_MAGIC, -1, &map, &bell);
   for (int i = 0; i < n; i++) close(fds[i]);
   close(l->sock);
   l->sock = -1;
@@ -1451,6 +1459,10 @@ static const char *pid_name(td__lanes *ls, int rank, char *buf, size_t n) {
   return buf;
 }
 
+bool td__lanes_dialing(const td__lanes *ls) {
+  return ls && __atomic_load_n(&ls->sock_started, __ATOMIC_ACQUIRE);
+}
+
 bool td__lanes_can_dial(td__lanes *ls, int rank) {
   char name[64];
   return ls && __atomic_load_n(&ls->sock_started, __ATOMIC_ACQUIRE) && rank != ls->self_rank &&
@@ -1689,10 +1701,12 @@ static const char *dial_server_proof(td__lanes *ls, td__lane *l) {
   take_fds(l, fds, &n);
   const char *why = NULL;
   uint8_t *map = NULL, *bell = NULL;
+  uint8_t reads_us = l->in[TD__HS_PROOF_LEN]; /* the client reads our memory: 0 or 1 */
   if (td__hs_server_proof(&l->hs, l->in, TD__HS_PROOF_LEN, &rank) != TD_OK) why = td_last_error();
   else if (pid_for(ls, rank) != peer_pid(l->sock)) why = "the socket's process is not the rank's";
-  else if (n != 2) why = "malformed lane hand-over";
-  if (!why) why = take_lane(ls, l->sock, fds, DIAL_BELL_MAGIC, &map, &bell);
+  else if (n != 2 || reads_us > 1) why = "malformed lane hand-over";
+  bool we_read = !why && ls->o.probe && ls->o.probe(ls->o.refused_ud, rank);
+  if (!why) why = take_lane(ls, l->sock, fds, DIAL_BELL_MAGIC, we_read, &map, &bell);
   for (int i = 0; i < n; i++) close(fds[i]);
   td__decoder *dec = NULL;
   void *ud = NULL;
@@ -1703,6 +1717,7 @@ static const char *dial_server_proof(td__lanes *ls, td__lane *l) {
     if (bell) munmap(bell, BELL_BYTES);
     return why;
   }
+  if (reads_us && ls->o.peer_reads) ls->o.peer_reads(ls->o.refused_ud, rank);
   l->peer = rank;
   l->map = map;
   l->peer_bell = (uint32_t *)bell;
@@ -1722,10 +1737,11 @@ static const char *dial_server_proof(td__lanes *ls, td__lane *l) {
 
 /* Client: the server's CHALLENGE came: PROOF, with the lane and our doorbell. */
 static const char *dial_client_challenge(td__lanes *ls, td__lane *l) {
-  uint8_t proof[TD__HS_PROOF_LEN];
+  uint8_t proof[TD__HS_PROOF_LEN + 1]; /* the proof, then whether we read the server's memory */
   if (l->ninfd != 1) return "unexpected descriptors from the server";
   if (td__hs_client_challenge(&l->hs, l->in, TD__HS_CHALLENGE_LEN, proof) != TD_OK)
     return td_last_error();
+  proof[TD__HS_PROOF_LEN] = ls->o.probe && ls->o.probe(ls->o.refused_ud, l->peer) ? 1 : 0;
   int fds[2] = {l->infd[0], ls->bell_fd};
   if (!send_fds(l->sock, proof, sizeof proof, fds, 2)) return "cannot send the PROOF";
   close(l->infd[0]);
@@ -1739,10 +1755,12 @@ static const char *dial_client_bell(td__lanes *ls, td__lane *l) {
   take_fds(l, fds, &n);
   const char *why = NULL;
   uint8_t *bell = NULL;
-  if (n != 1 || td__get_u32(l->in) != DIAL_BELL_MAGIC) why = "no doorbell came with the answer";
+  if (n != 1 || td__get_u32(l->in) != DIAL_BELL_MAGIC || l->in[4] > 1)
+    why = "no doorbell came with the answer";
   else bell = map_received(fds[0], BELL_BYTES, &why);
   for (int i = 0; i < n; i++) close(fds[i]);
   if (why) return why;
+  if (l->in[4] && ls->o.peer_reads) ls->o.peer_reads(ls->o.refused_ud, l->peer);
   __atomic_store_n(&l->peer_bell, (uint32_t *)bell, __ATOMIC_RELEASE);
   __atomic_store_n(&l->dial, D_UP, __ATOMIC_RELEASE);
   __atomic_store_n(&l->state, L_ACCEPTED, __ATOMIC_RELEASE);
@@ -1763,8 +1781,8 @@ static void dial_event(td__lanes *ls, td__lane *l, uint32_t events) {
     int d = l->dial;
     size_t want = d == D_S_HELLO ? TD__HS_HELLO_LEN
                   : d == D_C_CHALLENGE ? TD__HS_CHALLENGE_LEN
-                  : d == D_S_PROOF ? TD__HS_PROOF_LEN
-                  : d == D_C_BELL ? 4 : 1;
+                  : d == D_S_PROOF ? TD__HS_PROOF_LEN + 1
+                  : d == D_C_BELL ? 5 : 1;
     if (d == D_UP) {
       /* once the lane is up the socket carries keepalive pings and pongs, then its end */
       uint8_t b[64];

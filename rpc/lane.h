@@ -27,8 +27,10 @@
  * derived for this purpose:
  *   client: HELLO (48 B)                 - socket peer checked: the verified pid of the rank
  *   server: CHALLENGE (76 B)             - only from a member's pid; rank's pid checked
- *   client: PROOF (40 B) + lane memfd + its doorbell
- *   server: BELL (4 B) + its doorbell    - the lane is up on both sides
+ *   client: PROOF (40 B) + 1 B + lane memfd + its doorbell
+ *   server: BELL (4 B) + 1 B + its doorbell - the lane is up on both sides
+ * The byte after PROOF and BELL says whether the sender reads the other's memory (its probe,
+ * opts.probe, once the other proved itself): the pair settles same-host direct copy there.
  * The client writes frames into its ring from the start (the server reads them only once the
  * client proved itself; the memfd reaches the server only after the server proved itself). The
  * socket stays open while the lane lives: its end (the peer exited, or closed the lane) is the
@@ -99,6 +101,14 @@ typedef struct td__lanes_opts {
   /* A dialled lane ended (closed by either side, its peer gone, its handshake failed): called
    * once, just before release, with the reason. Any thread but one holding a lane lock. */
   void (*ended)(void *ud, const char *why);
+  /* Dialled lanes and same-host direct copy (optional; socket thread; called with refused_ud).
+   * Once the peer proved itself in a lane's handshake, probe(rank) says whether this process
+   * reads that rank's memory (the transport then takes its direct-copy frames); the answer
+   * goes to the peer with the handshake's next message (the client's PROOF, the server's
+   * doorbell), and peer_reads(rank) tells this side that the peer reads its memory
+   * (direct-copy frames may go to it). Both before the lane carries frames of its side. */
+  bool (*probe)(void *refused_ud, int rank);
+  void (*peer_reads)(void *refused_ud, int rank);
 } td__lanes_opts;
 
 /* td__lanes_create opens the socket and the doorbell and starts the lane thread. */
@@ -121,6 +131,8 @@ int td__lanes_up(const td__lanes *ls);
 td_status td__lanes_listen_dial(td__lanes *ls, int self_rank, const struct td__auth *auth,
                                 uint64_t self_nonce, const uint64_t *nonce_of, int world,
                                 int64_t handshake_ms, int64_t ka_ms, int64_t kt_ms);
+/* Whether this process dials lanes (its dial socket listens). */
+bool td__lanes_dialing(const td__lanes *ls);
 /* Whether a lane can be dialled to rank (its process on this host, its socket known). */
 bool td__lanes_can_dial(td__lanes *ls, int rank);
 /* Dialled lanes up now. */

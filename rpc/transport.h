@@ -129,6 +129,17 @@ void td__transport_destroy(td__transport *t);
  * stay referenced until the peer's ack. */
 td_status td__transport_allow_direct(td__transport *t, const int *pid_of, int world);
 td_status td__transport_direct_to(td__transport *t, const bool *to, int world);
+/* td__transport_direct_lazily: instead of both (where this process dials lanes), each pair on
+ * this host settles direct copy in its dialled lane's handshake: each side probes the other's
+ * memory (rank r's pid_of[r], and the nonce r published at addr_of[r]; 0 pid: not on this
+ * host) once the peer proved itself, accepts its frames when it can read it, and tells it so.
+ * So a worker probes the peers it meets, not every process on its host. Once, at init.
+ * td__transport_dialing: whether this process dials lanes (after td__transport_allow_lane).
+ * td__transport_direct_readers: the peers known to read this process's direct-copy frames. */
+td_status td__transport_direct_lazily(td__transport *t, const int *pid_of, const uint64_t *addr_of,
+                                      const uint64_t *nonce_of, int world);
+bool td__transport_dialing(td__transport *t);
+int td__transport_direct_readers(td__transport *t);
 /* td__transport_allow_lane: streams with rank r may move to a same-host lane whose socket peer is
  * process pid_of[r] (0: never); and a conn to r (td__transport_connect) is a dialled lane, with no
  * gRPC stream at all, at the dial socket named by r's pid and nonce_of[r] (0, or nonce_of NULL:

@@ -305,13 +305,17 @@ static void test_rpc_busy_poll(void **state) {
 }
 
 /* ---- same-host direct copy: on by default between local workers, off by option or
- * environment; tensors arrive intact either way, also when the sender drops them at once ---- */
+ * environment; tensors arrive intact either way, also when the sender drops them at once. With
+ * dialled lanes (the default) each pair settles it in its lane's handshake, so a worker knows who
+ * reads it once it met them; over lanes set up on gRPC streams (TD_RPC_LANE_DIAL=0) every
+ * worker probes its host's peers at init ---- */
 
 typedef struct dc_case {
   int option;      /* td_rpc_options.direct_copy */
   const char *env; /* TD_RPC_DIRECT_COPY, or NULL */
   bool expect_on;
   const char *lane_kb; /* TD_RPC_LANE_DIRECT_MIN_KB, or NULL (4 MiB) */
+  const char *dial;    /* TD_RPC_LANE_DIAL, or NULL (dialled lanes) */
 } dc_case;
 
 /* Whether this machine lets a process read a sibling's memory (Yama ptrace scope 0, or root). */
@@ -331,15 +335,27 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
   else unsetenv("TD_RPC_DIRECT_COPY");
   if (k->lane_kb) setenv("TD_RPC_LANE_DIRECT_MIN_KB", k->lane_kb, 1);
   else unsetenv("TD_RPC_LANE_DIRECT_MIN_KB");
+  if (k->dial) setenv("TD_RPC_LANE_DIAL", k->dial, 1);
+  else unsetenv("TD_RPC_LANE_DIAL");
   td_rpc_options o = td_mp_rpc_options(method, 4);
   o.direct_copy = k->option;
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  bool on = k->expect_on && siblings_readable();
   int peers = td_rpc_direct_copy_peers(a);
-  if (k->expect_on && siblings_readable()) MP_CHECK(peers == world - 1);
-  if (!k->expect_on) MP_CHECK(peers == 0);
+  if (k->dial) MP_CHECK(peers == (on ? world - 1 : 0)); /* probed at init */
+  else MP_CHECK(peers >= 0 && peers <= (on ? world - 1 : 0)); /* (a peer may have met us) */
   char peer[32];
   snprintf(peer, sizeof peer, "worker%d", (rank + 1) % world);
+  /* one call: the pair meets (with dialled lanes, its handshake settles direct copy) */
+  td_value *warm = NULL;
+  MP_CHECK_OK(td_rpc_sync(a, peer, "echo", NULL, 0, NULL, &warm));
+  td_value_unref(warm);
+  /* (the handshake's last message, which says the peer reads us, may be handled just after the
+   * reply: until then frames go through the ring) */
+  if (on) TD_TEST_POLL(td_rpc_direct_copy_peers(a) == world - 1, 10);
+  peers = td_rpc_direct_copy_peers(a);
+  MP_CHECK(peers == (on ? world - 1 : 0));
   /* sizes around the 32 KiB threshold of the stream, one between it and the lane's (4 MiB by
    * default) and one past both; each tensor is dropped right after the call is sent, so only the
    * transport keeps it alive until the peer has copied it */
@@ -412,8 +428,10 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
 }
 
 static void test_rpc_direct_copy(void **state) {
-  const dc_case cases[] = {{-1, NULL, true, NULL}, {0, NULL, false, NULL}, {-1, "0", false, NULL},
-                           {1, "0", true, NULL}, {-1, NULL, true, "32"}};
+  const dc_case cases[] = {{-1, NULL, true, NULL, NULL},  {0, NULL, false, NULL, NULL},
+                           {-1, "0", false, NULL, NULL},  {1, "0", true, NULL, NULL},
+                           {-1, NULL, true, "32", NULL},  {-1, NULL, true, NULL, "0"},
+                           {0, NULL, false, NULL, "0"}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     TD_MP_RUN(2, worker_direct, (void *)&cases[i], 60);
   }

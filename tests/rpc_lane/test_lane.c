@@ -371,7 +371,27 @@ typedef struct dial_watch {
   int naccepted;
   int ended;
   char ended_why[256];
+  /* direct copy settled in the handshake: what probe answers, the ranks it was asked about and
+   * the ranks that said they read this side (bit masks) */
+  bool reads_peers;
+  int probed, read_by;
 } dial_watch;
+
+static bool on_probe(void *ud, int rank) {
+  dial_watch *d = ud;
+  pthread_mutex_lock(&d->w.mu);
+  d->probed |= 1 << rank;
+  bool r = d->reads_peers;
+  pthread_mutex_unlock(&d->w.mu);
+  return r;
+}
+
+static void on_peer_reads(void *ud, int rank) {
+  dial_watch *d = ud;
+  pthread_mutex_lock(&d->w.mu);
+  d->read_by |= 1 << rank;
+  pthread_mutex_unlock(&d->w.mu);
+}
 
 static td_status on_dialed(void *ud, td__lane *l, int peer, td__decoder **dec, void **owner) {
   dial_watch *d = ud;
@@ -403,7 +423,8 @@ static int dw_get(dial_watch *d, int *field) {
  * process's rank 0 in one process: self_nonce names its own). */
 static td__lanes *dial_lanes(dial_watch *d, int rank, const char *secret, int64_t hs_ms,
                              uint64_t self_nonce) {
-  td__lanes_opts o = {on_refused, on_failed, NULL, NULL, &d->w, NULL, on_dialed, on_ended};
+  td__lanes_opts o = {on_refused, on_failed, NULL,      NULL,     &d->w,
+                      NULL,       on_dialed, on_ended, on_probe, on_peer_reads};
   td__lanes *ls = NULL;
   TD_ASSERT_OK(td__lanes_create(&o, &ls));
   o.refused_ud = &d->w;
@@ -545,6 +566,46 @@ static void test_lane_dial(void **state) {
   td__lane_unref(xl);
   td__lanes_destroy(other);
   td__lanes_destroy(cli);
+}
+
+/* Direct copy is settled in a dialled lane's handshake: once the peer proved itself each side
+ * probes it and tells it the answer (the client with its PROOF, the server with its doorbell),
+ * so each side learns whether the other reads its memory, and nothing else does. */
+static void test_lane_dial_settles_direct_copy(void **state) {
+  (void)state;
+  const char *secret = "a job secret of the group, long enough";
+  dial_watch ds = {.w = {.mu = PTHREAD_MUTEX_INITIALIZER}, .s = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+  dial_watch dc = {.w = {.mu = PTHREAD_MUTEX_INITIALIZER}, .s = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+  for (int k = 0; k < 2; k++) { /* the server reads the client, or the client the server */
+    ds.reads_peers = k == 0;
+    dc.reads_peers = k == 1;
+    ds.probed = ds.read_by = dc.probed = dc.read_by = 0;
+    td__lanes *srv = dial_lanes(&ds, 1, secret, 5000, 0);
+    td__lanes *cli = dial_lanes(&dc, 0, secret, 5000, 0);
+    td__lane *cl = dial_send(cli, &dc, 1, 1);
+    POLL(td__lanes_dialed(cli) == 1 && td__lanes_dialed(srv) == 1);
+    assert_int_equal(td__lanes_dialed(cli), 1);
+    assert_int_equal(td__lanes_dialed(srv), 1);
+    assert_int_equal(dw_get(&dc, &dc.probed), 1 << 1); /* each probed the other once */
+    assert_int_equal(dw_get(&ds, &ds.probed), 1 << 0);
+    if (k == 0) { /* the client learns that the server reads it, the server nothing */
+      assert_int_equal(dw_get(&dc, &dc.read_by), 1 << 1);
+      assert_int_equal(dw_get(&ds, &ds.read_by), 0);
+    } else {
+      assert_int_equal(dw_get(&ds, &ds.read_by), 1 << 0);
+      assert_int_equal(dw_get(&dc, &dc.read_by), 0);
+    }
+    POLL(sink_count(&ds.s) == 1);
+    assert_int_equal(sink_count(&ds.s), 1);
+    for (int i = 0; i < ds.naccepted; i++) td__lane_unref(ds.accepted[i]);
+    ds.naccepted = 0;
+    pthread_mutex_lock(&ds.s.mu);
+    ds.s.n = 0;
+    pthread_mutex_unlock(&ds.s.mu);
+    td__lane_unref(cl);
+    td__lanes_destroy(cli);
+    td__lanes_destroy(srv);
+  }
 }
 
 /* More lanes than HINT_MIN (64): both lane threads read by hints (a bit per lane in their
@@ -755,6 +816,7 @@ int main(void) {
       cmocka_unit_test(test_lane_handover_refuses_strangers),
       cmocka_unit_test(test_lane_frames_then_corrupt_ring),
       cmocka_unit_test(test_lane_dial),
+      cmocka_unit_test(test_lane_dial_settles_direct_copy),
       cmocka_unit_test(test_lane_dial_many_by_hints),
       cmocka_unit_test(test_lane_idle_naps_and_cleared_hints),
   };
