@@ -248,6 +248,7 @@ struct td__lanes {
   int nfresh, freshcap;
   uint64_t full_ns;    /* the last pass over every lane (rx_mu) */
   int nap_ms;          /* the lane thread's next sleep at most (NAP_MS; lane thread) */
+  bool test_withhold;  /* atomic: our frames set no hint bit for the peer (tests) */
   int nqueued;         /* atomic: lanes with frames queued to send */
   int dialed_up;       /* atomic: dialled lanes up */
 };
@@ -463,7 +464,8 @@ static void tx_notify(td__lane *l) {
   FULL_FENCE();
   uint32_t *pb = __atomic_load_n(&l->peer_bell, __ATOMIC_ACQUIRE);
   if (!pb) return;
-  hint_peer(pb, &l->tx->consumer_slot);
+  if (!__atomic_load_n(&l->ls->test_withhold, __ATOMIC_RELAXED))
+    hint_peer(pb, &l->tx->consumer_slot);
   if (__atomic_load_n(&pb[BELL_SLEEP], __ATOMIC_SEQ_CST)) ring_bell(pb);
 }
 
@@ -1476,9 +1478,8 @@ bool td__lanes_by_hints(td__lanes *ls) {
 
 int td__lanes_nap_ms(td__lanes *ls) { return ls ? __atomic_load_n(&ls->nap_ms, __ATOMIC_RELAXED) : 0; }
 
-void td__lanes_test_clear_hints(td__lanes *ls) {
-  uint64_t *h = hint_words(ls->bell);
-  for (unsigned w = 0; w < HINT_WORDS; w++) __atomic_store_n(&h[w], 0, __ATOMIC_SEQ_CST);
+void td__lanes_test_withhold_hints(td__lanes *ls, bool on) {
+  __atomic_store_n(&ls->test_withhold, on, __ATOMIC_RELAXED);
 }
 
 int td__lanes_dialed(const td__lanes *ls) {

@@ -142,8 +142,9 @@ bool td__lanes_by_hints(td__lanes *ls);
 /* The lane thread's next sleep at most, ms: 100 after work, doubling while idle up to 1,000
  * (100 under ThreadSanitizer; tests). */
 int td__lanes_nap_ms(td__lanes *ls);
-/* Clears every hint bit of ls's doorbell, as a peer may (tests). */
-void td__lanes_test_clear_hints(td__lanes *ls);
+/* While on, frames ls sends set no hint bit for their peer, as if a peer had cleared it before
+ * the reader took it (any peer can; tests). */
+void td__lanes_test_withhold_hints(td__lanes *ls, bool on);
 /* Whether rank has a known process on this host (a lane may be asked for). */
 bool td__lanes_knows(td__lanes *ls, int rank);
 /* Closes the connections strangers left on the socket (poller, about once a second). */
