@@ -27,9 +27,9 @@
  * work and for the busy-poll window after it (the transport's adaptive window: off when the host
  * has more workers than CPUs), then sleeps: it reads the bell, sets "consumer sleeping" on every
  * ring it reads (and "producer waiting" on rings it waits to write), re-checks them, and waits on
- * the bell (futex, 100 ms at most after work, up to 1 s once idle: NAP_MS). A producer publishes tail, fences, and rings the peer's bell
- * (increment + FUTEX_WAKE) only when the flag is set: while both sides poll, a frame costs no
- * system call. A consumer does the same for a waiting producer after it frees room. Each pass
+ * the bell (futex, 100 ms at most after work, up to 1 s once idle: NAP_MS). A producer publishes
+ * tail, fences, and rings the peer's bell (increment + FUTEX_WAKE) only when the flag is set:
+ * while both sides poll, a frame costs no system call. A consumer does the same for a waiting producer after it frees room. Each pass
  * over the rings is bracketed by the burst callback, so the agent hands the pool what one pass
  * delivered as one task.
  *
@@ -1476,7 +1476,9 @@ bool td__lanes_by_hints(td__lanes *ls) {
   return ls && __atomic_load_n(&ls->bell[BELL_HINTS_ON], __ATOMIC_ACQUIRE) != 0;
 }
 
-int td__lanes_nap_ms(td__lanes *ls) { return ls ? __atomic_load_n(&ls->nap_ms, __ATOMIC_RELAXED) : 0; }
+int td__lanes_nap_ms(td__lanes *ls) {
+  return ls ? __atomic_load_n(&ls->nap_ms, __ATOMIC_RELAXED) : 0;
+}
 
 void td__lanes_test_withhold_hints(td__lanes *ls, bool on) {
   __atomic_store_n(&ls->test_withhold, on, __ATOMIC_RELAXED);

@@ -3,8 +3,9 @@
 
 N worker processes on 127.0.0.1 (forked before torch.distributed.rpc starts), each:
 init_rpc (TensorPipe, --threads num_worker_threads), rpc_async(add, (rank * 1000, peer)) to every
-other worker (with --peers K, to the K ranks after its own), wait for all, shutdown(graceful=True). The figures are the slowest worker's time in
-each phase and the time from the first fork to the last exit. Prints one JSON line with the keys
+other worker (with --peers K, to the K ranks after its own), wait for all,
+shutdown(graceful=True). The figures are the slowest worker's time in each phase and the time
+from the first fork to the last exit. Prints one JSON line with the keys
 of the C benchmark: {"bench": "rpc_scale", "config": {...}, "results": {"processes": [{"world",
 "ok", "init_s", "all_to_all_s", "shutdown_s", "wall_s", "failed_workers"}], "store_sim": []}}
 (the store simulation has no peer).
@@ -92,7 +93,8 @@ def main():
                   "" if r["ok"] else " (FAILED)"), file=sys.stderr, flush=True)
         results.append(r)
     print(json.dumps({"bench": "rpc_scale",
-                      "config": {"threads": args.threads, "cpus": os.cpu_count(), "peers": args.peers,
+                      "config": {"threads": args.threads, "cpus": os.cpu_count(),
+                                 "peers": args.peers,
                                  "peer": "torch.distributed.rpc (TensorPipe)"},
                       "results": {"processes": results, "store_sim": []}}))
     return 0 if all(r["ok"] for r in results) else 1
