@@ -5,17 +5,16 @@
  * both run on one host: one copy instead of socket write + read + decode copy, and no HTTP/2
  * framing or flow control. At init every worker publishes direct/<r> = its same-host record
  * (core/samehost.h: pid, nonce and its address, boot id, pid namespace, advertised host; "-" when
- * disabled, the probe the collectives' shared memory uses too). Where this process dials lanes
- * (the default), each pair on one host settles direct copy when it meets: in the dialled lane's
+ * disabled, the probe the collectives' shared memory uses too). Every worker probes the peers on
+ * its host (same host, boot id and pid namespace) at init, accepts direct-copy frames from those
+ * it could read, and publishes directok/<r> (those ranks, as ranges) with its ready count; after
+ * the ready barrier each learns which peers can read it. With TD_RPC_DIRECT_SETTLE=1 (and
+ * dialled lanes) each pair on one host settles it when it meets instead: in the dialled lane's
  * handshake each side, once the other proved itself, reads its nonce from its memory and says
  * whether it could (rpc/lane.h; td__transport_direct_lazily), so a worker probes the peers it
- * meets. Otherwise every worker probes the peers on its host (same host, boot id and pid
- * namespace) at init, accepts direct-copy frames from those it could read, and publishes
- * directok/<r> (those ranks, as ranges) with its ready count; after the ready barrier each
- * learns which peers can read it. (Probing every peer at init made 1,024 workers on one host
- * spend a sixth of their start-up's CPU on it.) Reading another process's memory needs the same
- * user and no ptrace restriction (Yama scope 0, or 1 for a descendant): where the probe fails
- * the peer simply gets the stream or the lane's ring.
+ * meets (td__direct_probe says when each is better). Reading another process's memory needs
+ * the same user and no ptrace restriction (Yama scope 0, or 1 for a descendant): where the
+ * probe fails the peer simply gets the stream or the lane's ring.
  *
  * THREAD SAFETY: the probe runs on the thread in td_rpc_init; the reader on the network thread;
  * a td__direct_acks belongs to its stream and is used under the stream's lock.
@@ -295,10 +294,16 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
     st = td__transport_allow_lane(a->tr, lane_pids, a->lane_dial ? lane_nonces : NULL,
                                   a->direct_nonce, a->world);
   if (st != TD_OK) goto out;
-  if (a->direct_on && a->lane_dial && td__transport_dialing(a->tr)) {
+  const char *settle = getenv("TD_RPC_DIRECT_SETTLE");
+  if (a->direct_on && a->lane_dial && settle && strcmp(settle, "1") == 0 &&
+      td__transport_dialing(a->tr)) {
     /* each pair settles it when it meets, in its dialled lane's handshake: a worker probes the
      * peers it calls or is called by, not every process on its host (1,024 workers on one host
-     * spent a sixth of their start-up's CPU probing each other and reading the answers) */
+     * calling 8 peers each spent a sixth of their start-up's CPU probing each other and reading
+     * the answers). Not the default: the probe then runs on the socket thread, and
+     * process_vm_readv waits for the peer's memory map lock, which a peer setting up lanes
+     * holds often; 1,024 workers calling each other all failed lane handshakes that did not
+     * finish within 120 s, 2 runs of 2 (the init probe: 2 of 2 complete). */
     st = td__transport_direct_lazily(a->tr, pids, addrs, nonces, a->world);
   } else {
     for (int r = 0; r < a->world; r++) {

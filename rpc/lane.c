@@ -29,9 +29,9 @@
  * ring it reads (and "producer waiting" on rings it waits to write), re-checks them, and waits on
  * the bell (futex, 100 ms at most after work, up to 1 s once idle: NAP_MS). A producer publishes
  * tail, fences, and rings the peer's bell (increment + FUTEX_WAKE) only when the flag is set:
- * while both sides poll, a frame costs no system call. A consumer does the same for a waiting producer after it frees room. Each pass
- * over the rings is bracketed by the burst callback, so the agent hands the pool what one pass
- * delivered as one task.
+ * while both sides poll, a frame costs no system call. A consumer does the same for a waiting
+ * producer after it frees room. Each pass over the rings is bracketed by the burst callback, so
+ * the agent hands the pool what one pass delivered as one task.
  *
  * Hand-over (lane.h has the message order). The socket has an abstract name, so no file is left
  * behind; anyone on the host may connect, so a connection counts only when SO_PEERCRED names the

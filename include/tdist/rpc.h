@@ -118,9 +118,10 @@ typedef struct td_rpc_options {
    * frame takes the same-host lane, whose ring is faster below that; TD_RPC_LANE_DIRECT_MIN_KB
    * overrides it) straight out of the sender's memory (Linux process_vm_readv) instead of
    * through the socket, when both workers run on one host as the same user and the kernel
-   * allows it (checked for each pair when it first meets, in the handshake of its dialled
-   * same-host lane; at init for every pair on the host where lanes are not dialled; frames sent
-   * before that handshake ends go the other way). -1 (default) = on unless TD_RPC_DIRECT_COPY=0;
+   * allows it (checked at init for every pair on the host; with TD_RPC_DIRECT_SETTLE=1, for
+   * each pair when it first meets, in the handshake of its dialled same-host lane, frames sent
+   * before that handshake ends going the other way). -1 (default) = on unless
+   * TD_RPC_DIRECT_COPY=0;
    * 0 = off. A tensor sent this way stays referenced by the sender until the receiver has copied
    * it: as with the stream, do not modify a tensor in place while a call that carries it is in
    * flight. */
@@ -370,7 +371,7 @@ TD_API td_status td_rpc_group_members(td_rpc_agent *a, int *members);
  * the automatic choice), in microseconds. */
 TD_API int64_t td_rpc_busy_poll_us(const td_rpc_agent *a);
 /* td_rpc_direct_copy_peers returns how many peers copy tensors directly from this worker: known
- * at init where lanes are not dialled, else growing as peers on this host meet it (a pair settles
+ * at init, or with TD_RPC_DIRECT_SETTLE=1 growing as peers on this host meet it (a pair settles
  * it in its dialled lane's handshake). THREAD SAFETY: any thread. */
 TD_API int td_rpc_direct_copy_peers(const td_rpc_agent *a);
 /* td_rpc_shm_lanes returns how many streams of this worker run over a same-host lane now (both

@@ -305,10 +305,9 @@ static void test_rpc_busy_poll(void **state) {
 }
 
 /* ---- same-host direct copy: on by default between local workers, off by option or
- * environment; tensors arrive intact either way, also when the sender drops them at once. With
- * dialled lanes (the default) each pair settles it in its lane's handshake, so a worker knows who
- * reads it once it met them; over lanes set up on gRPC streams (TD_RPC_LANE_DIAL=0) every
- * worker probes its host's peers at init ---- */
+ * environment; tensors arrive intact either way, also when the sender drops them at once. Every
+ * worker probes its host's peers at init; with TD_RPC_DIRECT_SETTLE=1 each pair settles it in
+ * its dialled lane's handshake instead, so a worker knows who reads it once it met them ---- */
 
 typedef struct dc_case {
   int option;      /* td_rpc_options.direct_copy */
@@ -316,6 +315,7 @@ typedef struct dc_case {
   bool expect_on;
   const char *lane_kb; /* TD_RPC_LANE_DIRECT_MIN_KB, or NULL (4 MiB) */
   const char *dial;    /* TD_RPC_LANE_DIAL, or NULL (dialled lanes) */
+  bool settle;         /* TD_RPC_DIRECT_SETTLE=1: settled in the dialled lanes' handshakes */
 } dc_case;
 
 /* Whether this machine lets a process read a sibling's memory (Yama ptrace scope 0, or root). */
@@ -337,17 +337,19 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
   else unsetenv("TD_RPC_LANE_DIRECT_MIN_KB");
   if (k->dial) setenv("TD_RPC_LANE_DIAL", k->dial, 1);
   else unsetenv("TD_RPC_LANE_DIAL");
+  if (k->settle) setenv("TD_RPC_DIRECT_SETTLE", "1", 1);
+  else unsetenv("TD_RPC_DIRECT_SETTLE");
   td_rpc_options o = td_mp_rpc_options(method, 4);
   o.direct_copy = k->option;
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   bool on = k->expect_on && siblings_readable();
   int peers = td_rpc_direct_copy_peers(a);
-  if (k->dial) MP_CHECK(peers == (on ? world - 1 : 0)); /* probed at init */
+  if (!k->settle) MP_CHECK(peers == (on ? world - 1 : 0)); /* probed at init */
   else MP_CHECK(peers >= 0 && peers <= (on ? world - 1 : 0)); /* (a peer may have met us) */
   char peer[32];
   snprintf(peer, sizeof peer, "worker%d", (rank + 1) % world);
-  /* one call: the pair meets (with dialled lanes, its handshake settles direct copy) */
+  /* one call: the pair meets (with TD_RPC_DIRECT_SETTLE=1 its lane's handshake settles it) */
   td_value *warm = NULL;
   MP_CHECK_OK(td_rpc_sync(a, peer, "echo", NULL, 0, NULL, &warm));
   td_value_unref(warm);
@@ -428,10 +430,12 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
 }
 
 static void test_rpc_direct_copy(void **state) {
-  const dc_case cases[] = {{-1, NULL, true, NULL, NULL},  {0, NULL, false, NULL, NULL},
-                           {-1, "0", false, NULL, NULL},  {1, "0", true, NULL, NULL},
-                           {-1, NULL, true, "32", NULL},  {-1, NULL, true, NULL, "0"},
-                           {0, NULL, false, NULL, "0"}};
+  const dc_case cases[] = {
+      {-1, NULL, true, NULL, NULL, false}, {0, NULL, false, NULL, NULL, false},
+      {-1, "0", false, NULL, NULL, false},  {1, "0", true, NULL, NULL, false},
+      {-1, NULL, true, "32", NULL, false},  {-1, NULL, true, NULL, "0", false},
+      {-1, NULL, true, NULL, NULL, true},   {0, NULL, false, NULL, NULL, true},
+      {-1, NULL, true, "32", NULL, true}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     TD_MP_RUN(2, worker_direct, (void *)&cases[i], 60);
   }
