@@ -126,6 +126,7 @@ struct td_rpc_agent {
   bool direct_on;
   bool lane_on; /* same-host lanes wanted (td_rpc_options.shm_lane, TD_RPC_SHM_LANE) */
   bool lane_dial; /* ... dialled, without a gRPC stream (unless TD_RPC_LANE_DIAL=0) */
+  bool lane_mbox; /* ... through mailboxes first (unless TD_RPC_MAILBOX=0; rpc/lane.h) */
   /* init's last store call ("passed", ranks > 0) runs on a detached thread, off init's path:
    * started (passed_async), over (passed_done, under passed_mu; td__rdv_passed_join) */
   bool passed_async;
@@ -303,6 +304,7 @@ void td__serve_local(td_rpc_agent *a, uint64_t id, const char *fn, td_value *con
 bool td__direct_wanted(const td_rpc_options *o);
 /* Whether this worker offers same-host lanes (option, TD_RPC_SHM_LANE, platform). */
 bool td__lane_wanted(const td_rpc_options *o);
+bool td__mbox_wanted(void);
 /* Rendezvous steps, in this order: the record published before the join barrier (key
  * "direct/<rank>" and its value, published with the worker's other records), probe after it,
  * learn after the ready barrier. */

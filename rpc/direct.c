@@ -184,7 +184,27 @@ bool td__lane_wanted(const td_rpc_options *o) {
 #endif
 }
 
-/* The same-host record is published when either same-host path is wanted. */
+/* Mailbox lanes (rpc/lane.h) unless TD_RPC_MAILBOX=0, and only where the kernel's ptrace check
+ * is the plain one: under Yama's ptrace_scope 1 or more, pidfd_getfd between peers fails anyway,
+ * while any process of the user could still open the arena through /proc/<pid>/fd (which asks
+ * only for read access) and write frames into it. */
+bool td__mbox_wanted(void) {
+#if defined(__linux__)
+  const char *e = getenv("TD_RPC_MAILBOX");
+  if (e && strcmp(e, "0") == 0) return false;
+  FILE *f = fopen("/proc/sys/kernel/yama/ptrace_scope", "r");
+  if (!f) return true; /* no Yama */
+  int scope = -1;
+  if (fscanf(f, "%d", &scope) != 1) scope = -1;
+  fclose(f);
+  return scope == 0;
+#else
+  return false;
+#endif
+}
+
+/* The same-host record is published when either same-host path is wanted; with a mailbox, its
+ * descriptors follow the record's six fields (" <doorbell fd> <arena fd>"). */
 void td__direct_record(td_rpc_agent *a, char key[64], char val[512]) {
   char host[256];
   snprintf(key, 64, "direct/%d", a->rank);
@@ -194,6 +214,12 @@ void td__direct_record(td_rpc_agent *a, char key[64], char val[512]) {
     bool ok = td__samehost_record(host, &a->direct_nonce, val, 512);
     a->direct_on &= ok;
     a->lane_on &= ok;
+    int bfd, afd;
+    size_t len = strlen(val);
+    if (ok && a->lane_on && a->lane_mbox &&
+        td__transport_mbox_open(a->tr, a->world, a->direct_nonce, &bfd, &afd) == TD_OK &&
+        len + 32 < 512)
+      snprintf(val + len, 512 - len, " %d %d", bfd, afd);
   } else {
     snprintf(val, 512, "-");
   }
@@ -245,6 +271,22 @@ static bool ranks_has(const char *s, int rank) {
   return false;
 }
 
+/* The mailbox descriptors after a record's six fields (td__direct_record), or -1. */
+static void mbox_fds(const char *rec, int *bell, int *arena) {
+  *bell = *arena = -1;
+  const char *p = rec;
+  for (int i = 0; p && i < 6; i++) {
+    while (*p == ' ') p++;
+    p = strchr(p, ' ');
+  }
+  int b, f;
+  char extra;
+  if (p && sscanf(p, " %d %d %c", &b, &f, &extra) == 2 && b >= 0 && f >= 0) {
+    *bell = b;
+    *arena = f;
+  }
+}
+
 /* Same-host lanes: rank r's stream may move to a lane when r's record names this host, boot and
  * pid namespace; the lane's socket then accepts only r's published pid, proving the secret sent
  * on r's authenticated stream (rpc/lane.c). Reading r's memory is not needed (lanes work where
@@ -257,8 +299,10 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
   uint64_t *addrs = td__calloc(w, sizeof *addrs), *nonces = td__calloc(w, sizeof *nonces);
   int *lane_pids = td__calloc(w, sizeof *lane_pids);
   uint64_t *lane_nonces = td__calloc(w, sizeof *lane_nonces);
+  int *mb_bell = td__malloc(w * sizeof *mb_bell), *mb_arena = td__malloc(w * sizeof *mb_arena);
   td_status st = TD_OK;
-  if (!a->direct_cand || !pids || !addrs || !nonces || !lane_pids || !lane_nonces) {
+  if (!a->direct_cand || !pids || !addrs || !nonces || !lane_pids || !lane_nonces || !mb_bell ||
+      !mb_arena) {
     st = td_set_error(TD_ERR_NOMEM, "rpc init: out of memory");
     goto out;
   }
@@ -272,6 +316,7 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
     a->lane_on &= ok;
   }
   bool share = a->direct_on || a->lane_on;
+  for (size_t r = 0; r < w; r++) mb_bell[r] = mb_arena[r] = -1;
   char **recs = NULL;
   size_t *lens = NULL;
   st = share ? td__rdv_read_all(a, "direct/", deadline, &recs, &lens) : TD_OK;
@@ -282,6 +327,7 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
     if (a->lane_on) {
       lane_pids[r] = peer.pid;
       lane_nonces[r] = peer.nonce; /* names its dial socket */
+      mbox_fds(recs[r], &mb_bell[r], &mb_arena[r]);
     }
     if (a->direct_on) { /* only rank r, on its authenticated stream, may name it */
       pids[r] = peer.pid;
@@ -292,7 +338,8 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
   td__rdv_free_all(a, recs, lens);
   if (st == TD_OK && a->lane_on)
     st = td__transport_allow_lane(a->tr, lane_pids, a->lane_dial ? lane_nonces : NULL,
-                                  a->direct_nonce, a->world);
+                                  a->direct_nonce, a->lane_mbox ? mb_bell : NULL,
+                                  a->lane_mbox ? mb_arena : NULL, a->world);
   if (st != TD_OK) goto out;
   const char *settle = getenv("TD_RPC_DIRECT_SETTLE");
   if (a->direct_on && a->lane_dial && settle && strcmp(settle, "1") == 0 &&
@@ -320,6 +367,8 @@ out:
   td__free(nonces);
   td__free(lane_pids);
   td__free(lane_nonces);
+  td__free(mb_bell);
+  td__free(mb_arena);
   return st;
 }
 

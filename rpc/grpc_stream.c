@@ -594,13 +594,23 @@ td__conn *td__transport_reverse_conn(td__transport *t, int peer_rank) {
   return found;
 }
 
+static void *conn_grab(void *c) { return td__conn_ref(c); }
+
 td_status td__transport_connect(td__transport *t, int peer_rank, const char *address,
                                 td__conn **out) {
   pthread_mutex_lock(&t->mu);
   bool down = t->shutting_down;
   pthread_mutex_unlock(&t->mu);
   if (down) return td_set_error(TD_ERR_STATE, "rpc transport is shutting down");
-  /* a member on this host: a dialled lane, no gRPC channel, call or HTTP/2 under it */
+  /* a member on this host: a mailbox lane (no set-up with the peer at all), else a dialled lane;
+   * no gRPC channel, call or HTTP/2 under either. The mailbox lane's conn is the one conn of the
+   * pair, whichever side made it (through dialed). */
+  void *mc = NULL;
+  if (t->lanes && td__lanes_can_mbox(t->lanes, peer_rank) &&
+      td__lanes_mbox(t->lanes, peer_rank, conn_grab, &mc) == TD_OK && mc) {
+    *out = mc;
+    return TD_OK;
+  }
   if (t->lanes && td__lanes_can_dial(t->lanes, peer_rank)) {
     if (td__grpc_dial(t, peer_rank, out) == TD_OK) return TD_OK;
     td_log(TD_LOG_DEBUG, "rpc: a gRPC stream to rank %d instead: %s", peer_rank, td_last_error());
@@ -948,7 +958,10 @@ td_status td__grpc_lane_dialed(void *transport, td__lane *l, int peer, td__decod
   pthread_mutex_unlock(&t->mu);
   if (down || peer < 0 || peer >= t->opts.world)
     return td_set_error(TD_ERR_STATE, "rpc transport is shutting down");
-  td__conn *c = conn_new(t, false, peer);
+  /* a mailbox lane has no dialling side: the lower rank's conn is the client (whose requests
+   * carry no reverse mark), whichever side made the lane */
+  bool client = td__lane_is_mbox(l) && t->opts.self_rank < peer;
+  td__conn *c = conn_new(t, client, peer);
   if (!c) return td_set_error(TD_ERR_NOMEM, "rpc transport: out of memory");
   c->direct = true;
   c->auth = AUTH_DONE;

@@ -714,7 +714,8 @@ void td__transport_set_host_load(td__transport *t, int load_x100) {
 }
 
 td_status td__transport_allow_lane(td__transport *t, const int *pid_of, const uint64_t *nonce_of,
-                                   uint64_t self_nonce, int world) {
+                                   uint64_t self_nonce, const int *mb_bell_of,
+                                   const int *mb_arena_of, int world) {
   int local = 0;
   for (int r = 0; r < world; r++) local += r != t->opts.self_rank && pid_of[r] > 0;
   __atomic_store_n(&t->lane_lazy, local > TD__LANE_MAX, __ATOMIC_RELAXED);
@@ -729,8 +730,19 @@ td_status td__transport_allow_lane(td__transport *t, const int *pid_of, const ui
   if (td__lanes_listen_dial(t->lanes, t->opts.self_rank, t->opts.auth, self_nonce, nonce_of, world,
                             t->opts.handshake_timeout_ms, ka, kt) != TD_OK)
     td_log(TD_LOG_DEBUG, "rpc transport: no dialled lanes: %s", td_last_error());
+  else if (mb_bell_of && mb_arena_of)
+    return td__lanes_set_mbox(t->lanes, mb_bell_of, mb_arena_of, world);
   return TD_OK;
 }
+
+td_status td__transport_mbox_open(td__transport *t, int world, uint64_t nonce, int *bell_fd,
+                                  int *arena_fd) {
+  *bell_fd = *arena_fd = -1;
+  if (!t->lanes) return td_set_error(TD_ERR_UNAVAILABLE, "rpc transport: no same-host lanes");
+  return td__lanes_mbox_open(t->lanes, world, nonce, bell_fd, arena_fd);
+}
+
+int td__transport_lanes_mbox(td__transport *t) { return td__lanes_mboxes(t->lanes); }
 
 int td__transport_lanes_dialed(td__transport *t) { return td__lanes_dialed(t->lanes); }
 

@@ -108,8 +108,10 @@ struct td__ring_ctl {
   _Alignas(64) uint64_t tail;  /* producer */
   uint32_t producer_waiting;   /* producer: wake me when head moves */
   uint32_t producer_slot;      /* producer: its slot in its doorbell's hints, plus 1 (0: none) */
+  uint32_t producer_gone;      /* mailbox lanes: the producer closed its side */
   _Alignas(64) uint64_t head;  /* consumer */
   uint32_t consumer_slot;      /* consumer: its slot in its doorbell's hints, plus 1 (0: none) */
+  uint32_t consumer_gone;      /* mailbox lanes: the consumer closed its side */
   _Alignas(64) char end[1];
 };
 
@@ -129,6 +131,33 @@ enum { D_NONE = 0, D_C_CHALLENGE, D_C_BELL, D_S_HELLO, D_S_PROOF, D_UP };
                                     * reads the client's memory ("TLBD": before that byte) */
 #define KA_PING 0x70 /* keepalive on an up lane's socket: one byte, answered by the other */
 #define KA_PONG 0x71
+
+/* Mailbox (lane.h): one sealed memfd per process, its arena:
+ *   [header page: mbox_hdr, then the knock bitmap at MBOX_BITS_OFF][slot 0][slot 1]...
+ * Slot r is the ring rank r writes to this process: its control block at the slot's start and
+ * its data from RING_OFF, like a lane's ring 0, so a pair exchanging a few small frames makes
+ * one page resident per direction. */
+#define MBOX_MAGIC "TDMBOX1"
+#define MBOX_HDR 4096u
+#define MBOX_SLOT ((size_t)TD__LANE_RING + 4096u)
+#define MBOX_BITS_OFF 256u
+#define MBOX_MAX_WORLD ((int)((MBOX_HDR - MBOX_BITS_OFF) * 8u))
+
+typedef struct mbox_hdr {
+  char magic[8];
+  uint64_t nonce;      /* the owner's same-host nonce (its record's) */
+  uint32_t world;      /* slots */
+  uint32_t slot_bytes;
+  uint32_t ka_ms;      /* the owner's keepalive interval (0: it keeps no beat) */
+  _Alignas(64) uint32_t knocks; /* bumped by a sender after it set its bit */
+  _Alignas(64) uint64_t beat;   /* bumped by the owner's socket thread every keepalive round */
+} mbox_hdr;
+
+_Static_assert(sizeof(mbox_hdr) <= MBOX_BITS_OFF, "the knock bitmap follows the header");
+_Static_assert(RING_OFF + (size_t)TD__LANE_RING <= MBOX_SLOT, "a slot holds its ring");
+
+static uint64_t *mbox_bits(uint8_t *hdr) { return (uint64_t *)(hdr + MBOX_BITS_OFF); }
+static size_t mbox_slot_off(int rank) { return MBOX_HDR + (size_t)rank * MBOX_SLOT; }
 
 /* A frame (or its rest) waiting for room in the ring. */
 typedef struct txq {
@@ -189,6 +218,11 @@ struct td__lane {
   bool in_hs;
   struct td__lane *grave_next;          /* ... dropped in this round (unreferenced after it) */
   struct td__lane *dq_next;  /* ls->dialq (ls->mu) */
+  /* mailbox lanes: sock is a pidfd of the peer's process (its end is the lane's) */
+  bool mbox;
+  uint8_t *mb_hdr;           /* the peer's arena header page */
+  uint8_t *mb_slot;          /* our slot in the peer's arena (our tx ring) */
+  uint64_t beat_seen;        /* socket thread: the peer's beat when the "ping" began */
 };
 
 struct td__lanes {
@@ -251,7 +285,26 @@ struct td__lanes {
   bool test_withhold;  /* atomic: our frames set no hint bit for the peer (tests) */
   int nqueued;         /* atomic: lanes with frames queued to send */
   int dialed_up;       /* atomic: dialled lanes up */
+  /* mailbox: this process's arena, and the lanes made through peers' arenas */
+  int arena_fd;
+  uint8_t *arena;
+  size_t arena_bytes;
+  int arena_world;
+  uint32_t knocks_lt;  /* the lane thread: knocks when it last woke the socket thread (rx_mu) */
+  uint32_t knocks_st;  /* the socket thread: knocks it last read the bitmap for */
+  pthread_mutex_t mbox_mu; /* before the transport's locks; nothing is taken under it but those */
+  td__lane **mbox_lane;    /* [arena_world] (mbox_mu; references) */
+  uint8_t *mbox_dead;      /* [arena_world] (mbox_mu): no (more) mailbox lane with this rank */
+  int *mb_bell_of, *mb_arena_of; /* [world] peers' published descriptors (atomic pointer) */
+  td__lane *mbq;       /* mailbox lanes whose pidfd the socket thread is to watch (ls->mu) */
+  int mbox_up;         /* atomic: mailbox lanes up */
+  bool mbox_on;        /* atomic: the arena is published and peers' are known (set once) */
 };
+
+/* This process's arena once mailbox lanes are on, else NULL. */
+static mbox_hdr *mbox_live(const td__lanes *ls) {
+  return __atomic_load_n(&ls->mbox_on, __ATOMIC_ACQUIRE) ? (mbox_hdr *)ls->arena : NULL;
+}
 
 /* ---- small helpers ---- */
 
@@ -601,6 +654,8 @@ void td__lane_unref(td__lane *l) {
   if (l->sock >= 0) close(l->sock);
   if (l->map) munmap(l->map, MAP_BYTES);
   if (l->peer_bell) munmap(l->peer_bell, BELL_BYTES);
+  if (l->mb_hdr) munmap(l->mb_hdr, MBOX_HDR);
+  if (l->mb_slot) munmap(l->mb_slot, MBOX_SLOT);
   td__decoder_destroy(l->dec);
   pthread_mutex_destroy(&l->txmu);
   td__free(l);
@@ -652,11 +707,21 @@ void td__lane_close_why(td__lane *l, const char *why) {
     __atomic_sub_fetch(&l->ls->nqueued, 1, __ATOMIC_RELEASE);
   /* a dialled lane's socket ends with it: the peer's socket thread sees it (the fd itself is
    * the socket thread's to close) */
-  if (l->direct && l->sock >= 0 && was != L_CLOSED) shutdown(l->sock, SHUT_RDWR);
+  if (l->direct && !l->mbox && l->sock >= 0 && was != L_CLOSED) shutdown(l->sock, SHUT_RDWR);
+  /* a mailbox lane has no socket: both its rings say so, and the peer is rung to read it (it
+   * closes its side once it has read what we wrote); the socket thread lets go of the pidfd */
+  if (l->mbox && was != L_CLOSED && l->tx) {
+    __atomic_store_n(&l->tx->producer_gone, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&l->rx->consumer_gone, 1, __ATOMIC_RELEASE);
+    FULL_FENCE();
+    hint_peer(l->peer_bell, &l->tx->consumer_slot);
+    ring_bell(l->peer_bell);
+  }
   pthread_mutex_unlock(&l->txmu);
   if (__atomic_exchange_n(&l->counted, false, __ATOMIC_ACQ_REL)) {
     __atomic_sub_fetch(&l->ls->up, 1, __ATOMIC_RELAXED);
     if (l->direct) __atomic_sub_fetch(&l->ls->dialed_up, 1, __ATOMIC_RELAXED);
+    if (l->mbox) __atomic_sub_fetch(&l->ls->mbox_up, 1, __ATOMIC_RELAXED);
   }
   __atomic_add_fetch(&l->ls->gen, 1, __ATOMIC_RELEASE);
   kick_self(l->ls); /* the thread drops it */
@@ -683,6 +748,7 @@ static void count_up(td__lane *l) {
       !__atomic_exchange_n(&l->counted, true, __ATOMIC_ACQ_REL)) {
     __atomic_add_fetch(&l->ls->up, 1, __ATOMIC_RELAXED);
     if (l->direct) __atomic_add_fetch(&l->ls->dialed_up, 1, __ATOMIC_RELAXED);
+    if (l->mbox) __atomic_add_fetch(&l->ls->mbox_up, 1, __ATOMIC_RELAXED);
   }
 }
 
@@ -1028,8 +1094,11 @@ td_status td__lane_ready(td__lane *l) {
 /* A closed lane leaves: its stream reference goes back (it may free the stream, which drops
  * its own reference to the lane), then the list's reference. */
 static void lane_release(td__lane *l) {
+  /* (a mailbox lane's owner is lent out under mbox_mu: td__lanes_mbox) */
+  if (l->mbox) pthread_mutex_lock(&l->ls->mbox_mu);
   void *ud = l->ud;
   l->ud = NULL;
+  if (l->mbox) pthread_mutex_unlock(&l->ls->mbox_mu);
   if (l->direct) {
     __atomic_sub_fetch(&l->ls->ndirect, 1, __ATOMIC_RELAXED);
     if (ud && l->ls->o.ended && !__atomic_exchange_n(&l->ended, true, __ATOMIC_ACQ_REL)) {
@@ -1044,13 +1113,23 @@ static void lane_release(td__lane *l) {
   td__lane_unref(l);
 }
 
+/* The peer is gone: its socket ended, or (a mailbox lane) it closed its side. */
+static bool peer_ended(td__lane *l) {
+  return __atomic_load_n(&l->eof, __ATOMIC_ACQUIRE) ||
+         (l->mbox && (__atomic_load_n(&l->rx->producer_gone, __ATOMIC_ACQUIRE) ||
+                      __atomic_load_n(&l->tx->consumer_gone, __ATOMIC_ACQUIRE)));
+}
+
+static void wake_sock(td__lanes *ls);
+
 /* Reads what the peer wrote; true when something was consumed. rx_mu held. */
 static bool poll_rx(td__lane *l) {
   if (!__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) || __atomic_load_n(&l->failed, __ATOMIC_ACQUIRE) ||
       __atomic_load_n(&l->rx_paused, __ATOMIC_ACQUIRE))
     return false;
-  /* a dialled lane whose peer closed its socket: what it wrote before is read first */
-  bool eof = __atomic_load_n(&l->eof, __ATOMIC_ACQUIRE);
+  /* a dialled lane whose peer closed its socket (a mailbox lane: its side, or its process
+   * ended): what it wrote before is read first */
+  bool eof = peer_ended(l);
   if (eof && td__ring_readable(l->rx, l->rx_head) == 0) {
     char why[120];
     snprintf(why, sizeof why, "rank %d closed the lane (its process ended or closed it)", l->peer);
@@ -1110,7 +1189,7 @@ static bool lane_work(td__lane *l) {
   if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) return true;
   if (__atomic_load_n(&l->rx_on, __ATOMIC_ACQUIRE) && !__atomic_load_n(&l->failed, __ATOMIC_ACQUIRE) &&
       !__atomic_load_n(&l->rx_paused, __ATOMIC_ACQUIRE) &&
-      (td__ring_readable(l->rx, l->rx_head) != 0 || __atomic_load_n(&l->eof, __ATOMIC_ACQUIRE)))
+      (td__ring_readable(l->rx, l->rx_head) != 0 || peer_ended(l)))
     return true;
   return __atomic_load_n(&l->qlen, __ATOMIC_ACQUIRE) && __atomic_load_n(&l->tx_on, __ATOMIC_ACQUIRE) &&
          td__ring_writable(l->tx, l->tx_tail) != 0;
@@ -1120,6 +1199,8 @@ static bool lane_work(td__lane *l) {
  * without a slot with work, or a lane with frames queued whose ring has room; else every lane. */
 static bool has_work(td__lanes *ls) {
   if (__atomic_load_n(&ls->gen, __ATOMIC_ACQUIRE) != ls->set_gen) return true;
+  mbox_hdr *mh = mbox_live(ls);
+  if (mh && __atomic_load_n(&mh->knocks, __ATOMIC_ACQUIRE) != ls->knocks_lt) return true;
   if (ls->hints) {
     uint64_t *h = hint_words(ls->bell);
     for (int w = 0; w < (ls->nby + 63) / 64; w++)
@@ -1259,6 +1340,15 @@ static void release_drops(td__lane *drop) {
  * frames queued, and over every lane again at least every FULL_PASS_NS. */
 static bool pass(td__lanes *ls, td__lane **drop) {
   if (__atomic_load_n(&ls->gen, __ATOMIC_ACQUIRE) != ls->set_gen) refresh(ls, drop);
+  mbox_hdr *mh = mbox_live(ls);
+  if (mh) {
+    /* a peer knocked on our mailbox: the socket thread makes our side of its lane */
+    uint32_t k = __atomic_load_n(&mh->knocks, __ATOMIC_ACQUIRE);
+    if (k != ls->knocks_lt) {
+      ls->knocks_lt = k;
+      wake_sock(ls);
+    }
+  }
   bool busy = false;
   if (ls->o.burst) ls->o.burst(ls->o.refused_ud, false);
   bool full = !ls->hints;
@@ -1780,6 +1870,12 @@ static void dial_event(td__lanes *ls, td__lane *l, uint32_t events) {
     sock_drop(ls, l); /* closed by this side (or its handshake failed) */
     return;
   }
+  if (l->mbox) { /* its pidfd: the peer's process ended */
+    __atomic_store_n(&l->eof, true, __ATOMIC_RELEASE);
+    hint_self(l); /* the lane thread reads what is left, then closes it */
+    sock_drop(ls, l);
+    return;
+  }
   for (;;) {
     int d = l->dial;
     size_t want = d == D_S_HELLO ? TD__HS_HELLO_LEN
@@ -1870,9 +1966,34 @@ static void dial_event(td__lanes *ls, td__lane *l, uint32_t events) {
 static void keepalive_round(td__lanes *ls, uint64_t now) {
   if (ls->ka_ns <= 0 || now - ls->ka_round_ns < (uint64_t)ls->ka_ns / 2) return;
   ls->ka_round_ns = now;
+  mbox_hdr *mh = mbox_live(ls);
+  if (mh) __atomic_add_fetch(&mh->beat, 1, __ATOMIC_RELEASE); /* our answer to every ping */
   for (td__lane *l = ls->reg, *n; l; l = n) {
     n = l->reg_next;
     if (l->dial != D_UP || __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) continue;
+    if (l->mbox) {
+      /* no socket to ping: the peer's socket thread bumps its beat every round of its own, so
+       * a beat that has not moved for kt_ns since we sent frames is a ping unanswered */
+      mbox_hdr *ph = (mbox_hdr *)l->mb_hdr;
+      if (!__atomic_load_n(&ph->ka_ms, __ATOMIC_ACQUIRE)) continue; /* it keeps no beat */
+      uint64_t beat = __atomic_load_n(&ph->beat, __ATOMIC_ACQUIRE);
+      if (l->ping_ns && beat != l->beat_seen) l->ping_ns = 0;
+      if (l->ping_ns && now - l->ping_ns > (uint64_t)ls->kt_ns) {
+        char why[200];
+        snprintf(why, sizeof why, "keepalive: rank %d did not answer on its mailbox lane within "
+                 "%lld ms (stopped or hung)", l->peer, (long long)(ls->kt_ns / 1000000));
+        lane_fail(l, why);
+        sock_drop(ls, l);
+        continue;
+      }
+      uint64_t sent = __atomic_load_n(&l->tx_frames, __ATOMIC_RELAXED);
+      if (!l->ping_ns && sent != l->ping_mark) {
+        l->ping_mark = sent;
+        l->beat_seen = beat;
+        l->ping_ns = now;
+      }
+      continue;
+    }
     if (l->ping_ns && now - l->ping_ns > (uint64_t)ls->kt_ns) {
       char why[200];
       snprintf(why, sizeof why, "keepalive: rank %d did not answer a ping on its lane within "
@@ -1892,12 +2013,282 @@ static void keepalive_round(td__lanes *ls, uint64_t now) {
 /* Handshakes past their deadline fail (socket thread). */
 static void dial_sweep(td__lanes *ls, uint64_t now) {
   keepalive_round(ls, now);
+  for (td__lane *l = ls->reg, *n; l; l = n) { /* (a closed mailbox lane has no socket event) */
+    n = l->reg_next;
+    if (l->mbox && __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) sock_drop(ls, l);
+  }
   for (td__lane *l = ls->hs, *n; l; l = n) {
     n = l->hs_next;
     if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) sock_drop(ls, l);
     else if (l->dial != D_UP && now - l->born_ns > (uint64_t)dial_deadline_ns(ls))
       dial_fail(ls, l, "the handshake did not finish in time");
   }
+}
+
+/* ---- mailbox lanes (lane.h) ----
+ *
+ * A lane with no set-up between the two processes: each process's arena has a slot (a ring) for
+ * every rank, and a pair's lane is its two slots, ours in the peer's arena (we write) and the
+ * peer's in ours (we read). A process reaches a peer's arena and doorbell with pidfd_getfd, which
+ * the kernel allows only where it also allows ptrace attach and process_vm_writev (the access
+ * under which the peer's memory is ours to write anyway), so the slots need no secret: the
+ * descriptors' numbers come from the peer's same-host record (the authenticated store), and the
+ * arena must carry the nonce of that record (a recycled pid finds another process). A sender
+ * maps the arena's header page and its own slot, sets its bit in the knock bitmap, bumps the
+ * knock count and rings the doorbell; the owner's lane thread sees the count move and wakes the
+ * socket thread, which makes the owner's side of every lane knocked for (it maps the sender's
+ * arena in turn). Frames written before that wait in the slot. One lane per rank and process,
+ * made once: a mailbox lane that ended is not made again (the pair dials a lane, or uses gRPC).
+ * Its end: the peer's process exits (its pidfd, watched by the socket thread), or either side
+ * closes it (both rings' gone flags, then a ring of the bell); a stopped or hung peer is found
+ * by the owner's beat (mbox_hdr.beat), which its socket thread bumps every keepalive round. */
+
+static int sys_pidfd_open(int pid) { return (int)syscall(SYS_pidfd_open, pid, 0); }
+static int sys_pidfd_getfd(int pidfd, int fd) { return (int)syscall(SYS_pidfd_getfd, pidfd, fd, 0); }
+
+/* The peer's arena, checked and mapped: its header page and our slot. NULL on success. */
+static const char *mbox_map_peer(td__lanes *ls, int pfd, int rank, uint8_t **hdr, uint8_t **slot,
+                                 uint8_t **bell) {
+  int *bo = __atomic_load_n(&ls->mb_bell_of, __ATOMIC_ACQUIRE);
+  int *ao = __atomic_load_n(&ls->mb_arena_of, __ATOMIC_ACQUIRE);
+  uint64_t *no = __atomic_load_n(&ls->nonce_of, __ATOMIC_ACQUIRE);
+  const char *why = NULL;
+  int bfd = sys_pidfd_getfd(pfd, bo[rank]);
+  int afd = bfd >= 0 ? sys_pidfd_getfd(pfd, ao[rank]) : -1;
+  struct stat sb;
+  size_t want = MBOX_HDR + (size_t)ls->arena_world * MBOX_SLOT;
+  if (bfd < 0 || afd < 0) why = "cannot take its descriptors (no ptrace access to it)";
+  else if (fstat(afd, &sb) != 0 || !S_ISREG(sb.st_mode) || (uint64_t)sb.st_size != want)
+    why = "its arena has the wrong kind or size";
+  else if ((fcntl(afd, F_GET_SEALS) & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+    why = "its arena is not sealed against resizing";
+  if (!why) {
+    void *h = mmap(NULL, MBOX_HDR, PROT_READ | PROT_WRITE, MAP_SHARED, afd, 0);
+    void *s = h == MAP_FAILED ? MAP_FAILED
+                              : mmap(NULL, MBOX_SLOT, PROT_READ | PROT_WRITE, MAP_SHARED, afd,
+                                     (off_t)mbox_slot_off(ls->self_rank));
+    if (h == MAP_FAILED || s == MAP_FAILED) {
+      if (h != MAP_FAILED) munmap(h, MBOX_HDR);
+      why = "cannot map its arena";
+    } else {
+      *hdr = h;
+      *slot = s;
+      mbox_hdr *mh = h;
+      if (memcmp(mh->magic, MBOX_MAGIC, sizeof MBOX_MAGIC) != 0 || !no ||
+          __atomic_load_n(&mh->nonce, __ATOMIC_ACQUIRE) != no[rank] ||
+          mh->world != (uint32_t)ls->arena_world)
+        why = "its arena is not the one its record names";
+    }
+  }
+  if (!why && !(*bell = map_received(bfd, BELL_BYTES, &why))) why = why ? why : "no doorbell";
+  if (why && *hdr) {
+    munmap(*hdr, MBOX_HDR);
+    munmap(*slot, MBOX_SLOT);
+    *hdr = *slot = NULL;
+  }
+  if (bfd >= 0) close(bfd);
+  if (afd >= 0) close(afd);
+  return why;
+}
+
+/* Makes the mailbox lane with rank (mbox_mu held). NULL on success. */
+static const char *mbox_make(td__lanes *ls, int rank) {
+  mbox_hdr *me = mbox_live(ls);
+  int pid = pid_for(ls, rank);
+  if (!me || pid <= 0 || rank == ls->self_rank || rank >= ls->arena_world)
+    return "no mailbox on this host";
+  int pfd = sys_pidfd_open(pid);
+  if (pfd < 0) return "cannot open its process";
+  uint8_t *hdr = NULL, *slot = NULL, *bell = NULL;
+  const char *why = mbox_map_peer(ls, pfd, rank, &hdr, &slot, &bell);
+  td__lane *l = why ? NULL : lane_new(ls, rank, false, NULL, NULL);
+  if (!why && !l) why = "out of memory";
+  if (why) {
+    if (hdr) munmap(hdr, MBOX_HDR);
+    if (slot) munmap(slot, MBOX_SLOT);
+    if (bell) munmap(bell, BELL_BYTES);
+    close(pfd);
+    /* a sender whose frames wait in our slot for a lane we cannot make learns it: its lane sees
+     * the consumer gone at its next read of it */
+    td__ring_ctl *rx = (td__ring_ctl *)((uint8_t *)me + mbox_slot_off(rank));
+    if (me && rank >= 0 && rank < ls->arena_world && rank != ls->self_rank)
+      __atomic_store_n(&rx->consumer_gone, 1, __ATOMIC_RELEASE);
+    return why;
+  }
+  l->direct = l->mbox = true;
+  l->born_ns = td__now_ns();
+  l->sock = pfd;
+  l->mb_hdr = hdr;
+  l->mb_slot = slot;
+  l->peer_bell = (uint32_t *)bell;
+  l->rx = (td__ring_ctl *)((uint8_t *)me + mbox_slot_off(rank));
+  l->rx_data = (uint8_t *)l->rx + RING_OFF;
+  l->tx = (td__ring_ctl *)slot;
+  l->tx_data = slot + RING_OFF;
+  l->dial = D_UP;
+  l->state = L_ACCEPTED;
+  td__decoder *dec = NULL;
+  void *ud = NULL;
+  if (!ls->o.dialed || ls->o.dialed(ls->o.refused_ud, l, rank, &dec, &ud) != TD_OK) {
+    td__lane_unref(l); /* (unmaps, closes the pidfd) */
+    return "the transport cannot take the lane";
+  }
+  l->dec = dec;
+  l->ud = ud;
+  /* direct copy settled per pair (opts.probe): taking the peer's descriptors needed the access
+   * that reading its memory needs; its knock (mbox_discover) tells that it reads ours */
+  if (ls->o.probe) ls->o.probe(ls->o.refused_ud, rank);
+  __atomic_add_fetch(&ls->ndirect, 1, __ATOMIC_RELAXED);
+  lanes_add(ls, l); /* (its slot in our hints, published in both rings) */
+  __atomic_store_n(&l->tx_on, true, __ATOMIC_RELEASE);
+  __atomic_store_n(&l->rx_on, true, __ATOMIC_RELEASE);
+  count_up(l);
+  ls->mbox_lane[rank] = td__lane_ref(l);
+  /* knock: the peer makes its side (a no-op when it has, or makes it now) */
+  mbox_hdr *ph = (mbox_hdr *)hdr;
+  int me_rank = ls->self_rank;
+  __atomic_fetch_or(&mbox_bits(hdr)[me_rank / 64], 1ull << (me_rank % 64), __ATOMIC_SEQ_CST);
+  __atomic_add_fetch(&ph->knocks, 1, __ATOMIC_SEQ_CST);
+  ring_bell(l->peer_bell);
+  pthread_mutex_lock(&ls->mu);
+  l->dq_next = ls->mbq;
+  ls->mbq = l; /* the lane's own reference moves to the socket thread's queue */
+  pthread_mutex_unlock(&ls->mu);
+  wake_sock(ls);
+  __atomic_add_fetch(&ls->gen, 1, __ATOMIC_RELEASE);
+  kick_self(ls);
+  return NULL;
+}
+
+/* The mailbox lane with rank, made when there is none yet (any thread but one holding the
+ * transport's locks); *owner (unless NULL): grab(its owner), NULL when it has none now. */
+static td_status mbox_get(td__lanes *ls, int rank, void *(*grab)(void *), void **owner) {
+  if (owner) *owner = NULL;
+  if (!mbox_live(ls) || rank < 0 || rank >= ls->arena_world || rank == ls->self_rank)
+    return td_set_error(TD_ERR_UNAVAILABLE, "no mailbox lane to rank %d", rank);
+  pthread_mutex_lock(&ls->mbox_mu);
+  td__lane *l = ls->mbox_lane[rank];
+  if (l && __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) ls->mbox_dead[rank] = 1;
+  const char *why = ls->mbox_dead[rank] ? "it ended" : NULL;
+  if (!why && !l) {
+    why = mbox_make(ls, rank);
+    if (why) ls->mbox_dead[rank] = 1;
+    if (why) td_log(TD_LOG_DEBUG, "rpc: no mailbox lane with rank %d: %s", rank, why);
+  }
+  l = ls->mbox_lane[rank];
+  if (!why && owner && l && l->ud) *owner = grab(l->ud);
+  pthread_mutex_unlock(&ls->mbox_mu);
+  if (why) return td_set_error(TD_ERR_UNAVAILABLE, "no mailbox lane to rank %d: %s", rank, why);
+  return TD_OK;
+}
+
+/* Mailbox lanes made since the last round: their peers' pidfds are watched (socket thread). */
+static void mbox_watch(td__lanes *ls) {
+  pthread_mutex_lock(&ls->mu);
+  td__lane *q = ls->mbq;
+  ls->mbq = NULL;
+  pthread_mutex_unlock(&ls->mu);
+  while (q) {
+    td__lane *l = q;
+    q = l->dq_next;
+    if (__atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) {
+      sock_drop(ls, l);
+      continue;
+    }
+    sock_register(ls, l);
+    hs_leave(ls, l); /* (no handshake) */
+  }
+}
+
+/* Peers knocked: our side of their lanes (socket thread). Bits are taken before their lanes are
+ * made; a knock counted after the count was read brings the thread back. */
+static void mbox_discover(td__lanes *ls) {
+  mbox_hdr *me = mbox_live(ls);
+  if (!me) return;
+  uint32_t k = __atomic_load_n(&me->knocks, __ATOMIC_ACQUIRE);
+  if (k == ls->knocks_st) return;
+  ls->knocks_st = k;
+  uint64_t *bits = mbox_bits((uint8_t *)me);
+  for (int w = 0; w < (ls->arena_world + 63) / 64; w++) {
+    if (!__atomic_load_n(&bits[w], __ATOMIC_RELAXED)) continue;
+    uint64_t b = __atomic_exchange_n(&bits[w], 0, __ATOMIC_SEQ_CST);
+    while (b) {
+      int r = w * 64 + __builtin_ctzll(b);
+      b &= b - 1;
+      if (r < ls->arena_world && r != ls->self_rank && mbox_get(ls, r, NULL, NULL) == TD_OK &&
+          ls->o.peer_reads)
+        ls->o.peer_reads(ls->o.refused_ud, r); /* it took our descriptors */
+    }
+  }
+}
+
+td_status td__lanes_mbox_open(td__lanes *ls, int world, uint64_t nonce, int *bell_fd,
+                              int *arena_fd) {
+  *bell_fd = *arena_fd = -1;
+  if (!ls || world < 2 || world > MBOX_MAX_WORLD || ls->arena)
+    return td_set_error(TD_ERR_UNAVAILABLE, "rpc lane: no mailbox for a group of %d", world);
+  size_t n = MBOX_HDR + (size_t)world * MBOX_SLOT;
+  uint8_t *map = NULL;
+  int fd = sealed_memfd("tdist-mailbox", n, &map);
+  if (fd < 0) return td_set_error(TD_ERR_UNAVAILABLE, "rpc lane: cannot create the mailbox");
+  ls->mbox_lane = td__calloc((size_t)world, sizeof *ls->mbox_lane);
+  ls->mbox_dead = td__calloc((size_t)world, 1);
+  if (!ls->mbox_lane || !ls->mbox_dead) {
+    munmap(map, n);
+    close(fd);
+    return td_set_error(TD_ERR_NOMEM, "rpc lane: out of memory");
+  }
+  mbox_hdr *h = (mbox_hdr *)map;
+  memcpy(h->magic, MBOX_MAGIC, sizeof MBOX_MAGIC);
+  h->nonce = nonce;
+  h->world = (uint32_t)world;
+  h->slot_bytes = (uint32_t)MBOX_SLOT;
+  ls->arena = map;
+  ls->arena_fd = fd;
+  ls->arena_bytes = n;
+  ls->arena_world = world;
+  *bell_fd = ls->bell_fd;
+  *arena_fd = fd;
+  return TD_OK;
+}
+
+td_status td__lanes_set_mbox(td__lanes *ls, const int *bell_fd_of, const int *arena_fd_of,
+                             int world) {
+  if (!ls || !ls->arena || world != ls->arena_world || !td__lanes_dialing(ls) ||
+      __atomic_load_n(&ls->mbox_on, __ATOMIC_ACQUIRE))
+    return TD_OK;
+  int *b = td__calloc((size_t)world, sizeof *b), *a = td__calloc((size_t)world, sizeof *a);
+  if (!b || !a) {
+    td__free(b);
+    td__free(a);
+    return td_set_error(TD_ERR_NOMEM, "rpc lane: out of memory");
+  }
+  memcpy(b, bell_fd_of, (size_t)world * sizeof *b);
+  memcpy(a, arena_fd_of, (size_t)world * sizeof *a);
+  ((mbox_hdr *)ls->arena)->ka_ms = (uint32_t)(ls->ka_ns / 1000000);
+  __atomic_store_n(&ls->mb_bell_of, b, __ATOMIC_RELEASE);
+  __atomic_store_n(&ls->mb_arena_of, a, __ATOMIC_RELEASE);
+  __atomic_store_n(&ls->mbox_on, true, __ATOMIC_RELEASE);
+  wake_sock(ls); /* (knocks that came before) */
+  kick_self(ls);
+  return TD_OK;
+}
+
+bool td__lanes_can_mbox(td__lanes *ls, int rank) {
+  if (!ls || !mbox_live(ls) || rank < 0 || rank >= ls->arena_world || rank == ls->self_rank)
+    return false;
+  int *ao = __atomic_load_n(&ls->mb_arena_of, __ATOMIC_ACQUIRE);
+  return ao && ao[rank] >= 0 && pid_for(ls, rank) > 0;
+}
+
+td_status td__lanes_mbox(td__lanes *ls, int rank, void *(*grab)(void *), void **owner) {
+  return mbox_get(ls, rank, grab, owner);
+}
+
+bool td__lane_is_mbox(const td__lane *l) { return l && l->mbox; }
+
+int td__lanes_mboxes(const td__lanes *ls) {
+  return ls ? __atomic_load_n(&ls->mbox_up, __ATOMIC_RELAXED) : 0;
 }
 
 #define SWEEP_NS 200000000ull /* the socket thread's sweeps, at most this often */
@@ -1939,6 +2330,8 @@ static void *sock_main(void *arg) {
       sock_register(ls, l);
       dial_event(ls, l, 0); /* the answer may be there already */
     }
+    mbox_watch(ls);
+    mbox_discover(ls);
     for (int i = 0; i < n; i++) {
       void *p = ev[i].data.ptr;
       if (p == &ls->dial_fd) {
@@ -1965,6 +2358,15 @@ static void *sock_main(void *arg) {
   pthread_mutex_lock(&ls->mu);
   td__lane *q = ls->dialq;
   ls->dialq = NULL;
+  pthread_mutex_unlock(&ls->mu);
+  while (q) {
+    td__lane *l = q;
+    q = l->dq_next;
+    sock_drop(ls, l);
+  }
+  pthread_mutex_lock(&ls->mu);
+  q = ls->mbq;
+  ls->mbq = NULL;
   pthread_mutex_unlock(&ls->mu);
   while (q) {
     td__lane *l = q;
@@ -2051,9 +2453,10 @@ td_status td__lanes_create(const td__lanes_opts *o, td__lanes **out) {
   if (!ls) return td_set_error(TD_ERR_NOMEM, "rpc lane: out of memory");
   ls->o = *o;
   ls->listen_fd = ls->bell_fd = -1;
-  ls->dial_fd = ls->ep = ls->wake_fd = -1;
+  ls->dial_fd = ls->ep = ls->wake_fd = ls->arena_fd = -1;
   ls->set_gen = (uint32_t)-1;
   pthread_mutex_init(&ls->mu, NULL);
+  pthread_mutex_init(&ls->mbox_mu, NULL);
   pthread_mutex_init(&ls->rx_mu, NULL);
   const char *why = NULL;
   uint8_t *bell = NULL;
@@ -2158,11 +2561,19 @@ void td__lanes_destroy(td__lanes *ls) {
   if (ls->bell) munmap(ls->bell, BELL_BYTES);
   if (ls->bell_fd >= 0) close(ls->bell_fd);
   td__free(ls->pid_of);
+  for (int r = 0; ls->mbox_lane && r < ls->arena_world; r++) td__lane_unref(ls->mbox_lane[r]);
+  td__free(ls->mbox_lane);
+  td__free(ls->mbox_dead);
+  td__free(ls->mb_bell_of);
+  td__free(ls->mb_arena_of);
+  if (ls->arena) munmap(ls->arena, ls->arena_bytes);
+  if (ls->arena_fd >= 0) close(ls->arena_fd);
   pthread_mutex_lock(&ls->rx_mu);
   for (int i = 0; i < ls->nset; i++) td__lane_unref(ls->set[i]);
   td__free(ls->set);
   pthread_mutex_unlock(&ls->rx_mu);
   pthread_mutex_destroy(&ls->rx_mu);
+  pthread_mutex_destroy(&ls->mbox_mu);
   pthread_mutex_destroy(&ls->mu);
   td__free(ls);
 }

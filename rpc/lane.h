@@ -133,6 +133,27 @@ td_status td__lanes_listen_dial(td__lanes *ls, int self_rank, const struct td__a
                                 int64_t handshake_ms, int64_t ka_ms, int64_t kt_ms);
 /* Whether this process dials lanes (its dial socket listens). */
 bool td__lanes_dialing(const td__lanes *ls);
+/* Mailbox lanes (rpc/lane.c has the design): a lane with no handshake, through slots of the two
+ * processes' arenas, where this process may take the peer's descriptors (pidfd_getfd: the
+ * kernel's ptrace-attach check). td__lanes_mbox_open creates this process's arena (a group of
+ * world ranks) and gives the descriptors its same-host record publishes (its doorbell, its
+ * arena); td__lanes_set_mbox, after td__lanes_listen_dial, takes every rank's (-1: none) and
+ * turns them on. */
+td_status td__lanes_mbox_open(td__lanes *ls, int world, uint64_t nonce, int *bell_fd,
+                              int *arena_fd);
+td_status td__lanes_set_mbox(td__lanes *ls, const int *bell_fd_of, const int *arena_fd_of,
+                             int world);
+/* Whether a mailbox lane may be tried with rank. */
+bool td__lanes_can_mbox(td__lanes *ls, int rank);
+/* Makes sure the mailbox lane with rank exists (made here, or already by either side: its
+ * transport owner came through dialed), and gives *owner = grab(its owner) (NULL when it has
+ * none now); TD_ERR_UNAVAILABLE when it cannot be (once failed or ended, never again). Call
+ * holding none of the transport's locks. */
+td_status td__lanes_mbox(td__lanes *ls, int rank, void *(*grab)(void *), void **owner);
+/* Whether l is a mailbox lane (the two sides' owners tell their directions by rank). */
+bool td__lane_is_mbox(const td__lane *l);
+/* Mailbox lanes up now (counted in td__lanes_dialed too). */
+int td__lanes_mboxes(const td__lanes *ls);
 /* Whether a lane can be dialled to rank (its process on this host, its socket known). */
 bool td__lanes_can_dial(td__lanes *ls, int rank);
 /* Dialled lanes up now. */

@@ -1053,6 +1053,7 @@ static td_status init_agent(const char *name, int rank, int world_size, td_rpc_o
   {
     const char *e = getenv("TD_RPC_LANE_DIAL");
     a->lane_dial = a->lane_on && !(e && strcmp(e, "0") == 0);
+    a->lane_mbox = a->lane_dial && td__mbox_wanted();
   }
   const char *share = getenv("TD_RPC_SHARE_STREAMS");
   a->share_streams = !(share && strcmp(share, "0") == 0);

@@ -144,11 +144,22 @@ int td__transport_direct_readers(td__transport *t);
  * process pid_of[r] (0: never); and a conn to r (td__transport_connect) is a dialled lane, with no
  * gRPC stream at all, at the dial socket named by r's pid and nonce_of[r] (0, or nonce_of NULL:
  * never), this process listening on its own (self_nonce). Once, at init; no-op without lanes.
- * td__transport_lanes_up: the lanes carrying frames now; _dialed: of them, dialled ones. */
+ * mb_bell_of / mb_arena_of (NULL: none): the descriptors rank r's record published for its
+ * mailbox (td__transport_mbox_open; -1: none); where this process has one too, a conn to r is a
+ * mailbox lane first (rpc/lane.h), a dialled lane where that cannot be.
+ * td__transport_lanes_up: the lanes carrying frames now; _dialed: of them, dialled ones (mailbox
+ * lanes included); _mbox: mailbox lanes. */
 td_status td__transport_allow_lane(td__transport *t, const int *pid_of, const uint64_t *nonce_of,
-                                   uint64_t self_nonce, int world);
+                                   uint64_t self_nonce, const int *mb_bell_of,
+                                   const int *mb_arena_of, int world);
 int td__transport_lanes_up(td__transport *t);
 int td__transport_lanes_dialed(td__transport *t);
+int td__transport_lanes_mbox(td__transport *t);
+/* td__transport_mbox_open: this process's mailbox for a group of world ranks (nonce: its
+ * same-host record's); *bell_fd and *arena_fd are the descriptors the record publishes.
+ * TD_ERR_UNAVAILABLE without lanes. Once, at init, before td__transport_allow_lane. */
+td_status td__transport_mbox_open(td__transport *t, int world, uint64_t nonce, int *bell_fd,
+                                  int *arena_fd);
 
 /* td__transport_traffic adds up the traffic with rank (or with every rank when rank < 0) into
  * *out (a td_rpc_traffic). THREAD SAFETY: any thread. */
