@@ -524,12 +524,26 @@ static void live_remove(td__transport *t, td__conn *c) {
     return;
   }
   int peer = td__conn_peer(c);
-  if (peer >= 0 && peer < t->rev_n && t->rev_idx[peer] == c) t->rev_idx[peer] = NULL;
+  bool was_rev = peer >= 0 && peer < t->rev_n && t->rev_idx[peer] == c;
+  if (was_rev) t->rev_idx[peer] = NULL;
   if (c->prev_live) c->prev_live->next_live = c->next_live;
   else t->live = c->next_live;
   if (c->next_live) c->next_live->prev_live = c->prev_live;
   c->next_live = c->prev_live = NULL;
   c->in_live = false;
+  /* another stream the peer opened (a retry, a reconnect) takes its place in the index, so that
+   * reverse_conn needs the index alone: its scan of every live stream, for each peer a worker
+   * first called, cost a 1,024-worker all-to-all a million lock pairs per worker */
+  for (td__conn *o = t->live; was_rev && o; o = o->next_live) {
+    if (o->client || o->peer != peer) continue;
+    pthread_mutex_lock(&o->mu);
+    bool ok = o->auth == AUTH_DONE && !o->closed && !lane_gone(o);
+    pthread_mutex_unlock(&o->mu);
+    if (ok) {
+      t->rev_idx[peer] = o;
+      break;
+    }
+  }
   pthread_mutex_unlock(&t->mu);
   td__conn_unref(c);
 }
@@ -582,13 +596,6 @@ td__conn *td__transport_reverse_conn(td__transport *t, int peer_rank) {
     if (hint->auth == AUTH_DONE && !hint->closed && !lane_gone(hint) && hint->peer == peer_rank)
       found = td__conn_ref(hint);
     pthread_mutex_unlock(&hint->mu);
-  }
-  for (td__conn *c = t->live; c && !found && !t->shutting_down; c = c->next_live) {
-    if (c->client) continue;
-    pthread_mutex_lock(&c->mu);
-    if (c->auth == AUTH_DONE && !c->closed && !lane_gone(c) && c->peer == peer_rank)
-      found = td__conn_ref(c);
-    pthread_mutex_unlock(&c->mu);
   }
   pthread_mutex_unlock(&t->mu);
   return found;

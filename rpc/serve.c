@@ -155,16 +155,17 @@ static void running_remove(request *r) {
 }
 
 int td__serve_running(td_rpc_agent *a, char *buf, size_t n) {
-  uint64_t now = td__now_ns();
   size_t used = 0;
   int count = 0;
   if (n) buf[0] = 0;
   pthread_mutex_lock(&a->run_mu);
+  /* (read under the lock: a handler that started after an earlier read printed 18446744073.7 s) */
+  uint64_t now = td__now_ns();
   for (const request *r = a->running; r; r = r->run_next, count++) {
     if (used + 1 >= n) continue;
     int k = snprintf(buf + used, n - used, "%s'%s' called by %s (rank %d), running %.1f s",
                      count ? "; " : "", r->msg.fn, r->caller, r->msg.from_rank,
-                     (double)(now - r->started_ns) * 1e-9);
+                     (double)(now > r->started_ns ? now - r->started_ns : 0) * 1e-9);
     used = k < 0 ? used : used + (size_t)k >= n ? n - 1 : used + (size_t)k;
   }
   pthread_mutex_unlock(&a->run_mu);

@@ -573,6 +573,109 @@ static void test_lane_dial(void **state) {
   td__lanes_destroy(cli);
 }
 
+/* Mailbox lanes: no handshake between the two; each side reaches the other's arena through
+ * pidfd_getfd (here both ranks are this process). A side that makes its lane knocks; the other
+ * makes its own side from the knock and reads what waited in its slot, in order; the pair has one
+ * lane, made once; closing it ends the other side after what was written before; an arena that
+ * does not carry the nonce of the peer's record is refused. */
+static void *grab_id(void *p) { return p; }
+
+static void mbox_on(td__lanes *a, td__lanes *b, uint64_t nonce_a, uint64_t nonce_b) {
+  int bell[2], arena[2];
+  TD_ASSERT_OK(td__lanes_mbox_open(a, 2, nonce_a, &bell[0], &arena[0]));
+  TD_ASSERT_OK(td__lanes_mbox_open(b, 2, nonce_b, &bell[1], &arena[1]));
+  TD_ASSERT_OK(td__lanes_set_mbox(a, bell, arena, 2));
+  TD_ASSERT_OK(td__lanes_set_mbox(b, bell, arena, 2));
+}
+
+static void test_lane_mailbox(void **state) {
+  (void)state;
+  const char *secret = "a job secret of the group, long enough";
+  dial_watch ds = {.w = {.mu = PTHREAD_MUTEX_INITIALIZER}, .s = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+  dial_watch dc = {.w = {.mu = PTHREAD_MUTEX_INITIALIZER}, .s = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+  td__lanes *srv = dial_lanes(&ds, 1, secret, 500, 0), *cli = dial_lanes(&dc, 0, secret, 500, 0);
+  assert_false(td__lanes_can_mbox(cli, 1)); /* no arenas yet */
+  mbox_on(cli, srv, 0x1111, 0x2222);
+  assert_true(td__lanes_can_mbox(cli, 1));
+  assert_false(td__lanes_can_mbox(cli, 0)); /* itself */
+  void *owner = NULL;
+  TD_ASSERT_OK(td__lanes_mbox(cli, 1, grab_id, &owner));
+  assert_ptr_equal(owner, &dc);
+  assert_int_equal(dw_get(&dc, &dc.naccepted), 1);
+  td__lane *cl = dc.accepted[0];
+  assert_true(td__lane_is_mbox(cl));
+  for (int i = 0; i < 100; i++) {
+    td__frame f = {0};
+    encode((uint64_t)i + 1, i % 10 == 0 ? 70000 : 0, &f); /* some larger than the ring */
+    td__lane_msg m = {.head = f.head, .head_len = f.head_len, .tensors = f.tensors,
+                      .ntensors = f.ntensors};
+    TD_ASSERT_OK(td__lane_send(cl, &m));
+  }
+  POLL(sink_count(&ds.s) == 100);
+  assert_int_equal(sink_count(&ds.s), 100);
+  for (int i = 0; i < 100; i++) assert_int_equal(ds.s.ids[i], (uint64_t)i + 1);
+  assert_int_equal(dw_get(&ds, &ds.naccepted), 1);
+  POLL(td__lanes_mboxes(srv) == 1);
+  assert_int_equal(td__lanes_mboxes(cli), 1);
+  assert_int_equal(td__lanes_mboxes(srv), 1);
+  assert_int_equal(td__lanes_dialed(srv), 1);
+  /* and back through the server's side; asking again finds the one lane on either side */
+  td__frame f = {0};
+  encode(7, 0, &f);
+  td__lane_msg m = {.head = f.head, .head_len = f.head_len};
+  TD_ASSERT_OK(td__lane_send(ds.accepted[0], &m));
+  POLL(sink_count(&dc.s) == 1);
+  assert_int_equal(sink_count(&dc.s), 1);
+  assert_int_equal(dc.s.ids[0], 7);
+  TD_ASSERT_OK(td__lanes_mbox(srv, 0, grab_id, &owner));
+  assert_ptr_equal(owner, &ds);
+  TD_ASSERT_OK(td__lanes_mbox(cli, 1, grab_id, &owner));
+  assert_int_equal(dw_get(&dc, &dc.naccepted), 1);
+  assert_int_equal(dw_get(&ds, &ds.naccepted), 1);
+  /* the client closes after five more frames: the server reads them, then ends once */
+  for (int i = 0; i < 5; i++) {
+    encode(101 + (uint64_t)i, 0, &f);
+    td__lane_msg m2 = {.head = f.head, .head_len = f.head_len};
+    TD_ASSERT_OK(td__lane_send(cl, &m2));
+  }
+  td__lane_close_why(cl, "bye");
+  POLL(dw_get(&ds, &ds.ended) == 1);
+  assert_int_equal(dw_get(&ds, &ds.ended), 1);
+  assert_int_equal(sink_count(&ds.s), 105);
+  assert_non_null(strstr(ds.ended_why, "closed the lane"));
+  POLL(dw_get(&dc, &dc.ended) == 1);
+  assert_non_null(strstr(dc.ended_why, "bye"));
+  TD_ASSERT_STATUS(td__lane_send(cl, &m), TD_ERR_UNAVAILABLE);
+  /* made once: the pair dials a lane from here on */
+  TD_ASSERT_STATUS(td__lanes_mbox(cli, 1, grab_id, &owner), TD_ERR_UNAVAILABLE);
+  TD_ASSERT_STATUS(td__lanes_mbox(srv, 0, grab_id, &owner), TD_ERR_UNAVAILABLE);
+  for (int i = 0; i < ds.naccepted; i++) td__lane_unref(ds.accepted[i]);
+  for (int i = 0; i < dc.naccepted; i++) td__lane_unref(dc.accepted[i]);
+  td__lanes_destroy(srv);
+  td__lanes_destroy(cli);
+
+  /* rank 0's arena carries a nonce its record (0x1111) does not: rank 1 takes nothing from it,
+   * and rank 0's knock finds rank 1 refusing to make its side: rank 0's lane sees it gone */
+  dial_watch es = {.w = {.mu = PTHREAD_MUTEX_INITIALIZER}, .s = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+  dial_watch ec = {.w = {.mu = PTHREAD_MUTEX_INITIALIZER}, .s = {.mu = PTHREAD_MUTEX_INITIALIZER}};
+  srv = dial_lanes(&es, 1, secret, 500, 0);
+  cli = dial_lanes(&ec, 0, secret, 500, 0);
+  mbox_on(cli, srv, 0x9999, 0x2222);
+  TD_ASSERT_STATUS(td__lanes_mbox(srv, 0, grab_id, &owner), TD_ERR_UNAVAILABLE);
+  assert_int_equal(dw_get(&es, &es.naccepted), 0);
+  TD_ASSERT_OK(td__lanes_mbox(cli, 1, grab_id, &owner));
+  encode(1, 0, &f);
+  td__lane_msg m4 = {.head = f.head, .head_len = f.head_len};
+  TD_ASSERT_OK(td__lane_send(ec.accepted[0], &m4));
+  POLL(dw_get(&ec, &ec.ended) == 1);
+  assert_int_equal(dw_get(&ec, &ec.ended), 1);
+  assert_int_equal(sink_count(&es.s), 0);
+  assert_int_equal(dw_get(&es, &es.naccepted), 0);
+  for (int i = 0; i < ec.naccepted; i++) td__lane_unref(ec.accepted[i]);
+  td__lanes_destroy(srv);
+  td__lanes_destroy(cli);
+}
+
 /* Direct copy is settled in a dialled lane's handshake: once the peer proved itself each side
  * probes it and tells it the answer (the client with its PROOF, the server with its doorbell),
  * so each side learns whether the other reads its memory, and nothing else does. */
@@ -809,6 +912,7 @@ int main(void) {
       cmocka_unit_test(test_lane_frames_then_corrupt_ring),
       cmocka_unit_test(test_lane_dial),
       cmocka_unit_test(test_lane_dial_settles_direct_copy),
+      cmocka_unit_test(test_lane_mailbox),
       cmocka_unit_test(test_lane_dial_many_by_hints),
       cmocka_unit_test(test_lane_idle_naps_and_lost_hints),
   };
