@@ -112,6 +112,9 @@ int td_rpc_direct_copy_peers(const td_rpc_agent *a) {
 int td_rpc_shm_lanes(const td_rpc_agent *a) {
   return a && a->tr ? td__transport_lanes_up(a->tr) : 0;
 }
+int td_rpc_mailbox_lanes(const td_rpc_agent *a) {
+  return a && a->tr ? td__transport_lanes_mbox(a->tr) : 0;
+}
 
 td_status td_rpc_set_default_timeout(td_rpc_agent *a, td_timeout_ms t) {
   TD_CHECK_ARG(a && td__timeout_valid(t), "rpc_set_default_timeout: invalid timeout %lld",

@@ -377,6 +377,11 @@ TD_API int td_rpc_direct_copy_peers(const td_rpc_agent *a);
 /* td_rpc_shm_lanes returns how many streams of this worker run over a same-host lane now (both
  * directions switched; td_rpc_options.shm_lane). THREAD SAFETY: any thread. */
 TD_API int td_rpc_shm_lanes(const td_rpc_agent *a);
+/* td_rpc_mailbox_lanes returns how many of them are mailbox lanes: a pair on one host whose
+ * processes may take each other's descriptors (the kernel's ptrace check, as for direct copy)
+ * shares one lane through slots of their mailboxes, with no handshake between them
+ * (TD_RPC_MAILBOX=0 turns them off: the pair dials a lane instead). THREAD SAFETY: any thread. */
+TD_API int td_rpc_mailbox_lanes(const td_rpc_agent *a);
 
 /* Options of one call. Fill with TD_RPC_CALL_OPTS_INIT (or td_rpc_call_opts_init), then set what
  * differs:

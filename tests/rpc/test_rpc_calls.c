@@ -449,6 +449,7 @@ typedef struct lane_case {
   const char *env; /* TD_RPC_SHM_LANE, or NULL */
   bool expect_on;
   const char *dial; /* TD_RPC_LANE_DIAL, or NULL (dialled lanes: no gRPC stream at all) */
+  const char *mbox; /* TD_RPC_MAILBOX, or NULL (mailbox lanes where the kernel allows them) */
 } lane_case;
 
 /* seq(i): TD_RPC_INLINE; fails unless i is one more than the last i it saw from this caller
@@ -477,7 +478,11 @@ static int worker_lane(int rank, int world, const char *method, void *arg) {
   else unsetenv("TD_RPC_SHM_LANE");
   if (k->dial) setenv("TD_RPC_LANE_DIAL", k->dial, 1);
   else unsetenv("TD_RPC_LANE_DIAL");
+  if (k->mbox) setenv("TD_RPC_MAILBOX", k->mbox, 1);
+  else unsetenv("TD_RPC_MAILBOX");
   bool dialled = k->expect_on && !(k->dial && strcmp(k->dial, "0") == 0);
+  /* a mailbox lane: the pair's one lane, whichever side calls first */
+  bool mbox = dialled && !(k->mbox && strcmp(k->mbox, "0") == 0) && siblings_readable();
   td_rpc_options o = td_mp_rpc_options(method, 4);
   o.shm_lane = k->option;
   o.direct_copy = 0; /* every tensor byte goes through the path under test */
@@ -504,6 +509,9 @@ static int worker_lane(int rank, int world, const char *method, void *arg) {
    * up (one or two: a worker whose peer dialled it first may call back on that lane) */
   if (k->expect_on && !dialled) TD_TEST_POLL(td_rpc_shm_lanes(a) == 2, 30);
   if (dialled) TD_TEST_POLL(td_rpc_shm_lanes(a) >= 1, 30);
+  if (mbox) TD_TEST_POLL(td_rpc_mailbox_lanes(a) == 1, 30);
+  MP_CHECK(td_rpc_mailbox_lanes(a) == (mbox ? 1 : 0));
+  if (mbox) MP_CHECK(td_rpc_shm_lanes(a) == 1);
   /* then one call at a time, with tensors from one float to more than the ring holds
    * (256 KiB), which cross it in pieces */
   td_rpc_traffic before;
@@ -561,9 +569,9 @@ static int worker_lane(int rank, int world, const char *method, void *arg) {
 }
 
 static void test_rpc_shm_lane(void **state) {
-  const lane_case cases[] = {{-1, NULL, true, NULL}, {-1, NULL, true, "0"},
-                             {0, NULL, false, NULL}, {-1, "0", false, NULL},
-                             {1, "0", true, NULL}};
+  const lane_case cases[] = {{-1, NULL, true, NULL, NULL}, {-1, NULL, true, NULL, "0"},
+                             {-1, NULL, true, "0", NULL}, {0, NULL, false, NULL, NULL},
+                             {-1, "0", false, NULL, NULL}, {1, "0", true, NULL, NULL}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     TD_MP_RUN(2, worker_lane, (void *)&cases[i], 60);
   }
