@@ -1971,33 +1971,17 @@ static void keepalive_round(td__lanes *ls, uint64_t now) {
   for (td__lane *l = ls->reg, *n; l; l = n) {
     n = l->reg_next;
     if (l->dial != D_UP || __atomic_load_n(&l->state, __ATOMIC_ACQUIRE) == L_CLOSED) continue;
-    if (l->mbox) {
-      /* no socket to ping: the peer's socket thread bumps its beat every round of its own, so
-       * a beat that has not moved for kt_ns since we sent frames is a ping unanswered */
-      mbox_hdr *ph = (mbox_hdr *)l->mb_hdr;
-      if (!__atomic_load_n(&ph->ka_ms, __ATOMIC_ACQUIRE)) continue; /* it keeps no beat */
-      uint64_t beat = __atomic_load_n(&ph->beat, __ATOMIC_ACQUIRE);
-      if (l->ping_ns && beat != l->beat_seen) l->ping_ns = 0;
-      if (l->ping_ns && now - l->ping_ns > (uint64_t)ls->kt_ns) {
-        char why[200];
-        snprintf(why, sizeof why, "keepalive: rank %d did not answer on its mailbox lane within "
-                 "%lld ms (stopped or hung)", l->peer, (long long)(ls->kt_ns / 1000000));
-        lane_fail(l, why);
-        sock_drop(ls, l);
-        continue;
-      }
-      uint64_t sent = __atomic_load_n(&l->tx_frames, __ATOMIC_RELAXED);
-      if (!l->ping_ns && sent != l->ping_mark) {
-        l->ping_mark = sent;
-        l->beat_seen = beat;
-        l->ping_ns = now;
-      }
-      continue;
-    }
+    /* a mailbox lane has no socket to ping: the peer's socket thread bumps its beat every round
+     * of its own, so a beat that has not moved since the "ping" is a ping unanswered */
+    mbox_hdr *ph = l->mbox ? (mbox_hdr *)l->mb_hdr : NULL;
+    if (ph && !__atomic_load_n(&ph->ka_ms, __ATOMIC_ACQUIRE)) continue; /* it keeps no beat */
+    uint64_t beat = ph ? __atomic_load_n(&ph->beat, __ATOMIC_ACQUIRE) : 0;
+    if (ph && l->ping_ns && beat != l->beat_seen) l->ping_ns = 0;
     if (l->ping_ns && now - l->ping_ns > (uint64_t)ls->kt_ns) {
       char why[200];
-      snprintf(why, sizeof why, "keepalive: rank %d did not answer a ping on its lane within "
-               "%lld ms (stopped or hung)", l->peer, (long long)(ls->kt_ns / 1000000));
+      snprintf(why, sizeof why, "keepalive: rank %d did not answer %s within %lld ms (stopped or "
+               "hung)", l->peer, ph ? "on its mailbox lane" : "a ping on its lane",
+               (long long)(ls->kt_ns / 1000000));
       lane_fail(l, why);
       sock_drop(ls, l);
       continue;
@@ -2005,7 +1989,9 @@ static void keepalive_round(td__lanes *ls, uint64_t now) {
     uint64_t sent = __atomic_load_n(&l->tx_frames, __ATOMIC_RELAXED);
     if (!l->ping_ns && sent != l->ping_mark) {
       l->ping_mark = sent;
-      if (send(l->sock, &(uint8_t){KA_PING}, 1, MSG_DONTWAIT | MSG_NOSIGNAL) == 1) l->ping_ns = now;
+      l->beat_seen = beat;
+      if (ph || send(l->sock, &(uint8_t){KA_PING}, 1, MSG_DONTWAIT | MSG_NOSIGNAL) == 1)
+        l->ping_ns = now;
     }
   }
 }

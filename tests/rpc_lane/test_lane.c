@@ -452,6 +452,38 @@ static td__lane *dial_send(td__lanes *cli, dial_watch *dc, int first, int n) {
 
 #define POLL(cond) for (int k_ = 0; k_ < 5000 && !(cond); k_++) usleep(1000)
 
+/* The server's side of a lane sends frame 7: the client (which has read nothing yet) gets it. */
+static void reply_back(td__lane *sl, dial_watch *dc) {
+  td__frame f = {0};
+  encode(7, 0, &f);
+  td__lane_msg m = {.head = f.head, .head_len = f.head_len};
+  TD_ASSERT_OK(td__lane_send(sl, &m));
+  POLL(sink_count(&dc->s) == 1);
+  assert_int_equal(sink_count(&dc->s), 1);
+  assert_int_equal(dc->s.ids[0], 7);
+}
+
+/* The client's lane cl sends frames 101-105 (after 100 the server read) and closes: the server
+ * reads them, then sees the end once; the client's end names its reason; sends are refused. */
+static void close_after_five(td__lane *cl, dial_watch *ds, dial_watch *dc) {
+  td__frame f = {0};
+  for (int i = 0; i < 5; i++) {
+    encode(101 + (uint64_t)i, 0, &f);
+    td__lane_msg m = {.head = f.head, .head_len = f.head_len};
+    TD_ASSERT_OK(td__lane_send(cl, &m));
+  }
+  td__lane_close_why(cl, "bye");
+  POLL(dw_get(ds, &ds->ended) == 1);
+  assert_int_equal(dw_get(ds, &ds->ended), 1);
+  assert_int_equal(sink_count(&ds->s), 105);
+  assert_non_null(strstr(ds->ended_why, "closed the lane"));
+  POLL(dw_get(dc, &dc->ended) == 1);
+  assert_non_null(strstr(dc->ended_why, "bye"));
+  encode(106, 0, &f);
+  td__lane_msg m = {.head = f.head, .head_len = f.head_len};
+  TD_ASSERT_STATUS(td__lane_send(cl, &m), TD_ERR_UNAVAILABLE);
+}
+
 static void test_lane_dial(void **state) {
   (void)state;
   const char *secret = "a job secret of the group, long enough";
@@ -470,30 +502,13 @@ static void test_lane_dial(void **state) {
   assert_int_equal(td__lanes_dialed(srv), 1);
   assert_int_equal(dw_get(&ds, &ds.naccepted), 1);
   /* and back, through the server's side of it */
+  reply_back(ds.accepted[0], &dc);
   td__frame f = {0};
-  encode(7, 0, &f);
-  td__lane_msg m = {.head = f.head, .head_len = f.head_len};
-  TD_ASSERT_OK(td__lane_send(ds.accepted[0], &m));
-  POLL(sink_count(&dc.s) == 1);
-  assert_int_equal(sink_count(&dc.s), 1);
-  assert_int_equal(dc.s.ids[0], 7);
   /* the client closes: the server sees the socket end, reads what was written before it, and
    * reports the end once */
   td__lane *cl2 = dial_send(cli, &dc, 1000, 0);
   POLL(td__lanes_dialed(srv) == 2);
-  for (int i = 0; i < 5; i++) {
-    encode(101 + (uint64_t)i, 0, &f);
-    td__lane_msg m2 = {.head = f.head, .head_len = f.head_len};
-    TD_ASSERT_OK(td__lane_send(cl, &m2));
-  }
-  td__lane_close_why(cl, "bye");
-  POLL(dw_get(&ds, &ds.ended) == 1);
-  assert_int_equal(dw_get(&ds, &ds.ended), 1);
-  assert_int_equal(sink_count(&ds.s), 105);
-  assert_non_null(strstr(ds.ended_why, "closed the lane"));
-  POLL(dw_get(&dc, &dc.ended) == 1);
-  assert_non_null(strstr(dc.ended_why, "bye"));
-  TD_ASSERT_STATUS(td__lane_send(cl, &m), TD_ERR_UNAVAILABLE);
+  close_after_five(cl, &ds, &dc);
   /* the other lane still works */
   encode(8, 0, &f);
   td__lane_msg m3 = {.head = f.head, .head_len = f.head_len};
@@ -620,32 +635,15 @@ static void test_lane_mailbox(void **state) {
   assert_int_equal(td__lanes_mboxes(srv), 1);
   assert_int_equal(td__lanes_dialed(srv), 1);
   /* and back through the server's side; asking again finds the one lane on either side */
+  reply_back(ds.accepted[0], &dc);
   td__frame f = {0};
-  encode(7, 0, &f);
-  td__lane_msg m = {.head = f.head, .head_len = f.head_len};
-  TD_ASSERT_OK(td__lane_send(ds.accepted[0], &m));
-  POLL(sink_count(&dc.s) == 1);
-  assert_int_equal(sink_count(&dc.s), 1);
-  assert_int_equal(dc.s.ids[0], 7);
   TD_ASSERT_OK(td__lanes_mbox(srv, 0, grab_id, &owner));
   assert_ptr_equal(owner, &ds);
   TD_ASSERT_OK(td__lanes_mbox(cli, 1, grab_id, &owner));
   assert_int_equal(dw_get(&dc, &dc.naccepted), 1);
   assert_int_equal(dw_get(&ds, &ds.naccepted), 1);
   /* the client closes after five more frames: the server reads them, then ends once */
-  for (int i = 0; i < 5; i++) {
-    encode(101 + (uint64_t)i, 0, &f);
-    td__lane_msg m2 = {.head = f.head, .head_len = f.head_len};
-    TD_ASSERT_OK(td__lane_send(cl, &m2));
-  }
-  td__lane_close_why(cl, "bye");
-  POLL(dw_get(&ds, &ds.ended) == 1);
-  assert_int_equal(dw_get(&ds, &ds.ended), 1);
-  assert_int_equal(sink_count(&ds.s), 105);
-  assert_non_null(strstr(ds.ended_why, "closed the lane"));
-  POLL(dw_get(&dc, &dc.ended) == 1);
-  assert_non_null(strstr(dc.ended_why, "bye"));
-  TD_ASSERT_STATUS(td__lane_send(cl, &m), TD_ERR_UNAVAILABLE);
+  close_after_five(cl, &ds, &dc);
   /* made once: the pair dials a lane from here on */
   TD_ASSERT_STATUS(td__lanes_mbox(cli, 1, grab_id, &owner), TD_ERR_UNAVAILABLE);
   TD_ASSERT_STATUS(td__lanes_mbox(srv, 0, grab_id, &owner), TD_ERR_UNAVAILABLE);
