@@ -154,6 +154,7 @@ struct td__conn {
   uint64_t retry_at_ns, retry_until_ns;
   struct td__conn *next_live, *prev_live; /* t->live (t->mu) */
   bool in_live;                           /* (t->mu) */
+  bool rev_noted;                         /* counted in t->rev_cnt (t->mu) */
   /* direct-copy frames sent and not yet acknowledged: their tensors stay alive until then */
   td__direct_acks acks;
   /* the same-host lane (lane.h) once offered or joined (c->mu; set on the poller), and its
@@ -245,6 +246,7 @@ struct td__transport {
   td__conn *live; /* conns whose status has not come back */
   td__conn **rev_idx; /* [rev_n]: the latest authenticated server conn of each rank, in live (no
                        * reference; t->mu): td__transport_reverse_conn without a scan */
+  int *rev_cnt; /* [rev_n]: server conns of each rank noted and still live (t->mu) */
   int rev_n;
   td__unary_token *deferred; /* unary calls to be answered later (grpc_unary.c) */
   chan_entry *chans;

@@ -507,13 +507,20 @@ static void rev_note(td__transport *t, td__conn *c) {
   if (peer >= t->rev_n) {
     int n = peer + 1 > 2 * t->rev_n ? peer + 1 : 2 * t->rev_n;
     td__conn **ni = td__realloc(t->rev_idx, (size_t)n * sizeof *ni);
-    if (ni) {
+    if (ni) t->rev_idx = ni;
+    int *nc = ni ? td__realloc(t->rev_cnt, (size_t)n * sizeof *nc) : NULL;
+    if (nc) t->rev_cnt = nc;
+    if (ni && nc) {
       memset(ni + t->rev_n, 0, (size_t)(n - t->rev_n) * sizeof *ni);
-      t->rev_idx = ni;
+      memset(nc + t->rev_n, 0, (size_t)(n - t->rev_n) * sizeof *nc);
       t->rev_n = n;
     }
   }
-  if (peer < t->rev_n && c->in_live) t->rev_idx[peer] = c;
+  if (peer < t->rev_n && c->in_live) {
+    t->rev_idx[peer] = c;
+    if (!c->rev_noted) t->rev_cnt[peer]++;
+    c->rev_noted = true;
+  }
   pthread_mutex_unlock(&t->mu);
 }
 
@@ -526,6 +533,11 @@ static void live_remove(td__transport *t, td__conn *c) {
   int peer = td__conn_peer(c);
   bool was_rev = peer >= 0 && peer < t->rev_n && t->rev_idx[peer] == c;
   if (was_rev) t->rev_idx[peer] = NULL;
+  if (c->rev_noted && peer >= 0 && peer < t->rev_n) t->rev_cnt[peer]--;
+  c->rev_noted = false;
+  /* (only when another of the peer's streams is live: a scan per removed conn made shutting down
+   * a 1,024-worker group's conns cost N^2 again) */
+  was_rev = was_rev && t->rev_cnt[peer] > 0;
   if (c->prev_live) c->prev_live->next_live = c->next_live;
   else t->live = c->next_live;
   if (c->next_live) c->next_live->prev_live = c->prev_live;

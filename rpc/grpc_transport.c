@@ -974,6 +974,7 @@ void td__transport_destroy(td__transport *t) {
   td__free(t->direct_to);
   td__free(t->direct_lazy);
   td__free(t->rev_idx);
+  td__free(t->rev_cnt);
   td__lanes_destroy(t->lanes);
   pthread_mutex_destroy(&t->refusals.mu);
   pthread_mutex_destroy(&t->mu);
