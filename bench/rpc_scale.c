@@ -2,7 +2,7 @@
  * grow with the number of workers, on one machine.
  *
  *   rpc_scale [--worlds 64,128,256] [--sim 64,256,1024] [--threads 2] [--stagger-ms 0]
- *             [--peers K]
+ *             [--peers K] [--inline]
  *
  * Processes (--worlds): N real worker processes on 127.0.0.1 (forked; lightweight: --threads pool
  * threads each). Each inits (td_rpc_init), calls add(rank, peer) on every other worker (async,
@@ -14,6 +14,9 @@
  * transport; --peers K makes each worker call only the K ranks after its own (rank+1 ... rank+K,
  * modulo N; 0, the default, is everyone), a round whose work grows as N, as a pipeline's, a
  * ring's or a parameter server's does: what start-up and shutdown cost, separated from the pairs.
+ * --inline registers add with TD_RPC_INLINE (it runs where its request is decoded, the lane or
+ * poller thread, with no hop to the pool): what the round costs without that wake-up (tdist
+ * only; the PyTorch peer accepts the flag and ignores it, its handlers always run on its pool).
  *
  * Store protocol (--sim): N simulated workers (threads, rpc/store_sim.h) play the rendezvous and
  * the shutdown barrier against the real store server, beyond what the machine can start as
@@ -82,10 +85,10 @@ static td_status fn_add(td_rpc_ctx *c, td_value *const *args, int n, td_value **
 
 static double secs(double a, double b) { return b - a; }
 
-static void worker(int rank, int world, const char *method, int threads, int peers,
+static void worker(int rank, int world, const char *method, int threads, int peers, bool inl,
                    phase_times *out) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);
-  W_CHECK(td_rpc_register("add", fn_add, NULL));
+  W_CHECK(td_rpc_register_ex("add", fn_add, NULL, inl ? TD_RPC_INLINE : 0));
   td_rpc_options o;
   td_rpc_options_init(&o);
   o.init_method = method;
@@ -132,7 +135,7 @@ static void worker(int rank, int world, const char *method, int threads, int pee
 /* Runs one group of world processes; the slowest worker's phase times, the wall time, and the
  * peak resident memory of the largest worker and of all workers together (each worker's peak,
  * summed: an upper bound on the group's footprint), in MiB. */
-static int run_group(int world, int threads, int peers, phase_times *worst, double *wall_s,
+static int run_group(int world, int threads, int peers, bool inl, phase_times *worst, double *wall_s,
                      double *rss_max_mb, double *rss_sum_mb) {
   phase_times *pt = mmap(NULL, (size_t)world * sizeof *pt, PROT_READ | PROT_WRITE,
                          MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -147,7 +150,7 @@ static int run_group(int world, int threads, int peers, phase_times *worst, doub
   double t0 = bench_now_s();
   for (int r = 0; r < world; r++) {
     pid_t p = fork();
-    if (p == 0) worker(r, world, method, threads, peers, &pt[r]);
+    if (p == 0) worker(r, world, method, threads, peers, inl, &pt[r]);
     pids[r] = p;
   }
   int failed = 0;
@@ -189,6 +192,7 @@ static int parse_list(const char *name, const char *s, int *out) {
 
 int main(int argc, char **argv) {
   int worlds[MAX_LIST], sims[MAX_LIST], threads = 2, stagger = 0, peers = 0;
+  bool inl = false;
   int nw = parse_list("--worlds", "64,128,256", worlds);
   int ns = parse_list("--sim", "64,256,1024", sims);
   for (int i = 1; i < argc; i++) {
@@ -198,9 +202,10 @@ int main(int argc, char **argv) {
     else if (strcmp(argv[i], "--threads") == 0) threads = (int)bench_arg_int(argv[i], v), i++;
     else if (strcmp(argv[i], "--stagger-ms") == 0) stagger = (int)bench_arg_int(argv[i], v), i++;
     else if (strcmp(argv[i], "--peers") == 0) peers = (int)bench_arg_int(argv[i], v), i++;
+    else if (strcmp(argv[i], "--inline") == 0) inl = true;
     else {
       fprintf(stderr, "usage: rpc_scale [--worlds N,N,...] [--sim N,N,...] [--threads N] "
-              "[--stagger-ms MS] [--peers K]\n");
+              "[--stagger-ms MS] [--peers K] [--inline]\n");
       return 2;
     }
   }
@@ -215,7 +220,7 @@ int main(int argc, char **argv) {
   for (int i = 0; i < nw; i++) {
     phase_times w = {0};
     double wall = 0, rss_max = 0, rss_sum = 0;
-    int failed = run_group(worlds[i], threads, peers, &w, &wall, &rss_max, &rss_sum);
+    int failed = run_group(worlds[i], threads, peers, inl, &w, &wall, &rss_max, &rss_sum);
     failures += failed != 0;
     fprintf(stderr, "rpc_scale: %d processes: init %.2f s, round %.2f s, shutdown %.2f s, "
             "%.2f s from the first fork to the last exit; peak RSS %.0f MiB per worker at most, "
@@ -275,7 +280,7 @@ int main(int argc, char **argv) {
   }
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   printf("{\"bench\": \"rpc_scale\", \"config\": {\"threads\": %d, \"cpus\": %ld, "
-         "\"stagger_ms\": %d, \"peers\": %d}, \"results\": {\"processes\": [%s], "
-         "\"store_sim\": [%s]}}\n", threads, cpus, stagger, peers, procs, simj);
+         "\"stagger_ms\": %d, \"peers\": %d, \"inline\": %s}, \"results\": {\"processes\": [%s], "
+         "\"store_sim\": [%s]}}\n", threads, cpus, stagger, peers, inl ? "true" : "false", procs, simj);
   return failures ? 1 : 0;
 }

@@ -40,7 +40,12 @@
  * counted as refused. The client checks the listening end the same way (SO_PEERCRED of a
  * connected socket is the listener's), so a squatter on the name gets nothing.
  *
- * Lock order: (the stream's c->mu), then l->txmu; ls->mu is a leaf.
+ * Mailbox lanes (section "mailbox lanes" below) need no hand-over at all: each process has an
+ * arena with a ring slot per rank, and a pair's lane is one slot in each arena, reached with
+ * pidfd_getfd where the kernel's ptrace check allows it.
+ *
+ * Lock order: ls->mbox_mu, then the transport's locks (its dialed callback), (the stream's c->mu),
+ * then l->txmu; ls->mu is a leaf.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* memfd_create, SCM_CREDENTIALS / ucred, accept4 */

@@ -39,6 +39,9 @@
  * gRPC's keepalive ends a stream. One thread per process (the
  * socket thread, epoll) accepts, runs the handshakes and watches the sockets.
  *
+ * Mailbox lanes (td__lanes_mbox): no socket and no handshake either; each process's arena holds a
+ * ring slot per rank, reached with pidfd_getfd (below, and rpc/lane.c).
+ *
  * All in rpc/lane.c. THREAD SAFETY: set-up functions run on the transport's poller thread;
  * td__lane_send from any thread; the decoders' callbacks run on the lane thread, or on a thread
  * about to block in td_future_wait that drives the receive side meanwhile (one at a time).

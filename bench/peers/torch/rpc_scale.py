@@ -83,6 +83,8 @@ def main():
     ap.add_argument("--stagger-ms", type=int, default=0, help="ignored")
     ap.add_argument("--peers", type=int, default=0,
                     help="calls per worker: the K ranks after its own (0: every other worker)")
+    ap.add_argument("--inline", action="store_true",
+                    help="ignored (tdist's TD_RPC_INLINE; PyTorch runs every handler on its pool)")
     args = ap.parse_args()
     results = []
     for w in [int(x) for x in args.worlds.split(",") if x]:
@@ -94,7 +96,7 @@ def main():
         results.append(r)
     print(json.dumps({"bench": "rpc_scale",
                       "config": {"threads": args.threads, "cpus": os.cpu_count(),
-                                 "peers": args.peers,
+                                 "peers": args.peers, "inline": False,
                                  "peer": "torch.distributed.rpc (TensorPipe)"},
                       "results": {"processes": results, "store_sim": []}}))
     return 0 if all(r["ok"] for r in results) else 1
