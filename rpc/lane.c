@@ -2088,22 +2088,21 @@ static const char *mbox_make(td__lanes *ls, int rank) {
   int pid = pid_for(ls, rank);
   if (!me || pid <= 0 || rank == ls->self_rank || rank >= ls->arena_world)
     return "no mailbox on this host";
-  int pfd = sys_pidfd_open(pid);
-  if (pfd < 0) return "cannot open its process";
+  td__ring_ctl *rx = (td__ring_ctl *)((uint8_t *)me + mbox_slot_off(rank));
   uint8_t *hdr = NULL, *slot = NULL, *bell = NULL;
-  const char *why = mbox_map_peer(ls, pfd, rank, &hdr, &slot, &bell);
+  int pfd = sys_pidfd_open(pid);
+  const char *why = pfd < 0 ? "cannot open its process"
+                            : mbox_map_peer(ls, pfd, rank, &hdr, &slot, &bell);
   td__lane *l = why ? NULL : lane_new(ls, rank, false, NULL, NULL);
   if (!why && !l) why = "out of memory";
   if (why) {
     if (hdr) munmap(hdr, MBOX_HDR);
     if (slot) munmap(slot, MBOX_SLOT);
     if (bell) munmap(bell, BELL_BYTES);
-    close(pfd);
+    if (pfd >= 0) close(pfd);
     /* a sender whose frames wait in our slot for a lane we cannot make learns it: its lane sees
      * the consumer gone at its next read of it */
-    td__ring_ctl *rx = (td__ring_ctl *)((uint8_t *)me + mbox_slot_off(rank));
-    if (me && rank >= 0 && rank < ls->arena_world && rank != ls->self_rank)
-      __atomic_store_n(&rx->consumer_gone, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&rx->consumer_gone, 1, __ATOMIC_RELEASE);
     return why;
   }
   l->direct = l->mbox = true;
@@ -2112,8 +2111,8 @@ static const char *mbox_make(td__lanes *ls, int rank) {
   l->mb_hdr = hdr;
   l->mb_slot = slot;
   l->peer_bell = (uint32_t *)bell;
-  l->rx = (td__ring_ctl *)((uint8_t *)me + mbox_slot_off(rank));
-  l->rx_data = (uint8_t *)l->rx + RING_OFF;
+  l->rx = rx;
+  l->rx_data = (uint8_t *)rx + RING_OFF;
   l->tx = (td__ring_ctl *)slot;
   l->tx_data = slot + RING_OFF;
   l->dial = D_UP;
