@@ -86,7 +86,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     case 2: {
       td__auth_sessions *s;
-      FUZZ_CHECK(td__auth_sessions_create(&a, &s) == TD_OK);
+      FUZZ_CHECK(td__auth_sessions_create(&a, 4, &s) == TD_OK);
       body_calls = 0;
       for (int i = 0; i < n; i++) {
         uint8_t *rep = NULL;

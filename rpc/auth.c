@@ -311,20 +311,34 @@ enum { ST_OPEN = 1, ST_OP = 2, ST_UNKNOWN_SESSION = 3 };
 #define REPLY_HEAD 40 /* magic, type, mac */
 #define WINDOW 64
 
+/* A session (slot i of the table): its id carries i in its low SID_SLOT_BITS bits, so finding it
+ * is one index, and the rest is the table's generation count (random at creation, so two servers'
+ * ids differ and a worker that talks to a restarted store is told "unknown session", not "bad
+ * MAC"). Each slot is on one list: free, pending (opened, never used with a valid MAC: all an
+ * outsider can make) or verified, the last two in order of use (most recent first). */
+#define SID_SLOT_BITS 24
+#define SID_SLOT_MASK ((1u << SID_SLOT_BITS) - 1)
+enum { POOL_PENDING, POOL_VERIFIED, POOL_FREE };
+
 typedef struct session {
-  uint64_t sid;
+  uint64_t sid;  /* 0: a free slot */
   uint8_t key[TD__AUTH_KEY];
-  uint64_t top;    /* highest sequence number accepted */
-  uint64_t seen;   /* bit i: top - i was accepted */
-  uint64_t used;   /* last use (clock of the table), 0 = free slot */
-  bool verified;   /* an OP with a valid MAC came on it */
+  uint64_t top;  /* highest sequence number accepted */
+  uint64_t seen; /* bit i: top - i was accepted */
+  int pool, prev, next; /* its list, and its neighbours there (-1: none) */
 } session;
+
+typedef struct pool {
+  int head, tail, n, max;
+} pool;
 
 struct td__auth_sessions {
   const td__auth *auth;
   pthread_mutex_t mu;
-  session tab[TD__AUTH_MAX_SESSIONS];
-  uint64_t clock, next_sid;
+  session *tab;
+  int cap;       /* slots allocated */
+  pool pools[3]; /* POOL_FREE's max: unused */
+  uint64_t gen;
 };
 
 static td_status session_key(const td__auth *a, const uint8_t *nc, const uint8_t *ns, uint64_t sid,
@@ -355,12 +369,26 @@ static td_status op_mac(const td__auth *a, const uint8_t *key, const char *dir, 
   return hmac(key, TD__AUTH_KEY, parts, lens, 3, out);
 }
 
-td_status td__auth_sessions_create(const td__auth *a, td__auth_sessions **out) {
+int td__auth_sessions_members(int group) {
+  int64_t m = 2 * (int64_t)(group > 0 ? group : 0) + 64;
+  if (m < TD__AUTH_MAX_SESSIONS) m = TD__AUTH_MAX_SESSIONS;
+  if (m > (int64_t)SID_SLOT_MASK - TD__AUTH_MAX_SESSIONS) m = SID_SLOT_MASK - TD__AUTH_MAX_SESSIONS;
+  return (int)m;
+}
+
+td_status td__auth_sessions_create(const td__auth *a, int group, td__auth_sessions **out) {
   td__auth_sessions *s = td__calloc(1, sizeof *s);
   if (!s) return td_set_error(TD_ERR_NOMEM, "auth: out of memory");
   s->auth = a;
   pthread_mutex_init(&s->mu, NULL);
-  TD_TRY(td__auth_random(&s->next_sid, sizeof s->next_sid));
+  for (int k = 0; k < 3; k++) s->pools[k] = (pool){.head = -1, .tail = -1};
+  s->pools[POOL_PENDING].max = TD__AUTH_MAX_SESSIONS;
+  s->pools[POOL_VERIFIED].max = td__auth_sessions_members(group);
+  td_status st = td__auth_random(&s->gen, sizeof s->gen);
+  if (st != TD_OK) {
+    td__auth_sessions_destroy(s);
+    return st;
+  }
   *out = s;
   return TD_OK;
 }
@@ -368,28 +396,84 @@ td_status td__auth_sessions_create(const td__auth *a, td__auth_sessions **out) {
 void td__auth_sessions_destroy(td__auth_sessions *s) {
   if (!s) return;
   pthread_mutex_destroy(&s->mu);
-  memset(s->tab, 0, sizeof s->tab);
+  if (s->tab) memset(s->tab, 0, (size_t)s->cap * sizeof *s->tab);
+  td__free(s->tab);
   td__free(s);
 }
 
-/* A slot for a new session: a free one, else the least recently used one, preferring sessions
- * nobody ever used with a valid MAC (an outsider can open sessions, not use them). mu held. */
-static session *session_slot(td__auth_sessions *s) {
-  session *best = NULL;
-  for (int i = 0; i < TD__AUTH_MAX_SESSIONS; i++) {
-    session *e = &s->tab[i];
-    if (!e->used) return e;
-    if (!best || (best->verified && !e->verified) ||
-        (best->verified == e->verified && e->used < best->used))
-      best = e;
+static void list_remove(td__auth_sessions *s, int i) {
+  session *e = &s->tab[i];
+  pool *p = &s->pools[e->pool];
+  if (e->prev >= 0) s->tab[e->prev].next = e->next;
+  else p->head = e->next;
+  if (e->next >= 0) s->tab[e->next].prev = e->prev;
+  else p->tail = e->prev;
+  p->n--;
+  e->prev = e->next = -1;
+}
+
+static void list_push(td__auth_sessions *s, int i, int k) {
+  session *e = &s->tab[i];
+  pool *p = &s->pools[k];
+  e->pool = k;
+  e->prev = -1;
+  e->next = p->head;
+  if (p->head >= 0) s->tab[p->head].prev = i;
+  else p->tail = i;
+  p->head = i;
+  p->n++;
+}
+
+/* Slot i forgets its session and goes to the free list. mu held. */
+static void session_drop(td__auth_sessions *s, int i) {
+  list_remove(s, i);
+  memset(s->tab[i].key, 0, sizeof s->tab[i].key);
+  s->tab[i].sid = 0;
+  list_push(s, i, POOL_FREE);
+}
+
+/* A slot for a new pending session, or -1 (out of memory): a free one, else a new one, except
+ * that a full pending pool gives up its least recently used session. So an outsider, who can
+ * open sessions but not use them, holds at most TD__AUTH_MAX_SESSIONS of them and never
+ * pushes out a member's. mu held. */
+static int session_slot(td__auth_sessions *s) {
+  pool *pend = &s->pools[POOL_PENDING], *fr = &s->pools[POOL_FREE];
+  if (pend->n >= pend->max) session_drop(s, pend->tail);
+  if (fr->n == 0) {
+    int64_t want = s->cap ? 2 * (int64_t)s->cap : 64,
+            most = (int64_t)pend->max + s->pools[POOL_VERIFIED].max;
+    if (want > most) want = most;
+    if (want <= s->cap) return -1; /* (cannot happen: the two pools' bounds) */
+    session *nt = td__realloc(s->tab, (size_t)want * sizeof *nt);
+    if (!nt) return -1;
+    s->tab = nt;
+    for (int i = s->cap; i < (int)want; i++) {
+      memset(&s->tab[i], 0, sizeof s->tab[i]);
+      list_push(s, i, POOL_FREE);
+    }
+    s->cap = (int)want;
   }
-  return best;
+  int i = fr->head;
+  list_remove(s, i);
+  return i;
 }
 
 static session *session_find(td__auth_sessions *s, uint64_t sid) {
-  for (int i = 0; i < TD__AUTH_MAX_SESSIONS; i++)
-    if (s->tab[i].used && s->tab[i].sid == sid) return &s->tab[i];
-  return NULL;
+  uint32_t i = (uint32_t)(sid & SID_SLOT_MASK);
+  if (sid == 0 || i >= (uint32_t)s->cap || s->tab[i].sid != sid) return NULL;
+  return &s->tab[i];
+}
+
+/* Session e was used with a valid MAC: it becomes (or stays) the most recently used verified
+ * one; a full verified pool gives up its least recently used session (a member that comes back
+ * opens a new one). mu held. */
+static void session_touch(td__auth_sessions *s, session *e) {
+  int i = (int)(e - s->tab);
+  pool *ver = &s->pools[POOL_VERIFIED];
+  bool was = e->pool == POOL_VERIFIED;
+  list_remove(s, i);
+  if (!was && ver->n >= ver->max) session_drop(s, ver->tail);
+  list_push(s, i, POOL_VERIFIED);
 }
 
 /* Accepts seq once within the window. mu held. */
@@ -417,11 +501,18 @@ static td_status serve_open(td__auth_sessions *s, const uint8_t *req, size_t len
   uint8_t *out = td__malloc(OPEN_REPLY_LEN);
   if (!out) return td_set_error(TD_ERR_NOMEM, "auth: out of memory");
   pthread_mutex_lock(&s->mu);
-  uint64_t sid = ++s->next_sid;
-  session *e = session_slot(s);
-  memset(e, 0, sizeof *e);
+  int i = session_slot(s);
+  if (i < 0) {
+    pthread_mutex_unlock(&s->mu);
+    td__free(out);
+    return td_set_error(TD_ERR_NOMEM, "auth: out of memory");
+  }
+  uint64_t sid;
+  do sid = (++s->gen << SID_SLOT_BITS) | (uint64_t)i; while (sid == 0);
+  session *e = &s->tab[i];
   e->sid = sid;
-  e->used = ++s->clock;
+  e->top = e->seen = 0;
+  list_push(s, i, POOL_PENDING);
   td_status st = session_key(s->auth, nc, ns, sid, "tdist/1 store session", e->key);
   pthread_mutex_unlock(&s->mu);
   td__put_u32(out, MAGIC_STORE);
@@ -476,10 +567,7 @@ td_status td__auth_store_serve(td__auth_sessions *s, const uint8_t *req, size_t 
   pthread_mutex_lock(&s->mu);
   e = session_find(s, sid);
   bool fresh = e && window_accept(e, seq);
-  if (fresh) {
-    e->verified = true;
-    e->used = ++s->clock;
-  }
+  if (fresh) session_touch(s, e);
   pthread_mutex_unlock(&s->mu);
   if (!fresh) return td_set_error(TD_ERR_AUTH, "auth: store request replayed or too old");
   uint8_t *body_reply = NULL;

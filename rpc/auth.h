@@ -33,7 +33,12 @@
  * with the same sequence number, so a worker also knows the store is the group's:
  *   OP         "TDS1" 2 0 0 0  sid seq  HMAC(Ks, "req" | sid | seq | body)  body
  *   reply      "TDS1" 2 0 0 0  HMAC(Ks, "rep" | sid | seq | body)  body
- * A server keeps at most TD__AUTH_MAX_SESSIONS sessions (the least recently used go first).
+ * A server keeps at most TD__AUTH_MAX_SESSIONS sessions that were never used with a valid MAC
+ * (all an outsider can open: the least recently opened go first, and never a member's) and at
+ * most td__auth_sessions_members(group) used ones (twice the group, at least
+ * TD__AUTH_MAX_SESSIONS: the least recently used go first, and a member that comes back opens a
+ * new one). A group larger than a fixed table made its members push each other out ("the store
+ * keeps forgetting this worker's session" at 4,096 simulated workers).
  *
  * Insecure mode (no secret, explicitly allowed): the same messages with all-zero MACs, unchecked:
  * ranks are still taken from the handshake. A secure and an insecure worker refuse each other
@@ -125,7 +130,10 @@ td_status td__hs_server_proof(td__hs *h, const uint8_t *in, size_t n, int *peer_
 
 /* ---- store sessions, server side ---- */
 typedef struct td__auth_sessions td__auth_sessions;
-td_status td__auth_sessions_create(const td__auth *a, td__auth_sessions **out);
+/* group: the most workers the store serves (its max world size), which bounds the sessions in
+ * use that it keeps. */
+td_status td__auth_sessions_create(const td__auth *a, int group, td__auth_sessions **out);
+int td__auth_sessions_members(int group);
 void td__auth_sessions_destroy(td__auth_sessions *s);
 /* td__auth_store_serve handles one store call: an OPEN is answered here; an OP is verified and
  * its body passed to handle (its reply is then MAC'd). *reply is td__malloc'd. Fails with

@@ -1005,7 +1005,7 @@ static td_status init_auth(td_rpc_agent *a, const td_rpc_options *o) {
   if (st != TD_OK) return st;
   td__auth_client_init(&a->store_auth, &a->auth);
   a->sc.auth = &a->store_auth;
-  if (a->rank == 0) TD_TRY(td__auth_sessions_create(&a->auth, &a->sessions));
+  if (a->rank == 0) TD_TRY(td__auth_sessions_create(&a->auth, a->world, &a->sessions));
   return TD_OK;
 }
 

@@ -386,7 +386,7 @@ td_status td__store_sim_run(const td__store_sim_opts *o, td__store_sim_result *o
   for (int i = 0; i < 32; i++) snprintf(secret + 2 * i, 3, "%02x", rnd[i]);
   if (st == TD_OK) st = td__auth_init(&s.auth, secret, 64);
   if (st == TD_OK) st = td__store_create(&s.store);
-  if (st == TD_OK) st = td__auth_sessions_create(&s.auth, &s.sessions);
+  if (st == TD_OK) st = td__auth_sessions_create(&s.auth, o->world, &s.sessions);
   char ws[32];
   int n = snprintf(ws, sizeof ws, "%d", o->world);
   if (st == TD_OK) st = td__store_local_set(s.store, "world_size", ws, (size_t)n);

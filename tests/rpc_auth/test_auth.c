@@ -235,7 +235,7 @@ static void test_auth_store_session_round_trip_and_replay(void **state) {
   td__auth a;
   TD_ASSERT_OK(td__auth_init(&a, S1, strlen(S1)));
   net n = {.tamper_reply = -1};
-  TD_ASSERT_OK(td__auth_sessions_create(&a, &n.srv));
+  TD_ASSERT_OK(td__auth_sessions_create(&a, 4, &n.srv));
   td__auth_client c;
   td__auth_client_init(&c, &a);
   uint8_t *rep = NULL;
@@ -298,7 +298,7 @@ static void test_auth_store_window_accepts_reordering(void **state) {
   td__auth a;
   TD_ASSERT_OK(td__auth_init(&a, S1, strlen(S1)));
   net n = {.tamper_reply = -1};
-  TD_ASSERT_OK(td__auth_sessions_create(&a, &n.srv));
+  TD_ASSERT_OK(td__auth_sessions_create(&a, 4, &n.srv));
   td__auth_client c;
   td__auth_client_init(&c, &a);
   uint8_t *rep;
@@ -339,8 +339,8 @@ static void test_auth_store_reopens_forgotten_session(void **state) {
   td__auth a;
   TD_ASSERT_OK(td__auth_init(&a, S1, strlen(S1)));
   td__auth_sessions *s1, *s2;
-  TD_ASSERT_OK(td__auth_sessions_create(&a, &s1));
-  TD_ASSERT_OK(td__auth_sessions_create(&a, &s2));
+  TD_ASSERT_OK(td__auth_sessions_create(&a, 4, &s1));
+  TD_ASSERT_OK(td__auth_sessions_create(&a, 4, &s2));
   net n = {.srv = s1, .tamper_reply = -1};
   td__auth_client c;
   td__auth_client_init(&c, &a);
@@ -367,7 +367,7 @@ static void test_auth_store_table_bounded_members_kept(void **state) {
   TD_ASSERT_OK(td__auth_init(&a, S1, strlen(S1)));
   TD_ASSERT_OK(td__auth_init(&other, S2, strlen(S2)));
   net n = {.tamper_reply = -1};
-  TD_ASSERT_OK(td__auth_sessions_create(&a, &n.srv));
+  TD_ASSERT_OK(td__auth_sessions_create(&a, 4, &n.srv));
   td__auth_client member;
   td__auth_client_init(&member, &a);
   uint8_t *rep;
@@ -388,6 +388,63 @@ static void test_auth_store_table_bounded_members_kept(void **state) {
   td__free(rep);
   assert_int_equal(n.calls - before, 1); /* its session survived: no reopen */
   td__auth_client_fini(&member);
+  td__auth_sessions_destroy(n.srv);
+}
+
+/* A member's call: n->calls it took (1: its session was kept; 3: op refused, open, op). */
+static int member_call(net *n, td__auth_client *c) {
+  uint8_t *rep;
+  size_t rl;
+  int before = n->calls;
+  TD_ASSERT_OK(td__auth_store_call(c, send_to, n, (const uint8_t *)"m", 1, &rep, &rl));
+  assert_memory_equal(rep, "m!", 2);
+  td__free(rep);
+  return n->calls - before;
+}
+
+/* A group larger than TD__AUTH_MAX_SESSIONS keeps every member's session, also while an
+ * outsider opens sessions (a fixed table of 1,024 made 4,096 members push each other out until
+ * init failed: "the store keeps forgetting this worker's session"); and the sessions in use stay
+ * bounded by the group: the least recently used member beyond the bound reopens. */
+static void test_auth_store_sessions_follow_the_group(void **state) {
+  (void)state;
+  enum { G = 3 * TD__AUTH_MAX_SESSIONS };
+  td__auth a, other;
+  TD_ASSERT_OK(td__auth_init(&a, S1, strlen(S1)));
+  TD_ASSERT_OK(td__auth_init(&other, S2, strlen(S2)));
+  net n = {.tamper_reply = -1};
+  TD_ASSERT_OK(td__auth_sessions_create(&a, G, &n.srv));
+  td__auth_client *m = td__calloc(G, sizeof *m);
+  assert_non_null(m);
+  for (int i = 0; i < G; i++) {
+    td__auth_client_init(&m[i], &a);
+    assert_int_equal(member_call(&n, &m[i]), 2); /* open, op */
+  }
+  for (int i = 0; i < 2 * TD__AUTH_MAX_SESSIONS; i++) { /* an outsider's opens */
+    td__auth_client out;
+    td__auth_client_init(&out, &other);
+    uint8_t *rep;
+    size_t rl;
+    assert_int_equal(td__auth_store_call(&out, send_to, &n, (const uint8_t *)"o", 1, &rep, &rl),
+                     TD_ERR_AUTH);
+    td__auth_client_fini(&out);
+  }
+  for (int i = 0; i < G; i++) assert_int_equal(member_call(&n, &m[i]), 1);
+  /* past its bound (a group of 4: TD__AUTH_MAX_SESSIONS sessions in use) the least recently
+   * used member is the one that reopens */
+  td__auth_sessions_destroy(n.srv);
+  TD_ASSERT_OK(td__auth_sessions_create(&a, 4, &n.srv));
+  assert_int_equal(td__auth_sessions_members(4), TD__AUTH_MAX_SESSIONS);
+  for (int i = 0; i <= TD__AUTH_MAX_SESSIONS; i++) {
+    td__auth_client_fini(&m[i]);
+    td__auth_client_init(&m[i], &a);
+    member_call(&n, &m[i]);
+  }
+  assert_int_equal(member_call(&n, &m[TD__AUTH_MAX_SESSIONS]), 1);
+  assert_int_equal(member_call(&n, &m[1]), 1);
+  assert_int_equal(member_call(&n, &m[0]), 3);
+  for (int i = 0; i < G; i++) td__auth_client_fini(&m[i]);
+  td__free(m);
   td__auth_sessions_destroy(n.srv);
 }
 
@@ -439,6 +496,7 @@ int main(void) {
       cmocka_unit_test(test_auth_store_window_accepts_reordering),
       cmocka_unit_test(test_auth_store_reopens_forgotten_session),
       cmocka_unit_test(test_auth_store_table_bounded_members_kept),
+      cmocka_unit_test(test_auth_store_sessions_follow_the_group),
       cmocka_unit_test(test_auth_agent_needs_a_secret),
   };
   return cmocka_run_group_tests_name("auth", tests, NULL, NULL);
