@@ -480,8 +480,9 @@ static void test_rendezvous_reads_records_in_range_requests(void **state) {
 /* ---- parked waits (op 8) ---- */
 
 static int parks;         /* tokens given: 1, 2, ... */
-static int answered[16];  /* per token: 0 not yet, 1 answered not over, 2 over, 3 aborted */
-static int64_t answered_num[16];
+#define TOKENS 4096
+static int answered[TOKENS]; /* per token: 0 not yet, 1 answered not over, 2 over, 3 aborted */
+static int64_t answered_num[TOKENS];
 
 static void *t_park(void *ud) {
   (void)ud;
@@ -490,7 +491,7 @@ static void *t_park(void *ud) {
 
 static void t_answer(void *token, uint8_t *reply, size_t len) {
   int k = (int)(intptr_t)token;
-  assert_true(k > 0 && k < 16 && answered[k] == 0);
+  assert_true(k > 0 && k < TOKENS && answered[k] == 0);
   Tdist__StoreReply *p = tdist__store_reply__unpack(NULL, len, reply);
   assert_non_null(p);
   answered[k] = p->watched ? 3 : p->found ? 2 : 1;
@@ -550,6 +551,47 @@ static void test_store_parked_waits_answered_when_over(void **state) {
   assert_int_equal(answered[3], 3);
   td__store_unpark_all(s);
   assert_int_equal(answered[4], 1);
+  assert_int_equal(td__store_parked(s), 0);
+  td__store_destroy(s);
+}
+
+/* A change looks only at the waits about its key, and at those on a counter only once it
+ * reaches their targets: with W workers waiting on one counter and W more on keys of their
+ * own, the W - 1 adds before the last look at none (scanning every wait at every change made
+ * the group's start-up O(W^2) at rank 0), the last answers the W; a key's set answers its one
+ * wait; the abort key answers everybody who watches it. */
+static void test_store_change_looks_only_at_its_waits(void **state) {
+  (void)state;
+  enum { W = 1000 };
+  td__store *s;
+  TD_ASSERT_OK(td__store_create(&s));
+  int base = parks;
+  bool found;
+  char key[32];
+  for (int i = 0; i < W; i++) assert_true(wait_req(s, "joined", W, "abort", 60000, &found));
+  for (int i = 0; i < W; i++) {
+    snprintf(key, sizeof key, "k/%d", i);
+    assert_true(wait_req(s, key, 0, "abort", 60000, &found));
+  }
+  assert_int_equal(td__store_parked(s), 2 * W);
+  for (int i = 0; i < W - 1; i++) add(s, "joined", 1);
+  td__store_stats st;
+  td__store_stats_get(s, &st);
+  assert_int_equal(st.wait_checks, 0);
+  for (int i = 1; i <= 2 * W; i++) assert_int_equal(answered[base + i], 0);
+  add(s, "joined", 1);
+  td__store_stats_get(s, &st);
+  assert_int_equal(st.wait_checks, W);
+  for (int i = 1; i <= W; i++) assert_int_equal(answered[base + i], 2);
+  req(s, SET, "k/7", "x", NULL, NULL);
+  td__store_stats_get(s, &st);
+  assert_int_equal(st.wait_checks, W + 1);
+  assert_int_equal(answered[base + W + 8], 2);
+  assert_int_equal(td__store_parked(s), W - 1);
+  req(s, SET, "abort", "gave up", NULL, NULL);
+  td__store_stats_get(s, &st);
+  assert_int_equal(st.wait_checks, 2 * W);
+  for (int i = W + 1; i <= 2 * W; i++) assert_int_equal(answered[base + i], i == W + 8 ? 2 : 3);
   assert_int_equal(td__store_parked(s), 0);
   td__store_destroy(s);
 }
@@ -817,6 +859,7 @@ int main(void) {
       cmocka_unit_test(test_store_range_remembered_until_a_key_changes),
       cmocka_unit_test(test_store_client_wait_range),
       cmocka_unit_test(test_store_parked_waits_answered_when_over),
+      cmocka_unit_test(test_store_change_looks_only_at_its_waits),
       cmocka_unit_test(test_store_ranges_read_several_prefixes_at_once),
       cmocka_unit_test(test_store_publish_sets_records_then_counts),
       cmocka_unit_test(test_store_client_publish_and_get2),
