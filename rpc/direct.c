@@ -8,11 +8,14 @@
  * disabled, the probe the collectives' shared memory uses too). Every worker probes the peers on
  * its host (same host, boot id and pid namespace) at init, accepts direct-copy frames from those
  * it could read, and publishes directok/<r> (those ranks, as ranges) with its ready count; after
- * the ready barrier each learns which peers can read it. With TD_RPC_DIRECT_SETTLE=1 (and
- * dialled lanes) each pair on one host settles it when it meets instead: in the dialled lane's
- * handshake each side, once the other proved itself, reads its nonce from its memory and says
- * whether it could (rpc/lane.h; td__transport_direct_lazily), so a worker probes the peers it
- * meets (td__direct_probe says when each is better). Reading another process's memory needs
+ * the ready barrier each learns which peers can read it. Where the worker has a mailbox (by
+ * default; or with TD_RPC_DIRECT_SETTLE=1 and dialled lanes) each pair on one host settles it
+ * when it meets instead (td__transport_direct_lazily): making a mailbox lane takes the peer's
+ * descriptors with pidfd_getfd, which the kernel allows exactly where it allows
+ * process_vm_readv, and the peer's knock back says it took ours; in a dialled lane's handshake
+ * each side, once the other proved itself, reads its nonce from its memory and says whether it
+ * could (rpc/lane.h). So a worker settles it with the peers it meets, not all N
+ * (td__direct_probe says when each is used). Reading another process's memory needs
  * the same user and no ptrace restriction (Yama scope 0, or 1 for a descendant): where the
  * probe fails the peer simply gets the stream or the lane's ring.
  *
@@ -220,6 +223,8 @@ void td__direct_record(td_rpc_agent *a, char key[64], char val[512]) {
         td__transport_mbox_open(a->tr, a->world, a->direct_nonce, &bfd, &afd) == TD_OK &&
         len + 32 < 512)
       snprintf(val + len, 512 - len, " %d %d", bfd, afd);
+    else
+      a->lane_mbox = false; /* (no mailbox published: the pairs dial) */
   } else {
     snprintf(val, 512, "-");
   }
@@ -342,15 +347,22 @@ td_status td__direct_probe(td_rpc_agent *a, uint64_t deadline) {
                                   a->lane_mbox ? mb_arena : NULL, a->world);
   if (st != TD_OK) goto out;
   const char *settle = getenv("TD_RPC_DIRECT_SETTLE");
-  if (a->direct_on && a->lane_dial && settle && strcmp(settle, "1") == 0 &&
-      td__transport_dialing(a->tr)) {
-    /* each pair settles it when it meets, in its dialled lane's handshake: a worker probes the
-     * peers it calls or is called by, not every process on its host (1,024 workers on one host
-     * calling 8 peers each spent a sixth of their start-up's CPU probing each other and reading
-     * the answers). Not the default: the probe then runs on the socket thread, and
+  bool lazily = settle && strcmp(settle, "1") == 0   ? true
+                : settle && strcmp(settle, "0") == 0 ? false
+                                                     : a->lane_mbox;
+  if (a->direct_on && a->lane_dial && lazily && td__transport_dialing(a->tr)) {
+    /* each pair settles it when it meets: a worker probes the peers it calls or is called by,
+     * not every process on its host (1,024 workers on one host calling 8 peers each spent a
+     * sixth of their start-up's CPU probing each other and reading the answers). By default
+     * where this process has a mailbox: making a mailbox lane proves the access without
+     * reading the peer (lane.h, probe). With TD_RPC_DIRECT_SETTLE=1 dialled lanes settle it
+     * too, in their handshakes, by reading the peer on the socket thread, where
      * process_vm_readv waits for the peer's memory map lock, which a peer setting up lanes
-     * holds often; 1,024 workers calling each other all failed lane handshakes that did not
-     * finish within 120 s, 2 runs of 2 (the init probe: 2 of 2 complete). */
+     * holds often: 1,024 workers calling each other all failed dialled lane handshakes that
+     * did not finish within 120 s, 2 runs of 2 (the init probe: 2 of 2 complete); so without
+     * a mailbox every worker probes its host's peers here, unless that variable says so.
+     * TD_RPC_DIRECT_SETTLE=0: the init probe always. A pair whose mailbox lane cannot be made
+     * dials, and its handshake settles it by reading. */
     st = td__transport_direct_lazily(a->tr, pids, addrs, nonces, a->world);
   } else {
     for (int r = 0; r < a->world; r++) {

@@ -647,10 +647,11 @@ int td__transport_direct_readers(td__transport *t) {
   return t ? __atomic_load_n(&t->direct_readers, __ATOMIC_RELAXED) : 0;
 }
 
-/* A dialled lane's handshake (lane.h, probe): whether we read rank's memory; when we do, its
- * direct-copy frames are accepted from now on (the pid is the one its record named, which the
- * lane's socket was checked against). */
-static bool lane_probe(void *tp, int rank) {
+/* A dialled lane's handshake or a mailbox lane's making (lane.h, probe): whether we read rank's
+ * memory (proven: the mailbox showed it); when we do, its direct-copy frames are accepted from now
+ * on (the pid is the one its record named, which the lane's socket or the arena's nonce was
+ * checked against). */
+static bool lane_probe(void *tp, int rank, bool proven) {
   td__transport *t = tp;
   direct_lazy *z = __atomic_load_n(&t->direct_lazy, __ATOMIC_ACQUIRE);
   direct_from *d = __atomic_load_n(&t->direct_from, __ATOMIC_ACQUIRE);
@@ -658,7 +659,7 @@ static bool lane_probe(void *tp, int rank) {
     return false;
   td__host_rec h = {.pid = z->rec[rank].pid, .addr = z->rec[rank].addr,
                     .nonce = z->rec[rank].nonce};
-  if (!td__samehost_readable(&h)) return false;
+  if (!proven && !td__samehost_readable(&h)) return false;
   __atomic_store_n(&d->pid_of[rank], h.pid, __ATOMIC_RELEASE);
   return true;
 }

@@ -1803,7 +1803,7 @@ static const char *dial_server_proof(td__lanes *ls, td__lane *l) {
   if (td__hs_server_proof(&l->hs, l->in, TD__HS_PROOF_LEN, &rank) != TD_OK) why = td_last_error();
   else if (pid_for(ls, rank) != peer_pid(l->sock)) why = "the socket's process is not the rank's";
   else if (n != 2 || reads_us > 1) why = "malformed lane hand-over";
-  bool we_read = !why && ls->o.probe && ls->o.probe(ls->o.refused_ud, rank);
+  bool we_read = !why && ls->o.probe && ls->o.probe(ls->o.refused_ud, rank, false);
   if (!why) why = take_lane(ls, l->sock, fds, DIAL_BELL_MAGIC, we_read, &map, &bell);
   for (int i = 0; i < n; i++) close(fds[i]);
   td__decoder *dec = NULL;
@@ -1839,7 +1839,7 @@ static const char *dial_client_challenge(td__lanes *ls, td__lane *l) {
   if (l->ninfd != 1) return "unexpected descriptors from the server";
   if (td__hs_client_challenge(&l->hs, l->in, TD__HS_CHALLENGE_LEN, proof) != TD_OK)
     return td_last_error();
-  proof[TD__HS_PROOF_LEN] = ls->o.probe && ls->o.probe(ls->o.refused_ud, l->peer) ? 1 : 0;
+  proof[TD__HS_PROOF_LEN] = ls->o.probe && ls->o.probe(ls->o.refused_ud, l->peer, false) ? 1 : 0;
   int fds[2] = {l->infd[0], ls->bell_fd};
   if (!send_fds(l->sock, proof, sizeof proof, fds, 2)) return "cannot send the PROOF";
   close(l->infd[0]);
@@ -2126,8 +2126,10 @@ static const char *mbox_make(td__lanes *ls, int rank) {
   l->dec = dec;
   l->ud = ud;
   /* direct copy settled per pair (opts.probe): taking the peer's descriptors needed the access
-   * that reading its memory needs; its knock (mbox_discover) tells that it reads ours */
-  if (ls->o.probe) ls->o.probe(ls->o.refused_ud, rank);
+   * that reading its memory needs (no read of it here: process_vm_readv waits for the peer's
+   * memory map lock, which a busy peer holds often); its knock (mbox_discover) tells that it
+   * reads ours */
+  if (ls->o.probe) ls->o.probe(ls->o.refused_ud, rank, true);
   __atomic_add_fetch(&ls->ndirect, 1, __ATOMIC_RELAXED);
   lanes_add(ls, l); /* (its slot in our hints, published in both rings) */
   __atomic_store_n(&l->tx_on, true, __ATOMIC_RELEASE);

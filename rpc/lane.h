@@ -109,8 +109,12 @@ typedef struct td__lanes_opts {
    * reads that rank's memory (the transport then takes its direct-copy frames); the answer
    * goes to the peer with the handshake's next message (the client's PROOF, the server's
    * doorbell), and peer_reads(rank) tells this side that the peer reads its memory
-   * (direct-copy frames may go to it). Both before the lane carries frames of its side. */
-  bool (*probe)(void *refused_ud, int rank);
+   * (direct-copy frames may go to it). Both before the lane carries frames of its side.
+   * A mailbox lane calls probe with proven: taking the peer's descriptors (pidfd_getfd) passed
+   * the kernel's check that reading its memory (process_vm_readv) makes, and its arena carries
+   * the nonce of its record, so the probe need not read it; a knock from the peer is its
+   * peer_reads. */
+  bool (*probe)(void *refused_ud, int rank, bool proven);
   void (*peer_reads)(void *refused_ud, int rank);
 } td__lanes_opts;
 

@@ -118,9 +118,11 @@ typedef struct td_rpc_options {
    * frame takes the same-host lane, whose ring is faster below that; TD_RPC_LANE_DIRECT_MIN_KB
    * overrides it) straight out of the sender's memory (Linux process_vm_readv) instead of
    * through the socket, when both workers run on one host as the same user and the kernel
-   * allows it (checked at init for every pair on the host; with TD_RPC_DIRECT_SETTLE=1, for
-   * each pair when it first meets, in the handshake of its dialled same-host lane, frames sent
-   * before that handshake ends going the other way). -1 (default) = on unless
+   * allows it (settled for each pair when it first meets: by making its mailbox lane, which
+   * proves the access without reading, or in the handshake of its dialled lane, frames sent
+   * before then going the other way; where this worker has no mailbox (td_rpc_mailbox_lanes),
+   * checked at init for every pair on the host instead, unless TD_RPC_DIRECT_SETTLE=1;
+   * TD_RPC_DIRECT_SETTLE=0: at init always). -1 (default) = on unless
    * TD_RPC_DIRECT_COPY=0;
    * 0 = off. A tensor sent this way stays referenced by the sender until the receiver has copied
    * it: as with the stream, do not modify a tensor in place while a call that carries it is in
@@ -370,9 +372,10 @@ TD_API td_status td_rpc_group_members(td_rpc_agent *a, int *members);
 /* td_rpc_busy_poll_us returns the busy-poll window in effect (td_rpc_options.busy_poll_us after
  * the automatic choice), in microseconds. */
 TD_API int64_t td_rpc_busy_poll_us(const td_rpc_agent *a);
-/* td_rpc_direct_copy_peers returns how many peers copy tensors directly from this worker: known
- * at init, or with TD_RPC_DIRECT_SETTLE=1 growing as peers on this host meet it (a pair settles
- * it in its dialled lane's handshake). THREAD SAFETY: any thread. */
+/* td_rpc_direct_copy_peers returns how many peers copy tensors directly from this worker:
+ * growing as peers on this host meet it (a pair settles it when it makes its mailbox or dialled
+ * lane), or known at init where the group probes there (td_rpc_options.direct_copy). THREAD
+ * SAFETY: any thread. */
 TD_API int td_rpc_direct_copy_peers(const td_rpc_agent *a);
 /* td_rpc_shm_lanes returns how many streams of this worker run over a same-host lane now (both
  * directions switched; td_rpc_options.shm_lane). THREAD SAFETY: any thread. */

@@ -305,9 +305,11 @@ static void test_rpc_busy_poll(void **state) {
 }
 
 /* ---- same-host direct copy: on by default between local workers, off by option or
- * environment; tensors arrive intact either way, also when the sender drops them at once. Every
- * worker probes its host's peers at init; with TD_RPC_DIRECT_SETTLE=1 each pair settles it in
- * its dialled lane's handshake instead, so a worker knows who reads it once it met them ---- */
+ * environment; tensors arrive intact either way, also when the sender drops them at once. Where
+ * workers have mailboxes (the default where the kernel allows them) each pair settles it when
+ * it makes its mailbox lane, so a worker knows who reads it once it met them; without (or with
+ * TD_RPC_DIRECT_SETTLE=0) every worker probes its host's peers at init; with
+ * TD_RPC_DIRECT_SETTLE=1 dialled lanes settle it in their handshakes too ---- */
 
 typedef struct dc_case {
   int option;      /* td_rpc_options.direct_copy */
@@ -316,7 +318,18 @@ typedef struct dc_case {
   const char *lane_kb; /* TD_RPC_LANE_DIRECT_MIN_KB, or NULL (4 MiB) */
   const char *dial;    /* TD_RPC_LANE_DIAL, or NULL (dialled lanes) */
   bool settle;         /* TD_RPC_DIRECT_SETTLE=1: settled in the dialled lanes' handshakes */
+  const char *mbox;    /* TD_RPC_MAILBOX, or NULL (mailboxes where the kernel allows them) */
 } dc_case;
+
+/* Whether workers here get mailboxes by default (no Yama, or its ptrace scope 0). */
+static bool mailboxes_here(void) {
+  FILE *f = fopen("/proc/sys/kernel/yama/ptrace_scope", "r");
+  if (!f) return true;
+  int scope = 1;
+  if (fscanf(f, "%d", &scope) != 1) scope = 1;
+  fclose(f);
+  return scope == 0;
+}
 
 /* Whether this machine lets a process read a sibling's memory (Yama ptrace scope 0, or root). */
 static bool siblings_readable(void) {
@@ -339,13 +352,18 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
   else unsetenv("TD_RPC_LANE_DIAL");
   if (k->settle) setenv("TD_RPC_DIRECT_SETTLE", "1", 1);
   else unsetenv("TD_RPC_DIRECT_SETTLE");
+  if (k->mbox) setenv("TD_RPC_MAILBOX", k->mbox, 1);
+  else unsetenv("TD_RPC_MAILBOX");
   td_rpc_options o = td_mp_rpc_options(method, 4);
   o.direct_copy = k->option;
   td_rpc_agent *a;
   MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
   bool on = k->expect_on && siblings_readable();
+  bool mailbox = mailboxes_here() && !(k->mbox && strcmp(k->mbox, "0") == 0) &&
+                 !(k->dial && strcmp(k->dial, "0") == 0);
+  bool lazily = k->settle || mailbox;
   int peers = td_rpc_direct_copy_peers(a);
-  if (!k->settle) MP_CHECK(peers == (on ? world - 1 : 0)); /* probed at init */
+  if (!lazily) MP_CHECK(peers == (on ? world - 1 : 0)); /* probed at init */
   else MP_CHECK(peers >= 0 && peers <= (on ? world - 1 : 0)); /* (a peer may have met us) */
   char peer[32];
   snprintf(peer, sizeof peer, "worker%d", (rank + 1) % world);
@@ -358,6 +376,8 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
   if (on) TD_TEST_POLL(td_rpc_direct_copy_peers(a) == world - 1, 10);
   peers = td_rpc_direct_copy_peers(a);
   MP_CHECK(peers == (on ? world - 1 : 0));
+  if (mailbox) TD_TEST_POLL(td_rpc_mailbox_lanes(a) == 1, 10);
+  MP_CHECK(td_rpc_mailbox_lanes(a) == (mailbox ? 1 : 0)); /* (the path the case takes) */
   /* sizes around the 32 KiB threshold of the stream, one between it and the lane's (4 MiB by
    * default) and one past both; each tensor is dropped right after the call is sent, so only the
    * transport keeps it alive until the peer has copied it */
@@ -431,14 +451,55 @@ static int worker_direct(int rank, int world, const char *method, void *arg) {
 
 static void test_rpc_direct_copy(void **state) {
   const dc_case cases[] = {
-      {-1, NULL, true, NULL, NULL, false}, {0, NULL, false, NULL, NULL, false},
-      {-1, "0", false, NULL, NULL, false},  {1, "0", true, NULL, NULL, false},
-      {-1, NULL, true, "32", NULL, false},  {-1, NULL, true, NULL, "0", false},
-      {-1, NULL, true, NULL, NULL, true},   {0, NULL, false, NULL, NULL, true},
-      {-1, NULL, true, "32", NULL, true}};
+      {-1, NULL, true, NULL, NULL, false, NULL}, {0, NULL, false, NULL, NULL, false, NULL},
+      {-1, "0", false, NULL, NULL, false, NULL},  {1, "0", true, NULL, NULL, false, NULL},
+      {-1, NULL, true, "32", NULL, false, NULL},  {-1, NULL, true, NULL, "0", false, NULL},
+      {-1, NULL, true, NULL, NULL, false, "0"},   {-1, NULL, true, NULL, NULL, true, "0"},
+      {0, NULL, false, NULL, NULL, true, "0"},    {-1, NULL, true, "32", NULL, true, "0"}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     TD_MP_RUN(2, worker_direct, (void *)&cases[i], 60);
   }
+}
+
+/* Settled by the pairs that meet: 4 workers on one host, each calling the next; with mailboxes
+ * a worker ends up read by the two it met (the one it called, the one that called it), not by
+ * the one across the ring, even after the group's graceful shutdown; without (TD_RPC_MAILBOX=0:
+ * the init probe) by all three. */
+static int worker_direct_met(int rank, int world, const char *method, void *arg) {
+  const char *mbox = arg;
+  register_test_fns();
+  unsetenv("TD_RPC_DIRECT_COPY");
+  unsetenv("TD_RPC_DIRECT_SETTLE");
+  unsetenv("TD_RPC_LANE_DIAL");
+  if (mbox) setenv("TD_RPC_MAILBOX", mbox, 1);
+  else unsetenv("TD_RPC_MAILBOX");
+  td_rpc_options o = td_mp_rpc_options(method, 4);
+  td_rpc_agent *a;
+  MP_CHECK_OK(td_rpc_init(NULL, rank, world, &o, &a));
+  char peer[32];
+  snprintf(peer, sizeof peer, "worker%d", (rank + 1) % world);
+  td_tensor *t;
+  MP_CHECK_OK(td_tensor_arange(0, 1 << 21, 1, TD_DTYPE_F32, td_device_cpu(), &t)); /* 8 MiB */
+  td_value *v = td_value_tensor(t), *res = NULL;
+  td_tensor_unref(t);
+  MP_CHECK_OK(td_rpc_sync(a, peer, "echo", &v, 1, NULL, &res));
+  td_value_unref(v);
+  MP_CHECK_OK(td_value_as_tensor(res, &t));
+  MP_CHECK(td_tensor_numel(t) == 1 << 21 && ((const float *)td_tensor_data(t))[12345] == 12345.f);
+  td_value_unref(res);
+  bool lazily = mbox == NULL && mailboxes_here();
+  int want = !siblings_readable() ? 0 : lazily ? 2 : world - 1;
+  TD_TEST_POLL(td_rpc_direct_copy_peers(a) == want, 10);
+  MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(30000)));
+  MP_CHECK(td_rpc_direct_copy_peers(a) == want);
+  td_rpc_destroy(a);
+  return 0;
+}
+
+static void test_rpc_direct_copy_settled_by_the_pairs_that_meet(void **state) {
+  (void)state;
+  TD_MP_RUN(4, worker_direct_met, NULL, 60);
+  TD_MP_RUN(4, worker_direct_met, (void *)"0", 60);
 }
 
 /* ---- same-host lane: on by default between local workers, off by option or environment; every
@@ -748,6 +809,7 @@ int main(void) {
       cmocka_unit_test(test_rpc_uninitialised_options_refused),
       cmocka_unit_test(test_rpc_busy_poll),
       cmocka_unit_test(test_rpc_direct_copy),
+      cmocka_unit_test(test_rpc_direct_copy_settled_by_the_pairs_that_meet),
       cmocka_unit_test(test_rpc_shm_lane),
       cmocka_unit_test(test_rpc_burst_callback_blocks),
       cmocka_unit_test(test_rpc_pair_shares_one_stream),

@@ -373,13 +373,14 @@ typedef struct dial_watch {
   /* direct copy settled in the handshake: what probe answers, the ranks it was asked about and
    * the ranks that said they read this side (bit masks) */
   bool reads_peers;
-  int probed, read_by;
+  int probed, proven, read_by; /* proven: probed with the access proven (a mailbox lane) */
 } dial_watch;
 
-static bool on_probe(void *ud, int rank) {
+static bool on_probe(void *ud, int rank, bool proven) {
   dial_watch *d = ud;
   pthread_mutex_lock(&d->w.mu);
   d->probed |= 1 << rank;
+  if (proven) d->proven |= 1 << rank;
   bool r = d->reads_peers;
   pthread_mutex_unlock(&d->w.mu);
   return r;
@@ -634,6 +635,13 @@ static void test_lane_mailbox(void **state) {
   assert_int_equal(td__lanes_mboxes(cli), 1);
   assert_int_equal(td__lanes_mboxes(srv), 1);
   assert_int_equal(td__lanes_dialed(srv), 1);
+  /* direct copy settled by the making: each side's probe is told the access is proven (no read
+   * of the peer), and each learns from the other's knock that the other reads it */
+  POLL(dw_get(&ds, &ds.read_by) == 1 << 0 && dw_get(&dc, &dc.read_by) == 1 << 1);
+  assert_int_equal(dw_get(&dc, &dc.proven), 1 << 1);
+  assert_int_equal(dw_get(&ds, &ds.proven), 1 << 0);
+  assert_int_equal(dw_get(&ds, &ds.read_by), 1 << 0);
+  assert_int_equal(dw_get(&dc, &dc.read_by), 1 << 1);
   /* and back through the server's side; asking again finds the one lane on either side */
   reply_back(ds.accepted[0], &dc);
   td__frame f = {0};
@@ -695,6 +703,7 @@ static void test_lane_dial_settles_direct_copy(void **state) {
     assert_int_equal(td__lanes_dialed(srv), 1);
     assert_int_equal(dw_get(&dc, &dc.probed), 1 << 1); /* each probed the other once */
     assert_int_equal(dw_get(&ds, &ds.probed), 1 << 0);
+    assert_int_equal(dw_get(&dc, &dc.proven) | dw_get(&ds, &ds.proven), 0); /* by reading it */
     if (k == 0) { /* the client learns that the server reads it, the server nothing */
       assert_int_equal(dw_get(&dc, &dc.read_by), 1 << 1);
       assert_int_equal(dw_get(&ds, &ds.read_by), 0);
