@@ -170,6 +170,8 @@ bool td__lanes_by_hints(td__lanes *ls);
 /* The lane thread's next sleep at most, ms: 100 after work, doubling while idle up to 1,000
  * (100 under ThreadSanitizer; tests). */
 int td__lanes_nap_ms(td__lanes *ls);
+/* td__lanes_refresh_looked: lanes the lane thread's set refreshes looked at, in all (tests). */
+uint64_t td__lanes_refresh_looked(td__lanes *ls);
 /* While on, frames ls sends set no hint bit for their peer, as if a peer had cleared it before
  * the reader took it (any peer can; tests). */
 void td__lanes_test_withhold_hints(td__lanes *ls, bool on);
