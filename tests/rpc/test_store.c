@@ -464,7 +464,9 @@ static int worker_counts(int rank, int world, const char *method, void *arg) {
             (unsigned long long)st.gets_found, (unsigned long long)st.ranges_found);
     /* world_size, run_id, and the one registry text they all share (regblob/) */
     MP_CHECK(st.gets_found <= 4u * (unsigned)world);
-    MP_CHECK(st.ranges_found >= 5u * (unsigned)world); /* worker, registry, devmap, direct, ok */
+    /* worker, registry, devmap, direct (and directok where workers probe each other at init;
+     * with mailboxes pairs settle direct copy when they meet) */
+    MP_CHECK(st.ranges_found >= 4u * (unsigned)world);
     MP_CHECK(st.ranges_found <= 10u * (unsigned)world);
   }
   MP_CHECK_OK(td_rpc_shutdown(a, true, td_test_ms(30000)));
