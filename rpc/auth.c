@@ -55,6 +55,13 @@ static td_status hmac(const uint8_t *key, size_t klen, const void *const *parts,
   return ok ? TD_OK : td_set_error(TD_ERR_INTERNAL, "auth: HMAC failed");
 }
 
+td_status td__auth_sha256(const uint8_t *p, size_t len, uint8_t out[TD__AUTH_DIGEST]) {
+  unsigned int got = 0;
+  if (!EVP_Digest(p, len, out, &got, EVP_sha256(), NULL) || got != TD__AUTH_DIGEST)
+    return td_set_error(TD_ERR_INTERNAL, "auth: SHA-256 failed");
+  return TD_OK;
+}
+
 static bool mac_equal(const uint8_t *a, const uint8_t *b) {
   return CRYPTO_memcmp(a, b, TD__AUTH_MAC) == 0;
 }
@@ -354,7 +361,29 @@ static td_status session_key(const td__auth *a, const uint8_t *nc, const uint8_t
   return hmac(a->key, TD__AUTH_KEY, parts, lens, 4, out);
 }
 
-/* MAC of a request ("req") or reply ("rep") under a session key. */
+/* MAC of a reply under a session key: over the SHA-256 of its body (digest: given, or NULL:
+ * computed here), so a store that serves the same large body to many workers hashes it once. */
+static td_status rep_mac(const td__auth *a, const uint8_t *key, uint64_t sid, uint64_t seq,
+                         const uint8_t *body, size_t len, const uint8_t *digest,
+                         uint8_t out[TD__AUTH_MAC]) {
+  if (!a->secure) {
+    memset(out, 0, TD__AUTH_MAC);
+    return TD_OK;
+  }
+  uint8_t d[TD__AUTH_DIGEST];
+  if (!digest) {
+    TD_TRY(td__auth_sha256(body, len, d));
+    digest = d;
+  }
+  uint8_t ids[16];
+  td__put_u64(ids, sid);
+  td__put_u64(ids + 8, seq);
+  const void *parts[] = {"rep", ids, digest};
+  size_t lens[] = {3, sizeof ids, TD__AUTH_DIGEST};
+  return hmac(key, TD__AUTH_KEY, parts, lens, 3, out);
+}
+
+/* MAC of a request ("req") under a session key. */
 static td_status op_mac(const td__auth *a, const uint8_t *key, const char *dir, uint64_t sid,
                         uint64_t seq, const uint8_t *body, size_t len, uint8_t out[TD__AUTH_MAC]) {
   if (!a->secure) {
@@ -532,8 +561,19 @@ static td_status serve_open(td__auth_sessions *s, const uint8_t *req, size_t len
 }
 
 /* The session key, id and sequence number of the operation td__auth_store_serve is handling on
- * this thread (td__auth_store_current_seal). */
+ * this thread (td__auth_store_current_seal), and the digest of its reply's body when the
+ * handler gave it (td__auth_store_body_digest). */
 static _Thread_local td__auth_seal current_seal;
+static _Thread_local bool body_digest_set;
+static _Thread_local uint8_t body_digest[TD__AUTH_DIGEST];
+
+void td__auth_store_body_digest(const uint8_t digest[TD__AUTH_DIGEST]) {
+  memcpy(body_digest, digest, TD__AUTH_DIGEST);
+  body_digest_set = true;
+}
+
+static td_status seal_with(const td__auth_seal *seal, uint8_t *body, size_t n,
+                           const uint8_t *digest, uint8_t **reply, size_t *reply_len);
 
 td_status td__auth_store_serve(td__auth_sessions *s, const uint8_t *req, size_t len,
                                td__store_body_fn handle, void *ctx, uint8_t **reply,
@@ -575,11 +615,15 @@ td_status td__auth_store_serve(td__auth_sessions *s, const uint8_t *req, size_t 
   /* a handler that answers later (a parked wait) seals its reply with this */
   current_seal = (td__auth_seal){.secure = s->auth->secure, .sid = sid, .seq = seq};
   memcpy(current_seal.key, key, sizeof key);
+  body_digest_set = false;
   td_status st = handle(ctx, body, blen, &body_reply, &brl);
   td__auth_seal seal = current_seal;
   memset(&current_seal, 0, sizeof current_seal);
   memset(key, 0, sizeof key);
-  if (st == TD_OK) st = td__auth_store_seal(&seal, body_reply, brl, reply, reply_len);
+  bool given = body_digest_set;
+  body_digest_set = false;
+  if (st == TD_OK)
+    st = seal_with(&seal, body_reply, brl, given ? body_digest : NULL, reply, reply_len);
   memset(&seal, 0, sizeof seal);
   return st;
 }
@@ -588,6 +632,11 @@ void td__auth_store_current_seal(td__auth_seal *out) { *out = current_seal; }
 
 td_status td__auth_store_seal(const td__auth_seal *seal, uint8_t *body, size_t n, uint8_t **reply,
                               size_t *reply_len) {
+  return seal_with(seal, body, n, NULL, reply, reply_len);
+}
+
+static td_status seal_with(const td__auth_seal *seal, uint8_t *body, size_t n,
+                           const uint8_t *digest, uint8_t **reply, size_t *reply_len) {
   uint8_t *out = td__malloc(REPLY_HEAD + n);
   if (!out) {
     td__free(body);
@@ -599,8 +648,8 @@ td_status td__auth_store_seal(const td__auth_seal *seal, uint8_t *body, size_t n
   if (n) memcpy(out + REPLY_HEAD, body, n);
   td__free(body);
   td__auth mode = {.secure = seal->secure};
-  td_status st = op_mac(&mode, seal->key, "rep", seal->sid, seal->seq, out + REPLY_HEAD, n,
-                        out + 8);
+  td_status st = rep_mac(&mode, seal->key, seal->sid, seal->seq, out + REPLY_HEAD, n, digest,
+                         out + 8);
   if (st != TD_OK) {
     td__free(out);
     return st;
@@ -687,8 +736,8 @@ static td_status client_op(td__auth_client *c, td__unary_fn send, void *ctx, con
     *reopen = true;
   } else if (rl < REPLY_HEAD || td__get_u32(rep) != MAGIC_STORE || rep[4] != ST_OP) {
     st = td_set_error(TD_ERR_AUTH, "auth: malformed store reply");
-  } else if ((st = op_mac(c->auth, key, "rep", sid, seq, rep + REPLY_HEAD, rl - REPLY_HEAD,
-                          mac)) == TD_OK &&
+  } else if ((st = rep_mac(c->auth, key, sid, seq, rep + REPLY_HEAD, rl - REPLY_HEAD, NULL,
+                           mac)) == TD_OK &&
              c->auth->secure && !mac_equal(mac, rep + 8)) {
     st = td_set_error(TD_ERR_AUTH, "auth: store reply with a bad MAC (tampered with on the way?)");
   } else if (st == TD_OK) {

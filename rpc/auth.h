@@ -32,7 +32,9 @@
  * concurrent calls overtake each other) and a MAC over it and the request; the reply is MAC'd
  * with the same sequence number, so a worker also knows the store is the group's:
  *   OP         "TDS1" 2 0 0 0  sid seq  HMAC(Ks, "req" | sid | seq | body)  body
- *   reply      "TDS1" 2 0 0 0  HMAC(Ks, "rep" | sid | seq | body)  body
+ *   reply      "TDS1" 2 0 0 0  HMAC(Ks, "rep" | sid | seq | SHA-256(body))  body
+ * (a reply's MAC covers the SHA-256 of its body: rank 0 serves the same table of N records to N
+ * workers at start-up, and hashes it once for all, td__auth_store_body_digest)
  * A server keeps at most TD__AUTH_MAX_SESSIONS sessions that were never used with a valid MAC
  * (all an outsider can open: the least recently opened go first, and never a member's) and at
  * most td__auth_sessions_members(group) used ones (twice the group, at least
@@ -60,6 +62,7 @@
 #define TD__AUTH_KEY 32
 #define TD__AUTH_NONCE 32
 #define TD__AUTH_MAC 32
+#define TD__AUTH_DIGEST 32 /* SHA-256 */
 /* Shortest secret accepted (characters): shorter ones are easy to guess offline from a recorded
  * handshake. */
 #define TD__AUTH_MIN_SECRET 16
@@ -155,6 +158,11 @@ typedef struct td__auth_seal {
   bool secure;
 } td__auth_seal;
 void td__auth_store_current_seal(td__auth_seal *out);
+/* A handler run by td__auth_store_serve may give the SHA-256 of the body it returns (one it
+ * serves often, hashed once): the reply's MAC then covers it without hashing the body again. */
+void td__auth_store_body_digest(const uint8_t digest[TD__AUTH_DIGEST]);
+/* SHA-256 of len bytes at p. */
+td_status td__auth_sha256(const uint8_t *p, size_t len, uint8_t out[TD__AUTH_DIGEST]);
 td_status td__auth_store_seal(const td__auth_seal *seal, uint8_t *body, size_t n, uint8_t **reply,
                               size_t *reply_len);
 

@@ -79,6 +79,7 @@ typedef struct td__store_stats {
   uint64_t ranges_found; /* range requests that returned values */
   uint64_t ranges_remembered; /* range requests served from a remembered range (store.c) */
   uint64_t wait_checks;  /* parked waits that changes looked at (only those about the key) */
+  uint64_t ranges_packed; /* ranges requests answered with the last reply kept packed */
 } td__store_stats;
 void td__store_stats_get(td__store *s, td__store_stats *out);
 

@@ -620,6 +620,79 @@ static Tdist__StoreReply *ranges_req(td__store *s, size_t n, const char *const *
   return p;
 }
 
+/* A ranges request (op 10) with a watch key; the raw reply (td__malloc'd). */
+static uint8_t *ranges_raw(td__store *s, size_t n, const char *const *prefixes, int count,
+                           const char *watch, size_t *len) {
+  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
+  r.op = 10;
+  r.key = (char *)"";
+  r.count = count;
+  r.n_keys = n;
+  r.keys = (char **)prefixes;
+  r.watch_key = (char *)watch;
+  uint8_t buf[1024], *rep = NULL;
+  TD_ASSERT_OK(td__store_handle(s, buf, tdist__store_request__pack(&r, buf), &rep, len));
+  return rep;
+}
+
+static uint64_t packed_count(td__store *s) {
+  td__store_stats st;
+  td__store_stats_get(s, &st);
+  return st.ranges_packed;
+}
+
+/* The same ranges request asked again, nothing under its prefixes changed: the reply kept packed,
+ * byte for byte what a rebuild gives; a change under a prefix, or a set watch key (whose value
+ * the reply carries), rebuilds it. */
+static void test_store_ranges_reply_kept_packed(void **state) {
+  (void)state;
+  td__store *s;
+  TD_ASSERT_OK(td__store_create(&s));
+  req(s, SET, "a/0", "x", NULL, NULL);
+  req(s, SET, "a/1", "y", NULL, NULL);
+  req(s, SET, "b/0", "z", NULL, NULL);
+  const char *ab[] = {"a/", "b/"};
+  size_t l1, l2, l3;
+  uint8_t *r1 = ranges_raw(s, 2, ab, 4, "abort", &l1);
+  assert_int_equal(packed_count(s), 0);
+  uint8_t *r2 = ranges_raw(s, 2, ab, 4, "abort", &l2);
+  assert_int_equal(packed_count(s), 1);
+  assert_int_equal(l1, l2);
+  assert_memory_equal(r1, r2, l1);
+  td__free(r2);
+  r2 = ranges_raw(s, 2, ab, 3, "abort", &l2); /* another request: rebuilt */
+  assert_int_equal(packed_count(s), 1);
+  td__free(r2);
+  r2 = ranges_raw(s, 2, ab, 4, "abort", &l2); /* kept for the last one only */
+  assert_int_equal(packed_count(s), 1);
+  td__free(r2);
+  req(s, SET, "a/1", "Y", NULL, NULL);
+  r2 = ranges_raw(s, 2, ab, 4, "abort", &l2);
+  assert_int_equal(packed_count(s), 1);
+  Tdist__StoreReply *p = tdist__store_reply__unpack(NULL, l2, r2);
+  assert_non_null(p);
+  assert_int_equal(p->n_values, 3);
+  assert_memory_equal(p->values[1].data, "Y", 1);
+  tdist__store_reply__free_unpacked(p, NULL);
+  uint8_t *r3 = ranges_raw(s, 2, ab, 4, "abort", &l3);
+  assert_int_equal(packed_count(s), 2);
+  assert_int_equal(l2, l3);
+  assert_memory_equal(r2, r3, l2);
+  td__free(r3);
+  req(s, SET, "abort", "gave up", NULL, NULL);
+  r3 = ranges_raw(s, 2, ab, 4, "abort", &l3);
+  assert_int_equal(packed_count(s), 2);
+  p = tdist__store_reply__unpack(NULL, l3, r3);
+  assert_non_null(p);
+  assert_true(p->watched);
+  assert_memory_equal(p->watch_value.data, "gave up", 7);
+  tdist__store_reply__free_unpacked(p, NULL);
+  td__free(r1);
+  td__free(r2);
+  td__free(r3);
+  td__store_destroy(s);
+}
+
 /* Each prefix's values as op 7 gives them, one prefix after another, with their counts; a
  * prefix after the first that would take the reply past the byte limit gets none (the client
  * asks for it alone); 0 or more than 8 prefixes are refused. */
@@ -863,6 +936,7 @@ int main(void) {
       cmocka_unit_test(test_store_parked_waits_answered_when_over),
       cmocka_unit_test(test_store_change_looks_only_at_its_waits),
       cmocka_unit_test(test_store_ranges_read_several_prefixes_at_once),
+      cmocka_unit_test(test_store_ranges_reply_kept_packed),
       cmocka_unit_test(test_store_publish_sets_records_then_counts),
       cmocka_unit_test(test_store_client_publish_and_get2),
       cmocka_unit_test(test_store_protocol_grows_linearly),
