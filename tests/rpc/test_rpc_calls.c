@@ -321,23 +321,22 @@ typedef struct dc_case {
   const char *mbox;    /* TD_RPC_MAILBOX, or NULL (mailboxes where the kernel allows them) */
 } dc_case;
 
-/* Whether workers here get mailboxes by default (no Yama, or its ptrace scope 0). */
-static bool mailboxes_here(void) {
+/* Yama's ptrace scope (0 without Yama; 1 when unreadable). */
+static int yama_scope(void) {
   FILE *f = fopen("/proc/sys/kernel/yama/ptrace_scope", "r");
-  if (!f) return true;
+  if (!f) return 0;
   int scope = 1;
   if (fscanf(f, "%d", &scope) != 1) scope = 1;
   fclose(f);
-  return scope == 0;
+  return scope;
 }
+
+/* Whether workers here get mailboxes by default (no Yama, or its ptrace scope 0). */
+static bool mailboxes_here(void) { return yama_scope() == 0; }
 
 /* Whether this machine lets a process read a sibling's memory (Yama ptrace scope 0, or root). */
 static bool siblings_readable(void) {
-  FILE *f = fopen("/proc/sys/kernel/yama/ptrace_scope", "r");
-  if (!f) return true;
-  int scope = 1;
-  if (fscanf(f, "%d", &scope) != 1) scope = 1;
-  fclose(f);
+  int scope = yama_scope();
   return scope == 0 || (scope == 1 && geteuid() == 0);
 }
 

@@ -341,11 +341,13 @@ static void assert_range(td__store *s, const char *prefix, int first, int count,
   tdist__store_reply__free_unpacked(p, NULL);
 }
 
-static uint64_t remembered(td__store *s) {
+static td__store_stats stats_of(td__store *s) {
   td__store_stats st;
   td__store_stats_get(s, &st);
-  return st.ranges_remembered;
+  return st;
 }
+
+static uint64_t remembered(td__store *s) { return stats_of(s).ranges_remembered; }
 
 /* A repeated range is served from the one gathered before (the N readers of a start-up table),
  * and every change under its prefix (set, add, delete, a new key) is seen by the next read. */
@@ -602,17 +604,25 @@ static void test_store_change_looks_only_at_its_waits(void **state) {
 
 /* One ranges request: the reply (free with tdist__store_reply__free_unpacked), NULL when
  * refused (its status in *st). */
-static Tdist__StoreReply *ranges_req(td__store *s, size_t n, const char *const *prefixes,
-                                     int count, td_status *st) {
+static td_status ranges_call(td__store *s, size_t n, const char *const *prefixes, int count,
+                             const char *watch, uint8_t **rep, size_t *len) {
   Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
   r.op = 10;
   r.key = (char *)"";
   r.count = count;
   r.n_keys = n;
   r.keys = (char **)prefixes;
-  uint8_t buf[1024], *rep = NULL;
+  r.watch_key = (char *)(watch ? watch : "");
+  uint8_t buf[1024];
+  *rep = NULL;
+  return td__store_handle(s, buf, tdist__store_request__pack(&r, buf), rep, len);
+}
+
+static Tdist__StoreReply *ranges_req(td__store *s, size_t n, const char *const *prefixes,
+                                     int count, td_status *st) {
+  uint8_t *rep = NULL;
   size_t rl = 0;
-  *st = td__store_handle(s, buf, tdist__store_request__pack(&r, buf), &rep, &rl);
+  *st = ranges_call(s, n, prefixes, count, NULL, &rep, &rl);
   if (*st != TD_OK) return NULL;
   Tdist__StoreReply *p = tdist__store_reply__unpack(NULL, rl, rep);
   td__free(rep);
@@ -623,23 +633,12 @@ static Tdist__StoreReply *ranges_req(td__store *s, size_t n, const char *const *
 /* A ranges request (op 10) with a watch key; the raw reply (td__malloc'd). */
 static uint8_t *ranges_raw(td__store *s, size_t n, const char *const *prefixes, int count,
                            const char *watch, size_t *len) {
-  Tdist__StoreRequest r = TDIST__STORE_REQUEST__INIT;
-  r.op = 10;
-  r.key = (char *)"";
-  r.count = count;
-  r.n_keys = n;
-  r.keys = (char **)prefixes;
-  r.watch_key = (char *)watch;
-  uint8_t buf[1024], *rep = NULL;
-  TD_ASSERT_OK(td__store_handle(s, buf, tdist__store_request__pack(&r, buf), &rep, len));
+  uint8_t *rep = NULL;
+  TD_ASSERT_OK(ranges_call(s, n, prefixes, count, watch, &rep, len));
   return rep;
 }
 
-static uint64_t packed_count(td__store *s) {
-  td__store_stats st;
-  td__store_stats_get(s, &st);
-  return st.ranges_packed;
-}
+static uint64_t packed_count(td__store *s) { return stats_of(s).ranges_packed; }
 
 /* The same ranges request asked again, nothing under its prefixes changed: the reply kept packed,
  * byte for byte what a rebuild gives; a change under a prefix, or a set watch key (whose value
