@@ -34,6 +34,7 @@ typedef struct td__store_sim_opts {
   int registry_bytes; /* each worker's registry record (function names; default 600) */
   int stagger_ms;     /* workers start spread evenly over this (process start-up; default 0) */
   int64_t timeout_ms; /* every wait's deadline (default 120000) */
+  bool probe_at_init; /* workers without mailboxes: each reads every worker's directok/ */
 } td__store_sim_opts;
 
 typedef struct td__store_sim_phase {
