@@ -90,7 +90,7 @@ typedef struct packed_reply {
   size_t len;
   uint8_t digest[TD__AUTH_DIGEST];
   uint64_t gen;
-  int found; /* prefixes that brought values (the stats a rebuild would count) */
+  int found; /* prefixes that brought values: all (the stats a rebuild would count) */
 } packed_reply;
 
 struct td__store {
@@ -706,21 +706,22 @@ static td_status wait_op(td__store *s, const Tdist__StoreRequest *r, const td__s
 }
 
 /* Keeps a ranges reply just packed (out, n bytes) for the same request asked again, unless a
- * remembered range changed since it was built (gen); gives the auth layer its digest. Best
- * effort: out of memory, nothing is kept. */
+ * remembered range changed since it was built (gen); gives the auth layer its digest. Only a
+ * reply whose every prefix brought values: each then has a remembered range, whose prefix any
+ * change of a key under it bumps gen for (a prefix without values has none, and a key added
+ * under it would not). Best effort: out of memory, nothing is kept. */
 static void packed_keep(td__store *s, const Tdist__StoreRequest *r, uint64_t gen,
                         const ranges_buf *b, const uint8_t *out, size_t n) {
   uint8_t d[TD__AUTH_DIGEST];
   if (td__auth_sha256(out, n, d) != TD_OK) return;
   td__auth_store_body_digest(d);
+  for (size_t i = 0; i < r->n_keys; i++)
+    if (b->counts[i] <= 0) return;
   packed_reply p = {.n_keys = r->n_keys, .first = r->first, .count = r->count, .len = n,
-                    .gen = gen};
+                    .gen = gen, .found = (int)r->n_keys};
   memcpy(p.digest, d, sizeof d);
   bool ok = (p.bytes = td__malloc(n ? n : 1)) != NULL;
-  for (size_t i = 0; ok && i < r->n_keys; i++) {
-    ok = (p.keys[i] = td__strdup(r->keys[i])) != NULL;
-    p.found += b->counts[i] > 0;
-  }
+  for (size_t i = 0; ok && i < r->n_keys; i++) ok = (p.keys[i] = td__strdup(r->keys[i])) != NULL;
   if (ok) memcpy(p.bytes, out, n);
   pthread_mutex_lock(&s->mu);
   if (ok && s->range_gen == gen) {

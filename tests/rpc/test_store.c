@@ -642,7 +642,8 @@ static uint64_t packed_count(td__store *s) { return stats_of(s).ranges_packed; }
 
 /* The same ranges request asked again, nothing under its prefixes changed: the reply kept packed,
  * byte for byte what a rebuild gives; a change under a prefix, or a set watch key (whose value
- * the reply carries), rebuilds it. */
+ * the reply carries), rebuilds it; a reply with a prefix that brought no values is not kept (a
+ * key that then comes under it is seen). */
 static void test_store_ranges_reply_kept_packed(void **state) {
   (void)state;
   td__store *s;
@@ -677,6 +678,22 @@ static void test_store_ranges_reply_kept_packed(void **state) {
   assert_int_equal(packed_count(s), 2);
   assert_int_equal(l2, l3);
   assert_memory_equal(r2, r3, l2);
+  td__free(r3);
+  /* a prefix without values has no remembered range to say a key came under it: such a reply
+   * is not kept */
+  const char *ac[] = {"a/", "c/"};
+  r3 = ranges_raw(s, 2, ac, 4, "abort", &l3);
+  td__free(r3);
+  r3 = ranges_raw(s, 2, ac, 4, "abort", &l3);
+  assert_int_equal(packed_count(s), 2);
+  td__free(r3);
+  req(s, SET, "c/0", "w", NULL, NULL);
+  r3 = ranges_raw(s, 2, ac, 4, "abort", &l3);
+  p = tdist__store_reply__unpack(NULL, l3, r3);
+  assert_non_null(p);
+  assert_int_equal(p->n_values, 3);
+  assert_memory_equal(p->values[2].data, "w", 1);
+  tdist__store_reply__free_unpacked(p, NULL);
   td__free(r3);
   req(s, SET, "abort", "gave up", NULL, NULL);
   r3 = ranges_raw(s, 2, ab, 4, "abort", &l3);
