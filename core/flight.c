@@ -3,11 +3,14 @@
  *
  * Design:
  *   - The ring is a static array of TD__FLIGHT_RING 64-byte records (1 MiB of .bss, touched only
- *     as it fills). A writer claims a slot with one atomic increment of `claimed`, writes the
- *     record word by word (relaxed atomic stores), and publishes it by storing its stamp (claim
- *     index + 1) with release order. A reader (the dump) takes a record only when its stamp is the
- *     one it expects before and after copying it (a seqlock per slot), so a record being
- *     overwritten is skipped, never half-read. No lock anywhere on the recording path.
+ *     as it fills). A writer claims a slot with one atomic increment of `claimed`, takes the
+ *     slot by swapping its stamp for SLOT_BUSY (compare-and-swap, only from an older claim's
+ *     stamp), writes the record word by word and publishes it by storing its stamp (claim index
+ *     + 1) with release order. A writer that cannot take its slot (another writer is in it, or a
+ *     newer claim is there: it was preempted for a lap of the ring) drops its record and counts
+ *     it, never waits. A reader (the dump) takes a record only when its stamp is the one it
+ *     expects before and after copying it (a seqlock per slot, one writer at a time), so a record
+ *     being overwritten is skipped, never half-read. No lock anywhere on the recording path.
  *   - Open records: each recording thread owns one of TD__FLIGHT_THREADS slots (claimed at its
  *     first push, released by a pthread key's destructor at its exit), holding a stack of up to
  *     TD__FLIGHT_OPEN_DEPTH open records under a per-slot generation counter (odd while written),
@@ -21,7 +24,8 @@
  *   - Deadline dumps run on the thread that waited (never the network thread, which detects RPC
  *     timeouts but only completes the future), before it closes its open record.
  *
- * Invariants: a slot with stamp i + 1 holds claim i complete; `claimed` only grows.
+ * Invariants: a slot with stamp i + 1 holds claim i complete; a slot's stamp only grows, except
+ * to SLOT_BUSY and back while its one writer writes; `claimed` only grows.
  * Lock order: meta_mu (process identity, worker names, groups), then nothing. The recording path
  * takes no lock.
  */
@@ -48,8 +52,10 @@
 
 int td__flight_state = -1;
 
-static td__flight_rec ring[TD__FLIGHT_RING];
+static td__flight_rec ring[TD__FLIGHT_RING] __attribute__((aligned(64))); /* a record per cache line */
 static uint64_t claimed;
+static uint64_t dropped; /* records a writer gave up (td__flight_write) */
+#define SLOT_BUSY UINT64_MAX /* a slot's stamp while a writer owns it */
 
 typedef struct open_slot {
   uint64_t gen;  /* odd while the owner changes the stack */
@@ -165,19 +171,38 @@ static void rec_load(const td__flight_rec *src, td__flight_rec *dst) {
   for (size_t i = 1; i < sizeof *dst / 8; i++) d[i] = __atomic_load_n(&s[i], __ATOMIC_ACQUIRE);
 }
 
-static void append(const td__flight_rec *r) {
-  uint64_t i = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+uint64_t td__flight_claim(void) { return __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED); }
+
+/* Writes claim i's record into its slot. The writer owns the slot while it writes: it swaps the
+ * stamp for SLOT_BUSY, and only from a stamp older than its own claim. A writer that finds the
+ * slot busy (another writer, lapped or lapping, is in it) or already holding a newer claim (it
+ * was itself preempted for a whole lap of the ring) drops its record: two writers never write
+ * one slot at once, and an older record never replaces a newer one. Nothing here waits, so a
+ * signal handler may record. */
+void td__flight_write(uint64_t i, const td__flight_rec *r) {
   td__flight_rec *slot = &ring[i & (TD__FLIGHT_RING - 1)];
-  __atomic_store_n(&slot->stamp, 0, __ATOMIC_RELAXED); /* ordered before the words' releases */
-  rec_store(slot, r);
+  /* expect the previous lap's claim (the usual case): no separate load of the line */
+  uint64_t s = i >= TD__FLIGHT_RING ? i + 1 - TD__FLIGHT_RING : 0;
+  while (!__atomic_compare_exchange_n(&slot->stamp, &s, SLOT_BUSY, false, __ATOMIC_ACQUIRE,
+                                      __ATOMIC_RELAXED)) {
+    if (s > i) { /* SLOT_BUSY, or claim s - 1 > i is there */
+      __atomic_fetch_add(&dropped, 1, __ATOMIC_RELAXED);
+      return;
+    }
+  }
+  rec_store(slot, r); /* release stores: ordered after the swap, before the publishing stamp */
   __atomic_store_n(&slot->stamp, i + 1, __ATOMIC_RELEASE);
 }
 
+uint64_t td__flight_dropped(void) { return __atomic_load_n(&dropped, __ATOMIC_RELAXED); }
+
 void td__flight_record(const td__flight_ev *e, const char *name) {
   if (!flight_on()) return;
+  uint64_t i = td__flight_claim();
+  __builtin_prefetch(&ring[i & (TD__FLIGHT_RING - 1)], 1); /* the line comes while fill works */
   td__flight_rec r;
   fill(&r, e, name);
-  append(&r);
+  td__flight_write(i, &r);
 }
 
 static open_slot *thread_slot(void) {
@@ -205,9 +230,11 @@ static void slot_end(open_slot *s) { __atomic_store_n(&s->gen, s->gen + 1, __ATO
 
 void td__flight_push(const td__flight_ev *e, const char *name) {
   if (!flight_on()) return;
+  uint64_t i = td__flight_claim();
+  __builtin_prefetch(&ring[i & (TD__FLIGHT_RING - 1)], 1); /* the line comes while fill works */
   td__flight_rec r;
   fill(&r, e, name);
-  append(&r);
+  td__flight_write(i, &r);
   open_slot *s = thread_slot();
   if (!s) return;
   int32_t d = s->depth;
@@ -441,7 +468,8 @@ static void out_header(out_buf *o, const char *reason) {
   snprintf(rs, sizeof rs, "%s", reason ? reason : "");
   for (char *p = rs; *p; p++)
     if (*p == '\n' || *p == '\r') *p = ' ';
-  outf(o, "reason %s\nclaimed %llu\npool %d\n", rs, (unsigned long long)td__flight_claimed(),
+  outf(o, "reason %s\nclaimed %llu\ndropped %llu\npool %d\n", rs,
+       (unsigned long long)td__flight_claimed(), (unsigned long long)td__flight_dropped(),
        proc_pool);
   for (int i = 0; i < worker_count; i++) {
     char w[140];
@@ -481,7 +509,7 @@ static void out_ring(out_buf *o) {
   uint64_t end = td__flight_claimed();
   uint64_t begin = end > TD__FLIGHT_RING ? end - TD__FLIGHT_RING : 0;
   for (uint64_t i = begin; i < end; i++) {
-    td__flight_rec r;
+    td__flight_rec r = {0}; /* read_claim fills every word; said for the compiler */
     if (read_claim(i, &r)) out_rec(o, "ev", 0, &r);
   }
 }

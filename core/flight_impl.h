@@ -83,8 +83,8 @@ typedef struct td__flight_subj {
 } td__flight_subj;
 
 /* One record: eight 64-bit words, so readers copy it word by word with atomic loads (a dump runs
- * beside the writers). stamp is the claim index + 1 once the record is complete, 0 while it is
- * being written. */
+ * beside the writers). stamp is the claim index + 1 once the record is complete, UINT64_MAX
+ * while its one writer writes it, 0 before any. */
 typedef struct td__flight_rec {
   uint64_t stamp;
   uint64_t ts; /* td__now_ns() */
@@ -178,6 +178,12 @@ int td__flight_dump(const char *reason, bool explicit_request);
  * returns how many were copied (torn or overwritten records are skipped). */
 uint64_t td__flight_claimed(void);
 size_t td__flight_snapshot(td__flight_rec *out, size_t n);
+/* td__flight_record is td__flight_write(td__flight_claim(), record): split for tests that play a
+ * writer preempted between the two. td__flight_dropped counts records writers gave up (their
+ * slot was busy or already held a newer claim); dumps print it. */
+uint64_t td__flight_claim(void);
+void td__flight_write(uint64_t claim, const td__flight_rec *r);
+uint64_t td__flight_dropped(void);
 const char *td__flight_kind_name(int kind);
 /* Where the next dump goes, into buf; false when no directory is set and !explicit_request. */
 bool td__flight_dump_path(char *buf, size_t n, bool explicit_request);
