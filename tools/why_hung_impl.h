@@ -37,6 +37,7 @@ typedef struct dump {
   unsigned long long now;
   char reason[600];
   int pool; /* handler threads of its agent (0: unknown) */
+  unsigned long long dropped; /* records its writers dropped (the ring may miss them) */
   char (*wnames)[160]; /* world names, when the dump lists them */
   int nwnames;
   group *groups;

@@ -92,6 +92,7 @@ static int read_header(const char *line, dump *d) {
   if (sscanf(line, "clock_offset_ns %lld", &d->offset) == 1) return 0;
   if (sscanf(line, "now_ns %llu", &d->now) == 1) return 0;
   if (sscanf(line, "pool %d", &d->pool) == 1) return 0;
+  if (sscanf(line, "dropped %llu", &d->dropped) == 1) return 0;
   if (strncmp(line, "reason ", 7) == 0) {
     snprintf(d->reason, sizeof d->reason, "%.*s", (int)sizeof d->reason - 1, line + 7);
     d->reason[strcspn(d->reason, "\n")] = 0;
@@ -376,8 +377,11 @@ void td__wh_print_workers(const job *j) {
       printf("%s: no dump: %s%s%s\n", td__wh_who(j, r, w, sizeof w), f, pv[0] ? "; peers: " : "", pv);
       continue;
     }
-    printf("%s, pid %d, dumped at %+.3f s (%s):\n", td__wh_who(j, r, w, sizeof w), d->pid,
+    printf("%s, pid %d, dumped at %+.3f s (%s)", td__wh_who(j, r, w, sizeof w), d->pid,
            td__wh_rel_s(j, d, d->now), d->reason);
+    if (d->dropped) /* a record the ring lacks may be one of these (flight.c, td__flight_write) */
+      printf(", %llu record%s dropped", d->dropped, d->dropped == 1 ? "" : "s");
+    printf(":\n");
     int shown = 0;
     for (int i = 0; i < d->nopen; i++) {
       if (i > 0 && d->open[i].tid == d->open[i - 1].tid) continue;

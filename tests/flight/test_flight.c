@@ -165,7 +165,9 @@ static void test_flight_dump_round_trip(void **state) {
   td__flight_push(&w, "fetch");
   w.kind = TD__FL_WAIT_END;
   td__flight_pop(&w, "fetch"); /* closed: not open any more */
+  uint64_t late = td__flight_claim(); /* a writer the fillers lap: its record is dropped */
   for (uint64_t i = 0; i < TD__FLIGHT_RING; i++) rec_ev(i, 0, "filler");
+  td__flight_write(late, &(td__flight_rec){.kind = TD__FL_RPC_SEND, .name = "late"});
   assert_int_equal(td_debug_dump("unit test"), TD_OK);
   char path[600];
   snprintf(path, sizeof path, "%s/worker2.flight", dir);
@@ -176,6 +178,13 @@ static void test_flight_dump_round_trip(void **state) {
   assert_non_null(strstr(t, "reason unit test\n"));
   assert_non_null(strstr(t, "worker 1 worker1\n"));
   assert_non_null(strstr(t, "group 7 3 2 0 1 2\n"));
+  /* the lapped writer's record is counted (with any earlier one), and why-hung says so */
+  unsigned long long dropped = 0;
+  const char *dl = strstr(t, "\ndropped ");
+  assert_non_null(dl);
+  assert_int_equal(sscanf(dl + 1, "dropped %llu", &dropped), 1);
+  assert_int_equal(dropped, td__flight_dropped());
+  assert_true(dropped >= 1);
   int depth, tid, peer;
   unsigned long long ts, a, b;
   unsigned c, x, y;
@@ -212,6 +221,9 @@ static void test_flight_dump_round_trip(void **state) {
                                 "(float32 x 1024, 4096 bytes, group 7, algorithm shm_direct)"));
   assert_non_null(strstr(p.out, "culprit: worker1 (rank 1) never entered all_reduce #5"));
   assert_non_null(strstr(p.out, "worker2 (rank 2), pid"));
+  char said[64];
+  snprintf(said, sizeof said, ", %llu record%s dropped:\n", dropped, dropped == 1 ? "" : "s");
+  assert_non_null(strstr(p.out, said));
   assert_int_equal(WEXITSTATUS(p.status), 0);
   td_proc_free(&p);
   td__flight_group_remove(7);
