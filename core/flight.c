@@ -52,7 +52,8 @@
 
 int td__flight_state = -1;
 
-static td__flight_rec ring[TD__FLIGHT_RING] __attribute__((aligned(64))); /* a record per cache line */
+/* a record per cache line */
+static td__flight_rec ring[TD__FLIGHT_RING] __attribute__((aligned(64)));
 static uint64_t claimed;
 static uint64_t dropped; /* records a writer gave up (td__flight_write) */
 #define SLOT_BUSY UINT64_MAX /* a slot's stamp while a writer owns it */
@@ -196,13 +197,18 @@ void td__flight_write(uint64_t i, const td__flight_rec *r) {
 
 uint64_t td__flight_dropped(void) { return __atomic_load_n(&dropped, __ATOMIC_RELAXED); }
 
+/* Claims, fills *r and writes it: the slot's line is fetched for writing while fill works. */
+static void append(td__flight_rec *r, const td__flight_ev *e, const char *name) {
+  uint64_t i = td__flight_claim();
+  __builtin_prefetch(&ring[i & (TD__FLIGHT_RING - 1)], 1);
+  fill(r, e, name);
+  td__flight_write(i, r);
+}
+
 void td__flight_record(const td__flight_ev *e, const char *name) {
   if (!flight_on()) return;
-  uint64_t i = td__flight_claim();
-  __builtin_prefetch(&ring[i & (TD__FLIGHT_RING - 1)], 1); /* the line comes while fill works */
   td__flight_rec r;
-  fill(&r, e, name);
-  td__flight_write(i, &r);
+  append(&r, e, name);
 }
 
 static open_slot *thread_slot(void) {
@@ -230,11 +236,8 @@ static void slot_end(open_slot *s) { __atomic_store_n(&s->gen, s->gen + 1, __ATO
 
 void td__flight_push(const td__flight_ev *e, const char *name) {
   if (!flight_on()) return;
-  uint64_t i = td__flight_claim();
-  __builtin_prefetch(&ring[i & (TD__FLIGHT_RING - 1)], 1); /* the line comes while fill works */
   td__flight_rec r;
-  fill(&r, e, name);
-  td__flight_write(i, &r);
+  append(&r, e, name);
   open_slot *s = thread_slot();
   if (!s) return;
   int32_t d = s->depth;
